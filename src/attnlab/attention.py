@@ -1,0 +1,459 @@
+"""Attention modules with the tutorials' names, signatures and numbers, on a fused core.
+
+The classes keep the tutorials' constructor signatures and parameter names (``W_query``,
+``W_key``, ``W_value``, ``out_proj``) and create their parameters in the same order with the same
+initialisation, so under the tutorials' ``torch.manual_seed`` calls they print the same numbers.
+Underneath, every forward pass goes through :func:`attnlab.functional.scaled_dot_product_attention`,
+which uses torch's fused kernel whenever the attention weights are not requested.
+
+Argument order: the tutorials disagree. "A simple self-attention mechanism" uses
+``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)``, which attnlab follows; the
+GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments work
+for all of them: ``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .functional import _check_float_tensor, scaled_dot_product_attention
+
+__all__ = [
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "CausalAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+    "KVCache",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Argument and input checks shared by the modules
+# --------------------------------------------------------------------------------------------
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_dropout(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        hint = ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
+            hint = (
+                " (the tutorials order these arguments differently; pass them by keyword: "
+                "context_length=..., dropout=..., num_heads=...)"
+            )
+        raise ValueError(f"dropout must be a float in [0, 1), got {value!r}{hint}")
+    return float(value)
+
+
+def _check_input(name: str, x: object, d_in: int, param: Tensor) -> Tensor:
+    """x must be a float (n, d_in) or (b, n, d_in) tensor matching the module's dtype and device."""
+    _check_float_tensor(name, x, 2)
+    if x.dim() > 3:
+        raise ValueError(f"{name} must have shape (n, d_in) or (b, n, d_in), got {tuple(x.shape)}")
+    if x.shape[-1] != d_in:
+        raise ValueError(f"{name} must have last dimension d_in={d_in}, got shape {tuple(x.shape)}")
+    if x.device != param.device:
+        raise ValueError(f"{name} is on {x.device} but the module's parameters are on {param.device}")
+    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
+            f"convert one of them (e.g. x.to({param.dtype}) or module.to({x.dtype}))"
+        )
+    return x
+
+
+def _check_length(n: int, context_length: int) -> None:
+    if n > context_length:
+        raise ValueError(
+            f"the input has {n} tokens, more than context_length={context_length}; "
+            f"build the module with a larger context_length or feed at most {context_length} tokens"
+        )
+
+
+class _DropsTutorialMask(nn.Module):
+    """Base for modules whose tutorial versions stored a causal ``mask`` buffer in the state dict.
+
+    attnlab builds causal masks on the fly (or lets the fused kernel do it), so state dicts hold
+    weights only; a state dict saved from the tutorials' own classes still loads: its ``mask``
+    entries are dropped on the way in.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._register_load_state_dict_pre_hook(self._drop_mask_key, with_module=False)
+
+    @staticmethod
+    def _drop_mask_key(state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        state_dict.pop(prefix + "mask", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Single-head self-attention
+# --------------------------------------------------------------------------------------------
+class SelfAttention_v1(nn.Module):
+    """Self-attention with raw weight matrices, ``x @ W`` (the tutorials' first trainable version).
+
+    Args:
+        d_in: input embedding width.
+        d_out: width of queries, keys, values and the output.
+    Shapes:
+        ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(n, d_out)`` or ``(b, n, d_out)``.
+    """
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.d_in = _check_positive_int("d_in", d_in)
+        self.d_out = _check_positive_int("d_out", d_out)
+        # Same order and init as the tutorial: under torch.manual_seed(123) the same numbers.
+        self.W_query = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_key = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_value = nn.Parameter(torch.rand(d_in, d_out))
+
+    def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        _check_input("x", x, self.d_in, self.W_query)
+        queries = x @ self.W_query  # (..., n, d_out)
+        keys = x @ self.W_key  # (..., n, d_out)
+        values = x @ self.W_value  # (..., n, d_out)
+        return scaled_dot_product_attention(queries, keys, values, return_weights=return_weights)
+
+
+class SelfAttention_v2(nn.Module):
+    """Self-attention with ``nn.Linear`` projections (optionally biased).
+
+    Shapes: ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(..., n, d_out)``.
+    """
+
+    def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.d_in = _check_positive_int("d_in", d_in)
+        self.d_out = _check_positive_int("d_out", d_out)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+
+    def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        _check_input("x", x, self.d_in, self.W_query.weight)
+        queries = self.W_query(x)  # (..., n, d_out)
+        keys = self.W_key(x)  # (..., n, d_out)
+        values = self.W_value(x)  # (..., n, d_out)
+        return scaled_dot_product_attention(queries, keys, values, return_weights=return_weights)
+
+
+class CausalAttention(_DropsTutorialMask):
+    """Single-head causal self-attention with dropout on the attention weights.
+
+    Args:
+        d_in, d_out: input and output widths.
+        context_length: the longest input accepted (longer inputs raise a ValueError).
+        dropout: dropout probability on the attention weights (training only).
+        qkv_bias: bias in the query/key/value projections.
+    Shapes: ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(..., n, d_out)``.
+    """
+
+    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.d_in = _check_positive_int("d_in", d_in)
+        self.d_out = _check_positive_int("d_out", d_out)
+        self.context_length = _check_positive_int("context_length", context_length)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = nn.Dropout(_check_dropout(dropout))
+
+    def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        _check_input("x", x, self.d_in, self.W_query.weight)
+        _check_length(x.shape[-2], self.context_length)
+        queries = self.W_query(x)  # (..., n, d_out)
+        keys = self.W_key(x)  # (..., n, d_out)
+        values = self.W_value(x)  # (..., n, d_out)
+        p = self.dropout.p if self.training else 0.0
+        return scaled_dot_product_attention(
+            queries, keys, values, dropout_p=p, is_causal=True, return_weights=return_weights
+        )
+
+
+class MultiHeadAttentionWrapper(nn.Module):
+    """Multi-head attention as a stack of ``num_heads`` independent :class:`CausalAttention` heads.
+
+    Each head maps ``d_in -> d_out``; the outputs are concatenated, so the result is
+    ``num_heads * d_out`` wide (as in the tutorial). The forward pass runs all heads in one fused
+    call on the stacked head weights: same numbers as head-by-head, at the speed of one module.
+
+    Shapes: ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(..., n, num_heads * d_out)``;
+    with ``return_weights=True`` also ``(..., num_heads, n, n)`` weights.
+    """
+
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int, qkv_bias: bool = False
+    ) -> None:
+        super().__init__()
+        _check_positive_int("num_heads", num_heads)
+        _check_dropout(dropout)
+        self.d_in, self.d_out, self.num_heads, self.context_length = d_in, d_out, num_heads, context_length
+        self.heads = nn.ModuleList(
+            [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)]
+        )
+
+    def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        first = self.heads[0]
+        _check_input("x", x, self.d_in, first.W_query.weight)
+        _check_length(x.shape[-2], self.context_length)
+        H, hd = self.num_heads, self.d_out
+        qkv = [torch.cat([getattr(h, name).weight for h in self.heads]) for name in ("W_query", "W_key", "W_value")]
+        biases = [
+            torch.cat([getattr(h, name).bias for h in self.heads]) if first.W_query.bias is not None else None
+            for name in ("W_query", "W_key", "W_value")
+        ]
+        q, k, v = (
+            F.linear(x, w, b).unflatten(-1, (H, hd)).transpose(-3, -2) for w, b in zip(qkv, biases)
+        )  # each (..., H, n, d_out)
+        p = first.dropout.p if self.training else 0.0
+        out = scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, return_weights=return_weights)
+        out, weights = out if return_weights else (out, None)
+        out = out.transpose(-3, -2).flatten(-2)  # (..., n, H * d_out)
+        return (out, weights) if return_weights else out
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------
+class KVCache:
+    """Preallocated key/value cache for incremental decoding with :class:`MultiHeadAttention`.
+
+    Keys and values are written in place into ``(B, Hkv, max_length, hd)`` buffers, so appending a
+    token costs O(1) copies, never a quadratic re-concatenation.
+
+    Args:
+        batch_size, max_length, num_kv_heads, head_dim: buffer geometry.
+        dtype, device: of the buffers (follow the module's parameters by default when made with
+            :meth:`MultiHeadAttention.new_kv_cache`).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, v in (("batch_size", batch_size), ("max_length", max_length), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            _check_positive_int(name, v)
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
+        self.length = 0
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are reused)."""
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v (B, Hkv, T, hd)`` after the cached tokens; return views of all of them."""
+        B, H, T, hd = k.shape
+        if (B, H, hd) != (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]):
+            raise ValueError(
+                f"kv_cache holds (batch, kv_heads, head_dim) = "
+                f"{(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])}, got {(B, H, hd)}"
+            )
+        end = self.length + T
+        if end > self.max_length:
+            raise ValueError(
+                f"kv_cache is full: it holds {self.length} of max_length={self.max_length} tokens and "
+                f"{T} more were fed; reset() it or make a larger one"
+            )
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]  # (B, Hkv, S, hd) each
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-head attention with weight splits: the tutorials' class and the production module
+# --------------------------------------------------------------------------------------------
+class MultiHeadAttention(_DropsTutorialMask):
+    """Multi-head attention: one projection split into ``num_heads`` heads, then ``out_proj``.
+
+    The tutorials' class, and the production module. Parameters ``W_query``, ``W_key``,
+    ``W_value`` and ``out_proj`` are created in the tutorial's order; in self-attention the three
+    input projections run as one fused matmul.
+
+    Args:
+        d_in: input width.
+        d_out: output width, split into ``num_heads`` heads of ``head_dim = d_out // num_heads``.
+        context_length: the longest sequence (query tokens, or cached tokens with a KV cache).
+        dropout: dropout on the attention weights (training only).
+        num_heads: number of query heads.
+        qkv_bias: bias in the query/key/value projections.
+        causal: causal (decoder) self-attention; ``False`` gives a bidirectional encoder block.
+            Cross-attention (``context`` given) is never causally masked.
+        num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``).
+        kv_dim: width of the ``context`` sequence for cross-attention (default ``d_in``).
+        out_bias: bias in ``out_proj``.
+
+    Forward:
+        ``x (b, n, d_in)`` or ``(n, d_in)``; optional ``context (b, m, kv_dim)`` for cross-attention;
+        ``attn_mask`` bool (True = may attend) or float (added), broadcastable to
+        ``(b, num_heads, n, S)``; ``key_mask (b, S)`` bool, True = real token (the opposite of
+        ``nn.MultiheadAttention``'s ``key_padding_mask``); ``kv_cache`` a :class:`KVCache` to
+        append to and attend over; ``return_weights`` for ``(b, num_heads, n, S)`` weights.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        num_kv_heads: int | None = None,
+        kv_dim: int | None = None,
+        out_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.d_in = _check_positive_int("d_in", d_in)
+        self.d_out = _check_positive_int("d_out", d_out)
+        self.context_length = _check_positive_int("context_length", context_length)
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+        _check_dropout(dropout)
+        if d_out % num_heads != 0:
+            raise ValueError(f"d_out must be divisible by num_heads, got d_out={d_out} and num_heads={num_heads}")
+        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
+            )
+        self.kv_dim = d_in if kv_dim is None else _check_positive_int("kv_dim", kv_dim)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = d_out // num_heads
+        self.causal = bool(causal)
+        kv_out = num_kv_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
+        self.W_value = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def new_kv_cache(
+        self,
+        batch_size: int,
+        max_length: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A :class:`KVCache` for this module (``max_length`` defaults to ``context_length``)."""
+        w = self.W_key.weight
+        return KVCache(
+            batch_size,
+            self.context_length if max_length is None else max_length,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=w.dtype if dtype is None else dtype,
+            device=w.device if device is None else device,
+        )
+
+    def _project_qkv(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries from ``x``; keys and values from ``context`` (cross) or ``x`` (self)."""
+        if context is None:
+            # One matmul for Q, K and V: the weights are concatenated, the parameters stay separate.
+            w = torch.cat([self.W_query.weight, self.W_key.weight, self.W_value.weight])  # (d_out + 2kv, d_in)
+            b = None
+            if self.W_query.bias is not None:
+                b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
+            kv_out = self.num_kv_heads * self.head_dim
+            return F.linear(x, w, b).split([self.d_out, kv_out, kv_out], dim=-1)
+        return self.W_query(x), self.W_key(context), self.W_value(context)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        _check_input("x", x, self.d_in, self.W_query.weight)
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)  # (1, n, d_in)
+        b, n, _ = x.shape
+        if context is not None:
+            _check_input("context", context, self.kv_dim, self.W_key.weight)
+            if context.dim() == 2:
+                context = context.unsqueeze(0)
+            if context.shape[0] != b:
+                raise ValueError(f"context has batch size {context.shape[0]} but x has {b}")
+            if kv_cache is not None:
+                raise ValueError("kv_cache is for self-attention; for cross-attention project the context once")
+        elif self.kv_dim != self.d_in:
+            raise ValueError(
+                f"this module was built for cross-attention (kv_dim={self.kv_dim} != d_in={self.d_in}); "
+                f"pass the context sequence"
+            )
+        past = 0 if kv_cache is None else kv_cache.length
+        _check_length(past + n, self.context_length if kv_cache is None else max(self.context_length, kv_cache.max_length))
+
+        q, k, v = self._project_qkv(x, context)
+        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
+        k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
+        v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (b, Hkv, past + n, hd)
+        S = k.shape[2]
+
+        mask = attn_mask
+        if key_mask is not None:
+            if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+                raise TypeError(f"key_mask must be a bool tensor (True = real token), got {getattr(key_mask, 'dtype', type(key_mask).__name__)}")
+            if key_mask.shape != (b, S):
+                raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
+            km = key_mask[:, None, None, :]  # (b, 1, 1, S)
+            if mask is None:
+                mask = km
+            elif mask.dtype == torch.bool:
+                mask = mask & km
+            else:
+                mask = mask.masked_fill(~km, float("-inf"))
+        p = self.dropout.p if self.training else 0.0
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=p,
+            is_causal=self.causal and context is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            return_weights=return_weights,
+        )
+        out, weights = result if return_weights else (result, None)
+        out = self.out_proj(out.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = None if weights is None else weights.squeeze(0)
+        return (out, weights) if return_weights else out
+
+    def extra_repr(self) -> str:
+        extra = f"num_heads={self.num_heads}, head_dim={self.head_dim}, causal={self.causal}"
+        if self.num_kv_heads != self.num_heads:
+            extra += f", num_kv_heads={self.num_kv_heads}"
+        return extra
+

@@ -1,0 +1,72 @@
+"""The ``attnlab`` command line: one subcommand per module, each loaded only when used.
+
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Errors a user can
+fix (a missing file, a bad value) end with one line on stderr and exit status 2; set
+``ATTNLAB_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help). Modules are imported lazily so `attnlab --help` stays instant.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "explain": ("attnlab.explain", "walk through the tutorials' attention steps, tensor by tensor"),
+    "train": ("attnlab.train", "train a GPT on a text file (default: the built-in corpus)"),
+    "generate": ("attnlab.generate_cli", "generate text from a trained checkpoint"),
+    "viz": ("attnlab.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
+    "bench": ("attnlab.bench", "run the benchmarks and write a report directory"),
+    "info": ("attnlab.info", "show versions, devices and the fused kernels available"),
+}
+
+
+class UserError(Exception):
+    """An error in what the user asked for: reported as one line, without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from attnlab import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="attnlab",
+        description="Self-attention to learn from, measure and build real models on.",
+    )
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        # Only the chosen subcommand's module is imported to add its flags (see main()).
+        p.set_defaults(_needs_args=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Two-stage parse: find the subcommand, then let its module add its own arguments.
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        sub_parser = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        module.add_arguments(sub_parser)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except (UserError, FileNotFoundError, ValueError) as exc:
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        print(f"attnlab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""Functional core of attnlab: attention as plain functions on tensors.
+
+Every module in :mod:`attnlab.attention` is a thin wrapper over these functions.
+Argument names and conventions follow :func:`torch.nn.functional.scaled_dot_product_attention`:
+
+* a **boolean** mask means ``True`` = *may attend*; a **float** mask is *added* to the scores;
+* ``scale`` defaults to ``1 / sqrt(E)`` where ``E`` is the query/key width;
+* shapes are ``query (..., L, E)``, ``key (..., S, E)``, ``value (..., S, Ev)`` -> ``(..., L, Ev)``.
+
+Where attnlab goes beyond torch (bottom-right causal alignment, ``is_causal`` together with a mask,
+zero output for query rows with nothing to attend, returning the applied weights) the docstrings
+say so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "simple_self_attention",
+    "scaled_dot_product_attention",
+    "causal_mask",
+    "padding_mask",
+]
+
+Backend = Literal["auto", "fused", "reference"]
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks: bad input gets a ValueError/TypeError that names the argument, never a shape
+# error from deep inside a matmul.
+# --------------------------------------------------------------------------------------------
+def _check_float_tensor(name: str, t: object, min_rank: int) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), "
+            f"got dtype {t.dtype}; convert it with .float()"
+        )
+    if t.dim() < min_rank:
+        raise ValueError(
+            f"{name} must have at least {min_rank} dimensions, got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _check_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(
+            f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}"
+        )
+
+
+def _broadcast_shape(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    try:
+        out = torch.broadcast_shapes(shape, target)
+    except RuntimeError:
+        out = None
+    if out != tuple(target):
+        raise ValueError(
+            f"{name} of shape {tuple(shape)} does not broadcast to the attention scores' "
+            f"shape {tuple(target)} (..., L, S)"
+        )
+
+
+def causal_mask(
+    q_len: int,
+    k_len: int | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Boolean causal mask of shape ``(q_len, k_len)``, ``True`` = may attend.
+
+    Aligned bottom-right: query ``i`` of ``L`` sees keys ``j <= i + S - L``. With ``L == S`` this is
+    the usual lower triangle; with fewer queries than keys (decoding with a KV cache) the last query
+    sees every key. torch's own ``is_causal`` aligns top-left instead, which is wrong for a cache.
+    """
+    k_len = q_len if k_len is None else k_len
+    for name, v in (("q_len", q_len), ("k_len", k_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+def padding_mask(
+    lengths: Tensor | list[int],
+    max_len: int | None = None,
+    *,
+    left: bool = False,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Boolean key mask of shape ``(B, max_len)`` from sequence lengths, ``True`` = real token.
+
+    ``left=True`` puts the padding on the left (the layout batched generation uses). Unsqueeze it
+    to ``(B, 1, 1, S)`` to use it as an ``attn_mask`` over heads and queries. Note the polarity: the
+    opposite of ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (where ``True`` = ignore).
+    """
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths.dtype} {tuple(lengths.shape)}")
+    if (lengths < 0).any():
+        raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    max_len = longest if max_len is None else max_len
+    if max_len < longest:
+        raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
+    pos = torch.arange(max_len, device=lengths.device)  # (S,)
+    if left:
+        return pos.unsqueeze(0) >= (max_len - lengths).unsqueeze(1)  # (B, S)
+    return pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, S)
+
+
+def simple_self_attention(x: Tensor, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Parameter-free self-attention of the tutorials' first step.
+
+    ``scores = x @ x^T`` (no scaling), ``weights = softmax(scores, dim=-1)``, ``context = weights @ x``.
+
+    Args:
+        x: ``(n, d)`` or ``(..., n, d)`` token embeddings.
+        return_weights: also return the ``(..., n, n)`` attention weights.
+    Returns:
+        ``(..., n, d)`` context vectors, or ``(context, weights)``.
+    """
+    _check_float_tensor("x", x, 2)
+    scores = x @ x.transpose(-2, -1)  # (..., n, n)
+    weights = torch.softmax(scores, dim=-1)  # (..., n, n)
+    context = weights @ x  # (..., n, d)
+    return (context, weights) if return_weights else context
+
+
+def _validate(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: bool,
+) -> tuple[int, ...]:
+    """Raise a clear error for bad input; return the broadcast batch shape of the scores."""
+    _check_float_tensor("query", query, 2)
+    _check_float_tensor("key", key, 2)
+    _check_float_tensor("value", value, 2)
+    _check_same("query", query, "key", key)
+    _check_same("query", query, "value", value)
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same last dimension E, got query {tuple(query.shape)} "
+            f"and key {tuple(key.shape)}"
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"key and value must agree on every dimension but the last, got key {tuple(key.shape)} "
+            f"and value {tuple(value.shape)}"
+        )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+
+    key_batch = key.shape[:-2]
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        hq, hkv = query.shape[-3], key.shape[-3]
+        if hq % hkv != 0:
+            raise ValueError(
+                f"with enable_gqa=True the query heads ({hq}, dim -3 of query) must be a multiple "
+                f"of the key/value heads ({hkv}, dim -3 of key)"
+            )
+        key_batch = (*key.shape[:-3], hq)
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-2], key_batch)
+    except RuntimeError:
+        hint = " (set enable_gqa=True for grouped-query attention)" if query.dim() >= 3 else ""
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} have batch dimensions that do "
+            f"not broadcast{hint}"
+        ) from None
+
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+        if attn_mask.is_floating_point():
+            if attn_mask.dtype != query.dtype:
+                raise TypeError(
+                    f"a float attn_mask must have the query's dtype {query.dtype}, got {attn_mask.dtype}"
+                )
+        elif attn_mask.dtype != torch.bool:
+            raise TypeError(
+                f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
+                f"the scores, got dtype {attn_mask.dtype}"
+            )
+        _broadcast_shape("attn_mask", tuple(attn_mask.shape), (*batch, query.shape[-2], key.shape[-2]))
+    return tuple(batch)
+
+
+def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device: torch.device) -> Tensor | None:
+    """One mask from ``attn_mask`` and causality: bool ('may attend'), float (additive) or None."""
+    if not is_causal:
+        return attn_mask
+    causal = causal_mask(L, S, device=device)  # (L, S)
+    if attn_mask is None:
+        return causal
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))
+
+
+def _row_has_key(mask: Tensor) -> Tensor:
+    """``(..., L, 1)`` bool: True where a query row has at least one key it may attend."""
+    if mask.dtype == torch.bool:
+        return mask.any(dim=-1, keepdim=True)
+    return (mask != float("-inf")).any(dim=-1, keepdim=True)
+
+
+def _reference(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Explicit ``softmax(Q K^T * scale + mask) V``, materialising the weights."""
+    scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, S)
+    if mask is None:
+        weights = torch.softmax(scores, dim=-1)  # (..., L, S)
+    else:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        # A row with nothing to attend is all -inf and softmax would give 0/0 = NaN, forward and
+        # backward. Fill it before the softmax (so no NaN is ever formed) and zero its weights.
+        empty = (scores == float("-inf")).all(dim=-1, keepdim=True)  # (..., L, 1)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ value, weights  # (..., L, Ev), (..., L, S)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    backend: Backend = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``softmax(Q K^T * scale + mask) V`` with torch's argument conventions, made safe.
+
+    Args:
+        query: ``(..., L, E)``; with ``enable_gqa`` ``(..., Hq, L, E)``.
+        key: ``(..., S, E)``; with ``enable_gqa`` ``(..., Hkv, S, E)``, ``Hq % Hkv == 0``.
+        value: ``(..., S, Ev)``.
+        attn_mask: broadcastable to ``(..., L, S)``. Bool: ``True`` = may attend. Float: added to the
+            scores (same dtype as ``query``).
+        dropout_p: dropout on the attention weights, applied whenever > 0 (as in torch: pass 0.0
+            at evaluation time).
+        is_causal: causal masking, aligned **bottom-right** (query ``i`` of ``L`` sees keys
+            ``<= i + S - L``), so ``L < S`` works for KV-cache decoding. May be combined with
+            ``attn_mask`` (both apply); torch refuses that combination.
+        scale: multiplier of the scores; default ``1/sqrt(E)``.
+        enable_gqa: let ``key``/``value`` have fewer heads than ``query`` (grouped-query attention).
+        return_weights: return ``(output, weights)`` where ``weights (..., L, S)`` are the weights
+            actually applied to ``value`` (after masking and dropout).
+        backend: ``"auto"`` uses torch's fused kernel unless weights are requested; ``"fused"``
+            forces it; ``"reference"`` forces the explicit path.
+
+    A query row with no key to attend (fully masked) gets a zero output and zero weights, with
+    finite gradients, on every backend.
+
+    Returns:
+        ``(..., L, Ev)``, or ``(output, weights)`` when ``return_weights=True``.
+    """
+    if backend not in ("auto", "fused", "reference"):
+        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+    if return_weights and backend == "fused":
+        raise ValueError("return_weights=True needs the reference backend: the fused kernel never forms the weights")
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    L, S = query.shape[-2], key.shape[-2]
+
+    if backend == "reference" or return_weights:
+        if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+            groups = query.shape[-3] // key.shape[-3]
+            key = key.repeat_interleave(groups, dim=-3)  # (..., Hq, S, E)
+            value = value.repeat_interleave(groups, dim=-3)  # (..., Hq, S, Ev)
+        out, weights = _reference(query, key, value, _merge_masks(attn_mask, is_causal, L, S, query.device), dropout_p, scale)
+        return (out, weights) if return_weights else out
+
+    if attn_mask is None and (not is_causal or L == S):
+        # torch's top-left is_causal equals bottom-right when L == S: keep its fastest path.
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    mask = _merge_masks(attn_mask, is_causal, L, S, query.device)
+    # Rows with no key: let the kernel attend anywhere there (so it cannot form NaN), then zero
+    # their output; masked_fill's backward sends zero gradient into those rows.
+    has_key = _row_has_key(mask)  # (..., L, 1)
+    safe = mask | ~has_key if mask.dtype == torch.bool else mask.masked_fill(~has_key, 0.0)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=safe, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+    )
+    return out.masked_fill(~has_key, 0.0)  # (..., L, Ev)
