@@ -17,10 +17,14 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"attnlab {__version__}, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"CPU threads: {torch.get_num_threads()}")
-    print(f"CUDA: {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""))
+    print(
+        f"CUDA: {torch.cuda.is_available()}"
+        + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
+    )
     mps = getattr(torch.backends, "mps", None)
     print(f"MPS: {bool(mps and mps.is_available())}")
     if torch.cuda.is_available():
         b = torch.backends.cuda
-        print(f"SDPA kernels: flash={b.flash_sdp_enabled()} mem_efficient={b.mem_efficient_sdp_enabled()} math={b.math_sdp_enabled()}")
+        kernels = f"flash={b.flash_sdp_enabled()} mem_efficient={b.mem_efficient_sdp_enabled()}"
+        print(f"SDPA kernels: {kernels} math={b.math_sdp_enabled()}")
     return 0
