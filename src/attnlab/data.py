@@ -1,0 +1,643 @@
+"""Training data: the built-in corpus, text loading, token caches, windows and batches.
+
+The pieces, from text to batches:
+
+* :func:`builtin_corpus` - the Python documentation that ships with every CPython
+  (``pydoc_data.topics``), the default training text: ``attnlab train`` works offline everywhere.
+* :func:`load_text` - a UTF-8 file (or the built-in corpus) as one string.
+* :func:`tokenize_to_cache` - a file tokenized once, in chunks, into a memory-mapped token file that
+  is reused while the file's content is unchanged: a multi-GB corpus never sits in RAM as Python ints.
+* :class:`TokenWindowDataset` / :func:`create_dataloader` - the sliding windows of the tutorials'
+  attention-review notebook (``MyData`` / ``my_batch``: inputs and targets shifted by one,
+  ``context_length``, ``stride``), as views over one token array instead of a list of tensors.
+* :func:`train_val_split` - a contiguous train/validation split.
+* :class:`RandomWindowBatches` - what the trainer uses: batch ``step`` is a pure function of
+  ``(seed, step)``, so resuming is exact, and each distributed rank takes its own rows of every
+  global batch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer
+
+__all__ = [
+    "RandomWindowBatches",
+    "TokenWindowDataset",
+    "builtin_corpus",
+    "create_dataloader",
+    "default_cache_dir",
+    "iter_text_chunks",
+    "load_text",
+    "token_dtype",
+    "tokenize_to_cache",
+    "train_val_split",
+]
+
+Tokens = Tensor | np.ndarray  # a 1-D integer token sequence (np.memmap is an np.ndarray)
+
+CACHE_ENV = "ATTNLAB_CACHE_DIR"
+_CACHE_FORMAT = 1  # bump when the cache file layout or the chunking rules change
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+# ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> str:
+    """The Python documentation topics shipped with CPython, as one text (about 0.5 MB).
+
+    ``pydoc_data.topics.topics`` (the text behind ``help("assert")`` etc.) joined in sorted key
+    order with a blank line between topics, so it is the same string on every run. Its exact
+    content follows the Python version.
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - some stripped-down Pythons drop pydoc_data
+        raise ValueError(
+            "this Python has no pydoc_data module, so the built-in corpus is unavailable; pass --data FILE"
+        ) from None
+    return "\n".join(topics[key] for key in sorted(topics))
+
+
+def _check_file(path: str | os.PathLike[str]) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data file not found: {p}")
+    if p.is_dir():
+        raise ValueError(f"data path is a directory, expected a UTF-8 text file: {p}")
+    return p
+
+
+def load_text(path: str | os.PathLike[str] | None) -> str:
+    """The text of a UTF-8 file, or the built-in corpus when ``path`` is None.
+
+    The file is decoded as-is (no newline translation), so the text matches the token cache.
+
+    Raises:
+        FileNotFoundError: the file does not exist (the message names it).
+        ValueError: the path is a directory, or the file is not valid UTF-8 (names file and offset).
+    """
+    if path is None:
+        return builtin_corpus()
+    p = _check_file(path)
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p} is not UTF-8 text (invalid byte at offset {exc.start})") from None
+
+
+def iter_text_chunks(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> Iterator[str]:
+    """Decode a UTF-8 file in pieces of about ``chunk_bytes`` bytes (multi-byte characters are
+    never split). Raises like :func:`load_text`."""
+    for text, _ in _iter_decoded(_check_file(path), chunk_bytes):
+        yield text
+
+
+def _iter_decoded(p: Path, chunk_bytes: int, on_raw: Any = None) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(text, raw)`` pieces of a UTF-8 file: ``raw`` is the block just read, ``text`` what it
+    completed (a multi-byte character cut by the block end is held back until the next block)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes read before this block
+    with open(p, "rb") as f:
+        while True:
+            raw = f.read(chunk_bytes)
+            final = not raw
+            held = len(decoder.getstate()[0])  # bytes of an unfinished character from the last block
+            try:
+                text = decoder.decode(raw, final=final)
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{p} is not UTF-8 text (invalid byte at offset {offset - held + exc.start})"
+                ) from None
+            offset += len(raw)
+            if on_raw is not None:
+                on_raw(raw)
+            if text or raw:
+                yield text, raw
+            if final:
+                return
+
+
+# ----------------------------------------------------------------------------------------------
+# Token cache
+# ----------------------------------------------------------------------------------------------
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding ids ``< vocab_size``: uint16 up to 65536 ids, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def default_cache_dir() -> Path:
+    """``$ATTNLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnlab``, else ``~/.cache/attnlab``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "attnlab"
+
+
+def _writable_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The cache directory, created; the default falls back to the temp dir when ~ is read-only
+    (CI sandboxes, containers), an explicit one that cannot be written is a clear error."""
+    candidates = [Path(cache_dir).expanduser()] if cache_dir is not None else [default_cache_dir()]
+    if cache_dir is None:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        candidates.append(Path(tempfile.gettempdir()) / f"attnlab-cache-{uid}")
+    for d in candidates:
+        with contextlib.suppress(OSError):
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+    raise ValueError(f"cannot write the token cache in {candidates[0]}; set {CACHE_ENV} to a writable directory")
+
+
+def _sha256_of_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform/filesystem can fsync a directory
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[bool]:
+    """Exclusive advisory lock, so that concurrent ranks tokenize a file once and the others wait.
+    Yields whether the lock is real: without fcntl (Windows) each process builds its own copy,
+    which os.replace keeps correct."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        yield False
+        return
+    with open(lock_path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map an empty file
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _iter_token_arrays(
+    p: Path, tokenizer: Tokenizer, chunk_bytes: int, on_raw: Any = None, workers: int = 1
+) -> Iterator[np.ndarray]:
+    """Stream the file's tokens chunk by chunk, cutting the text only where
+    ``tokenizer.split_point`` says the encoding is unaffected."""
+    if isinstance(tokenizer, ByteTokenizer):
+        # The ids are the file's bytes; decoding only validates UTF-8.
+        for _, raw in _iter_decoded(p, chunk_bytes, on_raw):
+            if raw:
+                yield np.frombuffer(raw, dtype=np.uint8)
+        return
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if workers > 1 and type(tokenizer).split_point is not Tokenizer.split_point:
+            # BPE is the slow one; tiktoken releases the GIL, so threads encode pieces in parallel.
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = stack.enter_context(ThreadPoolExecutor(workers))
+        pending, offset = "", 0  # offset: characters of the file before `pending`
+        for text, _ in _iter_decoded(p, chunk_bytes, on_raw):
+            pending += text
+            cut = tokenizer.split_point(pending)
+            if cut > 0:
+                yield _encode_chunk(p, tokenizer, pending[:cut], offset, pool, workers)
+                pending, offset = pending[cut:], offset + cut
+        if pending:
+            yield _encode_chunk(p, tokenizer, pending, offset, pool, workers)
+
+
+def _encode_chunk(p: Path, tokenizer: Tokenizer, text: str, offset: int, pool: Any, workers: int) -> np.ndarray:
+    if isinstance(tokenizer, CharTokenizer):
+        # Name the file and the character's position in it, not in this chunk.
+        i = tokenizer.first_unknown(text)
+        if i is not None:
+            raise ValueError(f"{p}: " + tokenizer.unknown_message(text[i], f"at character {offset + i}"))
+    return _encode_parallel(tokenizer, text, pool, workers)
+
+
+def _encode_parallel(tokenizer: Tokenizer, text: str, pool: Any, workers: int) -> np.ndarray:
+    """``tokenizer.encode_array(text)``, split into ``workers`` pieces at safe cuts when a pool is given."""
+    if pool is None or len(text) < 1 << 16:
+        return tokenizer.encode_array(text)
+    pieces, start = [], 0
+    for k in range(1, workers):
+        target = len(text) * k // workers
+        if target <= start:
+            continue
+        cut = tokenizer.split_point(text[start:target])
+        if cut > 0:
+            pieces.append(text[start : start + cut])
+            start += cut
+    pieces.append(text[start:])
+    return np.concatenate(list(pool.map(tokenizer.encode_array, pieces)))
+
+
+def tokenize_to_cache(
+    path: str | os.PathLike[str] | None,
+    tokenizer: Tokenizer,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    chunk_bytes: int = 1 << 22,
+    progress: bool = False,
+    workers: int | None = None,
+) -> np.ndarray:
+    """All tokens of a UTF-8 file as a read-only 1-D memory-mapped array, built once and reused.
+
+    The cache file is named by a hash of the file's full content (SHA-256, read at disk speed,
+    so edits are always seen, whatever the timestamps say) and of the tokenizer's fingerprint.
+    It is written in chunks to a temporary file, fsynced and renamed into place, so an interrupted
+    run never leaves a half-written cache that a later run would trust; concurrent processes (the
+    ranks of one ``torchrun``) take a file lock and tokenize once.
+
+    Args:
+        path: UTF-8 text file; ``None`` encodes the built-in corpus in memory (it is small) and
+            returns a plain array.
+        tokenizer: an attnlab :class:`~attnlab.tokenizers.Tokenizer`.
+        cache_dir: where cache files go (default :func:`default_cache_dir`).
+        chunk_bytes: bytes of text read and tokenized at a time.
+        progress: show a tqdm bar while tokenizing (when tqdm is installed).
+        workers: threads encoding pieces of a chunk in parallel (GPT-2 BPE only; default: the
+            CPUs this process may use).
+
+    Returns:
+        ``np.memmap`` (``np.ndarray`` for the built-in corpus) of dtype :func:`token_dtype`.
+    """
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be an attnlab Tokenizer, got {type(tokenizer).__name__}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    dtype = token_dtype(tokenizer.vocab_size)
+    if path is None:
+        return np.asarray(tokenizer.encode_array(builtin_corpus()), dtype=dtype)
+    p = _check_file(path)
+
+    content_hash = _sha256_of_file(p)
+    key = hashlib.sha256(
+        json.dumps([_CACHE_FORMAT, tokenizer.fingerprint(), content_hash, dtype.str]).encode()
+    ).hexdigest()[:24]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", p.name)[:48]
+    cdir = _writable_cache_dir(cache_dir)
+    final = cdir / f"{stem}.{tokenizer.name}.{key}.{dtype.name}.bin"
+
+    if final.is_file() and final.stat().st_size % dtype.itemsize == 0:
+        return _open_tokens(final, dtype)
+    with _file_lock(cdir / f"{final.name}.lock") as locked:
+        # Another process may have built it while we waited for the lock.
+        if final.is_file() and final.stat().st_size % dtype.itemsize == 0:
+            return _open_tokens(final, dtype)
+        # Temp files of a build that was killed (SIGKILL skips our cleanup); nobody else is
+        # writing this entry while we hold its lock.
+        for stale in cdir.glob(f".{final.name}.*.tmp") if locked else ():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        if workers is None:
+            workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n_tokens = _write_token_file(
+            p, tokenizer, final, dtype, chunk_bytes, progress, max(1, int(workers)), content_hash
+        )
+        meta = {
+            "source": str(p.resolve()),
+            "source_sha256": content_hash,
+            "source_bytes": p.stat().st_size,
+            "tokenizer": tokenizer.to_dict(),
+            "dtype": dtype.name,
+            "num_tokens": n_tokens,
+            "format": _CACHE_FORMAT,
+        }
+        # The sidecar is for people browsing the cache; the .bin alone is what gets reused.
+        _atomic_write_bytes(final.with_suffix(".json"), (json.dumps(meta, indent=2) + "\n").encode())
+    return _open_tokens(final, dtype)
+
+
+def _atomic_write_bytes(dest: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(dest.parent)
+
+
+def _write_token_file(
+    p: Path,
+    tokenizer: Tokenizer,
+    dest: Path,
+    dtype: np.dtype,
+    chunk_bytes: int,
+    progress: bool,
+    workers: int,
+    expected_sha256: str,
+) -> int:
+    # Hash what we actually tokenize: a file edited between the cache-key hash and this pass
+    # must not be stored under the old content's key.
+    hasher = hashlib.sha256()
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=p.stat().st_size, unit="B", unit_scale=True, desc=f"tokenizing {p.name}")
+        except ImportError:  # pragma: no cover
+            bar = None
+
+    def on_raw(raw: bytes) -> None:
+        hasher.update(raw)
+        if bar is not None:
+            bar.update(len(raw))
+
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    n = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for ids in _iter_token_arrays(p, tokenizer, chunk_bytes, on_raw, workers):
+                if ids.size and int(ids.max()) >= tokenizer.vocab_size:  # pragma: no cover - defensive
+                    raise ValueError(f"tokenizer produced id {int(ids.max())} >= vocab_size {tokenizer.vocab_size}")
+                f.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
+                n += int(ids.size)
+            f.flush()
+            os.fsync(f.fileno())
+        if hasher.hexdigest() != expected_sha256:
+            raise ValueError(f"{p} changed while it was being tokenized; run again once it is complete")
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    _fsync_dir(dest.parent)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows and batches
+# ----------------------------------------------------------------------------------------------
+def _check_pos_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
+    """Accept a 1-D integer tensor / ndarray (incl. memmap) or a list of ints; keep arrays as-is
+    (no copy) so memory-mapped tokens stay on disk."""
+    if isinstance(tokens, Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer ids, got dtype {tokens.dtype}")
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{name} must hold integer ids, got dtype {tokens.dtype}")
+        return tokens
+    if isinstance(tokens, (list, tuple)):
+        return torch.tensor(tokens, dtype=torch.long).reshape(-1)
+    raise TypeError(f"{name} must be a 1-D tensor, numpy array or list of ints, got {type(tokens).__name__}")
+
+
+def _to_long_tensor(a: Tokens) -> Tensor:
+    if isinstance(a, Tensor):
+        return a.long()  # no copy when already int64: a view of the token tensor
+    return torch.from_numpy(np.asarray(a, dtype=np.int64))
+
+
+class TokenWindowDataset(Dataset):
+    """The sliding windows of the tutorials' ``MyData``, as views over one token sequence.
+
+    Item ``i`` is ``(tokens[s : s + context_length], tokens[s + 1 : s + context_length + 1])`` with
+    ``s = i * stride``, for ``s`` in ``range(0, len(tokens) - context_length, stride)`` - exactly
+    ``MyData``'s windows, but nothing is copied up front: an int64 tensor yields views, a numpy
+    array or memmap is read window by window.
+
+    Args:
+        tokens: 1-D integer tensor, numpy array / memmap, or list of ints.
+        context_length: tokens per window.
+        stride: step between window starts (``stride < context_length`` overlaps windows).
+
+    Items: two int64 tensors of shape ``(context_length,)``.
+    """
+
+    def __init__(self, tokens: Tokens | Sequence[int], context_length: int, stride: int = 1):
+        self.tokens = _as_token_sequence(tokens)
+        self.context_length = _check_pos_int("context_length", context_length)
+        self.stride = _check_pos_int("stride", stride)
+        self._starts = range(0, len(self.tokens) - self.context_length, self.stride)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, idx: int) -> tuple[Tensor, Tensor]:
+        s = self._starts[idx]  # range indexing: negative indices and IndexError for free
+        chunk = _to_long_tensor(self.tokens[s : s + self.context_length + 1])  # (T+1,)
+        return chunk[:-1], chunk[1:]  # (T,), (T,) shifted by one
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenWindowDataset(num_tokens={len(self.tokens)}, context_length={self.context_length}, "
+            f"stride={self.stride}, windows={len(self)})"
+        )
+
+
+def create_dataloader(
+    text_or_tokens: str | Tokens | Sequence[int],
+    batch_size: int = 4,
+    context_length: int = 256,
+    stride: int = 128,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    tokenizer: Tokenizer | str | Any | None = None,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
+    """The tutorials' ``my_batch``: a DataLoader of ``(inputs, targets)`` sliding windows.
+
+    Same arguments as ``my_batch(text, batch_size, context_length, stride, shuffle, drop_last,
+    num_workers)``, plus:
+
+    Args:
+        text_or_tokens: a ``str`` (tokenized here) or already-tokenized ids.
+        tokenizer: for text: an attnlab Tokenizer, a name (``"byte"``, ``"gpt2"``) or any object
+            with ``encode`` (e.g. ``tiktoken.get_encoding("gpt2")``). Default ``"byte"``, not the
+            tutorial's GPT-2, so it works offline; pass ``tokenizer="gpt2"`` to get the
+            tutorial's ids.
+        generator: ``torch.Generator`` for the shuffle order (reproducible epochs).
+
+    Batches: two int64 tensors of shape ``(batch_size, context_length)``.
+    """
+    if isinstance(text_or_tokens, str):
+        tok = as_tokenizer(tokenizer)
+        if isinstance(tok, Tokenizer):
+            tokens: Tokens = torch.from_numpy(np.asarray(tok.encode_array(text_or_tokens), dtype=np.int64))
+        else:
+            tokens = torch.tensor(tok.encode(text_or_tokens), dtype=torch.long)
+    else:
+        if tokenizer is not None:
+            raise ValueError("tokenizer is only used when text_or_tokens is a str; these are already tokens")
+        tokens = _as_token_sequence(text_or_tokens, "text_or_tokens")
+    dataset = TokenWindowDataset(tokens, context_length, stride)
+    batch_size = _check_pos_int("batch_size", batch_size)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        generator=generator,
+    )
+
+
+def train_val_split(tokens: Tokens | Sequence[int], val_fraction: float = 0.1) -> tuple[Tokens, Tokens]:
+    """Split a token sequence into ``(train, val)``: the first ``1 - val_fraction`` and the rest.
+
+    Contiguous (no window straddles the two parts' boundary during training) and made of views,
+    so a memmap stays on disk. ``len(val) = round(len(tokens) * val_fraction)``.
+    """
+    tokens = _as_token_sequence(tokens)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    n_val = round(len(tokens) * float(val_fraction))
+    n_train = len(tokens) - n_val
+    return tokens[:n_train], tokens[n_train:]
+
+
+class RandomWindowBatches:
+    """Random training windows where batch ``step`` is a pure function of ``(seed, step)``.
+
+    Each step draws a *global* batch of ``world_size * grad_accum_steps * batch_size`` window
+    starts, uniformly from every position that has ``context_length + 1`` tokens after it
+    (nanoGPT-style sampling with replacement). Rank ``r`` in micro-step ``m`` takes rows
+    ``[(m * world_size + r) * batch_size, ... + batch_size)``. Consequences:
+
+    * resuming at ``step`` reproduces the batches of an uninterrupted run exactly (no sampler state);
+    * the union of all ranks' (and micro-steps') rows is the same global batch for any split into
+      processes with the same global size, so a checkpoint from N processes resumes with any M.
+
+    Args:
+        tokens: 1-D token tensor / numpy array / memmap (read only at the sampled windows).
+        batch_size: rows per rank per micro-step.
+        context_length: tokens per row.
+        seed: non-negative int.
+        rank, world_size: this process's place among the data-parallel processes.
+        grad_accum_steps: micro-steps per optimizer step.
+    """
+
+    def __init__(
+        self,
+        tokens: Tokens | Sequence[int],
+        batch_size: int,
+        context_length: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        grad_accum_steps: int = 1,
+    ):
+        self.tokens = _as_token_sequence(tokens)
+        self.batch_size = _check_pos_int("batch_size", batch_size)
+        self.context_length = _check_pos_int("context_length", context_length)
+        self.world_size = _check_pos_int("world_size", world_size)
+        self.grad_accum_steps = _check_pos_int("grad_accum_steps", grad_accum_steps)
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={self.world_size}), got {rank!r}")
+        self.rank = int(rank)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        self.seed = int(seed)
+        if len(self.tokens) < self.context_length + 1:
+            raise ValueError(
+                f"need at least context_length + 1 = {self.context_length + 1} tokens, got {len(self.tokens)}"
+            )
+        self._offsets = np.arange(self.context_length + 1)  # (T+1,)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows per optimizer step over all ranks and micro-steps."""
+        return self.world_size * self.grad_accum_steps * self.batch_size
+
+    def global_starts(self, step: int) -> np.ndarray:
+        """Window starts of the whole global batch of ``step``: int64 array ``(global_batch_size,)``."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        # SeedSequence mixes (seed, step) into an independent stream per step; same on every platform.
+        rng = np.random.default_rng([self.seed, int(step)])
+        high = len(self.tokens) - self.context_length  # exclusive: start + T + 1 <= len(tokens)
+        return rng.integers(0, high, size=self.global_batch_size, dtype=np.int64)
+
+    def _gather(self, starts: np.ndarray) -> tuple[Tensor, Tensor]:
+        idx = starts[:, None] + self._offsets  # (B, T+1)
+        if isinstance(self.tokens, Tensor):
+            rows = self.tokens[torch.from_numpy(idx).to(self.tokens.device)].long()  # (B, T+1)
+        else:
+            rows = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))  # (B, T+1)
+        return rows[:, :-1], rows[:, 1:]  # (B, T), (B, T)
+
+    def batch(self, step: int, micro_step: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+        """This rank's ``(x, y)`` for ``step`` (and ``micro_step``): int64 ``(batch_size, context_length)``,
+        ``y`` is ``x`` shifted by one token. Moved to ``device`` when given."""
+        if isinstance(micro_step, bool) or not isinstance(micro_step, (int, np.integer)):
+            raise ValueError(f"micro_step must be an int, got {micro_step!r}")
+        if not 0 <= micro_step < self.grad_accum_steps:
+            raise ValueError(f"micro_step must be in [0, grad_accum_steps={self.grad_accum_steps}), got {micro_step}")
+        first = (int(micro_step) * self.world_size + self.rank) * self.batch_size
+        x, y = self._gather(self.global_starts(step)[first : first + self.batch_size])
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and x.device.type == "cpu":
+                # Pinned memory lets the copy overlap with compute.
+                x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+            else:
+                x, y = x.to(device), y.to(device)
+        return x, y
+
+    def global_batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """All ``global_batch_size`` rows of ``step`` (what one process with the whole batch sees)."""
+        return self._gather(self.global_starts(step))
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomWindowBatches(num_tokens={len(self.tokens)}, batch_size={self.batch_size}, "
+            f"context_length={self.context_length}, seed={self.seed}, rank={self.rank}, "
+            f"world_size={self.world_size}, grad_accum_steps={self.grad_accum_steps})"
+        )

@@ -1,0 +1,526 @@
+"""Tokenizers for training and generation: ``byte`` (the default), ``char`` and ``gpt2``.
+
+All three share one small interface (:class:`Tokenizer`): ``encode(text) -> list[int]``,
+``decode(ids) -> str``, ``vocab_size``, ``eot_id`` and ``to_dict()``. ``to_dict()`` is plain JSON
+that :func:`tokenizer_from_dict` turns back into the same tokenizer, so a checkpoint can carry its
+tokenizer and generation decodes exactly the way training encoded.
+
+* ``byte``: the 256 byte values of the UTF-8 encoding. Lossless for any text, needs no files and no
+  vocabulary, which makes it the default of ``attnlab train``.
+* ``char``: one id per distinct character of the training text (sorted), as in character-level
+  models such as nanoGPT's Shakespeare example. Unknown characters are an error, never silently
+  dropped.
+* ``gpt2``: GPT-2's byte-pair encoding through ``tiktoken``, the tokenizer the tutorials use
+  (``tiktoken.get_encoding("gpt2")``). Offline, point it at a directory holding GPT-2's
+  ``encoder.json`` and ``vocab.bpe`` (``bpe_dir=...``, ``--bpe-dir`` or the environment variable
+  ``ATTNLAB_GPT2_BPE_DIR``); the encoding is then built locally with tiktoken's own loader.
+
+Example::
+
+    >>> tok = get_tokenizer("byte")
+    >>> tok.encode("hé")
+    [104, 195, 169]
+    >>> tok.decode([104, 195, 169])
+    'hé'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnlab.cli import UserError
+
+__all__ = [
+    "GPT2_BPE_ENV",
+    "TOKENIZER_NAMES",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "GPT2Tokenizer",
+    "Tokenizer",
+    "TokenizerLoadError",
+    "get_tokenizer",
+    "tokenizer_from_dict",
+]
+
+TOKENIZER_NAMES = ("byte", "char", "gpt2")
+GPT2_BPE_ENV = "ATTNLAB_GPT2_BPE_DIR"
+
+# GPT-2's pre-tokenisation regex and special token, exactly as tiktoken defines the "gpt2" encoding
+# (tiktoken_ext/openai_public.py). Repeated here so the encoding can be built without the network.
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_EOT = "<|endoftext|>"
+GPT2_EOT_ID = 50256
+GPT2_VOCAB_SIZE = 50257
+# SHA-256 of the official files (the hashes tiktoken itself checks after downloading them).
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+class TokenizerLoadError(UserError, ValueError):
+    """A tokenizer could not be loaded (e.g. GPT-2's BPE files are neither downloadable nor given).
+
+    A :class:`attnlab.cli.UserError` (the CLI prints its one-line message) and a ``ValueError``.
+    """
+
+
+def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> list[int]:
+    """Flatten-free conversion of a 1-D id sequence to Python ints, with a range check."""
+    if isinstance(ids, Tensor):
+        if ids.dim() != 1:
+            raise ValueError(f"ids must be 1-D, got a tensor of shape {tuple(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+        out = ids.tolist()
+    elif isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError(f"ids must be 1-D, got an array of shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
+        out = ids.tolist()
+    elif isinstance(ids, (str, bytes)):
+        raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
+    else:
+        out = [int(i) for i in ids]
+    if out:
+        lo, hi = min(out), max(out)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad}")
+    return out
+
+
+def _json_fingerprint(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
+class Tokenizer:
+    """Common interface of attnlab's tokenizers.
+
+    Attributes:
+        name: ``"byte"``, ``"char"`` or ``"gpt2"``.
+        vocab_size: number of ids; every id is in ``[0, vocab_size)``.
+        eot_id: id of an end-of-text token, or ``None`` when the tokenizer has none.
+    """
+
+    name: str = ""
+    vocab_size: int = 0
+    eot_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> list of ids."""
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Text -> 1-D integer numpy array of ids (the fast path used to build token caches)."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        """Ids (a list, 1-D tensor or 1-D array) -> text."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able description that :func:`tokenizer_from_dict` rebuilds this tokenizer from."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """Hex digest identifying the mapping text -> ids (two tokenizers with equal fingerprints
+        encode every text identically). Keys the token cache."""
+        return _json_fingerprint(self.to_dict())
+
+    def split_point(self, text: str) -> int:
+        """An index ``i`` such that ``encode(text[:i]) + encode(text[i:] + more) ==
+        encode(text + more)`` for every continuation ``more``: where a stream of text may be cut
+        into independently encoded chunks. ``0`` means no safe cut is known yet (read more text).
+
+        Context-free tokenizers (byte, char) can cut anywhere.
+        """
+        return len(text)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tokenizer) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+
+class ByteTokenizer(Tokenizer):
+    """The 256 byte values of UTF-8: lossless for any text, no vocabulary file.
+
+    ``decode`` replaces byte sequences that are not valid UTF-8 (a model may generate them) with
+    U+FFFD instead of failing.
+    """
+
+    name = "byte"
+    vocab_size = 256
+    eot_id = None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        # surrogatepass would smuggle lone surrogates through; strict makes them a clear error.
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text contains a character that is not valid in UTF-8 at index {exc.start}: {text[exc.start]!r}"
+            ) from None
+        return np.frombuffer(data, dtype=np.uint8).copy()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.encode_array(text).tobytes())
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        return bytes(_ids_to_list(ids, 256)).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": "byte"}
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character, ids in sorted character order (``chars[i]`` has id ``i``).
+
+    Build it from the training text with :meth:`from_text` (or :meth:`from_file` for files too big
+    to hold twice). Encoding a character outside the vocabulary raises ``ValueError`` naming it.
+    """
+
+    name = "char"
+    eot_id = None
+
+    def __init__(self, chars: Iterable[str]):
+        chars = list(chars)
+        for c in chars:
+            if not isinstance(c, str) or len(c) != 1:
+                raise ValueError(f"chars must be single characters, got {c!r}")
+        if len(set(chars)) != len(chars):
+            raise ValueError("chars must not contain duplicates")
+        if not chars:
+            raise ValueError("chars must not be empty (the text has no characters)")
+        self.chars = "".join(sorted(chars))
+        self.vocab_size = len(self.chars)
+        # Vectorised lookup: a dense code point -> id table (-1 = unknown) maps a whole text in
+        # numpy. At most 0x110000 entries (4.4 MB), usually a few hundred.
+        self._table = np.full(max(map(ord, self.chars)) + 1, -1, dtype=np.int32)
+        self._table[[ord(c) for c in self.chars]] = np.arange(self.vocab_size, dtype=np.int32)
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """Vocabulary = the sorted distinct characters of ``text``."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return cls(set(text))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> CharTokenizer:
+        """Vocabulary of a UTF-8 file, read in chunks (the file is never in memory whole)."""
+        from attnlab.data import iter_text_chunks
+
+        seen: set[str] = set()
+        for chunk in iter_text_chunks(path, chunk_bytes=chunk_bytes):
+            seen.update(chunk)
+        return cls(seen)
+
+    def _lookup(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, unknown mask) of every character of ``text``; unknown ids are garbage."""
+        # surrogatepass: a lone surrogate (possible in a Python str) is just another code point.
+        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)  # (N,)
+        ids = self._table[np.minimum(cps, len(self._table) - 1)]  # (N,) int32
+        # A code point past the table's end was clipped onto its last entry: mark it unknown too.
+        return ids, (ids < 0) | (cps >= len(self._table))
+
+    def first_unknown(self, text: str) -> int | None:
+        """Index of the first character of ``text`` outside the vocabulary, or None."""
+        _, unknown = self._lookup(text)
+        return int(np.argmax(unknown)) if unknown.any() else None
+
+    def unknown_message(self, char: str, where: str) -> str:
+        return (
+            f"character {char!r} (U+{ord(char):04X}) {where} is not in the char tokenizer's "
+            f"vocabulary of {self.vocab_size} characters (it was built from other text)"
+        )
+
+    def encode_array(self, text: str) -> np.ndarray:
+        ids, unknown = self._lookup(text)
+        if unknown.any():
+            i = int(np.argmax(unknown))
+            raise ValueError(self.unknown_message(text[i], f"at index {i}"))
+        return ids.astype(np.int64)
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        return "".join(self.chars[i] for i in _ids_to_list(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": "char", "chars": self.chars}
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2 BPE
+# ----------------------------------------------------------------------------------------------
+_GPT2_CACHE: dict[tuple[str, str, str], Any] = {}
+
+# Where a GPT-2 text stream may be cut: after a non-space character and before whitespace. No
+# pre-token of GPT2_PAT_STR spans such a boundary (tokens holding whitespace hold only whitespace,
+# apart from a *leading* space), and the left part ends in the same pre-token whether or not text
+# follows. Python's \S (not str.isspace) is stricter than the Unicode White_Space that tiktoken's
+# \s uses, so every cut found here is also a cut for tiktoken. Line ends are preferred.
+_GPT2_CUTS = (re.compile(r"\S(?=\n)"), re.compile(r"\S(?=[ \t\r\n])"))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _import_tiktoken() -> Any:
+    try:
+        import tiktoken
+        import tiktoken.load
+    except ImportError:
+        raise TokenizerLoadError(
+            "the gpt2 tokenizer needs the tiktoken package: pip install 'attnlab[train]'"
+        ) from None
+    return tiktoken
+
+
+def _load_gpt2_from_dir(bpe_dir: Path) -> tuple[Any, str, str]:
+    """Build tiktoken's "gpt2" Encoding from a local encoder.json + vocab.bpe."""
+    tiktoken = _import_tiktoken()
+
+    if not bpe_dir.exists():
+        raise FileNotFoundError(f"GPT-2 BPE directory not found: {bpe_dir}")
+    if not bpe_dir.is_dir():
+        raise ValueError(f"bpe_dir must be a directory containing encoder.json and vocab.bpe, got file {bpe_dir}")
+    vocab_bpe, encoder_json = bpe_dir / "vocab.bpe", bpe_dir / "encoder.json"
+    for f in (vocab_bpe, encoder_json):
+        if not f.is_file():
+            raise FileNotFoundError(f"GPT-2 BPE file not found: {f} (bpe_dir needs encoder.json and vocab.bpe)")
+    bpe_hash, enc_hash = _sha256_file(vocab_bpe), _sha256_file(encoder_json)
+    key = (str(bpe_dir.resolve()), bpe_hash, enc_hash)
+    if key in _GPT2_CACHE:
+        return _GPT2_CACHE[key], bpe_hash, enc_hash
+    try:
+        # Passing the files' own hashes makes tiktoken's on-disk blob cache (keyed by path only)
+        # re-read a file that changed instead of returning a stale copy.
+        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(vocab_bpe),
+            encoder_json_file=str(encoder_json),
+            vocab_bpe_hash=bpe_hash,
+            encoder_json_hash=enc_hash,
+        )
+        enc = tiktoken.Encoding(
+            name="gpt2",
+            pat_str=GPT2_PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens={GPT2_EOT: GPT2_EOT_ID},
+            explicit_n_vocab=GPT2_VOCAB_SIZE,
+        )
+    except (AssertionError, KeyError, ValueError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"{bpe_dir} does not hold a valid GPT-2 encoder.json + vocab.bpe pair ({type(exc).__name__})"
+        ) from None
+    _GPT2_CACHE[key] = enc
+    return enc, bpe_hash, enc_hash
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's byte-pair encoding (50257 ids, ``<|endoftext|>`` = 50256) through tiktoken.
+
+    Args:
+        bpe_dir: directory with GPT-2's ``encoder.json`` and ``vocab.bpe``. Default: the
+            environment variable ``ATTNLAB_GPT2_BPE_DIR`` if set, else
+            ``tiktoken.get_encoding("gpt2")`` (which downloads the files once, then caches them).
+
+    ``encode`` treats the literal text ``<|endoftext|>`` as the end-of-text token (a document
+    separator in many corpora) instead of refusing it as ``tiktoken`` does by default; ``decode``
+    maps it back to the same text, so round trips still hold.
+
+    Raises:
+        TokenizerLoadError: no ``bpe_dir`` and the download failed (one sentence saying what to do).
+        FileNotFoundError: ``bpe_dir`` or one of its two files does not exist.
+    """
+
+    name = "gpt2"
+    vocab_size = GPT2_VOCAB_SIZE
+    eot_id = GPT2_EOT_ID
+
+    def __init__(self, bpe_dir: str | os.PathLike[str] | None = None):
+        if bpe_dir is None and os.environ.get(GPT2_BPE_ENV):
+            bpe_dir = os.environ[GPT2_BPE_ENV]
+        self.bpe_dir: Path | None = Path(bpe_dir).expanduser() if bpe_dir is not None else None
+        if self.bpe_dir is not None:
+            self._enc, self._bpe_hash, self._enc_hash = _load_gpt2_from_dir(self.bpe_dir)
+        else:
+            tiktoken = _import_tiktoken()
+            try:
+                self._enc = tiktoken.get_encoding("gpt2")
+            except Exception as exc:  # requests/urllib/ssl errors: network-specific types vary
+                raise TokenizerLoadError(
+                    f"could not download the GPT-2 BPE files (offline? {type(exc).__name__}); "
+                    f"pass --bpe-dir DIR (bpe_dir= in Python) or set {GPT2_BPE_ENV}=DIR, "
+                    "where DIR contains GPT-2's encoder.json and vocab.bpe"
+                ) from None
+            # tiktoken verified the downloaded files against these hashes.
+            self._bpe_hash, self._enc_hash = GPT2_VOCAB_BPE_SHA256, GPT2_ENCODER_JSON_SHA256
+        if self._enc.n_vocab != GPT2_VOCAB_SIZE:  # pragma: no cover - guards a foreign encoding
+            raise ValueError(f"GPT-2 encoding must have {GPT2_VOCAB_SIZE} ids, got {self._enc.n_vocab}")
+
+    @property
+    def is_official(self) -> bool:
+        """True when the BPE files are byte-identical to OpenAI's published GPT-2 files."""
+        return (self._bpe_hash, self._enc_hash) == (GPT2_VOCAB_BPE_SHA256, GPT2_ENCODER_JSON_SHA256)
+
+    @property
+    def encoding(self) -> Any:
+        """The underlying ``tiktoken.Encoding``."""
+        return self._enc
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._enc.encode(text, allowed_special="all")
+
+    def encode_array(self, text: str) -> np.ndarray:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._enc.encode_to_numpy(text, allowed_special="all")
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        return self._enc.decode(_ids_to_list(ids, self.vocab_size), errors="replace")
+
+    def split_point(self, text: str) -> int:
+        for pattern in _GPT2_CUTS:
+            # Look at a growing tail: the last cut is almost always near the end of the text.
+            window = 1 << 12
+            while True:
+                start = max(0, len(text) - window)
+                last = None
+                for last in pattern.finditer(text, start):  # noqa: B007 - keep the last match
+                    pass
+                if last is not None:
+                    return last.end()
+                if start == 0:
+                    break
+                window *= 16
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": "gpt2",
+            "bpe_dir": str(self.bpe_dir.resolve()) if self.bpe_dir is not None else None,
+            "vocab_bpe_sha256": self._bpe_hash,
+            "encoder_json_sha256": self._enc_hash,
+        }
+
+    def fingerprint(self) -> str:
+        # Where the files live does not change the encoding; their content does.
+        return _json_fingerprint({"name": "gpt2", "vocab_bpe": self._bpe_hash, "encoder_json": self._enc_hash})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GPT2Tokenizer) and self.fingerprint() == other.fingerprint()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        where = f"bpe_dir={str(self.bpe_dir)!r}" if self.bpe_dir is not None else "tiktoken"
+        return f"GPT2Tokenizer({where})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Factory and (de)serialisation
+# ----------------------------------------------------------------------------------------------
+def get_tokenizer(
+    name: str,
+    *,
+    text: str | None = None,
+    bpe_dir: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
+    """Tokenizer by name: ``"byte"``, ``"char"`` or ``"gpt2"``.
+
+    Args:
+        name: one of :data:`TOKENIZER_NAMES`.
+        text: the training text; ``char`` builds its vocabulary from it (or from ``path``).
+        bpe_dir: for ``gpt2``, a directory with ``encoder.json`` and ``vocab.bpe``.
+        path: for ``char``, a UTF-8 file to build the vocabulary from, read in chunks.
+    """
+    if not isinstance(name, str) or name not in TOKENIZER_NAMES:
+        raise ValueError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZER_NAMES)}")
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "char":
+        if text is not None:
+            return CharTokenizer.from_text(text)
+        if path is not None:
+            return CharTokenizer.from_file(path)
+        raise ValueError("the char tokenizer builds its vocabulary from the training text: pass text= or path=")
+    return GPT2Tokenizer(bpe_dir=bpe_dir)
+
+
+def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from :meth:`Tokenizer.to_dict` output (e.g. read from a checkpoint).
+
+    For ``gpt2`` the BPE files are looked up in ``bpe_dir`` (if given), else in the recorded
+    directory if it still exists, else as :class:`GPT2Tokenizer` does by default; the files found
+    must have the recorded content (checked by hash), so generation decodes as training encoded.
+    """
+    if not isinstance(d, dict) or "name" not in d:
+        raise ValueError(f"tokenizer description must be a dict with a 'name' key, got {d!r:.80}")
+    name = d["name"]
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "char":
+        chars = d.get("chars")
+        if not isinstance(chars, str) or not chars:
+            raise ValueError("char tokenizer description needs a non-empty 'chars' string")
+        return CharTokenizer(chars)
+    if name == "gpt2":
+        recorded = d.get("bpe_dir")
+        if bpe_dir is None and recorded and Path(recorded).is_dir():
+            bpe_dir = recorded
+        tok = GPT2Tokenizer(bpe_dir=bpe_dir)
+        want = (d.get("vocab_bpe_sha256"), d.get("encoder_json_sha256"))
+        have = (tok._bpe_hash, tok._enc_hash)
+        if None not in want and want != have:
+            raise ValueError(f"the GPT-2 BPE files found ({tok!r}) differ from the ones this tokenizer was saved with")
+        return tok
+    raise ValueError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZER_NAMES)}")
+
+
+def as_tokenizer(tokenizer: Tokenizer | str | Any | None, default: str = "byte") -> Any:
+    """A :class:`Tokenizer`, a tokenizer name, ``None`` (-> ``default``) or any object with an
+    ``encode(text)`` method (e.g. a ``tiktoken.Encoding``) -> an object with ``encode``."""
+    if tokenizer is None:
+        tokenizer = default
+    if isinstance(tokenizer, str):
+        if tokenizer == "char":
+            raise ValueError("pass a CharTokenizer instance (it needs the text to build its vocabulary)")
+        return get_tokenizer(tokenizer)
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(
+            f"tokenizer must be a Tokenizer, a name or have an encode() method, got {type(tokenizer).__name__}"
+        )
+    return tokenizer
+
+
+def encode_to_tensor(tokenizer: Tokenizer, text: str) -> Tensor:
+    """``tokenizer.encode(text)`` as a 1-D int64 tensor, without a Python list for our tokenizers."""
+    if isinstance(tokenizer, Tokenizer):
+        return torch.from_numpy(np.asarray(tokenizer.encode_array(text), dtype=np.int64))
+    return torch.tensor(tokenizer.encode(text), dtype=torch.long)
