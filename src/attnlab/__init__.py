@@ -14,7 +14,13 @@ from .attention import (
     SelfAttention_v1,
     SelfAttention_v2,
 )
-from .functional import causal_mask, padding_mask, scaled_dot_product_attention, simple_self_attention
+from .functional import (
+    attention_scores,
+    causal_mask,
+    padding_mask,
+    scaled_dot_product_attention,
+    simple_self_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +32,7 @@ __all__ = [
     "SelfAttention_v1",
     "SelfAttention_v2",
     "__version__",
+    "attention_scores",
     "causal_mask",
     "functional",
     "padding_mask",

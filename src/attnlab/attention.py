@@ -19,15 +19,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import _check_float_tensor, scaled_dot_product_attention
+from .functional import _broadcast_shape, _check_float_tensor, scaled_dot_product_attention
 
 __all__ = [
+    "CausalAttention",
+    "KVCache",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
     "SelfAttention_v1",
     "SelfAttention_v2",
-    "CausalAttention",
-    "MultiHeadAttentionWrapper",
-    "MultiHeadAttention",
-    "KVCache",
 ]
 
 
@@ -40,16 +40,41 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def _check_dropout(value: object) -> float:
+# The tutorials disagree on the order of (context_length, dropout, num_heads): a positional call
+# written for another tutorial lands a token count in `dropout` or leaves `num_heads` out. Every
+# error that such a call can trigger carries this hint.
+_ORDER_HINT = (
+    " (attnlab follows the order of 'A simple self-attention mechanism', "
+    "{cls}(d_in, d_out, context_length, dropout, num_heads); the GPT-style guide and the attention-review "
+    "exercises put num_heads third: pass the arguments by keyword, "
+    "{cls}(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...))"
+)
+
+
+def _check_dropout(value: object, cls: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         hint = ""
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
-            hint = (
-                " (the tutorials order these arguments differently; pass them by keyword: "
-                "context_length=..., dropout=..., num_heads=...)"
-            )
+        if cls is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
+            hint = _ORDER_HINT.format(cls=cls)
         raise ValueError(f"dropout must be a float in [0, 1), got {value!r}{hint}")
     return float(value)
+
+
+def _check_num_heads(value: object, cls: str) -> int:
+    """num_heads is keyword-defaulted to None only so that a missing one gets this message."""
+    if value is None:
+        raise TypeError(f"{cls}() missing required argument 'num_heads'{_ORDER_HINT.format(cls=cls)}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"num_heads must be a positive int, got {value!r}{_ORDER_HINT.format(cls=cls)}")
+    return _check_positive_int("num_heads", value)
+
+
+def _autocast_on(device: torch.device) -> bool:
+    """torch.is_autocast_enabled for this device type; False for types autocast does not know (meta)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
 
 
 def _check_input(name: str, x: object, d_in: int, param: Tensor) -> Tensor:
@@ -61,7 +86,7 @@ def _check_input(name: str, x: object, d_in: int, param: Tensor) -> Tensor:
         raise ValueError(f"{name} must have last dimension d_in={d_in}, got shape {tuple(x.shape)}")
     if x.device != param.device:
         raise ValueError(f"{name} is on {x.device} but the module's parameters are on {param.device}")
-    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+    if x.dtype != param.dtype and not _autocast_on(x.device):
         raise TypeError(
             f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
             f"convert one of them (e.g. x.to({param.dtype}) or module.to({x.dtype}))"
@@ -152,12 +177,14 @@ class CausalAttention(_DropsTutorialMask):
     Args:
         d_in, d_out: input and output widths.
         context_length: the longest input accepted (longer inputs raise a ValueError).
-        dropout: dropout probability on the attention weights (training only).
+        dropout: dropout probability on the attention weights (training only); default 0.0.
         qkv_bias: bias in the query/key/value projections.
     Shapes: ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(..., n, d_out)``.
     """
 
-    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool = False) -> None:
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0, qkv_bias: bool = False
+    ) -> None:
         super().__init__()
         self.d_in = _check_positive_int("d_in", d_in)
         self.d_out = _check_positive_int("d_out", d_out)
@@ -165,7 +192,7 @@ class CausalAttention(_DropsTutorialMask):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = nn.Dropout(_check_dropout(dropout))
+        self.dropout = nn.Dropout(_check_dropout(dropout, "CausalAttention"))
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         _check_input("x", x, self.d_in, self.W_query.weight)
@@ -186,16 +213,25 @@ class MultiHeadAttentionWrapper(nn.Module):
     ``num_heads * d_out`` wide (as in the tutorial). The forward pass runs all heads in one fused
     call on the stacked head weights: same numbers as head-by-head, at the speed of one module.
 
+    ``dropout`` defaults to 0.0; ``num_heads`` is required (a missing one is a TypeError that
+    shows the keyword form, since the tutorials order these arguments differently).
+
     Shapes: ``x (n, d_in)`` or ``(b, n, d_in)`` -> ``(..., n, num_heads * d_out)``;
     with ``return_weights=True`` also ``(..., num_heads, n, n)`` weights.
     """
 
     def __init__(
-        self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int, qkv_bias: bool = False
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float = 0.0,
+        num_heads: int | None = None,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        _check_positive_int("num_heads", num_heads)
-        _check_dropout(dropout)
+        _check_num_heads(num_heads, "MultiHeadAttentionWrapper")
+        _check_dropout(dropout, "MultiHeadAttentionWrapper")
         self.d_in, self.d_out, self.num_heads, self.context_length = d_in, d_out, num_heads, context_length
         self.heads = nn.ModuleList(
             [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)]
@@ -212,7 +248,7 @@ class MultiHeadAttentionWrapper(nn.Module):
             for name in ("W_query", "W_key", "W_value")
         ]
         q, k, v = (
-            F.linear(x, w, b).unflatten(-1, (H, hd)).transpose(-3, -2) for w, b in zip(qkv, biases)
+            F.linear(x, w, b).unflatten(-1, (H, hd)).transpose(-3, -2) for w, b in zip(qkv, biases, strict=True)
         )  # each (..., H, n, d_out)
         p = first.dropout.p if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, return_weights=return_weights)
@@ -246,7 +282,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, v in (("batch_size", batch_size), ("max_length", max_length), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        for name, v in (
+            ("batch_size", batch_size),
+            ("max_length", max_length),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             _check_positive_int(name, v)
         shape = (batch_size, num_kv_heads, max_length, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
@@ -294,9 +335,10 @@ class MultiHeadAttention(_DropsTutorialMask):
     Args:
         d_in: input width.
         d_out: output width, split into ``num_heads`` heads of ``head_dim = d_out // num_heads``.
-        context_length: the longest sequence (query tokens, or cached tokens with a KV cache).
-        dropout: dropout on the attention weights (training only).
-        num_heads: number of query heads.
+        context_length: the longest input sequence (with a KV cache: the cache's ``max_length``).
+        dropout: dropout on the attention weights (training only); default 0.0.
+        num_heads: number of query heads; required (keyword-defaulted only so that a call in
+            another tutorial's argument order gets a TypeError showing the keyword form).
         qkv_bias: bias in the query/key/value projections.
         causal: causal (decoder) self-attention; ``False`` gives a bidirectional encoder block.
             Cross-attention (``context`` given) is never causally masked.
@@ -317,8 +359,8 @@ class MultiHeadAttention(_DropsTutorialMask):
         d_in: int,
         d_out: int,
         context_length: int,
-        dropout: float,
-        num_heads: int,
+        dropout: float = 0.0,
+        num_heads: int | None = None,
         qkv_bias: bool = False,
         *,
         causal: bool = True,
@@ -330,14 +372,15 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.d_in = _check_positive_int("d_in", d_in)
         self.d_out = _check_positive_int("d_out", d_out)
         self.context_length = _check_positive_int("context_length", context_length)
-        self.num_heads = _check_positive_int("num_heads", num_heads)
-        _check_dropout(dropout)
+        self.num_heads = _check_num_heads(num_heads, "MultiHeadAttention")
+        _check_dropout(dropout, "MultiHeadAttention")
         if d_out % num_heads != 0:
             raise ValueError(f"d_out must be divisible by num_heads, got d_out={d_out} and num_heads={num_heads}")
         num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
-                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
+                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads} and "
+                f"num_kv_heads={num_kv_heads}"
             )
         self.kv_dim = d_in if kv_dim is None else _check_positive_int("kv_dim", kv_dim)
         self.num_kv_heads = num_kv_heads
@@ -381,6 +424,48 @@ class MultiHeadAttention(_DropsTutorialMask):
             return F.linear(x, w, b).split([self.d_out, kv_out, kv_out], dim=-1)
         return self.W_query(x), self.W_key(context), self.W_value(context)
 
+    def _combine_masks(
+        self,
+        attn_mask: Tensor | None,
+        key_mask: Tensor | None,
+        b: int,
+        n: int,
+        S: int,
+        device: torch.device,
+        unbatched: bool,
+    ) -> Tensor | None:
+        """``attn_mask`` and ``key_mask`` as one mask broadcastable to ``(b, H, n, S)``."""
+        if attn_mask is not None:
+            if not isinstance(attn_mask, Tensor):
+                raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+                raise TypeError(
+                    f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to the "
+                    f"scores, got dtype {attn_mask.dtype}"
+                )
+            # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
+            _broadcast_shape("attn_mask", tuple(attn_mask.shape), (b, self.num_heads, n, S))
+        if key_mask is None:
+            return attn_mask
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+            raise TypeError(
+                f"key_mask must be a bool tensor, True = real token (the opposite of "
+                f"nn.MultiheadAttention's key_padding_mask), got {got}"
+            )
+        if unbatched and key_mask.dim() == 1:
+            key_mask = key_mask.unsqueeze(0)  # (1, S)
+        if tuple(key_mask.shape) != (b, S):
+            raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
+        if key_mask.device != device:
+            raise ValueError(f"key_mask is on {key_mask.device} but x is on {device}")
+        km = key_mask[:, None, None, :]  # (b, 1, 1, S)
+        if attn_mask is None:
+            return km
+        if attn_mask.dtype == torch.bool:
+            return attn_mask & km  # (b, H or 1, n, S)
+        return attn_mask.masked_fill(~km, float("-inf"))  # (b, H or 1, n, S)
+
     def forward(
         self,
         x: Tensor,
@@ -409,8 +494,16 @@ class MultiHeadAttention(_DropsTutorialMask):
                 f"this module was built for cross-attention (kv_dim={self.kv_dim} != d_in={self.d_in}); "
                 f"pass the context sequence"
             )
-        past = 0 if kv_cache is None else kv_cache.length
-        _check_length(past + n, self.context_length if kv_cache is None else max(self.context_length, kv_cache.max_length))
+        if kv_cache is None:
+            _check_length(n, self.context_length)
+        else:
+            if not isinstance(kv_cache, KVCache):
+                raise TypeError(f"kv_cache must be an attnlab KVCache or None, got {type(kv_cache).__name__}")
+            if kv_cache.length + n > kv_cache.max_length:
+                raise ValueError(
+                    f"kv_cache is full: it holds {kv_cache.length} of max_length={kv_cache.max_length} tokens "
+                    f"and {n} more were fed; reset() it or make a larger one with new_kv_cache(max_length=...)"
+                )
 
         q, k, v = self._project_qkv(x, context)
         q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
@@ -419,20 +512,13 @@ class MultiHeadAttention(_DropsTutorialMask):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (b, Hkv, past + n, hd)
         S = k.shape[2]
-
-        mask = attn_mask
-        if key_mask is not None:
-            if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-                raise TypeError(f"key_mask must be a bool tensor (True = real token), got {getattr(key_mask, 'dtype', type(key_mask).__name__)}")
-            if key_mask.shape != (b, S):
-                raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
-            km = key_mask[:, None, None, :]  # (b, 1, 1, S)
-            if mask is None:
-                mask = km
-            elif mask.dtype == torch.bool:
-                mask = mask & km
-            else:
-                mask = mask.masked_fill(~km, float("-inf"))
+        mask = self._combine_masks(attn_mask, key_mask, b, n, S, x.device, unbatched)
+        if _autocast_on(x.device):
+            # Under autocast the projections come out in the autocast dtype while a cache or a
+            # float mask keeps its own: attend in the queries' dtype.
+            k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(q.dtype)
         p = self.dropout.p if self.training else 0.0
         result = scaled_dot_product_attention(
             q,
@@ -456,4 +542,3 @@ class MultiHeadAttention(_DropsTutorialMask):
         if self.num_kv_heads != self.num_heads:
             extra += f", num_kv_heads={self.num_kv_heads}"
         return extra
-

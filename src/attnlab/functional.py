@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "simple_self_attention",
-    "scaled_dot_product_attention",
+    "attention_scores",
     "causal_mask",
     "padding_mask",
+    "scaled_dot_product_attention",
+    "simple_self_attention",
 ]
 
 Backend = Literal["auto", "fused", "reference"]
@@ -44,9 +45,7 @@ def _check_float_tensor(name: str, t: object, min_rank: int) -> Tensor:
             f"got dtype {t.dtype}; convert it with .float()"
         )
     if t.dim() < min_rank:
-        raise ValueError(
-            f"{name} must have at least {min_rank} dimensions, got shape {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name} must have at least {min_rank} dimensions, got shape {tuple(t.shape)}")
     return t
 
 
@@ -54,9 +53,7 @@ def _check_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
-        raise ValueError(
-            f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}"
-        )
+        raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
 
 
 def _broadcast_shape(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
@@ -185,8 +182,7 @@ def _validate(
     except RuntimeError:
         hint = " (set enable_gqa=True for grouped-query attention)" if query.dim() >= 3 else ""
         raise ValueError(
-            f"query {tuple(query.shape)} and key {tuple(key.shape)} have batch dimensions that do "
-            f"not broadcast{hint}"
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} have batch dimensions that do not broadcast{hint}"
         ) from None
 
     if attn_mask is not None:
@@ -196,9 +192,7 @@ def _validate(
             raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
         if attn_mask.is_floating_point():
             if attn_mask.dtype != query.dtype:
-                raise TypeError(
-                    f"a float attn_mask must have the query's dtype {query.dtype}, got {attn_mask.dtype}"
-                )
+                raise TypeError(f"a float attn_mask must have the query's dtype {query.dtype}, got {attn_mask.dtype}")
         elif attn_mask.dtype != torch.bool:
             raise TypeError(
                 f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
@@ -227,22 +221,73 @@ def _row_has_key(mask: Tensor) -> Tensor:
     return (mask != float("-inf")).any(dim=-1, keepdim=True)
 
 
+def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path."""
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, dim=-3)  # (..., Hq, S, E)
+        value = value.repeat_interleave(groups, dim=-3)  # (..., Hq, S, Ev)
+    return key, value
+
+
+def _masked_scores(query: Tensor, key: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """``Q K^T * scale``, then ``-inf`` where a bool mask is False, or a float mask added."""
+    scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, S)
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
 def _reference(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Explicit ``softmax(Q K^T * scale + mask) V``, materialising the weights."""
-    scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, S)
+    scores = _masked_scores(query, key, mask, scale)  # (..., L, S)
     if mask is None:
         weights = torch.softmax(scores, dim=-1)  # (..., L, S)
     else:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         # A row with nothing to attend is all -inf and softmax would give 0/0 = NaN, forward and
         # backward. Fill it before the softmax (so no NaN is ever formed) and zero its weights.
         empty = (scores == float("-inf")).all(dim=-1, keepdim=True)  # (..., L, 1)
         weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     if dropout_p > 0.0:
+        # The same call as nn.Dropout: under the same seed, the same mask as the tutorials' dropout.
         weights = F.dropout(weights, p=dropout_p)
     return weights @ value, weights  # (..., L, Ev), (..., L, S)
+
+
+def attention_scores(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The attention scores ``Q K^T * scale + mask``: the step before the softmax, shape ``(..., L, S)``.
+
+    Same arguments and meaning as :func:`scaled_dot_product_attention`. Masked positions hold
+    ``-inf``, as in the tutorials' ``attn_scores.masked_fill(mask.bool(), -torch.inf)``; pass
+    ``scale=1.0`` for the tutorials' unscaled scores. Meant for learning and inspection: the fused
+    path never forms this ``(L, S)`` matrix.
+
+    Args:
+        query: ``(..., L, E)``; with ``enable_gqa`` ``(..., Hq, L, E)``.
+        key: ``(..., S, E)``; with ``enable_gqa`` ``(..., Hkv, S, E)``.
+        attn_mask: broadcastable to ``(..., L, S)``; bool ``True`` = may attend, float added.
+        is_causal: causal mask aligned bottom-right (query ``i`` sees keys ``<= i + S - L``).
+        scale: multiplier of ``Q K^T``; default ``1/sqrt(E)``.
+    Returns:
+        ``(..., L, S)`` scores, ``-inf`` where masked.
+    """
+    _validate(query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    key, _ = _expand_kv(query, key, key, enable_gqa)
+    mask = _merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2], query.device)
+    return _masked_scores(query, key, mask, scale)  # (..., L, S)
 
 
 def scaled_dot_product_attention(
@@ -293,11 +338,10 @@ def scaled_dot_product_attention(
     L, S = query.shape[-2], key.shape[-2]
 
     if backend == "reference" or return_weights:
-        if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-            groups = query.shape[-3] // key.shape[-3]
-            key = key.repeat_interleave(groups, dim=-3)  # (..., Hq, S, E)
-            value = value.repeat_interleave(groups, dim=-3)  # (..., Hq, S, Ev)
-        out, weights = _reference(query, key, value, _merge_masks(attn_mask, is_causal, L, S, query.device), dropout_p, scale)
+        key, value = _expand_kv(query, key, value, enable_gqa)
+        out, weights = _reference(
+            query, key, value, _merge_masks(attn_mask, is_causal, L, S, query.device), dropout_p, scale
+        )
         return (out, weights) if return_weights else out
 
     if attn_mask is None and (not is_causal or L == S):
