@@ -162,14 +162,19 @@ class Walk:
         room = WIDTH - len(self._INDENT)
         # torch lays elements out to fit `linewidth` counting the "tensor(" indent; stripping that
         # prefix afterwards leaves lines of at most `room` characters.
-        with _print_options(precision=4, linewidth=room + len(prefix), threshold=1000, edgeitems=3):
-            text = repr(t)
-        lines = text.split("\n")
-        if not (text.startswith(prefix) and text.endswith(")")):  # pragma: no cover - defensive
-            return lines
-        lines[0] = lines[0][len(prefix) :]
-        lines[1:] = [line[len(prefix) :] if line.startswith(" " * len(prefix)) else line for line in lines[1:]]
-        lines[-1] = lines[-1][:-1]
+        # torch's wrapping can overshoot its linewidth by a character or two (1-D tensors in
+        # scientific notation): narrow it until every line fits.
+        for linewidth in range(room + len(prefix), 20, -2):
+            with _print_options(precision=4, linewidth=linewidth, threshold=1000, edgeitems=3):
+                text = repr(t)
+            lines = text.split("\n")
+            if not (text.startswith(prefix) and text.endswith(")")):  # pragma: no cover - defensive
+                return lines
+            lines[0] = lines[0][len(prefix) :]
+            lines[1:] = [line[len(prefix) :] if line.startswith(" " * len(prefix)) else line for line in lines[1:]]
+            lines[-1] = lines[-1][:-1]
+            if all(len(line) <= room for line in lines):
+                break
         return lines
 
 
