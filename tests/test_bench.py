@@ -1,0 +1,147 @@
+"""``attnlab bench``: its competitors compute what they claim, its FLOP counts are right, and it
+writes a complete report. No timing is asserted (timings belong to the benchmark, not the tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnlab import causal_mask
+from attnlab.bench import (
+    IMPLEMENTATIONS,
+    TutorialLoopAttention,
+    attention_flops,
+    build_for_memory,
+    build_impl,
+    matmul_rate,
+)
+from attnlab.benchmarking import peak_memory_mb
+from attnlab.cli import main
+from attnlab.tutorial_code import CausalAttention
+
+
+def test_tutorial_loop_matches_the_matrix_form_and_an_explicit_float64_loop(ref):
+    torch.manual_seed(0)
+    loop = TutorialLoopAttention(6, 4)
+    matrix = CausalAttention(6, 4, 5, 0.0)
+    with torch.no_grad():
+        for name in ("W_query", "W_key", "W_value"):
+            getattr(matrix, name).weight.copy_(getattr(loop, name).weight)
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    y = loop(x)
+    torch.testing.assert_close(y, matrix(x))
+    for b in range(2):
+        q, k, v = loop.W_query(x[b]), loop.W_key(x[b]), loop.W_value(x[b])
+        want, _ = ref.loop_attention(q, k, v, allowed=causal_mask(5))
+        torch.testing.assert_close(y[b].double(), want, atol=1e-6, rtol=1e-5)
+    y.sum().backward()  # it is timed forward+backward: the graph must be differentiable
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", [n for n in IMPLEMENTATIONS if n != "tutorial-loop"])
+def test_flop_count_matches_torchs_counter(name):
+    """attention_flops counts what torch's own FlopCounterMode sees: forward exactly, fwd+bwd 3x.
+
+    torch's counter does not see inside the CPU fused attention kernel, so attnlab and torch are
+    run on their explicit paths here (same matmuls, weights materialised).
+    """
+    B, T, d, H = 2, 16, 32, 4
+    torch.manual_seed(0)
+    module = build_impl(name, d, H, T)
+    if name == "attnlab":
+        forward = lambda x: module(x, return_weights=True)[0]
+    elif name == "torch":
+        mask = ~causal_mask(T)  # torch: True = may not attend
+        forward = lambda x: module.mha(x, x, x, need_weights=True, attn_mask=mask)[0]
+    else:
+        forward = module
+    x = torch.randn(B, T, d, requires_grad=True)
+    with FlopCounterMode(display=False) as fwd:
+        y = forward(x)
+    with FlopCounterMode(display=False) as both:
+        forward(x).backward(torch.ones_like(y))
+    assert fwd.get_total_flops() == attention_flops(name, B, T, d)
+    assert both.get_total_flops() == 3 * attention_flops(name, B, T, d)
+
+
+def test_every_competitor_maps_x_to_the_same_shape():
+    x = torch.randn(1, 8, 16)
+    for name in IMPLEMENTATIONS:
+        y = build_impl(name, 16, 2, 8)(x)
+        assert y.shape[:2] == (1, 8), name
+    with pytest.raises(ValueError, match="unknown implementation"):
+        build_impl("numpy", 16, 2, 8)
+
+
+def test_matmul_rate_is_reported_in_gflops():
+    r = matmul_rate(64, repeats=2)
+    assert r["n"] == 64 and r["gflops_best"] >= r["gflops_median"] > 0
+
+
+def test_memory_probe_sees_the_tutorials_quadratic_scores():
+    """The fresh-process probe (with its warm-up build) sees the T^2 score tensors grow ~16x for
+    4x the tokens: 3 x H x T^2 floats = 48 MiB at 1024 tokens, 3 MiB at 256."""
+    assert build_for_memory("attnlab", 16, 2, 8)(torch.randn(1, 8, 16)).shape == (1, 8, 16)
+    kw = {"impl": "tutorial-split", "d_model": 64, "num_heads": 4}
+    small = peak_memory_mb("attnlab.bench:build_for_memory", (1, 256, 64), kwargs={**kw, "context_length": 256})
+    large = peak_memory_mb("attnlab.bench:build_for_memory", (1, 1024, 64), kwargs={**kw, "context_length": 1024})
+    assert large.forward_mb > 30
+    assert large.forward_mb > 5 * small.forward_mb
+
+
+def test_cli_writes_a_complete_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    threads = torch.get_num_threads()
+    argv = ["bench", "--quick", "--out", str(out), "--seq-lens", "8,16", "--d-model", "32", "--heads", "2"]
+    argv += ["--loop-max-len", "8", "--repeats", "1", "--gen-lens", "12,16", "--train-lens", "8", "--skip-memory"]
+    argv += ["--threads", "1"]  # fast on a busy machine; the threads setting is restored afterwards
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert torch.get_num_threads() == threads
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["attention_time.png", "generation.png", "report.md", "results.json", "training.png"]
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((out / "results.json").read_text())
+    rows = result["attention"]["rows"]
+    assert [r["seq_len"] for r in rows] == [8, 16]
+    assert set(rows[0]["results"]) == set(IMPLEMENTATIONS)
+    assert "tutorial-loop" not in rows[1]["results"]  # beyond --loop-max-len
+    assert max(max(r["max_abs_diff"].values()) for r in rows) < 1e-4  # same function, same weights
+    assert all(r["same_tokens"] for r in result["generation"]["rows"])  # the cache changes nothing
+    # Every FLOP rate is the FLOP count over the median time, and its fraction is of the best matmul seen.
+    peak = result["peak_gflops"]
+    assert peak == max(result["matmul"]["gflops_best"], result["matmul_end"]["gflops_best"])
+    for row in rows:
+        for name, r in row["results"].items():
+            flops = 3 * attention_flops(name, 1, row["seq_len"], 32)
+            assert r["gflops"] == pytest.approx(flops / (r["median_ms"] / 1e3) / 1e9)
+            assert r["fraction_of_matmul"] == pytest.approx(r["gflops"] / peak)
+            assert r["median_ms"] == pytest.approx(sorted(r["times_ms"])[len(r["times_ms"]) // 2])
+    report = (out / "report.md").read_text()
+    for label in [impl.label for impl in IMPLEMENTATIONS.values()]:
+        assert label in report
+    for heading in ("matmul rate", "forward + backward", "KV cache", "Training step"):
+        assert heading in report
+    assert f"**{result['peak_gflops']:.1f} GFLOP/s**" in report
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--d-model", "10", "--heads", "3"], "--d-model must be divisible by --heads"),
+        (["--gen-lens", "4"], "--gen-lens must all exceed"),
+    ],
+)
+def test_cli_reports_bad_input(argv, message, capsys):
+    assert main(["bench", "--quick", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_lists(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--seq-lens", "64,abc"])
+    assert "comma-separated positive integers" in capsys.readouterr().err
