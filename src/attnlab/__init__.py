@@ -21,11 +21,14 @@ from .functional import (
     scaled_dot_product_attention,
     simple_self_attention,
 )
+from .model import GPT, GPTConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPT",
     "CausalAttention",
+    "GPTConfig",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",

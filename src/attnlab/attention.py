@@ -414,15 +414,18 @@ class MultiHeadAttention(_DropsTutorialMask):
 
     def _project_qkv(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from ``x``; keys and values from ``context`` (cross) or ``x`` (self)."""
-        if context is None:
+        if context is None and x.shape[:-1].numel() >= 16:
             # One matmul for Q, K and V: the weights are concatenated, the parameters stay separate.
+            # Concatenating copies the weights, which only pays off over enough tokens; a decoding
+            # step (one token) runs the three small matmuls below instead.
             w = torch.cat([self.W_query.weight, self.W_key.weight, self.W_value.weight])  # (d_out + 2kv, d_in)
             b = None
             if self.W_query.bias is not None:
                 b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
             kv_out = self.num_kv_heads * self.head_dim
             return F.linear(x, w, b).split([self.d_out, kv_out, kv_out], dim=-1)
-        return self.W_query(x), self.W_key(context), self.W_value(context)
+        source = x if context is None else context
+        return self.W_query(x), self.W_key(source), self.W_value(source)
 
     def _combine_masks(
         self,

@@ -14,6 +14,7 @@ say so.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Literal
 
@@ -56,12 +57,23 @@ def _check_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
         raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
 
 
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Broadcast shape of ``shapes`` by numpy's rules, or None if they do not broadcast.
+
+    Plain Python on purpose: ``torch.broadcast_shapes`` imports sympy on first use (over a second)
+    and costs tens of microseconds per call, which shows in token-by-token decoding.
+    """
+    out: list[int] = []
+    for dims in itertools.zip_longest(*(reversed(s) for s in shapes), fillvalue=1):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(reversed(out))
+
+
 def _broadcast_shape(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    try:
-        out = torch.broadcast_shapes(shape, target)
-    except RuntimeError:
-        out = None
-    if out != tuple(target):
+    if _broadcast(tuple(shape), tuple(target)) != tuple(target):
         raise ValueError(
             f"{name} of shape {tuple(shape)} does not broadcast to the attention scores' "
             f"shape {tuple(target)} (..., L, S)"
@@ -177,9 +189,8 @@ def _validate(
                 f"of the key/value heads ({hkv}, dim -3 of key)"
             )
         key_batch = (*key.shape[:-3], hq)
-    try:
-        batch = torch.broadcast_shapes(query.shape[:-2], key_batch)
-    except RuntimeError:
+    batch = _broadcast(tuple(query.shape[:-2]), tuple(key_batch))
+    if batch is None:
         hint = " (set enable_gqa=True for grouped-query attention)" if query.dim() >= 3 else ""
         raise ValueError(
             f"query {tuple(query.shape)} and key {tuple(key.shape)} have batch dimensions that do not broadcast{hint}"
@@ -336,6 +347,8 @@ def scaled_dot_product_attention(
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     L, S = query.shape[-2], key.shape[-2]
+    if is_causal and L == 1:
+        is_causal = False  # bottom-right aligned, a single query (a decoding step) sees every key
 
     if backend == "reference" or return_weights:
         key, value = _expand_kv(query, key, value, enable_gqa)

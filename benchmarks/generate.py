@@ -1,0 +1,202 @@
+"""Generation and training-step speed of attnlab's GPT, against itself and Hugging Face GPT-2.
+
+One run, one process, on the same weights (the HF model gets attnlab's weights through
+``to_hf_gpt2``), competitors interleaved round by round so that machine load hits all of them
+alike; the table shows medians over the rounds and the ratios between them.
+
+* generation: a 6-layer, 6-head, 384-wide GPT (vocabulary 512, context 512) continues a 16-token
+  prompt by 256 tokens, greedy, on the CPU: attnlab with its KV cache, attnlab without a cache
+  (re-running the window each step), and ``transformers``' ``GPT2LMHeadModel.generate`` (with its
+  cache). Goals: cache >= 5x no cache; attnlab >= transformers.
+* training: one forward + backward (cross-entropy loss, no optimizer step) on a batch of
+  8 x 256 tokens, attnlab vs ``GPT2LMHeadModel`` (its default ``sdpa`` attention) of the same config.
+  Goal: attnlab >= transformers.
+
+    python benchmarks/generate.py                 # defaults above, 5 rounds
+    python benchmarks/generate.py --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from attnlab.hf import to_hf_gpt2
+from attnlab.model import GPT, GPTConfig
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="attnlab GPT generation/training speed vs transformers")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=256, help="tokens to generate")
+    ap.add_argument("--batch", type=int, default=8, help="training batch size")
+    ap.add_argument("--seq", type=int, default=256, help="training sequence length")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians are reported)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        context_length=args.context,
+        emb_dim=args.width,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        drop_rate=0.0,
+        qkv_bias=True,
+    )
+    torch.manual_seed(0)
+    ours = GPT(cfg).to(device).eval()
+    hf = None
+    if not args.no_hf:
+        try:
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+            hf = to_hf_gpt2(ours).eval()
+        except ImportError:
+            print("transformers not installed: comparing attnlab with itself only")
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
+    attn = torch.ones_like(prompt)
+
+    def gen_cache():
+        return ours.generate(prompt, args.new, temperature=0, use_cache=True)
+
+    def gen_nocache():
+        return ours.generate(prompt, args.new, temperature=0, use_cache=False)
+
+    def gen_hf():
+        with torch.inference_mode():
+            return hf.generate(
+                prompt,
+                attention_mask=attn,
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
+    ours_train = GPT(cfg).to(device).train()
+    ours_train.load_state_dict(ours.state_dict())
+    hf_train = to_hf_gpt2(ours_train).train() if hf is not None else None
+
+    def train_ours():
+        ours_train.zero_grad(set_to_none=True)
+        loss = ours_train.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        return loss.item()
+
+    def train_hf():
+        hf_train.zero_grad(set_to_none=True)
+        # Same loss as ours: labels are the inputs shifted by one, no ignore_index entries.
+        logits = hf_train(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        return loss.item()
+
+    gens = {"attnlab (KV cache)": gen_cache, "attnlab (no cache)": gen_nocache}
+    trains = {"attnlab": train_ours}
+    if hf is not None:
+        gens["transformers generate"] = gen_hf
+        trains["transformers GPT2LMHeadModel"] = train_hf
+
+    # Warm-up (first-call allocations, lazy imports), and a correctness check: same greedy tokens.
+    outs = {name: fn() for name, fn in gens.items()}
+    ref = outs["attnlab (KV cache)"]
+    same = {name: bool(torch.equal(o, ref)) for name, o in outs.items()}
+    losses = {name: fn() for name, fn in trains.items()}
+
+    gen_times: dict[str, list[float]] = {n: [] for n in gens}
+    train_times: dict[str, list[float]] = {n: [] for n in trains}
+    for r in range(args.rounds):
+        order = list(gens.items())
+        if r % 2:
+            order.reverse()  # alternate who goes first
+        for name, fn in order:
+            gen_times[name].append(timed(fn)[0])
+        for name, fn in list(trains.items())[:: -1 if r % 2 else 1]:
+            train_times[name].append(timed(fn)[0])
+
+    gen_tps = {n: args.new / statistics.median(t) for n, t in gen_times.items()}
+    train_tps = {n: args.batch * args.seq / statistics.median(t) for n, t in train_times.items()}
+
+    print(
+        f"attnlab GPT: {cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, vocab {cfg.vocab_size}, "
+        f"context {cfg.context_length}; {ours.num_parameters():,} parameters"
+    )
+    print(
+        f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}; {args.rounds} interleaved rounds, medians"
+    )
+    print(f"\nGeneration: {args.prompt}-token prompt + {args.new} new tokens, greedy, batch 1")
+    base = gen_tps["attnlab (KV cache)"]
+    for name, tps in gen_tps.items():
+        print(
+            f"  {name:<24} {tps:9.1f} tokens/s   attnlab-cache / this = {base / tps:5.2f}x   "
+            f"same tokens as attnlab-cache: {same[name]}"
+        )
+    print(f"\nTraining step (forward + backward): batch {args.batch} x {args.seq} tokens")
+    tbase = train_tps["attnlab"]
+    for name, tps in train_tps.items():
+        print(f"  {name:<30} {tps:9.0f} tokens/s   attnlab / this = {tbase / tps:5.2f}x   loss {losses[name]:.4f}")
+
+    ratios = {"cache_vs_nocache": gen_tps["attnlab (KV cache)"] / gen_tps["attnlab (no cache)"]}
+    if hf is not None:
+        ratios["cache_vs_transformers_generate"] = base / gen_tps["transformers generate"]
+        ratios["train_vs_transformers"] = tbase / train_tps["transformers GPT2LMHeadModel"]
+    print("\nGoals: cache/no-cache >= 5x: {:.2f}x".format(ratios["cache_vs_nocache"]), end="")
+    if hf is not None:
+        print(
+            "; attnlab/transformers generate >= 1x: {:.2f}x; training >= 1x: {:.2f}x".format(
+                ratios["cache_vs_transformers_generate"], ratios["train_vs_transformers"]
+            )
+        )
+    else:
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": cfg.to_dict(),
+                    "args": vars(args),
+                    "threads": torch.get_num_threads(),
+                    "generate_tokens_per_s": gen_tps,
+                    "generate_times_s": gen_times,
+                    "same_tokens": same,
+                    "train_tokens_per_s": train_tps,
+                    "train_times_s": train_times,
+                    "ratios": ratios,
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,266 @@
+"""Autoregressive generation for :class:`attnlab.GPT`: sampling, KV cache, sliding window, batches.
+
+How the cache works. Each layer owns a preallocated :class:`~attnlab.attention.KVCache` of
+``context_length`` slots. The prompt is fed once ("prefill"), filling the first slots; then every
+new token is fed alone: its query attends over the cached keys/values and its own key/value is
+written into the next slot, so a step costs O(T) work instead of the O(T^2) of re-running the
+whole sequence.
+
+Past the context window. Without a cache the model is simply re-run on the last
+``context_length`` tokens. With a cache the same must happen: GPT-2 adds an *absolute* position
+embedding to every token before the first layer, so when the window slides by one token every
+cached key and value (computed with the old positions) is stale. A rolling cache that just drops
+the oldest slot would silently change the model. So when the cache is full attnlab re-fills it from
+the last ``context_length`` tokens (a full-window forward, what the uncached path does anyway):
+cached and uncached generation stay identical; past the window the cache no longer saves work.
+(Models with relative positions, e.g. RoPE, can roll the cache; GPT-2 cannot.)
+
+Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
+real token). Padding is never attended to and each row's positions count only its real tokens, so a
+padded row generates exactly what it would alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .model import GPT
+
+__all__ = ["generate", "sample_next_token", "stream"]
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+def sample_next_token(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Pick one token per row from ``logits (B, V)``; returns ``(B,)`` int64.
+
+    ``temperature=0`` is greedy (argmax). Otherwise the logits are divided by ``temperature``,
+    restricted to the ``top_k`` most likely tokens and/or to the smallest set whose probability
+    reaches ``top_p`` (nucleus sampling), and sampled with ``generator``.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens *before* it already reach top_p (the first always stays).
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # (B, V)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+def _check_args(
+    model: GPT,
+    idx: object,
+    max_new_tokens: object,
+    temperature: object,
+    top_k: object,
+    top_p: object,
+    eos_id: object,
+    attention_mask: object,
+) -> Tensor | None:
+    V = model.config.vocab_size
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}")
+    if idx.dim() != 2 or idx.shape[1] == 0 or idx.shape[0] == 0:
+        raise ValueError(
+            f"idx must have shape (batch, tokens) with at least one token, got {tuple(idx.shape)}; "
+            f"for one prompt use idx.unsqueeze(0)"
+        )
+    if idx.device != model.device:
+        raise ValueError(f"idx is on {idx.device} but the model is on {model.device}; use idx.to(model.device)")
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"idx values must be in [0, vocab_size={V}), got min {lo}, max {hi}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
+        raise ValueError(f"eos_id must be a token id in [0, {V}) or None, got {eos_id!r}")
+    if attention_mask is None:
+        return None
+    mask = model._check_mask(attention_mask, *idx.shape).to(idx.device)
+    if not mask.any(dim=1).all():
+        raise ValueError("attention_mask has a row with no real token; every prompt needs at least one")
+    # Left padding only: once a row's real tokens start they continue to the end.
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise ValueError(
+            "attention_mask must describe left padding (padding first, then the prompt); "
+            "pad prompts on the left for batched generation"
+        )
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# The decoding loop
+# --------------------------------------------------------------------------------------------
+def _steps(
+    model: GPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+    mask: Tensor | None,
+    out: Tensor,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``(token (B,), logits (B, V))`` per step, writing tokens into ``out (B, T + new)``."""
+    B, T = idx.shape
+    C = model.config.context_length
+    out[:, :T] = idx
+    full_mask = None
+    if mask is not None:
+        full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + new)
+        full_mask[:, :T] = mask
+    caches = model.new_kv_caches(B, min(C, T + max_new_tokens)) if use_cache else None
+    cap = C if caches is None else caches[0].max_length
+    finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    cur = T  # tokens in `out` so far
+    start = 0  # first token held by the caches
+
+    was_training = model.training
+    model.eval()  # no dropout while generating
+    try:
+        for _ in range(max_new_tokens):
+            with torch.inference_mode():
+                if caches is None or cur - start >= cap or cur == T:
+                    # Prefill: (re)run the whole window, the last `cap` tokens. Without a cache this
+                    # happens every step; with one, first and then whenever the cache is full.
+                    start = max(0, cur - cap)
+                    if caches is not None:
+                        for c in caches:
+                            c.reset()
+                    window = out[:, start:cur]  # (B, W)
+                    m = None if full_mask is None else full_mask[:, start:cur]
+                    logits = model._logits(window, m, None, caches, last_only=True)[:, -1]  # (B, V)
+                else:
+                    # Decode: feed the newest token alone; the mask covers everything cached.
+                    m = None if full_mask is None else full_mask[:, start:cur]
+                    logits = model._logits(out[:, cur - 1 : cur], m, None, caches)[:, -1]  # (B, V)
+                nxt = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                if eos_id is not None:
+                    nxt = nxt.masked_fill(finished, eos_id)  # finished rows keep emitting eos
+                    finished |= nxt == eos_id
+                out[:, cur] = nxt
+                cur += 1
+            yield nxt.clone(), logits
+            if eos_id is not None and bool(finished.all()):
+                return
+    finally:
+        model.train(was_training)
+
+
+def stream(
+    model: GPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    attention_mask: Tensor | None = None,
+) -> Iterator[Tensor]:
+    """Yield each new token batch ``(B,)`` (int64) as soon as it is sampled.
+
+    Arguments as :func:`generate`. The arguments are checked when ``stream`` is called, not at
+    the first ``next()``. The model is in eval mode while the iterator runs.
+    """
+    mask = _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, attention_mask)
+    out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
+    steps = _steps(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, mask, out)
+    return (tok for tok, _ in steps)
+
+
+def generate(
+    model: GPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    attention_mask: Tensor | None = None,
+    return_logits: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Continue the prompts ``idx (B, T)`` by up to ``max_new_tokens`` tokens.
+
+    Args:
+        model: a :class:`~attnlab.GPT`.
+        idx: ``(B, T)`` int64 prompt token ids; ``T`` may exceed ``context_length`` (the model
+            then sees the last ``context_length`` tokens, and the window slides as text grows).
+        max_new_tokens: how many tokens to add.
+        temperature: softmax temperature; ``0`` is greedy decoding.
+        top_k: sample only among the ``top_k`` most likely tokens.
+        top_p: nucleus sampling: only among the most likely tokens whose probability sums to ``top_p``.
+        eos_id: stop a row when it emits this id (later positions of that row are filled with
+            it); generation ends early once every row has stopped.
+        use_cache: use per-layer KV caches (same tokens, much faster); ``False`` re-runs the window
+            each step.
+        generator: a ``torch.Generator`` for reproducible sampling.
+        attention_mask: ``(B, T)`` bool or 0/1 for left-padded prompts (True = real token).
+        return_logits: also return the logits each token was chosen from, ``(B, new, V)``.
+
+    Returns:
+        ``(B, T + new)`` int64 token ids (prompt included), ``new <= max_new_tokens``;
+        or ``(ids, logits)`` with ``return_logits=True``.
+    """
+    mask = _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, attention_mask)
+    out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
+    all_logits = []
+    n = 0
+    for _, logits in _steps(
+        model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, mask, out
+    ):
+        n += 1
+        if return_logits:
+            all_logits.append(logits.float())
+    ids = out[:, : idx.shape[1] + n]
+    if not return_logits:
+        return ids
+    V = model.config.vocab_size
+    logits = torch.stack(all_logits, dim=1) if all_logits else torch.empty(idx.shape[0], 0, V, device=idx.device)
+    return ids, logits  # (B, T + new), (B, new, V)

@@ -1,0 +1,363 @@
+"""Hugging Face GPT-2 interoperability: weights in and out, and the published checkpoints.
+
+GPT-2's original code (and Hugging Face's ``GPT2LMHeadModel``) stores every projection as a
+``Conv1D``: a ``(in, out)`` weight used as ``x @ W + b``, the transpose of ``nn.Linear``'s
+``(out, in)``. Its attention has one ``c_attn`` projection producing queries, keys and values
+side by side; attnlab keeps the tutorials' ``W_query`` / ``W_key`` / ``W_value``, so ``c_attn`` is
+split in three. The mapping, per block ``i``::
+
+    h.i.ln_1            -> trf_blocks.i.norm1
+    h.i.attn.c_attn     -> trf_blocks.i.att.W_query | W_key | W_value   (transposed, split)
+    h.i.attn.c_proj     -> trf_blocks.i.att.out_proj                    (transposed)
+    h.i.ln_2            -> trf_blocks.i.norm2
+    h.i.mlp.c_fc        -> trf_blocks.i.ff.layers.0                     (transposed)
+    h.i.mlp.c_proj      -> trf_blocks.i.ff.layers.2                     (transposed)
+    wte, wpe, ln_f      -> tok_emb, pos_emb, final_norm;   lm_head -> out_head (or tied)
+
+``transformers`` is optional: nothing here imports it unless a function needs a Hugging Face
+object; ``from_pretrained`` needs only ``huggingface_hub`` (and safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .model import GPT, GPTConfig
+
+__all__ = ["PRETRAINED", "from_hf_gpt2", "from_pretrained", "to_hf_gpt2", "to_hf_gpt2_config", "to_hf_gpt2_state_dict"]
+
+# attnlab names -> Hugging Face Hub repositories of OpenAI's GPT-2 weights.
+PRETRAINED = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-small": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+}
+_LAYER = re.compile(r"^h\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face -> attnlab
+# --------------------------------------------------------------------------------------------
+def _split_hf_input(obj: Any) -> tuple[dict[str, Tensor], Any]:
+    """``(state dict without the 'transformer.' prefix, HF config or None)``."""
+    hf_config = getattr(obj, "config", None)
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        state = obj.state_dict()
+    elif isinstance(obj, Mapping):
+        state = dict(obj)
+        hf_config = None
+    else:
+        raise TypeError(
+            f"expected a Hugging Face GPT2LMHeadModel / GPT2Model or its state dict, got {type(obj).__name__}"
+        )
+    out = {}
+    for k, v in state.items():
+        if not isinstance(v, Tensor):
+            raise TypeError(f"state dict entry {k!r} is a {type(v).__name__}, not a tensor")
+        out[k.removeprefix("transformer.")] = v
+    return out, hf_config
+
+
+def _config_from_hf(
+    state: dict[str, Tensor], hf_config: Any, n_heads: int | None, drop_rate: float | None
+) -> GPTConfig:
+    for key in ("wte.weight", "wpe.weight", "ln_f.weight"):
+        if key not in state:
+            raise ValueError(f"not a GPT-2 state dict: {key!r} (or 'transformer.{key}') is missing")
+    vocab_size, emb_dim = state["wte.weight"].shape
+    context_length = state["wpe.weight"].shape[0]
+    layers = {int(m.group(1)) for k in state if (m := _LAYER.match(k))}
+    if not layers or layers != set(range(len(layers))):
+        raise ValueError(f"not a GPT-2 state dict: transformer blocks h.0 ... h.N expected, found {sorted(layers)}")
+    ff_dim = state["h.0.mlp.c_fc.weight"].shape[1]
+    ln_eps = 1e-5
+    if hf_config is not None:
+        if getattr(hf_config, "model_type", "gpt2") != "gpt2":
+            raise ValueError(f"expected a GPT-2 model, got model_type={hf_config.model_type!r}")
+        act = getattr(hf_config, "activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"attnlab's GPT uses GELU with the tanh approximation (gelu_new); this model uses {act!r}")
+        if not getattr(hf_config, "scale_attn_weights", True) or getattr(
+            hf_config, "scale_attn_by_inverse_layer_idx", False
+        ):
+            raise ValueError("only GPT-2's standard 1/sqrt(head_dim) attention scaling is supported")
+        n_heads = getattr(hf_config, "n_head", None) if n_heads is None else n_heads
+        ln_eps = float(getattr(hf_config, "layer_norm_epsilon", 1e-5))
+        if drop_rate is None:
+            drop_rate = float(getattr(hf_config, "resid_pdrop", 0.1))
+    if n_heads is None:
+        # A bare state dict does not record the head count; every published GPT-2 uses 64-wide heads.
+        if emb_dim % 64:
+            raise ValueError(
+                f"cannot infer n_heads from a state dict with emb_dim={emb_dim} (not a multiple of GPT-2's "
+                f"head width 64); pass n_heads=..."
+            )
+        n_heads = emb_dim // 64
+    lm_head = state.get("lm_head.weight")
+    tied = (
+        lm_head is None
+        or lm_head.data_ptr() == state["wte.weight"].data_ptr()
+        or torch.equal(lm_head, state["wte.weight"])
+    )
+    return GPTConfig(
+        vocab_size=vocab_size,
+        context_length=context_length,
+        emb_dim=emb_dim,
+        n_heads=n_heads,
+        n_layers=len(layers),
+        drop_rate=0.1 if drop_rate is None else drop_rate,
+        qkv_bias=True,
+        tie_embeddings=bool(tied),
+        ff_dim=None if ff_dim == 4 * emb_dim else ff_dim,
+        ln_eps=ln_eps,
+    )
+
+
+def from_hf_gpt2(
+    model_or_state_dict: Any,
+    *,
+    n_heads: int | None = None,
+    drop_rate: float | None = None,
+    hf_config: Any = None,
+) -> GPT:
+    """Build a :class:`~attnlab.GPT` holding the weights of a Hugging Face GPT-2.
+
+    Args:
+        model_or_state_dict: a ``transformers.GPT2LMHeadModel`` or ``GPT2Model``, or a state dict of
+            one (keys with or without the ``transformer.`` prefix, e.g. a hub ``model.safetensors``).
+        n_heads: heads per layer. Read from the model's config; a bare state dict does not record
+            it, so it defaults to ``emb_dim // 64`` (true of every published GPT-2).
+        drop_rate: dropout for training the converted model (default: the HF config's, or 0.1).
+        hf_config: for a bare state dict, its ``GPT2Config`` or the dict of its ``config.json``
+            (gives ``n_head``, ``layer_norm_epsilon``, ...).
+
+    Returns:
+        A ``GPT`` in eval mode, with the source's dtype and device, whose logits equal the source's.
+    """
+    state, own_config = _split_hf_input(model_or_state_dict)
+    if hf_config is None:
+        hf_config = own_config
+    elif isinstance(hf_config, Mapping):
+        hf_config = SimpleNamespace(**dict(hf_config))
+    cfg = _config_from_hf(state, hf_config, n_heads, drop_rate)
+    C = cfg.emb_dim
+
+    def t(key: str) -> Tensor:
+        if key not in state:
+            raise ValueError(f"not a GPT-2 state dict: {key!r} is missing")
+        return state[key]
+
+    new: dict[str, Tensor] = {
+        "tok_emb.weight": t("wte.weight"),
+        "pos_emb.weight": t("wpe.weight"),
+        "final_norm.weight": t("ln_f.weight"),
+        "final_norm.bias": t("ln_f.bias"),
+    }
+    for i in range(cfg.n_layers):
+        h, b = f"h.{i}.", f"trf_blocks.{i}."
+        q, k, v = t(h + "attn.c_attn.weight").t().split(C, dim=0)  # Conv1D (C, 3C) -> 3 x Linear (C, C)
+        qb, kb, vb = t(h + "attn.c_attn.bias").split(C, dim=0)
+        new.update(
+            {
+                b + "norm1.weight": t(h + "ln_1.weight"),
+                b + "norm1.bias": t(h + "ln_1.bias"),
+                b + "att.W_query.weight": q,
+                b + "att.W_key.weight": k,
+                b + "att.W_value.weight": v,
+                b + "att.W_query.bias": qb,
+                b + "att.W_key.bias": kb,
+                b + "att.W_value.bias": vb,
+                b + "att.out_proj.weight": t(h + "attn.c_proj.weight").t(),
+                b + "att.out_proj.bias": t(h + "attn.c_proj.bias"),
+                b + "norm2.weight": t(h + "ln_2.weight"),
+                b + "norm2.bias": t(h + "ln_2.bias"),
+                b + "ff.layers.0.weight": t(h + "mlp.c_fc.weight").t(),
+                b + "ff.layers.0.bias": t(h + "mlp.c_fc.bias"),
+                b + "ff.layers.2.weight": t(h + "mlp.c_proj.weight").t(),
+                b + "ff.layers.2.bias": t(h + "mlp.c_proj.bias"),
+            }
+        )
+    if not cfg.tie_embeddings:
+        new["out_head.weight"] = t("lm_head.weight")
+    # Own, contiguous copies: the source model must not share (or be changed through) our storage.
+    new = {k: v.detach().clone().contiguous() for k, v in new.items()}
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.load_state_dict(new, strict=not cfg.tie_embeddings, assign=True)
+    if cfg.tie_embeddings:
+        model.out_head.weight = model.tok_emb.weight
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# attnlab -> Hugging Face
+# --------------------------------------------------------------------------------------------
+def _check_exportable(model: GPT) -> GPTConfig:
+    if not isinstance(model, GPT):
+        raise TypeError(f"expected an attnlab GPT, got {type(model).__name__}")
+    cfg = model.config
+    if cfg.kv_heads != cfg.n_heads:
+        raise ValueError(
+            f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
+        )
+    return cfg
+
+
+def to_hf_gpt2_state_dict(model: GPT) -> dict[str, Tensor]:
+    """A state dict for ``transformers.GPT2LMHeadModel`` (config from :func:`to_hf_gpt2_config`).
+
+    Biases a configuration switched off (``qkv_bias=False``, ``bias=False``) are exported as zeros,
+    which is exactly what their absence computes.
+    """
+    cfg = _check_exportable(model)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+
+    def bias(key: str, n: int) -> Tensor:
+        ref = sd["tok_emb.weight"]
+        return sd[key] if key in sd else torch.zeros(n, dtype=ref.dtype, device=ref.device)
+
+    C = cfg.emb_dim
+    out = {
+        "transformer.wte.weight": sd["tok_emb.weight"],
+        "transformer.wpe.weight": sd["pos_emb.weight"],
+        "transformer.ln_f.weight": sd["final_norm.weight"],
+        "transformer.ln_f.bias": bias("final_norm.bias", C),
+    }
+    for i in range(cfg.n_layers):
+        h, b = f"transformer.h.{i}.", f"trf_blocks.{i}."
+        qkv = torch.cat([sd[b + f"att.{n}.weight"] for n in ("W_query", "W_key", "W_value")])  # (3C, C)
+        qkv_b = torch.cat([bias(b + f"att.{n}.bias", C) for n in ("W_query", "W_key", "W_value")])  # (3C,)
+        out.update(
+            {
+                h + "ln_1.weight": sd[b + "norm1.weight"],
+                h + "ln_1.bias": bias(b + "norm1.bias", C),
+                h + "attn.c_attn.weight": qkv.t(),
+                h + "attn.c_attn.bias": qkv_b,
+                h + "attn.c_proj.weight": sd[b + "att.out_proj.weight"].t(),
+                h + "attn.c_proj.bias": bias(b + "att.out_proj.bias", C),
+                h + "ln_2.weight": sd[b + "norm2.weight"],
+                h + "ln_2.bias": bias(b + "norm2.bias", C),
+                h + "mlp.c_fc.weight": sd[b + "ff.layers.0.weight"].t(),
+                h + "mlp.c_fc.bias": bias(b + "ff.layers.0.bias", cfg.hidden_dim),
+                h + "mlp.c_proj.weight": sd[b + "ff.layers.2.weight"].t(),
+                h + "mlp.c_proj.bias": bias(b + "ff.layers.2.bias", C),
+            }
+        )
+    out["lm_head.weight"] = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["out_head.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_gpt2_config(model: GPT) -> Any:
+    """The ``transformers.GPT2Config`` matching ``model`` (needs ``transformers``)."""
+    cfg = _check_exportable(model)
+    transformers = _import_transformers()
+    return transformers.GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.context_length,
+        n_embd=cfg.emb_dim,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=None if cfg.ff_dim is None else cfg.ff_dim,
+        activation_function="gelu_new",
+        resid_pdrop=cfg.drop_rate,
+        embd_pdrop=cfg.drop_rate,
+        attn_pdrop=cfg.drop_rate,
+        layer_norm_epsilon=cfg.ln_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=min(50256, cfg.vocab_size - 1),
+        eos_token_id=min(50256, cfg.vocab_size - 1),
+    )
+
+
+def to_hf_gpt2(model: GPT) -> Any:
+    """A ``transformers.GPT2LMHeadModel`` with ``model``'s weights (eval mode, same dtype/device)."""
+    transformers = _import_transformers()
+    hf = transformers.GPT2LMHeadModel(to_hf_gpt2_config(model))
+    hf.load_state_dict(to_hf_gpt2_state_dict(model))
+    return hf.to(device=model.device, dtype=model.dtype).eval()
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "this needs the 'transformers' package: pip install 'attnlab[hf]' (or pip install transformers)"
+        ) from None
+    return transformers
+
+
+# --------------------------------------------------------------------------------------------
+# Published weights
+# --------------------------------------------------------------------------------------------
+def from_pretrained(
+    name: str = "gpt2",
+    *,
+    cache_dir: str | Path | None = None,
+    revision: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> GPT:
+    """Load OpenAI's GPT-2 weights into a :class:`~attnlab.GPT`.
+
+    Args:
+        name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
+            repository id of a GPT-2 model, or a local directory with ``config.json`` and
+            ``model.safetensors`` (what ``save_pretrained`` writes).
+        cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
+            or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
+        device, dtype: where to put the model.
+
+    Weights are read from safetensors (nothing is unpickled). When the weights are neither in the
+    cache nor downloadable, raises ``FileNotFoundError`` with one sentence saying what to do.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a model name like 'gpt2', got {name!r}")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        config_path, weights_path = local / "config.json", local / "model.safetensors"
+        for p in (config_path, weights_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} not found: a GPT-2 directory needs config.json and model.safetensors")
+    else:
+        config_path, weights_path = _download(PRETRAINED.get(name.lower(), name), cache_dir, revision)
+
+    from safetensors.torch import load_file
+
+    hf_cfg = json.loads(Path(config_path).read_text())
+    if hf_cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{name!r} is not a GPT-2 model (model_type={hf_cfg.get('model_type')!r})")
+    model = from_hf_gpt2(load_file(str(weights_path)), hf_config=hf_cfg)
+    return model.to(device=device, dtype=dtype)
+
+
+def _download(repo_id: str, cache_dir: str | Path | None, revision: str | None) -> tuple[str, str]:
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise ImportError(
+            "GPT.from_pretrained needs the 'huggingface_hub' package: pip install 'attnlab[hf]'"
+        ) from None
+    try:
+        paths = tuple(
+            hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision)
+            for filename in ("config.json", "model.safetensors")
+        )
+    except Exception as e:  # offline, no such repository, HTTP errors: all end in the same advice
+        raise FileNotFoundError(
+            f"could not get the weights of {repo_id!r} from the Hugging Face Hub or its local cache "
+            f"({type(e).__name__}); connect to the internet once so they are downloaded into the cache "
+            f"(~/.cache/huggingface, or $HF_HOME), or pass a local directory holding config.json and "
+            f"model.safetensors"
+        ) from None
+    return paths  # type: ignore[return-value]

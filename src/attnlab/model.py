@@ -1,0 +1,687 @@
+"""A GPT on attnlab's :class:`~attnlab.attention.MultiHeadAttention`: the GPT-2 architecture.
+
+The tutorials end at GPT-2's attention sizes ("Implementing GPT-Style Attention") and at a toy
+language model, ``BadLM_V2`` (the attention-review exercises). This module is the real model they
+lead to, with the tutorials' configuration names (``vocab_size``, ``context_length``, ``emb_dim``,
+``n_heads``, ``n_layers``, ``drop_rate``, ``qkv_bias``)::
+
+    tok_emb(idx) + pos_emb(positions)            # (B, T, emb_dim)
+    -> dropout
+    -> n_layers x TransformerBlock:              # pre-LayerNorm, residual around each half
+           x = x + drop(att(norm1(x)))           #   attnlab MultiHeadAttention, causal
+           x = x + drop(ff(norm2(x)))            #   Linear 4x -> GELU (tanh, as GPT-2) -> Linear
+    -> final_norm -> out_head                    # (B, T, vocab_size), out_head tied to tok_emb
+
+With ``qkv_bias=True`` and the ``gpt2-*`` presets the parameters are exactly GPT-2's (``gpt2-small``
+has 124,439,808 of them, as Hugging Face's ``GPT2LMHeadModel``); :mod:`attnlab.hf` converts weights
+both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import KVCache, MultiHeadAttention
+
+__all__ = [
+    "CONFIG_NAME",
+    "GPT",
+    "WEIGHTS_NAME",
+    "FeedForward",
+    "GPTConfig",
+    "TransformerBlock",
+    "atomic_write_bytes",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+# GPT-2's published sizes (Radford et al. 2019; Hugging Face's gpt2, gpt2-medium, gpt2-large, gpt2-xl).
+_GPT2_SIZES = {
+    "gpt2-small": dict(emb_dim=768, n_layers=12, n_heads=12),
+    "gpt2-medium": dict(emb_dim=1024, n_layers=24, n_heads=16),
+    "gpt2-large": dict(emb_dim=1280, n_layers=36, n_heads=20),
+    "gpt2-xl": dict(emb_dim=1600, n_layers=48, n_heads=25),
+}
+_ALIASES = {"gpt2": "gpt2-small", "124m": "gpt2-small", "355m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+
+
+@dataclass
+class GPTConfig:
+    """Sizes and switches of a :class:`GPT` (the tutorials' names).
+
+    Attributes:
+        vocab_size: number of token ids (GPT-2's BPE: 50257; bytes: 256).
+        context_length: the longest sequence the model sees (size of the position embedding).
+        emb_dim: width of the residual stream (``d_in = d_out`` of every attention layer).
+        n_heads: attention heads per layer; ``emb_dim`` must be divisible by it.
+        n_layers: number of transformer blocks.
+        drop_rate: dropout on the embeddings, the attention weights and each residual branch.
+        qkv_bias: bias in the query/key/value projections (GPT-2 has one).
+        n_kv_heads: key/value heads for grouped-query attention (default ``n_heads``: plain MHA).
+        tie_embeddings: the output head shares the token embedding matrix (as GPT-2).
+        bias: bias in the attention output projection, the MLP and the LayerNorms (as GPT-2).
+        ff_dim: hidden width of the MLP (default ``4 * emb_dim``).
+        ln_eps: LayerNorm epsilon (GPT-2: 1e-5).
+    """
+
+    vocab_size: int = 50257
+    context_length: int = 1024
+    emb_dim: int = 768
+    n_heads: int = 12
+    n_layers: int = 12
+    drop_rate: float = 0.1
+    qkv_bias: bool = False
+    n_kv_heads: int | None = None
+    tie_embeddings: bool = True
+    bias: bool = True
+    ff_dim: int | None = None
+    ln_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            _positive_int(name, getattr(self, name))
+        for name in ("n_kv_heads", "ff_dim"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        d = self.drop_rate
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
+            raise ValueError(f"drop_rate must be a float in [0, 1), got {d!r}")
+        self.drop_rate = float(d)
+        for name in ("qkv_bias", "tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        eps = self.ln_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0:
+            raise ValueError(f"ln_eps must be a small positive float, got {eps!r}")
+        self.ln_eps = float(eps)
+        if self.emb_dim % self.n_heads != 0:
+            raise ValueError(
+                f"emb_dim must be divisible by n_heads, got emb_dim={self.emb_dim} and n_heads={self.n_heads}"
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"n_heads must be divisible by n_kv_heads, got n_heads={self.n_heads} and n_kv_heads={self.n_kv_heads}"
+            )
+
+    # Derived sizes --------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used (``n_kv_heads`` or ``n_heads``)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """MLP hidden width actually used (``ff_dim`` or ``4 * emb_dim``)."""
+        return 4 * self.emb_dim if self.ff_dim is None else self.ff_dim
+
+    # Presets and (de)serialisation ----------------------------------------------------------
+    @classmethod
+    def presets(cls) -> list[str]:
+        """Names accepted by :meth:`preset`."""
+        return ["tiny", *_GPT2_SIZES]
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named configuration, optionally with some fields overridden.
+
+        ``gpt2-small`` (alias ``gpt2``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``: GPT-2's
+        published sizes (vocabulary 50257, context 1024, ``qkv_bias=True``, dropout 0.1).
+        ``tiny``: a ~0.8M-parameter byte-level model (vocabulary 256, context 256, 4 layers of
+        width 128 with 4 heads, no dropout) that learns visibly within minutes on a 2-core CPU.
+
+        >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
+        256
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"preset name must be a str, got {type(name).__name__}")
+        key = _ALIASES.get(name.lower(), name.lower())
+        if key == "tiny":
+            base: dict[str, Any] = dict(
+                vocab_size=256, context_length=256, emb_dim=128, n_heads=4, n_layers=4, drop_rate=0.0, qkv_bias=False
+            )
+        elif key in _GPT2_SIZES:
+            base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])
+        else:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(cls.presets())} (or 'gpt2')")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown GPTConfig field(s) {unknown}; fields are {sorted(fields)}")
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (what ``config.json`` holds)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error (a typo must not pass silently)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig field(s) {unknown}; fields are {sorted(fields)}")
+        return cls(**d)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+class FeedForward(nn.Module):
+    """GPT-2's MLP: ``Linear(emb, hidden) -> GELU(tanh approximation) -> Linear(hidden, emb)``.
+
+    GPT-2 was trained with the tanh approximation of GELU (``gelu_new`` in Hugging Face), so that
+    is what reproduces its logits. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + att(norm1(x))`` then ``x + ff(norm2(x))``.
+
+    Normalising *before* each sublayer (GPT-2's choice) keeps the residual stream an identity
+    path, which is what lets deep stacks train without warm-up tricks.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.att = MultiHeadAttention(
+            d_in=cfg.emb_dim,
+            d_out=cfg.emb_dim,
+            context_length=cfg.context_length,
+            dropout=cfg.drop_rate,
+            num_heads=cfg.n_heads,
+            qkv_bias=cfg.qkv_bias,
+            num_kv_heads=cfg.n_kv_heads,
+            out_bias=cfg.bias,
+        )
+        self.norm2 = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ff = FeedForward(cfg)
+        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+
+    def forward(self, x: Tensor, *, key_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.drop_shortcut(self.att(self.norm1(x), key_mask=key_mask, kv_cache=kv_cache))  # (B, T, C)
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+class GPT(nn.Module):
+    """GPT-2-style decoder-only language model on attnlab attention.
+
+    Args:
+        config: a :class:`GPTConfig` (or a dict of its fields).
+
+    ``model(idx)`` maps token ids ``idx (B, T)`` (int64, ``T <= context_length``) to logits
+    ``(B, T, vocab_size)``; :meth:`loss` gives the mean next-token cross-entropy;
+    :meth:`generate` / :meth:`stream` sample continuations with a KV cache.
+
+    Building under ``with torch.device("meta"):`` allocates no memory, which is how to inspect
+    a large preset (``GPT(GPTConfig.preset("gpt2-xl")).num_parameters()``).
+    """
+
+    def __init__(self, config: GPTConfig | dict[str, Any]) -> None:
+        super().__init__()
+        if isinstance(config, dict):
+            config = GPTConfig.from_dict(config)
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig or dict, got {type(config).__name__}")
+        self.config = cfg = config
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        # Sized by context_length: one vector per *position*, not per token id (the tutorials'
+        # BadLM_V2 sized it by vocab_size; see examples/badlm_v2.py).
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        self.drop_emb = nn.Dropout(cfg.drop_rate)
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.final_norm = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.out_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    # Initialisation ---------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms; the residual
+        projections (attention ``out_proj``, MLP output) get N(0, 0.02 / sqrt(2 * n_layers)) so
+        the residual stream's variance does not grow with depth."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                if module.weight is not None:
+                    nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for block in self.trf_blocks:
+            nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=std)
+            nn.init.normal_(block.ff.layers[2].weight, mean=0.0, std=std)
+
+    # Introspection ------------------------------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (tied weights counted once). ``exclude_embeddings`` leaves out
+        the position embedding and, when untied, the token embedding (as in the scaling-law papers)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.pos_emb.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.tok_emb.weight.numel()
+        return n
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_emb.weight.dtype
+
+    def new_kv_caches(self, batch_size: int, max_length: int | None = None) -> list[KVCache]:
+        """One preallocated :class:`~attnlab.attention.KVCache` per layer (``max_length`` defaults
+        to ``context_length``; more is pointless: positions stop at the context)."""
+        n = self.config.context_length if max_length is None else max_length
+        if n > self.config.context_length:
+            raise ValueError(f"max_length must be <= context_length={self.config.context_length}, got {n}")
+        return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
+
+    # Forward ------------------------------------------------------------------------------------
+    def _check_idx(self, idx: object, past: int = 0) -> Tensor:
+        if not isinstance(idx, Tensor):
+            raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; use idx.long()")
+        if idx.dim() != 2:
+            raise ValueError(
+                f"idx must have shape (batch, tokens), got {tuple(idx.shape)}; for one sequence use idx.unsqueeze(0)"
+            )
+        T = idx.shape[1]
+        if T == 0:
+            raise ValueError("idx must contain at least one token, got shape " + str(tuple(idx.shape)))
+        C = self.config.context_length
+        if past + T > C:
+            raise ValueError(
+                f"idx has {past + T} tokens{' (with the cache)' if past else ''}, more than context_length={C}; "
+                f"crop it to the last {C} tokens (idx[:, -{C}:]) or use generate(), which slides the window"
+            )
+        if idx.device != self.device and self.device.type != "meta":
+            raise ValueError(f"idx is on {idx.device} but the model is on {self.device}; use idx.to(model.device)")
+        # One reduction, so on CUDA an id out of range is a clear error rather than a device assert.
+        if idx.device.type != "meta" and not torch.compiler.is_compiling():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"idx values must be in [0, vocab_size={self.config.vocab_size}), got min {lo}, max {hi}"
+                )
+        return idx
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+    ) -> Tensor:
+        """Logits ``(B, T, vocab_size)`` for token ids ``idx (B, T)``.
+
+        Args:
+            idx: ``(B, T)`` int64 token ids.
+            attention_mask: optional ``(B, S)`` bool (True = real token) or 0/1 int mask over every
+                key the layers attend to: ``S = T`` without a cache, ``S = past + T`` with one.
+                Padded positions are never attended to. Used for left-padded batches.
+            position_ids: optional ``(B, T)`` or ``(T,)`` positions; by default ``past, ..., past+T-1``
+                or, with ``attention_mask``, each row's count of real tokens before it (so a
+                left-padded row gets the positions it would have alone).
+            kv_caches: one :class:`KVCache` per layer (see :meth:`new_kv_caches`); the new keys and
+                values are appended and attention covers all cached tokens.
+        """
+        past = 0
+        if kv_caches is not None:
+            if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.trf_blocks):
+                raise ValueError(f"kv_caches must be a list of {len(self.trf_blocks)} KVCache objects (one per layer)")
+            past = kv_caches[0].length
+        idx = self._check_idx(idx, past)
+        B, T = idx.shape
+        key_mask = None if attention_mask is None else self._check_mask(attention_mask, B, past + T)
+        if position_ids is not None:
+            if not isinstance(position_ids, Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+                raise TypeError("position_ids must be an integer tensor")
+            if position_ids.shape not in ((T,), (B, T)):
+                raise ValueError(f"position_ids must have shape {(T,)} or {(B, T)}, got {tuple(position_ids.shape)}")
+            if position_ids.numel() and not (
+                0 <= int(position_ids.min()) <= int(position_ids.max()) < self.config.context_length
+            ):
+                raise ValueError(f"position_ids must be in [0, context_length={self.config.context_length})")
+        return self._logits(idx, key_mask, position_ids, kv_caches)
+
+    def _logits(
+        self,
+        idx: Tensor,
+        key_mask: Tensor | None,
+        position_ids: Tensor | None,
+        kv_caches: list[KVCache] | None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """The forward pass on checked inputs (generation calls this directly, once per token).
+
+        ``last_only`` computes the logits of the last position only, ``(B, 1, V)``: all that
+        sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill.
+        """
+        T = idx.shape[1]
+        past = 0 if kv_caches is None else kv_caches[0].length
+        if position_ids is None:
+            if key_mask is not None:
+                # Count real tokens to the left: padding does not advance the position.
+                position_ids = (key_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, T)
+            else:
+                position_ids = torch.arange(past, past + T, device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
+        x = self.drop_emb(x)
+        for i, block in enumerate(self.trf_blocks):
+            x = block(x, key_mask=key_mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        x = self.final_norm(x)
+        return self.out_head(x)  # (B, T, vocab_size)
+
+    @staticmethod
+    def _check_mask(mask: object, B: int, S: int) -> Tensor:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+        if mask.shape != (B, S):
+            raise ValueError(f"attention_mask must have shape (batch, keys) = {(B, S)}, got {tuple(mask.shape)}")
+        if mask.dtype != torch.bool:
+            if mask.is_floating_point() or mask.is_complex():
+                raise TypeError(f"attention_mask must be bool or 0/1 integers, got dtype {mask.dtype}")
+            mask = mask != 0
+        return mask
+
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        *,
+        ignore_index: int = -100,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy (nats per token) of ``targets (B, T)`` given ``idx (B, T)``.
+
+        ``targets`` are usually ``idx`` shifted left by one; entries equal to ``ignore_index``
+        (default -100, as ``F.cross_entropy``) do not count.
+        """
+        if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                "targets must be an integer tensor of token ids, got "
+                f"{getattr(targets, 'dtype', type(targets).__name__)}"
+            )
+        if isinstance(idx, Tensor) and targets.shape != idx.shape:
+            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        logits = self(idx, attention_mask=attention_mask)  # (B, T, V)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=ignore_index
+        )  # float32 loss even under bf16 autocast
+
+    # Training helpers ---------------------------------------------------------------------------
+    def optimizer_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """nanoGPT's split: every parameter with ``dim >= 2`` (matmul weights, embeddings) is
+        decayed; biases and LayerNorm parameters are not."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return [
+            {"params": decay, "weight_decay": float(weight_decay)},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def configure_optimizer(
+        self,
+        weight_decay: float = 0.1,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        *,
+        fused: bool | None = None,
+    ) -> torch.optim.AdamW:
+        """AdamW with decay / no-decay groups (see :meth:`optimizer_groups`).
+
+        ``fused`` defaults to True on CUDA (one kernel for all parameters), False elsewhere.
+        """
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ValueError(f"weight_decay must be a non-negative float, got {weight_decay!r}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"lr must be a positive float, got {lr!r}")
+        if fused is None:
+            fused = self.device.type == "cuda"
+        kwargs: dict[str, Any] = {"fused": True} if fused else {}
+        return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
+
+    # Generation -----------------------------------------------------------------------------------
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+        attention_mask: Tensor | None = None,
+        return_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Continue ``idx (B, T)`` by up to ``max_new_tokens`` tokens; returns ``(B, T + new)`` ids.
+
+        ``temperature=0`` is greedy; ``top_k`` / ``top_p`` restrict sampling; ``eos_id`` stops a
+        row; ``use_cache`` uses per-layer KV caches (same tokens, much faster); ``generator`` makes
+        sampling reproducible; ``attention_mask (B, T)`` marks real tokens of left-padded prompts;
+        ``return_logits`` also returns the ``(B, new, V)`` logits. Prompts longer than the context
+        and generation past it slide the window. Details: :func:`attnlab.generation.generate`.
+        """
+        from .generation import generate
+
+        return generate(
+            self,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            use_cache=use_cache,
+            generator=generator,
+            attention_mask=attention_mask,
+            return_logits=return_logits,
+        )
+
+    def stream(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Iterator[Tensor]:
+        """Like :meth:`generate`, but yields each new ``(B,)`` batch of token ids as soon as it exists::
+
+        for tok in model.stream(idx, 100, temperature=0.8, top_k=40):
+            print(tokenizer.decode([int(tok[0])]), end="", flush=True)
+        """
+        from .generation import stream
+
+        return stream(
+            self,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            use_cache=use_cache,
+            generator=generator,
+            attention_mask=attention_mask,
+        )
+
+    # Hugging Face interop (see attnlab.hf) ------------------------------------------------------
+    @classmethod
+    def from_hf_gpt2(cls, model_or_state_dict: Any, **kwargs: Any) -> GPT:
+        """Build from a Hugging Face ``GPT2LMHeadModel`` (or its state dict); see :mod:`attnlab.hf`."""
+        from .hf import from_hf_gpt2
+
+        return from_hf_gpt2(model_or_state_dict, **kwargs)
+
+    def to_hf_gpt2_state_dict(self) -> dict[str, Tensor]:
+        """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts."""
+        from .hf import to_hf_gpt2_state_dict
+
+        return to_hf_gpt2_state_dict(self)
+
+    @classmethod
+    def from_pretrained(cls, name: str = "gpt2", **kwargs: Any) -> GPT:
+        """GPT-2's published weights (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``) via the
+        Hugging Face cache; see :func:`attnlab.hf.from_pretrained`."""
+        from .hf import from_pretrained
+
+        return from_pretrained(name, **kwargs)
+
+    # Saving and loading -------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed).
+
+        Each file is written to a temporary file in the same directory, fsynced and renamed over
+        the old one, so a crash leaves either the old or the new file, never a torn one. Tied
+        weights are stored once. Returns the directory.
+        """
+        from safetensors.torch import save as st_save
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_embeddings:
+            state.pop("out_head.weight", None)
+        atomic_write_bytes(d / WEIGHTS_NAME, st_save(state, metadata={"format": "pt", "attnlab": "GPT"}))
+        atomic_write_bytes(d / CONFIG_NAME, (json.dumps(self.config.to_dict(), indent=2) + "\n").encode())
+        return d
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> GPT:
+        """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} not found: not a directory written by GPT.save()")
+        try:
+            config = GPTConfig.from_dict(json.loads(cfg_path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+        try:
+            state = load_file(str(w_path))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{w_path} is not a readable safetensors file ({e})") from None
+        with torch.device("meta"):
+            model = cls(config)
+        if config.tie_embeddings:
+            state.pop("out_head.weight", None)
+        missing, unexpected = model._check_state_keys(state)
+        if missing or unexpected:
+            raise ValueError(f"{w_path} does not match {cfg_path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_embeddings:
+            model.out_head.weight = model.tok_emb.weight
+        return model.to(device=device, dtype=dtype)
+
+    def _check_state_keys(self, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:
+        expected = set(self.state_dict())
+        if self.config.tie_embeddings:
+            expected.discard("out_head.weight")
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        for k in sorted(expected & set(state)):
+            want = tuple(self.state_dict()[k].shape)
+            if tuple(state[k].shape) != want:
+                unexpected.append(f"{k} (shape {tuple(state[k].shape)}, expected {want})")
+        return missing, unexpected
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, os.replace."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # fsync the directory so the rename itself survives a power cut (POSIX only).
+    if hasattr(os, "O_DIRECTORY"):
+        dfd = os.open(path.parent, os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

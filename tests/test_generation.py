@@ -1,0 +1,215 @@
+"""Generation: greedy vs a naive loop, KV cache vs no cache, sliding window, padding, sampling, eos."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.generation import sample_next_token
+from attnlab.model import GPT, GPTConfig
+
+V, C = 41, 12
+MODEL_CFG = GPTConfig(vocab_size=V, context_length=C, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0, qkv_bias=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(1)
+    m = GPT(MODEL_CFG).eval()
+    # Larger weights than GPT-2's init give peaked, varied next-token distributions (no greedy ties).
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.mul_(8)
+    return m
+
+
+def naive_greedy(model: GPT, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's loop: crop to the context, full forward, argmax, append."""
+    logits_all = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(idx[:, -C:])[:, -1]  # (B, V)
+            logits_all.append(logits)
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    return idx, torch.stack(logits_all, 1) if logits_all else torch.empty(idx.shape[0], 0, V)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 20), n=st.integers(0, 20), B=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_cached_and_uncached_greedy_match_naive_loop(model, T, n, B, seed):
+    # Covers prompts longer than the context and generation past it (T + n up to 40 > C = 12).
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    want, want_logits = naive_greedy(model, idx, n)
+    for use_cache in (True, False):
+        got, logits = model.generate(idx, n, temperature=0, use_cache=use_cache, return_logits=True)
+        assert got.shape == (B, T + n)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_feeds_one_token_per_step_until_the_window_is_full(model):
+    lengths = []
+    hook = model.tok_emb.register_forward_hook(lambda mod, inp, out: lengths.append(inp[0].shape[1]))
+    try:
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 6, temperature=0)
+        assert lengths == [4, 1, 1, 1, 1, 1]  # prefill once, then single tokens: no re-running
+        lengths.clear()
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 11, temperature=0)
+        # Cache full at 12 tokens: from then on each step re-fills it from the last 12 (absolute positions).
+        assert lengths == [4, 1, 1, 1, 1, 1, 1, 1, 12, 12, 12]
+        lengths.clear()
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 3, temperature=0, use_cache=False)
+        assert lengths == [4, 5, 6]
+    finally:
+        hook.remove()
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 15), min_size=2, max_size=4), n=st.integers(1, 12), seed=st.integers(0, 999))
+def test_left_padded_batch_equals_prompts_one_at_a_time(model, lengths, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, V, (1, L), generator=g) for L in lengths]
+    T = max(lengths)
+    batch = torch.cat([torch.cat([torch.full((1, T - p.shape[1]), 7), p], 1) for p in prompts])
+    mask = torch.stack([torch.arange(T) >= T - p.shape[1] for p in prompts])
+    for use_cache in (True, False):
+        out = model.generate(batch, n, temperature=0, attention_mask=mask, use_cache=use_cache)
+        for row, p in enumerate(prompts):
+            alone = model.generate(p, n, temperature=0, use_cache=use_cache)[0]
+            assert torch.equal(out[row, T - p.shape[1] :], alone)
+
+
+def test_sampling_reproducible_with_generator_and_cache_independent(model):
+    idx = torch.randint(0, V, (2, 5))
+    kw = dict(temperature=0.9, top_k=10, top_p=0.95)
+    a = model.generate(idx, 15, generator=torch.Generator().manual_seed(3), **kw)
+    b = model.generate(idx, 15, generator=torch.Generator().manual_seed(3), **kw)
+    c = model.generate(idx, 15, generator=torch.Generator().manual_seed(3), use_cache=False, **kw)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    d = model.generate(idx, 15, generator=torch.Generator().manual_seed(4), **kw)
+    assert not torch.equal(a, d)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model):
+    idx = torch.randint(0, V, (2, 5))
+    greedy = model.generate(idx, 10, temperature=0)
+    assert torch.equal(model.generate(idx, 10, top_k=1), greedy)
+    assert torch.equal(model.generate(idx, 10, top_p=1e-6), greedy)
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(1, 12), p=st.floats(0.05, 1.0), temp=st.floats(0.3, 2.0), seed=st.integers(0, 999))
+def test_sample_next_token_support_matches_explicit_filter(k, p, temp, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 12, generator=g, dtype=torch.float64).float() * 3
+    # Explicit allowed set: the top k, then the smallest prefix (by probability) reaching p.
+    probs = torch.softmax(logits[0].double() / temp, -1)
+    order = probs.argsort(descending=True).tolist()[:k]
+    kept = probs[order] / probs[order].sum()
+    allowed, total = set(), 0.0
+    for tok, q in zip(order, kept.tolist(), strict=True):
+        if total >= p - 1e-9 and allowed:
+            break
+        allowed.add(tok)
+        total += q
+    draws = {int(sample_next_token(logits, temperature=temp, top_k=k, top_p=p, generator=g)[0]) for _ in range(200)}
+    assert draws <= allowed
+    if len(allowed) == 1:
+        assert draws == allowed
+
+
+def test_sampling_frequencies_follow_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next_token(logits, generator=g) for _ in range(4000)]).flatten()
+    freq = torch.bincount(draws, minlength=4).double() / 4000
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double(), -1), atol=0.03, rtol=0)
+
+
+def test_eos_stops_rows_and_fills_them(model):
+    idx = torch.randint(0, V, (3, 4))
+    greedy = model.generate(idx, 8, temperature=0)
+    eos = int(greedy[0, 6])  # row 0 emits it at its 3rd new token (other rows maybe later or never)
+    out = model.generate(idx, 8, temperature=0, eos_id=eos)
+    for row in range(3):
+        new = greedy[row, 4:]
+        hits = (new == eos).nonzero()
+        first = int(hits[0]) if len(hits) else None
+        got = out[row, 4:]
+        if first is None:
+            assert torch.equal(got, new[: got.shape[0]])
+        else:
+            assert torch.equal(got[: first + 1], new[: first + 1]) and torch.all(got[first:] == eos)
+    firsts = [(greedy[r, 4:] == eos).nonzero() for r in range(3)]
+    if all(len(f) for f in firsts):  # everybody stopped: output ends at the last stop
+        assert out.shape[1] == 4 + max(int(f[0]) for f in firsts) + 1
+
+
+def test_stream_yields_the_generate_tokens_and_checks_eagerly(model):
+    idx = torch.randint(0, V, (2, 3))
+    steps = list(model.stream(idx, 7, temperature=0))
+    assert all(s.shape == (2,) for s in steps)
+    assert torch.equal(torch.stack(steps, 1), model.generate(idx, 7, temperature=0)[:, 3:])
+    with pytest.raises(ValueError, match="temperature"):
+        model.stream(idx, 3, temperature=-1)  # raised at the call, before any next()
+
+
+def test_generate_restores_training_mode_and_makes_no_graph(model):
+    model.train()
+    try:
+        out = model.generate(torch.zeros(1, 2, dtype=torch.long), 3)
+        assert model.training and not out.requires_grad
+    finally:
+        model.eval()
+
+
+def test_zero_new_tokens_returns_prompt(model):
+    idx = torch.randint(0, V, (2, 3))
+    assert torch.equal(model.generate(idx, 0), idx)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(eos_id=V), ValueError, "eos_id"),
+        (dict(idx=torch.zeros(3, dtype=torch.long)), ValueError, r"shape \(batch, tokens\)"),
+        (dict(idx=torch.zeros(1, 3)), TypeError, "integer token ids"),
+        (dict(idx=torch.full((1, 3), V)), ValueError, "idx values"),
+        (dict(attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "left padding"),
+        (dict(attention_mask=torch.tensor([[0, 0, 0]])), ValueError, "no real token"),
+        (dict(attention_mask=torch.ones(1, 4)), ValueError, "attention_mask must have shape"),
+    ],
+)
+def test_bad_generate_arguments(model, kwargs, err, match):
+    args = dict(idx=torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        model.generate(args.pop("idx"), args.pop("max_new_tokens"), **args)
+
+
+@pytest.mark.parametrize("overrides", [dict(n_kv_heads=2), dict(n_kv_heads=1, qkv_bias=False, bias=False)])
+def test_grouped_query_models_cache_and_pad_correctly(overrides):
+    torch.manual_seed(2)
+    m = GPT(GPTConfig(vocab_size=V, context_length=C, emb_dim=32, n_heads=4, n_layers=2, **overrides)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.mul_(8)
+    idx = torch.randint(0, V, (2, 5))
+    want, want_logits = naive_greedy(m, idx, 14)
+    got, logits = m.generate(idx, 14, temperature=0, return_logits=True)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), idx[1:, :2]], 1)  # row 1's first 2 tokens, left-padded
+    both = torch.cat([idx[:1], padded])
+    mask = torch.tensor([[True] * 5, [False] * 3 + [True] * 2])
+    out = m.generate(both, 6, temperature=0, attention_mask=mask)
+    assert torch.equal(out[1, 3:], m.generate(idx[1:, :2], 6, temperature=0)[0])
