@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attnlab.benchmarking import attention_benchmark, format_attention_report, goals_met, write_json_atomic
+from attnlab._io import atomic_write_json
+from attnlab.benchmarking import attention_benchmark, format_attention_report, goals_met
 
 
 def positive_int(text: str) -> int:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_attention_report(result))
     if args.json:
-        write_json_atomic(args.json, result)
+        atomic_write_json(args.json, result)
         print(f"\nwrote {args.json}")
     return 1 if args.check and not goals_met(result) else 0
 

@@ -96,13 +96,6 @@ def test_peak_memory_sees_the_tutorial_scores():
         b.peak_memory_mb("tutorial", (1, 600, 96), kwargs=kw)  # longer than context_length: the child fails
 
 
-def test_write_json_atomic(tmp_path):
-    path = tmp_path / "sub" / "r.json"
-    b.write_json_atomic(path, {"x": [1, 2]})
-    assert json.loads(path.read_text()) == {"x": [1, 2]}
-    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temp file left behind
-
-
 def test_report_formats_a_quick_run():
     result = b.attention_benchmark(batch=1, seq_len=16, d_model=24, num_heads=4, repeats=2, warmup=0, memory=False)
     text = b.format_attention_report(result)

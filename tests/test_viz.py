@@ -24,7 +24,6 @@ from attnlab.tokenizers import ByteTokenizer
 from attnlab.viz import (
     AttentionView,
     LayerMaps,
-    _write_atomic,
     attention_maps,
     capture_attention,
     demo_view,
@@ -250,22 +249,6 @@ def test_save_png_draws_every_panel(tmp_path):
 def test_save_svg_follows_the_suffix(tmp_path):
     path = save_png(demo_view().select([0]), tmp_path / "demo.svg")
     assert path.read_text().lstrip().startswith("<?xml")
-
-
-def test_write_atomic_keeps_the_old_file_on_failure(tmp_path):
-    target = tmp_path / "out.html"
-    target.write_text("old")
-
-    def boom(f):
-        f.write("half")
-        raise RuntimeError("disk full")
-
-    with pytest.raises(RuntimeError):
-        _write_atomic(target, boom, mode="w")
-    assert target.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.html"]
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        _write_atomic(tmp_path / "missing" / "x.png", lambda f: None)
 
 
 class _Scripts(HTMLParser):

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import benchmarking as bm
+from ._io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -495,13 +496,7 @@ def _figure(path: Path, draw: Callable[[object], None], ncols: int = 1) -> None:
     draw(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    _atomic_write(path, buf.getvalue())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    from .viz import _write_atomic  # temp file in the same directory, fsync, os.replace
-
-    _write_atomic(path, lambda f: f.write(data))
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _log_x(ax, ticks: list[int]) -> None:
@@ -765,9 +760,9 @@ def write_report(result: dict, out: str | os.PathLike) -> Path:
     """Write ``results.json``, the PNG plots and ``report.md`` into ``out`` (created if needed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    bm.write_json_atomic(out / "results.json", result)
+    atomic_write_json(out / "results.json", result)
     plots = _plots(result, out)
-    _atomic_write(out / "report.md", format_markdown(result, plots).encode("utf-8"))
+    atomic_write_text(out / "report.md", format_markdown(result, plots))
     return out / "report.md"
 
 

@@ -54,7 +54,6 @@ __all__ = [
     "share_weights",
     "time_forward_backward",
     "tutorial_forward_bytes",
-    "write_json_atomic",
 ]
 
 
@@ -601,24 +600,6 @@ def _format_load(load: object) -> str:
     if not isinstance(load, list) or None in load:
         return ""
     return f", load average {load[0]:.1f} -> {load[1]:.1f}"
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: object) -> None:
-    """Write ``data`` as JSON: temp file in the same folder, fsync, then rename over ``path``."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def attention_benchmark(

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from attnlab._io import atomic_open, atomic_write_json
 from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer
 
 __all__ = [
@@ -173,15 +174,6 @@ def _sha256_of_file(p: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform/filesystem can fsync a directory
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -336,23 +328,8 @@ def tokenize_to_cache(
             "format": _CACHE_FORMAT,
         }
         # The sidecar is for people browsing the cache; the .bin alone is what gets reused.
-        _atomic_write_bytes(final.with_suffix(".json"), (json.dumps(meta, indent=2) + "\n").encode())
+        atomic_write_json(final.with_suffix(".json"), meta)
     return _open_tokens(final, dtype)
-
-
-def _atomic_write_bytes(dest: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(dest.parent)
 
 
 def _write_token_file(
@@ -382,28 +359,19 @@ def _write_token_file(
         if bar is not None:
             bar.update(len(raw))
 
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     n = 0
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(dest, "wb") as f:
             for ids in _iter_token_arrays(p, tokenizer, chunk_bytes, on_raw, workers):
                 if ids.size and int(ids.max()) >= tokenizer.vocab_size:  # pragma: no cover - defensive
                     raise ValueError(f"tokenizer produced id {int(ids.max())} >= vocab_size {tokenizer.vocab_size}")
                 f.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
                 n += int(ids.size)
-            f.flush()
-            os.fsync(f.fileno())
-        if hasher.hexdigest() != expected_sha256:
-            raise ValueError(f"{p} changed while it was being tokenized; run again once it is complete")
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            if hasher.hexdigest() != expected_sha256:  # raising here keeps the old file (if any)
+                raise ValueError(f"{p} changed while it was being tokenized; run again once it is complete")
     finally:
         if bar is not None:
             bar.close()
-    _fsync_dir(dest.parent)
     return n
 
 

@@ -19,12 +19,10 @@ both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._io import atomic_write_bytes, atomic_write_json
 from .attention import KVCache, MultiHeadAttention
 
 __all__ = [
@@ -611,7 +610,7 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             state.pop("out_head.weight", None)
         atomic_write_bytes(d / WEIGHTS_NAME, st_save(state, metadata={"format": "pt", "attnlab": "GPT"}))
-        atomic_write_bytes(d / CONFIG_NAME, (json.dumps(self.config.to_dict(), indent=2) + "\n").encode())
+        atomic_write_json(d / CONFIG_NAME, self.config.to_dict())
         return d
 
     @classmethod
@@ -662,26 +661,3 @@ class GPT(nn.Module):
             if tuple(state[k].shape) != want:
                 unexpected.append(f"{k} (shape {tuple(state[k].shape)}, expected {want})")
         return missing, unexpected
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # fsync the directory so the rename itself survives a power cut (POSIX only).
-    if hasattr(os, "O_DIRECTORY"):
-        dfd = os.open(path.parent, os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)

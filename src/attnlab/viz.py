@@ -25,8 +25,7 @@ import html
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import attention as _attention
+from ._io import atomic_open, atomic_write_text
 from .functional import simple_self_attention
 
 __all__ = [
@@ -327,37 +327,6 @@ def model_view(
 
 
 # --------------------------------------------------------------------------------------------
-# Writing files atomically
-# --------------------------------------------------------------------------------------------
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _write_atomic(path: Path, write: Callable[[object], None], mode: str = "wb") -> None:
-    """Write via a temporary file in the same directory, fsync, then ``os.replace``.
-
-    A reader never sees a half-written file, and a failed write leaves the old file in place.
-    """
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"--out {path}: the directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-# --------------------------------------------------------------------------------------------
 # PNG (matplotlib)
 # --------------------------------------------------------------------------------------------
 def _mpl_label(token: str) -> str:
@@ -435,10 +404,8 @@ def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) ->
         if image is not None:
             row.colorbar(image, ax=used, shrink=0.85, aspect=15, label="attention weight")
 
-    def write(f: object) -> None:
+    with atomic_open(path, "wb") as f:
         fig.savefig(f, format=fmt, dpi=dpi)
-
-    _write_atomic(path, write)
     return path
 
 
@@ -488,7 +455,7 @@ def render_html(view: AttentionView) -> str:
 def save_html(view: AttentionView, path: str | os.PathLike) -> Path:
     """Write :func:`render_html` atomically to ``path``."""
     page = render_html(view)
-    _write_atomic(Path(path), lambda f: f.write(page), mode="w")
+    atomic_write_text(path, page)
     return Path(path)
 
 

@@ -1,0 +1,80 @@
+"""Atomic file writes: nothing attnlab writes is ever seen half-written.
+
+Every file goes to a temporary file in the destination's directory, is flushed and fsynced, then
+renamed over the destination with ``os.replace`` (atomic on POSIX and Windows), and the directory
+is fsynced so the rename itself survives a power cut. A crash or SIGKILL at any moment leaves
+either the old file or the new one, never a mixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "fsync_dir"]
+
+
+def _default_mode() -> int:
+    """The permissions a plain ``open()`` would give a new file (``mkstemp`` makes them 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it is durable (a no-op where that is unsupported)."""
+    with contextlib.suppress(OSError):  # not every platform or filesystem can fsync a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file that replaces ``path`` when the ``with`` block ends without error.
+
+    If the block raises (or the process dies), ``path`` keeps its previous content and the
+    temporary file is removed. ``mode`` is ``"wb"`` or ``"w"`` (text is UTF-8).
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: the directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, _default_mode())
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
+    """Write ``obj`` as JSON (with a final newline) to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
