@@ -58,7 +58,7 @@ def test_gpt2_presets_follow_published_sizes():
 
 def test_tiny_preset_is_small_byte_model():
     cfg = GPTConfig.preset("tiny")
-    assert cfg.vocab_size == 256 and cfg.context_length == 256
+    assert cfg.vocab_size == 256 and cfg.context_length == 64
     n = GPT(cfg).num_parameters()
     assert 500_000 <= n <= 1_000_000
 

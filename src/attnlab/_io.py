@@ -16,14 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "fsync_dir"]
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "current_umask", "fsync_dir"]
 
 
-def _default_mode() -> int:
-    """The permissions a plain ``open()`` would give a new file (``mkstemp`` makes them 0600)."""
+def current_umask() -> int:
+    """The process umask (``tempfile`` ignores it: ``mkstemp``/``mkdtemp`` make 0600/0700)."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -50,7 +50,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         raise FileNotFoundError(f"cannot write {path}: the directory {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, _default_mode())
+        os.chmod(tmp, 0o666 & ~current_umask())  # what a plain open() would give
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()

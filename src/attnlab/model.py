@@ -148,8 +148,10 @@ class GPTConfig:
 
         ``gpt2-small`` (alias ``gpt2``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``: GPT-2's
         published sizes (vocabulary 50257, context 1024, ``qkv_bias=True``, dropout 0.1).
-        ``tiny``: a ~0.8M-parameter byte-level model (vocabulary 256, context 256, 4 layers of
-        width 128 with 4 heads, no dropout) that learns visibly within minutes on a 2-core CPU.
+        ``tiny``: a ~0.8M-parameter byte-level model (vocabulary 256, context 64, 4 layers of
+        width 128 with 4 heads, no dropout) that learns visibly within minutes on a 2-core CPU
+        (on the built-in corpus, 64-byte windows reached a lower validation loss for the same
+        compute than 128 or 256).
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -159,7 +161,7 @@ class GPTConfig:
         key = _ALIASES.get(name.lower(), name.lower())
         if key == "tiny":
             base: dict[str, Any] = dict(
-                vocab_size=256, context_length=256, emb_dim=128, n_heads=4, n_layers=4, drop_rate=0.0, qkv_bias=False
+                vocab_size=256, context_length=64, emb_dim=128, n_heads=4, n_layers=4, drop_rate=0.0, qkv_bias=False
             )
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])

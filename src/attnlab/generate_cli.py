@@ -1,0 +1,133 @@
+"""``attnlab generate``: continue a prompt with a trained checkpoint, streaming tokens to stdout.
+
+Example::
+
+    attnlab generate --checkpoint runs/attnlab --prompt "The " --max-new-tokens 300 --temperature 0.8
+
+``--checkpoint`` is a training directory (its latest checkpoint is used) or one step directory.
+The text is decoded with the checkpoint's own tokenizer, so generation reads tokens exactly the way
+training wrote them. Multi-byte characters (``byte`` tokenizer) and BPE pieces are printed as soon
+as they are complete, each flushed at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a training --out directory (uses its latest checkpoint) or a step directory inside it",
+    )
+    parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default: 200)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default: 0.8)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="nucleus sampling: the likeliest tokens up to probability P",
+    )
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible samples")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEV",
+        help="auto (cuda, else mps, else cpu), cpu, cuda, mps (default: auto)",
+    )
+    parser.add_argument(
+        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
+    )
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole window per token (no KV cache)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
+class _StreamDecoder:
+    """Turns tokens into text increments, holding back an incomplete UTF-8 sequence.
+
+    A multi-byte character may arrive as several byte tokens (``byte`` tokenizer) or BPE pieces;
+    decoded alone its first part would print as U+FFFD. So tokens are buffered while their text
+    ends in an incomplete sequence (at most 4 tokens: the longest UTF-8 character). All three
+    tokenizers decode by concatenation, so decoding the buffer alone gives the right text.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .tokenizers import tokenizer_from_dict
+    from .training import resolve_device
+
+    _check(args)
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=device, load_optimizer=False)
+    tok = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=args.bpe_dir)
+    model = ckpt.model.eval()
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise ValueError("--prompt encodes to no tokens; give at least one character")
+    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, P)
+    gen = None
+    if args.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    dec = _StreamDecoder(tok)
+    stream = model.stream(
+        idx,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        use_cache=not args.no_cache,
+        generator=gen,
+    )
+    for token in stream:  # (1,) per step
+        piece = dec.push(int(token[0]))
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(dec.flush() + "\n")
+    out.flush()
+    return 0

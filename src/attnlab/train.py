@@ -1,0 +1,218 @@
+"""``attnlab train``: train a GPT on a text file (default: the built-in corpus), then sample from it.
+
+The command-line face of :mod:`attnlab.training`. Examples::
+
+    attnlab train                                    # tiny byte-level GPT on the Python docs, ~4 min on 2 CPU cores
+    attnlab train --data input.txt --tokenizer char --max-steps 5000 --out runs/shakespeare
+    attnlab train --out runs/shakespeare --resume    # continue after Ctrl-C, a crash or a kill
+    torchrun --nproc_per_node=4 -m attnlab train --preset gpt2-small --tokenizer gpt2 --data big.txt
+
+Exit status: 0 when training finished; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when it was
+stopped by a signal, *after* saving a checkpoint of the last completed step; 2 for a user error
+(one line on stderr: a missing file, a bad value, a corrupt checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from .training import TINY_LR, TrainConfig
+
+_D = TrainConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (
+        "Train a GPT on a text file (default: the Python documentation that ships with CPython, so it\n"
+        "runs offline), with a progress bar, DIR/metrics.jsonl and fault-proof checkpoints; then print a\n"
+        "short sample. Under torchrun it trains with DistributedDataParallel."
+    )
+    parser.epilog = (
+        "On --resume, settings you do not pass are taken from the checkpoint; the model, tokenizer, data,\n"
+        "seed and context length always are. Exit status: 0 done; 130/143 stopped by SIGINT/SIGTERM after\n"
+        "saving a checkpoint; 2 user error.\n"
+        "Multi-process: torchrun --nproc_per_node=N -m attnlab train ... (--batch-size stays the global batch)."
+    )
+    # Every default is None so that --resume can tell "given" from "not given"; the real defaults
+    # are TrainConfig's and are shown in the help.
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", metavar="PATH", help="UTF-8 text file to train on (default: the built-in corpus)")
+    g.add_argument(
+        "--tokenizer",
+        metavar="NAME",
+        help="byte: the 256 byte values, lossless; char: one id per character of the text; "
+        "gpt2: GPT-2's BPE via tiktoken (default: byte)",
+    )
+    g.add_argument(
+        "--bpe-dir", metavar="DIR", help="directory with GPT-2's encoder.json + vocab.bpe (gpt2 tokenizer, offline)"
+    )
+    g = parser.add_argument_group("model")
+    g.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"model size: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl (default: {_D.preset})",
+    )
+    g.add_argument(
+        "--context-length",
+        type=int,
+        metavar="T",
+        help="tokens per training window and the model's context (default: 64 for tiny, else the preset's)",
+    )
+    g.add_argument("--dropout", type=float, metavar="P", help="dropout rate (default: the preset's)")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help=f"sequences per optimizer step, summed over all processes and micro-steps (default: {_D.batch_size})",
+    )
+    g.add_argument(
+        "--grad-accum",
+        type=int,
+        metavar="K",
+        help=f"split each batch into K micro-batches, accumulating gradients (default: {_D.grad_accum})",
+    )
+    g.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train for (default: {_D.max_steps})")
+    g.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate of AdamW (default: {TINY_LR:g} for tiny; GPT-3's for the gpt2-* widths, "
+        "6e-4 for gpt2-small down to 2e-4 for gpt2-xl)",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        metavar="N",
+        help=f"linear warm-up steps before the cosine decay to lr/10 (default: {_D.warmup_steps})",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        metavar="W",
+        help=f"AdamW weight decay on matrices and embeddings, not biases/LayerNorms (default: {_D.weight_decay:g})",
+    )
+    g.add_argument(
+        "--grad-clip", type=float, metavar="C", help=f"clip the gradient norm to C; 0 = off (default: {_D.grad_clip:g})"
+    )
+    g.add_argument("--seed", type=int, help=f"seed of the initial weights, batches and dropout (default: {_D.seed})")
+    g = parser.add_argument_group("evaluation, checkpoints and output")
+    g.add_argument(
+        "--eval-every", type=int, metavar="N", help=f"validation loss every N steps (default: {_D.eval_every})"
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="N",
+        help=f"batches of the validation split per evaluation (default: {_D.eval_batches})",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help=f"save a checkpoint every N steps, and always at the end (default: {_D.checkpoint_every})",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="N",
+        help=f"step checkpoints kept in DIR (default: {_D.keep_checkpoints})",
+    )
+    g.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"directory for checkpoints and metrics.jsonl (default: {_D.out}); "
+        "refuses to overwrite an existing checkpoint without --resume",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue from DIR's latest checkpoint exactly where it stopped (starts fresh if DIR has none)",
+    )
+    g.add_argument(
+        "--sample-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens of sample text printed after training; 0 = none (default: {_D.sample_tokens})",
+    )
+    g.add_argument("--sample-prompt", metavar="TEXT", help=f"prompt of that sample (default: {_D.sample_prompt!r})")
+    g = parser.add_argument_group("hardware")
+    g.add_argument(
+        "--device",
+        metavar="DEV",
+        help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto); "
+        "under torchrun each process takes the GPU of its LOCAL_RANK",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the model (faster steps after a slow first one; default: off)",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show the progress bar (default: on)",
+    )
+
+
+def _explicit(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's settings: TrainConfig defaults < the checkpoint's settings (on --resume) < flags given."""
+    from .checkpoint import has_checkpoint, read_metadata
+
+    given = _explicit(args)
+    base = TrainConfig()
+    out = given.get("out", base.out)
+    if given.get("resume") and has_checkpoint(out):
+        meta = read_metadata(out)
+        saved = TrainConfig.from_dict(meta.get("train_config", {}))
+        for name in TrainConfig.FIXED_ON_RESUME:
+            if name in given and given[name] != getattr(saved, name):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {given[name]!r} differs from the checkpoint's "
+                    f"{getattr(saved, name)!r}; a resumed run keeps it (start a new --out to change it)"
+                )
+        base = saved
+        base.resume = True
+    return dataclasses.replace(base, **given)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .training import Trainer
+
+    cfg = config_from_args(args)
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.fit()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if result.interrupted:
+        return 128 + int(result.interrupted)
+    if trainer.dist.is_main:
+        vl = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+        unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
+        print(
+            f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr
+        )
+        if result.sample is not None:
+            print(f"--- sample ({cfg.sample_tokens} tokens, temperature 0.8, top-k 40) ---", file=sys.stderr)
+            print(result.sample, flush=True)
+            print("---", file=sys.stderr)
+        print(
+            f"generate more: attnlab generate --checkpoint {result.out} --prompt {cfg.sample_prompt!r}",
+            file=sys.stderr,
+        )
+    return 0

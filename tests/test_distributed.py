@@ -1,0 +1,81 @@
+"""``torchrun -m attnlab train``: 2 CPU processes (DDP over Gloo) follow the 1-process run with the
+same global batch, only rank 0 writes, and a 2-process checkpoint resumes in 1 process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with Gloo"
+)
+
+STEPS = 6
+FLAGS = [
+    "--context-length", "16", "--batch-size", "8", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress",
+    "--max-steps", str(STEPS), "--eval-every", "3", "--checkpoint-every", "3", "--dropout", "0", "--seed", "3",
+    "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu",
+]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "attnlab", "train"]
+    else:  # torchrun, as a user would type it (python -m torch.distributed.run is the same program)
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd = [*run, "-m", "attnlab", "train"]
+    r = subprocess.run([*cmd, "--out", str(out), *FLAGS, *extra], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("ddp")
+    return {n: (train(root / f"n{n}", n), root / f"n{n}")[1] for n in (1, 2)}
+
+
+def test_two_processes_follow_one_process_with_the_same_global_batch(runs) -> None:
+    one, two = metrics(runs[1]), metrics(runs[2])
+    # Rank 0 alone writes: one line per step, not one per process.
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)
+        assert b["lr"] == a["lr"]
+        assert ("val_loss" in a) == ("val_loss" in b)
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+    # The training actually moved (so equal losses are not equal by accident).
+    assert one[-1]["loss"] < one[0]["loss"] - 0.5
+    meta = json.loads((runs[2] / "checkpoints" / f"step-{STEPS:08d}" / "checkpoint.json").read_text())
+    assert meta["world_size"] == 2 and len(meta["rng"]) == 2
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(runs, tmp_path: Path) -> None:
+    # Take the 2-process run as it was at step 3 (its step-3 checkpoint and metrics) ...
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(runs[2] / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000003")
+    (out / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 3, "path": "checkpoints/step-00000003"})
+    )
+    (out / "metrics.jsonl").write_text((runs[2] / "metrics.jsonl").read_text())  # lines past 3 must be dropped
+    # ... and finish it with one process: it must track the 1-process run.
+    r = train(out, 1, "--resume")
+    assert "written by 2 process(es), this run has 1" in r.stderr
+    one, resumed = metrics(runs[1]), metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(one, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)

@@ -1,0 +1,159 @@
+"""``attnlab generate``: streams the checkpoint's continuation, decoded by the checkpoint's tokenizer."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.checkpoint import load_checkpoint
+from attnlab.cli import main
+from attnlab.generate_cli import _StreamDecoder
+from attnlab.tokenizers import get_tokenizer
+from attnlab.training import TrainConfig, Trainer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model is fastest on one thread (and a busy machine makes two threads crawl)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, one_thread) -> Path:
+    """A few steps of the tiny preset: enough for the byte statistics, which is all we need."""
+    out = tmp_path_factory.mktemp("gen")
+    Trainer(
+        TrainConfig(
+            out=str(out),
+            context_length=32,
+            batch_size=8,
+            max_steps=15,
+            eval_every=15,
+            eval_batches=1,
+            sample_tokens=0,
+            progress=False,
+            lr=3e-3,
+            warmup_steps=2,
+        )
+    ).fit()
+    return out
+
+
+class Recorder(io.StringIO):
+    """A stdout that remembers what was written between flushes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: list[str] = []
+        self._mark = 0
+
+    def flush(self) -> None:
+        super().flush()
+        text = self.getvalue()
+        self.flushed.append(text[self._mark :])
+        self._mark = len(text)
+
+
+def generate(monkeypatch, *args: str) -> Recorder:
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stdout", rec)
+    assert main(["generate", *args]) == 0
+    return rec
+
+
+def test_greedy_output_is_the_models_greedy_continuation(checkpoint: Path, monkeypatch) -> None:
+    rec = generate(
+        monkeypatch, "--checkpoint", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24", "--temperature", "0"
+    )
+    ck = load_checkpoint(checkpoint, load_optimizer=False)
+    tok = get_tokenizer("byte")
+    ids = torch.tensor([tok.encode("def ")])
+    expected = tok.decode(ck.model.generate(ids, 24, temperature=0.0, use_cache=False)[0].tolist())
+    assert rec.getvalue() == expected + "\n"
+    # Streamed: the prompt, then (at least) one flush per generated piece, not one at the end.
+    pieces = [p for p in rec.flushed if p]
+    assert pieces[0] == "def " and len(pieces) >= 10
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(checkpoint: Path, monkeypatch) -> None:
+    base = ["--checkpoint", str(checkpoint), "--prompt", "The ", "--max-new-tokens", "40", "--top-k", "20"]
+    a = generate(monkeypatch, *base, "--seed", "1").getvalue()
+    b = generate(monkeypatch, *base, "--seed", "1").getvalue()
+    c = generate(monkeypatch, *base, "--seed", "2", "--top-p", "0.9").getvalue()
+    assert a == b and a != c and a.startswith("The ")
+
+
+def test_step_directory_works_too(checkpoint: Path, monkeypatch) -> None:
+    step_dir = checkpoint / "checkpoints" / "step-00000015"
+    a = generate(
+        monkeypatch, "--checkpoint", str(step_dir), "--prompt", "x", "--max-new-tokens", "5", "--temperature", "0"
+    )
+    b = generate(
+        monkeypatch, "--checkpoint", str(checkpoint), "--prompt", "x", "--max-new-tokens", "5", "--temperature", "0"
+    )
+    assert a.getvalue() == b.getvalue()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(min_size=1, max_size=30))
+def test_stream_decoder_never_splits_a_character(text: str) -> None:
+    tok = get_tokenizer("byte")
+    try:
+        ids = tok.encode(text)
+    except ValueError:  # lone surrogates are not UTF-8
+        return
+    dec = _StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+
+
+def test_stream_decoder_gpt2_pieces() -> None:
+    if not (DATA / "gpt2" / "encoder.json").is_file():
+        pytest.skip(f"GPT-2 BPE files not found in {DATA / 'gpt2'}")
+    tok = get_tokenizer("gpt2", bpe_dir=DATA / "gpt2")
+    text = "Attention, s'il vous plaît: 注意 😀 is all you need."
+    dec = _StreamDecoder(tok)
+    pieces = [dec.push(i) for i in tok.encode(text)] + [dec.flush()]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_errors_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "latest.json").write_text("{")
+    cases = {
+        "missing": (["--checkpoint", str(tmp_path / "nope")], "nope"),
+        "corrupt": (["--checkpoint", str(bad)], "latest.json"),
+        "top-p": (["--checkpoint", str(checkpoint), "--top-p", "1.5"], "--top-p"),
+        "temperature": (["--checkpoint", str(checkpoint), "--temperature", "-1"], "--temperature"),
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "attnlab", "generate", "--prompt", "a", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, (flags, _) in cases.items()
+    }
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (name, err)
+        assert lines[0].startswith("attnlab generate: error:") and cases[name][1] in lines[0], (name, err)
