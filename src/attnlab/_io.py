@@ -9,6 +9,7 @@ either the old file or the new one, never a mixture.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -78,3 +79,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
     """Write ``obj`` as JSON (with a final newline) to ``path`` atomically."""
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def sha256_file(path: str | os.PathLike[str], *, block_size: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file's content, read in blocks (a multi-GB file never sits in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(block_size), b""):
+            h.update(block)
+    return h.hexdigest()
