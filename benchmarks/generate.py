@@ -19,7 +19,6 @@ alike; the table shows medians over the rounds and the ratios between them.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from attnlab._io import atomic_write_json
 from attnlab.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
 
@@ -179,22 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": cfg.to_dict(),
-                    "args": vars(args),
-                    "threads": torch.get_num_threads(),
-                    "generate_tokens_per_s": gen_tps,
-                    "generate_times_s": gen_times,
-                    "same_tokens": same,
-                    "train_tokens_per_s": train_tps,
-                    "train_times_s": train_times,
-                    "ratios": ratios,
-                },
-                f,
-                indent=2,
-            )
+        # Atomic (temp file, fsync, rename): an interrupted run never leaves a torn results file.
+        atomic_write_json(
+            args.json,
+            {
+                "config": cfg.to_dict(),
+                "args": vars(args),
+                "threads": torch.get_num_threads(),
+                "generate_tokens_per_s": gen_tps,
+                "generate_times_s": gen_times,
+                "same_tokens": same,
+                "train_tokens_per_s": train_tps,
+                "train_times_s": train_times,
+                "ratios": ratios,
+            },
+        )
     return 0
 
 

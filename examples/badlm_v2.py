@@ -18,7 +18,9 @@ Run (offline is fine: GPT-2's tokenizer is built from local files when it cannot
 
     python examples/badlm_v2.py                   # the exercise, then 100 training steps
     python examples/badlm_v2.py --steps 0         # just the exercise
-    python examples/badlm_v2.py --gpt2-dir DIR    # DIR holds GPT-2's encoder.json + vocab.bpe
+    python examples/badlm_v2.py --bpe-dir DIR     # DIR holds GPT-2's encoder.json + vocab.bpe
+    python examples/badlm_v2.py --text FILE       # train on FILE (default: the-verdict.txt when the
+                                                  # repository's test data is there, else Python's docs)
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
 
 from attnlab import MultiHeadAttention
+from attnlab.data import builtin_corpus, create_dataloader
+from attnlab.tokenizers import TokenizerLoadError, get_tokenizer
 
 HERE = Path(__file__).resolve()
 SHARED_DATA = HERE.parents[2] / "shared" / "data"  # checkout at X/main, test data at X/shared/data
@@ -80,55 +83,18 @@ class BadLM_V2(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# Data: the exercise's dataset and loader
+# Data: the exercise's MyData / my_batch are attnlab.data.create_dataloader (same sliding windows)
 # --------------------------------------------------------------------------------------------
-class MyData(Dataset):
-    """Sliding windows: inputs ``ids[i : i+L]`` and targets shifted by one, every ``stride`` tokens."""
-
-    def __init__(self, text, tokenizer, context_length, stride=1):
-        self.input_ids = []
-        self.target_ids = []
-        token_ids = tokenizer.encode(text)
-        for i in range(0, len(token_ids) - context_length, stride):
-            self.input_ids.append(torch.tensor(token_ids[i : i + context_length]))
-            self.target_ids.append(torch.tensor(token_ids[i + 1 : i + context_length + 1]))
-
-    def __len__(self):
-        return len(self.input_ids)
-
-    def __getitem__(self, idx):
-        return self.input_ids[idx], self.target_ids[idx]
-
-
-def my_batch(text, tokenizer, batch_size, context_length, stride, shuffle=True, drop_last=True, num_workers=0):
-    """The exercise's ``my_batch``, with the tokenizer passed in (so it can be built offline)."""
-    dataset = MyData(text, tokenizer, context_length, stride)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, num_workers=num_workers)
-
-
-def gpt2_tokenizer(local_dir: Path | None):
-    """tiktoken's GPT-2 BPE; built from a local ``encoder.json`` + ``vocab.bpe`` when offline."""
-    import tiktoken
-
+def gpt2_tokenizer(bpe_dir: Path | None):
+    """GPT-2's BPE (attnlab's tiktoken wrapper); from ``bpe_dir``'s ``encoder.json`` + ``vocab.bpe``
+    when given, else downloaded (once, then cached), else from the repository's test data."""
     try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no network and nothing cached
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
-        d = local_dir or SHARED_DATA / "gpt2"
-        if not (d / "encoder.json").is_file() or not (d / "vocab.bpe").is_file():
-            sys.exit(
-                f"cannot download GPT-2's tokenizer ({type(e).__name__}) and {d} lacks encoder.json + vocab.bpe; "
-                f"go online once or pass --gpt2-dir"
-            )
-        ranks = data_gym_to_mergeable_bpe_ranks(
-            vocab_bpe_file=str(d / "vocab.bpe"), encoder_json_file=str(d / "encoder.json")
-        )
-        # GPT-2's pre-tokenisation regex (tiktoken's r50k pattern) and its one special token.
-        pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-        return tiktoken.Encoding(
-            name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256}
-        )
+        return get_tokenizer("gpt2", bpe_dir=bpe_dir)
+    except TokenizerLoadError as e:  # offline and nothing cached
+        local = SHARED_DATA / "gpt2"
+        if bpe_dir is None and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
+            return get_tokenizer("gpt2", bpe_dir=local)
+        sys.exit(str(e))
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,8 +103,20 @@ def gpt2_tokenizer(local_dir: Path | None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=100, help="training steps after the exercise (0: skip)")
-    ap.add_argument("--text", type=Path, default=SHARED_DATA / "the-verdict.txt", help="training text")
-    ap.add_argument("--gpt2-dir", type=Path, default=None, help="directory with encoder.json + vocab.bpe")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="training text (default: the-verdict.txt from the test data if present, else the built-in corpus)",
+    )
+    ap.add_argument(
+        "--bpe-dir",
+        "--gpt2-dir",
+        dest="gpt2_dir",
+        type=Path,
+        default=None,
+        help="directory with encoder.json + vocab.bpe",
+    )
     ap.add_argument("--seed", type=int, default=123)
     args = ap.parse_args(argv)
     tokenizer = gpt2_tokenizer(args.gpt2_dir)
@@ -147,7 +125,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     text = "This is a very useless sentence that talks about itself."
     batch_size, context_length, vocab_size = 2, 4, 50257
-    loader = my_batch(text, tokenizer, batch_size, context_length, 1)
+    # The exercise's my_batch(text, batch_size, context_length, stride): same windows and order.
+    loader = create_dataloader(
+        text, batch_size=batch_size, context_length=context_length, stride=1, tokenizer=tokenizer
+    )
     model = BadLM_V2(context_length, vocab_size, 768, 768, 3)
     predictions = []
     with torch.no_grad():
@@ -174,18 +155,24 @@ def main(argv=None):
 
     if args.steps <= 0:
         return 0
-    if not args.text.is_file():
+    if args.text is not None and not args.text.is_file():
         sys.exit(f"{args.text} not found; pass --text FILE or --steps 0")
+    verdict = SHARED_DATA / "the-verdict.txt"
+    if args.text is not None:
+        corpus, corpus_name = args.text.read_text(encoding="utf-8"), args.text.name
+    elif verdict.is_file():
+        corpus, corpus_name = verdict.read_text(encoding="utf-8"), verdict.name
+    else:  # users have no shared/ test data: Python's own documentation topics
+        corpus, corpus_name = builtin_corpus(), "the built-in corpus"
 
     # 3. Train a smaller BadLM_V2 for a few steps and let it write.
     torch.manual_seed(args.seed)
     ctx = 32
-    corpus = args.text.read_text(encoding="utf-8")
-    loader = my_batch(corpus, tokenizer, batch_size=8, context_length=ctx, stride=ctx // 2)
-    lm = BadLM_V2(ctx, tokenizer.n_vocab, 64, 64, 4)
+    loader = create_dataloader(corpus, batch_size=8, context_length=ctx, stride=ctx // 2, tokenizer=tokenizer)
+    lm = BadLM_V2(ctx, tokenizer.vocab_size, 64, 64, 4)
     opt = torch.optim.AdamW(lm.parameters(), lr=5e-3, weight_decay=0.01)
     step, t0 = 0, time.perf_counter()
-    print(f"\ntraining on {args.text.name}: {len(loader.dataset)} windows of {ctx} tokens")
+    print(f"\ntraining on {corpus_name}: {len(loader.dataset)} windows of {ctx} tokens")
     while step < args.steps:
         for inputs, targets in loader:
             logits = lm(inputs)  # (8, 32, vocab)

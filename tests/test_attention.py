@@ -244,6 +244,7 @@ def test_batch_items_independent(b, n, seed):
     causal=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@torch.no_grad()  # a KV cache is for inference
 def test_kv_cache_chunks_equal_full_sequence(n, cuts, num_kv_heads, causal, seed):
     m = mha(d_in=8, d_out=8, num_heads=4, num_kv_heads=num_kv_heads, causal=causal, seed=seed % 5, qkv_bias=True)
     x = rand(2, n, 8, seed=seed)
@@ -263,6 +264,7 @@ def test_kv_cache_chunks_equal_full_sequence(n, cuts, num_kv_heads, causal, seed
     torch.testing.assert_close(m(x, kv_cache=cache), m(x), atol=1e-5, rtol=1e-5)  # one chunk: the full result
 
 
+@torch.no_grad()  # a KV cache is for inference
 def test_kv_cache_one_token_at_a_time_with_key_mask():
     m = mha(num_heads=2)
     x = rand(2, 6, 8, seed=1)
@@ -299,6 +301,7 @@ def test_cross_attention_vs_manual(n, S, kv_dim, seed):
     past=st.integers(0, 4),
     unbatched=st.booleans(),
 )
+@torch.no_grad()  # a KV cache is for inference
 def test_return_weights_shapes(b, n, num_kv_heads, past, unbatched):
     m = mha(num_heads=2, num_kv_heads=num_kv_heads)
     cache = m.new_kv_cache(1 if unbatched else b)
@@ -368,7 +371,8 @@ def test_autocast_bfloat16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(x)
         cache = m.new_kv_cache(2)  # float32 buffers, bf16 projections
-        stepped = torch.cat([m(x[:, :3], kv_cache=cache), m(x[:, 3:], kv_cache=cache)], 1)
+        with torch.no_grad():  # a KV cache is for inference
+            stepped = torch.cat([m(x[:, :3], kv_cache=cache), m(x[:, 3:], kv_cache=cache)], 1)
         masked = m(x, attn_mask=torch.zeros(5, 5))  # float32 mask
         ctx_m = mha(kv_dim=3)
         cross = ctx_m(x, rand(2, 4, 3))
@@ -400,6 +404,7 @@ def test_meta_device_construction_and_shapes():
     assert m2.W_query.weight.device.type == "cpu"
 
 
+@torch.no_grad()  # a KV cache is for inference
 def test_kv_cache_buffers_and_api():
     m = mha(num_heads=4, num_kv_heads=2)
     cache = m.new_kv_cache(3, max_length=5)
@@ -530,6 +535,7 @@ def test_bad_forward_input_names_the_argument(call, error, match):
         call()
 
 
+@torch.no_grad()  # a KV cache is for inference
 def test_kv_cache_overflow():
     m = mha(context_length=8)
     cache = m.new_kv_cache(2, max_length=5)
@@ -542,3 +548,84 @@ def test_kv_cache_overflow():
         m(rand(2, 1, 8), kv_cache=cache)
     with pytest.raises(ValueError, match="kv_cache"):
         cache.append(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("masks", "error", "match"),
+    [
+        ({"key_mask": torch.ones(2, 2, dtype=torch.bool)}, ValueError, r"key_mask must have shape.*\(2, 5\)"),
+        ({"key_mask": torch.ones(2, 5)}, TypeError, "key_mask must be a bool"),
+        ({"attn_mask": torch.ones(2, 2, dtype=torch.bool)}, ValueError, r"attn_mask of shape \(2, 2\)"),
+        ({"attn_mask": torch.zeros(2, 5, dtype=torch.float64)}, TypeError, "float attn_mask must have"),
+        ({"attn_mask": torch.ones(2, 5, dtype=torch.bool, device="meta")}, ValueError, "attn_mask is on meta"),
+    ],
+)
+def test_bad_mask_leaves_the_kv_cache_untouched(masks, error, match):
+    # Regression: the cache used to advance (and its buffers change) before the masks were checked.
+    m = mha()
+    cache = m.new_kv_cache(2, max_length=8)
+    m(rand(2, 3, 8), kv_cache=cache)
+    keys, values = cache.keys.clone(), cache.values.clone()
+    with pytest.raises(error, match=match):
+        m(rand(2, 2, 8, seed=1), kv_cache=cache, **masks)  # 3 cached + 2 new: S = 5
+    assert cache.length == 3
+    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+    # the right masks cover past + new keys
+    m(rand(2, 2, 8, seed=1), kv_cache=cache, key_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert cache.length == 5
+
+
+@torch.no_grad()
+def test_kv_cache_of_another_dtype_or_device_is_refused_before_use():
+    # Regression: a mismatched cache failed later with an error naming something else.
+    m = mha()
+    x = rand(2, 3, 8)
+    wrong_dtype = m.new_kv_cache(2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"kv_cache has dtype torch.float64 but the module's weights are torch.float32"):
+        m(x, kv_cache=wrong_dtype)
+    wrong_device = m.new_kv_cache(2, device="meta")
+    with pytest.raises(ValueError, match="kv_cache is on meta but x is on cpu"):
+        m(x, kv_cache=wrong_device)
+    assert wrong_dtype.length == wrong_device.length == 0
+    # under autocast a cache in the autocast dtype is fine (the projections come out in it)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = m.new_kv_cache(2, dtype=torch.bfloat16)
+        out = m(x, kv_cache=bf16)
+    assert bf16.length == 3
+    torch.testing.assert_close(out.float(), m(x), atol=5e-2, rtol=5e-2)
+
+
+def test_kv_cache_refuses_autograd():
+    # The buffers are overwritten in place: backpropagating through them would fail or be wrong.
+    m = mha()
+    cache = m.new_kv_cache(2)
+    with pytest.raises(RuntimeError, match=r"kv_cache is for inference only.*torch.no_grad\(\)"):
+        m(rand(2, 3, 8), kv_cache=cache)
+    assert cache.length == 0
+    with pytest.raises(RuntimeError, match="kv_cache is for inference only"):
+        cache.append(rand(2, 2, 1, 4, requires_grad=True), rand(2, 2, 1, 4))
+    with torch.inference_mode():
+        m(rand(2, 3, 8), kv_cache=cache)
+    assert cache.length == 3
+    # a module without trainable parameters and an input without grad needs no no_grad()
+    m.requires_grad_(False)
+    m(rand(2, 1, 8), kv_cache=cache)
+    assert cache.length == 4
+
+
+def test_tutorial_state_dict_with_mask_buffers_loads_through_the_public_hook():
+    # The tutorials' classes register a causal `mask` buffer; attnlab's hold weights only.
+    torch.manual_seed(0)
+    src = mha(qkv_bias=True)
+    state = {**src.state_dict(), "mask": torch.triu(torch.ones(16, 16), diagonal=1)}
+    dst = mha(seed=1, qkv_bias=True)
+    dst.load_state_dict(state)  # strict: the mask entry is dropped, nothing else is unexpected
+    x = rand(2, 4, 8)
+    torch.testing.assert_close(dst(x), src(x))
+    # nested: the hook gets the module's prefix
+    outer = nn.Sequential(mha(seed=2, qkv_bias=True))
+    outer.load_state_dict({f"0.{k}": v for k, v in state.items()})
+    torch.testing.assert_close(outer(x), src(x))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        dst.load_state_dict({**state, "other": torch.zeros(1)})

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -237,3 +238,66 @@ def test_sigkill_at_any_moment_leaves_a_consistent_checkpoint(tmp_path: Path) ->
             assert torch.all(p == step), name
         for s in ck.optimizer_state["state"].values():
             assert torch.all(s["exp_avg"] == step)
+
+
+def test_debris_past_the_current_step_is_removed_and_valid_checkpoints_kept(tmp_path: Path) -> None:
+    """Step directories are ordered by step number, and one at or past the step being saved that
+    latest.json never named (a later run killed before its pointer switch) is debris."""
+    import shutil
+
+    model = small_model()
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=None, metadata={})
+    save_checkpoint(tmp_path, step=2, model=model, optimizer=None, metadata={})
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(ckpts / "step-00000002", ckpts / "step-00000300")  # an interrupted later run's
+    save_checkpoint(tmp_path, step=3, model=model, optimizer=None, metadata={"n": 3}, keep=2)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000003"]
+    assert load_checkpoint(tmp_path).step == 3
+    assert load_checkpoint(ckpts / "step-00000002").step == 2
+
+
+def _edit_metadata(step_dir: Path, edit) -> None:
+    meta = json.loads((step_dir / CHECKPOINT_NAME).read_text())
+    edit(meta)
+    (step_dir / CHECKPOINT_NAME).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda m: m.update(version="1"), "version"),
+        (lambda m: m.update(version=True), "version"),
+        (lambda m: m.update(step="3"), "step"),
+        (lambda m: m.update(step=-1), "step"),
+        (lambda m: m.update(files=["model.safetensors"]), "files"),
+        (lambda m: m["files"].update({"model.safetensors": "abc"}), "model.safetensors"),
+        (lambda m: m["files"]["config.json"].update(bytes="12"), "config.json"),
+        (lambda m: m["files"].update({"../model.safetensors": {"bytes": 1, "sha256": "0" * 64}}), r"\.\./"),
+        (lambda m: m["files"].update({"a/b": {"bytes": 1, "sha256": "0" * 64}}), "a/b"),
+    ],
+)
+def test_hand_edited_metadata_is_a_clear_error(tmp_path: Path, edit, named: str) -> None:
+    from attnlab.checkpoint import read_metadata
+
+    step_dir = save_checkpoint(tmp_path, step=1, model=small_model(), optimizer=None, metadata={})
+    _edit_metadata(step_dir, edit)
+    for reader in (load_checkpoint, read_metadata):
+        with pytest.raises(ValueError, match=CHECKPOINT_NAME) as exc:
+            reader(tmp_path)
+        assert re.search(named, str(exc.value)), str(exc.value)
+
+
+def test_mps_rng_state_travels_when_mps_is_there(monkeypatch) -> None:
+    import attnlab.checkpoint as ckmod
+
+    assert get_rng_state()["mps"] is None or ckmod._mps_available()
+    gen = torch.Generator().manual_seed(5)
+    mps_state = {"now": gen.get_state()}  # a stand-in generator state, as bytes
+    monkeypatch.setattr(ckmod, "_mps_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: mps_state["now"].clone(), raising=False)
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: mps_state.update(now=s), raising=False)
+    saved = json.loads(json.dumps(get_rng_state()))
+    before = mps_state["now"].clone()
+    mps_state["now"] = torch.zeros_like(before)
+    set_rng_state(saved)
+    assert torch.equal(mps_state["now"], before)

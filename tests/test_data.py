@@ -296,7 +296,7 @@ def test_cache_refuses_a_file_that_changes_while_tokenized(tmp_path, monkeypatch
     f = tmp_path / "corpus.txt"
     f.write_bytes(b"abc" * 100)
     # The key was computed from other content than the pass that tokenizes reads.
-    monkeypatch.setattr(data_mod, "_sha256_of_file", lambda p: "0" * 64)
+    monkeypatch.setattr(data_mod, "sha256_file", lambda p: "0" * 64)
     with pytest.raises(ValueError, match="changed while it was being tokenized"):
         tokenize_to_cache(f, ByteTokenizer(), cache_dir=tmp_path / "c")
     assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == []

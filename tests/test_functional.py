@@ -435,3 +435,27 @@ def test_bad_gqa_heads_and_scores_input():
         simple_self_attention(torch.ones(3))
     with pytest.raises(ValueError, match="attn_mask"):
         attention_scores(Q, K, attn_mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_gqa_with_a_headless_key_is_a_value_error(backend):
+    # Regression: a 2-D key has no dim -3 to group; this used to be an IndexError from key.shape[-3].
+    q, k, v = rand(2, 3, 4), rand(5, 4), rand(5, 6)
+    with pytest.raises(ValueError, match=r"enable_gqa=True key needs a heads dimension.*\(5, 4\)"):
+        sdpa(q, k, v, enable_gqa=True, backend=backend)
+    with pytest.raises(ValueError, match="key needs a heads dimension"):
+        attention_scores(q, k, enable_gqa=True)
+    # without enable_gqa the same shapes broadcast, as before
+    torch.testing.assert_close(sdpa(q, k, v, backend=backend), sdpa(q, k.expand(2, 5, 4), v.expand(2, 5, 6)))
+
+
+@pytest.mark.parametrize("max_len", [-1, 2.0, "4", True])
+def test_padding_mask_rejects_a_bad_max_len(max_len):
+    # Regression: max_len was used unchecked (-1 passed the length check for empty lengths, a float
+    # or a str failed inside torch.arange).
+    none = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"max_len must be a non-negative int or None, got"):
+        padding_mask(none, max_len)
+    with pytest.raises(ValueError, match="max_len must be a non-negative int"):
+        padding_mask([1, 2], max_len)
+    assert padding_mask(none, 0).shape == (0, 0)

@@ -97,7 +97,13 @@ def test_left_padded_batch_matches_hf_generate():
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(qkv_bias=True), dict(qkv_bias=False, bias=False), dict(tie_embeddings=False, ff_dim=48), dict(ln_eps=1e-6)],
+    [
+        dict(qkv_bias=True),
+        dict(qkv_bias=False, bias=False),
+        dict(tie_embeddings=False, ff_dim=48),
+        dict(ln_eps=1e-6),
+        dict(activation="gelu"),
+    ],
 )
 def test_export_loads_into_gpt2lmheadmodel(overrides):
     from attnlab.hf import to_hf_gpt2, to_hf_gpt2_config
@@ -168,3 +174,32 @@ def test_from_pretrained_offline_gives_one_clear_sentence(tmp_path):
     assert len(lines) == 1, out.stdout + out.stderr
     msg = lines[0]
     assert "openai-community/gpt2" in msg and "connect to the internet" in msg and "\n" not in msg
+
+
+def test_a_gpt2_folder_in_the_working_directory_does_not_hijack_the_preset(tmp_path, monkeypatch):
+    """Regression: from_pretrained("gpt2") used to load ./gpt2 when such a folder existed."""
+    import huggingface_hub
+
+    hub, local = hf_model(seed=4), hf_model(seed=5)
+    hub.save_pretrained(tmp_path / "hub", safe_serialization=True)
+    local.save_pretrained(tmp_path / "gpt2", safe_serialization=True)  # a ./gpt2 folder
+    calls = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        calls.append(repo_id)
+        return str(tmp_path / "hub" / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.chdir(tmp_path)
+    idx = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        for name in ("gpt2", "GPT2"):
+            ours = GPT.from_pretrained(name)
+            torch.testing.assert_close(ours(idx), hub(idx).logits, atol=1e-4, rtol=1e-4)
+        assert calls == ["openai-community/gpt2"] * 4  # config.json + model.safetensors, twice
+        # A path spelling of the folder loads the folder, without the hub.
+        torch.testing.assert_close(GPT.from_pretrained("./gpt2")(idx), local(idx).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            GPT.from_pretrained(str(tmp_path / "gpt2"))(idx), local(idx).logits, atol=1e-4, rtol=1e-4
+        )
+    assert len(calls) == 4

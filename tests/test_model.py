@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab.model import GPT, GPTConfig
+import attnlab.model
+from attnlab.attention import KVCache
+from attnlab.model import GPT, GPTConfig, lm_loss
 
 SMALL = dict(vocab_size=37, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0)
 
@@ -335,3 +337,129 @@ def test_position_ids_are_checked_and_used():
         model(idx, position_ids=torch.arange(14, 18))
     with pytest.raises(ValueError, match="position_ids must have shape"):
         model(idx, position_ids=torch.arange(5))
+
+
+# --------------------------------------------------------------------------------------------
+# Regressions
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("bad", "ignore_index", "match"),
+    [
+        (37, -100, r"targets values must be in \[0, vocab_size=37\) or equal ignore_index=-100, got min .*, max 37"),
+        (-1, -100, "got min -1"),
+        (-100, -1, "ignore_index=-1, got min -100"),
+    ],
+)
+def test_loss_range_checks_targets(bad, ignore_index, match):
+    # Regression: out-of-range targets reached F.cross_entropy unchecked (a device assert on CUDA).
+    model = small_model()
+    idx = torch.randint(0, 37, (2, 5))
+    targets = torch.randint(0, 37, (2, 5))
+    targets[1, 2] = bad
+    with pytest.raises(ValueError, match=match):
+        model.loss(idx, targets, ignore_index=ignore_index)
+    # the ignored value may be anything, and only it is exempt
+    targets[1, 2] = ignore_index
+    assert torch.isfinite(model.loss(idx, targets, ignore_index=ignore_index))
+    with pytest.raises(ValueError, match="idx values must be in"):
+        model.loss(torch.full((2, 5), 37), targets, ignore_index=ignore_index)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        model.loss(idx, targets, ignore_index=None)
+
+
+def test_lm_loss_is_float32_mean_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 11, generator=g).bfloat16()
+    targets = torch.randint(0, 11, (3, 4), generator=g)
+    targets[0, 1] = targets[2, 3] = -100
+    keep = targets != -100
+    logp = torch.log_softmax(logits.double(), -1)
+    expected = -logp[keep, targets[keep]].mean()
+    got = lm_loss(logits, targets)
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    t1 = targets.masked_fill(~keep, -1)  # the same entries ignored through another ignore_index
+    torch.testing.assert_close(lm_loss(logits, t1, ignore_index=-1), got, atol=0, rtol=0)
+    torch.testing.assert_close(lm_loss(logits.flatten(0, 1), t1.flatten(), -1), got, atol=0, rtol=0)
+    model = small_model()
+    idx = torch.randint(0, 37, (2, 6))
+    t = torch.randint(0, 37, (2, 6))
+    torch.testing.assert_close(model.loss(idx, t), lm_loss(model(idx), t), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"targets must have shape logits.shape\[:-1\]"):
+        lm_loss(logits, targets[:, :-1])
+    with pytest.raises(TypeError, match="targets must be an integer tensor"):
+        lm_loss(logits, targets.float())
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        lm_loss(targets, targets)
+    # the trainer calls lm_loss directly: it range-checks the targets itself
+    with pytest.raises(ValueError, match=r"targets values must be in \[0, vocab_size=11\).*max 11"):
+        lm_loss(logits, targets.index_put((torch.tensor(1), torch.tensor(2)), torch.tensor(11)))
+    with pytest.raises(ValueError, match="ignore_index=7, got min -100"):
+        lm_loss(logits, targets, ignore_index=7)  # -100 is no longer the ignored value
+
+
+@torch.no_grad()
+def test_kv_caches_elements_are_type_checked():
+    # Regression: a list of the right length but holding non-caches died with an AttributeError.
+    model = small_model()
+    idx = torch.randint(0, 37, (1, 3))
+    with pytest.raises(TypeError, match=r"kv_caches\[0\] must be an attnlab KVCache.*got NoneType"):
+        model(idx, kv_caches=[None, None])
+    caches = model.new_kv_caches(1)
+    with pytest.raises(TypeError, match=r"kv_caches\[1\] must be an attnlab KVCache.*got dict"):
+        model(idx, kv_caches=[caches[0], {}])
+    assert caches[0].length == 0
+    model(idx, kv_caches=caches)
+    caches[1].reset()
+    with pytest.raises(ValueError, match=r"kv_caches hold different numbers of tokens \[3, 0\]"):
+        model(idx, kv_caches=caches)
+    assert all(isinstance(c, KVCache) for c in caches)
+
+
+def test_model_module_exports_only_its_own_names():
+    assert "atomic_write_bytes" not in attnlab.model.__all__
+    assert "lm_loss" in attnlab.model.__all__
+    assert all(hasattr(attnlab.model, name) for name in attnlab.model.__all__)
+
+
+def test_state_keys_check_builds_the_state_dict_once(monkeypatch):
+    model = small_model()
+    state = model.state_dict()
+    calls = []
+    original = GPT.state_dict
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "state_dict", counting)
+    state.pop("out_head.weight", None)
+    assert model._check_state_keys(state) == ([], [])
+    assert len(calls) == 1
+
+
+def test_save_and_load_without_safetensors_say_what_to_install(tmp_path, monkeypatch):
+    # safetensors is an extra: the core (torch + numpy) imports and runs without it.
+    import sys
+
+    small_model().save(tmp_path)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # makes `import safetensors` raise ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    msg = r"saving/loading GPT weights needs safetensors: pip install 'attnlab\[train\]'"
+    with pytest.raises(ImportError, match=msg):
+        small_model().save(tmp_path / "again")
+    with pytest.raises(ImportError, match=msg):
+        GPT.load(tmp_path)
+    assert not (tmp_path / "again").exists()
+
+
+def test_activation_selects_the_gelu_and_is_validated():
+    x = torch.randn(5, 16)
+    tanh = GPT(GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1))
+    exact = GPT(GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1, activation="gelu"))
+    assert GPTConfig.preset("tiny").activation == "gelu"  # our own preset: the fast exact GELU on CPU
+    assert GPTConfig.preset("gpt2-small").activation == "gelu_tanh"  # GPT-2's, to reproduce its logits
+    torch.testing.assert_close(tanh.trf_blocks[0].ff.layers[1](x), torch.nn.functional.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(exact.trf_blocks[0].ff.layers[1](x), torch.nn.functional.gelu(x))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1, activation="relu")

@@ -283,3 +283,120 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
         assert len(lines) == 1, (name, err)
         assert lines[0].startswith("attnlab train: error:") and cases[name][1] in lines[0], (name, err)
         assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions
+# ---------------------------------------------------------------------------------------------
+def test_python_api_resume_takes_seed_data_and_split_from_the_checkpoint(
+    tmp_path: Path, monkeypatch, one_thread
+) -> None:
+    """``train(out=..., resume=True)`` alone continues the run it names, bit for bit, instead of
+    silently switching to the default seed, corpus and validation split."""
+    from attnlab.data import CACHE_ENV, builtin_corpus
+    from attnlab.training import train
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text(builtin_corpus()[5000:25000], encoding="utf-8")
+    settings = dict(SMALL, data=str(text), seed=7, val_fraction=0.25, dropout=0.1, lr=3e-3, warmup_steps=2, max_steps=6)
+    ref = tmp_path / "ref"
+    Trainer(TrainConfig(out=str(ref), checkpoint_every=3, eval_every=3, **settings)).fit()
+    reference = read_metrics(ref)
+    # The run as it was at step 3.
+    out = tmp_path / "resumed"
+    shutil.copytree(ref / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000003")
+    (out / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 3, "path": "checkpoints/step-00000003"})
+    )
+    (out / "metrics.jsonl").write_text((ref / "metrics.jsonl").read_text())
+    result = train(out=str(out), resume=True)
+    assert result.step == 6
+
+    def trajectory(rows: list[dict]) -> list[tuple]:
+        return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("val_loss")) for r in rows]
+
+    assert trajectory(read_metrics(out)) == trajectory(reference)  # bit for bit
+    # A setting that defines the run cannot change on resume, from Python either.
+    with pytest.raises(ValueError, match="--seed"):
+        train(out=str(out), resume=True, seed=8)
+    with pytest.raises(ValueError, match="--val-fraction"):
+        train(out=str(out), resume=True, val_fraction=0.1)
+
+
+def test_resumed_settings_rules() -> None:
+    saved = TrainConfig(preset="gpt2-small", seed=3, max_steps=50, out="elsewhere").to_dict()
+    # Presets compare case-insensitively and through their aliases.
+    cfg = TrainConfig(preset="GPT2", resume=True, out="here").resumed(saved, {"preset", "resume", "out"})
+    assert (cfg.preset, cfg.seed, cfg.max_steps, cfg.out, cfg.resume) == ("GPT2", 3, 50, "here", True)
+    with pytest.raises(ValueError, match="--preset"):
+        TrainConfig(preset="tiny").resumed(saved, {"preset"})
+    with pytest.raises(ValueError, match="--seed 4"):
+        TrainConfig(seed=4).resumed(saved, {"seed"})
+    # Without `given`, the settings left at their defaults are the ones taken from the checkpoint.
+    cfg = TrainConfig(max_steps=80).resumed(saved)
+    assert (cfg.seed, cfg.max_steps, cfg.preset) == (3, 80, "gpt2-small")
+
+
+def test_bad_preset_is_reported_before_any_tokenizing(tmp_path: Path, monkeypatch) -> None:
+    import attnlab.data as data_mod
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the data was tokenized before the preset was checked")
+
+    monkeypatch.setattr(data_mod, "tokenize_to_cache", boom)
+    with pytest.raises(ValueError, match=r"--preset.*gpt5"):
+        Trainer(TrainConfig(out=str(tmp_path), preset="gpt5", **SMALL))
+    for name in ("TINY", "gpt2", "GPT2-Medium"):
+        TrainConfig(preset=name).validate()
+
+
+def test_corrupt_pointer_without_resume_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "latest.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"latest\.json"):
+        Trainer(TrainConfig(out=str(tmp_path), **SMALL))
+
+
+def test_grad_norm_is_measured_when_clipping_is_off(tmp_path: Path, one_thread) -> None:
+    import copy
+
+    trainer = Trainer(TrainConfig(out=str(tmp_path), grad_clip=0, max_steps=1, eval_every=1, **SMALL))
+    model = copy.deepcopy(trainer.raw_model).train()  # the tiny preset has no dropout: deterministic
+    x, y = trainer.train_batches.batch(0)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    ref = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+    assert ref > 0
+    assert trainer.fit().history[0]["grad_norm"] == pytest.approx(ref, rel=1e-4)
+
+
+def test_progress_bar_without_tqdm_is_a_note_not_a_crash(tmp_path: Path, monkeypatch, one_thread) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `from tqdm.auto import tqdm` raises ImportError
+    logs: list[str] = []
+    cfg = TrainConfig(out=str(tmp_path), max_steps=1, eval_every=1, **{**SMALL, "progress": True})
+    assert Trainer(cfg, log=logs.append).fit().step == 1
+    assert any("tqdm" in m and "progress" in m for m in logs), logs
+
+
+def test_a_failing_setup_destroys_the_process_group_it_created(tmp_path: Path, monkeypatch) -> None:
+    """Under torchrun, an error after init_process_group (here: a global batch that 2 processes x
+    4 micro-steps cannot split) must not leave the process group behind."""
+    import torch.distributed as dist
+
+    state = {"initialized": False, "destroyed": 0}
+
+    def init_process_group(backend: str) -> None:
+        state["initialized"] = True
+
+    def destroy_process_group() -> None:
+        state["initialized"] = False
+        state["destroyed"] += 1
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="--batch-size"):
+        Trainer(TrainConfig(out=str(tmp_path), device="cpu", grad_accum=4, **SMALL))  # 4 rows / (2 x 4)
+    assert state == {"initialized": False, "destroyed": 1}

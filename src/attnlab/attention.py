@@ -112,10 +112,10 @@ class _DropsTutorialMask(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._register_load_state_dict_pre_hook(self._drop_mask_key, with_module=False)
+        self.register_load_state_dict_pre_hook(self._drop_mask_key)
 
     @staticmethod
-    def _drop_mask_key(state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    def _drop_mask_key(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
         state_dict.pop(prefix + "mask", None)
 
 
@@ -266,10 +266,17 @@ class KVCache:
     Keys and values are written in place into ``(B, Hkv, max_length, hd)`` buffers, so appending a
     token costs O(1) copies, never a quadratic re-concatenation.
 
+    The cache is for inference only: run it under ``torch.no_grad()`` or ``torch.inference_mode()``
+    (as :func:`attnlab.generation.generate` does). Autograd cannot backpropagate through buffers
+    that later steps overwrite in place, so :meth:`append` raises rather than build a graph that
+    would fail (or be wrong) at ``backward()``; to train on a sequence, feed it whole, without a cache.
+
     Args:
         batch_size, max_length, num_kv_heads, head_dim: buffer geometry.
         dtype, device: of the buffers (follow the module's parameters by default when made with
-            :meth:`MultiHeadAttention.new_kv_cache`).
+            :meth:`MultiHeadAttention.new_kv_cache`); :class:`MultiHeadAttention` refuses a cache
+            whose device differs from its input, or whose dtype differs from its weights outside
+            autocast.
     """
 
     def __init__(
@@ -315,6 +322,12 @@ class KVCache:
             raise ValueError(
                 f"kv_cache is full: it holds {self.length} of max_length={self.max_length} tokens and "
                 f"{T} more were fed; reset() it or make a larger one"
+            )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise RuntimeError(
+                "kv_cache is for inference only: its buffers are overwritten in place, which autograd "
+                "cannot backpropagate through; run under torch.no_grad() or torch.inference_mode(), "
+                "or feed the whole sequence without a kv_cache to train"
             )
         self.keys[:, :, self.length : end] = k
         self.values[:, :, self.length : end] = v
@@ -435,9 +448,14 @@ class MultiHeadAttention(_DropsTutorialMask):
         n: int,
         S: int,
         device: torch.device,
+        dtype: torch.dtype,
         unbatched: bool,
     ) -> Tensor | None:
-        """``attn_mask`` and ``key_mask`` as one mask broadcastable to ``(b, H, n, S)``."""
+        """``attn_mask`` and ``key_mask`` as one mask broadcastable to ``(b, H, n, S)``.
+
+        Validates both fully: the caller runs this before it writes into a KV cache, so a bad mask
+        leaves the cache as it was.
+        """
         if attn_mask is not None:
             if not isinstance(attn_mask, Tensor):
                 raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
@@ -446,6 +464,10 @@ class MultiHeadAttention(_DropsTutorialMask):
                     f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to the "
                     f"scores, got dtype {attn_mask.dtype}"
                 )
+            if attn_mask.device != device:
+                raise ValueError(f"attn_mask is on {attn_mask.device} but x is on {device}")
+            if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not _autocast_on(device):
+                raise TypeError(f"a float attn_mask must have the input's dtype {dtype}, got {attn_mask.dtype}")
             # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
             _broadcast_shape("attn_mask", tuple(attn_mask.shape), (b, self.num_heads, n, S))
         if key_mask is None:
@@ -507,15 +529,27 @@ class MultiHeadAttention(_DropsTutorialMask):
                     f"kv_cache is full: it holds {kv_cache.length} of max_length={kv_cache.max_length} tokens "
                     f"and {n} more were fed; reset() it or make a larger one with new_kv_cache(max_length=...)"
                 )
+            if kv_cache.keys.device != x.device:
+                raise ValueError(
+                    f"kv_cache is on {kv_cache.keys.device} but x is on {x.device}; "
+                    f"make it with new_kv_cache() after moving the module"
+                )
+            w_dtype = self.W_key.weight.dtype
+            if kv_cache.keys.dtype != w_dtype and not _autocast_on(x.device):
+                raise TypeError(
+                    f"kv_cache has dtype {kv_cache.keys.dtype} but the module's weights are {w_dtype}; "
+                    f"make it with new_kv_cache() after converting the module"
+                )
 
         q, k, v = self._project_qkv(x, context)
         q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
         k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
         v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
+        # Validate the masks against the full key length before the cache advances.
+        S = k.shape[2] + (0 if kv_cache is None else kv_cache.length)
+        mask = self._combine_masks(attn_mask, key_mask, b, n, S, x.device, x.dtype, unbatched)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (b, Hkv, past + n, hd)
-        S = k.shape[2]
-        mask = self._combine_masks(attn_mask, key_mask, b, n, S, x.device, unbatched)
         if _autocast_on(x.device):
             # Under autocast the projections come out in the autocast dtype while a cache or a
             # float mask keeps its own: attend in the queries' dtype.

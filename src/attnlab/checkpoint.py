@@ -26,11 +26,11 @@ through ``torch.load(..., weights_only=True)``.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._io import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir
+from ._io import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, sha256_file
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -64,14 +64,6 @@ FORMAT = "attnlab-checkpoint"
 VERSION = 1
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # RNG states as JSON
 # --------------------------------------------------------------------------------------------
@@ -83,10 +75,16 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available() and hasattr(torch, "mps")
+
+
 def get_rng_state() -> dict[str, Any]:
     """Every random state a training step may touch, as plain JSON: torch's CPU generator
     (base64 of its byte state), the CUDA generators (one per visible device, if CUDA is up),
-    NumPy's legacy global generator and Python's ``random``."""
+    the Apple-GPU (MPS) generator where there is one, NumPy's legacy global generator and
+    Python's ``random``."""
     np_state = np.random.get_state()
     py_state = random.getstate()
     state: dict[str, Any] = {
@@ -94,14 +92,18 @@ def get_rng_state() -> dict[str, Any]:
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python": [py_state[0], list(py_state[1]), py_state[2]],
         "cuda": None,
+        "mps": None,
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    if _mps_available():  # dropout on an MPS model draws from this generator, not the CPU one
+        state["mps"] = _b64(torch.mps.get_rng_state())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned (CUDA states only where CUDA is available)."""
+    """Restore what :func:`get_rng_state` returned (CUDA / MPS states only where that device is
+    available)."""
     torch.set_rng_state(_unb64(state["torch"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
@@ -111,6 +113,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         cuda_states = [_unb64(s) for s in state["cuda"]]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
+    if state.get("mps") and _mps_available():
+        torch.mps.set_rng_state(_unb64(state["mps"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +122,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
+
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _step_of(p: Path) -> int | None:
+    """The step of a ``step-N`` directory (None for anything else)."""
+    m = _STEP_DIR.fullmatch(p.name)
+    return int(m.group(1)) if m and p.is_dir() else None
 
 
 def save_checkpoint(
@@ -170,7 +183,7 @@ def save_checkpoint(
             format=FORMAT,
             version=VERSION,
             step=int(step),
-            files={f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files},
+            files={f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
         )
         atomic_write_json(tmp / CHECKPOINT_NAME, meta)
         fsync_dir(tmp)
@@ -185,9 +198,22 @@ def save_checkpoint(
         raise
     # 3. The commit point: switch the pointer.
     atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": int(step), "path": f"{CHECKPOINTS_DIR}/{name}"})
-    # 4. Only now forget old checkpoints (and debris of interrupted saves).
-    steps = sorted(p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final)
-    for old in steps[: max(0, len(steps) - (keep - 1))]:
+    # 4. Only now forget old checkpoints and debris. A step directory at or past this step that
+    #    latest.json does not name was renamed into place by a run killed before its pointer
+    #    switch (or a run this one resumed before): it is not part of this run's history. Of the
+    #    older ones keep the newest keep - 1, by step number (not by name: names may be wider
+    #    than 8 digits or hand-made).
+    older: list[tuple[int, Path]] = []
+    for p in ckpts.iterdir():
+        s = _step_of(p)
+        if s is None or p == final:
+            continue
+        if s >= step:
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            older.append((s, p))
+    older.sort()
+    for _, old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     for debris in ckpts.glob(".tmp-step-*"):
         shutil.rmtree(debris, ignore_errors=True)
@@ -250,13 +276,41 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"no checkpoint in {p} (expected {LATEST_NAME} or {CHECKPOINT_NAME})")
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`), unverified."""
-    d = find_checkpoint(path)
-    meta = _read_json(d / CHECKPOINT_NAME, "checkpoint metadata")
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_metadata(meta: Any, where: Path) -> dict[str, Any]:
+    """The structure of ``checkpoint.json``: a hand-edited or foreign file gives a ValueError
+    naming it and the bad entry, never a TypeError from deep inside the loader."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{d / CHECKPOINT_NAME} is not an attnlab checkpoint (format entry missing)")
+        raise ValueError(f"{where} is not an attnlab checkpoint (format entry missing)")
+    version = meta.get("version")
+    if not _is_int(version) or version < 1:
+        raise ValueError(f"{where}: 'version' must be a positive integer, got {version!r}")
+    if version > VERSION:
+        raise ValueError(f"{where} has format version {version}; this attnlab reads <= {VERSION}")
+    step = meta.get("step")
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{where}: 'files' must be an object of file name -> {{bytes, sha256}}, got {files!r}")
+    for name, info in files.items():
+        # Only plain names inside the step directory: a recorded '../x' must not make us read
+        # (or hash) files elsewhere.
+        if not name or name == "." or "/" in name or "\\" in name or ".." in name:
+            raise ValueError(f"{where}: file name {name!r} in 'files' must be a plain name inside the step directory")
+        if not isinstance(info, dict) or not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
+            raise ValueError(f"{where}: files[{name!r}] must be {{'bytes': int, 'sha256': str}}, got {info!r}")
     return meta
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`);
+    its structure is checked, the files it lists are not (see :func:`load_checkpoint`)."""
+    d = find_checkpoint(path)
+    return _check_metadata(_read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
 
 
 def load_checkpoint(
@@ -274,21 +328,15 @@ def load_checkpoint(
     from .model import GPT
 
     d = find_checkpoint(path)
-    meta = _read_json(d / CHECKPOINT_NAME, "checkpoint metadata")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise ValueError(f"{d / CHECKPOINT_NAME} is not an attnlab checkpoint (format entry missing)")
-    if meta.get("version", 0) > VERSION:
-        raise ValueError(f"{d / CHECKPOINT_NAME} has format version {meta['version']}; this attnlab reads <= {VERSION}")
+    meta = _check_metadata(_read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
     for name, info in meta["files"].items():
         f = d / name
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint file missing: {f}")
         size = f.stat().st_size
-        if size != info.get("bytes"):
-            raise ValueError(
-                f"checkpoint file {f} is truncated or corrupt ({size} bytes, expected {info.get('bytes')})"
-            )
-        if _sha256(f) != info.get("sha256"):
+        if size != info["bytes"]:
+            raise ValueError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, expected {info['bytes']})")
+        if sha256_file(f) != info["sha256"]:
             raise ValueError(f"checkpoint file {f} is corrupt (SHA-256 differs from the one recorded at save time)")
     model = GPT.load(d, device=device)
     opt_state = None
@@ -299,4 +347,4 @@ def load_checkpoint(
             raise ValueError(
                 f"checkpoint file {d / OPTIMIZER_NAME} is not a loadable optimizer state ({exc})"
             ) from None
-    return Checkpoint(path=d, step=int(meta["step"]), model=model, metadata=meta, optimizer_state=opt_state)
+    return Checkpoint(path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab._io import atomic_open, atomic_write_json
+from attnlab._io import atomic_open, atomic_write_json, sha256_file
 from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer
 
 __all__ = [
@@ -168,14 +168,6 @@ def _writable_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     raise ValueError(f"cannot write the token cache in {candidates[0]}; set {CACHE_ENV} to a writable directory")
 
 
-def _sha256_of_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextlib.contextmanager
 def _file_lock(lock_path: Path) -> Iterator[bool]:
     """Exclusive advisory lock, so that concurrent ranks tokenize a file once and the others wait.
@@ -294,7 +286,7 @@ def tokenize_to_cache(
         return np.asarray(tokenizer.encode_array(builtin_corpus()), dtype=dtype)
     p = _check_file(path)
 
-    content_hash = _sha256_of_file(p)
+    content_hash = sha256_file(p)
     key = hashlib.sha256(
         json.dumps([_CACHE_FORMAT, tokenizer.fingerprint(), content_hash, dtype.str]).encode()
     ).hexdigest()[:24]

@@ -117,6 +117,8 @@ def padding_mask(
         raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths.dtype} {tuple(lengths.shape)}")
     if (lengths < 0).any():
         raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0):
+        raise ValueError(f"max_len must be a non-negative int or None, got {max_len!r}")
     longest = int(lengths.max()) if lengths.numel() else 0
     max_len = longest if max_len is None else max_len
     if max_len < longest:
@@ -181,6 +183,11 @@ def _validate(
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
     key_batch = key.shape[:-2]
+    if enable_gqa and query.dim() >= 3 and key.dim() < 3:
+        # Grouping works on dim -3 (the heads); a 2-D key has none to group.
+        raise ValueError(
+            f"with enable_gqa=True key needs a heads dimension (..., Hkv, S, E), got key {tuple(key.shape)}"
+        )
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         hq, hkv = query.shape[-3], key.shape[-3]
         if hq % hkv != 0:
@@ -234,7 +241,7 @@ def _row_has_key(mask: Tensor) -> Tensor:
 
 def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
     """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path."""
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(groups, dim=-3)  # (..., Hq, S, E)
         value = value.repeat_interleave(groups, dim=-3)  # (..., Hq, S, Ev)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, _import_safetensors
 
 __all__ = ["PRETRAINED", "from_hf_gpt2", "from_pretrained", "to_hf_gpt2", "to_hf_gpt2_config", "to_hf_gpt2_state_dict"]
 
@@ -68,6 +68,10 @@ def _split_hf_input(obj: Any) -> tuple[dict[str, Tensor], Any]:
     return out, hf_config
 
 
+# transformers' GPT2Config.activation_function -> GPTConfig.activation
+_HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
 def _config_from_hf(
     state: dict[str, Tensor], hf_config: Any, n_heads: int | None, drop_rate: float | None
 ) -> GPTConfig:
@@ -81,12 +85,14 @@ def _config_from_hf(
         raise ValueError(f"not a GPT-2 state dict: transformer blocks h.0 ... h.N expected, found {sorted(layers)}")
     ff_dim = state["h.0.mlp.c_fc.weight"].shape[1]
     ln_eps = 1e-5
+    activation = "gelu_tanh"
     if hf_config is not None:
         if getattr(hf_config, "model_type", "gpt2") != "gpt2":
             raise ValueError(f"expected a GPT-2 model, got model_type={hf_config.model_type!r}")
         act = getattr(hf_config, "activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"attnlab's GPT uses GELU with the tanh approximation (gelu_new); this model uses {act!r}")
+        if act not in _HF_ACTIVATIONS:
+            raise ValueError(f"attnlab's GPT supports activation_function {sorted(_HF_ACTIVATIONS)}, got {act!r}")
+        activation = _HF_ACTIVATIONS[act]
         if not getattr(hf_config, "scale_attn_weights", True) or getattr(
             hf_config, "scale_attn_by_inverse_layer_idx", False
         ):
@@ -120,6 +126,7 @@ def _config_from_hf(
         tie_embeddings=bool(tied),
         ff_dim=None if ff_dim == 4 * emb_dim else ff_dim,
         ln_eps=ln_eps,
+        activation=activation,
     )
 
 
@@ -268,7 +275,7 @@ def to_hf_gpt2_config(model: GPT) -> Any:
         n_layer=cfg.n_layers,
         n_head=cfg.n_heads,
         n_inner=None if cfg.ff_dim is None else cfg.ff_dim,
-        activation_function="gelu_new",
+        activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
         resid_pdrop=cfg.drop_rate,
         embd_pdrop=cfg.drop_rate,
         attn_pdrop=cfg.drop_rate,
@@ -313,7 +320,9 @@ def from_pretrained(
     Args:
         name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
             repository id of a GPT-2 model, or a local directory with ``config.json`` and
-            ``model.safetensors`` (what ``save_pretrained`` writes).
+            ``model.safetensors`` (what ``save_pretrained`` writes). The GPT-2 names above always mean
+            the published models; to load a local directory with one of those names, pass a path
+            such as ``./gpt2``.
         cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
             or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
         device, dtype: where to put the model.
@@ -324,7 +333,9 @@ def from_pretrained(
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a model name like 'gpt2', got {name!r}")
     local = Path(name).expanduser()
-    if local.is_dir():
+    # A known model name always means that model: a ./gpt2 folder in the working directory must
+    # not silently stand in for from_pretrained("gpt2").
+    if name.lower() not in PRETRAINED and local.is_dir():
         config_path, weights_path = local / "config.json", local / "model.safetensors"
         for p in (config_path, weights_path):
             if not p.is_file():
@@ -332,7 +343,7 @@ def from_pretrained(
     else:
         config_path, weights_path = _download(PRETRAINED.get(name.lower(), name), cache_dir, revision)
 
-    from safetensors.torch import load_file
+    load_file = _import_safetensors().torch.load_file
 
     hf_cfg = json.loads(Path(config_path).read_text())
     if hf_cfg.get("model_type", "gpt2") != "gpt2":

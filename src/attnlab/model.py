@@ -43,11 +43,99 @@ __all__ = [
     "FeedForward",
     "GPTConfig",
     "TransformerBlock",
-    "atomic_write_bytes",
+    "lm_loss",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+
+
+def _import_safetensors() -> Any:
+    """The ``safetensors`` package, imported on first use: it is an extra, not a core dependency."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise ImportError("saving/loading GPT weights needs safetensors: pip install 'attnlab[train]'") from None
+    return safetensors
+
+
+# GPTConfig.activation -> nn.GELU's `approximate` argument
+_ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}
+
+
+def _id_ranges(*pairs: tuple[Tensor, int | None]) -> list[int]:
+    """``[min, max, min, max, ...]`` of each ``(ids, ignore_index)`` pair with a single host sync.
+
+    Entries equal to ``ignore_index`` count as 0 (a valid id), so they can neither fail the range
+    check nor hide a bad id. Every tensor must be non-empty.
+    """
+    stats: list[Tensor] = []
+    for ids, ignore in pairs:
+        if ignore is not None:
+            ids = torch.where(ids != ignore, ids, 0)
+        stats += torch.aminmax(ids)  # one reduction per tensor
+    return torch.stack([t.long() for t in stats]).tolist()  # the one sync
+
+
+def _skip_value_checks(t: Tensor) -> bool:
+    """Value checks read data: impossible on meta tensors, and graph breaks under torch.compile."""
+    return t.device.type == "meta" or torch.compiler.is_compiling() or t.numel() == 0
+
+
+def _check_targets_range(lo: int, hi: int, vocab_size: int, ignore_index: int) -> None:
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(
+            f"targets values must be in [0, vocab_size={vocab_size}) or equal ignore_index={ignore_index}, "
+            f"got min {lo}, max {hi} (ignored entries counted as 0)"
+        )
+
+
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean next-token cross-entropy in nats per token, computed in float32.
+
+    Args:
+        logits: ``(..., V)``, e.g. ``(B, T, V)``; any float dtype (bf16 under autocast is upcast,
+            so the loss and its gradient are not rounded to 8 bits of mantissa).
+        targets: ``(...)`` integer ids matching ``logits.shape[:-1]``; entries equal to
+            ``ignore_index`` (default -100, as ``F.cross_entropy``) do not count; every other entry
+            must be in ``[0, V)``. That is checked (one host sync), so a bad id is a ValueError
+            rather than a CUDA device assert that poisons the process.
+    Returns:
+        A float32 scalar.
+    """
+    _check_loss_args(logits, targets, ignore_index)
+    if not _skip_value_checks(targets):
+        _check_targets_range(*_id_ranges((targets, ignore_index)), logits.shape[-1], ignore_index)
+    return _lm_loss(logits, targets, ignore_index)
+
+
+def _check_loss_args(logits: object, targets: object, ignore_index: object) -> None:
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError(
+            f"logits must be a float tensor (..., V), got {getattr(logits, 'dtype', type(logits).__name__)}"
+        )
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets).__name__)}"
+        )
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"targets is on {targets.device} but logits are on {logits.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def _lm_loss(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """:func:`lm_loss` on checked arguments."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),  # (N, V) float32 even under bf16 autocast
+        targets.reshape(-1).long(),  # (N,)
+        ignore_index=ignore_index,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,6 +168,9 @@ class GPTConfig:
         bias: bias in the attention output projection, the MLP and the LayerNorms (as GPT-2).
         ff_dim: hidden width of the MLP (default ``4 * emb_dim``).
         ln_eps: LayerNorm epsilon (GPT-2: 1e-5).
+        activation: the MLP's GELU: ``"gelu_tanh"`` (GPT-2's tanh approximation, needed to
+            reproduce its logits) or ``"gelu"`` (exact, erf-based; on CPU torch's kernel for it is
+            several times faster than the tanh one, which is why the ``tiny`` preset uses it).
     """
 
     vocab_size: int = 50257
@@ -94,6 +185,7 @@ class GPTConfig:
     bias: bool = True
     ff_dim: int | None = None
     ln_eps: float = 1e-5
+    activation: str = "gelu_tanh"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
@@ -112,6 +204,8 @@ class GPTConfig:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0:
             raise ValueError(f"ln_eps must be a small positive float, got {eps!r}")
         self.ln_eps = float(eps)
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
         if self.emb_dim % self.n_heads != 0:
             raise ValueError(
                 f"emb_dim must be divisible by n_heads, got emb_dim={self.emb_dim} and n_heads={self.n_heads}"
@@ -149,9 +243,9 @@ class GPTConfig:
         ``gpt2-small`` (alias ``gpt2``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``: GPT-2's
         published sizes (vocabulary 50257, context 1024, ``qkv_bias=True``, dropout 0.1).
         ``tiny``: a ~0.8M-parameter byte-level model (vocabulary 256, context 64, 4 layers of
-        width 128 with 4 heads, no dropout) that learns visibly within minutes on a 2-core CPU
-        (on the built-in corpus, 64-byte windows reached a lower validation loss for the same
-        compute than 128 or 256).
+        width 128 with 4 heads, no dropout, exact GELU) that learns visibly within minutes on a
+        2-core CPU (on the built-in corpus, 64-byte windows reached a lower validation loss for
+        the same compute than 128 or 256).
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -161,7 +255,14 @@ class GPTConfig:
         key = _ALIASES.get(name.lower(), name.lower())
         if key == "tiny":
             base: dict[str, Any] = dict(
-                vocab_size=256, context_length=64, emb_dim=128, n_heads=4, n_layers=4, drop_rate=0.0, qkv_bias=False
+                vocab_size=256,
+                context_length=64,
+                emb_dim=128,
+                n_heads=4,
+                n_layers=4,
+                drop_rate=0.0,
+                qkv_bias=False,
+                activation="gelu",
             )
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])
@@ -200,17 +301,18 @@ def _positive_int(name: str, value: object) -> int:
 # Building blocks
 # --------------------------------------------------------------------------------------------
 class FeedForward(nn.Module):
-    """GPT-2's MLP: ``Linear(emb, hidden) -> GELU(tanh approximation) -> Linear(hidden, emb)``.
+    """GPT-2's MLP: ``Linear(emb, hidden) -> GELU -> Linear(hidden, emb)``.
 
     GPT-2 was trained with the tanh approximation of GELU (``gelu_new`` in Hugging Face), so that
-    is what reproduces its logits. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
+    is the default and what reproduces its logits; ``cfg.activation="gelu"`` selects the exact
+    one. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.layers = nn.Sequential(
             nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias),
-            nn.GELU(approximate="tanh"),
+            nn.GELU(approximate=_ACTIVATIONS[cfg.activation]),
             nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
         )
 
@@ -332,7 +434,7 @@ class GPT(nn.Module):
         return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
 
     # Forward ------------------------------------------------------------------------------------
-    def _check_idx(self, idx: object, past: int = 0) -> Tensor:
+    def _check_idx(self, idx: object, past: int = 0, *, values: bool = True) -> Tensor:
         if not isinstance(idx, Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -352,14 +454,25 @@ class GPT(nn.Module):
             )
         if idx.device != self.device and self.device.type != "meta":
             raise ValueError(f"idx is on {idx.device} but the model is on {self.device}; use idx.to(model.device)")
-        # One reduction, so on CUDA an id out of range is a clear error rather than a device assert.
-        if idx.device.type != "meta" and not torch.compiler.is_compiling():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(
-                    f"idx values must be in [0, vocab_size={self.config.vocab_size}), got min {lo}, max {hi}"
-                )
+        # On CUDA an id out of range is a device assert that poisons the context; check it here.
+        # The check costs a host sync, so it is skipped in the CUDA training hot path, where
+        # loss() checks idx and targets together in one sync (and lm_loss checks the targets,
+        # which for next-token windows are idx shifted by one).
+        if values and not (idx.is_cuda and self.training):
+            self._check_id_values(idx)
         return idx
+
+    def _check_id_values(self, idx: Tensor, targets: Tensor | None = None, ignore_index: int = -100) -> None:
+        """Range-check ``idx`` (and ``targets``, except ``ignore_index`` entries) with one host sync."""
+        if _skip_value_checks(idx):
+            return
+        V = self.config.vocab_size
+        pairs = [(idx, None)] if targets is None else [(idx, None), (targets, ignore_index)]
+        lo, hi, *t_range = _id_ranges(*pairs)
+        if lo < 0 or hi >= V:
+            raise ValueError(f"idx values must be in [0, vocab_size={V}), got min {lo}, max {hi}")
+        if t_range:
+            _check_targets_range(*t_range, V, ignore_index)
 
     def forward(
         self,
@@ -386,7 +499,17 @@ class GPT(nn.Module):
         if kv_caches is not None:
             if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.trf_blocks):
                 raise ValueError(f"kv_caches must be a list of {len(self.trf_blocks)} KVCache objects (one per layer)")
+            for i, c in enumerate(kv_caches):
+                if not isinstance(c, KVCache):
+                    raise TypeError(
+                        f"kv_caches[{i}] must be an attnlab KVCache (see GPT.new_kv_caches), got {type(c).__name__}"
+                    )
             past = kv_caches[0].length
+            if any(c.length != past for c in kv_caches):
+                raise ValueError(
+                    f"kv_caches hold different numbers of tokens {[c.length for c in kv_caches]}; "
+                    f"reset() them all or make new ones with new_kv_caches()"
+                )
         idx = self._check_idx(idx, past)
         B, T = idx.shape
         key_mask = None if attention_mask is None else self._check_mask(attention_mask, B, past + T)
@@ -454,19 +577,24 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy (nats per token) of ``targets (B, T)`` given ``idx (B, T)``.
 
         ``targets`` are usually ``idx`` shifted left by one; entries equal to ``ignore_index``
-        (default -100, as ``F.cross_entropy``) do not count.
+        (default -100, as ``F.cross_entropy``) do not count; every other entry must be in
+        ``[0, vocab_size)`` (checked, so a bad id is a ValueError, not a CUDA device assert).
         """
         if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
             raise TypeError(
                 "targets must be an integer tensor of token ids, got "
                 f"{getattr(targets, 'dtype', type(targets).__name__)}"
             )
-        if isinstance(idx, Tensor) and targets.shape != idx.shape:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        idx = self._check_idx(idx, values=False)  # type, shape, device
+        if targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        if targets.device != idx.device:
+            raise ValueError(f"targets is on {targets.device} but idx is on {idx.device}")
+        self._check_id_values(idx, targets, ignore_index)  # idx and targets together: one host sync
         logits = self(idx, attention_mask=attention_mask)  # (B, T, V)
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=ignore_index
-        )  # float32 loss even under bf16 autocast
+        return _lm_loss(logits, targets, ignore_index)  # lm_loss without re-checking (and re-syncing)
 
     # Training helpers ---------------------------------------------------------------------------
     def optimizer_groups(self, weight_decay: float) -> list[dict[str, Any]]:
@@ -604,7 +732,7 @@ class GPT(nn.Module):
         the old one, so a crash leaves either the old or the new file, never a torn one. Tied
         weights are stored once. Returns the directory.
         """
-        from safetensors.torch import save as st_save
+        st_save = _import_safetensors().torch.save
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -624,8 +752,8 @@ class GPT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> GPT:
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        safetensors = _import_safetensors()
+        SafetensorError, load_file = safetensors.SafetensorError, safetensors.torch.load_file
 
         d = Path(directory)
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
@@ -653,13 +781,14 @@ class GPT(nn.Module):
         return model.to(device=device, dtype=dtype)
 
     def _check_state_keys(self, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:
-        expected = set(self.state_dict())
+        own = self.state_dict()  # once: building it walks every module
+        expected = set(own)
         if self.config.tie_embeddings:
             expected.discard("out_head.weight")
         missing = sorted(expected - set(state))
         unexpected = sorted(set(state) - expected)
         for k in sorted(expected & set(state)):
-            want = tuple(self.state_dict()[k].shape)
+            want = tuple(own[k].shape)
             if tuple(state[k].shape) != want:
                 unexpected.append(f"{k} (shape {tuple(state[k].shape)}, expected {want})")
         return missing, unexpected

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.cli import UserError
+from attnlab._io import sha256_file
+from attnlab.errors import UserError
 
 __all__ = [
     "GPT2_BPE_ENV",
@@ -69,7 +70,7 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 class TokenizerLoadError(UserError, ValueError):
     """A tokenizer could not be loaded (e.g. GPT-2's BPE files are neither downloadable nor given).
 
-    A :class:`attnlab.cli.UserError` (the CLI prints its one-line message) and a ``ValueError``.
+    A :class:`attnlab.errors.UserError` (the CLI prints its one-line message) and a ``ValueError``.
     """
 
 
@@ -279,14 +280,6 @@ _GPT2_CACHE: dict[tuple[str, str, str], Any] = {}
 _GPT2_CUTS = (re.compile(r"\S(?=\n)"), re.compile(r"\S(?=[ \t\r\n])"))
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _import_tiktoken() -> Any:
     try:
         import tiktoken
@@ -310,7 +303,7 @@ def _load_gpt2_from_dir(bpe_dir: Path) -> tuple[Any, str, str]:
     for f in (vocab_bpe, encoder_json):
         if not f.is_file():
             raise FileNotFoundError(f"GPT-2 BPE file not found: {f} (bpe_dir needs encoder.json and vocab.bpe)")
-    bpe_hash, enc_hash = _sha256_file(vocab_bpe), _sha256_file(encoder_json)
+    bpe_hash, enc_hash = sha256_file(vocab_bpe), sha256_file(encoder_json)
     key = (str(bpe_dir.resolve()), bpe_hash, enc_hash)
     if key in _GPT2_CACHE:
         return _GPT2_CACHE[key], bpe_hash, enc_hash

@@ -166,39 +166,30 @@ def _explicit(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The run's settings: TrainConfig defaults < the checkpoint's settings (on --resume) < flags given."""
-    from .checkpoint import has_checkpoint, read_metadata
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
+    """The settings given as flags over TrainConfig's defaults, and the names of those given.
 
+    On --resume the Trainer takes every setting not given from the checkpoint (and refuses a given
+    one that a resumed run cannot change), exactly as for the Python API.
+    """
     given = _explicit(args)
-    base = TrainConfig()
-    out = given.get("out", base.out)
-    if given.get("resume") and has_checkpoint(out):
-        meta = read_metadata(out)
-        saved = TrainConfig.from_dict(meta.get("train_config", {}))
-        for name in TrainConfig.FIXED_ON_RESUME:
-            if name in given and given[name] != getattr(saved, name):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {given[name]!r} differs from the checkpoint's "
-                    f"{getattr(saved, name)!r}; a resumed run keeps it (start a new --out to change it)"
-                )
-        base = saved
-        base.resume = True
-    return dataclasses.replace(base, **given)
+    return dataclasses.replace(TrainConfig(), **given), set(given)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from .training import Trainer
 
-    cfg = config_from_args(args)
-    trainer = Trainer(cfg)
+    cfg, given = config_from_args(args)
     try:
+        # Inside the try: Trainer() itself may fail after it started the process group.
+        trainer = Trainer(cfg, given=given)
         result = trainer.fit()
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    cfg = trainer.cfg  # with the checkpoint's settings on --resume
     if result.interrupted:
         return 128 + int(result.interrupted)
     if trainer.dist.is_main:

@@ -11,8 +11,12 @@ One optimizer step, nanoGPT-style::
 
 Exact resume. Batch ``step`` is a pure function of ``(seed, step)`` (see
 :class:`~attnlab.data.RandomWindowBatches`), and a checkpoint carries the weights, the optimizer
-state and every RNG state (dropout draws from torch's generator), so on the same device a run
-resumed from step ``k`` computes bit-for-bit the losses of a run that never stopped.
+state and every RNG state (dropout draws from torch's CPU, CUDA or MPS generator), so on the same
+device a run resumed from step ``k`` computes bit-for-bit the losses of a run that never stopped.
+
+Resuming (``resume=True`` with a checkpoint in ``out``): the settings the caller did not set are
+taken from the checkpoint's; the ones in :attr:`TrainConfig.FIXED_ON_RESUME` (model, data,
+tokenizer, seed, ...) must not differ from it. This holds for the CLI and the Python API alike.
 
 Distributed. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the
 model is wrapped in ``DistributedDataParallel`` (NCCL on CUDA, Gloo on CPU). ``batch_size`` is the
@@ -36,21 +40,25 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ._io import atomic_write_text
 from .checkpoint import (
+    _read_latest,
     get_rng_state,
     has_checkpoint,
     load_checkpoint,
+    read_metadata,
     save_checkpoint,
     set_rng_state,
 )
+from .data import builtin_corpus
+from .model import GPT, GPTConfig, lm_loss
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "resolve_device", "train"]
 
@@ -102,7 +110,7 @@ class TrainConfig:
     FIXED_ON_RESUME = ("data", "tokenizer", "preset", "context_length", "dropout", "seed", "val_fraction")
 
     def validate(self) -> None:
-        """ValueError naming the flag for any setting out of range."""
+        """ValueError naming the flag for any setting out of range (before any work is done)."""
 
         def pos_int(name: str) -> None:
             v = getattr(self, name)
@@ -132,6 +140,7 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.tokenizer not in ("byte", "char", "gpt2"):
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of: byte, char, gpt2")
+        canonical_preset(self.preset)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,6 +149,52 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    def explicit_fields(self) -> set[str]:
+        """Names of the settings that differ from the defaults (what a caller evidently set)."""
+        default = TrainConfig()
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    def resumed(
+        self, saved: dict[str, Any], given: Iterable[str] | None = None, *, source: str = "the checkpoint"
+    ) -> TrainConfig:
+        """This run's settings when it continues a checkpoint whose settings were ``saved``.
+
+        ``given`` names the settings the caller set (default: :meth:`explicit_fields`); they are
+        kept, every other one comes from ``saved``. A setting in :attr:`FIXED_ON_RESUME` that was
+        given and differs from the saved one is a ValueError naming it. ``out`` and ``resume``
+        are always this run's.
+        """
+        given = self.explicit_fields() if given is None else set(given)
+        old = TrainConfig.from_dict(saved)
+        for name in self.FIXED_ON_RESUME:
+            if name in given and not _same_setting(name, getattr(self, name), getattr(old, name)):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} differs from the {getattr(old, name)!r} "
+                    f"of {source}; a resumed run keeps it (start a new --out to change it)"
+                )
+        keep = given | {"out", "resume"}
+        names = {f.name for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: getattr(old, k) for k in names if k in saved and k not in keep})
+
+
+def canonical_preset(name: Any) -> str:
+    """The preset ``name`` means, as listed by :meth:`GPTConfig.presets` (case and the aliases
+    such as ``gpt2`` normalised); ValueError naming ``--preset`` for an unknown one."""
+    try:
+        config = GPTConfig.preset(name)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--preset: {exc}") from None
+    return next(p for p in GPTConfig.presets() if GPTConfig.preset(p) == config)
+
+
+def _same_setting(name: str, a: Any, b: Any) -> bool:
+    if name == "preset":
+        try:
+            return canonical_preset(a) == canonical_preset(b)
+        except ValueError:
+            return a == b
+    return a == b
 
 
 @dataclass
@@ -305,14 +360,38 @@ class Trainer:
         result = Trainer(TrainConfig(max_steps=100, out="runs/x")).fit()
     """
 
-    def __init__(self, config: TrainConfig, *, log: Any = None) -> None:
+    def __init__(self, config: TrainConfig, *, log: Any = None, given: Iterable[str] | None = None) -> None:
+        """``given``: names of the settings the caller set (the CLI passes the flags given). On
+        resume, every other setting comes from the checkpoint; None means "those that differ
+        from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
         config.validate()
-        self.cfg = config
         self.dist = _dist_from_env()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
+        if config.resume and has_checkpoint(self.out):
+            # Before anything is built: the device, model, data and seed are the checkpoint's.
+            meta = read_metadata(self.out)
+            saved = meta.get("train_config", {})
+            if not isinstance(saved, dict):
+                raise ValueError(f"the checkpoint in {self.out} has no valid 'train_config' entry")
+            config = config.resumed(saved, given, source=f"the checkpoint in {self.out}")
+            config.validate()
+        self.cfg = config
         self.device = resolve_device(config.device, self.dist.local_rank)
-        self._setup()
+        self._owns_process_group = False
+        try:
+            self._setup()
+        except BaseException:
+            # Errors after init_process_group (a bad file, a batch size that does not divide)
+            # must not leave the group behind (torchrun would hang on the other ranks' exit).
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Destroy the process group this trainer created (a no-op otherwise)."""
+        if self._owns_process_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self._owns_process_group = False
 
     # -- logging -------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -322,7 +401,6 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------------
     def _setup(self) -> None:
         from .data import RandomWindowBatches, tokenize_to_cache, train_val_split
-        from .model import GPT, GPTConfig
         from .tokenizers import get_tokenizer, tokenizer_from_dict
 
         cfg, d = self.cfg, self.dist
@@ -331,6 +409,7 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.distributed.init_process_group(backend=backend)
+            self._owns_process_group = True
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -341,7 +420,7 @@ class Trainer:
         elif cfg.resume:
             self.log(f"--resume: no checkpoint in {self.out} yet, starting a new run")
         elif has_checkpoint(self.out):
-            step = json.loads((self.out / "latest.json").read_text()).get("step", "?")
+            step = _read_latest(self.out).get("step", "?")  # a corrupt pointer: an error naming it
             raise ValueError(
                 f"{self.out} already holds a checkpoint (step {step}); pass --resume to continue it, "
                 "or choose another --out (or delete it) to start over"
@@ -351,7 +430,7 @@ class Trainer:
         if ckpt is not None:
             tok = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=cfg.bpe_dir)
         elif cfg.tokenizer == "char":
-            tok = get_tokenizer("char", text=None if cfg.data else _builtin_text(), path=cfg.data)
+            tok = get_tokenizer("char", text=None if cfg.data else builtin_corpus(), path=cfg.data)
         else:
             tok = get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
         self.tokenizer = tok
@@ -495,7 +574,7 @@ class Trainer:
                 x, y = self.val_batches.batch(i, m, device=self.device)  # (b, T) each
                 with self.autocast():
                     logits = model(x)  # (b, T, V)
-                total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                total += lm_loss(logits, y)
                 count += 1
         if self.dist.enabled:
             torch.distributed.all_reduce(total)
@@ -521,12 +600,13 @@ class Trainer:
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / cfg.grad_accum
+                loss = lm_loss(logits, y) / cfg.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = torch.zeros(())
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+        # With --grad-clip 0 the norm is still measured for the metrics (an infinite threshold
+        # scales the gradients by exactly 1).
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.dist.enabled:
@@ -562,9 +642,12 @@ class Trainer:
         )
         bar = None
         if d.is_main and cfg.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                self.log("note: no progress bar (the tqdm package is not installed: pip install tqdm)")
+            else:
+                bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         write = bar.write if bar is not None else self.log
         interrupted: int | None = None
         ckpt_path: Path | None = self.resumed_from
@@ -646,21 +729,20 @@ def _no_sync(model: torch.nn.Module) -> Any:
     return inner.no_sync()
 
 
-def _builtin_text() -> str:
-    from .data import builtin_corpus
-
-    return builtin_corpus()
-
-
 def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     """Train with ``config`` (default :class:`TrainConfig`), fields overridden by keyword.
 
     >>> result = train(max_steps=20, out="runs/demo", progress=False)  # doctest: +SKIP
+
+    On ``resume=True`` the settings not given come from the checkpoint: with ``config`` those
+    equal to the defaults, without it those not passed by keyword.
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
-    trainer = Trainer(cfg)
+    given = None if config is not None else set(overrides)
+    trainer = None
     try:
+        trainer = Trainer(cfg, given=given)
         return trainer.fit()
     finally:
-        if trainer.dist.enabled and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
