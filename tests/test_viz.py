@@ -33,6 +33,7 @@ from attnlab.viz import (
     save_png,
     token_label,
 )
+from tutorial_numbers import CAUSAL_WEIGHTS, SA_V2_WEIGHTS, WEIGHTS
 
 pytest.importorskip("matplotlib")
 
@@ -52,32 +53,9 @@ def tiny_gpt(seed: int = 0, drop_rate: float = 0.0, **kw) -> GPT:
 # --------------------------------------------------------------------------------------------
 # The weights
 # --------------------------------------------------------------------------------------------
-# Printed in "A simple self-attention mechanism" (softmax(x x^T); SelfAttention_v2 under seed 789;
-# the same weights with the causal mask applied before the softmax).
-TUTORIAL_SIMPLE = [
-    [0.2098, 0.2006, 0.1981, 0.1242, 0.1220, 0.1452],
-    [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581],
-    [0.1390, 0.2369, 0.2326, 0.1242, 0.1108, 0.1565],
-    [0.1435, 0.2074, 0.2046, 0.1462, 0.1263, 0.1720],
-    [0.1526, 0.1958, 0.1975, 0.1367, 0.1879, 0.1295],
-    [0.1385, 0.2184, 0.2128, 0.1420, 0.0988, 0.1896],
-]
-TUTORIAL_V2 = [
-    [0.1921, 0.1646, 0.1652, 0.1550, 0.1721, 0.1510],
-    [0.2041, 0.1659, 0.1662, 0.1496, 0.1665, 0.1477],
-    [0.2036, 0.1659, 0.1662, 0.1498, 0.1664, 0.1480],
-    [0.1869, 0.1667, 0.1668, 0.1571, 0.1661, 0.1564],
-    [0.1830, 0.1669, 0.1670, 0.1588, 0.1658, 0.1585],
-    [0.1935, 0.1663, 0.1666, 0.1542, 0.1666, 0.1529],
-]
-TUTORIAL_CAUSAL = [
-    [1.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000],
-    [0.5517, 0.4483, 0.0000, 0.0000, 0.0000, 0.0000],
-    [0.3800, 0.3097, 0.3103, 0.0000, 0.0000, 0.0000],
-    [0.2758, 0.2460, 0.2462, 0.2319, 0.0000, 0.0000],
-    [0.2175, 0.1983, 0.1984, 0.1888, 0.1971, 0.0000],
-    [0.1935, 0.1663, 0.1666, 0.1542, 0.1666, 0.1529],
-]
+# Printed in "A simple self-attention mechanism": softmax(x x^T), SelfAttention_v2 under seed 789,
+# and the same weights with the causal mask applied before the softmax.
+TUTORIAL_PANELS = (WEIGHTS, SA_V2_WEIGHTS, CAUSAL_WEIGHTS)
 
 
 def test_demo_view_shows_the_tutorials_numbers_and_leaves_the_rng_alone():
@@ -87,7 +65,7 @@ def test_demo_view_shows_the_tutorials_numbers_and_leaves_the_rng_alone():
     assert torch.equal(torch.get_rng_state(), state)
     assert view.tokens == ["Your", "journey", "starts", "with", "one", "step"]
     assert [layer.weights.shape[0] for layer in view.layers] == [1, 1, 1, 2, 2]
-    for layer, printed in zip(view.layers[:3], (TUTORIAL_SIMPLE, TUTORIAL_V2, TUTORIAL_CAUSAL), strict=True):
+    for layer, printed in zip(view.layers[:3], TUTORIAL_PANELS, strict=True):
         torch.testing.assert_close(layer.weights[0], torch.tensor(printed), atol=1e-4, rtol=0)
     for layer in view.layers[2:]:  # causal rows: nothing above the diagonal, each row sums to 1
         assert torch.all(layer.weights.triu(1) == 0)
