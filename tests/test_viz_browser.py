@@ -25,6 +25,9 @@ from attnlab.viz import demo_view, model_view, save_html, token_label
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+if (CHROMIUM is None or CHROMEDRIVER is None) and os.environ.get("ATTNLAB_REQUIRE_BROWSER"):
+    # CI sets this: there the browser test must run, never be skipped quietly.
+    raise RuntimeError("ATTNLAB_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
 if CHROMIUM is None or CHROMEDRIVER is None:
     pytest.skip(
         "no chromium/chromedriver on PATH (Debian: apt-get install -y chromium chromium-driver)",

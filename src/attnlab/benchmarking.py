@@ -52,7 +52,6 @@ __all__ = [
     "paired_ratio",
     "peak_memory_mb",
     "share_weights",
-    "time_forward_backward",
     "tutorial_forward_bytes",
 ]
 
@@ -412,13 +411,6 @@ def compare_forward_backward(
         if gc_was_enabled:
             gc.enable()
     return {name: Timing(name, tuple(times[name]), tuple(cpu[name])) for name in built}
-
-
-def time_forward_backward(
-    module_factory: nn.Module | Callable[[], nn.Module], x: Tensor, repeats: int = 10, warmup: int = 2
-) -> Timing:
-    """Forward+backward timings of one module (see :func:`compare_forward_backward`)."""
-    return compare_forward_backward({"module": module_factory}, x, repeats, warmup)["module"]
 
 
 # --------------------------------------------------------------------------------------------

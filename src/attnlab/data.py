@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from attnlab._io import atomic_open, atomic_write_json, sha256_file
-from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer
+from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer, encode_to_tensor
 
 __all__ = [
     "RandomWindowBatches",
@@ -466,11 +466,7 @@ def create_dataloader(
     Batches: two int64 tensors of shape ``(batch_size, context_length)``.
     """
     if isinstance(text_or_tokens, str):
-        tok = as_tokenizer(tokenizer)
-        if isinstance(tok, Tokenizer):
-            tokens: Tokens = torch.from_numpy(np.asarray(tok.encode_array(text_or_tokens), dtype=np.int64))
-        else:
-            tokens = torch.tensor(tok.encode(text_or_tokens), dtype=torch.long)
+        tokens: Tokens = encode_to_tensor(as_tokenizer(tokenizer), text_or_tokens)
     else:
         if tokenizer is not None:
             raise ValueError("tokenizer is only used when text_or_tokens is a str; these are already tokens")
