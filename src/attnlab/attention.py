@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import _broadcast_shape, _check_float_tensor, scaled_dot_product_attention
+from .functional import _check_attn_mask, _check_float_tensor, scaled_dot_product_attention
 
 __all__ = [
     "CausalAttention",
@@ -321,7 +321,7 @@ class KVCache:
         if end > self.max_length:
             raise ValueError(
                 f"kv_cache is full: it holds {self.length} of max_length={self.max_length} tokens and "
-                f"{T} more were fed; reset() it or make a larger one"
+                f"{T} more were fed; reset() it or make a larger one (new_kv_cache(max_length=...))"
             )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise RuntimeError(
@@ -457,19 +457,15 @@ class MultiHeadAttention(_DropsTutorialMask):
         leaves the cache as it was.
         """
         if attn_mask is not None:
-            if not isinstance(attn_mask, Tensor):
-                raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-                raise TypeError(
-                    f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to the "
-                    f"scores, got dtype {attn_mask.dtype}"
-                )
-            if attn_mask.device != device:
-                raise ValueError(f"attn_mask is on {attn_mask.device} but x is on {device}")
-            if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not _autocast_on(device):
-                raise TypeError(f"a float attn_mask must have the input's dtype {dtype}, got {attn_mask.dtype}")
             # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
-            _broadcast_shape("attn_mask", tuple(attn_mask.shape), (b, self.num_heads, n, S))
+            _check_attn_mask(
+                attn_mask,
+                device=device,
+                dtype=dtype,
+                target=(b, self.num_heads, n, S),
+                input_name="x",
+                any_float_dtype=_autocast_on(device),  # forward casts a float mask to the autocast dtype
+            )
         if key_mask is None:
             return attn_mask
         if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
@@ -524,11 +520,6 @@ class MultiHeadAttention(_DropsTutorialMask):
         else:
             if not isinstance(kv_cache, KVCache):
                 raise TypeError(f"kv_cache must be an attnlab KVCache or None, got {type(kv_cache).__name__}")
-            if kv_cache.length + n > kv_cache.max_length:
-                raise ValueError(
-                    f"kv_cache is full: it holds {kv_cache.length} of max_length={kv_cache.max_length} tokens "
-                    f"and {n} more were fed; reset() it or make a larger one with new_kv_cache(max_length=...)"
-                )
             if kv_cache.keys.device != x.device:
                 raise ValueError(
                     f"kv_cache is on {kv_cache.keys.device} but x is on {x.device}; "

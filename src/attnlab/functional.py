@@ -204,20 +204,34 @@ def _validate(
         ) from None
 
     if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-        if attn_mask.device != query.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
-        if attn_mask.is_floating_point():
-            if attn_mask.dtype != query.dtype:
-                raise TypeError(f"a float attn_mask must have the query's dtype {query.dtype}, got {attn_mask.dtype}")
-        elif attn_mask.dtype != torch.bool:
-            raise TypeError(
-                f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
-                f"the scores, got dtype {attn_mask.dtype}"
-            )
-        _broadcast_shape("attn_mask", tuple(attn_mask.shape), (*batch, query.shape[-2], key.shape[-2]))
+        target = (*batch, query.shape[-2], key.shape[-2])
+        _check_attn_mask(attn_mask, device=query.device, dtype=query.dtype, target=target, input_name="query")
     return tuple(batch)
+
+
+def _check_attn_mask(
+    attn_mask: object,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    target: tuple[int, ...],
+    input_name: str,
+    any_float_dtype: bool = False,
+) -> None:
+    """``attn_mask`` must be a bool or float tensor on ``device``, broadcastable to ``target``; a
+    float one must have ``dtype`` (unless ``any_float_dtype``: under autocast it is cast later)."""
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
+            f"the scores, got dtype {attn_mask.dtype}"
+        )
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but {input_name} is on {device}")
+    if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not any_float_dtype:
+        raise TypeError(f"a float attn_mask must have the dtype of {input_name} ({dtype}), got {attn_mask.dtype}")
+    _broadcast_shape("attn_mask", tuple(attn_mask.shape), target)
 
 
 def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device: torch.device) -> Tensor | None:
