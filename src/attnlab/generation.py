@@ -83,20 +83,10 @@ def _check_args(
     attention_mask: object,
 ) -> Tensor | None:
     V = model.config.vocab_size
-    if not isinstance(idx, Tensor):
-        raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
-    if idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}")
-    if idx.dim() != 2 or idx.shape[1] == 0 or idx.shape[0] == 0:
-        raise ValueError(
-            f"idx must have shape (batch, tokens) with at least one token, got {tuple(idx.shape)}; "
-            f"for one prompt use idx.unsqueeze(0)"
-        )
-    if idx.device != model.device:
-        raise ValueError(f"idx is on {idx.device} but the model is on {model.device}; use idx.to(model.device)")
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0 or hi >= V:
-        raise ValueError(f"idx values must be in [0, vocab_size={V}), got min {lo}, max {hi}")
+    # Prompts may be longer than the context: generation slides the window over them.
+    model._check_idx(idx, limit_length=False)
+    if idx.shape[0] == 0:
+        raise ValueError(f"idx must hold at least one prompt, got shape {tuple(idx.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if (

@@ -434,7 +434,9 @@ class GPT(nn.Module):
         return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
 
     # Forward ------------------------------------------------------------------------------------
-    def _check_idx(self, idx: object, past: int = 0, *, values: bool = True) -> Tensor:
+    def _check_idx(self, idx: object, past: int = 0, *, values: bool = True, limit_length: bool = True) -> Tensor:
+        """Type, shape, device and (``values``) id range of ``idx``; with ``limit_length`` also that
+        ``past + T`` fits the context (generation slides its window instead)."""
         if not isinstance(idx, Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -447,7 +449,7 @@ class GPT(nn.Module):
         if T == 0:
             raise ValueError("idx must contain at least one token, got shape " + str(tuple(idx.shape)))
         C = self.config.context_length
-        if past + T > C:
+        if limit_length and past + T > C:
             raise ValueError(
                 f"idx has {past + T} tokens{' (with the cache)' if past else ''}, more than context_length={C}; "
                 f"crop it to the last {C} tokens (idx[:, -{C}:]) or use generate(), which slides the window"
