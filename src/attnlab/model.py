@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._io import atomic_write_bytes, atomic_write_json
-from .attention import KVCache, MultiHeadAttention
+from .attention import KVCache, MultiHeadAttention, _check_positive_int
 
 __all__ = [
     "CONFIG_NAME",
@@ -189,10 +189,10 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
-            _positive_int(name, getattr(self, name))
+            _check_positive_int(name, getattr(self, name))
         for name in ("n_kv_heads", "ff_dim"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                _check_positive_int(name, getattr(self, name))
         d = self.drop_rate
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
             raise ValueError(f"drop_rate must be a float in [0, 1), got {d!r}")
@@ -289,12 +289,6 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"unknown GPTConfig field(s) {unknown}; fields are {sorted(fields)}")
         return cls(**d)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------
