@@ -23,17 +23,7 @@ import argparse
 import sys
 
 from attnlab._io import atomic_write_json
-from attnlab.benchmarking import attention_benchmark, format_attention_report, goals_met
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from attnlab.benchmarking import attention_benchmark, format_attention_report, goals_met, positive_int
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from . import benchmarking as bm
 from ._io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from .benchmarking import positive_int
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -779,16 +780,6 @@ def _int_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Measure the tutorials' attention, attnlab's and torch's (time and peak memory against sequence "
@@ -806,19 +797,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-seq-lens", type=_int_list, metavar="T,T,...", help="attention memory lengths")
     parser.add_argument("--gen-lens", type=_int_list, metavar="T,T,...", help="total lengths of the generation test")
     parser.add_argument("--train-lens", type=_int_list, metavar="T,T,...", help="sequence lengths of the training test")
-    parser.add_argument("--d-model", type=_positive, metavar="D", help="attention width (default 768; quick 256)")
-    parser.add_argument("--heads", type=_positive, metavar="H", help="attention heads (default 12; quick 4)")
-    parser.add_argument("--batch", type=_positive, metavar="B", help="attention batch size (default 1)")
-    parser.add_argument("--repeats", type=_positive, metavar="N", help="interleaved timing rounds (default 7; quick 5)")
+    parser.add_argument("--d-model", type=positive_int, metavar="D", help="attention width (default 768; quick 256)")
+    parser.add_argument("--heads", type=positive_int, metavar="H", help="attention heads (default 12; quick 4)")
+    parser.add_argument("--batch", type=positive_int, metavar="B", help="attention batch size (default 1)")
+    parser.add_argument(
+        "--repeats", type=positive_int, metavar="N", help="interleaved timing rounds (default 7; quick 5)"
+    )
     parser.add_argument(
         "--loop-max-len",
-        type=_positive,
+        type=positive_int,
         metavar="T",
         help="longest sequence given to the Python loop (default 64)",
     )
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="torch CPU threads (default: torch's choice). On a machine shared with other busy processes, "
         "1 avoids threads spin-waiting for each other, which can slow small ops by 10-100x",

@@ -19,6 +19,7 @@ Modules under test are built by name from :data:`BUILDERS` (``"attnlab"``, ``"to
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib
 import json
@@ -51,6 +52,7 @@ __all__ = [
     "max_abs_difference",
     "paired_ratio",
     "peak_memory_mb",
+    "positive_int",
     "share_weights",
     "tutorial_forward_bytes",
 ]
@@ -84,6 +86,17 @@ class TorchCausalMHA(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         mask = self._causal(x.shape[-2], x.device)
         return self.mha(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]  # (b, n, d)
+
+
+def positive_int(text: str) -> int:
+    """argparse type for the benchmark scripts' and ``attnlab bench``'s counts and sizes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _attnlab(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
