@@ -44,3 +44,16 @@ def test_missing_directory_and_bad_mode_are_clear_errors(tmp_path):
         atomic_write_text(tmp_path / "missing" / "x.txt", "x")
     with pytest.raises(ValueError, match="mode"), atomic_open(tmp_path / "x", "a"):
         pass
+
+
+def test_read_json_names_the_file_when_missing_or_corrupt(tmp_path):
+    from attnlab._io import read_json
+
+    good = tmp_path / "a.json"
+    atomic_write_json(good, {"k": 1})
+    assert read_json(good) == {"k": 1}
+    with pytest.raises(FileNotFoundError, match=r"model config not found: .*missing\.json"):
+        read_json(tmp_path / "missing.json", "model config")
+    (tmp_path / "bad.json").write_bytes(b'{"k": ')
+    with pytest.raises(ValueError, match=r"bad\.json is truncated or corrupt \(not valid JSON"):
+        read_json(tmp_path / "bad.json")

@@ -88,3 +88,14 @@ def sha256_file(path: str | os.PathLike[str], *, block_size: int = 1 << 22) -> s
         for block in iter(lambda: f.read(block_size), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
+    """Parse a UTF-8 JSON file; a missing, truncated or corrupt one is an error naming it (``what``)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {e})") from None

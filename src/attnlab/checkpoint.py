@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import random
 import re
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._io import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, sha256_file
+from ._io import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, read_json, sha256_file
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -234,18 +233,9 @@ class Checkpoint:
     optimizer_state: dict[str, Any] | None
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} not found: {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON)") from None
-
-
 def _read_latest(out: Path) -> dict[str, Any]:
     p = out / LATEST_NAME
-    latest = _read_json(p, "checkpoint pointer")
+    latest = read_json(p, "checkpoint pointer")
     if not isinstance(latest, dict) or not isinstance(latest.get("path"), str):
         raise ValueError(f"checkpoint pointer {p} is corrupt (no 'path' entry)")
     return latest
@@ -310,7 +300,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`);
     its structure is checked, the files it lists are not (see :func:`load_checkpoint`)."""
     d = find_checkpoint(path)
-    return _check_metadata(_read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
+    return _check_metadata(read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
 
 
 def load_checkpoint(
@@ -328,7 +318,7 @@ def load_checkpoint(
     from .model import GPT
 
     d = find_checkpoint(path)
-    meta = _check_metadata(_read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
+    meta = _check_metadata(read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
     for name, info in meta["files"].items():
         f = d / name
         if not f.is_file():

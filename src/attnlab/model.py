@@ -20,7 +20,6 @@ both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._io import atomic_write_bytes, atomic_write_json
+from ._io import atomic_write_bytes, atomic_write_json, read_json
 from .attention import KVCache, MultiHeadAttention, _check_positive_int
 
 __all__ = [
@@ -756,10 +755,7 @@ class GPT(nn.Module):
         for p in (cfg_path, w_path):
             if not p.is_file():
                 raise FileNotFoundError(f"{p} not found: not a directory written by GPT.save()")
-        try:
-            config = GPTConfig.from_dict(json.loads(cfg_path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+        config = GPTConfig.from_dict(read_json(cfg_path, "model config"))
         try:
             state = load_file(str(w_path))
         except (SafetensorError, OSError) as e:

@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import attention as _attention
-from ._io import atomic_open, atomic_write_text
+from ._io import atomic_open, atomic_write_text, read_json
 from .functional import simple_self_attention
 
 __all__ = [
@@ -802,11 +802,7 @@ def load_checkpoint(directory: str | os.PathLike, *, bpe_dir: str | None = None)
             f"--checkpoint {d}: not a checkpoint (expected {LATEST_NAME} or {CHECKPOINT_NAME} as written by "
             f"`attnlab train`, or {CONFIG_NAME} and tokenizer.json beside GPT.save()'s weights)"
         )
-    try:
-        desc = json.loads(tok_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{tok_path} is not valid JSON ({e})") from None
-    return GPT.load(d), tokenizer_from_dict(desc, bpe_dir=bpe_dir)
+    return GPT.load(d), tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir)
 
 
 def _token_strings(tokenizer: object, ids: Sequence[int]) -> list[str]:
