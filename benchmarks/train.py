@@ -3,7 +3,9 @@
 Times the trainer's own optimizer step (batch fetch, forward, cross-entropy, backward, gradient
 clipping, AdamW) on the given preset and batch, and, interleaved with it (so that load from other
 processes hits both alike), a square float32 matrix product: the machine's own achievable matmul
-rate. MFU is the model's useful FLOP rate divided by that rate.
+rate. MFU is the model's useful FLOP rate divided by that rate. Like ``attnlab train``, it first
+tunes glibc's malloc to keep freed memory (:mod:`attnlab.allocator`; ``--no-malloc-tuning`` to
+measure without) and reports the minor page faults per step either way.
 
 Model FLOPs per optimizer step (the PaLM / nanoGPT convention, stated so the figure can be checked)::
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -37,6 +40,7 @@ import time
 import torch
 
 from attnlab._io import atomic_write_json
+from attnlab.allocator import tune_cpu_allocator
 from attnlab.training import TrainConfig, Trainer
 
 GOAL_MFU = 0.5
@@ -56,6 +60,7 @@ def _sync(device: torch.device) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = tune_cpu_allocator() if args.malloc_tuning else None
     d = TrainConfig()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(
@@ -100,9 +105,11 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         step_s()
         matmul_s()
-    step_times, mm_times = [], []
+    step_times, mm_times, faults = [], [], 0
     for _ in range(args.repeats):  # interleaved: a burst of load hits both
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step_times.append(step_s())
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         mm_times.append(matmul_s())
     step_med, mm_med = statistics.median(step_times), statistics.median(mm_times)
     matmul_flops = 2 * n**3 / mm_med
@@ -117,6 +124,9 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(device),
         "threads": torch.get_num_threads(),
         "compile": bool(args.compile),
+        "malloc_tuning": allocator.reason if allocator is not None else "off (--no-malloc-tuning)",
+        "malloc_tuned": bool(allocator and allocator.applied),
+        "page_faults_per_step": faults / args.repeats,
         "batch_size": cfg.batch_size,
         "context_length": mc.context_length,
         "n_layers": mc.n_layers,
@@ -148,7 +158,8 @@ def report(r: dict) -> str:
         + (f", load average {r['load_average']:.1f}" if r["load_average"] is not None else ""),
         f"  model FLOPs/step   {f['total'] / 1e9:8.3f} GFLOP  (6*N*tokens {f['dense'] / 1e9:.3f} + attention "
         f"{f['attention'] / 1e9:.3f}; N = {r['n_params_matmul']:,})",
-        f"  step time          {r['step_ms_median']:8.1f} ms (median)",
+        f"  step time          {r['step_ms_median']:8.1f} ms (median), {r['page_faults_per_step']:.0f} minor page "
+        f"faults/step; allocator: {r['malloc_tuning']}",
         f"  tokens/s           {r['tokens_per_s']:8.0f}",
         f"  model FLOP rate    {r['model_gflops_per_s']:8.2f} GFLOP/s",
         f"  fp32 matmul rate   {r['matmul_gflops_per_s']:8.2f} GFLOP/s "
@@ -168,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default: cpu)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--malloc-tuning",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="tune glibc's malloc as attnlab train does (default: on)",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n reference matmul (default: 1024)")

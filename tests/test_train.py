@@ -102,6 +102,7 @@ def test_help_explains_every_flag(capsys) -> None:
         "--data", "--tokenizer", "--bpe-dir", "--preset", "--context-length", "--batch-size", "--max-steps",
         "--lr", "--eval-every", "--checkpoint-every", "--seed", "--out", "--resume", "--device", "--grad-accum",
         "--warmup-steps", "--weight-decay", "--grad-clip", "--compile", "--eval-batches", "--sample-tokens",
+        "--malloc-tuning",
     ):  # fmt: skip
         assert flag in text, flag
     assert "global" in text and "130" in text  # the batch-size convention and the exit codes

@@ -241,10 +241,11 @@ class GPTConfig:
 
         ``gpt2-small`` (alias ``gpt2``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``: GPT-2's
         published sizes (vocabulary 50257, context 1024, ``qkv_bias=True``, dropout 0.1).
-        ``tiny``: a ~0.8M-parameter byte-level model (vocabulary 256, context 64, 4 layers of
-        width 128 with 4 heads, no dropout, exact GELU) that learns visibly within minutes on a
-        2-core CPU (on the built-in corpus, 64-byte windows reached a lower validation loss for
-        the same compute than 128 or 256).
+        ``tiny``: a 1.66M-parameter byte-level model (vocabulary 256, context 64, 2 layers of
+        width 256 with 4 heads of size 64, no dropout, exact GELU) that learns visibly within two
+        minutes on a 2-core CPU. Measured on the built-in corpus in equal time, 64-byte windows
+        beat 128 and 256, and 2 wide layers beat 4 layers of width 128 (validation 1.27 against
+        1.33 nats/byte) while running their matmuls at a higher fraction of the CPU's peak.
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -256,9 +257,9 @@ class GPTConfig:
             base: dict[str, Any] = dict(
                 vocab_size=256,
                 context_length=64,
-                emb_dim=128,
+                emb_dim=256,
                 n_heads=4,
-                n_layers=4,
+                n_layers=2,
                 drop_rate=0.0,
                 qkv_bias=False,
                 activation="gelu",
@@ -614,14 +615,15 @@ class GPT(nn.Module):
     ) -> torch.optim.AdamW:
         """AdamW with decay / no-decay groups (see :meth:`optimizer_groups`).
 
-        ``fused`` defaults to True on CUDA (one kernel for all parameters), False elsewhere.
+        ``fused`` defaults to True on CUDA and the CPU (one kernel for all parameters instead of a
+        Python loop of small ones: a few ms of a ``tiny`` CPU step), False elsewhere.
         """
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
             raise ValueError(f"weight_decay must be a non-negative float, got {weight_decay!r}")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"lr must be a positive float, got {lr!r}")
         if fused is None:
-            fused = self.device.type == "cuda"
+            fused = self.device.type in ("cuda", "cpu")
         kwargs: dict[str, Any] = {"fused": True} if fused else {}
         return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
 

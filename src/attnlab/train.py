@@ -2,7 +2,7 @@
 
 The command-line face of :mod:`attnlab.training`. Examples::
 
-    attnlab train                                    # tiny byte-level GPT on the Python docs, ~4 min on 2 CPU cores
+    attnlab train                                    # tiny byte-level GPT on the Python docs, ~1.5 min on 2 CPU cores
     attnlab train --data input.txt --tokenizer char --max-steps 5000 --out runs/shakespeare
     attnlab train --out runs/shakespeare --resume    # continue after Ctrl-C, a crash or a kill
     torchrun --nproc_per_node=4 -m attnlab train --preset gpt2-small --tokenizer gpt2 --data big.txt
@@ -19,6 +19,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from .allocator import tune_cpu_allocator
 from .training import TINY_LR, TrainConfig
 
 _D = TrainConfig()
@@ -154,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the model (faster steps after a slow first one; default: off)",
     )
     g.add_argument(
+        "--malloc-tuning",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on Linux with glibc, keep freed memory in the process for the next step instead of mapping it "
+        "in again page by page (about 10%% faster CPU steps; see attnlab.allocator; default: on)",
+    )
+    g.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -182,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     from .training import Trainer
 
     cfg, given = config_from_args(args)
+    if args.malloc_tuning:
+        tune_cpu_allocator()
     try:
         # Inside the try: Trainer() itself may fail after it started the process group.
         trainer = Trainer(cfg, given=given)

@@ -225,7 +225,8 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_rat
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-TINY_LR = 6e-3
+# Peak lr of the tiny preset, tuned on the built-in corpus (swept 1e-3 to 6e-3 at 800 steps: 2e-3 best).
+TINY_LR = 2e-3
 
 
 def default_lr(emb_dim: int) -> float:
