@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-seq-len", type=positive_int, help="tokens of the memory test (default 8192)")
     parser.add_argument("--skip-memory", action="store_true", help="time only, skip the peak-memory test")
     parser.add_argument("--no-wrapper", action="store_true", help="leave out the stacked-heads wrappers")
+    parser.add_argument(
+        "--malloc-tuning",
+        action="store_true",
+        help="first tune glibc's malloc as attnlab train does (attnlab.allocator): freed memory is reused "
+        "instead of faulted in again; off by default, as a library user's process is",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--check", action="store_true", help="exit with status 1 when a goal is missed")
     args = parser.parse_args(argv)
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         wrappers=not args.no_wrapper,
         memory=not args.skip_memory,
         memory_seq_len=args.memory_seq_len or (1024 if quick else 8192),
+        malloc_tuning=args.malloc_tuning,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(format_attention_report(result))

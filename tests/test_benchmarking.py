@@ -71,6 +71,30 @@ def test_compare_forward_backward_interleaves_and_counts():
     assert b.paired_ratio(timings["a"], timings["a"]) == pytest.approx(1.0)
 
 
+def test_compare_forward_backward_counts_the_page_faults_of_each_step():
+    pytest.importorskip("resource", reason="page faults are counted where the OS reports them (Unix)")
+    import mmap
+
+    pages = 1024
+
+    class FreshMemory(torch.nn.Linear):
+        """Maps in and touches 1024 new pages every forward: at least 1024 minor faults."""
+
+        def forward(self, x):
+            with mmap.mmap(-1, pages * mmap.PAGESIZE) as m:
+                for i in range(pages):
+                    m[i * mmap.PAGESIZE] = 1
+            return super().forward(x)
+
+    timings = b.compare_forward_backward(
+        {"fresh": FreshMemory(8, 8), "plain": torch.nn.Linear(8, 8)}, torch.randn(2, 3, 8), repeats=3, warmup=1
+    )
+    assert len(timings["fresh"].page_faults) == 3
+    assert min(timings["fresh"].page_faults) >= pages
+    assert timings["plain"].median_page_faults < pages
+    assert timings["fresh"].to_dict()["median_page_faults"] == timings["fresh"].median_page_faults
+
+
 @pytest.mark.parametrize(("kwargs", "err"), [({"repeats": 0}, ValueError), ({"warmup": -1}, ValueError)])
 def test_compare_forward_backward_rejects_bad_counts(kwargs, err):
     with pytest.raises(err, match=next(iter(kwargs))):
@@ -100,5 +124,6 @@ def test_report_formats_a_quick_run():
     result = b.attention_benchmark(batch=1, seq_len=16, d_model=24, num_heads=4, repeats=2, warmup=0, memory=False)
     text = b.format_attention_report(result)
     assert "attnlab/torch" in text and "goal is for" in text  # goals are not judged at toy sizes
+    assert "faults" in text and "malloc: as the process found it" in text
     assert b.goals_met(result)  # nothing judged, nothing missed
     json.dumps(result)  # serialisable

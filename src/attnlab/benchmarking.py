@@ -290,12 +290,15 @@ class Timing:
     ``times_ms`` is wall-clock time, the figure the goals are about. ``cpu_ms`` is the process's
     CPU time over the same steps (all threads together): on an idle machine about
     ``threads x wall``; it grows less than wall time when other processes take the cores, so a
-    ratio of CPU times is a second, load-resistant view of the same comparison.
+    ratio of CPU times is a second, load-resistant view of the same comparison. ``page_faults``:
+    the process's minor page faults during each step (where the OS counts them): memory the step
+    had the kernel map in afresh, a cost that depends on the machine (see :mod:`attnlab.allocator`).
     """
 
     name: str
     times_ms: tuple[float, ...]
     cpu_ms: tuple[float, ...] = ()
+    page_faults: tuple[int, ...] = ()
 
     @property
     def median_ms(self) -> float:
@@ -314,6 +317,10 @@ class Timing:
         return statistics.median(self.cpu_ms) if self.cpu_ms else None
 
     @property
+    def median_page_faults(self) -> float | None:
+        return statistics.median(self.page_faults) if self.page_faults else None
+
+    @property
     def iqr_ms(self) -> float:
         """Interquartile range: the spread of the middle half of the repetitions."""
         if len(self.times_ms) < 2:
@@ -329,8 +336,10 @@ class Timing:
             "max_ms": self.max_ms,
             "iqr_ms": self.iqr_ms,
             "median_cpu_ms": self.median_cpu_ms,
+            "median_page_faults": self.median_page_faults,
             "times_ms": list(self.times_ms),
             "cpu_ms": list(self.cpu_ms),
+            "page_faults": list(self.page_faults),
         }
 
 
@@ -344,6 +353,16 @@ def paired_ratio(a: Timing, b: Timing) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _minor_page_faults() -> int | None:
+    """The process's minor page faults so far, or None where the OS does not count them."""
+    try:
+        import resource  # Unix only
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return None
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -396,34 +415,40 @@ def compare_forward_backward(
             shape = m(x).shape  # output widths differ (the wrappers), so one dy per module
             dys[name] = torch.randn(shape, generator=gen, dtype=x.dtype).to(x.device)
 
-    def step(name: str) -> tuple[float, float]:
+    def step(name: str) -> tuple[float, float, int | None]:
         m = built[name]
         m.zero_grad(set_to_none=True)
         x.grad = None
         _sync(x.device)
+        f0 = _minor_page_faults()
         t0, c0 = time.perf_counter(), time.process_time()
         m(x).backward(dys[name])
         _sync(x.device)
-        return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        wall_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        f1 = _minor_page_faults()
+        return wall_ms, cpu_ms, (f1 - f0 if f0 is not None and f1 is not None else None)
 
     for _ in range(warmup):
         for name in built:
             step(name)
     times: dict[str, list[float]] = {name: [] for name in built}
     cpu: dict[str, list[float]] = {name: [] for name in built}
+    faults: dict[str, list[int]] = {name: [] for name in built}
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()  # a collection inside one competitor's step would be charged to it alone
     try:
         for _ in range(repeats):
             for name in built:
-                wall_ms, cpu_ms = step(name)
+                wall_ms, cpu_ms, n_faults = step(name)
                 times[name].append(wall_ms)
                 cpu[name].append(cpu_ms)
+                if n_faults is not None:
+                    faults[name].append(n_faults)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {name: Timing(name, tuple(times[name]), tuple(cpu[name])) for name in built}
+    return {name: Timing(name, tuple(times[name]), tuple(cpu[name]), tuple(faults[name])) for name in built}
 
 
 # --------------------------------------------------------------------------------------------
@@ -621,6 +646,7 @@ def attention_benchmark(
     memory_batch: int = 1,
     memory_seq_len: int = 8192,
     seed: int = 0,
+    malloc_tuning: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
     """Time attnlab's multi-head attention against torch's and the tutorial's, and measure memory.
@@ -631,7 +657,9 @@ def attention_benchmark(
     block times the attention alone (packed ``q, k, v`` in, no projections). Memory: peak of one
     ``torch.no_grad()`` forward on ``(memory_batch, memory_seq_len, d_model)``, each competitor in
     a fresh subprocess; the tutorial path is skipped (and said so) when the machine lacks the
-    memory for its ``num_heads x seq_len^2`` score tensors.
+    memory for its ``num_heads x seq_len^2`` score tensors. ``malloc_tuning`` first applies
+    :func:`attnlab.allocator.tune_cpu_allocator` to this process (for good: it cannot be undone),
+    as ``attnlab train`` does; the default measures the process as a library user gets it.
 
     Returns a JSON-serialisable dict; :func:`format_attention_report` prints it as tables.
     """
@@ -642,6 +670,12 @@ def attention_benchmark(
     if d_model % num_heads:
         raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model} and num_heads={num_heads}")
     log = log or (lambda msg: None)
+    if malloc_tuning:
+        from .allocator import tune_cpu_allocator
+
+        allocator = tune_cpu_allocator().reason
+    else:
+        allocator = "as the process found it (not tuned)"
     names = ["attnlab", "torch", "tutorial"] + (["attnlab-wrapper", "tutorial-wrapper"] if wrappers else [])
     torch.manual_seed(seed)
     kw = {"d_model": d_model, "num_heads": num_heads, "context_length": seq_len}
@@ -699,6 +733,7 @@ def attention_benchmark(
             "python": sys.version.split()[0],
             # 1-minute load average before and after timing: other processes competing for the cores.
             "load_average": [load_before, load_after],
+            "allocator": allocator,
         },
         "max_abs_diff_vs_attnlab": diffs,
         "timings": {name: {"label": BUILDERS[name][1], **t.to_dict()} for name, t in timings.items()},
@@ -749,10 +784,11 @@ def format_attention_report(result: Mapping[str, object]) -> str:
         f"{cfg['cpus']} CPUs" + _format_load(cfg.get("load_average")),
         f"  {cfg['repeats']} interleaved rounds (A,B,C,A,B,C,...) after {cfg['warmup']} warm-up; "
         "same weights in every competitor",
+        f"  malloc: {cfg.get('allocator', 'not recorded')}; faults = median minor page faults per step",
         "  outputs agree (max |y - y_attnlab|; wrappers against each other): "
         + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if not k.startswith("attnlab")),
         "",
-        f"{'competitor':<36}{'median ms':>10}{'IQR ms':>9}{'min ms':>9}{'max ms':>9}{'CPU ms':>9}",
+        f"{'competitor':<36}{'median ms':>10}{'IQR ms':>9}{'min ms':>9}{'max ms':>9}{'CPU ms':>9}{'faults':>9}",
     ]
     for t in timings.values():
         if t["name"] == "attnlab-core":
@@ -760,6 +796,7 @@ def format_attention_report(result: Mapping[str, object]) -> str:
         lines.append(
             f"{t['label']:<36}{t['median_ms']:>10.1f}{t['iqr_ms']:>9.1f}{t['min_ms']:>9.1f}{t['max_ms']:>9.1f}"
             f"{t.get('median_cpu_ms') or 0.0:>9.0f}"
+            + (f"{t['median_page_faults']:>9.0f}" if t.get("median_page_faults") is not None else f"{'-':>9}")
         )
     lines += ["", f"{'ratio (lower = attnlab faster)':<36}{'medians':>10}{'paired':>9}{'CPU':>9}{'goal':>9}"]
     for key, r in ratios.items():
