@@ -14,10 +14,10 @@ from attnlab.allocator import tune_cpu_allocator
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
-# Allocates, fills and frees a 64 MiB tensor six times; prints the minor page faults of the last
-# three rounds per 4 KiB page of the tensor and round (about 1.0: mapped in afresh every time;
-# about 0: memory reused). The first rounds are left out: glibc may hand out a second block once
-# before it settles on reusing freed ones.
+# Allocates, fills and frees a 64 MiB tensor 16 times; prints the minor page faults of the last
+# eight rounds per 4 KiB page of the tensor and round (about 1.0: mapped in afresh every time;
+# about 0: memory reused). The first rounds are left out: glibc grows its heap by a few blocks
+# (faulting them in) before it settles on reusing freed ones.
 _PROBE = textwrap.dedent(
     """
     import resource, sys
@@ -27,13 +27,13 @@ _PROBE = textwrap.dedent(
         result = tune_cpu_allocator()
         assert result.applied, result.reason
     n = 16 << 20  # float32 elements: 64 MiB
-    for _ in range(3):
+    for _ in range(8):
         torch.empty(n).fill_(1.0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
+    for _ in range(8):
         torch.empty(n).fill_(1.0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    print(faults / (3 * n * 4 / 4096))
+    print(faults / (8 * n * 4 / 4096))
     """
 )
 
@@ -53,7 +53,7 @@ def test_tuned_glibc_reuses_freed_memory_instead_of_faulting_it_in_again():
     untuned, tuned = _faults_per_page("default"), _faults_per_page("tuned")
     # The control shows the probe can tell: by default each round maps 64 MiB in afresh.
     assert untuned > 0.9, untuned
-    assert tuned < 0.05, tuned
+    assert tuned < 0.2, tuned  # at most one of the eight rounds faulted in
 
 
 @pytest.mark.parametrize(

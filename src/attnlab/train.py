@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="on Linux with glibc, keep freed memory in the process for the next step instead of mapping it "
-        "in again page by page (about 10%% faster CPU steps; see attnlab.allocator; default: on)",
+        "in again page by page (a few %% faster CPU steps; see attnlab.allocator; default: on)",
     )
     g.add_argument(
         "--progress",
