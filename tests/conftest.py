@@ -101,3 +101,15 @@ class _References:
 def ref() -> _References:
     """The explicit-loop references (session-scoped, so hypothesis tests may use it)."""
     return _References()
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    """tiktoken's GPT-2 BPE built offline from the shared data; skips when the files are absent."""
+    from attnlab.tokenizers import GPT2Tokenizer
+    from shared_data import GPT2_BPE_DIR, gpt2_bpe_missing
+
+    missing = gpt2_bpe_missing()
+    if missing:
+        pytest.skip(missing)
+    return GPT2Tokenizer(bpe_dir=GPT2_BPE_DIR)

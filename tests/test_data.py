@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,18 +25,10 @@ from attnlab.data import (
     tokenize_to_cache,
     train_val_split,
 )
-from attnlab.tokenizers import ByteTokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer
+from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer
+from shared_data import SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2_DIR = SHARED / "gpt2"
-SHAKESPEARE = SHARED / "tinyshakespeare.txt"
-
-
-@pytest.fixture(scope="module")
-def gpt2() -> GPT2Tokenizer:
-    if not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file():
-        pytest.skip(f"GPT-2 BPE files (encoder.json, vocab.bpe) not found in {GPT2_DIR}")
-    return GPT2Tokenizer(bpe_dir=GPT2_DIR)
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 
 
 # The tutorials' dataset and loader (attention-review notebook), verbatim; my_batch's hard-wired

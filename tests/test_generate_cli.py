@@ -19,8 +19,6 @@ from attnlab.generate_cli import _StreamDecoder
 from attnlab.tokenizers import get_tokenizer
 from attnlab.training import TrainConfig, Trainer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -121,10 +119,8 @@ def test_stream_decoder_never_splits_a_character(text: str) -> None:
     assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
 
 
-def test_stream_decoder_gpt2_pieces() -> None:
-    if not (DATA / "gpt2" / "encoder.json").is_file():
-        pytest.skip(f"GPT-2 BPE files not found in {DATA / 'gpt2'}")
-    tok = get_tokenizer("gpt2", bpe_dir=DATA / "gpt2")
+def test_stream_decoder_gpt2_pieces(gpt2) -> None:
+    tok = get_tokenizer("gpt2", bpe_dir=gpt2.bpe_dir)
     text = "Attention, s'il vous plaît: 注意 😀 is all you need."
     dec = _StreamDecoder(tok)
     pieces = [dec.push(i) for i in tok.encode(text)] + [dec.flush()]

@@ -21,20 +21,9 @@ from attnlab.tokenizers import (
     get_tokenizer,
     tokenizer_from_dict,
 )
+from shared_data import GPT2_BPE_DIR, SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2_DIR = SHARED / "gpt2"
-needs_gpt2 = pytest.mark.skipif(
-    not (GPT2_DIR / "encoder.json").is_file() or not (GPT2_DIR / "vocab.bpe").is_file(),
-    reason=f"GPT-2 BPE files (encoder.json, vocab.bpe) not found in {GPT2_DIR}",
-)
-
-
-@pytest.fixture(scope="module")
-def gpt2() -> GPT2Tokenizer:
-    if not (GPT2_DIR / "encoder.json").is_file():
-        pytest.skip(f"GPT-2 BPE files not found in {GPT2_DIR}")
-    return GPT2Tokenizer(bpe_dir=GPT2_DIR)
+# Tests of GPT-2's BPE take the `gpt2` fixture (conftest.py), which skips without the files.
 
 
 # ---------------------------------------------------------------------------------------------- byte
@@ -124,7 +113,6 @@ def test_char_from_file_matches_from_text(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- gpt2
-@needs_gpt2
 def test_gpt2_known_ids_and_round_trip(gpt2):
     # GPT-2's published ids for this prompt (the GPT-2 paper's repo / HF tokenizer give the same).
     assert gpt2.encode("Hello, I am") == [15496, 11, 314, 716]
@@ -133,7 +121,7 @@ def test_gpt2_known_ids_and_round_trip(gpt2):
     assert gpt2.is_official
     assert gpt2.encode("<|endoftext|>") == [50256]
     assert gpt2.decode(torch.tensor([50256])) == "<|endoftext|>"
-    verdict = SHARED / "the-verdict.txt"
+    verdict = SHARED_DATA / "the-verdict.txt"
     if verdict.is_file():
         text = verdict.read_text(encoding="utf-8")
         ids = gpt2.encode(text)
@@ -141,7 +129,6 @@ def test_gpt2_known_ids_and_round_trip(gpt2):
         assert gpt2.encode_array(text).tolist() == ids
 
 
-@needs_gpt2
 @settings(max_examples=40, deadline=None)
 @given(st.text())
 def test_gpt2_round_trip(gpt2, text):
@@ -153,7 +140,6 @@ _WS = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "\x0b", "\x0c", "\x1c", "\x85", "\
 _WORDS = ["a", "The", "'s", "'ll", "12", "3.5", "!!", "é", "中文", "🙂", "<|endoftext|>", "x'", "--"]
 
 
-@needs_gpt2
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.sampled_from(_WS + _WORDS), max_size=40))
 def test_gpt2_split_point_is_a_safe_cut(gpt2, parts):
@@ -168,14 +154,13 @@ def test_gpt2_split_point_is_a_safe_cut(gpt2, parts):
         assert gpt2.encode(text[:cut]) + gpt2.encode(text[cut:]) == whole
 
 
-@needs_gpt2
 def test_gpt2_to_dict_round_trip_and_env_var(gpt2, monkeypatch):
     d = json.loads(json.dumps(gpt2.to_dict()))
-    assert d["name"] == "gpt2" and Path(d["bpe_dir"]) == GPT2_DIR.resolve()
+    assert d["name"] == "gpt2" and Path(d["bpe_dir"]) == GPT2_BPE_DIR.resolve()
     again = tokenizer_from_dict(d)
     assert again == gpt2 and again.encode("Hello, I am") == [15496, 11, 314, 716]
     # The environment variable stands in for bpe_dir (and for a recorded dir that moved away).
-    monkeypatch.setenv(GPT2_BPE_ENV, str(GPT2_DIR))
+    monkeypatch.setenv(GPT2_BPE_ENV, str(GPT2_BPE_DIR))
     assert get_tokenizer("gpt2").encode("Hello, I am") == [15496, 11, 314, 716]
     moved = dict(d, bpe_dir="/nonexistent/gpt2")
     assert tokenizer_from_dict(moved) == gpt2
