@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 
 from attnlab._io import atomic_write_json
 from attnlab.allocator import tune_cpu_allocator
+from attnlab.benchmarking import minor_page_faults
 from attnlab.training import TrainConfig, Trainer
 
 GOAL_MFU = 0.5
@@ -105,11 +105,13 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         step_s()
         matmul_s()
-    step_times, mm_times, faults = [], [], 0
+    step_times, mm_times, faults = [], [], []
     for _ in range(args.repeats):  # interleaved: a burst of load hits both
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = minor_page_faults()
         step_times.append(step_s())
-        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        after = minor_page_faults()
+        if before is not None and after is not None:
+            faults.append(after - before)
         mm_times.append(matmul_s())
     step_med, mm_med = statistics.median(step_times), statistics.median(mm_times)
     matmul_flops = 2 * n**3 / mm_med
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
         "compile": bool(args.compile),
         "malloc_tuning": allocator.reason if allocator is not None else "off (--no-malloc-tuning)",
         "malloc_tuned": bool(allocator and allocator.applied),
-        "page_faults_per_step": faults / args.repeats,
+        "page_faults_per_step": statistics.mean(faults) if faults else None,  # None: the OS does not count them
         "batch_size": cfg.batch_size,
         "context_length": mc.context_length,
         "n_layers": mc.n_layers,
@@ -158,8 +160,9 @@ def report(r: dict) -> str:
         + (f", load average {r['load_average']:.1f}" if r["load_average"] is not None else ""),
         f"  model FLOPs/step   {f['total'] / 1e9:8.3f} GFLOP  (6*N*tokens {f['dense'] / 1e9:.3f} + attention "
         f"{f['attention'] / 1e9:.3f}; N = {r['n_params_matmul']:,})",
-        f"  step time          {r['step_ms_median']:8.1f} ms (median), {r['page_faults_per_step']:.0f} minor page "
-        f"faults/step; allocator: {r['malloc_tuning']}",
+        f"  step time          {r['step_ms_median']:8.1f} ms (median), "
+        + (f"{r['page_faults_per_step']:.0f}" if r["page_faults_per_step"] is not None else "n/a")
+        + f" minor page faults/step; allocator: {r['malloc_tuning']}",
         f"  tokens/s           {r['tokens_per_s']:8.0f}",
         f"  model FLOP rate    {r['model_gflops_per_s']:8.2f} GFLOP/s",
         f"  fp32 matmul rate   {r['matmul_gflops_per_s']:8.2f} GFLOP/s "

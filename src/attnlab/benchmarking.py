@@ -50,6 +50,7 @@ __all__ = [
     "format_attention_report",
     "goals_met",
     "max_abs_difference",
+    "minor_page_faults",
     "paired_ratio",
     "peak_memory_mb",
     "positive_int",
@@ -355,7 +356,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _minor_page_faults() -> int | None:
+def minor_page_faults() -> int | None:
     """The process's minor page faults so far, or None where the OS does not count them."""
     try:
         import resource  # Unix only
@@ -420,12 +421,12 @@ def compare_forward_backward(
         m.zero_grad(set_to_none=True)
         x.grad = None
         _sync(x.device)
-        f0 = _minor_page_faults()
+        f0 = minor_page_faults()
         t0, c0 = time.perf_counter(), time.process_time()
         m(x).backward(dys[name])
         _sync(x.device)
         wall_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
-        f1 = _minor_page_faults()
+        f1 = minor_page_faults()
         return wall_ms, cpu_ms, (f1 - f0 if f0 is not None and f1 is not None else None)
 
     for _ in range(warmup):
