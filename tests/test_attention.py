@@ -485,6 +485,7 @@ def test_tutorial_modules_dropout_like_nn_dropout(cls):
         (lambda: MultiHeadAttentionWrapper(3, 2, 6, 7, 2), ValueError, "dropout.*keyword"),
         (lambda: SelfAttention_v1(3, -1), ValueError, "d_out"),
         (lambda: KVCache(0, 4, 1, 2), ValueError, "batch_size"),
+        (lambda: MultiHeadAttention(8, 8, 16, 0.0, 2, causal="no"), TypeError, "causal must be a bool, got 'no'"),
     ],
 )
 def test_bad_construction_names_the_argument(build, error, match):
@@ -629,3 +630,23 @@ def test_tutorial_state_dict_with_mask_buffers_loads_through_the_public_hook():
     torch.testing.assert_close(outer(x), src(x))
     with pytest.raises(RuntimeError, match="Unexpected key"):
         dst.load_state_dict({**state, "other": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "error", "match"),
+    [
+        (torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), ValueError, r"k must be a \(batch, kv_heads, tokens, head_dim\)"),
+        (torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 3, 2), ValueError, "k and v must have the same shape"),
+        (torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 3), ValueError, "k and v must have the same shape"),
+        (torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2, dtype=torch.float64), TypeError, "v is torch.float64"),
+        (torch.zeros(1, 1, 2, 2, dtype=torch.float64),) * 2 + (TypeError, "k is torch.float64"),
+        (torch.zeros(2, 1, 2, 2), torch.zeros(2, 1, 2, 2), ValueError, r"holds \(batch, kv_heads, head_dim\)"),
+    ],
+)
+def test_kv_cache_append_checks_k_and_v_and_leaves_the_cache_as_it_was(k, v, error, match):
+    cache = KVCache(1, 4, 1, 2)
+    cache.append(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    before = (cache.keys.clone(), cache.values.clone(), cache.length)
+    with pytest.raises(error, match=match):
+        cache.append(k, v)
+    assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1]) and cache.length == before[2]

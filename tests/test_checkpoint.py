@@ -127,6 +127,24 @@ def test_corrupt_pointer_and_metadata_are_named(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "b" / "checkpoints")
 
 
+def test_pointer_outside_the_training_directory_is_refused(tmp_path: Path) -> None:
+    model = small_model()
+    save_checkpoint(tmp_path / "other", step=1, model=model, optimizer=None, metadata={})
+    save_checkpoint(tmp_path / "run", step=1, model=model, optimizer=None, metadata={})
+    elsewhere = next((tmp_path / "other" / "checkpoints").iterdir())
+    for path in ("../other/checkpoints/" + elsewhere.name, str(elsewhere)):
+        (tmp_path / "run" / LATEST_NAME).write_text(json.dumps({"step": 1, "path": path}))
+        with pytest.raises(ValueError, match="outside"):
+            load_checkpoint(tmp_path / "run")
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+def test_a_step_load_checkpoint_would_refuse_is_not_saved(tmp_path: Path, step) -> None:
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        save_checkpoint(tmp_path, step=step, model=small_model(), optimizer=None, metadata={})
+    assert not (tmp_path / LATEST_NAME).exists()
+
+
 class _Evil:
     def __reduce__(self):  # what a malicious pickle would run
         return (os.system, ("echo pwned",))

@@ -393,6 +393,10 @@ def test_window_errors():
         TokenWindowDataset(torch.zeros(2, 5, dtype=torch.long), 2, 1)
     with pytest.raises(TypeError, match="integer"):
         TokenWindowDataset(torch.zeros(10), 2, 1)
+    # Lists were converted with torch.tensor(..., dtype=long): floats truncated, nesting flattened.
+    for bad, what in (([1, 2.7, 3], "2.7 at index 1"), ([[1, 2], [3, 4]], r"\[1, 2\] at index 0"), ([4, -1], "-1")):
+        with pytest.raises(TypeError, match=f"flat list of non-negative int ids, got {what}"):
+            TokenWindowDataset(bad, 1, 1)
 
 
 def test_create_dataloader_equals_tutorial_my_batch(gpt2, monkeypatch):
@@ -426,6 +430,14 @@ def test_create_dataloader_defaults_and_errors():
         create_dataloader(tokens, tokenizer="byte")
     with pytest.raises(ValueError, match="batch_size"):
         create_dataloader(tokens, 0, 4, 4)
+    # No window, or no full batch, used to be an empty loader (a training loop that does nothing)
+    # or torch's "num_samples should be a positive integer".
+    for shuffle in (True, False):
+        with pytest.raises(ValueError, match=r"has 5 tokens, but a window needs context_length \+ 1 = 9"):
+            create_dataloader("hello", batch_size=2, context_length=8, shuffle=shuffle)
+    with pytest.raises(ValueError, match="gives 12 windows, fewer than batch_size=13"):
+        create_dataloader(tokens, 13, 4, 4)
+    assert len(create_dataloader(tokens, 13, 4, 4, drop_last=False)) == 1
 
 
 def test_train_val_split_is_contiguous_views(tmp_path):

@@ -411,8 +411,11 @@ Q, K, V = rand(2, 3, 4), rand(2, 5, 4), rand(2, 5, 6)
         ({"dropout_p": 1.0}, ValueError, "dropout_p"),
         ({"dropout_p": -0.1}, ValueError, "dropout_p"),
         ({"dropout_p": True}, ValueError, "dropout_p"),
-        ({"scale": 0.0}, ValueError, "scale"),
+        ({"scale": float("inf")}, ValueError, "scale"),
         ({"scale": float("nan")}, ValueError, "scale"),
+        ({"scale": "0.5"}, ValueError, "scale"),
+        ({"attn_mask": torch.full((3, 5), float("nan"))}, ValueError, "must not hold NaN or \\+inf"),
+        ({"attn_mask": torch.zeros(3, 5).index_fill(1, torch.tensor([2]), float("inf"))}, ValueError, "3 such"),
         ({"is_causal": 1}, TypeError, "is_causal"),
         ({"backend": "flash"}, ValueError, "backend"),
         ({"backend": "fused", "return_weights": True}, ValueError, "return_weights"),
@@ -427,6 +430,8 @@ def test_bad_input_names_the_argument(kwargs, error, match):
 def test_bad_gqa_heads_and_scores_input():
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
         sdpa(rand(1, 3, 2, 4), rand(1, 2, 2, 4), rand(1, 2, 2, 4), enable_gqa=True)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        sdpa(rand(1, 3, 2, 4), rand(1, 0, 2, 4), rand(1, 0, 2, 4), enable_gqa=True)
     with pytest.raises(ValueError, match="enable_gqa"):
         sdpa(rand(1, 4, 2, 4), rand(1, 2, 2, 4), rand(1, 2, 2, 4))
     with pytest.raises(TypeError, match="x must be a floating-point"):
@@ -459,3 +464,30 @@ def test_padding_mask_rejects_a_bad_max_len(max_len):
     with pytest.raises(ValueError, match="max_len must be a non-negative int"):
         padding_mask([1, 2], max_len)
     assert padding_mask(none, 0).shape == (0, 0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.tensor([True, False, True, True, False]),  # (S,)
+        torch.tensor(True),  # ()
+        torch.tensor([0.0, -1.5, float("-inf"), 2.0, 0.5]),  # (S,) float
+        torch.tensor(-0.5),  # () float
+    ],
+    ids=["bool-S", "bool-scalar", "float-S", "float-scalar"],
+)
+def test_low_rank_masks_broadcast_as_in_torch(backend, mask):
+    """A (S,) or scalar mask broadcasts to (..., L, S) on every path (torch's own kernels need the
+    (L, S) dimensions spelled out, so the reference gets the mask expanded)."""
+    q, k, v = rand(2, 3, 4, 8, seed=1), rand(2, 3, 5, 8, seed=2), rand(2, 3, 5, 8, seed=3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(4, 5))
+    torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask, backend=backend), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7, 3.0])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_any_finite_scale_matches_torch(scale, backend):
+    q, k, v = rand(2, 4, 8, seed=4), rand(2, 6, 8, seed=5), rand(2, 6, 8, seed=6)
+    want = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    torch.testing.assert_close(sdpa(q, k, v, scale=scale, backend=backend), want, atol=1e-5, rtol=1e-5)

@@ -195,6 +195,32 @@ def test_bad_generate_arguments(model, kwargs, err, match):
         model.generate(args.pop("idx"), args.pop("max_new_tokens"), **args)
 
 
+@pytest.mark.parametrize(
+    ("logits", "kwargs", "match"),
+    [
+        (torch.randn(2, 10), dict(top_k=0), "top_k"),
+        (torch.randn(2, 10), dict(top_k=-1), "top_k"),
+        (torch.randn(2, 10), dict(top_p=0.0), "top_p"),
+        (torch.randn(2, 10), dict(temperature=-1.0), "temperature"),
+        (torch.randn(10), {}, r"logits must be a float tensor \(B, V\), got torch.float32 of shape \(10,\)"),
+        (torch.randint(0, 5, (2, 10)), {}, "logits must be a float tensor"),
+        (torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), {}, "no finite value"),
+    ],
+)
+def test_bad_sample_next_token_arguments(logits, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample_next_token(logits, **kwargs)
+
+
+def test_tiny_temperature_is_greedy_not_nan(model):
+    # logits / 1e-40 overflowed float32 to inf and the softmax to NaN.
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 5
+    for t in (1e-40, 1e-30, 1e-6):
+        assert torch.equal(sample_next_token(logits, temperature=t), logits.argmax(-1))
+    idx = torch.randint(0, V, (2, 3))
+    torch.testing.assert_close(model.generate(idx, 4, temperature=1e-40), model.generate(idx, 4, temperature=0))
+
+
 @pytest.mark.parametrize("overrides", [dict(n_kv_heads=2), dict(n_kv_heads=1, qkv_bias=False, bias=False)])
 def test_grouped_query_models_cache_and_pad_correctly(overrides):
     torch.manual_seed(2)

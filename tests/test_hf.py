@@ -52,8 +52,10 @@ def test_from_state_dict_with_and_without_prefix():
     legacy = dict(hf.state_dict())  # older checkpoints (the hub's gpt2 files) also hold the causal-mask buffers
     legacy["transformer.h.0.attn.bias"] = torch.ones(1, 1, CTX, CTX, dtype=torch.bool).tril()
     legacy["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
-    full = GPT.from_hf_gpt2(legacy)
-    base = GPT.from_hf_gpt2(hf.transformer.state_dict())  # GPT2Model keys, no lm_head: tied
+    with pytest.warns(UserWarning, match="assuming n_heads=2"):
+        full = GPT.from_hf_gpt2(legacy)
+    with pytest.warns(UserWarning, match="assuming n_heads=2"):
+        base = GPT.from_hf_gpt2(hf.transformer.state_dict())  # GPT2Model keys, no lm_head: tied
     assert full.config.n_heads == 2 and base.config.tie_embeddings
     for model in (full, base):
         torch.testing.assert_close(model(idx), want, atol=1e-4, rtol=1e-4)
@@ -134,6 +136,24 @@ def test_rejects_non_gpt2_input():
         GPT.from_hf_gpt2({"weight": torch.zeros(2)})
     with pytest.raises(ValueError, match="gelu_new"):
         GPT.from_hf_gpt2(hf_model(activation_function="relu"))
+
+
+def test_rejects_weights_that_do_not_fit_and_warns_on_dropout():
+    hf = hf_model()
+    state = dict(hf.state_dict())
+    C = hf.config.n_embd
+    state["transformer.h.0.attn.c_attn.weight"] = torch.zeros(C, C)  # (C, C) instead of (C, 3C)
+    want = rf"'h.0.attn.c_attn.weight' must have shape \({C}, {3 * C}\), got \({C}, {C}\)"
+    with pytest.raises(ValueError, match=want):
+        GPT.from_hf_gpt2(state, n_heads=hf.config.n_head)
+    with pytest.raises(ValueError, match=f"hf_config says n_embd={C + 8}, but the weights have {C}"):
+        GPT.from_hf_gpt2(hf.state_dict(), hf_config={"n_head": hf.config.n_head, "n_embd": C + 8})
+    with pytest.raises(ValueError, match="n_positions=7, but the weights have"):
+        GPT.from_hf_gpt2(hf.state_dict(), hf_config={"n_head": hf.config.n_head, "n_positions": 7})
+    mixed = hf_model(resid_pdrop=0.3, attn_pdrop=0.5, embd_pdrop=0.0)
+    with pytest.warns(UserWarning, match="one dropout rate"):
+        assert GPT.from_hf_gpt2(mixed).config.drop_rate == 0.3
+    assert GPT.from_hf_gpt2(mixed, drop_rate=0.2).config.drop_rate == 0.2  # chosen: no warning needed
 
 
 def test_from_pretrained_reads_hub_files_through_huggingface_hub(tmp_path, monkeypatch):

@@ -331,6 +331,18 @@ def test_load_errors_are_clear(tmp_path):
         GPT.load(tmp_path)
 
 
+@pytest.mark.parametrize("odd_dtype", [torch.int64, torch.float64])
+def test_load_refuses_weights_of_mixed_or_integer_dtype(tmp_path, odd_dtype):
+    from safetensors.torch import load_file, save_file
+
+    small_model().save(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["final_norm.weight"] = state["final_norm.weight"].to(odd_dtype)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"most are torch.float32, but not \['final_norm.weight \({odd_dtype}\)'\]"):
+        GPT.load(tmp_path)
+
+
 def test_fused_qkv_cache_follows_weight_updates():
     # Without grad the attention layers reuse their concatenated Q/K/V weight; it must never go stale.
     model = small_model(qkv_bias=True)
@@ -386,6 +398,20 @@ def test_loss_range_checks_targets(bad, ignore_index, match):
         model.loss(torch.full((2, 5), 37), targets, ignore_index=ignore_index)
     with pytest.raises(TypeError, match="ignore_index must be an int"):
         model.loss(idx, targets, ignore_index=None)
+
+
+def test_loss_with_nothing_to_score_is_an_error_not_nan():
+    model = small_model()
+    idx = torch.randint(0, 37, (2, 5))
+    with pytest.raises(ValueError, match="no entry to score: every one equals ignore_index=-100"):
+        model.loss(idx, torch.full_like(idx, -100))
+    with pytest.raises(ValueError, match="no entry to score"):
+        lm_loss(torch.randn(2, 3, 5), torch.full((2, 3), -100))
+    with pytest.raises(ValueError, match="targets is empty"):
+        lm_loss(torch.randn(0, 5), torch.zeros(0, dtype=torch.long))
+    one = torch.full_like(idx, -100)
+    one[1, 3] = 7  # a single scored entry is enough
+    assert torch.isfinite(model.loss(idx, one))
 
 
 def test_lm_loss_is_float32_mean_cross_entropy():

@@ -53,6 +53,19 @@ def test_byte_decode_rejects_out_of_range_and_2d():
         tok.decode(torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="integer"):
         tok.decode(torch.zeros(3))
+    # int() used to truncate: [65.9, 66.2] decoded as "AB"; bools passed as 0/1.
+    for bad in ([65.9, 66.2], [True, 66], torch.tensor([True, False])):
+        with pytest.raises(TypeError, match=r"ints|integer"):
+            tok.decode(bad)
+
+
+@pytest.mark.parametrize("make", [ByteTokenizer, lambda: CharTokenizer.from_text("abc")])
+@pytest.mark.parametrize("text", [b"abc", None, ["a"]])
+def test_encode_refuses_what_is_not_a_str(make, text):
+    tok = make()
+    for encode in (tok.encode, tok.encode_array):
+        with pytest.raises(TypeError, match=f"text must be a str, got {type(text).__name__}"):
+            encode(text)
 
 
 def test_byte_to_dict_round_trip():
@@ -133,6 +146,16 @@ def test_gpt2_known_ids_and_round_trip(gpt2):
 @given(st.text())
 def test_gpt2_round_trip(gpt2, text):
     assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_gpt2_refuses_lone_surrogates_like_the_byte_tokenizer(gpt2):
+    # tiktoken encodes "\ud800" as U+FFFD: a round trip that silently changes the text.
+    for tok in (gpt2, ByteTokenizer()):
+        for encode in (tok.encode, tok.encode_array):
+            with pytest.raises(ValueError, match="not valid in UTF-8 at index 2"):
+                encode("ab\ud800c")
+        with pytest.raises(TypeError, match="text must be a str"):
+            tok.encode(b"abc")
 
 
 # Whitespace of every kind that Python and tiktoken's regex might classify differently.

@@ -310,7 +310,20 @@ class KVCache:
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write ``k, v (B, Hkv, T, hd)`` after the cached tokens; return views of all of them."""
+        """Write ``k, v (B, Hkv, T, hd)`` after the cached tokens; return views of all of them.
+
+        Both must match the buffers' batch, heads, head width, dtype and device (nothing is cast
+        silently); on any error the cache is left as it was."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a (batch, kv_heads, tokens, head_dim) tensor, got {got}")
+            if t.dtype != self.keys.dtype or t.device != self.keys.device:
+                raise TypeError(
+                    f"{name} is {t.dtype} on {t.device}, but the kv_cache holds {self.keys.dtype} on {self.keys.device}"
+                )
+        if v.shape != k.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         B, H, T, hd = k.shape
         if (B, H, hd) != (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]):
             raise ValueError(
@@ -398,7 +411,9 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.kv_dim = d_in if kv_dim is None else _check_positive_int("kv_dim", kv_dim)
         self.num_kv_heads = num_kv_heads
         self.head_dim = d_out // num_heads
-        self.causal = bool(causal)
+        if not isinstance(causal, bool):  # bool("no") is True: take no truthy stand-ins
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        self.causal = causal
         kv_out = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
@@ -540,7 +555,8 @@ class MultiHeadAttention(_DropsTutorialMask):
         S = k.shape[2] + (0 if kv_cache is None else kv_cache.length)
         mask = self._combine_masks(attn_mask, key_mask, b, n, S, x.device, x.dtype, unbatched)
         if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # (b, Hkv, past + n, hd)
+            dt = kv_cache.keys.dtype  # differs from k's only under autocast, checked above
+            k, v = kv_cache.append(k.to(dt), v.to(dt))  # (b, Hkv, past + n, hd)
         if _autocast_on(x.device):
             # Under autocast the projections come out in the autocast dtype while a cache or a
             # float mask keeps its own: attend in the queries' dtype.

@@ -157,6 +157,8 @@ def save_checkpoint(
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    if not _is_int(step) or step < 0:  # what load_checkpoint will demand of it
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
     out = Path(out_dir)
     ckpts = out / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -260,6 +262,9 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     if (p / LATEST_NAME).exists():
         target = (p / _read_latest(p)["path"]).resolve()
+        if not target.is_relative_to(p.resolve()):
+            # attnlab only ever writes checkpoints/step-N here; anything else is a tampered pointer.
+            raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {target}, outside {p}")
         if not (target / CHECKPOINT_NAME).exists():
             raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {target}, which holds no {CHECKPOINT_NAME}")
         return target

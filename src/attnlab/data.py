@@ -392,6 +392,9 @@ def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
             raise TypeError(f"{name} must hold integer ids, got dtype {tokens.dtype}")
         return tokens
     if isinstance(tokens, (list, tuple)):
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+                raise TypeError(f"{name} must be a flat list of non-negative int ids, got {t!r} at index {i}")
         return torch.tensor(tokens, dtype=torch.long).reshape(-1)
     raise TypeError(f"{name} must be a 1-D tensor, numpy array or list of ints, got {type(tokens).__name__}")
 
@@ -473,6 +476,18 @@ def create_dataloader(
         tokens = _as_token_sequence(text_or_tokens, "text_or_tokens")
     dataset = TokenWindowDataset(tokens, context_length, stride)
     batch_size = _check_pos_int("batch_size", batch_size)
+    # An empty loader would make a training loop silently do nothing; say why there is no batch.
+    if len(dataset) == 0:
+        raise ValueError(
+            f"text_or_tokens has {len(dataset.tokens)} tokens, but a window needs context_length + 1 = "
+            f"{dataset.context_length + 1} (inputs and their next-token targets); use more text or a shorter "
+            "context_length"
+        )
+    if drop_last and len(dataset) < batch_size:
+        raise ValueError(
+            f"text_or_tokens gives {len(dataset)} windows, fewer than batch_size={batch_size}, and drop_last=True "
+            "drops that partial batch, leaving none; lower batch_size or stride, or pass drop_last=False"
+        )
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     return DataLoader(

@@ -175,10 +175,11 @@ def _validate(
         )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    # Any finite scale, as torch: 0 gives uniform weights, a negative one favours dissimilar keys.
     if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
     ):
-        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
@@ -190,7 +191,7 @@ def _validate(
         )
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         hq, hkv = query.shape[-3], key.shape[-3]
-        if hq % hkv != 0:
+        if hkv == 0 or hq % hkv != 0:
             raise ValueError(
                 f"with enable_gqa=True the query heads ({hq}, dim -3 of query) must be a multiple "
                 f"of the key/value heads ({hkv}, dim -3 of key)"
@@ -232,10 +233,28 @@ def _check_attn_mask(
     if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not any_float_dtype:
         raise TypeError(f"a float attn_mask must have the dtype of {input_name} ({dtype}), got {attn_mask.dtype}")
     _broadcast_shape("attn_mask", tuple(attn_mask.shape), target)
+    if attn_mask.is_floating_point() and _can_read_values(attn_mask):
+        # NaN or +inf added to a score makes its whole row NaN; -inf is the one way to mask.
+        bad = int((torch.isnan(attn_mask) | (attn_mask == float("inf"))).sum())  # one host sync
+        if bad:
+            raise ValueError(
+                f"a float attn_mask is added to the scores and must not hold NaN or +inf (use -inf to mask a "
+                f"position, or a bool mask), got {bad} such entries"
+            )
+
+
+def _can_read_values(t: Tensor) -> bool:
+    """Value checks read data: impossible on meta tensors, a graph break under torch.compile."""
+    return t.device.type != "meta" and t.numel() > 0 and not torch.compiler.is_compiling()
 
 
 def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device: torch.device) -> Tensor | None:
-    """One mask from ``attn_mask`` and causality: bool ('may attend'), float (additive) or None."""
+    """One mask from ``attn_mask`` and causality: bool ('may attend'), float (additive) or None.
+
+    The result has at least 2 dimensions: a ``(S,)`` or scalar mask broadcasts, but torch's kernels
+    and the row checks below need an ``(L, S)`` pair of dimensions."""
+    if attn_mask is not None and attn_mask.dim() < 2:
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))  # (1, S) or (1, 1)
     if not is_causal:
         return attn_mask
     causal = causal_mask(L, S, device=device)  # (L, S)
@@ -342,7 +361,7 @@ def scaled_dot_product_attention(
         key: ``(..., S, E)``; with ``enable_gqa`` ``(..., Hkv, S, E)``, ``Hq % Hkv == 0``.
         value: ``(..., S, Ev)``.
         attn_mask: broadcastable to ``(..., L, S)``. Bool: ``True`` = may attend. Float: added to the
-            scores (same dtype as ``query``).
+            scores (same dtype as ``query``; ``-inf`` masks, NaN and ``+inf`` are refused).
         dropout_p: dropout on the attention weights, applied whenever > 0 (as in torch: pass 0.0
             at evaluation time).
         is_causal: causal masking, aligned **bottom-right** (query ``i`` of ``L`` sees keys

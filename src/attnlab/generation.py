@@ -50,11 +50,28 @@ def sample_next_token(
 
     ``temperature=0`` is greedy (argmax). Otherwise the logits are divided by ``temperature``,
     restricted to the ``top_k`` most likely tokens and/or to the smallest set whose probability
-    reaches ``top_p`` (nucleus sampling), and sampled with ``generator``.
+    reaches ``top_p`` (nucleus sampling), and sampled with ``generator``. Every row needs at least
+    one finite logit.
     """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() != 2:
+        got = f"{logits.dtype} of shape {tuple(logits.shape)}" if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a float tensor (B, V), got {got}")
+    _check_sampling(temperature, top_k, top_p)
+    if logits.numel() and not bool(torch.isfinite(logits).any(dim=-1).all()):
+        raise ValueError("logits has a row with no finite value: there is no token to pick")
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+) -> Tensor:
+    """:func:`sample_next_token` on checked arguments."""
     if temperature == 0:
         return logits.argmax(dim=-1)  # (B,)
-    logits = logits.float() / temperature  # (B, V)
+    # Subtract each row's maximum first: then dividing by a tiny temperature sends the other logits
+    # towards -inf, never the best one to +inf (which would make the softmax NaN).
+    logits = logits.float()  # (B, V)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (B, V), max 0
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -72,6 +89,20 @@ def sample_next_token(
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
+def _check_sampling(temperature: object, top_k: object, top_p: object) -> None:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+
+
 def _check_args(
     model: GPT,
     idx: object,
@@ -89,17 +120,7 @@ def _check_args(
         raise ValueError(f"idx must hold at least one prompt, got shape {tuple(idx.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+    _check_sampling(temperature, top_k, top_p)
     if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
         raise ValueError(f"eos_id must be a token id in [0, {V}) or None, got {eos_id!r}")
     if attention_mask is None:
@@ -165,7 +186,7 @@ def _steps(
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]
                     logits = model._logits(out[:, cur - 1 : cur], m, None, caches)[:, -1]  # (B, V)
-                nxt = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                nxt = _sample(logits, temperature, top_k, top_p, generator)
                 if eos_id is not None:
                     nxt = nxt.masked_fill(finished, eos_id)  # finished rows keep emitting eos
                     finished |= nxt == eos_id

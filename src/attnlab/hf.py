@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,10 +98,23 @@ def _config_from_hf(
             hf_config, "scale_attn_by_inverse_layer_idx", False
         ):
             raise ValueError("only GPT-2's standard 1/sqrt(head_dim) attention scaling is supported")
+        # The tensors decide the sizes; a config that says otherwise belongs to another model.
+        found = {"vocab_size": vocab_size, "n_embd": emb_dim, "n_positions": context_length, "n_layer": len(layers)}
+        for name, size in found.items():
+            said = getattr(hf_config, name, None)
+            if said is not None and said != size:
+                raise ValueError(f"hf_config says {name}={said}, but the weights have {size}: they are not one model's")
         n_heads = getattr(hf_config, "n_head", None) if n_heads is None else n_heads
         ln_eps = float(getattr(hf_config, "layer_norm_epsilon", 1e-5))
         if drop_rate is None:
             drop_rate = float(getattr(hf_config, "resid_pdrop", 0.1))
+            rates = {k: getattr(hf_config, k, drop_rate) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+            if len(set(rates.values())) > 1:
+                warnings.warn(
+                    f"attnlab's GPT has one dropout rate; the Hugging Face config has {rates}, so "
+                    f"drop_rate={drop_rate} (resid_pdrop) is used everywhere; pass drop_rate=... to choose",
+                    stacklevel=3,
+                )
     if n_heads is None:
         # A bare state dict does not record the head count; every published GPT-2 uses 64-wide heads.
         if emb_dim % 64:
@@ -109,6 +123,12 @@ def _config_from_hf(
                 f"head width 64); pass n_heads=..."
             )
         n_heads = emb_dim // 64
+        warnings.warn(
+            f"a bare state dict does not record the head count: assuming n_heads={n_heads} (64-wide heads, as in "
+            "every published GPT-2); pass n_heads=... or hf_config=... if this model differs, or its logits will be "
+            "wrong",
+            stacklevel=3,
+        )
     lm_head = state.get("lm_head.weight")
     tied = (
         lm_head is None
@@ -159,9 +179,18 @@ def from_hf_gpt2(
     cfg = _config_from_hf(state, hf_config, n_heads, drop_rate)
     C = cfg.emb_dim
 
+    F = cfg.ff_dim or 4 * C
+    V, P = cfg.vocab_size, cfg.context_length
+    shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "lm_head.weight": (V, C)}
+    shapes |= {"attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C)}
+    shapes |= {"mlp.c_fc.weight": (C, F), "mlp.c_fc.bias": (F,), "mlp.c_proj.weight": (F, C)}
+
     def t(key: str) -> Tensor:
         if key not in state:
             raise ValueError(f"not a GPT-2 state dict: {key!r} is missing")
+        want = shapes.get(key.split(".", 2)[-1] if key.startswith("h.") else key, (C,))  # the rest: (C,) vectors
+        if tuple(state[key].shape) != want:
+            raise ValueError(f"GPT-2 weight {key!r} must have shape {want}, got {tuple(state[key].shape)}")
         return state[key]
 
     new: dict[str, Tensor] = {

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ._io import atomic_write_bytes, atomic_write_json, read_json
 from .attention import KVCache, MultiHeadAttention, _check_positive_int
+from .functional import _can_read_values
 
 __all__ = [
     "CONFIG_NAME",
@@ -64,29 +65,32 @@ _ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}
 
 
 def _id_ranges(*pairs: tuple[Tensor, int | None]) -> list[int]:
-    """``[min, max, min, max, ...]`` of each ``(ids, ignore_index)`` pair with a single host sync.
+    """Statistics of each ``(ids, ignore_index)`` pair with a single host sync.
 
-    Entries equal to ``ignore_index`` count as 0 (a valid id), so they can neither fail the range
-    check nor hide a bad id. Every tensor must be non-empty.
+    ``[min, max]`` for a pair without ``ignore_index``, ``[min, max, n_scored]`` for one with it:
+    entries equal to ``ignore_index`` count as 0 (a valid id), so they can neither fail the range
+    check nor hide a bad id, and ``n_scored`` counts the others. Every tensor must be non-empty.
     """
     stats: list[Tensor] = []
     for ids, ignore in pairs:
-        if ignore is not None:
-            ids = torch.where(ids != ignore, ids, 0)
-        stats += torch.aminmax(ids)  # one reduction per tensor
+        if ignore is None:
+            stats += torch.aminmax(ids)  # one reduction per tensor
+        else:
+            scored = ids != ignore
+            stats += [*torch.aminmax(torch.where(scored, ids, 0)), scored.sum()]
     return torch.stack([t.long() for t in stats]).tolist()  # the one sync
 
 
-def _skip_value_checks(t: Tensor) -> bool:
-    """Value checks read data: impossible on meta tensors, and graph breaks under torch.compile."""
-    return t.device.type == "meta" or torch.compiler.is_compiling() or t.numel() == 0
-
-
-def _check_targets_range(lo: int, hi: int, vocab_size: int, ignore_index: int) -> None:
+def _check_targets_range(lo: int, hi: int, n_scored: int, vocab_size: int, ignore_index: int) -> None:
     if lo < 0 or hi >= vocab_size:
         raise ValueError(
             f"targets values must be in [0, vocab_size={vocab_size}) or equal ignore_index={ignore_index}, "
             f"got min {lo}, max {hi} (ignored entries counted as 0)"
+        )
+    if n_scored == 0:
+        raise ValueError(
+            f"targets has no entry to score: every one equals ignore_index={ignore_index}, so the mean loss "
+            "would be 0/0 = NaN; leave such a batch out"
         )
 
 
@@ -98,13 +102,14 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor
             so the loss and its gradient are not rounded to 8 bits of mantissa).
         targets: ``(...)`` integer ids matching ``logits.shape[:-1]``; entries equal to
             ``ignore_index`` (default -100, as ``F.cross_entropy``) do not count; every other entry
-            must be in ``[0, V)``. That is checked (one host sync), so a bad id is a ValueError
-            rather than a CUDA device assert that poisons the process.
+            must be in ``[0, V)``, and at least one entry must count. That is checked (one host
+            sync), so a bad id is a ValueError rather than a CUDA device assert that poisons the
+            process, and a batch with nothing to score is a ValueError rather than a NaN loss.
     Returns:
         A float32 scalar.
     """
     _check_loss_args(logits, targets, ignore_index)
-    if not _skip_value_checks(targets):
+    if _can_read_values(targets):
         _check_targets_range(*_id_ranges((targets, ignore_index)), logits.shape[-1], ignore_index)
     return _lm_loss(logits, targets, ignore_index)
 
@@ -124,6 +129,8 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         )
     if targets.device != logits.device:
         raise ValueError(f"targets is on {targets.device} but logits are on {logits.device}")
+    if targets.numel() == 0:
+        raise ValueError(f"targets is empty (shape {tuple(targets.shape)}): the mean loss of no tokens is 0/0 = NaN")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
 
@@ -460,7 +467,7 @@ class GPT(nn.Module):
 
     def _check_id_values(self, idx: Tensor, targets: Tensor | None = None, ignore_index: int = -100) -> None:
         """Range-check ``idx`` (and ``targets``, except ``ignore_index`` entries) with one host sync."""
-        if _skip_value_checks(idx):
+        if not _can_read_values(idx):
             return
         V = self.config.vocab_size
         pairs = [(idx, None)] if targets is None else [(idx, None), (targets, ignore_index)]
@@ -574,7 +581,8 @@ class GPT(nn.Module):
 
         ``targets`` are usually ``idx`` shifted left by one; entries equal to ``ignore_index``
         (default -100, as ``F.cross_entropy``) do not count; every other entry must be in
-        ``[0, vocab_size)`` (checked, so a bad id is a ValueError, not a CUDA device assert).
+        ``[0, vocab_size)`` and at least one must count (checked, so a bad id is a ValueError, not
+        a CUDA device assert, and nothing to score is a ValueError, not a NaN loss).
         """
         if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
             raise TypeError(
@@ -769,6 +777,13 @@ class GPT(nn.Module):
         missing, unexpected = model._check_state_keys(state)
         if missing or unexpected:
             raise ValueError(f"{w_path} does not match {cfg_path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        common = max({t.dtype for t in state.values()}, key=[t.dtype for t in state.values()].count)
+        odd = [f"{k} ({t.dtype})" for k, t in sorted(state.items()) if t.dtype != common or not t.is_floating_point()]
+        if odd or not common.is_floating_point:
+            raise ValueError(
+                f"{w_path} must hold tensors of one floating-point dtype, as GPT.save() writes; "
+                f"most are {common}, but not {odd[:5] or 'floating point'}"
+            )
         model.load_state_dict(state, strict=False, assign=True)
         if config.tie_embeddings:
             model.out_head.weight = model.tok_emb.weight

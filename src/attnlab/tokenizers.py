@@ -79,7 +79,7 @@ def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> l
     if isinstance(ids, Tensor):
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D, got a tensor of shape {tuple(ids.shape)}")
-        if ids.is_floating_point() or ids.is_complex():
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         out = ids.tolist()
     elif isinstance(ids, np.ndarray):
@@ -91,13 +91,32 @@ def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> l
     elif isinstance(ids, (str, bytes)):
         raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
     else:
-        out = [int(i) for i in ids]
+        out = list(ids)
+        for i in out:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):  # int(65.9) would pass as 'A'
+                raise TypeError(f"ids must be ints, got {i!r}")
+        out = [int(i) for i in out]
     if out:
         lo, hi = min(out), max(out)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad}")
     return out
+
+
+def _check_text(text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_surrogates(text: str) -> None:
+    """UTF-8 has no lone surrogates (a Python str may): refuse them rather than encode a guess."""
+    if m := _SURROGATE.search(text):
+        raise ValueError(f"text contains a character that is not valid in UTF-8 at index {m.start()}: {m.group()!r}")
 
 
 def _json_fingerprint(obj: dict[str, Any]) -> str:
@@ -171,7 +190,7 @@ class ByteTokenizer(Tokenizer):
     def encode_array(self, text: str) -> np.ndarray:
         # surrogatepass would smuggle lone surrogates through; strict makes them a clear error.
         try:
-            data = text.encode("utf-8")
+            data = _check_text(text).encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(
                 f"text contains a character that is not valid in UTF-8 at index {exc.start}: {text[exc.start]!r}"
@@ -234,7 +253,7 @@ class CharTokenizer(Tokenizer):
     def _lookup(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, unknown mask) of every character of ``text``; unknown ids are garbage."""
         # surrogatepass: a lone surrogate (possible in a Python str) is just another code point.
-        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)  # (N,)
+        cps = np.frombuffer(_check_text(text).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)  # (N,)
         ids = self._table[np.minimum(cps, len(self._table) - 1)]  # (N,) int32
         # A code point past the table's end was clipped onto its last entry: mark it unknown too.
         return ids, (ids < 0) | (cps >= len(self._table))
@@ -383,14 +402,14 @@ class GPT2Tokenizer(Tokenizer):
         """The underlying ``tiktoken.Encoding``."""
         return self._enc
 
+    # tiktoken would encode a lone surrogate as U+FFFD, so decode(encode(text)) != text: refuse it,
+    # as the byte tokenizer does.
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _reject_surrogates(_check_text(text))
         return self._enc.encode(text, allowed_special="all")
 
     def encode_array(self, text: str) -> np.ndarray:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _reject_surrogates(_check_text(text))
         return self._enc.encode_to_numpy(text, allowed_special="all")
 
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
