@@ -98,6 +98,8 @@ def test_cli_writes_a_complete_report(tmp_path, capsys):
     argv = ["bench", "--quick", "--out", str(out), "--seq-lens", "8,16", "--d-model", "32", "--heads", "2"]
     argv += ["--loop-max-len", "8", "--repeats", "1", "--gen-lens", "12,16", "--train-lens", "8", "--skip-memory"]
     argv += ["--threads", "1"]  # fast on a busy machine; the threads setting is restored afterwards
+    out.mkdir()
+    (out / "attention_memory.png").write_bytes(b"an earlier run's plot")  # this run skips memory: must go
     assert main(argv) == 0
     assert "wrote" in capsys.readouterr().out
     assert torch.get_num_threads() == threads

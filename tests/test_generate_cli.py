@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from attnlab.checkpoint import load_checkpoint
 from attnlab.cli import main
-from attnlab.generate_cli import _StreamDecoder
 from attnlab.tokenizers import get_tokenizer
 from attnlab.training import TrainConfig, Trainer
 
@@ -103,28 +100,6 @@ def test_step_directory_works_too(checkpoint: Path, monkeypatch) -> None:
         monkeypatch, "--checkpoint", str(checkpoint), "--prompt", "x", "--max-new-tokens", "5", "--temperature", "0"
     )
     assert a.getvalue() == b.getvalue()
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.text(min_size=1, max_size=30))
-def test_stream_decoder_never_splits_a_character(text: str) -> None:
-    tok = get_tokenizer("byte")
-    try:
-        ids = tok.encode(text)
-    except ValueError:  # lone surrogates are not UTF-8
-        return
-    dec = _StreamDecoder(tok)
-    pieces = [dec.push(i) for i in ids] + [dec.flush()]
-    assert "".join(pieces) == text
-    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
-
-
-def test_stream_decoder_gpt2_pieces(gpt2) -> None:
-    tok = get_tokenizer("gpt2", bpe_dir=gpt2.bpe_dir)
-    text = "Attention, s'il vous plaît: 注意 😀 is all you need."
-    dec = _StreamDecoder(tok)
-    pieces = [dec.push(i) for i in tok.encode(text)] + [dec.flush()]
-    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
 
 
 def test_errors_are_one_line(checkpoint: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from attnlab.tokenizers import (
     ByteTokenizer,
     CharTokenizer,
     GPT2Tokenizer,
+    StreamDecoder,
     TokenizerLoadError,
     get_tokenizer,
     tokenizer_from_dict,
@@ -234,3 +235,25 @@ def test_get_tokenizer_names_and_errors():
         tokenizer_from_dict({"name": "wordpiece"})
     with pytest.raises(ValueError, match="'name'"):
         tokenizer_from_dict({})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(min_size=1, max_size=30))
+def test_stream_decoder_never_splits_a_character(text: str) -> None:
+    tok = get_tokenizer("byte")
+    try:
+        ids = tok.encode(text)
+    except ValueError:  # lone surrogates are not UTF-8
+        return
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+
+
+def test_stream_decoder_gpt2_pieces(gpt2) -> None:
+    tok = get_tokenizer("gpt2", bpe_dir=gpt2.bpe_dir)
+    text = "Attention, s'il vous plaît: 注意 😀 is all you need."
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in tok.encode(text)] + [dec.flush()]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)

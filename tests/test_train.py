@@ -265,6 +265,8 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
             "latest.json",
         ),
         "changed context": (["--out", str(finished_run), "--resume", "--context-length", "32"], "--context-length"),
+        "other data": (["--out", str(finished_run), "--resume", "--data", __file__], "from the built-in corpus"),
+        "out is a file": (["--out", __file__], "exists and is not a directory"),
     }
     procs = {}
     for name, (flags, _) in cases.items():
@@ -323,6 +325,68 @@ def test_python_api_resume_takes_seed_data_and_split_from_the_checkpoint(
         train(out=str(out), resume=True, seed=8)
     with pytest.raises(ValueError, match="--val-fraction"):
         train(out=str(out), resume=True, val_fraction=0.1)
+
+
+def test_resume_from_another_directory_and_refuse_changed_data(tmp_path: Path, monkeypatch, one_thread) -> None:
+    """Paths are recorded absolute (a relative --data used to be looked up from wherever the resumed
+    run started), the same file named differently is the same data, a changed file is refused, and
+    a run already at --max-steps says so and reports the checkpoint's validation loss."""
+    from attnlab.data import CACHE_ENV, builtin_corpus
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    text = tmp_path / "a" / "text.txt"
+    text.write_text(builtin_corpus()[:20000], encoding="utf-8")
+    base = dict(SMALL, eval_every=2, checkpoint_every=2, warmup_steps=0)
+    monkeypatch.chdir(tmp_path / "a")
+    Trainer(TrainConfig(data="text.txt", out="run", max_steps=2, **base)).fit()
+    assert load_checkpoint("run").metadata["train_config"]["data"] == str(text.resolve())
+
+    monkeypatch.chdir(tmp_path / "b")
+    run = str(tmp_path / "a" / "run")
+    result = Trainer(TrainConfig(out=run, resume=True, max_steps=4, **base)).fit()
+    assert result.step == 4 and result.val_loss is not None
+    Trainer(TrainConfig(data="../a/./text.txt", out=run, resume=True, max_steps=4, **base))  # the same file
+
+    logs: list[str] = []
+    again = Trainer(TrainConfig(out=run, resume=True, max_steps=3, **base), log=logs.append).fit()
+    assert again.step == 4 and again.val_loss == result.val_loss
+    assert any("already at step 4, at or past --max-steps 3: nothing to train" in m for m in logs), logs
+
+    with text.open("a", encoding="utf-8") as f:
+        f.write("one more line")
+    with pytest.raises(ValueError, match=r"data file .*text.txt has changed since the checkpoint"):
+        Trainer(TrainConfig(out=run, resume=True, max_steps=6, **base))
+
+
+def test_cli_prints_the_summary_then_streams_a_sample_from_a_prompt_that_encodes(tmp_path: Path) -> None:
+    """The summary comes before the sample (a long or interrupted sample used to hide it), and
+    when the char vocabulary lacks the default prompt's letters, the sample and the printed
+    `attnlab generate` hint use a prompt that encodes, and say so."""
+    from attnlab.data import builtin_corpus
+
+    lower = tmp_path / "lower.txt"
+    lower.write_text(builtin_corpus()[:20000].lower(), encoding="utf-8")
+    out = tmp_path / "run"
+    flags = [*SMALL_FLAGS, "--sample-tokens", "30", "--max-steps", "2", "--tokenizer", "char", "--data", str(lower)]
+    r = subprocess.run(
+        [sys.executable, "-m", "attnlab", "train", "--out", str(out), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream, in the order written
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout
+    chars = lower.read_text(encoding="utf-8")
+    used = chars[len(chars) - round(len(chars) * 0.1)]  # the first character of the validation split
+    assert f"cannot encode the prompt 'The '; using {used!r}" in r.stdout
+    assert r.stdout.index("done: 2 steps") < r.stdout.index("--- sample") < r.stdout.index("generate more:")
+    hint = r.stdout.split("generate more: ")[1].strip().splitlines()[0]
+    assert hint == f"attnlab generate --checkpoint {out} --prompt {used!r}"
+    g = attnlab("generate", "--checkpoint", str(out), "--prompt", used, "--max-new-tokens", "5")
+    assert g.returncode == 0 and g.stdout.startswith(used), g.stderr
 
 
 def test_resumed_settings_rules() -> None:

@@ -287,7 +287,7 @@ def test_cli_prints_the_tutorial_example(capsys):
 
 def test_cli_writes_png_and_html(tmp_path, capsys):
     assert main(["viz", "--out", str(tmp_path / "a.png"), "--layer", "3,4", "--head", "1"]) == 0
-    assert "2 rows, 2 heads, 6 tokens" in capsys.readouterr().out
+    assert "2 attention maps in 2 rows, 6 tokens" in capsys.readouterr().out
     _png_size(tmp_path / "a.png")
     assert main(["viz", "--out", str(tmp_path / "a.html")]) == 0
     assert "Your journey starts with one step" in (tmp_path / "a.html").read_text(encoding="utf-8")

@@ -440,7 +440,7 @@ def run_all(cfg: BenchConfig, log: Callable[[str], None] = lambda msg: None) -> 
     log(f"matmul rate ({cfg.matmul_n} x {cfg.matmul_n} float32) ...")
     mm = matmul_rate(cfg.matmul_n)
     result["matmul"] = mm
-    log(f"  {mm['gflops_median']:.1f} GFLOP/s")
+    log(f"  {mm['gflops_median']:.1f} GFLOP/s (median; best {mm['gflops_best']:.1f})")
     load, cpus = _load(), os.cpu_count() or 1
     if load is not None and load > cpus:
         log(
@@ -467,6 +467,8 @@ def run_all(cfg: BenchConfig, log: Callable[[str], None] = lambda msg: None) -> 
     # What the hardware can do: the best matmul seen, at the start or the end (load only slows it).
     peak = max(mm["gflops_best"], result["matmul_end"]["gflops_best"])
     result["peak_gflops"] = peak
+    log(f"matmul rate at the end: best {result['matmul_end']['gflops_best']:.1f} GFLOP/s; every '% of matmul' "
+        f"in the report is of the best seen, {peak:.1f}")  # fmt: skip
     for row in result["attention"]["rows"]:
         for r in row["results"].values():
             r["fraction_of_matmul"] = r["gflops"] / peak
@@ -520,6 +522,9 @@ def _log_y(ax) -> None:
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+PLOT_NAMES = ("attention_time.png", "attention_memory.png", "generation.png", "training.png")
 
 
 def _plots(result: dict, out: Path) -> list[str]:
@@ -763,6 +768,9 @@ def write_report(result: dict, out: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", result)
     plots = _plots(result, out)
+    # A plot an earlier run left here that this run did not draw would contradict report.md.
+    for stale in set(PLOT_NAMES) - set(plots):
+        (out / stale).unlink(missing_ok=True)
     atomic_write_text(out / "report.md", format_markdown(result, plots))
     return out / "report.md"
 

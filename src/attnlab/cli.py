@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
+from types import ModuleType
 
 from attnlab.errors import UserError
 
@@ -42,17 +45,39 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subparsers
 
 
+def _import_holding_ctrl_c(name: str) -> ModuleType:
+    """Import torch and a subcommand's module with Ctrl-C held back until they are loaded.
+
+    A KeyboardInterrupt raised inside torch's import can abort the process from C++ or leave numpy
+    half-imported (odd AttributeErrors later); held back, it becomes a quiet exit right after.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only it may set signal handlers
+        return importlib.import_module(name)
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    try:
+        importlib.import_module("torch")  # every subcommand needs it, some only inside run()
+        module = importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+    return module
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, subparsers = build_parser()
-    # Two-stage parse: only the chosen subcommand's module is imported, to add its own flags.
-    if argv and argv[0] in COMMANDS:
-        importlib.import_module(COMMANDS[argv[0]][0]).add_arguments(subparsers[argv[0]])
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
     try:
+        # Two-stage parse: only the chosen subcommand's module is imported, to add its own flags.
+        if argv and argv[0] in COMMANDS:
+            _import_holding_ctrl_c(COMMANDS[argv[0]][0]).add_arguments(subparsers[argv[0]])
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # say it with the subcommand's usage, not the top-level one
+            (subparsers[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command is None:
+            parser.print_help()
+            return 0
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         return 130
@@ -67,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc)
         if isinstance(exc, ImportError) and exc.name:
             message += " (install attnlab's extras: pip install 'attnlab[train,viz]')"
-        print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
+        where = f"attnlab {argv[0]}" if argv and argv[0] in COMMANDS else "attnlab"
+        print(f"{where}: error: {message}", file=sys.stderr)
         return 2
 
 

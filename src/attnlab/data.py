@@ -77,7 +77,8 @@ def builtin_corpus() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def _check_file(path: str | os.PathLike[str]) -> Path:
+def check_text_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path, or FileNotFoundError / ValueError naming it when it is no file."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data file not found: {p}")
@@ -97,7 +98,7 @@ def load_text(path: str | os.PathLike[str] | None) -> str:
     """
     if path is None:
         return builtin_corpus()
-    p = _check_file(path)
+    p = check_text_file(path)
     data = p.read_bytes()
     try:
         return data.decode("utf-8")
@@ -108,7 +109,7 @@ def load_text(path: str | os.PathLike[str] | None) -> str:
 def iter_text_chunks(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> Iterator[str]:
     """Decode a UTF-8 file in pieces of about ``chunk_bytes`` bytes (multi-byte characters are
     never split). Raises like :func:`load_text`."""
-    for text, _ in _iter_decoded(_check_file(path), chunk_bytes):
+    for text, _ in _iter_decoded(check_text_file(path), chunk_bytes):
         yield text
 
 
@@ -255,6 +256,7 @@ def tokenize_to_cache(
     chunk_bytes: int = 1 << 22,
     progress: bool = False,
     workers: int | None = None,
+    content_hash: str | None = None,
 ) -> np.ndarray:
     """All tokens of a UTF-8 file as a read-only 1-D memory-mapped array, built once and reused.
 
@@ -273,6 +275,8 @@ def tokenize_to_cache(
         progress: show a tqdm bar while tokenizing (when tqdm is installed).
         workers: threads encoding pieces of a chunk in parallel (GPT-2 BPE only; default: the
             CPUs this process may use).
+        content_hash: the file's SHA-256 (hex) when the caller already has it (spares reading the
+            file twice); computed here otherwise.
 
     Returns:
         ``np.memmap`` (``np.ndarray`` for the built-in corpus) of dtype :func:`token_dtype`.
@@ -284,9 +288,9 @@ def tokenize_to_cache(
     dtype = token_dtype(tokenizer.vocab_size)
     if path is None:
         return np.asarray(tokenizer.encode_array(builtin_corpus()), dtype=dtype)
-    p = _check_file(path)
+    p = check_text_file(path)
 
-    content_hash = sha256_file(p)
+    content_hash = content_hash or sha256_file(p)
     key = hashlib.sha256(
         json.dumps([_CACHE_FORMAT, tokenizer.fingerprint(), content_hash, dtype.str]).encode()
     ).hexdigest()[:24]

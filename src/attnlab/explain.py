@@ -1057,7 +1057,8 @@ def gpt2_sizes(w: Walk) -> dict[str, Tensor]:
     w.bug(
         REVIEW,
         "BadLM_V2 sizes its position embedding by the vocabulary: `nn.Embedding(vocab_size, "
-        f"emb_dim)` (built with context_length=4, vocab_size=10, emb_dim=6 its table is {tiny_shape}). "
+        f"emb_dim)` (attnlab's small demo copy, context_length=4, vocab_size=10, emb_dim=6, gets a table of "
+        f"shape {tiny_shape}). "
         f"At the exercise's sizes that is {GPT2_VOCAB:,} x 768 = {pos_params:,} parameters, when only "
         "context_length x "
         f"768 = {4 * 768:,} are ever used (GPT-2's table is 1024 x 768 = {GPT2_CONTEXT * 768:,}). "

@@ -64,38 +64,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
 
 
-class _StreamDecoder:
-    """Turns tokens into text increments, holding back an incomplete UTF-8 sequence.
-
-    A multi-byte character may arrive as several byte tokens (``byte`` tokenizer) or BPE pieces;
-    decoded alone its first part would print as U+FFFD. So tokens are buffered while their text
-    ends in an incomplete sequence (at most 4 tokens: the longest UTF-8 character). All three
-    tokenizers decode by concatenation, so decoding the buffer alone gives the right text.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-        self.pending: list[int] = []
-
-    def push(self, token: int) -> str:
-        self.pending.append(token)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 4:
-            return ""
-        self.pending = []
-        return text
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint
-    from .tokenizers import tokenizer_from_dict
+    from .tokenizers import StreamDecoder, tokenizer_from_dict
     from .training import resolve_device
 
     _check(args)
@@ -113,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(args.prompt)
     out.flush()
-    dec = _StreamDecoder(tok)
+    dec = StreamDecoder(tok)
     stream = model.stream(
         idx,
         args.max_new_tokens,

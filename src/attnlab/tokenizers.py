@@ -47,6 +47,7 @@ __all__ = [
     "ByteTokenizer",
     "CharTokenizer",
     "GPT2Tokenizer",
+    "StreamDecoder",
     "Tokenizer",
     "TokenizerLoadError",
     "get_tokenizer",
@@ -485,6 +486,40 @@ def get_tokenizer(
     return GPT2Tokenizer(bpe_dir=bpe_dir)
 
 
+class StreamDecoder:
+    """Turns tokens into text increments, holding back an incomplete UTF-8 sequence.
+
+    A multi-byte character may arrive as several byte tokens (``byte`` tokenizer) or BPE pieces;
+    decoded alone its first part would print as U+FFFD. So tokens are buffered while their text
+    ends in an incomplete sequence (at most 4 tokens: the longest UTF-8 character). All three
+    tokenizers decode by concatenation, so decoding the buffer alone gives the right text::
+
+        dec = StreamDecoder(tokenizer)
+        for tok in model.stream(idx, 100):
+            print(dec.push(int(tok[0])), end="", flush=True)
+        print(dec.flush())
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        """Add one token id; return the text that is now complete ('' while a character is split)."""
+        self.pending.append(token)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """The text of the tokens still held back (at the end of a stream)."""
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
 def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
     """Rebuild a tokenizer from :meth:`Tokenizer.to_dict` output (e.g. read from a checkpoint).
 
@@ -506,7 +541,14 @@ def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | 
         recorded = d.get("bpe_dir")
         if bpe_dir is None and recorded and Path(recorded).is_dir():
             bpe_dir = recorded
-        tok = GPT2Tokenizer(bpe_dir=bpe_dir)
+        try:
+            tok = GPT2Tokenizer(bpe_dir=bpe_dir)
+        except TokenizerLoadError as exc:
+            if bpe_dir is None and recorded:  # say why the files were not where training found them
+                raise TokenizerLoadError(
+                    f"the BPE directory recorded at training, {recorded}, is gone; {exc}"
+                ) from None
+            raise
         want = (d.get("vocab_bpe_sha256"), d.get("encoder_json_sha256"))
         have = (tok._bpe_hash, tok._enc_hash)
         if None not in want and want != have:

@@ -195,25 +195,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Inside the try: Trainer() itself may fail after it started the process group.
         trainer = Trainer(cfg, given=given)
-        result = trainer.fit()
+        result = trainer.fit(sample=False)  # sampled below, after the summary, as it is generated
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     cfg = trainer.cfg  # with the checkpoint's settings on --resume
     if result.interrupted:
         return 128 + int(result.interrupted)
-    if trainer.dist.is_main:
-        vl = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-        unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
-        print(
-            f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr
-        )
-        if result.sample is not None:
-            print(f"--- sample ({cfg.sample_tokens} tokens, temperature 0.8, top-k 40) ---", file=sys.stderr)
-            print(result.sample, flush=True)
-            print("---", file=sys.stderr)
-        print(
-            f"generate more: attnlab generate --checkpoint {result.out} --prompt {cfg.sample_prompt!r}",
-            file=sys.stderr,
-        )
+    if not trainer.dist.is_main:
+        return 0
+    vl = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
+    print(f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr)
+    prompt = trainer.sample_prompt(cfg.sample_prompt)
+    if cfg.sample_tokens > 0:
+        if prompt != cfg.sample_prompt:
+            print(f"(the tokenizer cannot encode the prompt {cfg.sample_prompt!r}; using {prompt!r})", file=sys.stderr)
+        print(f"--- sample ({cfg.sample_tokens} tokens, temperature 0.8, top-k 40) ---", file=sys.stderr, flush=True)
+        print(prompt, end="", flush=True)
+        trainer.sample(prompt, cfg.sample_tokens, on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
+        print("---", file=sys.stderr)
+    print(f"generate more: attnlab generate --checkpoint {result.out} --prompt {prompt!r}", file=sys.stderr)
     return 0

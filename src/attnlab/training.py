@@ -34,20 +34,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._io import atomic_write_text
+from ._io import atomic_write_text, sha256_file
 from .checkpoint import (
     _read_latest,
     get_rng_state,
@@ -57,8 +58,9 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .data import builtin_corpus
+from .data import builtin_corpus, check_text_file
 from .model import GPT, GPTConfig, lm_loss
+from .tokenizers import StreamDecoder
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "resolve_device", "train"]
 
@@ -170,8 +172,9 @@ class TrainConfig:
         for name in self.FIXED_ON_RESUME:
             if name in given and not _same_setting(name, getattr(self, name), getattr(old, name)):
                 raise ValueError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)!r} differs from the {getattr(old, name)!r} "
-                    f"of {source}; a resumed run keeps it (start a new --out to change it)"
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} differs from "
+                    f"{_shown(name, getattr(old, name))} of {source}; a resumed run keeps it (start a new --out "
+                    "to change it)"
                 )
         keep = given | {"out", "resume"}
         names = {f.name for f in dataclasses.fields(self)}
@@ -194,7 +197,19 @@ def _same_setting(name: str, a: Any, b: Any) -> bool:
             return canonical_preset(a) == canonical_preset(b)
         except ValueError:
             return a == b
+    if name == "data":
+        return absolute_path(a) == absolute_path(b)
     return a == b
+
+
+def _shown(name: str, value: Any) -> str:
+    return "the built-in corpus" if name == "data" and value is None else f"the {value!r}"
+
+
+def absolute_path(path: str | None) -> str | None:
+    """``path`` made absolute (``~`` expanded, symlinks resolved), so that a checkpoint names the
+    same file whatever directory a resumed run, ``generate`` or ``viz`` is started from."""
+    return str(Path(path).expanduser().resolve()) if path else path
 
 
 @dataclass
@@ -207,6 +222,7 @@ class TrainResult:
     checkpoint: Path | None  # the step directory of the last checkpoint
     interrupted: int | None = None  # the signal that stopped training early, if any
     sample: str | None = None
+    sample_prompt: str | None = None  # the prompt of the sample (see Trainer.sample_prompt)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -366,9 +382,12 @@ class Trainer:
         resume, every other setting comes from the checkpoint; None means "those that differ
         from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
         config.validate()
+        config = dataclasses.replace(config, data=absolute_path(config.data), bpe_dir=absolute_path(config.bpe_dir))
         self.dist = _dist_from_env()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} exists and is not a directory")
         if config.resume and has_checkpoint(self.out):
             # Before anything is built: the device, model, data and seed are the checkpoint's.
             meta = read_metadata(self.out)
@@ -435,7 +454,20 @@ class Trainer:
         else:
             tok = get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
         self.tokenizer = tok
-        tokens = tokenize_to_cache(cfg.data, tok)
+        # What the text was, so a resumed run can tell that it sees the same text.
+        if cfg.data is None:
+            self.data_sha256 = hashlib.sha256(builtin_corpus().encode("utf-8")).hexdigest()
+        else:
+            self.data_sha256 = sha256_file(check_text_file(cfg.data))
+        saved_sha256 = ckpt.metadata.get("data", {}).get("sha256") if ckpt is not None else None
+        if saved_sha256 is not None and saved_sha256 != self.data_sha256:
+            what = f"data file {cfg.data}" if cfg.data else "built-in corpus (this Python's documentation)"
+            raise ValueError(
+                f"the {what} has changed since the checkpoint in {self.out} was written (SHA-256 "
+                f"{saved_sha256[:12]}... then, {self.data_sha256[:12]}... now); a resumed run must see the same "
+                "text: restore it, or start a new --out"
+            )
+        tokens = tokenize_to_cache(cfg.data, tok, content_hash=self.data_sha256 if cfg.data else None)
         train_tokens, val_tokens = train_val_split(tokens, cfg.val_fraction)
 
         # Model: built on every rank from the same seed (DDP also broadcasts rank 0's weights).
@@ -493,6 +525,8 @@ class Trainer:
         elif d.enabled and d.rank > 0:
             # Each rank draws its own dropout masks.
             torch.manual_seed(cfg.seed + 1_000_003 * d.rank)
+        saved_val = ckpt.metadata.get("val_loss") if ckpt is not None else None
+        self.last_val_loss: float | None = saved_val if isinstance(saved_val, (int, float)) else None
         self.resumed_from = ckpt.path if ckpt is not None else None
 
         self.model: torch.nn.Module = model
@@ -548,6 +582,7 @@ class Trainer:
                 "global_batch_size": self.cfg.batch_size,
                 "context_length": self.model_config.context_length,
                 "source": self.cfg.data,
+                "sha256": self.data_sha256,
             },
             "val_loss": self.last_val_loss,
             "torch_version": torch.__version__,
@@ -624,12 +659,15 @@ class Trainer:
             signum = int(t.item())
         return signum or None
 
-    def fit(self) -> TrainResult:
-        """Train to ``max_steps`` (or until SIGINT/SIGTERM); checkpoint, evaluate, sample."""
+    def fit(self, *, sample: bool = True) -> TrainResult:
+        """Train to ``max_steps`` (or until SIGINT/SIGTERM); checkpoint, evaluate, and (with
+        ``sample`` and ``sample_tokens > 0``) generate a sample, returned in the result."""
         cfg, d = self.cfg, self.dist
-        self.last_val_loss: float | None = None
         if d.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OSError(f"cannot create the --out directory {self.out}: {exc.strerror}") from None
             self.metrics = _MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
         n_params = self.raw_model.num_parameters()
         what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
@@ -641,8 +679,13 @@ class Trainer:
             f"batch {cfg.batch_size} x {self.model_config.context_length} tokens, {d.world_size} process(es) "
             f"on {self.device}, out {self.out}"
         )
+        if self.step >= cfg.max_steps:
+            self.log(
+                f"already at step {self.step}, at or past --max-steps {cfg.max_steps}: nothing to train "
+                "(raise --max-steps to continue)"
+            )
         bar = None
-        if d.is_main and cfg.progress:
+        if d.is_main and cfg.progress and self.step < cfg.max_steps:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
@@ -695,9 +738,10 @@ class Trainer:
                 bar.close()
             if d.is_main:
                 self.metrics.close()
-        sample = None
-        if not interrupted and d.is_main and cfg.sample_tokens > 0:
-            sample = self.sample(cfg.sample_prompt, cfg.sample_tokens)
+        text = prompt = None
+        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0:
+            prompt = self.sample_prompt(cfg.sample_prompt)
+            text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
             torch.distributed.barrier()
         return TrainResult(
@@ -706,23 +750,51 @@ class Trainer:
             out=self.out,
             checkpoint=ckpt_path,
             interrupted=interrupted,
-            sample=sample,
+            sample=text,
+            sample_prompt=prompt,
             history=history,
         )
 
-    @torch.no_grad()
-    def sample(self, prompt: str, n: int, temperature: float = 0.8, top_k: int | None = 40) -> str:
-        """Continue ``prompt`` by ``n`` tokens (seeded: the same text for the same checkpoint)."""
+    def sample_prompt(self, prompt: str) -> str:
+        """``prompt`` if the tokenizer can encode it, else the first character of the validation
+        text (a char vocabulary may lack the default prompt's letters), so a sample always runs."""
         try:
-            ids = self.tokenizer.encode(prompt)
+            if self.tokenizer.encode(prompt):
+                return prompt
         except (ValueError, KeyError):
-            ids = []
-        if not ids:  # e.g. a char vocabulary without the prompt's characters
-            ids = [int(self.val_batches.tokens[0])]
+            pass
+        return self.tokenizer.decode([int(self.val_batches.tokens[0])])
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompt: str,
+        n: int,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        *,
+        on_text: Callable[[str], None] | None = None,
+    ) -> str:
+        """Continue ``prompt`` by ``n`` tokens (seeded: the same text for the same checkpoint).
+
+        Returns the prompt and its continuation; ``on_text`` also receives the continuation piece
+        by piece as it is generated (whole characters only). ``prompt`` must encode to at least one
+        token (see :meth:`sample_prompt`).
+        """
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError(f"the sample prompt {prompt!r} encodes to no tokens")
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, P)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
-        out = self.raw_model.generate(idx, n, temperature=temperature, top_k=top_k, generator=gen)  # (1, P + n)
-        return self.tokenizer.decode(out[0].tolist())
+        decoder, pieces = StreamDecoder(self.tokenizer), [prompt]
+        for token in self.raw_model.stream(idx, n, temperature=temperature, top_k=top_k, generator=gen):  # (1,)
+            pieces.append(decoder.push(int(token[0])))
+            if on_text is not None and pieces[-1]:
+                on_text(pieces[-1])
+        pieces.append(decoder.flush())
+        if on_text is not None and pieces[-1]:
+            on_text(pieces[-1])
+        return "".join(pieces)
 
 
 def _no_sync(model: torch.nn.Module) -> Any:

@@ -894,7 +894,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         save_png(view, out)
     n = sum(layer.weights.shape[0] for layer in view.layers)
-    print(f"wrote {out} ({len(view.layers)} rows, {n} heads, {len(view.tokens)} tokens)")
+    rows = len(view.layers)
+    print(f"wrote {out}: {n} attention map{'s' * (n != 1)} in {rows} row{'s' * (rows != 1)}, {len(view.tokens)} tokens")
     if n > 64 and out.suffix.lower() not in (".html", ".htm"):
         print("(a big grid: --layer and --head pick a few panels to see them larger)")
     return 0
