@@ -121,6 +121,37 @@ def test_sample_next_token_support_matches_explicit_filter(k, p, temp, seed):
         assert draws == allowed
 
 
+def _filtered_distribution(logits: torch.Tensor, temp: float, k: int | None, p: float | None) -> torch.Tensor:
+    """The distribution top-k / top-p / temperature sampling draws from, in float64, by hand."""
+    probs = torch.softmax(logits.double() / temp, -1)  # (V,)
+    order = probs.argsort(descending=True).tolist()[: k or len(probs)]
+    kept = probs[order] / probs[order].sum()  # renormalised over the top k
+    out, total = torch.zeros_like(probs), 0.0
+    for tok, q in zip(order, kept.tolist(), strict=True):
+        if p is not None and total >= p:  # the tokens before it already reach p
+            break
+        out[tok] = q
+        total += q
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    ("temp", "k", "p"),
+    [(0.5, None, None), (2.0, None, None), (1.5, 3, None), (1.0, None, 0.7), (0.7, 5, 0.8), (1.3, 6, 0.9)],
+)
+def test_sampled_frequencies_follow_the_filtered_softmax(temp, k, p):
+    """Not just the support: each allowed token comes up as often as the filtered, renormalised
+    softmax says (20,000 draws; the tolerance is about 4 standard deviations)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+    want = _filtered_distribution(logits, temp, k, p)
+    n = 20_000
+    g = torch.Generator().manual_seed(1234)
+    draws = sample_next_token(logits.expand(n, -1), temperature=temp, top_k=k, top_p=p, generator=g)  # (n,)
+    freq = torch.bincount(draws, minlength=len(logits)).double() / n
+    assert set(draws.tolist()) == set(want.nonzero().flatten().tolist())  # every allowed token, nothing else
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
 def test_sampling_frequencies_follow_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     g = torch.Generator().manual_seed(0)
@@ -130,22 +161,25 @@ def test_sampling_frequencies_follow_softmax():
 
 
 def test_eos_stops_rows_and_fills_them(model):
-    idx = torch.randint(0, V, (3, 4))
-    greedy = model.generate(idx, 8, temperature=0)
-    eos = int(greedy[0, 6])  # row 0 emits it at its 3rd new token (other rows maybe later or never)
-    out = model.generate(idx, 8, temperature=0, eos_id=eos)
-    for row in range(3):
-        new = greedy[row, 4:]
-        hits = (new == eos).nonzero()
-        first = int(hits[0]) if len(hits) else None
-        got = out[row, 4:]
-        if first is None:
-            assert torch.equal(got, new[: got.shape[0]])
-        else:
-            assert torch.equal(got[: first + 1], new[: first + 1]) and torch.all(got[first:] == eos)
-    firsts = [(greedy[r, 4:] == eos).nonzero() for r in range(3)]
-    if all(len(f) for f in firsts):  # everybody stopped: output ends at the last stop
-        assert out.shape[1] == 4 + max(int(f[0]) for f in firsts) + 1
+    """Each row follows greedy decoding up to its first eos, then holds eos; generation ends as
+    soon as every row has stopped, and runs to max_new_tokens while one has not."""
+    cands = torch.randint(0, V, (64, 4), generator=torch.Generator().manual_seed(0))
+    greedy = model.generate(cands, 8, temperature=0)[:, 4:]  # (64, 8) new tokens
+    eos = int(greedy[0, 2])  # candidate 0 emits it by its 3rd new token
+    first = {r: int((greedy[r] == eos).nonzero()[0]) for r in range(64) if (greedy[r] == eos).any()}
+    never = [r for r in range(64) if r not in first]
+    late = max((r for r in first if first[r] < 7), key=first.get)  # stops, but before the last token
+    assert first[late] > first[0] and never, "the seeded candidates no longer cover the cases"
+
+    def check(rows: list[int]) -> torch.Tensor:
+        out = model.generate(cands[rows], 8, temperature=0, eos_id=eos)[:, 4:]
+        for got, r in zip(out, rows, strict=True):
+            stop = first.get(r, 8)
+            assert torch.equal(got[: stop + 1], greedy[r, : stop + 1]) and torch.all(got[stop:] == eos)
+        return out
+
+    assert check([0, late]).shape[1] == first[late] + 1  # everybody stopped: ends at the last stop
+    assert check([0, never[0]]).shape[1] == 8  # one row never stops: all 8 new tokens
 
 
 def test_stream_yields_the_generate_tokens_and_checks_eagerly(model):

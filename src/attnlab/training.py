@@ -676,7 +676,8 @@ class Trainer:
             f"context {self.model_config.context_length}, tokenizer {self.tokenizer.name} "
             f"(vocab {self.tokenizer.vocab_size}), data {cfg.data or 'built-in corpus (Python docs)'} "
             f"({len(self.train_batches.tokens):,} train / {len(self.val_batches.tokens):,} val tokens), "
-            f"batch {cfg.batch_size} x {self.model_config.context_length} tokens, {d.world_size} process(es) "
+            f"batch {cfg.batch_size} x {self.model_config.context_length} tokens ({self.train_batches.batch_size} "
+            f"per process x {cfg.grad_accum} micro-step(s)), {d.world_size} process(es) "
             f"on {self.device}, out {self.out}"
         )
         if self.step >= cfg.max_steps:
