@@ -215,7 +215,9 @@ def stream(
     """Yield each new token batch ``(B,)`` (int64) as soon as it is sampled.
 
     Arguments as :func:`generate`. The arguments are checked when ``stream`` is called, not at
-    the first ``next()``. The model is in eval mode while the iterator runs.
+    the first ``next()``. The model is in eval mode while the iterator runs: its training mode
+    comes back when the iterator is exhausted or closed (``it.close()``, or the iterator is
+    garbage-collected), so close one you stop reading early before training again.
     """
     mask = _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, attention_mask)
     out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
