@@ -393,6 +393,8 @@ def test_window_errors():
         TokenWindowDataset(torch.zeros(2, 5, dtype=torch.long), 2, 1)
     with pytest.raises(TypeError, match="integer"):
         TokenWindowDataset(torch.zeros(10), 2, 1)
+    with pytest.raises(TypeError, match="not uint64"):
+        TokenWindowDataset(np.array([1, 2**63 + 5, 3], dtype=np.uint64), 1, 1)
     # Lists were converted with torch.tensor(..., dtype=long): floats truncated, nesting flattened.
     for bad, what in (([1, 2.7, 3], "2.7 at index 1"), ([[1, 2], [3, 4]], r"\[1, 2\] at index 0"), ([4, -1], "-1")):
         with pytest.raises(TypeError, match=f"flat list of non-negative int ids, got {what}"):

@@ -401,7 +401,8 @@ Q, K, V = rand(2, 3, 4), rand(2, 5, 4), rand(2, 5, 6)
         ({"key": K.double()}, TypeError, "query and key must have the same dtype"),
         ({"value": V.half()}, TypeError, "query and value must have the same dtype"),
         ({"key": rand(2, 5, 3)}, ValueError, "query and key must have the same last dimension"),
-        ({"value": rand(2, 4, 6)}, ValueError, "key and value must agree"),
+        ({"value": rand(2, 4, 6)}, ValueError, "key and value must have the same number of positions"),
+        ({"value": rand(3, 5, 6)}, ValueError, r"key \(2, 5, 4\) and value \(3, 5, 6\) have batch dimensions"),
         ({"key": rand(3, 5, 4), "value": rand(3, 5, 6)}, ValueError, "batch dimensions"),
         ({"attn_mask": torch.ones(3, 4, dtype=torch.bool)}, ValueError, r"attn_mask of shape \(3, 4\)"),
         ({"attn_mask": torch.ones(3, 2, 3, 5, dtype=torch.bool)}, ValueError, "attn_mask of shape"),
@@ -491,3 +492,20 @@ def test_any_finite_scale_matches_torch(scale, backend):
     q, k, v = rand(2, 4, 8, seed=4), rand(2, 6, 8, seed=5), rand(2, 6, 8, seed=6)
     want = F.scaled_dot_product_attention(q, k, v, scale=scale)
     torch.testing.assert_close(sdpa(q, k, v, scale=scale, backend=backend), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize(
+    ("k_shape", "v_shape", "gqa"),
+    [
+        ((2, 3, 5, 8), (1, 3, 5, 6), False),  # value broadcast over the batch
+        ((1, 3, 5, 8), (2, 3, 5, 6), False),  # key broadcast over the batch
+        ((2, 2, 5, 8), (1, 2, 5, 6), True),  # grouped heads, value broadcast over the batch
+    ],
+)
+def test_key_and_value_batches_broadcast_as_in_torch(backend, k_shape, v_shape, gqa):
+    hq = 4 if gqa else 3
+    q, k, v = rand(2, hq, 5, 8, seed=7), rand(*k_shape, seed=8), rand(*v_shape, seed=9)  # L == S: one causal mask
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    got = sdpa(q, k, v, is_causal=True, enable_gqa=gqa, backend=backend)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

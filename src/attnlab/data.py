@@ -392,8 +392,9 @@ def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name} must hold integer ids, got dtype {tokens.dtype}")
+        if not np.issubdtype(tokens.dtype, np.integer) or tokens.dtype == np.uint64:
+            # uint64 ids past 2**63 would wrap to negative int64 ones when read as tensors.
+            raise TypeError(f"{name} must hold integer ids of at most 63 bits (not uint64), got dtype {tokens.dtype}")
         return tokens
     if isinstance(tokens, (list, tuple)):
         for i, t in enumerate(tokens):

@@ -168,10 +168,15 @@ def _validate(
             f"query and key must have the same last dimension E, got query {tuple(query.shape)} "
             f"and key {tuple(key.shape)}"
         )
-    if key.shape[:-1] != value.shape[:-1]:
+    if key.shape[-2] != value.shape[-2]:
         raise ValueError(
-            f"key and value must agree on every dimension but the last, got key {tuple(key.shape)} "
+            f"key and value must have the same number of positions S (dim -2), got key {tuple(key.shape)} "
             f"and value {tuple(value.shape)}"
+        )
+    kv_batch = _broadcast(tuple(key.shape[:-2]), tuple(value.shape[:-2]))  # as torch, they may broadcast
+    if kv_batch is None:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} have batch dimensions that do not broadcast"
         )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -183,20 +188,20 @@ def _validate(
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
-    key_batch = key.shape[:-2]
+    key_batch = kv_batch
     if enable_gqa and query.dim() >= 3 and key.dim() < 3:
         # Grouping works on dim -3 (the heads); a 2-D key has none to group.
         raise ValueError(
             f"with enable_gqa=True key needs a heads dimension (..., Hkv, S, E), got key {tuple(key.shape)}"
         )
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        hq, hkv = query.shape[-3], key.shape[-3]
+    if enable_gqa and query.dim() >= 3 and kv_batch[-1] != query.shape[-3]:
+        hq, hkv = query.shape[-3], kv_batch[-1]
         if hkv == 0 or hq % hkv != 0:
             raise ValueError(
                 f"with enable_gqa=True the query heads ({hq}, dim -3 of query) must be a multiple "
                 f"of the key/value heads ({hkv}, dim -3 of key)"
             )
-        key_batch = (*key.shape[:-3], hq)
+        key_batch = (*kv_batch[:-1], hq)
     batch = _broadcast(tuple(query.shape[:-2]), tuple(key_batch))
     if batch is None:
         hint = " (set enable_gqa=True for grouped-query attention)" if query.dim() >= 3 else ""
@@ -273,12 +278,19 @@ def _row_has_key(mask: Tensor) -> Tensor:
 
 
 def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
-    """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path."""
-    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        groups = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(groups, dim=-3)  # (..., Hq, S, E)
-        value = value.repeat_interleave(groups, dim=-3)  # (..., Hq, S, Ev)
-    return key, value
+    """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path.
+
+    A heads dimension of 1 is left to broadcast."""
+    if not (enable_gqa and query.dim() >= 3):
+        return key, value
+    hq = query.shape[-3]
+
+    def expand(t: Tensor) -> Tensor:
+        if t.dim() < 3 or t.shape[-3] in (hq, 1):
+            return t
+        return t.repeat_interleave(hq // t.shape[-3], dim=-3)  # (..., Hq, S, E)
+
+    return expand(key), expand(value)
 
 
 def _masked_scores(query: Tensor, key: Tensor, mask: Tensor | None, scale: float) -> Tensor:
@@ -359,7 +371,7 @@ def scaled_dot_product_attention(
     Args:
         query: ``(..., L, E)``; with ``enable_gqa`` ``(..., Hq, L, E)``.
         key: ``(..., S, E)``; with ``enable_gqa`` ``(..., Hkv, S, E)``, ``Hq % Hkv == 0``.
-        value: ``(..., S, Ev)``.
+        value: ``(..., S, Ev)``. The batch dimensions ``...`` of the three broadcast, as in torch.
         attn_mask: broadcastable to ``(..., L, S)``. Bool: ``True`` = may attend. Float: added to the
             scores (same dtype as ``query``; ``-inf`` masks, NaN and ``+inf`` are refused).
         dropout_p: dropout on the attention weights, applied whenever > 0 (as in torch: pass 0.0
