@@ -10,6 +10,7 @@ from pathlib import Path
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GPT2_BPE_DIR = SHARED_DATA / "gpt2"  # encoder.json + vocab.bpe: tiktoken's gpt2 encoding, offline
+SEEDS = SHARED_DATA.parent / "seeds"  # the tutorials' texts, where their printed numbers come from
 
 
 def gpt2_bpe_missing() -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import io
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 from attnlab import cli, explain
 from attnlab.explain import LESSONS, run_lesson
+from shared_data import SEEDS
 from tutorial_numbers import (
     BATCHED,
     CAUSAL_CONTEXT_PRINTED,
@@ -59,8 +59,6 @@ from tutorial_numbers import (
     WRAPPER_ROWS,
     Z_1,
 )
-
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 
 # --------------------------------------------------------------------------------------------

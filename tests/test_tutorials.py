@@ -34,6 +34,7 @@ from attnlab import (
 )
 from attnlab import tutorial_code as tc
 from attnlab.functional import attention_scores
+from shared_data import SEEDS
 
 # "Your journey starts with one step", as typed in the tutorial.
 INPUTS = torch.tensor(
@@ -670,3 +671,15 @@ with torch.no_grad():
 print(contextual_embeddings.shape)
 """
     assert_prints(code, ns, "torch.Size([20, 100, 768])\ntorch.Size([40, 80, 1536])")
+
+
+def test_every_number_written_here_is_printed_by_the_tutorials():
+    """The expected values in this file are copied from the tutorials' text: each 4-decimal
+    number in it must appear there (a typo, or a number produced by our own code, would not)."""
+    if not SEEDS.is_dir():
+        pytest.skip(f"the tutorials' texts are not at {SEEDS}")
+    tutorials = "\n".join(p.read_text(encoding="utf-8") for p in sorted(SEEDS.glob("*.txt")))
+    with open(__file__, encoding="utf-8") as f:
+        numbers = set(re.findall(r"(?<![\w.])-?\d+\.\d{4}(?!\d)", f.read()))
+    assert len(numbers) > 100  # the pattern finds the expected tensors
+    assert not sorted(n for n in numbers if n not in tutorials)
