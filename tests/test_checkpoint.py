@@ -138,6 +138,15 @@ def test_pointer_outside_the_training_directory_is_refused(tmp_path: Path) -> No
             load_checkpoint(tmp_path / "run")
 
 
+def test_a_symlinked_checkpoints_directory_still_loads(tmp_path: Path) -> None:
+    # checkpoints/ on another disk through a symlink: the pointer stays inside, its target does not.
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    save_checkpoint(tmp_path / "run", step=np.int64(2), model=small_model(), optimizer=None, metadata={})
+    assert load_checkpoint(tmp_path / "run").step == 2
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
 def test_a_step_load_checkpoint_would_refuse_is_not_saved(tmp_path: Path, step) -> None:
     with pytest.raises(ValueError, match="step must be a non-negative int"):

@@ -236,14 +236,17 @@ def test_bad_generate_arguments(model, kwargs, err, match):
         (torch.randn(2, 10), dict(top_k=-1), "top_k"),
         (torch.randn(2, 10), dict(top_p=0.0), "top_p"),
         (torch.randn(2, 10), dict(temperature=-1.0), "temperature"),
-        (torch.randn(10), {}, r"logits must be a float tensor \(B, V\), got torch.float32 of shape \(10,\)"),
-        (torch.randint(0, 5, (2, 10)), {}, "logits must be a float tensor"),
-        (torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), {}, "no finite value"),
+        (torch.randn(10), {}, r"logits must have shape \(B, V\); for one row use logits\[None\]; got \(10,\)"),
+        (torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), {}, "a finite value in every row"),
+        (torch.tensor([[0.0, float("inf")]]), {}, "must be finite or -inf"),
+        (torch.tensor([[0.0, float("nan")]]), {}, "must be finite or -inf"),
     ],
 )
 def test_bad_sample_next_token_arguments(logits, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sample_next_token(logits, **kwargs)
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        sample_next_token(torch.randint(0, 5, (2, 10)))
 
 
 def test_tiny_temperature_is_greedy_not_nan(model):

@@ -257,3 +257,12 @@ def test_stream_decoder_gpt2_pieces(gpt2) -> None:
     dec = StreamDecoder(tok)
     pieces = [dec.push(i) for i in tok.encode(text)] + [dec.flush()]
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 255), max_size=40))
+def test_stream_decoder_joins_to_the_one_shot_decode_even_for_invalid_utf8(ids: list[int]) -> None:
+    # Byte soup (what an untrained byte model emits): the stream must still say what decode() says.
+    tok = ByteTokenizer()
+    dec = StreamDecoder(tok)
+    assert "".join([dec.push(i) for i in ids] + [dec.flush()]) == tok.decode(ids)

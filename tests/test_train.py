@@ -376,6 +376,16 @@ def test_resume_from_another_directory_and_refuse_changed_data(tmp_path: Path, m
     monkeypatch.chdir(tmp_path / "a")
     Trainer(TrainConfig(data="text.txt", out="run", max_steps=2, **base)).fit()
     assert load_checkpoint("run").metadata["train_config"]["data"] == str(text.resolve())
+    # A checkpoint written before paths were absolute and the data hashed still resumes, and is
+    # then written with both.
+    meta_path = tmp_path / "a" / "run" / "checkpoints" / "step-00000002" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["train_config"]["data"] = "text.txt"
+    del meta["data"]["sha256"]
+    meta_path.write_text(json.dumps(meta))
+    Trainer(TrainConfig(out="run", resume=True, max_steps=3, **base)).fit()
+    assert load_checkpoint("run").metadata["train_config"]["data"] == str(text.resolve())
+    assert load_checkpoint("run").metadata["data"]["sha256"]
 
     monkeypatch.chdir(tmp_path / "b")
     run = str(tmp_path / "a" / "run")

@@ -8,10 +8,8 @@ The names below are imported on first use (PEP 562), so ``import attnlab`` and t
 ``--help`` do not pay for importing torch, and the CLI can hold Ctrl-C back while torch loads.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -36,17 +34,17 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
-    module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+    module = _importlib.import_module(f".{_EXPORTS[name]}", __name__)
     value = module if name == _EXPORTS[name] else getattr(module, name)
     globals()[name] = value  # the next lookup is a plain attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted(__all__)
 
 
 if TYPE_CHECKING:  # what IDEs and type checkers see

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import _check_attn_mask, _check_float_tensor, scaled_dot_product_attention
+from .functional import _attention, _check_attn_mask, _check_float_tensor, scaled_dot_product_attention
 
 __all__ = [
     "CausalAttention",
@@ -564,7 +564,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
         p = self.dropout.p if self.training else 0.0
-        result = scaled_dot_product_attention(
+        result = _attention(
             q,
             k,
             v,
@@ -573,6 +573,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             is_causal=self.causal and context is None,
             enable_gqa=self.num_kv_heads != self.num_heads,
             return_weights=return_weights,
+            check_mask_values=False,  # _combine_masks read the user's mask already (one sync, not two)
         )
         out, weights = result if return_weights else (result, None)
         out = self.out_proj(out.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)

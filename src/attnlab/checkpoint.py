@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import io
+import numbers
 import os
 import random
 import re
@@ -157,8 +158,9 @@ def save_checkpoint(
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    if not _is_int(step) or step < 0:  # what load_checkpoint will demand of it
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # as load_checkpoint demands
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    step = int(step)  # e.g. a numpy integer
     out = Path(out_dir)
     ckpts = out / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -261,10 +263,13 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     if (p / CHECKPOINT_NAME).exists():
         return p
     if (p / LATEST_NAME).exists():
-        target = (p / _read_latest(p)["path"]).resolve()
-        if not target.is_relative_to(p.resolve()):
-            # attnlab only ever writes checkpoints/step-N here; anything else is a tampered pointer.
-            raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {target}, outside {p}")
+        pointer = _read_latest(p)["path"]
+        # attnlab only ever writes a relative "checkpoints/step-N" here; an absolute path or ".."
+        # is a hand-edited or tampered pointer. (The string is checked, not the resolved path:
+        # checkpoints/ may well be a symlink to another disk.)
+        if Path(pointer).is_absolute() or ".." in Path(pointer).parts:
+            raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {pointer!r}, outside {p}")
+        target = (p / pointer).resolve()
         if not (target / CHECKPOINT_NAME).exists():
             raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {target}, which holds no {CHECKPOINT_NAME}")
         return target

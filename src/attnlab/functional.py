@@ -156,8 +156,12 @@ def _validate(
     is_causal: object,
     scale: object,
     enable_gqa: bool,
+    check_mask_values: bool = True,
 ) -> tuple[int, ...]:
-    """Raise a clear error for bad input; return the broadcast batch shape of the scores."""
+    """Raise a clear error for bad input; return the broadcast batch shape of the scores.
+
+    ``check_mask_values=False`` skips reading a float mask's values (NaN/+inf), for callers that
+    checked the user's mask already: the check costs a pass over the mask and a host sync."""
     _check_float_tensor("query", query, 2)
     _check_float_tensor("key", key, 2)
     _check_float_tensor("value", value, 2)
@@ -211,7 +215,14 @@ def _validate(
 
     if attn_mask is not None:
         target = (*batch, query.shape[-2], key.shape[-2])
-        _check_attn_mask(attn_mask, device=query.device, dtype=query.dtype, target=target, input_name="query")
+        _check_attn_mask(
+            attn_mask,
+            device=query.device,
+            dtype=query.dtype,
+            target=target,
+            input_name="query",
+            check_values=check_mask_values,
+        )
     return tuple(batch)
 
 
@@ -223,6 +234,7 @@ def _check_attn_mask(
     target: tuple[int, ...],
     input_name: str,
     any_float_dtype: bool = False,
+    check_values: bool = True,
 ) -> None:
     """``attn_mask`` must be a bool or float tensor on ``device``, broadcastable to ``target``; a
     float one must have ``dtype`` (unless ``any_float_dtype``: under autocast it is cast later)."""
@@ -238,7 +250,7 @@ def _check_attn_mask(
     if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not any_float_dtype:
         raise TypeError(f"a float attn_mask must have the dtype of {input_name} ({dtype}), got {attn_mask.dtype}")
     _broadcast_shape("attn_mask", tuple(attn_mask.shape), target)
-    if attn_mask.is_floating_point() and _can_read_values(attn_mask):
+    if check_values and attn_mask.is_floating_point() and _can_read_values(attn_mask):
         # NaN or +inf added to a score makes its whole row NaN; -inf is the one way to mask.
         bad = int((torch.isnan(attn_mask) | (attn_mask == float("inf"))).sum())  # one host sync
         if bad:
@@ -392,11 +404,40 @@ def scaled_dot_product_attention(
     Returns:
         ``(..., L, Ev)``, or ``(output, weights)`` when ``return_weights=True``.
     """
+    return _attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa=enable_gqa,
+        return_weights=return_weights,
+        backend=backend,
+    )
+
+
+def _attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    backend: Backend = "auto",
+    check_mask_values: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`scaled_dot_product_attention`; ``check_mask_values`` as in :func:`_validate`."""
     if backend not in ("auto", "fused", "reference"):
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
     if return_weights and backend == "fused":
         raise ValueError("return_weights=True needs the reference backend: the fused kernel never forms the weights")
-    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, check_mask_values)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     L, S = query.shape[-2], key.shape[-2]
     if is_causal and L == 1:

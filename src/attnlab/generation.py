@@ -53,12 +53,17 @@ def sample_next_token(
     reaches ``top_p`` (nucleus sampling), and sampled with ``generator``. Every row needs at least
     one finite logit.
     """
-    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() != 2:
-        got = f"{logits.dtype} of shape {tuple(logits.shape)}" if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a float tensor (B, V), got {got}")
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise TypeError(f"logits must be a float tensor (B, V), got {got}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape (B, V); for one row use logits[None]; got {tuple(logits.shape)}")
     _check_sampling(temperature, top_k, top_p)
-    if logits.numel() and not bool(torch.isfinite(logits).any(dim=-1).all()):
-        raise ValueError("logits has a row with no finite value: there is no token to pick")
+    # One sync: NaN or +inf anywhere, or a row with no finite logit, leaves no distribution.
+    if logits.numel() and bool(
+        torch.isnan(logits).any() | torch.isposinf(logits).any() | ~torch.isfinite(logits).any(-1).all()
+    ):
+        raise ValueError("logits must be finite or -inf, with a finite value in every row: there is no token to pick")
     return _sample(logits, temperature, top_k, top_p, generator)
 
 

@@ -21,7 +21,9 @@ object; ``from_pretrained`` needs only ``huggingface_hub`` (and safetensors).
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,6 +75,16 @@ def _split_hf_input(obj: Any) -> tuple[dict[str, Tensor], Any]:
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
+def _warn_caller(message: str) -> None:
+    """A UserWarning attributed to the first caller outside attnlab (GPT.from_hf_gpt2 or the
+    function itself may be the entry point, so a fixed stacklevel would point into attnlab)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
 def _config_from_hf(
     state: dict[str, Tensor], hf_config: Any, n_heads: int | None, drop_rate: float | None
 ) -> GPTConfig:
@@ -110,10 +122,9 @@ def _config_from_hf(
             drop_rate = float(getattr(hf_config, "resid_pdrop", 0.1))
             rates = {k: getattr(hf_config, k, drop_rate) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
             if len(set(rates.values())) > 1:
-                warnings.warn(
+                _warn_caller(
                     f"attnlab's GPT has one dropout rate; the Hugging Face config has {rates}, so "
-                    f"drop_rate={drop_rate} (resid_pdrop) is used everywhere; pass drop_rate=... to choose",
-                    stacklevel=3,
+                    f"drop_rate={drop_rate} (resid_pdrop) is used everywhere; pass drop_rate=... to choose"
                 )
     if n_heads is None:
         # A bare state dict does not record the head count; every published GPT-2 uses 64-wide heads.
@@ -123,11 +134,10 @@ def _config_from_hf(
                 f"head width 64); pass n_heads=..."
             )
         n_heads = emb_dim // 64
-        warnings.warn(
+        _warn_caller(
             f"a bare state dict does not record the head count: assuming n_heads={n_heads} (64-wide heads, as in "
             "every published GPT-2); pass n_heads=... or hf_config=... if this model differs, or its logits will be "
-            "wrong",
-            stacklevel=3,
+            "wrong"
         )
     lm_head = state.get("lm_head.weight")
     tied = (

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -149,6 +150,12 @@ class Tokenizer:
         """Ids (a list, 1-D tensor or 1-D array) -> text."""
         raise NotImplementedError
 
+    def decode_bytes(self, ids: Sequence[int] | Tensor | np.ndarray) -> bytes:
+        """Ids -> the UTF-8 bytes they stand for; ``decode`` is these bytes decoded with
+        ``errors="replace"``. (A token may hold part of a character, so bytes are what a stream
+        of tokens can be cut into.)"""
+        return self.decode(ids).encode("utf-8", "surrogatepass")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able description that :func:`tokenizer_from_dict` rebuilds this tokenizer from."""
         raise NotImplementedError
@@ -202,7 +209,10 @@ class ByteTokenizer(Tokenizer):
         return list(self.encode_array(text).tobytes())
 
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
-        return bytes(_ids_to_list(ids, 256)).decode("utf-8", errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int] | Tensor | np.ndarray) -> bytes:
+        return bytes(_ids_to_list(ids, 256))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": "byte"}
@@ -416,6 +426,9 @@ class GPT2Tokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
         return self._enc.decode(_ids_to_list(ids, self.vocab_size), errors="replace")
 
+    def decode_bytes(self, ids: Sequence[int] | Tensor | np.ndarray) -> bytes:
+        return self._enc.decode_bytes(_ids_to_list(ids, self.vocab_size))
+
     def split_point(self, text: str) -> int:
         for pattern in _GPT2_CUTS:
             # Look at a growing tail: the last cut is almost always near the end of the text.
@@ -487,12 +500,12 @@ def get_tokenizer(
 
 
 class StreamDecoder:
-    """Turns tokens into text increments, holding back an incomplete UTF-8 sequence.
+    """Turns tokens into text increments that join to exactly ``tokenizer.decode(all tokens)``.
 
     A multi-byte character may arrive as several byte tokens (``byte`` tokenizer) or BPE pieces;
-    decoded alone its first part would print as U+FFFD. So tokens are buffered while their text
-    ends in an incomplete sequence (at most 4 tokens: the longest UTF-8 character). All three
-    tokenizers decode by concatenation, so decoding the buffer alone gives the right text::
+    decoded alone its first part would print as U+FFFD. So the tokens' bytes go through an
+    incremental UTF-8 decoder, which holds back an incomplete character until its last byte
+    comes (and replaces invalid bytes exactly as a one-shot decode does)::
 
         dec = StreamDecoder(tokenizer)
         for tok in model.stream(idx, 100):
@@ -502,22 +515,17 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
-        self.pending: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
         """Add one token id; return the text that is now complete ('' while a character is split)."""
-        self.pending.append(token)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 4:
-            return ""
-        self.pending = []
-        return text
+        if isinstance(self.tok, CharTokenizer):  # one whole character per token (lone surrogates too)
+            return self.tok.decode([token])
+        return self._utf8.decode(self.tok.decode_bytes([token]))
 
     def flush(self) -> str:
-        """The text of the tokens still held back (at the end of a stream)."""
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
+        """The text of the bytes still held back (at the end of a stream)."""
+        return self._utf8.decode(b"", final=True)
 
 
 def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | None = None) -> Tokenizer:

@@ -382,7 +382,6 @@ class Trainer:
         resume, every other setting comes from the checkpoint; None means "those that differ
         from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
         config.validate()
-        config = dataclasses.replace(config, data=absolute_path(config.data), bpe_dir=absolute_path(config.bpe_dir))
         self.dist = _dist_from_env()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
@@ -396,6 +395,8 @@ class Trainer:
                 raise ValueError(f"the checkpoint in {self.out} has no valid 'train_config' entry")
             config = config.resumed(saved, given, source=f"the checkpoint in {self.out}")
             config.validate()
+        # After resumed(): a checkpoint from before paths were recorded absolute gets them too.
+        config = dataclasses.replace(config, data=absolute_path(config.data), bpe_dir=absolute_path(config.bpe_dir))
         self.cfg = config
         self.device = resolve_device(config.device, self.dist.local_rank)
         self._owns_process_group = False
@@ -461,12 +462,14 @@ class Trainer:
             self.data_sha256 = sha256_file(check_text_file(cfg.data))
         saved_sha256 = ckpt.metadata.get("data", {}).get("sha256") if ckpt is not None else None
         if saved_sha256 is not None and saved_sha256 != self.data_sha256:
-            what = f"data file {cfg.data}" if cfg.data else "built-in corpus (this Python's documentation)"
-            raise ValueError(
-                f"the {what} has changed since the checkpoint in {self.out} was written (SHA-256 "
-                f"{saved_sha256[:12]}... then, {self.data_sha256[:12]}... now); a resumed run must see the same "
-                "text: restore it, or start a new --out"
-            )
+            sums = f"SHA-256 {saved_sha256[:12]}... then, {self.data_sha256[:12]}... now"
+            if cfg.data:
+                why = f"the data file {cfg.data} has changed since the checkpoint in {self.out} was written ({sums})"
+                fix = "restore it, or start a new --out"
+            else:  # pydoc_data.topics differs between Python releases
+                why = f"the built-in corpus (this Python's documentation) differs from the checkpoint's ({sums})"
+                fix = f"resume with the Python {self.out} was trained with, or start a new --out"
+            raise ValueError(f"{why}; a resumed run must see the same text: {fix}")
         tokens = tokenize_to_cache(cfg.data, tok, content_hash=self.data_sha256 if cfg.data else None)
         train_tokens, val_tokens = train_val_split(tokens, cfg.val_fraction)
 
@@ -757,14 +760,19 @@ class Trainer:
         )
 
     def sample_prompt(self, prompt: str) -> str:
-        """``prompt`` if the tokenizer can encode it, else the first character of the validation
-        text (a char vocabulary may lack the default prompt's letters), so a sample always runs."""
+        """``prompt`` if the tokenizer can encode it, else the first token of the validation text
+        that is text of its own (a char vocabulary may lack the default prompt's letters; a byte
+        may be part of a character), so a sample always runs."""
         try:
             if self.tokenizer.encode(prompt):
                 return prompt
         except (ValueError, KeyError):
             pass
-        return self.tokenizer.decode([int(self.val_batches.tokens[0])])
+        for token in self.val_batches.tokens[:1024].tolist():
+            text = self.tokenizer.decode([token])
+            if self.tokenizer.encode(text) == [token]:
+                return text
+        raise ValueError(f"the tokenizer cannot encode the sample prompt {prompt!r}; pass one it can")
 
     @torch.no_grad()
     def sample(
@@ -787,15 +795,14 @@ class Trainer:
             raise ValueError(f"the sample prompt {prompt!r} encodes to no tokens")
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, P)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
-        decoder, pieces = StreamDecoder(self.tokenizer), [prompt]
+        decoder = StreamDecoder(self.tokenizer)
         for token in self.raw_model.stream(idx, n, temperature=temperature, top_k=top_k, generator=gen):  # (1,)
-            pieces.append(decoder.push(int(token[0])))
-            if on_text is not None and pieces[-1]:
-                on_text(pieces[-1])
-        pieces.append(decoder.flush())
-        if on_text is not None and pieces[-1]:
-            on_text(pieces[-1])
-        return "".join(pieces)
+            ids.append(int(token[0]))
+            if on_text is not None and (piece := decoder.push(ids[-1])):
+                on_text(piece)
+        if on_text is not None and (piece := decoder.flush()):
+            on_text(piece)
+        return self.tokenizer.decode(ids)
 
 
 def _no_sync(model: torch.nn.Module) -> Any:
