@@ -689,8 +689,10 @@ class GPT(nn.Module):
     ) -> Iterator[Tensor]:
         """Like :meth:`generate`, but yields each new ``(B,)`` batch of token ids as soon as it exists::
 
+        dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
         for tok in model.stream(idx, 100, temperature=0.8, top_k=40):
-            print(tokenizer.decode([int(tok[0])]), end="", flush=True)
+            print(dec.push(int(tok[0])), end="", flush=True)
+        print(dec.flush())
         """
         from .generation import stream
 
