@@ -50,10 +50,15 @@ def _faults_per_page(mode: str) -> float:
 
 @pytest.mark.skipif(not GLIBC, reason="the tuning applies to Linux with glibc only")
 def test_tuned_glibc_reuses_freed_memory_instead_of_faulting_it_in_again():
-    untuned, tuned = _faults_per_page("default"), _faults_per_page("tuned")
+    untuned = _faults_per_page("default")
     # The control shows the probe can tell: by default each round maps 64 MiB in afresh.
     assert untuned > 0.9, untuned
-    assert tuned < 0.2, tuned  # at most one of the eight rounds faulted in
+    # Outside reclaim (the kernel's DAMON, a loaded host) can only add faults, never remove them,
+    # so the best of up to three probes is what the tuning itself does.
+    tuned = []
+    while len(tuned) < 3 and (not tuned or min(tuned) >= 0.2):
+        tuned.append(_faults_per_page("tuned"))
+    assert min(tuned) < 0.2, tuned  # at most one of the eight rounds faulted in
 
 
 @pytest.mark.parametrize(

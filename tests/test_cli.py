@@ -60,7 +60,9 @@ def test_ctrl_c_while_torch_loads_is_a_quiet_exit():
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert "Traceback" not in err and "Error" not in err, (delay, err)
-        # 130 when interrupted; 2 ("checkpoint not found") only if it finished before the signal came.
-        assert proc.returncode == 130 or (proc.returncode == 2 and "checkpoint not found" in err), (delay, err)
+        # 130 when interrupted. If main() had already finished ("checkpoint not found", status 2), the
+        # signal may still land during interpreter shutdown, which then ends by SIGINT (-2).
+        finished = "checkpoint not found" in err and proc.returncode in (2, -signal.SIGINT)
+        assert proc.returncode == 130 or finished, (delay, proc.returncode, err)
         interrupted += proc.returncode == 130
     assert interrupted, "every run finished before its Ctrl-C: nothing was tested"
