@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attnlab._io import atomic_write_json
-from attnlab.benchmarking import attention_benchmark, format_attention_report, goals_met, positive_int
+from attnlab.files import atomic_write_json
+from attnlab.tools.bench.harness import attention_benchmark, format_attention_report, goals_met, positive_int
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--malloc-tuning",
         action="store_true",
-        help="first tune glibc's malloc as attnlab train does (attnlab.allocator): freed memory is reused "
+        help="first tune glibc's malloc as attnlab train does (attnlab.training.allocator): freed memory is reused "
         "instead of faulted in again; off by default, as a library user's process is",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")

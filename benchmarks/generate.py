@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnlab._io import atomic_write_json
+from attnlab.files import atomic_write_json
 from attnlab.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
 

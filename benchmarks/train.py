@@ -4,7 +4,7 @@ Times the trainer's own optimizer step (batch fetch, forward, cross-entropy, bac
 clipping, AdamW) on the given preset and batch, and, interleaved with it (so that load from other
 processes hits both alike), a square float32 matrix product: the machine's own achievable matmul
 rate. MFU is the model's useful FLOP rate divided by that rate. Like ``attnlab train``, it first
-tunes glibc's malloc to keep freed memory (:mod:`attnlab.allocator`; ``--no-malloc-tuning`` to
+tunes glibc's malloc to keep freed memory (:mod:`attnlab.training.allocator`; ``--no-malloc-tuning`` to
 measure without) and reports the minor page faults per step either way.
 
 Model FLOPs per optimizer step (the PaLM / nanoGPT convention, stated so the figure can be checked)::
@@ -38,10 +38,10 @@ import time
 
 import torch
 
-from attnlab._io import atomic_write_json
-from attnlab.allocator import tune_cpu_allocator
-from attnlab.benchmarking import minor_page_faults
+from attnlab.files import atomic_write_json
+from attnlab.tools.bench.harness import minor_page_faults
 from attnlab.training import TrainConfig, Trainer
+from attnlab.training.allocator import tune_cpu_allocator
 
 GOAL_MFU = 0.5
 

@@ -1,4 +1,4 @@
-"""attnlab.allocator: glibc keeps freed memory after tuning, counted in page faults (not time)."""
+"""attnlab.training.allocator: glibc keeps freed memory after tuning, counted in page faults (not time)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from attnlab.allocator import tune_cpu_allocator
+from attnlab.training.allocator import tune_cpu_allocator
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
@@ -22,7 +22,7 @@ _PROBE = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from attnlab.allocator import tune_cpu_allocator
+    from attnlab.training.allocator import tune_cpu_allocator
     if sys.argv[1] == "tuned":
         result = tune_cpu_allocator()
         assert result.applied, result.reason

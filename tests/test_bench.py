@@ -10,7 +10,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from attnlab import causal_mask
-from attnlab.bench import (
+from attnlab.cli import main
+from attnlab.tools.bench import (
     IMPLEMENTATIONS,
     TutorialLoopAttention,
     attention_flops,
@@ -18,8 +19,7 @@ from attnlab.bench import (
     build_impl,
     matmul_rate,
 )
-from attnlab.benchmarking import peak_memory_mb
-from attnlab.cli import main
+from attnlab.tools.bench.harness import peak_memory_mb
 from attnlab.tutorial_code import CausalAttention
 
 
@@ -86,8 +86,8 @@ def test_memory_probe_sees_the_tutorials_quadratic_scores():
     4x the tokens: 3 x H x T^2 floats = 48 MiB at 1024 tokens, 3 MiB at 256."""
     assert build_for_memory("attnlab", 16, 2, 8)(torch.randn(1, 8, 16)).shape == (1, 8, 16)
     kw = {"impl": "tutorial-split", "d_model": 64, "num_heads": 4}
-    small = peak_memory_mb("attnlab.bench:build_for_memory", (1, 256, 64), kwargs={**kw, "context_length": 256})
-    large = peak_memory_mb("attnlab.bench:build_for_memory", (1, 1024, 64), kwargs={**kw, "context_length": 1024})
+    small = peak_memory_mb("attnlab.tools.bench:build_for_memory", (1, 256, 64), kwargs={**kw, "context_length": 256})
+    large = peak_memory_mb("attnlab.tools.bench:build_for_memory", (1, 1024, 64), kwargs={**kw, "context_length": 1024})
     assert large.forward_mb > 30
     assert large.forward_mb > 5 * small.forward_mb
 

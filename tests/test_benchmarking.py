@@ -1,4 +1,4 @@
-"""attnlab.benchmarking: the measuring tools behave (no timing thresholds: performance lives in benchmarks/)."""
+"""attnlab.tools.bench.harness: the measuring tools behave (no timing thresholds: performance lives in benchmarks/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from attnlab import benchmarking as b
+from attnlab.tools.bench import harness as b
 
 KW = {"d_model": 24, "num_heads": 4, "context_length": 16}
 

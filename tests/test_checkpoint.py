@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.checkpoint import (
+from attnlab.model import GPT, GPTConfig
+from attnlab.training.checkpoint import (
     CHECKPOINT_NAME,
     LATEST_NAME,
     OPTIMIZER_NAME,
@@ -26,7 +27,6 @@ from attnlab.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.model import GPT, GPTConfig
 
 
 def small_model(seed: int = 0) -> GPT:
@@ -176,7 +176,7 @@ def test_optimizer_file_is_never_unpickled(tmp_path: Path) -> None:
 
 
 def test_crash_before_the_pointer_switch_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    import attnlab.checkpoint as ckmod
+    import attnlab.training.checkpoint as ckmod
 
     model = small_model()
     save_checkpoint(tmp_path, step=1, model=model, optimizer=None, metadata={"n": 1})
@@ -208,7 +208,7 @@ _DRIVER = textwrap.dedent(
     import os, random, shutil, signal, sys, time
     import torch
     import torch._dynamo  # noqa: F401  (AdamW imports it; once here rather than in every child)
-    from attnlab.checkpoint import save_checkpoint
+    from attnlab.training.checkpoint import save_checkpoint
     from attnlab.model import GPT, GPTConfig
 
     def saver(out, w):
@@ -304,7 +304,7 @@ def _edit_metadata(step_dir: Path, edit) -> None:
     ],
 )
 def test_hand_edited_metadata_is_a_clear_error(tmp_path: Path, edit, named: str) -> None:
-    from attnlab.checkpoint import read_metadata
+    from attnlab.training.checkpoint import read_metadata
 
     step_dir = save_checkpoint(tmp_path, step=1, model=small_model(), optimizer=None, metadata={})
     _edit_metadata(step_dir, edit)
@@ -315,7 +315,7 @@ def test_hand_edited_metadata_is_a_clear_error(tmp_path: Path, edit, named: str)
 
 
 def test_mps_rng_state_travels_when_mps_is_there(monkeypatch) -> None:
-    import attnlab.checkpoint as ckmod
+    import attnlab.training.checkpoint as ckmod
 
     assert get_rng_state()["mps"] is None or ckmod._mps_available()
     gen = torch.Generator().manual_seed(5)

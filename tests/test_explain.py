@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import cli, explain
-from attnlab.explain import LESSONS, run_lesson
+from attnlab import cli
+from attnlab.tools import explain
+from attnlab.tools.explain import LESSONS, run_lesson
 from shared_data import SEEDS
 from tutorial_numbers import (
     BATCHED,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.checkpoint import load_checkpoint
 from attnlab.cli import main
 from attnlab.tokenizers import get_tokenizer
 from attnlab.training import TrainConfig, Trainer
+from attnlab.training.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnlab.cli import main
-from attnlab.info import available_sdpa_kernels
+from attnlab.tools.info import available_sdpa_kernels
 
 
 def test_listed_kernels_run_and_unlisted_ones_do_not():

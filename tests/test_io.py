@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from attnlab._io import atomic_open, atomic_write_bytes, atomic_write_json, atomic_write_text
+from attnlab.files import atomic_open, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 
 def test_writes_replace_the_file_and_leave_nothing_behind(tmp_path):
@@ -47,7 +47,7 @@ def test_missing_directory_and_bad_mode_are_clear_errors(tmp_path):
 
 
 def test_read_json_names_the_file_when_missing_or_corrupt(tmp_path):
-    from attnlab._io import read_json
+    from attnlab.files import read_json
 
     good = tmp_path / "a.json"
     atomic_write_json(good, {"k": 1})

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from attnlab.checkpoint import load_checkpoint
 from attnlab.cli import main
 from attnlab.training import TrainConfig, Trainer, lr_at
+from attnlab.training.checkpoint import load_checkpoint
 
 # A run small enough for a test: the tiny preset on 16-token windows of the built-in corpus.
 SMALL = dict(context_length=16, batch_size=4, eval_batches=2, sample_tokens=0, progress=False)

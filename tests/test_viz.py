@@ -21,7 +21,7 @@ from attnlab import MultiHeadAttention, causal_mask
 from attnlab.cli import main
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer
-from attnlab.viz import (
+from attnlab.tools.viz import (
     AttentionView,
     LayerMaps,
     attention_maps,
@@ -334,7 +334,7 @@ def test_cli_on_a_saved_gpt(tmp_path, capsys):
 
 
 def test_cli_on_a_training_checkpoint(tmp_path):
-    from attnlab.checkpoint import save_checkpoint
+    from attnlab.training.checkpoint import save_checkpoint
 
     model = tiny_gpt(n_layers=2, n_heads=2)
     save_checkpoint(

@@ -20,7 +20,7 @@ import torch
 
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer
-from attnlab.viz import demo_view, model_view, save_html, token_label
+from attnlab.tools.viz import demo_view, model_view, save_html, token_label
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

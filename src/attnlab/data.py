@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab._io import atomic_open, atomic_write_json, sha256_file
+from attnlab.files import atomic_open, atomic_write_json, sha256_file
 from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer, encode_to_tensor
 
 __all__ = [

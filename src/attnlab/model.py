@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._io import atomic_write_bytes, atomic_write_json, read_json
 from .attention import KVCache, MultiHeadAttention, _check_positive_int
+from .files import atomic_write_bytes, atomic_write_json, read_json
 from .functional import _can_read_values
 
 __all__ = [

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab._io import sha256_file
 from attnlab.errors import UserError
+from attnlab.files import sha256_file
 
 __all__ = [
     "GPT2_BPE_ENV",

@@ -25,7 +25,7 @@ micro-step, its own share of the same global batch, so N processes follow the tr
 process (up to float rounding) and a checkpoint written by N processes resumes on any M. Rank 0
 alone prints, writes ``metrics.jsonl`` and writes checkpoints.
 
-Files in the output directory: see :mod:`attnlab.checkpoint`; ``metrics.jsonl`` has one JSON object
+Files in the output directory: see :mod:`attnlab.training.checkpoint`; ``metrics.jsonl`` has one JSON object
 per optimizer step: ``step`` (steps done), ``loss`` (training loss of that step, averaged over the
 global batch), ``lr``, ``tokens_per_s``, ``grad_norm``, and ``val_loss`` on evaluation steps.
 """
@@ -48,8 +48,11 @@ from typing import Any
 
 import torch
 
-from ._io import atomic_write_text, sha256_file
-from .checkpoint import (
+from attnlab.data import builtin_corpus, check_text_file
+from attnlab.files import atomic_write_text, sha256_file
+from attnlab.model import GPT, GPTConfig, lm_loss
+from attnlab.tokenizers import StreamDecoder
+from attnlab.training.checkpoint import (
     _read_latest,
     get_rng_state,
     has_checkpoint,
@@ -58,9 +61,6 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .data import builtin_corpus, check_text_file
-from .model import GPT, GPTConfig, lm_loss
-from .tokenizers import StreamDecoder
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "resolve_device", "train"]
 
@@ -421,8 +421,8 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from .data import RandomWindowBatches, tokenize_to_cache, train_val_split
-        from .tokenizers import get_tokenizer, tokenizer_from_dict
+        from attnlab.data import RandomWindowBatches, tokenize_to_cache, train_val_split
+        from attnlab.tokenizers import get_tokenizer, tokenizer_from_dict
 
         cfg, d = self.cfg, self.dist
         if d.enabled and not torch.distributed.is_initialized():

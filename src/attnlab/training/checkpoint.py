@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._io import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, read_json, sha256_file
+from attnlab.files import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, read_json, sha256_file
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -325,7 +325,7 @@ def load_checkpoint(
     is parsed, so a truncated or corrupt file is reported by name (``ValueError``) rather than
     half-loaded. The model is built from ``config.json`` and put on ``device``.
     """
-    from .model import GPT
+    from attnlab.model import GPT
 
     d = find_checkpoint(path)
     meta = _check_metadata(read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)

@@ -13,13 +13,12 @@ Two sources of attention:
 
 Library use::
 
-    from attnlab.viz import attention_maps, save_png, save_html, AttentionView
+    from attnlab.tools.viz import attention_maps, save_png, save_html, AttentionView
     maps = attention_maps(model, idx)  # [(H, T, T) per attention module]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import html
 import json
@@ -33,9 +32,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from . import attention as _attention
-from ._io import atomic_open, atomic_write_text, read_json
-from .functional import simple_self_attention
+from attnlab import attention as _attention
+from attnlab.files import atomic_open, atomic_write_text, read_json
+from attnlab.functional import simple_self_attention
 
 __all__ = [
     "AttentionView",
@@ -273,7 +272,7 @@ def demo_view() -> AttentionView:
     weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``, two heads). The global RNG is left
     as it was.
     """
-    from .tutorial_code import INPUTS, WORDS
+    from attnlab.tutorial_code import INPUTS, WORDS
 
     x = INPUTS.clone()  # (6, 3)
     T, d_in, d_out = x.shape[0], x.shape[1], 2
@@ -779,14 +778,14 @@ def load_checkpoint(directory: str | os.PathLike, *, bpe_dir: str | None = None)
     """``(model, tokenizer)`` from a checkpoint (safetensors weights + JSON; nothing is unpickled).
 
     Accepts what ``attnlab train --out DIR`` writes (``DIR`` itself, following ``latest.json``, or
-    one of its step directories; verified by :func:`attnlab.checkpoint.load_checkpoint`) and a bare
+    one of its step directories; verified by :func:`attnlab.training.checkpoint.load_checkpoint`) and a bare
     :meth:`attnlab.model.GPT.save` directory with a ``tokenizer.json`` (a ``Tokenizer.to_dict()``
     description) beside the weights.
     """
-    from .checkpoint import CHECKPOINT_NAME, LATEST_NAME
-    from .checkpoint import load_checkpoint as load_training_checkpoint
-    from .model import CONFIG_NAME, GPT
-    from .tokenizers import tokenizer_from_dict
+    from attnlab.model import CONFIG_NAME, GPT
+    from attnlab.tokenizers import tokenizer_from_dict
+    from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME
+    from attnlab.training.checkpoint import load_checkpoint as load_training_checkpoint
 
     d = Path(directory)
     if not d.is_dir():
@@ -824,78 +823,3 @@ def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str 
     if ctx is not None and len(ids) > ctx:
         raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
     return model_view(model, ids, _token_strings(tokenizer, ids), title=prompt, text=prompt)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-def _index_list(text: str) -> list[int]:
-    try:
-        out = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an index or a comma-separated list like 0,2, got {text!r}"
-        ) from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one index")
-    return out
-
-
-SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Show attention weights: heatmaps (PNG/SVG/PDF), an offline HTML viewer, or numbers in the "
-        "terminal. Without --checkpoint: the tutorials' six-word example, 'Your journey starts with "
-        "one step'."
-    )
-    parser.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="a directory written by `attnlab train --out` (or one of its step directories)",
-    )
-    parser.add_argument("--prompt", metavar="TEXT", help="the text whose attention to show (needs --checkpoint)")
-    parser.add_argument(
-        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
-    )
-    parser.add_argument(
-        "--layer", type=_index_list, metavar="N[,N...]", help="layer(s) to show, from 0; -1 is the last (default: all)"
-    )
-    parser.add_argument(
-        "--head", type=_index_list, metavar="N[,N...]", help="head(s) to show, from 0; -1 is the last (default: all)"
-    )
-    parser.add_argument(
-        "--out",
-        metavar="FILE",
-        help="write FILE.png (or .svg/.pdf): a grid of heatmaps; or FILE.html: an interactive page "
-        "that works offline. Without --out the weights are printed.",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.out) if args.out else None
-    if out is not None and out.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {str(out)!r}")
-    if args.checkpoint is None and args.prompt is not None:
-        raise ValueError("--prompt needs --checkpoint DIR (the model to run it through)")
-    if args.checkpoint is not None and not args.prompt:
-        raise ValueError("--checkpoint needs --prompt TEXT (the text whose attention to show)")
-    view = (
-        demo_view() if args.checkpoint is None else load_model_view(args.checkpoint, args.prompt, bpe_dir=args.bpe_dir)
-    )
-    view = view.select(args.layer, args.head)
-    if out is None:
-        print(format_text(view))
-        print("(--out FILE.png draws heatmaps; --out FILE.html writes a page to explore)")
-        return 0
-    if out.suffix.lower() in (".html", ".htm"):
-        save_html(view, out)
-    else:
-        save_png(view, out)
-    n = sum(layer.weights.shape[0] for layer in view.layers)
-    rows = len(view.layers)
-    print(f"wrote {out}: {n} attention map{'s' * (n != 1)} in {rows} row{'s' * (rows != 1)}, {len(view.tokens)} tokens")
-    if n > 64 and out.suffix.lower() not in (".html", ".htm"):
-        print("(a big grid: --layer and --head pick a few panels to see them larger)")
-    return 0

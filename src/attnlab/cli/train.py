@@ -19,8 +19,8 @@ import dataclasses
 import sys
 from typing import Any
 
-from .allocator import tune_cpu_allocator
-from .training import TINY_LR, TrainConfig
+from attnlab.training.allocator import tune_cpu_allocator
+from attnlab.training.trainer import TINY_LR, TrainConfig
 
 _D = TrainConfig()
 
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="on Linux with glibc, keep freed memory in the process for the next step instead of mapping it "
-        "in again page by page (a few %% faster CPU steps; see attnlab.allocator; default: on)",
+        "in again page by page (a few %% faster CPU steps; see attnlab.training.allocator; default: on)",
     )
     g.add_argument(
         "--progress",
@@ -187,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .training import Trainer
+    from attnlab.training.trainer import Trainer
 
     cfg, given = config_from_args(args)
     if args.malloc_tuning:

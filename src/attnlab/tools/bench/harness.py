@@ -293,7 +293,7 @@ class Timing:
     ``threads x wall``; it grows less than wall time when other processes take the cores, so a
     ratio of CPU times is a second, load-resistant view of the same comparison. ``page_faults``:
     the process's minor page faults during each step (where the OS counts them): memory the step
-    had the kernel map in afresh, a cost that depends on the machine (see :mod:`attnlab.allocator`).
+    had the kernel map in afresh, a cost that depends on the machine (see :mod:`attnlab.training.allocator`).
     """
 
     name: str
@@ -594,7 +594,7 @@ def peak_memory_mb(
             "seed": seed,
         }
     )
-    code = "import sys, attnlab.benchmarking as b; b._memory_child(sys.argv[1])"
+    code = "import sys, attnlab.tools.bench.harness as b; b._memory_child(sys.argv[1])"
     proc = subprocess.run(
         [sys.executable, "-c", code, payload],
         capture_output=True,
@@ -659,7 +659,7 @@ def attention_benchmark(
     ``torch.no_grad()`` forward on ``(memory_batch, memory_seq_len, d_model)``, each competitor in
     a fresh subprocess; the tutorial path is skipped (and said so) when the machine lacks the
     memory for its ``num_heads x seq_len^2`` score tensors. ``malloc_tuning`` first applies
-    :func:`attnlab.allocator.tune_cpu_allocator` to this process (for good: it cannot be undone),
+    :func:`attnlab.training.allocator.tune_cpu_allocator` to this process (for good: it cannot be undone),
     as ``attnlab train`` does; the default measures the process as a library user gets it.
 
     Returns a JSON-serialisable dict; :func:`format_attention_report` prints it as tables.
@@ -672,7 +672,7 @@ def attention_benchmark(
         raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model} and num_heads={num_heads}")
     log = log or (lambda msg: None)
     if malloc_tuning:
-        from .allocator import tune_cpu_allocator
+        from attnlab.training.allocator import tune_cpu_allocator
 
         allocator = tune_cpu_allocator().reason
     else:

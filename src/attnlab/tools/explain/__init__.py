@@ -16,7 +16,7 @@ The tutorials:
 
 Use from Python::
 
-    from attnlab.explain import run_lesson
+    from attnlab.tools.explain import run_lesson
     tensors = run_lesson("causal")        # prints, and returns {"weights": ..., ...}
 
 Output fits an 80-column terminal. Lessons run on the CPU (the tutorials' numbers are CPU
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -39,17 +38,17 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from . import tutorial_code as tc
-from .attention import (
+from attnlab import tutorial_code as tc
+from attnlab.attention import (
     CausalAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention_v1,
     SelfAttention_v2,
 )
-from .functional import causal_mask, scaled_dot_product_attention, simple_self_attention
+from attnlab.functional import causal_mask, scaled_dot_product_attention, simple_self_attention
 
-__all__ = ["LESSONS", "Lesson", "Walk", "add_arguments", "gpt2_parameter_counts", "lesson_names", "run", "run_lesson"]
+__all__ = ["LESSONS", "Lesson", "Walk", "gpt2_parameter_counts", "lesson_names", "run_lesson"]
 
 WIDTH = 80  # every printed line fits an 80-column terminal
 _TEXT = WIDTH - 2  # prose is wrapped a little narrower
@@ -1083,7 +1082,7 @@ def lesson_names() -> list[str]:
     return list(LESSONS)
 
 
-def _check_names(names: list[str]) -> list[str]:
+def check_lesson_names(names: list[str]) -> list[str]:
     unknown = [n for n in names if n not in LESSONS]
     if unknown:
         quoted = ", ".join(repr(n) for n in unknown)
@@ -1099,45 +1098,7 @@ def run_lesson(name: str, file: TextIO | None = None) -> dict[str, Tensor]:
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    _check_names([name])
+    check_lesson_names([name])
     walk = Walk(sys.stdout if file is None else file)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), _print_options(precision=4):
         return LESSONS[name].func(walk)
-
-
-def add_arguments(parser) -> None:
-    """Flags of ``attnlab explain``."""
-    parser.add_argument(
-        "--lesson",
-        action="append",
-        metavar="NAME",
-        help="run only this lesson (repeat the flag, or separate names with commas); default: all",
-    )
-    parser.add_argument("--list", action="store_true", help="list the lessons with one line on each")
-
-
-def run(args) -> int:
-    """Run ``attnlab explain``: the chosen lessons (default all, in order), or ``--list``."""
-    if getattr(args, "list", False):
-        width = max(len(n) for n in LESSONS) + 2
-        for lesson in LESSONS.values():
-            lines = textwrap.wrap(lesson.summary, width=WIDTH - width) or [""]
-            print(f"{lesson.name:<{width}}{lines[0]}")
-            for line in lines[1:]:
-                print(" " * width + line)
-        return 0
-    names = [n.strip() for arg in (args.lesson or []) for n in arg.split(",") if n.strip()]
-    names = _check_names(names or lesson_names())  # every name checked before anything prints
-    try:
-        for i, name in enumerate(names):
-            if i:
-                print()
-            run_lesson(name)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # `attnlab explain | head`: the reader left. Point stdout at devnull so that Python's
-        # final flush does not raise again, and end quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
-    return 0

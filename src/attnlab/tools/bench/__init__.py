@@ -8,10 +8,10 @@ What is measured (CPU, float32, dropout 0, every competitor in the same run):
   per-token loop, their matrix form (``CausalAttention``), their stacked-heads wrapper, their
   weight-split ``MultiHeadAttention``, attnlab's ``MultiHeadAttention`` and
   ``torch.nn.MultiheadAttention``; competitors are interleaved (A, B, C, A, B, C, ...) by
-  :func:`attnlab.benchmarking.compare_forward_backward` so load from other processes hits all alike,
+  :func:`attnlab.tools.bench.harness.compare_forward_backward` so load from other processes hits all alike,
   and their outputs are checked to agree before they are timed;
 * **peak memory of one forward against sequence length**, each point in a fresh process
-  (:func:`attnlab.benchmarking.peak_memory_mb`);
+  (:func:`attnlab.tools.bench.harness.peak_memory_mb`);
 * **generation with and without the KV cache** (ms per new token against total length);
 * **a GPT training step** (forward, loss, backward, AdamW) against sequence length.
 
@@ -21,7 +21,6 @@ The report directory holds ``report.md`` (tables), ``results.json`` (every figur
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import gc
 import io
@@ -40,9 +39,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from . import benchmarking as bm
-from ._io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from .benchmarking import positive_int
+from attnlab.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from attnlab.tools.bench import harness as bm
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -106,7 +104,7 @@ def _loop(d_model: int, num_heads: int, context_length: int, dropout: float = 0.
 
 
 def _matrix(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
-    from .tutorial_code import CausalAttention
+    from attnlab.tutorial_code import CausalAttention
 
     return CausalAttention(d_model, d_model, context_length, dropout)
 
@@ -143,7 +141,7 @@ def build_impl(name: str, d_model: int, num_heads: int, context_length: int) -> 
 def build_for_memory(impl: str, d_model: int, num_heads: int, context_length: int) -> nn.Module:
     """Build ``impl`` and run one tiny forward, so the memory child's baseline already includes the
     one-off costs of a first call (kernel libraries paged in, thread pools): the measured peak is
-    then what the long forward itself needs. Used as ``"attnlab.bench:build_for_memory"``."""
+    then what the long forward itself needs. Used as ``"attnlab.tools.bench:build_for_memory"``."""
     module = build_impl(impl, d_model, num_heads, context_length).eval()
     with torch.no_grad():
         module(torch.randn(1, min(8, context_length), d_model))
@@ -301,7 +299,7 @@ def bench_memory(cfg: BenchConfig, log: Callable[[str], None]) -> dict[str, obje
     def one(job: tuple[str, int]) -> tuple[str, int, dict[str, object]]:
         n, T = job
         kwargs = {"impl": n, "d_model": d, "num_heads": H, "context_length": T}
-        r = bm.peak_memory_mb("attnlab.bench:build_for_memory", (cfg.batch, T, d), kwargs=kwargs)
+        r = bm.peak_memory_mb("attnlab.tools.bench:build_for_memory", (cfg.batch, T, d), kwargs=kwargs)
         return n, T, r.to_dict()
 
     results: dict[str, dict[str, object]] = {n: {} for n in IMPLEMENTATIONS}
@@ -322,7 +320,7 @@ def bench_memory(cfg: BenchConfig, log: Callable[[str], None]) -> dict[str, obje
 
 
 def _gpt(cfg: BenchConfig, context_length: int):
-    from .model import GPT, GPTConfig
+    from attnlab.model import GPT, GPTConfig
 
     torch.manual_seed(cfg.seed)
     return GPT(GPTConfig.preset(cfg.model_preset, context_length=context_length, drop_rate=0.0))
@@ -331,7 +329,7 @@ def _gpt(cfg: BenchConfig, context_length: int):
 def bench_generation(cfg: BenchConfig, log: Callable[[str], None]) -> dict[str, object]:
     """Greedy generation from a ``gen_prompt``-token prompt up to each total length, with and
     without the KV cache (interleaved), on the ``model_preset`` GPT."""
-    from .generation import generate
+    from attnlab.generation import generate
 
     model = _gpt(cfg, max(cfg.gen_lens)).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, cfg.gen_prompt), generator=torch.Generator().manual_seed(0))
@@ -773,103 +771,3 @@ def write_report(result: dict, out: str | os.PathLike) -> Path:
         (out / stale).unlink(missing_ok=True)
     atomic_write_text(out / "report.md", format_markdown(result, plots))
     return out / "report.md"
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return sorted(set(values))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Measure the tutorials' attention, attnlab's and torch's (time and peak memory against sequence "
-        "length), generation with and without the KV cache and a training step, against the machine's "
-        "matmul rate; write report.md, results.json and PNG plots into a directory."
-    )
-    parser.add_argument("--out", metavar="DIR", default="bench-report", help="report directory (default: bench-report)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 3 minutes on 2 cores")
-    parser.add_argument(
-        "--seq-lens",
-        type=_int_list,
-        metavar="T,T,...",
-        help="attention timing lengths (default 64..2048; quick 64..512)",
-    )
-    parser.add_argument("--memory-seq-lens", type=_int_list, metavar="T,T,...", help="attention memory lengths")
-    parser.add_argument("--gen-lens", type=_int_list, metavar="T,T,...", help="total lengths of the generation test")
-    parser.add_argument("--train-lens", type=_int_list, metavar="T,T,...", help="sequence lengths of the training test")
-    parser.add_argument("--d-model", type=positive_int, metavar="D", help="attention width (default 768; quick 256)")
-    parser.add_argument("--heads", type=positive_int, metavar="H", help="attention heads (default 12; quick 4)")
-    parser.add_argument("--batch", type=positive_int, metavar="B", help="attention batch size (default 1)")
-    parser.add_argument(
-        "--repeats", type=positive_int, metavar="N", help="interleaved timing rounds (default 7; quick 5)"
-    )
-    parser.add_argument(
-        "--loop-max-len",
-        type=positive_int,
-        metavar="T",
-        help="longest sequence given to the Python loop (default 64)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        metavar="N",
-        help="torch CPU threads (default: torch's choice). On a machine shared with other busy processes, "
-        "1 avoids threads spin-waiting for each other, which can slow small ops by 10-100x",
-    )
-    parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory sweep")
-    parser.add_argument("--skip-generation", action="store_true", help="leave out the generation test")
-    parser.add_argument("--skip-training", action="store_true", help="leave out the training-step test")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    cfg = BenchConfig.quick() if args.quick else BenchConfig()
-    for attr, key in (
-        ("seq_lens", "seq_lens"),
-        ("memory_seq_lens", "memory_seq_lens"),
-        ("gen_lens", "gen_lens"),
-        ("train_lens", "train_lens"),
-        ("d_model", "d_model"),
-        ("heads", "num_heads"),
-        ("batch", "batch"),
-        ("repeats", "repeats"),
-        ("loop_max_len", "loop_max_len"),
-        ("threads", "threads"),
-    ):
-        value = getattr(args, attr, None)
-        if value is not None:
-            setattr(cfg, key, value)
-    cfg.memory, cfg.generation, cfg.training = not args.skip_memory, not args.skip_generation, not args.skip_training
-    if cfg.d_model % cfg.num_heads:
-        raise ValueError(f"--d-model must be divisible by --heads, got {cfg.d_model} and {cfg.num_heads}")
-    if cfg.gen_prompt >= min(cfg.gen_lens):
-        raise ValueError(f"--gen-lens must all exceed the {cfg.gen_prompt}-token prompt, got {cfg.gen_lens}")
-    return cfg
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
-        result = run_all(cfg, log)
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a larger program (or a test session)
-    report = write_report(result, out)
-    print(f"wrote {report} (and results.json, plots) in {result['seconds']:.0f} s")
-    return 0

@@ -19,12 +19,12 @@ from attnlab.errors import UserError
 
 # name -> (module, one-line help). Modules are imported lazily so `attnlab --help` stays instant.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "explain": ("attnlab.explain", "walk through the tutorials' attention steps, tensor by tensor"),
-    "train": ("attnlab.train", "train a GPT on a text file (default: the built-in corpus)"),
-    "generate": ("attnlab.generate_cli", "generate text from a trained checkpoint"),
-    "viz": ("attnlab.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
-    "bench": ("attnlab.bench", "run the benchmarks and write a report directory"),
-    "info": ("attnlab.info", "show versions, devices and the fused kernels available"),
+    "explain": ("attnlab.cli.explain", "walk through the tutorials' attention steps, tensor by tensor"),
+    "train": ("attnlab.cli.train", "train a GPT on a text file (default: the built-in corpus)"),
+    "generate": ("attnlab.cli.generate", "generate text from a trained checkpoint"),
+    "viz": ("attnlab.cli.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
+    "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
+    "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),
 }
 
 

@@ -14,7 +14,7 @@ The cost: the process keeps its peak heap until it exits (up to ``trim_threshold
 which a training loop reaches again every step anyway. Nothing is tuned when the user already
 chose an allocator or glibc settings, or where the C library is not glibc.
 
-    >>> from attnlab.allocator import tune_cpu_allocator
+    >>> from attnlab.training.allocator import tune_cpu_allocator
     >>> tune_cpu_allocator().applied  # doctest: +SKIP
     True
 """
