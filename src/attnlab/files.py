@@ -17,7 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "current_umask", "fsync_dir"]
+__all__ = [
+    "atomic_open",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "current_umask",
+    "fsync_dir",
+    "import_safetensors",
+    "read_json",
+    "sha256_file",
+]
 
 
 def current_umask() -> int:
@@ -99,3 +109,13 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise FileNotFoundError(f"{what} not found: {path}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {e})") from None
+
+
+def import_safetensors() -> Any:
+    """The ``safetensors`` package, imported on first use: it is an extra, not a core dependency."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise ImportError("saving/loading GPT weights needs safetensors: pip install 'attnlab[train]'") from None
+    return safetensors

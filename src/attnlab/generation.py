@@ -22,22 +22,89 @@ padded row generates exactly what it would alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .model import GPT
+from attnlab.checks import finite_real, is_int, is_real
 
-__all__ = ["generate", "sample_next_token", "stream"]
+if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
+    from attnlab.model import GPT
+
+__all__ = ["SamplingConfig", "check_logits", "generate", "sample_next_token", "stream"]
 
 
 # --------------------------------------------------------------------------------------------
 # Sampling
 # --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits: one set of settings, checked once, used by
+    :func:`generate`, :func:`stream`, :func:`sample_next_token`, ``attnlab generate`` and the
+    trainer's sample.
+
+    Attributes:
+        temperature: softmax temperature; ``0`` is greedy (argmax).
+        top_k: sample only among the ``top_k`` most likely tokens.
+        top_p: nucleus sampling: only among the most likely tokens whose probability reaches ``top_p``.
+        eos_id: a token id that ends a row (checked against the vocabulary when generating).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not finite_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k <= 0):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and (not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a float in (0, 1] or None, got {self.top_p!r}")
+        if self.eos_id is not None and (not is_int(self.eos_id) or self.eos_id < 0):
+            raise ValueError(f"eos_id must be a token id (an int >= 0) or None, got {self.eos_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def filter(self, logits: Tensor) -> Tensor:
+        """``logits (B, V)`` as sampling sees them: float32, divided by the temperature, ``-inf``
+        outside the top-k and the top-p nucleus. Not for ``temperature=0`` (see :meth:`probabilities`)."""
+        # Subtract each row's maximum first: then dividing by a tiny temperature sends the other logits
+        # towards -inf, never the best one to +inf (which would make the softmax NaN).
+        logits = logits.float()  # (B, V)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature  # (B, V), max 0
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token when the tokens *before* it already reach top_p (the first always stays).
+            drop = (probs.cumsum(dim=-1) - probs) >= self.top_p  # (B, V)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        return logits
+
+    def probabilities(self, logits: Tensor) -> Tensor:
+        """The distribution a token is drawn from, ``(B, V)`` float32; one-hot on the argmax when greedy."""
+        if self.greedy:
+            return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.softmax(self.filter(logits), dim=-1)  # (B, V)
+
+    def sample(self, logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One token per row of ``logits (B, V)`` (checked by the caller); ``(B,)`` int64."""
+        if self.greedy:
+            return logits.argmax(dim=-1)  # (B,)
+        probs = torch.softmax(self.filter(logits), dim=-1)  # (B, V)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
 def sample_next_token(
     logits: Tensor,
     *,
@@ -50,87 +117,44 @@ def sample_next_token(
 
     ``temperature=0`` is greedy (argmax). Otherwise the logits are divided by ``temperature``,
     restricted to the ``top_k`` most likely tokens and/or to the smallest set whose probability
-    reaches ``top_p`` (nucleus sampling), and sampled with ``generator``. Every row needs at least
-    one finite logit.
+    reaches ``top_p`` (nucleus sampling), and sampled with ``generator`` (see :class:`SamplingConfig`).
+    Every row needs at least one finite logit.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
         raise TypeError(f"logits must be a float tensor (B, V), got {got}")
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape (B, V); for one row use logits[None]; got {tuple(logits.shape)}")
-    _check_sampling(temperature, top_k, top_p)
-    # One sync: NaN or +inf anywhere, or a row with no finite logit, leaves no distribution.
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    check_logits(logits)
+    return sampling.sample(logits, generator)
+
+
+def check_logits(logits: Tensor) -> None:
+    """ValueError unless every row of ``logits (B, V)`` has a finite value and none is NaN or +inf
+    (one host sync): otherwise there is no distribution to draw from."""
     if logits.numel() and bool(
         torch.isnan(logits).any() | torch.isposinf(logits).any() | ~torch.isfinite(logits).any(-1).all()
     ):
         raise ValueError("logits must be finite or -inf, with a finite value in every row: there is no token to pick")
-    return _sample(logits, temperature, top_k, top_p, generator)
-
-
-def _sample(
-    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
-) -> Tensor:
-    """:func:`sample_next_token` on checked arguments."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)  # (B,)
-    # Subtract each row's maximum first: then dividing by a tiny temperature sends the other logits
-    # towards -inf, never the best one to +inf (which would make the softmax NaN).
-    logits = logits.float()  # (B, V)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (B, V), max 0
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens *before* it already reach top_p (the first always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # (B, V)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 
 
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-def _check_sampling(temperature: object, top_k: object, top_p: object) -> None:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
-
-
-def _check_args(
-    model: GPT,
-    idx: object,
-    max_new_tokens: object,
-    temperature: object,
-    top_k: object,
-    top_p: object,
-    eos_id: object,
-    attention_mask: object,
-) -> Tensor | None:
+def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: SamplingConfig, attention_mask: object):
     V = model.config.vocab_size
     # Prompts may be longer than the context: generation slides the window over them.
-    model._check_idx(idx, limit_length=False)
+    model.check_idx(idx, limit_length=False)
     if idx.shape[0] == 0:
         raise ValueError(f"idx must hold at least one prompt, got shape {tuple(idx.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    _check_sampling(temperature, top_k, top_p)
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
-        raise ValueError(f"eos_id must be a token id in [0, {V}) or None, got {eos_id!r}")
+    if sampling.eos_id is not None and sampling.eos_id >= V:
+        raise ValueError(f"eos_id must be a token id in [0, {V}) or None, got {sampling.eos_id!r}")
     if attention_mask is None:
         return None
-    mask = model._check_mask(attention_mask, *idx.shape).to(idx.device)
+    mask = model.check_attention_mask(attention_mask, *idx.shape).to(idx.device)
     if not mask.any(dim=1).all():
         raise ValueError("attention_mask has a row with no real token; every prompt needs at least one")
     # Left padding only: once a row's real tokens start they continue to the end.
@@ -149,10 +173,7 @@ def _steps(
     model: GPT,
     idx: Tensor,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    eos_id: int | None,
+    sampling: SamplingConfig,
     use_cache: bool,
     generator: torch.Generator | None,
     mask: Tensor | None,
@@ -161,6 +182,7 @@ def _steps(
     """Yield ``(token (B,), logits (B, V))`` per step, writing tokens into ``out (B, T + new)``."""
     B, T = idx.shape
     C = model.config.context_length
+    eos_id = sampling.eos_id
     out[:, :T] = idx
     full_mask = None
     if mask is not None:
@@ -186,12 +208,12 @@ def _steps(
                             c.reset()
                     window = out[:, start:cur]  # (B, W)
                     m = None if full_mask is None else full_mask[:, start:cur]
-                    logits = model._logits(window, m, None, caches, last_only=True)[:, -1]  # (B, V)
+                    logits = model.decode_logits(window, m, caches, last_only=True)[:, -1]  # (B, V)
                 else:
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]
-                    logits = model._logits(out[:, cur - 1 : cur], m, None, caches)[:, -1]  # (B, V)
-                nxt = _sample(logits, temperature, top_k, top_p, generator)
+                    logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
+                nxt = sampling.sample(logits, generator)
                 if eos_id is not None:
                     nxt = nxt.masked_fill(finished, eos_id)  # finished rows keep emitting eos
                     finished |= nxt == eos_id
@@ -217,16 +239,22 @@ def stream(
     generator: torch.Generator | None = None,
     attention_mask: Tensor | None = None,
 ) -> Iterator[Tensor]:
-    """Yield each new token batch ``(B,)`` (int64) as soon as it is sampled.
+    """Like :func:`generate`, but yields each new token batch ``(B,)`` (int64) as soon as it is sampled::
 
-    Arguments as :func:`generate`. The arguments are checked when ``stream`` is called, not at
-    the first ``next()``. The model is in eval mode while the iterator runs: its training mode
-    comes back when the iterator is exhausted or closed (``it.close()``, or the iterator is
-    garbage-collected), so close one you stop reading early before training again.
+        dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
+        for tok in model.stream(idx, 100, temperature=0.8, top_k=40):
+            print(dec.push(int(tok[0])), end="", flush=True)
+        print(dec.flush())
+
+    Arguments as :func:`generate`. They are checked when ``stream`` is called, not at the first
+    ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
+    when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
+    so close one you stop reading early before training again.
     """
-    mask = _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, attention_mask)
+    sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
+    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
-    steps = _steps(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, mask, out)
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, out)
     return (tok for tok, _ in steps)
 
 
@@ -247,15 +275,14 @@ def generate(
     """Continue the prompts ``idx (B, T)`` by up to ``max_new_tokens`` tokens.
 
     Args:
-        model: a :class:`~attnlab.GPT`.
+        model: a :class:`~attnlab.GPT` (as ``model.generate(...)`` this is the model itself).
         idx: ``(B, T)`` int64 prompt token ids; ``T`` may exceed ``context_length`` (the model
             then sees the last ``context_length`` tokens, and the window slides as text grows).
         max_new_tokens: how many tokens to add.
-        temperature: softmax temperature; ``0`` is greedy decoding.
-        top_k: sample only among the ``top_k`` most likely tokens.
-        top_p: nucleus sampling: only among the most likely tokens whose probability sums to ``top_p``.
-        eos_id: stop a row when it emits this id (later positions of that row are filled with
-            it); generation ends early once every row has stopped.
+        temperature, top_k, top_p, eos_id: how tokens are chosen (see :class:`SamplingConfig`):
+            ``temperature=0`` is greedy; ``top_k`` / ``top_p`` restrict sampling; a row stops when
+            it emits ``eos_id`` (later positions of that row are filled with it), and generation
+            ends early once every row has stopped.
         use_cache: use per-layer KV caches (same tokens, much faster); ``False`` re-runs the window
             each step.
         generator: a ``torch.Generator`` for reproducible sampling.
@@ -266,13 +293,12 @@ def generate(
         ``(B, T + new)`` int64 token ids (prompt included), ``new <= max_new_tokens``;
         or ``(ids, logits)`` with ``return_logits=True``.
     """
-    mask = _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, attention_mask)
+    sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
+    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
     all_logits = []
     n = 0
-    for _, logits in _steps(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, mask, out
-    ):
+    for _, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, out):
         n += 1
         if return_logits:
             all_logits.append(logits.float())

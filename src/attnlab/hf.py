@@ -14,8 +14,11 @@ split in three. The mapping, per block ``i``::
     h.i.mlp.c_proj      -> trf_blocks.i.ff.layers.2                     (transposed)
     wte, wpe, ln_f      -> tok_emb, pos_emb, final_norm;   lm_head -> out_head (or tied)
 
-``transformers`` is optional: nothing here imports it unless a function needs a Hugging Face
-object; ``from_pretrained`` needs only ``huggingface_hub`` (and safetensors).
+This module holds the formats only (weight names and layouts, the configuration mapping, the Hub
+download); :class:`attnlab.GPT` builds itself from them (``GPT.from_hf_gpt2``,
+``GPT.from_pretrained``, ``model.to_hf_gpt2_state_dict()``), so the model imports this module and
+never the other way round. ``transformers`` is optional: nothing here imports it unless a function
+needs a Hugging Face object; ``GPT.from_pretrained`` needs only ``huggingface_hub`` (and safetensors).
 """
 
 from __future__ import annotations
@@ -28,14 +31,24 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .model import GPT, GPTConfig, _import_safetensors
+from attnlab.files import import_safetensors
 
-__all__ = ["PRETRAINED", "from_hf_gpt2", "from_pretrained", "to_hf_gpt2", "to_hf_gpt2_config", "to_hf_gpt2_state_dict"]
+if TYPE_CHECKING:  # the model sits above this module
+    from attnlab.model import GPT, GPTConfig
+
+__all__ = [
+    "PRETRAINED",
+    "gpt2_to_attnlab",
+    "read_pretrained_gpt2",
+    "to_hf_gpt2",
+    "to_hf_gpt2_config",
+    "to_hf_gpt2_state_dict",
+]
 
 # attnlab names -> Hugging Face Hub repositories of OpenAI's GPT-2 weights.
 PRETRAINED = {
@@ -87,7 +100,8 @@ def _warn_caller(message: str) -> None:
 
 def _config_from_hf(
     state: dict[str, Tensor], hf_config: Any, n_heads: int | None, drop_rate: float | None
-) -> GPTConfig:
+) -> dict[str, Any]:
+    """The :class:`~attnlab.GPTConfig` fields of a GPT-2 state dict (and its Hugging Face config)."""
     for key in ("wte.weight", "wpe.weight", "ln_f.weight"):
         if key not in state:
             raise ValueError(f"not a GPT-2 state dict: {key!r} (or 'transformer.{key}') is missing")
@@ -145,7 +159,7 @@ def _config_from_hf(
         or lm_head.data_ptr() == state["wte.weight"].data_ptr()
         or torch.equal(lm_head, state["wte.weight"])
     )
-    return GPTConfig(
+    return dict(
         vocab_size=vocab_size,
         context_length=context_length,
         emb_dim=emb_dim,
@@ -160,14 +174,14 @@ def _config_from_hf(
     )
 
 
-def from_hf_gpt2(
+def gpt2_to_attnlab(
     model_or_state_dict: Any,
     *,
     n_heads: int | None = None,
     drop_rate: float | None = None,
     hf_config: Any = None,
-) -> GPT:
-    """Build a :class:`~attnlab.GPT` holding the weights of a Hugging Face GPT-2.
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face GPT-2 (see :meth:`attnlab.GPT.from_hf_gpt2`).
 
     Args:
         model_or_state_dict: a ``transformers.GPT2LMHeadModel`` or ``GPT2Model``, or a state dict of
@@ -179,7 +193,8 @@ def from_hf_gpt2(
             (gives ``n_head``, ``layer_norm_epsilon``, ...).
 
     Returns:
-        A ``GPT`` in eval mode, with the source's dtype and device, whose logits equal the source's.
+        The configuration fields and a state dict of own, contiguous tensors (the source keeps its
+        storage); the output head is left out when it is tied to the token embedding.
     """
     state, own_config = _split_hf_input(model_or_state_dict)
     if hf_config is None:
@@ -187,10 +202,10 @@ def from_hf_gpt2(
     elif isinstance(hf_config, Mapping):
         hf_config = SimpleNamespace(**dict(hf_config))
     cfg = _config_from_hf(state, hf_config, n_heads, drop_rate)
-    C = cfg.emb_dim
+    C = cfg["emb_dim"]
 
-    F = cfg.ff_dim or 4 * C
-    V, P = cfg.vocab_size, cfg.context_length
+    F = cfg["ff_dim"] or 4 * C
+    V, P = cfg["vocab_size"], cfg["context_length"]
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "lm_head.weight": (V, C)}
     shapes |= {"attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C)}
     shapes |= {"mlp.c_fc.weight": (C, F), "mlp.c_fc.bias": (F,), "mlp.c_proj.weight": (F, C)}
@@ -209,7 +224,7 @@ def from_hf_gpt2(
         "final_norm.weight": t("ln_f.weight"),
         "final_norm.bias": t("ln_f.bias"),
     }
-    for i in range(cfg.n_layers):
+    for i in range(cfg["n_layers"]):
         h, b = f"h.{i}.", f"trf_blocks.{i}."
         q, k, v = t(h + "attn.c_attn.weight").t().split(C, dim=0)  # Conv1D (C, 3C) -> 3 x Linear (C, C)
         qb, kb, vb = t(h + "attn.c_attn.bias").split(C, dim=0)
@@ -233,25 +248,20 @@ def from_hf_gpt2(
                 b + "ff.layers.2.bias": t(h + "mlp.c_proj.bias"),
             }
         )
-    if not cfg.tie_embeddings:
+    if not cfg["tie_embeddings"]:
         new["out_head.weight"] = t("lm_head.weight")
     # Own, contiguous copies: the source model must not share (or be changed through) our storage.
-    new = {k: v.detach().clone().contiguous() for k, v in new.items()}
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.load_state_dict(new, strict=not cfg.tie_embeddings, assign=True)
-    if cfg.tie_embeddings:
-        model.out_head.weight = model.tok_emb.weight
-    return model.eval()
+    return cfg, {k: v.detach().clone().contiguous() for k, v in new.items()}
 
 
 # --------------------------------------------------------------------------------------------
 # attnlab -> Hugging Face
 # --------------------------------------------------------------------------------------------
 def _check_exportable(model: GPT) -> GPTConfig:
-    if not isinstance(model, GPT):
+    # Duck-typed: this module sits below attnlab.model, so it cannot name the class.
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(cfg, "kv_heads"):
         raise TypeError(f"expected an attnlab GPT, got {type(model).__name__}")
-    cfg = model.config
     if cfg.kv_heads != cfg.n_heads:
         raise ValueError(
             f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
@@ -346,29 +356,14 @@ def _import_transformers() -> Any:
 # --------------------------------------------------------------------------------------------
 # Published weights
 # --------------------------------------------------------------------------------------------
-def from_pretrained(
+def read_pretrained_gpt2(
     name: str = "gpt2",
     *,
-    cache_dir: str | Path | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     revision: str | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> GPT:
-    """Load OpenAI's GPT-2 weights into a :class:`~attnlab.GPT`.
-
-    Args:
-        name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
-            repository id of a GPT-2 model, or a local directory with ``config.json`` and
-            ``model.safetensors`` (what ``save_pretrained`` writes). The GPT-2 names above always mean
-            the published models; to load a local directory with one of those names, pass a path
-            such as ``./gpt2``.
-        cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
-            or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
-        device, dtype: where to put the model.
-
-    Weights are read from safetensors (nothing is unpickled). When the weights are neither in the
-    cache nor downloadable, raises ``FileNotFoundError`` with one sentence saying what to do.
-    """
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config.json as a dict, state dict)`` of a published GPT-2 (see :meth:`attnlab.GPT.from_pretrained`
+    for ``name``), a Hub repository or a local directory; safetensors only, nothing is unpickled."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a model name like 'gpt2', got {name!r}")
     local = Path(name).expanduser()
@@ -382,16 +377,15 @@ def from_pretrained(
     else:
         config_path, weights_path = _download(PRETRAINED.get(name.lower(), name), cache_dir, revision)
 
-    load_file = _import_safetensors().torch.load_file
+    load_file = import_safetensors().torch.load_file
 
     hf_cfg = json.loads(Path(config_path).read_text())
     if hf_cfg.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{name!r} is not a GPT-2 model (model_type={hf_cfg.get('model_type')!r})")
-    model = from_hf_gpt2(load_file(str(weights_path)), hf_config=hf_cfg)
-    return model.to(device=device, dtype=dtype)
+    return hf_cfg, load_file(str(weights_path))
 
 
-def _download(repo_id: str, cache_dir: str | Path | None, revision: str | None) -> tuple[str, str]:
+def _download(repo_id: str, cache_dir: str | os.PathLike[str] | None, revision: str | None) -> tuple[str, str]:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:

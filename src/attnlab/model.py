@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import KVCache, MultiHeadAttention, _check_positive_int
-from .files import atomic_write_bytes, atomic_write_json, read_json
-from .functional import _can_read_values
+from attnlab import generation, hf
+from attnlab.attention import KVCache, MultiHeadAttention
+from attnlab.checks import can_read_values, positive_int
+from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
 
 __all__ = [
     "CONFIG_NAME",
@@ -48,16 +48,6 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-def _import_safetensors() -> Any:
-    """The ``safetensors`` package, imported on first use: it is an extra, not a core dependency."""
-    try:
-        import safetensors
-        import safetensors.torch
-    except ImportError:
-        raise ImportError("saving/loading GPT weights needs safetensors: pip install 'attnlab[train]'") from None
-    return safetensors
 
 
 # GPTConfig.activation -> nn.GELU's `approximate` argument
@@ -109,7 +99,7 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor
         A float32 scalar.
     """
     _check_loss_args(logits, targets, ignore_index)
-    if _can_read_values(targets):
+    if can_read_values(targets):
         _check_targets_range(*_id_ranges((targets, ignore_index)), logits.shape[-1], ignore_index)
     return _lm_loss(logits, targets, ignore_index)
 
@@ -195,10 +185,10 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
-            _check_positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("n_kv_heads", "ff_dim"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                positive_int(name, getattr(self, name))
         d = self.drop_rate
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
             raise ValueError(f"drop_rate must be a float in [0, 1), got {d!r}")
@@ -435,7 +425,7 @@ class GPT(nn.Module):
         return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
 
     # Forward ------------------------------------------------------------------------------------
-    def _check_idx(self, idx: object, past: int = 0, *, values: bool = True, limit_length: bool = True) -> Tensor:
+    def check_idx(self, idx: object, past: int = 0, *, values: bool = True, limit_length: bool = True) -> Tensor:
         """Type, shape, device and (``values``) id range of ``idx``; with ``limit_length`` also that
         ``past + T`` fits the context (generation slides its window instead)."""
         if not isinstance(idx, Tensor):
@@ -467,7 +457,7 @@ class GPT(nn.Module):
 
     def _check_id_values(self, idx: Tensor, targets: Tensor | None = None, ignore_index: int = -100) -> None:
         """Range-check ``idx`` (and ``targets``, except ``ignore_index`` entries) with one host sync."""
-        if not _can_read_values(idx):
+        if not can_read_values(idx):
             return
         V = self.config.vocab_size
         pairs = [(idx, None)] if targets is None else [(idx, None), (targets, ignore_index)]
@@ -513,9 +503,9 @@ class GPT(nn.Module):
                     f"kv_caches hold different numbers of tokens {[c.length for c in kv_caches]}; "
                     f"reset() them all or make new ones with new_kv_caches()"
                 )
-        idx = self._check_idx(idx, past)
+        idx = self.check_idx(idx, past)
         B, T = idx.shape
-        key_mask = None if attention_mask is None else self._check_mask(attention_mask, B, past + T)
+        key_mask = None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T)
         if position_ids is not None:
             if not isinstance(position_ids, Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
                 raise TypeError("position_ids must be an integer tensor")
@@ -525,19 +515,21 @@ class GPT(nn.Module):
                 0 <= int(position_ids.min()) <= int(position_ids.max()) < self.config.context_length
             ):
                 raise ValueError(f"position_ids must be in [0, context_length={self.config.context_length})")
-        return self._logits(idx, key_mask, position_ids, kv_caches)
+        return self.decode_logits(idx, key_mask, kv_caches, position_ids=position_ids)
 
-    def _logits(
+    def decode_logits(
         self,
         idx: Tensor,
-        key_mask: Tensor | None,
-        position_ids: Tensor | None,
-        kv_caches: list[KVCache] | None,
+        key_mask: Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+        *,
+        position_ids: Tensor | None = None,
         last_only: bool = False,
     ) -> Tensor:
-        """The forward pass on checked inputs (generation calls this directly, once per token).
+        """:meth:`forward` on inputs the caller has checked (generation calls this once per token).
 
-        ``last_only`` computes the logits of the last position only, ``(B, 1, V)``: all that
+        ``key_mask`` is ``(B, S)`` bool (see :meth:`check_attention_mask`). ``last_only`` computes the
+        logits of the last position only, ``(B, 1, V)``: all that
         sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill.
         """
         T = idx.shape[1]
@@ -558,7 +550,7 @@ class GPT(nn.Module):
         return self.out_head(x)  # (B, T, vocab_size)
 
     @staticmethod
-    def _check_mask(mask: object, B: int, S: int) -> Tensor:
+    def check_attention_mask(mask: object, B: int, S: int) -> Tensor:
         if not isinstance(mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
         if mask.shape != (B, S):
@@ -591,7 +583,7 @@ class GPT(nn.Module):
             )
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-        idx = self._check_idx(idx, values=False)  # type, shape, device
+        idx = self.check_idx(idx, values=False)  # type, shape, device
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
         if targets.device != idx.device:
@@ -636,100 +628,77 @@ class GPT(nn.Module):
         return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
 
     # Generation -----------------------------------------------------------------------------------
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        attention_mask: Tensor | None = None,
-        return_logits: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Continue ``idx (B, T)`` by up to ``max_new_tokens`` tokens; returns ``(B, T + new)`` ids.
+    # The functions of attnlab.generation, as methods: one parameter list, one docstring.
+    generate = generation.generate
+    stream = generation.stream
 
-        ``temperature=0`` is greedy; ``top_k`` / ``top_p`` restrict sampling; ``eos_id`` stops a
-        row; ``use_cache`` uses per-layer KV caches (same tokens, much faster); ``generator`` makes
-        sampling reproducible; ``attention_mask (B, T)`` marks real tokens of left-padded prompts;
-        ``return_logits`` also returns the ``(B, new, V)`` logits. Prompts longer than the context
-        and generation past it slide the window. Details: :func:`attnlab.generation.generate`.
-        """
-        from .generation import generate
-
-        return generate(
-            self,
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos_id,
-            use_cache=use_cache,
-            generator=generator,
-            attention_mask=attention_mask,
-            return_logits=return_logits,
-        )
-
-    def stream(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        attention_mask: Tensor | None = None,
-    ) -> Iterator[Tensor]:
-        """Like :meth:`generate`, but yields each new ``(B,)`` batch of token ids as soon as it exists::
-
-        dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
-        for tok in model.stream(idx, 100, temperature=0.8, top_k=40):
-            print(dec.push(int(tok[0])), end="", flush=True)
-        print(dec.flush())
-        """
-        from .generation import stream
-
-        return stream(
-            self,
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos_id,
-            use_cache=use_cache,
-            generator=generator,
-            attention_mask=attention_mask,
-        )
-
-    # Hugging Face interop (see attnlab.hf) ------------------------------------------------------
+    # Hugging Face interop (the weight layouts live in attnlab.hf) ------------------------------
     @classmethod
-    def from_hf_gpt2(cls, model_or_state_dict: Any, **kwargs: Any) -> GPT:
-        """Build from a Hugging Face ``GPT2LMHeadModel`` (or its state dict); see :mod:`attnlab.hf`."""
-        from .hf import from_hf_gpt2
+    def from_hf_gpt2(
+        cls,
+        model_or_state_dict: Any,
+        *,
+        n_heads: int | None = None,
+        drop_rate: float | None = None,
+        hf_config: Any = None,
+    ) -> GPT:
+        """Build a GPT holding the weights of a Hugging Face GPT-2.
 
-        return from_hf_gpt2(model_or_state_dict, **kwargs)
+        Args:
+            model_or_state_dict: a ``transformers.GPT2LMHeadModel`` or ``GPT2Model``, or a state dict of
+                one (keys with or without the ``transformer.`` prefix, e.g. a hub ``model.safetensors``).
+            n_heads: heads per layer. Read from the model's config; a bare state dict does not record
+                it, so it defaults to ``emb_dim // 64`` (true of every published GPT-2).
+            drop_rate: dropout for training the converted model (default: the HF config's, or 0.1).
+            hf_config: for a bare state dict, its ``GPT2Config`` or the dict of its ``config.json``
+                (gives ``n_head``, ``layer_norm_epsilon``, ...).
+
+        Returns:
+            A ``GPT`` in eval mode, with the source's dtype and device, whose logits equal the source's.
+        """
+        fields, state = hf.gpt2_to_attnlab(
+            model_or_state_dict, n_heads=n_heads, drop_rate=drop_rate, hf_config=hf_config
+        )
+        config = GPTConfig(**fields)
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
+        if config.tie_embeddings:
+            model.out_head.weight = model.tok_emb.weight
+        return model.eval()
 
     def to_hf_gpt2_state_dict(self) -> dict[str, Tensor]:
-        """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts."""
-        from .hf import to_hf_gpt2_state_dict
-
-        return to_hf_gpt2_state_dict(self)
+        """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts (config from
+        :func:`attnlab.hf.to_hf_gpt2_config`)."""
+        return hf.to_hf_gpt2_state_dict(self)
 
     @classmethod
-    def from_pretrained(cls, name: str = "gpt2", **kwargs: Any) -> GPT:
-        """GPT-2's published weights (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``) via the
-        Hugging Face cache; see :func:`attnlab.hf.from_pretrained`."""
-        from .hf import from_pretrained
+    def from_pretrained(
+        cls,
+        name: str = "gpt2",
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        revision: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> GPT:
+        """Load OpenAI's GPT-2 weights.
 
-        return from_pretrained(name, **kwargs)
+        Args:
+            name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
+                repository id of a GPT-2 model, or a local directory with ``config.json`` and
+                ``model.safetensors`` (what ``save_pretrained`` writes). The GPT-2 names above always mean
+                the published models; to load a local directory with one of those names, pass a path
+                such as ``./gpt2``.
+            cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
+                or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
+            device, dtype: where to put the model.
+
+        Weights are read from safetensors (nothing is unpickled). When the weights are neither in the
+        cache nor downloadable, raises ``FileNotFoundError`` with one sentence saying what to do.
+        """
+        hf_config, state = hf.read_pretrained_gpt2(name, cache_dir=cache_dir, revision=revision)
+        return cls.from_hf_gpt2(state, hf_config=hf_config).to(device=device, dtype=dtype)
 
     # Saving and loading -------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -739,7 +708,7 @@ class GPT(nn.Module):
         the old one, so a crash leaves either the old or the new file, never a torn one. Tied
         weights are stored once. Returns the directory.
         """
-        st_save = _import_safetensors().torch.save
+        st_save = import_safetensors().torch.save
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -759,7 +728,7 @@ class GPT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> GPT:
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
-        safetensors = _import_safetensors()
+        safetensors = import_safetensors()
         SafetensorError, load_file = safetensors.SafetensorError, safetensors.torch.load_file
 
         d = Path(directory)

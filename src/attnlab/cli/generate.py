@@ -67,9 +67,9 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from attnlab.checks import resolve_device
     from attnlab.tokenizers import StreamDecoder, tokenizer_from_dict
     from attnlab.training.checkpoint import load_checkpoint
-    from attnlab.training.trainer import resolve_device
 
     _check(args)
     device = resolve_device(args.device)

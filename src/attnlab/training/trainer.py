@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from attnlab.checks import resolve_device
 from attnlab.data import builtin_corpus, check_text_file
 from attnlab.files import atomic_write_text, sha256_file
 from attnlab.model import GPT, GPTConfig, lm_loss
@@ -62,7 +63,7 @@ from attnlab.training.checkpoint import (
     set_rng_state,
 )
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "resolve_device", "train"]
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "train"]
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -254,30 +255,6 @@ def default_lr(emb_dim: int) -> float:
         if emb_dim <= width:
             return lr
     return 2e-4
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> ``cuda`` (this process's GPU under torchrun), else ``mps``, else ``cpu``."""
-    if not isinstance(name, str):
-        raise ValueError(f"--device must be a string, got {name!r}")
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device name (try auto, cpu, cuda, cuda:1, mps)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available in this torch build / machine")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"--device {name}: MPS is not available on this machine")
-    return dev
 
 
 @dataclass

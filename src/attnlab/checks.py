@@ -1,0 +1,151 @@
+"""Argument checks shared by the whole library: bad input gets a ValueError / TypeError that names
+the argument, what was expected and what came, before any work is done.
+
+Numbers: Python's and NumPy's scalars are accepted alike (``np.int64(3)`` is an int,
+``np.float32(0.5)`` a float, ``np.bool_(True)`` a bool), but a bool is never taken for a number:
+``True`` is not a head count.
+
+These checks sit at the library's entry points (a module's ``forward``, ``GPT.generate``, a
+constructor). Calls from inside the library, on values the library itself built, skip them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "can_read_values",
+    "check_bool",
+    "check_float_tensor",
+    "check_same_dtype_and_device",
+    "finite_real",
+    "is_bool",
+    "is_int",
+    "is_real",
+    "non_negative_int",
+    "positive_int",
+    "probability",
+    "resolve_device",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Python values
+# --------------------------------------------------------------------------------------------
+def is_bool(value: object) -> bool:
+    """A Python or NumPy bool."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not is_bool(value)
+
+
+def is_real(value: object) -> bool:
+    """A real number (int or float, Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Real) and not is_bool(value)
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` as an int >= 1, or ValueError "``name`` must be a positive int, got ...\"."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """``value`` as an int >= 0, or ValueError "``name`` must be a non-negative int, got ...\"."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def probability(name: str, value: object) -> float:
+    """A dropout-style rate in [0, 1) as a float, or ValueError "``name`` must be a float in [0, 1)\"."""
+    if not is_real(value) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool; TypeError for anything else (``bool("no")`` is True: no truthy stand-ins)."""
+    if not is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def finite_real(value: object) -> bool:
+    """A finite real number (not NaN or infinite), not a bool."""
+    return is_real(value) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------
+def check_float_tensor(name: str, t: object, min_rank: int) -> Tensor:
+    """``t`` must be a floating-point tensor with at least ``min_rank`` dimensions."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), "
+            f"got dtype {t.dtype}; convert it with .float()"
+        )
+    if t.dim() < min_rank:
+        raise ValueError(f"{name} must have at least {min_rank} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_dtype_and_device(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
+    """``a`` and ``b`` must share dtype (TypeError) and device (ValueError)."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
+
+
+def can_read_values(t: Tensor) -> bool:
+    """Value checks read data: impossible on meta tensors, a graph break under torch.compile."""
+    return t.device.type != "meta" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
+
+
+def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
+    """A ``--device`` value as a device: ``auto`` -> ``cuda`` (this process's GPU under torchrun),
+    else ``mps``, else ``cpu``; ``cuda`` / ``cuda:1`` / ``mps`` / ``cpu`` only where they exist."""
+    if not isinstance(name, str):
+        raise ValueError(f"--device must be a string, got {name!r}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device name (try auto, cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available in this torch build / machine")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    if dev.type == "mps" and not _mps_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: attnlab runs on cpu, cuda or mps, got {dev.type!r}")
+    return dev
