@@ -68,14 +68,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab.checks import resolve_device
-    from attnlab.tokenizers import StreamDecoder, tokenizer_from_dict
-    from attnlab.training.checkpoint import load_checkpoint
+    from attnlab.tokenizers import StreamDecoder
+    from attnlab.tools.loading import load_model
 
     _check(args)
     device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.checkpoint, device=device, load_optimizer=False)
-    tok = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=args.bpe_dir)
-    model = ckpt.model.eval()
+    loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
+    tok, model = loaded.tokenizer, loaded.model
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt encodes to no tokens; give at least one character")

@@ -33,8 +33,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab import attention as _attention
-from attnlab.files import atomic_open, atomic_write_text, read_json
+from attnlab.files import atomic_open, atomic_write_text
 from attnlab.functional import simple_self_attention
+from attnlab.tools.loading import load_model
 
 __all__ = [
     "AttentionView",
@@ -42,7 +43,6 @@ __all__ = [
     "add_arguments",
     "attention_maps",
     "demo_view",
-    "load_checkpoint",
     "model_view",
     "render_html",
     "run",
@@ -771,39 +771,6 @@ def format_text(view: AttentionView, width: int = 80) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-# Loading a trained model for --checkpoint
-# --------------------------------------------------------------------------------------------
-def load_checkpoint(directory: str | os.PathLike, *, bpe_dir: str | None = None) -> tuple[nn.Module, object]:
-    """``(model, tokenizer)`` from a checkpoint (safetensors weights + JSON; nothing is unpickled).
-
-    Accepts what ``attnlab train --out DIR`` writes (``DIR`` itself, following ``latest.json``, or
-    one of its step directories; verified by :func:`attnlab.training.checkpoint.load_checkpoint`) and a bare
-    :meth:`attnlab.model.GPT.save` directory with a ``tokenizer.json`` (a ``Tokenizer.to_dict()``
-    description) beside the weights.
-    """
-    from attnlab.model import CONFIG_NAME, GPT
-    from attnlab.tokenizers import tokenizer_from_dict
-    from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME
-    from attnlab.training.checkpoint import load_checkpoint as load_training_checkpoint
-
-    d = Path(directory)
-    if not d.is_dir():
-        raise FileNotFoundError(f"--checkpoint {d}: no such directory")
-    if (d / LATEST_NAME).is_file() or (d / CHECKPOINT_NAME).is_file():
-        ckpt = load_training_checkpoint(d, load_optimizer=False)
-        if "tokenizer" not in ckpt.metadata:
-            raise ValueError(f"--checkpoint {d}: its {CHECKPOINT_NAME} records no tokenizer")
-        return ckpt.model, tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir)
-    tok_path = d / "tokenizer.json"
-    if not (d / CONFIG_NAME).is_file() or not tok_path.is_file():
-        raise FileNotFoundError(
-            f"--checkpoint {d}: not a checkpoint (expected {LATEST_NAME} or {CHECKPOINT_NAME} as written by "
-            f"`attnlab train`, or {CONFIG_NAME} and tokenizer.json beside GPT.save()'s weights)"
-        )
-    return GPT.load(d), tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir)
-
-
 def _token_strings(tokenizer: object, ids: Sequence[int]) -> list[str]:
     """Each id decoded on its own. A byte that is only part of a UTF-8 character is shown as ``\\xNN``."""
     out = []
@@ -817,7 +784,8 @@ def _token_strings(tokenizer: object, ids: Sequence[int]) -> list[str]:
 
 def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str | None = None) -> AttentionView:
     """Load a checkpoint directory and view its attention on ``prompt``."""
-    model, tokenizer = load_checkpoint(checkpoint, bpe_dir=bpe_dir)
+    loaded = load_model(checkpoint, bpe_dir=bpe_dir)
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids = list(tokenizer.encode(prompt))
     ctx = getattr(getattr(model, "config", None), "context_length", None)
     if ctx is not None and len(ids) > ctx:
