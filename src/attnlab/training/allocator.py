@@ -62,7 +62,6 @@ def tune_cpu_allocator(
     for name, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
         if not is_int(value) or not 0 < value < 2**31:
             raise ValueError(f"{name} must be an int in [1, 2**31), got {value!r}")
-    mmap_threshold, trim_threshold = int(mmap_threshold), int(trim_threshold)  # e.g. numpy integers, for ctypes
     if os.environ.get("ATTNLAB_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
         return AllocatorTuning(False, "turned off by ATTNLAB_MALLOC_TUNING")
     preload = os.environ.get("LD_PRELOAD", "")

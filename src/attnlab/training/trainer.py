@@ -181,7 +181,7 @@ class Trainer:
 
     def _run_config(self, config: TrainConfig, given: Iterable[str] | None) -> TrainConfig:
         """``config`` as this run uses it: on resume, merged with the checkpoint's settings
-        (:meth:`TrainConfig.resumed`); paths absolute."""
+        (:meth:`TrainConfig.resumed`)."""
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} exists and is not a directory")
         if config.resume and has_checkpoint(self.out):
@@ -192,8 +192,10 @@ class Trainer:
                 raise ValueError(f"the checkpoint in {self.out} has no valid 'train_config' entry")
             config = config.resumed(saved, given, source=f"the checkpoint in {self.out}")
             config.validate()
-        # After resumed(): a checkpoint from before paths were recorded absolute gets them too.
-        return dataclasses.replace(config, data=absolute_path(config.data), bpe_dir=absolute_path(config.bpe_dir))
+        # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
+        # paths were recorded absolute gets them too.
+        paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
+        return TrainConfig.from_dict(config.to_dict() | paths)
 
     def close(self) -> None:
         """Destroy the process group this trainer created (a no-op otherwise)."""
