@@ -27,6 +27,8 @@ from attnlab.training.distributed import rank_seed
 
 # A run small enough for a test: the tiny preset on 16-token windows of the built-in corpus.
 SMALL = dict(context_length=16, batch_size=4, eval_batches=2, sample_tokens=0, progress=False)
+# For the tests that compare with float32 references computed on the CPU (on CUDA the trainer uses bf16).
+ON_CPU = dict(SMALL, device="cpu")
 SMALL_FLAGS = [
     "--context-length",
     "16",
@@ -115,7 +117,7 @@ def test_help_explains_every_flag(capsys) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> None:
     cfg = TrainConfig(
-        **{**SMALL, "batch_size": 8, "eval_batches": 4},
+        **{**ON_CPU, "batch_size": 8, "eval_batches": 4},
         out=str(tmp_path),
         max_steps=30,
         eval_every=10,
@@ -161,7 +163,7 @@ def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> Non
 def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, one_thread) -> None:
     runs, norms = {}, {}
     for accum in (1, 2, 4):
-        cfg = TrainConfig(out=str(tmp_path / str(accum)), max_steps=4, grad_accum=accum, eval_every=4, **SMALL)
+        cfg = TrainConfig(out=str(tmp_path / str(accum)), max_steps=4, grad_accum=accum, eval_every=4, **ON_CPU)
         history = Trainer(cfg).fit().history
         runs[accum] = [r["loss"] for r in history]
         norms[accum] = [r["grad_norm"] for r in history]  # gradients, not just losses: AdamW hides a scale
@@ -175,7 +177,7 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
 
     from attnlab.model import lm_loss
 
-    cfg = TrainConfig(out=str(tmp_path), max_steps=1, warmup_steps=0, lr=1e-2, grad_clip=1e-3, eval_every=1, **SMALL)
+    cfg = TrainConfig(out=str(tmp_path), max_steps=1, warmup_steps=0, lr=1e-2, grad_clip=1e-3, eval_every=1, **ON_CPU)
     trainer = Trainer(cfg)
     model = copy.deepcopy(trainer.raw_model)  # the initial weights
     x, y = trainer.train_batches.batch(0, 0)
@@ -474,7 +476,7 @@ def test_corrupt_pointer_without_resume_names_the_file(tmp_path: Path) -> None:
 def test_grad_norm_is_measured_when_clipping_is_off(tmp_path: Path, one_thread) -> None:
     import copy
 
-    trainer = Trainer(TrainConfig(out=str(tmp_path), grad_clip=0, max_steps=1, eval_every=1, **SMALL))
+    trainer = Trainer(TrainConfig(out=str(tmp_path), grad_clip=0, max_steps=1, eval_every=1, **ON_CPU))
     model = copy.deepcopy(trainer.raw_model).train()  # the tiny preset has no dropout: deterministic
     x, y = trainer.train_batches.batch(0)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -556,3 +558,26 @@ def test_numpy_settings_are_taken_and_recorded_as_json_numbers(tmp_path: Path, o
     for name, bad in (("batch_size", True), ("eval_every", np.True_), ("lr", np.True_), ("dropout", "0.1")):
         with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}"):
             TrainConfig(**{name: bad}).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_in_bf16_learns_samples_and_resumes_exactly(tmp_path: Path) -> None:
+    """On CUDA: bf16 autocast, the loss falls, the run resumed from its step-10 checkpoint (dropout
+    on) repeats the uninterrupted run's losses bit for bit, and the seeded sample is drawn on the GPU."""
+    settings = dict(SMALL, device="cuda", max_steps=20, eval_every=5, checkpoint_every=5, keep_checkpoints=4)
+    base = dict(settings, warmup_steps=2, lr=3e-3, dropout=0.1)
+    ref = tmp_path / "ref"
+    trainer = Trainer(TrainConfig(out=str(ref), **base))
+    ctx = trainer.autocast()
+    assert isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
+    whole = [r["loss"] for r in trainer.fit().history]
+    assert sum(whole[-5:]) < sum(whole[:5]) - 2.5, whole  # from ln(256) = 5.5 towards the byte statistics
+    out = tmp_path / "resumed"  # the run as it was at step 10
+    shutil.copytree(ref / "checkpoints" / "step-00000010", out / "checkpoints" / "step-00000010")
+    (out / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 10, "path": "checkpoints/step-00000010"})
+    )
+    resumed = Trainer(TrainConfig(out=str(out), resume=True, **base)).fit()
+    assert [r["loss"] for r in resumed.history] == whole[10:]
+    text = trainer.sample("The ", 20)
+    assert text.startswith("The ") and text == trainer.sample("The ", 20)

@@ -175,22 +175,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckpts))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: give it a plain mkdir's permissions
     try:
-        model.save(tmp)  # model.safetensors + config.json, each written atomically
-        files = ["model.safetensors", "config.json"]
-        if optimizer is not None:
-            buf = io.BytesIO()
-            torch.save(optimizer.state_dict(), buf)
-            atomic_write_bytes(tmp / OPTIMIZER_NAME, buf.getvalue())
-            files.append(OPTIMIZER_NAME)
-        meta = dict(metadata)
-        meta.update(
-            format=FORMAT,
-            version=VERSION,
-            step=step,
-            files={f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
-        )
-        atomic_write_json(tmp / CHECKPOINT_NAME, meta)
-        fsync_dir(tmp)
+        _write_step_dir(tmp, step, model, optimizer, metadata)
         # 2. Move it into place. A directory of that name can only be debris of a run killed
         #    between this rename and the pointer switch (latest.json does not name it): replace it.
         if final.exists():
@@ -202,11 +187,43 @@ def save_checkpoint(
         raise
     # 3. The commit point: switch the pointer.
     atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{name}"})
-    # 4. Only now forget old checkpoints and debris. A step directory at or past this step that
-    #    latest.json does not name was renamed into place by a run killed before its pointer
-    #    switch (or a run this one resumed before): it is not part of this run's history. Of the
-    #    older ones keep the newest keep - 1, by step number (not by name: names may be wider
-    #    than 8 digits or hand-made).
+    # 4. Only now forget old checkpoints and debris.
+    _prune_step_dirs(ckpts, final, step, keep)
+    return final
+
+
+def _write_step_dir(
+    d: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: dict[str, Any]
+) -> None:
+    """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
+    sizes and hashes) last; ``d`` itself fsynced."""
+    model.save(d)  # model.safetensors + config.json
+    files = ["model.safetensors", "config.json"]
+    if optimizer is not None:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        atomic_write_bytes(d / OPTIMIZER_NAME, buf.getvalue())
+        files.append(OPTIMIZER_NAME)
+    meta = dict(metadata)
+    meta.update(
+        format=FORMAT,
+        version=VERSION,
+        step=step,
+        files={f: {"bytes": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in files},
+    )
+    atomic_write_json(d / CHECKPOINT_NAME, meta)
+    fsync_dir(d)
+
+
+def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
+    """Remove from ``ckpts`` every step directory but ``final`` and the newest ``keep - 1`` before
+    it, and the debris of interrupted saves.
+
+    A step directory at or past ``step`` that ``latest.json`` does not name was renamed into place
+    by a run killed before its pointer switch (or a run this one resumed before): it is not part of
+    this run's history. The older ones are ordered by step number (not by name: names may be wider
+    than 8 digits or hand-made).
+    """
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
         s = _step_of(p)
@@ -221,7 +238,6 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     for debris in ckpts.glob(".tmp-step-*"):
         shutil.rmtree(debris, ignore_errors=True)
-    return final
 
 
 # --------------------------------------------------------------------------------------------
