@@ -201,6 +201,9 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
     captured: list[Tensor] = []
     caller_wanted: dict[int, list[bool]] = {}
 
+    def observe(module: nn.Module, record: _attention.AttentionRecord) -> None:
+        captured.append(record.weights.detach())
+
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         caller_wanted.setdefault(id(module), []).append(bool(kwargs.get("return_weights", False)))
         return args, {**kwargs, "return_weights": True}
@@ -210,15 +213,23 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
         captured.append(weights.detach())
         return output if caller_wanted[id(module)].pop() else out
 
+    # MultiHeadAttention reports every attend() to its observer (a GPT calls attend() directly, past
+    # forward hooks); the single-head modules and the wrapper are called through forward.
     handles = []
+    observed = [m for m in modules if isinstance(m, _attention.MultiHeadAttention)]
     try:
+        for m in observed:
+            m.observer = observe
         for m in modules:
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+            if m not in observed:
+                handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
         yield captured
     finally:
         for h in handles:
             h.remove()
+        for m in observed:
+            m.observer = None
 
 
 def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tensor]:
