@@ -1,18 +1,48 @@
-"""Shared references for the attnlab tests: the tutorials' explicit for-loops, in float64.
+"""Shared pieces of the attnlab tests.
 
-The loops below are written the way "A simple self-attention mechanism" first computes attention
-(a double loop of dot products, a softmax by hand, a weighted sum), with no matrix product and no
-``torch.softmax``, so they share no code path with what they check.
+* The references: the tutorials' explicit for-loops, in float64. They are written the way "A simple
+  self-attention mechanism" first computes attention (a double loop of dot products, a softmax by
+  hand, a weighted sum), with no matrix product and no ``torch.softmax``, so they share no code path
+  with what they check.
+* Fixtures: ``make_gpt`` (a small GPT, seeded), ``subprocess_env`` (the environment for running
+  ``python -m attnlab`` in a child process), ``gpt2`` (the GPT-2 tokenizer, offline).
+* Skips: a test may skip only for a missing optional package or missing shared data. With
+  ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
+  pass by quietly running less.
+* ``pytest -m "not slow"`` runs the fast part (under a minute); CI runs everything.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor
+
+NO_SKIPS = bool(os.environ.get("ATTNLAB_NO_SKIPS"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Under ATTNLAB_NO_SKIPS=1 a skipped test fails, with its skip reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIPS and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but ATTNLAB_NO_SKIPS is set (CI runs every test): {reason}"
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A whole module skipped at collection (pytest.skip(allow_module_level=True)) fails too."""
+    if NO_SKIPS and report.skipped:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but ATTNLAB_NO_SKIPS is set (CI runs every test): {reason}"
 
 
 def loop_attention(
@@ -113,3 +143,24 @@ def gpt2():
     if missing:
         pytest.skip(missing)
     return GPT2Tokenizer(bpe_dir=GPT2_BPE_DIR)
+
+
+@pytest.fixture(scope="session")
+def make_gpt() -> Callable[..., object]:
+    """``make_gpt(seed=0, **overrides)``: a small GPT (vocabulary 37, context 16, width 24, 4 heads,
+    2 layers, no dropout) built under ``torch.manual_seed(seed)``, in eval mode."""
+    from attnlab.model import GPT, GPTConfig
+
+    def make(seed: int = 0, **overrides: object) -> GPT:
+        torch.manual_seed(seed)
+        cfg = dict(vocab_size=37, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0)
+        return GPT(GPTConfig(**{**cfg, **overrides})).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """The environment for ``python -m attnlab`` in a child process: unbuffered output (so a test
+    reads it as it comes) and one torch thread (children run beside the test process)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -12,8 +12,6 @@ import pytest
 
 from attnlab.cli import main
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
 
 def test_import_and_help_do_not_load_torch():
     code = (
@@ -45,7 +43,8 @@ def test_unknown_arguments_show_the_subcommands_usage(argv, usage, capsys):
     assert exc.value.code == 2 and usage in err and f"unrecognized arguments: {argv[1]}" in err
 
 
-def test_ctrl_c_while_torch_loads_is_a_quiet_exit():
+@pytest.mark.slow
+def test_ctrl_c_while_torch_loads_is_a_quiet_exit(subprocess_env):
     """Ctrl-C during the imports used to print tracebacks, abort from C++ or break numpy's import."""
     interrupted = 0
     for delay in (0.2, 0.5, 0.9, 1.4):
@@ -54,7 +53,7 @@ def test_ctrl_c_while_torch_loads_is_a_quiet_exit():
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=ENV,
+            env=subprocess_env,
         )
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)

@@ -144,6 +144,33 @@ def test_lesson_names_and_summaries():
     for required in ["multi-head", "batched-matmul", "cross-attention", "encoder-decoder", "gpt2-sizes"]:
         assert required in LESSONS
     assert all(lesson.summary for lesson in LESSONS.values())
+    titles = [SIMPLE, IMPLEMENT, REVIEW, ONE_HEAD, "Implementing GPT-Style Attention: A Step-by-Step Guide"]
+    for lesson in LESSONS.values():  # each lesson names the tutorial it follows, by its title
+        assert [t for t in titles if t in lesson.tutorial], (lesson.name, lesson.tutorial)
+
+
+def test_a_new_lesson_is_registered_after_the_others_and_runs():
+    names_before = explain.lesson_names()
+
+    @explain.lesson("test-extra", "a lesson added by a test", headline="three numbers", tutorial=ONE_HEAD, section="2")
+    def extra(w: explain.Walk) -> dict[str, torch.Tensor]:
+        t = torch.arange(3.0)
+        w.show("t", t, "counting")
+        return {"t": t}
+
+    try:
+        assert explain.lesson_names() == [*names_before, "test-extra"]
+        assert LESSONS["test-extra"].section == "2" and LESSONS["test-extra"].func is extra
+        buf = io.StringIO()
+        assert torch.equal(run_lesson("test-extra", file=buf)["t"], torch.arange(3.0))
+        lines = buf.getvalue().splitlines()
+        assert lines[1] == "test-extra: three numbers" and lines[2] == f"(following {ONE_HEAD})"
+        assert lines[0] == lines[3] == "=" * 78 and lines[-3:] == ["t  shape (3,)", "  # counting", "  [0., 1., 2.]"]
+        with pytest.raises(ValueError, match="already registered"):
+            explain.lesson("test-extra", "again", headline="h", tutorial=ONE_HEAD)(extra)
+    finally:
+        del LESSONS["test-extra"]
+    assert explain.lesson_names() == names_before
 
 
 def test_run_lesson_restores_rng_and_print_options():

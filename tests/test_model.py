@@ -14,12 +14,7 @@ import attnlab.model
 from attnlab.attention import KVCache
 from attnlab.model import GPT, GPTConfig, lm_loss
 
-SMALL = dict(vocab_size=37, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0)
-
-
-def small_model(seed: int = 0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SMALL, **overrides})).eval()
+SMALL = dict(vocab_size=37, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0)  # = make_gpt's
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,8 +150,8 @@ def reference_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     "overrides",
     [dict(), dict(qkv_bias=True), dict(n_kv_heads=2), dict(tie_embeddings=False, bias=False), dict(ff_dim=40)],
 )
-def test_forward_matches_float64_reference(overrides):
-    model = small_model(**overrides)
+def test_forward_matches_float64_reference(overrides, make_gpt):
+    model = make_gpt(**overrides)
     idx = torch.randint(0, SMALL["vocab_size"], (2, 11))
     got = model(idx)
     assert got.shape == (2, 11, SMALL["vocab_size"])
@@ -165,9 +160,9 @@ def test_forward_matches_float64_reference(overrides):
 
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(2, 16), cut=st.integers(1, 15), seed=st.integers(0, 2**16))
-def test_causal_future_tokens_do_not_change_past_logits(T, cut, seed):
+def test_causal_future_tokens_do_not_change_past_logits(T, cut, seed, make_gpt):
     cut = min(cut, T - 1)
-    model = small_model()
+    model = make_gpt()
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(0, SMALL["vocab_size"], (1, T), generator=g)
     b = a.clone()
@@ -175,8 +170,8 @@ def test_causal_future_tokens_do_not_change_past_logits(T, cut, seed):
     torch.testing.assert_close(model(a)[:, :cut], model(b)[:, :cut], atol=1e-6, rtol=1e-6)
 
 
-def test_left_padding_mask_gives_unpadded_logits():
-    model = small_model()
+def test_left_padding_mask_gives_unpadded_logits(make_gpt):
+    model = make_gpt()
     prompt = torch.randint(0, SMALL["vocab_size"], (1, 6))
     padded = torch.cat([torch.full((1, 3), 5), prompt], dim=1)
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
@@ -194,13 +189,13 @@ def test_left_padding_mask_gives_unpadded_logits():
         ([[1, 2]], TypeError, "idx must be a torch.Tensor"),
     ],
 )
-def test_bad_idx_raises(idx, err, match):
+def test_bad_idx_raises(idx, err, match, make_gpt):
     with pytest.raises(err, match=match):
-        small_model()(idx)
+        make_gpt()(idx)
 
 
-def test_bad_attention_mask_raises():
-    model = small_model()
+def test_bad_attention_mask_raises(make_gpt):
+    model = make_gpt()
     idx = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="attention_mask must have shape"):
         model(idx, attention_mask=torch.ones(2, 5, dtype=torch.bool))
@@ -208,8 +203,8 @@ def test_bad_attention_mask_raises():
         model(idx, attention_mask=torch.ones(2, 4))
 
 
-def test_dropout_only_in_training_mode():
-    model = small_model(drop_rate=0.5)
+def test_dropout_only_in_training_mode(make_gpt):
+    model = make_gpt(drop_rate=0.5)
     idx = torch.randint(0, 37, (2, 8))
     torch.testing.assert_close(model(idx), model(idx))
     model.train()
@@ -219,7 +214,7 @@ def test_dropout_only_in_training_mode():
 # --------------------------------------------------------------------------------------------
 # Initialisation, loss, optimizer
 # --------------------------------------------------------------------------------------------
-def test_gpt2_initialisation_and_tying():
+def test_gpt2_initialisation_and_tying(make_gpt):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, context_length=64, emb_dim=256, n_heads=4, n_layers=8)
     model = GPT(cfg)
@@ -232,11 +227,11 @@ def test_gpt2_initialisation_and_tying():
     assert torch.all(model.trf_blocks[0].att.out_proj.bias == 0)
     untied = GPT(GPTConfig(**SMALL, tie_embeddings=False))
     assert untied.out_head.weight is not untied.tok_emb.weight
-    assert untied.num_parameters() == small_model().num_parameters() + 37 * 24
+    assert untied.num_parameters() == make_gpt().num_parameters() + 37 * 24
 
 
-def test_loss_is_mean_cross_entropy_with_ignore_index():
-    model = small_model()
+def test_loss_is_mean_cross_entropy_with_ignore_index(make_gpt):
+    model = make_gpt()
     idx = torch.randint(0, 37, (3, 9))
     targets = torch.randint(0, 37, (3, 9))
     targets[0, :4] = -100
@@ -251,8 +246,8 @@ def test_loss_is_mean_cross_entropy_with_ignore_index():
         model.loss(idx, targets.float())
 
 
-def test_configure_optimizer_groups_and_training_reduces_loss():
-    model = small_model(qkv_bias=True)
+def test_configure_optimizer_groups_and_training_reduces_loss(make_gpt):
+    model = make_gpt(qkv_bias=True)
     opt = model.configure_optimizer(weight_decay=0.1, lr=1e-2, betas=(0.9, 0.95))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -273,11 +268,11 @@ def test_configure_optimizer_groups_and_training_reduces_loss():
         model.configure_optimizer(weight_decay=-1)
 
 
-def test_fused_adamw_is_the_cpu_default_and_follows_the_loop_implementation():
+def test_fused_adamw_is_the_cpu_default_and_follows_the_loop_implementation(make_gpt):
     # The fused kernel must take the same steps as torch's reference for-loop AdamW. (No key bias:
     # its gradient is zero up to rounding, which Adam's normalisation turns into +-lr steps.)
-    fused_model = small_model()
-    loop_model = small_model()
+    fused_model = make_gpt()
+    loop_model = make_gpt()
     loop_model.load_state_dict(fused_model.state_dict())
     fused = fused_model.configure_optimizer(weight_decay=0.1, lr=1e-2)
     loop = loop_model.configure_optimizer(weight_decay=0.1, lr=1e-2, fused=False)
@@ -291,17 +286,17 @@ def test_fused_adamw_is_the_cpu_default_and_follows_the_loop_implementation():
             opt.step()
     for (name, a), b in zip(fused_model.state_dict().items(), loop_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
-    assert not torch.equal(fused_model.tok_emb.weight, small_model().tok_emb.weight)  # it trained
+    assert not torch.equal(fused_model.tok_emb.weight, make_gpt().tok_emb.weight)  # it trained
 
 
 # --------------------------------------------------------------------------------------------
 # Save / load
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tie", [True, False])
-def test_save_load_roundtrip(tmp_path, tie):
+def test_save_load_roundtrip(tmp_path, tie, make_gpt):
     from safetensors.torch import load_file
 
-    model = small_model(tie_embeddings=tie, n_kv_heads=2)
+    model = make_gpt(tie_embeddings=tie, n_kv_heads=2)
     model.save(tmp_path / "ckpt")
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == ["config.json", "model.safetensors"]  # no temp files left behind
@@ -315,14 +310,14 @@ def test_save_load_roundtrip(tmp_path, tie):
     assert GPT.load(tmp_path / "ckpt", dtype=torch.float64).dtype == torch.float64
 
 
-def test_load_errors_are_clear(tmp_path):
+def test_load_errors_are_clear(tmp_path, make_gpt):
     with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
         GPT.load(tmp_path)
-    small_model().save(tmp_path)
+    make_gpt().save(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         GPT.load(tmp_path)
-    small_model().save(tmp_path)
+    make_gpt().save(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**SMALL, "emb_dim": 32}))
     with pytest.raises(ValueError, match="does not match"):
         GPT.load(tmp_path)
@@ -332,10 +327,10 @@ def test_load_errors_are_clear(tmp_path):
 
 
 @pytest.mark.parametrize("odd_dtype", [torch.int64, torch.float64])
-def test_load_refuses_weights_of_mixed_or_integer_dtype(tmp_path, odd_dtype):
+def test_load_refuses_weights_of_mixed_or_integer_dtype(tmp_path, odd_dtype, make_gpt):
     from safetensors.torch import load_file, save_file
 
-    small_model().save(tmp_path)
+    make_gpt().save(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     state["final_norm.weight"] = state["final_norm.weight"].to(odd_dtype)
     save_file(state, tmp_path / "model.safetensors")
@@ -343,9 +338,9 @@ def test_load_refuses_weights_of_mixed_or_integer_dtype(tmp_path, odd_dtype):
         GPT.load(tmp_path)
 
 
-def test_fused_qkv_cache_follows_weight_updates():
+def test_fused_qkv_cache_follows_weight_updates(make_gpt):
     # Without grad the attention layers reuse their concatenated Q/K/V weight; it must never go stale.
-    model = small_model(qkv_bias=True)
+    model = make_gpt(qkv_bias=True)
     idx = torch.randint(0, 37, (2, 6))
     with torch.no_grad():
         model(idx)  # fills the cache
@@ -353,15 +348,15 @@ def test_fused_qkv_cache_follows_weight_updates():
         model.trf_blocks[1].att.W_value.bias.mul_(3.0)
         cached = model(idx)
     torch.testing.assert_close(cached, model(idx), atol=0, rtol=0)  # grad-enabled path: a fresh concatenation
-    other = small_model(seed=5, qkv_bias=True)
+    other = make_gpt(seed=5, qkv_bias=True)
     with torch.no_grad():
         model.load_state_dict(other.state_dict())
         torch.testing.assert_close(model(idx), other(idx), atol=0, rtol=0)
         torch.testing.assert_close(model.double()(idx), other.double()(idx), atol=0, rtol=0)
 
 
-def test_position_ids_are_checked_and_used():
-    model = small_model()
+def test_position_ids_are_checked_and_used(make_gpt):
+    model = make_gpt()
     idx = torch.randint(0, 37, (1, 4))
     torch.testing.assert_close(model(idx, position_ids=torch.arange(4)), model(idx), atol=0, rtol=0)
     torch.testing.assert_close(model(idx, position_ids=torch.arange(4).expand(1, 4)), model(idx), atol=0, rtol=0)
@@ -383,9 +378,9 @@ def test_position_ids_are_checked_and_used():
         (-100, -1, "ignore_index=-1, got min -100"),
     ],
 )
-def test_loss_range_checks_targets(bad, ignore_index, match):
+def test_loss_range_checks_targets(bad, ignore_index, match, make_gpt):
     # Regression: out-of-range targets reached F.cross_entropy unchecked (a device assert on CUDA).
-    model = small_model()
+    model = make_gpt()
     idx = torch.randint(0, 37, (2, 5))
     targets = torch.randint(0, 37, (2, 5))
     targets[1, 2] = bad
@@ -400,8 +395,8 @@ def test_loss_range_checks_targets(bad, ignore_index, match):
         model.loss(idx, targets, ignore_index=None)
 
 
-def test_loss_with_nothing_to_score_is_an_error_not_nan():
-    model = small_model()
+def test_loss_with_nothing_to_score_is_an_error_not_nan(make_gpt):
+    model = make_gpt()
     idx = torch.randint(0, 37, (2, 5))
     with pytest.raises(ValueError, match="no entry to score: every one equals ignore_index=-100"):
         model.loss(idx, torch.full_like(idx, -100))
@@ -414,7 +409,7 @@ def test_loss_with_nothing_to_score_is_an_error_not_nan():
     assert torch.isfinite(model.loss(idx, one))
 
 
-def test_lm_loss_is_float32_mean_cross_entropy():
+def test_lm_loss_is_float32_mean_cross_entropy(make_gpt):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 11, generator=g).bfloat16()
     targets = torch.randint(0, 11, (3, 4), generator=g)
@@ -428,7 +423,7 @@ def test_lm_loss_is_float32_mean_cross_entropy():
     t1 = targets.masked_fill(~keep, -1)  # the same entries ignored through another ignore_index
     torch.testing.assert_close(lm_loss(logits, t1, ignore_index=-1), got, atol=0, rtol=0)
     torch.testing.assert_close(lm_loss(logits.flatten(0, 1), t1.flatten(), -1), got, atol=0, rtol=0)
-    model = small_model()
+    model = make_gpt()
     idx = torch.randint(0, 37, (2, 6))
     t = torch.randint(0, 37, (2, 6))
     torch.testing.assert_close(model.loss(idx, t), lm_loss(model(idx), t), atol=0, rtol=0)
@@ -446,9 +441,9 @@ def test_lm_loss_is_float32_mean_cross_entropy():
 
 
 @torch.no_grad()
-def test_kv_caches_elements_are_type_checked():
+def test_kv_caches_elements_are_type_checked(make_gpt):
     # Regression: a list of the right length but holding non-caches died with an AttributeError.
-    model = small_model()
+    model = make_gpt()
     idx = torch.randint(0, 37, (1, 3))
     with pytest.raises(TypeError, match=r"kv_caches\[0\] must be an attnlab KVCache.*got NoneType"):
         model(idx, kv_caches=[None, None])
@@ -469,8 +464,8 @@ def test_model_module_exports_only_its_own_names():
     assert all(hasattr(attnlab.model, name) for name in attnlab.model.__all__)
 
 
-def test_state_keys_check_builds_the_state_dict_once(monkeypatch):
-    model = small_model()
+def test_state_keys_check_builds_the_state_dict_once(monkeypatch, make_gpt):
+    model = make_gpt()
     state = model.state_dict()
     calls = []
     original = GPT.state_dict
@@ -485,16 +480,16 @@ def test_state_keys_check_builds_the_state_dict_once(monkeypatch):
     assert len(calls) == 1
 
 
-def test_save_and_load_without_safetensors_say_what_to_install(tmp_path, monkeypatch):
+def test_save_and_load_without_safetensors_say_what_to_install(tmp_path, monkeypatch, make_gpt):
     # safetensors is an extra: the core (torch + numpy) imports and runs without it.
     import sys
 
-    small_model().save(tmp_path)
+    make_gpt().save(tmp_path)
     monkeypatch.setitem(sys.modules, "safetensors", None)  # makes `import safetensors` raise ImportError
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     msg = r"saving/loading GPT weights needs safetensors: pip install 'attnlab\[train\]'"
     with pytest.raises(ImportError, match=msg):
-        small_model().save(tmp_path / "again")
+        make_gpt().save(tmp_path / "again")
     with pytest.raises(ImportError, match=msg):
         GPT.load(tmp_path)
     assert not (tmp_path / "again").exists()

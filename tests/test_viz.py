@@ -22,20 +22,20 @@ from attnlab.cli import main
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer
 from attnlab.tools.viz import (
+    ASSETS,
     AttentionView,
     LayerMaps,
     attention_maps,
     capture_attention,
     demo_view,
     model_view,
+    read_asset,
     render_html,
     save_html,
     save_png,
     token_label,
 )
 from tutorial_numbers import CAUSAL_WEIGHTS, SA_V2_WEIGHTS, WEIGHTS
-
-pytest.importorskip("matplotlib")
 
 
 def tiny_gpt(seed: int = 0, drop_rate: float = 0.0, **kw) -> GPT:
@@ -206,8 +206,10 @@ def _png_size(path) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+@pytest.mark.slow
 def test_save_png_draws_every_panel(tmp_path):
-    from PIL import Image
+    pytest.importorskip("matplotlib")
+    Image = pytest.importorskip("PIL.Image")
 
     path = save_png(demo_view(), tmp_path / "demo.png")
     w, h = _png_size(path)
@@ -225,6 +227,7 @@ def test_save_png_draws_every_panel(tmp_path):
 
 
 def test_save_svg_follows_the_suffix(tmp_path):
+    pytest.importorskip("matplotlib")
     path = save_png(demo_view().select([0]), tmp_path / "demo.svg")
     assert path.read_text().lstrip().startswith("<?xml")
 
@@ -274,6 +277,39 @@ def test_html_is_self_contained_and_embeds_the_weights_safely(tmp_path):
     assert path.read_text(encoding="utf-8") == page
 
 
+def test_page_is_built_from_the_asset_files():
+    from importlib import resources
+
+    assets = resources.files("attnlab.tools.viz").joinpath("assets")
+    files = {name: assets.joinpath(name).read_text(encoding="utf-8") for name in ASSETS}
+    assert {name: read_asset(name) for name in ASSETS} == files
+    page = render_html(demo_view())
+    # The template is the page around its slots; the style and the code go into them verbatim.
+    parts = re.split(r"\$(csp|title|styles|data|scripts)\b", files["viewer.html"])
+    slots = parts[1::2]
+    assert sorted(slots) == ["csp", "data", "scripts", "styles", "title"]
+    pattern = "(.*?)".join(re.escape(text) for text in parts[::2])
+    filled = dict(zip(slots, re.fullmatch(pattern, page, re.DOTALL).groups(), strict=True))
+    assert filled["csp"].startswith("default-src 'none';")
+    assert filled["title"] == "Your journey starts with one step"
+    assert filled["styles"] == "<style>\n" + files["viewer.css"] + "</style>"
+    assert filled["scripts"] == "<script>\n" + files["viewer.js"] + "</script>"
+    assert filled["data"].startswith('<script type="application/json" id="attn-data">{')
+    # The code reads its data; it holds none of it.
+    assert "Your journey" not in files["viewer.js"] and "function showAttention(data)" in files["viewer.js"]
+    with pytest.raises(ValueError, match="name must be one of"):
+        read_asset("../__init__.py")
+
+
+def test_an_asset_that_would_close_its_element_is_refused(monkeypatch):
+    import attnlab.tools.viz.page as page
+
+    real = page.read_asset
+    monkeypatch.setattr(page, "read_asset", lambda n: real(n) + ("// </SCRIPT>" if n == "viewer.js" else ""))
+    with pytest.raises(ValueError, match="cannot be inlined in <script>"):
+        render_html(demo_view())
+
+
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
@@ -285,11 +321,16 @@ def test_cli_prints_the_tutorial_example(capsys):
     assert max(len(line) for line in out.splitlines()) <= 80
 
 
-def test_cli_writes_png_and_html(tmp_path, capsys):
+def test_cli_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     assert main(["viz", "--out", str(tmp_path / "a.png"), "--layer", "3,4", "--head", "1"]) == 0
     assert "2 attention maps in 2 rows, 6 tokens" in capsys.readouterr().out
     _png_size(tmp_path / "a.png")
+
+
+def test_cli_writes_html(tmp_path, capsys):
     assert main(["viz", "--out", str(tmp_path / "a.html")]) == 0
+    assert f"wrote {tmp_path / 'a.html'}: 7 attention maps in 5 rows, 6 tokens" in capsys.readouterr().out
     assert "Your journey starts with one step" in (tmp_path / "a.html").read_text(encoding="utf-8")
 
 
@@ -352,3 +393,16 @@ def test_cli_on_a_training_checkpoint(tmp_path):
 def test_cli_refuses_a_directory_that_is_no_checkpoint(tmp_path, capsys):
     assert main(["viz", "--checkpoint", str(tmp_path), "--prompt", "abc"]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_only_drawing_a_picture_imports_matplotlib(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from attnlab.cli import main\n"
+        f"assert main(['viz', '--out', {str(tmp_path / 'p.html')!r}]) == 0 and main(['viz']) == 0\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
 """``python -m attnlab`` runs the command-line tool."""
 
-from attnlab.cli import main
+from attnlab.cli import entry_point
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry_point()

@@ -14,14 +14,28 @@ for all of them: ``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., contex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import _attention, _check_attn_mask, _check_float_tensor, scaled_dot_product_attention
+from attnlab.checks import (
+    autocast_on,
+    check_attn_mask,
+    check_bool,
+    check_length,
+    check_module_input,
+    is_int,
+    is_real,
+    positive_int,
+)
+from attnlab.functional import attend, scaled_dot_product_attention
 
 __all__ = [
+    "AttentionRecord",
     "CausalAttention",
     "KVCache",
     "MultiHeadAttention",
@@ -32,14 +46,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# Argument and input checks shared by the modules
+# Constructor checks that know the tutorials' argument orders
 # --------------------------------------------------------------------------------------------
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 # The tutorials disagree on the order of (context_length, dropout, num_heads): a positional call
 # written for another tutorial lands a token count in `dropout` or leaves `num_heads` out. Every
 # error that such a call can trigger carries this hint.
@@ -52,10 +60,8 @@ _ORDER_HINT = (
 
 
 def _check_dropout(value: object, cls: str | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        hint = ""
-        if cls is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
-            hint = _ORDER_HINT.format(cls=cls)
+    if not is_real(value) or not 0.0 <= value < 1.0:
+        hint = _ORDER_HINT.format(cls=cls) if cls is not None and is_real(value) and value >= 1 else ""
         raise ValueError(f"dropout must be a float in [0, 1), got {value!r}{hint}")
     return float(value)
 
@@ -64,42 +70,9 @@ def _check_num_heads(value: object, cls: str) -> int:
     """num_heads is keyword-defaulted to None only so that a missing one gets this message."""
     if value is None:
         raise TypeError(f"{cls}() missing required argument 'num_heads'{_ORDER_HINT.format(cls=cls)}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"num_heads must be a positive int, got {value!r}{_ORDER_HINT.format(cls=cls)}")
-    return _check_positive_int("num_heads", value)
-
-
-def _autocast_on(device: torch.device) -> bool:
-    """torch.is_autocast_enabled for this device type; False for types autocast does not know (meta)."""
-    try:
-        return torch.is_autocast_enabled(device.type)
-    except RuntimeError:
-        return False
-
-
-def _check_input(name: str, x: object, d_in: int, param: Tensor) -> Tensor:
-    """x must be a float (n, d_in) or (b, n, d_in) tensor matching the module's dtype and device."""
-    _check_float_tensor(name, x, 2)
-    if x.dim() > 3:
-        raise ValueError(f"{name} must have shape (n, d_in) or (b, n, d_in), got {tuple(x.shape)}")
-    if x.shape[-1] != d_in:
-        raise ValueError(f"{name} must have last dimension d_in={d_in}, got shape {tuple(x.shape)}")
-    if x.device != param.device:
-        raise ValueError(f"{name} is on {x.device} but the module's parameters are on {param.device}")
-    if x.dtype != param.dtype and not _autocast_on(x.device):
-        raise TypeError(
-            f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
-            f"convert one of them (e.g. x.to({param.dtype}) or module.to({x.dtype}))"
-        )
-    return x
-
-
-def _check_length(n: int, context_length: int) -> None:
-    if n > context_length:
-        raise ValueError(
-            f"the input has {n} tokens, more than context_length={context_length}; "
-            f"build the module with a larger context_length or feed at most {context_length} tokens"
-        )
+    return positive_int("num_heads", value)
 
 
 class _DropsTutorialMask(nn.Module):
@@ -134,15 +107,15 @@ class SelfAttention_v1(nn.Module):
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
-        self.d_in = _check_positive_int("d_in", d_in)
-        self.d_out = _check_positive_int("d_out", d_out)
+        self.d_in = positive_int("d_in", d_in)
+        self.d_out = positive_int("d_out", d_out)
         # Same order and init as the tutorial: under torch.manual_seed(123) the same numbers.
         self.W_query = nn.Parameter(torch.rand(d_in, d_out))
         self.W_key = nn.Parameter(torch.rand(d_in, d_out))
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        _check_input("x", x, self.d_in, self.W_query)
+        check_module_input("x", x, self.d_in, self.W_query)
         queries = x @ self.W_query  # (..., n, d_out)
         keys = x @ self.W_key  # (..., n, d_out)
         values = x @ self.W_value  # (..., n, d_out)
@@ -157,14 +130,14 @@ class SelfAttention_v2(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
         super().__init__()
-        self.d_in = _check_positive_int("d_in", d_in)
-        self.d_out = _check_positive_int("d_out", d_out)
+        self.d_in = positive_int("d_in", d_in)
+        self.d_out = positive_int("d_out", d_out)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        _check_input("x", x, self.d_in, self.W_query.weight)
+        check_module_input("x", x, self.d_in, self.W_query.weight)
         queries = self.W_query(x)  # (..., n, d_out)
         keys = self.W_key(x)  # (..., n, d_out)
         values = self.W_value(x)  # (..., n, d_out)
@@ -186,17 +159,17 @@ class CausalAttention(_DropsTutorialMask):
         self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0, qkv_bias: bool = False
     ) -> None:
         super().__init__()
-        self.d_in = _check_positive_int("d_in", d_in)
-        self.d_out = _check_positive_int("d_out", d_out)
-        self.context_length = _check_positive_int("context_length", context_length)
+        self.d_in = positive_int("d_in", d_in)
+        self.d_out = positive_int("d_out", d_out)
+        self.context_length = positive_int("context_length", context_length)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.dropout = nn.Dropout(_check_dropout(dropout, "CausalAttention"))
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        _check_input("x", x, self.d_in, self.W_query.weight)
-        _check_length(x.shape[-2], self.context_length)
+        check_module_input("x", x, self.d_in, self.W_query.weight)
+        check_length(x.shape[-2], self.context_length)
         queries = self.W_query(x)  # (..., n, d_out)
         keys = self.W_key(x)  # (..., n, d_out)
         values = self.W_value(x)  # (..., n, d_out)
@@ -239,8 +212,8 @@ class MultiHeadAttentionWrapper(nn.Module):
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         first = self.heads[0]
-        _check_input("x", x, self.d_in, first.W_query.weight)
-        _check_length(x.shape[-2], self.context_length)
+        check_module_input("x", x, self.d_in, first.W_query.weight)
+        check_length(x.shape[-2], self.context_length)
         H, hd = self.num_heads, self.d_out
         qkv = [torch.cat([getattr(h, name).weight for h in self.heads]) for name in ("W_query", "W_key", "W_value")]
         biases = [
@@ -268,8 +241,8 @@ class KVCache:
 
     The cache is for inference only: run it under ``torch.no_grad()`` or ``torch.inference_mode()``
     (as :func:`attnlab.generation.generate` does). Autograd cannot backpropagate through buffers
-    that later steps overwrite in place, so :meth:`append` raises rather than build a graph that
-    would fail (or be wrong) at ``backward()``; to train on a sequence, feed it whole, without a cache.
+    that later steps overwrite in place, so appending raises rather than build a graph that would
+    fail (or be wrong) at ``backward()``; to train on a sequence, feed it whole, without a cache.
 
     Args:
         batch_size, max_length, num_kv_heads, head_dim: buffer geometry.
@@ -295,7 +268,7 @@ class KVCache:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            _check_positive_int(name, v)
+            positive_int(name, v)
         shape = (batch_size, num_kv_heads, max_length, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
@@ -314,6 +287,10 @@ class KVCache:
 
         Both must match the buffers' batch, heads, head width, dtype and device (nothing is cast
         silently); on any error the cache is left as it was."""
+        self._check_kv(k, v)
+        return self._write(k, v)
+
+    def _check_kv(self, k: object, v: object) -> None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
@@ -324,12 +301,36 @@ class KVCache:
                 )
         if v.shape != k.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        B, H, T, hd = k.shape
+        B, H, _, hd = k.shape
         if (B, H, hd) != (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]):
             raise ValueError(
                 f"kv_cache holds (batch, kv_heads, head_dim) = "
                 f"{(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])}, got {(B, H, hd)}"
             )
+
+    def check_usable(self, batch_size: int, device: torch.device, module: MultiHeadAttention) -> None:
+        """ValueError / TypeError unless ``module`` may append ``batch_size`` rows of keys and values
+        computed on ``device`` to this cache (its heads, head width, device and, outside autocast,
+        the dtype of its weights)."""
+        geometry = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
+        wanted = (batch_size, module.num_kv_heads, module.head_dim)
+        if geometry != wanted:
+            raise ValueError(f"kv_cache holds (batch, kv_heads, head_dim) = {geometry}, got {wanted}")
+        if self.keys.device != device:
+            raise ValueError(
+                f"kv_cache is on {self.keys.device} but x is on {device}; "
+                f"make it with new_kv_cache() after moving the module"
+            )
+        weight_dtype = module.W_key.weight.dtype
+        if self.keys.dtype != weight_dtype and not autocast_on(device):
+            raise TypeError(
+                f"kv_cache has dtype {self.keys.dtype} but the module's weights are {weight_dtype}; "
+                f"make it with new_kv_cache() after converting the module"
+            )
+
+    def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`append` for keys and values a module projected itself (their layout is right)."""
+        T = k.shape[2]
         end = self.length + T
         if end > self.max_length:
             raise ValueError(
@@ -346,6 +347,29 @@ class KVCache:
         self.values[:, :, self.length : end] = v
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]  # (B, Hkv, S, hd) each
+
+
+@dataclass
+class AttentionRecord:
+    """What one call of :meth:`MultiHeadAttention.attend` computed, for an observer to look at.
+
+    Attributes:
+        q: ``(b, H, n, hd)`` queries; k, v: ``(b, Hkv, S, hd)`` keys and values (cached ones included).
+        mask: the mask applied besides causality (bool or float, broadcastable to ``(b, H, n, S)``), or None.
+        is_causal: whether the causal mask (aligned bottom-right) applied.
+        scale: the multiplier of ``q k^T``.
+        weights: ``(b, H, n, S)`` the attention weights actually applied to ``v``.
+        head_outputs: ``(b, H, n, hd)`` ``weights @ v`` per head, before the output projection.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    weights: Tensor
+    head_outputs: Tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,31 +419,32 @@ class MultiHeadAttention(_DropsTutorialMask):
         out_bias: bool = True,
     ) -> None:
         super().__init__()
-        self.d_in = _check_positive_int("d_in", d_in)
-        self.d_out = _check_positive_int("d_out", d_out)
-        self.context_length = _check_positive_int("context_length", context_length)
+        self.d_in = positive_int("d_in", d_in)
+        self.d_out = positive_int("d_out", d_out)
+        self.context_length = positive_int("context_length", context_length)
         self.num_heads = _check_num_heads(num_heads, "MultiHeadAttention")
         _check_dropout(dropout, "MultiHeadAttention")
         if d_out % num_heads != 0:
             raise ValueError(f"d_out must be divisible by num_heads, got d_out={d_out} and num_heads={num_heads}")
-        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads} and "
                 f"num_kv_heads={num_kv_heads}"
             )
-        self.kv_dim = d_in if kv_dim is None else _check_positive_int("kv_dim", kv_dim)
+        self.kv_dim = d_in if kv_dim is None else positive_int("kv_dim", kv_dim)
         self.num_kv_heads = num_kv_heads
         self.head_dim = d_out // num_heads
-        if not isinstance(causal, bool):  # bool("no") is True: take no truthy stand-ins
-            raise TypeError(f"causal must be a bool, got {causal!r}")
-        self.causal = causal
+        self.causal = check_bool("causal", causal)
         kv_out = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
+        # Called with an AttentionRecord after every attend() when set (attnlab's inspection tools
+        # set it for the length of a traced pass); the weights are then computed explicitly.
+        self.observer: Callable[[MultiHeadAttention, AttentionRecord], None] | None = None
 
     def new_kv_cache(
         self,
@@ -455,53 +480,6 @@ class MultiHeadAttention(_DropsTutorialMask):
         source = x if context is None else context
         return self.W_query(x), self.W_key(source), self.W_value(source)
 
-    def _combine_masks(
-        self,
-        attn_mask: Tensor | None,
-        key_mask: Tensor | None,
-        b: int,
-        n: int,
-        S: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        unbatched: bool,
-    ) -> Tensor | None:
-        """``attn_mask`` and ``key_mask`` as one mask broadcastable to ``(b, H, n, S)``.
-
-        Validates both fully: the caller runs this before it writes into a KV cache, so a bad mask
-        leaves the cache as it was.
-        """
-        if attn_mask is not None:
-            # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
-            _check_attn_mask(
-                attn_mask,
-                device=device,
-                dtype=dtype,
-                target=(b, self.num_heads, n, S),
-                input_name="x",
-                any_float_dtype=_autocast_on(device),  # forward casts a float mask to the autocast dtype
-            )
-        if key_mask is None:
-            return attn_mask
-        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
-            raise TypeError(
-                f"key_mask must be a bool tensor, True = real token (the opposite of "
-                f"nn.MultiheadAttention's key_padding_mask), got {got}"
-            )
-        if unbatched and key_mask.dim() == 1:
-            key_mask = key_mask.unsqueeze(0)  # (1, S)
-        if tuple(key_mask.shape) != (b, S):
-            raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
-        if key_mask.device != device:
-            raise ValueError(f"key_mask is on {key_mask.device} but x is on {device}")
-        km = key_mask[:, None, None, :]  # (b, 1, 1, S)
-        if attn_mask is None:
-            return km
-        if attn_mask.dtype == torch.bool:
-            return attn_mask & km  # (b, H or 1, n, S)
-        return attn_mask.masked_fill(~km, float("-inf"))  # (b, H or 1, n, S)
-
     def forward(
         self,
         x: Tensor,
@@ -512,13 +490,86 @@ class MultiHeadAttention(_DropsTutorialMask):
         kv_cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        _check_input("x", x, self.d_in, self.W_query.weight)
+        unbatched = x.dim() == 2 if isinstance(x, Tensor) else False
+        x, context, mask = self._check_forward(x, context, attn_mask, key_mask, kv_cache)
+        result = self.attend(x, context, mask=mask, kv_cache=kv_cache, return_weights=return_weights)
+        if not unbatched:
+            return result
+        if return_weights:
+            return result[0].squeeze(0), result[1].squeeze(0)
+        return result.squeeze(0)
+
+    def attend(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The computation of :meth:`forward`, on inputs already checked (a GPT calls this directly).
+
+        Args:
+            x: ``(b, n, d_in)``; context: ``(b, m, kv_dim)`` or None.
+            mask: one bool (True = may attend) or float mask broadcastable to ``(b, H, n, S)``.
+            kv_cache: a cache this module may use (see :meth:`new_kv_cache`).
+        Returns:
+            ``(b, n, d_out)``, and the ``(b, H, n, S)`` weights with ``return_weights``.
+        """
+        b, n, _ = x.shape
+        q, k, v = self._project_qkv(x, context)
+        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
+        k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
+        v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
+        if kv_cache is not None:
+            dt = kv_cache.keys.dtype  # differs from k's only under autocast
+            k, v = kv_cache._write(k.to(dt), v.to(dt))  # (b, Hkv, S = past + n, hd)
+        if autocast_on(x.device):
+            # Under autocast the projections come out in the autocast dtype while a cache or a
+            # float mask keeps its own: attend in the queries' dtype.
+            k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(q.dtype)
+        is_causal = self.causal and context is None
+        observed = self.observer is not None
+        result = attend(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            return_weights=return_weights or observed,
+        )
+        heads, weights = result if return_weights or observed else (result, None)  # (b, H, n, hd), (b, H, n, S)
+        if observed:
+            scale = 1.0 / self.head_dim**0.5
+            self.observer(self, AttentionRecord(q, k, v, mask, is_causal, scale, weights, heads))
+        out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)
+        return (out, weights) if return_weights else out
+
+    def _check_forward(
+        self,
+        x: object,
+        context: object,
+        attn_mask: object,
+        key_mask: object,
+        kv_cache: object,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """:meth:`forward`'s arguments checked, batched (an unbatched input gets a batch of 1), and the
+        two masks merged into one broadcastable to ``(b, H, n, S)``.
+
+        Everything is checked before anything changes: a bad mask leaves a KV cache as it was.
+        """
+        check_module_input("x", x, self.d_in, self.W_query.weight)
         unbatched = x.dim() == 2
         if unbatched:
             x = x.unsqueeze(0)  # (1, n, d_in)
         b, n, _ = x.shape
         if context is not None:
-            _check_input("context", context, self.kv_dim, self.W_key.weight)
+            check_module_input("context", context, self.kv_dim, self.W_key.weight)
             if context.dim() == 2:
                 context = context.unsqueeze(0)
             if context.shape[0] != b:
@@ -531,56 +582,43 @@ class MultiHeadAttention(_DropsTutorialMask):
                 f"pass the context sequence"
             )
         if kv_cache is None:
-            _check_length(n, self.context_length)
+            check_length(n, self.context_length)
         else:
             if not isinstance(kv_cache, KVCache):
                 raise TypeError(f"kv_cache must be an attnlab KVCache or None, got {type(kv_cache).__name__}")
-            if kv_cache.keys.device != x.device:
-                raise ValueError(
-                    f"kv_cache is on {kv_cache.keys.device} but x is on {x.device}; "
-                    f"make it with new_kv_cache() after moving the module"
-                )
-            w_dtype = self.W_key.weight.dtype
-            if kv_cache.keys.dtype != w_dtype and not _autocast_on(x.device):
-                raise TypeError(
-                    f"kv_cache has dtype {kv_cache.keys.dtype} but the module's weights are {w_dtype}; "
-                    f"make it with new_kv_cache() after converting the module"
-                )
-
-        q, k, v = self._project_qkv(x, context)
-        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
-        k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
-        v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, S, hd)
-        # Validate the masks against the full key length before the cache advances.
-        S = k.shape[2] + (0 if kv_cache is None else kv_cache.length)
-        mask = self._combine_masks(attn_mask, key_mask, b, n, S, x.device, x.dtype, unbatched)
-        if kv_cache is not None:
-            dt = kv_cache.keys.dtype  # differs from k's only under autocast, checked above
-            k, v = kv_cache.append(k.to(dt), v.to(dt))  # (b, Hkv, past + n, hd)
-        if _autocast_on(x.device):
-            # Under autocast the projections come out in the autocast dtype while a cache or a
-            # float mask keeps its own: attend in the queries' dtype.
-            k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
-            if mask is not None and mask.is_floating_point():
-                mask = mask.to(q.dtype)
-        p = self.dropout.p if self.training else 0.0
-        result = _attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=p,
-            is_causal=self.causal and context is None,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-            return_weights=return_weights,
-            check_mask_values=False,  # _combine_masks read the user's mask already (one sync, not two)
-        )
-        out, weights = result if return_weights else (result, None)
-        out = self.out_proj(out.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)
-        if unbatched:
-            out = out.squeeze(0)
-            weights = None if weights is None else weights.squeeze(0)
-        return (out, weights) if return_weights else out
+            kv_cache.check_usable(b, x.device, self)
+        # The masks cover every key: the cached ones and the new ones.
+        S = (n if context is None else context.shape[1]) + (0 if kv_cache is None else kv_cache.length)
+        if attn_mask is not None:
+            # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
+            check_attn_mask(
+                attn_mask,
+                device=x.device,
+                dtype=x.dtype,
+                target=(b, self.num_heads, n, S),
+                input_name="x",
+                any_float_dtype=autocast_on(x.device),  # attend() casts a float mask to the autocast dtype
+            )
+        if key_mask is None:
+            return x, context, attn_mask
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+            raise TypeError(
+                f"key_mask must be a bool tensor, True = real token (the opposite of "
+                f"nn.MultiheadAttention's key_padding_mask), got {got}"
+            )
+        if unbatched and key_mask.dim() == 1:
+            key_mask = key_mask.unsqueeze(0)  # (1, S)
+        if tuple(key_mask.shape) != (b, S):
+            raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
+        if key_mask.device != x.device:
+            raise ValueError(f"key_mask is on {key_mask.device} but x is on {x.device}")
+        km = key_mask[:, None, None, :]  # (b, 1, 1, S)
+        if attn_mask is None:
+            return x, context, km
+        if attn_mask.dtype == torch.bool:
+            return x, context, attn_mask & km  # (b, H or 1, n, S)
+        return x, context, attn_mask.masked_fill(~km, float("-inf"))  # (b, H or 1, n, S)
 
     def extra_repr(self) -> str:
         extra = f"num_heads={self.num_heads}, head_dim={self.head_dim}, causal={self.causal}"

@@ -11,6 +11,7 @@ constructor). Calls from inside the library, on values the library itself built,
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from typing import Any
@@ -20,9 +21,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "autocast_on",
+    "broadcast_shape",
     "can_read_values",
+    "check_attn_mask",
     "check_bool",
     "check_float_tensor",
+    "check_length",
+    "check_module_input",
     "check_same_dtype_and_device",
     "finite_real",
     "is_bool",
@@ -114,6 +120,96 @@ def check_same_dtype_and_device(name_a: str, a: Tensor, name_b: str, b: Tensor) 
 def can_read_values(t: Tensor) -> bool:
     """Value checks read data: impossible on meta tensors, a graph break under torch.compile."""
     return t.device.type != "meta" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Broadcast shape of ``shapes`` by numpy's rules, or None if they do not broadcast.
+
+    Plain Python on purpose: ``torch.broadcast_shapes`` imports sympy on first use (over a second)
+    and costs tens of microseconds per call, which shows in token-by-token decoding.
+    """
+    out: list[int] = []
+    for dims in itertools.zip_longest(*(reversed(s) for s in shapes), fillvalue=1):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(reversed(out))
+
+
+def check_attn_mask(
+    attn_mask: object,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    target: tuple[int, ...],
+    input_name: str,
+    any_float_dtype: bool = False,
+    check_values: bool = True,
+) -> Tensor:
+    """``attn_mask`` must be a bool or float tensor on ``device``, broadcastable to ``target`` (the
+    scores' ``(..., L, S)``); a float one must have ``dtype`` (unless ``any_float_dtype``: under
+    autocast it is cast later) and, with ``check_values``, hold no NaN or +inf (one host sync)."""
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
+            f"the scores, got dtype {attn_mask.dtype}"
+        )
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but {input_name} is on {device}")
+    if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not any_float_dtype:
+        raise TypeError(f"a float attn_mask must have the dtype of {input_name} ({dtype}), got {attn_mask.dtype}")
+    if broadcast_shape(tuple(attn_mask.shape), tuple(target)) != tuple(target):
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention scores' "
+            f"shape {tuple(target)} (..., L, S)"
+        )
+    if check_values and attn_mask.is_floating_point() and can_read_values(attn_mask):
+        # NaN or +inf added to a score makes its whole row NaN; -inf is the one way to mask.
+        bad = int((torch.isnan(attn_mask) | (attn_mask == float("inf"))).sum())  # one host sync
+        if bad:
+            raise ValueError(
+                f"a float attn_mask is added to the scores and must not hold NaN or +inf (use -inf to mask a "
+                f"position, or a bool mask), got {bad} such entries"
+            )
+    return attn_mask
+
+
+def autocast_on(device: torch.device) -> bool:
+    """torch.is_autocast_enabled for this device type; False for types autocast does not know (meta)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
+
+
+def check_module_input(name: str, x: object, d_in: int, param: Tensor) -> Tensor:
+    """``x`` must be a float ``(n, d_in)`` or ``(b, n, d_in)`` tensor on the device of a module's
+    parameter ``param``, with its dtype (outside autocast)."""
+    check_float_tensor(name, x, 2)
+    if x.dim() > 3:
+        raise ValueError(f"{name} must have shape (n, d_in) or (b, n, d_in), got {tuple(x.shape)}")
+    if x.shape[-1] != d_in:
+        raise ValueError(f"{name} must have last dimension d_in={d_in}, got shape {tuple(x.shape)}")
+    if x.device != param.device:
+        raise ValueError(f"{name} is on {x.device} but the module's parameters are on {param.device}")
+    if x.dtype != param.dtype and not autocast_on(x.device):
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
+            f"convert one of them (e.g. x.to({param.dtype}) or module.to({x.dtype}))"
+        )
+    return x
+
+
+def check_length(n: int, context_length: int) -> None:
+    """An input of ``n`` tokens must fit a module built for ``context_length``."""
+    if n > context_length:
+        raise ValueError(
+            f"the input has {n} tokens, more than context_length={context_length}; "
+            f"build the module with a larger context_length or feed at most {context_length} tokens"
+        )
 
 
 # --------------------------------------------------------------------------------------------

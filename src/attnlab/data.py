@@ -18,7 +18,6 @@ The pieces, from text to batches:
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import functools
 import hashlib
@@ -35,7 +34,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab.files import atomic_open, atomic_write_json, sha256_file
+from attnlab.checks import is_int, is_real, positive_int
+from attnlab.files import atomic_open, atomic_write_json, check_text_file, iter_decoded, iter_text_chunks, sha256_file
 from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer, encode_to_tensor
 
 __all__ = [
@@ -77,16 +77,6 @@ def builtin_corpus() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def check_text_file(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path, or FileNotFoundError / ValueError naming it when it is no file."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"data file not found: {p}")
-    if p.is_dir():
-        raise ValueError(f"data path is a directory, expected a UTF-8 text file: {p}")
-    return p
-
-
 def load_text(path: str | os.PathLike[str] | None) -> str:
     """The text of a UTF-8 file, or the built-in corpus when ``path`` is None.
 
@@ -104,38 +94,6 @@ def load_text(path: str | os.PathLike[str] | None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p} is not UTF-8 text (invalid byte at offset {exc.start})") from None
-
-
-def iter_text_chunks(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> Iterator[str]:
-    """Decode a UTF-8 file in pieces of about ``chunk_bytes`` bytes (multi-byte characters are
-    never split). Raises like :func:`load_text`."""
-    for text, _ in _iter_decoded(check_text_file(path), chunk_bytes):
-        yield text
-
-
-def _iter_decoded(p: Path, chunk_bytes: int, on_raw: Any = None) -> Iterator[tuple[str, bytes]]:
-    """Yield ``(text, raw)`` pieces of a UTF-8 file: ``raw`` is the block just read, ``text`` what it
-    completed (a multi-byte character cut by the block end is held back until the next block)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0  # bytes read before this block
-    with open(p, "rb") as f:
-        while True:
-            raw = f.read(chunk_bytes)
-            final = not raw
-            held = len(decoder.getstate()[0])  # bytes of an unfinished character from the last block
-            try:
-                text = decoder.decode(raw, final=final)
-            except UnicodeDecodeError as exc:
-                raise ValueError(
-                    f"{p} is not UTF-8 text (invalid byte at offset {offset - held + exc.start})"
-                ) from None
-            offset += len(raw)
-            if on_raw is not None:
-                on_raw(raw)
-            if text or raw:
-                yield text, raw
-            if final:
-                return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +158,7 @@ def _iter_token_arrays(
     ``tokenizer.split_point`` says the encoding is unaffected."""
     if isinstance(tokenizer, ByteTokenizer):
         # The ids are the file's bytes; decoding only validates UTF-8.
-        for _, raw in _iter_decoded(p, chunk_bytes, on_raw):
+        for _, raw in iter_decoded(p, chunk_bytes, on_raw):
             if raw:
                 yield np.frombuffer(raw, dtype=np.uint8)
         return
@@ -212,7 +170,7 @@ def _iter_token_arrays(
 
             pool = stack.enter_context(ThreadPoolExecutor(workers))
         pending, offset = "", 0  # offset: characters of the file before `pending`
-        for text, _ in _iter_decoded(p, chunk_bytes, on_raw):
+        for text, _ in iter_decoded(p, chunk_bytes, on_raw):
             pending += text
             cut = tokenizer.split_point(pending)
             if cut > 0:
@@ -283,7 +241,7 @@ def tokenize_to_cache(
     """
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an attnlab Tokenizer, got {type(tokenizer).__name__}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    if not is_int(chunk_bytes) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     dtype = token_dtype(tokenizer.vocab_size)
     if path is None:
@@ -374,12 +332,6 @@ def _write_token_file(
 # ----------------------------------------------------------------------------------------------
 # Windows and batches
 # ----------------------------------------------------------------------------------------------
-def _check_pos_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
     """Accept a 1-D integer tensor / ndarray (incl. memmap) or a list of ints; keep arrays as-is
     (no copy) so memory-mapped tokens stay on disk."""
@@ -398,7 +350,7 @@ def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
         return tokens
     if isinstance(tokens, (list, tuple)):
         for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+            if not is_int(t) or t < 0:
                 raise TypeError(f"{name} must be a flat list of non-negative int ids, got {t!r} at index {i}")
         return torch.tensor(tokens, dtype=torch.long).reshape(-1)
     raise TypeError(f"{name} must be a 1-D tensor, numpy array or list of ints, got {type(tokens).__name__}")
@@ -428,8 +380,8 @@ class TokenWindowDataset(Dataset):
 
     def __init__(self, tokens: Tokens | Sequence[int], context_length: int, stride: int = 1):
         self.tokens = _as_token_sequence(tokens)
-        self.context_length = _check_pos_int("context_length", context_length)
-        self.stride = _check_pos_int("stride", stride)
+        self.context_length = positive_int("context_length", context_length)
+        self.stride = positive_int("stride", stride)
         self._starts = range(0, len(self.tokens) - self.context_length, self.stride)
 
     def __len__(self) -> int:
@@ -480,7 +432,7 @@ def create_dataloader(
             raise ValueError("tokenizer is only used when text_or_tokens is a str; these are already tokens")
         tokens = _as_token_sequence(text_or_tokens, "text_or_tokens")
     dataset = TokenWindowDataset(tokens, context_length, stride)
-    batch_size = _check_pos_int("batch_size", batch_size)
+    batch_size = positive_int("batch_size", batch_size)
     # An empty loader would make a training loop silently do nothing; say why there is no batch.
     if len(dataset) == 0:
         raise ValueError(
@@ -493,7 +445,7 @@ def create_dataloader(
             f"text_or_tokens gives {len(dataset)} windows, fewer than batch_size={batch_size}, and drop_last=True "
             "drops that partial batch, leaving none; lower batch_size or stride, or pass drop_last=False"
         )
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+    if not is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     return DataLoader(
         dataset,
@@ -512,7 +464,7 @@ def train_val_split(tokens: Tokens | Sequence[int], val_fraction: float = 0.1) -
     so a memmap stays on disk. ``len(val) = round(len(tokens) * val_fraction)``.
     """
     tokens = _as_token_sequence(tokens)
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+    if not is_real(val_fraction) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
     n_val = round(len(tokens) * float(val_fraction))
     n_train = len(tokens) - n_val
@@ -551,14 +503,14 @@ class RandomWindowBatches:
         grad_accum_steps: int = 1,
     ):
         self.tokens = _as_token_sequence(tokens)
-        self.batch_size = _check_pos_int("batch_size", batch_size)
-        self.context_length = _check_pos_int("context_length", context_length)
-        self.world_size = _check_pos_int("world_size", world_size)
-        self.grad_accum_steps = _check_pos_int("grad_accum_steps", grad_accum_steps)
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.context_length = positive_int("context_length", context_length)
+        self.world_size = positive_int("world_size", world_size)
+        self.grad_accum_steps = positive_int("grad_accum_steps", grad_accum_steps)
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, world_size={self.world_size}), got {rank!r}")
         self.rank = int(rank)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        if not is_int(seed) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.seed = int(seed)
         if len(self.tokens) < self.context_length + 1:
@@ -574,7 +526,7 @@ class RandomWindowBatches:
 
     def global_starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch of ``step``: int64 array ``(global_batch_size,)``."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         # SeedSequence mixes (seed, step) into an independent stream per step; same on every platform.
         rng = np.random.default_rng([self.seed, int(step)])
@@ -592,7 +544,7 @@ class RandomWindowBatches:
     def batch(self, step: int, micro_step: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
         """This rank's ``(x, y)`` for ``step`` (and ``micro_step``): int64 ``(batch_size, context_length)``,
         ``y`` is ``x`` shifted by one token. Moved to ``device`` when given."""
-        if isinstance(micro_step, bool) or not isinstance(micro_step, (int, np.integer)):
+        if not is_int(micro_step):
             raise ValueError(f"micro_step must be an int, got {micro_step!r}")
         if not 0 <= micro_step < self.grad_accum_steps:
             raise ValueError(f"micro_step must be in [0, grad_accum_steps={self.grad_accum_steps}), got {micro_step}")

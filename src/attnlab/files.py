@@ -1,4 +1,4 @@
-"""Atomic file writes: nothing attnlab writes is ever seen half-written.
+"""Files: atomic writes (nothing attnlab writes is ever seen half-written), and reading JSON and UTF-8 text.
 
 Every file goes to a temporary file in the destination's directory, is flushed and fsynced, then
 renamed over the destination with ``os.replace`` (atomic on POSIX and Windows), and the directory
@@ -8,12 +8,13 @@ either the old file or the new one, never a mixture.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,9 +23,12 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "check_text_file",
     "current_umask",
     "fsync_dir",
     "import_safetensors",
+    "iter_decoded",
+    "iter_text_chunks",
     "read_json",
     "sha256_file",
 ]
@@ -119,3 +123,47 @@ def import_safetensors() -> Any:
     except ImportError:
         raise ImportError("saving/loading GPT weights needs safetensors: pip install 'attnlab[train]'") from None
     return safetensors
+
+
+def check_text_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path, or FileNotFoundError / ValueError naming it when it is no file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data file not found: {p}")
+    if p.is_dir():
+        raise ValueError(f"data path is a directory, expected a UTF-8 text file: {p}")
+    return p
+
+
+def iter_text_chunks(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> Iterator[str]:
+    """Decode a UTF-8 file in pieces of about ``chunk_bytes`` bytes (multi-byte characters are
+    never split). Raises like :func:`load_text`."""
+    for text, _ in iter_decoded(check_text_file(path), chunk_bytes):
+        yield text
+
+
+def iter_decoded(
+    p: Path, chunk_bytes: int, on_raw: Callable[[bytes], None] | None = None
+) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(text, raw)`` pieces of a UTF-8 file: ``raw`` is the block just read, ``text`` what it
+    completed (a multi-byte character cut by the block end is held back until the next block)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes read before this block
+    with open(p, "rb") as f:
+        while True:
+            raw = f.read(chunk_bytes)
+            final = not raw
+            held = len(decoder.getstate()[0])  # bytes of an unfinished character from the last block
+            try:
+                text = decoder.decode(raw, final=final)
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{p} is not UTF-8 text (invalid byte at offset {offset - held + exc.start})"
+                ) from None
+            offset += len(raw)
+            if on_raw is not None:
+                on_raw(raw)
+            if text or raw:
+                yield text, raw
+            if final:
+                return

@@ -14,7 +14,6 @@ say so.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Literal
 
@@ -22,7 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.checks import (
+    broadcast_shape,
+    check_attn_mask,
+    check_float_tensor,
+    check_same_dtype_and_device,
+    finite_real,
+    is_bool,
+    is_int,
+    is_real,
+)
+
 __all__ = [
+    "attend",
     "attention_scores",
     "causal_mask",
     "padding_mask",
@@ -31,53 +42,6 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "fused", "reference"]
-
-
-# --------------------------------------------------------------------------------------------
-# Input checks: bad input gets a ValueError/TypeError that names the argument, never a shape
-# error from deep inside a matmul.
-# --------------------------------------------------------------------------------------------
-def _check_float_tensor(name: str, t: object, min_rank: int) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(
-            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), "
-            f"got dtype {t.dtype}; convert it with .float()"
-        )
-    if t.dim() < min_rank:
-        raise ValueError(f"{name} must have at least {min_rank} dimensions, got shape {tuple(t.shape)}")
-    return t
-
-
-def _check_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
-    if a.dtype != b.dtype:
-        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
-
-
-def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Broadcast shape of ``shapes`` by numpy's rules, or None if they do not broadcast.
-
-    Plain Python on purpose: ``torch.broadcast_shapes`` imports sympy on first use (over a second)
-    and costs tens of microseconds per call, which shows in token-by-token decoding.
-    """
-    out: list[int] = []
-    for dims in itertools.zip_longest(*(reversed(s) for s in shapes), fillvalue=1):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
-            return None
-        out.append(sizes.pop() if sizes else 1)
-    return tuple(reversed(out))
-
-
-def _broadcast_shape(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    if _broadcast(tuple(shape), tuple(target)) != tuple(target):
-        raise ValueError(
-            f"{name} of shape {tuple(shape)} does not broadcast to the attention scores' "
-            f"shape {tuple(target)} (..., L, S)"
-        )
 
 
 def causal_mask(
@@ -94,8 +58,9 @@ def causal_mask(
     """
     k_len = q_len if k_len is None else k_len
     for name, v in (("q_len", q_len), ("k_len", k_len)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not is_int(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    q_len, k_len = int(q_len), int(k_len)
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
@@ -117,7 +82,7 @@ def padding_mask(
         raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths.dtype} {tuple(lengths.shape)}")
     if (lengths < 0).any():
         raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
-    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0):
+    if max_len is not None and (not is_int(max_len) or max_len < 0):
         raise ValueError(f"max_len must be a non-negative int or None, got {max_len!r}")
     longest = int(lengths.max()) if lengths.numel() else 0
     max_len = longest if max_len is None else max_len
@@ -140,7 +105,7 @@ def simple_self_attention(x: Tensor, return_weights: bool = False) -> Tensor | t
     Returns:
         ``(..., n, d)`` context vectors, or ``(context, weights)``.
     """
-    _check_float_tensor("x", x, 2)
+    check_float_tensor("x", x, 2)
     scores = x @ x.transpose(-2, -1)  # (..., n, n)
     weights = torch.softmax(scores, dim=-1)  # (..., n, n)
     context = weights @ x  # (..., n, d)
@@ -156,17 +121,13 @@ def _validate(
     is_causal: object,
     scale: object,
     enable_gqa: bool,
-    check_mask_values: bool = True,
 ) -> tuple[int, ...]:
-    """Raise a clear error for bad input; return the broadcast batch shape of the scores.
-
-    ``check_mask_values=False`` skips reading a float mask's values (NaN/+inf), for callers that
-    checked the user's mask already: the check costs a pass over the mask and a host sync."""
-    _check_float_tensor("query", query, 2)
-    _check_float_tensor("key", key, 2)
-    _check_float_tensor("value", value, 2)
-    _check_same("query", query, "key", key)
-    _check_same("query", query, "value", value)
+    """Raise a clear error for bad input; return the broadcast batch shape of the scores."""
+    check_float_tensor("query", query, 2)
+    check_float_tensor("key", key, 2)
+    check_float_tensor("value", value, 2)
+    check_same_dtype_and_device("query", query, "key", key)
+    check_same_dtype_and_device("query", query, "value", value)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
             f"query and key must have the same last dimension E, got query {tuple(query.shape)} "
@@ -177,28 +138,35 @@ def _validate(
             f"key and value must have the same number of positions S (dim -2), got key {tuple(key.shape)} "
             f"and value {tuple(value.shape)}"
         )
-    kv_batch = _broadcast(tuple(key.shape[:-2]), tuple(value.shape[:-2]))  # as torch, they may broadcast
+    kv_batch = broadcast_shape(tuple(key.shape[:-2]), tuple(value.shape[:-2]))  # as torch, they may broadcast
     if kv_batch is None:
         raise ValueError(
             f"key {tuple(key.shape)} and value {tuple(value.shape)} have batch dimensions that do not broadcast"
         )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if not is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     # Any finite scale, as torch: 0 gives uniform weights, a negative one favours dissimilar keys.
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
+    if scale is not None and not finite_real(scale):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
-    if not isinstance(is_causal, bool):
+    if scale is None and query.shape[-1] == 0:
+        raise ValueError(
+            f"query and key have width E = 0 (query shape {tuple(query.shape)}): the default scale 1/sqrt(E) "
+            "is undefined; give them at least one feature or pass scale="
+        )
+    if not is_bool(is_causal):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if enable_gqa and query.dim() < 3:
+        raise ValueError(
+            f"with enable_gqa=True query needs a heads dimension (..., Hq, L, E), got query {tuple(query.shape)}"
+        )
 
     key_batch = kv_batch
-    if enable_gqa and query.dim() >= 3 and key.dim() < 3:
+    if enable_gqa and key.dim() < 3:
         # Grouping works on dim -3 (the heads); a 2-D key has none to group.
         raise ValueError(
             f"with enable_gqa=True key needs a heads dimension (..., Hkv, S, E), got key {tuple(key.shape)}"
         )
-    if enable_gqa and query.dim() >= 3 and kv_batch[-1] != query.shape[-3]:
+    if enable_gqa and kv_batch[-1] != query.shape[-3]:
         hq, hkv = query.shape[-3], kv_batch[-1]
         if hkv == 0 or hq % hkv != 0:
             raise ValueError(
@@ -206,7 +174,7 @@ def _validate(
                 f"of the key/value heads ({hkv}, dim -3 of key)"
             )
         key_batch = (*kv_batch[:-1], hq)
-    batch = _broadcast(tuple(query.shape[:-2]), tuple(key_batch))
+    batch = broadcast_shape(tuple(query.shape[:-2]), tuple(key_batch))
     if batch is None:
         hint = " (set enable_gqa=True for grouped-query attention)" if query.dim() >= 3 else ""
         raise ValueError(
@@ -215,54 +183,14 @@ def _validate(
 
     if attn_mask is not None:
         target = (*batch, query.shape[-2], key.shape[-2])
-        _check_attn_mask(
+        check_attn_mask(
             attn_mask,
             device=query.device,
             dtype=query.dtype,
             target=target,
             input_name="query",
-            check_values=check_mask_values,
         )
     return tuple(batch)
-
-
-def _check_attn_mask(
-    attn_mask: object,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    target: tuple[int, ...],
-    input_name: str,
-    any_float_dtype: bool = False,
-    check_values: bool = True,
-) -> None:
-    """``attn_mask`` must be a bool or float tensor on ``device``, broadcastable to ``target``; a
-    float one must have ``dtype`` (unless ``any_float_dtype``: under autocast it is cast later)."""
-    if not isinstance(attn_mask, Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(
-            f"attn_mask must be a bool tensor (True = may attend) or a float tensor added to "
-            f"the scores, got dtype {attn_mask.dtype}"
-        )
-    if attn_mask.device != device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} but {input_name} is on {device}")
-    if attn_mask.is_floating_point() and attn_mask.dtype != dtype and not any_float_dtype:
-        raise TypeError(f"a float attn_mask must have the dtype of {input_name} ({dtype}), got {attn_mask.dtype}")
-    _broadcast_shape("attn_mask", tuple(attn_mask.shape), target)
-    if check_values and attn_mask.is_floating_point() and _can_read_values(attn_mask):
-        # NaN or +inf added to a score makes its whole row NaN; -inf is the one way to mask.
-        bad = int((torch.isnan(attn_mask) | (attn_mask == float("inf"))).sum())  # one host sync
-        if bad:
-            raise ValueError(
-                f"a float attn_mask is added to the scores and must not hold NaN or +inf (use -inf to mask a "
-                f"position, or a bool mask), got {bad} such entries"
-            )
-
-
-def _can_read_values(t: Tensor) -> bool:
-    """Value checks read data: impossible on meta tensors, a graph break under torch.compile."""
-    return t.device.type != "meta" and t.numel() > 0 and not torch.compiler.is_compiling()
 
 
 def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device: torch.device) -> Tensor | None:
@@ -360,6 +288,7 @@ def attention_scores(
     """
     _validate(query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    is_causal = bool(is_causal)
     key, _ = _expand_kv(query, key, key, enable_gqa)
     mask = _merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2], query.device)
     return _masked_scores(query, key, mask, scale)  # (..., L, S)
@@ -404,21 +333,26 @@ def scaled_dot_product_attention(
     Returns:
         ``(..., L, Ev)``, or ``(output, weights)`` when ``return_weights=True``.
     """
-    return _attention(
+    if backend not in ("auto", "fused", "reference"):
+        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+    if return_weights and backend == "fused":
+        raise ValueError("return_weights=True needs the reference backend: the fused kernel never forms the weights")
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return attend(
         query,
         key,
         value,
         attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa=enable_gqa,
+        float(dropout_p),
+        bool(is_causal),
+        None if scale is None else float(scale),
+        enable_gqa=bool(enable_gqa),
         return_weights=return_weights,
         backend=backend,
     )
 
 
-def _attention(
+def attend(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -430,14 +364,10 @@ def _attention(
     enable_gqa: bool = False,
     return_weights: bool = False,
     backend: Backend = "auto",
-    check_mask_values: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`scaled_dot_product_attention`; ``check_mask_values`` as in :func:`_validate`."""
-    if backend not in ("auto", "fused", "reference"):
-        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    if return_weights and backend == "fused":
-        raise ValueError("return_weights=True needs the reference backend: the fused kernel never forms the weights")
-    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, check_mask_values)
+    """:func:`scaled_dot_product_attention` without its argument checks, for callers inside the
+    library that built (or already checked) every input: a module attending over the projections it
+    made, with a mask it has validated. Same arguments and results."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     L, S = query.shape[-2], key.shape[-2]
     if is_causal and L == 1:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from attnlab import generation, hf
 from attnlab.attention import KVCache, MultiHeadAttention
-from attnlab.checks import can_read_values, positive_int
+from attnlab.checks import can_read_values, is_int, is_real, positive_int
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
 
 __all__ = [
@@ -121,7 +121,7 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         raise ValueError(f"targets is on {targets.device} but logits are on {logits.device}")
     if targets.numel() == 0:
         raise ValueError(f"targets is empty (shape {tuple(targets.shape)}): the mean loss of no tokens is 0/0 = NaN")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
 
 
@@ -190,14 +190,14 @@ class GPTConfig:
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         d = self.drop_rate
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
+        if not is_real(d) or not 0.0 <= d < 1.0:
             raise ValueError(f"drop_rate must be a float in [0, 1), got {d!r}")
         self.drop_rate = float(d)
         for name in ("qkv_bias", "tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         eps = self.ln_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0:
+        if not is_real(eps) or not 0.0 < eps < 1.0:
             raise ValueError(f"ln_eps must be a small positive float, got {eps!r}")
         self.ln_eps = float(eps)
         if self.activation not in _ACTIVATIONS:
@@ -335,8 +335,9 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
-    def forward(self, x: Tensor, *, key_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
-        x = x + self.drop_shortcut(self.att(self.norm1(x), key_mask=key_mask, kv_cache=kv_cache))  # (B, T, C)
+    def forward(self, x: Tensor, *, mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once)."""
+        x = x + self.drop_shortcut(self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache))  # (B, T, C)
         x = x + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
         return x
 
@@ -488,6 +489,17 @@ class GPT(nn.Module):
             kv_caches: one :class:`KVCache` per layer (see :meth:`new_kv_caches`); the new keys and
                 values are appended and attention covers all cached tokens.
         """
+        idx, key_mask = self._check_forward(idx, attention_mask, position_ids, kv_caches)
+        return self.decode_logits(idx, key_mask, kv_caches, position_ids=position_ids)
+
+    def _check_forward(
+        self,
+        idx: object,
+        attention_mask: object,
+        position_ids: object,
+        kv_caches: object,
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`forward`'s arguments checked: ``(idx, key_mask (B, S) bool or None)``."""
         past = 0
         if kv_caches is not None:
             if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.trf_blocks):
@@ -505,6 +517,8 @@ class GPT(nn.Module):
                 )
         idx = self.check_idx(idx, past)
         B, T = idx.shape
+        for cache, block in zip(kv_caches or (), self.trf_blocks, strict=False):
+            cache.check_usable(B, idx.device, block.att)
         key_mask = None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T)
         if position_ids is not None:
             if not isinstance(position_ids, Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
@@ -515,7 +529,7 @@ class GPT(nn.Module):
                 0 <= int(position_ids.min()) <= int(position_ids.max()) < self.config.context_length
             ):
                 raise ValueError(f"position_ids must be in [0, context_length={self.config.context_length})")
-        return self.decode_logits(idx, key_mask, kv_caches, position_ids=position_ids)
+        return idx, key_mask
 
     def decode_logits(
         self,
@@ -540,10 +554,11 @@ class GPT(nn.Module):
                 position_ids = (key_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, T)
             else:
                 position_ids = torch.arange(past, past + T, device=idx.device)  # (T,)
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): padding is never attended
         x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
         x = self.drop_emb(x)
         for i, block in enumerate(self.trf_blocks):
-            x = block(x, key_mask=key_mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
+            x = block(x, mask=mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.final_norm(x)
@@ -581,7 +596,7 @@ class GPT(nn.Module):
                 "targets must be an integer tensor of token ids, got "
                 f"{getattr(targets, 'dtype', type(targets).__name__)}"
             )
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        if not is_int(ignore_index):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         idx = self.check_idx(idx, values=False)  # type, shape, device
         if targets.shape != idx.shape:
@@ -618,9 +633,9 @@ class GPT(nn.Module):
         ``fused`` defaults to True on CUDA and the CPU (one kernel for all parameters instead of a
         Python loop of small ones: a few ms of a ``tiny`` CPU step), False elsewhere.
         """
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        if not is_real(weight_decay) or weight_decay < 0:
             raise ValueError(f"weight_decay must be a non-negative float, got {weight_decay!r}")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        if not is_real(lr) or not lr > 0:
             raise ValueError(f"lr must be a positive float, got {lr!r}")
         if fused is None:
             fused = self.device.type in ("cuda", "cpu")

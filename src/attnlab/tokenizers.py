@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnlab.checks import is_int
 from attnlab.errors import UserError
-from attnlab.files import sha256_file
+from attnlab.files import iter_text_chunks, sha256_file
 
 __all__ = [
     "GPT2_BPE_ENV",
@@ -95,7 +96,7 @@ def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> l
     else:
         out = list(ids)
         for i in out:
-            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):  # int(65.9) would pass as 'A'
+            if not is_int(i):  # int(65.9) would pass as 'A'
                 raise TypeError(f"ids must be ints, got {i!r}")
         out = [int(i) for i in out]
     if out:
@@ -254,8 +255,6 @@ class CharTokenizer(Tokenizer):
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> CharTokenizer:
         """Vocabulary of a UTF-8 file, read in chunks (the file is never in memory whole)."""
-        from attnlab.data import iter_text_chunks
-
         seen: set[str] = set()
         for chunk in iter_text_chunks(path, chunk_bytes=chunk_bytes):
             seen.update(chunk)

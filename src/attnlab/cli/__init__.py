@@ -97,5 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry_point() -> None:
+    """The ``attnlab`` console script and ``python -m attnlab``: run, then exit with main()'s status.
+
+    Once main() has returned, a Ctrl-C has nothing left to interrupt: it is ignored, so that one
+    landing while the interpreter shuts down cannot print a traceback after the command's output.
+    """
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    entry_point()

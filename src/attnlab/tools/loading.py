@@ -69,7 +69,7 @@ def load_model(
     """
     d = Path(directory).expanduser()
     if not d.is_dir():
-        raise FileNotFoundError(f"{what} {d}: no such directory")
+        raise FileNotFoundError(f"{what} {d}: checkpoint not found (no such directory)")
     if (d / LATEST_NAME).is_file() or (d / CHECKPOINT_NAME).is_file():
         ckpt = load_checkpoint(d, device=device, load_optimizer=False)
         if "tokenizer" not in ckpt.metadata:

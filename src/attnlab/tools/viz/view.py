@@ -1,0 +1,341 @@
+"""What ``attnlab viz`` shows: attention weights captured from a model, per layer and head.
+
+Every weight comes out of the model through the library's own ``return_weights=True`` path
+(:func:`attnlab.functional.scaled_dot_product_attention`): there is no second implementation of
+attention here, so what is shown is what the model computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab import attention as _attention
+from attnlab.attention import AttentionRecord, MultiHeadAttention
+from attnlab.functional import simple_self_attention
+from attnlab.tools.loading import load_model
+
+__all__ = [
+    "ATTENTION_TYPES",
+    "AttentionView",
+    "LayerMaps",
+    "attention_maps",
+    "capture_attention",
+    "demo_view",
+    "load_model_view",
+    "model_view",
+    "token_label",
+]
+
+# Modules whose forward takes ``return_weights`` (they all route it to the functional core).
+ATTENTION_TYPES: tuple[type[nn.Module], ...] = (
+    _attention.MultiHeadAttention,
+    _attention.MultiHeadAttentionWrapper,
+    _attention.CausalAttention,
+    _attention.SelfAttention_v2,
+    _attention.SelfAttention_v1,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Data: what is drawn
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LayerMaps:
+    """One row of the grid: the attention weights of one attention module.
+
+    Attributes:
+        name: row title ("layer 3", "MultiHeadAttention (seed 123)").
+        weights: ``(H, T, S)`` weights, row ``i`` = where query token ``i`` attends.
+        heads: the original index of each of the ``H`` heads (they survive ``--head`` selection).
+    """
+
+    name: str
+    weights: Tensor
+    heads: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, Tensor) or self.weights.dim() != 3:
+            raise ValueError(
+                f"weights must be a (heads, queries, keys) tensor, got "
+                f"{tuple(self.weights.shape) if isinstance(self.weights, Tensor) else type(self.weights).__name__}"
+            )
+        if not self.heads:
+            self.heads = list(range(self.weights.shape[0]))
+        if len(self.heads) != self.weights.shape[0]:
+            raise ValueError(f"heads has {len(self.heads)} entries for {self.weights.shape[0]} heads")
+
+
+@dataclass
+class AttentionView:
+    """Everything a picture needs: a title, the token labels and the weights per layer.
+
+    Attributes:
+        title: the figure/page title.
+        tokens: ``T`` token strings as the model saw them (labels are made with :func:`token_label`).
+        layers: one :class:`LayerMaps` per row; all have ``T`` queries and ``T`` keys.
+        text: the original text (shown verbatim in the HTML page).
+        note: one line saying where the weights come from.
+    """
+
+    title: str
+    tokens: list[str]
+    layers: list[LayerMaps]
+    text: str = ""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        T = len(self.tokens)
+        if T == 0:
+            raise ValueError("tokens must not be empty")
+        if not self.layers:
+            raise ValueError("layers must not be empty")
+        for layer in self.layers:
+            if tuple(layer.weights.shape[1:]) != (T, T):
+                raise ValueError(
+                    f"layer {layer.name!r} has weights of shape {tuple(layer.weights.shape)}, "
+                    f"expected (heads, {T}, {T}) for {T} tokens"
+                )
+
+    def select(self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None) -> AttentionView:
+        """A view restricted to some layers (row indices) and heads (head indices); negatives count back."""
+        rows = list(range(len(self.layers)))
+        if layers is not None:
+            rows = [_resolve_index("--layer", i, len(self.layers)) for i in layers]
+        out = []
+        for r in rows:
+            layer = self.layers[r]
+            if heads is None:
+                out.append(layer)
+                continue
+            n = layer.weights.shape[0]
+            if len(rows) > 1 and any(not -n <= h < n for h in heads):
+                continue  # rows with fewer heads (the tutorial view mixes 1- and 2-head modules)
+            idx = [_resolve_index("--head", h, n) for h in heads]
+            out.append(LayerMaps(layer.name, layer.weights[idx], [layer.heads[i] for i in idx]))
+        if not out:
+            most = max(layer.weights.shape[0] for layer in self.layers)
+            raise ValueError(f"--head {list(heads or [])}: no selected layer has that head (at most {most} heads)")
+        return AttentionView(self.title, self.tokens, out, self.text, self.note)
+
+
+def _resolve_index(arg: str, i: int, n: int) -> int:
+    if not -n <= i < n:
+        raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
+    return i % n
+
+
+def token_label(token: str) -> str:
+    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
+
+    Byte-level tokens are often pure whitespace; without this they would be invisible.
+    """
+    out = []
+    for ch in token:
+        if ch == " ":
+            out.append("␣")
+        elif ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("⇥")
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out) or "∅"
+
+
+# --------------------------------------------------------------------------------------------
+# Capturing attention from a model
+# --------------------------------------------------------------------------------------------
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The outermost attention modules of ``model`` (a wrapper's inner heads are not called)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, ATTENTION_TYPES) and not any(
+            name.startswith(prefix + ".") or prefix == "" for prefix, _ in found
+        ):
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+@contextlib.contextmanager
+def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Record the attention weights of every attention module called inside the block.
+
+    A :class:`~attnlab.MultiHeadAttention` reports each call to its ``observer`` with the weights
+    it applied (computed on the library's own ``return_weights`` path). The other modules get a
+    forward pre-hook that turns on ``return_weights=True`` and a forward hook that takes the weights
+    off again, so the model's code sees exactly the output it would without the hook. Weights are
+    appended in call order, detached. Observers and hooks are removed on exit.
+    """
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"model ({type(model).__name__}) contains no attnlab attention module "
+            f"({', '.join(t.__name__ for t in ATTENTION_TYPES)}), so there is no attention to show"
+        )
+    captured: list[Tensor] = []
+    caller_wanted: dict[int, list[bool]] = {}
+
+    def observe(module: nn.Module, record: AttentionRecord) -> None:
+        captured.append(record.weights.detach())
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        caller_wanted.setdefault(id(module), []).append(bool(kwargs.get("return_weights", False)))
+        return args, {**kwargs, "return_weights": True}
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: tuple[Tensor, Tensor]):
+        out, weights = output
+        captured.append(weights.detach())
+        return output if caller_wanted[id(module)].pop() else out
+
+    # MultiHeadAttention reports every attend() to its observer (a GPT calls attend() directly, past
+    # forward hooks); the single-head modules and the wrapper are called through forward.
+    observed = [m for m in modules if isinstance(m, MultiHeadAttention)]
+    handles = []
+    try:
+        for m in observed:
+            m.observer = observe
+        for m in modules:
+            if not isinstance(m, MultiHeadAttention):
+                handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+        for m in observed:
+            m.observer = None
+
+
+def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tensor]:
+    """Run ``model(idx)`` once in eval mode and return each attention module's weights.
+
+    Args:
+        model: any module containing attnlab attention modules (a GPT, a single
+            :class:`~attnlab.MultiHeadAttention`, ...).
+        idx: the model's input; for a GPT, token ids ``(T,)`` or ``(B, T)``.
+        forward_kwargs: passed on to ``model``.
+    Returns:
+        one tensor per attention call, in call order (= layer order). With 1-D integer ``idx`` (one
+        sequence, fed as a batch of one): ``(H, T, S)``, single-head modules giving ``H = 1``.
+        Otherwise the weights as the modules return them: ``(B, H, T, S)`` for multi-head modules.
+
+    Dropout is off (eval mode) while capturing; the model's training flag is restored afterwards.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
+    single = idx.dim() == 1 and not idx.is_floating_point()
+    x = idx.unsqueeze(0) if single else idx
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), capture_attention(model) as captured:
+            model(x, **forward_kwargs)
+    finally:
+        model.train(was_training)
+    if not captured:
+        raise ValueError("the model ran but called none of its attention modules")
+    maps = []
+    for w in captured:
+        if single:
+            w = w[0] if w.dim() == 4 else w  # (1, H, T, S) -> (H, T, S); a 1-head (1, T, S) is (H=1, T, S)
+        elif w.dim() == 2:
+            w = w.unsqueeze(0)  # an unbatched single-head module: (T, S) -> (1, T, S)
+        maps.append(w.float().cpu())
+    return maps
+
+
+# --------------------------------------------------------------------------------------------
+# The two views: the tutorials' example and a trained GPT
+# --------------------------------------------------------------------------------------------
+def demo_view() -> AttentionView:
+    """The six words of "A simple self-attention mechanism" through its modules, under its seeds.
+
+    Rows: parameter-free attention (``softmax(x x^T)``), ``SelfAttention_v2`` (seed 789),
+    ``CausalAttention`` with the same weights (seed 789), the stacked-heads wrapper and the
+    weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``, two heads). The global RNG is left
+    as it was.
+    """
+    from attnlab.tutorial_code import INPUTS, WORDS
+
+    x = INPUTS.clone()  # (6, 3)
+    T, d_in, d_out = x.shape[0], x.shape[1], 2
+    layers: list[LayerMaps] = []
+    with torch.no_grad():
+        _, w = simple_self_attention(x, return_weights=True)  # (6, 6)
+        layers.append(LayerMaps("simple self-attention: softmax(x·xᵀ)", w.unsqueeze(0)))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(789)
+            sa = _attention.SelfAttention_v2(d_in, d_out)
+            layers.append(LayerMaps("SelfAttention_v2 (seed 789)", sa(x, return_weights=True)[1].unsqueeze(0)))
+            torch.manual_seed(789)  # same draws as SelfAttention_v2: the tutorial masks those weights
+            ca = _attention.CausalAttention(d_in, d_out, T, 0.0).eval()
+            layers.append(LayerMaps("CausalAttention (seed 789)", ca(x, return_weights=True)[1].unsqueeze(0)))
+            torch.manual_seed(123)
+            wrap = _attention.MultiHeadAttentionWrapper(d_in, d_out, T, 0.0, num_heads=2).eval()
+            layers.append(LayerMaps("MultiHeadAttentionWrapper (seed 123)", wrap(x, return_weights=True)[1]))
+            torch.manual_seed(123)
+            mha = _attention.MultiHeadAttention(d_in, d_out, T, 0.0, num_heads=2).eval()
+            layers.append(LayerMaps("MultiHeadAttention (seed 123)", mha(x, return_weights=True)[1]))
+    return AttentionView(
+        title="Your journey starts with one step",
+        tokens=list(WORDS),
+        layers=layers,
+        text=" ".join(WORDS),
+        note='The six 3-d word embeddings of "A simple self-attention mechanism", through its modules '
+        "under the tutorial's seeds (row = query word, column = the word it attends to).",
+    )
+
+
+def model_view(
+    model: nn.Module, ids: Sequence[int], tokens: Sequence[str], *, title: str = "", text: str = ""
+) -> AttentionView:
+    """The attention of ``model`` on one sequence of token ids: one row per layer, one column per head."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a longer --prompt")
+    if len(tokens) != len(ids):
+        raise ValueError(f"tokens has {len(tokens)} labels for {len(ids)} ids")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    maps = attention_maps(model, torch.tensor(ids, dtype=torch.long, device=device))
+    layers = [LayerMaps(f"layer {i}", w) for i, w in enumerate(maps)]
+    return AttentionView(
+        title=title or text,
+        tokens=list(tokens),
+        layers=layers,
+        text=text,
+        note=f"{type(model).__name__}: {len(layers)} layers x {layers[0].weights.shape[0]} heads, {len(ids)} tokens "
+        f"(row = query token, column = the token it attends to).",
+    )
+
+
+def _token_strings(tokenizer: object, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own. A byte that is only part of a UTF-8 character is shown as ``\\xNN``."""
+    out = []
+    for i in ids:
+        s = tokenizer.decode([i])
+        if s == "\ufffd" and getattr(tokenizer, "name", "") == "byte":
+            s = f"\\x{i:02x}"
+        out.append(s)
+    return out
+
+
+def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str | None = None) -> AttentionView:
+    """Load a checkpoint directory and view its attention on ``prompt``."""
+    loaded = load_model(checkpoint, bpe_dir=bpe_dir)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = list(tokenizer.encode(prompt))
+    ctx = getattr(getattr(model, "config", None), "context_length", None)
+    if ctx is not None and len(ids) > ctx:
+        raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
+    return model_view(model, ids, _token_strings(tokenizer, ids), title=prompt, text=prompt)
