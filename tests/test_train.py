@@ -560,7 +560,7 @@ def test_numpy_settings_are_taken_and_recorded_as_json_numbers(tmp_path: Path, o
             TrainConfig(**{name: bad}).validate()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_training_in_bf16_learns_samples_and_resumes_exactly(tmp_path: Path) -> None:
     """On CUDA: bf16 autocast, the loss falls, the run resumed from its step-10 checkpoint (dropout
     on) repeats the uninterrupted run's losses bit for bit, and the seeded sample is drawn on the GPU."""
