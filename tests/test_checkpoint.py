@@ -24,6 +24,7 @@ from attnlab.training.checkpoint import (
     find_checkpoint,
     get_rng_state,
     load_checkpoint,
+    metadata_digest,
     read_latest,
     save_checkpoint,
     set_rng_state,
@@ -186,9 +187,13 @@ def test_optimizer_file_is_never_unpickled(tmp_path: Path) -> None:
 
     meta = json.loads((step_dir / CHECKPOINT_NAME).read_text())
     meta["files"][OPTIMIZER_NAME] = {"bytes": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    meta["metadata_sha256"] = metadata_digest(meta)  # and checkpoint.json's own hash
     (step_dir / CHECKPOINT_NAME).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=OPTIMIZER_NAME):
+    with pytest.raises(ValueError, match=OPTIMIZER_NAME) as exc:
         load_checkpoint(tmp_path)
+    # One line that says what the file is not, never torch's advice to set weights_only=False.
+    assert "\n" not in str(exc.value) and "never unpickles" in str(exc.value)
+    assert "weights_only=False" not in str(exc.value)
 
 
 def test_crash_before_the_pointer_switch_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MODEL_LIMITS",
     "autocast_on",
     "broadcast_shape",
     "can_read_values",
@@ -28,6 +29,7 @@ __all__ = [
     "check_bool",
     "check_float_tensor",
     "check_length",
+    "check_model_size",
     "check_module_input",
     "check_same_dtype_and_device",
     "finite_real",
@@ -210,6 +212,62 @@ def check_length(n: int, context_length: int) -> None:
             f"the input has {n} tokens, more than context_length={context_length}; "
             f"build the module with a larger context_length or feed at most {context_length} tokens"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Model sizes
+# --------------------------------------------------------------------------------------------
+# Sane upper limits of a GPT configuration, checked before anything is built: a hand-edited or
+# hostile config.json (n_layers: 1000000) must be a clear error, not minutes of building modules or
+# an allocation of terabytes. Each is far past any model attnlab can train or run (the largest
+# published dense models have ~130 layers, width 16-20k, vocabularies of 256k and contexts of 128k).
+MODEL_LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 22,  # 4,194,304 token ids
+    "context_length": 1 << 20,  # 1,048,576 positions
+    "emb_dim": 1 << 16,  # 65,536
+    "n_heads": 1 << 12,  # 4,096
+    "n_layers": 512,  # building one block costs milliseconds even on the meta device
+    "ff_dim": 1 << 18,  # 262,144
+    "parameters": 1 << 40,  # ~1.1e12 parameters: 4.4 TB in float32
+}
+
+
+def check_model_size(
+    *,
+    vocab_size: int,
+    context_length: int,
+    emb_dim: int,
+    n_heads: int,
+    n_layers: int,
+    ff_dim: int,
+    source: str = "GPTConfig",
+) -> int:
+    """ValueError naming the field when a GPT's sizes pass :data:`MODEL_LIMITS`; returns the rough
+    parameter count ``V*d + T*d + n_layers * (4*d*d + 2*d*ff_dim)`` (embeddings, attention and MLP
+    matrices; biases and norms are negligible). ``ff_dim``: the MLP's hidden width actually used.
+    Arguments must already be positive ints (this checks only how large they are)."""
+    sizes = dict(
+        vocab_size=vocab_size,
+        context_length=context_length,
+        emb_dim=emb_dim,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        ff_dim=ff_dim,
+    )
+    for name, value in sizes.items():
+        if value > MODEL_LIMITS[name]:
+            raise ValueError(
+                f"{source}: {name}={value} is past attnlab's limit of {MODEL_LIMITS[name]:,} "
+                "(a damaged or hand-edited configuration?)"
+            )
+    d = emb_dim
+    n = vocab_size * d + context_length * d + n_layers * (4 * d * d + 2 * d * ff_dim)
+    if n > MODEL_LIMITS["parameters"]:
+        raise ValueError(
+            f"{source}: these sizes make a model of ~{n:.3g} parameters, past attnlab's limit of "
+            f"{MODEL_LIMITS['parameters']:.3g} (a damaged or hand-edited configuration?)"
+        )
+    return n
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,16 +3,23 @@
 Every file goes to a temporary file in the destination's directory, is flushed and fsynced, then
 renamed over the destination with ``os.replace`` (atomic on POSIX and Windows), and the directory
 is fsynced so the rename itself survives a power cut. A crash or SIGKILL at any moment leaves
-either the old file or the new one, never a mixture.
+either the old file or the new one, never a mixture (and, after a SIGKILL, a ``.NAME.*.tmp`` file
+that :func:`remove_temp_files` clears).
+
+Reading: attnlab reads only *regular* files (a FIFO would block forever, ``/dev/zero`` would fill
+the memory), opened without blocking and checked with ``fstat`` before the first byte is read, and
+small files (JSON) only up to a size cap.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,9 +36,14 @@ __all__ = [
     "import_safetensors",
     "iter_decoded",
     "iter_text_chunks",
+    "open_regular",
     "read_json",
+    "remove_temp_files",
+    "safe_write",
     "sha256_file",
 ]
+
+JSON_MAX_BYTES = 64 << 20  # read_json's default cap: attnlab's JSON files are kilobytes (a char vocabulary, RNG states)
 
 
 def current_umask() -> int:
@@ -95,24 +107,89 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def sha256_file(path: str | os.PathLike[str], *, block_size: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file's content, read in blocks (a multi-GB file never sits in memory)."""
+def remove_temp_files(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files that :func:`atomic_open` left for ``path`` when its process was
+    killed mid-write (``.NAME.*.tmp`` beside it); returns those removed.
+
+    Only call it while no other process may be writing ``path`` (e.g. holding a lock on its directory):
+    a temporary file being written looks the same as an abandoned one.
+    """
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "file") -> IO[bytes]:
+    """Open ``path`` for binary reading if it is a regular file (after symlinks); a FIFO, a device,
+    a socket or a directory is a ValueError naming it (``what``), before anything is read.
+
+    The file is opened with ``O_NONBLOCK`` (opening a FIFO would otherwise wait for a writer) and
+    checked with ``fstat`` on the open descriptor (no window between the check and the read).
+    """
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a directory, not a file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise ValueError(f"{what} {path} is {kind}; attnlab reads only regular files")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)  # a regular file never blocks; normal reads from here on
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sha256_file(path: str | os.PathLike[str], *, block_size: int = 1 << 22, what: str = "file") -> str:
+    """Hex SHA-256 of a regular file's content, read in blocks (a multi-GB file never sits in memory)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, what) as f:
         for block in iter(lambda: f.read(block_size), b""):
             h.update(block)
     return h.hexdigest()
 
 
-def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
-    """Parse a UTF-8 JSON file; a missing, truncated or corrupt one is an error naming it (``what``)."""
+def read_json(path: str | os.PathLike[str], what: str = "file", *, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """Parse a UTF-8 JSON file of at most ``max_bytes`` bytes; a missing, oversized, truncated or
+    corrupt one, or one that is no regular file, is an error naming it (``what``)."""
     path = Path(path)
+    with open_regular(path, what) as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ValueError(f"{what} {path} is larger than {max_bytes:,} bytes: not a file attnlab wrote")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} not found: {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {e})") from None
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, or an integer too long to convert
+        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {_first_line(e)})") from None
+    except RecursionError:  # [[[[...]]]] nested deeper than the parser's stack
+        raise ValueError(f"{what} {path} is corrupt (JSON nested too deeply)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def safe_write(stream: IO[str], text: str) -> None:
+    """Write ``text`` to a text stream; characters its encoding cannot represent (an ASCII-only
+    terminal, ``PYTHONIOENCODING=ascii``) become backslash escapes instead of an exception."""
+    try:
+        stream.write(text)
+    except UnicodeEncodeError:
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        stream.write(text.encode(encoding, "backslashreplace").decode(encoding, "replace"))
 
 
 def import_safetensors() -> Any:
@@ -126,12 +203,15 @@ def import_safetensors() -> Any:
 
 
 def check_text_file(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path, or FileNotFoundError / ValueError naming it when it is no file."""
+    """``path`` as a Path, or FileNotFoundError / ValueError naming it when it is no regular file
+    (a FIFO or a device would block or never end: the text is read more than once)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data file not found: {p}")
     if p.is_dir():
         raise ValueError(f"data path is a directory, expected a UTF-8 text file: {p}")
+    if not p.is_file():
+        raise ValueError(f"data path {p} is not a regular file (a FIFO or a device?); expected a UTF-8 text file")
     return p
 
 
@@ -149,7 +229,7 @@ def iter_decoded(
     completed (a multi-byte character cut by the block end is held back until the next block)."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     offset = 0  # bytes read before this block
-    with open(p, "rb") as f:
+    with open_regular(p, "data file") as f:
         while True:
             raw = f.read(chunk_bytes)
             final = not raw

@@ -8,7 +8,7 @@ Layout of a training directory ``DIR`` (``attnlab train --out DIR``)::
         config.json                      the GPTConfig                           } writes: GPT.load() reads it
         optimizer.pt                     AdamW state: tensors and numbers only, loaded with weights_only=True
         checkpoint.json                  step, tokenizer, training settings, RNG states, data position,
-                                         and the size + SHA-256 of each file above
+                                         the size + SHA-256 of each file above, and its own SHA-256
     DIR/metrics.jsonl                    one JSON object per optimizer step (written by the trainer)
 
 How a save stays consistent. Every file is written to a temporary name, fsynced and renamed; the
@@ -16,8 +16,22 @@ whole step directory is first assembled under a temporary name (``.tmp-step-...`
 renamed into ``checkpoints/``; only then is ``latest.json`` replaced (atomically) to point at it;
 only after that are older step directories removed. A SIGKILL or power cut at any instant therefore
 leaves ``latest.json`` naming a complete checkpoint: the previous one or the new one, never a mix.
-The recorded SHA-256 of every file turns a truncated or bit-rotted file into a clear error naming
-it, instead of a half-loaded model.
+
+How a load stays honest. Nothing is trusted before it is checked, and every check failure is a
+``ValueError`` / ``FileNotFoundError`` naming the file and the entry:
+
+* ``checkpoint.json`` carries ``metadata_sha256``, the SHA-256 of its own canonical JSON (every other
+  entry, keys sorted), so a flipped bit or a hand edit anywhere in it (``"step": 30`` -> ``31``) is
+  refused; every entry is also checked for type and range (format version 1, written before the
+  self-hash existed, gets the same schema check without the hash);
+* every file is checked against the size and SHA-256 that ``checkpoint.json`` records, before it is
+  parsed; only the files a reader needs (generate and viz never touch ``optimizer.pt``);
+* ``config.json`` must equal the recorded model configuration and stay within sane sizes
+  (:data:`attnlab.checks.MODEL_LIMITS`), and its layer count must match the weights file's, before a
+  module is built;
+* the optimizer state is checked against the model's parameters (:func:`check_optimizer_state`:
+  param groups, shapes, dtypes, step counters, finite values) before ``load_state_dict``, so a
+  crafted state is an error and never reaches a kernel that would read out of bounds.
 
 Nothing here unpickles: weights are safetensors, metadata is JSON, and the optimizer state goes
 through ``torch.load(..., weights_only=True)``.
@@ -26,11 +40,16 @@ through ``torch.load(..., weights_only=True)``.
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import io
+import json
+import math
 import os
 import random
 import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +57,31 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from attnlab.checks import is_int
-from attnlab.files import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, read_json, sha256_file
+from attnlab.checks import check_model_size, finite_real, is_bool, is_int, is_real
+from attnlab.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    current_umask,
+    fsync_dir,
+    open_regular,
+    read_json,
+    sha256_file,
+)
+from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
 
 __all__ = [
     "CHECKPOINT_NAME",
     "LATEST_NAME",
     "OPTIMIZER_NAME",
     "Checkpoint",
+    "check_optimizer_state",
     "find_checkpoint",
     "get_rng_state",
     "has_checkpoint",
     "load_checkpoint",
+    "metadata_digest",
     "read_latest",
     "read_metadata",
     "save_checkpoint",
@@ -62,7 +93,27 @@ CHECKPOINT_NAME = "checkpoint.json"
 OPTIMIZER_NAME = "optimizer.pt"
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = "attnlab-checkpoint"
-VERSION = 1
+# 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
+VERSION = 2
+SELF_HASH = "metadata_sha256"
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, OPTIMIZER_NAME)  # what a step directory may list
+METADATA_MAX_BYTES = 16 << 20  # checkpoint.json is ~40 KB per process (its RNG states)
+INT64_MAX = 2**63 - 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _sha256_hex(value: Any) -> bool:
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value for an error message (never its whole content)."""
+    if isinstance(value, (dict, list, tuple)):
+        return f"{type(value).__name__} of {len(value)} entries"
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,7 +124,7 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8).clone()
 
 
 def _mps_available() -> bool:
@@ -104,18 +155,126 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned (CUDA / MPS states only where that device is
-    available)."""
-    torch.set_rng_state(_unb64(state["torch"]))
-    name, keys, pos, has_gauss, cached = state["numpy"]
+    available). A state that is not one (checked by :func:`check_rng_state`, then by the
+    generators themselves) is a ValueError naming the generator."""
+    check_rng_state(state, "rng state")
+    for name, apply in (("torch", _set_torch), ("numpy", _set_numpy), ("python", _set_python)):
+        try:
+            apply(state[name])
+        except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+            raise ValueError(f"rng state: the {name!r} generator refused its saved state ({_one_line(exc)})") from None
+    for name, available in (("cuda", torch.cuda.is_available), ("mps", _mps_available)):
+        if state.get(name) and available():
+            try:
+                _set_device_rng(name, state[name])
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"rng state: the {name!r} generator refused its saved state ({_one_line(exc)})"
+                ) from None
+
+
+def _set_torch(s: str) -> None:
+    torch.set_rng_state(_unb64(s))
+
+
+def _set_numpy(s: list[Any]) -> None:
+    name, keys, pos, has_gauss, cached = s
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss_next = state["python"]
+
+
+def _set_python(s: list[Any]) -> None:
+    version, internal, gauss_next = s
     random.setstate((version, tuple(internal), gauss_next))
-    if state.get("cuda") and torch.cuda.is_available():
-        cuda_states = [_unb64(s) for s in state["cuda"]]
+
+
+def _set_device_rng(name: str, s: Any) -> None:
+    if name == "cuda":
+        cuda_states = [_unb64(x) for x in s]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
-    if state.get("mps") and _mps_available():
-        torch.mps.set_rng_state(_unb64(state["mps"]))
+    else:
+        torch.mps.set_rng_state(_unb64(s))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_TORCH_STATE_BYTES: int | None = None
+
+
+def _torch_state_bytes() -> int:
+    global _TORCH_STATE_BYTES
+    if _TORCH_STATE_BYTES is None:
+        _TORCH_STATE_BYTES = torch.get_rng_state().numel()  # 5056 bytes: mt19937 and its extras
+    return _TORCH_STATE_BYTES
+
+
+def _b64_bytes(value: Any) -> int | None:
+    """The length of what base64 ``value`` decodes to; None when it is no base64 string."""
+    if not isinstance(value, str) or len(value) > 1 << 20:
+        return None
+    try:
+        return len(base64.b64decode(value, validate=True))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _uint32_list(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(is_int(x) and 0 <= x < 2**32 for x in value)
+
+
+def check_rng_state(state: Any, where: str) -> None:
+    """ValueError naming ``where`` unless ``state`` has the shape :func:`get_rng_state` gives: a
+    base64 torch state of the CPU generator's size, NumPy's ``MT19937`` tuple (624 words, a position,
+    a cached Gaussian), Python's version-3 state (625 words), and base64 CUDA / MPS states or None."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{where} must be an object of generator states, got {_describe(state)}")
+    unknown = sorted(set(state) - {"torch", "numpy", "python", "cuda", "mps"})
+    if unknown:
+        raise ValueError(f"{where} has unknown generator(s) {unknown}")
+    for name in ("torch", "numpy", "python"):
+        if name not in state:
+            raise ValueError(f"{where} has no {name!r} generator state")
+    if _b64_bytes(state["torch"]) != _torch_state_bytes():
+        raise ValueError(
+            f"{where}: 'torch' must be the base64 of the CPU generator's {_torch_state_bytes()}-byte state, "
+            f"got {_describe(state['torch'])}"
+        )
+    np_state = state["numpy"]
+    if not (
+        isinstance(np_state, list)
+        and len(np_state) == 5
+        and np_state[0] == "MT19937"
+        and _uint32_list(np_state[1], 624)
+        and is_int(np_state[2])
+        and 0 <= np_state[2] <= 624
+        and is_int(np_state[3])
+        and np_state[3] in (0, 1)
+        and finite_real(np_state[4])
+    ):
+        raise ValueError(
+            f"{where}: 'numpy' must be ['MT19937', 624 words, position, has_gauss, cached], got {_describe(np_state)}"
+        )
+    py_state = state["python"]
+    if not (
+        isinstance(py_state, list)
+        and len(py_state) == 3
+        and py_state[0] == 3
+        and _uint32_list(py_state[1], 625)
+        and 1 <= py_state[1][-1] <= 624
+        and (py_state[2] is None or finite_real(py_state[2]))
+    ):
+        raise ValueError(f"{where}: 'python' must be [3, 625 words, gauss or null], got {_describe(py_state)}")
+    cuda = state.get("cuda")
+    if cuda is not None and not (
+        isinstance(cuda, list) and len(cuda) <= 1024 and all(_b64_bytes(s) is not None for s in cuda)
+    ):
+        raise ValueError(f"{where}: 'cuda' must be null or a list of base64 states, got {_describe(cuda)}")
+    mps = state.get("mps")
+    if mps is not None and _b64_bytes(mps) is None:
+        raise ValueError(f"{where}: 'mps' must be null or a base64 state, got {_describe(mps)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,12 +285,33 @@ def step_dirname(step: int) -> str:
 
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+# What attnlab itself puts in a step directory: its files, and their temporary files (atomic_open).
+_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json"
+_OWN_FILE = re.compile(rf"(?:{_NAMES})|\.(?:{_NAMES})\..+\.tmp")
 
 
 def _step_of(p: Path) -> int | None:
     """The step of a ``step-N`` directory (None for anything else)."""
     m = _STEP_DIR.fullmatch(p.name)
-    return int(m.group(1)) if m and p.is_dir() else None
+    return int(m.group(1)) if m and p.is_dir() and not p.is_symlink() else None
+
+
+def _written_by_attnlab(d: Path) -> bool:
+    """Whether every entry of the step directory ``d`` is a file attnlab writes there, so that
+    removing ``d`` removes nothing else (attnlab never deletes what it cannot prove it wrote)."""
+    try:
+        entries = list(d.iterdir())
+    except OSError:
+        return False
+    return all(e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name) for e in entries)
+
+
+def metadata_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 (hex) of ``meta``'s canonical JSON without its own ``metadata_sha256`` entry: keys
+    sorted, no spaces, ASCII. What version-2 ``checkpoint.json`` files record about themselves."""
+    body = {k: v for k, v in meta.items() if k != SELF_HASH}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def save_checkpoint(
@@ -151,15 +331,17 @@ def save_checkpoint(
         model: an :class:`attnlab.GPT` (not wrapped in DDP / torch.compile: pass the inner module).
         optimizer: its optimizer (state saved with ``torch.save``; only tensors and numbers).
         metadata: JSON-serialisable extras recorded in ``checkpoint.json`` (tokenizer, training
-            settings, RNG states, data position, ...). ``step`` and the file list are added.
+            settings, RNG states, data position, ...). ``step``, the file list and the metadata's
+            own SHA-256 are added.
         keep: how many step directories to keep (the newest; at least 1).
 
     Returns the new step directory. Saving a step that ``latest.json`` already names is a no-op
-    (the state at a given step is the same state).
+    (the state at a given step is the same state). Only step directories that hold nothing but
+    attnlab's own files are ever removed or replaced.
     """
     if not is_int(keep) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    if not is_int(step) or step < 0:  # as load_checkpoint demands
+    if not is_int(step) or step < 0 or step > INT64_MAX:  # as load_checkpoint demands
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     step, keep = int(step), int(keep)  # e.g. numpy integers
     out = Path(out_dir)
@@ -167,9 +349,12 @@ def save_checkpoint(
     ckpts.mkdir(parents=True, exist_ok=True)
     name = step_dirname(step)
     final = ckpts / name
-    latest = read_latest(out) if (out / LATEST_NAME).is_file() else None
+    latest = read_latest(out) if has_checkpoint(out) else None
     if latest is not None and latest.get("path") == f"{CHECKPOINTS_DIR}/{name}" and final.is_dir():
         return final
+    ours = final.is_dir() and not final.is_symlink() and _written_by_attnlab(final)
+    if (final.exists() or final.is_symlink()) and not ours:
+        raise ValueError(f"{final} exists and holds files attnlab did not write; move it away to save step {step}")
 
     # 1. Assemble the step directory under a temporary name; every file fsynced.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckpts))
@@ -196,28 +381,32 @@ def _write_step_dir(
     d: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: dict[str, Any]
 ) -> None:
     """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
-    sizes and hashes) last; ``d`` itself fsynced."""
+    sizes and hashes, and its own) last; ``d`` itself fsynced."""
     model.save(d)  # model.safetensors + config.json
-    files = ["model.safetensors", "config.json"]
+    files = [WEIGHTS_NAME, CONFIG_NAME]
     if optimizer is not None:
         buf = io.BytesIO()
         torch.save(optimizer.state_dict(), buf)
         atomic_write_bytes(d / OPTIMIZER_NAME, buf.getvalue())
         files.append(OPTIMIZER_NAME)
-    meta = dict(metadata)
+    meta = {k: v for k, v in metadata.items() if k != SELF_HASH}
     meta.update(
         format=FORMAT,
         version=VERSION,
         step=step,
         files={f: {"bytes": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in files},
     )
+    # Hash what a reader will parse: the JSON round trip turns tuples into lists, int keys into strings.
+    meta = json.loads(json.dumps(meta))
+    meta[SELF_HASH] = metadata_digest(meta)
     atomic_write_json(d / CHECKPOINT_NAME, meta)
     fsync_dir(d)
 
 
 def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     """Remove from ``ckpts`` every step directory but ``final`` and the newest ``keep - 1`` before
-    it, and the debris of interrupted saves.
+    it, and the debris of interrupted saves; a directory holding anything attnlab did not write
+    there is left alone.
 
     A step directory at or past ``step`` that ``latest.json`` does not name was renamed into place
     by a run killed before its pointer switch (or a run this one resumed before): it is not part of
@@ -227,7 +416,7 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
         s = _step_of(p)
-        if s is None or p == final:
+        if s is None or p == final or not _written_by_attnlab(p):
             continue
         if s >= step:
             shutil.rmtree(p, ignore_errors=True)
@@ -237,7 +426,8 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     for _, old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     for debris in ckpts.glob(".tmp-step-*"):
-        shutil.rmtree(debris, ignore_errors=True)
+        if debris.is_dir() and not debris.is_symlink() and _written_by_attnlab(debris):
+            shutil.rmtree(debris, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,19 +444,25 @@ class Checkpoint:
     optimizer_state: dict[str, Any] | None
 
 
+def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``out_dir`` holds a checkpoint pointer (``latest.json``; anything of that name counts,
+    so that a damaged one is reported rather than taken for a fresh directory)."""
+    return os.path.lexists(Path(out_dir) / LATEST_NAME)
+
+
 def read_latest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint pointer ``latest.json`` of the training directory ``out_dir`` (its ``step``
     and the ``path`` of the step directory); ValueError naming the file when it is corrupt."""
     p = Path(out_dir) / LATEST_NAME
-    latest = read_json(p, "checkpoint pointer")
+    latest = read_json(p, "checkpoint pointer", max_bytes=1 << 16)
     if not isinstance(latest, dict) or not isinstance(latest.get("path"), str):
         raise ValueError(f"checkpoint pointer {p} is corrupt (no 'path' entry)")
+    if "format" in latest and latest["format"] != FORMAT:
+        raise ValueError(f"checkpoint pointer {p} is corrupt ('format' is {_describe(latest['format'])})")
+    step = latest.get("step")
+    if not is_int(step) or not 0 <= step <= INT64_MAX:
+        raise ValueError(f"checkpoint pointer {p} is corrupt ('step' must be a non-negative integer, got {step!r})")
     return latest
-
-
-def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``out_dir`` holds a checkpoint pointer (``latest.json``)."""
-    return (Path(out_dir) / LATEST_NAME).is_file()
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -279,10 +475,11 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
         raise ValueError(
             f"checkpoint must be a directory (a training --out directory or a step directory), got file {p}"
         )
-    if (p / CHECKPOINT_NAME).exists():
+    if os.path.lexists(p / CHECKPOINT_NAME):
         return p
-    if (p / LATEST_NAME).exists():
-        pointer = read_latest(p)["path"]
+    if has_checkpoint(p):
+        latest = read_latest(p)
+        pointer = latest["path"]
         # attnlab only ever writes a relative "checkpoints/step-N" here; an absolute path or ".."
         # is a hand-edited or tampered pointer. (The string is checked, not the resolved path:
         # checkpoints/ may well be a symlink to another disk.)
@@ -295,9 +492,22 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"no checkpoint in {p} (expected {LATEST_NAME} or {CHECKPOINT_NAME})")
 
 
-def _check_metadata(meta: Any, where: Path) -> dict[str, Any]:
-    """The structure of ``checkpoint.json``: a hand-edited or foreign file gives a ValueError
-    naming it and the bad entry, never a TypeError from deep inside the loader."""
+def _latest_step(path: str | os.PathLike[str]) -> int | None:
+    """The step ``latest.json`` names when ``path`` is a training directory (None for a step directory)."""
+    p = Path(path).expanduser()
+    if os.path.lexists(p / CHECKPOINT_NAME) or not has_checkpoint(p):
+        return None
+    return int(read_latest(p)["step"])
+
+
+# -- the schema of checkpoint.json ----------------------------------------------------------------
+def _check_metadata(meta: Any, where: Path, *, latest_step: int | None = None) -> dict[str, Any]:
+    """The whole of ``checkpoint.json``, checked: a hand-edited, damaged or foreign file gives a
+    ValueError naming it and the bad entry, never a TypeError from deep inside the loader.
+
+    First every entry's type and range (the entries the trainer writes, where present: a checkpoint
+    saved through the Python API may carry other metadata), then, for format version 2, the file's
+    own SHA-256 (an edit that keeps every entry plausible is still refused)."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{where} is not an attnlab checkpoint (format entry missing)")
     version = meta.get("version")
@@ -306,26 +516,221 @@ def _check_metadata(meta: Any, where: Path) -> dict[str, Any]:
     if version > VERSION:
         raise ValueError(f"{where} has format version {version}; this attnlab reads <= {VERSION}")
     step = meta.get("step")
-    if not is_int(step) or step < 0:
+    if not is_int(step) or not 0 <= step <= INT64_MAX:
         raise ValueError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
-    files = meta.get("files")
+    _check_files(meta.get("files"), where)
+    for name, check in _ENTRY_CHECKS.items():
+        if name in meta:
+            try:
+                check(meta[name], meta)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where}: {name!r}: {_one_line(exc)}") from None
+    digest = meta.get(SELF_HASH)
+    if version >= 2 or digest is not None:
+        if not _sha256_hex(digest):
+            raise ValueError(f"{where}: '{SELF_HASH}' must be a SHA-256 (64 hex digits), got {_describe(digest)}")
+        if digest != metadata_digest(meta):
+            raise ValueError(
+                f"{where} is corrupt or was edited: its content does not match its own SHA-256 ('{SELF_HASH}')"
+            )
+    if latest_step is not None and latest_step != step:
+        raise ValueError(f"{where} holds step {step}, but {LATEST_NAME} says step {latest_step}")
+    return meta
+
+
+def _check_files(files: Any, where: Path) -> None:
     if not isinstance(files, dict):
         raise ValueError(f"{where}: 'files' must be an object of file name -> {{bytes, sha256}}, got {files!r}")
     for name, info in files.items():
-        # Only plain names inside the step directory: a recorded '../x' must not make us read
-        # (or hash) files elsewhere.
-        if not name or name == "." or "/" in name or "\\" in name or ".." in name:
-            raise ValueError(f"{where}: file name {name!r} in 'files' must be a plain name inside the step directory")
-        if not isinstance(info, dict) or not is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
-            raise ValueError(f"{where}: files[{name!r}] must be {{'bytes': int, 'sha256': str}}, got {info!r}")
-    return meta
+        # Only attnlab's own plain names inside the step directory: a recorded '../x' must not
+        # make us read (or hash) files elsewhere.
+        if name not in FILE_NAMES:
+            raise ValueError(
+                f"{where}: file name {name!r} in 'files' is not one of the step directory's files "
+                f"({', '.join(FILE_NAMES)})"
+            )
+        if (
+            not isinstance(info, dict)
+            or set(info) != {"bytes", "sha256"}
+            or not is_int(info["bytes"])
+            or not 0 <= info["bytes"] <= INT64_MAX
+            or not _sha256_hex(info["sha256"])
+        ):
+            raise ValueError(
+                f"{where}: files[{name!r}] must be {{'bytes': int, 'sha256': 64 hex digits}}, got {info!r}"
+            )
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        if name not in files:
+            raise ValueError(f"{where}: 'files' does not list {name} (every checkpoint has it)")
+
+
+def _check_tokenizer(tok: Any, meta: dict[str, Any]) -> None:
+    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+        raise ValueError(f"must be an object with a tokenizer 'name', got {_describe(tok)}")
+    name = tok["name"]
+    keys = {
+        "byte": {"name"},
+        "char": {"name", "chars"},
+        "gpt2": {"name", "bpe_dir", "vocab_bpe_sha256", "encoder_json_sha256"},
+    }
+    if name not in keys:
+        raise ValueError(f"unknown tokenizer {name!r} (byte, char or gpt2)")
+    if not set(tok) <= keys[name]:
+        raise ValueError(f"unknown entries {sorted(set(tok) - keys[name])} for the {name} tokenizer")
+    if name == "char":
+        chars = tok.get("chars")
+        if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
+            raise ValueError("'chars' must be a non-empty string of distinct characters")
+    if name == "gpt2":
+        if tok.get("bpe_dir") is not None and not isinstance(tok["bpe_dir"], str):
+            raise ValueError(f"'bpe_dir' must be a path or null, got {_describe(tok['bpe_dir'])}")
+        for key in ("vocab_bpe_sha256", "encoder_json_sha256"):
+            if tok.get(key) is not None and not _sha256_hex(tok[key]):
+                raise ValueError(f"{key!r} must be a SHA-256 or null, got {_describe(tok[key])}")
+    vocab = {"byte": 256, "gpt2": 50257}.get(name, len(tok.get("chars") or ""))
+    model_vocab = meta.get("model_config", {}).get("vocab_size") if isinstance(meta.get("model_config"), dict) else None
+    if is_int(model_vocab) and model_vocab != vocab:
+        raise ValueError(f"the {name} tokenizer has {vocab} token ids but model_config's vocab_size is {model_vocab}")
+
+
+def model_config_from(d: Any, what: str) -> GPTConfig:
+    """A :class:`GPTConfig` from a JSON object, its sizes checked against
+    :data:`~attnlab.checks.MODEL_LIMITS` before anything would be built; ValueError naming ``what``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be an object of GPTConfig fields, got {_describe(d)}")
+    try:
+        config = GPTConfig.from_dict(d)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: {_one_line(exc)}") from None
+    check_model_size(
+        vocab_size=config.vocab_size,
+        context_length=config.context_length,
+        emb_dim=config.emb_dim,
+        n_heads=config.n_heads,
+        n_layers=config.n_layers,
+        ff_dim=config.hidden_dim,
+        source=what,
+    )
+    return config
+
+
+def _check_model_config(d: Any, meta: dict[str, Any]) -> None:
+    model_config_from(d, "the model configuration")
+
+
+def _check_train_config(d: Any, meta: dict[str, Any]) -> None:
+    from attnlab.training.config import TrainConfig  # config imports the model, as this module does
+
+    if not isinstance(d, dict):
+        raise ValueError(f"must be an object of training settings, got {_describe(d)}")
+    TrainConfig.from_dict(d).validate()
+    model = meta.get("model_config")
+    T = d.get("context_length")
+    if isinstance(model, dict) and T is not None and model.get("context_length") != T:
+        raise ValueError(f"context_length {T!r} differs from model_config's {model.get('context_length')!r}")
+
+
+def _check_world_size(n: Any, meta: dict[str, Any]) -> None:
+    if not is_int(n) or not 1 <= n <= 1 << 20:
+        raise ValueError(f"must be a positive number of processes, got {_describe(n)}")
+
+
+def _check_rng(states: Any, meta: dict[str, Any]) -> None:
+    if not isinstance(states, list) or not 1 <= len(states) <= 1 << 20:
+        raise ValueError(f"must be a list of one generator state per process, got {_describe(states)}")
+    n = meta.get("world_size")
+    if is_int(n) and n != len(states):
+        raise ValueError(f"holds {len(states)} process states but 'world_size' is {n}")
+    for i, state in enumerate(states):
+        check_rng_state(state, f"process {i}")
+
+
+def _check_data(d: Any, meta: dict[str, Any]) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"must be an object (sampler, next_step, seed, ...), got {_describe(d)}")
+    checks = {
+        "sampler": lambda v: v == "RandomWindowBatches",
+        "next_step": lambda v: v == meta.get("step"),
+        "seed": lambda v: is_int(v) and 0 <= v < 2**64,
+        "global_batch_size": lambda v: is_int(v) and 1 <= v <= INT64_MAX,
+        "context_length": lambda v: is_int(v) and 1 <= v <= INT64_MAX,
+        "source": lambda v: v is None or isinstance(v, str),
+        "sha256": lambda v: v is None or _sha256_hex(v),
+    }
+    for key, ok in checks.items():
+        if key in d and not ok(d[key]):
+            want = f"the checkpoint's step ({meta.get('step')})" if key == "next_step" else "a valid value"
+            raise ValueError(f"{key!r} must be {want}, got {_describe(d[key])}")
+    unknown = sorted(set(d) - set(checks))
+    if unknown:
+        raise ValueError(f"unknown entries {unknown}")
+    tc, model = meta.get("train_config"), meta.get("model_config")
+    pairs = [("seed", tc, "seed"), ("global_batch_size", tc, "batch_size"), ("context_length", model, "context_length")]
+    for key, other, other_key in pairs:
+        if key in d and isinstance(other, dict) and other_key in other and other[other_key] != d[key]:
+            raise ValueError(f"{key!r} is {d[key]!r} but the checkpoint's {other_key} is {other[other_key]!r}")
+
+
+def _check_val_loss(v: Any, meta: dict[str, Any]) -> None:
+    if v is not None and not finite_real(v):
+        raise ValueError(f"must be a finite number or null, got {_describe(v)}")
+
+
+def _check_torch_version(v: Any, meta: dict[str, Any]) -> None:
+    if not isinstance(v, str) or len(v) > 200:
+        raise ValueError(f"must be a version string, got {_describe(v)}")
+
+
+_ENTRY_CHECKS = {
+    "tokenizer": _check_tokenizer,
+    "model_config": _check_model_config,
+    "train_config": _check_train_config,
+    "world_size": _check_world_size,
+    "rng": _check_rng,
+    "data": _check_data,
+    "val_loss": _check_val_loss,
+    "torch_version": _check_torch_version,
+}
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`);
-    its structure is checked, the files it lists are not (see :func:`load_checkpoint`)."""
+    its whole schema (and its own SHA-256) is checked, the files it lists are not (see
+    :func:`load_checkpoint`)."""
     d = find_checkpoint(path)
-    return _check_metadata(read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
+    meta = read_json(d / CHECKPOINT_NAME, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
+    return _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=_latest_step(path))
+
+
+def _verify_file(d: Path, name: str, info: dict[str, Any]) -> Path:
+    """``d / name``, a regular file of the recorded size and SHA-256; an error naming it otherwise."""
+    f = d / name
+    if not f.is_file():
+        what = "is not a regular file" if os.path.lexists(f) else "missing"
+        raise (FileNotFoundError if what == "missing" else ValueError)(f"checkpoint file {what}: {f}")
+    size = f.stat().st_size
+    if size != info["bytes"]:
+        raise ValueError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, expected {info['bytes']})")
+    if sha256_file(f, what="checkpoint file") != info["sha256"]:
+        raise ValueError(f"checkpoint file {f} is corrupt (SHA-256 differs from the one recorded at save time)")
+    return f
+
+
+def _safetensors_layers(path: Path) -> int | None:
+    """How many transformer blocks a GPT weights file holds, from its JSON header alone (None when
+    the header cannot be read: safetensors' own loader then reports the file)."""
+    try:
+        with open_regular(path, "checkpoint file") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(100 << 20, path.stat().st_size - 8):
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error, RecursionError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    layers = {int(m.group(1)) for k in header if (m := re.match(r"trf_blocks\.(\d+)\.", k))}
+    return max(layers) + 1 if layers else 0
 
 
 def load_checkpoint(
@@ -336,30 +741,143 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read and verify a checkpoint: ``path`` is a training directory or a step directory.
 
-    Every file is checked against the size and SHA-256 recorded in ``checkpoint.json`` before it
-    is parsed, so a truncated or corrupt file is reported by name (``ValueError``) rather than
-    half-loaded. The model is built from ``config.json`` and put on ``device``.
+    ``checkpoint.json`` is checked whole (schema and, from format version 2, its own SHA-256), then
+    every file needed is checked against the size and SHA-256 recorded in it before it is parsed,
+    so a truncated or corrupt file is reported by name (``ValueError``) rather than half-loaded.
+    ``config.json`` must be the recorded model configuration, within sane sizes, with the weights'
+    layer count, before the model is built and put on ``device``. With ``load_optimizer=False``
+    (generation, visualisation) ``optimizer.pt`` is neither read nor hashed; otherwise it is loaded
+    with ``weights_only=True`` and must be a plain dict of tensors (see :func:`check_optimizer_state`
+    for its check against a model).
     """
-    from attnlab.model import GPT
-
     d = find_checkpoint(path)
-    meta = _check_metadata(read_json(d / CHECKPOINT_NAME, "checkpoint metadata"), d / CHECKPOINT_NAME)
-    for name, info in meta["files"].items():
-        f = d / name
-        if not f.is_file():
-            raise FileNotFoundError(f"checkpoint file missing: {f}")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise ValueError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, expected {info['bytes']})")
-        if sha256_file(f) != info["sha256"]:
-            raise ValueError(f"checkpoint file {f} is corrupt (SHA-256 differs from the one recorded at save time)")
+    where = d / CHECKPOINT_NAME
+    meta = read_json(where, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
+    meta = _check_metadata(meta, where, latest_step=_latest_step(path))
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        _verify_file(d, name, meta["files"][name])
+    config = model_config_from(read_json(d / CONFIG_NAME, "model config", max_bytes=1 << 20), f"{d / CONFIG_NAME}")
+    if "model_config" in meta and config != GPTConfig.from_dict(meta["model_config"]):
+        raise ValueError(f"{d / CONFIG_NAME} differs from the model configuration recorded in {where}")
+    layers = _safetensors_layers(d / WEIGHTS_NAME)
+    if layers is not None and layers != config.n_layers:
+        raise ValueError(f"{d / CONFIG_NAME} describes {config.n_layers} layers but {d / WEIGHTS_NAME} holds {layers}")
     model = GPT.load(d, device=device)
     opt_state = None
     if load_optimizer and OPTIMIZER_NAME in meta["files"]:
-        try:
-            opt_state = torch.load(d / OPTIMIZER_NAME, map_location=device or "cpu", weights_only=True)
-        except Exception as exc:  # a file that passed the hash check but is not a state dict
+        f = _verify_file(d, OPTIMIZER_NAME, meta["files"][OPTIMIZER_NAME])
+        # AdamW keeps two tensors of each parameter's size (three with amsgrad): a file much larger
+        # than that is not an optimizer state of this model, and is not loaded into memory.
+        limit = 4 * sum(p.numel() * p.element_size() for p in model.parameters()) + (16 << 20)
+        if f.stat().st_size > limit:
             raise ValueError(
-                f"checkpoint file {d / OPTIMIZER_NAME} is not a loadable optimizer state ({exc})"
-            ) from None
+                f"checkpoint file {f} is {f.stat().st_size:,} bytes, too large for this model's optimizer state"
+            )
+        opt_state = _load_tensors(f, device)
     return Checkpoint(path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state)
+
+
+def _load_tensors(f: Path, device: torch.device | str | None) -> Any:
+    """``torch.load(f, weights_only=True)``: plain containers, numbers and tensors, never a pickled
+    object; anything else is one line saying so (torch's own refusal is many lines long, and advises
+    ``weights_only=False``, which attnlab never does)."""
+    try:
+        with open_regular(f, "checkpoint file") as fh:
+            return torch.load(fh, map_location=device or "cpu", weights_only=True)
+    except Exception as exc:  # an unpickling error, a torn zip archive, ...
+        kind = type(exc).__name__
+        raise ValueError(
+            f"checkpoint file {f} is not a plain tensor checkpoint (torch.load with weights_only=True refused it: "
+            f"{kind}); attnlab never unpickles objects"
+        ) from None
+
+
+# -- the optimizer state against the model -------------------------------------------------------
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def check_optimizer_state(
+    state: Any, optimizer: torch.optim.Optimizer, *, step: int, where: str | os.PathLike[str] = OPTIMIZER_NAME
+) -> dict[str, Any]:
+    """A saved Adam/AdamW ``state`` checked against ``optimizer`` (built for this model), returned in
+    the form to pass to ``optimizer.load_state_dict``; ValueError naming ``where`` on any mismatch.
+
+    ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads and then
+    the fused kernel reads past its end (a segfault), and a state from another model loads silently.
+    So, before it is called: the param groups must have this optimizer's layout (as many groups, as
+    many parameters in each, distinct ids, settings of the same kinds); every per-parameter state
+    must have exactly Adam's entries, ``exp_avg``/``exp_avg_sq`` (``max_exp_avg_sq``) of the
+    parameter's shape and dtype, finite (the second moments non-negative), and a scalar ``step``
+    counter that is a whole number in ``[0, step]``.
+
+    The groups' settings (lr, betas, weight decay, fused, ...) of the result are ``optimizer``'s
+    own: a resumed run uses its configuration's (the trainer sets the lr every step anyway), not
+    whatever the file says.
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"optimizer must be torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"optimizer state {where} does not fit this model: {msg}")
+
+    if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+        raise bad(f"expected a dict of 'state' and 'param_groups', got {_describe(state)}")
+    mine = optimizer.state_dict()["param_groups"]
+    groups = state["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(mine):
+        raise bad(f"expected {len(mine)} param groups, got {_describe(groups)}")
+    params: dict[Any, Tensor] = {}
+    loadable_groups = []
+    for i, (saved, own, live) in enumerate(zip(groups, mine, optimizer.param_groups, strict=True)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise bad(f"param group {i} is {_describe(saved)}, not a group of parameter ids")
+        ids = saved["params"]
+        if len(ids) != len(own["params"]) or not all(is_int(x) for x in ids):
+            raise bad(f"param group {i} has {len(ids)} parameter ids, this model {len(own['params'])}")
+        if set(saved) != set(own):
+            raise bad(f"param group {i} has the settings {sorted(saved)}, expected {sorted(own)}")
+        for key, value in saved.items():
+            if key != "params" and not _setting_like(value, own[key]):
+                raise bad(f"param group {i}: {key} is {_describe(value)}")
+        params.update(zip(ids, live["params"], strict=True))
+        loadable_groups.append({**own, "params": list(ids)})
+    if len(params) != sum(len(g["params"]) for g in mine):
+        raise bad("parameter ids repeat")
+    per_param = state["state"]
+    if not isinstance(per_param, dict):
+        raise bad(f"'state' is {_describe(per_param)}, not a dict of per-parameter states")
+    names = _ADAM_STATE + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
+    for pid, s in per_param.items():
+        if not is_int(pid) or pid not in params:
+            raise bad(f"a state for parameter {pid!r}, which no param group lists")
+        p = params[pid]
+        if not isinstance(s, dict) or set(s) != set(names):
+            got = sorted(s) if isinstance(s, dict) else _describe(s)
+            raise bad(f"the state of parameter {pid} has {got}, expected {sorted(names)}")
+        for name in names[1:]:
+            t = s[name]
+            if not isinstance(t, Tensor) or t.layout != torch.strided or t.shape != p.shape or t.dtype != p.dtype:
+                raise bad(
+                    f"{name} of parameter {pid} is {_describe(t)}, expected shape {tuple(p.shape)} and dtype {p.dtype}"
+                )
+            if not bool(torch.isfinite(t).all()) or (name != "exp_avg" and bool((t < 0).any())):
+                raise bad(f"{name} of parameter {pid} holds non-finite or negative values")
+        counter = s["step"]
+        if not isinstance(counter, Tensor) or counter.shape != () or not counter.is_floating_point():
+            raise bad(f"the step counter of parameter {pid} is {_describe(counter)}, expected a float scalar")
+        value = float(counter)
+        if not (math.isfinite(value) and value == int(value) and 0 <= value <= step):
+            raise bad(f"the step counter of parameter {pid} is {value}, expected a whole number in [0, {step}]")
+    return {"state": per_param, "param_groups": loadable_groups}
+
+
+def _setting_like(value: Any, own: Any) -> bool:
+    """A saved param-group setting of the same kind as this optimizer's (a flag, a finite number, a
+    pair of finite numbers), so loading it cannot smuggle in an object."""
+    if own is None or is_bool(own):
+        return value is None or is_bool(value)
+    if is_real(own):
+        return finite_real(value)
+    if isinstance(own, (tuple, list)):
+        return isinstance(value, (tuple, list)) and len(value) == len(own) and all(finite_real(v) for v in value)
+    return False

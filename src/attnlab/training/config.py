@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,27 @@ from typing import Any
 
 import numpy as np
 
-from attnlab.checks import finite_real, is_int, is_real
+from attnlab.checks import finite_real, is_bool, is_int, is_real
 from attnlab.model import GPTConfig
 
-__all__ = ["SEED_LIMIT", "TINY_LR", "TrainConfig", "absolute_path", "canonical_preset", "default_lr", "lr_at"]
+__all__ = [
+    "INT_LIMIT",
+    "SEED_LIMIT",
+    "TINY_LR",
+    "TrainConfig",
+    "absolute_path",
+    "canonical_preset",
+    "default_lr",
+    "lr_at",
+]
 
 SEED_LIMIT = 2**64  # torch.manual_seed takes seeds below it
+INT_LIMIT = 2**63 - 1  # counts pass through int64 tensors and NumPy arrays
+
+
+def _path_like(value: Any) -> bool:
+    """A non-empty path: ``""`` would mean the working directory, never what someone meant."""
+    return isinstance(value, (str, os.PathLike)) and str(value) != ""
 
 
 def _flag(name: str) -> str:
@@ -72,22 +88,29 @@ class TrainConfig:
     FIXED_ON_RESUME = ("data", "tokenizer", "preset", "context_length", "dropout", "seed", "val_fraction")
 
     def validate(self) -> None:
-        """ValueError naming the flag for any setting out of range (before any work is done)."""
+        """ValueError naming the flag for any setting of the wrong type or out of range (before any
+        work is done). Every field is checked: settings also come from a checkpoint's JSON."""
         positive = ["batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "checkpoint_every"]
         positive += ["keep_checkpoints"] + (["context_length"] if self.context_length is not None else [])
         for name in positive:
-            if not is_int(v := getattr(self, name)) or v < 1:
+            if not is_int(v := getattr(self, name)) or not 1 <= v <= INT_LIMIT:
                 raise ValueError(f"{_flag(name)} must be a positive integer, got {v!r}")
         for name in ("warmup_steps", "sample_tokens", "seed"):
             if not is_int(v := getattr(self, name)) or v < 0:
                 raise ValueError(f"{_flag(name)} must be a non-negative integer, got {v!r}")
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"--seed must be below 2**64, got {self.seed!r}")
+        for name in ("warmup_steps", "sample_tokens"):
+            if getattr(self, name) > INT_LIMIT:
+                raise ValueError(f"{_flag(name)} must be at most {INT_LIMIT:,}, got {getattr(self, name)!r}")
         if self.lr is not None and not (finite_real(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
         for name in ("weight_decay", "grad_clip"):
             if not (finite_real(v := getattr(self, name)) and v >= 0):
                 raise ValueError(f"{_flag(name)} must be a non-negative number, got {v!r}")
+        for name in ("beta1", "beta2"):
+            if not (is_real(v := getattr(self, name)) and 0 <= v < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
         if not (is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.dropout is not None and not (is_real(self.dropout) and 0 <= self.dropout < 1):
@@ -96,6 +119,17 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.tokenizer not in ("byte", "char", "gpt2"):
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of: byte, char, gpt2")
+        for name in ("data", "bpe_dir"):
+            if (v := getattr(self, name)) is not None and not _path_like(v):
+                raise ValueError(f"{_flag(name)} must be a path (or None), got {v!r}")
+        if not _path_like(self.out):
+            raise ValueError(f"--out must be a directory path, got {self.out!r}")
+        for name in ("device", "sample_prompt", "preset"):
+            if not isinstance(v := getattr(self, name), str):
+                raise ValueError(f"{_flag(name)} must be a string, got {v!r}")
+        for name in ("resume", "compile", "progress"):
+            if not is_bool(v := getattr(self, name)):
+                raise ValueError(f"{_flag(name)} must be True or False, got {v!r}")
         canonical_preset(self.preset)
 
     def to_dict(self) -> dict[str, Any]:

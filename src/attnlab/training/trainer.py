@@ -47,12 +47,15 @@ import torch
 
 from attnlab import data  # the module: its functions are looked up when called (tests replace some)
 from attnlab.checks import is_int, is_real, resolve_device
-from attnlab.files import atomic_write_text, sha256_file
+from attnlab.errors import UserError
+from attnlab.files import atomic_open, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import (
+    OPTIMIZER_NAME,
     Checkpoint,
+    check_optimizer_state,
     get_rng_state,
     has_checkpoint,
     load_checkpoint,
@@ -63,6 +66,8 @@ from attnlab.training.checkpoint import (
 )
 from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
+from attnlab.training.memory import GiB, available_memory, estimate_training_memory
+from attnlab.training.rundir import RunLock, check_run_directory
 
 __all__ = ["SAMPLE_SETTINGS", "TrainResult", "Trainer", "train"]
 
@@ -93,21 +98,25 @@ class _MetricsLog:
     """``metrics.jsonl``, one JSON line per step; every line flushed and fsynced as written.
 
     On resume from step ``k`` the lines past ``k`` (written after the checkpoint by the run that
-    was interrupted) and any torn last line are dropped, so the file reads like one run.
+    was interrupted) and any torn last line are dropped, so the file reads like one run. The old
+    file is streamed (it may be long), read only if it is a regular file, and lines longer than
+    :attr:`MAX_LINE` (no line attnlab writes) are dropped unread.
     """
+
+    MAX_LINE = 1 << 16
 
     def __init__(self, path: Path, keep_up_to: int | None) -> None:
         self.path = path
-        kept: list[str] = []
-        if keep_up_to is not None and path.is_file():
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and is_int(rec.get("step")) and rec["step"] <= keep_up_to:
-                    kept.append(line)
-        atomic_write_text(path, "".join(x + "\n" for x in kept))
+        with atomic_open(path, "w") as new:
+            if keep_up_to is not None and os.path.lexists(path):
+                with open_regular(path, "metrics log") as old:
+                    for line in _bounded_lines(old, self.MAX_LINE):
+                        try:
+                            rec = json.loads(line)
+                        except (ValueError, RecursionError):
+                            continue
+                        if isinstance(rec, dict) and is_int(rec.get("step")) and 0 < rec["step"] <= keep_up_to:
+                            new.write(line + "\n")
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def append(self, record: dict[str, Any]) -> None:
@@ -143,6 +152,30 @@ class _StopFlag:
             signal.signal(s, h)
 
 
+def _bounded_lines(f: Any, limit: int) -> Iterable[str]:
+    """The complete lines of binary file ``f`` (UTF-8, undecodable bytes replaced), without their
+    newline; a line longer than ``limit`` bytes is skipped without holding it in memory, and so is
+    a last line without a newline (torn by a kill)."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if not line.endswith(b"\n"):
+            if len(line) > limit:  # too long: skip to the end of this line
+                while (rest := f.readline(limit + 1)) and not rest.endswith(b"\n"):
+                    pass
+            continue
+        yield line[:-1].decode("utf-8", errors="replace")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's refusal (torch on CPU or CUDA, NumPy, Python)."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
 def _is_main_thread() -> bool:
     import threading
 
@@ -168,15 +201,24 @@ class Trainer:
         self.dist = DistEnv.from_environ()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
-        self.cfg = self._run_config(config, given)
-        self.device = resolve_device(self.cfg.device, self.dist.local_rank)
         self._owns_process_group = False
+        # The directory is this run's before anything in it is read: rank 0 writes, so rank 0
+        # checks that it may and holds the lock on it while the run may write.
+        self._lock = RunLock(self.out)
+        resolve_device(config.device, self.dist.local_rank)  # a bad --device is refused before --out is made
+        if self.dist.is_main:
+            check_run_directory(self.out)
+            self._lock.acquire()
         try:
+            self.cfg = self._run_config(config, given)
+            self.device = resolve_device(self.cfg.device, self.dist.local_rank)
             self._setup()
-        except BaseException:
+        except BaseException as exc:
             # Errors after init_process_group (a bad file, a batch size that does not divide)
             # must not leave the group behind (torchrun would hang on the other ranks' exit).
             self.close()
+            if _out_of_memory(exc):
+                raise self._memory_error(exc) from None
             raise
 
     def _run_config(self, config: TrainConfig, given: Iterable[str] | None) -> TrainConfig:
@@ -184,13 +226,22 @@ class Trainer:
         (:meth:`TrainConfig.resumed`)."""
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} exists and is not a directory")
+        self._saved_meta: dict[str, Any] | None = None
         if config.resume and has_checkpoint(self.out):
             # Before anything is built: the device, model, data and seed are the checkpoint's.
+            # read_metadata checked every entry (and the file's own hash); resuming needs them all.
             meta = read_metadata(self.out)
-            saved = meta.get("train_config", {})
-            if not isinstance(saved, dict):
-                raise ValueError(f"the checkpoint in {self.out} has no valid 'train_config' entry")
-            config = config.resumed(saved, given, source=f"the checkpoint in {self.out}")
+            where = f"the checkpoint in {self.out}"
+            missing = [k for k in ("tokenizer", "model_config", "train_config", "rng", "data") if k not in meta]
+            if missing:
+                raise ValueError(f"{where} cannot be resumed: its checkpoint.json has no {', '.join(missing)} entry")
+            if OPTIMIZER_NAME not in meta["files"]:
+                raise ValueError(
+                    f"{where} records no optimizer state ({OPTIMIZER_NAME}); resuming would restart AdamW "
+                    "from zero, which is not the run it continues: start a new --out from its weights instead"
+                )
+            self._saved_meta = meta
+            config = config.resumed(meta["train_config"], given, source=where)
             config.validate()
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
@@ -198,10 +249,19 @@ class Trainer:
         return TrainConfig.from_dict(config.to_dict() | paths)
 
     def close(self) -> None:
-        """Destroy the process group this trainer created (a no-op otherwise)."""
+        """Release the lock on ``out`` and destroy the process group this trainer created."""
+        self._lock.release()
         if self._owns_process_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self._owns_process_group = False
+
+    def _memory_error(self, exc: BaseException) -> UserError:
+        """The allocator's refusal as one line naming the flags that size a run."""
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return UserError(
+            f"ran out of memory on {getattr(self, 'device', 'the device')} ({first[:200]}); lower --batch-size "
+            "(or raise --grad-accum), --context-length, or choose a smaller --preset"
+        )
 
     # -- logging -------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -212,12 +272,14 @@ class Trainer:
     def _setup(self) -> None:
         """Build everything the loop needs, in this order (a resumed run from its checkpoint)."""
         self._init_distributed()
+        self.tokenizer = self._build_tokenizer(self._saved_meta)
+        model_config = self._model_config()
+        self._check_memory(model_config)  # before anything large is allocated
         ckpt = self._load_resume_checkpoint()
-        self.tokenizer = self._build_tokenizer(ckpt)
         self.data_sha256 = self._data_sha256()
         self._verify_data(ckpt)
         train_tokens, val_tokens = self._load_tokens()
-        self._build_model(ckpt)  # also settles cfg's preset-dependent defaults
+        self._build_model(ckpt, model_config)  # also settles cfg's preset-dependent defaults
         self._build_batches(train_tokens, val_tokens)
         self.optimizer = self.raw_model.configure_optimizer(
             weight_decay=self.cfg.weight_decay, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2)
@@ -248,11 +310,11 @@ class Trainer:
             )
         return None
 
-    def _build_tokenizer(self, ckpt: Checkpoint | None) -> Tokenizer:
+    def _build_tokenizer(self, meta: dict[str, Any] | None) -> Tokenizer:
         """A resumed run decodes/encodes exactly as it did before."""
         cfg = self.cfg
-        if ckpt is not None:
-            return tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=cfg.bpe_dir)
+        if meta is not None:
+            return tokenizer_from_dict(meta["tokenizer"], bpe_dir=cfg.bpe_dir)
         if cfg.tokenizer == "char":
             return get_tokenizer("char", text=None if cfg.data else data.builtin_corpus(), path=cfg.data)
         return get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
@@ -283,20 +345,56 @@ class Trainer:
         tokens = data.tokenize_to_cache(cfg.data, self.tokenizer, content_hash=self.data_sha256 if cfg.data else None)
         return data.train_val_split(tokens, cfg.val_fraction)
 
-    def _build_model(self, ckpt: Checkpoint | None) -> None:
-        """``raw_model`` on the device (the checkpoint's, or new from the preset), ``model_config``,
+    def _model_config(self) -> GPTConfig:
+        """The configuration of the model this run trains: the checkpoint's, or the preset's with
+        the tokenizer's vocabulary and the flags' context length and dropout."""
+        cfg = self.cfg
+        if self._saved_meta is not None:
+            return GPTConfig.from_dict(self._saved_meta["model_config"])
+        overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
+        if cfg.context_length is not None:
+            overrides["context_length"] = cfg.context_length
+        if cfg.dropout is not None:
+            overrides["drop_rate"] = cfg.dropout
+        try:
+            return GPTConfig.preset(cfg.preset, **overrides)
+        except (TypeError, ValueError) as exc:  # e.g. a --context-length past the sane limits
+            raise ValueError(f"--preset {cfg.preset} with these settings: {exc}") from None
+
+    def _per_rank_batch(self) -> int:
+        """Rows of each micro-step on this process: the global batch split over processes and micro-steps."""
+        cfg, d = self.cfg, self.dist
+        per_rank, rem = divmod(cfg.batch_size, d.world_size * cfg.grad_accum)
+        if rem or per_rank == 0:
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} (global) must be a multiple of processes x --grad-accum = "
+                f"{d.world_size} x {cfg.grad_accum}"
+            )
+        return per_rank
+
+    def _check_memory(self, config: GPTConfig) -> None:
+        """Refuse, with the estimate and the flags, a run that cannot fit in the device's memory (see
+        :mod:`attnlab.training.memory`: a lower bound, so a run that might fit always starts)."""
+        b = self._per_rank_batch()
+        bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4)
+        have = available_memory(self.device)
+        if have is None or need.total <= have:
+            return
+        raise ValueError(
+            f"this run needs at least {need.total / GiB:.1f} GiB on {self.device} but {have / GiB:.1f} GiB are "
+            f"available: {need.parameters / 1e6:,.0f}M parameters x 16 bytes (weights, gradients, AdamW) = "
+            f"{need.states / GiB:.1f} GiB, activations and logits of {b} x {config.context_length} tokens per "
+            f"micro-step = {(need.activations + need.logits) / GiB:.1f} GiB; lower --batch-size (or raise "
+            "--grad-accum), --context-length, or choose a smaller --preset"
+        )
+
+    def _build_model(self, ckpt: Checkpoint | None, config: GPTConfig) -> None:
+        """``raw_model`` on the device (the checkpoint's, or new from ``config``), ``model_config``,
         and ``cfg`` with the preset-dependent defaults settled, so the checkpoint records what was used."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        if ckpt is not None:
-            model = ckpt.model
-        else:
-            overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
-            if cfg.context_length is not None:
-                overrides["context_length"] = cfg.context_length
-            if cfg.dropout is not None:
-                overrides["drop_rate"] = cfg.dropout
-            model = GPT(GPTConfig.preset(cfg.preset, **overrides))
+        model = ckpt.model if ckpt is not None else GPT(config)
         self.raw_model = model.to(self.device)
         self.model_config = model_cfg = model.config
         self.cfg = dataclasses.replace(
@@ -309,12 +407,7 @@ class Trainer:
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
         """This rank's share of each global batch, for training and validation."""
         cfg, d, T = self.cfg, self.dist, self.model_config.context_length
-        per_rank, rem = divmod(cfg.batch_size, d.world_size * cfg.grad_accum)
-        if rem or per_rank == 0:
-            raise ValueError(
-                f"--batch-size {cfg.batch_size} (global) must be a multiple of processes x --grad-accum = "
-                f"{d.world_size} x {cfg.grad_accum}"
-            )
+        per_rank = self._per_rank_batch()
         for name, part in (("training", train_tokens), ("validation", val_tokens)):
             if len(part) < T + 1:
                 raise ValueError(
@@ -340,15 +433,18 @@ class Trainer:
             if self.dist.enabled and self.dist.rank > 0:  # each rank draws its own dropout masks
                 torch.manual_seed(rank_seed(self.cfg.seed, self.dist.rank))
             return
-        if ckpt.optimizer_state is not None:
-            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        # Checked against this model's parameters first: load_state_dict would take a crafted
+        # state whose tensors the fused kernel then reads out of bounds.
+        where = ckpt.path / OPTIMIZER_NAME
+        state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
+        self.optimizer.load_state_dict(state)
         self.step = ckpt.step
         self._restore_rng(ckpt.metadata)
         saved_val = ckpt.metadata.get("val_loss")
         self.last_val_loss = float(saved_val) if is_real(saved_val) else None
 
     def _restore_rng(self, meta: dict[str, Any]) -> None:
-        states = meta.get("rng") or []
+        states = meta["rng"]  # checked: one generator state per process that wrote the checkpoint
         d = self.dist
         if len(states) == d.world_size:
             set_rng_state(states[d.rank])
@@ -485,10 +581,36 @@ class Trainer:
         ``sample`` and ``sample_tokens > 0``) generate a sample, returned in the result."""
         cfg, d = self.cfg, self.dist
         if d.is_main:
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise OSError(f"cannot create the --out directory {self.out}: {exc.strerror}") from None
+            self._lock.acquire()  # held since __init__, unless a previous fit() ended
+        try:
+            interrupted, ckpt_path, history = self._fit_loop()
+        except BaseException as exc:
+            if _out_of_memory(exc):
+                raise self._memory_error(exc) from None
+            raise
+        finally:
+            self._lock.release()  # nothing more to write: another run may take the directory
+        text = prompt = None
+        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0:
+            prompt = self.sample_prompt(cfg.sample_prompt)
+            text = self.sample(prompt, cfg.sample_tokens)
+        if d.enabled:
+            torch.distributed.barrier()
+        return TrainResult(
+            step=self.step,
+            val_loss=self.last_val_loss,
+            out=self.out,
+            checkpoint=ckpt_path,
+            interrupted=interrupted,
+            sample=text,
+            sample_prompt=prompt,
+            history=history,
+        )
+
+    def _fit_loop(self) -> tuple[int | None, Path | None, list[dict[str, Any]]]:
+        """The training loop of :meth:`fit`: (the signal that stopped it, the last checkpoint, the metrics)."""
+        cfg, d = self.cfg, self.dist
+        if d.is_main:
             self.metrics = _MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
         self._log_start()
         bar = self._progress_bar()
@@ -521,22 +643,7 @@ class Trainer:
                 bar.close()
             if d.is_main:
                 self.metrics.close()
-        text = prompt = None
-        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0:
-            prompt = self.sample_prompt(cfg.sample_prompt)
-            text = self.sample(prompt, cfg.sample_tokens)
-        if d.enabled:
-            torch.distributed.barrier()
-        return TrainResult(
-            step=self.step,
-            val_loss=self.last_val_loss,
-            out=self.out,
-            checkpoint=ckpt_path,
-            interrupted=interrupted,
-            sample=text,
-            sample_prompt=prompt,
-            history=history,
-        )
+        return interrupted, ckpt_path, history
 
     def _step(self, write: Callable[[str], None]) -> dict[str, Any]:
         """Train one step, and evaluate on evaluation steps; returns the step's metrics record."""
