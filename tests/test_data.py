@@ -268,6 +268,48 @@ def test_cache_concurrent_processes_build_once(tmp_path):
     expected = CharTokenizer("ab\n").encode("ab\nba\n" * 400)
     for i in range(2):
         assert np.load(tmp_path / f"out{i}.npy").tolist() == expected
+    assert list((tmp_path / "cache").glob("*.lock")) == []  # the lock file goes once the entry is built
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to start processes quickly")
+def test_cache_lock_files_do_not_pile_up_and_still_exclude(tmp_path):
+    """Lock files are removed by their holder, yet processes that waited on a removed one never
+    build at the same time (they re-lock the current file): four processes, one build, no .lock left;
+    a failed build leaves no lock file either."""
+    f = tmp_path / "corpus.txt"
+    f.write_bytes(b"ab\nba\n" * 400)
+    log = tmp_path / "builds.log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_build_in_child, args=(f, tmp_path / "cache", log, tmp_path / f"out{i}.npy"))
+        for i in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert log.read_text().count("build") == 1
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".bin", ".json"]
+    for _ in range(3):  # cached: nothing is locked, nothing is left
+        tokenize_to_cache(f, _SlowChars("ab\n"), cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="not in the vocabulary|unknown|not in"):
+        tokenize_to_cache(f, CharTokenizer("a\n"), cache_dir=tmp_path / "cache")  # 'b' is unknown
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".bin", ".json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
+def test_cache_refuses_a_data_path_that_is_no_regular_file(tmp_path):
+    """A FIFO as --data would block the hash forever, /dev/zero would never end: refused at once."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        tokenize_to_cache(fifo, ByteTokenizer(), cache_dir=tmp_path / "c")
+    if os.path.exists("/dev/zero"):
+        link = tmp_path / "zero.txt"
+        link.symlink_to("/dev/zero")
+        with pytest.raises(ValueError, match="not a regular file"):
+            tokenize_to_cache(link, ByteTokenizer(), cache_dir=tmp_path / "c")
 
 
 def test_cache_removes_temp_files_of_a_killed_build(tmp_path):

@@ -131,18 +131,36 @@ def _writable_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
 def _file_lock(lock_path: Path) -> Iterator[bool]:
     """Exclusive advisory lock, so that concurrent ranks tokenize a file once and the others wait.
     Yields whether the lock is real: without fcntl (Windows) each process builds its own copy,
-    which os.replace keeps correct."""
+    which os.replace keeps correct.
+
+    The lock file is removed when the holder is done (lock files used to pile up in the cache, one
+    per entry). That is safe because a process that gets the lock checks that the file it locked
+    is still the one at ``lock_path`` (same inode) and otherwise locks the new one, so two processes
+    can never both hold "the" lock; and whoever gets it looks for the finished entry first.
+    """
     try:
         import fcntl
     except ImportError:  # pragma: no cover
         yield False
         return
-    with open(lock_path, "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+    while True:
+        fh = open(lock_path, "a+b")  # noqa: SIM115 - closed below
         try:
-            yield True
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # its holder removed it while we waited: lock the current one
+                continue
+            try:
+                yield True
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)  # still holding it: nobody else can be inside
+            return
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fh.close()  # releases the flock
 
 
 def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -7,7 +7,8 @@ Example::
 ``--checkpoint`` is a training directory (its latest checkpoint is used) or one step directory.
 The text is decoded with the checkpoint's own tokenizer, so generation reads tokens exactly the way
 training wrote them. Multi-byte characters (``byte`` tokenizer) and BPE pieces are printed as soon
-as they are complete, each flushed at once.
+as they are complete, each flushed at once; characters the terminal's encoding cannot show (an
+ASCII-only locale) are printed as backslash escapes rather than ending the command.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from attnlab.checks import resolve_device
+from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import StreamDecoder
 from attnlab.tools.loading import load_model
@@ -60,14 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
+# More tokens than anyone can wait for (days at any speed): a typo, refused before any work.
+MAX_NEW_TOKENS = 2**31 - 1
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"}
 
 
 def _sampling(args: argparse.Namespace) -> SamplingConfig:
     """The sampling flags as one :class:`SamplingConfig`, after the other flags' range checks;
     every error names its flag."""
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens must be in [0, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
     try:
@@ -90,15 +94,15 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         gen = torch.Generator(device=device).manual_seed(args.seed)
     out = sys.stdout
-    out.write(args.prompt)
+    safe_write(out, args.prompt)
     out.flush()
     dec = StreamDecoder(tok)
     settings = dataclasses.asdict(sampling)
     for token in model.stream(idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen):
         piece = dec.push(int(token[0]))  # token: (1,)
         if piece:
-            out.write(piece)
+            safe_write(out, piece)
             out.flush()
-    out.write(dec.flush() + "\n")
+    safe_write(out, dec.flush() + "\n")
     out.flush()
     return 0

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from attnlab.files import safe_write
 from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.config import TINY_LR, TrainConfig
 from attnlab.training.trainer import SAMPLE_SETTINGS, Trainer
@@ -220,7 +221,12 @@ def _print_sample(trainer: Trainer, prompt: str) -> None:
         print(f"(the tokenizer cannot encode the prompt {cfg.sample_prompt!r}; using {prompt!r})", file=sys.stderr)
     what = f"{cfg.sample_tokens} tokens, temperature {s.temperature:g}, top-k {s.top_k}"
     print(f"--- sample ({what}) ---", file=sys.stderr, flush=True)
-    print(prompt, end="", flush=True)
-    trainer.sample(prompt, cfg.sample_tokens, s, on_text=lambda piece: print(piece, end="", flush=True))
-    print(flush=True)
+
+    def show(text: str) -> None:  # an ASCII-only terminal gets escapes, not an exception
+        safe_write(sys.stdout, text)
+        sys.stdout.flush()
+
+    show(prompt)
+    trainer.sample(prompt, cfg.sample_tokens, s, on_text=show)
+    show("\n")
     print("---", file=sys.stderr)

@@ -100,9 +100,9 @@ class TrainConfig:
                 raise ValueError(f"{_flag(name)} must be a non-negative integer, got {v!r}")
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"--seed must be below 2**64, got {self.seed!r}")
-        for name in ("warmup_steps", "sample_tokens"):
-            if getattr(self, name) > INT_LIMIT:
-                raise ValueError(f"{_flag(name)} must be at most {INT_LIMIT:,}, got {getattr(self, name)!r}")
+        for name, limit in (("warmup_steps", INT_LIMIT), ("sample_tokens", 2**31 - 1)):  # as generate's limit
+            if getattr(self, name) > limit:
+                raise ValueError(f"{_flag(name)} must be at most {limit:,}, got {getattr(self, name)!r}")
         if self.lr is not None and not (finite_real(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
         for name in ("weight_decay", "grad_clip"):
