@@ -33,7 +33,7 @@ from torch import Tensor
 
 from attnlab import generation, hf
 from attnlab.attention import KVCache, MultiHeadAttention
-from attnlab.checks import can_read_values, is_int, is_real, positive_int
+from attnlab.checks import can_read_values, check_model_size, is_int, is_real, positive_int
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
 
 __all__ = [
@@ -210,6 +210,16 @@ class GPTConfig:
             raise ValueError(
                 f"n_heads must be divisible by n_kv_heads, got n_heads={self.n_heads} and n_kv_heads={self.n_kv_heads}"
             )
+        # Past sane sizes (a hand-edited config.json with n_layers: 1000000) is an error here, before
+        # anything is built: not minutes of building modules, or terabytes of weights.
+        check_model_size(
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            emb_dim=self.emb_dim,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            ff_dim=self.hidden_dim,
+        )
 
     # Derived sizes --------------------------------------------------------------------------
     @property

@@ -1,0 +1,46 @@
+"""Hostile input to the library (issue "Hostile run directories and checkpoints"): each case is one
+line of the issue, and ends in a clear error or the right result, never a crash or a silent wrong one.
+
+The fixes to modules owned by other work (model, generation, functional, the viz/explain commands,
+the loader) were each made as a small separate commit; their tests are here, beside each other.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from attnlab.checks import MODEL_LIMITS
+from attnlab.model import GPTConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# GPTConfig: sane limits before anything is built
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n_layers", 1_000_000),
+        ("n_layers", MODEL_LIMITS["n_layers"] + 1),
+        ("vocab_size", 10**9),
+        ("context_length", 10**8),
+        ("emb_dim", 2**20),
+        ("ff_dim", 10**7),
+    ],
+)
+def test_gpt_config_past_sane_limits_is_refused_at_once(field: str, value: int) -> None:
+    base = dict(vocab_size=8, context_length=8, emb_dim=8, n_heads=1, n_layers=1)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"{field}={value} is past attnlab's limit"):
+        GPTConfig(**{**base, field: value})
+    assert time.perf_counter() - t0 < 1.0  # refused before anything is built
+
+
+def test_gpt_config_limits_cover_the_parameter_count_and_keep_real_models() -> None:
+    # Each size within its limit, together a model of ~2e12 parameters: refused.
+    with pytest.raises(ValueError, match="parameters, past attnlab's limit"):
+        GPTConfig(vocab_size=1000, context_length=1000, emb_dim=2**15, n_heads=64, n_layers=512)
+    for name in GPTConfig.presets():  # GPT-2's sizes up to gpt2-xl, and the largest limits, are fine
+        GPTConfig.preset(name)
+    GPTConfig(vocab_size=8, context_length=8, emb_dim=8, n_heads=1, n_layers=MODEL_LIMITS["n_layers"])
