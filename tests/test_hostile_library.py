@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from attnlab.checks import MODEL_LIMITS
 from attnlab.model import GPTConfig
@@ -44,3 +45,37 @@ def test_gpt_config_limits_cover_the_parameter_count_and_keep_real_models() -> N
     for name in GPTConfig.presets():  # GPT-2's sizes up to gpt2-xl, and the largest limits, are fine
         GPTConfig.preset(name)
     GPTConfig(vocab_size=8, context_length=8, emb_dim=8, n_heads=1, n_layers=MODEL_LIMITS["n_layers"])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT.load: a config.json that is not a configuration
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ([1], "config.json"),
+        (None, "config.json"),
+        ("gpt2", "config.json"),
+        ({"n_layers": "x"}, "n_layers"),
+        ({"n_layers": 1_000_000}, "n_layers"),
+        ({"qkv_bias": "yes"}, "qkv_bias"),
+    ],
+)
+def test_gpt_load_refuses_a_config_that_is_not_one_in_one_line(tmp_path, capsys, config, named: str) -> None:
+    """GPT.load, and the CLI on a GPT.save() directory (the loader's third kind of directory)."""
+    import json
+
+    from attnlab.cli import main
+    from attnlab.model import GPT
+
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=256, context_length=8, emb_dim=8, n_heads=1, n_layers=1)).save(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"name": "byte"}')
+    saved = json.loads((tmp_path / "config.json").read_text())
+    edited = {**saved, **config} if isinstance(config, dict) else config
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match=named):
+        GPT.load(tmp_path)
+    assert main(["generate", "--checkpoint", str(tmp_path), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab generate: error:") and named in err[0], err

@@ -761,7 +761,10 @@ class GPT(nn.Module):
         for p in (cfg_path, w_path):
             if not p.is_file():
                 raise FileNotFoundError(f"{p} not found: not a directory written by GPT.save()")
-        config = GPTConfig.from_dict(read_json(cfg_path, "model config"))
+        try:  # a config.json of [1], null or {"n_layers": "x"} is a file error, not a TypeError
+            config = GPTConfig.from_dict(read_json(cfg_path, "model config"))
+        except TypeError as e:
+            raise ValueError(f"{cfg_path} is not a GPT configuration ({e})") from None
         try:
             state = load_file(str(w_path))
         except (SafetensorError, OSError) as e:
