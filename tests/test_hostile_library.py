@@ -79,3 +79,41 @@ def test_gpt_load_refuses_a_config_that_is_not_one_in_one_line(tmp_path, capsys,
     assert main(["generate", "--checkpoint", str(tmp_path), "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab generate: error:") and named in err[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: no preallocation for max_new_tokens
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_new_tokens", [10**10, 10**15, 99999999999999999999])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_stream_allocates_for_what_it_generates_not_for_what_was_asked(make_gpt, max_new_tokens, use_cache) -> None:
+    """``GPT.stream(idx, 10**10)`` used to preallocate 80 GB per row (and 99999999999999999999 was
+    an overflow TypeError); now it yields tokens at once, the same as a small request."""
+    model = make_gpt(1)
+    idx = torch.randint(0, 37, (2, 5))
+    g = torch.Generator().manual_seed(0)
+    it = model.stream(idx, max_new_tokens, temperature=1.0, generator=g, use_cache=use_cache)
+    got = torch.stack([next(it) for _ in range(40)], dim=1)  # 40 tokens: past the 16-token window
+    it.close()
+    want = model.generate(idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(0), use_cache=use_cache)
+    assert torch.equal(got, want[:, 5:])
+
+
+def test_generation_through_buffer_growth_equals_the_uncached_reference(make_gpt, monkeypatch) -> None:
+    """The token buffer grows (and drops what left the window) in chunks; with tiny chunks it does
+    so many times, with padding rows too, and generation still equals the uncached path token for
+    token (which re-runs the last window every step, the definition of the result)."""
+    import attnlab.generation as gen
+
+    monkeypatch.setattr(gen, "_CHUNK", 3)
+    model = make_gpt(2)
+    idx = torch.randint(0, 37, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, :3] = False  # left padding on the second row
+    kw = dict(temperature=0.0, attention_mask=mask)
+    cached = model.generate(idx, 50, use_cache=True, **kw)
+    uncached = model.generate(idx, 50, use_cache=False, **kw)
+    assert cached.shape == (2, 57) and torch.equal(cached, uncached)
+    assert torch.equal(cached[:, :7], idx)
+    streamed = torch.stack(list(model.stream(idx, 50, use_cache=True, **kw)), dim=1)
+    assert torch.equal(streamed, cached[:, 7:])

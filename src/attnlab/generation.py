@@ -174,6 +174,9 @@ def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: Sampl
 # --------------------------------------------------------------------------------------------
 # The decoding loop
 # --------------------------------------------------------------------------------------------
+_CHUNK = 1024  # the token buffer of _steps grows by at least this many tokens at a time
+
+
 def _steps(
     model: GPT,
     idx: Tensor,
@@ -182,16 +185,21 @@ def _steps(
     use_cache: bool,
     generator: torch.Generator | None,
     mask: Tensor | None,
-    out: Tensor,
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(token (B,), logits (B, V))`` per step, writing tokens into ``out (B, T + new)``."""
+    """Yield ``(token (B,), logits (B, V))`` per step.
+
+    The tokens the model still sees live in a buffer ``out`` that holds the window (from ``start``)
+    and grows by chunks as tokens come, dropping what fell out of the window: its size follows what
+    was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until stopped).
+    """
     B, T = idx.shape
     C = model.config.context_length
     eos_id = sampling.eos_id
+    out = torch.empty(B, T + min(max_new_tokens, _CHUNK), dtype=torch.long, device=idx.device)  # (B, T + chunk)
     out[:, :T] = idx
     full_mask = None
     if mask is not None:
-        full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + new)
+        full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + chunk)
         full_mask[:, :T] = mask
     caches = model.new_kv_caches(B, min(C, T + max_new_tokens)) if use_cache else None
     cap = C if caches is None else caches[0].max_length
@@ -202,9 +210,15 @@ def _steps(
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
+            if cur == out.shape[1]:  # full: keep the window (from `start`), room for the next chunk
+                room = (cur - start) + min(max_new_tokens - step, max(_CHUNK, cur - start))
+                out = torch.cat([out[:, start:cur], out.new_empty(B, room - (cur - start))], dim=1)
+                if full_mask is not None:
+                    full_mask = torch.cat([full_mask[:, start:cur], full_mask.new_ones(B, room - (cur - start))], 1)
+                cur, start = cur - start, 0
             with torch.inference_mode():
-                if caches is None or cur - start >= cap or cur == T:
+                if caches is None or cur - start >= cap or step == 0:
                     # Prefill: (re)run the whole window, the last `cap` tokens. Without a cache this
                     # happens every step; with one, first and then whenever the cache is full.
                     start = max(0, cur - cap)
@@ -258,8 +272,7 @@ def stream(
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
-    out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
-    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, out)
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask)
     return (tok for tok, _ in steps)
 
 
@@ -300,14 +313,12 @@ def generate(
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
-    out = torch.empty(idx.shape[0], idx.shape[1] + max_new_tokens, dtype=torch.long, device=idx.device)
-    all_logits = []
-    n = 0
-    for _, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, out):
-        n += 1
+    new_tokens, all_logits = [], []
+    for token, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask):
+        new_tokens.append(token)  # (B,)
         if return_logits:
             all_logits.append(logits.float())
-    ids = out[:, : idx.shape[1] + n]
+    ids = torch.cat([idx.long(), torch.stack(new_tokens, dim=1)], dim=1) if new_tokens else idx.long()
     if not return_logits:
         return ids
     V = model.config.vocab_size
