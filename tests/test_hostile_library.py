@@ -117,3 +117,17 @@ def test_generation_through_buffer_growth_equals_the_uncached_reference(make_gpt
     assert torch.equal(cached[:, :7], idx)
     streamed = torch.stack(list(model.stream(idx, 50, use_cache=True, **kw)), dim=1)
     assert torch.equal(streamed, cached[:, 7:])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_nan_logits_are_refused_greedy_or_not(make_gpt, temperature: float, use_cache: bool) -> None:
+    """A model with a NaN weight: greedy decoding used to return token 0 forever."""
+    model = make_gpt(3)
+    with torch.no_grad():
+        model.final_norm.weight[0] = float("nan")
+    idx = torch.randint(0, 37, (1, 4))
+    with pytest.raises(ValueError, match="logits hold NaN"):
+        model.generate(idx, 3, temperature=temperature, use_cache=use_cache)
+    with pytest.raises(ValueError, match="logits hold NaN"):
+        next(model.stream(idx, 3, temperature=temperature, use_cache=use_cache))

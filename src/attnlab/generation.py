@@ -232,6 +232,14 @@ def _steps(
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]
                     logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
+                # NaN logits (a model with NaN weights) have no token to pick: greedy argmax would
+                # return token 0 forever, multinomial a RuntimeError. One host sync per token.
+                try:
+                    check_logits(logits)
+                except ValueError:
+                    raise ValueError(
+                        "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
+                    ) from None
                 nxt = sampling.sample(logits, generator)
                 if eos_id is not None:
                     nxt = nxt.masked_fill(finished, eos_id)  # finished rows keep emitting eos
