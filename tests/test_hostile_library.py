@@ -131,3 +131,60 @@ def test_nan_logits_are_refused_greedy_or_not(make_gpt, temperature: float, use_
         model.generate(idx, 3, temperature=temperature, use_cache=use_cache)
     with pytest.raises(ValueError, match="logits hold NaN"):
         next(model.stream(idx, 3, temperature=temperature, use_cache=use_cache))
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention: masked keys never contribute, on every path
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["key", "value", "both"])
+@pytest.mark.parametrize("float_mask", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_poison_in_masked_keys_never_reaches_the_output(ref, poison, where, float_mask, gqa, is_causal) -> None:
+    """NaN in a key that a padding mask hides: the fused path returned all NaN, the reference path
+    finite values. Now every backend agrees with the float64 loop, which never looks at a masked key."""
+    from attnlab.functional import scaled_dot_product_attention as sdpa
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, L, S, E = 2, 4, 2 if gqa else 4, 3, 6, 8
+    q = torch.randn(B, Hq, L, E)
+    k, v = torch.randn(B, Hkv, S, E), torch.randn(B, Hkv, S, E)
+    allowed = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    allowed[0, ..., :2] = False  # left padding of row 0
+    allowed[1, ..., -1] = False  # and a hidden last key of row 1
+    hidden = ~allowed[:, :, 0, :, None]  # (B, 1, S, 1)
+    if where in ("key", "both"):
+        k = k.masked_fill(hidden, poison)
+    if where in ("value", "both"):
+        v = v.masked_fill(hidden, poison)
+    mask = allowed if not float_mask else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    outs = {
+        b: sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, backend=b)
+        for b in ("auto", "fused", "reference")
+    }
+    # The reference: the float64 loop on keys/values expanded to the query heads, causal bottom-right.
+    kx, vx = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k, v))
+    full = allowed.expand(B, Hq, L, S) & (torch.ones(L, S, dtype=torch.bool).tril(S - L) if is_causal else True)
+    # (its weighted sum multiplies every value, hidden ones by 0: give it the hidden ones as zeros)
+    want, _ = ref.loop_attention_nd(q, kx.nan_to_num(0.0, 0.0, 0.0), vx.nan_to_num(0.0, 0.0, 0.0), allowed=full)
+    for b, out in outs.items():
+        assert torch.isfinite(out).all(), b
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=b)
+
+
+def test_gradients_stay_finite_with_poison_in_masked_keys() -> None:
+    from attnlab.functional import scaled_dot_product_attention as sdpa
+
+    torch.manual_seed(1)
+    q = torch.randn(2, 2, 3, 4, requires_grad=True)
+    k = torch.randn(2, 2, 5, 4).masked_fill(torch.tensor([1, 0, 0, 0, 0], dtype=torch.bool)[:, None], float("nan"))
+    v = torch.randn(2, 2, 5, 4).masked_fill(torch.tensor([1, 0, 0, 0, 0], dtype=torch.bool)[:, None], float("inf"))
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    mask = torch.tensor([False, True, True, True, True])  # key 0 hidden from every query
+    for backend in ("auto", "reference"):
+        q.grad = k.grad = v.grad = None
+        sdpa(q, k, v, attn_mask=mask, backend=backend).sum().backward()
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+        assert (k.grad[..., 0, :] == 0).all() and (v.grad[..., 0, :] == 0).all(), backend

@@ -233,6 +233,21 @@ def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> t
     return expand(key), expand(value)
 
 
+def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Zero the keys and values that no query may attend (padding), so that what they hold (NaN,
+    inf) cannot leak into the output: a fused kernel adds the mask to the scores (NaN + -inf is NaN)
+    and multiplies the zero weights into the values (0 * NaN is NaN). Gradients into them are zero,
+    as they should be. ``mask``: the merged ``(..., L, S)`` mask (bool or additive)."""
+    if mask is None:
+        return key, value
+    used = mask.any(dim=-2) if mask.dtype == torch.bool else (mask != float("-inf")).any(dim=-2)  # (..., S)
+    if used.dim() >= 2 and key.dim() >= 3 and used.shape[-2] not in (1, key.shape[-3]):
+        # Grouped-query attention: a key/value head is used when one of its query heads uses it.
+        used = used.unflatten(-2, (key.shape[-3], used.shape[-2] // key.shape[-3])).any(dim=-2)  # (..., Hkv, S)
+    used = used.unsqueeze(-1)  # (..., S, 1)
+    return torch.where(used, key, 0.0), torch.where(used, value, 0.0)
+
+
 def _masked_scores(query: Tensor, key: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``Q K^T * scale``, then ``-inf`` where a bool mask is False, or a float mask added."""
     scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, S)
@@ -328,7 +343,8 @@ def scaled_dot_product_attention(
             forces it; ``"reference"`` forces the explicit path.
 
     A query row with no key to attend (fully masked) gets a zero output and zero weights, with
-    finite gradients, on every backend.
+    finite gradients, on every backend. A key that no query may attend (padding) never contributes,
+    whatever it and its value hold (NaN, inf), on every backend.
 
     Returns:
         ``(..., L, Ev)``, or ``(output, weights)`` when ``return_weights=True``.
@@ -375,9 +391,9 @@ def attend(
 
     if backend == "reference" or return_weights:
         key, value = _expand_kv(query, key, value, enable_gqa)
-        out, weights = _reference(
-            query, key, value, _merge_masks(attn_mask, is_causal, L, S, query.device), dropout_p, scale
-        )
+        mask = _merge_masks(attn_mask, is_causal, L, S, query.device)
+        key, value = _drop_unattended(key, value, mask)
+        out, weights = _reference(query, key, value, mask, dropout_p, scale)
         return (out, weights) if return_weights else out
 
     if attn_mask is None and (not is_causal or L == S):
@@ -386,6 +402,7 @@ def attend(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
     mask = _merge_masks(attn_mask, is_causal, L, S, query.device)
+    key, value = _drop_unattended(key, value, mask)
     # Rows with no key: let the kernel attend anywhere there (so it cannot form NaN), then zero
     # their output; masked_fill's backward sends zero gradient into those rows.
     has_key = _row_has_key(mask)  # (..., L, 1)
