@@ -188,3 +188,16 @@ def test_gradients_stay_finite_with_poison_in_masked_keys() -> None:
         sdpa(q, k, v, attn_mask=mask, backend=backend).sum().backward()
         assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
         assert (k.grad[..., 0, :] == 0).all() and (v.grad[..., 0, :] == 0).all(), backend
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands: an empty value is not "the default"
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["", "  "])
+def test_viz_out_empty_is_an_error_not_text(capsys, value: str) -> None:
+    from attnlab.cli import main
+
+    assert main(["viz", "--out", value]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab viz: error: --out") and captured.out == "", captured

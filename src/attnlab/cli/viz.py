@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None and not args.out.strip():  # "" must not quietly mean "print the text"
+        raise ValueError(f"--out must name a file ending in one of {', '.join(SUFFIXES)}, got {args.out!r}")
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {str(out)!r}")
