@@ -201,3 +201,13 @@ def test_viz_out_empty_is_an_error_not_text(capsys, value: str) -> None:
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnlab viz: error: --out") and captured.out == "", captured
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_explain_lesson_empty_is_an_error_not_every_lesson(capsys, value: str) -> None:
+    from attnlab.cli import main
+
+    assert main(["explain", "--lesson", value]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab explain: error: --lesson") and captured.out == "", captured

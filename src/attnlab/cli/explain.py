@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
                 print(" " * width + line)
         return 0
     names = [n.strip() for arg in (args.lesson or []) for n in arg.split(",") if n.strip()]
+    if args.lesson and not names:  # --lesson "" must not mean "every lesson"
+        raise ValueError(f"--lesson needs a lesson name (see --list), got {args.lesson[0]!r}")
     names = check_lesson_names(names or lesson_names())  # every name checked before anything prints
     try:
         for i, name in enumerate(names):
