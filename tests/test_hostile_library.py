@@ -7,6 +7,8 @@ the loader) were each made as a small separate commit; their tests are here, bes
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
@@ -14,6 +16,17 @@ import torch
 
 from attnlab.checks import MODEL_LIMITS
 from attnlab.model import GPTConfig
+
+
+def within(seconds: float, fn):
+    """``fn()``'s result, or a test failure when it has not returned after ``seconds`` (a blocked
+    read): it runs in a daemon thread, which a hang cannot keep the test process alive for."""
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: blocked"
+    return result[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,3 +224,30 @@ def test_explain_lesson_empty_is_an_error_not_every_lesson(capsys, value: str) -
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnlab explain: error: --lesson") and captured.out == "", captured
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader: regular files only
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
+@pytest.mark.parametrize("what", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("name", ["latest.json", "checkpoint.json", "tokenizer.json"])
+def test_loader_reads_regular_files_only_and_never_blocks(tmp_path, capsys, what: str, name: str) -> None:
+    """latest.json as a FIFO blocked `attnlab generate` forever; linked to /dev/zero it ate the
+    memory. Every file the loader reads is now opened without blocking and refused unless regular."""
+    from attnlab.cli import main
+    from attnlab.model import GPT
+
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=256, context_length=8, emb_dim=8, n_heads=1, n_layers=1)).save(tmp_path)
+    if name != "tokenizer.json":
+        (tmp_path / "tokenizer.json").write_text('{"name": "byte"}')
+    target = tmp_path / name
+    if what == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    assert within(30, lambda: main(["generate", "--checkpoint", str(tmp_path), "--max-new-tokens", "1"])) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0], lines
+    assert ("FIFO" if what == "fifo" else "not a regular file") in lines[0], lines

@@ -70,14 +70,16 @@ def load_model(
     d = Path(directory).expanduser()
     if not d.is_dir():
         raise FileNotFoundError(f"{what} {d}: checkpoint not found (no such directory)")
-    if (d / LATEST_NAME).is_file() or (d / CHECKPOINT_NAME).is_file():
+    # lexists, not is_file: a latest.json that is a FIFO or a link to /dev/zero is reported as such
+    # (the readers take regular files only), not taken for "no checkpoint here".
+    if os.path.lexists(d / LATEST_NAME) or os.path.lexists(d / CHECKPOINT_NAME):
         ckpt = load_checkpoint(d, device=device, load_optimizer=False)
         if "tokenizer" not in ckpt.metadata:
             raise ValueError(f"{what} {d}: its {CHECKPOINT_NAME} records no tokenizer")
         tokenizer = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir)
         return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata)
     tok_path = d / TOKENIZER_NAME
-    if not (d / CONFIG_NAME).is_file() or not tok_path.is_file():
+    if not os.path.lexists(d / CONFIG_NAME) or not os.path.lexists(tok_path):
         raise FileNotFoundError(
             f"{what} {d}: not a checkpoint (expected {LATEST_NAME} or {CHECKPOINT_NAME} as written by "
             f"`attnlab train`, or {CONFIG_NAME} and {TOKENIZER_NAME} beside GPT.save()'s weights)"
