@@ -44,7 +44,6 @@ import binascii
 import hashlib
 import io
 import json
-import math
 import os
 import random
 import re
@@ -805,10 +804,11 @@ def check_optimizer_state(
     ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads and then
     the fused kernel reads past its end (a segfault), and a state from another model loads silently.
     So, before it is called: the param groups must have this optimizer's layout (as many groups, as
-    many parameters in each, distinct ids, settings of the same kinds); every per-parameter state
-    must have exactly Adam's entries, ``exp_avg``/``exp_avg_sq`` (``max_exp_avg_sq``) of the
-    parameter's shape and dtype, finite (the second moments non-negative), and a scalar ``step``
-    counter that is a whole number in ``[0, step]``.
+    many parameters in each, distinct ids, settings of the same kinds); there must be one state per
+    parameter (none before the first step), each with exactly Adam's entries: ``exp_avg`` and
+    ``exp_avg_sq`` (and ``max_exp_avg_sq``) of the parameter's shape and dtype, finite (the second
+    moments non-negative), and a scalar ``step`` counter equal to the checkpoint's ``step`` (every
+    parameter of a GPT gets a gradient at every step, so AdamW counts every step for each).
 
     The groups' settings (lr, betas, weight decay, fused, ...) of the result are ``optimizer``'s
     own: a resumed run uses its configuration's (the trainer sets the lr every step anyway), not
@@ -846,6 +846,9 @@ def check_optimizer_state(
     per_param = state["state"]
     if not isinstance(per_param, dict):
         raise bad(f"'state' is {_describe(per_param)}, not a dict of per-parameter states")
+    if len(per_param) != (len(params) if step > 0 else 0):  # a fresh optimizer's state is no resume
+        want = len(params) if step > 0 else 0
+        raise bad(f"it holds the state of {len(per_param)} parameters, after step {step} there are {want}")
     names = _ADAM_STATE + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
     for pid, s in per_param.items():
         if not is_int(pid) or pid not in params:
@@ -865,9 +868,8 @@ def check_optimizer_state(
         counter = s["step"]
         if not isinstance(counter, Tensor) or counter.shape != () or not counter.is_floating_point():
             raise bad(f"the step counter of parameter {pid} is {_describe(counter)}, expected a float scalar")
-        value = float(counter)
-        if not (math.isfinite(value) and value == int(value) and 0 <= value <= step):
-            raise bad(f"the step counter of parameter {pid} is {value}, expected a whole number in [0, {step}]")
+        if float(counter) != step:
+            raise bad(f"the step counter of parameter {pid} is {float(counter)}, but the checkpoint is at step {step}")
     return {"state": per_param, "param_groups": loadable_groups}
 
 
