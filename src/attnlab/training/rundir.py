@@ -5,7 +5,9 @@ Two rules keep a run from destroying data:
 * **attnlab only writes into a directory it can prove is its own**: one that does not exist yet, an
   empty one, or one holding an attnlab run (``latest.json``, or the lock file below, which every run
   leaves behind). Anything else is refused with one line: a training run prunes old checkpoints and
-  rewrites ``metrics.jsonl``, which must never happen to files someone else put there.
+  rewrites ``metrics.jsonl``, which must never happen to files someone else put there. Step
+  directories without a ``latest.json`` (lost or deleted) are refused too: a new run would take
+  them for debris.
 * **one run at a time**: the run holds an exclusive lock on ``DIR/.attnlab-train.lock`` (``fcntl.flock``,
   released by the kernel when the process ends, however it ends) for as long as it may write, and
   writes its process id, host and start time into it, so a second ``attnlab train --out DIR`` is
@@ -45,7 +47,16 @@ def check_run_directory(out: Path) -> None:
         raise ValueError(f"--out {out} exists and is not a directory")
     if not out.exists():
         return
-    if os.path.lexists(out / LATEST_NAME) or os.path.lexists(out / LOCK_NAME):
+    if os.path.lexists(out / LATEST_NAME):
+        return
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
+    if steps:
+        # A new run would prune them as debris: never without the pointer that says which is the run's.
+        raise ValueError(
+            f"--out {out} holds checkpoints ({', '.join(steps[:3])}) but no {LATEST_NAME}; restore it to resume "
+            f"(generate and viz also take a step directory), or remove {out / 'checkpoints'} to start over"
+        )
+    if os.path.lexists(out / LOCK_NAME):
         return
     try:
         entries = sorted(p.name for p in out.iterdir())
