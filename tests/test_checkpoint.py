@@ -350,3 +350,189 @@ def test_mps_rng_state_travels_when_mps_is_there(monkeypatch) -> None:
     mps_state["now"] = torch.zeros_like(before)
     set_rng_state(saved)
     assert torch.equal(mps_state["now"], before)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint.json verifies itself
+# ---------------------------------------------------------------------------------------------
+def test_checkpoint_json_hashes_itself_and_any_edit_is_refused(tmp_path: Path) -> None:
+    step_dir = save_checkpoint(tmp_path, step=3, model=small_model(), optimizer=None, metadata={"val_loss": 1.5})
+    meta = json.loads((step_dir / CHECKPOINT_NAME).read_text())
+    assert meta["version"] == 2 and meta["metadata_sha256"] == metadata_digest(meta)
+    original = (step_dir / CHECKPOINT_NAME).read_bytes()
+    # Plausible edits: every entry stays valid, only the file's own hash tells.
+    for edit in (lambda m: m.update(val_loss=1.25), lambda m: m.update(note=1), lambda m: m.update(step=4)):
+        m = json.loads(original)
+        edit(m)
+        (step_dir / CHECKPOINT_NAME).write_text(json.dumps(m))
+        with pytest.raises(ValueError, match=r"does not match its own SHA-256|holds step 4"):
+            load_checkpoint(tmp_path)
+        with pytest.raises(ValueError, match="does not match its own SHA-256"):
+            load_checkpoint(step_dir)  # the step directory itself: no pointer to compare the step with
+    # Whitespace and key order are not content: the hash is of the canonical JSON.
+    m = json.loads(original)
+    (step_dir / CHECKPOINT_NAME).write_text(json.dumps(dict(sorted(m.items(), reverse=True)), indent=None))
+    assert load_checkpoint(tmp_path).metadata["val_loss"] == 1.5
+
+
+def test_format_1_without_the_self_hash_still_loads_with_its_schema_checked(tmp_path: Path) -> None:
+    step_dir = save_checkpoint(tmp_path, step=3, model=small_model(), optimizer=None, metadata={"val_loss": 1.5})
+    m = json.loads((step_dir / CHECKPOINT_NAME).read_text())
+    del m["metadata_sha256"]
+    m["version"] = 1
+    (step_dir / CHECKPOINT_NAME).write_text(json.dumps(m))
+    assert load_checkpoint(tmp_path).step == 3
+    m["val_loss"] = "low"
+    (step_dir / CHECKPOINT_NAME).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="'val_loss': must be a finite number"):
+        load_checkpoint(tmp_path)
+    # A hash, where there is one, is checked whatever the version says.
+    m["val_loss"] = 1.5
+    m["metadata_sha256"] = "0" * 64
+    (step_dir / CHECKPOINT_NAME).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="does not match its own SHA-256"):
+        load_checkpoint(tmp_path)
+
+
+def test_the_pointer_and_the_checkpoint_must_agree_on_the_step(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, step=3, model=small_model(), optimizer=None, metadata={})
+    latest = json.loads((tmp_path / LATEST_NAME).read_text())
+    (tmp_path / LATEST_NAME).write_text(json.dumps(dict(latest, step=4)))
+    with pytest.raises(ValueError, match=r"holds step 3, but latest\.json says step 4"):
+        load_checkpoint(tmp_path)
+    for bad in (-1, "3", True, 2**63):
+        (tmp_path / LATEST_NAME).write_text(json.dumps(dict(latest, step=bad)))
+        with pytest.raises(ValueError, match=r"latest\.json is corrupt"):
+            read_latest(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
+def test_readers_without_the_optimizer_never_open_it(tmp_path: Path) -> None:
+    """generate and viz (load_optimizer=False) neither read nor hash optimizer.pt: a damaged one,
+    or even a FIFO in its place, does not stop them."""
+    model = small_model()
+    step_dir = save_checkpoint(tmp_path, step=2, model=model, optimizer=trained(model), metadata={})
+    (step_dir / OPTIMIZER_NAME).unlink()
+    os.mkfifo(step_dir / OPTIMIZER_NAME)
+    ck = load_checkpoint(tmp_path, load_optimizer=False)
+    assert ck.optimizer_state is None and torch.equal(ck.model.tok_emb.weight, model.tok_emb.weight)
+    with pytest.raises(ValueError, match=r"not a regular file: .*optimizer\.pt"):
+        load_checkpoint(tmp_path)
+
+
+def test_files_attnlab_did_not_write_are_never_removed(tmp_path: Path) -> None:
+    """Pruning and replacing step directories only touch those holding nothing but attnlab's own
+    files; a step directory with anything else in it (a user's notes) is left alone, or refused."""
+    model = small_model()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step=step, model=model, optimizer=None, metadata={}, keep=1)
+    ckpts = tmp_path / "checkpoints"
+    foreign = ckpts / "step-00000001"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (ckpts / "step-00000009").mkdir()
+    (ckpts / "step-00000009" / "data.bin").write_bytes(b"mine too")
+    save_checkpoint(tmp_path, step=3, model=model, optimizer=None, metadata={}, keep=1)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert (ckpts / "step-00000009" / "data.bin").read_bytes() == b"mine too"
+    assert not (ckpts / "step-00000002").exists()  # attnlab's own older checkpoint is pruned
+    (ckpts / "step-00000004").mkdir()
+    (ckpts / "step-00000004" / "x").write_text("mine")
+    with pytest.raises(ValueError, match="holds files attnlab did not write"):
+        save_checkpoint(tmp_path, step=4, model=model, optimizer=None, metadata={})
+    assert (ckpts / "step-00000004" / "x").read_text() == "mine" and load_checkpoint(tmp_path).step == 3
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda s: s.update(torch="AAAA"), "'torch' must be"),
+        (lambda s: s.pop("numpy"), "no 'numpy'"),
+        (lambda s: s["numpy"].__setitem__(2, 9999), "'numpy' must be"),
+        (lambda s: s["python"].__setitem__(0, 2), "'python' must be"),
+        (lambda s: s.update(cuda="x"), "'cuda' must be"),
+        (lambda s: s.update(other=1), "unknown generator"),
+    ],
+)
+def test_a_bad_rng_state_is_a_one_line_value_error(edit, named: str) -> None:
+    state = json.loads(json.dumps(get_rng_state()))
+    edit(state)
+    with pytest.raises(ValueError, match=named) as exc:
+        set_rng_state(state)
+    assert "\n" not in str(exc.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer state, checked against the model before load_state_dict
+# ---------------------------------------------------------------------------------------------
+def _optimizer_state(steps: int = 2) -> tuple[GPT, torch.optim.Optimizer, dict]:
+    model = small_model()
+    opt = trained(model, steps)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return model, opt, torch.load(buf, weights_only=True)
+
+
+def test_a_valid_optimizer_state_loads_with_the_runs_own_settings() -> None:
+    from attnlab.training.checkpoint import check_optimizer_state
+
+    model, opt, saved = _optimizer_state()
+    saved["param_groups"][0]["weight_decay"] = 0.5  # what the file says
+    saved["param_groups"][0]["betas"] = (0.5, 0.5)
+    fresh = model.configure_optimizer(weight_decay=0.1, lr=1e-2)
+    fresh.load_state_dict(check_optimizer_state(saved, fresh, step=2))
+    assert fresh.param_groups[0]["weight_decay"] == 0.1 and fresh.param_groups[0]["betas"] == (0.9, 0.95)
+    for k, s in opt.state_dict()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state_dict()["state"][k][name], s[name])
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda sd: sd.clear(), "expected a dict of 'state' and 'param_groups'"),
+        (lambda sd: sd.update(extra=1), "expected a dict of 'state' and 'param_groups'"),
+        (lambda sd: sd["param_groups"].pop(), "expected 2 param groups"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "param group 0 has"),
+        (lambda sd: sd["param_groups"][1].update(params=[0, 1, *sd["param_groups"][1]["params"][2:]]), "repeat"),
+        (lambda sd: sd["param_groups"][0].update(lr="x"), "lr is 'x'"),
+        (lambda sd: sd["param_groups"][0].update(betas=(0.9,)), "betas"),
+        (lambda sd: sd["param_groups"][0].pop("eps"), "settings"),
+        (lambda sd: sd["state"].pop(0), "the state of"),
+        (lambda sd: sd["state"].update({99: sd["state"].pop(0)}), "parameter 99"),
+        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(1)), "exp_avg of parameter 0"),
+        (lambda sd: sd["state"][0].update(exp_avg_sq=torch.zeros(1)), "exp_avg_sq of parameter 0"),
+        (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].double()), "dtype"),
+        (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].to_sparse()), "exp_avg of parameter 0"),
+        (lambda sd: sd["state"][0]["exp_avg"].fill_(float("inf")), "non-finite"),
+        (lambda sd: sd["state"][0]["exp_avg_sq"].fill_(-1), "negative"),
+        (lambda sd: sd["state"][0].pop("exp_avg_sq"), "expected"),
+        (lambda sd: sd["state"][0].update(max_exp_avg_sq=sd["state"][0]["exp_avg"]), "expected"),
+        (lambda sd: sd["state"][0].update(step=torch.tensor([2.0])), "step counter"),
+        (lambda sd: sd["state"][0].update(step=2), "step counter"),
+        (lambda sd: sd["state"][0]["step"].fill_(3), "step counter of parameter 0 is 3.0"),
+        (lambda sd: sd["state"][0]["step"].fill_(float("nan")), "step counter"),
+    ],
+)
+def test_a_crafted_optimizer_state_is_refused_before_load_state_dict(edit, named: str) -> None:
+    from attnlab.training.checkpoint import check_optimizer_state
+
+    model, _, saved = _optimizer_state()
+    edit(saved)
+    fresh = model.configure_optimizer(weight_decay=0.1, lr=1e-2)
+    with pytest.raises(ValueError, match=named) as exc:
+        check_optimizer_state(saved, fresh, step=2, where="x/optimizer.pt")
+    assert str(exc.value).startswith("optimizer state x/optimizer.pt does not fit this model")
+
+
+def test_an_optimizer_state_of_another_model_is_refused() -> None:
+    from attnlab.training.checkpoint import check_optimizer_state
+
+    _, _, saved = _optimizer_state()
+    torch.manual_seed(1)
+    other = GPT(GPTConfig.preset("tiny", context_length=16, emb_dim=64, n_heads=2, n_layers=2))
+    with pytest.raises(ValueError, match="expected shape"):
+        check_optimizer_state(saved, other.configure_optimizer(), step=2)
+    with pytest.raises(ValueError, match="after step 0 there are 0"):  # a state where there can be none
+        check_optimizer_state(saved, small_model().configure_optimizer(), step=0)

@@ -143,6 +143,8 @@ def test_errors_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "inf"], "--temperature"),
         (["--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["--max-new-tokens", "10000000000"], "--max-new-tokens"),  # used to preallocate 80 GB
+        (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens"),  # used to be an overflow TypeError
     ],
 )
 def test_bad_flags_are_one_line_naming_the_flag(checkpoint: Path, capsys, flags: list[str], flag: str) -> None:
@@ -169,3 +171,19 @@ def test_settings_too_small_for_float32_pick_the_likeliest_token(
     base = ["--checkpoint", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "12"]
     greedy = generate(monkeypatch, *base, "--temperature", "0").getvalue()
     assert generate(monkeypatch, *base, *flags).getvalue() == greedy
+
+
+def test_an_ascii_only_stdout_gets_escapes_not_an_abort(checkpoint: Path, monkeypatch) -> None:
+    """With an ASCII-only stdout (PYTHONIOENCODING=ascii, a C locale) generate used to abort at
+    the first non-ASCII character; now such characters are printed as backslash escapes."""
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii")  # errors="strict", as a real ASCII terminal
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    base = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "30", "--seed", "0"]
+    assert main([*base, "--prompt", "café → "]) == 0
+    ascii_out.flush()
+    printed = raw.getvalue().decode("ascii")
+    assert printed.startswith("caf\\xe9 \\u2192 ")
+    # The same characters as a UTF-8 stdout gets, escaped.
+    utf8 = generate(monkeypatch, *base[1:], "--prompt", "café → ").getvalue()
+    assert printed == utf8.encode("ascii", "backslashreplace").decode("ascii")

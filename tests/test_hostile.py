@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from attnlab.cli import main
@@ -647,6 +647,7 @@ def test_fuzzed_checkpoint_edits_end_cleanly(base: Path, base_docs, tmp_path_fac
             code, _, err_text = run_command(name, d, capsys, flags)
             lines = err_text.strip().splitlines()
             assert code in (0, 2), (edit, name, code, err_text)
+            event(f"{name} exit {code}")  # pytest --hypothesis-show-statistics: how the edits ended
             if code == 2:
                 assert len(lines) == 1 and lines[0].startswith("attnlab "), (edit, name, lines)
         shutil.rmtree(root)

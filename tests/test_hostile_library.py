@@ -251,3 +251,31 @@ def test_loader_reads_regular_files_only_and_never_blocks(tmp_path, capsys, what
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and name in lines[0], lines
     assert ("FIFO" if what == "fifo" else "not a regular file") in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention: the smaller cases of the issue (fixed before; kept here with it)
+# ---------------------------------------------------------------------------------------------
+def test_numpy_scalars_are_taken_where_python_ones_are() -> None:
+    """is_causal=np.bool_(True) was refused as "must be a bool, got bool"; scale=np.float32 refused."""
+    import numpy as np
+
+    from attnlab.functional import scaled_dot_product_attention as sdpa
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    want = sdpa(q, k, v, is_causal=True, scale=0.25)
+    for is_causal, scale in ((np.bool_(True), 0.25), (True, np.float32(0.25)), (np.True_, np.float64(0.25))):
+        torch.testing.assert_close(sdpa(q, k, v, is_causal=is_causal, scale=scale), want)
+
+
+def test_zero_width_and_two_dimensional_gqa_are_clear_errors() -> None:
+    """A query width of 0 was a ZeroDivisionError; 2-D inputs with enable_gqa=True an IndexError."""
+    from attnlab.functional import scaled_dot_product_attention as sdpa
+
+    with pytest.raises(ValueError, match="width E = 0"):
+        sdpa(torch.randn(2, 3, 0), torch.randn(2, 4, 0), torch.randn(2, 4, 5))
+    out = sdpa(torch.randn(2, 3, 0), torch.randn(2, 4, 0), torch.randn(2, 4, 5), scale=1.0)  # uniform weights
+    assert out.shape == (2, 3, 5) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="enable_gqa=True query needs a heads dimension"):
+        sdpa(torch.randn(3, 4), torch.randn(4, 4), torch.randn(4, 5), enable_gqa=True)

@@ -57,3 +57,101 @@ def test_read_json_names_the_file_when_missing_or_corrupt(tmp_path):
     (tmp_path / "bad.json").write_bytes(b'{"k": ')
     with pytest.raises(ValueError, match=r"bad\.json is truncated or corrupt \(not valid JSON"):
         read_json(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: regular files only, bounded
+# ---------------------------------------------------------------------------------------------
+def _within(seconds, fn):
+    """fn() in a daemon thread; AssertionError when it blocks past ``seconds``."""
+    import threading
+
+    out, errors = [], []
+
+    def target():
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "blocked"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
+def test_readers_refuse_fifos_and_devices_without_blocking(tmp_path):
+    from attnlab.files import check_text_file, open_regular, read_json, sha256_file
+
+    fifo = tmp_path / "latest.json"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    for path, kind in ((fifo, "a FIFO"), (zero, "not a regular file")):
+        for fn in (
+            lambda p=path: read_json(p, "pointer"),
+            lambda p=path: sha256_file(p),
+            lambda p=path: open_regular(p),
+        ):
+            with pytest.raises(ValueError, match=kind):
+                _within(10, fn)
+        with pytest.raises(ValueError, match="not a regular file"):
+            check_text_file(path)
+    with pytest.raises(ValueError, match="is a directory"):
+        read_json(tmp_path, "pointer")
+
+
+def test_read_json_is_bounded_and_names_the_file(tmp_path):
+    from attnlab.files import read_json
+
+    big = tmp_path / "big.json"
+    big.write_text('"' + "x" * 2000 + '"')
+    assert read_json(big, max_bytes=4000) == "x" * 2000
+    with pytest.raises(ValueError, match=r"big\.json is larger than 1,000 bytes"):
+        read_json(big, max_bytes=1000)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep\.json is corrupt \(JSON nested too deeply\)"):
+        read_json(deep)
+    long_int = tmp_path / "int.json"
+    long_int.write_text("9" * 10_000)  # past Python's int-from-string digit limit
+    with pytest.raises(ValueError, match=r"int\.json is truncated or corrupt"):
+        read_json(long_int)
+    not_utf8 = tmp_path / "latin.json"
+    not_utf8.write_bytes(b'"\xe9"')
+    with pytest.raises(ValueError, match=r"latin\.json is truncated or corrupt"):
+        read_json(not_utf8)
+
+
+def test_remove_temp_files_takes_only_the_atomic_writes_leftovers(tmp_path):
+    from attnlab.files import remove_temp_files
+
+    target = tmp_path / "latest.json"
+    target.write_text("{}")
+    left = [tmp_path / ".latest.json.k1ll3d.tmp", tmp_path / ".latest.json.x.tmp"]
+    for p in left:
+        p.write_text("torn")
+    keep = [tmp_path / "latest.json.tmp", tmp_path / ".metrics.jsonl.x.tmp", tmp_path / ".latest.json.x.tmpx"]
+    for p in keep:
+        p.write_text("not ours to remove")
+    assert sorted(remove_temp_files(target)) == sorted(left)
+    assert all(p.exists() for p in [target, *keep]) and not any(p.exists() for p in left)
+
+
+def test_safe_write_escapes_what_the_stream_cannot_encode():
+    import io
+
+    from attnlab.files import safe_write
+
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii")
+    safe_write(ascii_out, "café → ok\n")
+    ascii_out.flush()
+    assert raw.getvalue() == b"caf\\xe9 \\u2192 ok\n"
+    utf8 = io.StringIO()
+    safe_write(utf8, "café → ok")
+    assert utf8.getvalue() == "café → ok"

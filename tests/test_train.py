@@ -583,3 +583,211 @@ def test_cuda_training_in_bf16_learns_samples_and_resumes_exactly(tmp_path: Path
     assert [r["loss"] for r in resumed.history] == whole[10:]
     text = trainer.sample("The ", 20)
     assert text.startswith("The ") and text == trainer.sample("The ", 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory: attnlab's own, one run at a time
+# ---------------------------------------------------------------------------------------------
+def _snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(d)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_foreign_out_directory_is_refused_and_left_untouched(tmp_path: Path, capsys, resume: bool) -> None:
+    """attnlab train --out DIR used to delete DIR/checkpoints/step-* and truncate DIR/metrics.jsonl
+    when DIR had no latest.json."""
+    out = tmp_path / "mine"
+    (out / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (out / "checkpoints" / "step-00000001" / "weights.bin").write_bytes(b"precious")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (out / "notes.txt").write_text("mine")
+    before = _snapshot(out)
+    flags = ["--resume"] if resume else []
+    assert main(["train", "--out", str(out), *SMALL_FLAGS, "--max-steps", "1", "--no-malloc-tuning", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab train: error: --out") and "latest.json" in lines[0], lines
+    assert _snapshot(out) == before
+    (out / "checkpoints").rename(tmp_path / "elsewhere")  # files, but no checkpoints: still not ours
+    assert main(["train", "--out", str(out), *SMALL_FLAGS, "--max-steps", "1", "--no-malloc-tuning", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "is not empty (metrics.jsonl, notes.txt) and holds no attnlab run" in lines[0], lines
+    assert not (out / ".attnlab-train.lock").exists()
+
+
+def test_an_empty_or_own_directory_is_taken(tmp_path: Path, one_thread) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Trainer(TrainConfig(out=str(empty), max_steps=1, **ON_CPU)).fit()
+    assert (empty / "latest.json").is_file() and (empty / ".attnlab-train.lock").is_file()
+    # A run killed before its first checkpoint leaves metrics.jsonl and its lock file: a new run
+    # may start over there (the metrics are its own).
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / ".attnlab-train.lock").write_text('{"pid": 1}')
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    Trainer(TrainConfig(out=str(killed), max_steps=2, **ON_CPU)).fit()
+    assert [r["step"] for r in read_metrics(killed)] == [1, 2]
+
+
+def test_a_directory_in_use_is_refused_naming_the_process(tmp_path: Path, one_thread) -> None:
+    cfg = TrainConfig(out=str(tmp_path / "run"), max_steps=2, **ON_CPU)
+    first = Trainer(cfg)  # holds the lock from set-up on
+    with pytest.raises(ValueError, match=rf"in use by another attnlab train \(process {os.getpid()} on "):
+        Trainer(dataclasses_replace(cfg, resume=True))
+    first.fit()  # the refused one changed nothing
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    # fit() gave the lock back: the next run may resume.
+    assert Trainer(dataclasses_replace(cfg, resume=True, max_steps=3)).fit().step == 3
+
+
+def test_a_run_clears_what_a_killed_save_left(tmp_path: Path, one_thread) -> None:
+    out = tmp_path / "run"
+    Trainer(TrainConfig(out=str(out), max_steps=1, **ON_CPU)).fit()
+    debris = [out / ".latest.json.k1ll3d.tmp", out / ".metrics.jsonl.k1ll3d.tmp"]
+    for p in debris:
+        p.write_text("torn")
+    Trainer(TrainConfig(out=str(out), resume=True, max_steps=2, **ON_CPU)).fit()
+    assert not any(p.exists() for p in debris)
+
+
+def test_checkpoints_without_their_pointer_are_not_taken_for_debris(tmp_path: Path, one_thread) -> None:
+    out = tmp_path / "run"
+    Trainer(TrainConfig(out=str(out), max_steps=2, checkpoint_every=1, **ON_CPU)).fit()
+    (out / "latest.json").unlink()
+    before = _snapshot(out / "checkpoints")
+    for resume in (False, True):
+        with pytest.raises(ValueError, match=r"holds checkpoints \(step-00000001, step-00000002\) but no latest\.json"):
+            Trainer(TrainConfig(out=str(out), resume=resume, max_steps=3, **ON_CPU))
+    assert _snapshot(out / "checkpoints") == before
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
+def test_a_metrics_log_that_is_no_file_is_refused_without_blocking(tmp_path: Path, one_thread) -> None:
+    out = tmp_path / "run"
+    Trainer(TrainConfig(out=str(out), max_steps=1, **ON_CPU)).fit()
+    (out / "metrics.jsonl").unlink()
+    os.mkfifo(out / "metrics.jsonl")
+    with pytest.raises(ValueError, match=r"metrics log .*metrics\.jsonl is a FIFO"):
+        Trainer(TrainConfig(out=str(out), resume=True, max_steps=2, **ON_CPU)).fit()
+
+
+def test_metrics_lines_too_long_or_torn_are_dropped(tmp_path: Path, one_thread) -> None:
+    out = tmp_path / "run"
+    Trainer(TrainConfig(out=str(out), max_steps=2, **ON_CPU)).fit()
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 1, "pad": "' + "x" * 200_000 + '"}\n')  # no line attnlab writes is this long
+        f.write('{"step": 2, "lo')  # torn by a kill
+    Trainer(TrainConfig(out=str(out), resume=True, max_steps=3, **ON_CPU)).fit()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def dataclasses_replace(cfg: TrainConfig, **kw) -> TrainConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: every field checked (they also come from a checkpoint's JSON)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("out", "", "--out"),
+        ("data", 5, "--data"),
+        ("data", "", "--data"),
+        ("bpe_dir", 3, "--bpe-dir"),
+        ("val_fraction", "x", "val_fraction"),
+        ("min_lr_ratio", None, "min_lr_ratio"),
+        ("beta1", 1.0, "beta1"),
+        ("beta2", "x", "beta2"),
+        ("beta2", float("nan"), "beta2"),
+        ("sample_prompt", 5, "--sample-prompt"),
+        ("device", 0, "--device"),
+        ("preset", None, "--preset"),
+        ("resume", "yes", "--resume"),
+        ("compile", 1, "--compile"),
+        ("progress", None, "--progress"),
+        ("seed", 2**64, "--seed"),
+        ("batch_size", 2**63, "--batch-size"),
+        ("sample_tokens", 2**31, "--sample-tokens"),
+        ("lr", float("inf"), "--lr"),
+    ],
+)
+def test_every_setting_is_checked_naming_its_flag(field: str, value, named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named}") as exc:
+        dataclasses_replace(TrainConfig(), **{field: value}).validate()
+    assert "\n" not in str(exc.value)
+
+
+def test_out_empty_is_one_line_and_writes_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--out "" used to train into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--out", "", *SMALL_FLAGS, "--max-steps", "1", "--no-malloc-tuning"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab train: error: --out"), lines
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: refuse what cannot fit, before allocating it
+# ---------------------------------------------------------------------------------------------
+def test_the_memory_estimate_is_a_lower_bound_of_the_parameters() -> None:
+    from attnlab.model import GPT, GPTConfig
+    from attnlab.training.memory import estimate_training_memory
+
+    for name in GPTConfig.presets():
+        config = GPTConfig.preset(name)
+        with torch.device("meta"):
+            n = GPT(config).num_parameters()
+        est = estimate_training_memory(config, 1)
+        assert 0.99 * n <= est.parameters <= n, name  # biases and LayerNorms left out: < 1 %
+        assert est.states == 16 * est.parameters
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_estimate(tmp_path: Path, monkeypatch, capsys) -> None:
+    import attnlab.training.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "available_memory", lambda device: 8 << 30)  # an 8 GiB machine
+    out = tmp_path / "xl"
+    code = main(["train", "--out", str(out), "--preset", "gpt2-xl", "--device", "cpu", "--no-malloc-tuning"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    from attnlab.model import GPTConfig
+    from attnlab.training.memory import GiB, estimate_training_memory
+
+    config = GPTConfig.preset("gpt2-xl", vocab_size=256)  # the byte tokenizer: 256 ids
+    need = estimate_training_memory(config, 32).total  # the default batch, fp32 on CPU
+    assert f"needs at least {need / GiB:.1f} GiB on cpu but 8.0 GiB are available" in lines[0], lines[0]
+    for flag in ("--batch-size", "--grad-accum", "--context-length", "--preset"):
+        assert flag in lines[0]
+    assert not (out / "checkpoints").exists()
+    # The tiny preset fits in 8 GiB: the check refuses nothing it should not.
+    Trainer(TrainConfig(out=str(tmp_path / "tiny"), max_steps=1, **ON_CPU))
+
+
+def test_an_absurd_batch_is_one_line_on_this_machine(tmp_path: Path, capsys) -> None:
+    """No monkeypatching: 10**9 sequences of 64 tokens need petabytes of logits anywhere."""
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--batch-size", str(10**9), "--device", "cpu", "--no-malloc-tuning"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--batch-size" in lines[0] and "GiB" in lines[0], lines
+
+
+def test_an_allocator_refusal_during_training_is_one_line_naming_the_flags(tmp_path: Path, capsys, monkeypatch) -> None:
+    import attnlab.training.trainer as trainer_mod
+
+    def oom(self):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: 9 GB")
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_train_step", oom)
+    out = tmp_path / "run"
+    assert (
+        main(["train", "--out", str(out), *SMALL_FLAGS, "--max-steps", "2", "--device", "cpu", "--no-malloc-tuning"])
+        == 2
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("attnlab train: error: ran out of memory on cpu") and "--batch-size" in lines[-1]
+    assert len(lines) == 2  # the run's start line, then the error
+    # The lock went with the failed run.
+    Trainer(TrainConfig(out=str(out), max_steps=1, **ON_CPU)).close()
