@@ -18,6 +18,15 @@ from attnlab.checks import MODEL_LIMITS
 from attnlab.model import GPTConfig
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small models are fastest on one thread (and the CI machine is shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def within(seconds: float, fn):
     """``fn()``'s result, or a test failure when it has not returned after ``seconds`` (a blocked
     read): it runs in a daemon thread, which a hang cannot keep the test process alive for."""
@@ -97,7 +106,7 @@ def test_gpt_load_refuses_a_config_that_is_not_one_in_one_line(tmp_path, capsys,
 # ---------------------------------------------------------------------------------------------
 # Generation: no preallocation for max_new_tokens
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("max_new_tokens", [10**10, 10**15, 99999999999999999999])
+@pytest.mark.parametrize("max_new_tokens", [10**10, 99999999999999999999])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stream_allocates_for_what_it_generates_not_for_what_was_asked(make_gpt, max_new_tokens, use_cache) -> None:
     """``GPT.stream(idx, 10**10)`` used to preallocate 80 GB per row (and 99999999999999999999 was
@@ -106,9 +115,9 @@ def test_stream_allocates_for_what_it_generates_not_for_what_was_asked(make_gpt,
     idx = torch.randint(0, 37, (2, 5))
     g = torch.Generator().manual_seed(0)
     it = model.stream(idx, max_new_tokens, temperature=1.0, generator=g, use_cache=use_cache)
-    got = torch.stack([next(it) for _ in range(40)], dim=1)  # 40 tokens: past the 16-token window
+    got = torch.stack([next(it) for _ in range(20)], dim=1)  # 20 tokens: past the 16-token window
     it.close()
-    want = model.generate(idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(0), use_cache=use_cache)
+    want = model.generate(idx, 20, temperature=1.0, generator=torch.Generator().manual_seed(0), use_cache=use_cache)
     assert torch.equal(got, want[:, 5:])
 
 

@@ -791,3 +791,12 @@ def test_an_allocator_refusal_during_training_is_one_line_naming_the_flags(tmp_p
     assert len(lines) == 2  # the run's start line, then the error
     # The lock went with the failed run.
     Trainer(TrainConfig(out=str(out), max_steps=1, **ON_CPU)).close()
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--context-length", "10000000"], "context_length=10000000")])
+def test_a_context_past_sane_limits_is_one_line_before_any_work(tmp_path: Path, capsys, flags, named: str) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *flags, "--device", "cpu", "--no-malloc-tuning"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab train: error: --preset tiny") and named in lines[0], lines
+    assert not (out / "checkpoints").exists()
