@@ -1,0 +1,471 @@
+"""The inspector's data: one JSON-ready dict per page, computed by :mod:`attnlab.interpret`.
+
+:func:`inspector_data` turns a :class:`~attnlab.interpret.Trace` (and optionally a
+:class:`~attnlab.interpret.GenerationTrace`) into what the page draws; :func:`records_data` does
+the same for the tutorials' modules (the six-word example), :func:`maps_data` for bare weights. The
+arrays inside are :class:`~attnlab.interpret.codec.Packed`: :func:`attnlab.interpret.codec.to_json`
+makes them JSON (inline base64 for an API answer, one compressed blob for an offline page).
+
+Sections (each None when it does not apply): ``layers`` (attention per row and head), ``steps``
+(the tutorials' steps for some heads), ``next`` (next-token probabilities per position),
+``rollout``, ``lens``, ``roles``, ``generation``; ``vocab`` labels every token id they mention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.attention import AttentionRecord
+from attnlab.functional import attention_scores
+from attnlab.interpret.ablation import parse_heads
+from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
+from attnlab.interpret.analysis import rollout as attention_rollout
+from attnlab.interpret.codec import pack
+from attnlab.interpret.playback import GenerationTrace
+from attnlab.interpret.tracing import STEP_NAMES, Trace
+
+__all__ = [
+    "TEMPERATURES",
+    "inspector_data",
+    "maps_data",
+    "records_data",
+    "token_label",
+    "token_strings",
+]
+
+VERSION = 2
+# The temperatures the offline page's slider offers (the live server takes any): the page holds
+# the probabilities of each position's top candidates at each of them, computed by the library.
+TEMPERATURES = [round(0.1 * i, 1) for i in range(1, 21)]
+WEIGHTS_BUDGET = 16 << 20  # raw bytes of attention weights before dropping to a coarser dtype
+STEPS_BUDGET = 12 << 20  # raw bytes of the tutorials' steps kept for chosen heads
+
+
+# --------------------------------------------------------------------------------------------
+# Token text
+# --------------------------------------------------------------------------------------------
+def token_label(token: str) -> str:
+    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
+
+    Byte-level tokens are often pure whitespace; without this they would be invisible.
+    """
+    out = []
+    for ch in token:
+        if ch == " ":
+            out.append("␣")
+        elif ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("⇥")
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out) or "∅"
+
+
+def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own; a byte that is only part of a UTF-8 character shows as ``\\xNN``.
+    Without a tokenizer, ``#id``."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if tokenizer is None:
+            out.append(f"#{i}")
+            continue
+        s = tokenizer.decode([i])
+        if s == "\ufffd" and hasattr(tokenizer, "decode_bytes"):
+            raw = tokenizer.decode_bytes([i])
+            if raw != "\ufffd".encode():
+                s = "".join(f"\\x{b:02x}" for b in raw)
+        out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------
+def _weights_dtype(n: int, precision: str) -> str:
+    """The most precise dtype whose ``n`` numbers fit the budget (``precision="auto"``)."""
+    if precision != "auto":
+        if precision not in ("f32", "u16", "u8"):
+            raise ValueError(f"precision must be 'auto', 'f32', 'u16' or 'u8', got {precision!r}")
+        return precision
+    for dtype, size in (("f32", 4), ("u16", 2)):
+        if n * size <= WEIGHTS_BUDGET:
+            return dtype
+    return "u8"
+
+
+def _is_causal(w: Tensor) -> bool:
+    """Square matrices with nothing above the diagonal: stored as lower triangles."""
+    return w.shape[-1] == w.shape[-2] and not bool(torch.triu(w, diagonal=1).any())
+
+
+def _layers(rows: Sequence[tuple[str, Sequence[int], Tensor]], dtype: str) -> list[dict[str, Any]]:
+    out = []
+    for name, heads, w in rows:  # w: (H, T, S)
+        causal = _is_causal(w)
+        out.append(
+            {
+                "name": name,
+                "heads": [int(h) for h in heads],
+                "causal": causal,
+                "weights": pack(w.float(), dtype, tri=causal),
+            }
+        )
+    return out
+
+
+def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "title": title,
+        "text": text,
+        "note": note,
+        "tokens": list(tokens),
+        "labels": [token_label(t) for t in tokens],
+        "model": None,
+        "layers": [],
+        "steps": None,
+        "next": None,
+        "rollout": None,
+        "lens": None,
+        "roles": None,
+        "generation": None,
+        "vocab": {},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The tutorials' steps of one head
+# --------------------------------------------------------------------------------------------
+def _head_steps(
+    row: int,
+    head: int,
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masked: Tensor,
+    scale: float,
+    weights: Tensor,
+    head_outputs: Tensor,
+) -> dict[str, Any]:
+    """One head's steps: ``q (T, hd)``, ``k, v (S, hd)``, ``masked (T, S)``, ``weights (T, S)``,
+    ``head_outputs (T, hd)``. The page shows ``scores`` as stored and derives ``scaled = scores *
+    scale`` (float32, as torch) and ``masked = allowed ? scaled + bias : -inf``."""
+    q, k, v, masked = q.float(), k.float(), v.float(), masked.float()
+    scores = q @ k.transpose(-2, -1)  # (T, S)
+    scaled = scores * scale
+    allowed = masked != float("-inf")
+    bias = torch.where(allowed, masked - scaled, torch.zeros_like(masked))
+    causal = _is_causal(weights)
+    return {
+        "row": row,
+        "head": head,
+        "name": name,
+        "scale": float(scale),
+        "q": pack(q),
+        "k": pack(k),
+        "v": pack(v),
+        "scores": pack(scores),
+        "allowed": pack(allowed.float(), "u8"),  # 1 = may attend
+        "bias": pack(bias) if bool(bias.abs().max() > 0) else None,
+        "weights": pack(weights.float(), tri=causal),
+        "head_outputs": pack(head_outputs.float()),
+    }
+
+
+def _steps_cost(T: int, S: int, hd: int) -> int:
+    return 4 * T * S + T * S + 4 * T * S // 2 + 4 * (2 * T + 2 * S) * hd
+
+
+def _steps_section(heads: list[dict[str, Any]], omitted: int) -> dict[str, Any]:
+    return {
+        "names": STEP_NAMES,
+        "heads": heads,
+        "omitted": omitted,
+        "hint": "attnlab viz --steps L.H[,L.H...] stores the steps of other heads" if omitted else "",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The data of a page
+# --------------------------------------------------------------------------------------------
+def maps_data(
+    rows: Sequence[tuple[str, Sequence[int], Tensor]],
+    tokens: Sequence[str],
+    *,
+    title: str = "",
+    text: str = "",
+    note: str = "",
+    precision: str = "auto",
+) -> dict[str, Any]:
+    """A page of attention weights only: ``rows`` of ``(name, head numbers, weights (H, T, T))``."""
+    data = _base(title, text, note, tokens)
+    n = sum(w.numel() for _, _, w in rows)
+    data["layers"] = _layers(rows, _weights_dtype(n, precision))
+    return data
+
+
+def records_data(
+    rows: Sequence[tuple[str, AttentionRecord] | tuple[str, AttentionRecord, Sequence[int]]],
+    tokens: Sequence[str],
+    *,
+    title: str = "",
+    text: str = "",
+    note: str = "",
+) -> dict[str, Any]:
+    """A page of attention modules that are not a language model (the tutorials' six-word example):
+    each row's weights and the tutorials' steps of its heads, from batch row 0 of each
+    :class:`~attnlab.attention.AttentionRecord` (see :func:`attnlab.interpret.record_module`).
+    A row may name the heads to show as a third element (default: all)."""
+    data = _base(title, text, note, tokens)
+    maps, steps = [], []
+    for r, (name, rec, *chosen) in enumerate(rows):
+        H, Hkv = rec.q.shape[1], rec.k.shape[1]
+        heads = [int(h) for h in chosen[0]] if chosen else list(range(H))
+        maps.append((name, heads, rec.weights[0, heads]))
+        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H)[0]
+        for h in heads:
+            g = h // (H // Hkv)
+            steps.append(
+                _head_steps(
+                    r,
+                    h,
+                    name,
+                    rec.q[0, h],
+                    rec.k[0, g],
+                    rec.v[0, g],
+                    masked[h],
+                    rec.scale,
+                    rec.weights[0, h],
+                    rec.head_outputs[0, h],
+                )
+            )
+    n = sum(w.numel() for _, _, w in maps)
+    data["layers"] = _layers(maps, _weights_dtype(n, "auto"))
+    data["steps"] = _steps_section(steps, 0)
+    return data
+
+
+def _resolve(arg: str, i: object, n: int) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
+        raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
+    return i % n
+
+
+def _pick_step_heads(
+    steps: object,
+    n_layers: int,
+    n_heads: int,
+    cost: int,
+    roles: dict[str, Tensor] | None,
+    shown_layers: list[int],
+    shown_heads: list[int],
+) -> list[tuple[int, int]]:
+    """The heads whose steps the page stores: those named, or (``"auto"``) all shown heads when they
+    fit the budget, else the first shown head and the strongest shown head of each role."""
+    if steps is None:
+        return []
+    shown = [(layer, h) for layer in shown_layers for h in shown_heads]
+    if steps != "auto":
+        named = parse_heads(steps, n_layers, n_heads)
+        hidden = [f"{layer}.{h}" for layer, h in named if (layer, h) not in shown]
+        if hidden:
+            raise ValueError(f"--steps {','.join(hidden)}: not among the heads shown (--layer/--head)")
+        return named
+    if cost * len(shown) <= STEPS_BUDGET:
+        return shown
+    wanted = [shown[0]]
+    for kind in HEAD_KINDS:
+        if roles is not None:
+            masked = torch.full_like(roles[kind], -1.0)
+            for layer, h in shown:
+                masked[layer, h] = roles[kind][layer, h]
+            best = int(masked.argmax())
+            wanted.append((best // n_heads, best % n_heads))
+    picked: list[tuple[int, int]] = []
+    for pair in wanted:
+        if pair not in picked and (len(picked) + 1) * cost <= STEPS_BUDGET:
+            picked.append(pair)
+    return picked or shown[:1]
+
+
+def inspector_data(
+    trace: Trace,
+    *,
+    tokenizer: Any = None,
+    title: str | None = None,
+    text: str | None = None,
+    note: str | None = None,
+    steps: object = "auto",
+    generation: GenerationTrace | None = None,
+    roles: bool = True,
+    role_seed: int = 0,
+    lens_k: int = 5,
+    next_k: int = 32,
+    precision: str = "auto",
+    row: int = 0,
+    model_name: str = "",
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Everything the inspector page shows about one sequence (batch row ``row``) of ``trace``.
+
+    Args:
+        trace: from :func:`attnlab.interpret.trace`; with ``stages=True`` the page also has the
+            tutorials' steps and the logit lens. Its model (``trace.model``) gives the lens and roles.
+        tokenizer: labels tokens (default ``trace.tokenizer``; without one, ids are shown as ``#id``).
+        title, text, note: shown at the top (default: the decoded text).
+        steps: heads whose tutorials' steps the page stores: ``"auto"`` (all when they fit
+            :data:`STEPS_BUDGET`, else (0, 0) and the strongest head of each role), a list of
+            ``(layer, head)`` / ``"L.H"``, or None.
+        generation: a :class:`~attnlab.interpret.GenerationTrace` of the same model to play back.
+        roles: compute the head-role scores (on a repeated random sequence, ``role_seed``).
+        lens_k, next_k: candidates kept per position for the logit lens and the next-token view.
+        precision: attention weights as ``"f32"``, ``"u16"`` or ``"u8"``; ``"auto"``: the most
+            precise within :data:`WEIGHTS_BUDGET`.
+        model_name: shown in the note.
+        layers, heads: show only these layers and heads in the heads view (negative: from the end);
+            the other views still cover the whole model.
+    Padding is dropped: the page shows the row's real tokens only.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be an attnlab.interpret Trace, got {type(trace).__name__}")
+    model, tokenizer = trace.model, tokenizer if tokenizer is not None else trace.tokenizer
+    if not 0 <= row < trace.idx.shape[0]:
+        raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
+    keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
+    ids = trace.idx[row, keep].tolist()
+    tokens = token_strings(tokenizer, ids)
+    T = len(ids)
+    decoded = tokenizer.decode(ids) if tokenizer is not None else " ".join(tokens)
+    L, H = trace.n_layers, trace.n_heads
+    cfg = getattr(model, "config", None)
+    name = model_name or type(model).__name__
+    data = _base(
+        decoded if title is None else title,
+        decoded if text is None else text,
+        note
+        if note is not None
+        else f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to).",
+        tokens,
+    )
+    if cfg is not None:
+        data["model"] = {
+            "name": name,
+            "n_layers": L,
+            "n_heads": H,
+            "n_kv_heads": getattr(cfg, "kv_heads", H),
+            "head_dim": getattr(cfg, "head_dim", None),
+            "vocab_size": cfg.vocab_size,
+            "context_length": cfg.context_length,
+        }
+    vocab: set[int] = set(ids)
+
+    shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
+    shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
+    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T)
+    dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
+    data["layers"] = _layers([(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers], dtype)
+    for entry, i in zip(data["layers"], shown_layers, strict=True):
+        entry["layer"] = i
+    data["precision"] = dtype
+
+    role_scores = None
+    if roles and model is not None:
+        role_scores = all_head_scores(model, seed=role_seed)
+        data["roles"] = {
+            "kinds": list(HEAD_KINDS),
+            "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
+            "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
+        }
+
+    if trace.has_stages:
+        hd = trace.q.shape[-1]
+        chosen = _pick_step_heads(steps, L, H, _steps_cost(T, T, hd), role_scores, shown_layers, shown_heads)
+        group = H // trace.k.shape[2]  # query heads per key/value head
+        step_heads, by_layer = [], {}
+        for layer, h in chosen:
+            if layer not in by_layer:
+                by_layer[layer] = trace.steps(layer)
+            st, g = by_layer[layer], h // group
+            q = trace.q[layer, row, h][keep]  # (T, hd)
+            k, v = trace.k[layer, row, g][keep], trace.v[layer, row, g][keep]  # (T, hd) each
+            masked = st["masked"][row, h][keep][:, keep]  # (T, T)
+            weights = st["weights"][row, h][keep][:, keep]
+            out = trace.head_outputs[layer, row, h][keep]
+            name = f"layer {layer}"
+            row_index = shown_layers.index(layer)
+            step_heads.append(_head_steps(row_index, h, name, q, k, v, masked, trace.scale[layer], weights, out))
+        data["steps"] = _steps_section(step_heads, len(shown_layers) * len(shown_heads) - len(step_heads))
+    elif steps not in (None, "auto"):
+        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
+
+    logits = trace.logits[row, keep].float()  # (T, V)
+    V = logits.shape[-1]
+    n = min(next_k, V)
+    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
+    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
+    data["next"] = {
+        "k": n,
+        "ids": pack(top_ids.int(), "i32"),
+        "temperatures": TEMPERATURES,
+        "probs": pack(probs),
+        "vocab_size": V,
+    }
+    vocab.update(top_ids.flatten().tolist())
+
+    data["rollout"] = {
+        "fusions": list(FUSIONS),
+        **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
+    }
+
+    if trace.has_stages and model is not None:
+        lens = logit_lens(model, trace, k=lens_k)
+        data["lens"] = {
+            "k": lens.tokens.shape[-1],
+            "rows": ["embeddings", *[f"after layer {i}" for i in range(L)]],
+            "ids": pack(lens.tokens[:, row][:, keep].int(), "i32"),
+            "probs": pack(lens.probs[:, row][:, keep].float()),
+            "final_probs": pack(lens.final_token_probs[:, row][:, keep].float()),
+        }
+        vocab.update(lens.tokens[:, row][:, keep].flatten().tolist())
+
+    if generation is not None:
+        data["generation"] = _generation_section(generation, row, dtype)
+        vocab.update(generation.tokens[row].tolist())
+        for s in generation.steps:
+            vocab.update(s.candidates[row].tolist())
+
+    data["vocab"] = {
+        str(i): token_label(t) for i, t in zip(sorted(vocab), token_strings(tokenizer, sorted(vocab)), strict=True)
+    }
+    return data
+
+
+def _generation_section(gen: GenerationTrace, row: int, dtype: str) -> dict[str, Any]:
+    s = gen.sampling
+    return {
+        "prompt_length": gen.prompt_length,
+        "tokens": gen.tokens[row].tolist(),
+        "settings": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
+        "steps": [
+            {
+                "token": int(step.token[row]),
+                "position": step.position,
+                "key_start": step.key_start,
+                "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
+                "candidates": step.candidates[row].tolist(),
+                "probs": [round(float(p), 6) for p in step.probs[row]],
+                "token_prob": float(step.token_prob[row]),
+            }
+            for step in gen.steps
+        ],
+    }
