@@ -96,12 +96,16 @@ def logit_lens(model: nn.Module, trace: Trace, *, k: int = 5) -> LogitLens:
     k = positive_int("k", k)
     final = trace.logits.argmax(dim=-1, keepdim=True)  # (B, T, 1)
     tokens, probs, final_probs = [], [], []
-    for stream in trace.residual:  # (B, T, d) per layer: one (B, T, V) at a time
-        p = torch.softmax(lens_logits(model, stream).float(), dim=-1)  # (B, T, V)
-        top = torch.topk(p, min(k, p.shape[-1]), dim=-1)
+    L = trace.n_layers
+    for layer, stream in enumerate(trace.residual):  # (B, T, d) per layer: one (B, T, V) at a time
+        # After the last block the lens is the model's own head: its logits are in the trace.
+        logits = (trace.logits if layer == L else lens_logits(model, stream)).float()  # (B, T, V)
+        # softmax(x)_i = exp(x_i - logsumexp(x)): top-k of the logits, without a (B, T, V) softmax.
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, T, 1)
+        top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
         tokens.append(top.indices)
-        probs.append(top.values)
-        final_probs.append(p.gather(-1, final).squeeze(-1))
+        probs.append((top.values - lse).exp())
+        final_probs.append((logits.gather(-1, final) - lse).exp().squeeze(-1))
     return LogitLens(torch.stack(tokens), torch.stack(probs), torch.stack(final_probs))
 
 
@@ -133,7 +137,7 @@ def next_token_probabilities(
 # --------------------------------------------------------------------------------------------
 # Head roles
 # --------------------------------------------------------------------------------------------
-def repeated_tokens(vocab_size: int, context_length: int, *, seed: int = 0, batch: int = 4) -> Tensor:
+def repeated_tokens(vocab_size: int, context_length: int, *, seed: int = 0, batch: int = 2) -> Tensor:
     """``(batch, 2n)`` rows of ``n`` random distinct tokens repeated twice, ``n = min(context // 2,
     vocab, 64)``: on them an induction head's target is known (the token after the first copy)."""
     n = min(context_length // 2, vocab_size, 64)

@@ -73,7 +73,7 @@ def _walk(obj: Any, fn) -> Any:
     return obj
 
 
-def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 6) -> dict[str, Any]:
+def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 1) -> dict[str, Any]:
     """``data`` with every :class:`Packed` array made JSON: inline base64, or (``blob=True``) references
     into one deflate-compressed blob stored as ``data["blob"]``."""
     if not blob:

@@ -38,11 +38,25 @@ __all__ = [
 ]
 
 VERSION = 2
-# The temperatures the offline page's slider offers (the live server takes any): the page holds
-# the probabilities of each position's top candidates at each of them, computed by the library.
-TEMPERATURES = [round(0.1 * i, 1) for i in range(1, 21)]
+# The temperatures the offline page's slider offers besides 0 (greedy); a live server takes any. The
+# page holds the probabilities of each position's top candidates at each of them, computed by the
+# library: one softmax over the whole vocabulary per temperature and position, so they are few.
+TEMPERATURES = [0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0]
 WEIGHTS_BUDGET = 16 << 20  # raw bytes of attention weights before dropping to a coarser dtype
 STEPS_BUDGET = 12 << 20  # raw bytes of the tutorials' steps kept for chosen heads
+# The tutorials' names for queries, keys and values (the steps after them: tracing.STEP_NAMES), and
+# for the parameter-free first step of "A simple self-attention mechanism", where all three are x.
+QKV_NAMES = {"q": "queries = self.W_query(x)", "k": "keys = self.W_key(x)", "v": "values = self.W_value(x)"}
+PARAMETER_FREE_NAMES = {
+    "q": "queries = inputs",
+    "k": "keys = inputs",
+    "v": "values = inputs",
+    "scores": "attn_scores = inputs @ inputs.T",
+    "scaled": "attn_scores (this first step does not scale)",
+    "masked": "attn_scores (nothing masked)",
+    "weights": "attn_weights = torch.softmax(attn_scores, dim=-1)",
+    "head_outputs": "context_vec = attn_weights @ inputs",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,39 +159,33 @@ def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, 
 # The tutorials' steps of one head
 # --------------------------------------------------------------------------------------------
 def _head_steps(
-    row: int,
-    head: int,
-    name: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    masked: Tensor,
-    scale: float,
-    weights: Tensor,
-    head_outputs: Tensor,
-) -> dict[str, Any]:
-    """One head's steps: ``q (T, hd)``, ``k, v (S, hd)``, ``masked (T, S)``, ``weights (T, S)``,
-    ``head_outputs (T, hd)``. The page shows ``scores`` as stored and derives ``scaled = scores *
-    scale`` (float32, as torch) and ``masked = allowed ? scaled + bias : -inf``."""
-    q, k, v, masked = q.float(), k.float(), v.float(), masked.float()
-    scores = q @ k.transpose(-2, -1)  # (T, S)
-    scaled = scores * scale
+    row: int, head: int, name: str, st: dict[str, Tensor], scale: float, float_mask: bool, names: dict | None = None
+) -> dict:
+    """One head's steps for the page, from ``st``: ``q (T, hd)``, ``k, v (S, hd)``, ``scores``,
+    ``masked``, ``weights (T, S)`` and ``head_outputs (T, hd)``, as the library computed them.
+
+    The page stores ``scores`` and which keys each query may attend, and derives ``scaled = scores *
+    scale`` (in float32, as torch) and ``masked = allowed ? scaled (+ bias) : -inf``; a layer with an
+    additive float mask (a position bias) also stores that bias."""
+    scores, masked = st["scores"].float(), st["masked"].float()
     allowed = masked != float("-inf")
-    bias = torch.where(allowed, masked - scaled, torch.zeros_like(masked))
-    causal = _is_causal(weights)
+    bias = None
+    if float_mask:
+        bias = torch.where(allowed, masked - scores * scale, torch.zeros_like(masked))
     return {
         "row": row,
         "head": head,
         "name": name,
         "scale": float(scale),
-        "q": pack(q),
-        "k": pack(k),
-        "v": pack(v),
+        "q": pack(st["q"].float()),
+        "k": pack(st["k"].float()),
+        "v": pack(st["v"].float()),
         "scores": pack(scores),
         "allowed": pack(allowed.float(), "u8"),  # 1 = may attend
-        "bias": pack(bias) if bool(bias.abs().max() > 0) else None,
-        "weights": pack(weights.float(), tri=causal),
-        "head_outputs": pack(head_outputs.float()),
+        "bias": None if bias is None else pack(bias),
+        "weights": pack(st["weights"].float(), tri=_is_causal(st["weights"])),
+        "head_outputs": pack(st["head_outputs"].float()),
+        "names": names,
     }
 
 
@@ -187,7 +195,7 @@ def _steps_cost(T: int, S: int, hd: int) -> int:
 
 def _steps_section(heads: list[dict[str, Any]], omitted: int) -> dict[str, Any]:
     return {
-        "names": STEP_NAMES,
+        "names": {**QKV_NAMES, **STEP_NAMES},
         "heads": heads,
         "omitted": omitted,
         "hint": "attnlab viz --steps L.H[,L.H...] stores the steps of other heads" if omitted else "",
@@ -231,23 +239,22 @@ def records_data(
         H, Hkv = rec.q.shape[1], rec.k.shape[1]
         heads = [int(h) for h in chosen[0]] if chosen else list(range(H))
         maps.append((name, heads, rec.weights[0, heads]))
+        scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)[0]  # (H, T, S)
         masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H)[0]
+        float_mask = rec.mask is not None and rec.mask.is_floating_point()
+        names = PARAMETER_FREE_NAMES if rec.q is rec.k and rec.k is rec.v else None
         for h in heads:
-            g = h // (H // Hkv)
-            steps.append(
-                _head_steps(
-                    r,
-                    h,
-                    name,
-                    rec.q[0, h],
-                    rec.k[0, g],
-                    rec.v[0, g],
-                    masked[h],
-                    rec.scale,
-                    rec.weights[0, h],
-                    rec.head_outputs[0, h],
-                )
-            )
+            g = h // (H // Hkv)  # the key/value head this query head reads
+            st = {
+                "q": rec.q[0, h],
+                "k": rec.k[0, g],
+                "v": rec.v[0, g],
+                "scores": scores[h],
+                "masked": masked[h],
+                "weights": rec.weights[0, h],
+                "head_outputs": rec.head_outputs[0, h],
+            }
+            steps.append(_head_steps(r, h, name, st, rec.scale, float_mask, names))
     n = sum(w.numel() for _, _, w in maps)
     data["layers"] = _layers(maps, _weights_dtype(n, "auto"))
     data["steps"] = _steps_section(steps, 0)
@@ -349,8 +356,9 @@ def inspector_data(
     L, H = trace.n_layers, trace.n_heads
     cfg = getattr(model, "config", None)
     name = model_name or type(model).__name__
+    short = decoded if len(decoded) <= 120 else decoded[:119].rstrip() + "…"
     data = _base(
-        decoded if title is None else title,
+        short if title is None else title,
         decoded if text is None else text,
         note
         if note is not None
@@ -396,14 +404,20 @@ def inspector_data(
             if layer not in by_layer:
                 by_layer[layer] = trace.steps(layer)
             st, g = by_layer[layer], h // group
-            q = trace.q[layer, row, h][keep]  # (T, hd)
-            k, v = trace.k[layer, row, g][keep], trace.v[layer, row, g][keep]  # (T, hd) each
-            masked = st["masked"][row, h][keep][:, keep]  # (T, T)
-            weights = st["weights"][row, h][keep][:, keep]
-            out = trace.head_outputs[layer, row, h][keep]
-            name = f"layer {layer}"
-            row_index = shown_layers.index(layer)
-            step_heads.append(_head_steps(row_index, h, name, q, k, v, masked, trace.scale[layer], weights, out))
+            head_st = {
+                "q": trace.q[layer, row, h][keep],
+                "k": trace.k[layer, row, g][keep],
+                "v": trace.v[layer, row, g][keep],
+                "scores": st["scores"][row, h][keep][:, keep],  # (T, T) over the real tokens
+                "masked": st["masked"][row, h][keep][:, keep],
+                "weights": st["weights"][row, h][keep][:, keep],
+                "head_outputs": trace.head_outputs[layer, row, h][keep],
+            }
+            mask = trace.masks[layer]
+            float_mask = mask is not None and mask.is_floating_point()
+            step_heads.append(
+                _head_steps(shown_layers.index(layer), h, f"layer {layer}", head_st, trace.scale[layer], float_mask)
+            )
         data["steps"] = _steps_section(step_heads, len(shown_layers) * len(shown_heads) - len(step_heads))
     elif steps not in (None, "auto"):
         raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
