@@ -115,21 +115,28 @@ def _weights_dtype(n: int, precision: str) -> str:
     return "u8"
 
 
+def _bool_mask(mask: Tensor | None) -> bool:
+    return mask is None or mask.dtype == torch.bool
+
+
 def _is_causal(w: Tensor) -> bool:
     """Square matrices with nothing above the diagonal: stored as lower triangles."""
     return w.shape[-1] == w.shape[-2] and not bool(torch.triu(w, diagonal=1).any())
 
 
-def _layers(rows: Sequence[tuple[str, Sequence[int], Tensor]], dtype: str) -> list[dict[str, Any]]:
+def _layers(
+    rows: Sequence[tuple[str, Sequence[int], Tensor]], dtype: str, causal: Sequence[bool] | None = None
+) -> list[dict[str, Any]]:
+    """The heads view's rows; ``causal`` (per row) when known, else read from the weights."""
     out = []
-    for name, heads, w in rows:  # w: (H, T, S)
-        causal = _is_causal(w)
+    for r, (name, heads, w) in enumerate(rows):  # w: (H, T, S)
+        causal_row = _is_causal(w) if causal is None else causal[r]
         out.append(
             {
                 "name": name,
                 "heads": [int(h) for h in heads],
-                "causal": causal,
-                "weights": pack(w.float(), dtype, tri=causal),
+                "causal": causal_row,
+                "weights": pack(w.float(), dtype, tri=causal_row),
             }
         )
     return out
@@ -381,7 +388,10 @@ def inspector_data(
     shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
     w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T)
     dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
-    data["layers"] = _layers([(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers], dtype)
+    # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
+    causal = [trace.is_causal[i] and w.shape[-1] == T and _bool_mask(trace.masks[i]) for i in shown_layers]
+    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
+    data["layers"] = _layers(rows, dtype, causal)
     for entry, i in zip(data["layers"], shown_layers, strict=True):
         entry["layer"] = i
     data["precision"] = dtype
