@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _wrapped(text: str, indent: str) -> None:
-    for line in textwrap.wrap(text, width=WIDTH, initial_indent=indent, subsequent_indent=indent + "    "):
+    # Continued lines are indented 3 columns more: never at a lesson name's column (4).
+    for line in textwrap.wrap(text, width=WIDTH, initial_indent=indent, subsequent_indent=indent + "   "):
         print(line)
 
 
