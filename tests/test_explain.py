@@ -814,3 +814,48 @@ def test_scaling_says_its_seed_and_the_line_to_type():
     assert float((q @ k.transpose(-2, -1)).var()) == pytest.approx(13.6696, abs=5e-5)
     assert float(t["var_scores"]) == pytest.approx(13.6696, abs=5e-5)
     assert float(t["var_scores_scaled"]) == pytest.approx(1.1445, abs=5e-5)
+
+
+@pytest.mark.slow
+def test_explain_quiz_in_a_terminal_waits_for_enter(subprocess_env):
+    """At a terminal (a pseudo-terminal here) the quiz shows a question and waits; Enter answers it."""
+    pty = pytest.importorskip("pty")
+    import os
+    import select
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnlab", "explain", "--lesson", "quiz"],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=subprocess_env,
+    )
+    os.close(follower)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float) -> bool:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while marker not in seen and time.monotonic() < end:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        return marker in seen
+
+    try:
+        assert read_until(b"press Enter", 120)
+        time.sleep(0.5)
+        read_until(b"A: Masking", 0.5)
+        assert b"Q1." in seen and b"A: Masking" not in seen  # asked, waiting: not answered yet
+        for _ in explain.CONCEPT_QUESTIONS:
+            os.write(leader, b"\n")
+        assert read_until(b"A: We use multiple heads", 60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
