@@ -495,8 +495,8 @@ def gpt_multi_head(w: Walk) -> dict[str, Tensor]:
     concat = out.shape[-1]
     w.bug(
         GPT_GUIDE,
-        "its step 3 says the concatenated heads have 'a dimension of d_model, which is the same as "
-        "the original input embeddings'. The concatenation is num_heads x head_dim = d_out wide; "
+        "its step 'Concatenating the Head Outputs' says the result has 'a dimension of d_model, which "
+        "is the same as the original input embeddings'. The concatenation is num_heads x head_dim = d_out wide; "
         f"it equals the input's width only when d_in == d_out (as in GPT models). Here d_in = "
         f"{batch.shape[-1]}, d_out = {concat}: the output is {concat} wide.",
     )
