@@ -135,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     idx = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(idx[:, :8])  # warm up the kernels
-        forward_s, _ = timed(lambda: model(idx))
+        forward_s, _ = timed(lambda: model(idx), "plain_forward")
 
     trace_s, tr = timed(lambda: trace(model, idx, stages=True), "trace_with_stages")
     gen_s, gen = 0.0, None
     if args.generate:
         gen_s, gen = timed(
-            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0))
+            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0)),
+            "trace_generation",
         )
     data_s, data = timed(lambda: inspector_data(tr, generation=gen), "page_data")
     render_s, page = timed(lambda: render_page(data), "render")

@@ -230,3 +230,72 @@ def test_python_m_attnlab_inspect_runs(role_checkpoint, subprocess_env):
     done = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Strongest heads" in done.stdout and done.stderr == ""
+
+
+# --------------------------------------------------------------------------------------------
+# attnlab viz: the inspector page of a model
+# --------------------------------------------------------------------------------------------
+def test_viz_writes_the_inspector_of_a_checkpoint(role_checkpoint, tmp_path, capsys):
+    from attnlab.interpret import read_page_data
+
+    ckpt, model = role_checkpoint
+    prompt = "abcdabcd"
+    out = tmp_path / "page.html"
+    argv = ["viz", "--checkpoint", str(ckpt), "--prompt", prompt, "--out", str(out), "--temperature", "0.8"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {out}: 6 attention maps in 2 rows, 8 tokens; the inspector")
+    assert "8 generated tokens" in printed
+    data = read_page_data(out.read_text(encoding="utf-8"))
+    idx = torch.tensor([CharTokenizer(LETTERS).encode(prompt)])
+    tr = trace(model, idx, stages=True)
+    for layer in range(2):
+        torch.testing.assert_close(data["layers"][layer]["weights"], tr.weights[layer, 0], atol=0, rtol=0)
+    assert [(h["row"], h["head"]) for h in data["steps"]["heads"]] == [(r, h) for r in range(2) for h in range(3)]
+    roles = all_head_scores(model)
+    for kind in HEAD_KINDS:
+        torch.testing.assert_close(data["roles"]["scores"][kind], roles[kind])
+    want = model.generate(idx, 8, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    assert data["generation"]["tokens"] == want[0].tolist()
+    assert data["generation"]["settings"] == {"temperature": 0.8, "top_k": None, "top_p": None}
+    assert data["lens"]["ids"].shape == (3, 8, 5) and data["next"]["ids"].shape == (8, 16)
+
+
+def test_viz_inspector_options(role_checkpoint, tmp_path, capsys):
+    from attnlab.interpret import read_page_data
+
+    ckpt, _ = role_checkpoint
+    out = tmp_path / "page.html"
+    base = ["viz", "--checkpoint", str(ckpt), "--prompt", "abcabc", "--out", str(out)]
+    assert main([*base, "--steps", "1.0", "--generate", "0"]) == 0
+    data = read_page_data(out.read_text(encoding="utf-8"))
+    assert [(h["row"], h["head"]) for h in data["steps"]["heads"]] == [(1, 0)] and data["generation"] is None
+    assert data["steps"]["omitted"] == 5 and "--steps" in data["steps"]["hint"]
+    assert main([*base, "--layer", "-1", "--head", "0,2", "--steps", "1.2", "--generate", "2"]) == 0
+    data = read_page_data(out.read_text(encoding="utf-8"))
+    assert [(entry["layer"], entry["heads"]) for entry in data["layers"]] == [(1, [0, 2])]
+    assert [(h["row"], h["head"]) for h in data["steps"]["heads"]] == [(0, 2)]
+    assert data["roles"]["scores"]["induction"].shape == (2, 3)  # the other views cover the whole model
+    capsys.readouterr()
+    for argv, message in [
+        (["--steps", "0.0", "--layer", "1"], "--steps 0.0: not among the heads shown"),
+        (["--steps", "5.0"], "head 5.0 does not exist"),
+        (["--generate", "-1"], "--generate must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--layer", "4"], "--layer 4 is out of range"),
+    ]:
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_viz_draws_and_prints_a_model_as_before(role_checkpoint, tmp_path, capsys):
+    ckpt, _ = role_checkpoint
+    assert main(["viz", "--checkpoint", str(ckpt), "--prompt", "abca", "--layer", "0", "--head", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 0 · head 0" in out and "1.0000" in out  # the previous-token head, as numbers
+    pytest.importorskip("matplotlib")
+    assert main(["viz", "--checkpoint", str(ckpt), "--prompt", "abca", "--out", str(tmp_path / "m.png")]) == 0
+    assert "6 attention maps in 2 rows, 4 tokens" in capsys.readouterr().out
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

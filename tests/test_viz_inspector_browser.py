@@ -419,3 +419,32 @@ def test_a_512_token_page_of_gpt2_small_loads_fast_and_repaints_fast(driver, big
         _show(driver, view)
     _screenshot(driver, "big-lens.png", tmp_path)
     assert _errors(driver) == []
+
+
+def test_the_front_end_reads_inline_arrays_as_a_server_would_send_them(driver, gpt_page, tmp_path):
+    """A live server answers with inline base64 arrays (to_json(blob=False)), not one blob: the same
+    front end draws them."""
+    from string import Template
+
+    from attnlab.interpret.codec import to_json
+    from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script, read_asset
+
+    _, _, tr, _ = gpt_page
+    data = to_json(inspector_data(tr), blob=False)
+    assert "blob" not in data and "b64" in data["layers"][0]["weights"]
+    page = Template(read_asset("viewer.html")).substitute(
+        csp=OFFLINE_CSP,
+        title="inline",
+        styles=inline("style", read_asset("viewer.css")),
+        data=f'<script type="application/json" id="attn-data">{json_for_script(data)}</script>',
+        scripts=inline("script", read_asset("viewer.js")),
+    )
+    path = tmp_path / "inline.html"
+    path.write_text(page, encoding="utf-8")
+    _open(driver, path)
+    Select(driver.find_element(By.ID, "layer-select")).select_by_index(2)
+    cells = _js(driver, "return Array.from(document.querySelectorAll('#matrix .cell'), c => c.dataset.weight)")
+    torch.testing.assert_close(_floats(cells), tr.weights[2, 0, 0].flatten(), atol=1e-4, rtol=0)
+    for view in VIEWS[:-1]:
+        _show(driver, view)
+    assert _errors(driver) == []
