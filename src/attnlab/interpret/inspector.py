@@ -355,47 +355,25 @@ def inspector_data(
     model, tokenizer = trace.model, tokenizer if tokenizer is not None else trace.tokenizer
     if not 0 <= row < trace.idx.shape[0]:
         raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
+    if not trace.has_stages and steps not in (None, "auto"):
+        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
     keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
     ids = trace.idx[row, keep].tolist()
     tokens = token_strings(tokenizer, ids)
-    T = len(ids)
+    T, L, H = len(ids), trace.n_layers, trace.n_heads
     decoded = tokenizer.decode(ids) if tokenizer is not None else " ".join(tokens)
-    L, H = trace.n_layers, trace.n_heads
-    cfg = getattr(model, "config", None)
     name = model_name or type(model).__name__
+    if note is None:
+        note = f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to)."
     short = decoded if len(decoded) <= 120 else decoded[:119].rstrip() + "…"
-    data = _base(
-        short if title is None else title,
-        decoded if text is None else text,
-        note
-        if note is not None
-        else f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to).",
-        tokens,
-    )
-    if cfg is not None:
-        data["model"] = {
-            "name": name,
-            "n_layers": L,
-            "n_heads": H,
-            "n_kv_heads": getattr(cfg, "kv_heads", H),
-            "head_dim": getattr(cfg, "head_dim", None),
-            "vocab_size": cfg.vocab_size,
-            "context_length": cfg.context_length,
-        }
+    data = _base(short if title is None else title, decoded if text is None else text, note, tokens)
+    data["model"] = _model_section(model, name, L, H)
     vocab: set[int] = set(ids)
 
     shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
     shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
-    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T)
-    dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
-    # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
-    causal = [trace.is_causal[i] and w.shape[-1] == T and _bool_mask(trace.masks[i]) for i in shown_layers]
-    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
-    data["layers"] = _layers(rows, dtype, causal)
-    for entry, i in zip(data["layers"], shown_layers, strict=True):
-        entry["layer"] = i
+    data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)
     data["precision"] = dtype
-
     role_scores = None
     if roles and model is not None:
         role_scores = all_head_scores(model, seed=role_seed)
@@ -404,74 +382,109 @@ def inspector_data(
             "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
             "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
         }
-
     if trace.has_stages:
-        hd = trace.q.shape[-1]
-        chosen = _pick_step_heads(steps, L, H, _steps_cost(T, T, hd), role_scores, shown_layers, shown_heads)
-        group = H // trace.k.shape[2]  # query heads per key/value head
-        step_heads, by_layer = [], {}
-        for layer, h in chosen:
-            if layer not in by_layer:
-                by_layer[layer] = trace.steps(layer)
-            st, g = by_layer[layer], h // group
-            head_st = {
-                "q": trace.q[layer, row, h][keep],
-                "k": trace.k[layer, row, g][keep],
-                "v": trace.v[layer, row, g][keep],
-                "scores": st["scores"][row, h][keep][:, keep],  # (T, T) over the real tokens
-                "masked": st["masked"][row, h][keep][:, keep],
-                "weights": st["weights"][row, h][keep][:, keep],
-                "head_outputs": trace.head_outputs[layer, row, h][keep],
-            }
-            mask = trace.masks[layer]
-            float_mask = mask is not None and mask.is_floating_point()
-            step_heads.append(
-                _head_steps(shown_layers.index(layer), h, f"layer {layer}", head_st, trace.scale[layer], float_mask)
-            )
-        data["steps"] = _steps_section(step_heads, len(shown_layers) * len(shown_heads) - len(step_heads))
-    elif steps not in (None, "auto"):
-        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
-
-    logits = trace.logits[row, keep].float()  # (T, V)
-    V = logits.shape[-1]
-    n = min(next_k, V)
-    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
-    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
-    data["next"] = {
-        "k": n,
-        "ids": pack(top_ids.int(), "i32"),
-        "temperatures": TEMPERATURES,
-        "probs": pack(probs),
-        "vocab_size": V,
-    }
-    vocab.update(top_ids.flatten().tolist())
-
+        cost = _steps_cost(T, T, trace.q.shape[-1])
+        chosen = _pick_step_heads(steps, L, H, cost, role_scores, shown_layers, shown_heads)
+        data["steps"] = _steps_of_trace(trace, row, keep, chosen, shown_layers, len(shown_heads))
+    data["next"] = _next_section(trace.logits[row, keep], next_k)
+    vocab.update(data["next"].pop("top_ids"))
     data["rollout"] = {
         "fusions": list(FUSIONS),
         **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
     }
-
     if trace.has_stages and model is not None:
         lens = logit_lens(model, trace, k=lens_k)
+        top = lens.tokens[:, row][:, keep]  # (L + 1, T, k)
         data["lens"] = {
             "k": lens.tokens.shape[-1],
             "rows": ["embeddings", *[f"after layer {i}" for i in range(L)]],
-            "ids": pack(lens.tokens[:, row][:, keep].int(), "i32"),
+            "ids": pack(top.int(), "i32"),
             "probs": pack(lens.probs[:, row][:, keep].float()),
             "final_probs": pack(lens.final_token_probs[:, row][:, keep].float()),
         }
-        vocab.update(lens.tokens[:, row][:, keep].flatten().tolist())
-
+        vocab.update(top.flatten().tolist())
     if generation is not None:
         data["generation"] = _generation_section(generation, row, dtype)
         vocab.update(generation.tokens[row].tolist())
         for s in generation.steps:
             vocab.update(s.candidates[row].tolist())
-
-    data["vocab"] = {
-        str(i): token_label(t) for i, t in zip(sorted(vocab), token_strings(tokenizer, sorted(vocab)), strict=True)
-    }
+    ordered = sorted(vocab)
+    data["vocab"] = {str(i): token_label(t) for i, t in zip(ordered, token_strings(tokenizer, ordered), strict=True)}
     return data
+
+
+def _model_section(model: Any, name: str, L: int, H: int) -> dict[str, Any] | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    return {
+        "name": name,
+        "n_layers": L,
+        "n_heads": H,
+        "n_kv_heads": getattr(cfg, "kv_heads", H),
+        "head_dim": getattr(cfg, "head_dim", None),
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.context_length,
+    }
+
+
+def _heads_section(
+    trace: Trace, row: int, keep: Tensor, shown_layers: list[int], shown_heads: list[int], precision: str
+) -> tuple[list[dict[str, Any]], str]:
+    """The heads view's rows (one per shown layer) and the dtype their weights are stored in."""
+    T = len(keep)
+    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T) over the real tokens
+    dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
+    # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
+    causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
+    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
+    out = _layers(rows, dtype, causal)
+    for entry, i in zip(out, shown_layers, strict=True):
+        entry["layer"] = i
+    return out, dtype
+
+
+def _steps_of_trace(
+    trace: Trace, row: int, keep: Tensor, chosen: list[tuple[int, int]], shown_layers: list[int], n_shown: int
+) -> dict[str, Any]:
+    """The tutorials' steps of the ``chosen`` ``(layer, head)`` pairs, over the real tokens."""
+    group = trace.n_heads // trace.k.shape[2]  # query heads per key/value head
+    heads, by_layer = [], {}
+    for layer, h in chosen:
+        if layer not in by_layer:
+            by_layer[layer] = trace.steps(layer)
+        st, g = by_layer[layer], h // group
+        head_st = {
+            "q": trace.q[layer, row, h][keep],
+            "k": trace.k[layer, row, g][keep],
+            "v": trace.v[layer, row, g][keep],
+            "scores": st["scores"][row, h][keep][:, keep],
+            "masked": st["masked"][row, h][keep][:, keep],
+            "weights": st["weights"][row, h][keep][:, keep],
+            "head_outputs": trace.head_outputs[layer, row, h][keep],
+        }
+        float_mask = not _bool_mask(trace.masks[layer])
+        r = shown_layers.index(layer)
+        heads.append(_head_steps(r, h, f"layer {layer}", head_st, trace.scale[layer], float_mask))
+    return _steps_section(heads, len(shown_layers) * n_shown - len(heads))
+
+
+def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
+    """Next-token probabilities of each position's ``next_k`` likeliest tokens at every temperature of
+    :data:`TEMPERATURES` (``logits (T, V)``), through the library's sampling filter; the page applies
+    top-k and top-p to them as the filter does. ``top_ids`` (a list) is for the page's vocabulary."""
+    logits = logits.float()
+    n = min(next_k, logits.shape[-1])
+    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
+    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
+    return {
+        "k": n,
+        "ids": pack(top_ids.int(), "i32"),
+        "temperatures": TEMPERATURES,
+        "probs": pack(probs),  # (temperatures, T, n)
+        "vocab_size": logits.shape[-1],
+        "top_ids": top_ids.flatten().tolist(),
+    }
 
 
 def _generation_section(gen: GenerationTrace, row: int, dtype: str) -> dict[str, Any]:
