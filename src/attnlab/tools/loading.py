@@ -116,9 +116,10 @@ def load_pretrained(
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{what} must name a GPT-2 ({', '.join(PRETRAINED)}) or a directory, got {name!r}")
     local = Path(name).expanduser()
-    if name.lower() not in PRETRAINED and not local.is_dir() and (os.sep in name or name.startswith(".")):
+    is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
+    if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
         raise FileNotFoundError(f"{what} {name}: no such directory")
-    if bpe_dir is None and local.is_dir() and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
+    if bpe_dir is None and is_local and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
         bpe_dir = local
     model = GPT.from_pretrained(name, cache_dir=cache_dir, device=device).eval()
     tokenizer = GPT2Tokenizer(bpe_dir=bpe_dir)
@@ -127,9 +128,8 @@ def load_pretrained(
             f"{what} {name}: the model has {model.config.vocab_size} token ids, fewer than GPT-2's tokenizer "
             f"({tokenizer.vocab_size}); only GPT-2-vocabulary models can be read with it"
         )
-    source = "local" if name.lower() not in PRETRAINED and local.is_dir() else "huggingface"
-    path = local.resolve() if source == "local" else Path(name)
-    return LoadedModel(model, tokenizer, path, {"source": source, "name": name})
+    source = "local" if is_local else "huggingface"
+    return LoadedModel(model, tokenizer, local.resolve() if is_local else Path(name), {"source": source, "name": name})
 
 
 def load(
