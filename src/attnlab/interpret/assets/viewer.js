@@ -541,6 +541,10 @@ async function showInspector(source) {
         scaled[p] = f32(s.scores[p] * sc);  // float32 arithmetic, as torch
         masked[p] = s.allowed[p] > 0.5 ? (s.bias ? f32(scaled[p] + s.bias[p]) : scaled[p]) : -Infinity;
       }
+      let all = true;
+      for (let p = 0; p < R * S && all; p++) all = s.allowed[p] > 0.5;
+      const maskedName = s.names.masked + (all && !s.bias && s.names.masked.includes("masked_fill")
+        ? "   (nothing is masked here)" : "");
       const absMax = (a) => { let m = 0; for (const v of a) if (isFinite(v) && Math.abs(v) > m) m = Math.abs(v);
                               return m || 1; };
       const tl = (i) => labels[i] || String(i), dim = (e) => "d" + e;
@@ -550,7 +554,7 @@ async function showInspector(source) {
         ["v", s.names.v, s.v, S, hd, tl, dim, "div"],
         ["scores", s.names.scores, s.scores, R, S, tl, tl, "div"],
         ["scaled", s.names.scaled, scaled, R, S, tl, tl, "div"],
-        ["masked", s.names.masked, masked, R, S, tl, tl, "div"],
+        ["masked", maskedName, masked, R, S, tl, tl, "div"],
         ["weights", s.names.weights, s.weights, R, S, tl, tl, "seq"],
         ["head_outputs", s.names.head_outputs, s.head_outputs, R, hd, tl, dim, "div"],
       ];
