@@ -639,3 +639,59 @@ def test_trace_is_a_dataclass_with_the_documented_fields():
     tr = trace(model, torch.zeros(1, 4, dtype=torch.long), stages=True)
     assert isinstance(tr, Trace) and tr.n_layers == 3 and tr.n_heads == 4 and tr.has_stages
     assert tr.residual.shape == (4, 1, 4, 32) and tr.logits.shape == (1, 4, 37)
+
+
+def test_generation_trace_maps_keys_to_tokens_for_modules_with_positions():
+    """With RoPE modules the records carry positions; when the window slides, generation re-encodes it
+    from position 0, so positions are not token indices: the trace maps every key to its token."""
+    from attnlab.attention import MultiHeadAttention
+
+    model = sharp_gpt(context_length=12)
+    for block in model.trf_blocks:
+        rotary = MultiHeadAttention(32, 32, 12, 0.0, num_heads=4, rope=True)
+        rotary.load_state_dict(block.att.state_dict())
+        block.att = rotary
+    idx = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(14))
+    want = model.generate(idx, 12, generator=torch.Generator().manual_seed(2))
+    got = trace_generation(model, idx, 12, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(got.tokens, want)
+    for step in got.steps:
+        S = step.weights.shape[-1]
+        assert torch.equal(step.key_index[0], torch.arange(step.position - S, step.position))
+        window = want[:, step.key_index[0, 0] : step.position]
+        torch.testing.assert_close(step.weights, trace(model, window).weights[:, :, :, -1], atol=1e-5, rtol=0)
+    assert got.steps[-1].key_start > 0  # the window slid
+
+
+@pytest.mark.parametrize("kind", [dict(rope=True, window=4), dict(alibi=True), dict(alibi=True, window=5, sinks=1)])
+def test_stages_recompose_what_modules_with_positions_compute(kind):
+    """RoPE rotates q and k, ALiBi adds a bias, a window masks: the record says so and the steps
+    (scores from the rotated q and k, the mask or bias applied) recompose the weights applied."""
+    from attnlab.attention import MultiHeadAttention
+
+    model = sharp_gpt()
+    for block in model.trf_blocks:
+        att = MultiHeadAttention(32, 32, 24, 0.0, num_heads=4, **kind)
+        att.load_state_dict(block.att.state_dict())
+        block.att = att
+    idx = torch.randint(0, 37, (2, 10), generator=torch.Generator().manual_seed(15))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :2] = False
+    tr = trace(model, idx, stages=True, attention_mask=mask)
+    for layer in range(3):
+        st = tr.steps(layer)
+        rows = (st["masked"] != float("-inf")).any(-1)
+        torch.testing.assert_close(torch.softmax(st["masked"], -1)[rows], st["weights"][rows], atol=1e-6, rtol=0)
+        torch.testing.assert_close(st["weights"] @ tr.v[layer], tr.head_outputs[layer], atol=1e-6, rtol=1e-5)
+        if kind.get("window"):  # nothing beyond the window (the sink excepted)
+            far = torch.ones(10, 10, dtype=torch.bool).tril(-kind["window"])
+            far[:, : kind.get("sinks", 0)] = False
+            assert torch.all(st["weights"][0][:, far] == 0)
+    data = read_page_data(render_page(inspector_data(tr, steps=["1.2"])))
+    (head,) = data["steps"]["heads"]
+    if kind.get("alibi"):  # the page keeps the bias, so it can show masked = scaled + bias
+        st = tr.steps(1)
+        allowed = st["masked"][0, 2] != float("-inf")
+        torch.testing.assert_close(head["bias"][allowed], (st["masked"] - st["scaled"])[0, 2][allowed])
+    else:
+        assert head["bias"] is None

@@ -498,6 +498,7 @@ def _generation_section(gen: GenerationTrace, row: int, dtype: str) -> dict[str,
                 "token": int(step.token[row]),
                 "position": step.position,
                 "key_start": step.key_start,
+                "key_index": step.key_index[row].tolist(),  # the token each weight goes to (-1: none)
                 "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
                 "candidates": step.candidates[row].tolist(),
                 "probs": [round(float(p), 6) for p in step.probs[row]],

@@ -30,9 +30,12 @@ class GenerationStep:
     Attributes:
         token: ``(B,)`` the token chosen.
         position: the index of the new token in :attr:`GenerationTrace.tokens`.
-        key_start: the position of the first key the step attended to (0 until the window slides).
+        key_start: the index of the first key the step attended to (0 until the window slides).
+        key_index: ``(B, S)`` the index in :attr:`GenerationTrace.tokens` of each key (slot) the
+            step attended to, -1 for none (padding, an empty slot): ``key_start .. position - 1`` in
+            order, unless a cache keeps its keys in another order (a rolling cache).
         weights: ``(L, B, H, S)`` the attention of the query that produced the token (the previous
-            token's) over keys ``key_start .. position - 1``.
+            token's) over those keys.
         candidates: ``(B, k)`` the most likely tokens after temperature/top-k/top-p, and
         probs: ``(B, k)`` their probabilities (zero outside the filter; one-hot when greedy).
         token_prob: ``(B,)`` the probability of the chosen token.
@@ -41,6 +44,7 @@ class GenerationStep:
     token: Tensor
     position: int
     key_start: int
+    key_index: Tensor
     weights: Tensor
     candidates: Tensor
     probs: Tensor
@@ -83,10 +87,13 @@ def trace_generation(
         idx = idx.unsqueeze(0)
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     calls: list[tuple[int, Tensor]] = []
+    offsets: list[Tensor | None] = []  # per pass: how far before the newest query each key is
     n_layers = len(model.trf_blocks)
 
     def on_record(layer: int, record: AttentionRecord) -> None:
         calls.append((layer, record.weights[:, :, -1].float().clone()))  # (B, H, S): the newest query's row
+        if layer == 0:
+            offsets.append(_key_offsets(record))
 
     with observe_attention(model, on_record):
         tokens, logits = generate(
@@ -111,11 +118,17 @@ def trace_generation(
         probs = sampling.probabilities(logits[:, s])  # (B, V)
         top = torch.topk(probs, min(candidates, probs.shape[-1]), dim=-1)
         token = tokens[:, T + s]
+        S = weights.shape[-1]
+        if offsets[s] is None:  # keys in order, ending at the query: indices key_start .. T + s - 1
+            key_index = torch.arange(T + s - S, T + s, device=tokens.device).expand(tokens.shape[0], S)
+        else:
+            key_index = torch.where(offsets[s] >= 0, T + s - 1 - offsets[s], -1).expand(tokens.shape[0], S)
         steps.append(
             GenerationStep(
                 token=token,
                 position=T + s,
-                key_start=T + s - weights.shape[-1],
+                key_start=T + s - S,
+                key_index=key_index,
                 weights=weights,
                 candidates=top.indices,
                 probs=top.values,
@@ -123,3 +136,13 @@ def trace_generation(
             )
         )
     return GenerationTrace(tokens, T, sampling, steps)
+
+
+def _key_offsets(record: AttentionRecord) -> Tensor | None:
+    """``(1 or B, S)``: how many tokens before the newest query each key is, from the positions a
+    module with positions records (-1: padding or an empty slot); None without positions."""
+    if record.q_positions is None or record.k_positions is None:
+        return None
+    q = record.q_positions[:, -1:]  # (1 or B, 1)
+    k = record.k_positions  # (1 or B, S)
+    return torch.where(k >= 0, q - k, -1)

@@ -15,7 +15,8 @@
 //   lens()                       {rows, k, ids, probs, final}
 //   roles()                      {kinds, L, H, scores: {kind: Float32Array L*H}, note}
 //   generation()                 {prompt_length, tokens, settings, steps: [{token, position, key_start,
-//                                candidates, probs, token_prob, row(layer, head) -> Float32Array S}]}
+//                                key_index (the token of each key slot, -1 none), candidates, probs,
+//                                token_prob, row(layer, head) -> Float32Array S}]}
 //   label(id)                    the printable text of a token id
 // The offline page (attnlab viz --out FILE.html, a trace in Jupyter) embeds its data as JSON in the
 // script element with id "attn-data": EmbeddedSource reads it (the last lines of this file). A local
@@ -207,7 +208,8 @@ class EmbeddedSource {
         const w = this.arr(s.weights);  // (L, H, S)
         const H = w.shape[1], S = w.shape[2];
         return {
-          token: s.token, position: s.position, key_start: s.key_start, candidates: s.candidates,
+          token: s.token, position: s.position, key_start: s.key_start, key_index: s.key_index,
+          candidates: s.candidates,
           probs: s.probs, token_prob: s.token_prob, S: S, H: H,
           row: (layer, head) => { const out = new Float32Array(S); for (let j = 0; j < S; j++)
             out[j] = w.at((layer * H + head) * S + j); return out; },
@@ -799,13 +801,15 @@ async function showInspector(source) {
       } else w = s.row(layer, head);
       let m = 0;
       for (const v of w) if (v > m) m = v;
+      const slot = new Map();  // token index -> the slot of its key (a cache may hold keys out of order)
+      s.key_index.forEach((t, j) => { if (t >= 0) slot.set(t, j); });
       const box = $("gen-text");
       box.textContent = "";
       for (let t = 0; t <= s.position; t++) {
         const span = el("span", "tok" + (t >= g.prompt_length ? " generated" : "") + (t === s.position ? " current" : ""),
                         await source.label(g.tokens[t]));
         span.dataset.index = String(t);
-        const j = t - s.key_start, wl = el("span", "w", "");
+        const j = slot.has(t) ? slot.get(t) : -1, wl = el("span", "w", "");
         if (j >= 0 && t < s.position) {
           const col = seqRGB(w[j] / (m || 1));
           span.style.backgroundColor = css(col);
