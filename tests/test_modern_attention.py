@@ -365,7 +365,7 @@ def test_bad_forward_arguments_and_caches():
         KVCache(1, 4, 1, 2, sinks=1)
     with pytest.raises(ValueError, match="less than max_length"):
         KVCache(1, 4, 1, 2, rolling=True, sinks=4)
-    with pytest.raises(ValueError, match="cannot hold a window of 3"):
+    with pytest.raises(ValueError, match="overwrite keys a window of 3"):
         m(x, kv_cache=KVCache(2, 3, 4, 2, rolling=True, sinks=1, dtype=torch.float64))
     with pytest.raises(ValueError, match="use update"):
         KVCache(1, 4, 1, 2, rolling=True).append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))

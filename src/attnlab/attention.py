@@ -374,12 +374,6 @@ class KVCache:
                 "a rolling kv_cache holds keys at positions a plain module cannot tell apart; use a plain cache "
                 "(new_kv_cache()) or give the module rope/alibi/window"
             )
-        ring = self.max_length - self.sinks
-        if self.rolling and module.window is not None and (ring < module.window or self.sinks < module.sinks):
-            raise ValueError(
-                f"a rolling kv_cache of {self.sinks} sink and {ring} ring slots cannot hold a window of "
-                f"{module.window} with {module.sinks} sinks; make it with new_kv_cache(rolling=True)"
-            )
 
     def _check_room(self, T: int) -> None:
         if not self.rolling and self.length + T > self.max_length:
@@ -798,9 +792,11 @@ class MultiHeadAttention(_DropsTutorialMask):
             positions = torch.arange(past, past + n, device=q.device)[None]  # (1, n)
         if self.rope:
             cos, sin = rope if rope is not None else self.rope_cos_sin(positions, q.dtype)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (angles in float32; rotate in the queries' dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, H, n, hd), (b, Hkv, n, hd)
         ordered, k_pos = True, positions
         if kv_cache is not None:
+            self._check_ring(kv_cache, n)
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v, k_pos, ordered = kv_cache.update(k.to(dt), v.to(dt), positions)  # (b, Hkv, S, hd), (b, S)
         window, sinks, is_causal = self.window, self.sinks, self.causal
@@ -821,6 +817,18 @@ class MultiHeadAttention(_DropsTutorialMask):
             bias = alibi_bias(slopes, positions, k_pos)  # (1|b, H, n, S)
             mask = bias if mask is None else _and_mask(bias, mask)
         return q, k, v, mask, is_causal, window, sinks, positions, k_pos
+
+    def _check_ring(self, cache: KVCache, n: int) -> None:
+        """A rolling cache shorter than the window (+ sinks) may fill up, but not wrap: it would drop
+        keys the window still sees."""
+        ring = cache.max_length - cache.sinks
+        too_small = self.window is not None and (ring < self.window or cache.sinks < self.sinks)
+        if cache.rolling and too_small and cache.seen + n > cache.max_length:
+            raise ValueError(
+                f"kv_cache is full: its {cache.sinks} sink and {ring} ring slots hold {cache.seen} tokens, and "
+                f"{n} more would overwrite keys a window of {self.window} with {self.sinks} sinks still sees; make it "
+                f"with new_kv_cache(rolling=True) (window + sinks slots)"
+            )
 
     def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """RoPE's ``(cos, sin)`` for ``positions (1 or b, n)``, shaped ``(1 or b, 1, n, head_dim)``."""

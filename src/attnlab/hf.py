@@ -258,6 +258,12 @@ def _check_exportable(model: GPT) -> GPTConfig:
         raise ValueError(
             f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
         )
+    gpt2 = {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "window": None, "qk_norm": False}
+    other = {k: getattr(cfg, k) for k, v in gpt2.items() if getattr(cfg, k, v) != v}
+    if other:
+        raise ValueError(
+            f"GPT-2 has learned positions, LayerNorm, a GELU MLP and full attention; this model has {other}"
+        )
     return cfg
 
 

@@ -141,9 +141,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     ``(a cos - b sin, b cos + a sin)``: a 2-D rotation, so ``x``'s norm is unchanged. ``cos`` and
     ``sin`` broadcast against ``x``: ``(T, hd)`` for every batch row and head, ``(B, 1, T, hd)`` per row.
     """
-    a, b = x.chunk(2, dim=-1)  # (..., T, hd/2) each
-    rotated = torch.cat([-b, a], dim=-1)  # (..., T, hd): x turned by 90 degrees in every pair
-    return x * cos + rotated * sin
+    half = x.shape[-1] // 2
+    swapped = x.roll(half, dims=-1)  # (..., T, hd): [b, a] for x = [a, b]
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # small: (..., T, hd) without heads
+    return torch.addcmul(x * cos, swapped, signed_sin)  # [a cos - b sin, b cos + a sin]: 3 passes over x
 
 
 # --------------------------------------------------------------------------------------------
