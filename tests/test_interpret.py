@@ -695,3 +695,26 @@ def test_stages_recompose_what_modules_with_positions_compute(kind):
         torch.testing.assert_close(head["bias"][allowed], (st["masked"] - st["scaled"])[0, 2][allowed])
     else:
         assert head["bias"] is None
+
+
+def test_a_modern_gpt_rolling_cache_generation_and_page():
+    """The 'modern' preset (RoPE, RMSNorm, QK-norm, a sliding window of the context): generation runs a
+    ring cache whose slots hold keys out of order; each step's weights, put back at their tokens,
+    are the last row of a plain pass over everything generated so far."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("modern", vocab_size=50, context_length=8, emb_dim=32, n_heads=4, n_layers=2)).eval()
+    idx = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(16))
+    want = model.generate(idx, 12, top_k=10, generator=torch.Generator().manual_seed(3))
+    got = trace_generation(model, idx, 12, top_k=10, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got.tokens, want)
+    assert any(not torch.equal(s.key_index[0], s.key_index[0].sort().values) for s in got.steps)  # a ring
+    for step in got.steps:
+        full = trace(model, want[:, : step.position]).weights[:, 0, :, -1]  # (L, H, position)
+        placed = torch.zeros_like(full)
+        placed[:, :, step.key_index[0]] = step.weights[:, 0]
+        torch.testing.assert_close(placed, full, atol=1e-5, rtol=0)
+    tr = trace(model, want[:, :8], stages=True)
+    lens = logit_lens(model, tr)
+    assert torch.equal(lens.tokens[-1, 0, :, 0], tr.logits[0].argmax(-1))
+    data = read_page_data(render_page(inspector_data(tr, generation=got)))
+    assert data["generation"]["steps"][-1]["key_index"] == got.steps[-1].key_index[0].tolist()

@@ -448,3 +448,30 @@ def test_the_front_end_reads_inline_arrays_as_a_server_would_send_them(driver, g
     for view in VIEWS[:-1]:
         _show(driver, view)
     assert _errors(driver) == []
+
+
+def test_generation_view_places_a_ring_caches_keys_on_their_tokens(driver, tmp_path):
+    """A modern GPT generates past its window with a ring cache: keys sit in slots out of order; the
+    page puts each weight on its token."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("modern", vocab_size=60, context_length=8, emb_dim=32, n_heads=4, n_layers=2)).eval()
+    idx = torch.randint(0, 60, (1, 6), generator=torch.Generator().manual_seed(1))
+    gen = trace_generation(model, idx, 9, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "modern.html"
+    path.write_text(render_page(inspector_data(trace(model, idx, stages=True), generation=gen)), encoding="utf-8")
+    _open(driver, path)
+    Select(driver.find_element(By.ID, "layer-select")).select_by_index(1)
+    _show(driver, "generation")
+    for s, step in enumerate(gen.steps):
+        if s:
+            driver.find_element(By.ID, "gen-next").click()
+        weights = _js(
+            driver, "return Array.from(document.querySelectorAll('#gen-text .tok'), t => t.dataset.weight || null);"
+        )
+        want = [None] * (step.position + 1)
+        for slot, t in enumerate(step.key_index[0].tolist()):
+            want[t] = float(step.weights[1, 0, 0, slot])
+        assert [w is None for w in weights] == [w is None for w in want]
+        got = torch.tensor([float(w) for w in weights if w is not None])
+        torch.testing.assert_close(got, torch.tensor([w for w in want if w is not None]), atol=1e-4, rtol=0)
+    assert _errors(driver) == []
