@@ -185,6 +185,8 @@ def test_poison_in_masked_keys_never_reaches_the_output(ref, poison, where, floa
         b: sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, backend=b)
         for b in ("auto", "fused", "reference")
     }
+    with torch.no_grad():  # flex_attention runs on the CPU without a backward
+        outs["flex"] = sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, backend="flex")
     # The reference: the float64 loop on keys/values expanded to the query heads, causal bottom-right.
     kx, vx = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k, v))
     full = allowed.expand(B, Hq, L, S) & (torch.ones(L, S, dtype=torch.bool).tril(S - L) if is_causal else True)

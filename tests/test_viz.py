@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from attnlab import MultiHeadAttention, causal_mask
 from attnlab.cli import main
+from attnlab.interpret import read_page_data
+from attnlab.interpret.codec import unpack
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer
 from attnlab.tools.viz import (
@@ -265,12 +267,12 @@ def test_html_is_self_contained_and_embeds_the_weights_safely(tmp_path):
     assert not any(t == "img" for t, _ in parser.tags)  # the prompt's <img> stayed text
     (data_i, attrs), _ = scripts
     assert attrs == {"type": "application/json", "id": "attn-data"}
-    data = json.loads(parser.data[data_i])
+    data = unpack(json.loads(parser.data[data_i]))  # the weights are packed binary (attnlab.interpret.codec)
     assert data["title"] == EVIL and data["tokens"] == tokens
     assert data["labels"] == [token_label(t) for t in tokens]
     assert len(data["layers"]) == 2
     for layer, got in zip(view.layers, data["layers"], strict=True):
-        torch.testing.assert_close(torch.tensor(got["weights"]), layer.weights, atol=5e-5, rtol=0)
+        torch.testing.assert_close(got["weights"], layer.weights, atol=5e-5, rtol=0)
     assert "<title>&lt;/script&gt;" in page
 
     path = save_html(view, tmp_path / "v.html")
@@ -280,7 +282,7 @@ def test_html_is_self_contained_and_embeds_the_weights_safely(tmp_path):
 def test_page_is_built_from_the_asset_files():
     from importlib import resources
 
-    assets = resources.files("attnlab.tools.viz").joinpath("assets")
+    assets = resources.files("attnlab.interpret").joinpath("assets")
     files = {name: assets.joinpath(name).read_text(encoding="utf-8") for name in ASSETS}
     assert {name: read_asset(name) for name in ASSETS} == files
     page = render_html(demo_view())
@@ -364,11 +366,11 @@ def test_cli_on_a_saved_gpt(tmp_path, capsys):
     prompt = "héllo"  # é is two bytes: each shown as \xNN, not as a replacement character
     assert main(["viz", "--checkpoint", str(ckpt), "--prompt", prompt, "--out", str(tmp_path / "g.html")]) == 0
     page = (tmp_path / "g.html").read_text(encoding="utf-8")
-    data = json.loads(page.split('id="attn-data">')[1].split("</script>")[0])
+    data = read_page_data(page)
     assert data["tokens"] == ["h", "\\xc3", "\\xa9", "l", "l", "o"]
     want = attention_maps(model.eval(), torch.tensor(ByteTokenizer().encode(prompt)))
     for layer, w in zip(data["layers"], want, strict=True):
-        torch.testing.assert_close(torch.tensor(layer["weights"]), w, atol=5e-5, rtol=0)
+        torch.testing.assert_close(layer["weights"], w, atol=5e-5, rtol=0)
 
     assert main(["viz", "--checkpoint", str(ckpt), "--prompt", "x" * 40]) == 2
     assert "context_length=32" in capsys.readouterr().err
@@ -384,10 +386,10 @@ def test_cli_on_a_training_checkpoint(tmp_path):
     out = tmp_path / "t.html"
     assert main(["viz", "--checkpoint", str(tmp_path / "run"), "--prompt", "abc", "--out", str(out)]) == 0
     page = out.read_text(encoding="utf-8")
-    data = json.loads(page.split('id="attn-data">')[1].split("</script>")[0])
+    data = read_page_data(page)
     want = attention_maps(model.eval(), torch.tensor([97, 98, 99]))
     for layer, w in zip(data["layers"], want, strict=True):
-        torch.testing.assert_close(torch.tensor(layer["weights"]), w, atol=5e-5, rtol=0)
+        torch.testing.assert_close(layer["weights"], w, atol=5e-5, rtol=0)
 
 
 def test_cli_refuses_a_directory_that_is_no_checkpoint(tmp_path, capsys):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT / "src" / "attnlab" / "tools" / "viz" / "assets"
+ASSETS = ROOT / "src" / "attnlab" / "interpret" / "assets"
 
 
 def run(argv: list, cwd: Path, env: dict[str, str] | None = None) -> str:
@@ -49,7 +49,7 @@ def test_installed_wheel_writes_the_viewer(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     for asset in sorted(ASSETS.iterdir()):
-        assert f"attnlab/tools/viz/assets/{asset.name}" in names, f"the wheel lacks the viewer's {asset.name}"
+        assert f"attnlab/interpret/assets/{asset.name}" in names, f"the wheel lacks the viewer's {asset.name}"
 
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)

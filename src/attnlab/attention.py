@@ -1,15 +1,21 @@
-"""Attention modules with the tutorials' names, signatures and numbers, on a fused core.
+"""Attention modules with the tutorials' names, on a fused core.
 
-The classes keep the tutorials' constructor signatures and parameter names (``W_query``,
-``W_key``, ``W_value``, ``out_proj``) and create their parameters in the same order with the same
-initialisation, so under the tutorials' ``torch.manual_seed`` calls they print the same numbers.
-Underneath, every forward pass goes through :func:`attnlab.functional.scaled_dot_product_attention`,
-which uses torch's fused kernel whenever the attention weights are not requested.
+The classes are those of "A simple self-attention mechanism": its signatures and defaults (plus
+``dropout=0.0``), its parameter names (``W_query``, ``W_key``, ``W_value``, ``out_proj``), created in
+its order with its initialisation, so under its ``torch.manual_seed`` calls they print its numbers.
+The other tutorials' classes of the same names differ (the GPT-style guide's ``CausalAttention``
+creates ``W_keys`` first and defaults to ``dropout=0.1``; its and the exercises' projections are
+biased, ``qkv_bias=True`` here; Exercise 5's ``MultiHeadAttention`` has no output projection):
+:mod:`attnlab.tutorials` has each variant exactly. Underneath, every forward pass goes through
+:func:`attnlab.functional.scaled_dot_product_attention`, which uses torch's fused kernel whenever
+the attention weights are not requested.
 
 Argument order: the tutorials disagree. "A simple self-attention mechanism" uses
 ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)``, which attnlab follows; the
-GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments work
-for all of them: ``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``.
+GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments give
+the right argument order, not the same model:
+``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``; see
+:mod:`attnlab.tutorials` for each tutorial's own classes.
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ from attnlab.checks import (
     check_bool,
     check_length,
     check_module_input,
+    finite_real,
     is_int,
     is_real,
+    non_negative_int,
     positive_int,
 )
-from attnlab.functional import attend, scaled_dot_product_attention
+from attnlab.functional import attend, causal_mask, check_window, positions_mask, scaled_dot_product_attention
+from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
 
 __all__ = [
     "AttentionRecord",
@@ -239,6 +248,20 @@ class KVCache:
     Keys and values are written in place into ``(B, Hkv, max_length, hd)`` buffers, so appending a
     token costs O(1) copies, never a quadratic re-concatenation.
 
+    Two layouts:
+
+    * plain (the default): slot ``t`` holds token ``t``; appending past ``max_length`` is an error.
+      (GPT-2's absolute positions make every cached key stale once the window slides, so its
+      generation re-encodes instead.)
+    * ``rolling=True``: a ring buffer for relative positions (RoPE, ALiBi, none) and sliding
+      windows. The first ``sinks`` slots keep the first ``sinks`` tokens (attention sinks); the
+      other ``max_length - sinks`` slots hold the most recent tokens, the oldest overwritten first.
+      Memory stays ``max_length`` slots however long generation runs. Keys are stored *after*
+      rotation, at their original positions, so nothing is ever re-encoded.
+
+    The cache also records each slot's position (``positions (B, max_length)``, -1 = empty or
+    padding), so a module can mask exactly what a full forward pass would.
+
     The cache is for inference only: run it under ``torch.no_grad()`` or ``torch.inference_mode()``
     (as :func:`attnlab.generation.generate` does). Autograd cannot backpropagate through buffers
     that later steps overwrite in place, so appending raises rather than build a graph that would
@@ -250,6 +273,11 @@ class KVCache:
             :meth:`MultiHeadAttention.new_kv_cache`); :class:`MultiHeadAttention` refuses a cache
             whose device differs from its input, or whose dtype differs from its weights outside
             autocast.
+        rolling: ring buffer (see above) instead of a cache that fills up.
+        sinks: with ``rolling``, slots kept for the first tokens (``< max_length``).
+
+    Attributes:
+        length: slots in use (``<= max_length``); seen: tokens appended since :meth:`reset`.
     """
 
     def __init__(
@@ -261,6 +289,8 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        rolling: bool = False,
+        sinks: int = 0,
     ) -> None:
         for name, v in (
             ("batch_size", batch_size),
@@ -269,10 +299,18 @@ class KVCache:
             ("head_dim", head_dim),
         ):
             positive_int(name, v)
+        self.rolling = check_bool("rolling", rolling)
+        self.sinks = non_negative_int("sinks", sinks)
+        if sinks and not rolling:
+            raise ValueError("sinks are slots a rolling cache never overwrites: pass rolling=True with them")
+        if sinks >= max_length:
+            raise ValueError(f"sinks={sinks} must be less than max_length={max_length} (room for recent tokens)")
         shape = (batch_size, num_kv_heads, max_length, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
+        self.positions = torch.full((batch_size, max_length), -1, dtype=torch.long, device=device)  # (B, max_len)
         self.length = 0
+        self.seen = 0
 
     @property
     def max_length(self) -> int:
@@ -281,12 +319,16 @@ class KVCache:
     def reset(self) -> None:
         """Forget the cached tokens (the buffers are reused)."""
         self.length = 0
+        self.seen = 0
+        self.positions.fill_(-1)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k, v (B, Hkv, T, hd)`` after the cached tokens; return views of all of them.
 
         Both must match the buffers' batch, heads, head width, dtype and device (nothing is cast
-        silently); on any error the cache is left as it was."""
+        silently); on any error the cache is left as it was. A rolling cache must use :meth:`update`."""
+        if self.rolling:
+            raise ValueError("a rolling kv_cache reorders its slots: use update(k, v, positions)")
         self._check_kv(k, v)
         return self._write(k, v)
 
@@ -327,26 +369,101 @@ class KVCache:
                 f"kv_cache has dtype {self.keys.dtype} but the module's weights are {weight_dtype}; "
                 f"make it with new_kv_cache() after converting the module"
             )
+        if self.rolling and not module.has_positions:
+            raise ValueError(
+                "a rolling kv_cache holds keys at positions a plain module cannot tell apart; use a plain cache "
+                "(new_kv_cache()) or give the module rope/alibi/window"
+            )
 
-    def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`append` for keys and values a module projected itself (their layout is right)."""
-        T = k.shape[2]
-        end = self.length + T
-        if end > self.max_length:
+    def _check_room(self, T: int) -> None:
+        if not self.rolling and self.length + T > self.max_length:
             raise ValueError(
                 f"kv_cache is full: it holds {self.length} of max_length={self.max_length} tokens and "
                 f"{T} more were fed; reset() it or make a larger one (new_kv_cache(max_length=...))"
             )
+
+    @staticmethod
+    def _check_no_grad(k: Tensor, v: Tensor) -> None:
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise RuntimeError(
                 "kv_cache is for inference only: its buffers are overwritten in place, which autograd "
                 "cannot backpropagate through; run under torch.no_grad() or torch.inference_mode(), "
                 "or feed the whole sequence without a kv_cache to train"
             )
+
+    def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`append` for keys and values a module projected itself (their layout is right)."""
+        T = k.shape[2]
+        self._check_room(T)
+        self._check_no_grad(k, v)
+        end = self.length + T
         self.keys[:, :, self.length : end] = k
         self.values[:, :, self.length : end] = v
-        self.length = end
+        self.length = self.seen = end
         return self.keys[:, :, :end], self.values[:, :, :end]  # (B, Hkv, S, hd) each
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """Write ``k, v (B, Hkv, T, hd)`` of tokens at ``positions`` (``(1, T)`` shared or ``(B, T)``,
+        -1 = padding) and return what their queries attend over.
+
+        Returns:
+            ``(keys, values, key_positions, ordered)``: keys and values ``(B, Hkv, S, hd)``, their
+            positions ``(B, S)``, and ``ordered``: slot ``j`` holds the ``j``-th token fed, for every
+            returned slot (the usual bottom-right causal layout). When a chunk of several tokens would
+            overwrite keys its own first queries still need (a rolling cache that wraps), the old slots
+            and the new keys are returned side by side (a copy) and written afterwards.
+        """
+        T = k.shape[2]
+        self._check_room(T)
+        self._check_no_grad(k, v)
+        t0, n, cap = self.seen, self.sinks, self.max_length
+        if not self.rolling or (t0 + T <= cap and (n == 0 or positions.shape[0] == 1)):
+            # Every token gets the slot of its index (no padding moves a sink): a plain write.
+            self.keys[:, :, t0 : t0 + T] = k
+            self.values[:, :, t0 : t0 + T] = v
+            self.positions[:, t0 : t0 + T] = positions
+            self.length = self.seen = t0 + T
+            S = self.length
+            return self.keys[:, :, :S], self.values[:, :, :S], self.positions[:, :S], True
+        if T == 1 or t0 + T <= cap:  # nothing this chunk still needs is overwritten
+            self._write_rolling(k, v, positions, t0)
+            S = self.length
+            return self.keys[:, :, :S], self.values[:, :, :S], self.positions[:, :S], False
+        S = self.length
+        keys = torch.cat([self.keys[:, :, :S], k], dim=2)  # (B, Hkv, S + T, hd)
+        values = torch.cat([self.values[:, :, :S], v], dim=2)
+        key_positions = torch.cat([self.positions[:, :S], positions.expand(self.positions.shape[0], T)], dim=1)
+        self._write_rolling(k, v, positions, t0)
+        return keys, values, key_positions, False
+
+    def _write_rolling(self, k: Tensor, v: Tensor, positions: Tensor, t0: int) -> None:
+        """The ring write of tokens fed at indices ``t0, t0 + 1, ...``: tokens at positions ``< sinks``
+        go to the sink slot of their position (per row), the others to ring slot
+        ``sinks + (index - sinks) % (max_length - sinks)``, overwriting the oldest."""
+        B, T = self.positions.shape[0], k.shape[2]
+        n, cap = self.sinks, self.max_length
+        R = cap - n
+        positions = positions.expand(B, T)  # (B, T)
+        if n:
+            pinned = (positions >= 0) & (positions < n)  # (B, T)
+            rows, cols = pinned.nonzero(as_tuple=True)
+            if rows.numel():
+                slots = positions[rows, cols]
+                self.keys[rows, :, slots] = k[rows, :, cols]
+                self.values[rows, :, slots] = v[rows, :, cols]
+                self.positions[rows, slots] = slots
+            positions = positions.masked_fill(pinned, -1)  # their ring slots must not show them twice
+        first = max(t0, n, t0 + T - R)  # indices before `first` are overwritten within this chunk
+        while first < t0 + T:
+            slot = n + (first - n) % R
+            run = min(t0 + T - first, cap - slot)  # contiguous slots up to the end of the ring
+            src = slice(first - t0, first - t0 + run)
+            self.keys[:, :, slot : slot + run] = k[:, :, src]
+            self.values[:, :, slot : slot + run] = v[:, :, src]
+            self.positions[:, slot : slot + run] = positions[:, src]
+            first += run
+        self.seen = t0 + T
+        self.length = min(cap, self.seen)
 
 
 @dataclass
@@ -354,12 +471,17 @@ class AttentionRecord:
     """What one call of :meth:`MultiHeadAttention.attend` computed, for an observer to look at.
 
     Attributes:
-        q: ``(b, H, n, hd)`` queries; k, v: ``(b, Hkv, S, hd)`` keys and values (cached ones included).
-        mask: the mask applied besides causality (bool or float, broadcastable to ``(b, H, n, S)``), or None.
+        q: ``(b, H, n, hd)`` queries; k, v: ``(b, Hkv, S, hd)`` keys and values (cached ones included),
+            q and k as the scores see them: after QK-norm and the RoPE rotation.
+        mask: the mask applied besides causality (bool or float, broadcastable to ``(b, H, n, S)``), or None:
+            padding, a sliding window and its sinks (bool), ALiBi's bias (float, ``-inf`` where masked).
         is_causal: whether the causal mask (aligned bottom-right) applied.
         scale: the multiplier of ``q k^T``.
         weights: ``(b, H, n, S)`` the attention weights actually applied to ``v``.
         head_outputs: ``(b, H, n, hd)`` ``weights @ v`` per head, before the output projection.
+        q_positions: ``(1 or b, n)`` positions of the queries, for modules with positions (RoPE, ALiBi,
+            a window), else None; k_positions: ``(1 or b, S)`` of the keys (a rolling cache holds them
+            out of order; -1 = empty slot or padding).
     """
 
     q: Tensor
@@ -370,6 +492,19 @@ class AttentionRecord:
     scale: float
     weights: Tensor
     head_outputs: Tensor
+    q_positions: Tensor | None = None
+    k_positions: Tensor | None = None
+
+
+def _and_mask(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Masks applied together: bool & bool, a float mask with -inf where a bool one is False, float + float."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    return a.masked_fill(~b, float("-inf")) if b.dtype == torch.bool else a + b
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,14 +513,15 @@ class AttentionRecord:
 class MultiHeadAttention(_DropsTutorialMask):
     """Multi-head attention: one projection split into ``num_heads`` heads, then ``out_proj``.
 
-    The tutorials' class, and the production module. Parameters ``W_query``, ``W_key``,
+    The class of "A simple self-attention mechanism", and the production module. Parameters ``W_query``, ``W_key``,
     ``W_value`` and ``out_proj`` are created in the tutorial's order; in self-attention the three
     input projections run as one fused matmul.
 
     Args:
         d_in: input width.
         d_out: output width, split into ``num_heads`` heads of ``head_dim = d_out // num_heads``.
-        context_length: the longest input sequence (with a KV cache: the cache's ``max_length``).
+        context_length: the longest input sequence (with a KV cache: the cache's ``max_length``). A module
+            with positions (RoPE, ALiBi, a window) takes longer inputs: then it is only the default cache size.
         dropout: dropout on the attention weights (training only); default 0.0.
         num_heads: number of query heads; required (keyword-defaulted only so that a call in
             another tutorial's argument order gets a TypeError showing the keyword form).
@@ -396,12 +532,28 @@ class MultiHeadAttention(_DropsTutorialMask):
         kv_dim: width of the ``context`` sequence for cross-attention (default ``d_in``).
         out_bias: bias in ``out_proj``.
 
+    Attention since GPT-2 (keyword options, all off by default; see :mod:`attnlab.positions`):
+        rope: rotate queries and keys by their positions (RoPE); ``rope_theta`` its base (10000;
+            Llama 3: 500000), ``rope_scaling`` a Hugging Face-style dict (``linear``, ``llama3``).
+        alibi: add ALiBi's ``-slope_h * distance`` to the scores (no parameters).
+        window: sliding causal window: each query sees itself and the ``window - 1`` keys before it.
+        sinks: with ``window``, the first ``sinks`` tokens stay visible to every query.
+        qk_norm: RMSNorm (with a learned gain) on each query and key head before the scores
+            (OLMo 2, Qwen 3; nanochat without the gain), which keeps the logits bounded.
+        norm_eps: epsilon of those RMSNorms.
+
+    A module with positions (``rope``, ``alibi`` or ``window``) attends at explicit positions: by
+    default ``0, 1, ...`` after the tokens in its cache; ``positions`` in :meth:`forward` overrides
+    them, and a ``key_mask`` makes padding take no position (a left-padded row sees exactly what it
+    would alone). Its KV cache may be rolling (:class:`KVCache`), so generation never re-encodes.
+
     Forward:
         ``x (b, n, d_in)`` or ``(n, d_in)``; optional ``context (b, m, kv_dim)`` for cross-attention;
         ``attn_mask`` bool (True = may attend) or float (added), broadcastable to
         ``(b, num_heads, n, S)``; ``key_mask (b, S)`` bool, True = real token (the opposite of
         ``nn.MultiheadAttention``'s ``key_padding_mask``); ``kv_cache`` a :class:`KVCache` to
-        append to and attend over; ``return_weights`` for ``(b, num_heads, n, S)`` weights.
+        append to and attend over; ``return_weights`` for ``(b, num_heads, n, S)`` weights;
+        ``positions (n,)`` or ``(b, n)`` integer positions of the new tokens (modules with positions).
     """
 
     def __init__(
@@ -417,6 +569,14 @@ class MultiHeadAttention(_DropsTutorialMask):
         num_kv_heads: int | None = None,
         kv_dim: int | None = None,
         out_bias: bool = True,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict | None = None,
+        alibi: bool = False,
+        window: int | None = None,
+        sinks: int = 0,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.d_in = positive_int("d_in", d_in)
@@ -442,6 +602,25 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.W_value = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
+        # Attention since GPT-2 (created after the tutorials' parameters: their numbers stay the same).
+        self.rope = check_bool("rope", rope)
+        self.alibi = check_bool("alibi", alibi)
+        if self.rope and self.alibi:
+            raise ValueError("rope and alibi are two ways to encode positions in attention: choose one")
+        if not finite_real(rope_theta) or rope_theta <= 1:
+            raise ValueError(f"rope_theta must be a number > 1, got {rope_theta!r}")
+        self.rope_theta = float(rope_theta)
+        self.rope_scaling = check_rope_scaling(rope_scaling)
+        if self.rope:
+            rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # odd head_dim: a ValueError here
+        self.window, self.sinks = check_window(window, sinks)
+        if self.window is not None and not self.causal:
+            raise ValueError(f"window={window} is a sliding causal window: it needs causal=True")
+        self.qk_norm = check_bool("qk_norm", qk_norm)
+        if not finite_real(norm_eps) or not 0 < norm_eps < 1:
+            raise ValueError(f"norm_eps must be a small positive float, got {norm_eps!r}")
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=float(norm_eps)) if self.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=float(norm_eps)) if self.qk_norm else None
         # Called with an AttentionRecord after every attend() when set (attnlab's inspection tools
         # set it for the length of a traced pass); the weights are then computed explicitly.
         self.observer: Callable[[MultiHeadAttention, AttentionRecord], None] | None = None
@@ -453,17 +632,32 @@ class MultiHeadAttention(_DropsTutorialMask):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        rolling: bool = False,
+        sinks: int | None = None,
     ) -> KVCache:
-        """A :class:`KVCache` for this module (``max_length`` defaults to ``context_length``)."""
+        """A :class:`KVCache` for this module.
+
+        ``max_length`` defaults to ``context_length``, or, for ``rolling=True`` with a window,
+        ``window + sinks``: all a sliding window ever needs. ``sinks`` defaults to the module's."""
         w = self.W_key.weight
+        sinks = self.sinks if sinks is None else non_negative_int("sinks", sinks)
+        if max_length is None:
+            max_length = self.window + sinks if rolling and self.window is not None else self.context_length
         return KVCache(
             batch_size,
-            self.context_length if max_length is None else max_length,
+            max_length,
             self.num_kv_heads,
             self.head_dim,
             dtype=w.dtype if dtype is None else dtype,
             device=w.device if device is None else device,
+            rolling=rolling,
+            sinks=sinks if rolling else 0,
         )
+
+    @property
+    def has_positions(self) -> bool:
+        """Whether attention depends on positions beyond causality: RoPE, ALiBi or a window."""
+        return self.rope or self.alibi or self.window is not None
 
     def _project_qkv(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from ``x``; keys and values from ``context`` (cross) or ``x`` (self)."""
@@ -489,10 +683,13 @@ class MultiHeadAttention(_DropsTutorialMask):
         key_mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_weights: bool = False,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         unbatched = x.dim() == 2 if isinstance(x, Tensor) else False
-        x, context, mask = self._check_forward(x, context, attn_mask, key_mask, kv_cache)
-        result = self.attend(x, context, mask=mask, kv_cache=kv_cache, return_weights=return_weights)
+        x, context, mask, positions = self._check_forward(x, context, attn_mask, key_mask, kv_cache, positions)
+        result = self.attend(
+            x, context, mask=mask, kv_cache=kv_cache, return_weights=return_weights, positions=positions
+        )
         if not unbatched:
             return result
         if return_weights:
@@ -507,6 +704,8 @@ class MultiHeadAttention(_DropsTutorialMask):
         mask: Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_weights: bool = False,
+        positions: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The computation of :meth:`forward`, on inputs already checked (a GPT calls this directly).
 
@@ -514,15 +713,28 @@ class MultiHeadAttention(_DropsTutorialMask):
             x: ``(b, n, d_in)``; context: ``(b, m, kv_dim)`` or None.
             mask: one bool (True = may attend) or float mask broadcastable to ``(b, H, n, S)``.
             kv_cache: a cache this module may use (see :meth:`new_kv_cache`).
+            positions: for a module with positions, ``(1, n)`` or ``(b, n)`` positions of the new
+                tokens (-1 = padding); None: ``seen, seen + 1, ...`` after the cached tokens.
+            rope: ``(cos, sin)`` of those positions, ``(1 or b, 1, n, head_dim)`` (a GPT computes them
+                once for all its layers); None: computed here.
         Returns:
             ``(b, n, d_out)``, and the ``(b, H, n, S)`` weights with ``return_weights``.
         """
         b, n, _ = x.shape
         q, k, v = self._project_qkv(x, context)
-        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (b, H, n, hd)
-        k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
+        q = q.view(b, n, self.num_heads, self.head_dim)  # (b, n, H, hd)
+        k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim)  # (b, m, Hkv, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to unit RMS, times a learned gain
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, H, n, hd), (b, Hkv, m, hd)
         v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
-        if kv_cache is not None:
+        is_causal = self.causal and context is None
+        window, sinks, q_pos, k_pos = None, 0, None, None
+        if self.has_positions:
+            q, k, v, mask, is_causal, window, sinks, q_pos, k_pos = self._at_positions(
+                q, k, v, mask, kv_cache, positions, rope
+            )
+        elif kv_cache is not None:
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v = kv_cache._write(k.to(dt), v.to(dt))  # (b, Hkv, S = past + n, hd)
         if autocast_on(x.device):
@@ -531,7 +743,6 @@ class MultiHeadAttention(_DropsTutorialMask):
             k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
-        is_causal = self.causal and context is None
         observed = self.observer is not None
         result = attend(
             q,
@@ -541,14 +752,88 @@ class MultiHeadAttention(_DropsTutorialMask):
             dropout_p=self.dropout.p if self.training else 0.0,
             is_causal=is_causal,
             enable_gqa=self.num_kv_heads != self.num_heads,
+            window=window,
+            sinks=sinks,
             return_weights=return_weights or observed,
         )
         heads, weights = result if return_weights or observed else (result, None)  # (b, H, n, hd), (b, H, n, S)
         if observed:
+            if window is not None:  # the record's mask holds everything besides plain causality
+                mask = _and_mask(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
+            if kv_cache is not None and kv_cache.rolling:  # views of slots the next steps overwrite
+                k, v, k_pos = k.clone(), v.clone(), k_pos.clone()
             scale = 1.0 / self.head_dim**0.5
-            self.observer(self, AttentionRecord(q, k, v, mask, is_causal, scale, weights, heads))
+            self.observer(self, AttentionRecord(q, k, v, mask, is_causal, scale, weights, heads, q_pos, k_pos))
         out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)
         return (out, weights) if return_weights else out
+
+    def _at_positions(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        kv_cache: KVCache | None,
+        positions: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None,
+    ) -> tuple:
+        """RoPE, the cache and the masks of a module with positions.
+
+        Returns ``(q, k, v, mask, is_causal, window, sinks, q_positions, k_positions)`` for
+        :func:`attnlab.functional.attend`. Queries and keys in plain order (no cache, or a cache
+        that has not wrapped, and default positions) keep causality and the window as arguments,
+        so training runs the band-blocked sliding-window path; anything else (padding, a rolling
+        cache, explicit positions) becomes one mask computed from the positions themselves.
+        """
+        n = q.shape[2]
+        default = positions is None
+        if default:
+            past = 0 if kv_cache is None else kv_cache.seen
+            positions = torch.arange(past, past + n, device=q.device)[None]  # (1, n)
+        if self.rope:
+            cos, sin = rope if rope is not None else self.rope_cos_sin(positions, q.dtype)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (angles in float32; rotate in the queries' dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, H, n, hd), (b, Hkv, n, hd)
+        ordered, k_pos = True, positions
+        if kv_cache is not None:
+            self._check_ring(kv_cache, n)
+            dt = kv_cache.keys.dtype  # differs from k's only under autocast
+            k, v, k_pos, ordered = kv_cache.update(k.to(dt), v.to(dt), positions)  # (b, Hkv, S, hd), (b, S)
+        window, sinks, is_causal = self.window, self.sinks, self.causal
+        if window is None and kv_cache is not None and kv_cache.rolling:
+            window, sinks = kv_cache.max_length - kv_cache.sinks, kv_cache.sinks  # the ring is the window
+        if default and ordered:
+            pass  # index j is position j: causality and the window stay arguments (the fast paths)
+        elif default and n == 1 and kv_cache.max_length - kv_cache.sinks <= window and kv_cache.sinks <= sinks:
+            # A decoding step over a ring no longer than its window, whose sink slots are its sinks:
+            # it sees every slot.
+            is_causal, window, sinks = False, None, 0
+        else:
+            visible = positions_mask(positions, k_pos, causal=is_causal, window=window, sinks=sinks)  # (1|b, n, S)
+            mask = _and_mask(mask, visible[:, None])  # (b, H or 1, n, S)
+            is_causal, window, sinks = False, None, 0
+        if self.alibi:
+            slopes = alibi_slopes(self.num_heads).to(device=q.device, dtype=q.dtype)
+            bias = alibi_bias(slopes, positions, k_pos)  # (1|b, H, n, S)
+            mask = bias if mask is None else _and_mask(bias, mask)
+        return q, k, v, mask, is_causal, window, sinks, positions, k_pos
+
+    def _check_ring(self, cache: KVCache, n: int) -> None:
+        """A rolling cache shorter than the window (+ sinks) may fill up, but not wrap: it would drop
+        keys the window still sees."""
+        ring = cache.max_length - cache.sinks
+        too_small = self.window is not None and (ring < self.window or cache.sinks < self.sinks)
+        if cache.rolling and too_small and cache.seen + n > cache.max_length:
+            raise ValueError(
+                f"kv_cache is full: its {cache.sinks} sink and {ring} ring slots hold {cache.seen} tokens, and "
+                f"{n} more would overwrite keys a window of {self.window} with {self.sinks} sinks still sees; make it "
+                f"with new_kv_cache(rolling=True) (window + sinks slots)"
+            )
+
+    def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """RoPE's ``(cos, sin)`` for ``positions (1 or b, n)``, shaped ``(1 or b, 1, n, head_dim)``."""
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, scaling=self.rope_scaling, dtype=dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _check_forward(
         self,
@@ -557,9 +842,11 @@ class MultiHeadAttention(_DropsTutorialMask):
         attn_mask: object,
         key_mask: object,
         kv_cache: object,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        positions: object = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """:meth:`forward`'s arguments checked, batched (an unbatched input gets a batch of 1), and the
-        two masks merged into one broadcastable to ``(b, H, n, S)``.
+        two masks merged into one broadcastable to ``(b, H, n, S)``; for a module with positions the
+        key mask turns into positions instead (padding gets -1 and takes no position).
 
         Everything is checked before anything changes: a bad mask leaves a KV cache as it was.
         """
@@ -576,20 +863,28 @@ class MultiHeadAttention(_DropsTutorialMask):
                 raise ValueError(f"context has batch size {context.shape[0]} but x has {b}")
             if kv_cache is not None:
                 raise ValueError("kv_cache is for self-attention; for cross-attention project the context once")
+            if self.has_positions:
+                raise ValueError("rope, alibi and window relate queries and keys of one sequence: not cross-attention")
         elif self.kv_dim != self.d_in:
             raise ValueError(
                 f"this module was built for cross-attention (kv_dim={self.kv_dim} != d_in={self.d_in}); "
                 f"pass the context sequence"
             )
         if kv_cache is None:
-            check_length(n, self.context_length)
+            if not self.has_positions:  # relative positions and windows have no longest input
+                check_length(n, self.context_length)
         else:
             if not isinstance(kv_cache, KVCache):
                 raise TypeError(f"kv_cache must be an attnlab KVCache or None, got {type(kv_cache).__name__}")
             kv_cache.check_usable(b, x.device, self)
+            kv_cache._check_room(n)
+        if positions is not None:
+            positions = self._check_positions(positions, b, n, x.device)
         # The masks cover every key: the cached ones and the new ones.
         S = (n if context is None else context.shape[1]) + (0 if kv_cache is None else kv_cache.length)
         if attn_mask is not None:
+            if kv_cache is not None and kv_cache.rolling:
+                raise ValueError("attn_mask cannot follow a rolling kv_cache's reordered slots: use key_mask")
             # (unbatched input has been given a batch of 1: an (H, n, S) mask broadcasts to it)
             check_attn_mask(
                 attn_mask,
@@ -600,7 +895,8 @@ class MultiHeadAttention(_DropsTutorialMask):
                 any_float_dtype=autocast_on(x.device),  # attend() casts a float mask to the autocast dtype
             )
         if key_mask is None:
-            return x, context, attn_mask
+            return x, context, attn_mask, positions
+        S = (n if context is None else context.shape[1]) + (0 if kv_cache is None else kv_cache.seen)
         if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
             got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
             raise TypeError(
@@ -613,15 +909,39 @@ class MultiHeadAttention(_DropsTutorialMask):
             raise ValueError(f"key_mask must have shape (batch, keys) = {(b, S)}, got {tuple(key_mask.shape)}")
         if key_mask.device != x.device:
             raise ValueError(f"key_mask is on {key_mask.device} but x is on {x.device}")
+        if self.has_positions:
+            # Padding takes no position: each real token's position counts the real tokens before it.
+            new = key_mask[:, S - n :]  # (b, n)
+            if positions is None:
+                positions = key_mask.long().cumsum(-1)[:, S - n :] - 1  # (b, n)
+            return x, context, attn_mask, positions.expand(b, n).masked_fill(~new, -1)
         km = key_mask[:, None, None, :]  # (b, 1, 1, S)
-        if attn_mask is None:
-            return x, context, km
-        if attn_mask.dtype == torch.bool:
-            return x, context, attn_mask & km  # (b, H or 1, n, S)
-        return x, context, attn_mask.masked_fill(~km, float("-inf"))  # (b, H or 1, n, S)
+        return x, context, _and_mask(attn_mask, km), positions
+
+    def _check_positions(self, positions: object, b: int, n: int, device: torch.device) -> Tensor:
+        if not self.has_positions:
+            raise ValueError("positions only matter to a module with rope, alibi or window")
+        if not isinstance(positions, Tensor) or positions.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', positions)!r}")
+        if positions.shape not in ((n,), (1, n), (b, n)):
+            raise ValueError(f"positions must have shape {(n,)} or {(b, n)}, got {tuple(positions.shape)}")
+        if positions.device != device:
+            raise ValueError(f"positions are on {positions.device} but x is on {device}")
+        positions = positions.long().reshape(-1, n)  # (1 or b, n)
+        if positions.numel() and int(positions.min()) < -1:
+            raise ValueError("positions must be >= 0 (or -1 for padding)")
+        return positions
 
     def extra_repr(self) -> str:
         extra = f"num_heads={self.num_heads}, head_dim={self.head_dim}, causal={self.causal}"
         if self.num_kv_heads != self.num_heads:
             extra += f", num_kv_heads={self.num_kv_heads}"
+        if self.rope:
+            extra += f", rope_theta={self.rope_theta:g}"
+        if self.alibi:
+            extra += ", alibi=True"
+        if self.window is not None:
+            extra += f", window={self.window}" + (f", sinks={self.sinks}" if self.sinks else "")
+        if self.qk_norm:
+            extra += ", qk_norm=True"
         return extra

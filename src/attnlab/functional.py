@@ -10,17 +10,37 @@ Argument names and conventions follow :func:`torch.nn.functional.scaled_dot_prod
 Where attnlab goes beyond torch (bottom-right causal alignment, ``is_causal`` together with a mask,
 zero output for query rows with nothing to attend, returning the applied weights) the docstrings
 say so.
+
+The attention variants of models after GPT-2 are arguments of the same functions:
+
+* ``window=W``: sliding-window causal attention (Mistral, Gemma): query ``p`` sees keys ``p - W < j <= p``;
+  ``sinks=n`` also keeps the first ``n`` keys visible (StreamingLLM's attention sinks). On the CPU a
+  band-blocked fused path (:mod:`attnlab.sliding`) makes its cost grow with ``T * W``, not ``T^2``.
+* ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``: the signatures of
+  ``torch.nn.attention.flex_attention``. The reference path evaluates them exactly, on index tensors
+  broadcast against each other (``b (B,1,1,1)``, ``h (1,H,1,1)``, ``q_idx (1,1,L,1)``, ``kv_idx (1,1,1,S)``,
+  which is what flex's vmap computes element by element); the fused path turns a ``mask_mod`` into a
+  bool mask and an additive ``score_mod`` into a float mask; on CUDA they go to ``flex_attention``
+  itself. As in flex, ``q_idx`` and ``kv_idx`` index the query and key dimensions (so flex's causal
+  ``q_idx >= kv_idx`` is top-left aligned; ``is_causal`` stays bottom-right).
+* Positions for RoPE and ALiBi live in :mod:`attnlab.positions`; :func:`positions_mask` builds the
+  causal / window / sink / padding mask of queries and keys at explicit positions (a KV cache whose
+  keys are not in order).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab import sliding
 from attnlab.checks import (
     broadcast_shape,
     check_attn_mask,
@@ -33,21 +53,44 @@ from attnlab.checks import (
 )
 
 __all__ = [
+    "MaskMod",
+    "ScoreMod",
     "attend",
     "attention_scores",
     "causal_mask",
+    "check_window",
     "padding_mask",
+    "positions_mask",
     "scaled_dot_product_attention",
     "simple_self_attention",
 ]
 
-Backend = Literal["auto", "fused", "reference"]
+Backend = Literal["auto", "fused", "reference", "flex"]
+BACKENDS = ("auto", "fused", "reference", "flex")
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def check_window(window: object, sinks: object = 0) -> tuple[int | None, int]:
+    """``(window, sinks)`` as ints, or a ValueError: ``window`` None or an int >= 1, ``sinks`` an int
+    >= 0 that needs a window (without one every earlier key is visible anyway)."""
+    if window is not None and (not is_int(window) or window < 1):
+        raise ValueError(
+            f"window must be a positive int (keys each query sees, itself included) or None, got {window!r}"
+        )
+    if not is_int(sinks) or sinks < 0:
+        raise ValueError(f"sinks must be a non-negative int, got {sinks!r}")
+    if sinks and window is None:
+        raise ValueError(f"sinks={sinks} keeps the first keys visible beside a sliding window: set window too")
+    return (None if window is None else int(window)), int(sinks)
 
 
 def causal_mask(
     q_len: int,
     k_len: int | None = None,
     *,
+    window: int | None = None,
+    sinks: int = 0,
     device: torch.device | str | None = None,
 ) -> Tensor:
     """Boolean causal mask of shape ``(q_len, k_len)``, ``True`` = may attend.
@@ -55,13 +98,51 @@ def causal_mask(
     Aligned bottom-right: query ``i`` of ``L`` sees keys ``j <= i + S - L``. With ``L == S`` this is
     the usual lower triangle; with fewer queries than keys (decoding with a KV cache) the last query
     sees every key. torch's own ``is_causal`` aligns top-left instead, which is wrong for a cache.
+
+    ``window=W`` keeps the band of the ``W`` latest keys, ``i + S - L - W < j`` (a query sees itself
+    and ``W - 1`` keys before it: Mistral's and Hugging Face's convention); ``sinks=n`` also keeps
+    keys ``j < n`` (StreamingLLM).
     """
     k_len = q_len if k_len is None else k_len
     for name, v in (("q_len", q_len), ("k_len", k_len)):
         if not is_int(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    window, sinks = check_window(window, sinks)
     q_len, k_len = int(q_len), int(k_len)
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+    if window is None:
+        return mask
+    band = torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(diagonal=k_len - q_len - window + 1)
+    band[:, :sinks] = True
+    return mask & band
+
+
+def positions_mask(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    sinks: int = 0,
+) -> Tensor:
+    """Which keys each query may attend, from explicit positions: bool ``(..., L, S)``, True = may attend.
+
+    Args:
+        q_positions: ``(L,)`` or ``(B, L)`` integer positions of the queries; k_positions: ``(S,)`` or
+            ``(B, S)`` of the keys, in any order (a ring-buffer KV cache holds them rotated).
+            A negative position marks padding (or an empty cache slot): such a key is never visible,
+            such a query sees nothing.
+        causal: key position ``<=`` query position.
+        window, sinks: query ``p`` sees keys ``p - window < j`` or ``j < sinks`` (see :func:`causal_mask`).
+    """
+    window, sinks = check_window(window, sinks)
+    qp, kp = q_positions[..., :, None], k_positions[..., None, :]  # (..., L, 1), (..., 1, S)
+    mask = (qp >= 0) & (kp >= 0)  # (..., L, S)
+    if causal:
+        mask = mask & (kp <= qp)
+    if window is not None:
+        mask = mask & ((qp - kp < window) | (kp < sinks))
+    return mask
 
 
 def padding_mask(
@@ -121,6 +202,10 @@ def _validate(
     is_causal: object,
     scale: object,
     enable_gqa: bool,
+    window: object = None,
+    sinks: object = 0,
+    score_mod: object = None,
+    mask_mod: object = None,
 ) -> tuple[int, ...]:
     """Raise a clear error for bad input; return the broadcast batch shape of the scores."""
     check_float_tensor("query", query, 2)
@@ -155,6 +240,17 @@ def _validate(
         )
     if not is_bool(is_causal):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_window(window, sinks)
+    if window is not None and not is_causal:
+        raise ValueError(f"window={window} is a sliding *causal* window: pass is_causal=True with it")
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None and not callable(mod):
+            raise TypeError(f"{name} must be a function (flex_attention's signature) or None, got {type(mod).__name__}")
+        if mod is not None and query.dim() != 4:
+            raise ValueError(
+                f"{name} takes (b, h, q_idx, kv_idx) indices, as flex_attention: query must be (B, H, L, E), "
+                f"got shape {tuple(query.shape)}"
+            )
     if enable_gqa and query.dim() < 3:
         raise ValueError(
             f"with enable_gqa=True query needs a heads dimension (..., Hq, L, E), got query {tuple(query.shape)}"
@@ -193,8 +289,30 @@ def _validate(
     return tuple(batch)
 
 
-def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device: torch.device) -> Tensor | None:
-    """One mask from ``attn_mask`` and causality: bool ('may attend'), float (additive) or None.
+def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Two masks applied together: bool & bool, or a float mask with a bool one's -inf, or float sums."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        return a.masked_fill(~b, float("-inf"))
+    return a + b
+
+
+def _merge_masks(
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    L: int,
+    S: int,
+    device: torch.device,
+    window: int | None = None,
+    sinks: int = 0,
+) -> Tensor | None:
+    """One mask from ``attn_mask`` and causality (with its window): bool ('may attend'), float
+    (additive) or None.
 
     The result has at least 2 dimensions: a ``(S,)`` or scalar mask broadcasts, but torch's kernels
     and the row checks below need an ``(L, S)`` pair of dimensions."""
@@ -202,12 +320,7 @@ def _merge_masks(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, devi
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))  # (1, S) or (1, 1)
     if not is_causal:
         return attn_mask
-    causal = causal_mask(L, S, device=device)  # (L, S)
-    if attn_mask is None:
-        return causal
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & causal
-    return attn_mask.masked_fill(~causal, float("-inf"))
+    return _combine(attn_mask, causal_mask(L, S, window=window, sinks=sinks, device=device))  # (..., L, S)
 
 
 def _row_has_key(mask: Tensor) -> Tensor:
@@ -240,6 +353,8 @@ def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[T
     as they should be. ``mask``: the merged ``(..., L, S)`` mask (bool or additive)."""
     if mask is None:
         return key, value
+    if mask.dim() < 2:  # a (S,) mask: one row of queries
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     used = mask.any(dim=-2) if mask.dtype == torch.bool else (mask != float("-inf")).any(dim=-2)  # (..., S)
     if used.dim() >= 2 and key.dim() >= 3 and used.shape[-2] not in (1, key.shape[-3]):
         # Grouped-query attention: a key/value head is used when one of its query heads uses it.
@@ -248,9 +363,61 @@ def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[T
     return torch.where(used, key, 0.0), torch.where(used, value, 0.0)
 
 
-def _masked_scores(query: Tensor, key: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """``Q K^T * scale``, then ``-inf`` where a bool mask is False, or a float mask added."""
+def _index_grids(shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flex's ``(b, h, q_idx, kv_idx)`` for scores of ``shape (B, H, L, S)``, as broadcastable int64
+    tensors ``(B,1,1,1)``, ``(1,H,1,1)``, ``(1,1,L,1)``, ``(1,1,1,S)``: a mod evaluated on them computes
+    at once what flex's vmap computes element by element."""
+    return tuple(
+        torch.arange(n, device=device).view([n if d == i else 1 for d in range(4)]) for i, n in enumerate(shape)
+    )  # type: ignore[return-value]
+
+
+def _mask_from_mod(mask_mod: MaskMod, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """``mask_mod`` evaluated on the index grids: bool, broadcastable to ``shape (B, H, L, S)``."""
+    mask = mask_mod(*_index_grids(shape, device))
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"mask_mod must return a bool tensor (True = may attend), got {got}")
+    if broadcast_shape(tuple(mask.shape), shape) != shape:
+        raise ValueError(f"mask_mod returned shape {tuple(mask.shape)}, which does not broadcast to the scores {shape}")
+    return mask
+
+
+def _modded_scores(scores: Tensor, score_mod: ScoreMod) -> Tensor:
+    """``score_mod`` applied to the whole ``(B, H, L, S)`` score tensor at once."""
+    out = score_mod(scores, *_index_grids(tuple(scores.shape), scores.device))
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        raise TypeError(f"score_mod must return a float tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+    return out.to(scores.dtype).expand_as(scores)
+
+
+def _additive_bias(score_mod: ScoreMod, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """``f`` where ``score_mod(s, ...) == s + f(b, h, q_idx, kv_idx)`` (a float mask for the fused kernel),
+    or None when the mod is not additive (e.g. soft-capping). Checked at three probe scores."""
+    grids = _index_grids(shape, device)
+    probes = [torch.tensor(p, dtype=dtype, device=device) for p in (0.0, 1.5, -3.25)]
+    base = score_mod(probes[0], *grids)
+    if not isinstance(base, Tensor) or not base.is_floating_point():
+        raise TypeError(f"score_mod must return a float tensor, got {getattr(base, 'dtype', type(base).__name__)}")
+    if bool(torch.isnan(base).any() | torch.isposinf(base).any()):
+        raise ValueError("score_mod returned NaN or +inf for a score of 0: it must give finite scores or -inf")
+    tol = 8 * torch.finfo(dtype).eps
+    for p in probes[1:]:
+        shifted = score_mod(p, *grids) - p
+        same = (shifted == base) | ((shifted - base).abs() <= tol * (1 + base.abs() + abs(float(p))))
+        if not bool(same.all()):
+            return None
+    return base.to(dtype)
+
+
+def _masked_scores(
+    query: Tensor, key: Tensor, mask: Tensor | None, scale: float, score_mod: ScoreMod | None = None
+) -> Tensor:
+    """``Q K^T * scale``, modified by ``score_mod``, then ``-inf`` where a bool mask is False, or a float
+    mask added."""
     scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, S)
+    if score_mod is not None:
+        scores = _modded_scores(scores, score_mod)  # (B, H, L, S)
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
@@ -259,11 +426,17 @@ def _masked_scores(query: Tensor, key: Tensor, mask: Tensor | None, scale: float
 
 
 def _reference(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    dropout_p: float,
+    scale: float,
+    score_mod: ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Explicit ``softmax(Q K^T * scale + mask) V``, materialising the weights."""
-    scores = _masked_scores(query, key, mask, scale)  # (..., L, S)
-    if mask is None:
+    """Explicit ``softmax(score_mod(Q K^T * scale) + mask) V``, materialising the weights."""
+    scores = _masked_scores(query, key, mask, scale, score_mod)  # (..., L, S)
+    if mask is None and score_mod is None:
         weights = torch.softmax(scores, dim=-1)  # (..., L, S)
     else:
         # A row with nothing to attend is all -inf and softmax would give 0/0 = NaN, forward and
@@ -284,8 +457,12 @@ def attention_scores(
     scale: float | None = None,
     *,
     enable_gqa: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> Tensor:
-    """The attention scores ``Q K^T * scale + mask``: the step before the softmax, shape ``(..., L, S)``.
+    """The attention scores ``score_mod(Q K^T * scale) + mask``: the step before the softmax, ``(..., L, S)``.
 
     Same arguments and meaning as :func:`scaled_dot_product_attention`. Masked positions hold
     ``-inf``, as in the tutorials' ``attn_scores.masked_fill(mask.bool(), -torch.inf)``; pass
@@ -298,15 +475,18 @@ def attention_scores(
         attn_mask: broadcastable to ``(..., L, S)``; bool ``True`` = may attend, float added.
         is_causal: causal mask aligned bottom-right (query ``i`` sees keys ``<= i + S - L``).
         scale: multiplier of ``Q K^T``; default ``1/sqrt(E)``.
+        window, sinks, score_mod, mask_mod: see :func:`scaled_dot_product_attention`.
     Returns:
         ``(..., L, S)`` scores, ``-inf`` where masked.
     """
-    _validate(query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    _validate(query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, window, sinks, score_mod, mask_mod)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    is_causal = bool(is_causal)
     key, _ = _expand_kv(query, key, key, enable_gqa)
-    mask = _merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2], query.device)
-    return _masked_scores(query, key, mask, scale)  # (..., L, S)
+    L, S = query.shape[-2], key.shape[-2]
+    mask = _merge_masks(attn_mask, bool(is_causal), L, S, query.device, window, int(sinks))
+    if mask_mod is not None:
+        mask = _combine(mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
+    return _masked_scores(query, key, mask, scale, score_mod)  # (..., L, S)
 
 
 def scaled_dot_product_attention(
@@ -319,10 +499,14 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     *,
     enable_gqa: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
     return_weights: bool = False,
     backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """``softmax(Q K^T * scale + mask) V`` with torch's argument conventions, made safe.
+    """``softmax(score_mod(Q K^T * scale) + mask) V`` with torch's argument conventions, made safe.
 
     Args:
         query: ``(..., L, E)``; with ``enable_gqa`` ``(..., Hq, L, E)``.
@@ -337,10 +521,22 @@ def scaled_dot_product_attention(
             ``attn_mask`` (both apply); torch refuses that combination.
         scale: multiplier of the scores; default ``1/sqrt(E)``.
         enable_gqa: let ``key``/``value`` have fewer heads than ``query`` (grouped-query attention).
+        window: with ``is_causal``, a sliding window: query ``i`` sees only the ``window`` latest keys
+            up to its own position (itself included). ``None``: no window.
+        sinks: with ``window``, the first ``sinks`` keys stay visible to every query (attention sinks).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, flex_attention's signature,
+            applied to ``Q K^T * scale`` before any mask. Needs 4-D ``(B, H, L, E)`` inputs.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), applied with the
+            other masks. Needs 4-D inputs.
         return_weights: return ``(output, weights)`` where ``weights (..., L, S)`` are the weights
             actually applied to ``value`` (after masking and dropout).
-        backend: ``"auto"`` uses torch's fused kernel unless weights are requested; ``"fused"``
-            forces it; ``"reference"`` forces the explicit path.
+        backend: ``"auto"`` uses torch's fused kernel unless weights are requested (or a
+            ``score_mod`` is not additive), and ``flex_attention`` for the mods and windows on CUDA;
+            ``"fused"`` forces the fused kernel (a ``score_mod`` must then be additive,
+            ``score + f(b, h, q_idx, kv_idx)``: attnlab checks this at three probe scores);
+            ``"reference"`` forces the explicit path; ``"flex"`` forces
+            ``torch.nn.attention.flex_attention`` (compiled on CUDA; on the CPU it runs unfused and
+            has no backward, so it is for comparisons without gradients).
 
     A query row with no key to attend (fully masked) gets a zero output and zero weights, with
     finite gradients, on every backend. A key that no query may attend (padding) never contributes,
@@ -349,11 +545,15 @@ def scaled_dot_product_attention(
     Returns:
         ``(..., L, Ev)``, or ``(output, weights)`` when ``return_weights=True``.
     """
-    if backend not in ("auto", "fused", "reference"):
-        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    if return_weights and backend == "fused":
-        raise ValueError("return_weights=True needs the reference backend: the fused kernel never forms the weights")
-    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if return_weights and backend in ("fused", "flex"):
+        raise ValueError(
+            f"return_weights=True needs the reference backend: the {backend} kernel never forms the weights"
+        )
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, sinks, score_mod, mask_mod)
+    if backend == "flex":
+        _check_flex(query, key, value, dropout_p)
     return attend(
         query,
         key,
@@ -363,6 +563,10 @@ def scaled_dot_product_attention(
         bool(is_causal),
         None if scale is None else float(scale),
         enable_gqa=bool(enable_gqa),
+        window=None if window is None else int(window),
+        sinks=int(sinks),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         return_weights=return_weights,
         backend=backend,
     )
@@ -378,6 +582,10 @@ def attend(
     scale: float | None = None,
     *,
     enable_gqa: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
     return_weights: bool = False,
     backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -386,22 +594,49 @@ def attend(
     made, with a mask it has validated. Same arguments and results."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     L, S = query.shape[-2], key.shape[-2]
-    if is_causal and L == 1:
+    if window is not None and window >= S:
+        window, sinks = None, 0  # bottom-right aligned, no query has a key outside its window
+    if is_causal and L == 1 and window is None:
         is_causal = False  # bottom-right aligned, a single query (a decoding step) sees every key
+    mods = score_mod is not None or mask_mod is not None
+
+    if backend == "flex" or (
+        backend == "auto" and not return_weights and (mods or window is not None) and _flex_runs(query, dropout_p)
+    ):
+        key, value = _drop_unattended(key, value, attn_mask)  # the keys attn_mask hides from every query
+        return _flex(query, key, value, attn_mask, is_causal, scale, enable_gqa, window, sinks, score_mod, mask_mod)
+
+    if score_mod is not None and backend != "reference" and not return_weights:
+        bias = _additive_bias(score_mod, (*query.shape[:-2], L, S), query.dtype, query.device)
+        if bias is None and backend == "fused":
+            raise ValueError(
+                "score_mod is not additive (score_mod(s) != s + f(b, h, q_idx, kv_idx), e.g. soft-capping): the fused "
+                "kernel can only add a bias to the scores; use backend='reference' (or 'flex' on CUDA)"
+            )
+        if bias is not None:
+            attn_mask, score_mod = _combine(attn_mask, bias), None
+        else:
+            backend = "reference"
+    if mask_mod is not None:
+        attn_mask = _combine(attn_mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
 
     if backend == "reference" or return_weights:
         key, value = _expand_kv(query, key, value, enable_gqa)
-        mask = _merge_masks(attn_mask, is_causal, L, S, query.device)
+        mask = _merge_masks(attn_mask, is_causal, L, S, query.device, window, sinks)
         key, value = _drop_unattended(key, value, mask)
-        out, weights = _reference(query, key, value, mask, dropout_p, scale)
+        out, weights = _reference(query, key, value, mask, dropout_p, scale, score_mod)
         return (out, weights) if return_weights else out
 
-    if attn_mask is None and (not is_causal or L == S):
+    if window is not None and attn_mask is None and _sliding_runs(query, key, value, dropout_p, window):
+        key, value = _expand_kv(query, key, value, enable_gqa)
+        return sliding.sliding_window_attention(query, key, value, window, sinks, scale)  # (B, H, T, Ev)
+
+    if attn_mask is None and window is None and (not is_causal or L == S):
         # torch's top-left is_causal equals bottom-right when L == S: keep its fastest path.
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
-    mask = _merge_masks(attn_mask, is_causal, L, S, query.device)
+    mask = _merge_masks(attn_mask, is_causal, L, S, query.device, window, sinks)
     key, value = _drop_unattended(key, value, mask)
     # Rows with no key: let the kernel attend anywhere there (so it cannot form NaN), then zero
     # their output; masked_fill's backward sends zero gradient into those rows.
@@ -411,3 +646,136 @@ def attend(
         query, key, value, attn_mask=safe, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
     return out.masked_fill(~has_key, 0.0)  # (..., L, Ev)
+
+
+# --------------------------------------------------------------------------------------------
+# The sliding-window fast path and flex_attention
+# --------------------------------------------------------------------------------------------
+def _sliding_runs(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, window: int) -> bool:
+    """Whether :mod:`attnlab.sliding` computes this call: CPU self-attention ``(B, H, T, E)`` (same
+    batch and width for all three, no dropout) long enough for the band to save work."""
+    T = query.shape[-2]
+    return (
+        query.device.type == "cpu"
+        and sliding.available()
+        and dropout_p == 0.0
+        and query.dim() == 4
+        and key.shape[-2] == T
+        and key.shape[:-3] == query.shape[:-3] == value.shape[:-3]
+        and key.shape[-1] == value.shape[-1] == query.shape[-1]
+        and 4 * window <= T
+    )
+
+
+def _flex_runs(query: Tensor, dropout_p: float) -> bool:
+    """Whether ``backend="auto"`` hands mods and windows to flex_attention: on CUDA, 4-D inputs,
+    no dropout, a head width its kernels take."""
+    E = query.shape[-1]
+    return query.is_cuda and query.dim() == 4 and dropout_p == 0.0 and E >= 16 and E & (E - 1) == 0
+
+
+def _check_flex(query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> None:
+    if query.dim() != 4:
+        raise ValueError(f"backend='flex' needs 4-D (B, H, L, E) inputs, got query {tuple(query.shape)}")
+    if dropout_p:
+        raise ValueError("backend='flex' has no dropout: pass dropout_p=0.0 or use another backend")
+    if not query.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise ValueError(
+            "backend='flex' on the CPU has no backward (torch's flex_attention): use it under torch.no_grad(), "
+            "or backend='fused' / 'reference'"
+        )
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(L: int, S: int, window: int | None, sinks: int, device: torch.device) -> object:
+    """flex's block mask of bottom-right causal attention with an optional window (for any batch and head)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal_mod(S - L, window, sinks), None, None, L, S, device=device)
+
+
+def _causal_mod(offset: int, window: int | None, sinks: int) -> MaskMod:
+    """Bottom-right causal (query ``i`` at position ``i + offset``) with an optional window, as a mask_mod."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        visible = kv_idx <= q_idx + offset
+        if window is not None:
+            visible = visible & ((q_idx + offset - kv_idx < window) | (kv_idx < sinks))
+        return visible
+
+    return mask_mod
+
+
+def _flex(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+    window: int | None,
+    sinks: int,
+    score_mod: ScoreMod | None,
+    mask_mod: MaskMod | None,
+) -> Tensor:
+    """The call on ``torch.nn.attention.flex_attention``: causality, window, sinks, ``mask_mod`` and a
+    bool ``attn_mask`` become one block mask; ``score_mod`` and a float ``attn_mask`` one score_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, L, _ = query.shape
+    S = key.shape[-2]
+    key = key.expand(B, *key.shape[1:])  # flex wants one batch size
+    value = value.expand(B, *value.shape[1:])
+    full = (B, H, L, S)
+    bool_mask = float_mask = None
+    if attn_mask is not None:
+        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full)
+        if m.dtype == torch.bool:
+            bool_mask = m
+        else:  # its -inf entries mask (in the block mask: a row with nothing left is then 0, not NaN)
+            bool_mask, float_mask = m != float("-inf"), m.masked_fill(m == float("-inf"), 0.0)
+
+    if mask_mod is None and bool_mask is None:
+        block_mask = _window_block_mask(L, S, window, sinks, query.device) if is_causal else None
+    else:
+        causal = _causal_mod(S - L, window, sinks) if is_causal else None
+
+        def combined(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            visible = q_idx >= 0
+            if causal is not None:
+                visible = visible & causal(b, h, q_idx, kv_idx)
+            if mask_mod is not None:
+                visible = visible & mask_mod(b, h, q_idx, kv_idx)
+            if bool_mask is not None:
+                visible = visible & bool_mask[b, h, q_idx, kv_idx]
+            return visible
+
+        block_mask = create_block_mask(combined, B, H, L, S, device=query.device)
+
+    mod = score_mod
+    if float_mask is not None:
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            if score_mod is not None:
+                score = score_mod(score, b, h, q_idx, kv_idx)
+            return score + float_mask[b, h, q_idx, kv_idx]
+
+    if query.is_cuda:
+        return _compiled_flex()(
+            query, key, value, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        )
+    if not torch.is_grad_enabled():  # flex refuses CPU inputs that require grad even under no_grad
+        query, key, value = query.detach(), key.detach(), value.detach()
+    with warnings.catch_warnings():  # on the CPU flex runs unfused by design here (comparisons, no backward)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(
+            query, key, value, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        )

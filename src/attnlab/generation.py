@@ -13,7 +13,14 @@ cached key and value (computed with the old positions) is stale. A rolling cache
 the oldest slot would silently change the model. So when the cache is full attnlab re-fills it from
 the last ``context_length`` tokens (a full-window forward, what the uncached path does anyway):
 cached and uncached generation stay identical; past the window the cache no longer saves work.
-(Models with relative positions, e.g. RoPE, can roll the cache; GPT-2 cannot.)
+
+Models with relative positions (RoPE, ALiBi, none) can roll the cache. Their attention is defined
+over a sliding window (``window``, default ``context_length``): each token sees at most that many
+tokens, at their original positions. So the cache is a ring of ``window (+ sinks)`` slots: the
+prompt is fed once (in chunks of ``context_length``), then each step writes its key and value over
+the oldest and attends over the ring; nothing is ever re-encoded, and memory and time per token stay
+flat however long generation runs. Without a cache the model runs over the whole sequence each step
+(the window slides inside it), which is what the ring computes.
 
 Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
 real token). Padding is never attended to and each row's positions count only its real tokens, so a
@@ -188,12 +195,13 @@ def _steps(
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(token (B,), logits (B, V))`` per step.
 
-    The tokens the model still sees live in a buffer ``out`` that holds the window (from ``start``)
-    and grows by chunks as tokens come, dropping what fell out of the window: its size follows what
-    was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until stopped).
+    The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come: its size
+    follows what was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until
+    stopped), so asking for 10**10 tokens allocates nothing up front.
     """
     B, T = idx.shape
     C = model.config.context_length
+    relative = model.config.relative
     eos_id = sampling.eos_id
     out = torch.empty(B, T + min(max_new_tokens, _CHUNK), dtype=torch.long, device=idx.device)  # (B, T + chunk)
     out[:, :T] = idx
@@ -201,33 +209,47 @@ def _steps(
     if mask is not None:
         full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + chunk)
         full_mask[:, :T] = mask
-    caches = model.new_kv_caches(B, min(C, T + max_new_tokens)) if use_cache else None
-    cap = C if caches is None else caches[0].max_length
+    caches = None
+    if use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
+        caches = model.new_kv_caches(B, T + max_new_tokens if relative else min(C, T + max_new_tokens))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
-    start = 0  # first token held by the caches
+    start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
 
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
         for step in range(max_new_tokens):
-            if cur == out.shape[1]:  # full: keep the window (from `start`), room for the next chunk
-                room = (cur - start) + min(max_new_tokens - step, max(_CHUNK, cur - start))
-                out = torch.cat([out[:, start:cur], out.new_empty(B, room - (cur - start))], dim=1)
+            if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
+                more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
+                out = torch.cat([out, out.new_empty(B, more)], dim=1)
                 if full_mask is not None:
-                    full_mask = torch.cat([full_mask[:, start:cur], full_mask.new_ones(B, room - (cur - start))], 1)
-                cur, start = cur - start, 0
+                    full_mask = torch.cat([full_mask, full_mask.new_ones(B, more)], dim=1)
             with torch.inference_mode():
-                if caches is None or cur - start >= cap or step == 0:
-                    # Prefill: (re)run the whole window, the last `cap` tokens. Without a cache this
-                    # happens every step; with one, first and then whenever the cache is full.
-                    start = max(0, cur - cap)
+                m = None if full_mask is None else full_mask[:, :cur]
+                if caches is None and relative:
+                    # The whole sequence: the model's sliding window does the cropping.
+                    logits = model.decode_logits(out[:, :cur], m, None, last_only=True)[:, -1]  # (B, V)
+                elif relative and cur == T:
+                    # Prefill in chunks of the context (a prompt may be longer); the ring keeps the window.
+                    for c in caches:
+                        c.reset()
+                    for s in range(0, cur, C):
+                        e = min(cur, s + C)
+                        m = None if full_mask is None else full_mask[:, :e]
+                        logits = model.decode_logits(out[:, s:e], m, caches, last_only=True)[:, -1]  # (B, V)
+                elif relative:
+                    # Decode: the newest token alone; its key and value overwrite the oldest slot.
+                    logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
+                elif caches is None or cur - start >= C or cur == T:
+                    # GPT-2: (re)run the whole window, the last C tokens. Without a cache this
+                    # happens every step; with one, first and then whenever the context is full.
+                    start = max(0, cur - C)
                     if caches is not None:
                         for c in caches:
                             c.reset()
-                    window = out[:, start:cur]  # (B, W)
                     m = None if full_mask is None else full_mask[:, start:cur]
-                    logits = model.decode_logits(window, m, caches, last_only=True)[:, -1]  # (B, V)
+                    logits = model.decode_logits(out[:, start:cur], m, caches, last_only=True)[:, -1]  # (B, V)
                 else:
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]

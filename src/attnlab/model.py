@@ -15,6 +15,15 @@ lead to, with the tutorials' configuration names (``vocab_size``, ``context_leng
 With ``qkv_bias=True`` and the ``gpt2-*`` presets the parameters are exactly GPT-2's (``gpt2-small``
 has 124,439,808 of them, as Hugging Face's ``GPT2LMHeadModel``); :mod:`attnlab.hf` converts weights
 both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
+
+Since GPT-2 (the ``GPTConfig`` switches, all off by default; the ``modern`` preset turns them on):
+positions inside attention instead of a learned table (``pos="rope"``, ``"alibi"`` or ``"none"``),
+RMSNorm, SwiGLU or ReLU^2 MLPs, QK-norm, grouped-query attention, sliding windows with attention
+sinks, untied embeddings. A model with relative positions (RoPE, ALiBi, none) attends over a window
+of ``window`` tokens (default ``context_length``) and takes sequences of any length: its generation
+rolls the KV cache past the context instead of re-encoding. With ``pos="rope"``, ``norm="rmsnorm"``,
+``mlp="swiglu"`` and no biases the blocks are Llama's (and, with a window, Mistral's):
+:mod:`attnlab.hf_llama` converts their weights.
 """
 
 from __future__ import annotations
@@ -33,8 +42,17 @@ from torch import Tensor
 
 from attnlab import generation, hf
 from attnlab.attention import KVCache, MultiHeadAttention
-from attnlab.checks import can_read_values, check_model_size, is_int, is_real, positive_int
+from attnlab.checks import (
+    can_read_values,
+    check_model_size,
+    finite_real,
+    is_int,
+    is_real,
+    non_negative_int,
+    positive_int,
+)
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
+from attnlab.positions import check_rope_scaling
 
 __all__ = [
     "CONFIG_NAME",
@@ -52,6 +70,9 @@ CONFIG_NAME = "config.json"
 
 # GPTConfig.activation -> nn.GELU's `approximate` argument
 _ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}
+POSITIONS = ("learned", "rope", "alibi", "none")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu", "relu2")
 
 
 def _id_ranges(*pairs: tuple[Tensor, int | None]) -> list[int]:
@@ -167,6 +188,22 @@ class GPTConfig:
         activation: the MLP's GELU: ``"gelu_tanh"`` (GPT-2's tanh approximation, needed to
             reproduce its logits) or ``"gelu"`` (exact, erf-based; on CPU torch's kernel for it is
             several times faster than the tanh one, which is why the ``tiny`` preset uses it).
+
+    Since GPT-2 (defaults: GPT-2's choices):
+        pos: where positions come from: ``"learned"`` (GPT-2's table added to the embeddings),
+            ``"rope"`` (rotary, in attention), ``"alibi"`` (a distance penalty on the scores) or
+            ``"none"`` (causality alone; NoPE). Anything but ``learned`` is relative: the model
+            takes sequences of any length and attends over a sliding ``window``.
+        rope_theta: RoPE's base (Llama 2: 10000, Llama 3: 500000); rope_scaling: a Hugging Face
+            ``rope_scaling`` dict (``linear``, ``llama3``) or None.
+        norm: ``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama: no mean, no bias).
+        mlp: ``"gelu"`` (GPT-2's, with ``activation``), ``"swiglu"`` (Llama: ``silu(x W1) * (x W3)``,
+            ``ff_dim`` wide) or ``"relu2"`` (``relu(x W1)^2``: nanochat, modded-nanogpt).
+        window: sliding-window attention: each token sees itself and ``window - 1`` tokens before
+            it (Mistral). Default: ``context_length`` for relative positions, none for learned.
+        sinks: the first ``sinks`` tokens stay visible beside the window (StreamingLLM): a model
+            generating far past its window keeps its attention sinks.
+        qk_norm: RMSNorm on each query and key head before the scores.
     """
 
     vocab_size: int = 50257
@@ -182,6 +219,14 @@ class GPTConfig:
     ff_dim: int | None = None
     ln_eps: float = 1e-5
     activation: str = "gelu_tanh"
+    pos: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    window: int | None = None
+    sinks: int = 0
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
@@ -210,6 +255,29 @@ class GPTConfig:
             raise ValueError(
                 f"n_heads must be divisible by n_kv_heads, got n_heads={self.n_heads} and n_kv_heads={self.n_kv_heads}"
             )
+        for name, allowed in (("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"pos='rope' rotates pairs of features: the head width emb_dim / n_heads = {self.head_dim} must be even"
+            )
+        if not finite_real(self.rope_theta) or self.rope_theta <= 1:
+            raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        self.rope_theta = float(self.rope_theta)
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
+        if self.window is not None:
+            positive_int("window", self.window)
+        self.sinks = non_negative_int("sinks", self.sinks)
+        if self.sinks and self.window is None and self.pos == "learned":
+            raise ValueError(
+                "sinks keep the first tokens visible beside a sliding window: set window (or use relative positions, "
+                "whose window is context_length)"
+            )
+        if self.sinks >= self.attention_window:
+            raise ValueError(f"sinks={self.sinks} must be less than the window ({self.attention_window})")
+        if not isinstance(self.qk_norm, bool):
+            raise TypeError(f"qk_norm must be a bool, got {self.qk_norm!r}")
         # Past sane sizes (a hand-edited config.json with n_layers: 1000000) is an error here, before
         # anything is built: not minutes of building modules, or terabytes of weights.
         check_model_size(
@@ -236,11 +304,21 @@ class GPTConfig:
         """MLP hidden width actually used (``ff_dim`` or ``4 * emb_dim``)."""
         return 4 * self.emb_dim if self.ff_dim is None else self.ff_dim
 
+    @property
+    def relative(self) -> bool:
+        """Positions inside attention (RoPE, ALiBi, none): no position table, no longest sequence."""
+        return self.pos != "learned"
+
+    @property
+    def attention_window(self) -> int:
+        """Tokens a query sees at most: ``window``, else ``context_length``."""
+        return self.context_length if self.window is None else self.window
+
     # Presets and (de)serialisation ----------------------------------------------------------
     @classmethod
     def presets(cls) -> list[str]:
         """Names accepted by :meth:`preset`."""
-        return ["tiny", *_GPT2_SIZES]
+        return ["tiny", "modern", *_GPT2_SIZES]
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -253,6 +331,8 @@ class GPTConfig:
         minutes on a 2-core CPU. Measured on the built-in corpus in equal time, 64-byte windows
         beat 128 and 256, and 2 wide layers beat 4 layers of width 128 (validation 1.27 against
         1.33 nats/byte) while running their matmuls at a higher fraction of the CPU's peak.
+        ``modern``: ``tiny``'s sizes with what came after GPT-2, as nanochat combines it: rotary
+        positions, RMSNorm, a ReLU^2 MLP, QK-norm, untied embeddings, no biases.
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -270,6 +350,22 @@ class GPTConfig:
                 drop_rate=0.0,
                 qkv_bias=False,
                 activation="gelu",
+            )
+        elif key == "modern":
+            base = dict(
+                vocab_size=256,
+                context_length=64,
+                emb_dim=256,
+                n_heads=4,
+                n_layers=2,
+                drop_rate=0.0,
+                qkv_bias=False,
+                bias=False,
+                pos="rope",
+                norm="rmsnorm",
+                mlp="relu2",
+                qk_norm=True,
+                tie_embeddings=False,
             )
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])
@@ -302,18 +398,26 @@ class GPTConfig:
 # Building blocks
 # --------------------------------------------------------------------------------------------
 class FeedForward(nn.Module):
-    """GPT-2's MLP: ``Linear(emb, hidden) -> GELU -> Linear(hidden, emb)``.
+    """The MLP of a block: ``Linear(emb, hidden) -> activation -> Linear(hidden, emb)``.
 
-    GPT-2 was trained with the tanh approximation of GELU (``gelu_new`` in Hugging Face), so that
-    is the default and what reproduces its logits; ``cfg.activation="gelu"`` selects the exact
-    one. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
+    ``cfg.mlp="gelu"``: GPT-2's. It was trained with the tanh approximation of GELU (``gelu_new`` in
+    Hugging Face), so that is the default and what reproduces its logits; ``cfg.activation="gelu"``
+    selects the exact one. ``"relu2"``: ``relu(x)^2`` (nanochat, modded-nanogpt): cheaper than GELU
+    and as good at small scale. ``"swiglu"``: Llama's gated unit ``silu(x W_gate) * (x W_up)``; its
+    first layer computes gate and up in one matmul (``2 * hidden`` outputs, gate first).
+    Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        gated = cfg.mlp == "swiglu"
+        if cfg.mlp == "gelu":
+            act: nn.Module = nn.GELU(approximate=_ACTIVATIONS[cfg.activation])
+        else:
+            act = SwiGLU() if gated else ReLUSquared()
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.bias),
-            nn.GELU(approximate=_ACTIVATIONS[cfg.activation]),
+            nn.Linear(cfg.emb_dim, (2 if gated else 1) * cfg.hidden_dim, bias=cfg.bias),
+            act,
             nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
         )
 
@@ -321,8 +425,29 @@ class FeedForward(nn.Module):
         return self.layers(x)
 
 
+class ReLUSquared(nn.Module):
+    """``relu(x)^2``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x).square()
+
+
+class SwiGLU(nn.Module):
+    """``silu(gate) * up`` for ``x = [gate | up]`` (the last dimension split in two halves)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.emb_dim, eps=cfg.ln_eps)
+    return nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+
+
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + att(norm1(x))`` then ``x + ff(norm2(x))``.
+    """Pre-norm transformer block: ``x + att(norm1(x))`` then ``x + ff(norm2(x))``.
 
     Normalising *before* each sublayer (GPT-2's choice) keeps the residual stream an identity
     path, which is what lets deep stacks train without warm-up tricks.
@@ -330,7 +455,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.norm1 = _norm(cfg)
         self.att = MultiHeadAttention(
             d_in=cfg.emb_dim,
             d_out=cfg.emb_dim,
@@ -340,14 +465,34 @@ class TransformerBlock(nn.Module):
             qkv_bias=cfg.qkv_bias,
             num_kv_heads=cfg.n_kv_heads,
             out_bias=cfg.bias,
+            rope=cfg.pos == "rope",
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            alibi=cfg.pos == "alibi",
+            # Relative positions attend over a sliding window (context_length by default), so a
+            # sequence may be longer than the context; learned positions only with an explicit one.
+            window=cfg.attention_window if cfg.relative else cfg.window,
+            sinks=cfg.sinks,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.ln_eps,
         )
-        self.norm2 = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.norm2 = _norm(cfg)
         self.ff = FeedForward(cfg)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
-    def forward(self, x: Tensor, *, mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
-        """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once)."""
-        x = x + self.drop_shortcut(self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache))  # (B, T, C)
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once);
+        ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`."""
+        att = self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)
+        x = x + self.drop_shortcut(att)  # (B, T, C)
         x = x + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
         return x
 
@@ -378,11 +523,11 @@ class GPT(nn.Module):
         self.config = cfg = config
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         # Sized by context_length: one vector per *position*, not per token id (the tutorials'
-        # BadLM_V2 sized it by vocab_size; see examples/badlm_v2.py).
-        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        # BadLM_V2 sized it by vocab_size; see examples/badlm_v2.py). Relative positions need none.
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim) if cfg.pos == "learned" else None
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
-        self.final_norm = nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
+        self.final_norm = _norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.out_head.weight = self.tok_emb.weight
@@ -403,6 +548,8 @@ class GPT(nn.Module):
                     nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
         std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for block in self.trf_blocks:
             nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=std)
@@ -414,7 +561,7 @@ class GPT(nn.Module):
         the position embedding and, when untied, the token embedding (as in the scaling-law papers)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.pos_emb.weight.numel()
+            n -= 0 if self.pos_emb is None else self.pos_emb.weight.numel()
             if not self.config.tie_embeddings:
                 n -= self.tok_emb.weight.numel()
         return n
@@ -428,12 +575,25 @@ class GPT(nn.Module):
         return self.tok_emb.weight.dtype
 
     def new_kv_caches(self, batch_size: int, max_length: int | None = None) -> list[KVCache]:
-        """One preallocated :class:`~attnlab.attention.KVCache` per layer (``max_length`` defaults
-        to ``context_length``; more is pointless: positions stop at the context)."""
-        n = self.config.context_length if max_length is None else max_length
-        if n > self.config.context_length:
-            raise ValueError(f"max_length must be <= context_length={self.config.context_length}, got {n}")
-        return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
+        """One preallocated :class:`~attnlab.attention.KVCache` per layer.
+
+        GPT-2 (learned positions, no window): plain caches of ``max_length`` slots (default
+        ``context_length``; more is pointless: positions stop at the context). With a window or
+        relative positions: rolling caches of ``min(max_length, window + sinks)`` slots (``max_length``
+        default: no limit), which is all the window ever needs, however long generation runs.
+        """
+        cfg = self.config
+        if max_length is not None:
+            positive_int("max_length", max_length)
+        if not cfg.relative and max_length is not None and max_length > cfg.context_length:
+            raise ValueError(f"max_length must be <= context_length={cfg.context_length}, got {max_length}")
+        if not cfg.relative and cfg.window is None:
+            n = cfg.context_length if max_length is None else max_length
+            return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
+        ring = cfg.attention_window + cfg.sinks
+        n = ring if max_length is None else min(max_length, ring)
+        sinks = cfg.sinks if cfg.sinks < n else 0  # (a cache too short to ever wrap needs no pinned slots)
+        return [block.att.new_kv_cache(batch_size, n, rolling=True, sinks=sinks) for block in self.trf_blocks]
 
     # Forward ------------------------------------------------------------------------------------
     def check_idx(self, idx: object, past: int = 0, *, values: bool = True, limit_length: bool = True) -> Tensor:
@@ -451,7 +611,7 @@ class GPT(nn.Module):
         if T == 0:
             raise ValueError("idx must contain at least one token, got shape " + str(tuple(idx.shape)))
         C = self.config.context_length
-        if limit_length and past + T > C:
+        if limit_length and not self.config.relative and past + T > C:
             raise ValueError(
                 f"idx has {past + T} tokens{' (with the cache)' if past else ''}, more than context_length={C}; "
                 f"crop it to the last {C} tokens (idx[:, -{C}:]) or use generate(), which slides the window"
@@ -519,10 +679,10 @@ class GPT(nn.Module):
                     raise TypeError(
                         f"kv_caches[{i}] must be an attnlab KVCache (see GPT.new_kv_caches), got {type(c).__name__}"
                     )
-            past = kv_caches[0].length
-            if any(c.length != past for c in kv_caches):
+            past = kv_caches[0].seen
+            if any(c.seen != past for c in kv_caches):
                 raise ValueError(
-                    f"kv_caches hold different numbers of tokens {[c.length for c in kv_caches]}; "
+                    f"kv_caches hold different numbers of tokens {[c.seen for c in kv_caches]}; "
                     f"reset() them all or make new ones with new_kv_caches()"
                 )
         idx = self.check_idx(idx, past)
@@ -535,7 +695,10 @@ class GPT(nn.Module):
                 raise TypeError("position_ids must be an integer tensor")
             if position_ids.shape not in ((T,), (B, T)):
                 raise ValueError(f"position_ids must have shape {(T,)} or {(B, T)}, got {tuple(position_ids.shape)}")
-            if position_ids.numel() and not (
+            if self.config.relative:
+                if position_ids.numel() and int(position_ids.min()) < 0:
+                    raise ValueError("position_ids must be >= 0")
+            elif position_ids.numel() and not (
                 0 <= int(position_ids.min()) <= int(position_ids.max()) < self.config.context_length
             ):
                 raise ValueError(f"position_ids must be in [0, context_length={self.config.context_length})")
@@ -556,19 +719,38 @@ class GPT(nn.Module):
         logits of the last position only, ``(B, 1, V)``: all that
         sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill.
         """
-        T = idx.shape[1]
-        past = 0 if kv_caches is None else kv_caches[0].length
-        if position_ids is None:
+        cfg = self.config
+        B, T = idx.shape
+        past = 0 if kv_caches is None else kv_caches[0].seen
+        if not (cfg.relative or cfg.window is not None):  # GPT-2: positions only in the embedding table
+            if position_ids is None:
+                if key_mask is not None:
+                    # Count real tokens to the left: padding does not advance the position.
+                    position_ids = (key_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, T)
+                else:
+                    position_ids = torch.arange(past, past + T, device=idx.device)  # (T,)
+            mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): padding never attended
+            x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
+            x = self.drop_emb(x)
+            for i, block in enumerate(self.trf_blocks):
+                x = block(x, mask=mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
+        else:
+            # Attention at explicit positions: None means past, past + 1, ... (the fast paths); padding
+            # takes no position (-1) and each real token counts the real tokens before it.
+            positions = None if position_ids is None else position_ids.reshape(-1, T)  # (1 or B, T)
             if key_mask is not None:
-                # Count real tokens to the left: padding does not advance the position.
-                position_ids = (key_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, past:]  # (B, T)
-            else:
-                position_ids = torch.arange(past, past + T, device=idx.device)  # (T,)
-        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): padding is never attended
-        x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
-        x = self.drop_emb(x)
-        for i, block in enumerate(self.trf_blocks):
-            x = block(x, mask=mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
+                counts = key_mask.long().cumsum(-1)[:, -T:] - 1  # (B, T)
+                positions = (counts if positions is None else positions.expand(B, T)).masked_fill(~key_mask[:, -T:], -1)
+            at = torch.arange(past, past + T, device=idx.device)[None] if positions is None else positions  # (1|B, T)
+            x = self.tok_emb(idx)  # (B, T, C)
+            if cfg.pos == "learned":
+                x = x + self.pos_emb(at.clamp(min=0))
+            x = self.drop_emb(x)
+            # RoPE's cosines and sines once for every layer: (1 or B, 1, T, head_dim) each.
+            rope = self.trf_blocks[0].att.rope_cos_sin(at, x.dtype) if cfg.pos == "rope" else None
+            for i, block in enumerate(self.trf_blocks):
+                cache = None if kv_caches is None else kv_caches[i]
+                x = block(x, kv_cache=cache, positions=positions, rope=rope)  # (B, T, C)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.final_norm(x)

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("attnlab.cli.train", "train a GPT on a text file (default: the built-in corpus)"),
     "generate": ("attnlab.cli.generate", "generate text from a trained checkpoint"),
     "viz": ("attnlab.cli.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
+    "inspect": ("attnlab.cli.inspect", "look inside a model on a prompt: head roles, logit lens, rollout, ablation"),
     "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
     "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),
 }

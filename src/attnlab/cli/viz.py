@@ -1,49 +1,31 @@
-"""``attnlab viz``: heatmaps, an offline HTML viewer, or the weights as text (see :mod:`attnlab.tools.viz`)."""
+"""``attnlab viz``: heatmaps, the offline inspector page, or the weights as text (see :mod:`attnlab.tools.viz`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from attnlab.tools.viz import demo_view, format_text, load_model_view, save_html, save_png
-
-
-# --------------------------------------------------------------------------------------------
-def _index_list(text: str) -> list[int]:
-    try:
-        out = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an index or a comma-separated list like 0,2, got {text!r}"
-        ) from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one index")
-    return out
-
+from attnlab.checks import resolve_device
+from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
+from attnlab.tools.loading import load
+from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Show attention weights: heatmaps (PNG/SVG/PDF), an offline HTML viewer, or numbers in the "
-        "terminal. Without --checkpoint: the tutorials' six-word example, 'Your journey starts with "
-        "one step'."
+        "Show attention: heatmaps (PNG/SVG/PDF), an offline HTML inspector, or numbers in the terminal. "
+        "Without --checkpoint or --model: the tutorials' six-word example, 'Your journey starts with one step'. "
+        "With a model, the HTML page is the full inspector: the tutorials' steps on its heads, next-token "
+        "probabilities under temperature/top-k/top-p, rollout, the logit lens, head roles and generation."
+    )
+    add_model_arguments(parser, what="whose attention to show (needs --checkpoint or --model)")
+    parser.add_argument(
+        "--layer", type=index_list, metavar="N[,N...]", help="layer(s) to show, from 0; -1 is the last (default: all)"
     )
     parser.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="a directory written by `attnlab train --out` (or one of its step directories)",
-    )
-    parser.add_argument("--prompt", metavar="TEXT", help="the text whose attention to show (needs --checkpoint)")
-    parser.add_argument(
-        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
-    )
-    parser.add_argument(
-        "--layer", type=_index_list, metavar="N[,N...]", help="layer(s) to show, from 0; -1 is the last (default: all)"
-    )
-    parser.add_argument(
-        "--head", type=_index_list, metavar="N[,N...]", help="head(s) to show, from 0; -1 is the last (default: all)"
+        "--head", type=index_list, metavar="N[,N...]", help="head(s) to show, from 0; -1 is the last (default: all)"
     )
     parser.add_argument(
         "--out",
@@ -51,6 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write FILE.png (or .svg/.pdf): a grid of heatmaps; or FILE.html: an interactive page "
         "that works offline. Without --out the weights are printed.",
     )
+    page = parser.add_argument_group("the HTML inspector of a model")
+    page.add_argument(
+        "--steps",
+        metavar="L.H[,L.H...]",
+        help="heads whose tutorials' steps (q·kᵀ, scaled, masked, softmax, weighted values) the page stores "
+        "(default: every head when they fit in 12 MiB, else 0.0 and the strongest head of each role)",
+    )
+    page.add_argument(
+        "--generate", type=int, default=8, metavar="N", help="tokens to generate and play back (default: 8)"
+    )
+    add_sampling_arguments(page)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,25 +52,59 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {str(out)!r}")
-    if args.checkpoint is None and args.prompt is not None:
-        raise ValueError("--prompt needs --checkpoint DIR (the model to run it through)")
-    if args.checkpoint is not None and not args.prompt:
-        raise ValueError("--checkpoint needs --prompt TEXT (the text whose attention to show)")
-    view = (
-        demo_view() if args.checkpoint is None else load_model_view(args.checkpoint, args.prompt, bpe_dir=args.bpe_dir)
-    )
-    view = view.select(args.layer, args.head)
+    has_model = args.checkpoint is not None or args.model is not None
+    flag = "--checkpoint" if args.checkpoint is not None else "--model"
+    if not has_model and args.prompt is not None:
+        raise ValueError("--prompt needs --checkpoint DIR or --model NAME (the model to run it through)")
+    if has_model and not args.prompt:
+        raise ValueError(f"{flag} needs --prompt TEXT (the text whose attention to show)")
+    if args.generate < 0:
+        raise ValueError(f"--generate must be >= 0, got {args.generate}")
+    check_sampling(args)
+    html = out is not None and out.suffix.lower() in (".html", ".htm")
+    if not has_model:
+        view = demo_view().select(args.layer, args.head)
+    else:
+        loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+        if html:
+            data = model_inspector(
+                loaded,
+                args.prompt,
+                steps="auto" if args.steps is None else args.steps,
+                generate=args.generate,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                layers=args.layer,
+                heads=args.head,
+            )
+            save_html(data, out)
+            n = sum(len(layer["heads"]) for layer in data["layers"])
+            print(
+                f"wrote {out}: {n} attention map{'s' * (n != 1)} in {len(data['layers'])} rows, "
+                f"{len(data['tokens'])} tokens; the inspector: the tutorials' steps of "
+                f"{len(data['steps']['heads'])} heads, next-token probabilities, rollout, logit lens, head roles"
+                + (f", {len(data['generation']['steps'])} generated tokens" if data["generation"] else "")
+            )
+            return 0
+        from attnlab.tools.viz.inspector import encode_prompt
+        from attnlab.tools.viz.view import token_strings
+
+        ids = encode_prompt(loaded, args.prompt)[0].tolist()
+        tokens = token_strings(loaded.tokenizer, ids)
+        view = model_view(loaded.model, ids, tokens, title=args.prompt, text=args.prompt).select(args.layer, args.head)
     if out is None:
         print(format_text(view))
         print("(--out FILE.png draws heatmaps; --out FILE.html writes a page to explore)")
         return 0
-    if out.suffix.lower() in (".html", ".htm"):
+    if html:
         save_html(view, out)
     else:
         save_png(view, out)
     n = sum(layer.weights.shape[0] for layer in view.layers)
     rows = len(view.layers)
     print(f"wrote {out}: {n} attention map{'s' * (n != 1)} in {rows} row{'s' * (rows != 1)}, {len(view.tokens)} tokens")
-    if n > 64 and out.suffix.lower() not in (".html", ".htm"):
+    if n > 64 and not html:
         print("(a big grid: --layer and --head pick a few panels to see them larger)")
     return 0

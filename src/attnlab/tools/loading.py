@@ -1,13 +1,20 @@
-"""The one loader: a trained run (or any directory holding a GPT) -> model, tokenizer, metadata.
+"""The one loader: a trained run, a GPT-2, or the tutorials' example -> model, tokenizer, metadata.
 
-Every command that reads a model (``attnlab generate``, ``attnlab viz``, ...) goes through
-:func:`load_model`, so they all accept the same directories and say the same thing when one is
-wrong. What it accepts:
+Every command that reads a model (``attnlab generate``, ``attnlab viz``, ``attnlab inspect``, ...)
+goes through this module, so they all accept the same things and say the same thing when one is
+wrong. :func:`load_model` reads a directory of attnlab's:
 
 * a training directory written by ``attnlab train --out DIR`` (follows ``latest.json``);
 * one step directory inside it (``checkpoints/step-N``, holding ``checkpoint.json``);
 * a :meth:`attnlab.GPT.save` directory with a ``tokenizer.json`` beside the weights (a
   :meth:`attnlab.tokenizers.Tokenizer.to_dict` description).
+
+:func:`load_pretrained` reads OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...: the Hugging Face
+cache, downloading once when online) or a local Hugging Face directory (``config.json`` +
+``model.safetensors``, as ``save_pretrained`` writes), with GPT-2's tokenizer. :func:`load` picks one
+of the two from command-line style arguments. :func:`load_demo` gives the tutorials' six-word
+example: "Your journey starts with one step" and the modules of "A simple self-attention mechanism"
+under the tutorial's seeds.
 
 Weights are safetensors and metadata JSON: nothing is ever unpickled, and the optimizer state a
 training checkpoint carries is neither read nor hashed here.
@@ -22,12 +29,15 @@ from typing import Any
 
 import torch
 
+from attnlab import attention
 from attnlab.files import read_json
+from attnlab.functional import simple_self_attention
+from attnlab.hf import PRETRAINED
 from attnlab.model import CONFIG_NAME, GPT
-from attnlab.tokenizers import Tokenizer, tokenizer_from_dict
+from attnlab.tokenizers import GPT2Tokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
-__all__ = ["TOKENIZER_NAME", "LoadedModel", "load_model"]
+__all__ = ["TOKENIZER_NAME", "Demo", "LoadedModel", "load", "load_demo", "load_model", "load_pretrained"]
 
 TOKENIZER_NAME = "tokenizer.json"  # beside GPT.save()'s files: how its token ids are read
 
@@ -86,3 +96,98 @@ def load_model(
         )
     tokenizer = tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir)
     return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d)
+
+
+def load_pretrained(
+    name: str,
+    *,
+    device: torch.device | str | None = None,
+    bpe_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    what: str = "--model",
+) -> LoadedModel:
+    """OpenAI's GPT-2 by name (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, or another Hub
+    repository of a GPT-2) or a local Hugging Face directory (``config.json`` + ``model.safetensors``),
+    with GPT-2's byte-pair tokenizer.
+
+    The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when online; set
+    ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer's ``encoder.json`` and
+    ``vocab.bpe`` come from ``bpe_dir``, else from the model's directory when it holds them, else
+    from ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{what} must name a GPT-2 ({', '.join(PRETRAINED)}) or a directory, got {name!r}")
+    local = Path(name).expanduser()
+    is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
+    if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
+        raise FileNotFoundError(f"{what} {name}: no such directory")
+    if bpe_dir is None and is_local and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
+        bpe_dir = local
+    model = GPT.from_pretrained(name, cache_dir=cache_dir, device=device).eval()
+    tokenizer = GPT2Tokenizer(bpe_dir=bpe_dir)
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"{what} {name}: the model has {model.config.vocab_size} token ids, fewer than GPT-2's tokenizer "
+            f"({tokenizer.vocab_size}); only GPT-2-vocabulary models can be read with it"
+        )
+    source = "local" if is_local else "huggingface"
+    return LoadedModel(model, tokenizer, local.resolve() if is_local else Path(name), {"source": source, "name": name})
+
+
+def load(
+    checkpoint: str | os.PathLike[str] | None = None,
+    model: str | None = None,
+    *,
+    device: torch.device | str | None = None,
+    bpe_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """``--checkpoint DIR`` (:func:`load_model`) or ``--model NAME`` (:func:`load_pretrained`): exactly one."""
+    if (checkpoint is None) == (model is None):
+        raise ValueError("give one of --checkpoint DIR (an attnlab model) or --model NAME (gpt2, or a directory)")
+    if checkpoint is not None:
+        return load_model(checkpoint, device=device, bpe_dir=bpe_dir)
+    return load_pretrained(model, device=device, bpe_dir=bpe_dir)
+
+
+@dataclass
+class Demo:
+    """The tutorials' six-word example (:func:`load_demo`).
+
+    Attributes:
+        words: "Your journey starts with one step", one word per token.
+        inputs: ``(6, 3)`` their embeddings, as printed in "A simple self-attention mechanism".
+        modules: ``(name, module)`` rows: parameter-free attention (``simple_self_attention``),
+            ``SelfAttention_v2`` (seed 789), ``CausalAttention`` with the same weights (seed 789), the
+            stacked-heads wrapper and the weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``,
+            two heads), each in eval mode.
+    """
+
+    words: list[str]
+    inputs: torch.Tensor
+    modules: list[tuple[str, Any]]
+
+
+def load_demo() -> Demo:
+    """The six words of "A simple self-attention mechanism" and its modules, built under its seeds.
+
+    The global random state is left as it was."""
+    from attnlab.tutorial_code import INPUTS, WORDS
+
+    T, d_in, d_out = INPUTS.shape[0], INPUTS.shape[1], 2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(789)
+        sa = attention.SelfAttention_v2(d_in, d_out)
+        torch.manual_seed(789)  # the same draws as SelfAttention_v2: the tutorial masks those weights
+        ca = attention.CausalAttention(d_in, d_out, T, 0.0).eval()
+        torch.manual_seed(123)
+        wrap = attention.MultiHeadAttentionWrapper(d_in, d_out, T, 0.0, num_heads=2).eval()
+        torch.manual_seed(123)
+        mha = attention.MultiHeadAttention(d_in, d_out, T, 0.0, num_heads=2).eval()
+    modules = [
+        ("simple self-attention: softmax(x·xᵀ)", simple_self_attention),
+        ("SelfAttention_v2 (seed 789)", sa),
+        ("CausalAttention (seed 789)", ca),
+        ("MultiHeadAttentionWrapper (seed 123)", wrap),
+        ("MultiHeadAttention (seed 123)", mha),
+    ]
+    return Demo(list(WORDS), INPUTS.clone(), modules)

@@ -6,9 +6,11 @@ deliberately a *lower bound*, so that a refusal is certain and a run that might 
 refused; what it counts, per process, for AdamW training of a GPT:
 
 * parameters: 16 bytes each, in float32: the weight, its gradient and AdamW's two moments
-  (``exp_avg``, ``exp_avg_sq``). ``P`` is counted as ``V*d + T*d + L*(4*d*d + 2*d*ff)``: the
-  embeddings, the four attention matrices and the two MLP matrices of each layer (biases and
-  LayerNorms, a fraction of a percent, are left out);
+  (``exp_avg``, ``exp_avg_sq``). ``P`` counts the matrices: the token embedding (and an untied
+  output head), the position table of learned positions, and per layer the query and output
+  projections (``d*d`` each), the key and value projections (``d * kv_dim`` each, smaller with
+  grouped-query attention) and the MLP's two matrices (three for SwiGLU) of ``d*ff``; biases and
+  norms, a fraction of a percent, are left out;
 * activations that autograd keeps for the backward pass, for one micro-batch of ``n = b*T``
   tokens: at least ``6*d + 2*ff`` values per token and layer (the attention block's input, its
   query/key/value and output, the MLP's hidden layer before and after the GELU; the fused
@@ -55,7 +57,12 @@ def estimate_training_memory(config: GPTConfig, micro_batch: int, *, act_bytes: 
     """A lower bound of the memory one process needs to train ``config`` on ``micro_batch`` rows of
     ``config.context_length`` tokens per micro-step; ``act_bytes`` is 4 (float32) or 2 (bf16 autocast)."""
     d, ff, L, V, T = config.emb_dim, config.hidden_dim, config.n_layers, config.vocab_size, config.context_length
-    P = V * d + T * d + L * (4 * d * d + 2 * d * ff)
+    kv_dim = config.kv_heads * config.head_dim
+    embeddings = V * d * (1 if config.tie_embeddings else 2) + (
+        T * d if getattr(config, "pos", "learned") == "learned" else 0
+    )
+    mlp = (3 if config.mlp == "swiglu" else 2) * d * ff
+    P = embeddings + L * (2 * d * d + 2 * d * kv_dim + mlp)
     n = micro_batch * T
     return MemoryEstimate(
         parameters=P,

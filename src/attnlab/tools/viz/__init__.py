@@ -9,11 +9,14 @@ Two sources of attention:
 * no ``--checkpoint``: the tutorials' six-word example, "Your journey starts with one step"
   (:data:`attnlab.tutorial_code.INPUTS`), through the modules of "A simple self-attention
   mechanism" under the tutorial's seeds;
-* ``--checkpoint DIR --prompt TEXT``: a trained GPT, one heatmap per layer and head.
+* ``--checkpoint DIR`` or ``--model NAME`` with ``--prompt TEXT``: a GPT, one heatmap per layer and
+  head; as HTML, the full inspector of :mod:`attnlab.interpret` (the tutorials' steps on real heads,
+  next-token probabilities, rollout, the logit lens, head roles, generation).
 
 The modules: :mod:`~attnlab.tools.viz.view` (capturing the weights: :class:`AttentionView`),
 :mod:`~attnlab.tools.viz.png` (matplotlib heatmaps), :mod:`~attnlab.tools.viz.page` (the HTML page,
-from the files in ``assets/``) and :mod:`~attnlab.tools.viz.text` (numbers in the terminal).
+from the viewer's files in :mod:`attnlab.interpret`), :mod:`~attnlab.tools.viz.inspector` (a
+model's inspector page) and :mod:`~attnlab.tools.viz.text` (numbers in the terminal).
 
 Library use::
 
@@ -21,6 +24,7 @@ Library use::
     maps = attention_maps(model, idx)  # [(H, T, T) per attention module]
 """
 
+from attnlab.tools.viz.inspector import encode_prompt, model_inspector
 from attnlab.tools.viz.page import ASSETS, read_asset, render_html, save_html, view_to_dict
 from attnlab.tools.viz.png import save_png
 from attnlab.tools.viz.text import format_text
@@ -44,8 +48,10 @@ __all__ = [
     "attention_maps",
     "capture_attention",
     "demo_view",
+    "encode_prompt",
     "format_text",
     "load_model_view",
+    "model_inspector",
     "model_view",
     "read_asset",
     "render_html",

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from attnlab import attention as _attention
 from attnlab.attention import AttentionRecord, MultiHeadAttention
-from attnlab.functional import simple_self_attention
-from attnlab.tools.loading import load_model
+from attnlab.interpret import record_module, token_label, token_strings
+from attnlab.tools.loading import load_demo, load_model
 
 __all__ = [
     "ATTENTION_TYPES",
@@ -82,6 +82,8 @@ class AttentionView:
         layers: one :class:`LayerMaps` per row; all have ``T`` queries and ``T`` keys.
         text: the original text (shown verbatim in the HTML page).
         note: one line saying where the weights come from.
+        records: for the tutorials' modules, one :class:`~attnlab.attention.AttentionRecord` per
+            layer (queries, keys, values...): the page then shows the tutorials' steps of each head.
     """
 
     title: str
@@ -89,6 +91,7 @@ class AttentionView:
     layers: list[LayerMaps]
     text: str = ""
     note: str = ""
+    records: list[AttentionRecord] | None = None
 
     def __post_init__(self) -> None:
         T = len(self.tokens)
@@ -108,47 +111,31 @@ class AttentionView:
         rows = list(range(len(self.layers)))
         if layers is not None:
             rows = [_resolve_index("--layer", i, len(self.layers)) for i in layers]
-        out = []
+        out, kept = [], []
         for r in rows:
             layer = self.layers[r]
             if heads is None:
                 out.append(layer)
+                kept.append(r)
                 continue
             n = layer.weights.shape[0]
             if len(rows) > 1 and any(not -n <= h < n for h in heads):
                 continue  # rows with fewer heads (the tutorial view mixes 1- and 2-head modules)
             idx = [_resolve_index("--head", h, n) for h in heads]
             out.append(LayerMaps(layer.name, layer.weights[idx], [layer.heads[i] for i in idx]))
+            kept.append(r)
         if not out:
             most = max(layer.weights.shape[0] for layer in self.layers)
             raise ValueError(f"--head {list(heads or [])}: no selected layer has that head (at most {most} heads)")
-        return AttentionView(self.title, self.tokens, out, self.text, self.note)
+        # A record per kept row; its heads are picked by the row's LayerMaps.heads.
+        records = None if self.records is None else [self.records[r] for r in kept]
+        return AttentionView(self.title, self.tokens, out, self.text, self.note, records)
 
 
 def _resolve_index(arg: str, i: int, n: int) -> int:
     if not -n <= i < n:
         raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
     return i % n
-
-
-def token_label(token: str) -> str:
-    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
-
-    Byte-level tokens are often pure whitespace; without this they would be invisible.
-    """
-    out = []
-    for ch in token:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("↵")
-        elif ch == "\t":
-            out.append("⇥")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out) or "∅"
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,37 +250,20 @@ def demo_view() -> AttentionView:
 
     Rows: parameter-free attention (``softmax(x x^T)``), ``SelfAttention_v2`` (seed 789),
     ``CausalAttention`` with the same weights (seed 789), the stacked-heads wrapper and the
-    weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``, two heads). The global RNG is left
-    as it was.
+    weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``, two heads): see
+    :func:`attnlab.tools.loading.load_demo`. The global RNG is left as it was.
     """
-    from attnlab.tutorial_code import INPUTS, WORDS
-
-    x = INPUTS.clone()  # (6, 3)
-    T, d_in, d_out = x.shape[0], x.shape[1], 2
-    layers: list[LayerMaps] = []
-    with torch.no_grad():
-        _, w = simple_self_attention(x, return_weights=True)  # (6, 6)
-        layers.append(LayerMaps("simple self-attention: softmax(x·xᵀ)", w.unsqueeze(0)))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(789)
-            sa = _attention.SelfAttention_v2(d_in, d_out)
-            layers.append(LayerMaps("SelfAttention_v2 (seed 789)", sa(x, return_weights=True)[1].unsqueeze(0)))
-            torch.manual_seed(789)  # same draws as SelfAttention_v2: the tutorial masks those weights
-            ca = _attention.CausalAttention(d_in, d_out, T, 0.0).eval()
-            layers.append(LayerMaps("CausalAttention (seed 789)", ca(x, return_weights=True)[1].unsqueeze(0)))
-            torch.manual_seed(123)
-            wrap = _attention.MultiHeadAttentionWrapper(d_in, d_out, T, 0.0, num_heads=2).eval()
-            layers.append(LayerMaps("MultiHeadAttentionWrapper (seed 123)", wrap(x, return_weights=True)[1]))
-            torch.manual_seed(123)
-            mha = _attention.MultiHeadAttention(d_in, d_out, T, 0.0, num_heads=2).eval()
-            layers.append(LayerMaps("MultiHeadAttention (seed 123)", mha(x, return_weights=True)[1]))
+    demo = load_demo()
+    records = [record_module(module, demo.inputs) for _, module in demo.modules]
+    layers = [LayerMaps(name, rec.weights[0]) for (name, _), rec in zip(demo.modules, records, strict=True)]
     return AttentionView(
         title="Your journey starts with one step",
-        tokens=list(WORDS),
+        tokens=list(demo.words),
         layers=layers,
-        text=" ".join(WORDS),
+        text=" ".join(demo.words),
         note='The six 3-d word embeddings of "A simple self-attention mechanism", through its modules '
         "under the tutorial's seeds (row = query word, column = the word it attends to).",
+        records=records,
     )
 
 
@@ -319,17 +289,6 @@ def model_view(
     )
 
 
-def _token_strings(tokenizer: object, ids: Sequence[int]) -> list[str]:
-    """Each id decoded on its own. A byte that is only part of a UTF-8 character is shown as ``\\xNN``."""
-    out = []
-    for i in ids:
-        s = tokenizer.decode([i])
-        if s == "\ufffd" and getattr(tokenizer, "name", "") == "byte":
-            s = f"\\x{i:02x}"
-        out.append(s)
-    return out
-
-
 def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str | None = None) -> AttentionView:
     """Load a checkpoint directory and view its attention on ``prompt``."""
     loaded = load_model(checkpoint, bpe_dir=bpe_dir)
@@ -338,4 +297,4 @@ def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str 
     ctx = getattr(getattr(model, "config", None), "context_length", None)
     if ctx is not None and len(ids) > ctx:
         raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
-    return model_view(model, ids, _token_strings(tokenizer, ids), title=prompt, text=prompt)
+    return model_view(model, ids, token_strings(tokenizer, ids), title=prompt, text=prompt)

@@ -1,0 +1,236 @@
+"""The inspector at scale: a 512-token prompt through a GPT-2-small-sized model (random weights,
+12 layers x 12 heads), traced, turned into the offline page, opened in Chromium.
+
+Measured: the time to trace (with the stages), to generate and record 8 tokens, to compute the
+page's data (head roles, logit lens, next-token probabilities, rollout, the tutorials' steps) and to
+render the file; the page's size; in Chromium (when chromium, chromedriver and selenium are there)
+the time until the page is drawn and the time to repaint after choosing another head or layer.
+Goals (2-core CPU): trace + page under 20 s; the page well under 50 MB; open in under 3 s; repaint
+in under 200 ms. The machine's load average is printed with the figures: on a shared machine other
+processes slow every number down.
+
+    python benchmarks/inspector.py                        # 512 tokens, gpt2-small, 8 generated
+    python benchmarks/inspector.py --tokens 256 --generate 0 --json out.json --keep page.html
+
+(Not ``inspect.py``: a script of that name would shadow Python's own ``inspect`` module, which torch
+imports, when run as ``python benchmarks/inspect.py``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from attnlab.files import atomic_write_json
+from attnlab.interpret import (
+    all_head_scores,
+    inspector_data,
+    logit_lens,
+    next_token_probabilities,
+    render_page,
+    rollout,
+    trace,
+    trace_generation,
+)
+from attnlab.interpret.analysis import FUSIONS
+from attnlab.interpret.inspector import TEMPERATURES
+from attnlab.model import GPT, GPTConfig
+
+CPU: dict[str, float] = {}  # process CPU seconds per phase (all threads): what the work costs without other load
+
+
+def timed(fn, name: str | None = None):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    if name:
+        CPU[name] = round(time.process_time() - c0, 2)
+    return time.perf_counter() - t0, out
+
+
+def browser_figures(path: Path, switches: int) -> dict:
+    """Open ``path`` in headless Chromium: time to draw, repaint times, one switch per view."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")
+    opts = Options()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--window-size=1400,1000",
+    ):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
+    try:
+        t0 = time.perf_counter()
+        driver.get(path.resolve().as_uri())
+        WebDriverWait(driver, 120).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+        wall = time.perf_counter() - t0
+        ready_ms = float(driver.execute_script("return document.body.dataset.readyMs"))
+
+        def repaint(select_id: str, index: int) -> float:
+            driver.execute_script("document.body.dataset.frameMs = ''")
+            Select(driver.find_element(By.ID, select_id)).select_by_index(index)
+            WebDriverWait(driver, 10).until(lambda d: d.execute_script("return document.body.dataset.frameMs"))
+            return float(driver.execute_script("return document.body.dataset.frameMs"))
+
+        n_heads = len(driver.find_element(By.ID, "head-select").find_elements(By.TAG_NAME, "option"))
+        n_layers = len(driver.find_element(By.ID, "layer-select").find_elements(By.TAG_NAME, "option"))
+        heads = [repaint("head-select", (i + 1) % n_heads) for i in range(switches)]
+        layers = [repaint("layer-select", (i + 1) % n_layers) for i in range(switches)]
+        views = {}
+        for tab in driver.find_elements(By.CSS_SELECTOR, "#tabs .tab:not(:disabled)"):
+            t1 = time.perf_counter()
+            tab.click()
+            views[tab.get_attribute("data-view")] = round(1000 * (time.perf_counter() - t1), 1)
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+        requests = driver.execute_script("return performance.getEntriesByType('resource').length")
+    finally:
+        driver.quit()
+    return {
+        "wall_to_drawn_s": round(wall, 2),
+        "ready_ms": ready_ms,
+        "head_repaint_ms": {"median": statistics.median(heads), "max": max(heads)},
+        "layer_repaint_ms": {"median": statistics.median(layers), "max": max(layers)},
+        "view_switch_ms": views,
+        "console_errors": len(errors),
+        "network_requests": requests,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="attnlab's inspector at scale: trace, page, Chromium")
+    ap.add_argument("--preset", default="gpt2-small", help="model size (random weights; default gpt2-small)")
+    ap.add_argument("--tokens", type=int, default=512, help="prompt tokens (default 512)")
+    ap.add_argument("--generate", type=int, default=8, help="tokens generated and played back (default 8)")
+    ap.add_argument("--switches", type=int, default=11, help="head and layer switches timed in Chromium")
+    ap.add_argument("--no-browser", action="store_true", help="skip Chromium")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--keep", default=None, metavar="FILE", help="keep the page here")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset(args.preset, drop_rate=0.0)).eval()
+    cfg = model.config
+    idx = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(idx[:, :8])  # warm up the kernels
+        forward_s, _ = timed(lambda: model(idx), "plain_forward")
+
+    trace_s, tr = timed(lambda: trace(model, idx, stages=True), "trace_with_stages")
+    gen_s, gen = 0.0, None
+    if args.generate:
+        gen_s, gen = timed(
+            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0)),
+            "trace_generation",
+        )
+    data_s, data = timed(lambda: inspector_data(tr, generation=gen), "page_data")
+    render_s, page = timed(lambda: render_page(data), "render")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.keep) if args.keep else Path(tmp) / "page.html"
+        write_s, _ = timed(lambda: path.write_text(page, encoding="utf-8"))
+        size = path.stat().st_size
+        browser = None
+        if (
+            not args.no_browser
+            and shutil.which("chromedriver")
+            and (shutil.which("chromium") or shutil.which("chromium-browser"))
+        ):
+            try:
+                browser = browser_figures(path, args.switches)
+            except ImportError:
+                browser = None
+
+    # Where the page's data time goes: the library calls inspector_data makes, timed on their own.
+    parts = {
+        "head_roles": timed(lambda: all_head_scores(model))[0],
+        "logit_lens": timed(lambda: logit_lens(model, tr))[0],
+        "next_token": timed(lambda: [next_token_probabilities(tr, temperature=t) for t in TEMPERATURES])[0],
+        "rollout": timed(lambda: [rollout(tr, head_fusion=f) for f in FUSIONS])[0],
+    }
+    total = trace_s + gen_s + data_s + render_s + write_s
+    result = {
+        "model": f"{args.preset} ({cfg.n_layers} layers x {cfg.n_heads} heads, random weights)",
+        "tokens": args.tokens,
+        "generated": args.generate,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+        },
+        "seconds": {
+            "plain_forward": round(forward_s, 2),
+            "trace_with_stages": round(trace_s, 2),
+            "trace_generation": round(gen_s, 2),
+            "page_data": round(data_s, 2),
+            "render": round(render_s, 2),
+            "write": round(write_s, 2),
+            "trace_plus_page": round(trace_s + data_s + render_s + write_s, 2),
+            "total_with_generation": round(total, 2),
+            "page_data_parts": {k: round(v, 2) for k, v in parts.items()},
+        },
+        "cpu_seconds": CPU,
+        "page": {
+            "bytes": size,
+            "megabytes": round(size / 1e6, 1),
+            "weights_precision": data["precision"],
+            "steps_heads": len(data["steps"]["heads"]),
+        },
+        "browser": browser,
+    }
+    s = result["seconds"]
+    print(
+        f"{result['model']}, {args.tokens} tokens, {args.generate} generated; load average "
+        f"{result['machine']['load_average']} on {result['machine']['threads']} threads"
+    )
+    print(f"  plain forward        {s['plain_forward']:6.2f} s")
+    print(f"  trace (stages)       {s['trace_with_stages']:6.2f} s")
+    print(f"  page data            {s['page_data']:6.2f} s   ({', '.join(f'{k} {v:.2f}' for k, v in parts.items())})")
+    print(f"  render + write       {s['render'] + s['write']:6.2f} s")
+    print(f"  trace + page         {s['trace_plus_page']:6.2f} s   (goal < 20 s)")
+    cpu = CPU["trace_with_stages"] + CPU["page_data"] + CPU["render"]
+    print(f"    CPU time of trace + page: {cpu:.2f} s over {torch.get_num_threads()} threads {CPU}")
+    if args.generate:
+        with_it = s["total_with_generation"]
+        print(f"  generation ({args.generate} tokens) {s['trace_generation']:6.2f} s; with it {with_it:.2f} s")
+    print(
+        f"  page                 {size / 1e6:6.1f} MB   (goal < 50 MB; weights as {data['precision']}, "
+        f"the steps of {len(data['steps']['heads'])} heads)"
+    )
+    if browser:
+        print(
+            f"  Chromium: drawn in {browser['ready_ms']:.0f} ms (goal < 3000), repaint after a head switch "
+            f"median {browser['head_repaint_ms']['median']:.0f} ms / max {browser['head_repaint_ms']['max']:.0f} ms, "
+            f"layer switch median {browser['layer_repaint_ms']['median']:.0f} / max "
+            f"{browser['layer_repaint_ms']['max']:.0f} ms (goal < 200); views {browser['view_switch_ms']} ms; "
+            f"{browser['console_errors']} console errors, {browser['network_requests']} requests"
+        )
+    else:
+        print("  Chromium: not measured (no chromium/chromedriver/selenium, or --no-browser)")
+    if args.json:
+        atomic_write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Options shared by the commands that read a model and a prompt (``attnlab viz``, ``attnlab inspect``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def index_list(text: str) -> list[int]:
+    """``--layer 0,2``: a comma-separated list of indices."""
+    try:
+        out = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an index or a comma-separated list like 0,2, got {text!r}"
+        ) from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one index")
+    return out
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--checkpoint DIR | --model NAME``, ``--prompt``, ``--bpe-dir``, ``--device``."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="an attnlab model: a directory written by `attnlab train --out` (or one of its step directories), "
+        "or by GPT.save() with a tokenizer.json",
+    )
+    source.add_argument(
+        "--model",
+        metavar="NAME",
+        help="OpenAI's GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face cache; downloaded "
+        "once when online), or a local Hugging Face directory (config.json + model.safetensors)",
+    )
+    parser.add_argument("--prompt", metavar="TEXT", help=f"the text {what}")
+    parser.add_argument(
+        "--bpe-dir",
+        metavar="DIR",
+        help="where GPT-2's encoder.json and vocab.bpe are (default: the model's directory, "
+        "$ATTNLAB_GPT2_BPE_DIR, or tiktoken's cache)",
+    )
+    parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda, mps or auto (default: cpu)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p``, ``--seed``: as ``attnlab generate``."""
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, metavar="T", help="softmax temperature; 0 = greedy (default: 1)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P", help="nucleus sampling: the likeliest tokens up to P"
+    )
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for sampling (default: 0)")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")

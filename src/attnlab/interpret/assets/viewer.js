@@ -1,0 +1,907 @@
+// The attnlab inspector. Plain ES2017, no libraries. Everything is built with createElement +
+// textContent: token text is never parsed as HTML.
+//
+// showInspector(source) draws every view from a *source* of data, an object with these methods
+// (each may return a value or a Promise of it; the views await them):
+//   info()                       title, text, note, tokens, labels, model, precision, layers
+//                                [{name, heads, layer, causal}], has {steps, next, rollout, lens, roles,
+//                                generation}
+//   weights(row, i)              Float32Array T*S: the weights of head i (an index into layers[row].heads)
+//   thumbnail(row, i, n)         Float32Array n*n: the same, max-pooled
+//   steps(row, head)             the tutorials' steps of one head (q, k, v, scores, allowed, bias, weights,
+//                                head_outputs, scale, T, S, hd) or null when the page does not hold them
+//   nextTokens(pos, settings)    {ids, probs, approx, greedy} after {temperature, topK, topP}
+//   rollout(fusion)              Float32Array T*T
+//   lens()                       {rows, k, ids, probs, final}
+//   roles()                      {kinds, L, H, scores: {kind: Float32Array L*H}, note}
+//   generation()                 {prompt_length, tokens, settings, steps: [{token, position, key_start,
+//                                key_index (the token of each key slot, -1 none), candidates, probs,
+//                                token_prob, row(layer, head) -> Float32Array S}]}
+//   label(id)                    the printable text of a token id
+// The offline page (attnlab viz --out FILE.html, a trace in Jupyter) embeds its data as JSON in the
+// script element with id "attn-data": EmbeddedSource reads it (the last lines of this file). A local
+// server can pass showInspector a source whose methods fetch the same JSON from its API.
+// showAttention(data) draws embedded data directly.
+"use strict";
+
+// ------------------------------------------------------------------------------------------------
+// Arrays of the page: binary, optionally quantized (u8/u16 = q / 255 or q / 65535), causal matrices
+// as lower triangles (see attnlab/interpret/codec.py).
+// ------------------------------------------------------------------------------------------------
+const QMAX = { u8: 255, u16: 65535 };
+const TYPED = { f32: Float32Array, i32: Int32Array, u16: Uint16Array, u8: Uint8Array };
+
+function base64Bytes(text) {
+  const bin = atob(text), out = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+  return out;
+}
+
+async function inflate(bytes) {
+  if (typeof DecompressionStream === "undefined")
+    throw new Error("this browser cannot read the page's data (it has no DecompressionStream)");
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return new Response(stream).arrayBuffer();
+}
+
+class PackedArray {
+  constructor(desc, blob) {
+    this.shape = desc.shape;
+    this.tri = !!desc.tri;
+    this.q = QMAX[desc.dtype] || 0;
+    let buffer, offset, nbytes;
+    if (desc.ref) {
+      buffer = blob; offset = desc.ref[0]; nbytes = desc.ref[1];
+    } else {
+      const bytes = base64Bytes(desc.b64);
+      buffer = bytes.buffer; offset = 0; nbytes = bytes.length;
+    }
+    const Typed = TYPED[desc.dtype];
+    this.raw = new Typed(buffer, offset, nbytes / Typed.BYTES_PER_ELEMENT);
+    const n = this.shape.length;
+    this.rows = n >= 2 ? this.shape[n - 2] : 1;
+    this.cols = this.shape[n - 1];
+    this.per = this.tri ? (this.rows * (this.rows + 1)) / 2 : this.rows * this.cols;  // stored per matrix
+  }
+  at(i) { return this.q ? this.raw[i] / this.q : this.raw[i]; }
+  // The k-th matrix (rows x cols) as a full Float32Array (zeros above the diagonal when packed).
+  matrix(k) {
+    const R = this.rows, C = this.cols, out = new Float32Array(R * C), base = k * this.per, q = this.q;
+    if (!this.tri) {
+      for (let i = 0; i < R * C; i++) out[i] = q ? this.raw[base + i] / q : this.raw[base + i];
+      return out;
+    }
+    let p = base;
+    for (let i = 0; i < R; i++) for (let j = 0; j <= i; j++, p++) out[i * C + j] = q ? this.raw[p] / q : this.raw[p];
+    return out;
+  }
+  // The k-th matrix max-pooled to n x n, without expanding it.
+  pooled(k, n) {
+    const R = this.rows, C = this.cols, out = new Float32Array(n * n), base = k * this.per, q = this.q || 1;
+    const ri = new Int32Array(R), ci = new Int32Array(C);
+    for (let i = 0; i < R; i++) ri[i] = Math.min(n - 1, Math.floor((i * n) / R)) * n;
+    for (let j = 0; j < C; j++) ci[j] = Math.min(n - 1, Math.floor((j * n) / C));
+    let p = base;
+    for (let i = 0; i < R; i++) {
+      const r = ri[i], end = this.tri ? i + 1 : C;
+      for (let j = 0; j < end; j++, p++) {
+        const v = this.raw[p], c = r + ci[j];
+        if (v > out[c]) out[c] = v;
+      }
+    }
+    if (q !== 1) for (let i = 0; i < out.length; i++) out[i] /= q;
+    return out;
+  }
+  all() {  // every stored value, dequantized (small arrays)
+    const out = new Float32Array(this.raw.length);
+    for (let i = 0; i < out.length; i++) out[i] = this.at(i);
+    return out;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The data source of an offline page: everything embedded.
+// ------------------------------------------------------------------------------------------------
+class EmbeddedSource {
+  constructor(data) {
+    this.data = data;
+    this.blob = null;
+    this.cache = new Map();
+  }
+  async open() {
+    if (this.data.blob) this.blob = await inflate(base64Bytes(this.data.blob.b64));
+    return this;
+  }
+  arr(desc) {
+    if (!this.cache.has(desc)) this.cache.set(desc, new PackedArray(desc, this.blob));
+    return this.cache.get(desc);
+  }
+  info() {
+    const d = this.data;
+    return {
+      title: d.title, text: d.text, note: d.note, tokens: d.tokens, labels: d.labels, model: d.model,
+      precision: d.precision || null,
+      layers: d.layers.map((l, r) => ({ name: l.name, heads: l.heads, layer: l.layer === undefined ? r : l.layer,
+                                         causal: l.causal })),
+      has: { steps: !!d.steps, next: !!d.next, rollout: !!d.rollout, lens: !!d.lens, roles: !!d.roles,
+             generation: !!(d.generation && d.generation.steps.length) },
+      stepsHint: d.steps ? d.steps.hint : "",
+      stepHeads: d.steps ? d.steps.heads.map((h) => ({ row: h.row, head: h.head })) : [],
+      // The temperatures this page holds probabilities for (0 = greedy); a live source omits it.
+      temperatures: d.next ? [0].concat(d.next.temperatures) : null,
+    };
+  }
+  weights(row, i) { return this.arr(this.data.layers[row].weights).matrix(i); }
+  thumbnail(row, i, n) { return this.arr(this.data.layers[row].weights).pooled(i, n); }
+  steps(row, head) {
+    const s = this.data.steps && this.data.steps.heads.find((h) => h.row === row && h.head === head);
+    if (!s) return null;
+    const get = (name) => (s[name] ? this.arr(s[name]) : null);
+    const q = get("q"), k = get("k"), scores = get("scores");
+    return {
+      name: s.name, scale: s.scale, T: scores.rows, S: scores.cols, hd: q.cols,
+      q: q.matrix(0), k: k.matrix(0), v: get("v").matrix(0), scores: scores.matrix(0),
+      allowed: get("allowed").matrix(0), bias: s.bias ? get("bias").matrix(0) : null,
+      weights: get("weights").matrix(0), head_outputs: get("head_outputs").matrix(0),
+      names: Object.assign({}, this.data.steps.names, s.names || {}),
+    };
+  }
+  nextTokens(pos, settings) {
+    const n = this.data.next, N = n.k, ids = this.arr(n.ids), probs = this.arr(n.probs);
+    const out = { ids: [], probs: [], approx: false, greedy: false };
+    for (let i = 0; i < N; i++) out.ids.push(ids.raw[pos * N + i]);
+    if (!(settings.temperature > 0)) {  // greedy: the argmax, with probability 1
+      out.greedy = true;
+      out.probs = out.ids.map((_, i) => (i === 0 ? 1 : 0));
+      return out;
+    }
+    // The stored distribution: temperature applied by the library (SamplingConfig.probabilities),
+    // at each temperature the page offers; top-k and top-p then filter and renormalise it, in the
+    // order and with the rules of SamplingConfig.filter.
+    const temps = n.temperatures;
+    let t = 0;
+    for (let i = 1; i < temps.length; i++)
+      if (Math.abs(temps[i] - settings.temperature) < Math.abs(temps[t] - settings.temperature)) t = i;
+    const T = this.data.tokens.length;
+    let p = [];
+    for (let i = 0; i < N; i++) p.push(probs.raw[(t * T + pos) * N + i]);
+    let keep = N, mass = null;
+    const V = n.vocab_size;
+    if (settings.topK && settings.topK < V) {
+      if (settings.topK <= N) {
+        const kth = p[settings.topK - 1];
+        keep = 0;
+        while (keep < N && p[keep] >= kth) keep++;  // ties with the k-th are kept, as logits >= kth
+        mass = 0;
+        for (let i = 0; i < keep; i++) mass += p[i];
+      } else out.approx = true;
+    }
+    if (mass !== null) p = p.map((x, i) => (i < keep ? x / mass : 0));
+    if (settings.topP < 1) {
+      let cum = 0, m = 0;
+      while (m < keep && cum < settings.topP) { cum += p[m]; m++; }  // keep while the mass before < top_p
+      if (cum < settings.topP && keep === N && mass === null) { out.approx = true; cum = settings.topP; }
+      p = p.map((x, i) => (i < m ? x / cum : 0));
+    } else if (mass === null) {
+      for (let i = keep; i < N; i++) p[i] = 0;
+    }
+    out.probs = p;
+    return out;
+  }
+  rollout(fusion) { return this.arr(this.data.rollout[fusion]).matrix(0); }
+  lens() {
+    const l = this.data.lens;
+    return { rows: l.rows, k: l.k, ids: this.arr(l.ids).raw, probs: this.arr(l.probs).all(),
+             final: this.arr(l.final_probs).all() };
+  }
+  roles() {
+    const r = this.data.roles, first = this.arr(r.scores[r.kinds[0]]);
+    const scores = {};
+    for (const kind of r.kinds) scores[kind] = this.arr(r.scores[kind]).all();
+    return { kinds: r.kinds, L: first.rows, H: first.cols, scores: scores, note: r.note };
+  }
+  generation() {
+    const g = this.data.generation;
+    return {
+      prompt_length: g.prompt_length, tokens: g.tokens, settings: g.settings,
+      steps: g.steps.map((s) => {
+        const w = this.arr(s.weights);  // (L, H, S)
+        const H = w.shape[1], S = w.shape[2];
+        return {
+          token: s.token, position: s.position, key_start: s.key_start, key_index: s.key_index,
+          candidates: s.candidates,
+          probs: s.probs, token_prob: s.token_prob, S: S, H: H,
+          row: (layer, head) => { const out = new Float32Array(S); for (let j = 0; j < S; j++)
+            out[j] = w.at((layer * H + head) * S + j); return out; },
+        };
+      }),
+    };
+  }
+  label(id) {
+    const v = this.data.vocab || {};
+    return v[String(id)] !== undefined ? v[String(id)] : "#" + id;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Colours
+// ------------------------------------------------------------------------------------------------
+// White -> yellow -> orange -> red -> plum: a sequential scale readable in print and for most
+// colour-blind viewers; t in [0, 1].
+const STOPS = [[255, 255, 255], [254, 227, 145], [246, 134, 56], [190, 40, 40], [90, 10, 60]];
+function colour(t) {
+  t = Math.min(1, Math.max(0, t || 0)) * (STOPS.length - 1);
+  const i = Math.min(STOPS.length - 2, Math.floor(t)), f = t - i;
+  const a = STOPS[i], b = STOPS[i + 1];
+  return [0, 1, 2].map((k) => Math.round(a[k] + (b[k] - a[k]) * f));
+}
+const LUT = Array.from({ length: 256 }, (_, i) => colour(i / 255));
+const seqRGB = (t) => LUT[Math.round(Math.min(1, Math.max(0, t || 0)) * 255)];
+// Scores: blue below zero, white at zero, red above; masked (-inf) grey.
+function divRGB(t) {
+  if (t === -Infinity) return [201, 206, 214];
+  t = Math.max(-1, Math.min(1, t || 0));
+  const far = t < 0 ? [59, 91, 219] : [201, 42, 42], f = Math.abs(t);
+  return [0, 1, 2].map((k) => Math.round(255 + (far[k] - 255) * f));
+}
+const css = (rgb) => "rgb(" + rgb.join(", ") + ")";
+const dark = (rgb) => 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 140;
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+const prob = (p) => (p > 0 && p < 0.001 ? p.toExponential(2) : p.toFixed(4));
+function fmt(v, digits) {
+  if (v === -Infinity) return "-inf";
+  if (v === Infinity) return "inf";
+  return v.toFixed(digits);
+}
+
+// ------------------------------------------------------------------------------------------------
+// A heatmap: a grid of DOM cells for small matrices (each cell has data-<key>, a title and, when
+// the cells are big enough, its number), a canvas beyond DOM_LIMIT cells (hover reads the value).
+// ------------------------------------------------------------------------------------------------
+const DOM_LIMIT = 96 * 96;
+
+class Heatmap {
+  constructor(box, o) {
+    this.box = box; this.o = o; this.R = o.rows; this.C = o.cols;
+    box.textContent = "";
+    const cell = o.cellPx || Math.max(1, Math.min(34, Math.floor((o.width || 700) / Math.max(this.C, 1))));
+    this.cellPx = cell;
+    this.dom = this.R * this.C <= DOM_LIMIT;
+    box.classList.toggle("canvas", !this.dom);
+    if (this.dom) this.buildGrid(cell); else this.buildCanvas(cell);
+  }
+  buildGrid(cell) {
+    const o = this.o, box = this.box;
+    const labels = cell >= 7;  // below 7 px a label could not be read: cell titles name the tokens
+    box.style.setProperty("--cell", cell + "px");
+    box.style.fontSize = Math.min(12, cell - 1) + "px";
+    this.numbers = o.numbers !== undefined ? o.numbers && cell >= 24 : cell >= 30;
+    box.style.gridTemplateColumns = "auto repeat(" + this.C + ", " + cell + "px)";
+    this.cells = []; this.rowLabs = []; this.colLabs = [];
+    box.appendChild(el("div", "corner", ""));
+    for (let j = 0; j < this.C; j++) {
+      const c = el("div", "lab clab", labels ? o.colLabel(j) : "");
+      this.colLabs.push(c); box.appendChild(c);
+    }
+    for (let i = 0; i < this.R; i++) {
+      const r = el("div", "lab rlab", labels ? o.rowLabel(i) : "");
+      this.rowLabs.push(r); box.appendChild(r);
+      const row = [];
+      for (let j = 0; j < this.C; j++) {
+        const c = el("div", "cell", "");
+        c.dataset.q = String(i); c.dataset.k = String(j);
+        if (o.onHover) c.addEventListener("mouseenter", () => o.onHover(i, j));
+        row.push(c); box.appendChild(c);
+      }
+      this.cells.push(row);
+    }
+  }
+  buildCanvas(cell) {
+    const cv = document.createElement("canvas");
+    cv.width = this.C; cv.height = this.R;
+    cv.style.width = this.C * cell + "px"; cv.style.height = this.R * cell + "px";
+    this.canvas = cv; this.ctx = cv.getContext("2d"); this.img = this.ctx.createImageData(this.C, this.R);
+    const o = this.o;
+    cv.addEventListener("mousemove", (e) => {
+      const rect = cv.getBoundingClientRect();
+      const j = Math.min(this.C - 1, Math.max(0, Math.floor(((e.clientX - rect.left) / rect.width) * this.C)));
+      const i = Math.min(this.R - 1, Math.max(0, Math.floor(((e.clientY - rect.top) / rect.height) * this.R)));
+      cv.dataset.q = String(i); cv.dataset.k = String(j);
+      if (this.values) cv.dataset[o.key || "value"] = fmt(this.values[i * this.C + j], o.digits || 4);
+      if (o.onHover) o.onHover(i, j);
+    });
+    this.box.appendChild(cv);
+  }
+  // values: Float32Array R*C; rgb(v) -> [r, g, b]; title(i, j, v) -> cell title.
+  draw(values, rgb, title) {
+    this.values = values;
+    const o = this.o, key = o.key || "value", digits = o.digits || 4;
+    if (!this.dom) {
+      const d = this.img.data;
+      for (let p = 0; p < this.R * this.C; p++) {
+        const c = rgb(values[p]);
+        d[4 * p] = c[0]; d[4 * p + 1] = c[1]; d[4 * p + 2] = c[2]; d[4 * p + 3] = 255;
+      }
+      this.ctx.putImageData(this.img, 0, 0);
+      return;
+    }
+    for (let i = 0; i < this.R; i++) for (let j = 0; j < this.C; j++) {
+      const c = this.cells[i][j], v = values[i * this.C + j], col = rgb(v);
+      c.style.backgroundColor = css(col);
+      c.dataset[key] = fmt(v, digits);
+      if (this.numbers) {
+        c.textContent = fmt(v, 2);
+        c.style.color = dark(col) ? "white" : "#333";
+      }
+      c.title = title(i, j, v);
+    }
+  }
+  // Outline query row (dir "row") or key column (dir "col") q; DOM grids only.
+  path(q, dir) {
+    if (!this.dom) return;
+    for (let i = 0; i < this.R; i++) {
+      this.rowLabs[i].classList.toggle("active", dir === "row" && i === q);
+      for (let j = 0; j < this.C; j++)
+        this.cells[i][j].classList.toggle("on-path", q !== null && (dir === "row" ? i === q : j === q));
+    }
+    for (let j = 0; j < this.C; j++) this.colLabs[j].classList.toggle("active", dir === "col" && j === q);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The inspector
+// ------------------------------------------------------------------------------------------------
+async function showInspector(source) {
+  const $ = (id) => document.getElementById(id);
+  const info = await source.info();
+  const T = info.tokens.length, labels = info.labels, layers = info.layers;
+  const state = { row: 0, hi: 0, query: null, pinned: null, dir: "row", stretch: false, view: "heads",
+                  temperature: 1, topK: 0, topP: 1, fusion: "mean", role: null, gen: 0, genMean: false };
+  const built = {};
+  let W = null;  // the selected head's weights, T*T
+
+  $("title").textContent = info.title || info.text;
+  $("note").textContent = info.note;
+  document.title = (info.title || "attention") + " · attnlab";
+  const precision = { f32: "float32 (exact)", u16: "16 bits (within 0.00001)", u8: "8 bits (within 0.002)" };
+  $("status").textContent = info.precision ? "Attention weights stored as " + precision[info.precision] + "." : "";
+
+  // ---- selects
+  const layerSel = $("layer-select"), headSel = $("head-select");
+  layers.forEach((layer, i) => layerSel.appendChild(new Option(layer.name, String(i))));
+  function fillHeads() {
+    headSel.textContent = "";
+    layers[state.row].heads.forEach((h, i) => headSel.appendChild(new Option("head " + h, String(i))));
+    headSel.value = String(state.hi);
+  }
+  const headNumber = () => layers[state.row].heads[state.hi];
+  const headName = () => layers[state.row].name + " \u00b7 head " + headNumber();
+
+  // ---- token strip (shared by the views)
+  const tokBox = $("tokens"), tokEls = [];
+  labels.forEach((label, i) => {
+    const t = el("span", "tok", label);
+    t.tabIndex = 0;
+    t.dataset.index = String(i);
+    t.title = JSON.stringify(info.tokens[i]);
+    const w = el("span", "w", "");
+    t.appendChild(w);
+    t.addEventListener("mouseenter", () => setQuery(i));
+    t.addEventListener("focus", () => setQuery(i));
+    t.addEventListener("click", () => { state.pinned = state.pinned === i ? null : i; setQuery(i, true); });
+    tokBox.appendChild(t);
+    tokEls.push({ tok: t, w: w });
+  });
+  // Paint the strip: values[j] in [0, 1] (null: nothing highlighted); text[j] under each token.
+  function paintStrip(values, scale, digits) {
+    for (let j = 0; j < T; j++) {
+      const { tok, w: wl } = tokEls[j];
+      tok.classList.toggle("active", j === state.query);
+      tok.classList.toggle("pinned", j === state.pinned);
+      if (values === null) {
+        tok.style.backgroundColor = "rgb(255, 255, 255)"; tok.style.color = ""; tok.dataset.weight = "";
+        wl.textContent = "";
+        continue;
+      }
+      const v = values[j], col = seqRGB(v / scale);
+      tok.style.backgroundColor = css(col);
+      tok.style.color = v / scale > 0.6 ? "white" : "";
+      tok.dataset.weight = v.toFixed(4);
+      wl.textContent = v.toFixed(digits || 2);
+    }
+  }
+  function setQuery(i, force) {
+    if (state.pinned !== null && !force) return;
+    state.query = i;
+    redraw("query");
+  }
+  function rowOf(m, q, dir) {  // row q (dir "row") or column q of a T*T matrix
+    const out = new Float32Array(T);
+    for (let j = 0; j < T; j++) out[j] = dir === "row" ? m[q * T + j] : m[j * T + q];
+    return out;
+  }
+
+  // ---- views ------------------------------------------------------------------------------------
+  const views = {};
+
+  // (1) Heads: the selected head's matrix, and every head as a thumbnail.
+  views.heads = {
+    build() {
+      this.map = new Heatmap($("matrix"), {
+        rows: T, cols: T, key: "weight", rowLabel: (i) => labels[i], colLabel: (j) => labels[j],
+        onHover: (i, j) => {
+          setQuery(state.dir === "row" ? i : j);
+          $("matrix-readout").textContent = labels[i] + " \u2192 " + labels[j] + ": " + W[i * T + j].toFixed(4);
+        },
+      });
+      const thumbs = $("thumbs"), n = Math.min(T, 64);
+      this.thumbEls = [];
+      const nCols = Math.max(...layers.map((l) => l.heads.length));
+      thumbs.style.gridTemplateColumns = "auto repeat(" + nCols + ", auto)";
+      layers.forEach((layer, li) => {
+        thumbs.appendChild(el("div", "rowname", layer.name));
+        const row = [];
+        layer.heads.forEach((h, hi) => {
+          const b = el("button", "thumb", "");
+          b.type = "button";
+          b.dataset.layer = String(li); b.dataset.head = String(hi);
+          b.title = layer.name + " \u00b7 head " + h;
+          const cv = document.createElement("canvas");
+          cv.width = n; cv.height = n;
+          b.appendChild(cv);
+          b.appendChild(el("span", "", "head " + h));
+          b.addEventListener("click", () => select(li, hi));
+          row.push({ button: b, canvas: cv }); thumbs.appendChild(b);
+        });
+        for (let k = layer.heads.length; k < nCols; k++) thumbs.appendChild(el("div", "", ""));
+        this.thumbEls.push(row);
+      });
+      this.thumbsDrawn = false;
+    },
+    async drawThumbs() {
+      const n = Math.min(T, 64);
+      for (let li = 0; li < layers.length; li++) for (let hi = 0; hi < layers[li].heads.length; hi++) {
+        const w = await source.thumbnail(li, hi, n), cv = this.thumbEls[li][hi].canvas;
+        const ctx = cv.getContext("2d"), img = ctx.createImageData(n, n);
+        for (let p = 0; p < n * n; p++) {
+          const c = seqRGB(w[p]);
+          img.data[4 * p] = c[0]; img.data[4 * p + 1] = c[1]; img.data[4 * p + 2] = c[2]; img.data[4 * p + 3] = 255;
+        }
+        ctx.putImageData(img, 0, 0);
+      }
+      this.thumbsDrawn = true;
+    },
+    async draw(what) {
+      if (!this.thumbsDrawn) await this.drawThumbs();
+      const m = scaleMax();
+      if (what !== "query") {
+        this.map.draw(W, (v) => seqRGB(v / m), (i, j, v) => labels[i] + " \u2192 " + labels[j] + ": " + v.toFixed(4));
+        $("matrix-title").textContent = headName();
+        $("legend-max").textContent = m.toFixed(state.stretch ? 3 : 0);
+        this.thumbEls.forEach((row, li) => row.forEach((t, hi) =>
+          t.button.classList.toggle("selected", li === state.row && hi === state.hi)));
+      }
+      this.map.path(state.query, state.dir);
+      highlightAttention();
+    },
+  };
+  function headMax(w) { let m = 0; for (let i = 0; i < w.length; i++) if (w[i] > m) m = w[i]; return m || 1; }
+  const scaleMax = () => (state.stretch ? headMax(W) : 1);
+  function highlightAttention() {
+    const q = state.query;
+    if (q === null) { paintStrip(null); return; }
+    const m = scaleMax(), values = rowOf(W, q, state.dir);
+    paintStrip(values, m);
+    let best = 0;
+    for (let j = 1; j < T; j++) if (values[j] > values[best]) best = j;
+    const other = JSON.stringify(info.tokens[best]) + " (" + values[best].toFixed(3) + ").";
+    $("readout").textContent = "Token " + q + " " + JSON.stringify(info.tokens[q])
+      + (state.dir === "row" ? " attends most to token " : " is attended most by token ") + best + " " + other;
+  }
+
+  // (2) The tutorials' steps for the selected head.
+  views.steps = {
+    build() {},
+    async draw(what) {
+      highlightAttention();
+      if (what === "query" && this.drawn === state.row + "." + state.hi) return;
+      this.drawn = state.row + "." + state.hi;
+      const box = $("steps");
+      box.textContent = "";
+      const s = await source.steps(state.row, headNumber());
+      $("steps-title").textContent = "The tutorials' steps, " + headName();
+      if (!s) {
+        $("steps-note").textContent = "This page does not hold the steps of " + headName()
+          + " (they would make it too big)." + (info.stepsHint ? " " + info.stepsHint + "." : "")
+          + " It holds them for:";
+        const list = el("div", "player");
+        for (const { row, head } of info.stepHeads) {
+          const hi = layers[row].heads.indexOf(head);
+          const b = el("button", "", layers[row].name + " \u00b7 head " + head);
+          b.type = "button";
+          b.dataset.row = String(row); b.dataset.head = String(head);
+          b.addEventListener("click", () => select(row, hi));
+          list.appendChild(b);
+        }
+        box.appendChild(list);
+        return;
+      }
+      const { T: R, S, hd, scale } = s;
+      const usual = Math.abs(scale - 1 / Math.sqrt(hd)) < 1e-6;
+      $("steps-note").textContent = "Queries, keys and values of this head, then the steps of \u201cA simple "
+        + "self-attention mechanism\u201d as the model computed them. Scale = "
+        + (usual ? "1/\u221a" + hd + " = " : "") + scale.toFixed(4) + ". Hover a cell for its number.";
+      const f32 = Math.fround, sc = f32(scale);
+      const scaled = new Float32Array(R * S), masked = new Float32Array(R * S);
+      for (let p = 0; p < R * S; p++) {
+        scaled[p] = f32(s.scores[p] * sc);  // float32 arithmetic, as torch
+        masked[p] = s.allowed[p] > 0.5 ? (s.bias ? f32(scaled[p] + s.bias[p]) : scaled[p]) : -Infinity;
+      }
+      let all = true;
+      for (let p = 0; p < R * S && all; p++) all = s.allowed[p] > 0.5;
+      const maskedName = s.names.masked + (all && !s.bias && s.names.masked.includes("masked_fill")
+        ? "   (nothing is masked here)" : "");
+      const absMax = (a) => { let m = 0; for (const v of a) if (isFinite(v) && Math.abs(v) > m) m = Math.abs(v);
+                              return m || 1; };
+      const tl = (i) => labels[i] || String(i), dim = (e) => "d" + e;
+      const panels = [
+        ["q", s.names.q, s.q, R, hd, tl, dim, "div"],
+        ["k", s.names.k, s.k, S, hd, tl, dim, "div"],
+        ["v", s.names.v, s.v, S, hd, tl, dim, "div"],
+        ["scores", s.names.scores, s.scores, R, S, tl, tl, "div"],
+        ["scaled", s.names.scaled, scaled, R, S, tl, tl, "div"],
+        ["masked", maskedName, masked, R, S, tl, tl, "div"],
+        ["weights", s.names.weights, s.weights, R, S, tl, tl, "seq"],
+        ["head_outputs", s.names.head_outputs, s.head_outputs, R, hd, tl, dim, "div"],
+      ];
+      const readout = $("steps-readout");
+      const explain = {
+        q: (i, j, v) => "queries[" + i + ", " + j + "] = " + fmt(v, 4),
+        k: (i, j, v) => "keys[" + i + ", " + j + "] = " + fmt(v, 4),
+        v: (i, j, v) => "values[" + i + ", " + j + "] = " + fmt(v, 4),
+        scores: (i, j, v) => "attn_scores[" + i + ", " + j + "] = queries[" + i + "] \u00b7 keys[" + j + "] = "
+          + fmt(v, 4),
+        scaled: (i, j, v) => "attn_scores[" + i + ", " + j + "] / \u221a" + hd + " = " + fmt(s.scores[i * S + j], 4)
+          + " \u00d7 " + scale.toFixed(4) + " = " + fmt(v, 4),
+        masked: (i, j, v) => v === -Infinity ? "masked[" + i + ", " + j + "] = -inf: query " + i
+          + " may not attend to key " + j : "masked[" + i + ", " + j + "] = " + fmt(v, 4) + " (kept)",
+        weights: (i, j, v) => "attn_weights[" + i + ", " + j + "] = softmax(masked[" + i + "])[" + j + "] = "
+          + fmt(v, 4),
+        head_outputs: (i, j, v) => "context_vec[" + i + ", " + j + "] = \u03a3 attn_weights[" + i
+          + ", :] \u00b7 values[:, " + j + "] = " + fmt(v, 4),
+      };
+      for (const [key, title, values, rows, cols, rl, cl, kind] of panels) {
+        const panel = el("section", "step");
+        panel.dataset.step = key;
+        const h = el("h3", "", "");
+        h.appendChild(el("code", "", title));
+        panel.appendChild(h);
+        const box2 = el("div", "matrix");
+        panel.appendChild(box2);
+        box.appendChild(panel);
+        const width = cols > 32 ? 420 : 260;
+        const map = new Heatmap(box2, {
+          rows: rows, cols: cols, key: "value", rowLabel: rl, colLabel: cl, width: width, numbers: true,
+          onHover: (i, j) => { readout.textContent = explain[key](i, j, values[i * cols + j]); },
+        });
+        const m = absMax(values);
+        map.draw(values, kind === "seq" ? (v) => seqRGB(v) : (v) => divRGB(v === -Infinity ? v : v / m),
+                 (i, j, v) => explain[key](i, j, v));
+      }
+    },
+  };
+
+  // (3) Next-token probabilities at the chosen position, under temperature / top-k / top-p.
+  views.next = {
+    build() {
+      const temp = $("temperature"), k = $("top-k"), p = $("top-p"), grid = info.temperatures;
+      if (grid) {  // the slider steps through the temperatures the page holds
+        temp.min = "0"; temp.max = String(grid.length - 1); temp.step = "1";
+        temp.value = String(Math.max(0, grid.indexOf(1)));
+      }
+      const update = () => {
+        state.temperature = grid ? grid[Number(temp.value)] : Number(temp.value);
+        state.topK = Math.max(0, Math.floor(Number(k.value) || 0));
+        state.topP = Number(p.value);
+        $("temperature-value").textContent = state.temperature.toFixed(grid ? 1 : 2);
+        $("top-p-value").textContent = state.topP.toFixed(2);
+        if (this.ready) this.draw();
+      };
+      for (const input of [temp, k, p]) input.addEventListener("input", update);
+      update();
+      this.ready = true;
+    },
+    async draw() {
+      const pos = state.query === null ? T - 1 : state.query;
+      paintStrip(null);
+      $("next-title").textContent = "Next token after position " + pos + " (" + labels[pos] + ")";
+      const r = await source.nextTokens(pos, { temperature: state.temperature, topK: state.topK, topP: state.topP });
+      const table = $("next-table");
+      table.textContent = "";
+      const head = el("tr");
+      for (const h of ["#", "token", "", "probability"]) head.appendChild(el("th", "", h));
+      table.appendChild(head);
+      const actual = pos + 1 < T ? info.tokens[pos + 1] : null;
+      const shown = Math.min(r.ids.length, 12);
+      for (let i = 0; i < shown; i++) {
+        const tr = el("tr", r.probs[i] > 0 ? "" : "out");
+        tr.dataset.id = String(r.ids[i]); tr.dataset.prob = String(r.probs[i]);
+        tr.appendChild(el("td", "num", String(i + 1)));
+        const label = await source.label(r.ids[i]);
+        tr.appendChild(el("td", "", label + (actual !== null && label === labels[pos + 1] ? "   \u2190 next in the text" : "")));
+        const bar = el("td", "barcell"), fill = el("div", "bar");
+        fill.style.width = (100 * r.probs[i]).toFixed(1) + "%";
+        bar.appendChild(fill); tr.appendChild(bar);
+        tr.appendChild(el("td", "num", prob(r.probs[i])));
+        table.appendChild(tr);
+      }
+      const kept = r.probs.filter((x) => x > 0).length;
+      $("next-note").textContent = (r.greedy ? "Temperature 0 is greedy: the likeliest token is always chosen. "
+        : "Probabilities as generation samples them (attnlab.generation.SamplingConfig): temperature, then top-k, "
+          + "then the top-p nucleus, renormalised. ")
+        + (r.approx ? "Approximate: the tokens that can be drawn reach past the " + r.ids.length
+            + " stored here, so the shown ones are divided by top-p instead of their exact total. "
+          : (state.topK || state.topP < 1) && !r.greedy ? kept + " token" + (kept === 1 ? "" : "s") + " can be drawn. " : "")
+        + "Hover or click a token above to pick the position.";
+    },
+  };
+
+  // (4) Attention rollout.
+  views.rollout = {
+    async build() {
+      const sel = $("rollout-fusion");
+      for (const f of ["mean", "max", "min"]) sel.appendChild(new Option(f, f));
+      sel.addEventListener("change", () => { state.fusion = sel.value; this.matrix = null; this.draw(); });
+      this.map = new Heatmap($("rollout"), {
+        rows: T, cols: T, key: "value", rowLabel: (i) => labels[i], colLabel: (j) => labels[j],
+        onHover: (i, j) => {
+          setQuery(i);
+          $("rollout-readout").textContent = "rollout[" + i + ", " + j + "] = " + this.matrix[i * T + j].toFixed(4)
+            + ": the share of " + labels[j] + " in " + labels[i] + " at the top";
+        },
+      });
+    },
+    async draw(what) {
+      if (!this.matrix) {
+        this.matrix = await source.rollout(state.fusion);
+        let m = 0;
+        for (const v of this.matrix) if (v > m) m = v;
+        this.max = m || 1;
+        this.map.draw(this.matrix, (v) => seqRGB(v / this.max), (i, j, v) => labels[i] + " \u2190 " + labels[j] + ": "
+          + v.toFixed(4));
+      }
+      this.map.path(state.query, "row");
+      if (state.query === null) { paintStrip(null); return; }
+      const row = rowOf(this.matrix, state.query, "row");
+      let m = 0;
+      for (const v of row) if (v > m) m = v;
+      paintStrip(row, m || 1, 3);
+      $("readout").textContent = "Rollout row of token " + state.query + " " + JSON.stringify(info.tokens[state.query])
+        + ": how much each token flows into it at the top.";
+    },
+  };
+
+  // (5) The logit lens.
+  views.lens = {
+    async build() { this.data = await source.lens(); },
+    async draw() {
+      const d = this.data, k = d.k, rows = d.rows.length, pos = state.query === null ? T - 1 : state.query;
+      paintStrip(null);
+      $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
+      const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
+      const table = $("lens-table");
+      table.textContent = "";
+      const head = el("tr");
+      head.appendChild(el("th", "", "residual stream"));
+      for (let t = lo; t < hi; t++) {
+        const th = el("th", t === pos ? "active" : "", t + " " + labels[t]);
+        th.dataset.pos = String(t);
+        head.appendChild(th);
+      }
+      head.appendChild(el("th", "", "p(final choice) at " + pos));
+      table.appendChild(head);
+      for (let l = 0; l < rows; l++) {
+        const tr = el("tr");
+        tr.appendChild(el("th", "", d.rows[l] + (l === rows - 1 ? " (= output)" : "")));
+        for (let t = lo; t < hi; t++) {
+          const base = (l * T + t) * k, p = d.probs[base], id = d.ids[base];
+          const td = el("td", "cell", await source.label(id));
+          const col = seqRGB(p);
+          td.style.backgroundColor = css(col);
+          if (dark(col)) td.style.color = "white";
+          td.dataset.layer = String(l); td.dataset.pos = String(t); td.dataset.id = String(id); td.dataset.prob = String(p);
+          const top = [];
+          for (let c = 0; c < k; c++) top.push((await source.label(d.ids[base + c])) + " " + d.probs[base + c].toFixed(3));
+          td.title = d.rows[l] + ", position " + t + ": " + top.join(", ");
+          td.addEventListener("mouseenter", () => { $("lens-readout").textContent = td.title; });
+          tr.appendChild(td);
+        }
+        tr.appendChild(el("td", "num", d.final[l * T + pos].toFixed(4)));
+        table.appendChild(tr);
+      }
+    },
+  };
+
+  // (6) Head roles: a layers x heads grid per role; clicking a head selects it.
+  views.roles = {
+    async build() {
+      this.data = await source.roles();
+      const sel = $("role-kind");
+      for (const kind of this.data.kinds) sel.appendChild(new Option(kind, kind));
+      state.role = this.data.kinds[0];
+      sel.addEventListener("change", () => { state.role = sel.value; this.draw(); });
+      $("roles-note").textContent = "Score: " + this.data.note + ". Click a head to look at it.";
+    },
+    draw() {
+      const { L, H, scores } = this.data, s = scores[state.role], grid = $("roles-grid");
+      grid.textContent = "";
+      grid.style.gridTemplateColumns = "auto repeat(" + H + ", auto)";
+      grid.appendChild(el("div", "rlabel", ""));
+      for (let h = 0; h < H; h++) grid.appendChild(el("div", "rlabel", "head " + h));
+      const realLayer = layers[state.row].layer;
+      for (let l = 0; l < L; l++) {
+        grid.appendChild(el("div", "rlabel", "layer " + l));
+        for (let h = 0; h < H; h++) {
+          const v = s[l * H + h], col = seqRGB(v);
+          const c = el("div", "rcell", v.toFixed(2));
+          c.style.backgroundColor = css(col);
+          if (dark(col)) c.style.color = "white";
+          c.dataset.layer = String(l); c.dataset.head = String(h); c.dataset.score = String(v);
+          c.classList.toggle("selected", l === realLayer && h === headNumber());
+          c.title = state.role + ": layer " + l + " head " + h + " = " + v.toFixed(4);
+          c.addEventListener("mouseenter", () => { $("roles-readout").textContent = c.title; });
+          c.addEventListener("click", () => {
+            const row = layers.findIndex((x) => x.layer === l), hi = row < 0 ? -1 : layers[row].heads.indexOf(h);
+            if (hi < 0) { $("roles-readout").textContent = "layer " + l + " head " + h + " is not on this page"; return; }
+            select(row, hi);
+            show("heads");
+          });
+          grid.appendChild(c);
+        }
+      }
+      paintStrip(null);
+    },
+  };
+
+  // (7) Generation, played back token by token.
+  views.generation = {
+    async build() {
+      this.data = await source.generation();
+      const n = this.data.steps.length;
+      $("gen-prev").addEventListener("click", () => { state.gen = Math.max(0, state.gen - 1); this.draw(); });
+      $("gen-next").addEventListener("click", () => { state.gen = Math.min(n - 1, state.gen + 1); this.draw(); });
+      $("gen-mean").addEventListener("change", (e) => { state.genMean = e.target.checked; this.draw(); });
+      $("gen-play").addEventListener("click", () => {
+        if (this.timer) { clearInterval(this.timer); this.timer = null; $("gen-play").textContent = "play"; return; }
+        if (state.gen >= n - 1) state.gen = 0;
+        $("gen-play").textContent = "pause";
+        this.timer = setInterval(() => {
+          if (state.gen >= n - 1) { clearInterval(this.timer); this.timer = null; $("gen-play").textContent = "play"; return; }
+          state.gen++; this.draw();
+        }, 700);
+        this.draw();
+      });
+      const st = this.data.settings;
+      $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
+        + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
+    },
+    async draw() {
+      paintStrip(null);
+      const g = this.data, s = g.steps[state.gen], layer = layers[state.row].layer, head = headNumber();
+      let w;
+      if (state.genMean) {
+        w = new Float32Array(s.S);
+        for (let h = 0; h < s.H; h++) { const r = s.row(layer, h); for (let j = 0; j < s.S; j++) w[j] += r[j] / s.H; }
+      } else w = s.row(layer, head);
+      let m = 0;
+      for (const v of w) if (v > m) m = v;
+      const slot = new Map();  // token index -> the slot of its key (a cache may hold keys out of order)
+      s.key_index.forEach((t, j) => { if (t >= 0) slot.set(t, j); });
+      const box = $("gen-text");
+      box.textContent = "";
+      for (let t = 0; t <= s.position; t++) {
+        const span = el("span", "tok" + (t >= g.prompt_length ? " generated" : "") + (t === s.position ? " current" : ""),
+                        await source.label(g.tokens[t]));
+        span.dataset.index = String(t);
+        const j = slot.has(t) ? slot.get(t) : -1, wl = el("span", "w", "");
+        if (j >= 0 && t < s.position) {
+          const col = seqRGB(w[j] / (m || 1));
+          span.style.backgroundColor = css(col);
+          if (dark(col)) span.style.color = "white";
+          span.dataset.weight = w[j].toFixed(4);
+          wl.textContent = w[j].toFixed(2);
+        }
+        span.appendChild(wl);
+        box.appendChild(span);
+      }
+      $("gen-step").textContent = "token " + (state.gen + 1) + " of " + g.steps.length + ": "
+        + (await source.label(s.token)) + " (p = " + s.token_prob.toFixed(4) + "), attention of "
+        + (state.genMean ? layers[state.row].name + ", mean over heads" : headName());
+      const table = $("gen-candidates");
+      table.textContent = "";
+      const head2 = el("tr");
+      for (const h of ["#", "candidate", "probability"]) head2.appendChild(el("th", "", h));
+      table.appendChild(head2);
+      for (let i = 0; i < s.candidates.length; i++) {
+        const tr = el("tr", s.candidates[i] === s.token ? "chosen" : "");
+        tr.dataset.id = String(s.candidates[i]); tr.dataset.prob = String(s.probs[i]);
+        tr.appendChild(el("td", "num", String(i + 1)));
+        tr.appendChild(el("td", "", (await source.label(s.candidates[i])) + (s.candidates[i] === s.token ? "   \u2190 drawn" : "")));
+        tr.appendChild(el("td", "num", s.probs[i].toFixed(4)));
+        table.appendChild(tr);
+      }
+    },
+  };
+
+  // ---- tabs, selection, redraws ------------------------------------------------------------------
+  const tabs = Array.from(document.querySelectorAll("#tabs .tab"));
+  for (const tab of tabs) {
+    const name = tab.dataset.view, ok = name === "heads" || info.has[name];
+    tab.disabled = !ok;
+    if (!ok) tab.title = "not available for this page" + (name !== "steps" ? " (the model is not a language model, "
+      + "or this part was not computed)" : "");
+    tab.addEventListener("click", () => show(name));
+  }
+  async function show(name) {
+    if (!views[name] || !(name === "heads" || info.has[name])) return;
+    state.view = name;
+    for (const tab of tabs) tab.classList.toggle("active", tab.dataset.view === name);
+    document.querySelectorAll("main > .view").forEach((v) => { v.hidden = v.dataset.view !== name; });
+    await redraw("view");
+  }
+  async function redraw(what) {
+    const view = views[state.view];
+    if (!built[state.view]) { await view.build(); built[state.view] = true; }
+    const t0 = performance.now();
+    await view.draw(what);
+    document.body.dataset.paintMs = (performance.now() - t0).toFixed(1);
+  }
+  async function select(row, hi) {
+    const t0 = performance.now();
+    const rowChanged = row !== state.row;
+    state.row = row;
+    state.hi = Math.min(hi, layers[row].heads.length - 1);
+    layerSel.value = String(state.row);
+    if (rowChanged || headSel.options.length === 0) fillHeads();
+    headSel.value = String(state.hi);
+    W = await source.weights(state.row, state.hi);
+    await redraw("head");
+    // The time until the browser has painted the new view: the frame after the next one.
+    requestAnimationFrame(() => setTimeout(() => {
+      document.body.dataset.frameMs = (performance.now() - t0).toFixed(1);
+    }, 0));
+  }
+
+  layerSel.addEventListener("change", () => select(Number(layerSel.value), state.hi));
+  headSel.addEventListener("change", () => select(state.row, Number(headSel.value)));
+  document.querySelectorAll('input[name="direction"]').forEach((r) =>
+    r.addEventListener("change", () => { state.dir = r.value; redraw("query"); }));
+  $("stretch").addEventListener("change", (e) => { state.stretch = e.target.checked; redraw("head"); });
+
+  for (const tab of tabs) tab.classList.toggle("active", tab.dataset.view === "heads");
+  await select(0, 0);
+  document.body.dataset.readyMs = performance.now().toFixed(0);
+  document.body.dataset.ready = "1";
+  window.attnlabInspector = { state: state, show: show, select: select, source: source };
+}
+
+function showAttention(data) {
+  return new EmbeddedSource(data).open().then(showInspector);
+}
+
+// The offline page: its data is embedded in the page.
+(function () {
+  const embedded = document.getElementById("attn-data");
+  if (!embedded) return;
+  showAttention(JSON.parse(embedded.textContent)).catch((err) => {
+    document.getElementById("status").textContent = "The page could not be shown: " + err.message;
+    document.body.dataset.error = String(err.message);
+    throw err;
+  });
+})();

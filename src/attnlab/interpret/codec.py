@@ -1,0 +1,134 @@
+"""Arrays for the inspector page, stored compactly: binary, optionally quantized, lower triangles.
+
+A 512-token prompt through 12 layers x 12 heads has 37.7M attention weights; as decimal JSON that is
+hundreds of megabytes. The page instead holds each array as little-endian binary:
+
+* ``f32`` (exact float32), ``i32``, or quantized ``u16`` / ``u8`` for values in [0, 1]
+  (``value = q / 65535`` or ``q / 255``: at most half a step off, 7.6e-6 or 2.0e-3);
+* a causal ``(T, T)`` matrix as its lower triangle only, row by row (``T (T + 1) / 2`` numbers).
+
+In JSON an array is ``{"dtype", "shape", "tri", "b64"}`` (inline base64), or, in an offline page,
+``{"dtype", "shape", "tri", "ref": [offset, nbytes]}`` into one deflate-compressed blob of all arrays
+(``data["blob"]``), which the page inflates once with the browser's ``DecompressionStream``.
+:func:`unpack` reverses both (tests read pages back with it).
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["DTYPES", "Packed", "pack", "to_json", "unpack"]
+
+DTYPES = {"f32": np.float32, "i32": np.int32, "u16": np.uint16, "u8": np.uint8}
+QMAX = {"u16": 65535, "u8": 255}
+ALIGN = 8  # every array starts at a multiple of 8 bytes in the blob (typed arrays need alignment)
+
+
+@dataclass
+class Packed:
+    """One array ready for the page: ``data`` little-endian bytes of ``dtype``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    tri: bool
+    data: bytes
+
+    def header(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "tri": self.tri}
+
+
+def pack(t: Tensor, dtype: str = "f32", *, tri: bool = False) -> Packed:
+    """``t`` as a :class:`Packed` array; ``tri`` keeps the lower triangle of the last two (equal) dims.
+
+    ``u8``/``u16`` need values in [0, 1] (attention weights, probabilities)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    t = t.detach()
+    shape = tuple(t.shape)
+    if tri:
+        if t.dim() < 2 or t.shape[-1] != t.shape[-2]:
+            raise ValueError(f"tri packing needs square matrices in the last two dims, got {shape}")
+        rows, cols = torch.tril_indices(t.shape[-1], t.shape[-1], device=t.device)
+        t = t[..., rows, cols]  # (..., T (T + 1) / 2), row by row
+    if dtype in QMAX:
+        t = (t.float().clamp(0.0, 1.0) * QMAX[dtype]).round()
+    arr = t.cpu().numpy().astype(DTYPES[dtype]).astype(np.dtype(DTYPES[dtype]).newbyteorder("<"), copy=False)
+    return Packed(dtype, shape, tri, arr.tobytes())
+
+
+def _walk(obj: Any, fn) -> Any:
+    if isinstance(obj, Packed):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_walk(v, fn) for v in obj]
+    return obj
+
+
+def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 1) -> dict[str, Any]:
+    """``data`` with every :class:`Packed` array made JSON: inline base64, or (``blob=True``) references
+    into one deflate-compressed blob stored as ``data["blob"]``."""
+    if not blob:
+        return _walk(data, lambda p: {**p.header(), "b64": base64.b64encode(p.data).decode("ascii")})
+    chunks: list[bytes] = []
+    offset = 0
+
+    def ref(p: Packed) -> dict[str, Any]:
+        nonlocal offset
+        start = offset
+        pad = -len(p.data) % ALIGN
+        chunks.append(p.data + b"\0" * pad)
+        offset += len(p.data) + pad
+        return {**p.header(), "ref": [start, len(p.data)]}
+
+    out = _walk(data, ref)
+    raw = b"".join(chunks)
+    out["blob"] = {
+        "encoding": "deflate",
+        "nbytes": len(raw),
+        "b64": base64.b64encode(zlib.compress(raw, level)).decode("ascii"),
+    }
+    return out
+
+
+def _tensor(header: dict[str, Any], raw: bytes) -> Tensor:
+    dtype, shape = header["dtype"], tuple(header["shape"])
+    arr = np.frombuffer(raw, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<")).astype(DTYPES[dtype])
+    t = torch.from_numpy(arr.copy())
+    if dtype in QMAX:
+        t = t.float() / QMAX[dtype]
+    if header.get("tri"):
+        n = shape[-1]
+        full = torch.zeros(*shape[:-2], n * n, dtype=t.dtype)
+        rows, cols = torch.tril_indices(n, n)
+        full[..., rows * n + cols] = t.reshape(*shape[:-2], -1)
+        return full.reshape(shape)
+    return t.reshape(shape)
+
+
+def unpack(data: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of :func:`to_json` with every array back as a tensor (quantized ones as float32)."""
+    blob = data.get("blob")
+    raw = zlib.decompress(base64.b64decode(blob["b64"])) if blob else b""
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict) and "dtype" in obj and ("b64" in obj or "ref" in obj):
+            if "b64" in obj:
+                return _tensor(obj, base64.b64decode(obj["b64"]))
+            start, n = obj["ref"]
+            return _tensor(obj, raw[start : start + n])
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items() if k != "blob"}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(data)

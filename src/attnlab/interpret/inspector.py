@@ -1,0 +1,509 @@
+"""The inspector's data: one JSON-ready dict per page, computed by :mod:`attnlab.interpret`.
+
+:func:`inspector_data` turns a :class:`~attnlab.interpret.Trace` (and optionally a
+:class:`~attnlab.interpret.GenerationTrace`) into what the page draws; :func:`records_data` does
+the same for the tutorials' modules (the six-word example), :func:`maps_data` for bare weights. The
+arrays inside are :class:`~attnlab.interpret.codec.Packed`: :func:`attnlab.interpret.codec.to_json`
+makes them JSON (inline base64 for an API answer, one compressed blob for an offline page).
+
+Sections (each None when it does not apply): ``layers`` (attention per row and head), ``steps``
+(the tutorials' steps for some heads), ``next`` (next-token probabilities per position),
+``rollout``, ``lens``, ``roles``, ``generation``; ``vocab`` labels every token id they mention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.attention import AttentionRecord
+from attnlab.functional import attention_scores
+from attnlab.interpret.ablation import parse_heads
+from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
+from attnlab.interpret.analysis import rollout as attention_rollout
+from attnlab.interpret.codec import pack
+from attnlab.interpret.playback import GenerationTrace
+from attnlab.interpret.tracing import STEP_NAMES, Trace
+
+__all__ = [
+    "TEMPERATURES",
+    "inspector_data",
+    "maps_data",
+    "records_data",
+    "token_label",
+    "token_strings",
+]
+
+VERSION = 2
+# The temperatures the offline page's slider offers besides 0 (greedy); a live server takes any. The
+# page holds the probabilities of each position's top candidates at each of them, computed by the
+# library: one softmax over the whole vocabulary per temperature and position, so they are few.
+TEMPERATURES = [0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0]
+WEIGHTS_BUDGET = 16 << 20  # raw bytes of attention weights before dropping to a coarser dtype
+STEPS_BUDGET = 12 << 20  # raw bytes of the tutorials' steps kept for chosen heads
+# The tutorials' names for queries, keys and values (the steps after them: tracing.STEP_NAMES), and
+# for the parameter-free first step of "A simple self-attention mechanism", where all three are x.
+QKV_NAMES = {"q": "queries = self.W_query(x)", "k": "keys = self.W_key(x)", "v": "values = self.W_value(x)"}
+PARAMETER_FREE_NAMES = {
+    "q": "queries = inputs",
+    "k": "keys = inputs",
+    "v": "values = inputs",
+    "scores": "attn_scores = inputs @ inputs.T",
+    "scaled": "attn_scores (this first step does not scale)",
+    "masked": "attn_scores (nothing masked)",
+    "weights": "attn_weights = torch.softmax(attn_scores, dim=-1)",
+    "head_outputs": "context_vec = attn_weights @ inputs",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Token text
+# --------------------------------------------------------------------------------------------
+def token_label(token: str) -> str:
+    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
+
+    Byte-level tokens are often pure whitespace; without this they would be invisible.
+    """
+    out = []
+    for ch in token:
+        if ch == " ":
+            out.append("␣")
+        elif ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("⇥")
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out) or "∅"
+
+
+def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own; a byte that is only part of a UTF-8 character shows as ``\\xNN``.
+    Without a tokenizer, ``#id``."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if tokenizer is None:
+            out.append(f"#{i}")
+            continue
+        s = tokenizer.decode([i])
+        if s == "\ufffd" and hasattr(tokenizer, "decode_bytes"):
+            raw = tokenizer.decode_bytes([i])
+            if raw != "\ufffd".encode():
+                s = "".join(f"\\x{b:02x}" for b in raw)
+        out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------
+def _weights_dtype(n: int, precision: str) -> str:
+    """The most precise dtype whose ``n`` numbers fit the budget (``precision="auto"``)."""
+    if precision != "auto":
+        if precision not in ("f32", "u16", "u8"):
+            raise ValueError(f"precision must be 'auto', 'f32', 'u16' or 'u8', got {precision!r}")
+        return precision
+    for dtype, size in (("f32", 4), ("u16", 2)):
+        if n * size <= WEIGHTS_BUDGET:
+            return dtype
+    return "u8"
+
+
+def _bool_mask(mask: Tensor | None) -> bool:
+    return mask is None or mask.dtype == torch.bool
+
+
+def _is_causal(w: Tensor) -> bool:
+    """Square matrices with nothing above the diagonal: stored as lower triangles."""
+    return w.shape[-1] == w.shape[-2] and not bool(torch.triu(w, diagonal=1).any())
+
+
+def _layers(
+    rows: Sequence[tuple[str, Sequence[int], Tensor]], dtype: str, causal: Sequence[bool] | None = None
+) -> list[dict[str, Any]]:
+    """The heads view's rows; ``causal`` (per row) when known, else read from the weights."""
+    out = []
+    for r, (name, heads, w) in enumerate(rows):  # w: (H, T, S)
+        causal_row = _is_causal(w) if causal is None else causal[r]
+        out.append(
+            {
+                "name": name,
+                "heads": [int(h) for h in heads],
+                "causal": causal_row,
+                "weights": pack(w.float(), dtype, tri=causal_row),
+            }
+        )
+    return out
+
+
+def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "title": title,
+        "text": text,
+        "note": note,
+        "tokens": list(tokens),
+        "labels": [token_label(t) for t in tokens],
+        "model": None,
+        "layers": [],
+        "steps": None,
+        "next": None,
+        "rollout": None,
+        "lens": None,
+        "roles": None,
+        "generation": None,
+        "vocab": {},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The tutorials' steps of one head
+# --------------------------------------------------------------------------------------------
+def _head_steps(
+    row: int, head: int, name: str, st: dict[str, Tensor], scale: float, float_mask: bool, names: dict | None = None
+) -> dict:
+    """One head's steps for the page, from ``st``: ``q (T, hd)``, ``k, v (S, hd)``, ``scores``,
+    ``masked``, ``weights (T, S)`` and ``head_outputs (T, hd)``, as the library computed them.
+
+    The page stores ``scores`` and which keys each query may attend, and derives ``scaled = scores *
+    scale`` (in float32, as torch) and ``masked = allowed ? scaled (+ bias) : -inf``; a layer with an
+    additive float mask (a position bias) also stores that bias."""
+    scores, masked = st["scores"].float(), st["masked"].float()
+    allowed = masked != float("-inf")
+    bias = None
+    if float_mask:
+        bias = torch.where(allowed, masked - scores * scale, torch.zeros_like(masked))
+    return {
+        "row": row,
+        "head": head,
+        "name": name,
+        "scale": float(scale),
+        "q": pack(st["q"].float()),
+        "k": pack(st["k"].float()),
+        "v": pack(st["v"].float()),
+        "scores": pack(scores),
+        "allowed": pack(allowed.float(), "u8"),  # 1 = may attend
+        "bias": None if bias is None else pack(bias),
+        "weights": pack(st["weights"].float(), tri=_is_causal(st["weights"])),
+        "head_outputs": pack(st["head_outputs"].float()),
+        "names": names,
+    }
+
+
+def _steps_cost(T: int, S: int, hd: int) -> int:
+    return 4 * T * S + T * S + 4 * T * S // 2 + 4 * (2 * T + 2 * S) * hd
+
+
+def _steps_section(heads: list[dict[str, Any]], omitted: int) -> dict[str, Any]:
+    return {
+        "names": {**QKV_NAMES, **STEP_NAMES},
+        "heads": heads,
+        "omitted": omitted,
+        "hint": "attnlab viz --steps L.H[,L.H...] stores the steps of other heads" if omitted else "",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The data of a page
+# --------------------------------------------------------------------------------------------
+def maps_data(
+    rows: Sequence[tuple[str, Sequence[int], Tensor]],
+    tokens: Sequence[str],
+    *,
+    title: str = "",
+    text: str = "",
+    note: str = "",
+    precision: str = "auto",
+) -> dict[str, Any]:
+    """A page of attention weights only: ``rows`` of ``(name, head numbers, weights (H, T, T))``."""
+    data = _base(title, text, note, tokens)
+    n = sum(w.numel() for _, _, w in rows)
+    data["layers"] = _layers(rows, _weights_dtype(n, precision))
+    return data
+
+
+def records_data(
+    rows: Sequence[tuple[str, AttentionRecord] | tuple[str, AttentionRecord, Sequence[int]]],
+    tokens: Sequence[str],
+    *,
+    title: str = "",
+    text: str = "",
+    note: str = "",
+) -> dict[str, Any]:
+    """A page of attention modules that are not a language model (the tutorials' six-word example):
+    each row's weights and the tutorials' steps of its heads, from batch row 0 of each
+    :class:`~attnlab.attention.AttentionRecord` (see :func:`attnlab.interpret.record_module`).
+    A row may name the heads to show as a third element (default: all)."""
+    data = _base(title, text, note, tokens)
+    maps, steps = [], []
+    for r, (name, rec, *chosen) in enumerate(rows):
+        H, Hkv = rec.q.shape[1], rec.k.shape[1]
+        heads = [int(h) for h in chosen[0]] if chosen else list(range(H))
+        maps.append((name, heads, rec.weights[0, heads]))
+        scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)[0]  # (H, T, S)
+        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H)[0]
+        float_mask = rec.mask is not None and rec.mask.is_floating_point()
+        names = PARAMETER_FREE_NAMES if rec.q is rec.k and rec.k is rec.v else None
+        for h in heads:
+            g = h // (H // Hkv)  # the key/value head this query head reads
+            st = {
+                "q": rec.q[0, h],
+                "k": rec.k[0, g],
+                "v": rec.v[0, g],
+                "scores": scores[h],
+                "masked": masked[h],
+                "weights": rec.weights[0, h],
+                "head_outputs": rec.head_outputs[0, h],
+            }
+            steps.append(_head_steps(r, h, name, st, rec.scale, float_mask, names))
+    n = sum(w.numel() for _, _, w in maps)
+    data["layers"] = _layers(maps, _weights_dtype(n, "auto"))
+    data["steps"] = _steps_section(steps, 0)
+    return data
+
+
+def _resolve(arg: str, i: object, n: int) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
+        raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
+    return i % n
+
+
+def _pick_step_heads(
+    steps: object,
+    n_layers: int,
+    n_heads: int,
+    cost: int,
+    roles: dict[str, Tensor] | None,
+    shown_layers: list[int],
+    shown_heads: list[int],
+) -> list[tuple[int, int]]:
+    """The heads whose steps the page stores: those named, or (``"auto"``) all shown heads when they
+    fit the budget, else the first shown head and the strongest shown head of each role."""
+    if steps is None:
+        return []
+    shown = [(layer, h) for layer in shown_layers for h in shown_heads]
+    if steps != "auto":
+        named = parse_heads(steps, n_layers, n_heads)
+        hidden = [f"{layer}.{h}" for layer, h in named if (layer, h) not in shown]
+        if hidden:
+            raise ValueError(f"--steps {','.join(hidden)}: not among the heads shown (--layer/--head)")
+        return named
+    if cost * len(shown) <= STEPS_BUDGET:
+        return shown
+    wanted = [shown[0]]
+    for kind in HEAD_KINDS:
+        if roles is not None:
+            masked = torch.full_like(roles[kind], -1.0)
+            for layer, h in shown:
+                masked[layer, h] = roles[kind][layer, h]
+            best = int(masked.argmax())
+            wanted.append((best // n_heads, best % n_heads))
+    picked: list[tuple[int, int]] = []
+    for pair in wanted:
+        if pair not in picked and (len(picked) + 1) * cost <= STEPS_BUDGET:
+            picked.append(pair)
+    return picked or shown[:1]
+
+
+def inspector_data(
+    trace: Trace,
+    *,
+    tokenizer: Any = None,
+    title: str | None = None,
+    text: str | None = None,
+    note: str | None = None,
+    steps: object = "auto",
+    generation: GenerationTrace | None = None,
+    roles: bool = True,
+    role_seed: int = 0,
+    lens_k: int = 5,
+    next_k: int = 32,
+    precision: str = "auto",
+    row: int = 0,
+    model_name: str = "",
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Everything the inspector page shows about one sequence (batch row ``row``) of ``trace``.
+
+    Args:
+        trace: from :func:`attnlab.interpret.trace`; with ``stages=True`` the page also has the
+            tutorials' steps and the logit lens. Its model (``trace.model``) gives the lens and roles.
+        tokenizer: labels tokens (default ``trace.tokenizer``; without one, ids are shown as ``#id``).
+        title, text, note: shown at the top (default: the decoded text).
+        steps: heads whose tutorials' steps the page stores: ``"auto"`` (all when they fit
+            :data:`STEPS_BUDGET`, else (0, 0) and the strongest head of each role), a list of
+            ``(layer, head)`` / ``"L.H"``, or None.
+        generation: a :class:`~attnlab.interpret.GenerationTrace` of the same model to play back.
+        roles: compute the head-role scores (on a repeated random sequence, ``role_seed``).
+        lens_k, next_k: candidates kept per position for the logit lens and the next-token view.
+        precision: attention weights as ``"f32"``, ``"u16"`` or ``"u8"``; ``"auto"``: the most
+            precise within :data:`WEIGHTS_BUDGET`.
+        model_name: shown in the note.
+        layers, heads: show only these layers and heads in the heads view (negative: from the end);
+            the other views still cover the whole model.
+    Padding is dropped: the page shows the row's real tokens only.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be an attnlab.interpret Trace, got {type(trace).__name__}")
+    model, tokenizer = trace.model, tokenizer if tokenizer is not None else trace.tokenizer
+    if not 0 <= row < trace.idx.shape[0]:
+        raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
+    if not trace.has_stages and steps not in (None, "auto"):
+        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
+    keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
+    ids = trace.idx[row, keep].tolist()
+    tokens = token_strings(tokenizer, ids)
+    T, L, H = len(ids), trace.n_layers, trace.n_heads
+    decoded = tokenizer.decode(ids) if tokenizer is not None else " ".join(tokens)
+    name = model_name or type(model).__name__
+    if note is None:
+        note = f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to)."
+    short = decoded if len(decoded) <= 120 else decoded[:119].rstrip() + "…"
+    data = _base(short if title is None else title, decoded if text is None else text, note, tokens)
+    data["model"] = _model_section(model, name, L, H)
+    vocab: set[int] = set(ids)
+
+    shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
+    shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
+    data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)
+    data["precision"] = dtype
+    role_scores = None
+    if roles and model is not None:
+        role_scores = all_head_scores(model, seed=role_seed)
+        data["roles"] = {
+            "kinds": list(HEAD_KINDS),
+            "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
+            "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
+        }
+    if trace.has_stages:
+        cost = _steps_cost(T, T, trace.q.shape[-1])
+        chosen = _pick_step_heads(steps, L, H, cost, role_scores, shown_layers, shown_heads)
+        data["steps"] = _steps_of_trace(trace, row, keep, chosen, shown_layers, len(shown_heads))
+    data["next"] = _next_section(trace.logits[row, keep], next_k)
+    vocab.update(data["next"].pop("top_ids"))
+    data["rollout"] = {
+        "fusions": list(FUSIONS),
+        **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
+    }
+    if trace.has_stages and model is not None:
+        lens = logit_lens(model, trace, k=lens_k)
+        top = lens.tokens[:, row][:, keep]  # (L + 1, T, k)
+        data["lens"] = {
+            "k": lens.tokens.shape[-1],
+            "rows": ["embeddings", *[f"after layer {i}" for i in range(L)]],
+            "ids": pack(top.int(), "i32"),
+            "probs": pack(lens.probs[:, row][:, keep].float()),
+            "final_probs": pack(lens.final_token_probs[:, row][:, keep].float()),
+        }
+        vocab.update(top.flatten().tolist())
+    if generation is not None:
+        data["generation"] = _generation_section(generation, row, dtype)
+        vocab.update(generation.tokens[row].tolist())
+        for s in generation.steps:
+            vocab.update(s.candidates[row].tolist())
+    ordered = sorted(vocab)
+    data["vocab"] = {str(i): token_label(t) for i, t in zip(ordered, token_strings(tokenizer, ordered), strict=True)}
+    return data
+
+
+def _model_section(model: Any, name: str, L: int, H: int) -> dict[str, Any] | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    return {
+        "name": name,
+        "n_layers": L,
+        "n_heads": H,
+        "n_kv_heads": getattr(cfg, "kv_heads", H),
+        "head_dim": getattr(cfg, "head_dim", None),
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.context_length,
+    }
+
+
+def _heads_section(
+    trace: Trace, row: int, keep: Tensor, shown_layers: list[int], shown_heads: list[int], precision: str
+) -> tuple[list[dict[str, Any]], str]:
+    """The heads view's rows (one per shown layer) and the dtype their weights are stored in."""
+    T = len(keep)
+    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T) over the real tokens
+    dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
+    # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
+    causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
+    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
+    out = _layers(rows, dtype, causal)
+    for entry, i in zip(out, shown_layers, strict=True):
+        entry["layer"] = i
+    return out, dtype
+
+
+def _steps_of_trace(
+    trace: Trace, row: int, keep: Tensor, chosen: list[tuple[int, int]], shown_layers: list[int], n_shown: int
+) -> dict[str, Any]:
+    """The tutorials' steps of the ``chosen`` ``(layer, head)`` pairs, over the real tokens."""
+    group = trace.n_heads // trace.k.shape[2]  # query heads per key/value head
+    heads, by_layer = [], {}
+    for layer, h in chosen:
+        if layer not in by_layer:
+            by_layer[layer] = trace.steps(layer)
+        st, g = by_layer[layer], h // group
+        head_st = {
+            "q": trace.q[layer, row, h][keep],
+            "k": trace.k[layer, row, g][keep],
+            "v": trace.v[layer, row, g][keep],
+            "scores": st["scores"][row, h][keep][:, keep],
+            "masked": st["masked"][row, h][keep][:, keep],
+            "weights": st["weights"][row, h][keep][:, keep],
+            "head_outputs": trace.head_outputs[layer, row, h][keep],
+        }
+        float_mask = not _bool_mask(trace.masks[layer])
+        r = shown_layers.index(layer)
+        heads.append(_head_steps(r, h, f"layer {layer}", head_st, trace.scale[layer], float_mask))
+    return _steps_section(heads, len(shown_layers) * n_shown - len(heads))
+
+
+def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
+    """Next-token probabilities of each position's ``next_k`` likeliest tokens at every temperature of
+    :data:`TEMPERATURES` (``logits (T, V)``), through the library's sampling filter; the page applies
+    top-k and top-p to them as the filter does. ``top_ids`` (a list) is for the page's vocabulary."""
+    logits = logits.float()
+    n = min(next_k, logits.shape[-1])
+    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
+    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
+    return {
+        "k": n,
+        "ids": pack(top_ids.int(), "i32"),
+        "temperatures": TEMPERATURES,
+        "probs": pack(probs),  # (temperatures, T, n)
+        "vocab_size": logits.shape[-1],
+        "top_ids": top_ids.flatten().tolist(),
+    }
+
+
+def _generation_section(gen: GenerationTrace, row: int, dtype: str) -> dict[str, Any]:
+    s = gen.sampling
+    return {
+        "prompt_length": gen.prompt_length,
+        "tokens": gen.tokens[row].tolist(),
+        "settings": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
+        "steps": [
+            {
+                "token": int(step.token[row]),
+                "position": step.position,
+                "key_start": step.key_start,
+                "key_index": step.key_index[row].tolist(),  # the token each weight goes to (-1: none)
+                "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
+                "candidates": step.candidates[row].tolist(),
+                "probs": [round(float(p), 6) for p in step.probs[row]],
+                "token_prob": float(step.token_prob[row]),
+            }
+            for step in gen.steps
+        ],
+    }

@@ -1,0 +1,94 @@
+"""The inspector page: one self-contained HTML file that works offline, built from the files in ``assets/``.
+
+The viewer is three package data files, kept as what they are so they can be read, linted and
+edited: ``viewer.html`` (the markup, a :class:`string.Template`), ``viewer.css`` and ``viewer.js``
+(``showInspector(source)`` draws every view from a *source* of data; ``showAttention(data)`` wraps
+embedded data in one). The code never contains the data: the template has slots for how the
+styles, the data and the scripts reach the page, and :func:`render_page` fills them for an offline
+file (everything inline, a Content-Security-Policy that allows no network at all). A local server
+can fill the same slots with ``<link>``/``<script src>`` tags and give the page a source that
+fetches the JSON of :func:`attnlab.interpret.inspector_data` instead.
+
+Template slots: ``$csp`` (the policy), ``$title`` (escaped text), ``$styles``, ``$data`` and
+``$scripts`` (markup).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from attnlab.files import atomic_write_text
+from attnlab.interpret.codec import to_json, unpack
+
+__all__ = ["ASSETS", "OFFLINE_CSP", "notebook_html", "read_asset", "read_page_data", "render_page", "save_page"]
+
+ASSETS = ("viewer.html", "viewer.css", "viewer.js")
+
+# The offline page loads nothing: inline styles and scripts, canvases as data: images, no requests.
+OFFLINE_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+
+
+def read_asset(name: str) -> str:
+    """The text of one of the viewer's files (:data:`ASSETS`), read from the installed package."""
+    if name not in ASSETS:
+        raise ValueError(f"name must be one of {', '.join(ASSETS)}, got {name!r}")
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def json_for_script(obj: object) -> str:
+    """JSON safe to put inside ``<script type="application/json">``.
+
+    ``<``, ``>`` and ``&`` become ``\\u003c`` etc., so no token text can close the script element
+    (``</script>``) or open a comment; ``JSON.parse`` reads them back unchanged.
+    """
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def inline(tag: str, text: str) -> str:
+    """``<tag>text</tag>``, refusing text that would end the element early (an edit to an asset)."""
+    if f"</{tag}" in text.lower() or "<!--" in text:
+        raise ValueError(f"viewer asset text cannot be inlined in <{tag}>: it contains '</{tag}' or '<!--'")
+    return f"<{tag}>\n{text}</{tag}>"
+
+
+def render_page(data: dict[str, Any], *, read: Any = None) -> str:
+    """The page as a string: inline CSS and JS, the data as JSON (arrays in one compressed blob), no
+    network access at all. ``data`` is what :func:`~attnlab.interpret.inspector_data` (or
+    :func:`~attnlab.interpret.records_data`, :func:`~attnlab.interpret.maps_data`) returns."""
+    read = read_asset if read is None else read
+    return Template(read("viewer.html")).substitute(
+        csp=OFFLINE_CSP,
+        title=html.escape(data.get("title") or "attention"),
+        styles=inline("style", read("viewer.css")),
+        data=f'<script type="application/json" id="attn-data">{json_for_script(to_json(data, blob=True))}</script>',
+        scripts=inline("script", read("viewer.js")),
+    )
+
+
+def save_page(data: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write :func:`render_page` atomically to ``path``."""
+    atomic_write_text(path, render_page(data))
+    return Path(path)
+
+
+def notebook_html(data: dict[str, Any], *, height: int = 900) -> str:
+    """The page for a Jupyter cell: an ``<iframe srcdoc>`` holding the whole offline page (its own
+    document, so its CSP, ids and styles cannot clash with the notebook's; scripts only, no network)."""
+    page = render_page(data)
+    return (
+        f'<iframe class="attnlab-inspector" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
+        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
+    )
+
+
+def read_page_data(page: str) -> dict[str, Any]:
+    """The data embedded in a page written by :func:`render_page`, arrays back as tensors."""
+    start = page.index('id="attn-data">') + len('id="attn-data">')
+    return unpack(json.loads(page[start : page.index("</script>", start)]))

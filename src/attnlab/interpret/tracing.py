@@ -1,0 +1,364 @@
+"""One forward pass, recorded: what every attention layer of a GPT computed.
+
+:func:`trace` sets each layer's :attr:`~attnlab.attention.MultiHeadAttention.observer`: every
+``attend()`` call reports an :class:`~attnlab.attention.AttentionRecord`, whose ``weights`` come
+from the library's own ``return_weights`` path. Nothing here computes a softmax: the weights are the
+ones the model applied to its values. The tutorials' intermediate steps (``q @ k.T``, scaled,
+masked) are recomposed from the record's own fields (``q``, ``k``, ``mask``, ``is_causal``,
+``scale``), so they describe exactly what was computed, whatever positions or biases produced them.
+
+The residual stream comes from forward pre-hooks on the blocks and on the final norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.attention import (
+    AttentionRecord,
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+)
+from attnlab.checks import check_float_tensor
+from attnlab.functional import attention_scores, simple_self_attention
+
+__all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "record_module", "trace"]
+
+# The tutorials' names for the steps of one head, in order ("A simple self-attention mechanism",
+# "Implement the Self-Attention Mechanism in PyTorch").
+STEP_NAMES = {
+    "scores": "attn_scores = queries @ keys.T",
+    "scaled": "attn_scores / keys.shape[-1]**0.5",
+    "masked": "attn_scores.masked_fill(mask.bool(), -torch.inf)",
+    "weights": "attn_weights = torch.softmax(masked, dim=-1)",
+    "head_outputs": "context_vec = attn_weights @ values",
+}
+
+
+def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
+    """The attention module of each block of a GPT-style model, in order.
+
+    The model must have ``trf_blocks`` whose ``att`` is a :class:`~attnlab.attention.MultiHeadAttention`,
+    a ``final_norm`` and an ``out_head`` (what :class:`attnlab.GPT` has)."""
+    blocks = getattr(model, "trf_blocks", None)
+    if not isinstance(model, nn.Module) or blocks is None:
+        raise TypeError(
+            "model must be an attnlab GPT (a module with trf_blocks, final_norm and out_head), "
+            f"got {type(model).__name__}"
+        )
+    layers = [getattr(b, "att", None) for b in blocks]
+    if not layers or not all(isinstance(a, MultiHeadAttention) for a in layers):
+        raise TypeError("model's trf_blocks must each hold an attnlab MultiHeadAttention as .att")
+    for name in ("final_norm", "out_head"):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise TypeError(f"model must have a {name} module, as attnlab's GPT does")
+    return layers
+
+
+@contextlib.contextmanager
+def observe_attention(
+    model: nn.Module, callback: Callable[[int, AttentionRecord], None]
+) -> Iterator[list[MultiHeadAttention]]:
+    """Call ``callback(layer, record)`` for every ``attend()`` of every layer inside the block.
+
+    An observer already set on a layer is kept: it is called too, and restored on exit."""
+    layers = attention_layers(model)
+    previous = [a.observer for a in layers]
+
+    def make(i: int, before: Callable | None) -> Callable[[MultiHeadAttention, AttentionRecord], None]:
+        def observe(module: MultiHeadAttention, record: AttentionRecord) -> None:
+            callback(i, record)
+            if before is not None:
+                before(module, record)
+
+        return observe
+
+    try:
+        for i, (att, before) in enumerate(zip(layers, previous, strict=True)):
+            att.observer = make(i, before)
+        yield layers
+    finally:
+        for att, before in zip(layers, previous, strict=True):
+            att.observer = before
+
+
+@dataclass
+class Trace:
+    """What :func:`trace` recorded. ``L`` layers, batch ``B``, ``H`` query heads (``Hkv`` key/value
+    heads), ``T`` tokens (``S = T`` keys), head width ``hd``, residual width ``d``.
+
+    Always:
+        idx: ``(B, T)`` the token ids; attention_mask: ``(B, T)`` bool (True = real token) or None.
+        weights: ``(L, B, H, T, S)`` the attention weights each layer applied (float32).
+        logits: ``(B, T, V)`` the model's output.
+        scale, is_causal: per layer, the multiplier of ``q k^T`` and whether causal masking applied.
+        masks: per layer, the mask the layer applied besides causality (bool, True = may attend, or
+            an additive float bias), broadcastable to ``(B, H, T, S)``; or None.
+    With ``stages=True`` (else None):
+        q: ``(L, B, H, T, hd)``; k, v: ``(L, B, Hkv, S, hd)`` (after any rotation the layer applies);
+        head_outputs: ``(L, B, H, T, hd)`` = ``weights @ v`` per head;
+        attn_output: ``(L, B, T, d)`` the output projection of the concatenated heads;
+        residual: ``(L + 1, B, T, d)`` the stream entering each block, then the stream after the
+            last block (before the final norm).
+    The scores of the tutorials' steps are computed on demand from ``q``, ``k`` and the masks:
+    :attr:`scores`, :attr:`scaled`, :attr:`masked`, or :meth:`steps` for one layer.
+    """
+
+    idx: Tensor
+    weights: Tensor
+    logits: Tensor
+    scale: list[float]
+    is_causal: list[bool]
+    masks: list[Tensor | None]
+    attention_mask: Tensor | None = None
+    q: Tensor | None = None
+    k: Tensor | None = None
+    v: Tensor | None = None
+    head_outputs: Tensor | None = None
+    attn_output: Tensor | None = None
+    residual: Tensor | None = None
+    model: nn.Module | None = field(default=None, repr=False, compare=False)
+    tokenizer: object | None = field(default=None, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # Sizes ---------------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.weights.shape[2]
+
+    @property
+    def has_stages(self) -> bool:
+        return self.q is not None
+
+    def _need_stages(self, what: str) -> None:
+        if not self.has_stages:
+            raise ValueError(f"{what} needs a trace with the stages: trace(model, idx, stages=True)")
+
+    # The tutorials' steps --------------------------------------------------------------------------
+    def steps(self, layer: int) -> dict[str, Tensor]:
+        """The steps of layer ``layer`` for all heads, each ``(B, H, T, S)`` (``head_outputs``:
+        ``(B, H, T, hd)``): ``scores = q @ k^T``, ``scaled = scores * scale``, ``masked`` (``-inf``
+        where masked, or the layer's additive bias added), ``weights`` and ``head_outputs``.
+
+        ``softmax(masked) == weights`` and ``weights @ v == head_outputs`` (rows with no key to
+        attend, e.g. padding, have all ``-inf`` scores and zero weights)."""
+        self._need_stages("Trace.steps")
+        layer = _index("layer", layer, self.n_layers)
+        q, k = self.q[layer], self.k[layer]  # (B, H, T, hd), (B, Hkv, S, hd)
+        gqa = k.shape[1] != q.shape[1]
+        scores = attention_scores(q, k, scale=1.0, enable_gqa=gqa)  # (B, H, T, S): q @ k^T
+        scaled = scores * self.scale[layer]
+        masked = attention_scores(
+            q, k, self.masks[layer], is_causal=self.is_causal[layer], scale=self.scale[layer], enable_gqa=gqa
+        )
+        return {
+            "scores": scores,
+            "scaled": scaled,
+            "masked": masked,
+            "weights": self.weights[layer],
+            "head_outputs": self.head_outputs[layer],
+        }
+
+    def _stacked(self, name: str) -> Tensor:
+        if name not in self._cache:
+            self._cache[name] = torch.stack([self.steps(i)[name] for i in range(self.n_layers)])
+        return self._cache[name]
+
+    @property
+    def scores(self) -> Tensor:
+        """``(L, B, H, T, S)`` ``q @ k^T`` (computed on first use from the recorded queries and keys)."""
+        return self._stacked("scores")
+
+    @property
+    def scaled(self) -> Tensor:
+        """``(L, B, H, T, S)`` the scores times each layer's scale."""
+        return self._stacked("scaled")
+
+    @property
+    def masked(self) -> Tensor:
+        """``(L, B, H, T, S)`` the scaled scores with ``-inf`` where masked (plus any additive bias)."""
+        return self._stacked("masked")
+
+    def real_tokens(self) -> Tensor:
+        """``(B, T)`` bool: True at real (not padding) tokens."""
+        if self.attention_mask is None:
+            return torch.ones(self.idx.shape, dtype=torch.bool, device=self.idx.device)
+        return self.attention_mask
+
+    def _repr_html_(self) -> str:
+        """The inspector page, inline in Jupyter: an iframe holding the whole offline page (the same
+        file ``attnlab viz --out page.html`` writes). Token labels come from ``tokenizer`` when the
+        trace has one."""
+        from attnlab import interpret  # the package: the page sits above the trace (rollout, lens, ...)
+
+        return interpret.notebook_html(interpret.inspector_data(self))
+
+
+def _index(name: str, i: object, n: int) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
+        raise ValueError(f"{name} must be an int in [-{n}, {n}), got {i!r}")
+    return i % n
+
+
+def trace(
+    model: nn.Module,
+    idx: Tensor,
+    *,
+    stages: bool = False,
+    attention_mask: Tensor | None = None,
+    tokenizer: object | None = None,
+) -> Trace:
+    """Run ``model`` once on ``idx`` and record what each attention layer computed.
+
+    Args:
+        model: an attnlab :class:`~attnlab.GPT` (any module with ``trf_blocks`` of attnlab attention).
+        idx: ``(B, T)`` or ``(T,)`` token ids (``T <= context_length``).
+        stages: also record queries, keys, values, head outputs, the attention outputs, the
+            residual stream (see :class:`Trace`); the scores follow from them on demand.
+        attention_mask: ``(B, T)`` bool or 0/1, True = real token (left padding, as generation).
+        tokenizer: kept with the trace to label tokens when it is displayed (Jupyter).
+    Returns:
+        A :class:`Trace`. The pass runs in eval mode without gradients; the model's training mode,
+        observers and hooks are as they were afterwards, even after an error.
+    """
+    layers = attention_layers(model)
+    if isinstance(idx, Tensor) and idx.dim() == 1:
+        idx = idx.unsqueeze(0)  # (1, T)
+    if hasattr(model, "check_idx"):
+        idx = model.check_idx(idx)
+    if attention_mask is not None and hasattr(model, "check_attention_mask"):
+        attention_mask = model.check_attention_mask(attention_mask, *idx.shape)
+    if not isinstance(stages, bool):
+        raise TypeError(f"stages must be a bool, got {stages!r}")
+    L = len(layers)
+    records: list[AttentionRecord | None] = [None] * L
+    residual: list[Tensor | None] = [None] * (L + 1)
+    attn_out: list[Tensor | None] = [None] * L
+
+    def on_record(i: int, record: AttentionRecord) -> None:
+        if records[i] is not None:
+            raise RuntimeError(f"layer {i} attended twice in one forward pass; trace expects one call per layer")
+        records[i] = record
+
+    def block_input(i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            residual[i] = args[0].detach()
+
+        return hook
+
+    def out_proj_output(i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            attn_out[i] = output.detach()
+
+        return hook
+
+    handles = []
+    was_training = model.training
+    try:
+        if stages:
+            for i, block in enumerate(model.trf_blocks):
+                handles.append(block.register_forward_pre_hook(block_input(i)))
+                handles.append(layers[i].out_proj.register_forward_hook(out_proj_output(i)))
+            handles.append(model.final_norm.register_forward_pre_hook(block_input(L)))
+        model.eval()
+        with torch.no_grad(), observe_attention(model, on_record):
+            logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    missing = [i for i, r in enumerate(records) if r is None]
+    if missing:
+        raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
+
+    def stack(name: str) -> Tensor:
+        return torch.stack([getattr(r, name).detach() for r in records])
+
+    out = Trace(
+        idx=idx,
+        weights=stack("weights").float(),  # (L, B, H, T, S)
+        logits=logits.detach(),
+        scale=[float(r.scale) for r in records],
+        is_causal=[bool(r.is_causal) for r in records],
+        masks=[None if r.mask is None else r.mask.detach() for r in records],
+        attention_mask=attention_mask,
+        model=model,
+        tokenizer=tokenizer,
+    )
+    if stages:
+        out.q, out.k, out.v = stack("q"), stack("k"), stack("v")
+        out.head_outputs = stack("head_outputs")
+        out.attn_output = torch.stack(attn_out)  # (L, B, T, d)
+        out.residual = torch.stack(residual)  # (L + 1, B, T, d)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The tutorials' modules: one record per head group, on the library's own return_weights path
+# --------------------------------------------------------------------------------------------
+def record_module(module: nn.Module | Callable, x: Tensor) -> AttentionRecord:
+    """What one of the tutorials' attention modules computes on ``x (n, d_in)`` (or ``(b, n, d_in)``).
+
+    ``module`` is a :class:`~attnlab.MultiHeadAttention` (its observer reports the record), a
+    :class:`~attnlab.CausalAttention`, :class:`~attnlab.SelfAttention_v2`,
+    :class:`~attnlab.SelfAttention_v1`, :class:`~attnlab.MultiHeadAttentionWrapper`, or
+    :func:`attnlab.functional.simple_self_attention` (queries, keys and values are ``x`` itself,
+    scale 1: the tutorials' first, parameter-free step). The weights come from each module's
+    ``return_weights=True`` path; queries, keys and values from its own projections. Shapes of the
+    record: batched, ``(b, H, n, ·)``; an unbatched ``x`` gets ``b = 1``.
+    """
+    check_float_tensor("x", x, 2)
+    xb = x if x.dim() == 3 else x.unsqueeze(0)  # (b, n, d_in)
+    with torch.no_grad():
+        if module is simple_self_attention:
+            out, w = simple_self_attention(xb, return_weights=True)  # (b, n, d), (b, n, n)
+            h = xb.unsqueeze(1)  # (b, 1, n, d)
+            return AttentionRecord(h, h, h, None, False, 1.0, w.unsqueeze(1), out.unsqueeze(1))
+        if isinstance(module, MultiHeadAttention):
+            got: list[AttentionRecord] = []
+            previous = module.observer
+            module.observer = lambda m, r: got.append(r)
+            try:
+                module(xb)
+            finally:
+                module.observer = previous
+            return got[0]
+        if isinstance(module, MultiHeadAttentionWrapper):
+            heads = [record_module(h, xb) for h in module.heads]
+            cat = [torch.cat([getattr(r, name) for r in heads], dim=1) for name in ("q", "k", "v")]
+            w = torch.cat([r.weights for r in heads], dim=1)
+            ho = torch.cat([r.head_outputs for r in heads], dim=1)
+            return AttentionRecord(*cat, None, True, heads[0].scale, w, ho)
+        if isinstance(module, SelfAttention_v1):
+            q, k, v = xb @ module.W_query, xb @ module.W_key, xb @ module.W_value
+        elif isinstance(module, (SelfAttention_v2, CausalAttention)):
+            q, k, v = module.W_query(xb), module.W_key(xb), module.W_value(xb)
+        else:
+            raise TypeError(
+                "module must be one of the tutorials' attention modules (MultiHeadAttention, "
+                "MultiHeadAttentionWrapper, CausalAttention, SelfAttention_v2, SelfAttention_v1) or "
+                f"simple_self_attention, got {type(module).__name__}"
+            )
+        training = module.training
+        module.eval()
+        try:
+            out, w = module(xb, return_weights=True)  # (b, n, d_out), (b, n, n)
+        finally:
+            module.train(training)
+        causal = isinstance(module, CausalAttention)
+        scale = 1.0 / k.shape[-1] ** 0.5
+        one = lambda t: t.unsqueeze(1)  # (b, n, e) -> (b, 1, n, e): one head
+        return AttentionRecord(one(q), one(k), one(v), None, causal, scale, one(w), one(out))

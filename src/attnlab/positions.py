@@ -1,0 +1,195 @@
+"""How attention learns where tokens are, after GPT-2: rotary embeddings (RoPE) and ALiBi.
+
+GPT-2 adds a learned vector per *absolute* position to each token before the first layer. Models since
+then put relative positions into attention itself:
+
+* **RoPE** (Su et al. 2021; Llama, Mistral, Qwen, nanochat) rotates each query and key, pair of
+  features by pair of features, by an angle proportional to its position. A rotation keeps lengths,
+  and ``rot(q, m) . rot(k, n)`` depends only on ``m - n``: the scores see relative positions.
+* **ALiBi** (Press et al. 2022; BLOOM, MPT) adds ``-slope_h * (i - j)`` to the score of query ``i`` and
+  key ``j``: a per-head linear penalty on distance, with no parameters.
+
+Positions are always explicit (a tensor of integers), so a KV cache, a left-padded batch or a window
+that has slid past the start computes exactly the angles and biases a full forward pass would.
+
+The rotation pairs feature ``i`` with feature ``i + head_dim/2`` (the "rotate half" layout of Hugging
+Face's Llama and GPT-NeoX), so Llama-family weights load without permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.checks import finite_real, is_int, positive_int
+
+__all__ = [
+    "ROPE_SCALINGS",
+    "alibi_bias",
+    "alibi_score_mod",
+    "alibi_slopes",
+    "apply_rope",
+    "check_rope_scaling",
+    "rope_cos_sin",
+    "rope_inv_freq",
+]
+
+# rope_scaling["rope_type"] values understood (Hugging Face's names): "default" (none), "linear"
+# (positions divided by `factor`) and "llama3" (Llama 3.1's frequency-dependent stretching).
+ROPE_SCALINGS = ("default", "linear", "llama3")
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------
+def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
+    """``scaling`` as a plain dict (or None), or a ValueError naming what is wrong with it."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"rope_scaling must be a dict like {{'rope_type': 'llama3', ...}} or None, got {scaling!r}")
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling type must be one of {', '.join(ROPE_SCALINGS)}, got {kind!r}")
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
+    for key in need:
+        if not finite_real(scaling.get(key)) or scaling[key] <= 0:
+            raise ValueError(f"rope_scaling {kind!r} needs a positive number {key!r}, got {scaling.get(key)!r}")
+    if kind == "llama3":
+        if not is_int(scaling.get("original_max_position_embeddings")):
+            raise ValueError("rope_scaling 'llama3' needs an int 'original_max_position_embeddings'")
+        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise ValueError("rope_scaling 'llama3' needs high_freq_factor > low_freq_factor")
+    return scaling
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float = 10000.0,
+    scaling: Mapping[str, Any] | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The rotation speed of each feature pair, ``theta ** (-2i / head_dim)``: ``(head_dim / 2,)`` float32.
+
+    Pair 0 turns by one radian per position, the last pair by about ``1/theta``: fast pairs resolve
+    nearby tokens, slow ones far-apart tokens. ``scaling`` stretches them for longer contexts
+    (``{"rope_type": "linear", "factor": f}`` or Llama 3.1's ``"llama3"``).
+    """
+    positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of features: head_dim must be even, got {head_dim}")
+    if not finite_real(theta) or theta <= 1:
+        raise ValueError(f"rope theta must be a number > 1, got {theta!r}")
+    # As Hugging Face computes it (int64 arange, then float), so the angles agree to the last bit.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim  # (hd/2,)
+    inv_freq = 1.0 / (float(theta) ** exponent)  # (hd/2,)
+    scaling = check_rope_scaling(scaling)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: wavelengths longer than the original context / low_freq_factor are slowed by
+        # `factor`, shorter than original / high_freq_factor kept, the band between interpolated.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        slowed = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        mid = (1 - smooth) * slowed / factor + smooth * slowed
+        is_mid = (wavelen >= original / high) & (wavelen <= original / low)
+        inv_freq = torch.where(is_mid, mid, slowed)
+    return inv_freq
+
+
+def rope_cos_sin(
+    positions: Tensor,
+    head_dim: int,
+    theta: float = 10000.0,
+    *,
+    scaling: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Cosines and sines of the rotation angles ``position * inv_freq``, each ``(..., T, head_dim)``.
+
+    Args:
+        positions: ``(T,)`` or ``(B, T)`` integer positions (any values: a cache past the context,
+            a left-padded row).
+        head_dim, theta, scaling: see :func:`rope_inv_freq`.
+        dtype: of the result (default float32); the angles are always computed in float32.
+    Returns:
+        ``(cos, sin)``, each ``(..., T, head_dim)``: the ``head_dim / 2`` angles twice, once per half.
+    """
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)  # (hd/2,)
+    angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
+    cos, sin = angles.cos(), angles.sin()
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x (..., T, head_dim)`` by the angles of :func:`rope_cos_sin`.
+
+    Feature ``i`` and feature ``i + head_dim/2`` form a pair ``(a, b)`` that becomes
+    ``(a cos - b sin, b cos + a sin)``: a 2-D rotation, so ``x``'s norm is unchanged. ``cos`` and
+    ``sin`` broadcast against ``x``: ``(T, hd)`` for every batch row and head, ``(B, 1, T, hd)`` per row.
+    """
+    half = x.shape[-1] // 2
+    swapped = x.roll(half, dims=-1)  # (..., T, hd): [b, a] for x = [a, b]
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # small: (..., T, hd) without heads
+    return torch.addcmul(x * cos, swapped, signed_sin)  # [a cos - b sin, b cos + a sin]: 3 passes over x
+
+
+# --------------------------------------------------------------------------------------------
+# ALiBi
+# --------------------------------------------------------------------------------------------
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi's per-head slopes ``(n_heads,)`` float32: the geometric sequence ``2^(-8/n), 2^(-16/n), ...``.
+
+    For a head count that is not a power of two, the paper's recipe: the slopes of the nearest
+    smaller power of two, then every other slope of the next power of two.
+    """
+    n = positive_int("n_heads", n_heads)
+
+    def power_of_two(m: int) -> list[float]:
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (i + 1) for i in range(m)]
+
+    m = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """ALiBi's additive bias ``-slope_h * |i - j|`` for queries at ``q_positions`` and keys at ``k_positions``.
+
+    Args:
+        slopes: ``(H,)`` (see :func:`alibi_slopes`).
+        q_positions: ``(L,)`` or ``(B, L)``; k_positions: ``(S,)`` or ``(B, S)`` integer positions.
+    Returns:
+        ``(H, L, S)``, or ``(B, H, L, S)`` for per-row positions, in ``slopes``' dtype. In causal
+        attention ``j <= i``, so this is the paper's ``-slope * (i - j)``; masking is left to the mask.
+    """
+    distance = (q_positions[..., :, None] - k_positions[..., None, :]).abs()  # (..., L, S)
+    distance = distance.unsqueeze(-3).to(slopes.dtype)  # (..., 1, L, S)
+    return -slopes[:, None, None] * distance  # (..., H, L, S)
+
+
+def alibi_score_mod(slopes: Tensor, q_offset: int = 0) -> Callable[..., Tensor]:
+    """ALiBi as a ``score_mod`` for :func:`attnlab.functional.scaled_dot_product_attention` (or
+    ``torch.nn.attention.flex_attention``): ``score - slope[h] * |q_idx + q_offset - kv_idx|``.
+
+    ``q_offset`` is the position of the first query (``S - L`` when decoding after ``S - L`` cached keys).
+    """
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score - slopes[h] * (q_idx + q_offset - kv_idx).abs()
+
+    return score_mod

@@ -1,0 +1,198 @@
+"""Sliding-window causal attention in O(T * W) time and O(T) memory on the CPU.
+
+Query ``p`` sees keys ``p - W < j <= p`` (Mistral's window ``W``), plus, with ``sinks = n``, the first
+``n`` keys (StreamingLLM's attention sinks). A dense ``(T, T)`` mask would make torch's fused kernel
+do T^2 work for T * W useful scores. Here the queries are cut into blocks of ``Bq`` rows, and each
+block attends, in one fused call, to the band of keys it can see::
+
+    rows [0, H0)                  : causal attention over keys [0, H0)    (the window cannot bite yet)
+    block i, rows [r0, r0 + Bq)   : keys [r0 - m*Bq, r0 + Bq), a (Bq, (m+1)*Bq) band mask
+    the last rows (< Bq of them)  : the same, with a shorter band
+    sinks                         : rows [W, T) against keys [0, n), merged by log-sum-exp
+
+The key bands of consecutive blocks overlap; they are strided *views* of the key tensor (no copy),
+and the backward pass adds the overlapping gradients back chunk by chunk. The work is about
+``T * (W + Bq)`` scores instead of the ``T^2 / 2`` of full causal attention.
+
+The fused calls are torch's CPU flash-attention kernel and its backward
+(``aten::_scaled_dot_product_flash_attention_for_cpu``), which return the log-sum-exp that merging
+the sink part needs and accept the strided views. :func:`available` says whether this torch has them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "block_size", "sliding_window_attention"]
+
+
+def _ops() -> tuple[object, object] | None:
+    aten = torch.ops.aten
+    try:
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
+    except (AttributeError, RuntimeError):  # pragma: no cover - older or trimmed torch builds
+        return None
+
+
+_OPS = _ops()
+
+
+def available() -> bool:
+    """Whether this torch has the CPU flash-attention kernels the fast path calls."""
+    return _OPS is not None
+
+
+def block_size(window: int) -> int:
+    """Query rows per block: half the window (so a block's band is 1.5 W keys), at least 32."""
+    return max(window // 2, 32)
+
+
+def _band_mask(rows: int, keys: int, first_key: int, window: int, dtype: torch.dtype, device) -> Tensor:
+    """Float mask ``(rows, keys)``: 0 where query ``r`` (position ``r``) may see key ``c`` (position
+    ``first_key + c``), i.e. ``0 <= r - (first_key + c) < window``, else ``-inf``."""
+    r = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(keys, device=device)[None, :] + first_key
+    visible = (c <= r) & (r - c < window)
+    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+def _view(t: Tensor, b: int, start: int, n_blocks: int, step: int, rows: int) -> Tensor:
+    """``t (B, H, T, E)``, batch row ``b``: ``n_blocks`` windows of ``rows`` positions starting at
+    ``start``, ``start + step``, ...; a ``(n_blocks, H, rows, E)`` view (windows may overlap)."""
+    sB, sH, sT, sE = t.stride()
+    offset = t.storage_offset() + b * sB + start * sT
+    return t.as_strided((n_blocks, t.shape[1], rows, t.shape[3]), (step * sT, sH, sT, sE), offset)
+
+
+class _Plan:
+    """Where the head, the full blocks and the tail of ``T`` query rows lie for window ``W``."""
+
+    def __init__(self, T: int, window: int, sinks: int) -> None:
+        self.T, self.W, self.sinks = T, window, sinks
+        self.Bq = block_size(window)
+        self.m = -(-(window - 1) // self.Bq)  # key chunks before a block's own: ceil((W - 1) / Bq)
+        self.H0 = min(T, self.m * self.Bq)  # head rows: attend over their own prefix
+        self.nf = (T - self.H0) // self.Bq  # full blocks
+        self.tail = self.H0 + self.nf * self.Bq  # first row of the tail
+        self.Lt = T - self.tail  # tail rows (< Bq)
+        self.n = min(sinks, max(T - window, 0))  # sinks that some row sees outside its window
+
+
+class _SlidingWindow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, scale: float) -> Tensor:
+        fwd = _OPS[0]
+        B, H, T, E = q.shape
+        p = _Plan(T, window, sinks)
+        # The output in (B, T, H, E) memory order: the caller's transpose(1, 2).reshape() is then free.
+        out = q.new_empty(B, T, H, E).transpose(1, 2)  # (B, H, T, E)
+        head_mask = _band_mask(p.H0, p.H0, 0, window, q.dtype, q.device) if window < p.H0 else None
+        band = _band_mask(p.Bq, (p.m + 1) * p.Bq, -p.m * p.Bq, window, q.dtype, q.device)  # (Bq, (m+1) Bq)
+        tail = _band_mask(p.Lt, window - 1 + p.Lt, 1 - window, window, q.dtype, q.device) if p.Lt else None
+        # The kernel's log-sum-exp has its own dtype (float32 for half-precision inputs).
+        lse = q.new_empty(B, H, T, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        for b in range(B):
+            if p.H0:  # (0 when W = 1: every block is then its own band)
+                o, lse_b = fwd(*(t[b : b + 1, :, : p.H0] for t in (q, k, v)), 0.0, head_mask is None,
+                               attn_mask=head_mask, scale=scale)  # fmt: skip
+                out[b, :, : p.H0], lse[b, :, : p.H0] = o[0], lse_b[0]
+            if p.nf:
+                qb = _view(q, b, p.H0, p.nf, p.Bq, p.Bq)  # (nf, H, Bq, E)
+                kb, vb = (_view(t, b, 0, p.nf, p.Bq, (p.m + 1) * p.Bq) for t in (k, v))  # (nf, H, (m+1) Bq, E)
+                o, lse_b = fwd(qb, kb, vb, 0.0, False, attn_mask=band, scale=scale)
+                out[b, :, p.H0 : p.tail] = o.transpose(0, 1).reshape(H, p.nf * p.Bq, E)
+                lse[b, :, p.H0 : p.tail] = lse_b.transpose(0, 1).reshape(H, -1)
+            if p.Lt:
+                start = p.tail - window + 1
+                o, lse_b = fwd(q[b : b + 1, :, p.tail :], k[b : b + 1, :, start:], v[b : b + 1, :, start:],
+                               0.0, False, attn_mask=tail, scale=scale)  # fmt: skip
+                out[b, :, p.tail :], lse[b, :, p.tail :] = o[0], lse_b[0]
+        sink_mask = None
+        if p.n:
+            # Rows p >= W also see keys c < n with p - c >= W (the window already covers the others);
+            # every such row sees key 0, so no row of this part is empty.
+            sink_mask = _band_mask(T - window, p.n, 0, T, q.dtype, q.device)  # row r = p - W sees c <= r
+            o_s, lse_s = fwd(q[:, :, window:], k[:, :, : p.n], v[:, :, : p.n], 0.0, False,
+                             attn_mask=sink_mask, scale=scale)  # fmt: skip
+            lse_w = lse[:, :, window:]
+            merged = torch.logaddexp(lse_w, lse_s)  # (B, H, T - W)
+            rows = out[:, :, window:]
+            rows.copy_(rows * (lse_w - merged).exp()[..., None] + o_s * (lse_s - merged).exp()[..., None])
+            lse_w.copy_(merged)
+        ctx.save_for_backward(q, k, v, out, lse, head_mask, band, tail, sink_mask)
+        ctx.plan, ctx.scale = p, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        bwd = _OPS[1]
+        q, k, v, out, lse, head_mask, band, tail, sink_mask = ctx.saved_tensors
+        p, scale = ctx.plan, ctx.scale
+        B, H, T, E = q.shape
+        grad = grad.contiguous()
+        gq = q.new_empty(B, T, H, E).transpose(1, 2)  # (B, H, T, E)
+        gk, gv = torch.zeros_like(k), torch.zeros_like(v)
+        for b in range(B):
+            rows = slice(b, b + 1)
+            # Each part's backward takes the *final* output and log-sum-exp: its share of the
+            # softmax is then exactly its probabilities, whatever else the row attended to.
+            if p.H0:
+                g = bwd(grad[rows, :, : p.H0], *(t[rows, :, : p.H0] for t in (q, k, v)), out[rows, :, : p.H0],
+                        lse[rows, :, : p.H0], 0.0, head_mask is None, attn_mask=head_mask, scale=scale)  # fmt: skip
+                gq[b, :, : p.H0] = g[0][0]
+                gk[b, :, : p.H0] += g[1][0]
+                gv[b, :, : p.H0] += g[2][0]
+            if p.nf:
+                o = _view(out, b, p.H0, p.nf, p.Bq, p.Bq)
+                lse_b = lse[b, :, p.H0 : p.tail].reshape(H, p.nf, p.Bq).transpose(0, 1).contiguous()
+                gqb, gkb, gvb = bwd(
+                    _view(grad, b, p.H0, p.nf, p.Bq, p.Bq),
+                    _view(q, b, p.H0, p.nf, p.Bq, p.Bq),
+                    _view(k, b, 0, p.nf, p.Bq, (p.m + 1) * p.Bq),
+                    _view(v, b, 0, p.nf, p.Bq, (p.m + 1) * p.Bq),
+                    o,
+                    lse_b,
+                    0.0,
+                    False,
+                    attn_mask=band,
+                    scale=scale,
+                )
+                gq[b, :, p.H0 : p.tail] = gqb.transpose(0, 1).reshape(H, -1, E)
+                # Block i's band is key chunks i .. i + m: add chunk j of every band onto its keys.
+                for full, part in ((gk, gkb), (gv, gvb)):
+                    chunks = part.unflatten(2, (p.m + 1, p.Bq))  # (nf, H, m+1, Bq, E)
+                    for j in range(p.m + 1):
+                        dest = full[b, :, j * p.Bq : (j + p.nf) * p.Bq].unflatten(1, (p.nf, p.Bq))  # (H, nf, Bq, E)
+                        dest += chunks[:, :, j].transpose(0, 1)
+            if p.Lt:
+                start = p.tail - p.W + 1
+                g = bwd(grad[rows, :, p.tail :], q[rows, :, p.tail :], k[rows, :, start:], v[rows, :, start:],
+                        out[rows, :, p.tail :], lse[rows, :, p.tail :], 0.0, False, attn_mask=tail,
+                        scale=scale)  # fmt: skip
+                gq[b, :, p.tail :] = g[0][0]
+                gk[b, :, start:] += g[1][0]
+                gv[b, :, start:] += g[2][0]
+        if sink_mask is not None:
+            n, W = p.n, p.W
+            g = bwd(grad[:, :, W:], q[:, :, W:], k[:, :, :n], v[:, :, :n], out[:, :, W:], lse[:, :, W:], 0.0, False,
+                    attn_mask=sink_mask, scale=scale)  # fmt: skip
+            gq[:, :, W:] += g[0]
+            gk[:, :, :n] += g[1]
+            gv[:, :, :n] += g[2]
+        return gq, gk, gv, None, None, None
+
+
+def sliding_window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int = 0, scale: float = 1.0
+) -> Tensor:
+    """Causal attention of ``q, k, v (B, H, T, E)`` (same heads: expand grouped keys first) where
+    query ``p`` sees keys ``p - window < j <= p`` and the first ``sinks`` keys; ``(B, H, T, E)``.
+
+    CPU only (see :func:`available`); no dropout. Equal to a dense masked attention up to float
+    rounding, forward and backward.
+    """
+    return _SlidingWindow.apply(q, k, v, int(window), int(sinks), float(scale))
