@@ -442,6 +442,12 @@ CASES = {
     "train_config device=meta": row(meta(lambda m: m["train_config"].update(device="meta")), SAME, SAME, SAME),
     "train_config context 32": row(meta(lambda m: m["train_config"].update(context_length=32)), err("context_length")),
     "train_config null": row(meta(lambda m: m.update(train_config=None)), err("train_config")),
+    "train_config lr=1e300": row(
+        meta(lambda m: m["train_config"].update(lr=1e300)), SAME, SAME, late_err("the training loss became nan")
+    ),
+    "train_config val_fraction=1e-300": row(
+        meta(lambda m: m["train_config"].update(val_fraction=1e-300)), SAME, SAME, err("validation split")
+    ),
     "val_loss NaN": row(meta(lambda m: m.update(val_loss=float("nan"))), err("val_loss")),
     "step 10**30": row(meta(lambda m: m.update(step=10**30)), err("step")),
     "version 3": row(meta(lambda m: m.update(version=3)), err("version")),
