@@ -170,7 +170,7 @@ def _bounded_lines(f: Any, limit: int) -> Iterable[str]:
 
 def _out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocator's refusal (torch on CPU or CUDA, NumPy, Python)."""
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+    if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
