@@ -312,3 +312,30 @@ def test_stream_decoder_joins_to_decode(tokenizer_files, which, text, ids):
         pieces = [dec.push(i) for i in seq]
         pieces.append(dec.flush())
         assert "".join(pieces) == tok.decode(seq)
+
+
+@pytest.mark.parametrize(
+    "preset,hf_cls,hf_cfg",
+    [
+        ("llama2-7b", "LlamaForCausalLM", dict(model_type="llama")),
+        ("llama3-8b", "LlamaForCausalLM", dict(model_type="llama", num_key_value_heads=8)),
+        ("mistral-7b", "MistralForCausalLM", dict(model_type="mistral", num_key_value_heads=8, sliding_window=4096)),
+    ],
+)
+def test_llama_family_presets_have_the_published_shapes(preset, hf_cls, hf_cfg):
+    """Built on the meta device: the same parameter tensors as transformers' model of the config
+    that to_hf_llama_config writes (and the published totals: 6.74B, 8.03B, 7.24B)."""
+    from attnlab.hf_llama import to_hf_llama_config
+    from attnlab.model import GPTConfig
+
+    with torch.device("meta"):
+        ours = GPT(GPTConfig.preset(preset))
+        hf_config = to_hf_llama_config(ours)
+        assert {k: getattr(hf_config, k) for k in hf_cfg} == hf_cfg
+        theirs = getattr(transformers, hf_cls)(hf_config)
+    shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    exported = {k: tuple(v.shape) for k, v in ours.to_hf_llama_state_dict().items()}
+    assert exported == shapes
+    n = ours.num_parameters()
+    assert n == sum(p.numel() for p in theirs.parameters())
+    assert round(n / 1e9, 2) == {"llama2-7b": 6.74, "llama3-8b": 8.03, "mistral-7b": 7.24}[preset]

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the model sits above this module
 
 __all__ = [
     "PRETRAINED",
+    "gpt2_config_fields",
     "gpt2_to_attnlab",
     "read_pretrained",
     "read_pretrained_config",
@@ -173,6 +174,24 @@ def _config_from_hf(
         ff_dim=None if ff_dim == 4 * emb_dim else ff_dim,
         ln_eps=ln_eps,
         activation=activation,
+    )
+
+
+def gpt2_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """:class:`~attnlab.GPTConfig` sizes of a GPT-2 ``config.json`` (as a dict): enough to build the
+    model's shapes (e.g. on the meta device) or size its KV cache, without the weights."""
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"expected a GPT-2 config, got model_type={cfg.get('model_type')!r}")
+    return dict(
+        vocab_size=cfg.get("vocab_size", 50257),
+        context_length=cfg.get("n_positions", 1024),
+        emb_dim=cfg.get("n_embd", 768),
+        n_heads=cfg.get("n_head", 12),
+        n_layers=cfg.get("n_layer", 12),
+        qkv_bias=True,
+        ff_dim=cfg.get("n_inner"),
+        ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        activation=_HF_ACTIVATIONS.get(cfg.get("activation_function", "gelu_new"), "gelu_tanh"),
     )
 
 
@@ -485,7 +504,7 @@ def _download(
         if quiet:
             raise FileNotFoundError(filename) from None
         raise FileNotFoundError(
-            f"could not get the weights of {repo_id!r} from the Hugging Face Hub or its local cache "
+            f"could not get {filename} of {repo_id!r} from the Hugging Face Hub or its local cache "
             f"({type(e).__name__}); connect to the internet once so they are downloaded into the cache "
             f"(~/.cache/huggingface, or $HF_HOME), or pass a local directory holding config.json and "
             f"model.safetensors"

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the model sits above this module
 
 __all__ = [
     "LLAMA_FAMILY",
+    "config_fields",
     "llama_to_attnlab",
     "read_pretrained_llama",
     "to_hf_llama",
@@ -71,8 +72,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (None if kind == "default" else scaling)
 
 
-def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: float) -> dict[str, Any]:
-    """:class:`~attnlab.GPTConfig` fields of a Llama-family config (checked against the tensors)."""
+def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]:
+    """:class:`~attnlab.GPTConfig` fields of a Llama-family ``config.json`` (as a dict)."""
     model_type = cfg.get("model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"expected a Llama-family model ({', '.join(LLAMA_FAMILY)}), got model_type={model_type!r}")
@@ -82,32 +83,23 @@ def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: fl
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
-        raise ValueError(
-            f"head_dim={head_dim} x {heads} heads != hidden_size={hidden}: attnlab's heads split the width"
-        )
+        raise ValueError(f"head_dim={head_dim} x {heads} heads != hidden_size={hidden}: attnlab's heads split it")
     attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise ValueError("attnlab's GPT has one bias switch for the output projection and the MLP (bias=...)")
     if cfg.get("pretraining_tp", 1) != 1:
         raise ValueError("pretraining_tp != 1 (a tensor-parallel split of the weights) is not supported")
-    layers = {int(m.group(1)) for k in state if (m := _LAYER.match(k))}
-    if not layers or layers != set(range(len(layers))):
-        raise ValueError(f"not a Llama state dict: layers.0 ... layers.N expected, found {sorted(layers)}")
-    if len(layers) != cfg["num_hidden_layers"]:
-        raise ValueError(f"the config says {cfg['num_hidden_layers']} layers, the weights have {len(layers)}")
     theta, scaling = _rope(cfg)
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
-    tied = "lm_head.weight" not in state or bool(cfg.get("tie_word_embeddings", False))
     return dict(
         vocab_size=cfg["vocab_size"],
         context_length=cfg.get("max_position_embeddings", 2048),
         emb_dim=hidden,
         n_heads=heads,
-        n_layers=len(layers),
+        n_layers=cfg["num_hidden_layers"],
         drop_rate=drop_rate,
         qkv_bias=attention_bias,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        tie_embeddings=tied,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bias=attention_bias,
         ff_dim=cfg["intermediate_size"],
         ln_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -116,8 +108,20 @@ def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: fl
         rope_scaling=scaling,
         norm="rmsnorm",
         mlp="swiglu",
-        window=window,
+        window=cfg.get("sliding_window") if model_type == "mistral" else None,
     )
+
+
+def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: float) -> dict[str, Any]:
+    """:func:`config_fields`, checked against the tensors (their layers; a missing head means tied)."""
+    fields = config_fields(cfg, drop_rate)
+    layers = {int(m.group(1)) for k in state if (m := _LAYER.match(k))}
+    if not layers or layers != set(range(len(layers))):
+        raise ValueError(f"not a Llama state dict: layers.0 ... layers.N expected, found {sorted(layers)}")
+    if len(layers) != fields["n_layers"]:
+        raise ValueError(f"the config says {fields['n_layers']} layers, the weights have {len(layers)}")
+    fields["tie_embeddings"] = fields["tie_embeddings"] or "lm_head.weight" not in state
+    return fields
 
 
 def llama_to_attnlab(

@@ -157,6 +157,15 @@ _GPT2_SIZES = {
     "gpt2-large": dict(emb_dim=1280, n_layers=36, n_heads=20),
     "gpt2-xl": dict(emb_dim=1600, n_layers=48, n_heads=25),
 }
+# Llama-family sizes (the published configs), for shapes and KV-cache sizes: build them on the meta
+# device, or load the weights with GPT.from_pretrained.
+_LLAMA_SIZES = {
+    "llama2-7b": dict(vocab_size=32000, context_length=4096, ff_dim=11008, n_kv_heads=None, rope_theta=10000.0),
+    "llama3-8b": dict(vocab_size=128256, context_length=8192, ff_dim=14336, n_kv_heads=8, rope_theta=500000.0),
+    "mistral-7b": dict(
+        vocab_size=32000, context_length=32768, ff_dim=14336, n_kv_heads=8, rope_theta=10000.0, window=4096
+    ),
+}
 _ALIASES = {"gpt2": "gpt2-small", "124m": "gpt2-small", "355m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
 
 
@@ -300,7 +309,7 @@ class GPTConfig:
     @classmethod
     def presets(cls) -> list[str]:
         """Names accepted by :meth:`preset`."""
-        return ["tiny", "modern", *_GPT2_SIZES]
+        return ["tiny", "modern", *_GPT2_SIZES, *_LLAMA_SIZES]
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -315,6 +324,9 @@ class GPTConfig:
         1.33 nats/byte) while running their matmuls at a higher fraction of the CPU's peak.
         ``modern``: ``tiny``'s sizes with what came after GPT-2, as nanochat combines it: rotary
         positions, RMSNorm, a ReLU^2 MLP, QK-norm, untied embeddings, no biases.
+        ``llama2-7b``, ``llama3-8b``, ``mistral-7b``: those models' published shapes (32 layers of
+        width 4096; Llama 3 and Mistral with 8 key/value heads, Mistral with a 4096-token window),
+        e.g. to size a KV cache (``attnlab info --kv-memory``) or count parameters on the meta device.
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -348,6 +360,21 @@ class GPTConfig:
                 mlp="relu2",
                 qk_norm=True,
                 tie_embeddings=False,
+            )
+        elif key in _LLAMA_SIZES:
+            base = dict(
+                emb_dim=4096,
+                n_heads=32,
+                n_layers=32,
+                drop_rate=0.0,
+                qkv_bias=False,
+                bias=False,
+                tie_embeddings=False,
+                ln_eps=1e-5,
+                pos="rope",
+                norm="rmsnorm",
+                mlp="swiglu",
+                **_LLAMA_SIZES[key],
             )
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])

@@ -31,11 +31,13 @@ the modules whose lessons come before its own.
 
 # Importing a module of lessons registers them; they run in the order of these imports.
 from attnlab.tools.explain.lessons import gpt2_parameter_counts
+from attnlab.tools.explain.lessons_modern import MODERN_LESSONS
 from attnlab.tools.explain.registry import LESSONS, Lesson, check_lesson_names, lesson, lesson_names, run_lesson
 from attnlab.tools.explain.walk import WIDTH, Walk
 
 __all__ = [
     "LESSONS",
+    "MODERN_LESSONS",
     "WIDTH",
     "Lesson",
     "Walk",
