@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from attnlab.cli.bench import positive_int
 from attnlab.files import atomic_write_json
-from attnlab.tools.bench.harness import attention_benchmark, format_attention_report, goals_met, positive_int
+from attnlab.tools.bench import attention_benchmark, format_attention_report, goals_met
 
 
 def main(argv: list[str] | None = None) -> int:

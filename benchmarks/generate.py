@@ -20,21 +20,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from attnlab.files import atomic_write_json
 from attnlab.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
-
-
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+from attnlab.tools.bench import interleave
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -131,19 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     same = {name: bool(torch.equal(o, ref)) for name, o in outs.items()}
     losses = {name: fn() for name, fn in trains.items()}
 
-    gen_times: dict[str, list[float]] = {n: [] for n in gens}
-    train_times: dict[str, list[float]] = {n: [] for n in trains}
-    for r in range(args.rounds):
-        order = list(gens.items())
-        if r % 2:
-            order.reverse()  # alternate who goes first
-        for name, fn in order:
-            gen_times[name].append(timed(fn)[0])
-        for name, fn in list(trains.items())[:: -1 if r % 2 else 1]:
-            train_times[name].append(timed(fn)[0])
-
-    gen_tps = {n: args.new / statistics.median(t) for n, t in gen_times.items()}
-    train_tps = {n: args.batch * args.seq / statistics.median(t) for n, t in train_times.items()}
+    # Rounds of every generation and training step; every other round in reverse, so no one always goes first.
+    timings = interleave({**gens, **trains}, args.rounds, device=device, alternate=True)
+    gen_times = {n: [ms / 1e3 for ms in timings[n].times_ms] for n in gens}
+    train_times = {n: [ms / 1e3 for ms in timings[n].times_ms] for n in trains}
+    gen_tps = {n: args.new / (timings[n].median_ms / 1e3) for n in gens}
+    train_tps = {n: args.batch * args.seq / (timings[n].median_ms / 1e3) for n in trains}
 
     print(
         f"attnlab GPT: {cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, vocab {cfg.vocab_size}, "

@@ -30,31 +30,18 @@ a CPU.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 from attnlab.files import atomic_write_json
-from attnlab.tools.bench.harness import minor_page_faults
+from attnlab.tools.bench import interleave, load_average, model_flops_per_step, paired_ratio
 from attnlab.training import TrainConfig, Trainer
 from attnlab.training.allocator import tune_cpu_allocator
 
 GOAL_MFU = 0.5
-
-
-def model_flops_per_step(n_params: int, n_layers: int, context_length: int, emb_dim: int, tokens: int) -> dict:
-    dense = 6 * n_params * tokens
-    attention = 12 * n_layers * context_length * emb_dim * tokens
-    return {"dense": dense, "attention": attention, "total": dense + attention, "total_causal": dense + attention // 2}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -86,41 +73,23 @@ def run(args: argparse.Namespace) -> dict:
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
 
-    def matmul_s() -> float:
-        _sync(device)
-        t0 = time.perf_counter()
+    def matmul() -> None:
         for _ in range(args.matmul_reps):
             a @ b
-        _sync(device)
-        return (time.perf_counter() - t0) / args.matmul_reps
 
-    def step_s() -> float:
-        _sync(device)
-        t0 = time.perf_counter()
+    def step() -> None:
         trainer._train_step()
         trainer.step += 1
-        _sync(device)
-        return time.perf_counter() - t0
 
-    for _ in range(args.warmup):
-        step_s()
-        matmul_s()
-    step_times, mm_times, faults = [], [], []
-    for _ in range(args.repeats):  # interleaved: a burst of load hits both
-        before = minor_page_faults()
-        step_times.append(step_s())
-        after = minor_page_faults()
-        if before is not None and after is not None:
-            faults.append(after - before)
-        mm_times.append(matmul_s())
-    step_med, mm_med = statistics.median(step_times), statistics.median(mm_times)
+    # Interleaved: a burst of load hits both. Times are per step and per matmul.
+    t = interleave({"step": step, "matmul": matmul}, args.repeats, args.warmup, device=device)
+    faults = t["step"].page_faults
+    step_med, mm_med = t["step"].median_ms / 1e3, t["matmul"].median_ms / 1e3 / args.matmul_reps
     matmul_flops = 2 * n**3 / mm_med
     achieved = flops["total"] / step_med
-    paired = statistics.median(flops["total"] / s / (2 * n**3 / m) for s, m in zip(step_times, mm_times, strict=True))
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = None
+    # Per round: (F / step_i) / (2 n^3 reps / matmul_i) = F / (2 n^3 reps) * matmul_i / step_i.
+    paired = flops["total"] / (2 * n**3 * args.matmul_reps) * paired_ratio(t["matmul"], t["step"])
+    load = load_average()
     return {
         "preset": args.preset,
         "device": str(device),
@@ -138,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         "flops_per_step": flops,
         "formula": "6*N*tokens + 12*n_layers*context_length*emb_dim*tokens (N excludes the position embedding)",
         "step_ms_median": step_med * 1e3,
-        "step_ms": [t * 1e3 for t in step_times],
+        "step_ms": list(t["step"].times_ms),
         "tokens_per_s": tokens / step_med,
         "model_gflops_per_s": achieved / 1e9,
         "matmul_size": n,
@@ -198,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("repeats", "matmul_size", "matmul_reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     r = run(args)
     print(report(r))
     if args.json:

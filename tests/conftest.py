@@ -8,7 +8,8 @@
   ``python -m attnlab`` in a child process), ``gpt2`` (the GPT-2 tokenizer, offline).
 * Skips: a test may skip only for a missing optional package or missing shared data. With
   ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
-  pass by quietly running less.
+  pass by quietly running less. The one exception is hardware: a test marked ``@pytest.mark.cuda``
+  runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those).
 * ``pytest -m "not slow"`` runs the fast part (under a minute); CI runs everything.
 """
 
@@ -26,12 +27,23 @@ from torch import Tensor
 NO_SKIPS = bool(os.environ.get("ATTNLAB_NO_SKIPS"))
 
 
+NO_CUDA_REASON = "needs a CUDA device (marked cuda)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
-    """Under ATTNLAB_NO_SKIPS=1 a skipped test fails, with its skip reason."""
+    """Under ATTNLAB_NO_SKIPS=1 a skipped test fails, with its skip reason (but for missing CUDA)."""
     outcome = yield
     report = outcome.get_result()
-    if NO_SKIPS and report.skipped and not hasattr(report, "wasxfail"):
+    hardware = "cuda" in item.keywords and not torch.cuda.is_available()
+    if NO_SKIPS and report.skipped and not hasattr(report, "wasxfail") and not hardware:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, but ATTNLAB_NO_SKIPS is set (CI runs every test): {reason}"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from attnlab.training.allocator import tune_cpu_allocator
@@ -49,6 +50,7 @@ def _faults_per_page(mode: str) -> float:
 
 
 @pytest.mark.skipif(not GLIBC, reason="the tuning applies to Linux with glibc only")
+@pytest.mark.slow
 def test_tuned_glibc_reuses_freed_memory_instead_of_faulting_it_in_again():
     untuned = _faults_per_page("default")
     # The control shows the probe can tell: by default each round maps 64 MiB in afresh.
@@ -79,7 +81,7 @@ def test_a_choice_already_made_in_the_environment_is_respected(monkeypatch, env,
 
 
 @pytest.mark.parametrize("name", ["mmap_threshold", "trim_threshold"])
-@pytest.mark.parametrize("value", [0, -1, 2**31, 1.5, True])
+@pytest.mark.parametrize("value", [0, -1, 2**31, 1.5, True, np.True_, np.int64(2**31)])
 def test_bad_thresholds_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=name):
         tune_cpu_allocator(**{name: value})

@@ -24,6 +24,7 @@ from attnlab.training.checkpoint import (
     find_checkpoint,
     get_rng_state,
     load_checkpoint,
+    read_latest,
     save_checkpoint,
     set_rng_state,
 )
@@ -50,6 +51,7 @@ def test_round_trip_restores_weights_optimizer_and_metadata(tmp_path: Path) -> N
     step_dir = save_checkpoint(tmp_path, step=7, model=model, optimizer=opt, metadata={"hello": [1, 2]})
     assert step_dir == tmp_path / "checkpoints" / "step-00000007"
     assert json.loads((tmp_path / LATEST_NAME).read_text())["step"] == 7
+    assert read_latest(tmp_path) == json.loads((tmp_path / LATEST_NAME).read_text())
     ck = load_checkpoint(tmp_path)
     assert ck.step == 7 and ck.metadata["hello"] == [1, 2] and ck.path == step_dir
     for (name, a), (_, b) in zip(model.state_dict().items(), ck.model.state_dict().items(), strict=True):
@@ -118,6 +120,11 @@ def test_corrupt_pointer_and_metadata_are_named(tmp_path: Path) -> None:
     (tmp_path / LATEST_NAME).write_text('{"step": 1, "pa')  # torn JSON
     with pytest.raises(ValueError, match=LATEST_NAME):
         load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=LATEST_NAME):
+        read_latest(tmp_path)
+    (tmp_path / LATEST_NAME).write_text('{"step": 1}')  # JSON, but no path
+    with pytest.raises(ValueError, match=f"{LATEST_NAME} is corrupt"):
+        read_latest(tmp_path)
     save_checkpoint(tmp_path / "b", step=1, model=model, optimizer=None, metadata={})
     meta = tmp_path / "b" / "checkpoints" / step_dir.name / CHECKPOINT_NAME
     meta.write_bytes(meta.read_bytes()[:20])
@@ -147,11 +154,20 @@ def test_a_symlinked_checkpoints_directory_still_loads(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path / "run").step == 2
 
 
-@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+@pytest.mark.parametrize("step", [-1, 1.5, True, np.True_, "3"])
 def test_a_step_load_checkpoint_would_refuse_is_not_saved(tmp_path: Path, step) -> None:
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         save_checkpoint(tmp_path, step=step, model=small_model(), optimizer=None, metadata={})
     assert not (tmp_path / LATEST_NAME).exists()
+
+
+def test_numpy_integers_are_steps_and_counts_written_as_json_ints(tmp_path: Path) -> None:
+    model = small_model()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step=np.int64(step), model=model, optimizer=None, metadata={}, keep=np.int32(1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
+    assert json.loads((tmp_path / LATEST_NAME).read_text())["step"] == 2
+    assert load_checkpoint(tmp_path).step == 2
 
 
 class _Evil:
@@ -248,6 +264,7 @@ _DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_leaves_a_consistent_checkpoint(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trials = 5

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with Gloo"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with Gloo"
+    ),
+    pytest.mark.slow,
+]
 
 STEPS = 6
 FLAGS = [

@@ -102,6 +102,7 @@ def test_step_directory_works_too(checkpoint: Path, monkeypatch) -> None:
     assert a.getvalue() == b.getvalue()
 
 
+@pytest.mark.slow
 def test_errors_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -128,3 +129,43 @@ def test_errors_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
         lines = err.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (name, err)
         assert lines[0].startswith("attnlab generate: error:") and cases[name][1] in lines[0], (name, err)
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--seed", str(2**64)], "--seed"),
+        (["--seed", "-1"], "--seed"),
+        (["--device", "meta"], "--device"),
+        (["--top-k", "0"], "--top-k"),
+        (["--top-p", "0"], "--top-p"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "inf"], "--temperature"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(checkpoint: Path, capsys, flags: list[str], flag: str) -> None:
+    assert main(["generate", "--checkpoint", str(checkpoint), *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnlab generate: error: {flag} "), lines
+    assert captured.out == ""  # refused before the prompt was echoed
+
+
+def test_the_largest_seed_is_taken(checkpoint: Path, monkeypatch) -> None:
+    base = ["--checkpoint", str(checkpoint), "--prompt", "a", "--max-new-tokens", "5"]
+    top = generate(monkeypatch, *base, "--seed", str(2**64 - 1)).getvalue()
+    assert top == generate(monkeypatch, *base, "--seed", str(2**64 - 1)).getvalue() and top.startswith("a")
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "1e-300"], ["--top-p", "1e-300", "--seed", "1"]])
+def test_settings_too_small_for_float32_pick_the_likeliest_token(
+    checkpoint: Path, monkeypatch, flags: list[str]
+) -> None:
+    """A temperature or nucleus that float32 rounds to 0 still means "the likeliest token": the greedy
+    text, not a traceback (before the fix: a RuntimeError in torch.multinomial on the CPU, a device-side
+    assert on CUDA that broke every later CUDA call of the process)."""
+    base = ["--checkpoint", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "12"]
+    greedy = generate(monkeypatch, *base, "--temperature", "0").getvalue()
+    assert generate(monkeypatch, *base, *flags).getvalue() == greedy

@@ -13,7 +13,7 @@ import math
 import torch
 
 from attnlab import tutorial_code as tc
-from attnlab.tools.explain import LESSONS, MODERN_LESSONS, lesson_names, run_lesson
+from attnlab.tools.explain import LESSONS, MODERN_LESSONS, lesson_names, run_lesson, tutorial_lessons
 
 
 def run(name: str) -> tuple[dict[str, torch.Tensor], str]:
@@ -25,8 +25,9 @@ def test_registered_after_the_tutorials_lessons():
     names = lesson_names()
     assert names[-len(MODERN_LESSONS) :] == list(MODERN_LESSONS) or set(MODERN_LESSONS) <= set(names)
     assert names.index("dot-products") < names.index("rope")
-    for name in MODERN_LESSONS:
-        assert LESSONS[name].section == "after GPT-2"
+    for name in MODERN_LESSONS:  # past the GPT-style guide: named by its title, outside its sections
+        assert "Implementing GPT-Style Attention" in LESSONS[name].tutorial
+        assert name not in [entry.name for entry in tutorial_lessons("gpt-style")]
 
 
 def test_rope_lesson():

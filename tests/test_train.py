@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,12 @@ from hypothesis import strategies as st
 from attnlab.cli import main
 from attnlab.training import TrainConfig, Trainer, lr_at
 from attnlab.training.checkpoint import load_checkpoint
+from attnlab.training.distributed import rank_seed
 
 # A run small enough for a test: the tiny preset on 16-token windows of the built-in corpus.
 SMALL = dict(context_length=16, batch_size=4, eval_batches=2, sample_tokens=0, progress=False)
+# For the tests that compare with float32 references computed on the CPU (on CUDA the trainer uses bf16).
+ON_CPU = dict(SMALL, device="cpu")
 SMALL_FLAGS = [
     "--context-length",
     "16",
@@ -113,7 +117,7 @@ def test_help_explains_every_flag(capsys) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> None:
     cfg = TrainConfig(
-        **{**SMALL, "batch_size": 8, "eval_batches": 4},
+        **{**ON_CPU, "batch_size": 8, "eval_batches": 4},
         out=str(tmp_path),
         max_steps=30,
         eval_every=10,
@@ -159,7 +163,7 @@ def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> Non
 def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, one_thread) -> None:
     runs, norms = {}, {}
     for accum in (1, 2, 4):
-        cfg = TrainConfig(out=str(tmp_path / str(accum)), max_steps=4, grad_accum=accum, eval_every=4, **SMALL)
+        cfg = TrainConfig(out=str(tmp_path / str(accum)), max_steps=4, grad_accum=accum, eval_every=4, **ON_CPU)
         history = Trainer(cfg).fit().history
         runs[accum] = [r["loss"] for r in history]
         norms[accum] = [r["grad_norm"] for r in history]  # gradients, not just losses: AdamW hides a scale
@@ -173,7 +177,7 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
 
     from attnlab.model import lm_loss
 
-    cfg = TrainConfig(out=str(tmp_path), max_steps=1, warmup_steps=0, lr=1e-2, grad_clip=1e-3, eval_every=1, **SMALL)
+    cfg = TrainConfig(out=str(tmp_path), max_steps=1, warmup_steps=0, lr=1e-2, grad_clip=1e-3, eval_every=1, **ON_CPU)
     trainer = Trainer(cfg)
     model = copy.deepcopy(trainer.raw_model)  # the initial weights
     x, y = trainer.train_batches.batch(0, 0)
@@ -234,6 +238,7 @@ def _interrupt(out: Path, sig: int, after_step: int, *flags: str) -> tuple[int, 
     return proc.returncode, step
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_then_resume_give_the_uninterrupted_losses(tmp_path: Path) -> None:
     """Dropout is on, so this also checks that the RNG state travels with the checkpoint."""
     ref = tmp_path / "reference"
@@ -282,6 +287,7 @@ def _damaged(finished_run: Path, tmp_path: Path, how: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
     cases = {
         "missing data": (["--data", str(tmp_path / "nope.txt")], "nope.txt"),
@@ -404,6 +410,7 @@ def test_resume_from_another_directory_and_refuse_changed_data(tmp_path: Path, m
         Trainer(TrainConfig(out=run, resume=True, max_steps=6, **base))
 
 
+@pytest.mark.slow
 def test_cli_prints_the_summary_then_streams_a_sample_from_a_prompt_that_encodes(tmp_path: Path) -> None:
     """The summary comes before the sample (a long or interrupted sample used to hide it), and
     when the char vocabulary lacks the default prompt's letters, the sample and the printed
@@ -469,7 +476,7 @@ def test_corrupt_pointer_without_resume_names_the_file(tmp_path: Path) -> None:
 def test_grad_norm_is_measured_when_clipping_is_off(tmp_path: Path, one_thread) -> None:
     import copy
 
-    trainer = Trainer(TrainConfig(out=str(tmp_path), grad_clip=0, max_steps=1, eval_every=1, **SMALL))
+    trainer = Trainer(TrainConfig(out=str(tmp_path), grad_clip=0, max_steps=1, eval_every=1, **ON_CPU))
     model = copy.deepcopy(trainer.raw_model).train()  # the tiny preset has no dropout: deterministic
     x, y = trainer.train_batches.batch(0)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -509,3 +516,68 @@ def test_a_failing_setup_destroys_the_process_group_it_created(tmp_path: Path, m
     with pytest.raises(ValueError, match="--batch-size"):
         Trainer(TrainConfig(out=str(tmp_path), device="cpu", grad_accum=4, **SMALL))  # 4 rows / (2 x 4)
     assert state == {"initialized": False, "destroyed": 1}
+
+
+def test_seed_and_device_errors_name_the_flag(tmp_path: Path, capsys) -> None:
+    """A seed torch cannot take and a device attnlab does not run on are one-line errors, before any work."""
+    cases = {"--seed": ["--seed", str(2**64)], "--device": ["--device", "meta"]}
+    for name, flags in cases.items():
+        out = tmp_path / name.strip("-")
+        assert main(["train", "--out", str(out), *SMALL_FLAGS, "--no-malloc-tuning", *flags]) == 2, name
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"attnlab train: error: {name}"), lines
+        assert not out.exists()
+    with pytest.raises(ValueError, match="--seed"):
+        TrainConfig(seed=-1).validate()
+
+
+def test_the_largest_seed_trains_and_rank_seeds_wrap_around(tmp_path: Path, one_thread) -> None:
+    top = 2**64 - 1
+    result = Trainer(TrainConfig(out=str(tmp_path), seed=top, max_steps=1, eval_every=1, **SMALL)).fit()
+    assert result.step == 1 and math.isfinite(result.val_loss)
+    assert rank_seed(7, 2, 5) == 7 + 2 * 1_000_003 + 5  # the streams of earlier runs, unchanged
+    assert rank_seed(top, 1, 3) == 1_000_003 + 3 - 1  # wrapped around into torch's range
+    torch.manual_seed(rank_seed(top, 3, 10))
+
+
+def test_numpy_settings_are_taken_and_recorded_as_json_numbers(tmp_path: Path, one_thread) -> None:
+    """NumPy scalars count as numbers (as everywhere in attnlab), bools never do."""
+    cfg = TrainConfig(
+        **{**SMALL, "batch_size": np.int64(4)},
+        out=str(tmp_path),
+        max_steps=np.int32(2),
+        eval_every=2,
+        lr=np.float32(1e-3),
+        weight_decay=np.float64(0.05),
+        seed=np.uint64(3),
+    )
+    assert Trainer(cfg).fit().step == 2
+    saved = load_checkpoint(tmp_path).metadata["train_config"]
+    assert (saved["batch_size"], saved["max_steps"], saved["seed"]) == (4, 2, 3)
+    assert saved["lr"] == pytest.approx(1e-3) and saved["weight_decay"] == 0.05
+    for name, bad in (("batch_size", True), ("eval_every", np.True_), ("lr", np.True_), ("dropout", "0.1")):
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}"):
+            TrainConfig(**{name: bad}).validate()
+
+
+@pytest.mark.cuda
+def test_cuda_training_in_bf16_learns_samples_and_resumes_exactly(tmp_path: Path) -> None:
+    """On CUDA: bf16 autocast, the loss falls, the run resumed from its step-10 checkpoint (dropout
+    on) repeats the uninterrupted run's losses bit for bit, and the seeded sample is drawn on the GPU."""
+    settings = dict(SMALL, device="cuda", max_steps=20, eval_every=5, checkpoint_every=5, keep_checkpoints=4)
+    base = dict(settings, warmup_steps=2, lr=3e-3, dropout=0.1)
+    ref = tmp_path / "ref"
+    trainer = Trainer(TrainConfig(out=str(ref), **base))
+    ctx = trainer.autocast()
+    assert isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
+    whole = [r["loss"] for r in trainer.fit().history]
+    assert sum(whole[-5:]) < sum(whole[:5]) - 2.5, whole  # from ln(256) = 5.5 towards the byte statistics
+    out = tmp_path / "resumed"  # the run as it was at step 10
+    shutil.copytree(ref / "checkpoints" / "step-00000010", out / "checkpoints" / "step-00000010")
+    (out / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 10, "path": "checkpoints/step-00000010"})
+    )
+    resumed = Trainer(TrainConfig(out=str(out), resume=True, **base)).fit()
+    assert [r["loss"] for r in resumed.history] == whole[10:]
+    text = trainer.sample("The ", 20)
+    assert text.startswith("The ") and text == trainer.sample("The ", 20)

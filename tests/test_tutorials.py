@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -683,3 +684,233 @@ def test_every_number_written_here_is_printed_by_the_tutorials():
         numbers = set(re.findall(r"(?<![\w.])-?\d+\.\d{4}(?!\d)", f.read()))
     assert len(numbers) > 100  # the pattern finds the expected tensors
     assert not sorted(n for n in numbers if n not in tutorials)
+
+
+# =============================================================================================
+# attnlab.tutorials: each tutorial's classes, exactly (argument order, defaults, creation order)
+# =============================================================================================
+from attnlab.tutorials import attention_review, gpt_style, implement, one_head  # noqa: E402
+from tutorial_numbers import REPRODUCED, TITLES, agrees, printed_blocks, tutorial_texts, unreproduced_table  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _pair(ours_cls, theirs_cls, args, seed=11, kwargs=None):
+    torch.manual_seed(seed)
+    ours = ours_cls(*args, **(kwargs or {}))
+    torch.manual_seed(seed)
+    theirs = theirs_cls(*args, **(kwargs or {}))
+    return ours, theirs
+
+
+@pytest.mark.parametrize(
+    ("ours_cls", "theirs_cls", "args", "two_d_only"),
+    [
+        (gpt_style.SelfAttention, tc.GuideSelfAttention, (5, 4), True),
+        (gpt_style.CausalAttention, tc.GuideCausalAttention, (5, 4, 7), False),
+        (gpt_style.MultiHeadAttention, tc.GuideMultiHeadAttention, (5, 6, 3, 7, 0.0), False),
+        (attention_review.SelfAttentionV2, tc.SelfAttentionV2, (5, 4), False),
+        (attention_review.MultiHeadAttentionOneModule, tc.MultiHeadAttentionOneModule, (5, 6, 3, 7), False),
+    ],
+    ids=["guide-self", "guide-causal", "guide-mha", "review-v2", "review-onemodule"],
+)
+def test_tutorial_variants_same_seed_same_numbers(ours_cls, theirs_cls, args, two_d_only):
+    ours, theirs = _pair(ours_cls, theirs_cls, args)
+    ours.eval(), theirs.eval()  # the guide's CausalAttention defaults to dropout 0.1
+    x = torch.randn(2, 7, 5)
+    expected = torch.stack([theirs(x[0]), theirs(x[1])]) if two_d_only else theirs(x)
+    torch.testing.assert_close(ours(x), expected, atol=1e-6, rtol=1e-5)
+    # and a state dict of the tutorial's class loads into ours (mask buffers dropped, names mapped)
+    other = theirs_cls(*args)
+    ours.load_state_dict(other.state_dict())
+    other.eval()
+    expected = torch.stack([other(x[0]), other(x[1])]) if two_d_only else other(x)
+    torch.testing.assert_close(ours(x), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_gpt_style_defaults_and_order_differ_from_attnlabs():
+    """The claim in attention.py's docstring ("same creation order, so the same numbers under the
+    tutorials' seeds") does not hold for the GPT-style guide: attnlab's CausalAttention under the
+    guide's seed is another model; the guide's variant is exact."""
+    x = torch.randn(2, 7, 5)
+    theirs = _pair(CausalAttention, tc.GuideCausalAttention, (5, 4, 7))[1].eval()
+    torch.manual_seed(11)
+    ours = CausalAttention(5, 4, 7).eval()
+    assert not torch.allclose(ours(x), theirs(x), atol=1e-4)
+    assert gpt_style.CausalAttention(5, 4, 7).dropout.p == 0.1 == tc.GuideCausalAttention(5, 4, 7).dropout.p
+    assert next(iter(gpt_style.CausalAttention(5, 4, 7).state_dict())) == "W_keys.weight"
+    # The guide's biased layers need qkv_bias=True in attnlab's classes.
+    torch.manual_seed(11)
+    unbiased = MultiHeadAttention(d_in=5, d_out=6, num_heads=3, context_length=7, dropout=0.0)
+    torch.manual_seed(11)
+    biased = MultiHeadAttention(d_in=5, d_out=6, num_heads=3, context_length=7, dropout=0.0, qkv_bias=True)
+    torch.manual_seed(11)
+    guide = tc.GuideMultiHeadAttention(5, 6, 3, 7, 0.0)
+    torch.testing.assert_close(biased(x), guide(x), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(unbiased(x), guide(x), atol=1e-4)
+
+
+@pytest.mark.parametrize(("d_in", "d_out", "heads"), [(12, 24, 3), (512, 768, 3), (6, 8, 2)])
+def test_exercise5_multi_head_is_a_wrapper_without_output_projection(d_in, d_out, heads):
+    with torch.device("meta"):
+        exercise = tc.MultiHeadAttentionReview(d_in, d_out, heads, 10)
+        ours = attention_review.MultiHeadAttention(d_in, d_out, heads, 10)
+        keyword = MultiHeadAttention(d_in=d_in, d_out=d_out, num_heads=heads, context_length=10)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    assert count(ours) == count(exercise) == 3 * d_in * d_out
+    assert count(keyword) == count(exercise) + d_out * d_out + d_out  # attnlab's adds out_proj
+    if (d_in, d_out) == (12, 24):
+        assert (count(exercise), count(keyword)) == (864, 1464)  # the issue's figures
+
+
+def test_exercise5_numbers_equal_the_wrapper_and_the_exercise():
+    x = torch.randn(2, 6, 12)
+    ours, theirs = _pair(attention_review.MultiHeadAttention, tc.MultiHeadAttentionReview, (12, 24, 3, 6))
+    torch.testing.assert_close(ours(x), theirs(x, d_out=8), atol=1e-6, rtol=1e-5)  # heads at their own scale
+    torch.manual_seed(11)
+    wrapper = MultiHeadAttentionWrapper(12, 8, 6, 0.0, num_heads=3)
+    torch.testing.assert_close(ours(x), wrapper(x))
+    out, w = ours(x[:, :4], return_weights=True)  # shorter than context_length: fine here
+    assert out.shape == (2, 4, 24) and w.shape == (2, 3, 4, 4)
+    # attnlab's MultiHeadAttention, by keyword, is a different function
+    torch.manual_seed(11)
+    keyword = MultiHeadAttention(d_in=12, d_out=24, num_heads=3, context_length=6)
+    assert not torch.allclose(keyword(x), ours(x), atol=1e-3)
+    with pytest.raises(ValueError, match="d_out must be divisible by num_heads"):
+        attention_review.MultiHeadAttention(12, 25, 3, 6)
+
+
+def test_one_module_state_dict_with_projection_loads_and_exposes_it():
+    theirs = tc.MultiHeadAttentionOneModule(6, 12, 3, 5)
+    ours = attention_review.MultiHeadAttentionOneModule(6, 12, 3, 5)
+    result = ours.load_state_dict(theirs.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    assert ours.projection is ours.out_proj and ours.d_head == 4
+    x = torch.randn(2, 5, 6)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-5)
+
+
+def test_implement_classes_hold_the_tutorials_weights_and_numbers():
+    """Created after the tutorial's embedding under its seed 42, attnlab.tutorials.implement holds
+    its W_q, W_k, W_v and the three heads' stacks, and computes its (row-normalised) attention."""
+    from tutorial_numbers import OMEGA_1_ALL, WEIGHTS_1, Z_1
+
+    torch.manual_seed(42)
+    ints = torch.tensor([6, 4, 7, 1, 0, 2, 4, 6])
+    embedded = torch.nn.Embedding(8, 16)(ints).detach()
+    single = implement.SelfAttention(16, 24, 24, 28)
+    heads = implement.MultiHeadSelfAttention(16, 24, 24, 28, 3)
+    torch.manual_seed(42)
+    torch.nn.Embedding(8, 16)
+    W = [torch.rand(24, 16), torch.rand(24, 16), torch.rand(28, 16)]
+    MW = [torch.rand(3, 24, 16), torch.rand(3, 24, 16), torch.rand(3, 28, 16)]
+    for p, w in zip((single.W_q, single.W_k, single.W_v, heads.W_q, heads.W_k, heads.W_v), W + MW, strict=True):
+        assert torch.equal(p, w)
+    with torch.no_grad():
+        z, weights = single(embedded, return_weights=True)
+        z_heads, w_heads = heads(embedded, return_weights=True)
+    omega_1_all = (embedded[0] @ single.W_q.T) @ (embedded @ single.W_k.T).T
+    torch.testing.assert_close(omega_1_all.double(), torch.tensor(OMEGA_1_ALL, dtype=torch.float64), atol=2e-4, rtol=0)
+    torch.testing.assert_close(weights[0].double(), torch.tensor(WEIGHTS_1, dtype=torch.float64), rtol=2e-4, atol=1e-35)
+    assert_printed(z[0], str(Z_1))
+    assert z.shape == (8, 28) and z_heads.shape == (3, 8, 28) and w_heads.shape == (3, 8, 8)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(8))
+    torch.testing.assert_close(w_heads.sum(-1), torch.ones(3, 8))
+    # each head of the stack is the single-head module with that head's matrices
+    for h in range(3):
+        one = implement.SelfAttention(16, 24, 24, 28)
+        one.load_state_dict({"W_q": heads.W_q[h], "W_k": heads.W_k[h], "W_v": heads.W_v[h]})
+        with torch.no_grad():
+            torch.testing.assert_close(one(embedded), z_heads[h])
+    with pytest.raises(ValueError, match="d_k must equal d_q"):
+        implement.SelfAttention(16, 24, 20, 28)
+
+
+def test_one_head_head_creates_key_query_value_in_the_tutorials_order():
+    from tutorial_numbers import HEAD_WEI
+
+    torch.manual_seed(1337)
+    x = torch.randn(4, 8, 32)
+    head = one_head.Head(32, 16, scale=1.0)
+    torch.manual_seed(1337)
+    torch.randn(4, 8, 32)
+    key, query, value = (torch.nn.Linear(32, 16, bias=False) for _ in range(3))  # the tutorial's order
+    for ours, theirs in ((head.key, key), (head.query, query), (head.value, value)):
+        assert torch.equal(ours.weight, theirs.weight)
+    with torch.no_grad():
+        out, wei = head(x, return_weights=True)
+    assert_printed(wei[0], str(HEAD_WEI))
+    assert out.shape == (4, 8, 16)
+    with torch.no_grad():  # the default scale is the paper's 1/sqrt(head_size); causal=False sees everything
+        scaled = one_head.Head(32, 16)
+        scaled.load_state_dict(head.state_dict())
+        torch.testing.assert_close(scaled(x), scaled_dot_product_attention(query(x), key(x), value(x), is_causal=True))
+        encoder = one_head.Head(32, 16, causal=False)
+        encoder.load_state_dict(head.state_dict())
+        assert (encoder(x, return_weights=True)[1] > 0).all()
+
+
+# =============================================================================================
+# Every number the tutorials print: reproduced (to the decimals printed) or listed in the docs
+# =============================================================================================
+def _values(got) -> list[float]:
+    if isinstance(got, torch.Tensor):
+        return [float(v) for v in got.detach().double().flatten().tolist()]
+    if isinstance(got, (list, tuple)):
+        return [float(v) for v in got]
+    return [float(got)]
+
+
+def test_every_printed_number_is_reproduced_or_listed():
+    """Each printed block is either reproduced by the lesson or call REPRODUCED names (every number,
+    to its printed decimals) or listed in docs/tutorial-numbers.md, with the reason; a number is
+    never in both, and the table lists only what the tutorials print."""
+    texts = tutorial_texts()
+    table = unreproduced_table((DOCS / "tutorial-numbers.md").read_text(encoding="utf-8"))
+    assert all(row.tutorial in TITLES and row.reason for row in table)
+    entries = {(r.tutorial, r.index): r for r in REPRODUCED}
+    assert len(entries) == len(REPRODUCED)  # no block mapped twice
+    problems, listed_blocks, total = [], [], 0
+    for title in TITLES:
+        for block in printed_blocks(texts[title]):
+            if not block.numbers:  # e.g. a printed boolean mask
+                continue
+            total += len(block.numbers)
+            entry = entries.pop((title, block.index), None)
+            if entry is None:
+                listed_blocks.append((title, block))
+                continue
+            if not block.text.startswith(entry.starts):
+                problems.append(f"{title} block {block.index} starts {block.text[:30]!r}, not {entry.starts!r}")
+                continue
+            got = _values(entry.get())
+            if block.truncated:
+                got = got[: len(block.numbers)]
+            if len(got) != len(block.numbers):
+                problems.append(
+                    f"{title} block {block.index} ({entry.how}): {len(got)} values, {len(block.numbers)} printed"
+                )
+                continue
+            last = len(block.numbers) - 1
+            bad = [
+                (p, round(g, 6))
+                for i, (g, p) in enumerate(zip(got, block.numbers, strict=True))
+                if not agrees(g, p, truncated=block.truncated and i == last, atol=entry.atol)
+            ]
+            if bad:
+                problems.append(f"{title} block {block.index} ({entry.how}): {bad[:4]}")
+    assert not entries, f"entries for blocks that do not exist: {sorted(entries)}"
+    # The blocks attnlab does not reproduce are exactly the table's rows (each row one block).
+    rows = list(table)
+    for title, block in listed_blocks:
+        match = next(
+            (r for r in rows if r.tutorial == title and block.text.startswith(r.starts) and r.numbers == block.numbers),
+            None,
+        )
+        if match is None:
+            problems.append(f"{title} block {block.index} {block.text[:40]!r}: neither reproduced nor in the table")
+        else:
+            rows.remove(match)
+    assert not rows, f"rows of the table that match no unreproduced printed block: {rows}"
+    assert not problems, "\n".join(problems)
+    assert total > 2000  # every tensor, whole: not a sample

@@ -1,15 +1,21 @@
-"""Attention modules with the tutorials' names, signatures and numbers, on a fused core.
+"""Attention modules with the tutorials' names, on a fused core.
 
-The classes keep the tutorials' constructor signatures and parameter names (``W_query``,
-``W_key``, ``W_value``, ``out_proj``) and create their parameters in the same order with the same
-initialisation, so under the tutorials' ``torch.manual_seed`` calls they print the same numbers.
-Underneath, every forward pass goes through :func:`attnlab.functional.scaled_dot_product_attention`,
-which uses torch's fused kernel whenever the attention weights are not requested.
+The classes are those of "A simple self-attention mechanism": its signatures and defaults (plus
+``dropout=0.0``), its parameter names (``W_query``, ``W_key``, ``W_value``, ``out_proj``), created in
+its order with its initialisation, so under its ``torch.manual_seed`` calls they print its numbers.
+The other tutorials' classes of the same names differ (the GPT-style guide's ``CausalAttention``
+creates ``W_keys`` first and defaults to ``dropout=0.1``; its and the exercises' projections are
+biased, ``qkv_bias=True`` here; Exercise 5's ``MultiHeadAttention`` has no output projection):
+:mod:`attnlab.tutorials` has each variant exactly. Underneath, every forward pass goes through
+:func:`attnlab.functional.scaled_dot_product_attention`, which uses torch's fused kernel whenever
+the attention weights are not requested.
 
 Argument order: the tutorials disagree. "A simple self-attention mechanism" uses
 ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)``, which attnlab follows; the
-GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments work
-for all of them: ``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``.
+GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments give
+the right argument order, not the same model:
+``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``; see
+:mod:`attnlab.tutorials` for each tutorial's own classes.
 """
 
 from __future__ import annotations
@@ -507,7 +513,7 @@ def _and_mask(a: Tensor | None, b: Tensor | None) -> Tensor | None:
 class MultiHeadAttention(_DropsTutorialMask):
     """Multi-head attention: one projection split into ``num_heads`` heads, then ``out_proj``.
 
-    The tutorials' class, and the production module. Parameters ``W_query``, ``W_key``,
+    The class of "A simple self-attention mechanism", and the production module. Parameters ``W_query``, ``W_key``,
     ``W_value`` and ``out_proj`` are created in the tutorial's order; in self-attention the three
     input projections run as one fused matmul.
 

@@ -85,7 +85,11 @@ class SamplingConfig:
         # Subtract each row's maximum first: then dividing by a tiny temperature sends the other logits
         # towards -inf, never the best one to +inf (which would make the softmax NaN).
         logits = logits.float()  # (B, V)
-        logits = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature  # (B, V), max 0
+        logits = logits - logits.amax(dim=-1, keepdim=True)  # (B, V), max 0
+        if self.temperature >= torch.finfo(torch.float32).tiny:
+            logits = logits / self.temperature
+        else:  # float32 cannot hold the temperature (it would divide by 0): below the max is -inf
+            logits = logits.masked_fill(logits < 0, float("-inf"))
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -94,6 +98,7 @@ class SamplingConfig:
             probs = torch.softmax(sorted_logits, dim=-1)
             # Drop a token when the tokens *before* it already reach top_p (the first always stays).
             drop = (probs.cumsum(dim=-1) - probs) >= self.top_p  # (B, V)
+            drop[:, 0] = False  # even where float32 rounds a tiny top_p to 0
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return logits

@@ -202,16 +202,8 @@ def gpt2_to_attnlab(
     drop_rate: float | None = None,
     hf_config: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face GPT-2 (see :meth:`attnlab.GPT.from_hf_gpt2`).
-
-    Args:
-        model_or_state_dict: a ``transformers.GPT2LMHeadModel`` or ``GPT2Model``, or a state dict of
-            one (keys with or without the ``transformer.`` prefix, e.g. a hub ``model.safetensors``).
-        n_heads: heads per layer. Read from the model's config; a bare state dict does not record
-            it, so it defaults to ``emb_dim // 64`` (true of every published GPT-2).
-        drop_rate: dropout for training the converted model (default: the HF config's, or 0.1).
-        hf_config: for a bare state dict, its ``GPT2Config`` or the dict of its ``config.json``
-            (gives ``n_head``, ``layer_norm_epsilon``, ...).
+    """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face GPT-2; the arguments are those of
+    :meth:`attnlab.GPT.from_hf_gpt2`, which builds the model from what this returns.
 
     Returns:
         The configuration fields and a state dict of own, contiguous tensors (the source keeps its

@@ -143,7 +143,121 @@ class MultiHeadAttention(nn.Module):
         return context_vec
 
 
+# ---------------------------------------------------------------- "Implementing GPT-Style Attention"
+class GuideSelfAttention(nn.Module):
+    """``SelfAttention`` of "Implementing GPT-Style Attention: A Step-by-Step Guide with PyTorch", verbatim.
+
+    Its ``nn.Linear`` layers keep the default ``bias=True``. 2-D inputs only (uses ``keys.T``).
+    """
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.W_query = nn.Linear(d_in, d_out)
+        self.W_key = nn.Linear(d_in, d_out)
+        self.W_value = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        queries = self.W_query(x)
+        keys = self.W_key(x)
+        values = self.W_value(x)
+        attn_scores = queries @ keys.T
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        context_vecs = attn_weights @ values
+        return context_vecs
+
+
+class GuideCausalAttention(nn.Module):
+    """``CausalAttention`` of the GPT-style guide, verbatim.
+
+    It creates ``W_keys`` (with an s) *before* ``W_query``, and its ``dropout`` defaults to 0.1.
+    """
+
+    def __init__(self, d_in, d_out, context_length, dropout=0.1, qkv_bias=False):
+        super().__init__()
+        self.W_keys = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        b, num_tokens, d_in = x.shape
+        keys = self.W_keys(x)
+        query = self.W_query(x)
+        values = self.W_value(x)
+        att_scores = query @ keys.transpose(1, 2)
+        att_scores.masked_fill_(self.mask.bool()[:num_tokens, :num_tokens], -torch.inf)
+        attn_weights = torch.softmax(att_scores / keys.shape[-1] ** 0.5, dim=-1)
+        attn_weights = self.dropout(attn_weights)
+        context_vec = attn_weights @ values
+        return context_vec
+
+
+class GuideMultiHeadAttention(nn.Module):
+    """``MultiHeadAttention`` of the GPT-style guide, verbatim: ``num_heads`` third, biased
+    projections (``nn.Linear``'s default), no default for ``dropout``."""
+
+    def __init__(self, d_in, d_out, num_heads, context_length, dropout):
+        super().__init__()
+        assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
+        self.d_in = d_in
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out)
+        self.W_key = nn.Linear(d_in, d_out)
+        self.W_value = nn.Linear(d_in, d_out)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        batch_size, num_tokens, d_in = x.shape
+        keys = self.W_key(x)
+        queries = self.W_query(x)
+        values = self.W_value(x)
+        keys = keys.view(batch_size, num_tokens, self.num_heads, self.head_dim)
+        queries = queries.view(batch_size, num_tokens, self.num_heads, self.head_dim)
+        values = values.view(batch_size, num_tokens, self.num_heads, self.head_dim)
+        keys = keys.transpose(1, 2)
+        queries = queries.transpose(1, 2)
+        values = values.transpose(1, 2)
+        attn_scores = queries @ keys.transpose(2, 3)
+        mask_bool = self.mask.bool()[:num_tokens, :num_tokens]
+        attn_scores.masked_fill_(mask_bool, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        attn_weights = self.dropout(attn_weights)
+        context_vec = attn_weights @ values
+        context_vec = context_vec.transpose(1, 2)
+        context_vec = context_vec.contiguous().view(batch_size, num_tokens, -1)
+        context_vec = self.out_proj(context_vec)
+        return context_vec
+
+
 # ---------------------------------------------------------------- the attention-review exercises
+class SelfAttentionV2(nn.Module):
+    """``SelfAttentionV2`` of the attention-review exercises ("Attention Review", In [2]), verbatim.
+
+    Its ``nn.Linear`` layers keep the default ``bias=True``; batched inputs ``(B, N, d_in)`` only.
+    """
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.d_in = d_in
+        self.d_out = d_out
+        self.W_query = nn.Linear(d_in, d_out)
+        self.W_key = nn.Linear(d_in, d_out)
+        self.W_value = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        Q = self.W_query(x)
+        K = self.W_key(x)
+        V = self.W_value(x)
+        QKT = Q @ K.transpose(1, 2)
+        A = torch.softmax(QKT / (self.d_out**0.5), dim=-1)
+        context_vector = A @ V
+        return context_vector
+
+
 class CausalAttentionReview(nn.Module):
     """``CausalAttention`` of the attention-review exercises (Exercise 3), verbatim.
 
@@ -175,6 +289,34 @@ class CausalAttentionReview(nn.Module):
         attention_probs = torch.softmax(attention_scores / (d_out**0.5), dim=-1)
         attention_probs = self.dropout(attention_probs)
         return attention_probs @ V
+
+
+class MultiHeadAttentionReview(nn.Module):
+    """``MultiHeadAttention`` of the attention-review exercises (Exercise 5), verbatim.
+
+    A wrapper: ``num_heads`` exercise ``CausalAttention`` heads of width ``d_out // num_heads``,
+    concatenated, with *no* output projection (attnlab's ``MultiHeadAttention`` has one). Its
+    heads scale by the global ``d_out`` (see :class:`CausalAttentionReview`): ``forward(x, d_out=100)``
+    reproduces the notebook, where that global is still 100 from Exercise 2.
+    """
+
+    def __init__(self, d_in, d_out, num_heads, context_length, dropout=0.0, qkv_bias=False):
+        super().__init__()
+        self.d_in = d_in
+        self.d_out = d_out
+        self.num_heads = num_heads
+        self.d_head = d_out // num_heads
+        self.heads = nn.ModuleList(
+            [
+                CausalAttentionReview(
+                    d_in=d_in, d_out=self.d_head, context_length=context_length, dropout=dropout, qkv_bias=qkv_bias
+                )
+                for _ in range(num_heads)
+            ]
+        )
+
+    def forward(self, x, d_out=None):
+        return torch.cat([head(x, d_out=d_out) for head in self.heads], dim=-1)
 
 
 class MultiHeadAttentionOneModule(nn.Module):

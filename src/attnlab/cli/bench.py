@@ -8,11 +8,20 @@ from pathlib import Path
 
 import torch
 
-from attnlab.tools.bench import BenchConfig, run_all, write_report
-from attnlab.tools.bench.harness import positive_int
+from attnlab.tools.bench import BenchConfig, require_plotting, run_all, write_report
 
 
-# --------------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type of ``attnlab bench``'s and the benchmark scripts' counts and sizes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]
@@ -94,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
+    require_plotting()  # before the minutes of measuring, not after them
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -13,7 +13,15 @@ as they are complete, each flushed at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+
+import torch
+
+from attnlab.checks import resolve_device
+from attnlab.generation import SamplingConfig
+from attnlab.tokenizers import StreamDecoder
+from attnlab.tools.loading import load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,27 +59,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole window per token (no KV cache)")
 
 
-def _check(args: argparse.Namespace) -> None:
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
+_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"}
+
+
+def _sampling(args: argparse.Namespace) -> SamplingConfig:
+    """The sampling flags as one :class:`SamplingConfig`, after the other flags' range checks;
+    every error names its flag."""
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.seed is not None and args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    try:
+        return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as exc:  # "top_k must be ...": name the flag instead of the field
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"{_FLAGS.get(field, field)} {rest}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from attnlab.checks import resolve_device
-    from attnlab.tokenizers import StreamDecoder
-    from attnlab.tools.loading import load_model
-
-    _check(args)
+    sampling = _sampling(args)
     device = resolve_device(args.device)
     loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
     tok, model = loaded.tokenizer, loaded.model
@@ -86,17 +93,9 @@ def run(args: argparse.Namespace) -> int:
     out.write(args.prompt)
     out.flush()
     dec = StreamDecoder(tok)
-    stream = model.stream(
-        idx,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        use_cache=not args.no_cache,
-        generator=gen,
-    )
-    for token in stream:  # (1,) per step
-        piece = dec.push(int(token[0]))
+    settings = dataclasses.asdict(sampling)
+    for token in model.stream(idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen):
+        piece = dec.push(int(token[0]))  # token: (1,)
         if piece:
             out.write(piece)
             out.flush()

@@ -19,8 +19,11 @@ import dataclasses
 import sys
 from typing import Any
 
+import torch
+
 from attnlab.training.allocator import tune_cpu_allocator
-from attnlab.training.trainer import TINY_LR, TrainConfig
+from attnlab.training.config import TINY_LR, TrainConfig
+from attnlab.training.trainer import SAMPLE_SETTINGS, Trainer
 
 _D = TrainConfig()
 
@@ -185,10 +188,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from attnlab.training.trainer import Trainer
-
     cfg, given = config_from_args(args)
     if args.malloc_tuning:
         tune_cpu_allocator()
@@ -197,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, given=given)
         result = trainer.fit(sample=False)  # sampled below, after the summary, as it is generated
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     cfg = trainer.cfg  # with the checkpoint's settings on --resume
     if result.interrupted:
         return 128 + int(result.interrupted)
@@ -209,12 +208,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr)
     prompt = trainer.sample_prompt(cfg.sample_prompt)
     if cfg.sample_tokens > 0:
-        if prompt != cfg.sample_prompt:
-            print(f"(the tokenizer cannot encode the prompt {cfg.sample_prompt!r}; using {prompt!r})", file=sys.stderr)
-        print(f"--- sample ({cfg.sample_tokens} tokens, temperature 0.8, top-k 40) ---", file=sys.stderr, flush=True)
-        print(prompt, end="", flush=True)
-        trainer.sample(prompt, cfg.sample_tokens, on_text=lambda piece: print(piece, end="", flush=True))
-        print(flush=True)
-        print("---", file=sys.stderr)
+        _print_sample(trainer, prompt)
     print(f"generate more: attnlab generate --checkpoint {result.out} --prompt {prompt!r}", file=sys.stderr)
     return 0
+
+
+def _print_sample(trainer: Trainer, prompt: str) -> None:
+    """Stream the trainer's sample of ``prompt`` to stdout, framed on stderr."""
+    cfg, s = trainer.cfg, SAMPLE_SETTINGS
+    if prompt != cfg.sample_prompt:
+        print(f"(the tokenizer cannot encode the prompt {cfg.sample_prompt!r}; using {prompt!r})", file=sys.stderr)
+    what = f"{cfg.sample_tokens} tokens, temperature {s.temperature:g}, top-k {s.top_k}"
+    print(f"--- sample ({what}) ---", file=sys.stderr, flush=True)
+    print(prompt, end="", flush=True)
+    trainer.sample(prompt, cfg.sample_tokens, s, on_text=lambda piece: print(piece, end="", flush=True))
+    print(flush=True)
+    print("---", file=sys.stderr)

@@ -27,6 +27,8 @@ import platform
 import sys
 from typing import NamedTuple
 
+from attnlab.checks import is_int
+
 # mallopt() parameter numbers, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -58,7 +60,7 @@ def tune_cpu_allocator(
     ``GLIBC_TUNABLES=glibc.malloc...``), or off Linux/glibc.
     """
     for name, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        if not is_int(value) or not 0 < value < 2**31:
             raise ValueError(f"{name} must be an int in [1, 2**31), got {value!r}")
     if os.environ.get("ATTNLAB_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
         return AllocatorTuning(False, "turned off by ATTNLAB_MALLOC_TUNING")

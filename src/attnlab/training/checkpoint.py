@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import io
-import numbers
 import os
 import random
 import re
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnlab.checks import is_int
 from attnlab.files import atomic_write_bytes, atomic_write_json, current_umask, fsync_dir, read_json, sha256_file
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "get_rng_state",
     "has_checkpoint",
     "load_checkpoint",
+    "read_latest",
     "read_metadata",
     "save_checkpoint",
     "set_rng_state",
@@ -156,17 +157,17 @@ def save_checkpoint(
     Returns the new step directory. Saving a step that ``latest.json`` already names is a no-op
     (the state at a given step is the same state).
     """
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    if not is_int(keep) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # as load_checkpoint demands
+    if not is_int(step) or step < 0:  # as load_checkpoint demands
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    step = int(step)  # e.g. a numpy integer
+    step, keep = int(step), int(keep)  # e.g. numpy integers
     out = Path(out_dir)
     ckpts = out / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
     name = step_dirname(step)
     final = ckpts / name
-    latest = _read_latest(out) if (out / LATEST_NAME).is_file() else None
+    latest = read_latest(out) if (out / LATEST_NAME).is_file() else None
     if latest is not None and latest.get("path") == f"{CHECKPOINTS_DIR}/{name}" and final.is_dir():
         return final
 
@@ -174,22 +175,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckpts))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: give it a plain mkdir's permissions
     try:
-        model.save(tmp)  # model.safetensors + config.json, each written atomically
-        files = ["model.safetensors", "config.json"]
-        if optimizer is not None:
-            buf = io.BytesIO()
-            torch.save(optimizer.state_dict(), buf)
-            atomic_write_bytes(tmp / OPTIMIZER_NAME, buf.getvalue())
-            files.append(OPTIMIZER_NAME)
-        meta = dict(metadata)
-        meta.update(
-            format=FORMAT,
-            version=VERSION,
-            step=int(step),
-            files={f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
-        )
-        atomic_write_json(tmp / CHECKPOINT_NAME, meta)
-        fsync_dir(tmp)
+        _write_step_dir(tmp, step, model, optimizer, metadata)
         # 2. Move it into place. A directory of that name can only be debris of a run killed
         #    between this rename and the pointer switch (latest.json does not name it): replace it.
         if final.exists():
@@ -200,12 +186,44 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # 3. The commit point: switch the pointer.
-    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": int(step), "path": f"{CHECKPOINTS_DIR}/{name}"})
-    # 4. Only now forget old checkpoints and debris. A step directory at or past this step that
-    #    latest.json does not name was renamed into place by a run killed before its pointer
-    #    switch (or a run this one resumed before): it is not part of this run's history. Of the
-    #    older ones keep the newest keep - 1, by step number (not by name: names may be wider
-    #    than 8 digits or hand-made).
+    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{name}"})
+    # 4. Only now forget old checkpoints and debris.
+    _prune_step_dirs(ckpts, final, step, keep)
+    return final
+
+
+def _write_step_dir(
+    d: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: dict[str, Any]
+) -> None:
+    """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
+    sizes and hashes) last; ``d`` itself fsynced."""
+    model.save(d)  # model.safetensors + config.json
+    files = ["model.safetensors", "config.json"]
+    if optimizer is not None:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        atomic_write_bytes(d / OPTIMIZER_NAME, buf.getvalue())
+        files.append(OPTIMIZER_NAME)
+    meta = dict(metadata)
+    meta.update(
+        format=FORMAT,
+        version=VERSION,
+        step=step,
+        files={f: {"bytes": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in files},
+    )
+    atomic_write_json(d / CHECKPOINT_NAME, meta)
+    fsync_dir(d)
+
+
+def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
+    """Remove from ``ckpts`` every step directory but ``final`` and the newest ``keep - 1`` before
+    it, and the debris of interrupted saves.
+
+    A step directory at or past ``step`` that ``latest.json`` does not name was renamed into place
+    by a run killed before its pointer switch (or a run this one resumed before): it is not part of
+    this run's history. The older ones are ordered by step number (not by name: names may be wider
+    than 8 digits or hand-made).
+    """
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
         s = _step_of(p)
@@ -220,7 +238,6 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     for debris in ckpts.glob(".tmp-step-*"):
         shutil.rmtree(debris, ignore_errors=True)
-    return final
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,8 +254,10 @@ class Checkpoint:
     optimizer_state: dict[str, Any] | None
 
 
-def _read_latest(out: Path) -> dict[str, Any]:
-    p = out / LATEST_NAME
+def read_latest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint pointer ``latest.json`` of the training directory ``out_dir`` (its ``step``
+    and the ``path`` of the step directory); ValueError naming the file when it is corrupt."""
+    p = Path(out_dir) / LATEST_NAME
     latest = read_json(p, "checkpoint pointer")
     if not isinstance(latest, dict) or not isinstance(latest.get("path"), str):
         raise ValueError(f"checkpoint pointer {p} is corrupt (no 'path' entry)")
@@ -263,7 +282,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     if (p / CHECKPOINT_NAME).exists():
         return p
     if (p / LATEST_NAME).exists():
-        pointer = _read_latest(p)["path"]
+        pointer = read_latest(p)["path"]
         # attnlab only ever writes a relative "checkpoints/step-N" here; an absolute path or ".."
         # is a hand-edited or tampered pointer. (The string is checked, not the resolved path:
         # checkpoints/ may well be a symlink to another disk.)
@@ -276,22 +295,18 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"no checkpoint in {p} (expected {LATEST_NAME} or {CHECKPOINT_NAME})")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_metadata(meta: Any, where: Path) -> dict[str, Any]:
     """The structure of ``checkpoint.json``: a hand-edited or foreign file gives a ValueError
     naming it and the bad entry, never a TypeError from deep inside the loader."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{where} is not an attnlab checkpoint (format entry missing)")
     version = meta.get("version")
-    if not _is_int(version) or version < 1:
+    if not is_int(version) or version < 1:
         raise ValueError(f"{where}: 'version' must be a positive integer, got {version!r}")
     if version > VERSION:
         raise ValueError(f"{where} has format version {version}; this attnlab reads <= {VERSION}")
     step = meta.get("step")
-    if not _is_int(step) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
     files = meta.get("files")
     if not isinstance(files, dict):
@@ -301,7 +316,7 @@ def _check_metadata(meta: Any, where: Path) -> dict[str, Any]:
         # (or hash) files elsewhere.
         if not name or name == "." or "/" in name or "\\" in name or ".." in name:
             raise ValueError(f"{where}: file name {name!r} in 'files' must be a plain name inside the step directory")
-        if not isinstance(info, dict) or not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
+        if not isinstance(info, dict) or not is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
             raise ValueError(f"{where}: files[{name!r}] must be {{'bytes': int, 'sha256': str}}, got {info!r}")
     return meta
 

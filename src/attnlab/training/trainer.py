@@ -13,10 +13,7 @@ Exact resume. Batch ``step`` is a pure function of ``(seed, step)`` (see
 :class:`~attnlab.data.RandomWindowBatches`), and a checkpoint carries the weights, the optimizer
 state and every RNG state (dropout draws from torch's CPU, CUDA or MPS generator), so on the same
 device a run resumed from step ``k`` computes bit-for-bit the losses of a run that never stopped.
-
-Resuming (``resume=True`` with a checkpoint in ``out``): the settings the caller did not set are
-taken from the checkpoint's; the ones in :attr:`TrainConfig.FIXED_ON_RESUME` (model, data,
-tokenizer, seed, ...) must not differ from it. This holds for the CLI and the Python API alike.
+Which settings a resumed run takes from its checkpoint: see :mod:`attnlab.training.config`.
 
 Distributed. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the
 model is wrapped in ``DistributedDataParallel`` (NCCL on CUDA, Gloo on CPU). ``batch_size`` is the
@@ -48,169 +45,31 @@ from typing import Any
 
 import torch
 
-from attnlab.checks import resolve_device
-from attnlab.data import builtin_corpus, check_text_file
+from attnlab import data  # the module: its functions are looked up when called (tests replace some)
+from attnlab.checks import is_int, is_real, resolve_device
 from attnlab.files import atomic_write_text, sha256_file
+from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
-from attnlab.tokenizers import StreamDecoder
+from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import (
-    _read_latest,
+    Checkpoint,
     get_rng_state,
     has_checkpoint,
     load_checkpoint,
+    read_latest,
     read_metadata,
     save_checkpoint,
     set_rng_state,
 )
+from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
+from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "default_lr", "lr_at", "train"]
+__all__ = ["SAMPLE_SETTINGS", "TrainResult", "Trainer", "train"]
 
 METRICS_NAME = "metrics.jsonl"
 
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-@dataclass
-class TrainConfig:
-    """Everything ``attnlab train`` needs (the CLI flags, one field each).
-
-    The defaults are tuned so that ``attnlab train`` with no flags trains the ``tiny`` preset on
-    the built-in corpus in under four minutes on a 2-core CPU (see the README for the figures).
-    """
-
-    data: str | None = None  # UTF-8 text file; None = the built-in corpus (pydoc_data.topics)
-    tokenizer: str = "byte"  # byte | char | gpt2
-    bpe_dir: str | None = None  # gpt2: directory with encoder.json + vocab.bpe
-    preset: str = "tiny"
-    context_length: int | None = None  # None: 64 for tiny (tuned), else the preset's
-    dropout: float | None = None  # None = the preset's drop_rate
-    batch_size: int = 32  # global rows per optimizer step (over all processes and micro-steps)
-    grad_accum: int = 1
-    max_steps: int = 800
-    lr: float | None = None  # None: see default_lr()
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = no clipping
-    val_fraction: float = 0.1
-    eval_every: int = 200
-    eval_batches: int = 20
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    seed: int = 1337
-    out: str = "runs/attnlab"
-    resume: bool = False
-    device: str = "auto"
-    compile: bool = False
-    sample_tokens: int = 200
-    sample_prompt: str = "The "
-    progress: bool = True
-
-    # Settings a resumed run must keep (they define the model, its data or its batch sequence).
-    FIXED_ON_RESUME = ("data", "tokenizer", "preset", "context_length", "dropout", "seed", "val_fraction")
-
-    def validate(self) -> None:
-        """ValueError naming the flag for any setting out of range (before any work is done)."""
-
-        def pos_int(name: str) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "checkpoint_every"):
-            pos_int(name)
-        pos_int("keep_checkpoints")
-        if self.context_length is not None:
-            pos_int("context_length")
-        for name in ("warmup_steps", "sample_tokens", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
-        for name in ("weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a non-negative number, got {v!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.dropout is not None and not 0 <= self.dropout < 1:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if self.tokenizer not in ("byte", "char", "gpt2"):
-            raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of: byte, char, gpt2")
-        canonical_preset(self.preset)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    def explicit_fields(self) -> set[str]:
-        """Names of the settings that differ from the defaults (what a caller evidently set)."""
-        default = TrainConfig()
-        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)}
-
-    def resumed(
-        self, saved: dict[str, Any], given: Iterable[str] | None = None, *, source: str = "the checkpoint"
-    ) -> TrainConfig:
-        """This run's settings when it continues a checkpoint whose settings were ``saved``.
-
-        ``given`` names the settings the caller set (default: :meth:`explicit_fields`); they are
-        kept, every other one comes from ``saved``. A setting in :attr:`FIXED_ON_RESUME` that was
-        given and differs from the saved one is a ValueError naming it. ``out`` and ``resume``
-        are always this run's.
-        """
-        given = self.explicit_fields() if given is None else set(given)
-        old = TrainConfig.from_dict(saved)
-        for name in self.FIXED_ON_RESUME:
-            if name in given and not _same_setting(name, getattr(self, name), getattr(old, name)):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)!r} differs from "
-                    f"{_shown(name, getattr(old, name))} of {source}; a resumed run keeps it (start a new --out "
-                    "to change it)"
-                )
-        keep = given | {"out", "resume"}
-        names = {f.name for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{k: getattr(old, k) for k in names if k in saved and k not in keep})
-
-
-def canonical_preset(name: Any) -> str:
-    """The preset ``name`` means, as listed by :meth:`GPTConfig.presets` (case and the aliases
-    such as ``gpt2`` normalised); ValueError naming ``--preset`` for an unknown one."""
-    try:
-        config = GPTConfig.preset(name)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--preset: {exc}") from None
-    return next(p for p in GPTConfig.presets() if GPTConfig.preset(p) == config)
-
-
-def _same_setting(name: str, a: Any, b: Any) -> bool:
-    if name == "preset":
-        try:
-            return canonical_preset(a) == canonical_preset(b)
-        except ValueError:
-            return a == b
-    if name == "data":
-        return absolute_path(a) == absolute_path(b)
-    return a == b
-
-
-def _shown(name: str, value: Any) -> str:
-    return "the built-in corpus" if name == "data" and value is None else f"the {value!r}"
-
-
-def absolute_path(path: str | None) -> str | None:
-    """``path`` made absolute (``~`` expanded, symlinks resolved), so that a checkpoint names the
-    same file whatever directory a resumed run, ``generate`` or ``viz`` is started from."""
-    return str(Path(path).expanduser().resolve()) if path else path
+# How the sample printed after training is drawn.
+SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=40)
 
 
 @dataclass
@@ -230,59 +89,6 @@ class TrainResult:
 # --------------------------------------------------------------------------------------------
 # Pieces
 # --------------------------------------------------------------------------------------------
-def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up from ``lr / warmup_steps``
-    to ``lr`` over ``warmup_steps`` steps, then a half cosine down to ``lr * min_lr_ratio`` at
-    ``max_steps``."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    min_lr = lr * min_lr_ratio
-    span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-# Peak lr of the tiny preset, tuned on the built-in corpus (swept 1e-3 to 6e-3 at 800 steps: 2e-3 best).
-TINY_LR = 2e-3
-
-
-def default_lr(emb_dim: int) -> float:
-    """Peak learning rate used when --lr is not given: the tuned value for small models, else
-    the GPT-3 paper's (Brown et al. 2020, table 2.1) for the nearest GPT-2 width."""
-    if emb_dim <= 256:
-        return TINY_LR
-    for width, lr in ((768, 6e-4), (1024, 3e-4), (1280, 2.5e-4)):
-        if emb_dim <= width:
-            return lr
-    return 2e-4
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _dist_from_env() -> _Dist:
-    """torchrun's environment (RANK / WORLD_SIZE / LOCAL_RANK); one process when absent."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        return _Dist()
-    return _Dist(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-    )
-
-
 class _MetricsLog:
     """``metrics.jsonl``, one JSON line per step; every line flushed and fsynced as written.
 
@@ -299,7 +105,7 @@ class _MetricsLog:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= keep_up_to:
+                if isinstance(rec, dict) and is_int(rec.get("step")) and rec["step"] <= keep_up_to:
                     kept.append(line)
         atomic_write_text(path, "".join(x + "\n" for x in kept))
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -359,9 +165,23 @@ class Trainer:
         resume, every other setting comes from the checkpoint; None means "those that differ
         from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
         config.validate()
-        self.dist = _dist_from_env()
+        self.dist = DistEnv.from_environ()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
+        self.cfg = self._run_config(config, given)
+        self.device = resolve_device(self.cfg.device, self.dist.local_rank)
+        self._owns_process_group = False
+        try:
+            self._setup()
+        except BaseException:
+            # Errors after init_process_group (a bad file, a batch size that does not divide)
+            # must not leave the group behind (torchrun would hang on the other ranks' exit).
+            self.close()
+            raise
+
+    def _run_config(self, config: TrainConfig, given: Iterable[str] | None) -> TrainConfig:
+        """``config`` as this run uses it: on resume, merged with the checkpoint's settings
+        (:meth:`TrainConfig.resumed`)."""
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} exists and is not a directory")
         if config.resume and has_checkpoint(self.out):
@@ -372,18 +192,10 @@ class Trainer:
                 raise ValueError(f"the checkpoint in {self.out} has no valid 'train_config' entry")
             config = config.resumed(saved, given, source=f"the checkpoint in {self.out}")
             config.validate()
-        # After resumed(): a checkpoint from before paths were recorded absolute gets them too.
-        config = dataclasses.replace(config, data=absolute_path(config.data), bpe_dir=absolute_path(config.bpe_dir))
-        self.cfg = config
-        self.device = resolve_device(config.device, self.dist.local_rank)
-        self._owns_process_group = False
-        try:
-            self._setup()
-        except BaseException:
-            # Errors after init_process_group (a bad file, a batch size that does not divide)
-            # must not leave the group behind (torchrun would hang on the other ranks' exit).
-            self.close()
-            raise
+        # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
+        # paths were recorded absolute gets them too.
+        paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
+        return TrainConfig.from_dict(config.to_dict() | paths)
 
     def close(self) -> None:
         """Destroy the process group this trainer created (a no-op otherwise)."""
@@ -398,84 +210,105 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from attnlab.data import RandomWindowBatches, tokenize_to_cache, train_val_split
-        from attnlab.tokenizers import get_tokenizer, tokenizer_from_dict
+        """Build everything the loop needs, in this order (a resumed run from its checkpoint)."""
+        self._init_distributed()
+        ckpt = self._load_resume_checkpoint()
+        self.tokenizer = self._build_tokenizer(ckpt)
+        self.data_sha256 = self._data_sha256()
+        self._verify_data(ckpt)
+        train_tokens, val_tokens = self._load_tokens()
+        self._build_model(ckpt)  # also settles cfg's preset-dependent defaults
+        self._build_batches(train_tokens, val_tokens)
+        self.optimizer = self.raw_model.configure_optimizer(
+            weight_decay=self.cfg.weight_decay, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2)
+        )
+        self._restore_state(ckpt)
+        self._wrap_model()
 
-        cfg, d = self.cfg, self.dist
-        if d.enabled and not torch.distributed.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            torch.distributed.init_process_group(backend=backend)
-            self._owns_process_group = True
+    def _init_distributed(self) -> None:
+        """Under torchrun, join the process group; on CUDA, allow TF32 matmuls."""
+        if self.dist.enabled:
+            self._owns_process_group = start_process_group(self.device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        ckpt = None
-        if cfg.resume and has_checkpoint(self.out):
-            ckpt = load_checkpoint(self.out, device=self.device)
-        elif cfg.resume:
+    def _load_resume_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint to continue (``--resume`` with one in ``out``), else None; refuses to
+        start a new run over an existing checkpoint."""
+        if self.cfg.resume and has_checkpoint(self.out):
+            return load_checkpoint(self.out, device=self.device)
+        if self.cfg.resume:
             self.log(f"--resume: no checkpoint in {self.out} yet, starting a new run")
         elif has_checkpoint(self.out):
-            step = _read_latest(self.out).get("step", "?")  # a corrupt pointer: an error naming it
+            step = read_latest(self.out).get("step", "?")  # a corrupt pointer: an error naming it
             raise ValueError(
                 f"{self.out} already holds a checkpoint (step {step}); pass --resume to continue it, "
                 "or choose another --out (or delete it) to start over"
             )
+        return None
 
-        # Tokenizer: a resumed run decodes/encodes exactly as it did before.
+    def _build_tokenizer(self, ckpt: Checkpoint | None) -> Tokenizer:
+        """A resumed run decodes/encodes exactly as it did before."""
+        cfg = self.cfg
         if ckpt is not None:
-            tok = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=cfg.bpe_dir)
-        elif cfg.tokenizer == "char":
-            tok = get_tokenizer("char", text=None if cfg.data else builtin_corpus(), path=cfg.data)
-        else:
-            tok = get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
-        self.tokenizer = tok
-        # What the text was, so a resumed run can tell that it sees the same text.
-        if cfg.data is None:
-            self.data_sha256 = hashlib.sha256(builtin_corpus().encode("utf-8")).hexdigest()
-        else:
-            self.data_sha256 = sha256_file(check_text_file(cfg.data))
-        saved_sha256 = ckpt.metadata.get("data", {}).get("sha256") if ckpt is not None else None
-        if saved_sha256 is not None and saved_sha256 != self.data_sha256:
-            sums = f"SHA-256 {saved_sha256[:12]}... then, {self.data_sha256[:12]}... now"
-            if cfg.data:
-                why = f"the data file {cfg.data} has changed since the checkpoint in {self.out} was written ({sums})"
-                fix = "restore it, or start a new --out"
-            else:  # pydoc_data.topics differs between Python releases
-                why = f"the built-in corpus (this Python's documentation) differs from the checkpoint's ({sums})"
-                fix = f"resume with the Python {self.out} was trained with, or start a new --out"
-            raise ValueError(f"{why}; a resumed run must see the same text: {fix}")
-        tokens = tokenize_to_cache(cfg.data, tok, content_hash=self.data_sha256 if cfg.data else None)
-        train_tokens, val_tokens = train_val_split(tokens, cfg.val_fraction)
+            return tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=cfg.bpe_dir)
+        if cfg.tokenizer == "char":
+            return get_tokenizer("char", text=None if cfg.data else data.builtin_corpus(), path=cfg.data)
+        return get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
 
-        # Model: built on every rank from the same seed (DDP also broadcasts rank 0's weights).
-        torch.manual_seed(cfg.seed)
+    def _data_sha256(self) -> str:
+        """What the text is, so a resumed run can tell that it sees the same text."""
+        if self.cfg.data is None:
+            return hashlib.sha256(data.builtin_corpus().encode("utf-8")).hexdigest()
+        return sha256_file(data.check_text_file(self.cfg.data))
+
+    def _verify_data(self, ckpt: Checkpoint | None) -> None:
+        """A resumed run must train on the text its checkpoint recorded (when it recorded one)."""
+        saved = ckpt.metadata.get("data", {}).get("sha256") if ckpt is not None else None
+        if saved is None or saved == self.data_sha256:
+            return
+        sums = f"SHA-256 {saved[:12]}... then, {self.data_sha256[:12]}... now"
+        if self.cfg.data:
+            why = f"the data file {self.cfg.data} has changed since the checkpoint in {self.out} was written ({sums})"
+            fix = "restore it, or start a new --out"
+        else:  # pydoc_data.topics differs between Python releases
+            why = f"the built-in corpus (this Python's documentation) differs from the checkpoint's ({sums})"
+            fix = f"resume with the Python {self.out} was trained with, or start a new --out"
+        raise ValueError(f"{why}; a resumed run must see the same text: {fix}")
+
+    def _load_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text as token ids (cached on disk), split into training and validation tokens."""
+        cfg = self.cfg
+        tokens = data.tokenize_to_cache(cfg.data, self.tokenizer, content_hash=self.data_sha256 if cfg.data else None)
+        return data.train_val_split(tokens, cfg.val_fraction)
+
+    def _build_model(self, ckpt: Checkpoint | None) -> None:
+        """``raw_model`` on the device (the checkpoint's, or new from the preset), ``model_config``,
+        and ``cfg`` with the preset-dependent defaults settled, so the checkpoint records what was used."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         if ckpt is not None:
             model = ckpt.model
-            model_cfg = model.config
         else:
-            overrides: dict[str, Any] = {"vocab_size": tok.vocab_size}
+            overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
             if cfg.context_length is not None:
                 overrides["context_length"] = cfg.context_length
             if cfg.dropout is not None:
                 overrides["drop_rate"] = cfg.dropout
-            model_cfg = GPTConfig.preset(cfg.preset, **overrides)
-            model = GPT(model_cfg)
-        model.to(self.device)
-        self.model_config = model_cfg
-        # Settle the preset-dependent defaults, so the checkpoint records what was used.
-        cfg = self.cfg = dataclasses.replace(
+            model = GPT(GPTConfig.preset(cfg.preset, **overrides))
+        self.raw_model = model.to(self.device)
+        self.model_config = model_cfg = model.config
+        self.cfg = dataclasses.replace(
             cfg,
             context_length=model_cfg.context_length,
             dropout=model_cfg.drop_rate,
             lr=cfg.lr if cfg.lr is not None else default_lr(model_cfg.emb_dim),
         )
-        self.raw_model = model
-        T = model_cfg.context_length
 
-        # Batches: each rank's share of each global batch.
+    def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
+        """This rank's share of each global batch, for training and validation."""
+        cfg, d, T = self.cfg, self.dist, self.model_config.context_length
         per_rank, rem = divmod(cfg.batch_size, d.world_size * cfg.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(
@@ -489,54 +322,62 @@ class Trainer:
                     "use a longer text or a smaller --context-length"
                 )
         common = dict(batch_size=per_rank, context_length=T, rank=d.rank, world_size=d.world_size)
-        self.train_batches = RandomWindowBatches(train_tokens, seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common)
-        self.val_batches = RandomWindowBatches(val_tokens, seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common)
+        self.train_batches = data.RandomWindowBatches(
+            train_tokens, seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
+        )
+        self.val_batches = data.RandomWindowBatches(
+            val_tokens, seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common
+        )
         self.tokens_per_step = cfg.batch_size * T
 
-        self.optimizer = model.configure_optimizer(
-            weight_decay=cfg.weight_decay, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
-        )
+    def _restore_state(self, ckpt: Checkpoint | None) -> None:
+        """``step``, the optimizer state, the RNG states and the last validation loss: the
+        checkpoint's, or those of a new run."""
         self.step = 0
-        if ckpt is not None:
-            if ckpt.optimizer_state is not None:
-                self.optimizer.load_state_dict(ckpt.optimizer_state)
-            self.step = ckpt.step
-            self._restore_rng(ckpt.metadata)
-        elif d.enabled and d.rank > 0:
-            # Each rank draws its own dropout masks.
-            torch.manual_seed(cfg.seed + 1_000_003 * d.rank)
-        saved_val = ckpt.metadata.get("val_loss") if ckpt is not None else None
-        self.last_val_loss: float | None = saved_val if isinstance(saved_val, (int, float)) else None
+        self.last_val_loss: float | None = None
         self.resumed_from = ckpt.path if ckpt is not None else None
-
-        self.model: torch.nn.Module = model
-        if d.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if cfg.compile:
-            self.model = torch.compile(self.model)
-        use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.autocast = (
-            (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-        )
+        if ckpt is None:
+            if self.dist.enabled and self.dist.rank > 0:  # each rank draws its own dropout masks
+                torch.manual_seed(rank_seed(self.cfg.seed, self.dist.rank))
+            return
+        if ckpt.optimizer_state is not None:
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.step = ckpt.step
+        self._restore_rng(ckpt.metadata)
+        saved_val = ckpt.metadata.get("val_loss")
+        self.last_val_loss = float(saved_val) if is_real(saved_val) else None
 
     def _restore_rng(self, meta: dict[str, Any]) -> None:
         states = meta.get("rng") or []
         d = self.dist
         if len(states) == d.world_size:
             set_rng_state(states[d.rank])
+            return
+        # Other processes count: the dropout streams cannot continue as they were (data and
+        # optimizer do). Rank 0 continues the old rank 0's; the others start new streams.
+        if d.rank == 0 and states:
+            set_rng_state(states[0])
         else:
-            # Other processes count: the dropout streams cannot continue as they were (data and
-            # optimizer do). Rank 0 continues the old rank 0's; the others start new streams.
-            if d.rank == 0 and states:
-                set_rng_state(states[0])
-            else:
-                torch.manual_seed(self.cfg.seed + 1_000_003 * d.rank + self.step)
-            self.log(
-                f"note: the checkpoint was written by {len(states)} process(es), this run has {d.world_size}: "
-                "data order and optimizer continue exactly, dropout randomness does not"
-            )
+            torch.manual_seed(rank_seed(self.cfg.seed, d.rank, self.step))
+        self.log(
+            f"note: the checkpoint was written by {len(states)} process(es), this run has {d.world_size}: "
+            "data order and optimizer continue exactly, dropout randomness does not"
+        )
+
+    def _wrap_model(self) -> None:
+        """``model``: ``raw_model`` in DDP (under torchrun) and torch.compile (``--compile``);
+        ``autocast``: bf16 on CUDA where supported."""
+        self.model: torch.nn.Module = self.raw_model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.compile:
+            self.model = torch.compile(self.model)
+        use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.autocast = (
+            (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -612,7 +453,7 @@ class Trainer:
             x, y = self.train_batches.batch(self.step, micro, device=self.device)  # (b, T) each
             last = micro == cfg.grad_accum - 1
             # DDP: all-reduce the gradients once, on the last micro-step.
-            sync = contextlib.nullcontext() if last or not self.dist.enabled else _no_sync(self.model)
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else no_sync(self.model)
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
@@ -649,30 +490,8 @@ class Trainer:
             except OSError as exc:
                 raise OSError(f"cannot create the --out directory {self.out}: {exc.strerror}") from None
             self.metrics = _MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
-        n_params = self.raw_model.num_parameters()
-        what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
-        self.log(
-            f"attnlab train: {what}; GPT {cfg.preset} {n_params / 1e6:.2f}M parameters, "
-            f"context {self.model_config.context_length}, tokenizer {self.tokenizer.name} "
-            f"(vocab {self.tokenizer.vocab_size}), data {cfg.data or 'built-in corpus (Python docs)'} "
-            f"({len(self.train_batches.tokens):,} train / {len(self.val_batches.tokens):,} val tokens), "
-            f"batch {cfg.batch_size} x {self.model_config.context_length} tokens ({self.train_batches.batch_size} "
-            f"per process x {cfg.grad_accum} micro-step(s)), {d.world_size} process(es) "
-            f"on {self.device}, out {self.out}"
-        )
-        if self.step >= cfg.max_steps:
-            self.log(
-                f"already at step {self.step}, at or past --max-steps {cfg.max_steps}: nothing to train "
-                "(raise --max-steps to continue)"
-            )
-        bar = None
-        if d.is_main and cfg.progress and self.step < cfg.max_steps:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                self.log("note: no progress bar (the tqdm package is not installed: pip install tqdm)")
-            else:
-                bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        self._log_start()
+        bar = self._progress_bar()
         write = bar.write if bar is not None else self.log
         interrupted: int | None = None
         ckpt_path: Path | None = self.resumed_from
@@ -681,30 +500,13 @@ class Trainer:
         try:
             with _StopFlag() as flag:
                 while self.step < cfg.max_steps:
-                    t0 = time.perf_counter()
-                    loss, lr, gnorm = self._train_step()
-                    dt = time.perf_counter() - t0
-                    self.step += 1
-                    if not math.isfinite(loss):
-                        raise FloatingPointError(
-                            f"the training loss became {loss} at step {self.step}; try a smaller --lr"
-                        )
-                    rec: dict[str, Any] = {
-                        "step": self.step,
-                        "loss": loss,
-                        "lr": lr,
-                        "tokens_per_s": self.tokens_per_step / dt,
-                        "grad_norm": gnorm,
-                    }
-                    if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
-                        self.last_val_loss = rec["val_loss"] = self.evaluate()
-                        write(f"step {self.step}: train loss {loss:.4f}, val loss {rec['val_loss']:.4f}")
+                    rec = self._step(write)
                     history.append(rec)
                     if d.is_main:
                         self.metrics.append(rec)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
                     interrupted = self._should_stop(flag)
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps or interrupted:
                         ckpt_path = self.save() or ckpt_path
@@ -736,6 +538,56 @@ class Trainer:
             history=history,
         )
 
+    def _step(self, write: Callable[[str], None]) -> dict[str, Any]:
+        """Train one step, and evaluate on evaluation steps; returns the step's metrics record."""
+        t0 = time.perf_counter()
+        loss, lr, gnorm = self._train_step()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the training loss became {loss} at step {self.step}; try a smaller --lr")
+        rec: dict[str, Any] = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "grad_norm": gnorm,
+        }
+        if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
+            self.last_val_loss = rec["val_loss"] = self.evaluate()
+            write(f"step {self.step}: train loss {loss:.4f}, val loss {rec['val_loss']:.4f}")
+        return rec
+
+    def _log_start(self) -> None:
+        """One line on what this run is; a note when there is nothing left to train."""
+        cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.model_config.context_length
+        what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
+        self.log(
+            f"attnlab train: {what}; GPT {cfg.preset} {n_params / 1e6:.2f}M parameters, "
+            f"context {T}, tokenizer {self.tokenizer.name} "
+            f"(vocab {self.tokenizer.vocab_size}), data {cfg.data or 'built-in corpus (Python docs)'} "
+            f"({len(self.train_batches.tokens):,} train / {len(self.val_batches.tokens):,} val tokens), "
+            f"batch {cfg.batch_size} x {T} tokens ({self.train_batches.batch_size} "
+            f"per process x {cfg.grad_accum} micro-step(s)), {self.dist.world_size} process(es) "
+            f"on {self.device}, out {self.out}"
+        )
+        if self.step >= cfg.max_steps:
+            self.log(
+                f"already at step {self.step}, at or past --max-steps {cfg.max_steps}: nothing to train "
+                "(raise --max-steps to continue)"
+            )
+
+    def _progress_bar(self) -> Any:
+        """A tqdm bar on rank 0 with ``--progress`` and steps to go; None otherwise, or without tqdm."""
+        if not (self.dist.is_main and self.cfg.progress and self.step < self.cfg.max_steps):
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            self.log("note: no progress bar (the tqdm package is not installed: pip install tqdm)")
+            return None
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
     def sample_prompt(self, prompt: str) -> str:
         """``prompt`` if the tokenizer can encode it, else the first token of the validation text
         that is text of its own (a char vocabulary may lack the default prompt's letters; a byte
@@ -756,12 +608,12 @@ class Trainer:
         self,
         prompt: str,
         n: int,
-        temperature: float = 0.8,
-        top_k: int | None = 40,
+        sampling: SamplingConfig = SAMPLE_SETTINGS,
         *,
         on_text: Callable[[str], None] | None = None,
     ) -> str:
-        """Continue ``prompt`` by ``n`` tokens (seeded: the same text for the same checkpoint).
+        """Continue ``prompt`` by ``n`` tokens drawn as ``sampling`` says (seeded: the same text
+        for the same checkpoint).
 
         Returns the prompt and its continuation; ``on_text`` also receives the continuation piece
         by piece as it is generated (whole characters only). ``prompt`` must encode to at least one
@@ -773,18 +625,14 @@ class Trainer:
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, P)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
         decoder = StreamDecoder(self.tokenizer)
-        for token in self.raw_model.stream(idx, n, temperature=temperature, top_k=top_k, generator=gen):  # (1,)
+        settings = dataclasses.asdict(sampling)
+        for token in self.raw_model.stream(idx, n, **settings, generator=gen):  # (1,)
             ids.append(int(token[0]))
             if on_text is not None and (piece := decoder.push(ids[-1])):
                 on_text(piece)
         if on_text is not None and (piece := decoder.flush()):
             on_text(piece)
         return self.tokenizer.decode(ids)
-
-
-def _no_sync(model: torch.nn.Module) -> Any:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
-    return inner.no_sync()
 
 
 def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:

@@ -16,34 +16,62 @@ The tutorials:
 
 Use from Python::
 
-    from attnlab.tools.explain import run_lesson
+    from attnlab.tools.explain import run_lesson, run_tutorial
     tensors = run_lesson("causal")        # prints, and returns {"weights": ..., ...}
+    run_tutorial("one-head")              # one tutorial's lessons, in its order, under its sections
 
 Output fits an 80-column terminal. Lessons run on the CPU (the tutorials' numbers are CPU
 numbers), without autograd, and leave the caller's random-number state and print options as they
 were.
 
 The modules: :mod:`~attnlab.tools.explain.walk` (the printer), :mod:`~attnlab.tools.explain.registry`
-(:data:`LESSONS`, the ``@lesson`` decorator, :func:`run_lesson`) and
-:mod:`~attnlab.tools.explain.lessons` (the lessons). A module of new lessons is imported below, after
-the modules whose lessons come before its own.
+(:data:`LESSONS`, :data:`TUTORIALS`, the ``@lesson`` decorator, :func:`run_lesson`,
+:func:`run_tutorial`), :mod:`~attnlab.tools.explain.lessons` (the first lessons) and
+:mod:`~attnlab.tools.explain.lessons_tutorials` (the steps of each tutorial the first lessons
+leave out). A module of new lessons is imported below, after the modules whose lessons come
+before its own.
 """
 
 # Importing a module of lessons registers them; they run in the order of these imports.
 from attnlab.tools.explain.lessons import gpt2_parameter_counts
+
+# isort: split
+from attnlab.tools.explain.lessons_tutorials import CONCEPT_QUESTIONS
+
+# isort: split
 from attnlab.tools.explain.lessons_modern import MODERN_LESSONS
-from attnlab.tools.explain.registry import LESSONS, Lesson, check_lesson_names, lesson, lesson_names, run_lesson
+
+# isort: split
+from attnlab.tools.explain.registry import (
+    LESSONS,
+    TUTORIALS,
+    Lesson,
+    Tutorial,
+    check_lesson_names,
+    check_tutorial_name,
+    lesson,
+    lesson_names,
+    run_lesson,
+    run_tutorial,
+    tutorial_lessons,
+)
 from attnlab.tools.explain.walk import WIDTH, Walk
 
 __all__ = [
+    "CONCEPT_QUESTIONS",
     "LESSONS",
     "MODERN_LESSONS",
+    "TUTORIALS",
     "WIDTH",
     "Lesson",
+    "Tutorial",
     "Walk",
     "check_lesson_names",
+    "check_tutorial_name",
     "gpt2_parameter_counts",
     "lesson",
     "lesson_names",
     "run_lesson",
+    "run_tutorial",
+    "tutorial_lessons",
 ]

@@ -44,6 +44,7 @@ def _words() -> str:
     'scores of "journey" against every word, by dot product',
     headline='how similar is "journey" to each word?',
     tutorial=SIMPLE,
+    section="Calculate the scores",
 )
 def dot_products(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -97,6 +98,7 @@ def dot_products(w: Walk) -> dict[str, Tensor]:
     "turn scores into weights: divide by the sum, or softmax",
     headline="from scores to attention weights that sum to 1",
     tutorial=SIMPLE,
+    section="Calculate the Attention Weights",
 )
 def normalise(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -139,6 +141,7 @@ def normalise(w: Walk) -> dict[str, Tensor]:
     "context vectors: weighted sums of the inputs",
     headline="context vectors, one word and then all of them",
     tutorial=SIMPLE,
+    section="Calculating the context vector",
 )
 def context(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -175,10 +178,24 @@ def context(w: Walk) -> dict[str, Tensor]:
     "trainable Q/K/V: SelfAttention_v1 and SelfAttention_v2",
     headline="self-attention with trainable weights",
     tutorial=SIMPLE,
+    section="Implementing self-attention with trainable weights",
 )
 def trainable(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
-    d_in, d_out = 3, 2
+    try:
+        exec("SelfAttention_v1(d_in, d_out)", {"SelfAttention_v1": SelfAttention_v1})  # the tutorial's line
+        undefined = "no error"
+    except NameError as exc:
+        undefined = f"NameError: {exc}"
+    d_in, d_out = inputs.shape[1], 2
+    w.bug(
+        SIMPLE,
+        "its trainable section calls `SelfAttention_v1(d_in, d_out)` and `SelfAttention_v2(d_in, "
+        f"d_out)` without defining d_in or d_out: run as written, that is a {undefined}. They first "
+        "appear later, in its multi-head section (`d_in, d_out = 3, 2`). Its printed numbers need "
+        f"d_in = inputs.shape[1] = {d_in} (the embedding width) and d_out = {d_out} (two output "
+        "columns); with them, the numbers below are the ones it prints.",
+    )
 
     w.step("torch.manual_seed(123); sa_v1 = attnlab.SelfAttention_v1(d_in=3, d_out=2)")
     torch.manual_seed(123)
@@ -252,6 +269,7 @@ def _implement_setup() -> dict[str, object]:
     "softmax over the wrong axis (dim=0) and how to spot it",
     headline="which axis does softmax normalise?",
     tutorial=IMPLEMENT,
+    section="Unnormalized attention scores",
 )
 def softmax_dim(w: Walk) -> dict[str, Tensor]:
     s = _implement_setup()
@@ -375,23 +393,39 @@ def softmax_dim(w: Walk) -> dict[str, Tensor]:
     "why divide by sqrt(d_k): variance and softmax sharpening",
     headline="why the scores are divided by sqrt(d_k)",
     tutorial=ONE_HEAD,
+    section="In [47]: scaled attention",
 )
 def scaling(w: Walk) -> dict[str, Tensor]:
     B, T, head_size = 4, 8, 16
-    w.step("k = torch.randn(B, T, head_size); q = torch.randn(B, T, head_size)   # B, T, hs = 4, 8, 16")
+    w.say(
+        "The tutorial's In [47] and In [48] draw k and q where its notebook left torch's random "
+        "generator: seeded with torch.manual_seed(1337) in In [38], then x = torch.randn(4, 8, 32), "
+        "then 16 draws of 4 x 8 x 16 numbers (its key and query layers, nn.Linear(32, 16) each, "
+        "made again as its cells were re-run: each draws 512 numbers, as torch.randn(4, 8, 16) "
+        "does). Seed 1337; type these lines (on a CPU) to get its numbers:"
+    )
+    w.step("torch.manual_seed(1337); x = torch.randn(4, 8, 32); _ = torch.randn(16, 4, 8, 16)")
     torch.manual_seed(1337)
+    torch.randn(B, T, 32)  # x
+    torch.randn(16, B, T, head_size)  # what the notebook drew in between
+    w.step("k = torch.randn(B, T, head_size); q = torch.randn(B, T, head_size)   # B, T, hs = 4, 8, 16")
     k = torch.randn(B, T, head_size)  # (B, T, hs)
     q = torch.randn(B, T, head_size)  # (B, T, hs)
     wei = q @ k.transpose(-2, -1)  # (B, T, T)
     w.value("k.var()", float(k.var()), "unit Gaussian")
     w.value("q.var()", float(q.var()), "unit Gaussian")
-    w.value("(q @ k.transpose(-2, -1)).var()", float(wei.var()), "on the order of head_size = 16")
-    w.value("(... * head_size ** -0.5).var()", float((wei * head_size**-0.5).var()), "about 1")
+    w.value("(q @ k.transpose(-2, -1)).var()", float(wei.var()), "the tutorial's 13.6696: order head_size = 16")
+    w.step("k = torch.randn(B, T, head_size); q = torch.randn(B, T, head_size)   # In [48]: new draws")
+    k2 = torch.randn(B, T, head_size)  # (B, T, hs)
+    q2 = torch.randn(B, T, head_size)  # (B, T, hs)
+    wei_scaled = q2 @ k2.transpose(-2, -1) * head_size**-0.5  # (B, T, T)
+    w.value("(q @ k.transpose(-2, -1) * head_size**-0.5).var()", float(wei_scaled.var()), "its 1.1445: about 1")
     w.say(
         "Each score is a sum of 16 products of independent unit-variance numbers, so its variance "
-        "is 16 (= d_k); multiplying by 1/sqrt(16) = 0.25 divides the variance by 16. The tutorial's "
-        "own random draws printed 13.6696 and 1.1445: 256 scores are a small sample, so the "
-        "digits vary from draw to draw. A larger draw (2000 x 8 x 8 scores):"
+        "is 16 (= d_k); multiplying by 1/sqrt(16) = 0.25 divides the variance by 16. 256 scores "
+        "are a small sample, so the digits vary from draw to draw (a bare "
+        "torch.manual_seed(1337) before k and q gives other ones). A larger draw (2000 x 8 x 8 "
+        "scores):"
     )
     k_big = torch.randn(2000, T, head_size)
     q_big = torch.randn(2000, T, head_size)
@@ -471,6 +505,7 @@ def scaling(w: Walk) -> dict[str, Tensor]:
         "var_k": k.var(),
         "var_q": q.var(),
         "var_scores": wei.var(),
+        "var_scores_scaled": wei_scaled.var(),
         "var_big": var_big,
         "var_big_scaled": var_big_scaled,
         "softmax_diffuse": diffuse,
@@ -487,6 +522,7 @@ def scaling(w: Walk) -> dict[str, Tensor]:
     "causal masks both ways: renormalise, or -inf before softmax",
     headline="hide the future: two ways, one result",
     tutorial=SIMPLE,
+    section="Causal attention AKA masked attention",
 )
 def causal(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -580,6 +616,8 @@ def causal(w: Walk) -> dict[str, Tensor]:
         "weights": weights,
         "scores_masked": masked,
         "renormalised": renormalised,
+        "mask_simple": mask_simple,
+        "masked_simple": masked_simple,
         "weights_causal": weights_inf,
         "weights_attnlab": weights_lib,
         "context": out,
@@ -596,6 +634,7 @@ def causal(w: Walk) -> dict[str, Tensor]:
     "nn.Dropout(0.5) on ones and on the attention weights",
     headline="dropping attention weights while training",
     tutorial=SIMPLE,
+    section="Masking additional attention weights with dropout",
 )
 def dropout(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -660,6 +699,7 @@ def dropout(w: Walk) -> dict[str, Tensor]:
     "multi-head as a stack of heads and as a weight split",
     headline="several heads: a stack, then a split",
     tutorial=SIMPLE,
+    section="Multi-head attention",
 )
 def multi_head(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
@@ -709,6 +749,7 @@ def multi_head(w: Walk) -> dict[str, Tensor]:
     "a @ a.transpose(2, 3): every head's matrix product at once",
     headline="one matmul for all heads",
     tutorial=SIMPLE,
+    section="Implementing multi-head attention with weight splits",
 )
 def batched_matmul(w: Walk) -> dict[str, Tensor]:
     a = torch.tensor(
@@ -741,6 +782,7 @@ def batched_matmul(w: Walk) -> dict[str, Tensor]:
     "queries from one sequence, keys and values from another",
     headline="attending to another sequence",
     tutorial=ONE_HEAD,
+    section="Notes: self-attention and cross-attention",
 )
 def cross_attention(w: Walk) -> dict[str, Tensor]:
     w.say(
@@ -792,6 +834,7 @@ def cross_attention(w: Walk) -> dict[str, Tensor]:
     "encoder (causal=False) vs decoder (causal=True) attention",
     headline="every token talks to every token, or only to the past",
     tutorial=ONE_HEAD,
+    section="Notes: encoder and decoder blocks",
 )
 def encoder_decoder(w: Walk) -> dict[str, Tensor]:
     w.say(
@@ -868,6 +911,7 @@ def gpt2_parameter_counts(n_layer: int, d_model: int, n_head: int, *, tied: bool
     "GPT-2 small..xl: heads, head_dim, parameter counts",
     headline="attention at GPT-2 scale",
     tutorial=GPT_GUIDE,
+    section="The GPT Architecture: Harnessing the Power of Multi-Head Attention",
 )
 def gpt2_sizes(w: Walk) -> dict[str, Tensor]:
     w.say(

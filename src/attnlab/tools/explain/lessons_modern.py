@@ -25,7 +25,9 @@ __all__ = ["MODERN_LESSONS"]
 
 MODERN_LESSONS = ("rope", "alibi", "sliding-window", "gqa")  # registered below, in this order
 
-AFTER = "after GPT-2"  # the section: these lessons continue where the GPT-style guide stops
+# What these lessons follow: the GPT-style guide, then past where it stops (not one of its sections,
+# so `attnlab explain --tutorial gpt-style` keeps to the guide itself).
+AFTER_GUIDE = f"{GPT_GUIDE}, then the models after GPT-2"
 
 
 def _qk_of_the_tutorial() -> tuple[Tensor, Tensor, Tensor]:
@@ -41,8 +43,7 @@ def _qk_of_the_tutorial() -> tuple[Tensor, Tensor, Tensor]:
     "rope",
     "rotary positions: a rotation per position, scores that see only distances",
     headline="RoPE: rotate queries and keys by their positions",
-    tutorial=GPT_GUIDE,
-    section=AFTER,
+    tutorial=AFTER_GUIDE,
 )
 def rope(w: Walk) -> dict[str, Tensor]:
     w.say(
@@ -94,8 +95,7 @@ def rope(w: Walk) -> dict[str, Tensor]:
     "alibi",
     "ALiBi: a per-head penalty on distance instead of position vectors",
     headline="ALiBi: subtract slope x distance from every score",
-    tutorial=GPT_GUIDE,
-    section=AFTER,
+    tutorial=AFTER_GUIDE,
 )
 def alibi(w: Walk) -> dict[str, Tensor]:
     w.say(
@@ -136,8 +136,7 @@ def alibi(w: Walk) -> dict[str, Tensor]:
     "sliding-window",
     "sliding windows: the mask, and a KV cache that stops growing",
     headline="sliding-window attention and its rolling cache",
-    tutorial=GPT_GUIDE,
-    section=AFTER,
+    tutorial=AFTER_GUIDE,
 )
 def sliding_window(w: Walk) -> dict[str, Tensor]:
     w.say(
@@ -186,8 +185,7 @@ def sliding_window(w: Walk) -> dict[str, Tensor]:
     "gqa",
     "grouped-query attention: query heads sharing key/value heads",
     headline="GQA: fewer key/value heads, a smaller cache",
-    tutorial=GPT_GUIDE,
-    section=AFTER,
+    tutorial=AFTER_GUIDE,
 )
 def gqa(w: Walk) -> dict[str, Tensor]:
     w.say(

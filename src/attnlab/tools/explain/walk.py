@@ -4,8 +4,11 @@ tutorial-bug notes, every line within :data:`WIDTH` columns."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -38,12 +41,23 @@ def shape_of(t: Tensor) -> str:
 
 
 class Walk:
-    """Writes a lesson: titles, prose, tensors with their shapes, checks and tutorial-bug notes."""
+    """Writes a lesson: titles, prose, tensors with their shapes, checks and tutorial-bug notes.
+
+    Args:
+        file: where the lesson prints.
+        bpe_dir: GPT-2's BPE files for lessons that tokenize as the tutorials do (None: the default
+            of :class:`attnlab.tokenizers.GPT2Tokenizer`).
+        interactive: whether :meth:`ask` may wait for the learner to press Enter.
+    """
 
     _INDENT = "  "  # tensors are indented under their header line
 
-    def __init__(self, file: TextIO) -> None:
+    def __init__(
+        self, file: TextIO, *, bpe_dir: str | os.PathLike[str] | None = None, interactive: bool = False
+    ) -> None:
         self.file = file
+        self.bpe_dir = None if bpe_dir is None else Path(bpe_dir)
+        self.interactive = interactive
 
     def line(self, text: str = "") -> None:
         """One line as it is (a table row, a blank line)."""
@@ -62,6 +76,29 @@ class Walk:
         self._wrap(f"{name}: {headline}", rest="  ")
         self._wrap(f"(following {source})", rest=" ")
         self.line("=" * _TEXT)
+
+    def banner(self, text: str) -> None:
+        """The heading of a run of lessons (a whole tutorial)."""
+        self.line("#" * _TEXT)
+        self._wrap(text, rest="  ")
+        self.line("#" * _TEXT)
+
+    def section(self, title: str) -> None:
+        """A tutorial's section title, above the lessons that follow it."""
+        self.line()
+        self.line("-" * _TEXT)
+        self._wrap(f"Section: {title}", rest="  ")
+        self.line("-" * _TEXT)
+
+    def ask(self, number: int, question: str, answer: str) -> None:
+        """A question, then (after the learner presses Enter, when interactive) its answer."""
+        self.line()
+        self._wrap(f"Q{number}. {question}", rest="    ")
+        if self.interactive:
+            self.file.write("    (think of your answer, then press Enter) ")
+            self.file.flush()
+            sys.stdin.readline()  # "" at end of input: go on
+        self._wrap(answer, first="  A: ", rest="     ")
 
     def say(self, text: str) -> None:
         """A paragraph of explanation."""
@@ -100,6 +137,11 @@ class Walk:
         worst = float(diff.max()) if diff.numel() else 0.0
         self._wrap(f"check: {label}: max |difference| = {worst:.1e}", rest="    ")
         return worst
+
+    def notice(self, text: str) -> None:
+        """A paragraph the learner must not miss (what to pass when something is missing)."""
+        self.line()
+        self._wrap(text, first="! ", rest="  ")
 
     def bug(self, source: str, text: str) -> None:
         """A clearly marked note on a tutorial's mistake (verified against the tutorial's text)."""

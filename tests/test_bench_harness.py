@@ -1,45 +1,64 @@
-"""attnlab.tools.bench.harness: the measuring tools behave (no timing thresholds: performance lives in benchmarks/)."""
+"""attnlab.tools.bench's registry and harness: the measuring tools behave (no timing thresholds:
+performance lives in benchmarks/)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from attnlab.tools.bench import harness as b
+from attnlab.tools.bench import IMPLEMENTATIONS, harness, registry
 
 KW = {"d_model": 24, "num_heads": 4, "context_length": 16}
 
 
 @pytest.mark.parametrize(
-    "pair", [("attnlab", "torch"), ("attnlab", "tutorial"), ("attnlab-wrapper", "tutorial-wrapper")]
+    "pair",
+    [
+        ("attnlab", "torch"),
+        ("attnlab", "tutorial"),
+        ("attnlab-wrapper", "tutorial-wrapper"),
+        ("tutorial-matrix", "tutorial-loop"),
+    ],
 )
 def test_shared_weights_make_competitors_agree(pair):
     torch.manual_seed(0)
-    src, dst = (b.build_module(name, **KW) for name in pair)
+    src, dst = (registry.build_module(name, **KW) for name in pair)
     x = torch.randn(2, 16, 24)
     with torch.no_grad():
         before = (src(x) - dst(x)).abs().max()
-    b.share_weights(src, dst)
-    diffs = b.max_abs_difference({pair[0]: src, pair[1]: dst}, x)
+    registry.share_weights(src, dst)
+    diffs = registry.max_abs_difference({pair[0]: src, pair[1]: dst}, x)
     assert before > 1e-3  # independent initialisations really differ, so the check below can fail
     assert diffs[pair[1]] < 1e-5
 
 
-def test_share_weights_refuses_to_drop_a_bias():
-    src = b.build_module("attnlab", **KW)
+def test_share_weights_refuses_to_drop_a_bias_or_a_projection():
+    src = registry.build_module("attnlab", **KW)
     with torch.no_grad():
         src.W_query.bias = torch.nn.Parameter(torch.ones(24))  # a biased source, an unbiased target
     with pytest.raises(ValueError, match="bias"):
-        b.share_weights(src, b.build_module("tutorial", **KW))
+        registry.share_weights(src, registry.build_module("tutorial", **KW))
+    with pytest.raises(ValueError, match="output projection"):  # one head of width d: no out_proj
+        registry.share_weights(registry.build_module("attnlab", **KW), registry.build_module("tutorial-matrix", **KW))
+
+
+def test_build_competitors_checks_each_against_its_reference():
+    """A reference that is not timed is still built for the check (the tutorial wrapper's is attnlab's)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 24)
+    modules, diffs = registry.build_competitors(["tutorial-wrapper", "tutorial", "attnlab", "torch"], x, **KW)
+    assert list(modules) == ["tutorial-wrapper", "tutorial", "attnlab", "torch"]
+    assert set(diffs) == {"tutorial-wrapper", "tutorial", "torch"}
+    assert max(diffs.values()) < 1e-5
+    for name in IMPLEMENTATIONS:  # every reference is itself a competitor that is its own reference
+        ref = IMPLEMENTATIONS[name].reference
+        assert ref is None or IMPLEMENTATIONS[ref].reference is None
 
 
 def test_attention_cores_agree_with_each_other():
     torch.manual_seed(0)
-    cores = {name: b.build_module(name, **KW) for name in ("attnlab-core", "torch-core", "tutorial-core")}
     qkv = torch.randn(2, 16, 3 * 24)
-    diffs = b.max_abs_difference(cores, qkv)
+    cores, diffs = registry.build_competitors(["attnlab-core", "torch-core", "tutorial-core"], qkv, **KW)
     assert max(diffs.values()) < 1e-5
     out = cores["attnlab-core"](qkv)
     assert out.shape == (2, 4, 16, 6)
@@ -61,14 +80,25 @@ def test_compare_forward_backward_interleaves_and_counts():
             calls.append(self.tag)
             return self.lin(x)
 
-    timings = b.compare_forward_backward(
+    timings = harness.compare_forward_backward(
         {"a": Spy("a"), "b": lambda: Spy("b")}, torch.randn(2, 3, 8), repeats=3, warmup=1
     )
     # one forward each for the output shapes, then warm-up and timed rounds interleaved A, B, A, B, ...
     assert calls == ["a", "b"] + ["a", "b"] * 4
     assert [len(t.times_ms) for t in timings.values()] == [3, 3]
     assert all(t.min_ms <= t.median_ms <= t.max_ms for t in timings.values())
-    assert b.paired_ratio(timings["a"], timings["a"]) == pytest.approx(1.0)
+    assert harness.paired_ratio(timings["a"], timings["a"]) == pytest.approx(1.0)
+
+
+def test_interleave_can_alternate_who_goes_first():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = harness.interleave(steps, repeats=3, warmup=1, alternate=True)
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc")  # warm-up round 0, timed rounds 0-2
+    assert list(timings) == ["a", "b", "c"] and all(len(t.times_ms) == 3 for t in timings.values())
+    ratios = harness.compare(timings["a"], timings["b"])
+    assert ratios["paired"] == pytest.approx(harness.paired_ratio(timings["a"], timings["b"]))
+    assert ratios["of_medians"] == pytest.approx(timings["a"].median_ms / timings["b"].median_ms)
 
 
 def test_compare_forward_backward_counts_the_page_faults_of_each_step():
@@ -86,7 +116,7 @@ def test_compare_forward_backward_counts_the_page_faults_of_each_step():
                     m[i * mmap.PAGESIZE] = 1
             return super().forward(x)
 
-    timings = b.compare_forward_backward(
+    timings = harness.compare_forward_backward(
         {"fresh": FreshMemory(8, 8), "plain": torch.nn.Linear(8, 8)}, torch.randn(2, 3, 8), repeats=3, warmup=1
     )
     assert len(timings["fresh"].page_faults) == 3
@@ -98,32 +128,24 @@ def test_compare_forward_backward_counts_the_page_faults_of_each_step():
 @pytest.mark.parametrize(("kwargs", "err"), [({"repeats": 0}, ValueError), ({"warmup": -1}, ValueError)])
 def test_compare_forward_backward_rejects_bad_counts(kwargs, err):
     with pytest.raises(err, match=next(iter(kwargs))):
-        b.compare_forward_backward({"a": torch.nn.Linear(4, 4)}, torch.randn(2, 4), **kwargs)
+        harness.compare_forward_backward({"a": torch.nn.Linear(4, 4)}, torch.randn(2, 4), **kwargs)
 
 
 def test_build_module_errors():
     with pytest.raises(ValueError, match="spec"):
-        b.build_module("no-such-thing")
-    m = b.build_module("torch.nn:Linear", in_features=3, out_features=2)
+        registry.build_module("no-such-thing")
+    m = registry.build_module("torch.nn:Linear", in_features=3, out_features=2)
     assert isinstance(m, torch.nn.Linear)
 
 
+@pytest.mark.slow
 def test_peak_memory_sees_the_tutorial_scores():
     # 1 x 512 tokens, 12 heads: the tutorial path holds ~3 x 12 x 512^2 floats (36 MiB) at once.
     kw = {"d_model": 96, "num_heads": 12, "context_length": 512}
-    tut = b.peak_memory_mb("tutorial", (1, 512, 96), kwargs=kw)
-    ours = b.peak_memory_mb("attnlab", (1, 512, 96), kwargs=kw)
-    expected = b.tutorial_forward_bytes(1, 512, 12) / 2**20
+    tut = harness.peak_memory_mb("tutorial", (1, 512, 96), kwargs=kw)
+    ours = harness.peak_memory_mb("attnlab", (1, 512, 96), kwargs=kw)
+    expected = IMPLEMENTATIONS["tutorial"].score_bytes(1, 512, 12) / 2**20
     assert tut.forward_mb > 0.8 * expected
     assert ours.forward_mb < tut.forward_mb
     with pytest.raises(RuntimeError, match="failed"):
-        b.peak_memory_mb("tutorial", (1, 600, 96), kwargs=kw)  # longer than context_length: the child fails
-
-
-def test_report_formats_a_quick_run():
-    result = b.attention_benchmark(batch=1, seq_len=16, d_model=24, num_heads=4, repeats=2, warmup=0, memory=False)
-    text = b.format_attention_report(result)
-    assert "attnlab/torch" in text and "goal is for" in text  # goals are not judged at toy sizes
-    assert "faults" in text and "malloc: as the process found it" in text
-    assert b.goals_met(result)  # nothing judged, nothing missed
-    json.dumps(result)  # serialisable
+        harness.peak_memory_mb("tutorial", (1, 600, 96), kwargs=kw)  # longer than context_length: the child fails

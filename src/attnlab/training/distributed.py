@@ -1,0 +1,67 @@
+"""Training under ``torchrun``: this process's rank, the process group, per-rank seeds.
+
+``torchrun --nproc_per_node=N`` starts N copies of the program with ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK`` in their environment; without them the trainer is one process and nothing here
+touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DistEnv", "no_sync", "rank_seed", "start_process_group"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place among torchrun's processes (rank 0 of 1 when not under torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0  # which GPU of its machine the process takes
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        """torchrun's environment (RANK / WORLD_SIZE / LOCAL_RANK); one process when absent."""
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            return cls()
+        return cls(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def start_process_group(device: torch.device) -> bool:
+    """Join torchrun's process group (NCCL on CUDA, Gloo on CPU) unless this process already has
+    one; True when this call created it (and its caller must destroy it)."""
+    if torch.distributed.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
+def no_sync(model: torch.nn.Module) -> Any:
+    """DDP's ``no_sync()`` context (no gradient all-reduce in it), through a torch.compile wrapper."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+    return inner.no_sync()
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of ``rank``'s own dropout stream from ``step`` on: every rank draws its own masks.
+    Wraps around at 2**64 (torch's seed range), so any valid ``--seed`` works on any rank."""
+    return (seed + 1_000_003 * rank + step) % 2**64
