@@ -339,3 +339,28 @@ def test_llama_family_presets_have_the_published_shapes(preset, hf_cls, hf_cfg):
     n = ours.num_parameters()
     assert n == sum(p.numel() for p in theirs.parameters())
     assert round(n / 1e9, 2) == {"llama2-7b": 6.74, "llama3-8b": 8.03, "mistral-7b": 7.24}[preset]
+
+
+def test_generate_cli_reads_a_llama_directory(tmp_path, tokenizer_files, capsys):
+    """`attnlab generate --model DIR`: the model's weights and tokenizer.json, BOS first, greedy tokens
+    as transformers' generate, stopping at the end-of-text token."""
+    from attnlab.cli import main
+
+    src = tokenizer_files[0].parent  # byte-level BPE, <s> added by its post-processor, </s> the eos
+    tok = HFTokenizer(src / "tokenizer.json")
+    hf = llama(8, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eot_id)
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    prompt = "Jack Gisburn"
+    ids = torch.tensor([tok.encode_prompt(prompt)])
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eot_id)[0, ids.shape[1] :].tolist()
+    if tok.eot_id in want:
+        want = want[: want.index(tok.eot_id)]
+    argv = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
+    with pytest.raises(SystemExit) as exc:  # one source or the other
+        main([*argv, "--checkpoint", str(tmp_path)])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -47,6 +47,7 @@ __all__ = [
     "gpt2_to_attnlab",
     "read_pretrained",
     "read_pretrained_config",
+    "read_pretrained_file",
     "read_pretrained_gpt2",
     "to_hf_gpt2",
     "to_hf_gpt2_config",
@@ -448,6 +449,21 @@ def read_pretrained(
             raise FileNotFoundError(f"{f} not found: the weights' index lists it")
         state.update(load_file(str(f)))
     return cfg, state
+
+
+def read_pretrained_file(
+    name: str, filename: str, *, cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None
+) -> Path | None:
+    """The path of ``filename`` in a model directory or Hub repository (the cache when offline), or
+    None when the model has no such file (e.g. an optional ``tokenizer_config.json``)."""
+    local = _local_dir(name)
+    if local is not None:
+        path = local / filename
+        return path if path.is_file() else None
+    try:
+        return Path(_download(_repo(name), filename, cache_dir, revision, quiet=True))
+    except FileNotFoundError:
+        return None
 
 
 def _local_dir(name: str) -> Path | None:

@@ -9,6 +9,10 @@ wrong. What it accepts:
 * a :meth:`attnlab.GPT.save` directory with a ``tokenizer.json`` beside the weights (a
   :meth:`attnlab.tokenizers.Tokenizer.to_dict` description).
 
+:func:`load_pretrained` reads published models instead (``attnlab generate --model``): a Hugging
+Face GPT-2 or Llama-family model, from a directory or the Hub (its cache when offline), with its
+own ``tokenizer.json``.
+
 Weights are safetensors and metadata JSON: nothing is ever unpickled, and the optimizer state a
 training checkpoint carries is neither read nor hashed here.
 """
@@ -23,11 +27,12 @@ from typing import Any
 import torch
 
 from attnlab.files import read_json
+from attnlab.hf import read_pretrained_file
 from attnlab.model import CONFIG_NAME, GPT
-from attnlab.tokenizers import Tokenizer, tokenizer_from_dict
+from attnlab.tokenizers import HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
-__all__ = ["TOKENIZER_NAME", "LoadedModel", "load_model"]
+__all__ = ["TOKENIZER_NAME", "LoadedModel", "load_model", "load_pretrained"]
 
 TOKENIZER_NAME = "tokenizer.json"  # beside GPT.save()'s files: how its token ids are read
 
@@ -84,3 +89,36 @@ def load_model(
         )
     tokenizer = tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir)
     return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d)
+
+
+def load_pretrained(
+    name: str,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    what: str = "--model",
+) -> LoadedModel:
+    """A published model and its tokenizer: :meth:`GPT.from_pretrained` (GPT-2 or Llama-family,
+    a directory or a Hub repository id) and the model's ``tokenizer.json`` as an
+    :class:`~attnlab.tokenizers.HFTokenizer` (end-of-text from its ``tokenizer_config.json``,
+    ``generation_config.json`` or ``config.json``, fetched beside it).
+
+    ``dtype`` defaults to float32 on the CPU (bfloat16 weights run slowly there) and to the weights'
+    own dtype elsewhere.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if dtype is None and device.type == "cpu":
+        dtype = torch.float32
+    model = GPT.from_pretrained(name, device=device, dtype=dtype)
+    tok_path = read_pretrained_file(name, "tokenizer.json")
+    if tok_path is None:
+        raise FileNotFoundError(f"{what} {name}: no tokenizer.json beside the weights (a Hugging Face tokenizer)")
+    for extra in ("tokenizer_config.json", "generation_config.json"):  # into the same folder (the cache's)
+        read_pretrained_file(name, extra)
+    tokenizer = HFTokenizer(tok_path)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"{what} {name}: its tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={model.config.vocab_size}"
+        )
+    return LoadedModel(model.eval(), tokenizer, Path(tok_path).parent)
