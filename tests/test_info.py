@@ -53,3 +53,77 @@ def test_info_prints_versions_and_kernels(capsys):
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out
     assert "SDPA kernels on cpu (float32): " + ", ".join(available_sdpa_kernels("cpu", torch.float32)) in out
+
+
+# --------------------------------------------------------------------------------------------
+# attnlab info --kv-memory
+# --------------------------------------------------------------------------------------------
+def test_kv_formula_reproduces_llms_from_scratch():
+    """LLMs-from-scratch's GQA memory estimator prints, for emb_dim 4096, 32 heads, 32 layers,
+    32,768 tokens, bf16: 'MHA total KV cache : 17.18 GB', 'GQA total KV cache : 4.29 GB' (8 KV heads)."""
+    from attnlab.model import GPTConfig
+    from attnlab.tools.info import format_bytes, kv_memory_rows
+
+    cfg = GPTConfig(vocab_size=32000, context_length=32768, emb_dim=4096, n_heads=32, n_layers=32)
+    rows = kv_memory_rows(cfg, context=32768, batch=1, dtype="bf16", kv_heads=8)
+    assert format_bytes(rows[0].total) == "17.18 GB"
+    assert format_bytes(rows[1].total) == "4.29 GB"
+    assert rows[0].total == 4 * rows[1].total and rows[0].per_layer * 32 == rows[0].total
+
+
+@pytest.mark.parametrize(
+    "overrides,batch",
+    [
+        (dict(), 3),  # GPT-2: plain caches of the context
+        (dict(pos="rope", n_kv_heads=2, window=5, sinks=2), 2),  # rolling caches of window + sinks
+        (dict(pos="alibi", window=4), 1),
+    ],
+)
+def test_kv_table_equals_the_caches_attnlab_allocates(overrides, batch):
+    """The table's bytes are the bytes of the KVCache buffers GPT.new_kv_caches allocates."""
+    from attnlab.model import GPT, GPTConfig
+    from attnlab.tools.info import kv_memory_rows
+
+    cfg = GPTConfig(vocab_size=11, context_length=16, emb_dim=16, n_heads=4, n_layers=3, **overrides)
+    caches = GPT(cfg).new_kv_caches(batch)
+    allocated = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    rows = kv_memory_rows(cfg, batch=batch, dtype="fp32")
+    if cfg.window is None:
+        assert rows[0].total == allocated  # MHA over the whole context
+    else:
+        row = rows[3] if cfg.kv_heads < cfg.n_heads else rows[2]  # its own heads, window + sinks slots
+        assert row.total == allocated and row.kv_heads == cfg.kv_heads
+        assert row.tokens == cfg.window + cfg.sinks
+
+
+def test_kv_memory_cli_prints_the_table(capsys, tmp_path):
+    assert main(["info", "--kv-memory", "--preset", "llama3-8b", "--context", "32768", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    mha, gqa = (next(line for line in out.splitlines() if line.startswith(p)) for p in ("MHA  ", "GQA ("))
+    assert mha.split()[1:] == ["32", "32,768", "16.38", "kB", "536.87", "MB", "17.18", "GB"]
+    assert gqa.split()[-2:] == ["4.29", "GB"] and " 8 " in gqa
+    assert all(len(line) <= 80 for line in out.splitlines())
+    # --model: a directory with a Hugging Face config.json (Llama family), no weights needed
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8, '
+        '"max_position_embeddings": 128}'
+    )
+    assert main(["info", "--kv-memory", "--model", str(tmp_path), "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GQA + window 8 " in out and "(window:" not in out
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["info", "--kv-memory"], "needs --preset NAME or --model"),
+        (["info", "--context", "8"], "go with --kv-memory"),
+        (["info", "--kv-memory", "--preset", "gpt9"], "unknown preset 'gpt9'"),
+        (["info", "--kv-memory", "--preset", "tiny", "--kv-heads", "3"], "kv_heads must divide the 4 query heads"),
+    ],
+)
+def test_kv_memory_bad_arguments_are_one_line_errors(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1

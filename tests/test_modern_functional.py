@@ -264,6 +264,20 @@ def test_sliding_fast_path_equals_the_dense_mask_forward_and_backward(T, window,
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_sliding_fast_path_in_groups_of_blocks(per_call, monkeypatch):
+    """Several kernel calls (groups of query blocks) compute the same, forward and backward."""
+    monkeypatch.setattr(sliding, "BLOCKS_PER_CALL", per_call)
+    T, W = 300, 16  # blocks of 32 rows: a head of 32, 8 blocks, a tail of 12 rows
+    q, k, v = (rand(2, 3, T, 8, seed=40 + i, requires_grad=True) for i in range(3))
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, window=W, sinks=1)
+    want = scaled_dot_product_attention(q, k, v, attn_mask=window_allowed(T, T, W, 1), backend="reference")
+    torch.testing.assert_close(got, want)
+    g = rand(*got.shape, seed=44)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_sliding_fast_path_is_taken_and_linear_in_memory(monkeypatch):
     """At T = 16 W the band path runs (no (T, T) mask is ever built) and float32 agrees with float64."""
     calls = []

@@ -629,6 +629,8 @@ def attend(
 
     if window is not None and attn_mask is None and _sliding_runs(query, key, value, dropout_p, window):
         key, value = _expand_kv(query, key, value, enable_gqa)
+        H = query.shape[1]  # the band kernel takes one key/value head per query head (a view for one shared head)
+        key, value = (t.expand(-1, H, -1, -1) if t.shape[1] == 1 else t for t in (key, value))
         return sliding.sliding_window_attention(query, key, value, window, sinks, scale)  # (B, H, T, Ev)
 
     if attn_mask is None and window is None and (not is_causal or L == S):

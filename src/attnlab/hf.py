@@ -43,7 +43,11 @@ if TYPE_CHECKING:  # the model sits above this module
 
 __all__ = [
     "PRETRAINED",
+    "gpt2_config_fields",
     "gpt2_to_attnlab",
+    "read_pretrained",
+    "read_pretrained_config",
+    "read_pretrained_file",
     "read_pretrained_gpt2",
     "to_hf_gpt2",
     "to_hf_gpt2_config",
@@ -171,6 +175,24 @@ def _config_from_hf(
         ff_dim=None if ff_dim == 4 * emb_dim else ff_dim,
         ln_eps=ln_eps,
         activation=activation,
+    )
+
+
+def gpt2_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """:class:`~attnlab.GPTConfig` sizes of a GPT-2 ``config.json`` (as a dict): enough to build the
+    model's shapes (e.g. on the meta device) or size its KV cache, without the weights."""
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"expected a GPT-2 config, got model_type={cfg.get('model_type')!r}")
+    return dict(
+        vocab_size=cfg.get("vocab_size", 50257),
+        context_length=cfg.get("n_positions", 1024),
+        emb_dim=cfg.get("n_embd", 768),
+        n_heads=cfg.get("n_head", 12),
+        n_layers=cfg.get("n_layer", 12),
+        qkv_bias=True,
+        ff_dim=cfg.get("n_inner"),
+        ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        activation=_HF_ACTIVATIONS.get(cfg.get("activation_function", "gelu_new"), "gelu_tanh"),
     )
 
 
@@ -362,28 +384,122 @@ def read_pretrained_gpt2(
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(config.json as a dict, state dict)`` of a published GPT-2 (see :meth:`attnlab.GPT.from_pretrained`
     for ``name``), a Hub repository or a local directory; safetensors only, nothing is unpickled."""
+    hf_cfg, state = read_pretrained(name, cache_dir=cache_dir, revision=revision)
+    if hf_cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{name!r} is not a GPT-2 model (model_type={hf_cfg.get('model_type')!r})")
+    return hf_cfg, state
+
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def read_pretrained_config(
+    name: str, *, cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` of ``name`` (a local directory, a known GPT-2 name or a Hub repository), as a dict."""
+    local = _local_dir(name)
+    path = local / "config.json" if local is not None else _download(_repo(name), "config.json", cache_dir, revision)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found: a model directory needs config.json and safetensors weights")
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable JSON config ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def read_pretrained(
+    name: str,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config.json as a dict, state dict)`` of a Hugging Face model: a local directory (what
+    ``save_pretrained`` writes) or a Hub repository, read from the cache when offline.
+
+    The weights are ``model.safetensors`` or shards listed in ``model.safetensors.index.json``
+    (the layout of large models); safetensors only, nothing is unpickled. A name in
+    :data:`PRETRAINED` always means that published model, even if a folder of that name exists.
+    """
     if not isinstance(name, str) or not name:
-        raise TypeError(f"name must be a model name like 'gpt2', got {name!r}")
+        raise TypeError(f"name must be a model name or directory like 'gpt2', got {name!r}")
+    cfg = read_pretrained_config(name, cache_dir=cache_dir, revision=revision)
+    local = _local_dir(name)
+    if local is not None:
+        if (local / WEIGHTS).is_file():
+            files = [local / WEIGHTS]
+        elif (local / WEIGHTS_INDEX).is_file():
+            files = [local / f for f in _shards(local / WEIGHTS_INDEX)]
+        else:
+            raise FileNotFoundError(f"{local} holds neither {WEIGHTS} nor {WEIGHTS_INDEX} (safetensors weights)")
+    else:
+        repo = _repo(name)
+        try:
+            files = [Path(_download(repo, WEIGHTS, cache_dir, revision, quiet=True))]
+        except FileNotFoundError:
+            index = Path(_download(repo, WEIGHTS_INDEX, cache_dir, revision))
+            files = [Path(_download(repo, f, cache_dir, revision)) for f in _shards(index)]
+    load_file = import_safetensors().torch.load_file
+    state: dict[str, Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} not found: the weights' index lists it")
+        state.update(load_file(str(f)))
+    return cfg, state
+
+
+def read_pretrained_file(
+    name: str, filename: str, *, cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None
+) -> Path | None:
+    """The path of ``filename`` in a model directory or Hub repository (the cache when offline), or
+    None when the model has no such file (e.g. an optional ``tokenizer_config.json``)."""
+    local = _local_dir(name)
+    if local is not None:
+        path = local / filename
+        return path if path.is_file() else None
+    try:
+        return Path(_download(_repo(name), filename, cache_dir, revision, quiet=True))
+    except FileNotFoundError:
+        return None
+
+
+def _local_dir(name: str) -> Path | None:
     local = Path(name).expanduser()
     # A known model name always means that model: a ./gpt2 folder in the working directory must
     # not silently stand in for from_pretrained("gpt2").
-    if name.lower() not in PRETRAINED and local.is_dir():
-        config_path, weights_path = local / "config.json", local / "model.safetensors"
-        for p in (config_path, weights_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{p} not found: a GPT-2 directory needs config.json and model.safetensors")
-    else:
-        config_path, weights_path = _download(PRETRAINED.get(name.lower(), name), cache_dir, revision)
-
-    load_file = import_safetensors().torch.load_file
-
-    hf_cfg = json.loads(Path(config_path).read_text())
-    if hf_cfg.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{name!r} is not a GPT-2 model (model_type={hf_cfg.get('model_type')!r})")
-    return hf_cfg, load_file(str(weights_path))
+    return local if name.lower() not in PRETRAINED and local.is_dir() else None
 
 
-def _download(repo_id: str, cache_dir: str | os.PathLike[str] | None, revision: str | None) -> tuple[str, str]:
+def _repo(name: str) -> str:
+    return PRETRAINED.get(name.lower(), name)
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files ``model.safetensors.index.json`` lists (plain file names beside it)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a safetensors index with a 'weight_map' ({type(e).__name__})") from None
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if not isinstance(f, str) or Path(f).name != f or not f.endswith(".safetensors"):
+            raise ValueError(f"{index} lists {f!r}: shards must be .safetensors files beside the index")
+    return files
+
+
+def _download(
+    repo_id: str,
+    filename: str,
+    cache_dir: str | os.PathLike[str] | None,
+    revision: str | None,
+    *,
+    quiet: bool = False,
+) -> str:
+    """One file of a Hub repository, through ``huggingface_hub`` (its cache first when offline).
+    ``quiet``: a missing file is a bare FileNotFoundError (the caller tries another layout)."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
@@ -391,15 +507,13 @@ def _download(repo_id: str, cache_dir: str | os.PathLike[str] | None, revision: 
             "GPT.from_pretrained needs the 'huggingface_hub' package: pip install 'attnlab[hf]'"
         ) from None
     try:
-        paths = tuple(
-            hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision)
-            for filename in ("config.json", "model.safetensors")
-        )
+        return hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision)
     except Exception as e:  # offline, no such repository, HTTP errors: all end in the same advice
+        if quiet:
+            raise FileNotFoundError(filename) from None
         raise FileNotFoundError(
-            f"could not get the weights of {repo_id!r} from the Hugging Face Hub or its local cache "
+            f"could not get the weights of {repo_id!r} ({filename}) from the Hugging Face Hub or its local cache "
             f"({type(e).__name__}); connect to the internet once so they are downloaded into the cache "
             f"(~/.cache/huggingface, or $HF_HOME), or pass a local directory holding config.json and "
             f"model.safetensors"
         ) from None
-    return paths  # type: ignore[return-value]

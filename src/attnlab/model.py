@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab import generation, hf
+from attnlab import generation, hf, hf_llama
 from attnlab.attention import KVCache, MultiHeadAttention
 from attnlab.checks import (
     can_read_values,
@@ -164,6 +164,15 @@ _GPT2_SIZES = {
     "gpt2-medium": dict(emb_dim=1024, n_layers=24, n_heads=16),
     "gpt2-large": dict(emb_dim=1280, n_layers=36, n_heads=20),
     "gpt2-xl": dict(emb_dim=1600, n_layers=48, n_heads=25),
+}
+# Llama-family sizes (the published configs), for shapes and KV-cache sizes: build them on the meta
+# device, or load the weights with GPT.from_pretrained.
+_LLAMA_SIZES = {
+    "llama2-7b": dict(vocab_size=32000, context_length=4096, ff_dim=11008, n_kv_heads=None, rope_theta=10000.0),
+    "llama3-8b": dict(vocab_size=128256, context_length=8192, ff_dim=14336, n_kv_heads=8, rope_theta=500000.0),
+    "mistral-7b": dict(
+        vocab_size=32000, context_length=32768, ff_dim=14336, n_kv_heads=8, rope_theta=10000.0, window=4096
+    ),
 }
 _ALIASES = {"gpt2": "gpt2-small", "124m": "gpt2-small", "355m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
 
@@ -318,7 +327,7 @@ class GPTConfig:
     @classmethod
     def presets(cls) -> list[str]:
         """Names accepted by :meth:`preset`."""
-        return ["tiny", "modern", *_GPT2_SIZES]
+        return ["tiny", "modern", *_GPT2_SIZES, *_LLAMA_SIZES]
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -333,6 +342,9 @@ class GPTConfig:
         1.33 nats/byte) while running their matmuls at a higher fraction of the CPU's peak.
         ``modern``: ``tiny``'s sizes with what came after GPT-2, as nanochat combines it: rotary
         positions, RMSNorm, a ReLU^2 MLP, QK-norm, untied embeddings, no biases.
+        ``llama2-7b``, ``llama3-8b``, ``mistral-7b``: those models' published shapes (32 layers of
+        width 4096; Llama 3 and Mistral with 8 key/value heads, Mistral with a 4096-token window),
+        e.g. to size a KV cache (``attnlab info --kv-memory``) or count parameters on the meta device.
 
         >>> GPTConfig.preset("gpt2-small", context_length=256).context_length
         256
@@ -366,6 +378,21 @@ class GPTConfig:
                 mlp="relu2",
                 qk_norm=True,
                 tie_embeddings=False,
+            )
+        elif key in _LLAMA_SIZES:
+            base = dict(
+                emb_dim=4096,
+                n_heads=32,
+                n_layers=32,
+                drop_rate=0.0,
+                qkv_bias=False,
+                bias=False,
+                tie_embeddings=False,
+                ln_eps=1e-5,
+                pos="rope",
+                norm="rmsnorm",
+                mlp="swiglu",
+                **_LLAMA_SIZES[key],
             )
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])
@@ -866,18 +893,60 @@ class GPT(nn.Module):
         fields, state = hf.gpt2_to_attnlab(
             model_or_state_dict, n_heads=n_heads, drop_rate=drop_rate, hf_config=hf_config
         )
-        config = GPTConfig(**fields)
+        return cls._from_state(GPTConfig(**fields), state)
+
+    def to_hf_gpt2_state_dict(self) -> dict[str, Tensor]:
+        """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts (config from
+        :func:`attnlab.hf.to_hf_gpt2_config`)."""
+        return hf.to_hf_gpt2_state_dict(self)
+
+    @classmethod
+    def from_hf_llama(cls, model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0) -> GPT:
+        """Build a GPT holding the weights of a Hugging Face Llama or Mistral (see :mod:`attnlab.hf_llama`).
+
+        Args:
+            model_or_state_dict: a ``transformers.LlamaForCausalLM`` / ``MistralForCausalLM``, or its
+                state dict (then ``hf_config`` is needed: heads, RoPE base, norm epsilon).
+            hf_config: its config, or the dict of its ``config.json``.
+            drop_rate: dropout for training the converted model.
+
+        Returns:
+            A ``GPT`` in eval mode, with the source's dtype and device: RoPE, RMSNorm, SwiGLU, grouped
+            query heads and (Mistral) a sliding window, whose logits equal the source's.
+        """
+        fields, state = hf_llama.llama_to_attnlab(model_or_state_dict, hf_config=hf_config, drop_rate=drop_rate)
+        return cls._from_state(GPTConfig(**fields), state)
+
+    def to_hf_llama_state_dict(self) -> dict[str, Tensor]:
+        """A state dict that ``transformers.LlamaForCausalLM`` (``MistralForCausalLM`` with a window)
+        loads (config from :func:`attnlab.hf_llama.to_hf_llama_config`)."""
+        return hf_llama.to_hf_llama_state_dict(self)
+
+    @classmethod
+    def from_hf(cls, model_or_state_dict: Any, *, hf_config: Any = None, **kwargs: Any) -> GPT:
+        """:meth:`from_hf_gpt2` or :meth:`from_hf_llama`, whichever the model (or ``hf_config``'s
+        ``model_type``, or the state dict's names) is."""
+        cfg = hf_config if hf_config is not None else getattr(model_or_state_dict, "config", None)
+        model_type = cfg.get("model_type") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
+        if model_type is None and isinstance(model_or_state_dict, dict):
+            llama_keys = any(k.removeprefix("model.").startswith("embed_tokens") for k in model_or_state_dict)
+            model_type = "llama" if llama_keys else "gpt2"
+        if model_type in hf_llama.LLAMA_FAMILY:
+            return cls.from_hf_llama(model_or_state_dict, hf_config=hf_config, **kwargs)
+        if model_type not in (None, "gpt2"):
+            raise ValueError(
+                f"attnlab reads GPT-2 and Llama-family ({', '.join(hf_llama.LLAMA_FAMILY)}) models, got {model_type!r}"
+            )
+        return cls.from_hf_gpt2(model_or_state_dict, hf_config=hf_config, **kwargs)
+
+    @classmethod
+    def _from_state(cls, config: GPTConfig, state: dict[str, Tensor]) -> GPT:
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
         if config.tie_embeddings:
             model.out_head.weight = model.tok_emb.weight
         return model.eval()
-
-    def to_hf_gpt2_state_dict(self) -> dict[str, Tensor]:
-        """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts (config from
-        :func:`attnlab.hf.to_hf_gpt2_config`)."""
-        return hf.to_hf_gpt2_state_dict(self)
 
     @classmethod
     def from_pretrained(
@@ -889,23 +958,37 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> GPT:
-        """Load OpenAI's GPT-2 weights.
+        """Load OpenAI's GPT-2 weights, or a Llama-family model (Llama, Mistral).
 
         Args:
             name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
-                repository id of a GPT-2 model, or a local directory with ``config.json`` and
-                ``model.safetensors`` (what ``save_pretrained`` writes). The GPT-2 names above always mean
-                the published models; to load a local directory with one of those names, pass a path
-                such as ``./gpt2``.
+                repository id (a GPT-2, e.g. ``distilgpt2``, or a Llama-family model, e.g.
+                ``meta-llama/Llama-3.2-1B``), or a local directory with ``config.json`` and safetensors
+                weights (``model.safetensors``, or shards listed in ``model.safetensors.index.json``:
+                what ``save_pretrained`` writes). The GPT-2 names above always mean the published
+                models; to load a local directory with one of those names, pass a path such as ``./gpt2``.
             cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
                 or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
-            device, dtype: where to put the model.
+            device, dtype: where to put the model (default: the weights' own dtype, often bfloat16
+                for Llama-family models).
 
         Weights are read from safetensors (nothing is unpickled). When the weights are neither in the
         cache nor downloadable, raises ``FileNotFoundError`` with one sentence saying what to do.
+        The tokenizer of a Llama-family model is its ``tokenizer.json``
+        (:class:`attnlab.tokenizers.HFTokenizer`).
         """
-        hf_config, state = hf.read_pretrained_gpt2(name, cache_dir=cache_dir, revision=revision)
-        return cls.from_hf_gpt2(state, hf_config=hf_config).to(device=device, dtype=dtype)
+        hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
+        model_type = hf_config.get("model_type", "gpt2")
+        if model_type in hf_llama.LLAMA_FAMILY:
+            model = cls.from_hf_llama(state, hf_config=hf_config)
+        elif model_type == "gpt2":
+            model = cls.from_hf_gpt2(state, hf_config=hf_config)
+        else:
+            raise ValueError(
+                f"{name!r} is a {model_type!r} model; attnlab reads GPT-2 and Llama-family "
+                f"({', '.join(hf_llama.LLAMA_FAMILY)}) models"
+            )
+        return model.to(device=device, dtype=dtype)
 
     # Saving and loading -------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike[str]) -> Path:

@@ -1,6 +1,6 @@
-"""Tokenizers for training and generation: ``byte`` (the default), ``char`` and ``gpt2``.
+"""Tokenizers for training and generation: ``byte`` (the default), ``char``, ``gpt2`` and ``hf``.
 
-All three share one small interface (:class:`Tokenizer`): ``encode(text) -> list[int]``,
+All of them share one small interface (:class:`Tokenizer`): ``encode(text) -> list[int]``,
 ``decode(ids) -> str``, ``vocab_size``, ``eot_id`` and ``to_dict()``. ``to_dict()`` is plain JSON
 that :func:`tokenizer_from_dict` turns back into the same tokenizer, so a checkpoint can carry its
 tokenizer and generation decodes exactly the way training encoded.
@@ -14,6 +14,8 @@ tokenizer and generation decodes exactly the way training encoded.
   (``tiktoken.get_encoding("gpt2")``). Offline, point it at a directory holding GPT-2's
   ``encoder.json`` and ``vocab.bpe`` (``bpe_dir=...``, ``--bpe-dir`` or the environment variable
   ``ATTNLAB_GPT2_BPE_DIR``); the encoding is then built locally with tiktoken's own loader.
+* ``hf``: any Hugging Face ``tokenizer.json`` (Llama, Mistral, ...) through the ``tokenizers``
+  library: the tokenizer of a model loaded with :meth:`attnlab.GPT.from_pretrained`.
 
 Example::
 
@@ -27,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +52,7 @@ __all__ = [
     "ByteTokenizer",
     "CharTokenizer",
     "GPT2Tokenizer",
+    "HFTokenizer",
     "StreamDecoder",
     "Tokenizer",
     "TokenizerLoadError",
@@ -56,7 +60,7 @@ __all__ = [
     "tokenizer_from_dict",
 ]
 
-TOKENIZER_NAMES = ("byte", "char", "gpt2")
+TOKENIZER_NAMES = ("byte", "char", "gpt2", "hf")
 GPT2_BPE_ENV = "ATTNLAB_GPT2_BPE_DIR"
 
 # GPT-2's pre-tokenisation regex and special token, exactly as tiktoken defines the "gpt2" encoding
@@ -468,6 +472,140 @@ class GPT2Tokenizer(Tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------
+# Hugging Face tokenizer.json
+# ----------------------------------------------------------------------------------------------
+def _import_hf_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerLoadError("the hf tokenizer needs the 'tokenizers' package: pip install 'attnlab[hf]'") from None
+    return tokenizers
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _special_token(config: dict[str, Any], key: str) -> str | None:
+    """A special token's text from tokenizer_config.json (a string or an AddedToken dict)."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (Llama, Mistral, Qwen, ...) through the ``tokenizers`` library.
+
+    Args:
+        path: the ``tokenizer.json`` file, or a model directory holding it.
+        eot_id / bos_id: the end-of-text and beginning-of-text ids. Default: ``bos_id`` is the token
+            the file's post-processor puts before every text (what Hugging Face's ``tokenizer(text)``
+            adds), ``eot_id`` the ``eos_token`` of the ``tokenizer_config.json`` beside the file, else
+            the ``eos_token_id`` of ``generation_config.json`` or ``config.json``; else none.
+
+    ``encode`` turns text into ids and nothing else (no beginning-of-text token, so that chunks of a
+    corpus encode independently); a prompt for a model trained with one starts with ``bos_id``
+    (:meth:`encode_prompt`). ``decode`` keeps special tokens as text, so nothing is lost.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        eot_id: int | None = None,
+        bos_id: int | None = None,
+    ) -> None:
+        tokenizers = _import_hf_tokenizers()
+        p = Path(path).expanduser()
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: the hf tokenizer reads a Hugging Face tokenizer.json")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as exc:  # the library raises a bare Exception for malformed files
+            raise ValueError(f"{p} is not a Hugging Face tokenizer.json ({exc})") from None
+        self.path = p.resolve()
+        self.sha256 = sha256_file(p)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Byte-fallback tokens (<0x41>): a run of them decodes as a whole (invalid UTF-8 turns every
+        # byte of the run into U+FFFD), so streamed text must wait for the run to end.
+        self.byte_tokens = frozenset(i for t, i in self._tok.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+        found_eot, found_bos = self._read_special_ids(p.parent)
+        self.eot_id = found_eot if eot_id is None else self._check_id("eot_id", eot_id)
+        self.bos_id = found_bos if bos_id is None else self._check_id("bos_id", bos_id)
+
+    def _check_id(self, name: str, value: object) -> int:
+        if not is_int(value) or not 0 <= value < self.vocab_size:
+            raise ValueError(f"{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
+        return int(value)
+
+    def _read_special_ids(self, directory: Path) -> tuple[int | None, int | None]:
+        """(end-of-text id, beginning-of-text id) as the model's files say."""
+        # BOS: what the tokenizer's post-processor puts before a text (what Hugging Face's
+        # tokenizer(prompt) adds), e.g. Llama's <s> or <|begin_of_text|>.
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        bos = full[0] if len(full) == len(plain) + 1 and full[1:] == plain else None
+        # EOS: tokenizer_config.json's eos_token, else config.json's / generation_config.json's eos_token_id.
+        text = _special_token(self._json(directory / "tokenizer_config.json"), "eos_token")
+        eot = None if text is None else self._tok.token_to_id(text)
+        for name in ("generation_config.json", "config.json"):
+            ids = self._json(directory / name).get("eos_token_id")
+            ids = ids[0] if isinstance(ids, list) and ids else ids
+            if eot is None and is_int(ids) and 0 <= ids < self.vocab_size:
+                eot = int(ids)
+        return eot, bos
+
+    @staticmethod
+    def _json(path: Path) -> dict[str, Any]:
+        with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+        return {}
+
+    def encode(self, text: str) -> list[int]:
+        _reject_surrogates(_check_text(text))
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``encode(text)`` after ``bos_id`` when the model expects one (as Hugging Face's tokenizer does)."""
+        return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        return self._tok.decode(_ids_to_list(ids, self.vocab_size), skip_special_tokens=False)
+
+    def split_point(self, text: str) -> int:
+        return 0  # a tokenizer.json may prepend a space to every text it encodes: no safe cut is known
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": "hf",
+            "path": str(self.path),
+            "sha256": self.sha256,
+            "eot_id": self.eot_id,
+            "bos_id": self.bos_id,
+        }
+
+    def fingerprint(self) -> str:
+        return _json_fingerprint({"name": "hf", "sha256": self.sha256})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFTokenizer) and self.fingerprint() == other.fingerprint()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+# ----------------------------------------------------------------------------------------------
 # Factory and (de)serialisation
 # ----------------------------------------------------------------------------------------------
 def get_tokenizer(
@@ -477,13 +615,14 @@ def get_tokenizer(
     bpe_dir: str | os.PathLike[str] | None = None,
     path: str | os.PathLike[str] | None = None,
 ) -> Tokenizer:
-    """Tokenizer by name: ``"byte"``, ``"char"`` or ``"gpt2"``.
+    """Tokenizer by name: ``"byte"``, ``"char"``, ``"gpt2"`` or ``"hf"``.
 
     Args:
         name: one of :data:`TOKENIZER_NAMES`.
         text: the training text; ``char`` builds its vocabulary from it (or from ``path``).
         bpe_dir: for ``gpt2``, a directory with ``encoder.json`` and ``vocab.bpe``.
-        path: for ``char``, a UTF-8 file to build the vocabulary from, read in chunks.
+        path: for ``char``, a UTF-8 file to build the vocabulary from, read in chunks; for ``hf``,
+            a ``tokenizer.json`` (or the model directory holding it).
     """
     if not isinstance(name, str) or name not in TOKENIZER_NAMES:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZER_NAMES)}")
@@ -495,6 +634,12 @@ def get_tokenizer(
         if path is not None:
             return CharTokenizer.from_file(path)
         raise ValueError("the char tokenizer builds its vocabulary from the training text: pass text= or path=")
+    if name == "hf":
+        if path is None:
+            raise ValueError(
+                "the hf tokenizer reads a Hugging Face tokenizer.json: pass path= (the file or its directory)"
+            )
+        return HFTokenizer(path)
     return GPT2Tokenizer(bpe_dir=bpe_dir)
 
 
@@ -515,15 +660,32 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # (hf) the tokens so far, and how much of their text was returned
+        self._done = 0
 
     def push(self, token: int) -> str:
         """Add one token id; return the text that is now complete ('' while a character is split)."""
         if isinstance(self.tok, CharTokenizer):  # one whole character per token (lone surrogates too)
             return self.tok.decode([token])
+        if isinstance(self.tok, HFTokenizer):
+            # A tokenizer.json's decoder may join tokens (strip the first space, merge byte
+            # fallbacks): decode all tokens and return what is new, unless it ends mid-character.
+            self._ids.append(token)
+            if token in self.tok.byte_tokens:
+                return ""  # a byte run is decoded whole: wait for its end
+            text = self.tok.decode(self._ids)
+            if text.endswith("\ufffd"):
+                return ""
+            new, self._done = text[self._done :], len(text)
+            return new
         return self._utf8.decode(self.tok.decode_bytes([token]))
 
     def flush(self) -> str:
         """The text of the bytes still held back (at the end of a stream)."""
+        if isinstance(self.tok, HFTokenizer):
+            text = self.tok.decode(self._ids)
+            new, self._done = text[self._done :], len(text)
+            return new
         return self._utf8.decode(b"", final=True)
 
 
@@ -560,6 +722,14 @@ def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | 
         have = (tok._bpe_hash, tok._enc_hash)
         if None not in want and want != have:
             raise ValueError(f"the GPT-2 BPE files found ({tok!r}) differ from the ones this tokenizer was saved with")
+        return tok
+    if name == "hf":
+        path = d.get("path")
+        if not isinstance(path, str):
+            raise ValueError("hf tokenizer description needs the 'path' of its tokenizer.json")
+        tok = HFTokenizer(path, eot_id=d.get("eot_id"), bos_id=d.get("bos_id"))
+        if d.get("sha256") not in (None, tok.sha256):
+            raise ValueError(f"{path} differs from the tokenizer.json this tokenizer was saved with (SHA-256)")
         return tok
     raise ValueError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZER_NAMES)}")
 

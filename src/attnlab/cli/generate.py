@@ -9,6 +9,12 @@ The text is decoded with the checkpoint's own tokenizer, so generation reads tok
 training wrote them. Multi-byte characters (``byte`` tokenizer) and BPE pieces are printed as soon
 as they are complete, each flushed at once; characters the terminal's encoding cannot show (an
 ASCII-only locale) are printed as backslash escapes rather than ending the command.
+
+``--model`` reads a published model instead: a Hugging Face GPT-2 or Llama-family (Llama, Mistral)
+repository or directory, from the Hugging Face cache when offline, with its own ``tokenizer.json``;
+the prompt starts with the model's beginning-of-text token, and generation stops at its end::
+
+    attnlab generate --model meta-llama/Llama-3.2-1B --prompt "The capital of France is" --temperature 0
 """
 
 from __future__ import annotations
@@ -22,16 +28,30 @@ import torch
 from attnlab.checks import resolve_device
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
-from attnlab.tokenizers import StreamDecoder
-from attnlab.tools.loading import load_model
+from attnlab.tokenizers import HFTokenizer, StreamDecoder
+from attnlab.tools.loading import load_model, load_pretrained
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--checkpoint",
-        required=True,
         metavar="DIR",
         help="a training --out directory (uses its latest checkpoint) or a step directory inside it",
+    )
+    source.add_argument(
+        "--model",
+        metavar="REPO_OR_DIR",
+        help="a Hugging Face GPT-2 or Llama-family model: a Hub repository id (read from the cache when "
+        "offline) or a directory with config.json, safetensors weights and tokenizer.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="with --model: the weights' dtype (default: float32 on the CPU, the weights' own elsewhere)",
     )
     parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
     parser.add_argument(
@@ -84,9 +104,15 @@ def _sampling(args: argparse.Namespace) -> SamplingConfig:
 def run(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     device = resolve_device(args.device)
-    loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
+    if args.model is not None:
+        loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
+        sampling = dataclasses.replace(sampling, eos_id=loaded.tokenizer.eot_id)  # stop where the model ends
+    elif args.dtype is not None:
+        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
+    else:
+        loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
     tok, model = loaded.tokenizer, loaded.model
-    ids = tok.encode(args.prompt)
+    ids = tok.encode_prompt(args.prompt) if isinstance(tok, HFTokenizer) else tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt encodes to no tokens; give at least one character")
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, P)
@@ -99,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     dec = StreamDecoder(tok)
     settings = dataclasses.asdict(sampling)
     for token in model.stream(idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen):
+        if sampling.eos_id is not None and int(token[0]) == sampling.eos_id:
+            break  # the end-of-text token is not text
         piece = dec.push(int(token[0]))  # token: (1,)
         if piece:
             safe_write(out, piece)

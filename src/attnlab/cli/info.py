@@ -1,4 +1,10 @@
-"""``attnlab info``: versions, devices and which fused attention kernels torch offers here."""
+"""``attnlab info``: versions, devices and which fused attention kernels torch offers here;
+``attnlab info --kv-memory``: the KV cache of a model's shapes, MHA vs GQA vs a sliding window.
+
+    attnlab info
+    attnlab info --kv-memory --preset llama3-8b --context 32768 --batch 1 --dtype bf16
+    attnlab info --kv-memory --model meta-llama/Llama-3.2-1B --context 131072
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,53 @@ import platform
 
 import torch
 
-from attnlab.tools.info import available_sdpa_kernels
+from attnlab.model import GPTConfig
+from attnlab.tools.info import DTYPE_BYTES, available_sdpa_kernels, config_of, format_kv_memory, kv_memory_rows
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # no options
+    g = parser.add_argument_group("KV-cache memory")
+    g.add_argument(
+        "--kv-memory",
+        action="store_true",
+        help="print the KV cache of a model's shapes for MHA, GQA and a sliding window, per layer and total",
+    )
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--preset", metavar="NAME", help="a GPTConfig preset (e.g. gpt2-small, llama3-8b, mistral-7b)")
+    source.add_argument(
+        "--model",
+        metavar="PATH_OR_REPO",
+        help="a model directory (attnlab's or Hugging Face's config.json, a training run) or a Hub repository",
+    )
+    g.add_argument("--context", type=_positive, metavar="N", help="tokens per sequence (default: the context length)")
+    g.add_argument("--batch", type=_positive, default=1, metavar="B", help="sequences (default 1)")
+    g.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of the cached numbers (default bf16)")
+    g.add_argument(
+        "--kv-heads",
+        type=_positive,
+        metavar="N",
+        help="key/value heads of the GQA line (default: the model's, or groups of 4 query heads)",
+    )
+    g.add_argument(
+        "--window", type=_positive, metavar="W", help="window of the window lines (default: the model's, or 4096)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kv_memory:
+        return _kv_memory(args)
+    if args.preset or args.model or args.context or args.kv_heads or args.window:
+        raise ValueError("--preset, --model, --context, --kv-heads and --window go with --kv-memory")
     from attnlab import __version__
 
     print(f"attnlab {__version__}, torch {torch.__version__}, Python {platform.python_version()}")
@@ -33,4 +78,15 @@ def run(args: argparse.Namespace) -> int:
     for device, dtype in devices:
         kernels = available_sdpa_kernels(device, dtype)
         print(f"SDPA kernels on {device} ({str(dtype).removeprefix('torch.')}): {', '.join(kernels) or 'none'}")
+    return 0
+
+
+def _kv_memory(args: argparse.Namespace) -> int:
+    if not (args.preset or args.model):
+        raise ValueError("--kv-memory needs --preset NAME or --model PATH_OR_REPO")
+    config, name = config_of(args.model) if args.model else (GPTConfig.preset(args.preset), args.preset)
+    rows = kv_memory_rows(
+        config, context=args.context, batch=args.batch, dtype=args.dtype, kv_heads=args.kv_heads, window=args.window
+    )
+    print(format_kv_memory(name, config, rows, batch=args.batch, dtype=args.dtype))
     return 0

@@ -1,11 +1,19 @@
-"""``attnlab info``: versions, devices and which fused attention kernels torch offers here."""
+"""``attnlab info``: versions, devices and which fused attention kernels torch offers here, and the
+KV-cache memory of a model's shapes (MHA vs GQA vs a sliding window)."""
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from attnlab.checks import positive_int
+from attnlab.hf import gpt2_config_fields, read_pretrained_config
+from attnlab.hf_llama import LLAMA_FAMILY, config_fields
+from attnlab.model import CONFIG_NAME, GPTConfig
 
 
 def available_sdpa_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -30,3 +38,135 @@ def available_sdpa_kernels(device: torch.device | str, dtype: torch.dtype) -> li
             continue
         found.append(name.lower())
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache memory: MHA vs GQA vs a sliding window
+# --------------------------------------------------------------------------------------------
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+DEFAULT_WINDOW = 4096  # Mistral 7B's (and Gemma 2's) window, when the model has none of its own
+
+
+def kv_cache_bytes(
+    *, n_layers: int, n_kv_heads: int, head_dim: int, tokens: int, batch: int = 1, bytes_per_elem: int = 2
+) -> int:
+    """Bytes of a KV cache: a key and a value (2) of ``n_kv_heads * head_dim`` numbers per token,
+    layer and sequence. LLMs-from-scratch's formula: batch x tokens x head_dim x n_layers x 2 (K, V)
+    x bytes x n_kv_heads."""
+    return 2 * batch * tokens * n_kv_heads * head_dim * bytes_per_elem * n_layers
+
+
+@dataclass(frozen=True)
+class KVRow:
+    """One line of :func:`kv_memory_rows`: the cache of one way of attending."""
+
+    label: str
+    kv_heads: int
+    tokens: int  # cached per sequence and layer
+    per_token: int  # bytes per token and layer (its key and value)
+    per_layer: int  # bytes per layer, all sequences of the batch
+    total: int  # bytes, all layers
+
+
+def _group_kv_heads(n_heads: int) -> int:
+    """Key/value heads of a GQA variant of an MHA model: groups of 4 query heads (Llama 3's ratio),
+    or the largest group below that divides the heads."""
+    return next(n_heads // g for g in (4, 3, 2, 1) if n_heads % g == 0)
+
+
+def kv_memory_rows(
+    config: GPTConfig,
+    *,
+    context: int | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
+    kv_heads: int | None = None,
+    window: int | None = None,
+) -> list[KVRow]:
+    """The KV cache of ``config``'s shapes for MHA, GQA, and each with a sliding window.
+
+    Args:
+        config: the model's shapes (layers, heads, head width, its own key/value heads and window).
+        context: tokens per sequence (default: the config's ``context_length``).
+        batch: sequences; dtype: of the cached numbers (a key of :data:`DTYPE_BYTES`).
+        kv_heads: key/value heads of the GQA line (default: the config's when it groups its heads,
+            else groups of 4); window: of the window lines (default: the config's, else 4096).
+    Returns:
+        Four :class:`KVRow`: MHA, GQA, MHA + window, GQA + window (a window holds at most
+        ``window + sinks`` tokens).
+    """
+    context = config.context_length if context is None else positive_int("context", context)
+    positive_int("batch", batch)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    H, hd, L, size = config.n_heads, config.head_dim, config.n_layers, DTYPE_BYTES[dtype]
+    if kv_heads is None:
+        kv_heads = config.kv_heads if config.kv_heads < H else _group_kv_heads(H)
+    elif positive_int("kv_heads", kv_heads) > H or H % kv_heads:
+        raise ValueError(f"kv_heads must divide the {H} query heads, got {kv_heads}")
+    window = (config.window or DEFAULT_WINDOW) if window is None else positive_int("window", window)
+    held = min(context, window + config.sinks)
+
+    def row(label: str, heads: int, tokens: int) -> KVRow:
+        per_token = kv_cache_bytes(n_layers=1, n_kv_heads=heads, head_dim=hd, tokens=1, bytes_per_elem=size)
+        per_layer = kv_cache_bytes(
+            n_layers=1, n_kv_heads=heads, head_dim=hd, tokens=tokens, batch=batch, bytes_per_elem=size
+        )
+        return KVRow(label, heads, tokens, per_token, per_layer, per_layer * L)
+
+    group = H // kv_heads
+    return [
+        row("MHA", H, context),
+        row(f"GQA (groups of {group})", kv_heads, context),
+        row(f"MHA + window {window}", H, held),
+        row(f"GQA + window {window}", kv_heads, held),
+    ]
+
+
+def format_bytes(n: int) -> str:
+    """Decimal units, as LLMs-from-scratch prints them: ``17.18 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: int, dtype: str) -> str:
+    """The table ``attnlab info --kv-memory`` prints (80 columns)."""
+    lines = [
+        f"KV cache of {name}: {config.n_layers} layers, {config.n_heads} heads of {config.head_dim}",
+        f"{rows[0].tokens:,} tokens x batch {batch}, {dtype} ({DTYPE_BYTES[dtype]} bytes per number)",
+        "bytes = 2 (K, V) x batch x tokens x kv_heads x head_dim x bytes/number x layers",
+        "",
+        f"{'':<22}{'K/V heads':>10}{'tokens':>10}{'per token':>12}{'per layer':>12}{'total':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.label:<22}{r.kv_heads:>10}{r.tokens:>10,}{format_bytes(r.per_token):>12}"
+            f"{format_bytes(r.per_layer):>12}{format_bytes(r.total):>12}"
+        )
+    lines.append("")
+    lines.append("per token: one token's key and value, one layer; per layer: the whole batch")
+    if config.window is None and rows[2].label.endswith(f" {DEFAULT_WINDOW}"):
+        lines.append(f"(window: {DEFAULT_WINDOW}, Mistral 7B's; this model has none of its own: --window W)")
+    return "\n".join(lines)
+
+
+def config_of(source: str) -> tuple[GPTConfig, str]:
+    """``(GPTConfig, name)`` of a model: a directory with a ``config.json`` (attnlab's, or a Hugging
+    Face GPT-2 / Llama-family one), a training run, or a Hub repository id (its config.json only,
+    from the cache when offline)."""
+    path = Path(source).expanduser()
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        from attnlab.tools.loading import load_model
+
+        return load_model(path, what="--model").model.config, source
+    cfg = read_pretrained_config(source)
+    model_type = cfg.get("model_type")
+    if model_type is None:  # attnlab's own config.json (GPT.save)
+        return GPTConfig.from_dict(cfg), source
+    if model_type == "gpt2":
+        return GPTConfig(**gpt2_config_fields(cfg)), source
+    if model_type in LLAMA_FAMILY:
+        return GPTConfig(**config_fields(cfg)), source
+    raise ValueError(f"{source}: a {model_type!r} model; attnlab reads GPT-2 and Llama-family configs")

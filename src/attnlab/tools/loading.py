@@ -9,9 +9,10 @@ wrong. :func:`load_model` reads a directory of attnlab's:
 * a :meth:`attnlab.GPT.save` directory with a ``tokenizer.json`` beside the weights (a
   :meth:`attnlab.tokenizers.Tokenizer.to_dict` description).
 
-:func:`load_pretrained` reads OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...: the Hugging Face
-cache, downloading once when online) or a local Hugging Face directory (``config.json`` +
-``model.safetensors``, as ``save_pretrained`` writes), with GPT-2's tokenizer. :func:`load` picks one
+:func:`load_pretrained` reads published models: OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...) or a
+Llama-family model (Llama, Mistral), from the Hugging Face cache (downloading once when online) or a
+local Hugging Face directory (``config.json`` + safetensors weights, as ``save_pretrained`` writes),
+with the model's own ``tokenizer.json`` or, for a GPT-2 without one, GPT-2's byte-pair tokenizer. :func:`load` picks one
 of the two from command-line style arguments. :func:`load_demo` gives the tutorials' six-word
 example: "Your journey starts with one step" and the modules of "A simple self-attention mechanism"
 under the tutorial's seeds.
@@ -32,9 +33,9 @@ import torch
 from attnlab import attention
 from attnlab.files import read_json
 from attnlab.functional import simple_self_attention
-from attnlab.hf import PRETRAINED
+from attnlab.hf import PRETRAINED, read_pretrained_file
 from attnlab.model import CONFIG_NAME, GPT
-from attnlab.tokenizers import GPT2Tokenizer, Tokenizer, tokenizer_from_dict
+from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
 __all__ = ["TOKENIZER_NAME", "Demo", "LoadedModel", "load", "load_demo", "load_model", "load_pretrained"]
@@ -102,33 +103,57 @@ def load_pretrained(
     name: str,
     *,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
     bpe_dir: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     what: str = "--model",
 ) -> LoadedModel:
-    """OpenAI's GPT-2 by name (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, or another Hub
-    repository of a GPT-2) or a local Hugging Face directory (``config.json`` + ``model.safetensors``),
-    with GPT-2's byte-pair tokenizer.
+    """A published model and its tokenizer, through :meth:`GPT.from_pretrained`.
 
-    The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when online; set
-    ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer's ``encoder.json`` and
-    ``vocab.bpe`` come from ``bpe_dir``, else from the model's directory when it holds them, else
-    from ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
+    ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``), another Hub
+    repository of a GPT-2 or a Llama-family model, or a local Hugging Face directory. The weights come
+    from the Hugging Face cache (``$HF_HOME``; downloaded once when online; set ``HF_HUB_OFFLINE=1`` to
+    never try the network). The tokenizer is, in this order: GPT-2's byte-pair tokenizer when
+    ``bpe_dir`` is given; the model's ``tokenizer.json`` through the ``tokenizers`` library
+    (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or ``config.json``);
+    for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory (when it holds
+    ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
+
+    ``dtype`` defaults to float32 on the CPU (bfloat16 weights run slowly there) and to the weights'
+    own dtype elsewhere.
     """
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"{what} must name a GPT-2 ({', '.join(PRETRAINED)}) or a directory, got {name!r}")
+        raise ValueError(
+            f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
+        )
     local = Path(name).expanduser()
     is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
     if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
         raise FileNotFoundError(f"{what} {name}: no such directory")
-    if bpe_dir is None and is_local and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
-        bpe_dir = local
-    model = GPT.from_pretrained(name, cache_dir=cache_dir, device=device).eval()
-    tokenizer = GPT2Tokenizer(bpe_dir=bpe_dir)
-    if model.config.vocab_size < tokenizer.vocab_size:
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if dtype is None and device.type == "cpu":
+        dtype = torch.float32
+    model = GPT.from_pretrained(name, cache_dir=cache_dir, device=device, dtype=dtype).eval()
+    tok_path = None if bpe_dir is not None else read_pretrained_file(name, "tokenizer.json", cache_dir=cache_dir)
+    if tok_path is not None:
+        for extra in ("tokenizer_config.json", "generation_config.json"):  # into the same folder (the cache's)
+            read_pretrained_file(name, extra, cache_dir=cache_dir)
+        tokenizer: Tokenizer = HFTokenizer(tok_path)
+    elif model.config.pos == "learned":  # a GPT-2: its byte-pair encoding
+        if bpe_dir is None and is_local and (local / "encoder.json").is_file() and (local / "vocab.bpe").is_file():
+            bpe_dir = local
+        tokenizer = GPT2Tokenizer(bpe_dir=bpe_dir)
+    else:
+        raise FileNotFoundError(f"{what} {name}: no tokenizer.json beside the weights (a Hugging Face tokenizer)")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        if isinstance(tokenizer, GPT2Tokenizer):
+            raise ValueError(
+                f"{what} {name}: the model has {model.config.vocab_size} token ids, fewer than GPT-2's tokenizer "
+                f"({tokenizer.vocab_size}); only GPT-2-vocabulary models can be read with it"
+            )
         raise ValueError(
-            f"{what} {name}: the model has {model.config.vocab_size} token ids, fewer than GPT-2's tokenizer "
-            f"({tokenizer.vocab_size}); only GPT-2-vocabulary models can be read with it"
+            f"{what} {name}: its tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={model.config.vocab_size}"
         )
     source = "local" if is_local else "huggingface"
     return LoadedModel(model, tokenizer, local.resolve() if is_local else Path(name), {"source": source, "name": name})

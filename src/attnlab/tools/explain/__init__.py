@@ -39,6 +39,9 @@ from attnlab.tools.explain.lessons import gpt2_parameter_counts
 from attnlab.tools.explain.lessons_tutorials import CONCEPT_QUESTIONS
 
 # isort: split
+from attnlab.tools.explain.lessons_modern import MODERN_LESSONS
+
+# isort: split
 from attnlab.tools.explain.registry import (
     LESSONS,
     TUTORIALS,
@@ -57,6 +60,7 @@ from attnlab.tools.explain.walk import WIDTH, Walk
 __all__ = [
     "CONCEPT_QUESTIONS",
     "LESSONS",
+    "MODERN_LESSONS",
     "TUTORIALS",
     "WIDTH",
     "Lesson",
