@@ -264,6 +264,21 @@ def test_sliding_fast_path_equals_the_dense_mask_forward_and_backward(T, window,
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("T,W,sinks", [(700, 160, 3), (1531, 300, 0), (2048, 512, 1)])
+def test_sliding_fast_path_with_its_own_block_sizes(T, W, sinks):
+    """Windows wide enough that the forward's query blocks (W/4) and the backward's key chunks (W/2)
+    differ, odd lengths, sinks: the same numbers as the dense mask."""
+    q, k, v = (rand(1, 2, T, 8, seed=50 + i, requires_grad=True) for i in range(3))
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, window=W, sinks=sinks)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    mask = (j <= i) & ((i - j < W) | (j < sinks))
+    want = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want)
+    g = rand(*got.shape, seed=54)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("per_call", [1, 3])
 def test_sliding_fast_path_in_groups_of_blocks(per_call, monkeypatch):
     """Several kernel calls (groups of query blocks) compute the same, forward and backward."""
