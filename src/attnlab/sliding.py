@@ -113,7 +113,7 @@ class _SlidingWindow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, scale: float) -> Tensor:
         fwd = _OPS[0]
-        B, H, T, E = q.shape
+        B, H, T, _ = q.shape
         p = _Plan(T, window, sinks)
         # The output (and the gradients) in the inputs' own memory order: a module's (B, T, H, E)
         # projections then get a free transpose(1, 2).reshape(), and autograd stores the gradients
@@ -134,8 +134,9 @@ class _SlidingWindow(torch.autograd.Function):
                 qb = _view(q, b, r0, n, p.Bq, p.Bq)  # (n, H, Bq, E)
                 kb, vb = (_view(t, b, i * p.Bq, n, p.Bq, (p.m + 1) * p.Bq) for t in (k, v))  # (n, H, (m+1) Bq, E)
                 o, lse_b = fwd(qb, kb, vb, 0.0, False, attn_mask=band, scale=scale)
-                out[b, :, r0:r1] = o.transpose(0, 1).reshape(H, n * p.Bq, E)
-                lse[b, :, r0:r1] = lse_b.transpose(0, 1).reshape(H, -1)
+                # (one strided copy each: a reshape of the transposed block would copy first)
+                out[b, :, r0:r1].unflatten(1, (n, p.Bq)).copy_(o.transpose(0, 1))
+                lse[b, :, r0:r1].unflatten(1, (n, p.Bq)).copy_(lse_b.transpose(0, 1))
             if p.Lt:
                 start = p.tail - window + 1
                 o, lse_b = fwd(q[b : b + 1, :, p.tail :], k[b : b + 1, :, start:], v[b : b + 1, :, start:],
@@ -167,7 +168,7 @@ class _SlidingWindow(torch.autograd.Function):
         bwd = _OPS[1]
         q, k, v, out, lse, sink_mask = ctx.saved_tensors
         p, scale = ctx.plan, ctx.scale
-        B, H, T, E = q.shape
+        B, H, T, _ = q.shape
         if grad.stride(-1) != 1:  # the kernel reads any layout with contiguous features
             grad = grad.contiguous()
         Bk = key_chunk(p.W)
@@ -196,8 +197,8 @@ class _SlidingWindow(torch.autograd.Function):
                     attn_mask=window_mask,
                     scale=scale,
                 )
-                gk[b, :, r0 : r0 + n * Bk] = dk.transpose(0, 1).reshape(H, -1, E)
-                gv[b, :, r0 : r0 + n * Bk] = dv.transpose(0, 1).reshape(H, -1, E)
+                gk[b, :, r0 : r0 + n * Bk].unflatten(1, (n, Bk)).copy_(dk.transpose(0, 1))
+                gv[b, :, r0 : r0 + n * Bk].unflatten(1, (n, Bk)).copy_(dv.transpose(0, 1))
                 chunks = dq.unflatten(2, (m + 1, Bk))  # (n, H, m+1, Bk, E): window c holds rows c .. c+m
                 for j in range(m + 1):
                     at = r0 + j * Bk
