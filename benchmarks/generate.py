@@ -11,6 +11,11 @@ alike; the table shows medians over the rounds and the ratios between them.
 * training: one forward + backward (cross-entropy loss, no optimizer step) on a batch of
   8 x 256 tokens, attnlab vs ``GPT2LMHeadModel`` (its default ``sdpa`` attention) of the same config.
   Goal: attnlab >= transformers.
+* past the window: the same sizes with rotary positions and a sliding window of 256 tokens; greedy
+  decoding speed (tokens/s of 64 steps, the prompt's prefill not timed) around position W/2 = 128
+  and around 4W = 1024, interleaved. Its KV cache rolls (a ring of W slots), so the two must match:
+  goal, tokens/s at 4W >= 0.9x tokens/s at W/2. For contrast, the same model without a window
+  (context 2048), whose attention grows with the position.
 
     python benchmarks/generate.py                 # defaults above, 5 rounds
     python benchmarks/generate.py --rounds 3 --json out.json
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
+import time
 
 import torch
 
@@ -45,12 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--window", type=int, default=256, help="sliding window of the rolling-cache section")
+    ap.add_argument("--steps", type=int, default=64, help="decoding steps timed per position (rolling-cache section)")
+    ap.add_argument("--skip-rolling", action="store_true", help="leave out the rolling-cache section")
+    ap.add_argument("--only-rolling", action="store_true", help="run the rolling-cache section alone")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.only_rolling:
+        rolling = rolling_cache_benchmark(args, device)
+        if args.json:
+            atomic_write_json(args.json, {"args": vars(args), "rolling_cache": rolling})
+        return 0
 
     cfg = GPTConfig(
         vocab_size=args.vocab,
@@ -165,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print()
+    rolling = None
+    if not args.skip_rolling:
+        rolling = rolling_cache_benchmark(args, device)
+        ratios["rolling_4w_vs_half_w"] = rolling["ratio"]
     if args.json:
         # Atomic (temp file, fsync, rename): an interrupted run never leaves a torn results file.
         atomic_write_json(
@@ -179,9 +199,70 @@ def main(argv: list[str] | None = None) -> int:
                 "train_tokens_per_s": train_tps,
                 "train_times_s": train_times,
                 "ratios": ratios,
+                "rolling_cache": rolling,
             },
         )
     return 0
+
+
+def rolling_cache_benchmark(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    """Decoding speed around position W/2 and around 4W, with a sliding window (rolling cache) and,
+    for contrast, without one. Medians over interleaved rounds; the prefill is not timed."""
+    W, steps = args.window, args.steps
+    positions = {"W/2": W // 2, "4W": 4 * W}
+    base = dict(
+        vocab_size=args.vocab,
+        emb_dim=args.width,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        drop_rate=0.0,
+        pos="rope",
+        context_length=8 * W,
+    )
+    torch.manual_seed(0)
+    models = {"window": GPT(GPTConfig(**base, window=W)).to(device).eval()}
+    models["no window"] = GPT(GPTConfig(**base)).to(device).eval()
+    models["no window"].load_state_dict(models["window"].state_dict())
+    gen = torch.Generator().manual_seed(1)
+    prompts = {
+        name: torch.randint(0, args.vocab, (1, p - steps // 2), generator=gen).to(device)
+        for name, p in positions.items()
+    }
+
+    def rate(model: GPT, prompt: torch.Tensor) -> float:
+        tokens = model.stream(prompt, steps + 1, temperature=0)
+        next(tokens)  # the prefill and the first token: not timed
+        t0 = time.perf_counter()
+        for _ in tokens:
+            pass
+        return steps / (time.perf_counter() - t0)
+
+    runs = [(m, p) for m in models for p in positions]
+    rates: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for m, p in runs if r % 2 else runs[::-1]:
+            value = rate(models[m], prompts[p])
+            if r:
+                rates[(m, p)].append(value)
+    med = {f"{m} @ {p}": statistics.median(v) for (m, p), v in rates.items()}
+    caches = models["window"].new_kv_caches(1)
+    print(
+        f"\nPast the window: RoPE, window {W} (the KV cache: a ring of {caches[0].max_length} slots per layer), "
+        f"{steps} greedy steps around each position, prefill not timed"
+    )
+    for name, value in med.items():
+        print(f"  {name:<20} {value:9.1f} tokens/s")
+    ratio = med["window @ 4W"] / med["window @ W/2"]
+    contrast = med["no window @ 4W"] / med["no window @ W/2"]
+    print(f"  window: tokens/s at 4W / at W/2 = {ratio:.3f} (goal >= 0.90); without a window: {contrast:.3f}")
+    return {
+        "window": W,
+        "steps": steps,
+        "positions": positions,
+        "tokens_per_s": med,
+        "ratio": ratio,
+        "contrast": contrast,
+    }
 
 
 if __name__ == "__main__":

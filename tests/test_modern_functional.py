@@ -264,6 +264,21 @@ def test_sliding_fast_path_equals_the_dense_mask_forward_and_backward(T, window,
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("T,W,sinks", [(700, 160, 3), (1531, 300, 0), (2048, 512, 1)])
+def test_sliding_fast_path_with_its_own_block_sizes(T, W, sinks):
+    """Windows wide enough that the forward's query blocks (W/4) and the backward's key chunks (W/2)
+    differ, odd lengths, sinks: the same numbers as the dense mask."""
+    q, k, v = (rand(1, 2, T, 8, seed=50 + i, requires_grad=True) for i in range(3))
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, window=W, sinks=sinks)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    mask = (j <= i) & ((i - j < W) | (j < sinks))
+    want = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want)
+    g = rand(*got.shape, seed=54)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("per_call", [1, 3])
 def test_sliding_fast_path_in_groups_of_blocks(per_call, monkeypatch):
     """Several kernel calls (groups of query blocks) compute the same, forward and backward."""
@@ -444,3 +459,37 @@ def test_mods_need_four_dimensional_inputs_and_flex_on_cpu_no_gradients():
         scaled_dot_product_attention(qg, qg, qg, backend="flex")
     with pytest.raises(ValueError, match="window must be a positive int"):
         causal_mask(3, window=0)
+
+
+# =============================================================================================
+# CUDA: the compiled flex_attention path (backend="auto" sends mods and windows there)
+# =============================================================================================
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(is_causal=True, window=64, sinks=4),
+        dict(is_causal=True, mask_mod=lambda b, h, qi, ki: (qi // 32) == (ki // 32)),
+        dict(is_causal=True, score_mod=lambda s, b, h, qi, ki: 10.0 * torch.tanh(s / 10.0)),
+        dict(is_causal=True, window=48, score_mod="alibi"),
+    ],
+)
+def test_flex_on_cuda_equals_the_reference_forward_and_backward(kw):
+    """On a GPU, auto hands these to torch.compile(flex_attention); the reference path on the same
+    inputs (float64 on the CPU) must agree, gradients included."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4 if i == 0 else 2, 200, 64, generator=g) for i in range(3))
+    dev = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    kw, cpu_kw = dict(kw), dict(kw)
+    if kw.get("score_mod") == "alibi":  # the slopes live where the scores are
+        kw["score_mod"] = alibi_score_mod(alibi_slopes(4).cuda())
+        cpu_kw["score_mod"] = alibi_score_mod(alibi_slopes(4).double())
+    got = scaled_dot_product_attention(*dev, enable_gqa=True, **kw)
+    want = scaled_dot_product_attention(*ref, enable_gqa=True, backend="reference", **cpu_kw)
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-3, rtol=2e-3)
+    dy = torch.randn(want.shape, generator=g)
+    grads = torch.autograd.grad(got, dev, dy.cuda())
+    want_grads = torch.autograd.grad(want, ref, dy.double())
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a.double().cpu(), b, atol=5e-3, rtol=5e-3)

@@ -533,7 +533,8 @@ class GPT(nn.Module):
     Args:
         config: a :class:`GPTConfig` (or a dict of its fields).
 
-    ``model(idx)`` maps token ids ``idx (B, T)`` (int64, ``T <= context_length``) to logits
+    ``model(idx)`` maps token ids ``idx (B, T)`` (int64, ``T <= context_length`` with learned
+    positions; any ``T`` with relative ones, whose window slides) to logits
     ``(B, T, vocab_size)``; :meth:`loss` gives the mean next-token cross-entropy;
     :meth:`generate` / :meth:`stream` sample continuations with a KV cache.
 
