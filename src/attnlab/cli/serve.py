@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tutorials' six-word example, 'Your journey starts with one step' (not a language model: no "
         "prompt box, generation or ablation)",
     )
+    parser.add_argument(
+        "--prompt", metavar="TEXT", help="the prompt the page opens with (default: 'Your journey starts with one step')"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
     parser.add_argument(
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.checkpoint is None and args.model is None and not args.demo:
         raise ValueError("give the model to serve: --checkpoint DIR, --model NAME, or --demo")
+    if args.demo and args.prompt is not None:
+        raise ValueError("--prompt needs a language model (--checkpoint DIR or --model NAME), not --demo")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -90,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
         name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
-        engine = Engine(loaded, name=name, limits=limits)
+        try:
+            engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt)
+        except ValueError as exc:
+            raise ValueError(f"--prompt: {exc}") from None
     serve(engine, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1093,11 +1093,12 @@ class LiveApp {
     $("live").hidden = false;
     const box = $("prompt");
     if (!this.info.language_model) {  // the tutorials' six-word example: fixed embeddings, nothing to type
-      box.value = "Your journey starts with one step";
+      const data = await this.api.get("demo");
+      box.value = data.text;
       box.disabled = true; $("generate").disabled = true; $("max-new").disabled = true; $("seed").disabled = true;
       this.status("The six words of \u201cA simple self-attention mechanism\u201d have fixed 3-d embeddings: typing, "
         + "generating and ablating need a language model (attnlab serve --checkpoint DIR or --model NAME).");
-      await showAttention(await this.api.get("demo"));
+      await showAttention(data);
       return;
     }
     $("click-mode").hidden = false;

@@ -98,6 +98,8 @@ class Engine:
         limits: what a request may ask for.
         cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
             GPT-2-small, most of it the logits).
+        prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
+            one step", when the tokenizer can read it).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Engine:
         name: str = "",
         limits: Limits | None = None,
         cache_size: int = 4,
+        prompt: str | None = None,
     ):
         if (loaded is None) == (demo is None):
             raise ValueError("Engine needs a loaded model or the demo's page data, exactly one")
@@ -120,6 +123,7 @@ class Engine:
         self._roles: dict[str, Any] | None = None
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
+        self.default_prompt = self._first_prompt(prompt)
         self.stats: dict[str, int] = {
             "model_calls": 0,
             "traces": 0,
@@ -177,7 +181,7 @@ class Engine:
             "name": self.name,
             "language_model": self.is_language_model,
             "model": model,
-            "default_prompt": DEFAULT_PROMPT if self.is_language_model else "",
+            "default_prompt": self.default_prompt,
             "limits": {
                 "max_new_tokens": self.limits.max_new_tokens,
                 "max_body_bytes": self.limits.max_body_bytes,
@@ -185,6 +189,22 @@ class Engine:
                 "max_prompt_tokens": None if model is None else model["context_length"],
             },
         }
+
+    def _first_prompt(self, prompt: str | None) -> str:
+        """The prompt the page opens with: ``prompt`` (checked), else the tutorials' sentence if the
+        tokenizer can read it (or its lower case), else nothing."""
+        if self.loaded is None:
+            return ""
+        if prompt is not None:
+            self.encode(prompt)  # a bad --prompt is an error now, not on the page
+            return prompt
+        for text in (DEFAULT_PROMPT, DEFAULT_PROMPT.lower()):
+            try:
+                self.encode(text)
+                return text
+            except ValueError:
+                continue
+        return ""
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids, checked against the context window."""
