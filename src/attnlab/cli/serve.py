@@ -46,7 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body", type=int, default=256 << 10, metavar="BYTES", help="largest request body (default: 262144)"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, metavar="N", help="torch threads (default: torch's choice)"
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the model (default: one less than torch's default, at least 1: the browser and "
+        "the server's event loop share the machine; on a busy 2-core machine 2 threads made requests 20x slower)",
     )
     parser.add_argument(
         "--bpe-dir",
@@ -87,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     limits = Limits(max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body)
     if args.demo:
         engine = Engine(demo=view_to_dict(demo_view()), limits=limits)

@@ -162,6 +162,7 @@ class InfoAnswer(BaseModel):
     language_model: bool = Field(description="false for the tutorials' six-word example (attnlab serve --demo)")
     model: dict[str, Any] | None
     default_prompt: str
+    torch_threads: int = Field(description="the threads torch runs the model on (attnlab serve --threads)")
     limits: Limits
 
 

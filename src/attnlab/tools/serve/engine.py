@@ -1,15 +1,17 @@
-"""The model behind ``attnlab serve``: one model, one lock, and the answers of :mod:`attnlab.interpret`.
+"""The model behind ``attnlab serve``: one model, one thread, and the answers of :mod:`attnlab.interpret`.
 
-Every model call runs under one lock (:attr:`Engine.lock`) in ``torch.inference_mode()``. The lock
-is deliberate: what the inspector records is per-call state *on the model* (each attention layer's
-``observer``, the forward hooks of :func:`attnlab.interpret.trace` and :func:`attnlab.interpret.ablate`),
-so two calls running at once would record each other's attention or ablate each other's heads. A
-copy of the model per worker would avoid that at the cost of its memory (500 MB per GPT-2-small)
-and buys nothing on a CPU whose cores one forward pass already keeps busy (torch's own threads).
-Serialised, every request sees the model alone; the server's event loop stays free (model work runs
-in worker threads) to serve files and notice clients that leave.
+Every model call runs on one dedicated thread (:meth:`Engine.run`), under a lock, in
+``torch.inference_mode()``; requests queue for it. Serialising is deliberate: what the inspector
+records is per-call state *on the model* (each attention layer's ``observer``, the forward hooks of
+:func:`attnlab.interpret.trace` and :func:`attnlab.interpret.ablate`), so two calls running at once
+would record each other's attention or ablate each other's heads. A copy of the model per worker
+would avoid that at the cost of its memory (500 MB per GPT-2-small) and buys nothing on a CPU whose
+cores one forward pass already keeps busy (torch's own threads). One thread, not a lock taken by
+whichever worker thread a request lands on: each thread that calls into torch gets its own team of
+OpenMP threads, and a dozen teams spinning on two cores made a 64-token forward pass 20x slower here.
+The server's event loop stays free meanwhile, to serve files and notice clients that leave.
 
-A generation advances one token per lock acquisition (:meth:`Engine.advance`): between two of its
+A generation advances one token per model call (:meth:`Engine.advance`): between two of its
 tokens other requests run (typing stays live while a generation streams), and a generation whose
 client has gone is simply not advanced again (:meth:`Engine.finish`). Its KV caches belong to the
 generation, not to the model, so interleaving is safe.
@@ -24,6 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,6 +121,7 @@ class Engine:
         self.limits = limits or Limits()
         self.name = name or ("the tutorials' six-word example" if demo is not None else type(loaded.model).__name__)
         self.lock = threading.Lock()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
         self.cache_size = cache_size
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._roles: dict[str, Any] | None = None
@@ -145,10 +149,15 @@ class Engine:
             return dict(self.stats)
 
     def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` alone on the model: under the lock, in inference mode."""
-        with self.lock, torch.inference_mode():
-            self.count("model_calls")
-            return fn()
+        """``fn()`` alone on the model: on the model's thread, under the lock, in inference mode.
+        Blocks the calling thread until it is done (the server calls it from worker threads)."""
+
+        def alone() -> T:
+            with self.lock, torch.inference_mode():
+                self.count("model_calls")
+                return fn()
+
+        return self._model_thread.submit(alone).result()
 
     @property
     def is_language_model(self) -> bool:
@@ -182,6 +191,7 @@ class Engine:
             "language_model": self.is_language_model,
             "model": model,
             "default_prompt": self.default_prompt,
+            "torch_threads": torch.get_num_threads(),
             "limits": {
                 "max_new_tokens": self.limits.max_new_tokens,
                 "max_body_bytes": self.limits.max_body_bytes,
@@ -444,11 +454,16 @@ class Engine:
 
     def finish(self, run: GenerationRun) -> None:
         """End ``run``, complete or not (its client gone: "stopped"); safe to call twice."""
-        with self.lock:
+
+        def close() -> bool:
             if run.finished:
-                return
+                return False
             run.finished = True
-            run.tokens.close()  # the stream's own clean-up (the model's training mode), under the lock
+            run.tokens.close()  # the stream's own clean-up (the model's training mode)
+            return True
+
+        if not self.run(close):
+            return
         stopped = not run.end_reason
         run.end_reason = run.end_reason or "stopped"
         self.count("generations_active", -1)
