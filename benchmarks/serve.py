@@ -17,7 +17,9 @@ Measured, with 1 client and with 16 concurrent clients (threads, one HTTP connec
 
 Also, once per model on a new prompt, the other sections (asked for only when their tab opens):
 the logit lens, rollout, the tutorials' steps of one head, head roles (computed once per model), and
-all of them together, which is why the page does not ask for everything on each keystroke.
+all of them together, which is why the page does not ask for everything on each keystroke. With
+``--browser N``, Chromium types N prompts into the live page: the time from the edit to the views
+drawn, as a user sees it.
 
 Goals (2-core CPU): tiny typing p50 under 100 ms with one client; GPT-2-small typing p50 under 1 s;
 no error under 16 clients. The load average is printed with the figures (a shared machine slows
@@ -26,6 +28,7 @@ every number down); run it more than once.
     python benchmarks/serve.py                          # both models, attnlab serve's default threads
     python benchmarks/serve.py --threads 1 --json out.json
     python benchmarks/serve.py --models tiny --requests 50
+    python benchmarks/serve.py --browser 10             # also time typing in Chromium (selenium)
 """
 
 from __future__ import annotations
@@ -161,9 +164,60 @@ def run_load(url: str, bodies: list[tuple[str, dict]], clients: int) -> dict:
     }
 
 
+def browser_typing(url: str, prompts: list[str], edits: int) -> dict:
+    """Chromium on the live page: replace the prompt ``edits`` times; per edit the time from the last
+    key to the new prompt drawn (the page waits 250 ms after the last key before it asks), and the
+    page's own time from its request to the views drawn."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")
+    opts = Options()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
+    shown, page = [], []
+    try:
+        driver.get(url + "/")
+        WebDriverWait(driver, 300).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+        for prompt in prompts[:edits]:
+            # Set the text and fire the input event the keyboard would: the page's debounce starts now.
+            t0 = time.perf_counter()
+            driver.execute_script(
+                "const b = document.getElementById('prompt'); b.value = arguments[0];"
+                "b.dispatchEvent(new Event('input', {bubbles: true}));",
+                prompt,
+            )
+            WebDriverWait(driver, 300, poll_frequency=0.01).until(
+                lambda d, p=prompt: d.execute_script("return document.body.dataset.livePrompt === arguments[0]", p)
+            )
+            shown.append(time.perf_counter() - t0)
+            page.append(float(driver.execute_script("return document.body.dataset.liveMs")) / 1000)
+    finally:
+        driver.quit()
+    return {
+        "edits": len(shown),
+        "key_to_drawn_p50_ms": round(1000 * statistics.median(shown), 1),
+        "key_to_drawn_p95_ms": round(1000 * percentile(shown, 95), 1),
+        "request_and_draw_p50_ms": round(1000 * statistics.median(page), 1),
+        "request_and_draw_p95_ms": round(1000 * percentile(page, 95), 1),
+    }
+
+
 def bench_model(name: str, ckpt: Path, tokenizer, text: str, n_tokens: int, args) -> dict:
     n1, n16 = args.requests, args.concurrent_requests
-    prompts = prompts_of(tokenizer, text, n_tokens, 1 + n1 + n16 + 2)
+    prompts = prompts_of(tokenizer, text, n_tokens, 1 + n1 + n16 + 2 + args.browser)
     extra = ["--threads", str(args.threads)] if args.threads else []
     if args.bpe_dir:
         extra += ["--bpe-dir", str(args.bpe_dir)]
@@ -202,6 +256,8 @@ def bench_model(name: str, ckpt: Path, tokenizer, text: str, n_tokens: int, args
                     "kb": round(len(r.content) / 1024, 1),
                 }
             out["sections"] = sections
+            if args.browser:
+                out["browser"] = browser_typing(server.url, prompts[-2 - args.browser : -2], args.browser)
             out["server_stats"] = c.get("/api/stats").json()
     finally:
         out["exit_status"] = server.stop()
@@ -216,6 +272,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: attnlab serve's)")
     p.add_argument("--bpe-dir", type=Path, default=SHARED / "gpt2", help="GPT-2's encoder.json and vocab.bpe")
     p.add_argument("--text", type=Path, default=SHARED / "the-verdict.txt", help="where prompts are cut from")
+    p.add_argument("--browser", type=int, default=0, metavar="N", help="also type N prompts in Chromium (selenium)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else TEXT * 200
@@ -260,6 +317,13 @@ def main() -> None:
     for r in results:
         parts = ", ".join(f"{k} {v['ms']:.0f} ms ({v['kb']:.0f} KB)" for k, v in r["sections"].items())
         print(f"{r['model']}, a new prompt: {parts}")
+        if "browser" in r:
+            b = r["browser"]
+            print(
+                f"  in Chromium, {b['edits']} edits of the prompt: drawn {b['key_to_drawn_p50_ms']:.0f} ms "
+                f"(p95 {b['key_to_drawn_p95_ms']:.0f}) after the edit, of which 250 ms the page's debounce; "
+                f"request + draw {b['request_and_draw_p50_ms']:.0f} ms (p95 {b['request_and_draw_p95_ms']:.0f})"
+            )
         for key in ("typing_1", "typing_16", "slider_1", "slider_16"):
             if r[key]["first_errors"]:
                 print(f"  {key} errors: {r[key]['first_errors']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from attnlab.checks import resolve_device
 from attnlab.errors import UserError
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(demo=view_to_dict(demo_view()), limits=limits)
     else:
         loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
-        name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
+        # A training run by its directory's name (not its latest step's), a GPT-2 by its name.
+        given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
+        name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
         try:
             engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt)
         except ValueError as exc:
