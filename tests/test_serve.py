@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import get_args
 
@@ -331,6 +331,49 @@ def test_a_ring_cache_models_stream_equals_trace_generation(tmp_path):
     assert engine.snapshot()["generations_finished"] == 1 and engine.snapshot()["generations_active"] == 0
 
 
+def test_every_model_call_runs_on_one_thread_in_inference_mode(tmp_path):
+    model = sharp_gpt()
+    seen: set[tuple[str, bool]] = set()
+    model.out_head.register_forward_hook(
+        lambda m, a, out: seen.add((threading.current_thread().name, torch.is_inference_mode_enabled()))
+    )
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+
+    def work(i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        engine.inspect(prompt, ["layers", "lens"])
+        engine.next_tokens(prompt, temperature=0.5)
+        if len(prompt) > 1:
+            engine.ablate(prompt, ["0.1"])
+        run = engine.start_generation(prompt, 2)
+        while engine.advance(run) is not None:
+            pass
+        engine.finish(run)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(8)))
+    assert len(seen) == 1 and next(iter(seen))[1] is True, seen
+    assert next(iter(seen))[0].startswith("attnlab-model")
+    assert engine.snapshot()["generations_finished"] == 8
+
+
+def test_the_page_opens_with_a_prompt_the_tokenizer_reads(tmp_path):
+    loaded = LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path)
+    assert Engine(loaded).info()["default_prompt"] == "your journey starts with one step"  # no capitals here
+    assert Engine(loaded, prompt="abc").info()["default_prompt"] == "abc"
+    with pytest.raises(ValueError, match="more than the model's context window"):
+        Engine(loaded, prompt="ab" * CONTEXT)
+
+
+def test_a_bad_prompt_flag_is_a_one_line_error(checkpoint, capsys, monkeypatch):
+    import attnlab.tools.serve
+
+    monkeypatch.setattr(attnlab.tools.serve, "serve", lambda *a, **k: pytest.fail("served a bad --prompt"))
+    assert main(["serve", "--checkpoint", str(checkpoint[0]), "--prompt", "ABC"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab serve: error: --prompt: "), err
+
+
 # --------------------------------------------------------------------------------------------
 # Bad requests: a 4xx with a one-line JSON message, and nothing else happens
 # --------------------------------------------------------------------------------------------
@@ -558,7 +601,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint
 
     def one(job) -> None:
         kind, p, (t, k) = job
-        with httpx.Client(base_url=server.url, timeout=120) as c:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
             if kind == "next":
                 r = c.post("/api/next", json={"prompt": p, "temperature": t, "top_k": k, "k": 8}).json()
                 probs = want[("next", p, t, k)]
@@ -579,7 +622,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint
 
     def generation(seed: int) -> None:
         body = {"prompt": PROMPTS[seed], "max_new_tokens": 6, "temperature": 1.0, "seed": seed}
-        with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/api/generate", json=body) as r:
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/api/generate", json=body) as r:
             got = [e["token"] for name, e in events(r.iter_lines()) if name == "token"]
         idx = ids_of(loaded, PROMPTS[seed])
         ids = loaded.model.generate(idx, 6, temperature=1.0, generator=torch.Generator().manual_seed(seed))
@@ -587,10 +630,13 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint
             failures.append(f"generation {seed}")
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(generation, s) for s in range(4)] + [pool.submit(one, job) for job in jobs]
-        for f in futures:
-            f.result()
+    pool = ThreadPoolExecutor(16)
+    futures = [pool.submit(generation, s) for s in range(4)] + [pool.submit(one, job) for job in jobs]
+    done, pending = wait(futures, timeout=300)  # a server that corrupts its state may also stall
+    pool.shutdown(wait=not pending, cancel_futures=True)
+    assert not pending, f"{len(pending)} of 200 requests unanswered after 300 s"
+    for f in done:
+        f.result()
     print(f"\n200 requests from 16 clients in {time.perf_counter() - start:.1f} s")
     assert failures == []
 
@@ -655,6 +701,26 @@ def test_the_demo_serves_the_six_word_example():
         assert r.status_code == 409 and "not a language model" in r.json()["detail"]
 
 
+def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(tmp_path):
+    engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path))
+    real, calls = engine.advance, []
+
+    def advance(run):
+        calls.append(run)
+        if len(calls) == 2:
+            raise RuntimeError("the disk caught fire\nsecond line")
+        return real(run)
+
+    engine.advance = advance
+    app = create_app(engine, allowed_hosts={"testserver"})
+    with TestClient(app) as c, c.stream("POST", "/api/generate", json={"prompt": "abc", "max_new_tokens": 5}) as r:
+        got = events(r.iter_lines())
+    assert [name for name, _ in got] == ["start", "token", "error"]
+    assert got[-1][1] == {"detail": "generation failed: RuntimeError: the disk caught fire"}
+    stats = engine.snapshot()
+    assert stats["generations_active"] == 0 and stats["generations_stopped"] == 1
+
+
 def test_limits_are_the_servers(tmp_path):
     engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path), limits=Limits(max_new_tokens=4))
     with TestClient(create_app(engine, allowed_hosts={"testserver"})) as c:
@@ -672,7 +738,10 @@ def test_limits_are_the_servers(tmp_path):
         (["--checkpoint", os.devnull + "-missing"], "checkpoint not found"),
     ],
 )
-def test_command_line_errors_are_one_line(capsys, argv, message):
+def test_command_line_errors_are_one_line(capsys, monkeypatch, argv, message):
+    import attnlab.tools.serve
+
+    monkeypatch.setattr(attnlab.tools.serve, "serve", lambda *a, **k: pytest.fail("served despite an error"))
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab serve: error: ") and message in err[0], err

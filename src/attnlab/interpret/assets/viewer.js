@@ -1226,6 +1226,8 @@ class LiveApp {
         if (this.inspector.state.view === "generation") this.inspector.redraw("view");
       }
       document.body.dataset.generated = String(gen.steps.length);
+    } else if (event === "error") {
+      this.status(d.detail, true);
     } else if (event === "done") {
       this.status("Generated " + d.generated + " token" + (d.generated === 1 ? "" : "s")
         + (d.reason === "length" ? "." : " (" + d.reason + ")."));

@@ -317,8 +317,8 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         summary="a generation streamed as server-sent events",
         description="Events: `start` {prompt_length, tokens, labels, settings}; then per new token `token` "
         "{token, position, key_start, key_index, weights (L, H, S) packed, candidates, probs, token_prob, "
-        "labels} (what attnlab.interpret.trace_generation records); then `done` {generated, reason}. A client "
-        "that disconnects stops the generation.",
+        "labels} (what attnlab.interpret.trace_generation records); then `done` {generated, reason} (or "
+        "`error` {detail} if the generation failed midway). A client that disconnects stops the generation.",
         responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
     )
     async def generate(req: GenerateRequest) -> Response:
@@ -349,6 +349,9 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
                         break
                     yield _sse("token", to_json(step))
                 yield _sse("done", {"generated": run.produced, "reason": run.end_reason})
+            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                yield _sse("error", {"detail": f"generation failed: {type(exc).__name__}: {first}"})
             finally:
                 with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
                     await run_in_threadpool(engine.finish, run)
