@@ -13,7 +13,7 @@ Sections (each None when it does not apply): ``layers`` (attention per row and h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,13 @@ from attnlab.interpret.ablation import parse_heads
 from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
 from attnlab.interpret.analysis import rollout as attention_rollout
 from attnlab.interpret.codec import pack
-from attnlab.interpret.playback import GenerationTrace
+from attnlab.interpret.playback import GenerationStep, GenerationTrace
 from attnlab.interpret.tracing import STEP_NAMES, Trace
 
 __all__ = [
+    "SECTIONS",
     "TEMPERATURES",
+    "generation_step_data",
     "inspector_data",
     "maps_data",
     "records_data",
@@ -38,6 +40,8 @@ __all__ = [
 ]
 
 VERSION = 2
+# The sections inspector_data can compute; a live server asks for the ones its page shows.
+SECTIONS = ("layers", "steps", "next", "rollout", "lens", "roles")
 # The temperatures the offline page's slider offers besides 0 (greedy); a live server takes any. The
 # page holds the probabilities of each position's top candidates at each of them, computed by the
 # library: one softmax over the whole vocabulary per temperature and position, so they are few.
@@ -329,6 +333,7 @@ def inspector_data(
     model_name: str = "",
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
+    sections: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Everything the inspector page shows about one sequence (batch row ``row``) of ``trace``.
 
@@ -348,6 +353,10 @@ def inspector_data(
         model_name: shown in the note.
         layers, heads: show only these layers and heads in the heads view (negative: from the end);
             the other views still cover the whole model.
+        sections: compute only these of :data:`SECTIONS` (default: all); the others stay empty
+            (``layers`` ``[]``, the rest None), exactly as if they did not apply. A live server
+            (``attnlab serve``) asks for what its page shows: the logit lens of a 50257-token
+            vocabulary is not worth computing on every keystroke.
     Padding is dropped: the page shows the row's real tokens only.
     """
     if not isinstance(trace, Trace):
@@ -357,6 +366,9 @@ def inspector_data(
         raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
     if not trace.has_stages and steps not in (None, "auto"):
         raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
+    wanted = set(SECTIONS if sections is None else sections)
+    if not wanted <= set(SECTIONS):
+        raise ValueError(f"sections must be among {', '.join(SECTIONS)}, got {sorted(wanted - set(SECTIONS))}")
     keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
     ids = trace.idx[row, keep].tolist()
     tokens = token_strings(tokenizer, ids)
@@ -372,27 +384,31 @@ def inspector_data(
 
     shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
     shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
-    data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)
-    data["precision"] = dtype
+    dtype = None
+    if "layers" in wanted:
+        data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)
+        data["precision"] = dtype
     role_scores = None
-    if roles and model is not None:
+    if roles and model is not None and "roles" in wanted:
         role_scores = all_head_scores(model, seed=role_seed)
         data["roles"] = {
             "kinds": list(HEAD_KINDS),
             "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
             "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
         }
-    if trace.has_stages:
+    if trace.has_stages and "steps" in wanted:
         cost = _steps_cost(T, T, trace.q.shape[-1])
         chosen = _pick_step_heads(steps, L, H, cost, role_scores, shown_layers, shown_heads)
         data["steps"] = _steps_of_trace(trace, row, keep, chosen, shown_layers, len(shown_heads))
-    data["next"] = _next_section(trace.logits[row, keep], next_k)
-    vocab.update(data["next"].pop("top_ids"))
-    data["rollout"] = {
-        "fusions": list(FUSIONS),
-        **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
-    }
-    if trace.has_stages and model is not None:
+    if "next" in wanted:
+        data["next"] = _next_section(trace.logits[row, keep], next_k)
+        vocab.update(data["next"].pop("top_ids"))
+    if "rollout" in wanted:
+        data["rollout"] = {
+            "fusions": list(FUSIONS),
+            **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
+        }
+    if trace.has_stages and model is not None and "lens" in wanted:
         lens = logit_lens(model, trace, k=lens_k)
         top = lens.tokens[:, row][:, keep]  # (L + 1, T, k)
         data["lens"] = {
@@ -404,7 +420,7 @@ def inspector_data(
         }
         vocab.update(top.flatten().tolist())
     if generation is not None:
-        data["generation"] = _generation_section(generation, row, dtype)
+        data["generation"] = _generation_section(generation, row, dtype or _weights_dtype(0, precision))
         vocab.update(generation.tokens[row].tolist())
         for s in generation.steps:
             vocab.update(s.candidates[row].tolist())
@@ -487,23 +503,28 @@ def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
     }
 
 
+def generation_step_data(step: GenerationStep, row: int = 0, dtype: str = "f32") -> dict[str, Any]:
+    """One generated token of a :class:`~attnlab.interpret.GenerationTrace` as the page plays it
+    back: the token, its position, the token of each key (slot) it attended to, its attention
+    ``(L, H, S)`` (packed as ``dtype``), its candidates and their probabilities. A live server
+    sends one of these per token as it is generated."""
+    return {
+        "token": int(step.token[row]),
+        "position": step.position,
+        "key_start": step.key_start,
+        "key_index": step.key_index[row].tolist(),  # the token each weight goes to (-1: none)
+        "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
+        "candidates": step.candidates[row].tolist(),
+        "probs": [round(float(p), 6) for p in step.probs[row]],
+        "token_prob": float(step.token_prob[row]),
+    }
+
+
 def _generation_section(gen: GenerationTrace, row: int, dtype: str) -> dict[str, Any]:
     s = gen.sampling
     return {
         "prompt_length": gen.prompt_length,
         "tokens": gen.tokens[row].tolist(),
         "settings": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
-        "steps": [
-            {
-                "token": int(step.token[row]),
-                "position": step.position,
-                "key_start": step.key_start,
-                "key_index": step.key_index[row].tolist(),  # the token each weight goes to (-1: none)
-                "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
-                "candidates": step.candidates[row].tolist(),
-                "probs": [round(float(p), 6) for p in step.probs[row]],
-                "token_prob": float(step.token_prob[row]),
-            }
-            for step in gen.steps
-        ],
+        "steps": [generation_step_data(step, row, dtype) for step in gen.steps],
     }

@@ -19,9 +19,16 @@
 //                                token_prob, row(layer, head) -> Float32Array S}]}
 //   label(id)                    the printable text of a token id
 // The offline page (attnlab viz --out FILE.html, a trace in Jupyter) embeds its data as JSON in the
-// script element with id "attn-data": EmbeddedSource reads it (the last lines of this file). A local
-// server can pass showInspector a source whose methods fetch the same JSON from its API.
+// script element with id "attn-data": EmbeddedSource reads it (the last lines of this file). The
+// live page of `attnlab serve` has a script element with id "attn-live" instead (its configuration):
+// LiveSource fetches the same JSON from the server's API, section by section as the views need it,
+// and LiveApp redraws the inspector as the prompt is typed, streams generation and ablates heads.
 // showAttention(data) draws embedded data directly.
+//
+// showInspector(source, opts) may be called again on the same page with a new source (a new prompt):
+// opts.signal (an AbortSignal) removes the previous call's listeners, opts.state carries the reader's
+// choices (view, layer, head, ...) over, opts.ablated (a Set of "layer.head") marks ablated heads and
+// opts.onHeadClick(layer, head) receives clicks on heads while "Clicking a head ablates it" is chosen.
 "use strict";
 
 // ------------------------------------------------------------------------------------------------
@@ -204,23 +211,25 @@ class EmbeddedSource {
     const g = this.data.generation;
     return {
       prompt_length: g.prompt_length, tokens: g.tokens, settings: g.settings,
-      steps: g.steps.map((s) => {
-        const w = this.arr(s.weights);  // (L, H, S)
-        const H = w.shape[1], S = w.shape[2];
-        return {
-          token: s.token, position: s.position, key_start: s.key_start, key_index: s.key_index,
-          candidates: s.candidates,
-          probs: s.probs, token_prob: s.token_prob, S: S, H: H,
-          row: (layer, head) => { const out = new Float32Array(S); for (let j = 0; j < S; j++)
-            out[j] = w.at((layer * H + head) * S + j); return out; },
-        };
-      }),
+      steps: g.steps.map((s) => playbackStep(s, this.arr(s.weights))),
     };
   }
   label(id) {
     const v = this.data.vocab || {};
     return v[String(id)] !== undefined ? v[String(id)] : "#" + id;
   }
+}
+
+// One generated token as the generation view plays it: s as inspector.generation_step_data writes it,
+// w its packed weights (L, H, S).
+function playbackStep(s, w) {
+  const H = w.shape[1], S = w.shape[2];
+  return {
+    token: s.token, position: s.position, key_start: s.key_start, key_index: s.key_index,
+    candidates: s.candidates, probs: s.probs, token_prob: s.token_prob, S: S, H: H,
+    row: (layer, head) => { const out = new Float32Array(S); for (let j = 0; j < S; j++)
+      out[j] = w.at((layer * H + head) * S + j); return out; },
+  };
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -357,13 +366,26 @@ class Heatmap {
 // ------------------------------------------------------------------------------------------------
 // The inspector
 // ------------------------------------------------------------------------------------------------
-async function showInspector(source) {
+async function showInspector(source, opts) {
+  opts = opts || {};
   const $ = (id) => document.getElementById(id);
+  // Listeners on the page's fixed elements go away when opts.signal aborts (a live page redraws).
+  const on = (target, type, fn) => target.addEventListener(type, fn, opts.signal ? { signal: opts.signal } : undefined);
   const info = await source.info();
   const T = info.tokens.length, labels = info.labels, layers = info.layers;
-  const state = { row: 0, hi: 0, query: null, pinned: null, dir: "row", stretch: false, view: "heads",
-                  temperature: 1, topK: 0, topP: 1, fusion: "mean", role: null, gen: 0, genMean: false };
+  const state = Object.assign({ row: 0, hi: 0, query: null, pinned: null, dir: "row", stretch: false, view: "heads",
+                                temperature: 1, topK: 0, topP: 1, fusion: "mean", role: null, gen: 0,
+                                genMean: false }, opts.state || {});
+  state.row = Math.min(state.row, layers.length - 1);
+  state.hi = Math.min(state.hi, layers[state.row].heads.length - 1);
+  const ablated = opts.ablated || new Set();
+  const headClick = (layer, head, fallback) => {  // the live page's "Clicking a head ablates it"
+    const mode = document.querySelector('input[name="click"]:checked');
+    if (opts.onHeadClick && mode && mode.value === "ablate") opts.onHeadClick(layer, head);
+    else fallback();
+  };
   const built = {};
+  const gone = () => !!(opts.signal && opts.signal.aborted);  // a newer inspector (a new prompt) has the page
   let W = null;  // the selected head's weights, T*T
 
   $("title").textContent = info.title || info.text;
@@ -374,6 +396,7 @@ async function showInspector(source) {
 
   // ---- selects
   const layerSel = $("layer-select"), headSel = $("head-select");
+  layerSel.textContent = "";
   layers.forEach((layer, i) => layerSel.appendChild(new Option(layer.name, String(i))));
   function fillHeads() {
     headSel.textContent = "";
@@ -385,6 +408,7 @@ async function showInspector(source) {
 
   // ---- token strip (shared by the views)
   const tokBox = $("tokens"), tokEls = [];
+  tokBox.textContent = "";
   labels.forEach((label, i) => {
     const t = el("span", "tok", label);
     t.tabIndex = 0;
@@ -441,6 +465,7 @@ async function showInspector(source) {
         },
       });
       const thumbs = $("thumbs"), n = Math.min(T, 64);
+      thumbs.textContent = "";
       this.thumbEls = [];
       const nCols = Math.max(...layers.map((l) => l.heads.length));
       thumbs.style.gridTemplateColumns = "auto repeat(" + nCols + ", auto)";
@@ -456,7 +481,8 @@ async function showInspector(source) {
           cv.width = n; cv.height = n;
           b.appendChild(cv);
           b.appendChild(el("span", "", "head " + h));
-          b.addEventListener("click", () => select(li, hi));
+          b.addEventListener("click", () => headClick(layer.layer, h, () => select(li, hi)));
+          b.classList.toggle("ablated", ablated.has(layer.layer + "." + h));
           row.push({ button: b, canvas: cv }); thumbs.appendChild(b);
         });
         for (let k = layer.heads.length; k < nCols; k++) thumbs.appendChild(el("div", "", ""));
@@ -510,11 +536,13 @@ async function showInspector(source) {
     build() {},
     async draw(what) {
       highlightAttention();
-      if (what === "query" && this.drawn === state.row + "." + state.hi) return;
-      this.drawn = state.row + "." + state.hi;
+      const key = state.row + "." + state.hi;
+      if (what === "query" && this.drawn === key) return;
+      this.drawn = key;
+      const s = await source.steps(state.row, headNumber());
+      if (this.drawn !== key || gone()) return;  // another head (or prompt) was chosen meanwhile
       const box = $("steps");
       box.textContent = "";
-      const s = await source.steps(state.row, headNumber());
       $("steps-title").textContent = "The tutorials' steps, " + headName();
       if (!s) {
         $("steps-note").textContent = "This page does not hold the steps of " + headName()
@@ -611,9 +639,9 @@ async function showInspector(source) {
         state.topP = Number(p.value);
         $("temperature-value").textContent = state.temperature.toFixed(grid ? 1 : 2);
         $("top-p-value").textContent = state.topP.toFixed(2);
-        if (this.ready) this.draw();
+        if (this.ready && state.view === "next") redraw("view");
       };
-      for (const input of [temp, k, p]) input.addEventListener("input", update);
+      for (const input of [temp, k, p]) on(input, "input", update);
       update();
       this.ready = true;
     },
@@ -621,19 +649,22 @@ async function showInspector(source) {
       const pos = state.query === null ? T - 1 : state.query;
       paintStrip(null);
       $("next-title").textContent = "Next token after position " + pos + " (" + labels[pos] + ")";
+      const ticket = (this.ticket = (this.ticket || 0) + 1);  // a live source answers in its own time
       const r = await source.nextTokens(pos, { temperature: state.temperature, topK: state.topK, topP: state.topP });
+      const shown = Math.min(r.ids.length, 12), names = [];
+      for (let i = 0; i < shown; i++) names.push(await source.label(r.ids[i]));
+      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) is on its way
       const table = $("next-table");
       table.textContent = "";
       const head = el("tr");
       for (const h of ["#", "token", "", "probability"]) head.appendChild(el("th", "", h));
       table.appendChild(head);
       const actual = pos + 1 < T ? info.tokens[pos + 1] : null;
-      const shown = Math.min(r.ids.length, 12);
       for (let i = 0; i < shown; i++) {
         const tr = el("tr", r.probs[i] > 0 ? "" : "out");
         tr.dataset.id = String(r.ids[i]); tr.dataset.prob = String(r.probs[i]);
         tr.appendChild(el("td", "num", String(i + 1)));
-        const label = await source.label(r.ids[i]);
+        const label = names[i];
         tr.appendChild(el("td", "", label + (actual !== null && label === labels[pos + 1] ? "   \u2190 next in the text" : "")));
         const bar = el("td", "barcell"), fill = el("div", "bar");
         fill.style.width = (100 * r.probs[i]).toFixed(1) + "%";
@@ -656,8 +687,10 @@ async function showInspector(source) {
   views.rollout = {
     async build() {
       const sel = $("rollout-fusion");
+      sel.textContent = "";
       for (const f of ["mean", "max", "min"]) sel.appendChild(new Option(f, f));
-      sel.addEventListener("change", () => { state.fusion = sel.value; this.matrix = null; this.draw(); });
+      sel.value = state.fusion;
+      on(sel, "change", () => { state.fusion = sel.value; this.matrix = null; redraw("view"); });
       this.map = new Heatmap($("rollout"), {
         rows: T, cols: T, key: "value", rowLabel: (i) => labels[i], colLabel: (j) => labels[j],
         onHover: (i, j) => {
@@ -669,7 +702,9 @@ async function showInspector(source) {
     },
     async draw(what) {
       if (!this.matrix) {
-        this.matrix = await source.rollout(state.fusion);
+        const matrix = await source.rollout(state.fusion);
+        if (this.matrix || gone()) return;  // drawn meanwhile, or a newer inspector has the page
+        this.matrix = matrix;
         let m = 0;
         for (const v of this.matrix) if (v > m) m = v;
         this.max = m || 1;
@@ -733,9 +768,11 @@ async function showInspector(source) {
     async build() {
       this.data = await source.roles();
       const sel = $("role-kind");
+      sel.textContent = "";
       for (const kind of this.data.kinds) sel.appendChild(new Option(kind, kind));
-      state.role = this.data.kinds[0];
-      sel.addEventListener("change", () => { state.role = sel.value; this.draw(); });
+      if (!this.data.kinds.includes(state.role)) state.role = this.data.kinds[0];
+      sel.value = state.role;
+      on(sel, "change", () => { state.role = sel.value; redraw("view"); });
       $("roles-note").textContent = "Score: " + this.data.note + ". Click a head to look at it.";
     },
     draw() {
@@ -754,14 +791,15 @@ async function showInspector(source) {
           if (dark(col)) c.style.color = "white";
           c.dataset.layer = String(l); c.dataset.head = String(h); c.dataset.score = String(v);
           c.classList.toggle("selected", l === realLayer && h === headNumber());
+          c.classList.toggle("ablated", ablated.has(l + "." + h));
           c.title = state.role + ": layer " + l + " head " + h + " = " + v.toFixed(4);
           c.addEventListener("mouseenter", () => { $("roles-readout").textContent = c.title; });
-          c.addEventListener("click", () => {
+          c.addEventListener("click", () => headClick(l, h, () => {
             const row = layers.findIndex((x) => x.layer === l), hi = row < 0 ? -1 : layers[row].heads.indexOf(h);
             if (hi < 0) { $("roles-readout").textContent = "layer " + l + " head " + h + " is not on this page"; return; }
             select(row, hi);
             show("heads");
-          });
+          }));
           grid.appendChild(c);
         }
       }
@@ -772,28 +810,38 @@ async function showInspector(source) {
   // (7) Generation, played back token by token.
   views.generation = {
     async build() {
-      this.data = await source.generation();
-      const n = this.data.steps.length;
-      $("gen-prev").addEventListener("click", () => { state.gen = Math.max(0, state.gen - 1); this.draw(); });
-      $("gen-next").addEventListener("click", () => { state.gen = Math.min(n - 1, state.gen + 1); this.draw(); });
-      $("gen-mean").addEventListener("change", (e) => { state.genMean = e.target.checked; this.draw(); });
-      $("gen-play").addEventListener("click", () => {
-        if (this.timer) { clearInterval(this.timer); this.timer = null; $("gen-play").textContent = "play"; return; }
-        if (state.gen >= n - 1) state.gen = 0;
+      this.data = await source.generation();  // a live source's grows as tokens stream in
+      const n = () => this.data.steps.length;
+      const stop = () => { clearInterval(this.timer); this.timer = null; $("gen-play").textContent = "play"; };
+      if (opts.signal) opts.signal.addEventListener("abort", () => { if (this.timer) stop(); });
+      on($("gen-prev"), "click", () => { state.gen = Math.max(0, state.gen - 1); redraw("view"); });
+      on($("gen-next"), "click", () => { state.gen = Math.max(0, Math.min(n() - 1, state.gen + 1)); redraw("view"); });
+      on($("gen-mean"), "change", (e) => { state.genMean = e.target.checked; redraw("view"); });
+      $("gen-mean").checked = state.genMean;
+      on($("gen-play"), "click", () => {
+        if (this.timer) { stop(); return; }
+        if (state.gen >= n() - 1) state.gen = 0;
         $("gen-play").textContent = "pause";
         this.timer = setInterval(() => {
-          if (state.gen >= n - 1) { clearInterval(this.timer); this.timer = null; $("gen-play").textContent = "play"; return; }
-          state.gen++; this.draw();
+          if (state.gen >= n() - 1) { stop(); return; }
+          state.gen++; redraw("view");
         }, 700);
-        this.draw();
+        redraw("view");
       });
-      const st = this.data.settings;
-      $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
-        + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
     },
     async draw() {
       paintStrip(null);
-      const g = this.data, s = g.steps[state.gen], layer = layers[state.row].layer, head = headNumber();
+      const g = this.data, st = g.settings || {};
+      $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
+        + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
+      if (!g.steps.length) {  // a live page before "generate"
+        $("gen-text").textContent = ""; $("gen-candidates").textContent = "";
+        $("gen-step").textContent = g.live ? "Press \u201cgenerate\u201d above: each new token streams in with its "
+          + "attention, drawn with the sampling settings of the Next token tab." : "";
+        return;
+      }
+      state.gen = Math.max(0, Math.min(state.gen, g.steps.length - 1));
+      const s = g.steps[state.gen], layer = layers[state.row].layer, head = headNumber();
       let w;
       if (state.genMean) {
         w = new Float32Array(s.S);
@@ -820,7 +868,7 @@ async function showInspector(source) {
         span.appendChild(wl);
         box.appendChild(span);
       }
-      $("gen-step").textContent = "token " + (state.gen + 1) + " of " + g.steps.length + ": "
+      $("gen-step").textContent = "token " + (state.gen + 1) + " of " + g.steps.length + (g.streaming ? " so far" : "") + ": "
         + (await source.label(s.token)) + " (p = " + s.token_prob.toFixed(4) + "), attention of "
         + (state.genMean ? layers[state.row].name + ", mean over heads" : headName());
       const table = $("gen-candidates");
@@ -846,7 +894,7 @@ async function showInspector(source) {
     tab.disabled = !ok;
     if (!ok) tab.title = "not available for this page" + (name !== "steps" ? " (the model is not a language model, "
       + "or this part was not computed)" : "");
-    tab.addEventListener("click", () => show(name));
+    on(tab, "click", () => show(name));
   }
   async function show(name) {
     if (!views[name] || !(name === "heads" || info.has[name])) return;
@@ -856,11 +904,19 @@ async function showInspector(source) {
     await redraw("view");
   }
   async function redraw(what) {
-    const view = views[state.view];
-    if (!built[state.view]) { await view.build(); built[state.view] = true; }
-    const t0 = performance.now();
-    await view.draw(what);
-    document.body.dataset.paintMs = (performance.now() - t0).toFixed(1);
+    const name = state.view, view = views[name];
+    try {
+      if (!built[name]) built[name] = Promise.resolve(view.build()).catch((err) => { delete built[name]; throw err; });
+      await built[name];
+      if (opts.signal && opts.signal.aborted) return;  // a newer inspector has the page
+      const t0 = performance.now();
+      await view.draw(what);
+      document.body.dataset.paintMs = (performance.now() - t0).toFixed(1);
+    } catch (err) {
+      if (err && err.name === "AbortError") return;  // a live request overtaken by a newer one
+      $("status").textContent = "Could not draw the " + name + " view: " + (err && err.message);
+      throw err;
+    }
   }
   async function select(row, hi) {
     const t0 = performance.now();
@@ -878,17 +934,37 @@ async function showInspector(source) {
     }, 0));
   }
 
-  layerSel.addEventListener("change", () => select(Number(layerSel.value), state.hi));
-  headSel.addEventListener("change", () => select(state.row, Number(headSel.value)));
-  document.querySelectorAll('input[name="direction"]').forEach((r) =>
-    r.addEventListener("change", () => { state.dir = r.value; redraw("query"); }));
-  $("stretch").addEventListener("change", (e) => { state.stretch = e.target.checked; redraw("head"); });
+  on(layerSel, "change", () => select(Number(layerSel.value), state.hi));
+  on(headSel, "change", () => select(state.row, Number(headSel.value)));
+  document.querySelectorAll('input[name="direction"]').forEach((r) => {
+    r.checked = r.value === state.dir;
+    on(r, "change", () => { state.dir = r.value; redraw("query"); });
+  });
+  $("stretch").checked = state.stretch;
+  on($("stretch"), "change", (e) => { state.stretch = e.target.checked; redraw("head"); });
 
+  // Marks on the heads that are ablated (a live page): thumbnails and the roles grid.
+  function markAblated() {
+    document.querySelectorAll("#thumbs .thumb").forEach((b) => {
+      const layer = layers[Number(b.dataset.layer)];
+      b.classList.toggle("ablated", ablated.has(layer.layer + "." + layer.heads[Number(b.dataset.head)]));
+    });
+    document.querySelectorAll("#roles-grid .rcell").forEach((c) =>
+      c.classList.toggle("ablated", ablated.has(c.dataset.layer + "." + c.dataset.head)));
+  }
+
+  const wanted = views[state.view] && (state.view === "heads" || info.has[state.view]) ? state.view : "heads";
+  state.view = "heads";
   for (const tab of tabs) tab.classList.toggle("active", tab.dataset.view === "heads");
-  await select(0, 0);
+  document.querySelectorAll("main > .view").forEach((v) => { v.hidden = v.dataset.view !== "heads"; });
+  await select(state.row, state.hi);
+  if (wanted !== "heads") await show(wanted);
   document.body.dataset.readyMs = performance.now().toFixed(0);
   document.body.dataset.ready = "1";
-  window.attnlabInspector = { state: state, show: show, select: select, source: source };
+  const inspector = { state: state, show: show, select: select, source: source, redraw: redraw, markAblated: markAblated,
+                      info: info };
+  window.attnlabInspector = inspector;
+  return inspector;
 }
 
 function showAttention(data) {
@@ -900,6 +976,332 @@ function showAttention(data) {
   const embedded = document.getElementById("attn-data");
   if (!embedded) return;
   showAttention(JSON.parse(embedded.textContent)).catch((err) => {
+    document.getElementById("status").textContent = "The page could not be shown: " + err.message;
+    document.body.dataset.error = String(err.message);
+    throw err;
+  });
+})();
+
+// ------------------------------------------------------------------------------------------------
+// The live page of `attnlab serve`: the same views, their data from the server's JSON API.
+// ------------------------------------------------------------------------------------------------
+class Api {
+  constructor(base) { this.base = base; }
+  async request(path, body, signal) {
+    const init = body === undefined ? { signal: signal }
+      : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: signal };
+    const r = await fetch(this.base + path, init);
+    if (!r.ok) {
+      let detail = r.status + " " + r.statusText;
+      try { detail = (await r.json()).detail || detail; } catch (e) { /* not JSON */ }
+      const err = new Error(detail);
+      err.status = r.status;
+      throw err;
+    }
+    return r;
+  }
+  async get(path, signal) { return (await this.request(path, undefined, signal)).json(); }
+  async post(path, body, signal) { return (await this.request(path, body, signal)).json(); }
+}
+
+// A prompt's data: the heads come with it (POST api/inspect, sections ["layers"]); the other sections
+// are asked for when a view first needs them, next-token probabilities for each setting of the
+// controls (any temperature, over the whole vocabulary). shared holds what outlives a prompt (roles).
+class LiveSource extends EmbeddedSource {
+  constructor(api, prompt, data, shared) {
+    super(data);
+    this.api = api; this.prompt = prompt; this.shared = shared;
+    this.pending = new Map();
+    data.vocab = data.vocab || {};
+    data.steps = { names: {}, heads: [], omitted: 0, hint: "" };
+    this.gen = { live: true, streaming: false, prompt_length: data.tokens.length, tokens: data.ids.slice(),
+                 settings: {}, steps: [] };
+  }
+  learn(labels) { Object.assign(this.data.vocab, labels || {}); }
+  section(name, extra) {  // one section of inspector_data for this prompt, fetched once
+    const key = name + JSON.stringify(extra || {});
+    if (!this.pending.has(key)) {
+      const p = this.api.post("inspect", Object.assign({ prompt: this.prompt, sections: [name] }, extra || {}))
+        .then((d) => { this.learn(d.vocab); return d; });
+      p.catch(() => this.pending.delete(key));
+      this.pending.set(key, p);
+    }
+    return this.pending.get(key);
+  }
+  info() {
+    const i = super.info();
+    i.has = { steps: true, next: true, rollout: true, lens: true, roles: true, generation: true };
+    i.temperatures = null;  // any temperature: the server computes each distribution
+    i.title = (this.data.model && this.data.model.name ? this.data.model.name : "a model") + ", live";
+    i.live = true;
+    return i;
+  }
+  async steps(row, head) {
+    const layer = this.data.layers[row].layer;
+    const d = await this.section("steps", { steps: [layer + "." + head] });
+    this.data.steps.names = d.steps.names;
+    for (const h of d.steps.heads)
+      if (!this.data.steps.heads.some((x) => x.row === row && x.head === h.head))
+        this.data.steps.heads.push(Object.assign({}, h, { row: row }));
+    return super.steps(row, head);
+  }
+  async nextTokens(pos, settings) {
+    const r = await this.api.post("next", {
+      prompt: this.prompt, position: pos, temperature: settings.temperature,
+      top_k: settings.topK > 0 ? settings.topK : null, top_p: settings.topP < 1 ? settings.topP : null, k: 32,
+    });
+    this.learn(r.labels);
+    return { ids: r.ids, probs: r.probs, approx: false, greedy: r.greedy };
+  }
+  async rollout(fusion) {
+    this.data.rollout = (await this.section("rollout")).rollout;
+    return super.rollout(fusion);
+  }
+  async lens() {
+    this.data.lens = (await this.section("lens")).lens;
+    return super.lens();
+  }
+  async roles() {  // the model's, not the prompt's: asked for once
+    if (!this.shared.roles) {
+      this.shared.roles = this.api.post("inspect", { prompt: this.prompt, sections: ["roles"] });
+      this.shared.roles.catch(() => { this.shared.roles = null; });
+    }
+    this.data.roles = (await this.shared.roles).roles;
+    return super.roles();
+  }
+  generation() { return this.gen; }
+}
+
+const DEBOUNCE_MS = 250;
+
+class LiveApp {
+  constructor(config) {
+    this.api = new Api(config.api || "api/");
+    this.shared = {};
+    this.ablated = new Set();  // "layer.head"
+    this.seq = 0; this.ablationSeq = 0;
+    this.inspector = null; this.controller = null; this.fetching = null; this.generating = null;
+  }
+  status(text, error) {
+    const s = document.getElementById("live-status");
+    s.textContent = text;
+    s.classList.toggle("error", !!error);
+  }
+  async start() {
+    const $ = (id) => document.getElementById(id);
+    this.info = await this.api.get("info");
+    $("live").hidden = false;
+    const box = $("prompt");
+    if (!this.info.language_model) {  // the tutorials' six-word example: fixed embeddings, nothing to type
+      const data = await this.api.get("demo");
+      box.value = data.text;
+      box.disabled = true; $("generate").disabled = true; $("max-new").disabled = true; $("seed").disabled = true;
+      this.status("The six words of \u201cA simple self-attention mechanism\u201d have fixed 3-d embeddings: typing, "
+        + "generating and ablating need a language model (attnlab serve --checkpoint DIR or --model NAME).");
+      await showAttention(data);
+      return;
+    }
+    $("click-mode").hidden = false;
+    box.maxLength = this.info.limits.max_prompt_chars;
+    $("max-new").max = String(this.info.limits.max_new_tokens);
+    box.value = this.info.default_prompt;
+    box.addEventListener("input", () => {
+      clearTimeout(this.timer);
+      this.timer = setTimeout(() => this.analyze(), DEBOUNCE_MS);
+    });
+    $("generate").addEventListener("click", () => this.generate());
+    $("stop").addEventListener("click", () => this.stopGeneration());
+    $("ablation-clear").addEventListener("click", () => { this.ablated.clear(); this.updateAblation(); });
+    await this.analyze();
+  }
+
+  // The prompt's tokens and every head's attention; the views redraw with the reader's choices kept.
+  async analyze() {
+    const prompt = document.getElementById("prompt").value, seq = ++this.seq, t0 = performance.now();
+    if (this.fetching) this.fetching.abort();
+    this.stopGeneration();
+    if (!prompt) { this.status("Type a prompt."); return; }
+    const ctl = (this.fetching = new AbortController());
+    this.status("Reading the prompt\u2026");
+    let data;
+    try {
+      data = await this.api.post("inspect", { prompt: prompt, sections: ["layers"] }, ctl.signal);
+    } catch (err) {
+      if (err.name === "AbortError" || seq !== this.seq) return;
+      this.status(err.message, true);
+      document.body.dataset.liveError = err.message;
+      return;
+    }
+    if (seq !== this.seq) return;
+    const t1 = performance.now();
+    const keep = {};
+    if (this.inspector) {
+      for (const k of ["row", "hi", "view", "dir", "stretch", "temperature", "topK", "topP", "fusion", "role", "genMean"])
+        keep[k] = this.inspector.state[k];
+    }
+    if (this.controller) this.controller.abort();
+    this.controller = new AbortController();
+    this.source = new LiveSource(this.api, prompt, data, this.shared);
+    this.inspector = await showInspector(this.source, {
+      signal: this.controller.signal, state: keep, ablated: this.ablated,
+      onHeadClick: (layer, head) => this.toggleAblation(layer, head),
+    });
+    if (seq !== this.seq) return;
+    const t2 = performance.now();
+    delete document.body.dataset.liveError;
+    this.status(data.tokens.length + " tokens \u00b7 answered in " + (t1 - t0).toFixed(0) + " ms, drawn in "
+      + (t2 - t1).toFixed(0) + " ms");
+    document.body.dataset.livePrompt = prompt;
+    document.body.dataset.liveMs = (t2 - t0).toFixed(1);
+    document.body.dataset.liveSeq = String(seq);
+    if (this.ablated.size) this.updateAblation();
+  }
+
+  sampling() {
+    const $ = (id) => document.getElementById(id);
+    const t = Number($("temperature").value), k = Math.floor(Number($("top-k").value) || 0), p = Number($("top-p").value);
+    return { temperature: t, top_k: k > 0 ? k : null, top_p: p < 1 ? p : null };
+  }
+
+  // Generation as server-sent events: each token arrives with its attention and joins the playback.
+  async generate() {
+    const $ = (id) => document.getElementById(id);
+    if (!this.source) return;
+    this.stopGeneration();
+    const source = this.source, gen = source.gen, ctl = (this.generating = new AbortController());
+    const limit = this.info.limits.max_new_tokens;
+    const n = Math.max(1, Math.min(limit, Math.floor(Number($("max-new").value) || 1)));
+    const seed = Math.max(0, Math.floor(Number($("seed").value) || 0));
+    const body = Object.assign({ prompt: source.prompt, max_new_tokens: n, seed: seed }, this.sampling());
+    gen.steps = []; gen.tokens = source.data.ids.slice(); gen.streaming = true;
+    gen.settings = { temperature: body.temperature, top_k: body.top_k, top_p: body.top_p };
+    $("generate").disabled = true; $("stop").disabled = false;
+    document.body.dataset.generating = "1";
+    this.status("Generating\u2026");
+    await this.inspector.show("generation");
+    try {
+      const r = await this.api.request("generate", body, ctl.signal);
+      const reader = r.body.getReader(), decoder = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += decoder.decode(value, { stream: true });
+        let cut;
+        while ((cut = buf.indexOf("\n\n")) >= 0) {
+          this.onEvent(buf.slice(0, cut), source, ctl);
+          buf = buf.slice(cut + 2);
+        }
+      }
+    } catch (err) {
+      if (err.name !== "AbortError") this.status(err.message, true);
+    } finally {
+      gen.streaming = false;
+      if (this.generating === ctl) {
+        this.generating = null;
+        $("generate").disabled = false; $("stop").disabled = true;
+        delete document.body.dataset.generating;
+        if (this.source === source) this.inspector.redraw("view");
+      }
+    }
+  }
+  onEvent(frame, source, ctl) {
+    let event = "message", data = "";
+    for (const line of frame.split("\n")) {
+      if (line.startsWith("event:")) event = line.slice(6).trim();
+      else if (line.startsWith("data:")) data += line.slice(5).trim();
+    }
+    if (!data || ctl.signal.aborted) return;
+    const d = JSON.parse(data), gen = source.gen;
+    if (event === "start") {
+      source.learn(d.labels);
+      gen.prompt_length = d.prompt_length; gen.tokens = d.tokens.slice();
+    } else if (event === "token") {
+      source.learn(d.labels);
+      gen.tokens.push(d.token);
+      gen.steps.push(playbackStep(d, new PackedArray(d.weights, null)));
+      this.status("Generated " + gen.steps.length + " token" + (gen.steps.length === 1 ? "" : "s") + "\u2026");
+      if (this.source === source) {
+        this.inspector.state.gen = gen.steps.length - 1;
+        if (this.inspector.state.view === "generation") this.inspector.redraw("view");
+      }
+      document.body.dataset.generated = String(gen.steps.length);
+    } else if (event === "error") {
+      this.status(d.detail, true);
+    } else if (event === "done") {
+      this.status("Generated " + d.generated + " token" + (d.generated === 1 ? "" : "s")
+        + (d.reason === "length" ? "." : " (" + d.reason + ")."));
+      document.body.dataset.generationDone = String(d.generated);
+    }
+  }
+  stopGeneration() {
+    if (!this.generating) return;
+    this.generating.abort();  // closes the connection: the server stops generating
+    this.generating = null;
+    document.getElementById("generate").disabled = false;
+    document.getElementById("stop").disabled = true;
+    delete document.body.dataset.generating;
+    this.status("Generation stopped.");
+  }
+
+  // Ablation: heads clicked in "ablates it" mode are removed; the panel shows what the next token
+  // after the prompt becomes without them (attnlab.interpret.ablation_effect, on the server).
+  toggleAblation(layer, head) {
+    const key = layer + "." + head;
+    if (this.ablated.has(key)) this.ablated.delete(key); else this.ablated.add(key);
+    this.updateAblation();
+  }
+  async updateAblation() {
+    const $ = (id) => document.getElementById(id);
+    if (this.inspector) this.inspector.markAblated();
+    const seq = ++this.ablationSeq;
+    if (!this.ablated.size) { $("ablation").hidden = true; return; }
+    $("ablation").hidden = false;
+    const heads = Array.from(this.ablated).sort((a, b) => {
+      const [la, ha] = a.split(".").map(Number), [lb, hb] = b.split(".").map(Number);
+      return la - lb || ha - hb;
+    });
+    $("ablation-title").textContent = "Without head" + (heads.length === 1 ? " " : "s ") + heads.join(", ");
+    const source = this.source;
+    let r;
+    try {
+      r = await this.api.post("ablate", Object.assign({ prompt: source.prompt, heads: heads, k: 8 }, this.sampling()));
+    } catch (err) {
+      if (seq === this.ablationSeq) { $("ablation-note").textContent = err.message; $("ablation-note").classList.add("error"); }
+      return;
+    }
+    if (seq !== this.ablationSeq) return;
+    source.learn(r.labels);
+    const note = $("ablation-note");
+    note.classList.remove("error");
+    note.textContent = "Their outputs set to zero before the output projection. Next token after the last one, "
+      + "with the sampling settings of the Next token tab; KL(before \u2016 after) = " + r.kl.toFixed(4)
+      + (r.loss_before === null ? "." : "; loss over the prompt " + r.loss_before.toFixed(4) + " \u2192 "
+        + r.loss_after.toFixed(4) + " nats (" + (r.loss_change >= 0 ? "+" : "") + r.loss_change.toFixed(4) + ").");
+    const table = $("ablation-table");
+    table.textContent = "";
+    const head = el("tr");
+    for (const h of ["token", "before", "after", "change"]) head.appendChild(el("th", "", h));
+    table.appendChild(head);
+    for (const row of r.rows) {
+      const tr = el("tr");
+      tr.dataset.id = String(row.id); tr.dataset.before = String(row.before); tr.dataset.after = String(row.after);
+      tr.appendChild(el("td", "", await source.label(row.id)));
+      tr.appendChild(el("td", "num", prob(row.before)));
+      tr.appendChild(el("td", "num", prob(row.after)));
+      const d = row.after - row.before;
+      tr.appendChild(el("td", "num " + (d > 0 ? "up" : d < 0 ? "down" : ""), (d >= 0 ? "+" : "") + d.toFixed(4)));
+      table.appendChild(tr);
+    }
+    document.body.dataset.ablation = heads.join(",");
+  }
+}
+
+// The live page: its configuration is embedded, its data comes from the server.
+(function () {
+  const live = document.getElementById("attn-live");
+  if (!live) return;
+  new LiveApp(JSON.parse(live.textContent)).start().catch((err) => {
     document.getElementById("status").textContent = "The page could not be shown: " + err.message;
     document.body.dataset.error = String(err.message);
     throw err;

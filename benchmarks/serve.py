@@ -1,0 +1,335 @@
+"""``attnlab serve`` under load: latency and throughput of the live page's requests.
+
+Two models with random weights, each saved to a temporary directory and served by
+``python -m attnlab serve --checkpoint DIR --port 0`` in a child process, as a user would:
+
+* the ``tiny`` preset (byte tokenizer, 2 layers x 4 heads), 64-token prompts;
+* a GPT-2-small-sized model (``gpt2-small`` preset: 12 layers x 12 heads, vocabulary 50257, GPT-2's
+  tokenizer from ``--bpe-dir``), 128-token prompts.
+
+Measured, with 1 client and with 16 concurrent clients (threads, one HTTP connection each):
+
+* **typing**: ``POST /api/inspect {"prompt", "sections": ["layers"]}``, every request a prompt not
+  seen before (no cache): what the page asks each time the prompt changes (a forward pass with the
+  stages recorded, and every head's attention);
+* **slider**: ``POST /api/next`` on a prompt already traced, a new temperature each time: what the
+  page asks when the temperature, top-k or top-p slider moves.
+
+Also, once per model on a new prompt, the other sections (asked for only when their tab opens):
+the logit lens, rollout, the tutorials' steps of one head, head roles (computed once per model), and
+all of them together, which is why the page does not ask for everything on each keystroke. With
+``--browser N``, Chromium types N prompts into the live page: the time from the edit to the views
+drawn, as a user sees it.
+
+Goals (2-core CPU): tiny typing p50 under 100 ms with one client; GPT-2-small typing p50 under 1 s;
+no error under 16 clients. The load average is printed with the figures (a shared machine slows
+every number down); run it more than once.
+
+    python benchmarks/serve.py                          # both models, attnlab serve's default threads
+    python benchmarks/serve.py --threads 1 --json out.json
+    python benchmarks/serve.py --models tiny --requests 50
+    python benchmarks/serve.py --browser 10             # also time typing in Chromium (selenium)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+from attnlab.files import atomic_write_json
+from attnlab.model import GPT, GPTConfig
+from attnlab.tokenizers import ByteTokenizer, GPT2Tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEXT = (
+    "The tutorials teach attention on six three-dimensional vectors. The question their readers bring next is "
+    "what attention does inside a real model while it reads and generates, head by head and layer by layer. "
+)
+
+
+def make_checkpoint(preset: str, tokenizer, out: Path) -> Path:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset(preset, drop_rate=0.0)).eval()
+    d = model.save(out)
+    (d / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()))
+    return d
+
+
+def prompts_of(tokenizer, text: str, n_tokens: int, count: int) -> list[str]:
+    """``count`` distinct prompts of exactly ``n_tokens`` tokens, cut from ``text`` at different places."""
+    ids = tokenizer.encode(text)
+    out: list[str] = []
+    offset = 0
+    while len(out) < count:
+        if offset + n_tokens > len(ids):
+            raise ValueError(f"the text is too short for {count} prompts of {n_tokens} tokens")
+        prompt = tokenizer.decode(ids[offset : offset + n_tokens])
+        if len(tokenizer.encode(prompt)) == n_tokens and prompt not in out:
+            out.append(prompt)
+        offset += 3
+    return out
+
+
+class Server:
+    """``python -m attnlab serve`` in a child process, at the address it prints."""
+
+    def __init__(self, args: list[str]):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attnlab", "serve", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        try:
+            first = lines.get(timeout=600)
+        except queue.Empty:
+            self.proc.kill()
+            raise RuntimeError("the server printed no address") from None
+        m = re.search(r" at (http://\S+?)/? \(", first)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"the server did not start: {first!r} {self.proc.stderr.read()}")
+        self.url = m.group(1)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def run_load(url: str, bodies: list[tuple[str, dict]], clients: int) -> dict:
+    """Send every ``(path, body)`` from ``clients`` threads; latency of each, wall time, errors."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    sizes: list[int] = []
+    lock = threading.Lock()
+    local = threading.local()
+
+    def one(item: tuple[str, dict]) -> None:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=url, timeout=300)
+        path, body = item
+        t0 = time.perf_counter()
+        try:
+            r = local.client.post(path, json=body)
+            ok = r.status_code == 200
+            size = len(r.content)
+            detail = "" if ok else f"{r.status_code} {r.text[:120]}"
+        except httpx.HTTPError as exc:
+            ok, size, detail = False, 0, repr(exc)
+        dt = time.perf_counter() - t0
+        with lock:
+            latencies.append(dt)
+            sizes.append(size)
+            if not ok:
+                errors.append(detail)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, bodies))
+    wall = time.perf_counter() - start
+    return {
+        "requests": len(bodies),
+        "clients": clients,
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p95_ms": round(1000 * percentile(latencies, 95), 1),
+        "throughput_rps": round(len(bodies) / wall, 2),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "answer_kb": round(statistics.median(sizes) / 1024, 1),
+    }
+
+
+def browser_typing(url: str, prompts: list[str], edits: int) -> dict:
+    """Chromium on the live page: replace the prompt ``edits`` times; per edit the time from the last
+    key to the new prompt drawn (the page waits 250 ms after the last key before it asks), and the
+    page's own time from its request to the views drawn."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")
+    opts = Options()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
+    shown, page = [], []
+    try:
+        driver.get(url + "/")
+        WebDriverWait(driver, 300).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+        for prompt in prompts[:edits]:
+            # Set the text and fire the input event the keyboard would: the page's debounce starts now.
+            t0 = time.perf_counter()
+            driver.execute_script(
+                "const b = document.getElementById('prompt'); b.value = arguments[0];"
+                "b.dispatchEvent(new Event('input', {bubbles: true}));",
+                prompt,
+            )
+            WebDriverWait(driver, 300, poll_frequency=0.01).until(
+                lambda d, p=prompt: d.execute_script("return document.body.dataset.livePrompt === arguments[0]", p)
+            )
+            shown.append(time.perf_counter() - t0)
+            page.append(float(driver.execute_script("return document.body.dataset.liveMs")) / 1000)
+    finally:
+        driver.quit()
+    return {
+        "edits": len(shown),
+        "key_to_drawn_p50_ms": round(1000 * statistics.median(shown), 1),
+        "key_to_drawn_p95_ms": round(1000 * percentile(shown, 95), 1),
+        "request_and_draw_p50_ms": round(1000 * statistics.median(page), 1),
+        "request_and_draw_p95_ms": round(1000 * percentile(page, 95), 1),
+    }
+
+
+def bench_model(name: str, ckpt: Path, tokenizer, text: str, n_tokens: int, args) -> dict:
+    n1, n16 = args.requests, args.concurrent_requests
+    prompts = prompts_of(tokenizer, text, n_tokens, 1 + n1 + n16 + 2 + args.browser)
+    extra = ["--threads", str(args.threads)] if args.threads else []
+    if args.bpe_dir:
+        extra += ["--bpe-dir", str(args.bpe_dir)]
+    t0 = time.perf_counter()
+    server = Server(["--checkpoint", str(ckpt), *extra])
+    started = time.perf_counter() - t0
+    out: dict = {"model": name, "prompt_tokens": n_tokens, "server_start_s": round(started, 1)}
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            warm = prompts[0]
+            out["server_threads"] = c.get("/api/info").json()["torch_threads"]
+            c.post("/api/inspect", json={"prompt": warm, "sections": ["layers"]}).raise_for_status()  # warm-up
+            typing = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[1:]]
+            out["typing_1"] = run_load(server.url, typing[:n1], 1)
+            out["typing_16"] = run_load(server.url, typing[n1 : n1 + n16], 16)
+            temps = [round(0.1 + 1.9 * i / max(1, n16), 3) for i in range(n16)]
+            slider = [("/api/next", {"prompt": warm, "temperature": t, "top_k": 40, "k": 32}) for t in temps]
+            out["slider_1"] = run_load(server.url, slider[:n1], 1)
+            out["slider_16"] = run_load(server.url, slider, 16)
+            # The sections a tab asks for when it opens, on a prompt not seen before, and all at once.
+            sections = {}
+            for label, prompt, body in (
+                ("heads (typing)", prompts[-2], {"sections": ["layers"]}),
+                ("next-token grid", prompts[-2], {"sections": ["next"]}),
+                ("rollout", prompts[-2], {"sections": ["rollout"]}),
+                ("steps of one head", prompts[-2], {"sections": ["steps"], "steps": ["0.0"]}),
+                ("logit lens", prompts[-2], {"sections": ["lens"]}),
+                ("head roles (first time)", prompts[-2], {"sections": ["roles"]}),
+                ("everything, new prompt", prompts[-1], {"sections": ["layers", "steps", "next", "rollout", "lens"]}),
+            ):
+                t0 = time.perf_counter()
+                r = c.post("/api/inspect", json={"prompt": prompt, **body})
+                r.raise_for_status()
+                sections[label] = {
+                    "ms": round(1000 * (time.perf_counter() - t0), 1),
+                    "kb": round(len(r.content) / 1024, 1),
+                }
+            out["sections"] = sections
+            if args.browser:
+                out["browser"] = browser_typing(server.url, prompts[-2 - args.browser : -2], args.browser)
+            out["server_stats"] = c.get("/api/stats").json()
+    finally:
+        out["exit_status"] = server.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,gpt2-small", help="tiny, gpt2-small or both (default)")
+    p.add_argument("--requests", type=int, default=30, help="requests with one client (default 30)")
+    p.add_argument("--concurrent-requests", type=int, default=64, help="requests from 16 clients (default 64)")
+    p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: attnlab serve's)")
+    p.add_argument("--bpe-dir", type=Path, default=SHARED / "gpt2", help="GPT-2's encoder.json and vocab.bpe")
+    p.add_argument("--text", type=Path, default=SHARED / "the-verdict.txt", help="where prompts are cut from")
+    p.add_argument("--browser", type=int, default=0, metavar="N", help="also type N prompts in Chromium (selenium)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    text = args.text.read_text(encoding="utf-8") if args.text.is_file() else TEXT * 200
+    load_before = os.getloadavg()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            if name == "tiny":
+                tok, n = ByteTokenizer(), 64
+            elif name == "gpt2-small":
+                tok, n = GPT2Tokenizer(bpe_dir=args.bpe_dir), 128
+            else:
+                raise SystemExit(f"--models: unknown model {name!r} (tiny, gpt2-small)")
+            ckpt = make_checkpoint(name, tok, Path(tmp) / name)
+            results.append(bench_model(name, ckpt, tok, text, n, args))
+    load_after = os.getloadavg()
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "server_threads": [r["server_threads"] for r in results],
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in load_after],
+        },
+        "results": results,
+    }
+    print(
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, server threads: {results[0]['server_threads']}, "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print("| model | prompt | request | clients | p50 ms | p95 ms | req/s | errors | answer KB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        for key, label in (("typing", "typing (heads)"), ("slider", "slider (next token)")):
+            for clients in (1, 16):
+                m = r[f"{key}_{clients}"]
+                print(
+                    f"| {r['model']} | {r['prompt_tokens']} | {label} | {clients} | {m['p50_ms']} | {m['p95_ms']} | "
+                    f"{m['throughput_rps']} | {m['errors']} / {m['requests']} | {m['answer_kb']} |"
+                )
+    for r in results:
+        parts = ", ".join(f"{k} {v['ms']:.0f} ms ({v['kb']:.0f} KB)" for k, v in r["sections"].items())
+        print(f"{r['model']}, a new prompt: {parts}")
+        if "browser" in r:
+            b = r["browser"]
+            print(
+                f"  in Chromium, {b['edits']} edits of the prompt: drawn {b['key_to_drawn_p50_ms']:.0f} ms "
+                f"(p95 {b['key_to_drawn_p95_ms']:.0f}) after the edit, of which 250 ms the page's debounce; "
+                f"request + draw {b['request_and_draw_p50_ms']:.0f} ms (p95 {b['request_and_draw_p95_ms']:.0f})"
+            )
+        for key in ("typing_1", "typing_16", "slider_1", "slider_16"):
+            if r[key]["first_errors"]:
+                print(f"  {key} errors: {r[key]['first_errors']}")
+    if args.json:
+        atomic_write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""``attnlab serve``: the inspector as a live local web app (see :mod:`attnlab.tools.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnlab.checks import resolve_device
+from attnlab.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve the inspector as a live local web page: type a prompt and watch every head, the tutorials' steps, "
+        "next-token probabilities (temperature/top-k/top-p), rollout, the logit lens and head roles follow; "
+        "stream a generation token by token with its attention; ablate heads from the grid. Binds 127.0.0.1 "
+        "(this machine only) unless --host says otherwise. Needs: pip install 'attnlab[serve]'."
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="an attnlab model: a directory written by `attnlab train --out` (or one of its step directories), "
+        "or by GPT.save() with a tokenizer.json",
+    )
+    source.add_argument(
+        "--model",
+        metavar="NAME",
+        help="OpenAI's GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face cache), or a local "
+        "Hugging Face directory (config.json + model.safetensors)",
+    )
+    source.add_argument(
+        "--demo",
+        action="store_true",
+        help="the tutorials' six-word example, 'Your journey starts with one step' (not a language model: no "
+        "prompt box, generation or ablation)",
+    )
+    parser.add_argument(
+        "--prompt", metavar="TEXT", help="the prompt the page opens with (default: 'Your journey starts with one step')"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, metavar="N", help="most tokens one generation may stream (256)"
+    )
+    parser.add_argument(
+        "--max-body", type=int, default=256 << 10, metavar="BYTES", help="largest request body (default: 262144)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the model (default: one less than torch's default, at least 1: the browser and "
+        "the server's event loop share the machine; on a busy 2-core machine 2 threads made requests 20x slower)",
+    )
+    parser.add_argument(
+        "--bpe-dir",
+        metavar="DIR",
+        help="where GPT-2's encoder.json and vocab.bpe are (default: the model's directory, $ATTNLAB_GPT2_BPE_DIR, "
+        "or tiktoken's cache)",
+    )
+    parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda, mps or auto (default: cpu)")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's logging; info and debug also log each request (default: warning)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_body < 1024:
+        raise ValueError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.checkpoint is None and args.model is None and not args.demo:
+        raise ValueError("give the model to serve: --checkpoint DIR, --model NAME, or --demo")
+    if args.demo and args.prompt is not None:
+        raise ValueError("--prompt needs a language model (--checkpoint DIR or --model NAME), not --demo")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UserError("attnlab serve needs FastAPI and uvicorn: pip install 'attnlab[serve]'") from None
+    import torch
+
+    from attnlab.tools.loading import load
+    from attnlab.tools.serve import Engine, Limits, serve
+    from attnlab.tools.viz import demo_view, view_to_dict
+
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
+    limits = Limits(max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body)
+    if args.demo:
+        engine = Engine(demo=view_to_dict(demo_view()), limits=limits)
+    else:
+        loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+        # A training run by its directory's name (not its latest step's), a GPT-2 by its name.
+        given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
+        name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
+        try:
+            engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt)
+        except ValueError as exc:
+            raise ValueError(f"--prompt: {exc}") from None
+    serve(engine, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

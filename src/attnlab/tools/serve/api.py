@@ -1,0 +1,177 @@
+"""The JSON API of ``attnlab serve``: requests (checked by pydantic, with limits) and answers.
+
+Arrays in answers are the inspector's packed arrays (:mod:`attnlab.interpret.codec`) inline:
+``{"dtype": "f32" | "i32" | "u16" | "u8", "shape": [...], "tri": bool, "b64": "..."}``, little-endian;
+``u16``/``u8`` hold ``q / 65535`` or ``q / 255``; ``tri``: the lower triangles of the last two dims,
+row by row. ``attnlab.interpret.codec.unpack`` reads them back as tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from attnlab.interpret.inspector import SECTIONS
+
+__all__ = [
+    "HARD_MAX_NEW_TOKENS",
+    "AblateAnswer",
+    "AblateRequest",
+    "GenerateRequest",
+    "InfoAnswer",
+    "InspectRequest",
+    "NextAnswer",
+    "NextRequest",
+    "PromptRequest",
+    "StatsAnswer",
+    "TokenizeAnswer",
+]
+
+HARD_MAX_NEW_TOKENS = 4096  # the schema's bound; the server's own cap (--max-new-tokens) is usually lower
+MAX_PROMPT_CHARS = 100_000
+
+Section = Literal["layers", "steps", "next", "rollout", "lens", "roles"]  # = inspector.SECTIONS (a test checks)
+HeadName = Annotated[str, Field(pattern=r"^\s*\d{1,4}\.\d{1,4}\s*$", description="a head as 'layer.head', e.g. '0.3'")]
+Temperature = Annotated[
+    float, Field(ge=0.0, le=1000.0, allow_inf_nan=False, description="softmax temperature; 0 = greedy")
+]
+TopK = Annotated[int | None, Field(ge=1, description="keep the top_k likeliest tokens (null: off)")]
+TopP = Annotated[
+    float | None, Field(gt=0.0, le=1.0, allow_inf_nan=False, description="keep the top-p nucleus (null: off)")
+]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptRequest(Strict):
+    prompt: str = Field(
+        min_length=1,
+        max_length=MAX_PROMPT_CHARS,
+        description="the text; its tokens must fit the model's context window",
+        examples=["Your journey starts with one step"],
+    )
+
+
+class InspectRequest(PromptRequest):
+    """What :func:`attnlab.interpret.inspector_data` computes for the prompt, the sections asked for."""
+
+    sections: list[Section] = Field(
+        default=["layers"],
+        max_length=len(SECTIONS),
+        description="layers (every head's attention), steps (the tutorials' steps of some heads), next "
+        "(next-token probabilities at a grid of temperatures), rollout, lens (the logit lens), roles "
+        "(head-role scores: the model's, computed once)",
+    )
+    steps: list[HeadName] | None = Field(
+        default=None, max_length=256, description="heads whose tutorials' steps to include (default: auto)"
+    )
+    layers: list[Annotated[int, Field(ge=-4096, le=4096)]] | None = Field(
+        default=None, max_length=4096, description="layers of the heads view (default: all; negative from the end)"
+    )
+    heads: list[Annotated[int, Field(ge=-4096, le=4096)]] | None = Field(
+        default=None, max_length=4096, description="heads of the heads view (default: all)"
+    )
+    precision: Literal["auto", "f32", "u16", "u8"] = Field(
+        default="auto", description="how attention weights are stored (auto: the most precise within 16 MiB)"
+    )
+    lens_k: int = Field(default=5, ge=1, le=50, description="logit-lens candidates per layer and position")
+    next_k: int = Field(default=32, ge=1, le=256, description="next-token candidates per position")
+
+
+class NextRequest(PromptRequest):
+    """Next-token probabilities after one position, under temperature/top-k/top-p (as generation samples)."""
+
+    position: int = Field(default=-1, ge=-(1 << 20), le=1 << 20, description="the token to predict after (-1: last)")
+    temperature: Temperature = 1.0
+    top_k: TopK = None
+    top_p: TopP = None
+    k: int = Field(default=12, ge=1, le=256, description="how many of the likeliest tokens to return")
+
+
+class AblateRequest(PromptRequest):
+    """The effect of removing heads: :func:`attnlab.interpret.ablation_effect`."""
+
+    heads: list[HeadName] = Field(min_length=1, max_length=4096, description="heads to remove, 'layer.head'")
+    mode: Literal["zero", "mean"] = Field(default="zero", description="replace a head's output by zeros or its mean")
+    temperature: Temperature = 1.0
+    top_k: TopK = None
+    top_p: TopP = None
+    k: int = Field(default=10, ge=1, le=256, description="likeliest tokens before and after to compare")
+
+
+class GenerateRequest(PromptRequest):
+    """A generation streamed token by token (server-sent events)."""
+
+    max_new_tokens: int = Field(
+        default=16, ge=1, le=HARD_MAX_NEW_TOKENS, description="tokens to generate (at most the server's cap)"
+    )
+    temperature: Temperature = 1.0
+    top_k: TopK = None
+    top_p: TopP = None
+    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+    candidates: int = Field(default=10, ge=1, le=100, description="candidates reported per token")
+
+
+# -- answers (for the documentation; the server fills them from attnlab.interpret) ------------------
+class TokenizeAnswer(BaseModel):
+    ids: list[int]
+    tokens: list[str]
+    labels: list[str]
+
+
+class NextAnswer(BaseModel):
+    position: int = Field(description="the position predicted after (resolved from -1)")
+    ids: list[int] = Field(description="the likeliest next tokens, most likely first")
+    probs: list[float] = Field(description="their probabilities (0 outside top-k / top-p)")
+    greedy: bool
+    labels: dict[str, str] = Field(description="printable label of each token id")
+
+
+class AblationRow(BaseModel):
+    id: int
+    before: float
+    after: float
+
+
+class AblateAnswer(BaseModel):
+    heads: list[str]
+    mode: str
+    loss_before: float | None = Field(description="mean next-token loss over the prompt (nats); null for one token")
+    loss_after: float | None
+    loss_change: float | None
+    kl: float = Field(description="KL(before || after) of the next-token distribution after the last token")
+    greedy: bool
+    top_before: list[int]
+    top_after: list[int]
+    rows: list[AblationRow] = Field(description="the likeliest tokens before or after, with both probabilities")
+    labels: dict[str, str]
+
+
+class Limits(BaseModel):
+    max_new_tokens: int
+    max_body_bytes: int
+    max_prompt_chars: int
+    max_prompt_tokens: int | None
+
+
+class InfoAnswer(BaseModel):
+    name: str
+    language_model: bool = Field(description="false for the tutorials' six-word example (attnlab serve --demo)")
+    model: dict[str, Any] | None
+    default_prompt: str
+    torch_threads: int = Field(description="the threads torch runs the model on (attnlab serve --threads)")
+    limits: Limits
+
+
+class StatsAnswer(BaseModel):
+    model_calls: int
+    traces: int
+    trace_cache_hits: int
+    generations_started: int
+    generations_finished: int
+    generations_stopped: int = Field(description="generations ended early because their client left")
+    generations_active: int
+    generation_steps: int = Field(description="tokens generated, all generations together")

@@ -1,0 +1,371 @@
+"""The web application of ``attnlab serve``: the inspector page, its files, and a JSON API.
+
+``GET /`` is the inspector page: the same ``viewer.html``, ``viewer.css`` and ``viewer.js`` as the
+offline page (package data of :mod:`attnlab.interpret`), linked instead of inlined, with a live data
+source that asks the API for what the page shows. The API (OpenAPI schema at ``/openapi.json``):
+
+* ``GET /api/info``: the model, the limits, whether prompts can be typed.
+* ``POST /api/tokenize``: the prompt's tokens.
+* ``POST /api/inspect``: :func:`attnlab.interpret.inspector_data` of a prompt, the sections asked for.
+* ``POST /api/next``: next-token probabilities after a position under temperature/top-k/top-p.
+* ``POST /api/ablate``: :func:`attnlab.interpret.ablation_effect` of removing heads.
+* ``POST /api/generate``: a generation as server-sent events (``start``, one ``token`` per new token
+  with its attention and candidates, ``done``); a client that disconnects stops it.
+* ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
+* ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
+
+Safe by default: request bodies are limited (Content-Length and the bytes actually streamed), POSTs
+must be JSON, the Host header must name the loopback address the server is bound to (no DNS
+rebinding), every error is a 4xx/5xx with a one-line ``{"detail": "..."}``, files are served from a
+fixed list (nothing else is reachable), and the page's Content-Security-Policy allows requests to
+this server only.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from string import Template
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from attnlab import __version__
+from attnlab.interpret.codec import to_json
+from attnlab.interpret.page import ASSETS, json_for_script, read_asset
+from attnlab.tools.serve.api import (
+    AblateAnswer,
+    AblateRequest,
+    GenerateRequest,
+    InfoAnswer,
+    InspectRequest,
+    NextAnswer,
+    NextRequest,
+    PromptRequest,
+    StatsAnswer,
+    TokenizeAnswer,
+)
+from attnlab.tools.serve.engine import Engine, NotALanguageModel
+
+__all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page"]
+
+# The live page talks to this server only: its own scripts and styles, fetches to itself, canvases
+# as data: images. No inline script runs (the page's configuration is a JSON block, not code).
+LIVE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src data:; "
+    "base-uri 'none'; form-action 'none'"
+)
+PAGE_CSP = LIVE_CSP + "; frame-ancestors 'none'"  # in the header: a <meta> policy cannot forbid framing
+LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
+CONTENT_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
+COMMON_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer")]
+
+
+def live_page(engine: Engine) -> str:
+    """The inspector page as served: the offline page's template, its files linked, a live source."""
+    config = {"api": "api/", "name": engine.name, "version": __version__}
+    return Template(read_asset("viewer.html")).substitute(
+        csp=LIVE_CSP,
+        title=html.escape(engine.name),
+        styles='<link rel="icon" href="data:,">\n<link rel="stylesheet" href="assets/viewer.css">',
+        data=f'<script type="application/json" id="attn-live">{json_for_script(config)}</script>',
+        scripts='<script src="assets/viewer.js"></script>',
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests, checked before the application sees them
+# ------------------------------------------------------------------------------------------------
+def _host_name(value: str) -> str:
+    """The name in a Host header, without its port: ``[::1]:8000`` -> ``::1``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class Guard:
+    """ASGI middleware: the Host header, the body's size and the content type of every request.
+
+    The body is read here, counted as it streams in (a missing or false Content-Length changes
+    nothing), and handed to the application only when it fits ``max_body_bytes``.
+    """
+
+    def __init__(self, app: Any, *, max_body_bytes: int, allowed_hosts: set[str] | None):
+        self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *COMMON_HEADERS]}
+            await send(message)
+
+        if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            await _error(send_with_headers, 400, "the Host header must name this machine's loopback address")
+            return
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                await _error(send_with_headers, 400, f"bad Content-Length header: {length!r}")
+                return
+            if int(length) > self.max_body_bytes:
+                await _error(send_with_headers, 413, _too_big(int(length), self.max_body_bytes))
+                return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send_with_headers)
+            return
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            await _error(send_with_headers, 415, f"send JSON (Content-Type: application/json), got {ctype or 'none'!r}")
+            return
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_body_bytes:
+                await _error(send_with_headers, 413, _too_big(total, self.max_body_bytes, at_least=True))
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: the client's disconnect, for streaming answers
+
+        await self.app(scope, replay, send_with_headers)
+
+
+def _too_big(n: int, limit: int, at_least: bool = False) -> str:
+    return f"request body too large: {'more than ' if at_least else ''}{n} bytes, the limit is {limit}"
+
+
+async def _error(send: Callable, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _one_line(exc: RequestValidationError) -> tuple[int, str]:
+    """A validation error as (status, one line): bad JSON is a 400, a bad value a 422."""
+    errors = exc.errors()
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            ctx = e.get("ctx") or {}
+            return 400, f"the request body is not valid JSON ({ctx.get('error', 'cannot be parsed')})"
+    parts = []
+    for e in errors[:3]:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return 422, "; ".join(parts).replace("\n", " ") + more
+
+
+# ------------------------------------------------------------------------------------------------
+# The application
+# ------------------------------------------------------------------------------------------------
+def _json(obj: Any, status: int = 200) -> Response:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return Response(text, status_code=status, media_type="application/json")
+
+
+def _sse(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> FastAPI:
+    """The ASGI application serving ``engine``.
+
+    Args:
+        engine: the model (or the six-word example) and its limits.
+        allowed_hosts: names the Host header may carry (a loopback server: :data:`LOOPBACK_NAMES`);
+            None accepts any (a server bound to another address).
+    """
+    app = FastAPI(
+        title="attnlab serve",
+        version=__version__,
+        description="The attnlab inspector of one model, live: what attnlab.interpret computes, as JSON. "
+        "Arrays are packed (see attnlab.interpret.codec): {dtype, shape, tri, b64}.",
+        docs_url=None,  # Swagger UI and ReDoc load their code from a CDN: the schema is at /openapi.json
+        redoc_url=None,
+    )
+    app.add_middleware(Guard, max_body_bytes=engine.limits.max_body_bytes, allowed_hosts=allowed_hosts)
+    assets = {name: read_asset(name) for name in ASSETS}
+    page = live_page(engine)
+
+    async def call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers."""
+        return await run_in_threadpool(fn, *args, **kwargs)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        status, detail = _one_line(exc)
+        return _json({"detail": detail}, status)
+
+    @app.exception_handler(NotALanguageModel)
+    async def not_a_language_model(request: Request, exc: NotALanguageModel) -> Response:
+        return _json({"detail": str(exc)}, 409)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> Response:
+        return _json({"detail": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}, 422)
+
+    @app.exception_handler(LookupError)
+    async def not_here(request: Request, exc: LookupError) -> Response:
+        return _json({"detail": str(exc)}, 404)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _json({"detail": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return _json({"detail": f"internal error: {type(exc).__name__}: {first}"}, 500)
+
+    # -- the page and its files ---------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index() -> Response:
+        return HTMLResponse(page, headers={"content-security-policy": PAGE_CSP, "cache-control": "no-store"})
+
+    @app.get("/assets/{name}", include_in_schema=False)
+    async def asset(name: str) -> Response:
+        if name not in assets:  # a fixed list: no path, encoded or not, reaches anything else
+            return _json({"detail": f"no such file: {name!r}"}, 404)
+        suffix = name[name.rfind(".") :]
+        return Response(assets[name], media_type=CONTENT_TYPES[suffix], headers={"cache-control": "no-cache"})
+
+    # -- the API ----------------------------------------------------------------------------------
+    @app.get("/api/info", response_model=InfoAnswer, summary="the model, the limits, what the page can do")
+    async def info() -> dict:
+        return engine.info()
+
+    @app.get("/api/stats", response_model=StatsAnswer, summary="counters of the work done")
+    async def stats() -> dict:
+        return engine.snapshot()
+
+    @app.post("/api/tokenize", response_model=TokenizeAnswer, summary="the prompt's tokens")
+    async def tokenize(req: PromptRequest) -> dict:
+        return await call(engine.tokenize, req.prompt)
+
+    @app.post(
+        "/api/inspect",
+        summary="attnlab.interpret.inspector_data of a prompt, the sections asked for",
+        responses={200: {"description": "the page data: tokens, labels, model, and each section asked for"}},
+    )
+    async def inspect(req: InspectRequest) -> Response:
+        data = await call(
+            engine.inspect,
+            req.prompt,
+            req.sections,
+            steps=req.steps,
+            layers=req.layers,
+            heads=req.heads,
+            precision=req.precision,
+            lens_k=req.lens_k,
+            next_k=req.next_k,
+        )
+        return _json(to_json(data, blob=False))
+
+    @app.post("/api/next", response_model=NextAnswer, summary="next-token probabilities after a position")
+    async def next_tokens(req: NextRequest) -> dict:
+        return await call(
+            engine.next_tokens,
+            req.prompt,
+            position=req.position,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            k=req.k,
+        )
+
+    @app.post("/api/ablate", response_model=AblateAnswer, summary="the effect of removing heads")
+    async def ablate(req: AblateRequest) -> dict:
+        return await call(
+            engine.ablate,
+            req.prompt,
+            req.heads,
+            mode=req.mode,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            k=req.k,
+        )
+
+    @app.post(
+        "/api/generate",
+        summary="a generation streamed as server-sent events",
+        description="Events: `start` {prompt_length, tokens, labels, settings}; then per new token `token` "
+        "{token, position, key_start, key_index, weights (L, H, S) packed, candidates, probs, token_prob, "
+        "labels} (what attnlab.interpret.trace_generation records); then `done` {generated, reason} (or "
+        "`error` {detail} if the generation failed midway). A client that disconnects stops the generation.",
+        responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+    )
+    async def generate(req: GenerateRequest) -> Response:
+        run = await call(
+            engine.start_generation,
+            req.prompt,
+            req.max_new_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            candidates=req.candidates,
+        )
+        start = {
+            "prompt_length": run.prompt_length,
+            "tokens": list(run.ids),
+            "labels": await call(engine.labels, run.ids),
+            "settings": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
+            "max_new_tokens": req.max_new_tokens,
+        }
+
+        async def events():
+            try:
+                yield _sse("start", start)
+                while True:
+                    step = await run_in_threadpool(engine.advance, run)
+                    if step is None:
+                        break
+                    yield _sse("token", to_json(step))
+                yield _sse("done", {"generated": run.produced, "reason": run.end_reason})
+            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                yield _sse("error", {"detail": f"generation failed: {type(exc).__name__}: {first}"})
+            finally:
+                with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
+                    await run_in_threadpool(engine.finish, run)
+
+        # finish() also runs after the response, in case the stream was cancelled before it started.
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+            background=BackgroundTask(run_in_threadpool, engine.finish, run),
+        )
+
+    @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
+    async def demo() -> Response:
+        return _json(to_json(engine.demo_data(), blob=False))
+
+    return app

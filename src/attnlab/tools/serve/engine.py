@@ -1,0 +1,516 @@
+"""The model behind ``attnlab serve``: one model, one thread, and the answers of :mod:`attnlab.interpret`.
+
+Every model call runs on one dedicated thread (:meth:`Engine.run`), under a lock, in
+``torch.inference_mode()``; requests queue for it. Serialising is deliberate: what the inspector
+records is per-call state *on the model* (each attention layer's ``observer``, the forward hooks of
+:func:`attnlab.interpret.trace` and :func:`attnlab.interpret.ablate`), so two calls running at once
+would record each other's attention or ablate each other's heads. A copy of the model per worker
+would avoid that at the cost of its memory (500 MB per GPT-2-small) and buys nothing on a CPU whose
+cores one forward pass already keeps busy (torch's own threads). One thread, not a lock taken by
+whichever worker thread a request lands on: each thread that calls into torch gets its own team of
+OpenMP threads, and a dozen teams spinning on two cores made a 64-token forward pass 20x slower here.
+The server's event loop stays free meanwhile, to serve files and notice clients that leave.
+
+A generation advances one token per model call (:meth:`Engine.advance`): between two of its
+tokens other requests run (typing stays live while a generation streams), and a generation whose
+client has gone is simply not advanced again (:meth:`Engine.finish`). Its KV caches belong to the
+generation, not to the model, so interleaving is safe.
+
+Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
+probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from attnlab.attention import AttentionRecord
+from attnlab.errors import UserError
+from attnlab.generation import SamplingConfig, stream
+from attnlab.interpret import (
+    ablation_effect,
+    inspector_data,
+    next_token_probabilities,
+    observe_attention,
+    parse_heads,
+    token_label,
+    token_strings,
+    trace,
+)
+from attnlab.interpret.inspector import generation_step_data
+from attnlab.interpret.playback import GenerationStep
+from attnlab.tools.loading import LoadedModel
+
+__all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageModel"]
+
+DEFAULT_PROMPT = "Your journey starts with one step"
+T = TypeVar("T")
+
+
+class NotALanguageModel(UserError):
+    """A request that needs a language model, sent to a server of the tutorials' six-word example."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (the API refuses more with a 4xx).
+
+    Attributes:
+        max_new_tokens: tokens one generation may stream.
+        max_body_bytes: the largest request body read.
+        max_prompt_chars: the longest prompt text (the context window limits its tokens too).
+    """
+
+    max_new_tokens: int = 256
+    max_body_bytes: int = 256 << 10
+    max_prompt_chars: int = 100_000
+
+
+@dataclass
+class GenerationRun:
+    """One streaming generation: :meth:`Engine.advance` adds a token, :meth:`Engine.finish` ends it."""
+
+    ids: list[int]
+    prompt_length: int
+    sampling: SamplingConfig
+    max_new_tokens: int
+    candidates: int
+    tokens: Any  # the iterator of attnlab.generation.stream
+    produced: int = 0
+    finished: bool = False
+    end_reason: str = ""  # "length" (all tokens made), "shutdown", "stopped" (its client left)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """A loaded model (or the tutorials' six-word example) and everything the API computes with it.
+
+    Args:
+        loaded: from :func:`attnlab.tools.loading.load` (a language model); or None with ``demo``.
+        demo: the page data of the tutorials' six-word example (:func:`attnlab.tools.viz.view_to_dict`
+            of :func:`attnlab.tools.viz.demo_view`), served as it is.
+        name: the model's name on the page.
+        limits: what a request may ask for.
+        cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
+            GPT-2-small, most of it the logits).
+        prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
+            one step", when the tokenizer can read it).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel | None = None,
+        *,
+        demo: dict[str, Any] | None = None,
+        name: str = "",
+        limits: Limits | None = None,
+        cache_size: int = 4,
+        prompt: str | None = None,
+    ):
+        if (loaded is None) == (demo is None):
+            raise ValueError("Engine needs a loaded model or the demo's page data, exactly one")
+        self.loaded, self.demo = loaded, demo
+        self.limits = limits or Limits()
+        self.name = name or ("the tutorials' six-word example" if demo is not None else type(loaded.model).__name__)
+        self.lock = threading.Lock()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
+        self.cache_size = cache_size
+        self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._roles: dict[str, Any] | None = None
+        self._stats_lock = threading.Lock()
+        self.closing = False  # set when the server shuts down: generations end at their next token
+        self.default_prompt = self._first_prompt(prompt)
+        self.stats: dict[str, int] = {
+            "model_calls": 0,
+            "traces": 0,
+            "trace_cache_hits": 0,
+            "generations_started": 0,
+            "generations_finished": 0,
+            "generations_stopped": 0,
+            "generations_active": 0,
+            "generation_steps": 0,
+        }
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self.stats)
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` alone on the model: on the model's thread, under the lock, in inference mode.
+        Blocks the calling thread until it is done (the server calls it from worker threads)."""
+
+        def alone() -> T:
+            with self.lock, torch.inference_mode():
+                self.count("model_calls")
+                return fn()
+
+        return self._model_thread.submit(alone).result()
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.loaded is not None
+
+    def _need_model(self) -> LoadedModel:
+        if self.loaded is None:
+            raise NotALanguageModel(
+                "this server shows the tutorials' six-word example, which is not a language model: prompts, "
+                "generation and ablation need one (attnlab serve --checkpoint DIR or --model NAME)"
+            )
+        return self.loaded
+
+    # -- what the page needs first ----------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """The model, the limits, and whether prompts can be typed."""
+        model = None
+        if self.loaded is not None:
+            cfg = self.loaded.model.config
+            model = {
+                "name": self.name,
+                "n_layers": cfg.n_layers,
+                "n_heads": cfg.n_heads,
+                "n_kv_heads": getattr(cfg, "kv_heads", cfg.n_heads),
+                "head_dim": getattr(cfg, "head_dim", None),
+                "vocab_size": cfg.vocab_size,
+                "context_length": cfg.context_length,
+            }
+        return {
+            "name": self.name,
+            "language_model": self.is_language_model,
+            "model": model,
+            "default_prompt": self.default_prompt,
+            "torch_threads": torch.get_num_threads(),
+            "limits": {
+                "max_new_tokens": self.limits.max_new_tokens,
+                "max_body_bytes": self.limits.max_body_bytes,
+                "max_prompt_chars": self.limits.max_prompt_chars,
+                "max_prompt_tokens": None if model is None else model["context_length"],
+            },
+        }
+
+    def _first_prompt(self, prompt: str | None) -> str:
+        """The prompt the page opens with: ``prompt`` (checked), else the tutorials' sentence if the
+        tokenizer can read it (or its lower case), else nothing."""
+        if self.loaded is None:
+            return ""
+        if prompt is not None:
+            self.encode(prompt)  # a bad --prompt is an error now, not on the page
+            return prompt
+        for text in (DEFAULT_PROMPT, DEFAULT_PROMPT.lower()):
+            try:
+                self.encode(text)
+                return text
+            except ValueError:
+                continue
+        return ""
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids, checked against the context window."""
+        loaded = self._need_model()
+        ids = [int(i) for i in loaded.tokenizer.encode(prompt)]
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; type some text")
+        ctx = loaded.model.config.context_length
+        if len(ids) > ctx:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens long, more than the model's context window "
+                f"(context_length={ctx}); shorten it"
+            )
+        return ids
+
+    def labels(self, ids: Sequence[int]) -> dict[str, str]:
+        """Printable labels of token ids, as the page shows them."""
+        ids = sorted(set(int(i) for i in ids))
+        tokenizer = self._need_model().tokenizer
+        return {str(i): token_label(t) for i, t in zip(ids, token_strings(tokenizer, ids), strict=True)}
+
+    def tokenize(self, prompt: str) -> dict[str, Any]:
+        ids = self.encode(prompt)
+        tokens = token_strings(self._need_model().tokenizer, ids)
+        return {"ids": ids, "tokens": tokens, "labels": [token_label(t) for t in tokens]}
+
+    # -- traces -----------------------------------------------------------------------------------
+    def _trace(self, ids: list[int]):
+        """The trace (with the stages) of ``ids``; call with the lock held."""
+        key = tuple(ids)
+        if key in self._traces:
+            self._traces.move_to_end(key)
+            self.count("trace_cache_hits")
+            return self._traces[key]
+        loaded = self._need_model()
+        idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
+        tr = trace(loaded.model, idx, stages=True, tokenizer=loaded.tokenizer)
+        self.count("traces")
+        self._traces[key] = tr
+        while len(self._traces) > self.cache_size:
+            self._traces.popitem(last=False)
+        return tr
+
+    def inspect(
+        self,
+        prompt: str,
+        sections: Collection[str],
+        *,
+        steps: Sequence[str] | None = None,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        precision: str = "auto",
+        lens_k: int = 5,
+        next_k: int = 32,
+    ) -> dict[str, Any]:
+        """:func:`attnlab.interpret.inspector_data` of the prompt, the given sections only (arrays
+        still :class:`~attnlab.interpret.codec.Packed`). Head roles depend on the model alone: they
+        are computed once."""
+        ids = self.encode(prompt)
+        sections = set(sections)
+        loaded = self._need_model()
+
+        def work() -> dict[str, Any]:
+            tr = self._trace(ids)
+            if "roles" in sections and self._roles is None:
+                self._roles = inspector_data(tr, sections={"roles"})["roles"]
+            data = inspector_data(
+                tr,
+                sections=sections - {"roles"},
+                steps="auto" if steps is None else list(steps),
+                title=prompt,
+                text=prompt,
+                model_name=self.name,
+                layers=layers,
+                heads=heads,
+                precision=precision,
+                lens_k=lens_k,
+                next_k=next_k,
+                roles=False,
+            )
+            if "roles" in sections:
+                data["roles"] = self._roles
+            return data
+
+        data = self.run(work)
+        data["ids"] = ids
+        data["vocab_size"] = loaded.model.config.vocab_size
+        return data
+
+    def next_tokens(
+        self,
+        prompt: str,
+        *,
+        position: int = -1,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        k: int = 12,
+    ) -> dict[str, Any]:
+        """The ``k`` likeliest next tokens after ``position`` (-1: the last token) and their
+        probabilities under temperature/top-k/top-p, from
+        :func:`attnlab.interpret.next_token_probabilities` over the whole vocabulary."""
+        ids = self.encode(prompt)
+        T_ = len(ids)
+        if not -T_ <= position < T_:
+            raise ValueError(f"position {position} is out of range: the prompt has {T_} tokens (0..{T_ - 1}, or -1)")
+        pos = position % T_
+        sampling = SamplingConfig(temperature, top_k, top_p)  # checks the settings, as generation does
+
+        def work() -> tuple[list[int], list[float]]:
+            logits = self._trace(ids).logits[0, pos]  # (V,)
+            probs = next_token_probabilities(
+                logits[None], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+            )[0]
+            top = torch.topk(probs, min(k, probs.shape[-1]))
+            return top.indices.tolist(), top.values.tolist()
+
+        top_ids, probs = self.run(work)
+        return {
+            "position": pos,
+            "ids": top_ids,
+            "probs": probs,
+            "greedy": sampling.greedy,
+            "labels": self.labels(top_ids + ids[pos : pos + 1]),
+        }
+
+    def ablate(
+        self,
+        prompt: str,
+        heads: Sequence[str],
+        *,
+        mode: str = "zero",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        k: int = 10,
+    ) -> dict[str, Any]:
+        """:func:`attnlab.interpret.ablation_effect` of removing ``heads`` ("L.H") on the prompt: the
+        change in loss, KL, and the next-token distribution after the last token under the sampling
+        settings, before and after (the ``k`` likeliest of each, with both probabilities)."""
+        ids = self.encode(prompt)
+        loaded = self._need_model()
+        cfg = loaded.model.config
+        pairs = parse_heads(list(heads), cfg.n_layers, cfg.n_heads)
+        sampling = SamplingConfig(temperature, top_k, top_p)
+
+        def work():
+            idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
+            effect = ablation_effect(loaded.model, idx, pairs, mode=mode)
+            settings = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+            before = next_token_probabilities(effect.logits_before, **settings)[0]  # (V,)
+            after = next_token_probabilities(effect.logits_after, **settings)[0]
+            return effect, before, after
+
+        effect, before, after = self.run(work)
+        n = min(k, before.shape[-1])
+        top_before = torch.topk(before, n).indices.tolist()
+        top_after = torch.topk(after, n).indices.tolist()
+        union = list(dict.fromkeys(top_before + top_after))
+        union.sort(key=lambda i: (-float(before[i]), -float(after[i])))
+        return {
+            "heads": [f"{layer}.{h}" for layer, h in effect.heads],
+            "mode": effect.mode,
+            "loss_before": effect.loss_before,
+            "loss_after": effect.loss_after,
+            "loss_change": effect.loss_change,
+            "kl": float(effect.kl[0]),
+            "greedy": sampling.greedy,
+            "top_before": top_before,
+            "top_after": top_after,
+            "rows": [{"id": i, "before": float(before[i]), "after": float(after[i])} for i in union],
+            "labels": self.labels(union),
+        }
+
+    # -- generation, a token at a time ------------------------------------------------------------
+    def start_generation(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        candidates: int = 10,
+    ) -> GenerationRun:
+        """A generation of up to ``max_new_tokens`` after the prompt, sampled with ``seed``: the tokens
+        ``model.generate`` draws with ``torch.Generator().manual_seed(seed)``."""
+        if max_new_tokens > self.limits.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens is {max_new_tokens}, more than this server allows ({self.limits.max_new_tokens}; "
+                "attnlab serve --max-new-tokens N)"
+            )
+        ids = self.encode(prompt)
+        model = self._need_model().model
+        sampling = SamplingConfig(temperature, top_k, top_p)
+
+        def work() -> GenerationRun:
+            idx = torch.tensor([ids], dtype=torch.long, device=model.device)
+            g = torch.Generator(device=model.device).manual_seed(int(seed))
+            tokens = stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+            return GenerationRun(list(ids), len(ids), sampling, max_new_tokens, candidates, tokens)
+
+        run = self.run(work)
+        self.count("generations_started")
+        self.count("generations_active")
+        return run
+
+    def advance(self, run: GenerationRun) -> dict[str, Any] | None:
+        """The next token of ``run`` with its attention and candidates (the page's generation step,
+        :func:`attnlab.interpret.inspector.generation_step_data`), or None when it is complete."""
+        if run.finished:
+            return None
+        if self.closing:
+            run.end_reason = "shutdown"
+            return None
+        if run.produced >= run.max_new_tokens:
+            run.end_reason = "length"
+            return None
+        model = self._need_model().model
+
+        def work() -> GenerationStep | None:
+            step = step_of_stream(model, run)
+            if step is not None:
+                run.produced += 1
+                run.ids.append(int(step.token[0]))
+                self.count("generation_steps")
+            return step
+
+        step = self.run(work)
+        if step is None:
+            run.end_reason = run.end_reason or "length"
+            return None
+        data = generation_step_data(step, 0, "f32")
+        data["labels"] = self.labels([data["token"], *data["candidates"]])
+        return data
+
+    def finish(self, run: GenerationRun) -> None:
+        """End ``run``, complete or not (its client gone: "stopped"); safe to call twice."""
+
+        def close() -> bool:
+            if run.finished:
+                return False
+            run.finished = True
+            run.tokens.close()  # the stream's own clean-up (the model's training mode)
+            return True
+
+        if not self.run(close):
+            return
+        stopped = not run.end_reason
+        run.end_reason = run.end_reason or "stopped"
+        self.count("generations_active", -1)
+        self.count("generations_stopped" if stopped else "generations_finished")
+
+    # -- the tutorials' six-word example ----------------------------------------------------------
+    def demo_data(self) -> dict[str, Any]:
+        if self.demo is None:
+            raise LookupError("this server runs a language model, not the tutorials' six-word example")
+        return self.demo
+
+
+def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep | None:
+    """Advance ``run`` by one token and record it as :func:`attnlab.interpret.trace_generation` does:
+    the attention row of the query that produced the token (each layer's last pass), the candidates
+    after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
+    Call with the engine's lock held (the observers and the hook live on the model meanwhile)."""
+    records: list[tuple[int, AttentionRecord]] = []
+    logits: list[torch.Tensor] = []
+    hook = model.out_head.register_forward_hook(lambda m, a, out: logits.append(out[:, -1].float()))
+    try:
+        with observe_attention(model, lambda layer, record: records.append((layer, record))):
+            token = next(run.tokens, None)
+    finally:
+        hook.remove()
+    if token is None:
+        return None
+    L = len(model.trf_blocks)
+    last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
+    weights = torch.stack([r.weights[:, :, -1].float() for r in last])  # (L, B, H, S)
+    probs = run.sampling.probabilities(logits[-1])  # (B, V): what the token was drawn from
+    top = torch.topk(probs, min(run.candidates, probs.shape[-1]), dim=-1)
+    position = len(run.ids)  # the new token's index: the prompt and the tokens before it
+    S = weights.shape[-1]
+    first = last[0]
+    if first.q_positions is None or first.k_positions is None:  # keys in order, ending at the query
+        key_index = torch.arange(position - S, position, device=token.device).expand(token.shape[0], S)
+    else:  # a rolling cache: each slot's token from how far before the query its position is
+        offsets = torch.where(first.k_positions >= 0, first.q_positions[:, -1:] - first.k_positions, -1)
+        key_index = torch.where(offsets >= 0, position - 1 - offsets, -1).expand(token.shape[0], S)
+    return GenerationStep(
+        token=token,
+        position=position,
+        key_start=position - S,
+        key_index=key_index,
+        weights=weights,
+        candidates=top.indices,
+        probs=top.values,
+        token_prob=probs.gather(-1, token[:, None]).squeeze(-1),
+    )

@@ -1,0 +1,747 @@
+"""``attnlab serve``: the server started as a user starts it (``python -m attnlab serve ... --port 0``
+in a child process, its address read from stdout), asked over HTTP, its answers compared with what
+:mod:`attnlab.interpret` computes in this process on the same checkpoint. Also: the bad-request table,
+body limits that count the bytes actually sent, static files that cannot leave the assets, a client
+that disconnects stopping its generation, 16 concurrent clients, Ctrl-C, and the warning when bound
+to another address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.interpret import (
+    ablation_effect,
+    all_head_scores,
+    inspector_data,
+    next_token_probabilities,
+    trace,
+    trace_generation,
+)
+from attnlab.interpret.codec import to_json, unpack
+from attnlab.interpret.inspector import SECTIONS
+from attnlab.model import GPT, GPTConfig
+from attnlab.tokenizers import CharTokenizer
+from attnlab.tools.loading import LoadedModel, load_model
+
+fastapi = pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx (pip install 'attnlab[dev]')")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from attnlab.tools.serve import Engine, Limits, create_app  # noqa: E402
+from attnlab.tools.serve.api import Section  # noqa: E402
+from attnlab.tools.viz import demo_view, view_to_dict  # noqa: E402
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,"
+CONTEXT = 48
+TOKENIZER = CharTokenizer(CHARS)
+MAX_NEW = 2000  # the test server's cap: long enough that a generation outlives any disconnect
+PROMPTS = [
+    "the cat sat on the mat, the cat sat.",
+    "a bad dog",
+    "x",
+    "abc abc abc abc",
+    "she sells sea shells by the sea shore",
+    "one, two, three, four, five",
+    "quiet",
+    "the quick brown fox jumps over the lazy dog.",
+]
+
+
+def sharp_gpt(seed: int = 0, **overrides) -> GPT:
+    """A small GPT whose attention and next-token distributions are far from uniform."""
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=len(CHARS), context_length=CONTEXT, emb_dim=32, n_heads=4, n_layers=3, drop_rate=0.0)
+    model = GPT(GPTConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():
+        for block in model.trf_blocks:
+            block.att.W_query.weight.normal_(0, 0.5)
+            block.att.W_key.weight.normal_(0, 0.5)
+            block.att.out_proj.weight.normal_(0, 0.3)  # heads that matter: ablating one shows
+        model.tok_emb.weight.normal_(0, 0.15)
+    return model
+
+
+def save_checkpoint(model: GPT, directory: Path) -> Path:
+    d = model.save(directory)
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(CHARS).to_dict()))
+    return d
+
+
+class Server:
+    """``python -m attnlab serve ARGS --port 0`` in a child process, at the address it prints."""
+
+    def __init__(self, *args: str, env: dict[str, str], timeout: float = 120):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attnlab", "serve", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            first = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            raise RuntimeError(f"attnlab serve printed no address within {timeout} s") from None
+        m = re.search(r" at (http://\S+?)/? \(", first)
+        if m is None:
+            self.proc.kill()
+            raise RuntimeError(f"attnlab serve did not start: {first!r} {self.proc.stderr.read()}")
+        self.url, self.first_line = m.group(1), first
+        self.host, self.port = "127.0.0.1", int(self.url.rsplit(":", 1)[1])
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> tuple[int, str]:
+        """Send ``sig``; the exit status and stderr."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return self.proc.returncode, self.proc.stderr.read()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as the server's (its numbers then match ours bit for bit, or nearly)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, LoadedModel]:
+    d = save_checkpoint(sharp_gpt(), tmp_path_factory.mktemp("serve") / "sharp")
+    return d, load_model(d)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, subprocess_env):
+    s = Server("--checkpoint", str(checkpoint[0]), "--max-new-tokens", str(MAX_NEW), env=subprocess_env)
+    yield s
+    code, err = s.stop()
+    assert code == 130 and "Traceback" not in err, (code, err)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def ids_of(loaded: LoadedModel, prompt: str) -> torch.Tensor:
+    return torch.tensor([loaded.tokenizer.encode(prompt)])
+
+
+def events(lines) -> list[tuple[str, dict]]:
+    """Server-sent events ``(name, data)`` from the lines of a response."""
+    out, name = [], None
+    for line in lines:
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            out.append((name, json.loads(line[5:])))
+    return out
+
+
+def close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Answers equal the library's
+# --------------------------------------------------------------------------------------------
+def test_the_api_sections_are_the_inspectors():
+    assert set(get_args(Section)) == set(SECTIONS)
+
+
+def test_info_and_tokens(client, checkpoint):
+    _, loaded = checkpoint
+    cfg = loaded.model.config
+    info = client.get("/api/info").json()
+    assert info["language_model"] is True
+    assert info["model"]["n_layers"] == cfg.n_layers and info["model"]["n_heads"] == cfg.n_heads
+    assert info["limits"]["max_prompt_tokens"] == CONTEXT and info["limits"]["max_new_tokens"] == MAX_NEW
+    r = client.post("/api/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["ids"] == loaded.tokenizer.encode(PROMPTS[0])
+    assert r["labels"][3] == "␣"
+
+
+def test_inspect_returns_what_inspector_data_computes(client, checkpoint):
+    _, loaded = checkpoint
+    prompt = PROMPTS[0]
+    tr = trace(loaded.model, ids_of(loaded, prompt), stages=True, tokenizer=loaded.tokenizer)
+    want = unpack(to_json(inspector_data(tr, steps=["1.2", "2.0"], title=prompt, text=prompt, model_name="sharp")))
+    r = client.post("/api/inspect", json={"prompt": prompt, "sections": list(SECTIONS), "steps": ["1.2", "2.0"]})
+    assert r.status_code == 200, r.text
+    got = unpack(r.json())
+    assert got["tokens"] == want["tokens"] and got["labels"] == want["labels"]
+    assert got["ids"] == loaded.tokenizer.encode(prompt)
+    assert got["precision"] == want["precision"] == "f32"
+    for mine, theirs in zip(got["layers"], want["layers"], strict=True):
+        assert mine["layer"] == theirs["layer"] and mine["heads"] == theirs["heads"]
+        close(mine["weights"], theirs["weights"])
+    assert [(h["row"], h["head"]) for h in got["steps"]["heads"]] == [(1, 2), (2, 0)]
+    for mine, theirs in zip(got["steps"]["heads"], want["steps"]["heads"], strict=True):
+        for name in ("q", "k", "v", "scores", "allowed", "weights", "head_outputs"):
+            close(mine[name], theirs[name], 1e-5)
+    for name in ("ids", "probs"):
+        close(got["next"][name], want["next"][name])
+    for fusion in ("mean", "max", "min"):
+        close(got["rollout"][fusion], want["rollout"][fusion])
+    for name in ("ids", "probs", "final_probs"):
+        close(got["lens"][name], want["lens"][name])
+    roles = all_head_scores(loaded.model)
+    for kind, scores in got["roles"]["scores"].items():
+        close(scores, roles[kind])
+    assert got["vocab"] == want["vocab"]
+
+
+def test_sections_are_computed_on_demand_and_traces_reused(client):
+    prompt = "on demand, on demand"
+    before = client.get("/api/stats").json()
+    r = client.post("/api/inspect", json={"prompt": prompt}).json()  # the heads only: the typing path
+    assert len(r["layers"]) == 3 and r["lens"] is None and r["next"] is None and r["roles"] is None
+    r = client.post("/api/inspect", json={"prompt": prompt, "sections": ["lens"]}).json()
+    assert r["layers"] == [] and r["lens"] is not None and r["rollout"] is None
+    client.post("/api/next", json={"prompt": prompt, "temperature": 0.5})
+    after = client.get("/api/stats").json()
+    assert after["traces"] - before["traces"] == 1  # one forward pass for the three answers
+    assert after["trace_cache_hits"] - before["trace_cache_hits"] == 2
+
+
+@pytest.mark.parametrize(
+    ("position", "temperature", "top_k", "top_p"),
+    [(-1, 1.0, None, None), (3, 0.7, 5, None), (10, 1.5, None, 0.3), (-2, 0.8, 8, 0.9), (0, 0.0, None, None)],
+)
+def test_next_tokens_are_the_sampling_distribution(client, checkpoint, position, temperature, top_k, top_p):
+    _, loaded = checkpoint
+    prompt = PROMPTS[0]
+    body = {"prompt": prompt, "position": position, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    r = client.post("/api/next", json={**body, "k": 10}).json()
+    logits = trace(loaded.model, ids_of(loaded, prompt)).logits[0, position]
+    want = next_token_probabilities(logits[None], temperature=temperature, top_k=top_k, top_p=top_p)[0]
+    top = torch.topk(want, 10)
+    assert r["position"] == position % len(prompt) and r["greedy"] == (temperature == 0)
+    nonzero = int((top.values > 0).sum())
+    assert r["ids"][:nonzero] == top.indices[:nonzero].tolist()
+    close(torch.tensor(r["probs"]), want[r["ids"]])
+    assert r["labels"][str(r["ids"][0])] == loaded.tokenizer.decode(r["ids"][:1]).replace(" ", "␣")
+
+
+def test_ablation_is_ablation_effect(client, checkpoint):
+    _, loaded = checkpoint
+    prompt = PROMPTS[4]
+    r = client.post("/api/ablate", json={"prompt": prompt, "heads": ["2.1", "0.3"], "temperature": 0.9}).json()
+    effect = ablation_effect(loaded.model, ids_of(loaded, prompt), [(2, 1), (0, 3)])
+    assert r["heads"] == ["0.3", "2.1"] and r["mode"] == "zero"
+    assert r["loss_before"] == pytest.approx(effect.loss_before, abs=1e-5)
+    assert r["loss_after"] == pytest.approx(effect.loss_after, abs=1e-5)
+    assert r["kl"] == pytest.approx(float(effect.kl[0]), abs=1e-6) and r["kl"] > 1e-4  # the heads matter
+    before = next_token_probabilities(effect.logits_before, temperature=0.9)[0]
+    after = next_token_probabilities(effect.logits_after, temperature=0.9)[0]
+    assert r["top_before"] == torch.topk(before, 10).indices.tolist()
+    assert r["top_after"] == torch.topk(after, 10).indices.tolist()
+    ids = [row["id"] for row in r["rows"]]
+    close(torch.tensor([row["before"] for row in r["rows"]]), before[ids])
+    close(torch.tensor([row["after"] for row in r["rows"]]), after[ids])
+
+
+def check_generation(got: list[tuple[str, dict]], gen, prompt_ids: list[int]) -> None:
+    """Streamed events against :func:`trace_generation`."""
+    names = [name for name, _ in got]
+    assert names == ["start", *["token"] * len(gen.steps), "done"], names
+    start, done = got[0][1], got[-1][1]
+    assert start["tokens"] == prompt_ids and start["prompt_length"] == len(prompt_ids)
+    assert done == {"generated": len(gen.steps), "reason": "length"}
+    for (_, step), want in zip(got[1:-1], gen.steps, strict=True):
+        step = unpack(step)
+        assert step["token"] == int(want.token[0]) and step["position"] == want.position
+        assert step["key_start"] == want.key_start and step["key_index"] == want.key_index[0].tolist()
+        close(step["weights"], want.weights[:, 0], 1e-5)
+        assert step["candidates"] == want.candidates[0].tolist()
+        close(torch.tensor(step["probs"]), want.probs[0], 1e-5)
+        assert step["token_prob"] == pytest.approx(float(want.token_prob[0]), abs=1e-5)
+        assert step["labels"][str(step["token"])] == TOKENIZER.decode([step["token"]]).replace(" ", "␣")
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "seed"), [(0.9, 10, None, 3), (0.0, None, None, 0)])
+def test_generation_streams_what_trace_generation_records(client, checkpoint, temperature, top_k, top_p, seed):
+    _, loaded = checkpoint
+    prompt = PROMPTS[7]  # 44 tokens: with 12 more the window slides past the context of 48
+    body = {"prompt": prompt, "max_new_tokens": 12, "temperature": temperature, "top_k": top_k, "seed": seed}
+    with client.stream("POST", "/api/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        got = events(r.iter_lines())
+    idx = ids_of(loaded, prompt)
+    g = torch.Generator().manual_seed(seed)
+    gen = trace_generation(loaded.model, idx, 12, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+    assert gen.steps[-1].key_start > 0  # the window did slide
+    check_generation(got, gen, idx[0].tolist())
+    # ... and those are the tokens model.generate draws with the same seed.
+    g = torch.Generator().manual_seed(seed)
+    ids = loaded.model.generate(idx, 12, temperature=temperature, top_k=top_k, generator=g)
+    assert [e["token"] for name, e in got if name == "token"] == ids[0, idx.shape[1] :].tolist()
+
+
+def test_a_ring_cache_models_stream_equals_trace_generation(tmp_path):
+    """A RoPE model past its window (a rolling cache: keys out of order), through the engine in-process."""
+    model = GPT(GPTConfig.preset("modern", vocab_size=len(CHARS), context_length=8, emb_dim=32, n_heads=4, n_layers=2))
+    model.eval()
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+    prompt = "abcdef"
+    run = engine.start_generation(prompt, 9, temperature=1.0, seed=2)
+    got = [("start", {"tokens": list(run.ids), "prompt_length": run.prompt_length})]
+    while (step := engine.advance(run)) is not None:
+        got.append(("token", to_json(step)))
+    engine.finish(run)
+    got.append(("done", {"generated": run.produced, "reason": run.end_reason}))
+    idx = ids_of(LoadedModel(model, CharTokenizer(CHARS), tmp_path), prompt)
+    gen = trace_generation(model, idx, 9, generator=torch.Generator().manual_seed(2))
+    assert any(s.key_index[0].tolist() != sorted(s.key_index[0].tolist()) for s in gen.steps)  # out of order
+    check_generation(got, gen, idx[0].tolist())
+    assert engine.snapshot()["generations_finished"] == 1 and engine.snapshot()["generations_active"] == 0
+
+
+def test_every_model_call_runs_on_one_thread_in_inference_mode(tmp_path):
+    model = sharp_gpt()
+    seen: set[tuple[str, bool]] = set()
+    model.out_head.register_forward_hook(
+        lambda m, a, out: seen.add((threading.current_thread().name, torch.is_inference_mode_enabled()))
+    )
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+
+    def work(i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        engine.inspect(prompt, ["layers", "lens"])
+        engine.next_tokens(prompt, temperature=0.5)
+        if len(prompt) > 1:
+            engine.ablate(prompt, ["0.1"])
+        run = engine.start_generation(prompt, 2)
+        while engine.advance(run) is not None:
+            pass
+        engine.finish(run)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(8)))
+    assert len(seen) == 1 and next(iter(seen))[1] is True, seen
+    assert next(iter(seen))[0].startswith("attnlab-model")
+    assert engine.snapshot()["generations_finished"] == 8
+
+
+def test_the_page_opens_with_a_prompt_the_tokenizer_reads(tmp_path):
+    loaded = LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path)
+    assert Engine(loaded).info()["default_prompt"] == "your journey starts with one step"  # no capitals here
+    assert Engine(loaded, prompt="abc").info()["default_prompt"] == "abc"
+    with pytest.raises(ValueError, match="more than the model's context window"):
+        Engine(loaded, prompt="ab" * CONTEXT)
+
+
+def test_a_bad_prompt_flag_is_a_one_line_error(checkpoint, capsys, monkeypatch):
+    import attnlab.tools.serve
+
+    monkeypatch.setattr(attnlab.tools.serve, "serve", lambda *a, **k: pytest.fail("served a bad --prompt"))
+    assert main(["serve", "--checkpoint", str(checkpoint[0]), "--prompt", "ABC"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab serve: error: --prompt: "), err
+
+
+# --------------------------------------------------------------------------------------------
+# Bad requests: a 4xx with a one-line JSON message, and nothing else happens
+# --------------------------------------------------------------------------------------------
+LONG = "ab" * CONTEXT  # 96 tokens, twice the context
+BAD = [
+    # (method, path, body, headers, status, in the detail)
+    ("POST", "/api/inspect", {"prompt": LONG}, None, 422, "more than the model's context window"),
+    ("POST", "/api/next", {"prompt": ""}, None, 422, "prompt: String should have at least 1 character"),
+    ("POST", "/api/next", {"prompt": "x" * 100_001}, None, 422, "prompt: String should have at most 100000"),
+    ("POST", "/api/next", {"prompt": "x" * 300_000}, None, 413, "request body too large"),
+    ("POST", "/api/next", {"prompt": "abc 123"}, None, 422, "'1'"),  # not a character of the model
+    ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": MAX_NEW + 1}, None, 422, "more than this server"),
+    ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": 10**6}, None, 422, "max_new_tokens: Input should"),
+    ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": 0}, None, 422, "max_new_tokens"),
+    ("POST", "/api/next", b'{"prompt": "abc"', None, 400, "not valid JSON"),
+    ("POST", "/api/next", b'{"prompt": "abc", "temperature": NaN}', None, 4, ""),
+    ("POST", "/api/next", [1, 2], None, 422, "Input should be a valid dictionary"),
+    ("POST", "/api/next", {"prompt": "abc", "colour": "red"}, None, 422, "colour: Extra inputs are not permitted"),
+    ("POST", "/api/next", {"prompt": "abc", "temperature": -1}, None, 422, "temperature"),
+    ("POST", "/api/next", {"prompt": "abc", "top_p": 0}, None, 422, "top_p"),
+    ("POST", "/api/next", {"prompt": "abc", "top_k": 0}, None, 422, "top_k"),
+    ("POST", "/api/next", {"prompt": "abc", "position": 3}, None, 422, "position 3 is out of range"),
+    ("POST", "/api/ablate", {"prompt": "abc", "heads": ["3.0"]}, None, 422, "head 3.0 does not exist"),
+    ("POST", "/api/ablate", {"prompt": "abc", "heads": ["0.4"]}, None, 422, "head 0.4 does not exist"),
+    ("POST", "/api/ablate", {"prompt": "abc", "heads": ["a.b"]}, None, 422, "heads.0: String should match"),
+    ("POST", "/api/ablate", {"prompt": "abc", "heads": []}, None, 422, "heads"),
+    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["steps"], "steps": ["0.9"]}, None, 422, "0.9"),
+    ("POST", "/api/inspect", {"prompt": "abc", "layers": [7]}, None, 422, "--layer 7 is out of range"),
+    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["secrets"]}, None, 422, "sections.0"),
+    ("POST", "/api/next", "prompt=abc", {"content-type": "application/x-www-form-urlencoded"}, 415, "send JSON"),
+    ("POST", "/api/next", '{"prompt": "abc"}', {"content-type": "text/plain"}, 415, "send JSON"),
+    ("GET", "/api/next", None, None, 405, "Method Not Allowed"),
+    ("GET", "/api/nothing", None, None, 404, "Not Found"),
+    ("GET", "/api/demo", None, None, 404, "not the tutorials' six-word example"),
+    ("GET", "/api/info", None, {"host": "evil.example"}, 400, "Host header"),
+    ("GET", "/api/info", None, {"host": "attacker.test:8000"}, 400, "Host header"),
+    ("POST", "/api/next", {"prompt": "abc"}, {"content-length": "10000000"}, 413, "the limit is 262144"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "detail"), BAD)
+def test_bad_requests_get_a_one_line_4xx(server, client, method, path, body, headers, status, detail):
+    before = client.get("/api/stats").json()
+    kwargs = {"headers": headers or {}}
+    if isinstance(body, bytes | str):
+        kwargs["content"] = body.encode() if isinstance(body, str) else body
+        kwargs["headers"] = {"content-type": "application/json", **kwargs["headers"]}
+    elif body is not None:
+        kwargs["json"] = body
+    if "content-length" in kwargs["headers"]:  # a lying header: httpx would correct it, so send it raw
+        status_got, text = raw_request(server, method, path, json.dumps(body).encode(), kwargs["headers"])
+    else:
+        r = client.request(method, path, **kwargs)
+        status_got, text = r.status_code, r.text
+    if status < 10:  # any 4xx
+        assert 400 <= status_got < 500, (status_got, text)
+    else:
+        assert status_got == status, text
+    answer = json.loads(text)
+    assert list(answer) == ["detail"] and isinstance(answer["detail"], str)
+    assert "\n" not in answer["detail"] and detail in answer["detail"], answer
+    after = client.get("/api/stats").json()
+    assert after["generations_started"] == before["generations_started"]
+
+
+def raw_request(server, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, str]:
+    """One HTTP/1.1 request written by hand (what a client library would refuse to send)."""
+    head = {"host": "127.0.0.1", "connection": "close", **(headers or {})}
+    if body and "content-length" not in head:
+        head["content-length"] = str(len(body))
+    if body and "content-type" not in head:
+        head["content-type"] = "application/json"
+    lines = [f"{method} {path} HTTP/1.1", *[f"{k}: {v}" for k, v in head.items()], "", ""]
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall("\r\n".join(lines).encode("latin-1") + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head_text, _, payload = data.partition(b"\r\n\r\n")
+    status = int(head_text.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head_text.lower():
+        out, rest = b"", payload
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            out, rest = out + rest[:n], rest[n + 2 :]
+        payload = out
+    return status, payload.decode("utf-8", "replace")
+
+
+def test_a_body_over_the_limit_is_refused_as_it_streams_in(server):
+    """No Content-Length (chunked): the bytes are counted as they arrive."""
+    big = json.dumps({"prompt": "a" * 300_000}).encode()
+
+    def chunks():
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/api/next", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413 and "more than" in r.json()["detail"] and "262144" in r.json()["detail"]
+
+
+TRAVERSALS = [
+    "/assets/../../../../../../etc/passwd",
+    "/assets/..%2f..%2f..%2f..%2f..%2f..%2fetc%2fpasswd",
+    "/assets/%2e%2e/%2e%2e/%2e%2e/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+    "/assets/%2e%2e%2fpage.py",
+    "/assets/..%5cpage.py",
+    "/assets/%2fetc%2fpasswd",
+    "/assets//etc/passwd",
+    "/assets/viewer.js/../../page.py",
+    "/assets/viewer.js%00.py",
+    "/assets/page.py",
+    "/assets/__init__.py",
+    "/assets/",
+    "//etc/passwd",
+    "/../../../../etc/passwd",
+    "/%2e%2e/%2e%2e/etc/passwd",
+    "/etc/passwd",
+    "/src/attnlab/interpret/page.py",
+    "/assets/viewer.JS",
+]
+
+
+@pytest.mark.parametrize("path", TRAVERSALS)
+def test_static_files_come_from_the_assets_only(server, path):
+    status, text = raw_request(server, "GET", path)
+    assert status in (400, 404), (path, status)
+    assert "root:" not in text and "import " not in text and "def " not in text, (path, text[:200])
+
+
+def test_the_page_and_its_files(client):
+    from attnlab.interpret.page import read_asset
+
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "connect-src 'self'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert "unsafe-inline" not in csp and r.headers["x-content-type-options"] == "nosniff"
+    page = r.text
+    assert '<script src="assets/viewer.js"></script>' in page and 'id="attn-live"' in page
+    assert "<script>" not in page  # nothing inline runs: the policy would block it
+    for name, ctype in (("viewer.js", "text/javascript"), ("viewer.css", "text/css"), ("viewer.html", "text/html")):
+        r = client.get(f"/assets/{name}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(ctype)
+        assert r.text == read_asset(name)
+
+
+def test_openapi_documents_the_api_and_no_cdn_page_is_served(client):
+    schema = client.get("/openapi.json").json()
+    for path in ("/api/info", "/api/tokenize", "/api/inspect", "/api/next", "/api/ablate", "/api/generate"):
+        assert path in schema["paths"], path
+    assert "GenerateRequest" in schema["components"]["schemas"]
+    assert schema["components"]["schemas"]["NextRequest"]["properties"]["k"]["maximum"] == 256
+    assert client.get("/docs").status_code == 404  # Swagger UI would load its code from a CDN
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming, concurrency, shutting down
+# --------------------------------------------------------------------------------------------
+def wait_for(fn, timeout: float = 20.0, every: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if value := fn():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_stops_its_generation(server, client):
+    before = client.get("/api/stats").json()
+    assert before["generations_active"] == 0
+    body = {"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW, "temperature": 1.0}
+    with httpx.Client(base_url=server.url, timeout=30) as own, own.stream("POST", "/api/generate", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("event: token")
+            if seen == 3:
+                break
+    # The connection is closed: the server must notice and stop generating.
+    stats = wait_for(lambda: (s := client.get("/api/stats").json())["generations_active"] == 0 and s)
+    assert stats["generations_stopped"] == before["generations_stopped"] + 1
+    assert stats["generations_finished"] == before["generations_finished"]
+    made = stats["generation_steps"] - before["generation_steps"]
+    assert 3 <= made < MAX_NEW
+    time.sleep(0.5)
+    assert client.get("/api/stats").json()["generation_steps"] == stats["generation_steps"]  # nothing more
+    print(f"\nthe client left after 3 tokens; the server made {made} and stopped")
+
+
+def expected_answers(loaded: LoadedModel) -> dict:
+    """What the library says for every request of the concurrency test."""
+    out = {}
+    for p in PROMPTS:
+        idx = ids_of(loaded, p)
+        tr = trace(loaded.model, idx)
+        out[("weights", p)] = tr.weights[:, 0]  # (L, H, T, T)
+        for t, k in ((1.0, None), (0.5, 4), (0.0, None)):
+            probs = next_token_probabilities(tr.logits[0, -1][None], temperature=t, top_k=k)[0]
+            out[("next", p, t, k)] = probs
+        if len(p) >= 2:
+            effect = ablation_effect(loaded.model, idx, [(1, 1)])
+            out[("ablate", p)] = (effect.loss_after, float(effect.kl[0]))
+    return out
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint):
+    _, loaded = checkpoint
+    want = expected_answers(loaded)
+    settings = [(1.0, None), (0.5, 4), (0.0, None)]
+    jobs = []
+    for i in range(196):  # + 4 generations streaming at the same time: 200 requests
+        p = PROMPTS[i % len(PROMPTS)]
+        kind = ("next", "inspect", "next", "ablate")[i % 4]
+        if kind == "ablate" and len(p) < 2:
+            kind = "next"
+        jobs.append((kind, p, settings[(i // 4) % 3]))
+    failures: list[str] = []
+
+    def one(job) -> None:
+        kind, p, (t, k) = job
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            if kind == "next":
+                r = c.post("/api/next", json={"prompt": p, "temperature": t, "top_k": k, "k": 8}).json()
+                probs = want[("next", p, t, k)]
+                if not torch.allclose(torch.tensor(r["probs"]), probs[r["ids"]], atol=1e-6, rtol=0) or (
+                    r["probs"][0] != pytest.approx(float(probs.max()), abs=1e-6)
+                ):
+                    failures.append(f"next {p!r} {t} {k}")
+            elif kind == "inspect":
+                r = unpack(c.post("/api/inspect", json={"prompt": p}).json())
+                got = torch.stack([layer["weights"] for layer in r["layers"]])
+                if got.shape != want[("weights", p)].shape or not torch.allclose(got, want[("weights", p)], atol=1e-6):
+                    failures.append(f"inspect {p!r}")
+            else:
+                r = c.post("/api/ablate", json={"prompt": p, "heads": ["1.1"]}).json()
+                loss, kl = want[("ablate", p)]
+                if abs(r["loss_after"] - loss) > 1e-5 or abs(r["kl"] - kl) > 1e-6:
+                    failures.append(f"ablate {p!r}")
+
+    def generation(seed: int) -> None:
+        body = {"prompt": PROMPTS[seed], "max_new_tokens": 6, "temperature": 1.0, "seed": seed}
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/api/generate", json=body) as r:
+            got = [e["token"] for name, e in events(r.iter_lines()) if name == "token"]
+        idx = ids_of(loaded, PROMPTS[seed])
+        ids = loaded.model.generate(idx, 6, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        if got != ids[0, idx.shape[1] :].tolist():
+            failures.append(f"generation {seed}")
+
+    start = time.perf_counter()
+    pool = ThreadPoolExecutor(16)
+    futures = [pool.submit(generation, s) for s in range(4)] + [pool.submit(one, job) for job in jobs]
+    done, pending = wait(futures, timeout=300)  # a server that corrupts its state may also stall
+    pool.shutdown(wait=not pending, cancel_futures=True)
+    assert not pending, f"{len(pending)} of 200 requests unanswered after 300 s"
+    for f in done:
+        f.result()
+    print(f"\n200 requests from 16 clients in {time.perf_counter() - start:.1f} s")
+    assert failures == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_generation_shuts_down_cleanly(checkpoint, subprocess_env):
+    s = Server("--checkpoint", str(checkpoint[0]), "--max-new-tokens", str(MAX_NEW), env=subprocess_env)
+    got: list[tuple[str, dict]] = []
+
+    def listen() -> None:
+        body = {"prompt": PROMPTS[1], "max_new_tokens": MAX_NEW}
+        with httpx.Client(base_url=s.url, timeout=60) as c, c.stream("POST", "/api/generate", json=body) as r:
+            got.extend(events(r.iter_lines()))
+
+    reader = threading.Thread(target=listen)
+    reader.start()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        wait_for(lambda: c.get("/api/stats").json()["generation_steps"] >= 5)
+    start = time.perf_counter()
+    code, err = s.stop(signal.SIGINT)
+    took = time.perf_counter() - start
+    reader.join(30)
+    assert code == 130, (code, err)
+    assert "Traceback" not in err and "Error" not in err, err
+    assert took < 10, took
+    assert got and got[-1][0] == "done" and got[-1][1]["reason"] == "shutdown"  # the stream ended properly
+    assert got[-1][1]["generated"] < MAX_NEW
+
+
+@pytest.mark.slow
+def test_bound_elsewhere_it_warns_in_one_line(subprocess_env):
+    s = Server("--demo", "--host", "0.0.0.0", env=subprocess_env)
+    try:
+        # No Host check away from loopback (any name may reach it); the demo answers.
+        r = httpx.get(f"http://127.0.0.1:{s.port}/api/info", headers={"host": "my-laptop.lan"}, timeout=30)
+        assert r.status_code == 200 and r.json()["language_model"] is False
+    finally:
+        code, err = s.stop()
+    assert code == 130
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab serve: warning: listening on 0.0.0.0"), err
+
+
+def test_on_loopback_it_says_where_and_warns_nothing(server):
+    assert server.first_line.startswith("attnlab serve: sharp at http://127.0.0.1:")
+    assert server.proc.poll() is None
+
+
+# --------------------------------------------------------------------------------------------
+# The tutorials' six-word example, and the command line
+# --------------------------------------------------------------------------------------------
+def test_the_demo_serves_the_six_word_example():
+    app = create_app(Engine(demo=view_to_dict(demo_view())), allowed_hosts={"testserver"})
+    with TestClient(app) as c:
+        assert c.get("/api/info").json()["language_model"] is False
+        got = unpack(c.get("/api/demo").json())
+        want = unpack(to_json(view_to_dict(demo_view())))
+        assert got["tokens"] == ["Your", "journey", "starts", "with", "one", "step"]
+        for mine, theirs in zip(got["layers"], want["layers"], strict=True):
+            close(mine["weights"], theirs["weights"])
+        r = c.post("/api/next", json={"prompt": "Your journey"})
+        assert r.status_code == 409 and "not a language model" in r.json()["detail"]
+
+
+def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(tmp_path):
+    engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path))
+    real, calls = engine.advance, []
+
+    def advance(run):
+        calls.append(run)
+        if len(calls) == 2:
+            raise RuntimeError("the disk caught fire\nsecond line")
+        return real(run)
+
+    engine.advance = advance
+    app = create_app(engine, allowed_hosts={"testserver"})
+    with TestClient(app) as c, c.stream("POST", "/api/generate", json={"prompt": "abc", "max_new_tokens": 5}) as r:
+        got = events(r.iter_lines())
+    assert [name for name, _ in got] == ["start", "token", "error"]
+    assert got[-1][1] == {"detail": "generation failed: RuntimeError: the disk caught fire"}
+    stats = engine.snapshot()
+    assert stats["generations_active"] == 0 and stats["generations_stopped"] == 1
+
+
+def test_limits_are_the_servers(tmp_path):
+    engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path), limits=Limits(max_new_tokens=4))
+    with TestClient(create_app(engine, allowed_hosts={"testserver"})) as c:
+        assert c.get("/api/info").json()["limits"]["max_new_tokens"] == 4
+        r = c.post("/api/generate", json={"prompt": "abc", "max_new_tokens": 5})
+        assert r.status_code == 422 and "(4;" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give the model to serve: --checkpoint DIR, --model NAME, or --demo"),
+        (["--demo", "--port", "70000"], "--port must be in 0..65535"),
+        (["--demo", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--checkpoint", os.devnull + "-missing"], "checkpoint not found"),
+    ],
+)
+def test_command_line_errors_are_one_line(capsys, monkeypatch, argv, message):
+    import attnlab.tools.serve
+
+    monkeypatch.setattr(attnlab.tools.serve, "serve", lambda *a, **k: pytest.fail("served despite an error"))
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab serve: error: ") and message in err[0], err
