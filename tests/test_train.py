@@ -28,7 +28,7 @@ from attnlab.training.distributed import rank_seed
 # A run small enough for a test: the tiny preset on 16-token windows of the built-in corpus.
 SMALL = dict(context_length=16, batch_size=4, eval_batches=2, sample_tokens=0, progress=False)
 # For the tests that compare with float32 references computed on the CPU (on CUDA the trainer uses bf16).
-ON_CPU = dict(SMALL, device="cpu")
+ON_CPU = dict(SMALL, device="cpu", precision="fp32")  # float32: compared with float32 references
 SMALL_FLAGS = [
     "--context-length",
     "16",
@@ -124,6 +124,8 @@ def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> Non
         checkpoint_every=15,
         lr=2e-3,
         warmup_steps=5,
+        optimizer="adamw",  # its param groups are checked below (test_optim.py covers muon)
+        weight_decay=0.1,
     )
     trainer = Trainer(cfg)
     result = trainer.fit()
@@ -177,7 +179,16 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
 
     from attnlab.model import lm_loss
 
-    cfg = TrainConfig(out=str(tmp_path), max_steps=1, warmup_steps=0, lr=1e-2, grad_clip=1e-3, eval_every=1, **ON_CPU)
+    cfg = TrainConfig(
+        optimizer="adamw",
+        out=str(tmp_path),
+        max_steps=1,
+        warmup_steps=0,
+        lr=1e-2,
+        grad_clip=1e-3,
+        eval_every=1,
+        **ON_CPU,
+    )
     trainer = Trainer(cfg)
     model = copy.deepcopy(trainer.raw_model)  # the initial weights
     x, y = trainer.train_batches.batch(0, 0)
@@ -187,7 +198,7 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     assert norm > 100 * cfg.grad_clip  # the clip really bites
-    opt = torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    opt = torch.optim.AdamW(model.optimizer_groups(trainer.cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     opt.step()  # the for-loop implementation, against the trainer's fused one
     assert result.history[0]["loss"] == pytest.approx(loss.item(), rel=1e-6)
     assert result.history[0]["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
@@ -750,7 +761,20 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate(tmp_path: Path, monk
 
     monkeypatch.setattr(trainer_mod, "available_memory", lambda device: 8 << 30)  # an 8 GiB machine
     out = tmp_path / "xl"
-    code = main(["train", "--out", str(out), "--preset", "gpt2-xl", "--device", "cpu", "--no-malloc-tuning"])
+    code = main(
+        [
+            "train",
+            "--out",
+            str(out),
+            "--preset",
+            "gpt2-xl",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--no-malloc-tuning",
+        ]
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     from attnlab.model import GPTConfig

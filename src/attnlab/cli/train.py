@@ -23,7 +23,7 @@ import torch
 
 from attnlab.files import safe_write
 from attnlab.training.allocator import tune_cpu_allocator
-from attnlab.training.config import TINY_LR, TrainConfig
+from attnlab.training.config import OPTIMIZERS, PRECISIONS, TINY_LR, TrainConfig
 from attnlab.training.trainer import SAMPLE_SETTINGS, Trainer
 
 _D = TrainConfig()
@@ -83,10 +83,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train for (default: {_D.max_steps})")
     g.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="adamw: AdamW on every parameter; muon: Muon on the transformer blocks' weight matrices, AdamW on "
+        f"embeddings, gains and biases (default: {_D.optimizer})",
+    )
+    g.add_argument(
         "--lr",
         type=float,
         help=f"peak learning rate of AdamW (default: {TINY_LR:g} for tiny; GPT-3's for the gpt2-* widths, "
         "6e-4 for gpt2-small down to 2e-4 for gpt2-xl)",
+    )
+    g.add_argument(
+        "--muon-lr",
+        type=float,
+        metavar="LR",
+        help=f"peak learning rate of Muon's matrices, with --optimizer muon (default: {_D.muon_lr:g})",
     )
     g.add_argument(
         "--warmup-steps",
@@ -98,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-decay",
         type=float,
         metavar="W",
-        help=f"AdamW weight decay on matrices and embeddings, not biases/LayerNorms (default: {_D.weight_decay:g})",
+        help="decoupled weight decay: with adamw on matrices and embeddings, not biases/LayerNorms (default: 0.1); "
+        "with muon on Muon's matrices (default: 0)",
     )
     g.add_argument(
         "--grad-clip", type=float, metavar="C", help=f"clip the gradient norm to C; 0 = off (default: {_D.grad_clip:g})"
@@ -151,6 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DEV",
         help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps (default: auto); "
         "under torchrun each process takes the GPU of its LOCAL_RANK",
+    )
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="the forward pass's dtype: bf16 autocast, fp32, or auto = bf16 where the hardware has bf16 matmuls "
+        "(CUDA, CPUs with AVX512-BF16/AMX), else fp32 (default: auto)",
     )
     g.add_argument(
         "--compile",

@@ -69,6 +69,7 @@ from attnlab.files import (
     sha256_file,
 )
 from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
+from attnlab.training.optim import MuonAdamW
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -793,12 +794,13 @@ def _load_tensors(f: Path, device: torch.device | str | None) -> Any:
 
 # -- the optimizer state against the model -------------------------------------------------------
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+_MUON_STATE = ("step", "momentum_buffer")  # MuonAdamW's Muon groups
 
 
 def check_optimizer_state(
     state: Any, optimizer: torch.optim.Optimizer, *, step: int, where: str | os.PathLike[str] = OPTIMIZER_NAME
 ) -> dict[str, Any]:
-    """A saved Adam/AdamW ``state`` checked against ``optimizer`` (built for this model), returned in
+    """A saved Adam/AdamW/:class:`MuonAdamW` ``state`` checked against ``optimizer`` (built for this model), returned in
     the form to pass to ``optimizer.load_state_dict``; ValueError naming ``where`` on any mismatch.
 
     ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads and then
@@ -806,16 +808,17 @@ def check_optimizer_state(
     So, before it is called: the param groups must have this optimizer's layout (as many groups, as
     many parameters in each, distinct ids, settings of the same kinds); there must be one state per
     parameter (none before the first step), each with exactly Adam's entries: ``exp_avg`` and
-    ``exp_avg_sq`` (and ``max_exp_avg_sq``) of the parameter's shape and dtype, finite (the second
-    moments non-negative), and a scalar ``step`` counter equal to the checkpoint's ``step`` (every
-    parameter of a GPT gets a gradient at every step, so AdamW counts every step for each).
+    ``exp_avg_sq`` (and ``max_exp_avg_sq``), or Muon's ``momentum_buffer``, of the parameter's
+    shape and dtype, finite (the second moments non-negative), and a scalar ``step`` counter equal
+    to the checkpoint's ``step`` (every parameter of a GPT gets a gradient at every step, so
+    AdamW counts every step for each).
 
     The groups' settings (lr, betas, weight decay, fused, ...) of the result are ``optimizer``'s
     own: a resumed run uses its configuration's (the trainer sets the lr every step anyway), not
     whatever the file says.
     """
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"optimizer must be torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, MuonAdamW)):
+        raise TypeError(f"optimizer must be torch.optim.Adam, AdamW or MuonAdamW, got {type(optimizer).__name__}")
 
     def bad(msg: str) -> ValueError:
         return ValueError(f"optimizer state {where} does not fit this model: {msg}")
@@ -827,6 +830,8 @@ def check_optimizer_state(
     if not isinstance(groups, list) or len(groups) != len(mine):
         raise bad(f"expected {len(mine)} param groups, got {_describe(groups)}")
     params: dict[Any, Tensor] = {}
+    names_of: dict[Any, tuple[str, ...]] = {}  # the state entries each parameter must have
+    adam_names = _ADAM_STATE + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
     loadable_groups = []
     for i, (saved, own, live) in enumerate(zip(groups, mine, optimizer.param_groups, strict=True)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
@@ -840,6 +845,7 @@ def check_optimizer_state(
             if key != "params" and not _setting_like(value, own[key]):
                 raise bad(f"param group {i}: {key} is {_describe(value)}")
         params.update(zip(ids, live["params"], strict=True))
+        names_of.update(dict.fromkeys(ids, _MUON_STATE if own.get("use_muon") else adam_names))
         loadable_groups.append({**own, "params": list(ids)})
     if len(params) != sum(len(g["params"]) for g in mine):
         raise bad("parameter ids repeat")
@@ -849,11 +855,10 @@ def check_optimizer_state(
     if len(per_param) != (len(params) if step > 0 else 0):  # a fresh optimizer's state is no resume
         want = len(params) if step > 0 else 0
         raise bad(f"it holds the state of {len(per_param)} parameters, after step {step} there are {want}")
-    names = _ADAM_STATE + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
     for pid, s in per_param.items():
         if not is_int(pid) or pid not in params:
             raise bad(f"a state for parameter {pid!r}, which no param group lists")
-        p = params[pid]
+        p, names = params[pid], names_of[pid]
         if not isinstance(s, dict) or set(s) != set(names):
             got = sorted(s) if isinstance(s, dict) else _describe(s)
             raise bad(f"the state of parameter {pid} has {got}, expected {sorted(names)}")
@@ -863,7 +868,7 @@ def check_optimizer_state(
                 raise bad(
                     f"{name} of parameter {pid} is {_describe(t)}, expected shape {tuple(p.shape)} and dtype {p.dtype}"
                 )
-            if not bool(torch.isfinite(t).all()) or (name != "exp_avg" and bool((t < 0).any())):
+            if not bool(torch.isfinite(t).all()) or (name.endswith("_sq") and bool((t < 0).any())):
                 raise bad(f"{name} of parameter {pid} holds non-finite or negative values")
         counter = s["step"]
         if not isinstance(counter, Tensor) or counter.shape != () or not counter.is_floating_point():

@@ -64,9 +64,10 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
+from attnlab.training.config import TrainConfig, absolute_path, default_lr, default_weight_decay, lr_at
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory
+from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
 
 __all__ = ["SAMPLE_SETTINGS", "TrainResult", "Trainer", "train"]
@@ -176,6 +177,21 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the forward pass autocasts to (None: float32 throughout). ``auto`` is bf16 where
+    the hardware has bf16 matmuls: CUDA devices that support it, and CPUs whose oneDNN reports
+    native bf16 (AVX512-BF16 or AMX; a 2-core AMX machine ran the ``tiny`` step in 0.7x the time
+    at the same loss per step, see benchmarks/recipe.py). Elsewhere bf16 would be emulated, slower."""
+    if precision == "fp32" or device.type not in ("cuda", "cpu"):
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # no public query exists
+    return torch.bfloat16 if native is not None and native() else None
+
+
 def _is_main_thread() -> bool:
     import threading
 
@@ -281,11 +297,19 @@ class Trainer:
         train_tokens, val_tokens = self._load_tokens()
         self._build_model(ckpt, model_config)  # also settles cfg's preset-dependent defaults
         self._build_batches(train_tokens, val_tokens)
-        self.optimizer = self.raw_model.configure_optimizer(
-            weight_decay=self.cfg.weight_decay, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2)
-        )
+        self.optimizer = self._build_optimizer()
         self._restore_state(ckpt)
         self._wrap_model()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW on everything (nanoGPT's groups), or Muon on the blocks' matrices with AdamW on the
+        rest (:mod:`attnlab.training.optim`)."""
+        cfg = self.cfg
+        betas = (cfg.beta1, cfg.beta2)
+        if cfg.optimizer == "muon":
+            groups = muon_param_groups(self.raw_model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+            return MuonAdamW(groups, betas=betas)
+        return self.raw_model.configure_optimizer(weight_decay=cfg.weight_decay, lr=cfg.lr, betas=betas)
 
     def _init_distributed(self) -> None:
         """Under torchrun, join the process group; on CUDA, allow TF32 matmuls."""
@@ -376,7 +400,7 @@ class Trainer:
         """Refuse, with the estimate and the flags, a run that cannot fit in the device's memory (see
         :mod:`attnlab.training.memory`: a lower bound, so a run that might fit always starts)."""
         b = self._per_rank_batch()
-        bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = autocast_dtype(self.cfg.precision, self.device) is not None
         need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4)
         have = available_memory(self.device)
         if have is None or need.total <= have:
@@ -402,6 +426,7 @@ class Trainer:
             context_length=model_cfg.context_length,
             dropout=model_cfg.drop_rate,
             lr=cfg.lr if cfg.lr is not None else default_lr(model_cfg.emb_dim),
+            weight_decay=cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(cfg.optimizer),
         )
 
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
@@ -462,7 +487,7 @@ class Trainer:
 
     def _wrap_model(self) -> None:
         """``model``: ``raw_model`` in DDP (under torchrun) and torch.compile (``--compile``);
-        ``autocast``: bf16 on CUDA where supported."""
+        ``autocast``: the forward pass in bf16 where :func:`autocast_dtype` says so."""
         self.model: torch.nn.Module = self.raw_model
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -470,9 +495,10 @@ class Trainer:
             self.model = DDP(self.raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.cfg.compile:
             self.model = torch.compile(self.model)
-        use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        dtype = autocast_dtype(self.cfg.precision, self.device)
+        device_type = self.device.type
         self.autocast = (
-            (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+            (lambda: torch.autocast(device_type=device_type, dtype=dtype)) if dtype else contextlib.nullcontext
         )
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -539,11 +565,12 @@ class Trainer:
     def _train_step(self) -> tuple[float, float, float]:
         """One optimizer step; returns (loss averaged over the global batch, lr, grad norm)."""
         cfg = self.cfg
-        lr = lr_at(
-            self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio
+        scale = lr_at(
+            self.step, lr=1.0, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = cfg.lr * scale
+        for group in self.optimizer.param_groups:  # each group's peak lr (Muon's own), scheduled
+            group["lr"] = group.get("initial_lr", cfg.lr) * scale
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             x, y = self.train_batches.batch(self.step, micro, device=self.device)  # (b, T) each
