@@ -17,7 +17,7 @@ can import).
     python benchmarks/recipe.py --data ../shared/data/tinyshakespeare.txt --tokenizer char --budget 45
     python benchmarks/recipe.py --data ../shared/data/tinyshakespeare.txt --tokenizer char --budget 100
     python benchmarks/recipe.py --budget 100                      # the built-in corpus, bytes
-    python benchmarks/recipe.py --budget 45 --seeds 1 --only default,before   # a quick look
+    python benchmarks/recipe.py --budget 45 --seeds 1 --only before,muon+bf16   # a quick look
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ CANDIDATES: dict[str, tuple[list[str], str]] = {
     "before": (["--optimizer", "adamw", "--precision", "fp32"], "the old default: AdamW, float32"),
     "bf16": (["--optimizer", "adamw", "--precision", "bf16"], "AdamW, bf16 autocast"),
     "muon": (["--optimizer", "muon", "--precision", "fp32"], "Muon, float32"),
-    "default": (["--optimizer", "muon", "--precision", "bf16"], "Muon + bf16 autocast: the new default"),
+    "muon+bf16": (["--optimizer", "muon", "--precision", "bf16"], "Muon + bf16 autocast: the new default"),
+    "muon+bf16+wd": (
+        ["--optimizer", "muon", "--precision", "bf16", "--weight-decay", "0.1"],
+        "the default with weight decay 0.1 on Muon's matrices",
+    ),
     "modern": (
         ["--optimizer", "muon", "--precision", "bf16", "--preset", "modern"],
         "the default on the 'modern' preset (RoPE, RMSNorm, QK-norm, ReLU^2, untied, sinks)",

@@ -9,7 +9,6 @@ Set ``ATTNLAB_SCREENSHOT_DIR`` to keep screenshots of the page.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -17,26 +16,8 @@ import pytest
 import torch
 
 from attnlab.interpret import ablation_effect, next_token_probabilities, trace, trace_generation
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
-if (CHROMIUM is None or CHROMEDRIVER is None) and os.environ.get("ATTNLAB_REQUIRE_BROWSER"):
-    raise RuntimeError("ATTNLAB_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.skip(
-        "no chromium/chromedriver on PATH (Debian: apt-get install -y chromium chromium-driver)",
-        allow_module_level=True,
-    )
-
-from selenium.webdriver.chrome.options import Options  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
-
-from test_serve import Server, checkpoint, one_thread  # noqa: E402, F401  (the same model, one thread)
-from test_viz_browser import FLAGS  # noqa: E402  (the same browser flags)
+from browser import By, Keys, Select, WebDriverWait, start_chromium  # skips this module when there is no browser
+from test_serve import Server, checkpoint, one_thread  # noqa: F401  (the same model, one thread)
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +32,7 @@ def server(checkpoint, subprocess_env):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never try to download anything
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
-    d.set_page_load_timeout(60)
+    d = start_chromium(tmp_path_factory.mktemp("chromium-profile"), page_load_timeout=60)
     yield d
     d.quit()
 

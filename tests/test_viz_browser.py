@@ -12,7 +12,6 @@ Set ``ATTNLAB_SCREENSHOT_DIR`` to keep screenshots of the pages for a human to l
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,53 +20,20 @@ import torch
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer
 from attnlab.tools.viz import demo_view, model_view, save_html, token_label
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
-if (CHROMIUM is None or CHROMEDRIVER is None) and os.environ.get("ATTNLAB_REQUIRE_BROWSER"):
-    # CI sets this: there the browser test must run, never be skipped quietly.
-    raise RuntimeError("ATTNLAB_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.skip(
-        "no chromium/chromedriver on PATH (Debian: apt-get install -y chromium chromium-driver)",
-        allow_module_level=True,
-    )
-
-from selenium.webdriver.chrome.options import Options  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
-
-FLAGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-extensions",
-    "--window-size=1400,1000",
-]
+from browser import (  # skips this module when there is no browser
+    ActionChains,
+    By,
+    Select,
+    WebDriverWait,
+    start_chromium,
+)
 
 INJECTION = '</script><script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> é'
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never try to download anything
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
-    d.set_page_load_timeout(30)
+    d = start_chromium(tmp_path_factory.mktemp("chromium-profile"), page_load_timeout=30)
     yield d
     d.quit()
 

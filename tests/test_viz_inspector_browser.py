@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -33,41 +32,21 @@ from attnlab.interpret import (
 from attnlab.interpret.inspector import TEMPERATURES
 from attnlab.model import GPT, GPTConfig
 from attnlab.tools.viz import demo_view, render_html
+from browser import (  # skips this module when there is no browser
+    ActionChains,
+    By,
+    Select,
+    WebDriverWait,
+    start_chromium,
+)
 from tutorial_numbers import CONTEXT, MASKED_SCORES, SCORES, WEIGHTS
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
-if (CHROMIUM is None or CHROMEDRIVER is None) and os.environ.get("ATTNLAB_REQUIRE_BROWSER"):
-    raise RuntimeError("ATTNLAB_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.skip(
-        "no chromium/chromedriver on PATH (Debian: apt-get install -y chromium chromium-driver)",
-        allow_module_level=True,
-    )
-
-from selenium.webdriver.chrome.options import Options  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
-
-from test_viz_browser import FLAGS  # noqa: E402  (the same browser flags)
 
 VIEWS = ["heads", "steps", "next", "rollout", "lens", "roles", "generation"]
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never try to download anything
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
-    d.set_page_load_timeout(60)
+    d = start_chromium(tmp_path_factory.mktemp("chromium-profile"), page_load_timeout=60)
     yield d
     d.quit()
 

@@ -91,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lr",
         type=float,
-        help=f"peak learning rate of AdamW (default: {TINY_LR:g} for tiny; GPT-3's for the gpt2-* widths, "
-        "6e-4 for gpt2-small down to 2e-4 for gpt2-xl)",
+        help="peak learning rate of AdamW (with --optimizer muon, of the AdamW part: embeddings, gains, biases; "
+        f"default: {TINY_LR:g} for tiny; GPT-3's for the gpt2-* widths, 6e-4 for gpt2-small down to 2e-4 "
+        "for gpt2-xl)",
     )
     g.add_argument(
         "--muon-lr",
