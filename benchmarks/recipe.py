@@ -46,7 +46,7 @@ CANDIDATES: dict[str, tuple[list[str], str]] = {
     ),
     "modern": (
         ["--optimizer", "muon", "--precision", "bf16", "--preset", "modern"],
-        "the default on the 'modern' preset (RoPE, RMSNorm, QK-norm, ReLU^2, untied, sinks)",
+        "the default on the 'modern' preset (RoPE, RMSNorm, QK-norm, ReLU^2, untied, no biases)",
     ),
 }
 NANOGPT = {"time_s": 100.0, "val_loss": 1.886}  # the measurement (tinyshakespeare, char)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def index_list(text: str) -> list[int]:
@@ -18,8 +19,9 @@ def index_list(text: str) -> list[int]:
     return out
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> None:
-    """``--checkpoint DIR | --model NAME``, ``--prompt``, ``--bpe-dir``, ``--device``."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
+    """``--checkpoint DIR | --model NAME``, ``--prompt``, ``--bpe-dir``, ``--device``; returns the
+    group of the model's sources (a command may add one, as serve's ``--demo``)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--checkpoint",
@@ -41,6 +43,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> None:
         "$ATTNLAB_GPT2_BPE_DIR, or tiktoken's cache)",
     )
     parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda, mps or auto (default: cpu)")
+    return source
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from attnlab.checks import resolve_device
+from attnlab.cli.options import add_model_arguments
 from attnlab.errors import UserError
 
 
@@ -16,27 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stream a generation token by token with its attention; ablate heads from the grid. Binds 127.0.0.1 "
         "(this machine only) unless --host says otherwise. Needs: pip install 'attnlab[serve]'."
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="an attnlab model: a directory written by `attnlab train --out` (or one of its step directories), "
-        "or by GPT.save() with a tokenizer.json",
-    )
-    source.add_argument(
-        "--model",
-        metavar="NAME",
-        help="OpenAI's GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face cache), or a local "
-        "Hugging Face directory (config.json + model.safetensors)",
-    )
+    source = add_model_arguments(parser, what="the page opens with (default: 'Your journey starts with one step')")
     source.add_argument(
         "--demo",
         action="store_true",
         help="the tutorials' six-word example, 'Your journey starts with one step' (not a language model: no "
         "prompt box, generation or ablation)",
-    )
-    parser.add_argument(
-        "--prompt", metavar="TEXT", help="the prompt the page opens with (default: 'Your journey starts with one step')"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
@@ -54,13 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads for the model (default: one less than torch's default, at least 1: the browser and "
         "the server's event loop share the machine; on a busy 2-core machine 2 threads made requests 20x slower)",
     )
-    parser.add_argument(
-        "--bpe-dir",
-        metavar="DIR",
-        help="where GPT-2's encoder.json and vocab.bpe are (default: the model's directory, $ATTNLAB_GPT2_BPE_DIR, "
-        "or tiktoken's cache)",
-    )
-    parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda, mps or auto (default: cpu)")
     parser.add_argument(
         "--log-level",
         default="warning",
