@@ -125,7 +125,6 @@ def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> Non
         lr=2e-3,
         warmup_steps=5,
         optimizer="adamw",  # its param groups are checked below (test_optim.py covers muon)
-        weight_decay=0.1,
     )
     trainer = Trainer(cfg)
     result = trainer.fit()
@@ -198,7 +197,7 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     assert norm > 100 * cfg.grad_clip  # the clip really bites
-    opt = torch.optim.AdamW(model.optimizer_groups(trainer.cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    opt = torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     opt.step()  # the for-loop implementation, against the trainer's fused one
     assert result.history[0]["loss"] == pytest.approx(loss.item(), rel=1e-6)
     assert result.history[0]["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)

@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-decay",
         type=float,
         metavar="W",
-        help="decoupled weight decay: with adamw on matrices and embeddings, not biases/LayerNorms (default: 0.1); "
-        "with muon on Muon's matrices (default: 0)",
+        help="decoupled weight decay: with adamw on matrices and embeddings, not biases/LayerNorms; with muon on "
+        f"Muon's matrices (default: {_D.weight_decay:g})",
     )
     g.add_argument(
         "--grad-clip", type=float, metavar="C", help=f"clip the gradient norm to C; 0 = off (default: {_D.grad_clip:g})"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from attnlab.checks import finite_real, is_bool, is_int, is_real
 from attnlab.model import GPTConfig
@@ -31,7 +32,6 @@ __all__ = [
     "absolute_path",
     "canonical_preset",
     "default_lr",
-    "default_weight_decay",
     "lr_at",
 ]
 
@@ -71,7 +71,7 @@ class TrainConfig:
     muon_lr: float = 0.02  # peak lr of Muon's matrices (optimizer muon)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     warmup_steps: int = 50
-    weight_decay: float | None = None  # None: 0.1 with adamw, 0 with muon (see default_weight_decay)
+    weight_decay: float = 0.1  # AdamW's on matrices and embeddings; with muon, on Muon's matrices
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = no clipping
@@ -117,9 +117,7 @@ class TrainConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name in ("weight_decay", "grad_clip"):
-            if (v := getattr(self, name)) is None and name == "weight_decay":
-                continue
-            if not (finite_real(v) and v >= 0):
+            if not (finite_real(v := getattr(self, name)) and v >= 0):
                 raise ValueError(f"{_flag(name)} must be a non-negative number, got {v!r}")
         for name in ("beta1", "beta2"):
             if not (is_real(v := getattr(self, name)) and 0 <= v < 1):
@@ -170,7 +168,9 @@ class TrainConfig:
         are always this run's.
         """
         given = self.explicit_fields() if given is None else set(given)
-        saved = {"optimizer": "adamw", **saved}  # runs from before --optimizer trained with AdamW
+        # Runs from before --optimizer and --precision trained with AdamW, in bf16 on CUDA and in
+        # float32 elsewhere: they continue so.
+        saved = {"optimizer": "adamw", "precision": "auto" if torch.cuda.is_available() else "fp32", **saved}
         old = TrainConfig.from_dict(saved)
         for name in self.FIXED_ON_RESUME:
             if name in given and not _same_setting(name, getattr(self, name), getattr(old, name)):
@@ -236,12 +236,6 @@ TINY_LR = 2e-3
 
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "fp32", "bf16")
-
-
-def default_weight_decay(optimizer: str) -> float:
-    """0.1 for AdamW (nanoGPT's); none for Muon, whose orthogonalised steps keep the matrices'
-    scale in check (measured: 0.05 made the built-in corpus's loss worse, see benchmarks/recipe.py)."""
-    return 0.0 if optimizer == "muon" else 0.1
 
 
 def default_lr(emb_dim: int) -> float:

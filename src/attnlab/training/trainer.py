@@ -64,7 +64,7 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.training.config import TrainConfig, absolute_path, default_lr, default_weight_decay, lr_at
+from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory
 from attnlab.training.optim import MuonAdamW, muon_param_groups
@@ -182,12 +182,12 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     the hardware has bf16 matmuls: CUDA devices that support it, and CPUs whose oneDNN reports
     native bf16 (AVX512-BF16 or AMX; a 2-core AMX machine ran the ``tiny`` step in 0.7x the time
     at the same loss per step, see benchmarks/recipe.py). Elsewhere bf16 would be emulated, slower."""
-    if precision == "fp32" or device.type not in ("cuda", "cpu"):
-        return None
-    if precision == "bf16":
-        return torch.bfloat16
+    if precision != "auto":
+        return torch.bfloat16 if precision == "bf16" else None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type != "cpu":
+        return None
     native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # no public query exists
     return torch.bfloat16 if native is not None and native() else None
 
@@ -426,7 +426,6 @@ class Trainer:
             context_length=model_cfg.context_length,
             dropout=model_cfg.drop_rate,
             lr=cfg.lr if cfg.lr is not None else default_lr(model_cfg.emb_dim),
-            weight_decay=cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(cfg.optimizer),
         )
 
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
