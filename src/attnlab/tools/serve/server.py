@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[], None]):
         super().__init__(config)
         self.engine, self.on_ready = engine, on_ready
+        self.signal_received: int | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -60,6 +62,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine.closing = True  # streaming generations end at their next token
+        self.signal_received = sig
         super().handle_exit(sig, frame)
 
 
@@ -68,8 +71,8 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_leve
     accepts connections, and a one-line warning on stderr when ``host`` is not a loopback address.
 
     On Ctrl-C (SIGINT) the server stops accepting, ends streaming generations, waits up to 3 s for
-    requests in flight, and returns; uvicorn then raises the signal again (KeyboardInterrupt), which
-    ``attnlab`` turns into exit status 130 without a traceback."""
+    requests in flight, and raises KeyboardInterrupt, which ``attnlab`` turns into exit status 130
+    without a traceback."""
     loopback = is_loopback(host)
     sock = bind(host, port)
     actual = sock.getsockname()[1]
@@ -95,7 +98,12 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_leve
         lifespan="off",
         server_header=False,
     )
+    server = _Server(config, engine, ready)
     try:
-        _Server(config, engine, ready).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.signal_received == signal.SIGINT:
+        # uvicorn re-raised it, but a process started with SIGINT ignored (a background job of a
+        # non-interactive shell) gets no KeyboardInterrupt from that: exit 130 all the same.
+        raise KeyboardInterrupt
