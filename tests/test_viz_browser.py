@@ -28,6 +28,8 @@ from browser import (  # skips this module when there is no browser
     start_chromium,
 )
 
+pytestmark = pytest.mark.slow  # a browser each: the fast suite (-m 'not slow') leaves them to CI
+
 INJECTION = '</script><script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> é'
 
 

@@ -41,6 +41,8 @@ from browser import (  # skips this module when there is no browser
 )
 from tutorial_numbers import CONTEXT, MASKED_SCORES, SCORES, WEIGHTS
 
+pytestmark = pytest.mark.slow  # a browser each: the fast suite (-m 'not slow') leaves them to CI
+
 VIEWS = ["heads", "steps", "next", "rollout", "lens", "roles", "generation"]
 
 
