@@ -68,8 +68,8 @@ def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weig
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the param groups with ``use_muon=True``, AdamW (decoupled decay, bias-corrected
-    moments) on the others. Every group's ``lr`` is its own; a schedule scales each group's
-    ``initial_lr`` (see :meth:`set_lr_scale`).
+    moments) on the others. Every group's ``lr`` is its own, and ``initial_lr`` keeps its peak:
+    a schedule sets ``lr = initial_lr * factor`` (as the trainer does, and torch's LR schedulers).
 
     State per parameter: ``step`` (a float scalar tensor, as torch's Adam keeps it) and
     ``momentum_buffer`` (Muon) or ``exp_avg`` and ``exp_avg_sq`` (AdamW).
@@ -93,11 +93,6 @@ class MuonAdamW(torch.optim.Optimizer):
             g.setdefault("initial_lr", g["lr"])
         defaults = {"betas": betas, "eps": eps, "momentum": momentum, "ns_steps": ns_steps, "weight_decay": 0.0}
         super().__init__(groups, defaults)
-
-    def set_lr_scale(self, scale: float) -> None:
-        """Every group's lr = its ``initial_lr`` x ``scale`` (the schedule's factor)."""
-        for g in self.param_groups:
-            g["lr"] = g["initial_lr"] * scale
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
