@@ -139,6 +139,28 @@ class _References:
     loop_attention_nd = staticmethod(loop_attention_nd)
 
 
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: small models are fastest so, and on a busy 2-core machine two
+    threads crawl."""
+    yield from _one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """One torch thread for a whole module (its module-scoped models and servers are built under it)."""
+    yield from _one_torch_thread()
+
+
 @pytest.fixture(scope="session")
 def ref() -> _References:
     """The explicit-loop references (session-scoped, so hypothesis tests may use it)."""

@@ -16,18 +16,11 @@ from attnlab.tokenizers import get_tokenizer
 from attnlab.training import TrainConfig, Trainer
 from attnlab.training.checkpoint import load_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model is fastest on one thread (and a busy machine makes two threads crawl)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # one torch thread (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, one_thread) -> Path:
+def checkpoint(tmp_path_factory, one_thread_module) -> Path:
     """A few steps of the tiny preset: enough for the byte statistics, which is all we need."""
     out = tmp_path_factory.mktemp("gen")
     Trainer(

@@ -41,15 +41,7 @@ FLAGS = ["--context-length", "16", "--batch-size", "4", "--eval-batches", "1", "
 FLAGS += ["--checkpoint-every", "2", "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--no-malloc-tuning"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 
 # ---------------------------------------------------------------------------------------------

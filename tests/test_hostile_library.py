@@ -17,14 +17,7 @@ import torch
 from attnlab.checks import MODEL_LIMITS
 from attnlab.model import GPTConfig
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small models are fastest on one thread (and the CI machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (conftest.py)
 
 
 def within(seconds: float, fn):

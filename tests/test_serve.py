@@ -40,6 +40,8 @@ from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import CharTokenizer
 from attnlab.tools.loading import LoadedModel, load_model
 
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # one torch thread (conftest.py)
+
 fastapi = pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx (pip install 'attnlab[dev]')")
 
@@ -126,15 +128,6 @@ class Server:
             self.proc.wait()
             raise
         return self.proc.returncode, self.proc.stderr.read()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread, as the server's (its numbers then match ours bit for bit, or nearly)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

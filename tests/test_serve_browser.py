@@ -17,9 +17,9 @@ import torch
 
 from attnlab.interpret import ablation_effect, next_token_probabilities, trace, trace_generation
 from browser import By, Keys, Select, WebDriverWait, start_chromium  # skips this module when there is no browser
-from test_serve import Server, checkpoint, one_thread  # noqa: F401  (the same model, one thread)
+from test_serve import Server, checkpoint  # noqa: F401  (the same model)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 
 @pytest.fixture(scope="module")
