@@ -25,6 +25,7 @@ FLAGS = [
     "--context-length", "16", "--batch-size", "8", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress",
     "--max-steps", str(STEPS), "--eval-every", "3", "--checkpoint-every", "3", "--dropout", "0", "--seed", "3",
     "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu",
+    "--precision", "fp32",  # bf16 rounds a half batch's sums otherwise than the whole batch's
 ]  # fmt: skip
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -44,14 +45,21 @@ def train(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, Path]:
+# How far 2 processes may drift from 1. AdamW: rounding only (the all-reduced gradient sums in
+# another order). Muon orthogonalises each update in bf16, which turns last-bit differences of the
+# gradient into differences of about 1e-3 of the update (measured: 2e-4 in the loss at step 3).
+TOLERANCE = {"adamw": 1e-6, "muon": 2e-3}
+
+
+@pytest.fixture(scope="module", params=sorted(TOLERANCE))
+def runs(tmp_path_factory, request) -> dict:
     root = tmp_path_factory.mktemp("ddp")
-    logs = {n: train(root / f"n{n}", n).stderr for n in (1, 2)}
+    optimizer = request.param
+    logs = {n: train(root / f"n{n}", n, "--optimizer", optimizer).stderr for n in (1, 2)}
     # Each process computes its share of the global batch of 8, not all of it.
     assert "batch 8 x 16 tokens (8 per process x 1 micro-step(s)), 1 process(es)" in logs[1], logs[1]
     assert "batch 8 x 16 tokens (4 per process x 1 micro-step(s)), 2 process(es)" in logs[2], logs[2]
-    return {n: root / f"n{n}" for n in (1, 2)}
+    return {1: root / "n1", 2: root / "n2", "optimizer": optimizer, "tol": TOLERANCE[optimizer]}
 
 
 def test_two_processes_follow_one_process_with_the_same_global_batch(runs) -> None:
@@ -59,11 +67,11 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(runs) -> No
     # Rank 0 alone writes: one line per step, not one per process.
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     for a, b in zip(one, two, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), (a, b)
+        assert b["loss"] == pytest.approx(a["loss"], abs=runs["tol"]), (a, b)
         assert b["lr"] == a["lr"]
         assert ("val_loss" in a) == ("val_loss" in b)
         if "val_loss" in a:
-            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-6)
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=runs["tol"])
     # The training actually moved (so equal losses are not equal by accident).
     assert one[-1]["loss"] < one[0]["loss"] - 0.5
     meta = json.loads((runs[2] / "checkpoints" / f"step-{STEPS:08d}" / "checkpoint.json").read_text())
@@ -80,9 +88,9 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs, tmp_path: Path) -
     )
     (out / "metrics.jsonl").write_text((runs[2] / "metrics.jsonl").read_text())  # lines past 3 must be dropped
     # ... and finish it with one process: it must track the 1-process run.
-    r = train(out, 1, "--resume")
+    r = train(out, 1, "--resume", "--optimizer", runs["optimizer"])
     assert "written by 2 process(es), this run has 1" in r.stderr
     one, resumed = metrics(runs[1]), metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(one, resumed, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)
+        assert b["loss"] == pytest.approx(a["loss"], abs=10 * runs["tol"]), (a, b)

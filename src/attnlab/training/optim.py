@@ -122,8 +122,9 @@ class MuonAdamW(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(p.grad, 1 - momentum)
         update = newton_schulz(p.grad.lerp(buf, momentum), ns_steps)  # Nesterov: look one step ahead
+        step = _step_size(lr * max(1.0, p.size(0) / p.size(1)) ** 0.5, p)
         p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+        p.add_(update, alpha=-step)
 
     @staticmethod
     def _adamw(p: Tensor, state: dict, lr: float, wd: float, betas: tuple[float, float], eps: float) -> None:
@@ -134,4 +135,12 @@ class MuonAdamW(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
         p.mul_(1 - lr * wd)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+        p.addcdiv_(m, denom, value=-_step_size(lr / (1 - beta1**t), p))
+
+
+def _step_size(step: float, p: Tensor) -> float:
+    """``step``, if the parameter's dtype can hold it; else FloatingPointError (torch would raise
+    a RuntimeError deep in the kernel: an lr of 1e300 is a setting, not a bug)."""
+    if not abs(step) <= torch.finfo(p.dtype).max:
+        raise FloatingPointError(f"a step of {step:g} overflows {p.dtype}; try a smaller --lr or --muon-lr")
+    return step
