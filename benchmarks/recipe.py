@@ -38,7 +38,7 @@ from attnlab.tools.bench import load_average, require_plotting
 CANDIDATES: dict[str, tuple[list[str], str]] = {
     "before": (["--optimizer", "adamw", "--precision", "fp32"], "the old default: AdamW, float32"),
     "bf16": (["--optimizer", "adamw", "--precision", "bf16"], "AdamW, bf16 autocast"),
-    "muon": (["--optimizer", "muon", "--precision", "fp32"], "Muon, float32"),
+    "muon": (["--optimizer", "muon", "--precision", "fp32", "--weight-decay", "0"], "Muon, float32, no decay"),
     "muon+bf16": (
         ["--optimizer", "muon", "--precision", "bf16", "--weight-decay", "0"],
         "Muon + bf16 autocast, no weight decay",

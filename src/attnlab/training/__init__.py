@@ -2,6 +2,7 @@
 
 * :mod:`attnlab.training.config` - :class:`TrainConfig` (checked settings, resume rules), :func:`lr_at`;
 * :mod:`attnlab.training.trainer` - :class:`Trainer`, :func:`train`;
+* :mod:`attnlab.training.optim` - :class:`MuonAdamW`: Muon on the blocks' matrices, AdamW on the rest;
 * :mod:`attnlab.training.distributed` - torchrun's environment and process group;
 * :mod:`attnlab.training.checkpoint` - fault-proof, self-verifying checkpoints (safetensors + JSON,
   atomic switch, every entry and the optimizer state checked before use);

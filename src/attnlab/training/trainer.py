@@ -5,9 +5,9 @@ One optimizer step, nanoGPT-style::
     lr = lr_at(step)                                   # linear warm-up, then cosine decay to min_lr
     for micro in range(grad_accum):                    # gradient accumulation
         x, y = batches.batch(step, micro)              # (b, T) each: this rank's rows of the global batch
-        loss = cross_entropy(model(x), y) / grad_accum # bf16 autocast on CUDA
+        loss = cross_entropy(model(x), y) / grad_accum # bf16 autocast where the hardware has it
         loss.backward()                                # DDP all-reduces on the last micro-step only
-    clip_grad_norm_(params, grad_clip); adamw.step()   # AdamW with decay / no-decay groups
+    clip_grad_norm_(params, grad_clip); opt.step()     # Muon + AdamW (MuonAdamW), or AdamW alone
 
 Exact resume. Batch ``step`` is a pure function of ``(seed, step)`` (see
 :class:`~attnlab.data.RandomWindowBatches`), and a checkpoint carries the weights, the optimizer
