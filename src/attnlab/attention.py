@@ -40,7 +40,14 @@ from attnlab.checks import (
     non_negative_int,
     positive_int,
 )
-from attnlab.functional import attend, causal_mask, check_window, positions_mask, scaled_dot_product_attention
+from attnlab.functional import (
+    attend,
+    causal_mask,
+    check_window,
+    combine_masks,
+    positions_mask,
+    scaled_dot_product_attention,
+)
 from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
 
 __all__ = [
@@ -496,17 +503,6 @@ class AttentionRecord:
     k_positions: Tensor | None = None
 
 
-def _and_mask(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    """Masks applied together: bool & bool, a float mask with -inf where a bool one is False, float + float."""
-    if a is None or b is None:
-        return b if a is None else a
-    if a.dtype == torch.bool and b.dtype == torch.bool:
-        return a & b
-    if a.dtype == torch.bool:
-        a, b = b, a
-    return a.masked_fill(~b, float("-inf")) if b.dtype == torch.bool else a + b
-
-
 # --------------------------------------------------------------------------------------------
 # Multi-head attention with weight splits: the tutorials' class and the production module
 # --------------------------------------------------------------------------------------------
@@ -759,7 +755,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         heads, weights = result if return_weights or observed else (result, None)  # (b, H, n, hd), (b, H, n, S)
         if observed:
             if window is not None:  # the record's mask holds everything besides plain causality
-                mask = _and_mask(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
+                mask = combine_masks(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
             if kv_cache is not None and kv_cache.rolling:  # views of slots the next steps overwrite
                 k, v, k_pos = k.clone(), v.clone(), k_pos.clone()
             scale = 1.0 / self.head_dim**0.5
@@ -810,12 +806,12 @@ class MultiHeadAttention(_DropsTutorialMask):
             is_causal, window, sinks = False, None, 0
         else:
             visible = positions_mask(positions, k_pos, causal=is_causal, window=window, sinks=sinks)  # (1|b, n, S)
-            mask = _and_mask(mask, visible[:, None])  # (b, H or 1, n, S)
+            mask = combine_masks(mask, visible[:, None])  # (b, H or 1, n, S)
             is_causal, window, sinks = False, None, 0
         if self.alibi:
             slopes = alibi_slopes(self.num_heads).to(device=q.device, dtype=q.dtype)
             bias = alibi_bias(slopes, positions, k_pos)  # (1|b, H, n, S)
-            mask = bias if mask is None else _and_mask(bias, mask)
+            mask = combine_masks(bias, mask)
         return q, k, v, mask, is_causal, window, sinks, positions, k_pos
 
     def _check_ring(self, cache: KVCache, n: int) -> None:
@@ -916,7 +912,7 @@ class MultiHeadAttention(_DropsTutorialMask):
                 positions = key_mask.long().cumsum(-1)[:, S - n :] - 1  # (b, n)
             return x, context, attn_mask, positions.expand(b, n).masked_fill(~new, -1)
         km = key_mask[:, None, None, :]  # (b, 1, 1, S)
-        return x, context, _and_mask(attn_mask, km), positions
+        return x, context, combine_masks(attn_mask, km), positions
 
     def _check_positions(self, positions: object, b: int, n: int, device: torch.device) -> Tensor:
         if not self.has_positions:

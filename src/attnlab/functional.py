@@ -59,6 +59,7 @@ __all__ = [
     "attention_scores",
     "causal_mask",
     "check_window",
+    "combine_masks",
     "padding_mask",
     "positions_mask",
     "scaled_dot_product_attention",
@@ -289,8 +290,9 @@ def _validate(
     return tuple(batch)
 
 
-def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    """Two masks applied together: bool & bool, or a float mask with a bool one's -inf, or float sums."""
+def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Two attention masks applied together (either may be None): bool & bool (True = may attend),
+    a float mask with -inf where a bool one is False, or the sum of two float masks."""
     if a is None or b is None:
         return b if a is None else a
     if a.dtype == torch.bool and b.dtype == torch.bool:
@@ -320,7 +322,7 @@ def _merge_masks(
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))  # (1, S) or (1, 1)
     if not is_causal:
         return attn_mask
-    return _combine(attn_mask, causal_mask(L, S, window=window, sinks=sinks, device=device))  # (..., L, S)
+    return combine_masks(attn_mask, causal_mask(L, S, window=window, sinks=sinks, device=device))  # (..., L, S)
 
 
 def _row_has_key(mask: Tensor) -> Tensor:
@@ -485,7 +487,7 @@ def attention_scores(
     L, S = query.shape[-2], key.shape[-2]
     mask = _merge_masks(attn_mask, bool(is_causal), L, S, query.device, window, int(sinks))
     if mask_mod is not None:
-        mask = _combine(mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
+        mask = combine_masks(mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
     return _masked_scores(query, key, mask, scale, score_mod)  # (..., L, S)
 
 
@@ -614,11 +616,11 @@ def attend(
                 "kernel can only add a bias to the scores; use backend='reference' (or 'flex' on CUDA)"
             )
         if bias is not None:
-            attn_mask, score_mod = _combine(attn_mask, bias), None
+            attn_mask, score_mod = combine_masks(attn_mask, bias), None
         else:
             backend = "reference"
     if mask_mod is not None:
-        attn_mask = _combine(attn_mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
+        attn_mask = combine_masks(attn_mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
 
     if backend == "reference" or return_weights:
         key, value = _expand_kv(query, key, value, enable_gqa)
