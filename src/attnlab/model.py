@@ -352,26 +352,21 @@ class GPTConfig:
         if not isinstance(name, str):
             raise TypeError(f"preset name must be a str, got {type(name).__name__}")
         key = _ALIASES.get(name.lower(), name.lower())
+        tiny: dict[str, Any] = dict(
+            vocab_size=256,
+            context_length=64,
+            emb_dim=256,
+            n_heads=4,
+            n_layers=2,
+            drop_rate=0.0,
+            qkv_bias=False,
+            activation="gelu",
+        )
         if key == "tiny":
-            base: dict[str, Any] = dict(
-                vocab_size=256,
-                context_length=64,
-                emb_dim=256,
-                n_heads=4,
-                n_layers=2,
-                drop_rate=0.0,
-                qkv_bias=False,
-                activation="gelu",
-            )
-        elif key == "modern":
+            base = tiny
+        elif key == "modern":  # tiny's sizes; the activation is the MLP's own (relu2)
             base = dict(
-                vocab_size=256,
-                context_length=64,
-                emb_dim=256,
-                n_heads=4,
-                n_layers=2,
-                drop_rate=0.0,
-                qkv_bias=False,
+                {k: v for k, v in tiny.items() if k != "activation"},
                 bias=False,
                 pos="rope",
                 norm="rmsnorm",
