@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,22 +249,29 @@ def _build_in_child(f, cache, log, out):
     np.save(out, np.asarray(tokens))
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to start processes quickly")
-def test_cache_concurrent_processes_build_once(tmp_path):
-    # Like the ranks of one torchrun: two processes ask for the same cold cache at the same time.
+def _build_in_processes(tmp_path: Path, n: int) -> tuple[Path, Path]:
+    """``n`` forked processes ask for the same cold cache of one corpus at once (as the ranks of one
+    torchrun do); each succeeds and writes its tokens to ``out{i}.npy``. Returns (corpus, build log)."""
     f = tmp_path / "corpus.txt"
     f.write_bytes(b"ab\nba\n" * 400)
     log = tmp_path / "builds.log"
     ctx = multiprocessing.get_context("fork")
     procs = [
         ctx.Process(target=_build_in_child, args=(f, tmp_path / "cache", log, tmp_path / f"out{i}.npy"))
-        for i in range(2)
+        for i in range(n)
     ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    return f, log
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to start processes quickly")
+def test_cache_concurrent_processes_build_once(tmp_path):
+    # Like the ranks of one torchrun: two processes ask for the same cold cache at the same time.
+    _, log = _build_in_processes(tmp_path, 2)
     assert log.read_text().count("build") == 1  # the other process waited and reused the file
     expected = CharTokenizer("ab\n").encode("ab\nba\n" * 400)
     for i in range(2):
@@ -276,19 +284,7 @@ def test_cache_lock_files_do_not_pile_up_and_still_exclude(tmp_path):
     """Lock files are removed by their holder, yet processes that waited on a removed one never
     build at the same time (they re-lock the current file): four processes, one build, no .lock left;
     a failed build leaves no lock file either."""
-    f = tmp_path / "corpus.txt"
-    f.write_bytes(b"ab\nba\n" * 400)
-    log = tmp_path / "builds.log"
-    ctx = multiprocessing.get_context("fork")
-    procs = [
-        ctx.Process(target=_build_in_child, args=(f, tmp_path / "cache", log, tmp_path / f"out{i}.npy"))
-        for i in range(4)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    f, log = _build_in_processes(tmp_path, 4)
     assert log.read_text().count("build") == 1
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".bin", ".json"]
     for _ in range(3):  # cached: nothing is locked, nothing is left
