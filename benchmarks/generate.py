@@ -31,7 +31,7 @@ import time
 import torch
 
 from attnlab.files import atomic_write_json
-from attnlab.hf import to_hf_gpt2
+from attnlab.formats.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
 from attnlab.tools.bench import interleave
 

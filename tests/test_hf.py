@@ -108,7 +108,7 @@ def test_left_padded_batch_matches_hf_generate():
     ],
 )
 def test_export_loads_into_gpt2lmheadmodel(overrides):
-    from attnlab.hf import to_hf_gpt2, to_hf_gpt2_config
+    from attnlab.formats.hf import to_hf_gpt2, to_hf_gpt2_config
 
     torch.manual_seed(0)
     ours = GPT(GPTConfig(vocab_size=V, context_length=CTX, emb_dim=32, n_heads=4, n_layers=2, **overrides)).eval()

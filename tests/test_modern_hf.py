@@ -118,7 +118,7 @@ def test_greedy_tokens_equal_generate_and_the_cache_changes_nothing(name):
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window", "llama_bias", "llama_mha_tied", "llama3_scaling"])
 def test_export_loads_into_transformers(name):
-    from attnlab.hf_llama import to_hf_llama
+    from attnlab.formats.hf_llama import to_hf_llama
 
     ours = GPT.from_hf_llama(build(name, seed=5))
     back = to_hf_llama(ours)
@@ -131,7 +131,7 @@ def test_export_loads_into_transformers(name):
 
 
 def test_bad_llama_inputs_are_clear_errors():
-    from attnlab.hf_llama import to_hf_llama_state_dict
+    from attnlab.formats.hf_llama import to_hf_llama_state_dict
 
     hf = build("llama_gqa")
     with pytest.raises(ValueError, match="hidden_act"):
@@ -325,7 +325,7 @@ def test_stream_decoder_joins_to_decode(tokenizer_files, which, text, ids):
 def test_llama_family_presets_have_the_published_shapes(preset, hf_cls, hf_cfg):
     """Built on the meta device: the same parameter tensors as transformers' model of the config
     that to_hf_llama_config writes (and the published totals: 6.74B, 8.03B, 7.24B)."""
-    from attnlab.hf_llama import to_hf_llama_config
+    from attnlab.formats.hf_llama import to_hf_llama_config
     from attnlab.model import GPTConfig
 
     with torch.device("meta"):

@@ -148,7 +148,7 @@ def test_bad_options_are_clear_errors(overrides, error, match):
 
 
 def test_gpt2_export_refuses_what_gpt2_does_not_have():
-    from attnlab.hf import to_hf_gpt2_state_dict
+    from attnlab.formats.hf import to_hf_gpt2_state_dict
 
     with pytest.raises(ValueError, match="GPT-2 has learned positions"):
         to_hf_gpt2_state_dict(make("rope"))

@@ -13,7 +13,7 @@ lead to, with the tutorials' configuration names (``vocab_size``, ``context_leng
     -> final_norm -> out_head                    # (B, T, vocab_size), out_head tied to tok_emb
 
 With ``qkv_bias=True`` and the ``gpt2-*`` presets the parameters are exactly GPT-2's (``gpt2-small``
-has 124,439,808 of them, as Hugging Face's ``GPT2LMHeadModel``); :mod:`attnlab.hf` converts weights
+has 124,439,808 of them, as Hugging Face's ``GPT2LMHeadModel``); :mod:`attnlab.formats.hf` converts weights
 both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
 
 Since GPT-2 (the ``GPTConfig`` switches, all off by default; the ``modern`` preset turns them on):
@@ -23,7 +23,7 @@ sinks, untied embeddings. A model with relative positions (RoPE, ALiBi, none) at
 of ``window`` tokens (default ``context_length``) and takes sequences of any length: its generation
 rolls the KV cache past the context instead of re-encoding. With ``pos="rope"``, ``norm="rmsnorm"``,
 ``mlp="swiglu"`` and no biases the blocks are Llama's (and, with a window, Mistral's):
-:mod:`attnlab.hf_llama` converts their weights.
+:mod:`attnlab.formats.hf_llama` converts their weights.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab import generation, hf, hf_llama
+from attnlab import generation
+from attnlab.formats import hf, hf_llama
 from attnlab.attention import KVCache, MultiHeadAttention
 from attnlab.checks import (
     can_read_values,
@@ -862,7 +863,7 @@ class GPT(nn.Module):
     generate = generation.generate
     stream = generation.stream
 
-    # Hugging Face interop (the weight layouts live in attnlab.hf) ------------------------------
+    # Hugging Face interop (the weight layouts live in attnlab.formats.hf) ------------------------------
     @classmethod
     def from_hf_gpt2(
         cls,
@@ -893,12 +894,12 @@ class GPT(nn.Module):
 
     def to_hf_gpt2_state_dict(self) -> dict[str, Tensor]:
         """A state dict that ``transformers.GPT2LMHeadModel.load_state_dict`` accepts (config from
-        :func:`attnlab.hf.to_hf_gpt2_config`)."""
+        :func:`attnlab.formats.hf.to_hf_gpt2_config`)."""
         return hf.to_hf_gpt2_state_dict(self)
 
     @classmethod
     def from_hf_llama(cls, model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0) -> GPT:
-        """Build a GPT holding the weights of a Hugging Face Llama or Mistral (see :mod:`attnlab.hf_llama`).
+        """Build a GPT holding the weights of a Hugging Face Llama or Mistral (see :mod:`attnlab.formats.hf_llama`).
 
         Args:
             model_or_state_dict: a ``transformers.LlamaForCausalLM`` / ``MistralForCausalLM``, or its
@@ -915,7 +916,7 @@ class GPT(nn.Module):
 
     def to_hf_llama_state_dict(self) -> dict[str, Tensor]:
         """A state dict that ``transformers.LlamaForCausalLM`` (``MistralForCausalLM`` with a window)
-        loads (config from :func:`attnlab.hf_llama.to_hf_llama_config`)."""
+        loads (config from :func:`attnlab.formats.hf_llama.to_hf_llama_config`)."""
         return hf_llama.to_hf_llama_state_dict(self)
 
     @classmethod

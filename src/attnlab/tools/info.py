@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import positive_int
-from attnlab.hf import gpt2_config_fields, read_pretrained_config
-from attnlab.hf_llama import LLAMA_FAMILY, config_fields
+from attnlab.formats.hf import gpt2_config_fields, read_pretrained_config
+from attnlab.formats.hf_llama import LLAMA_FAMILY, config_fields
 from attnlab.model import CONFIG_NAME, GPTConfig
 
 

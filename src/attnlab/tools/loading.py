@@ -33,7 +33,7 @@ import torch
 from attnlab import attention
 from attnlab.files import read_json
 from attnlab.functional import simple_self_attention
-from attnlab.hf import PRETRAINED, read_pretrained_file
+from attnlab.formats.hf import PRETRAINED, read_pretrained_file
 from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint

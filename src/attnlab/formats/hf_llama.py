@@ -15,7 +15,7 @@ the MLP, whose gate and up projections attnlab runs as one matmul::
     model.layers.i.mlp.down_proj              -> trf_blocks.i.ff.layers.2
     model.norm, lm_head                       -> final_norm, out_head (or tied to tok_emb)
 
-Like :mod:`attnlab.hf`, this module holds formats only; :class:`attnlab.GPT` builds itself from
+Like :mod:`attnlab.formats.hf`, this module holds formats only; :class:`attnlab.GPT` builds itself from
 them (``GPT.from_hf_llama``, ``GPT.from_pretrained``, ``model.to_hf_llama_state_dict()``).
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnlab.hf import read_pretrained
+from attnlab.formats.hf import read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT, GPTConfig

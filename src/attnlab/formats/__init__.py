@@ -1,0 +1,9 @@
+"""The files that real models come in, read into (and written from) attnlab's :class:`~attnlab.GPT`.
+
+One module per format or family of weight layouts; each holds layouts and configuration mappings
+only, and :class:`attnlab.GPT` builds itself from what they return, so the model imports this
+package and never the other way round:
+
+- :mod:`attnlab.formats.hf`: Hugging Face GPT-2 (Conv1D layouts), the Hub download, local directories.
+- :mod:`attnlab.formats.hf_llama`: Hugging Face Llama-family weights (Llama, Mistral).
+"""
