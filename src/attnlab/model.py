@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import generation
-from attnlab.formats import hf, hf_llama
 from attnlab.attention import KVCache, MultiHeadAttention
 from attnlab.checks import (
     can_read_values,
@@ -53,6 +52,7 @@ from attnlab.checks import (
     positive_int,
 )
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
+from attnlab.formats import hf, hf_llama
 from attnlab.positions import check_rope_scaling
 
 __all__ = [

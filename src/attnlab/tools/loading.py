@@ -32,8 +32,8 @@ import torch
 
 from attnlab import attention
 from attnlab.files import read_json
-from attnlab.functional import simple_self_attention
 from attnlab.formats.hf import PRETRAINED, read_pretrained_file
+from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
