@@ -1,0 +1,126 @@
+"""Chat templates: an instruct model's conversation format, rendered as its authors wrote it.
+
+An instruct model was fine-tuned on conversations laid out in one exact text format (role markers,
+end-of-turn tokens); its files carry that format as a Jinja template: ``chat_template.jinja`` or the
+``chat_template`` key of ``tokenizer_config.json`` in a Hugging Face directory, the
+``tokenizer.chat_template`` metadata of a GGUF file. :class:`ChatTemplate` renders it the way
+transformers' ``apply_chat_template`` does (same Jinja options, same globals), inside jinja2's
+immutable sandbox: a template is code from a file the user handed us, so it may not reach Python
+attributes or change its inputs, and any error it raises comes out as one ``ValueError``.
+
+    template = ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    text = template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChatTemplate", "check_messages", "read_chat_template"]
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it refers to (``bos_token``, ``eos_token``).
+
+    ``source`` is the template's Jinja text; ``name`` says where it came from, for error messages."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "chat template") -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"{name} must be a non-empty Jinja template string, got {source!r:.60}")
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        # transformers' options: blocks eat their newline and leading spaces, {% break %} allowed.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"{name} does not compile: {e}") from None
+        self.source, self.name = source, name
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The conversation as the model's text; ``add_generation_prompt`` appends the opening of
+        the assistant's turn (what generation continues from). ``extra`` reaches the template as
+        variables (e.g. ``tools``, ``enable_thinking``)."""
+        messages = check_messages(messages)
+        from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=bool(add_generation_prompt),
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except SecurityError as e:
+            raise ValueError(f"{self.name} tried to leave the sandbox: {e}") from None
+        except TemplateError as e:
+            raise ValueError(f"{self.name} failed: {e}") from None
+        except (TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+            raise ValueError(f"{self.name} failed: {type(e).__name__}: {e}") from None
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or a ValueError/
+    TypeError naming the first one that is not."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {m.get(key)!r:.60}")
+        out.append(dict(m))
+    return out
+
+
+def read_chat_template(directory: str | os.PathLike[str]) -> str | None:
+    """The chat template of a Hugging Face model directory (``chat_template.jinja``, else the
+    ``chat_template`` of ``tokenizer_config.json``; a list of named templates gives ``default``),
+    or None when it has none."""
+    directory = Path(directory)
+    path = directory / TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    path = directory / TOKENIZER_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be a string, got {type(template).__name__}")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # transformers' tojson: no HTML escaping (a chat is not a web page), Unicode kept.
+    return json.dumps(value, indent=indent, ensure_ascii=False)
