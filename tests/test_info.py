@@ -55,6 +55,18 @@ def test_info_prints_versions_and_kernels(capsys):
     assert "SDPA kernels on cpu (float32): " + ", ".join(available_sdpa_kernels("cpu", torch.float32)) in out
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_info_prints_what_the_cpu_does_natively_and_what_auto_picks(native, capsys, monkeypatch):
+    from attnlab import hardware
+
+    monkeypatch.setattr(hardware, "bf16_native", lambda device="cpu": native)
+    assert main(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cpu: "))
+    want = "bfloat16" if native else "float32"
+    assert f", {hardware.cpu_capability()}, native bf16: {'yes' if native else 'no'} -> " in line
+    assert f"training --precision auto = {want} " in line and line.endswith(f"bf16 weights run in {want}")
+
+
 # --------------------------------------------------------------------------------------------
 # attnlab info --kv-memory
 # --------------------------------------------------------------------------------------------

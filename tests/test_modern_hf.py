@@ -364,3 +364,20 @@ def test_generate_cli_reads_a_llama_directory(tmp_path, tokenizer_files, capsys)
     with pytest.raises(SystemExit) as exc:  # one source or the other
         main([*argv, "--checkpoint", str(tmp_path)])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_weights_load_in_bf16_only_where_the_device_has_it_natively(
+    tmp_path, tokenizer_files, native, monkeypatch
+):
+    """load_pretrained's default dtype is attnlab.hardware's answer: an AVX2 CPU gets float32."""
+    from attnlab import hardware
+    from attnlab.tools.loading import load_pretrained
+
+    src = tokenizer_files[0].parent
+    tok = HFTokenizer(src / "tokenizer.json")
+    llama(3, vocab_size=tok.vocab_size).to(torch.bfloat16).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    monkeypatch.setattr(hardware, "bf16_native", lambda device="cpu": native)
+    assert load_pretrained(str(tmp_path)).model.dtype == (torch.bfloat16 if native else torch.float32)
+    assert load_pretrained(str(tmp_path), dtype=torch.float32).model.dtype == torch.float32

@@ -12,7 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
+from attnlab import hardware
 from attnlab.cli import main
 from attnlab.model import GPT, GPTConfig
 from attnlab.training import TrainConfig, Trainer
@@ -29,18 +31,50 @@ def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[l
         opt.step()
 
 
+class _NewtonSchulzIn(TorchFunctionMode):
+    """Runs torch.optim.Muon's own code with its one cast, ``grad.bfloat16()``, made a cast to
+    ``dtype``: the reference follows the dtype under test (it is torch's update otherwise)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.bfloat16:
+            return args[0].to(self.dtype)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(24, 8), (8, 24), (16, 16)])
-def test_muon_groups_step_as_torch_optim_muon(shape: tuple[int, int]) -> None:
+def test_muon_groups_step_as_torch_optim_muon(shape: tuple[int, int], ns_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     start = torch.randn(shape)
     grads = [[torch.randn(shape)] for _ in range(4)]
     mine, ref = start.clone().requires_grad_(), start.clone().requires_grad_()
     groups = [{"params": [mine], "use_muon": True, "lr": 0.02, "weight_decay": 0.1}]
-    _steps(MuonAdamW(groups, momentum=0.9), [mine], grads)
-    _steps(torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, momentum=0.9), [ref], grads)
+    _steps(MuonAdamW(groups, momentum=0.9, ns_dtype=ns_dtype), [mine], grads)
+    with _NewtonSchulzIn(ns_dtype):
+        _steps(torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, momentum=0.9), [ref], grads)
     assert not torch.equal(mine, start)
     torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_newton_schulz_runs_in_the_dtype_asked_and_by_default_in_the_fast_one(monkeypatch) -> None:
+    """float32 and bfloat16 iterations differ (so the dtype is really used), the float32 ones agree
+    with a float64 run, and the default asks attnlab.hardware."""
+    G = torch.randn(12, 20, generator=torch.Generator().manual_seed(3))
+    f64 = newton_schulz(G.double(), dtype=torch.float64)
+    f32, bf16 = newton_schulz(G, dtype=torch.float32), newton_schulz(G, dtype=torch.bfloat16)
+    assert f32.dtype == bf16.dtype == torch.float32
+    torch.testing.assert_close(f32.double(), f64, atol=1e-5, rtol=1e-4)
+    assert (bf16.double() - f64).abs().max() > 1e-3
+    for native, want in ((False, f32), (True, bf16)):
+        monkeypatch.setattr(hardware, "bf16_native", lambda device="cpu", native=native: native)
+        assert torch.equal(newton_schulz(G), want)
+    with pytest.raises(TypeError, match="ns_dtype"):
+        MuonAdamW([{"params": [torch.zeros(2, 2, requires_grad=True)], "use_muon": True, "lr": 0.1}], ns_dtype="bf16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -103,7 +137,7 @@ def test_trainer_with_muon_steps_as_the_optimizer_alone(tmp_path: Path) -> None:
     torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     groups = muon_param_groups(model, lr=trainer.cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
-    MuonAdamW(groups, betas=(cfg.beta1, cfg.beta2)).step()
+    MuonAdamW(groups, betas=(cfg.beta1, cfg.beta2), ns_dtype=torch.float32).step()  # --precision fp32
     assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [cfg.weight_decay, 0.0] != [0.0, 0.0]
     for (name, want), got in zip(model.state_dict().items(), trainer.raw_model.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)

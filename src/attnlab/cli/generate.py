@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="with --model: the weights' dtype (default: float32 on the CPU, the weights' own elsewhere)",
+        help="with --model: the weights' dtype (default: the weights' own half precision where the device has it "
+        "natively, else float32; `attnlab info` says which)",
     )
     parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
     parser.add_argument(

@@ -13,6 +13,7 @@ import platform
 
 import torch
 
+from attnlab import hardware
 from attnlab.model import GPTConfig
 from attnlab.tools.info import DTYPE_BYTES, available_sdpa_kernels, config_of, format_kv_memory, kv_memory_rows
 
@@ -70,6 +71,15 @@ def run(args: argparse.Namespace) -> int:
     )
     mps = getattr(torch.backends, "mps", None)
     print(f"MPS: {bool(mps and mps.is_available())}")
+    for device in (
+        ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["mps"] if mps and mps.is_available() else [])
+    ):
+        hw = hardware.describe(device)
+        print(
+            f"{device}: {hw.name}, {hw.capability}, native bf16: {'yes' if hw.bf16_native else 'no'} -> automatic "
+            f"choices: training --precision auto = {_name(hardware.training_dtype('auto', device))} (autocast and "
+            f"Muon's Newton-Schulz), bf16 weights run in {_name(hardware.inference_dtype(device, torch.bfloat16))}"
+        )
     devices = [("cpu", torch.float32)]
     if torch.cuda.is_available():
         devices += [("cuda", torch.float32), ("cuda", torch.bfloat16)]
@@ -79,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
         kernels = available_sdpa_kernels(device, dtype)
         print(f"SDPA kernels on {device} ({str(dtype).removeprefix('torch.')}): {', '.join(kernels) or 'none'}")
     return 0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _kv_memory(args: argparse.Namespace) -> int:

@@ -169,8 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--precision",
         choices=PRECISIONS,
-        help="the forward pass's dtype: bf16 autocast, fp32, or auto = bf16 where the hardware has bf16 matmuls "
-        "(CUDA, CPUs with AVX512-BF16/AMX), else fp32 (default: auto)",
+        help="every compute dtype of a step (the forward's autocast, Muon's Newton-Schulz): bf16, fp32, or "
+        "auto = bf16 where the hardware has native bf16 matmuls (CUDA, CPUs with AVX512-BF16/AMX), else fp32 "
+        "(default: auto; `attnlab info` says what yours picks)",
     )
     g.add_argument(
         "--compile",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from attnlab.checks import finite_real, is_bool, is_int, is_real
+from attnlab.hardware import PRECISIONS
 from attnlab.model import GPTConfig
 
 __all__ = [
@@ -84,7 +85,7 @@ class TrainConfig:
     out: str = "runs/attnlab"
     resume: bool = False
     device: str = "auto"
-    precision: str = "auto"  # auto | fp32 | bf16: autocast of the forward pass (see autocast_dtype)
+    precision: str = "auto"  # auto | fp32 | bf16: every compute dtype of a step (attnlab.hardware.training_dtype)
     compile: bool = False
     sample_tokens: int = 200
     sample_prompt: str = "The "
@@ -235,7 +236,6 @@ TINY_LR = 2e-3
 
 
 OPTIMIZERS = ("adamw", "muon")
-PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def default_lr(emb_dim: int) -> float:

@@ -4,9 +4,13 @@ Muon (Keller Jordan et al. 2024, the optimizer of the modded-nanogpt speedruns) 
 momentum-averaged gradient and replaces it by the nearest semi-orthogonal matrix (every singular
 value set to one) before the step: all directions of the matrix move at the same rate, instead of
 the few directions that dominate the raw gradient. The orthogonalisation is five iterations of a
-quintic Newton-Schulz polynomial, which runs in bfloat16 (it needs only the singular values pushed
-near one, not exactly there). It is defined for matrices only, so embeddings, the output head and
-the gains and biases (LayerNorm, bias vectors) keep AdamW: :func:`muon_param_groups` makes the split.
+quintic Newton-Schulz polynomial. It needs only the singular values pushed near one, not exactly
+there, so it runs in bfloat16 where the hardware multiplies bf16 natively, as ``torch.optim.Muon``
+always does; elsewhere (an AVX2-only CPU) bf16 is emulated and 20x slower, so it runs in float32
+(:func:`attnlab.hardware.fast_dtype`; the trainer passes ``--precision``'s dtype).
+
+Muon is defined for matrices only, so embeddings, the output head and the gains and biases
+(LayerNorm, bias vectors) keep AdamW: :func:`muon_param_groups` makes the split.
 
 The update of a Muon matrix ``W`` (rows x cols), with momentum ``mu`` and Nesterov's look-ahead,
 is what ``torch.optim.Muon`` does (same names, same scale):
@@ -28,16 +32,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab import hardware
+
 __all__ = ["MuonAdamW", "muon_param_groups", "newton_schulz"]
 
 # The quintic's coefficients, tuned to push singular values in (0, 1] towards 1 fastest.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """An approximation of ``U @ V.T`` for ``G = U S V.T`` (shape of ``G``, bfloat16 inside)."""
+def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: torch.dtype | None = None) -> Tensor:
+    """An approximation of ``U @ V.T`` for ``G = U S V.T`` (shape and dtype of ``G``), computed in
+    ``dtype`` (default: bfloat16 where ``G``'s device has it natively, else float32)."""
     a, b, c = NS_COEFFICIENTS
-    X = G.bfloat16()
+    X = G.to(hardware.fast_dtype(G.device) if dtype is None else dtype)
     tall = G.size(0) > G.size(1)
     if tall:  # iterate on the smaller Gram matrix
         X = X.T
@@ -71,6 +78,9 @@ class MuonAdamW(torch.optim.Optimizer):
     moments) on the others. Every group's ``lr`` is its own, and ``initial_lr`` keeps its peak:
     a schedule sets ``lr = initial_lr * factor`` (as the trainer does, and torch's LR schedulers).
 
+    ``ns_dtype`` is the dtype of the Newton-Schulz iterations (default: bfloat16 where the
+    parameter's device has it natively, else float32); it is a setting of the run, not state.
+
     State per parameter: ``step`` (a float scalar tensor, as torch's Adam keeps it) and
     ``momentum_buffer`` (Muon) or ``exp_avg`` and ``exp_avg_sq`` (AdamW).
     """
@@ -83,7 +93,11 @@ class MuonAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         momentum: float = 0.95,
         ns_steps: int = 5,
+        ns_dtype: torch.dtype | None = None,
     ) -> None:
+        if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+            raise TypeError(f"ns_dtype must be a floating torch.dtype or None, got {ns_dtype!r}")
+        self.ns_dtype = ns_dtype
         groups = list(params)
         for i, g in enumerate(groups):
             if not isinstance(g, dict) or "use_muon" not in g or "lr" not in g:
@@ -112,16 +126,18 @@ class MuonAdamW(torch.optim.Optimizer):
                         state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 if g["use_muon"]:
-                    self._muon(p, state, lr, wd, g["momentum"], g["ns_steps"])
+                    self._muon(p, state, lr, wd, g["momentum"], g["ns_steps"], self.ns_dtype)
                 else:
                     self._adamw(p, state, lr, wd, g["betas"], g["eps"])
         return loss
 
     @staticmethod
-    def _muon(p: Tensor, state: dict, lr: float, wd: float, momentum: float, ns_steps: int) -> None:
+    def _muon(
+        p: Tensor, state: dict, lr: float, wd: float, momentum: float, ns_steps: int, ns_dtype: torch.dtype | None
+    ) -> None:
         buf = state["momentum_buffer"]
         buf.lerp_(p.grad, 1 - momentum)
-        update = newton_schulz(p.grad.lerp(buf, momentum), ns_steps)  # Nesterov: look one step ahead
+        update = newton_schulz(p.grad.lerp(buf, momentum), ns_steps, dtype=ns_dtype)  # Nesterov: look one step ahead
         step = _step_size(lr * max(1.0, p.size(0) / p.size(1)) ** 0.5, p)
         p.mul_(1 - lr * wd)
         p.add_(update, alpha=-step)

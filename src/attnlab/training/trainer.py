@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from attnlab import data  # the module: its functions are looked up when called (tests replace some)
+from attnlab import data, hardware  # data: the module: its functions are looked up when called (tests replace some)
 from attnlab.checks import is_int, is_real, resolve_device
 from attnlab.errors import UserError
 from attnlab.files import atomic_open, open_regular, sha256_file
@@ -178,18 +178,12 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype the forward pass autocasts to (None: float32 throughout). ``auto`` is bf16 where
-    the hardware has bf16 matmuls: CUDA devices that support it, and CPUs whose oneDNN reports
-    native bf16 (AVX512-BF16 or AMX; a 2-core AMX machine ran the ``tiny`` step in 0.7x the time
-    at the same loss per step, see benchmarks/recipe.py). Elsewhere bf16 would be emulated, slower."""
-    if precision != "auto":
-        return torch.bfloat16 if precision == "bf16" else None
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    if device.type != "cpu":
-        return None
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # no public query exists
-    return torch.bfloat16 if native is not None and native() else None
+    """The dtype the forward pass autocasts to (None: float32 throughout): ``--precision``'s
+    dtype (:func:`attnlab.hardware.training_dtype`; ``auto`` is bf16 where the device has native
+    bf16 matmuls: a 2-core AMX machine ran the ``tiny`` step in 0.7x the time at the same loss per
+    step, see benchmarks/recipe.py; elsewhere bf16 is emulated, 20x slower)."""
+    dtype = hardware.training_dtype(precision, device)
+    return None if dtype == torch.float32 else dtype
 
 
 def _is_main_thread() -> bool:
@@ -308,7 +302,7 @@ class Trainer:
         betas = (cfg.beta1, cfg.beta2)
         if cfg.optimizer == "muon":
             groups = muon_param_groups(self.raw_model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
-            return MuonAdamW(groups, betas=betas)
+            return MuonAdamW(groups, betas=betas, ns_dtype=hardware.training_dtype(cfg.precision, self.device))
         return self.raw_model.configure_optimizer(weight_decay=cfg.weight_decay, lr=cfg.lr, betas=betas)
 
     def _init_distributed(self) -> None:
@@ -695,6 +689,7 @@ class Trainer:
         """One line on what this run is; a note when there is nothing left to train."""
         cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.model_config.context_length
         what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
+        self.log(f"recipe: {self.recipe()}")
         self.log(
             f"attnlab train: {what}; GPT {cfg.preset} {n_params / 1e6:.2f}M parameters, "
             f"context {T}, tokenizer {self.tokenizer.name} "
@@ -709,6 +704,18 @@ class Trainer:
                 f"already at step {self.step}, at or past --max-steps {cfg.max_steps}: nothing to train "
                 "(raise --max-steps to continue)"
             )
+
+    def recipe(self) -> str:
+        """The optimizer and the compute dtype this run uses, and why that dtype, e.g. "Muon +
+        AdamW, float32: this CPU has no native bf16 (AVX2)"."""
+        cfg = self.cfg
+        optimizer = "Muon (blocks' matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
+        dtype = hardware.training_dtype(cfg.precision, self.device)
+        how = "bf16 autocast" + (" and bf16 Newton-Schulz" if cfg.optimizer == "muon" else "")
+        how = how if dtype == torch.bfloat16 else "float32"
+        if cfg.precision != "auto":
+            return f"{optimizer}, {how}: --precision {cfg.precision}"
+        return f"{optimizer}, {how}: {hardware.describe(self.device).why}"
 
     def _progress_bar(self) -> Any:
         """A tqdm bar on rank 0 with ``--progress`` and steps to go; None otherwise, or without tqdm."""

@@ -1,0 +1,142 @@
+"""Is this dtype fast on this device? The one place attnlab asks, and every automatic choice follows.
+
+bfloat16 halves the bytes of every tensor, and where the hardware multiplies it natively (CUDA from
+Ampere on, CPUs with AVX512-BF16 or AMX, Arm CPUs with the BF16 extension, Apple GPUs on macOS 14+)
+it is also faster. Elsewhere it is emulated: on an AVX2-only CPU (most laptops and desktops, AMD
+before Zen 4, many cloud machines) a bf16 matmul is 20-200x slower than the float32 one. So attnlab
+never picks bf16 by itself without asking :func:`bf16_native`:
+
+- the training forward pass's autocast (``attnlab train --precision auto``);
+- Muon's Newton-Schulz orthogonalisation (:class:`attnlab.training.optim.MuonAdamW`);
+- the dtype a published model is loaded in for inference (:func:`inference_dtype`);
+- the benchmarks' dtype rows.
+
+The CPU's answer is oneDNN's (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, for x86 and Arm
+alike): it is what runs the matmuls, and it honours ``ONEDNN_MAX_CPU_ISA`` (a machine told to
+behave as AVX2 answers as one). :func:`describe` says what a device does, for ``attnlab info``,
+the trainer's first line and the benchmarks' headers.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PRECISIONS",
+    "Hardware",
+    "bf16_native",
+    "cpu_capability",
+    "describe",
+    "fast_dtype",
+    "inference_dtype",
+    "training_dtype",
+]
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device does natively.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"``, ``"mps"``.
+        name: the processor, e.g. ``"AMD EPYC"`` or ``"NVIDIA H100 80GB HBM3"``.
+        capability: the CPU's vector unit as the kernels see it (``"AVX2"``, ``"AVX512"``,
+            ``"AVX512-BF16"``, ``"AMX"``, ``"SVE256"``, ...), or the GPU's (``"sm_90"``, ``"MPS"``).
+        bf16_native: whether bfloat16 matmuls run in hardware here.
+    """
+
+    device: str
+    name: str
+    capability: str
+    bf16_native: bool
+
+    @property
+    def why(self) -> str:
+        """One phrase: e.g. ``"this CPU has no native bf16 (AVX2)"``."""
+        what = "this CPU" if self.device == "cpu" else f"this {self.device.upper()} device"
+        has = "has native bf16" if self.bf16_native else "has no native bf16"
+        return f"{what} {has} ({self.capability})"
+
+
+def bf16_native(device: torch.device | str = "cpu") -> bool:
+    """True where bfloat16 matmuls run in hardware on ``device`` (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return bool(mps and mps.is_available() and mps.is_macos_or_newer(14, 0))
+    if device.type == "cpu":
+        native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # no public query exists
+        return bool(native is not None and native())
+    return False
+
+
+def fast_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bfloat16 where :func:`bf16_native`, else float32: the dtype an ``auto`` setting picks."""
+    return torch.bfloat16 if bf16_native(device) else torch.float32
+
+
+def training_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """The compute dtype of a training step under ``--precision`` (``auto``: :func:`fast_dtype`).
+
+    The forward pass autocasts to it and Muon's Newton-Schulz runs in it; ``fp32`` means float32
+    everywhere, with no bfloat16 tensor made anywhere in a step."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        return fast_dtype(device)
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def inference_dtype(device: torch.device | str, stored: torch.dtype) -> torch.dtype:
+    """The dtype a published model with weights stored in ``stored`` runs in on ``device`` by
+    default: half precision as stored where the device computes it natively (bf16 per
+    :func:`bf16_native`, fp16 on GPUs), else float32 (exact, and fast everywhere)."""
+    device = torch.device(device)
+    if stored == torch.bfloat16 and bf16_native(device):
+        return torch.bfloat16
+    if stored == torch.float16 and device.type in ("cuda", "mps"):
+        return torch.float16
+    return torch.float64 if stored == torch.float64 else torch.float32
+
+
+def describe(device: torch.device | str = "cpu") -> Hardware:
+    """What ``device`` is and whether it has native bf16 (for headers and ``attnlab info``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return Hardware("cuda", torch.cuda.get_device_name(device), f"sm_{major}{minor}", bf16_native(device))
+    if device.type == "mps":
+        return Hardware("mps", platform.processor() or "Apple GPU", "MPS", bf16_native(device))
+    return Hardware("cpu", _cpu_name(), cpu_capability(), bf16_native(device))
+
+
+def cpu_capability() -> str:
+    """The CPU's vector unit as torch's kernels use it: ATen's ``get_cpu_capability()`` (``AVX2``,
+    ``AVX512``, ``SVE256``, ``DEFAULT``, ...), refined to ``AMX`` or ``AVX512-BF16`` where oneDNN
+    also reports native bf16 (the units that make bf16 fast)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512" and bf16_native("cpu"):
+        cpu = torch.cpu
+        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+            return "AMX"
+        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+            return "AVX512-BF16"
+    return cap
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"

@@ -1,0 +1,130 @@
+"""attnlab.hardware, the one answer to "is this dtype fast on this device?", and the automatic
+choices that follow it: every op of a training step recorded in its dtype (a TorchDispatchMode)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnlab import hardware
+from attnlab.training import TrainConfig, Trainer
+
+SMALL = dict(context_length=16, batch_size=4, eval_batches=1, sample_tokens=0, progress=False, device="cpu")
+
+
+class _Dtypes(TorchDispatchMode):
+    """Every dtype an op takes or makes, with the first op that made each (for the message)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[torch.dtype, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                self.seen.setdefault(t.dtype, str(func))
+        return out
+
+
+def _native(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr(hardware, "bf16_native", lambda device="cpu": native)
+
+
+def _dtypes_of_a_step(tmp_path: Path, **settings) -> dict[torch.dtype, str]:
+    trainer = Trainer(TrainConfig(out=str(tmp_path), max_steps=2, warmup_steps=0, **SMALL, **settings))
+    trainer._train_step()  # the first step: the optimizer's state is made here
+    with _Dtypes() as mode:
+        trainer._train_step()  # forward, backward, clipping, the optimizer (Newton-Schulz for Muon)
+    trainer.close()
+    return mode.seen
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_precision_fp32_makes_no_bfloat16_tensor_in_a_step(tmp_path: Path, optimizer: str, monkeypatch) -> None:
+    _native(monkeypatch, True)  # even where bf16 would be native and fast
+    seen = _dtypes_of_a_step(tmp_path, optimizer=optimizer, precision="fp32")
+    assert torch.float32 in seen and torch.bfloat16 not in seen, seen.get(torch.bfloat16)
+
+
+def test_auto_is_float32_throughout_without_native_bf16_and_bf16_with_it(tmp_path: Path, monkeypatch) -> None:
+    """The same run: no bfloat16 op when the hardware says it has none; with native bf16 both the
+    forward (autocast) and Muon's Newton-Schulz run in bf16 (so the recording can fail)."""
+    _native(monkeypatch, False)
+    seen = _dtypes_of_a_step(tmp_path / "avx2", optimizer="muon", precision="auto")
+    assert torch.bfloat16 not in seen, seen.get(torch.bfloat16)
+    _native(monkeypatch, True)
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "amx"), max_steps=1, optimizer="muon", **SMALL))
+    assert trainer.optimizer.ns_dtype == torch.bfloat16 and trainer.autocast().fast_dtype == torch.bfloat16
+    trainer.close()
+    assert torch.bfloat16 in _dtypes_of_a_step(tmp_path / "native", optimizer="muon", precision="auto")
+
+
+def test_the_first_line_names_the_recipe_and_why(tmp_path: Path, monkeypatch) -> None:
+    lines: list[str] = []
+    _native(monkeypatch, False)
+    Trainer(TrainConfig(out=str(tmp_path / "a"), max_steps=1, **SMALL), log=lines.append).fit(sample=False)
+    assert lines[0] == (
+        f"recipe: Muon (blocks' matrices) + AdamW, float32: this CPU has no native bf16 "
+        f"({torch.backends.cpu.get_cpu_capability()})"
+    )
+    _native(monkeypatch, True)
+    lines.clear()
+    Trainer(TrainConfig(out=str(tmp_path / "b"), max_steps=1, **SMALL), log=lines.append).fit(sample=False)
+    assert lines[0].startswith("recipe: Muon (blocks' matrices) + AdamW, bf16 autocast and bf16 Newton-Schulz: ")
+    assert lines[0].endswith(f"has native bf16 ({hardware.cpu_capability()})")
+    lines.clear()
+    cfg = TrainConfig(out=str(tmp_path / "c"), max_steps=1, optimizer="adamw", precision="fp32", **SMALL)
+    Trainer(cfg, log=lines.append).fit(sample=False)
+    assert lines[0] == "recipe: AdamW, float32: --precision fp32"
+
+
+def test_training_dtype_follows_precision_and_the_hardware(monkeypatch) -> None:
+    for native in (False, True):
+        _native(monkeypatch, native)
+        assert hardware.training_dtype("fp32", "cpu") == torch.float32
+        assert hardware.training_dtype("bf16", "cpu") == torch.bfloat16
+        assert hardware.training_dtype("auto", "cpu") == hardware.fast_dtype("cpu")
+        assert hardware.fast_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16, got 'fp8'"):
+        hardware.training_dtype("fp8", "cpu")
+
+
+def test_inference_dtype_keeps_half_precision_only_where_it_is_native(monkeypatch) -> None:
+    _native(monkeypatch, False)
+    assert hardware.inference_dtype("cpu", torch.bfloat16) == torch.float32
+    assert hardware.inference_dtype("cpu", torch.float16) == torch.float32
+    assert hardware.inference_dtype("cpu", torch.float32) == torch.float32
+    assert hardware.inference_dtype("cpu", torch.float64) == torch.float64
+    _native(monkeypatch, True)
+    assert hardware.inference_dtype("cpu", torch.bfloat16) == torch.bfloat16
+    assert hardware.inference_dtype("cpu", torch.float16) == torch.float32  # no native fp16 matmul on CPUs
+
+
+def test_describe_reports_what_the_kernels_see() -> None:
+    """The capability is ATen's own (refined only where oneDNN also reports native bf16), and the
+    bf16 answer is oneDNN's."""
+    hw = hardware.describe("cpu")
+    aten = torch.backends.cpu.get_cpu_capability()
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert hw.device == "cpu" and hw.bf16_native == native and hw.name
+    assert hw.capability == aten or (native and aten == "AVX512" and hw.capability in ("AMX", "AVX512-BF16"))
+    assert hw.why == f"this CPU {'has' if native else 'has no'} native bf16 ({hw.capability})"
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86 CPU class")
+def test_a_cpu_told_to_behave_as_avx2_says_it_has_no_native_bf16(subprocess_env) -> None:
+    """oneDNN honours ONEDNN_MAX_CPU_ISA: the machine then answers as an AVX2-only CPU would (this
+    is how the benchmarks measure that class on a newer CPU)."""
+    env = {**subprocess_env, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    code = "from attnlab import hardware; print(hardware.describe('cpu').why)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "this CPU has no native bf16 (AVX2)"
