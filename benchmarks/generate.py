@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.formats.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     gen_tps = {n: args.new / (timings[n].median_ms / 1e3) for n in gens}
     train_tps = {n: args.batch * args.seq / (timings[n].median_ms / 1e3) for n in trains}
 
+    print(hardware.header(device))
     print(
         f"attnlab GPT: {cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, vocab {cfg.vocab_size}, "
         f"context {cfg.context_length}; {ours.num_parameters():,} parameters"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.interpret import (
     all_head_scores,
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "browser": browser,
     }
+    print(hardware.header("cpu"))
     s = result["seconds"]
     print(
         f"{result['model']}, {args.tokens} tokens, {args.generate} generated; load average "

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.tools.bench import load_average, require_plotting
 
@@ -44,8 +45,12 @@ CANDIDATES: dict[str, tuple[list[str], str]] = {
         "Muon + bf16 autocast, no weight decay",
     ),
     "default": (
-        ["--optimizer", "muon", "--precision", "bf16", "--weight-decay", "0.1"],
-        "Muon + bf16 autocast + weight decay 0.1 on Muon's matrices: the default",
+        ["--optimizer", "muon", "--precision", "auto", "--weight-decay", "0.1"],
+        "the default: Muon + weight decay 0.1 on Muon's matrices, bf16 where this machine has it natively",
+    ),
+    "muon+fp32": (
+        ["--optimizer", "muon", "--precision", "fp32", "--weight-decay", "0.1"],
+        "the default's optimizer in float32 (what auto picks without native bf16)",
     ),
     "modern": (
         ["--optimizer", "muon", "--precision", "bf16", "--weight-decay", "0", "--preset", "modern"],
@@ -149,6 +154,7 @@ def summarize(runs: dict, steps: dict, a: argparse.Namespace, load: list[float])
 
 def print_report(result: dict) -> None:
     rows = result["candidates"]
+    print(f"\n{hardware.header('cpu')}")
     print(f"\n{result['data']} ({result['tokenizer']}), budget {result['budget_s']:g} s, {result['seeds']} seeds")
     print("| recipe | flags | steps | training time | validation loss (mean ± sd) | runs |")
     print("|---|---|---:|---:|---:|---|")

@@ -52,6 +52,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer, GPT2Tokenizer
@@ -300,6 +301,7 @@ def main() -> None:
         },
         "results": results,
     }
+    print(hardware.header("cpu"))
     print(
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, server threads: {results[0]['server_threads']}, "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"

@@ -36,6 +36,7 @@ import tempfile
 
 import torch
 
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.tools.bench import interleave, load_average, model_flops_per_step, paired_ratio
 from attnlab.training import TrainConfig, Trainer
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
 def report(r: dict) -> str:
     f = r["flops_per_step"]
     lines = [
+        hardware.header(r["device"]),
         f"attnlab training step: preset {r['preset']}, batch {r['batch_size']} x {r['context_length']} tokens, "
         f"{r['device']}, {r['threads']} thread(s){', compiled' if r['compile'] else ''}"
         + (f", load average {r['load_average']:.1f}" if r["load_average"] is not None else ""),

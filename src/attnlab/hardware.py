@@ -31,6 +31,7 @@ __all__ = [
     "cpu_capability",
     "describe",
     "fast_dtype",
+    "header",
     "inference_dtype",
     "training_dtype",
 ]
@@ -115,6 +116,16 @@ def describe(device: torch.device | str = "cpu") -> Hardware:
     if device.type == "mps":
         return Hardware("mps", platform.processor() or "Apple GPU", "MPS", bf16_native(device))
     return Hardware("cpu", _cpu_name(), cpu_capability(), bf16_native(device))
+
+
+def header(device: torch.device | str = "cpu") -> str:
+    """The line a benchmark starts with: where it ran, e.g. ``"cpu: AMD EPYC, AVX2, native bf16: no;
+    torch 2.13.0, 2 threads"`` (figures from different CPU classes are not comparable)."""
+    hw = describe(device)
+    return (
+        f"{hw.device}: {hw.name}, {hw.capability}, native bf16: {'yes' if hw.bf16_native else 'no'}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
 
 
 def cpu_capability() -> str:

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from attnlab import hardware
 from attnlab.checks import non_negative_int, positive_int
 from attnlab.tools.bench.registry import build_module
 
@@ -84,6 +85,7 @@ def machine() -> dict[str, object]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "load_average_start": load_average(),
+        "hardware": hardware.header("cpu"),
     }
 
 

@@ -180,7 +180,8 @@ def format_markdown(result: Mapping, plots: list[str]) -> str:
         "",
         f"{m['date']}, {'quick' if cfg['is_quick'] else 'full'} run, {result['seconds']:.0f} s. torch {m['torch']}, "
         f"{m['torch_threads']} thread(s) on {m['cpus']} CPUs ({m['processor']}), Python {m['python']}, "
-        f"{m['platform']}. Load average {m['load_average_start'] or 0:.1f} at the start, "
+        f"{m['platform']}; {m.get('hardware', 'CPU class not recorded')}. "
+        f"Load average {m['load_average_start'] or 0:.1f} at the start, "
         f"{m['load_average_end'] or 0:.1f} at the end (other processes competing for the cores slow every figure; "
         "competitors are interleaved so they share it).",
         "",
