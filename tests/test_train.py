@@ -97,7 +97,7 @@ def test_help_explains_every_flag(capsys) -> None:
         "--data", "--tokenizer", "--bpe-dir", "--preset", "--context-length", "--batch-size", "--max-steps",
         "--lr", "--eval-every", "--checkpoint-every", "--seed", "--out", "--resume", "--device", "--grad-accum",
         "--warmup-steps", "--weight-decay", "--grad-clip", "--compile", "--eval-batches", "--sample-tokens",
-        "--malloc-tuning",
+        "--malloc-tuning", "--max-time", "--precision", "--optimizer",
     ):  # fmt: skip
         assert flag in text, flag
     assert "global" in text and "130" in text  # the batch-size convention and the exit codes
@@ -296,6 +296,7 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
         "unknown tokenizer": (["--tokenizer", "wordpiece"], "wordpiece"),
         "bad batch": (["--batch-size", "6", "--grad-accum", "4"], "--batch-size"),
         "bad lr": (["--lr", "-1"], "--lr"),
+        "bad max time": (["--max-time", "nan"], "--max-time"),
         "existing checkpoint": (["--out", str(finished_run)], "--resume"),
         "truncated weights": (
             ["--out", str(_damaged(finished_run, tmp_path, "truncated-weights")), "--resume"],
@@ -327,6 +328,42 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
         assert len(lines) == 1, (name, err)
         assert lines[0].startswith("attnlab train: error:") and cases[name][1] in lines[0], (name, err)
         assert "Traceback" not in err
+
+
+def test_max_time_plans_the_steps_that_fit_and_the_run_keeps_them(tmp_path: Path, one_thread) -> None:
+    """A budget the first PLAN_STEPS steps already spent: the run plans one more step, ends there
+    with a final evaluation, its learning rate at the schedule's end, and its checkpoint records the
+    planned max_steps (a resumed run keeps it and has nothing left)."""
+    from attnlab.training.config import PLAN_STEPS
+
+    logs: list[str] = []
+    cfg = TrainConfig(out=str(tmp_path), max_steps=500, max_time=1e-3, warmup_steps=30, **ON_CPU)
+    result = Trainer(cfg, log=logs.append).fit(sample=False)
+    planned = PLAN_STEPS + 1
+    assert len(result.history) == planned and "val_loss" in result.history[-1]
+    assert any(line.startswith(f"planned {planned} steps: 500 do not fit in --max-time 0.001 s") for line in logs)
+    assert result.history[-1]["lr"] == pytest.approx(
+        lr_at(planned - 1, lr=2e-3, warmup_steps=30, max_steps=planned, min_lr_ratio=0.1)
+    )
+    assert load_checkpoint(tmp_path, load_optimizer=False).metadata["train_config"]["max_steps"] == planned
+    again = Trainer(TrainConfig(out=str(tmp_path), resume=True), log=logs.append).fit(sample=False)
+    assert again.history == [] and "nothing to train" in logs[-1]
+    roomy = TrainConfig(out=str(tmp_path / "roomy"), max_steps=PLAN_STEPS + 3, max_time=1e6, **ON_CPU)
+    assert len(Trainer(roomy).fit(sample=False).history) == PLAN_STEPS + 3  # fits: unchanged
+
+
+def test_only_a_bare_run_gets_the_default_time_budget(tmp_path: Path) -> None:
+    from attnlab.training.config import DEFAULT_MAX_TIME
+
+    def budget(given, **settings):
+        trainer = Trainer(TrainConfig(out=str(tmp_path / str(len(list(tmp_path.iterdir())))), **settings), given=given)
+        trainer.close()
+        return trainer.cfg.max_time
+
+    assert budget(set()) == budget({"data", "preset"}) == DEFAULT_MAX_TIME
+    assert budget({"max_steps"}, max_steps=5) is None  # steps asked for are steps trained
+    assert budget({"max_time"}, max_time=7.0) == 7.0
+    assert budget(None) is None  # a TrainConfig built in Python is taken as it is
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,7 +839,7 @@ def test_an_allocator_refusal_during_training_is_one_line_naming_the_flags(tmp_p
     )
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("attnlab train: error: ran out of memory on cpu") and "--batch-size" in lines[-1]
-    assert len(lines) == 2  # the run's start line, then the error
+    assert len(lines) == 3  # the recipe and the run's start lines, then the error
     # The lock went with the failed run.
     Trainer(TrainConfig(out=str(out), max_steps=1, **ON_CPU)).close()
 

@@ -23,7 +23,7 @@ import torch
 
 from attnlab.files import safe_write
 from attnlab.training.allocator import tune_cpu_allocator
-from attnlab.training.config import OPTIMIZERS, PRECISIONS, TINY_LR, TrainConfig
+from attnlab.training.config import DEFAULT_MAX_TIME, OPTIMIZERS, PLAN_STEPS, PRECISIONS, TINY_LR, TrainConfig
 from attnlab.training.trainer import SAMPLE_SETTINGS, Trainer
 
 _D = TrainConfig()
@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"split each batch into K micro-batches, accumulating gradients (default: {_D.grad_accum})",
     )
     g.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train for (default: {_D.max_steps})")
+    g.add_argument(
+        "--max-time",
+        type=float,
+        metavar="SECONDS",
+        help=f"plan the run to fit SECONDS of training steps: after {PLAN_STEPS} steps, --max-steps is lowered to "
+        "the steps that fit at the measured rate, and the learning rate decays over them (default: none; a bare "
+        f"`attnlab train`, with neither flag, plans for {DEFAULT_MAX_TIME:g} s so that slower CPUs finish in time)",
+    )
     g.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,

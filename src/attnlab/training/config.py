@@ -24,8 +24,10 @@ from attnlab.hardware import PRECISIONS
 from attnlab.model import GPTConfig
 
 __all__ = [
+    "DEFAULT_MAX_TIME",
     "INT_LIMIT",
     "OPTIMIZERS",
+    "PLAN_STEPS",
     "PRECISIONS",
     "SEED_LIMIT",
     "TINY_LR",
@@ -67,6 +69,9 @@ class TrainConfig:
     batch_size: int = 32  # global rows per optimizer step (over all processes and micro-steps)
     grad_accum: int = 1
     max_steps: int = 800
+    # Seconds of training steps to plan for: after PLAN_STEPS steps, max_steps is lowered to the
+    # steps that fit at the measured rate (a bare `attnlab train` gets DEFAULT_MAX_TIME).
+    max_time: float | None = None
     optimizer: str = "muon"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
     lr: float | None = None  # None: see default_lr(); with muon, the lr of the AdamW part
     muon_lr: float = 0.02  # peak lr of Muon's matrices (optimizer muon)
@@ -110,6 +115,8 @@ class TrainConfig:
         for name, limit in (("warmup_steps", INT_LIMIT), ("sample_tokens", 2**31 - 1)):  # as generate's limit
             if getattr(self, name) > limit:
                 raise ValueError(f"{_flag(name)} must be at most {limit:,}, got {getattr(self, name)!r}")
+        if self.max_time is not None and not (finite_real(self.max_time) and self.max_time > 0):
+            raise ValueError(f"--max-time must be a positive number of seconds, got {self.max_time!r}")
         if self.lr is not None and not (finite_real(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
         if not (finite_real(self.muon_lr) and self.muon_lr > 0):
@@ -236,6 +243,13 @@ TINY_LR = 2e-3
 
 
 OPTIMIZERS = ("adamw", "muon")
+
+# The bare `attnlab train`: its 800 steps, or as many as fit in this many seconds of steps (with its
+# evaluations, start and sample, about 220 s on a 2-core CPU without native bf16, the slowest class).
+DEFAULT_MAX_TIME = 180.0
+# --max-time plans after this many steps: inside the warm-up, whose learning rates do not depend
+# on max_steps, so the schedule is the one a run of the planned length would have had.
+PLAN_STEPS = 20
 
 
 def default_lr(emb_dim: int) -> float:

@@ -64,7 +64,7 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
+from attnlab.training.config import DEFAULT_MAX_TIME, PLAN_STEPS, TrainConfig, absolute_path, default_lr, lr_at
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory
 from attnlab.training.optim import MuonAdamW, muon_param_groups
@@ -256,7 +256,10 @@ class Trainer:
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
         paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
-        return TrainConfig.from_dict(config.to_dict() | paths)
+        config = TrainConfig.from_dict(config.to_dict() | paths)
+        if given is not None and self._saved_meta is None and not {"max_steps", "max_time"} & set(given):
+            config.max_time = DEFAULT_MAX_TIME  # the bare run: 800 steps, fewer where they do not fit
+        return config
 
     def close(self) -> None:
         """Release the lock on ``out`` and destroy the process group this trainer created."""
@@ -644,6 +647,11 @@ class Trainer:
                 while self.step < cfg.max_steps:
                     rec = self._step(write)
                     history.append(rec)
+                    if len(history) == PLAN_STEPS and cfg.max_time is not None:
+                        self._plan_steps(history, write)
+                        if bar is not None:
+                            bar.total = cfg.max_steps
+                            bar.refresh()
                     if d.is_main:
                         self.metrics.append(rec)
                     if bar is not None:
@@ -684,6 +692,27 @@ class Trainer:
             self.last_val_loss = rec["val_loss"] = self.evaluate()
             write(f"step {self.step}: train loss {loss:.4f}, val loss {rec['val_loss']:.4f}")
         return rec
+
+    def _plan_steps(self, history: list[dict[str, Any]], write: Callable[[str], None]) -> None:
+        """``--max-time``: lower ``max_steps`` to the steps that fit the budget at the median step
+        time so far (the first two steps, slower, left out), agreed on by all ranks. It runs inside
+        the warm-up, so the learning rates already taken are the planned run's; the checkpoints
+        record the planned ``max_steps``, and a resumed run keeps it."""
+        cfg = self.cfg
+        times = sorted(self.tokens_per_step / r["tokens_per_s"] for r in history[2:])  # seconds per step
+        per_step = times[len(times) // 2]
+        spent = sum(self.tokens_per_step / r["tokens_per_s"] for r in history)
+        fit = self.step + max(1, int((cfg.max_time - spent) / per_step))
+        if self.dist.enabled:
+            t = torch.tensor([fit], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            fit = int(t.item())
+        if fit < cfg.max_steps:
+            write(
+                f"planned {fit} steps: {cfg.max_steps} do not fit in --max-time {cfg.max_time:g} s at "
+                f"{per_step * 1e3:.0f} ms per step (the median of steps {self.step - len(history) + 3}-{self.step})"
+            )
+            cfg.max_steps = fit
 
     def _log_start(self) -> None:
         """One line on what this run is; a note when there is nothing left to train."""
