@@ -27,6 +27,8 @@ from attnlab.cli.generate import DTYPES, add_generation_arguments, sampling_from
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
 from attnlab.tools.loading import load_pretrained
 
+MAX_ANSWER = 512  # the default longest answer, in tokens
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
@@ -41,19 +43,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tokenizer.json, a chat template) or a Hub repository id (read from the cache when offline)",
     )
     parser.add_argument("--system", metavar="TEXT", help="a system message, kept however long the conversation")
-    add_generation_arguments(parser, max_new_tokens=512)
+    add_generation_arguments(
+        parser,
+        max_new_tokens=None,
+        max_new_help=f"the longest answer (default: {MAX_ANSWER}, at most half the context window)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     device = resolve_device(args.device)
     loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
+    ctx = loaded.model.config.context_length
+    max_new_tokens = min(MAX_ANSWER, ctx // 2) if args.max_new_tokens is None else args.max_new_tokens
     try:
         session = ChatSession(
             loaded,
             system=args.system,
             sampling=sampling,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             seed=args.seed,
             use_cache=not args.no_cache,
             what=f"--model {args.model}",
@@ -64,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
-        ctx = loaded.model.config.context_length
         print(f"Chatting with {args.model} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
         read_line = input
     else:

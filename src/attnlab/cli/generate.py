@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generation_arguments(parser, max_new_tokens=200)
 
 
-def add_generation_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+def add_generation_arguments(
+    parser: argparse.ArgumentParser, *, max_new_tokens: int | None, max_new_help: str | None = None
+) -> None:
     """``--dtype``, ``--max-new-tokens``, the sampling flags, ``--seed``, ``--device``, ``--no-cache``
     (``attnlab generate`` and ``attnlab chat``)."""
     parser.add_argument(
@@ -81,7 +83,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, max_new_tokens:
         type=int,
         default=max_new_tokens,
         metavar="N",
-        help=f"tokens to generate (default: {max_new_tokens})",
+        help=max_new_help or f"tokens to generate (default: {max_new_tokens})",
     )
     parser.add_argument(
         "--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default: 0.8)"
@@ -113,7 +115,7 @@ _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     """The sampling flags as one :class:`SamplingConfig`, after the other flags' range checks;
     every error names its flag."""
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+    if args.max_new_tokens is not None and not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens must be in [0, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")

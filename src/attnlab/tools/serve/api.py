@@ -131,8 +131,11 @@ class ChatRequest(Strict):
         description="the conversation, oldest first, ending with the user's message to answer; the oldest "
         "turns are dropped (the system message kept) when it does not fit the context window",
     )
-    max_new_tokens: int = Field(
-        default=256, ge=1, le=HARD_MAX_NEW_TOKENS, description="the longest answer (at most the server's cap)"
+    max_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=HARD_MAX_NEW_TOKENS,
+        description="the longest answer (at most the server's cap; null: the cap, at most half the context window)",
     )
     temperature: Temperature = 0.7
     top_k: TopK = None

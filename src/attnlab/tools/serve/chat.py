@@ -54,7 +54,7 @@ class ChatRun(GenerationRun):
 def start_chat(
     engine: Engine,
     messages: Sequence[dict[str, Any]],
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -67,6 +67,8 @@ def start_chat(
         raise NoChatTemplate(
             "this server's model has no chat template (it is not an instruct model): the chat box needs one"
         )
+    if max_new_tokens is None:
+        max_new_tokens = min(engine.limits.max_new_tokens, loaded.model.config.context_length // 2)
     if max_new_tokens > engine.limits.max_new_tokens:
         raise ValueError(
             f"max_new_tokens is {max_new_tokens}, more than this server allows ({engine.limits.max_new_tokens}; "
