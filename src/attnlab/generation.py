@@ -79,7 +79,9 @@ class SamplingConfig:
         else:
             ok = self.eos_id is None or (is_int(self.eos_id) and self.eos_id >= 0)
         if not ok:
-            raise ValueError(f"eos_id must be a token id (an int >= 0), a non-empty tuple of them, or None, got {self.eos_id!r}")
+            raise ValueError(
+                f"eos_id must be a token id (an int >= 0), a non-empty tuple of them, or None, got {self.eos_id!r}"
+            )
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -342,8 +344,8 @@ def generate(
         max_new_tokens: how many tokens to add.
         temperature, top_k, top_p, eos_id: how tokens are chosen (see :class:`SamplingConfig`):
             ``temperature=0`` is greedy; ``top_k`` / ``top_p`` restrict sampling; a row stops when
-            it emits ``eos_id`` (or any of a tuple of them; later positions of that row are filled with it), and generation
-            ends early once every row has stopped.
+            it emits ``eos_id`` or, for a tuple, any of them (later positions of that row are filled
+            with the first), and generation ends early once every row has stopped.
         use_cache: use per-layer KV caches (same tokens, much faster); ``False`` re-runs the window
             each step.
         generator: a ``torch.Generator`` for reproducible sampling.

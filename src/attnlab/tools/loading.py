@@ -171,7 +171,9 @@ def load_pretrained(
 CHAT_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def chat_files(directory: Path | None, tokenizer: Tokenizer, *, what: str) -> tuple[ChatTemplate | None, tuple[int, ...]]:
+def chat_files(
+    directory: Path | None, tokenizer: Tokenizer, *, what: str
+) -> tuple[ChatTemplate | None, tuple[int, ...]]:
     """A Hugging Face directory's chat template (bos/eos token strings from ``tokenizer_config.json``,
     else ``special_tokens_map.json``) and the ids generation stops at: ``generation_config.json``'s
     ``eos_token_id`` (an int or a list) and the tokenizer's end-of-text. A template that does not
