@@ -431,6 +431,22 @@ def test_a_bad_template_is_one_line_and_exit_2(tmp_path, model_dir, capsys, monk
     one_line_error(capsys, argv, "", monkeypatch, match)
 
 
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"tokenizer_config.json": "{not json"}, "tokenizer_config.json"),
+        ({"tokenizer_config.json": '{"chat_template": 7}', "chat_template.jinja": None}, "must be a string"),
+        ({"generation_config.json": "["}, "generation_config.json"),
+        ({"special_tokens_map.json": '{"eos_token": '}, "special_tokens_map.json"),
+    ],
+)
+def test_corrupt_chat_files_are_one_line_and_exit_2(tmp_path, model_dir, capsys, monkeypatch, files, match):
+    d = with_files(model_dir, tmp_path / "bad")
+    for name, text in files.items():
+        (d / name).unlink(missing_ok=True) if text is None else (d / name).write_text(text)
+    one_line_error(capsys, ["chat", "--model", str(d), "--device", "cpu"], "hi\n", monkeypatch, match)
+
+
 def test_a_model_without_a_template_cannot_chat(tmp_path, model_dir, capsys, monkeypatch):
     d = with_files(model_dir, tmp_path / "plain")
     (d / "chat_template.jinja").unlink()
@@ -447,6 +463,7 @@ def test_a_model_without_a_template_cannot_chat(tmp_path, model_dir, capsys, mon
         "--max-new-tokens must be in [1, 160)",
     )
     one_line_error(capsys, ["chat", "--model", str(model_dir), "--top-p", "2"], "", monkeypatch, "--top-p")
+    one_line_error(capsys, ["generate", "--checkpoint", str(d), "--chat"], "", monkeypatch, "--chat goes with --model")
 
 
 # --------------------------------------------------------------------------------------------
