@@ -1223,7 +1223,8 @@ class LiveApp {
     answer.div.appendChild(el("br"));
     answer.div.appendChild(open);
     this.chatStatus(done.generated + " token" + (done.generated === 1 ? "" : "s")
-      + (done.reason === "stop" ? ", ended by the model's end-of-turn token." : " (" + done.reason + ")."));
+      + (done.reason === "stop" ? ", ended by the model's end-of-turn token."
+        : done.reason === "length" ? ": cut at the token limit." : " (" + done.reason + ")."));
     document.body.dataset.chatAnswers = String(this.chatMessages.length / 2);
   }
   stopChat() {
