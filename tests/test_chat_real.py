@@ -123,3 +123,35 @@ def test_generate_chat_on_the_real_model(smollm2, capsys):
     argv = ["generate", "--model", str(smollm2[0]), "--chat", "--prompt", QUESTION, "--temperature", "0"]
     assert main([*argv, "--max-new-tokens", str(N), "--device", "cpu"]) == 0
     assert capsys.readouterr().out == tok.decode(want[:-1]) + "\n"
+
+
+def test_serve_chat_on_the_real_model_opens_in_the_inspector(loaded, smollm2):
+    pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+    pytest.importorskip("httpx", reason="the serve tests need httpx (pip install 'attnlab[dev]')")
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from attnlab.interpret.codec import unpack
+    from attnlab.tools.serve import Engine, Limits, create_app
+
+    _, _, tok = smollm2
+    want = reference(smollm2, [{"role": "user", "content": QUESTION}])
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_new_tokens": N, "temperature": 0}
+    with TestClient(create_app(Engine(loaded, name="SmolLM2", limits=Limits(max_new_tokens=N)))) as client:
+        with client.stream("POST", "/api/chat", json=body) as r:
+            assert r.status_code == 200
+            data = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        done = data[-1]
+        assert [d["token"] for d in data[1:-1]] == want[:-1]
+        assert done["answer"] == tok.decode(want[:-1]) and done["reason"] == "stop"
+        r = client.post("/api/inspect", json={"prompt": done["inspect"], "sections": ["next"]})
+        assert r.status_code == 200
+    # The inspected text is the conversation and the answer, token for token; after its last token the
+    # model's next token is the end of its turn (<|im_end|>), which the answer left out.
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, return_dict=False
+    )
+    assert r.json()["ids"] == list(prompt) + want[:-1]
+    top = unpack(r.json()["next"]["ids"])  # (T, k), most likely first
+    assert int(top[-1, 0]) == want[-1] == tok.convert_tokens_to_ids("<|im_end|>")
