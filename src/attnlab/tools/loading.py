@@ -126,7 +126,8 @@ def load_pretrained(
     ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
 
     ``dtype`` defaults to float32 on the CPU (bfloat16 weights run slowly there) and to the weights'
-    own dtype elsewhere.
+    own dtype elsewhere. An instruct model's chat template and stop ids fill ``chat_template`` and
+    ``stop_ids`` (:func:`chat_files`).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(
