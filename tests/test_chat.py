@@ -147,10 +147,14 @@ def test_stop_ids_come_from_generation_config_and_the_tokenizer(tmp_path, model_
     end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     assert load_pretrained(str(model_dir)).stop_ids == (end,)
     gen = json.loads((model_dir / "generation_config.json").read_text())
-    for eos, want in [([eot, end], (eot, end)), (eot, (eot, end)), (None, (end,)), ([10**9, "x", True], (end,))]:
+    for eos, want in [([eot, end], (eot, end)), (eot, (eot, end)), (None, (end,)), ([], (end,))]:
         d = with_files(model_dir, tmp_path / f"g{len(list(tmp_path.iterdir()))}")
         (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eos}))
         assert load_pretrained(str(d)).stop_ids == want, eos
+    for eos in [10**9, [end, -1], "x", True, [1.5]]:  # out of the vocabulary, not ids: the file is wrong
+        (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eos}))
+        with pytest.raises(ValueError, match=r"generation_config.json's eos_token_id must be a token id in \[0, "):
+            load_pretrained(str(d))
     # special_tokens_map.json when tokenizer_config.json names no tokens; a template in tokenizer_config.json
     d = with_files(model_dir, tmp_path / "map", tokenizer_config__json=json.dumps({"chat_template": "{{ eos_token }}"}))
     (d / "chat_template.jinja").unlink()

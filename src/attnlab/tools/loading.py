@@ -198,8 +198,13 @@ def chat_files(
         template = ChatTemplate(source, bos_token=special("bos_token"), eos_token=special("eos_token"), name=name)
     V = tokenizer.vocab_size
     ids = _json_or_empty(directory / "generation_config.json").get("eos_token_id")
-    ids = ids if isinstance(ids, list) else [ids]
-    stop = [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V]
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
+        raise ValueError(
+            f"{what}: generation_config.json's eos_token_id must be a token id in [0, {V}) or a list of them, "
+            f"got {ids!r:.80}"
+        )
+    stop = [int(i) for i in ids]
     if tokenizer.eot_id is not None:
         stop.append(int(tokenizer.eot_id))
     return template, tuple(dict.fromkeys(stop))
