@@ -57,13 +57,14 @@ class SamplingConfig:
         temperature: softmax temperature; ``0`` is greedy (argmax).
         top_k: sample only among the ``top_k`` most likely tokens.
         top_p: nucleus sampling: only among the most likely tokens whose probability reaches ``top_p``.
-        eos_id: a token id that ends a row (checked against the vocabulary when generating).
+        eos_id: a token id that ends a row (checked against the vocabulary when generating), or
+            several (a chat model's end-of-turn and end-of-text tokens): a tuple, any of which ends it.
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    eos_id: int | None = None
+    eos_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not finite_real(self.temperature) or self.temperature < 0:
@@ -72,8 +73,22 @@ class SamplingConfig:
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and (not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a float in (0, 1] or None, got {self.top_p!r}")
-        if self.eos_id is not None and (not is_int(self.eos_id) or self.eos_id < 0):
-            raise ValueError(f"eos_id must be a token id (an int >= 0) or None, got {self.eos_id!r}")
+        if isinstance(self.eos_id, (list, tuple)):  # several stop ids: kept as a tuple (hashable, frozen)
+            object.__setattr__(self, "eos_id", tuple(self.eos_id))
+            ok = len(self.eos_id) > 0 and all(is_int(i) and i >= 0 for i in self.eos_id)
+        else:
+            ok = self.eos_id is None or (is_int(self.eos_id) and self.eos_id >= 0)
+        if not ok:
+            raise ValueError(
+                f"eos_id must be a token id (an int >= 0), a non-empty tuple of them, or None, got {self.eos_id!r}"
+            )
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a row: ``eos_id`` as a tuple (empty when None)."""
+        if self.eos_id is None:
+            return ()
+        return self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
 
     @property
     def greedy(self) -> bool:
@@ -162,8 +177,8 @@ def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: Sampl
         raise ValueError(f"idx must hold at least one prompt, got shape {tuple(idx.shape)}")
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if sampling.eos_id is not None and sampling.eos_id >= V:
-        raise ValueError(f"eos_id must be a token id in [0, {V}) or None, got {sampling.eos_id!r}")
+    if any(i >= V for i in sampling.stop_ids):
+        raise ValueError(f"eos_id must be a token id in [0, {V}), a tuple of them, or None, got {sampling.eos_id!r}")
     if attention_mask is None:
         return None
     mask = model.check_attention_mask(attention_mask, *idx.shape).to(idx.device)
@@ -202,7 +217,7 @@ def _steps(
     B, T = idx.shape
     C = model.config.context_length
     relative = model.config.relative
-    eos_id = sampling.eos_id
+    stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=idx.device) if sampling.stop_ids else None
     out = torch.empty(B, T + min(max_new_tokens, _CHUNK), dtype=torch.long, device=idx.device)  # (B, T + chunk)
     out[:, :T] = idx
     full_mask = None
@@ -263,13 +278,13 @@ def _steps(
                         "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
                     ) from None
                 nxt = sampling.sample(logits, generator)
-                if eos_id is not None:
-                    nxt = nxt.masked_fill(finished, eos_id)  # finished rows keep emitting eos
-                    finished |= nxt == eos_id
+                if stop is not None:
+                    nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos
+                    finished |= torch.isin(nxt, stop)
                 out[:, cur] = nxt
                 cur += 1
             yield nxt.clone(), logits
-            if eos_id is not None and bool(finished.all()):
+            if stop is not None and bool(finished.all()):
                 return
     finally:
         model.train(was_training)
@@ -283,7 +298,7 @@ def stream(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     attention_mask: Tensor | None = None,
@@ -314,7 +329,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     attention_mask: Tensor | None = None,
@@ -329,8 +344,8 @@ def generate(
         max_new_tokens: how many tokens to add.
         temperature, top_k, top_p, eos_id: how tokens are chosen (see :class:`SamplingConfig`):
             ``temperature=0`` is greedy; ``top_k`` / ``top_p`` restrict sampling; a row stops when
-            it emits ``eos_id`` (later positions of that row are filled with it), and generation
-            ends early once every row has stopped.
+            it emits ``eos_id`` or, for a tuple, any of them (later positions of that row are filled
+            with the first), and generation ends early once every row has stopped.
         use_cache: use per-layer KV caches (same tokens, much faster); ``False`` re-runs the window
             each step.
         generator: a ``torch.Generator`` for reproducible sampling.

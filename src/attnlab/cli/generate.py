@@ -15,6 +15,12 @@ repository or directory, from the Hugging Face cache when offline, with its own 
 the prompt starts with the model's beginning-of-text token, and generation stops at its end::
 
     attnlab generate --model meta-llama/Llama-3.2-1B --prompt "The capital of France is" --temperature 0
+
+``--chat`` sends the prompt to an instruct model as one user message, in the model's own chat
+template (with the opening of the assistant's turn), and prints the answer, which ends at the
+model's end-of-turn token (see ``attnlab chat`` for a conversation)::
+
+    attnlab generate --model SmolLM2-135M-Instruct --chat --prompt "What is the capital of France?" --temperature 0
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from attnlab.checks import resolve_device
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import HFTokenizer, StreamDecoder
+from attnlab.tools.chat import prompt_ids
 from attnlab.tools.loading import load_model, load_pretrained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face GPT-2 or Llama-family model: a Hub repository id (read from the cache when "
         "offline) or a directory with config.json, safetensors weights and tokenizer.json",
     )
+    parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="with --model: the prompt is one user message, laid out by the model's chat template; prints the "
+        "answer, which ends at the model's end-of-turn token",
+    )
+    parser.add_argument(
+        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
+    )
+    add_generation_arguments(parser, max_new_tokens=200)
+
+
+def add_generation_arguments(
+    parser: argparse.ArgumentParser, *, max_new_tokens: int | None, max_new_help: str | None = None
+) -> None:
+    """``--dtype``, ``--max-new-tokens``, the sampling flags, ``--seed``, ``--device``, ``--no-cache``
+    (``attnlab generate`` and ``attnlab chat``)."""
     parser.add_argument(
         "--dtype",
         choices=list(DTYPES),
@@ -54,9 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --model: the weights' dtype (default: the weights' own half precision where the device has it "
         "natively, else float32; `attnlab info` says which)",
     )
-    parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
     parser.add_argument(
-        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default: 200)"
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        metavar="N",
+        help=max_new_help or f"tokens to generate (default: {max_new_tokens})",
     )
     parser.add_argument(
         "--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default: 0.8)"
@@ -76,9 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DEV",
         help="auto (cuda, else mps, else cpu), cpu, cuda, mps (default: auto)",
     )
-    parser.add_argument(
-        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
-    )
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole window per token (no KV cache)")
 
 
@@ -88,10 +113,10 @@ MAX_NEW_TOKENS = 2**31 - 1
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"}
 
 
-def _sampling(args: argparse.Namespace) -> SamplingConfig:
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     """The sampling flags as one :class:`SamplingConfig`, after the other flags' range checks;
     every error names its flag."""
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+    if args.max_new_tokens is not None and not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens must be in [0, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
@@ -103,17 +128,23 @@ def _sampling(args: argparse.Namespace) -> SamplingConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling = _sampling(args)
+    sampling = sampling_from_args(args)
     device = resolve_device(args.device)
+    if args.chat and args.model is None:
+        raise ValueError("--chat goes with --model (an instruct model with a chat template)")
     if args.model is not None:
         loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
-        sampling = dataclasses.replace(sampling, eos_id=loaded.tokenizer.eot_id)  # stop where the model ends
+        # Stop where the model ends a text (and, for an instruct model, a turn).
+        sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids or loaded.tokenizer.eot_id)
     elif args.dtype is not None:
         raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
     else:
         loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
     tok, model = loaded.tokenizer, loaded.model
-    ids = tok.encode_prompt(args.prompt) if isinstance(tok, HFTokenizer) else tok.encode(args.prompt)
+    if args.chat:  # the message in the model's conversation format, the assistant's turn opened
+        ids = prompt_ids(loaded, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok.encode_prompt(args.prompt) if isinstance(tok, HFTokenizer) else tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt encodes to no tokens; give at least one character")
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, P)
@@ -121,12 +152,13 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         gen = torch.Generator(device=device).manual_seed(args.seed)
     out = sys.stdout
-    safe_write(out, args.prompt)
-    out.flush()
+    if not args.chat:  # a continuation is printed after its prompt, an answer alone
+        safe_write(out, args.prompt)
+        out.flush()
     dec = StreamDecoder(tok)
     settings = dataclasses.asdict(sampling)
     for token in model.stream(idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen):
-        if sampling.eos_id is not None and int(token[0]) == sampling.eos_id:
+        if int(token[0]) in sampling.stop_ids:
             break  # the end-of-text token is not text
         piece = dec.push(int(token[0]))  # token: (1,)
         if piece:

@@ -32,6 +32,7 @@ import torch
 
 from attnlab import attention, hardware
 from attnlab.files import read_json
+from attnlab.formats.chat import ChatTemplate, read_chat_template
 from attnlab.formats.hf import PRETRAINED, read_pretrained_file
 from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
@@ -52,12 +53,17 @@ class LoadedModel:
         tokenizer: the tokenizer it was trained with.
         path: the directory its weights came from (a step directory for a training run).
         metadata: ``checkpoint.json`` of a training run (step, settings, ...); empty otherwise.
+        chat_template: an instruct model's conversation format (with its bos/eos token strings), or
+            None when its files carry none.
+        stop_ids: the end-of-turn / end-of-text token ids generation stops at (may be empty).
     """
 
     model: GPT
     tokenizer: Tokenizer
     path: Path
     metadata: dict[str, Any] = field(default_factory=dict)
+    chat_template: ChatTemplate | None = None
+    stop_ids: tuple[int, ...] = ()
 
 
 def load_model(
@@ -121,7 +127,8 @@ def load_pretrained(
 
     ``dtype`` defaults to :func:`attnlab.hardware.inference_dtype`: the weights' own half precision
     where the device computes it natively (bf16 on CUDA and on CPUs with AVX512-BF16 or AMX), else
-    float32 (an AVX2 CPU emulates bf16, 20x slower).
+    float32 (an AVX2 CPU emulates bf16, 20x slower). An instruct model's chat
+    template and stop ids fill ``chat_template`` and ``stop_ids`` (:func:`chat_files`).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(
@@ -137,7 +144,7 @@ def load_pretrained(
         model.to(hardware.inference_dtype(device, model.dtype))
     tok_path = None if bpe_dir is not None else read_pretrained_file(name, "tokenizer.json", cache_dir=cache_dir)
     if tok_path is not None:
-        for extra in ("tokenizer_config.json", "generation_config.json"):  # into the same folder (the cache's)
+        for extra in CHAT_FILES:  # into the same folder (the cache's)
             read_pretrained_file(name, extra, cache_dir=cache_dir)
         tokenizer: Tokenizer = HFTokenizer(tok_path)
     elif model.config.pos == "learned":  # a GPT-2: its byte-pair encoding
@@ -157,7 +164,59 @@ def load_pretrained(
             f"vocab_size={model.config.vocab_size}"
         )
     source = "local" if is_local else "huggingface"
-    return LoadedModel(model, tokenizer, local.resolve() if is_local else Path(name), {"source": source, "name": name})
+    files = tok_path.parent if tok_path is not None else local if is_local else None
+    template, stop_ids = chat_files(files, tokenizer, what=f"{what} {name}")
+    path = local.resolve() if is_local else Path(name)
+    return LoadedModel(model, tokenizer, path, {"source": source, "name": name}, template, stop_ids)
+
+
+CHAT_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def chat_files(
+    directory: Path | None, tokenizer: Tokenizer, *, what: str
+) -> tuple[ChatTemplate | None, tuple[int, ...]]:
+    """A Hugging Face directory's chat template (bos/eos token strings from ``tokenizer_config.json``,
+    else ``special_tokens_map.json``) and the ids generation stops at: ``generation_config.json``'s
+    ``eos_token_id`` (an int or a list) and the tokenizer's end-of-text. A template that does not
+    compile is a ValueError naming the model ``what``. No directory: no template, the tokenizer's eos."""
+    if directory is None:
+        return None, () if tokenizer.eot_id is None else (int(tokenizer.eot_id),)
+    configs = [_json_or_empty(directory / n) for n in ("tokenizer_config.json", "special_tokens_map.json")]
+
+    def special(key: str) -> str:
+        for cfg in configs:
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value  # {"content": "</s>", ...}
+            if isinstance(value, str):
+                return value
+        return ""
+
+    template = None
+    source = read_chat_template(directory)  # a malformed tokenizer_config.json: an error naming it
+    if source is not None:
+        name = f"{what}: its chat template"
+        template = ChatTemplate(source, bos_token=special("bos_token"), eos_token=special("eos_token"), name=name)
+    V = tokenizer.vocab_size
+    ids = _json_or_empty(directory / "generation_config.json").get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
+        raise ValueError(
+            f"{what}: generation_config.json's eos_token_id must be a token id in [0, {V}) or a list of them, "
+            f"got {ids!r:.80}"
+        )
+    stop = [int(i) for i in ids]
+    if tokenizer.eot_id is not None:
+        stop.append(int(tokenizer.eot_id))
+    return template, tuple(dict.fromkeys(stop))
+
+
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    """An optional JSON object beside the weights; {} when absent (a malformed one is an error)."""
+    if not path.is_file():
+        return {}
+    data = read_json(path, path.name)
+    return data if isinstance(data, dict) else {}
 
 
 def load(

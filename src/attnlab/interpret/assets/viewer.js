@@ -1074,6 +1074,27 @@ class LiveSource extends EmbeddedSource {
 
 const DEBOUNCE_MS = 250;
 
+// Server-sent events of a fetch response: onEvent(name, data) per event, until the stream ends.
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buf = "";
+  const frame = (text) => {
+    let event = "message", data = "";
+    for (const line of text.split("\n")) {
+      if (line.startsWith("event:")) event = line.slice(6).trim();
+      else if (line.startsWith("data:")) data += line.slice(5).trim();
+    }
+    if (data) onEvent(event, JSON.parse(data));
+  };
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) { frame(buf.slice(0, cut)); buf = buf.slice(cut + 2); }
+  }
+}
+
 class LiveApp {
   constructor(config) {
     this.api = new Api(config.api || "api/");
@@ -1112,7 +1133,105 @@ class LiveApp {
     $("generate").addEventListener("click", () => this.generate());
     $("stop").addEventListener("click", () => this.stopGeneration());
     $("ablation-clear").addEventListener("click", () => { this.ablated.clear(); this.updateAblation(); });
+    if (this.info.chat) this.startChat();
     await this.analyze();
+  }
+
+  // The chat box (a model with a chat template): the page keeps the conversation and sends it whole
+  // with each message (POST api/chat); the answer streams in; "open in the inspector" makes the
+  // conversation the model read, and its answer, the prompt of the views.
+  startChat() {
+    const $ = (id) => document.getElementById(id);
+    this.chatMessages = []; this.chatting = null;
+    $("chat").hidden = false;
+    $("chat-max-new").max = String(this.info.limits.max_new_tokens);
+    $("chat-send").addEventListener("click", () => this.sendChat());
+    $("chat-stop").addEventListener("click", () => this.stopChat());
+    $("chat-reset").addEventListener("click", () => {
+      this.stopChat();
+      this.chatMessages = []; $("chat-log").textContent = ""; this.chatStatus("A new conversation.");
+    });
+    $("chat-input").addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); this.sendChat(); }
+    });
+  }
+  chatStatus(text, error) {
+    const s = document.getElementById("chat-status");
+    s.textContent = text;
+    s.classList.toggle("error", !!error);
+  }
+  chatBubble(role, text) {
+    const div = el("div", "chat-msg " + role);
+    div.appendChild(el("span", "who", role === "user" ? "you" : "assistant"));
+    const body = el("span", "text", text);
+    div.appendChild(body);
+    document.getElementById("chat-log").appendChild(div);
+    return { div: div, body: body };
+  }
+  async sendChat() {
+    const $ = (id) => document.getElementById(id);
+    const text = $("chat-input").value;
+    if (!text.trim() || this.chatting) return;
+    $("chat-input").value = "";
+    const user = { role: "user", content: text }, system = $("chat-system").value;
+    const messages = (system ? [{ role: "system", content: system }] : []).concat(this.chatMessages, [user]);
+    const limit = this.info.limits.max_new_tokens;
+    const n = Math.max(1, Math.min(limit, Math.floor(Number($("chat-max-new").value) || 1)));
+    const seed = Math.max(0, Math.floor(Number($("seed").value) || 0));
+    const body = Object.assign({ messages: messages, max_new_tokens: n, seed: seed }, this.sampling());
+    this.chatBubble("user", text);
+    const answer = this.chatBubble("assistant", "");
+    const ctl = (this.chatting = new AbortController());
+    $("chat-send").disabled = true; $("chat-stop").disabled = false;
+    document.body.dataset.chatting = "1";
+    this.chatStatus("Answering\u2026");
+    let done = null;
+    try {
+      const r = await this.api.request("chat", body, ctl.signal);
+      await readEvents(r, (event, d) => {
+        if (event === "start" && d.dropped > 0) {
+          this.chatMessages = this.chatMessages.slice(d.dropped);
+          this.chatStatus("The oldest " + d.dropped + " messages were dropped to fit the context window.");
+        } else if (event === "token") {
+          answer.body.textContent += d.text;
+        } else if (event === "error") {
+          this.chatStatus(d.detail, true);
+        } else if (event === "done") {
+          done = d;
+        }
+      });
+    } catch (err) {
+      if (err.name !== "AbortError") { this.chatStatus(err.message, true); answer.div.remove(); }
+    } finally {
+      if (this.chatting === ctl) this.chatting = null;
+      $("chat-send").disabled = false; $("chat-stop").disabled = true;
+      delete document.body.dataset.chatting;
+    }
+    if (!done) {  // stopped: what was said stays in the conversation; failed: the message is not sent
+      if (ctl.signal.aborted) this.chatMessages.push(user, { role: "assistant", content: answer.body.textContent });
+      return;
+    }
+    answer.body.textContent = done.answer;
+    this.chatMessages.push(user, { role: "assistant", content: done.answer });
+    const open = el("button", "", "open in the inspector");
+    open.type = "button";
+    open.addEventListener("click", () => {
+      $("prompt").value = done.inspect;
+      window.scrollTo(0, 0);
+      this.analyze();
+    });
+    answer.div.appendChild(el("br"));
+    answer.div.appendChild(open);
+    this.chatStatus(done.generated + " token" + (done.generated === 1 ? "" : "s")
+      + (done.reason === "stop" ? ", ended by the model's end-of-turn token."
+        : done.reason === "length" ? ": cut at the token limit." : " (" + done.reason + ")."));
+    document.body.dataset.chatAnswers = String(this.chatMessages.length / 2);
+  }
+  stopChat() {
+    if (!this.chatting) return;
+    this.chatting.abort();  // closes the connection: the server stops the answer
+    this.chatting = null;
+    this.chatStatus("Answer stopped.");
   }
 
   // The prompt's tokens and every head's attention; the views redraw with the reader's choices kept.

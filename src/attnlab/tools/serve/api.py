@@ -18,6 +18,8 @@ __all__ = [
     "HARD_MAX_NEW_TOKENS",
     "AblateAnswer",
     "AblateRequest",
+    "ChatMessage",
+    "ChatRequest",
     "GenerateRequest",
     "InfoAnswer",
     "InspectRequest",
@@ -115,6 +117,32 @@ class GenerateRequest(PromptRequest):
     candidates: int = Field(default=10, ge=1, le=100, description="candidates reported per token")
 
 
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ChatRequest(Strict):
+    """One assistant turn, streamed (server-sent events): the conversation so far, the user's last."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        max_length=1000,
+        description="the conversation, oldest first, ending with the user's message to answer; the oldest "
+        "turns are dropped (the system message kept) when it does not fit the context window",
+    )
+    max_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=HARD_MAX_NEW_TOKENS,
+        description="the longest answer (at most the server's cap; null: the cap, at most half the context window)",
+    )
+    temperature: Temperature = 0.7
+    top_k: TopK = None
+    top_p: TopP = None
+    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+
+
 # -- answers (for the documentation; the server fills them from attnlab.interpret) ------------------
 class TokenizeAnswer(BaseModel):
     ids: list[int]
@@ -160,6 +188,7 @@ class Limits(BaseModel):
 class InfoAnswer(BaseModel):
     name: str
     language_model: bool = Field(description="false for the tutorials' six-word example (attnlab serve --demo)")
+    chat: bool = Field(default=False, description="whether the model has a chat template (the chat box works)")
     model: dict[str, Any] | None
     default_prompt: str
     torch_threads: int = Field(description="the threads torch runs the model on (attnlab serve --threads)")

@@ -11,6 +11,9 @@ source that asks the API for what the page shows. The API (OpenAPI schema at ``/
 * ``POST /api/ablate``: :func:`attnlab.interpret.ablation_effect` of removing heads.
 * ``POST /api/generate``: a generation as server-sent events (``start``, one ``token`` per new token
   with its attention and candidates, ``done``); a client that disconnects stops it.
+* ``POST /api/chat``: one assistant turn of a conversation (the model's chat template), as server-sent
+  events (``start``, one ``token`` per new token with the text it completes, ``done`` with the answer
+  and the text the inspector opens); see :mod:`attnlab.tools.serve.chat`.
 * ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
 * ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
 
@@ -43,6 +46,7 @@ from attnlab.interpret.page import ASSETS, json_for_script, read_asset
 from attnlab.tools.serve.api import (
     AblateAnswer,
     AblateRequest,
+    ChatRequest,
     GenerateRequest,
     InfoAnswer,
     InspectRequest,
@@ -52,6 +56,7 @@ from attnlab.tools.serve.api import (
     StatsAnswer,
     TokenizeAnswer,
 )
+from attnlab.tools.serve.chat import NoChatTemplate, advance_chat, start_chat
 from attnlab.tools.serve.engine import Engine, NotALanguageModel
 
 __all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page"]
@@ -223,7 +228,8 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         return _json({"detail": detail}, status)
 
     @app.exception_handler(NotALanguageModel)
-    async def not_a_language_model(request: Request, exc: NotALanguageModel) -> Response:
+    @app.exception_handler(NoChatTemplate)
+    async def not_a_language_model(request: Request, exc: Exception) -> Response:
         return _json({"detail": str(exc)}, 409)
 
     @app.exception_handler(ValueError)
@@ -357,6 +363,54 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
                     await run_in_threadpool(engine.finish, run)
 
         # finish() also runs after the response, in case the stream was cancelled before it started.
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+            background=BackgroundTask(run_in_threadpool, engine.finish, run),
+        )
+
+    @app.post(
+        "/api/chat",
+        summary="one assistant turn of a conversation, streamed as server-sent events",
+        description="Events: `start` {prompt (the rendered conversation), prompt_length (tokens), dropped (messages "
+        "dropped from the start to fit the context window)}; then per new token `token` {token, text (the text it "
+        "completes, maybe empty)}; then `done` {answer, generated, reason (stop: the model's end-of-turn token; "
+        "length; shutdown), inspect (the conversation and the answer: the inspector's prompt)}, or `error` "
+        "{detail}. A client that disconnects stops the answer.",
+        responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+    )
+    async def chat(req: ChatRequest) -> Response:
+        messages = [m.model_dump() for m in req.messages]
+        run = await call(
+            start_chat,
+            engine,
+            messages,
+            req.max_new_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+        )
+        start = {"prompt": run.prompt_text, "prompt_length": run.prompt_length, "dropped": run.dropped}
+
+        async def events():
+            try:
+                yield _sse("start", start)
+                while True:
+                    step = await run_in_threadpool(advance_chat, engine, run)
+                    if step is None:
+                        break
+                    yield _sse("token", step)
+                done = {"answer": run.answer, "generated": run.produced, "reason": run.end_reason}
+                yield _sse("done", done | {"inspect": run.inspect_text})
+            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                yield _sse("error", {"detail": f"chat failed: {type(exc).__name__}: {first}"})
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(engine.finish, run)
+
         return StreamingResponse(
             events(),
             media_type="text/event-stream",

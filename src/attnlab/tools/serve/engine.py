@@ -189,6 +189,7 @@ class Engine:
         return {
             "name": self.name,
             "language_model": self.is_language_model,
+            "chat": self.loaded is not None and self.loaded.chat_template is not None,
             "model": model,
             "default_prompt": self.default_prompt,
             "torch_threads": torch.get_num_threads(),

@@ -1,0 +1,85 @@
+"""``attnlab chat``: a conversation with an instruct model in the terminal.
+
+Example::
+
+    attnlab chat --model SmolLM2-135M-Instruct --temperature 0
+    >>> What is the capital of France?
+    The capital of France is Paris.
+
+The model's own chat template lays the conversation out (``chat_template.jinja`` or
+``tokenizer_config.json`` of a Hugging Face directory, the GGUF's ``tokenizer.chat_template``), and
+an answer ends at the model's end-of-turn or end-of-text token. Answers stream as they come. The
+history is kept within the context window (the oldest turns are dropped, the ``--system`` message
+kept, and a note says so). ``/reset`` clears the history, ``/exit`` or Ctrl-D leaves, Ctrl-C stops
+an answer. Through a pipe (stdin not a terminal) each input line is one message and each answer is
+printed on its own::
+
+    printf 'Hi!\\nWhat did I just say?\\n' | attnlab chat --model DIR --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from attnlab.checks import resolve_device
+from attnlab.cli.generate import DTYPES, add_generation_arguments, sampling_from_args
+from attnlab.tools.chat import HELP, ChatSession, chat_loop
+from attnlab.tools.loading import load_pretrained
+
+MAX_ANSWER = 512  # the default longest answer, in tokens
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Chat with an instruct model: its chat template, answers streamed, the history kept within the context "
+        f"window. {HELP}. Through a pipe, each input line is one message."
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="REPO_OR_DIR",
+        help="an instruct model with a chat template: a Hugging Face directory (config.json, safetensors weights, "
+        "tokenizer.json, a chat template) or a Hub repository id (read from the cache when offline)",
+    )
+    parser.add_argument("--system", metavar="TEXT", help="a system message, kept however long the conversation")
+    add_generation_arguments(
+        parser,
+        max_new_tokens=None,
+        max_new_help=f"the longest answer (default: {MAX_ANSWER}, at most half the context window)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)
+    device = resolve_device(args.device)
+    loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
+    ctx = loaded.model.config.context_length
+    max_new_tokens = min(MAX_ANSWER, ctx // 2) if args.max_new_tokens is None else args.max_new_tokens
+    try:
+        session = ChatSession(
+            loaded,
+            system=args.system,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            seed=args.seed,
+            use_cache=not args.no_cache,
+            what=f"--model {args.model}",
+        )
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("max_new_tokens", "--max-new-tokens", 1)) from None
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print(f"Chatting with {args.model} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
+        read_line = input
+    else:
+
+        def read_line(prompt: str) -> str:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line.rstrip("\r\n")
+
+    return chat_loop(session, read_line, sys.stdout, sys.stderr, interactive=interactive)
