@@ -125,7 +125,7 @@ def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: fl
 
 
 def llama_to_attnlab(
-    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0
+    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0, copy: bool = True
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face Llama or Mistral.
 
@@ -135,6 +135,8 @@ def llama_to_attnlab(
         hf_config: its config (a transformers config or the dict of config.json); read from the
             model when one is given.
         drop_rate: dropout for training the converted model.
+        copy: copy every tensor (the default: the result shares no memory with the source). A
+            caller that owns the tensors (the GGUF reader) passes False to not hold two copies.
     """
     if hasattr(model_or_state_dict, "state_dict") and callable(model_or_state_dict.state_dict):
         state = model_or_state_dict.state_dict()
@@ -203,6 +205,8 @@ def llama_to_attnlab(
             new[b + "ff.layers.2.bias"] = t(h + "mlp.down_proj.bias")
     if not fields["tie_embeddings"]:
         new["out_head.weight"] = t("lm_head.weight")
+    if not copy:
+        return fields, {k: v.detach().contiguous() for k, v in new.items()}
     return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
 
 
