@@ -103,10 +103,8 @@ def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         parts = name.split(".")
-        if parts[1] == "layers":
-            gguf_name = f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])]
-        else:
-            gguf_name = HF_TO_GGUF[name]
+        layer = parts[1] == "layers"
+        gguf_name = f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])] if layer else HF_TO_GGUF[name]
         w = t.detach().float().numpy().copy()
         if gguf_name.endswith("attn_q.weight"):
             w = permute(w, cfg.num_attention_heads, cfg.num_attention_heads)

@@ -22,12 +22,11 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from gguf_files import VOCAB, gguf_tensors, tiny_llama, write_gguf  # noqa: E402
-
 from attnlab import GPT  # noqa: E402
 from attnlab.formats.gguf import dequantize, read_gguf  # noqa: E402
 from attnlab.tokenizers import HFTokenizer  # noqa: E402
 from attnlab.tools.loading import load_pretrained  # noqa: E402
+from gguf_files import VOCAB, gguf_tensors, tiny_llama, write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 

@@ -135,14 +135,18 @@ def llama_to_attnlab(
         hf_config: its config (a transformers config or the dict of config.json); read from the
             model when one is given.
         drop_rate: dropout for training the converted model.
-        copy: copy every tensor (the default: the result shares no memory with the source). A
-            caller that owns the tensors (the GGUF reader) passes False to not hold two copies.
+        copy: copy every tensor (the default: the result shares no memory with the source). With
+            False the tensors of a state dict are *moved*: the dict is emptied and each tensor
+            dropped as it is converted, so a caller that owns them (the GGUF reader) never holds
+            two copies of the model.
     """
     if hasattr(model_or_state_dict, "state_dict") and callable(model_or_state_dict.state_dict):
         state = model_or_state_dict.state_dict()
         hf_config = getattr(model_or_state_dict, "config", None) if hf_config is None else hf_config
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
+        if not copy and isinstance(model_or_state_dict, dict):
+            model_or_state_dict.clear()
     else:
         raise TypeError(
             f"expected a Hugging Face Llama/Mistral model or its state dict, got {type(model_or_state_dict)}"
@@ -178,7 +182,7 @@ def llama_to_attnlab(
         )
         if tuple(state[key].shape) != want:
             raise ValueError(f"Llama weight {key!r} must have shape {want}, got {tuple(state[key].shape)}")
-        return state[key]
+        return state[key] if copy else state.pop(key)
 
     new = {"tok_emb.weight": t("embed_tokens.weight"), "final_norm.weight": t("norm.weight")}
     for i in range(fields["n_layers"]):
