@@ -295,10 +295,12 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         reader = Reader(str(p))
     except ValueError as e:  # the reader's own: alignment, duplicates, types, data past the end
         text = str(e)
-        if "cannot reshape array" in text or "buffer is too small" in text:
+        if "cannot reshape array" in text:
             text = "tensor data runs past the end of the file (truncated?)"
         elif "GGMLQuantizationType" in text:
             text = f"a tensor has an unknown quantization type ({text})"
+        elif not any(m in text for m in ("alignment", "uplicate", "GGUFValueType", "field type")):
+            text = f"truncated or corrupt ({text})"  # numpy's, on a header cut short
         raise ValueError(f"{p} is not a readable GGUF file: {text}") from None
     except (IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, struct.error) as e:
         # numpy reads past the end of a truncated header as empty arrays, and indexing them fails

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnlab.checks import is_int
 from attnlab.formats.hf import read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
@@ -77,6 +78,17 @@ def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]
     model_type = cfg.get("model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"expected a Llama-family model ({', '.join(LLAMA_FAMILY)}), got model_type={model_type!r}")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not is_int(cfg.get(key)) or not 0 < cfg[key] <= 1 << 31:
+            raise ValueError(f"config {key} must be a positive integer, got {cfg.get(key)!r}")
+    kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if not is_int(kv) or kv <= 0 or cfg["num_attention_heads"] % kv:
+        raise ValueError(
+            f"config num_key_value_heads={kv!r} must divide num_attention_heads={cfg['num_attention_heads']}"
+        )
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"config rms_norm_eps must be a small positive number, got {eps!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"attnlab's SwiGLU is silu-gated; this model's hidden_act is {act!r}")

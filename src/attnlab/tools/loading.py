@@ -181,15 +181,19 @@ def load_gguf(
     when the file names one, end-of-turn). Every defect of the file is a ValueError naming it."""
     p = Path(path).expanduser()
     try:
-        read = read_gguf(p, dtype=dtype or torch.float32)
-        tokenizer = HFTokenizer(p, reader=read.reader)
+        return _load_gguf(p, device, dtype)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{what} {e}") from None
     except ValueError as e:
         raise ValueError(f"{what} {e}") from None
+
+
+def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | None) -> LoadedModel:
+    read = read_gguf(p, dtype=dtype or torch.float32)
+    tokenizer = HFTokenizer(p, reader=read.reader)
     vocab = read.fields["vocab_size"]
     if tokenizer.vocab_size != vocab:
-        raise ValueError(f"{what} {p}: its tokenizer has {tokenizer.vocab_size} tokens, its model {vocab}")
+        raise ValueError(f"{p}: its tokenizer has {tokenizer.vocab_size} tokens, its model {vocab}")
     meta = read.metadata
     special = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "eot_token_id")}
     text = lambda i: tokenizer.decode([i]) if is_int(i) and 0 <= i < vocab else ""
