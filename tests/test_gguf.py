@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from attnlab import GPT  # noqa: E402
-from attnlab.formats.gguf import dequantize, read_gguf  # noqa: E402
+from attnlab.formats.gguf import dequantize  # noqa: E402
 from attnlab.tokenizers import HFTokenizer  # noqa: E402
 from attnlab.tools.loading import load_pretrained  # noqa: E402
 from gguf_files import VOCAB, gguf_tensors, tiny_llama, write_gguf  # noqa: E402
@@ -219,36 +219,49 @@ def test_smollm2_chat_template_and_stop_ids(smollm2, smollm2_transformers):
 
 
 @pytest.mark.slow
-def test_smollm2_read_as_gguf_model_matches_loader(smollm2_gguf, smollm2):
-    read = read_gguf(smollm2_gguf)
-    assert read.architecture == "llama" and read.config["num_key_value_heads"] == 3
+def test_smollm2_tokenizer_alone(smollm2_gguf, smollm2):
     tok = HFTokenizer(smollm2_gguf)  # standalone: parses the file itself
     assert tok == smollm2.tokenizer and tok.eot_id == 2 and tok.bos_id is None
+    assert tok.encode(TEXTS[2]) == smollm2.tokenizer.encode(TEXTS[2])
+
+
+@pytest.mark.slow
+def test_generate_cli_on_smollm2(smollm2_gguf, subprocess_env):
+    """The whole path in a fresh process: ``--model FILE.gguf`` read, tokenized, generated."""
+    r = subprocess.run(
+        [sys.executable, "-m", "attnlab", "generate", "--model", str(smollm2_gguf), "--prompt",
+         "The capital of France is", "--max-new-tokens", "3", "--temperature", "0"],
+        capture_output=True, text=True, env=subprocess_env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
-    [
-        ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "3", "--temperature", "0"],
-        ["inspect", "--prompt", PROMPT, "--top", "2"],
-        ["viz", "--prompt", "Hi there", "--layer", "0", "--head", "0", "--out", "{tmp}/heads.png"],
-    ],
-    ids=["generate", "inspect", "viz"],
+    [["inspect", "--prompt", PROMPT, "--top", "2"], ["viz", "--prompt", "Hi there", "--layer", "0", "--head", "0"]],
+    ids=["inspect", "viz"],
 )
-def test_cli_on_smollm2(smollm2_gguf, subprocess_env, tmp_path, command):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
-    r = subprocess.run(
-        [sys.executable, "-m", "attnlab", args[0], "--model", str(smollm2_gguf), *args[1:]],
-        capture_output=True,
-        text=True,
-        env=subprocess_env,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    if args[0] == "generate":
-        assert r.stdout.startswith("The capital of France is Paris")
-    elif args[0] == "inspect":
-        assert "Mary" in r.stdout
+def test_cli_on_smollm2(smollm2_gguf, smollm2, monkeypatch, tmp_path, capsys, command):
+    """``inspect`` and ``viz`` on the real model, in this process: their ``--model`` goes to the
+    loader (which the generate test above runs end to end), here answered by the module's model."""
+    from attnlab.cli import main
+    from attnlab.tools import loading
+
+    asked = []
+
+    def cached(name, **kwargs):
+        asked.append(name)
+        return smollm2
+
+    monkeypatch.setattr(loading, "load_pretrained", cached)
+    if command[0] == "viz":
+        command = [*command, "--out", str(tmp_path / "heads.png")]
+    assert main([command[0], "--model", str(smollm2_gguf), *command[1:]]) == 0, capsys.readouterr().err
+    assert asked == [str(smollm2_gguf)]
+    if command[0] == "inspect":
+        lens = [line for line in capsys.readouterr().out.splitlines() if "(= output)" in line]
+        assert lens and lens[0].split()[5] == "␣Mary", lens
     else:
         assert (tmp_path / "heads.png").stat().st_size > 1000

@@ -939,7 +939,7 @@ class GPT(nn.Module):
     @classmethod
     def from_gguf(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Any,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -947,11 +947,12 @@ class GPT(nn.Module):
         """Load a GGUF file (llama.cpp, Ollama, LM Studio): a Llama-architecture model, any of the
         quantization types the ``gguf`` package dequantizes (see :mod:`attnlab.formats.gguf`).
 
-        The file is memory-mapped and converted one tensor at a time, straight into ``dtype``.
+        ``path`` is the file, or what :func:`attnlab.formats.gguf.read_gguf` returned for it. The
+        file is memory-mapped and converted one tensor at a time, straight into ``dtype``.
         Raises ``ValueError`` naming the file when it is truncated, corrupt or not supported."""
-        from attnlab.formats.gguf import read_gguf
+        from attnlab.formats.gguf import GGUFModel, read_gguf
 
-        read = read_gguf(path, dtype=dtype)
+        read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype)
         return cls._from_state(GPTConfig(**read.fields), read.state).to(device=device)
 
     @classmethod

@@ -37,7 +37,7 @@ from attnlab.formats.chat import ChatTemplate
 from attnlab.formats.gguf import is_gguf, read_gguf
 from attnlab.formats.hf import PRETRAINED, read_pretrained_file
 from attnlab.functional import simple_self_attention
-from attnlab.model import CONFIG_NAME, GPT, GPTConfig
+from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
@@ -206,7 +206,7 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
             name=f"{p}'s chat template",
         )
     stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
-    model = GPT._from_state(GPTConfig(**read.fields), read.state).to(device=device)
+    model = GPT.from_gguf(read, device=device)
     metadata = {"source": "gguf", "name": str(p), "architecture": read.architecture}
     metadata["quantization"] = read.quantization
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
