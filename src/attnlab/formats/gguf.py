@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -126,8 +127,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gptneox": Architecture("gpt_neox", _LLAMA_CONFIG, _LLAMA_TENSORS),
 }
 SUPPORTED = tuple(name for name, a in ARCHITECTURES.items() if a.supported)
-# Tensors a file may carry that the model does not use (llama.cpp's precomputed RoPE tables of old files).
-_IGNORED_TENSORS = ("rope_freqs.weight",)
+# Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
+_REFUSED_TENSORS = {"rope_freqs.weight": "RoPE frequency factors (Llama 3.1 scaling)"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -238,14 +240,14 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
     return cfg
 
 
-def _tensor_names(arch: Architecture, n_layers: int) -> dict[str, str]:
-    names = {}
-    for gguf_name, hf_name in arch.tensors.items():
-        if "{i}" in gguf_name:
-            names |= {gguf_name.format(i=i): hf_name.format(i=i) for i in range(n_layers)}
-        else:
-            names[gguf_name] = hf_name
-    return names
+def _hf_name(arch: Architecture, name: str, n_layers: int) -> str | None:
+    """The Hugging Face name of llama.cpp tensor ``name`` (None: not one of this architecture's)."""
+    m = _LAYER_TENSOR.fullmatch(name)
+    if m is None:
+        return arch.tensors.get(name)
+    layer = int(m.group(1))
+    hf_name = arch.tensors.get("blk.{i}." + m.group(2))
+    return None if hf_name is None or layer >= n_layers else hf_name.format(i=layer)
 
 
 def _unpermute(w: Tensor, n_head: int) -> Tensor:
@@ -315,14 +317,14 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
         )
     cfg = _config(name, arch, meta, reader)
     n_layers = cfg["num_hidden_layers"]
-    names = _tensor_names(arch, n_layers)
     tensors = {}
     for t in reader.tensors:
-        if t.name in _IGNORED_TENSORS:
-            raise ValueError(f"tensor {t.name!r} (RoPE frequencies: Llama 3.1 scaling) is not supported yet")
-        if t.name not in names:
+        if t.name in _REFUSED_TENSORS:
+            raise ValueError(f"tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported yet")
+        hf_name = _hf_name(arch, t.name, n_layers)
+        if hf_name is None:
             raise ValueError(f"unexpected tensor {t.name!r} for a {name} model of {n_layers} layers")
-        tensors[names[t.name]] = t
+        tensors[hf_name] = t
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {}
     with open(p, "rb") as file:
