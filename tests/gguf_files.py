@@ -46,8 +46,11 @@ def tokens() -> list[str]:
 VOCAB = len(tokens())
 
 
-def tiny_llama(seed: int = 0, *, tie: bool = False, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB) -> Any:
-    """A random transformers Llama: width 32, 2 layers, grouped-query heads, eval mode."""
+def tiny_llama(
+    seed: int = 0, *, tie: bool = False, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB, rope: Any = None
+) -> Any:
+    """A random transformers Llama: width 32, 2 layers, grouped-query heads, eval mode (``rope``:
+    its ``rope_parameters``, default RoPE with base 500)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -59,7 +62,7 @@ def tiny_llama(seed: int = 0, *, tie: bool = False, heads: int = 4, kv_heads: in
         num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500.0},
         tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)

@@ -57,6 +57,17 @@ def test_tiny_llama_logits_equal_transformers(tmp_path, tie, heads):
         torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=0)
 
 
+def test_linear_rope_scaling(tmp_path):
+    hf = tiny_llama(seed=5, rope={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0})
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    model = GPT.from_gguf(write_gguf(tmp_path / "linear.gguf", hf, meta=meta))
+    x = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=0)
+        unscaled = GPT.from_gguf(write_gguf(tmp_path / "plain.gguf", hf))
+        assert (unscaled(x) - hf(x).logits).abs().max() > 1e-3  # the scaling matters on this input
+
+
 def test_from_gguf_dtype_and_device(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf")
     model = GPT.from_gguf(path, dtype=torch.bfloat16, device="cpu")
