@@ -170,6 +170,27 @@ def test_tiny_gguf_through_the_loader(tmp_path):
     assert loaded.tokenizer.decode(ids) == text
 
 
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3"])
+def test_pre_tokenizers_as_transformers(tmp_path, pre):
+    """llama.cpp's pre-tokenizers (how text is cut before the merges) against transformers' reading
+    of the same file, on a vocabulary whose merges show the cuts (digits, spaces, contractions)."""
+    from gguf_files import MERGES, tokens
+
+    extra = ["1 2", "12 3", "Ġ Ġ", "ĠĠ Ġ", "Ġ 1", "' s", "Ċ Ċ"]
+    vocab = tokens() + [m.replace(" ", "") for m in extra]
+    meta = {
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": vocab,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(vocab) - 3),
+        "tokenizer.ggml.merges": MERGES + extra,
+    }
+    path = write_gguf(tmp_path / "tok.gguf", meta=meta)
+    ours = HFTokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
+    for text in ["it's 12345 and  123   the a", "x   1 22 333", "Hello,\n\n  world!! 9876543210", "tabs\t\t12\n3 's"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+
+
 # ---------------------------------------------------------------------------------------------
 # The real model
 # ---------------------------------------------------------------------------------------------

@@ -626,7 +626,6 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GGUF_PRE = {
-    "default": "gpt2",
     "gpt2": "gpt2",
     "smollm": "digits+gpt2",
     "llama-bpe": _LLAMA3_SPLIT,
@@ -663,7 +662,7 @@ def gguf_tokenizer(source: str | os.PathLike[str] | Any) -> tuple[Any, int | Non
     try:
         fields = reader.fields
         value = lambda key, default=None: fields[key].contents() if key in fields else default
-        kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre", "default")
+        kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre", "gpt2")
         tokens, types, merges = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type"), None
         if kind == "gpt2":
             merges = value("tokenizer.ggml.merges")
@@ -705,7 +704,10 @@ def gguf_tokenizer(source: str | os.PathLike[str] | Any) -> tuple[Any, int | Non
         )
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     tok.decoder = decoders.ByteLevel()
     types = types or [1] * len(tokens)
