@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,7 +26,7 @@ pytest.importorskip("tokenizers")
 
 from attnlab import GPT  # noqa: E402
 from attnlab.formats.gguf import dequantize  # noqa: E402
-from attnlab.tokenizers import HFTokenizer  # noqa: E402
+from attnlab.tokenizers import HFTokenizer, tokenizer_from_dict  # noqa: E402
 from attnlab.tools.loading import load_pretrained  # noqa: E402
 from gguf_files import VOCAB, gguf_tensors, tiny_llama, write_gguf  # noqa: E402
 
@@ -168,6 +169,8 @@ def test_tiny_gguf_through_the_loader(tmp_path):
     ids = loaded.tokenizer.encode(text)
     assert ids[0] == 1 and ids.count(2) == 1  # the control tokens stay whole
     assert loaded.tokenizer.decode(ids) == text
+    again = tokenizer_from_dict(json.loads(json.dumps(loaded.tokenizer.to_dict())))  # as a checkpoint keeps it
+    assert again == loaded.tokenizer and again.encode(text) == ids and again.eot_id == 2
 
 
 @pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3"])
