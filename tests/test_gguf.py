@@ -331,3 +331,20 @@ def test_cli_on_smollm2(smollm2_gguf, smollm2, monkeypatch, tmp_path, capsys, co
         assert lens and lens[0].split()[5] == "␣Mary", lens
     else:
         assert (tmp_path / "heads.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_serve_on_smollm2(smollm2):
+    """``attnlab serve``'s API on the real model: the next-token answer of the inspector's prompt."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from attnlab.tools.serve import Engine, create_app
+
+    with TestClient(create_app(Engine(smollm2), allowed_hosts={"testserver"})) as c:
+        info = c.get("/api/info").json()["model"]
+        assert (info["n_layers"], info["n_heads"], info["n_kv_heads"], info["vocab_size"]) == (30, 9, 3, 49152)
+        r = c.post("/api/next", json={"prompt": PROMPT})
+        assert r.status_code == 200, r.text
+        top = r.json()
+    assert smollm2.tokenizer.decode([top["ids"][0]]) == " Mary" and top["probs"][0] > 0.5
