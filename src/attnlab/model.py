@@ -937,6 +937,25 @@ class GPT(nn.Module):
         return cls.from_hf_gpt2(model_or_state_dict, hf_config=hf_config, **kwargs)
 
     @classmethod
+    def from_gguf(
+        cls,
+        path: str | os.PathLike[str] | Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> GPT:
+        """Load a GGUF file (llama.cpp, Ollama, LM Studio): a Llama-architecture model, any of the
+        quantization types the ``gguf`` package dequantizes (see :mod:`attnlab.formats.gguf`).
+
+        ``path`` is the file, or what :func:`attnlab.formats.gguf.read_gguf` returned for it. The
+        file is memory-mapped and converted one tensor at a time, straight into ``dtype``.
+        Raises ``ValueError`` naming the file when it is truncated, corrupt or not supported."""
+        from attnlab.formats.gguf import GGUFModel, read_gguf
+
+        read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype)
+        return cls._from_state(GPTConfig(**read.fields), read.state).to(device=device)
+
+    @classmethod
     def _from_state(cls, config: GPTConfig, state: dict[str, Tensor]) -> GPT:
         with torch.device("meta"):
             model = cls(config)

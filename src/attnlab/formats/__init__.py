@@ -6,5 +6,6 @@ package and never the other way round:
 
 - :mod:`attnlab.formats.hf`: Hugging Face GPT-2 (Conv1D layouts), the Hub download, local directories.
 - :mod:`attnlab.formats.hf_llama`: Hugging Face Llama-family weights (Llama, Mistral).
+- :mod:`attnlab.formats.gguf`: GGUF files (llama.cpp, Ollama, LM Studio), read through the Llama mapping.
 - :mod:`attnlab.formats.chat`: chat templates (Jinja, rendered in a sandbox as transformers does).
 """

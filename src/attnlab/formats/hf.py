@@ -442,12 +442,15 @@ def read_pretrained(
         except FileNotFoundError:
             index = Path(_download(repo, WEIGHTS_INDEX, cache_dir, revision))
             files = [Path(_download(repo, f, cache_dir, revision)) for f in _shards(index)]
-    load_file = import_safetensors().torch.load_file
+    safetensors = import_safetensors()
     state: dict[str, Tensor] = {}
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{f} not found: the weights' index lists it")
-        state.update(load_file(str(f)))
+        try:
+            state.update(safetensors.torch.load_file(str(f)))
+        except safetensors.SafetensorError as e:  # truncated, corrupt header, ...: not a ValueError
+            raise ValueError(f"{f} is not a readable safetensors file ({e})") from None
     return cfg, state
 
 

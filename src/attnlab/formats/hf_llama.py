@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnlab.checks import is_int
 from attnlab.formats.hf import read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
@@ -77,6 +78,17 @@ def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]
     model_type = cfg.get("model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"expected a Llama-family model ({', '.join(LLAMA_FAMILY)}), got model_type={model_type!r}")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not is_int(cfg.get(key)) or not 0 < cfg[key] <= 1 << 31:
+            raise ValueError(f"config {key} must be a positive integer, got {cfg.get(key)!r}")
+    kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if not is_int(kv) or kv <= 0 or cfg["num_attention_heads"] % kv:
+        raise ValueError(
+            f"config num_key_value_heads={kv!r} must divide num_attention_heads={cfg['num_attention_heads']}"
+        )
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"config rms_norm_eps must be a small positive number, got {eps!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"attnlab's SwiGLU is silu-gated; this model's hidden_act is {act!r}")
@@ -125,7 +137,7 @@ def _fields_from_hf(state: dict[str, Tensor], cfg: dict[str, Any], drop_rate: fl
 
 
 def llama_to_attnlab(
-    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0
+    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0, copy: bool = True
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face Llama or Mistral.
 
@@ -135,12 +147,18 @@ def llama_to_attnlab(
         hf_config: its config (a transformers config or the dict of config.json); read from the
             model when one is given.
         drop_rate: dropout for training the converted model.
+        copy: copy every tensor (the default: the result shares no memory with the source). With
+            False the tensors of a state dict are *moved*: the dict is emptied and each tensor
+            dropped as it is converted, so a caller that owns them (the GGUF reader) never holds
+            two copies of the model.
     """
     if hasattr(model_or_state_dict, "state_dict") and callable(model_or_state_dict.state_dict):
         state = model_or_state_dict.state_dict()
         hf_config = getattr(model_or_state_dict, "config", None) if hf_config is None else hf_config
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
+        if not copy and isinstance(model_or_state_dict, dict):
+            model_or_state_dict.clear()
     else:
         raise TypeError(
             f"expected a Hugging Face Llama/Mistral model or its state dict, got {type(model_or_state_dict)}"
@@ -176,7 +194,7 @@ def llama_to_attnlab(
         )
         if tuple(state[key].shape) != want:
             raise ValueError(f"Llama weight {key!r} must have shape {want}, got {tuple(state[key].shape)}")
-        return state[key]
+        return state[key] if copy else state.pop(key)
 
     new = {"tok_emb.weight": t("embed_tokens.weight"), "final_norm.weight": t("norm.weight")}
     for i in range(fields["n_layers"]):
@@ -203,6 +221,8 @@ def llama_to_attnlab(
             new[b + "ff.layers.2.bias"] = t(h + "mlp.down_proj.bias")
     if not fields["tie_embeddings"]:
         new["out_head.weight"] = t("lm_head.weight")
+    if not copy:
+        return fields, {k: v.detach().contiguous() for k, v in new.items()}
     return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
 
 

@@ -31,15 +31,17 @@ from typing import Any
 import torch
 
 from attnlab import attention, hardware
+from attnlab.checks import is_int
 from attnlab.files import read_json
 from attnlab.formats.chat import ChatTemplate, read_chat_template
+from attnlab.formats.gguf import is_gguf, read_gguf
 from attnlab.formats.hf import PRETRAINED, read_pretrained_file
 from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
-__all__ = ["TOKENIZER_NAME", "Demo", "LoadedModel", "load", "load_demo", "load_model", "load_pretrained"]
+__all__ = ["TOKENIZER_NAME", "Demo", "LoadedModel", "load", "load_demo", "load_gguf", "load_model", "load_pretrained"]
 
 TOKENIZER_NAME = "tokenizer.json"  # beside GPT.save()'s files: how its token ids are read
 
@@ -117,7 +119,8 @@ def load_pretrained(
     """A published model and its tokenizer, through :meth:`GPT.from_pretrained`.
 
     ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``), another Hub
-    repository of a GPT-2 or a Llama-family model, or a local Hugging Face directory. The weights come
+    repository of a GPT-2 or a Llama-family model, a local Hugging Face directory, or a GGUF file
+    (``*.gguf``, or any file starting with ``GGUF``: :func:`load_gguf`). The weights come
     from the Hugging Face cache (``$HF_HOME``; downloaded once when online; set ``HF_HUB_OFFLINE=1`` to
     never try the network). The tokenizer is, in this order: GPT-2's byte-pair tokenizer when
     ``bpe_dir`` is given; the model's ``tokenizer.json`` through the ``tokenizers`` library
@@ -135,6 +138,8 @@ def load_pretrained(
             f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
         )
     local = Path(name).expanduser()
+    if name.lower() not in PRETRAINED and is_gguf(local):
+        return load_gguf(local, device=device, dtype=dtype, what=what)
     is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
     if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
         raise FileNotFoundError(f"{what} {name}: no such directory")
@@ -217,6 +222,49 @@ def _json_or_empty(path: Path) -> dict[str, Any]:
         return {}
     data = read_json(path, path.name)
     return data if isinstance(data, dict) else {}
+
+
+def load_gguf(
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    what: str = "--model",
+) -> LoadedModel:
+    """A GGUF file (llama.cpp, Ollama, LM Studio): the model (float32 unless ``dtype`` says
+    otherwise), the tokenizer and chat template the file stores, and its stop ids (end-of-text and,
+    when the file names one, end-of-turn). Every defect of the file is a ValueError naming it."""
+    p = Path(path).expanduser()
+    try:
+        return _load_gguf(p, device, dtype)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what} {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{what} {e}") from None
+
+
+def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | None) -> LoadedModel:
+    read = read_gguf(p, dtype=dtype or torch.float32)
+    tokenizer = HFTokenizer(p, reader=read.reader)
+    vocab = read.fields["vocab_size"]
+    if tokenizer.vocab_size != vocab:
+        raise ValueError(f"{p}: its tokenizer has {tokenizer.vocab_size} tokens, its model {vocab}")
+    meta = read.metadata
+    special = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "eot_token_id")}
+    text = lambda i: tokenizer.decode([i]) if is_int(i) and 0 <= i < vocab else ""
+    template = None
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        template = ChatTemplate(
+            meta["tokenizer.chat_template"],
+            bos_token=text(special["bos_token_id"]),
+            eos_token=text(special["eos_token_id"]),
+            name=f"{p}'s chat template",
+        )
+    stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
+    model = GPT.from_gguf(read, device=device)
+    metadata = {"source": "gguf", "name": str(p), "architecture": read.architecture}
+    metadata["quantization"] = read.quantization
+    return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
 
 
 def load(

@@ -1,0 +1,201 @@
+"""Small GGUF files written by the tests, the way llama.cpp's converter writes them.
+
+:func:`tiny_llama` is a transformers ``LlamaForCausalLM`` built from a small config (no download);
+:func:`write_gguf` writes it as llama.cpp's ``convert_hf_to_gguf.py`` does: llama.cpp's tensor names,
+the query and key rows permuted (:func:`permute`, a copy of the converter's ``LlamaModel.permute``),
+dimensions listed fastest first, the metadata under llama.cpp's keys, and a byte-level BPE
+tokenizer with a chat template. ``meta=`` and ``tensors=`` change what is written, for the hostile
+files of ``tests/test_hostile_models.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a"]
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's 256 printable stand-ins for bytes, in byte order (written independently of attnlab's)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def tokens() -> list[str]:
+    """The tiny vocabulary: three control tokens, the 256 bytes, then one token per merge."""
+    return SPECIALS + byte_alphabet() + [m.replace(" ", "") for m in MERGES]
+
+
+VOCAB = len(tokens())
+
+
+def tiny_llama(
+    seed: int = 0, *, tie: bool = False, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB, rope: Any = None
+) -> Any:
+    """A random transformers Llama: width 32, 2 layers, grouped-query heads, eval mode (``rope``:
+    its ``rope_parameters``, default RoPE with base 500)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500.0},
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so a mixed-up norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: Hugging Face's rotate-half rows of a
+    query/key projection into llama.cpp's interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
+    """``{llama.cpp name: float32 array}`` of a transformers Llama, q/k permuted as the converter does."""
+    cfg = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        layer = parts[1] == "layers"
+        gguf_name = f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])] if layer else HF_TO_GGUF[name]
+        w = t.detach().float().numpy().copy()
+        if gguf_name.endswith("attn_q.weight"):
+            w = permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif gguf_name.endswith("attn_k.weight"):
+            w = permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
+        out[gguf_name] = w
+    return out
+
+
+def llama_metadata(model: Any, arch: str = "llama") -> dict[str, Any]:
+    """The metadata llama.cpp's converter writes for a Llama (and the tiny tokenizer's)."""
+    cfg = model.config
+    return {
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.vocab_size": cfg.vocab_size,
+        f"{arch}.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens(),
+        "tokenizer.ggml.token_type": [3] * len(SPECIALS) + [1] * (len(tokens()) - len(SPECIALS)),
+        "tokenizer.ggml.merges": list(MERGES),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": TEMPLATE,
+    }
+
+
+def _add(writer: Any, key: str, value: Any) -> None:
+    import gguf
+
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        (writer.add_uint32 if 0 <= value < 1 << 32 else writer.add_int64)(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list):
+        if value and isinstance(value[0], int) and not isinstance(value[0], bool):
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        else:
+            writer.add_array(key, value)
+    else:
+        raise TypeError(f"no GGUF type for {key}={value!r}")
+
+
+def write_gguf(
+    path: Path,
+    model: Any = None,
+    *,
+    qtype: str = "F32",
+    arch: str = "llama",
+    meta: dict[str, Any] | None = None,
+    tensors: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+) -> Path:
+    """Write ``model`` (default: :func:`tiny_llama`) to ``path`` as llama.cpp would.
+
+    ``qtype`` quantizes the 2-D weights (``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ...; the norms stay
+    F32, as llama.cpp keeps them); ``meta`` overrides metadata (a value of None drops the key);
+    ``tensors`` edits the ``{name: array}`` dict before it is written."""
+    import gguf
+
+    model = tiny_llama() if model is None else model
+    values = llama_metadata(model, arch) | (meta or {})
+    arrays = gguf_tensors(model)
+    if tensors is not None:
+        arrays = tensors(arrays)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in values.items():
+        if value is not None:
+            _add(writer, key, value)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in arrays.items():
+        if w.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
