@@ -52,7 +52,7 @@ from attnlab.checks import (
     positive_int,
 )
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
-from attnlab.formats import hf, hf_llama
+from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
 
 __all__ = [
@@ -1070,19 +1070,29 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, model_or_state_dict: Any, *, hf_config: Any = None, **kwargs: Any) -> GPT:
-        """:meth:`from_hf_gpt2` or :meth:`from_hf_llama`, whichever the model (or ``hf_config``'s
-        ``model_type``, or the state dict's names) is."""
+        """A GPT holding the weights of a Hugging Face model of any family attnlab reads: GPT-2
+        (:meth:`from_hf_gpt2`), Llama, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2, Gemma 3 (text),
+        Phi-3, OLMo 2, GPT-NeoX/Pythia (:mod:`attnlab.formats.families`), whichever the model (or
+        ``hf_config``'s ``model_type``, or the state dict's names) is.
+
+        Args:
+            model_or_state_dict: a transformers model, or a state dict with Hugging Face's names.
+            hf_config: its config (a transformers config or the dict of ``config.json``).
+            kwargs: ``drop_rate`` (and, for GPT-2, :meth:`from_hf_gpt2`'s options).
+
+        Returns:
+            A ``GPT`` in eval mode, with the source's dtype and device, whose logits equal the source's.
+        """
         cfg = hf_config if hf_config is not None else getattr(model_or_state_dict, "config", None)
         model_type = cfg.get("model_type") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
         if model_type is None and isinstance(model_or_state_dict, dict):
             llama_keys = any(k.removeprefix("model.").startswith("embed_tokens") for k in model_or_state_dict)
             model_type = "llama" if llama_keys else "gpt2"
-        if model_type in hf_llama.LLAMA_FAMILY:
-            return cls.from_hf_llama(model_or_state_dict, hf_config=hf_config, **kwargs)
+        if model_type in families.MODEL_TYPES:
+            fields, state = families.to_attnlab(model_or_state_dict, hf_config=hf_config, **kwargs)
+            return cls._from_state(GPTConfig(**fields), state)
         if model_type not in (None, "gpt2"):
-            raise ValueError(
-                f"attnlab reads GPT-2 and Llama-family ({', '.join(hf_llama.LLAMA_FAMILY)}) models, got {model_type!r}"
-            )
+            raise ValueError(f"attnlab reads the model types gpt2, {', '.join(families.MODEL_TYPES)}; got {model_type!r}")
         return cls.from_hf_gpt2(model_or_state_dict, hf_config=hf_config, **kwargs)
 
     @classmethod
@@ -1104,7 +1114,8 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> GPT:
-        """Load OpenAI's GPT-2 weights, or a Llama-family model (Llama, Mistral).
+        """Load OpenAI's GPT-2 weights, or a model of another family :meth:`from_hf` reads (Llama,
+        Mistral, Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX/Pythia).
 
         Args:
             name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
@@ -1125,14 +1136,14 @@ class GPT(nn.Module):
         """
         hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
         model_type = hf_config.get("model_type", "gpt2")
-        if model_type in hf_llama.LLAMA_FAMILY:
-            model = cls.from_hf_llama(state, hf_config=hf_config)
+        if model_type in families.MODEL_TYPES:
+            model = cls.from_hf(state, hf_config=hf_config)
         elif model_type == "gpt2":
             model = cls.from_hf_gpt2(state, hf_config=hf_config)
         else:
             raise ValueError(
-                f"{name!r} is a {model_type!r} model; attnlab reads GPT-2 and Llama-family "
-                f"({', '.join(hf_llama.LLAMA_FAMILY)}) models"
+                f"{name!r} is a {model_type!r} model; attnlab reads the model types gpt2, "
+                f"{', '.join(families.MODEL_TYPES)}"
             )
         return model.to(device=device, dtype=dtype)
 
