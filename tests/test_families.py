@@ -137,7 +137,8 @@ def test_greedy_tokens_equal_and_the_cache_changes_nothing(pair):
     n = 12  # past the windows of 5 and 6: the caches roll
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        mask = torch.ones_like(prompt)  # (a prompt holding the pad id must not read as padding)
+        want = hf.generate(prompt, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
     cached, logits = ours.generate(prompt, n, temperature=0, return_logits=True)
     uncached, logits_u = ours.generate(prompt, n, temperature=0, use_cache=False, return_logits=True)
     assert torch.equal(cached, want)
