@@ -43,9 +43,9 @@ CASES = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(head_dim=8, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=3.0,
+        dict(head_dim=8, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=1.0,
              final_logit_softcapping=4.0),
-        dict(attn_softcap=3.0, logit_softcap=4.0, window=5, window_layers=[0, 2], post_norms=True),
+        dict(attn_softcap=1.0, logit_softcap=4.0, window=5, window_layers=[0, 2], post_norms=True),
     ),
     "gemma3": (
         "Gemma3TextConfig",
@@ -158,3 +158,160 @@ def test_traced_weights_equal_output_attentions(pair):
     for layer in range(got.n_layers):  # the tutorials' steps recompose what was applied
         steps = got.steps(layer)
         torch.testing.assert_close(torch.softmax(steps["masked"], dim=-1), steps["weights"], atol=1e-5, rtol=1e-5)
+
+
+def test_export_loads_back_into_transformers(pair):
+    name, hf, ours = pair
+    sd = families.to_hf_state_dict(ours, hf.config.model_type)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}  # (tied: transformers ties it itself)
+    for k, v in sd.items():
+        assert torch.equal(hf.state_dict()[k], v), k
+
+
+def word_tokenizer(directory, vocab_size: int) -> None:
+    """A word-level tokenizer.json of ``vocab_size`` ids (w0, w1, ...), split on spaces."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def test_model_dir_reads_a_save_pretrained_directory(pair, tmp_path):
+    """`--model DIR` (tools.loading.load_pretrained) on what save_pretrained writes."""
+    from attnlab.tools.loading import load_pretrained
+
+    name, hf, ours = pair
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(tmp_path, V)
+    loaded = load_pretrained(str(tmp_path))
+    assert loaded.model.config == ours.config
+    ids = loaded.tokenizer.encode("w3 w14 w15 w9 w26 w5")
+    assert ids == [3, 14, 15, 9, 26, 5]
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_soft_capped_head_shows_its_cap_step():
+    """The inspector's steps of a Gemma 2 head carry the cap; tracing recomposes the capped scores."""
+    from attnlab.interpret import STEP_NAMES, inspector_data, trace
+
+    ours = GPT.from_hf(build("gemma2", seed=1))
+    idx = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(6))
+    t = trace(ours, idx, stages=True)
+    steps = t.steps(0)
+    assert list(steps) == ["scores", "scaled", "capped", "masked", "weights", "head_outputs"]
+    torch.testing.assert_close(steps["capped"], 1.0 * torch.tanh(steps["scaled"] / 1.0))
+    assert steps["capped"].abs().max() < 1.0 < steps["scaled"].abs().max()  # the cap bit
+    assert "cap * torch.tanh" in STEP_NAMES["capped"]
+    page = inspector_data(t, steps="0.1")
+    head = page["steps"]["heads"][0]
+    assert head["softcap"] == 1.0 and "capped" in page["steps"]["names"]
+
+
+def test_a_config_json_without_the_new_switches_still_loads(tmp_path):
+    import json
+
+    model = GPT(GPTConfig.preset("modern", n_layers=1, emb_dim=32, n_heads=2, vocab_size=V))
+    model.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    new = {"head_size", "attn_scale", "attn_softcap", "logit_softcap", "embed_scale", "norm_offset", "window_layers",
+           "rope_local_theta", "pre_norms", "post_norms", "rotary_fraction", "parallel_residual"}
+    assert new <= set(cfg)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in new}))
+    again = GPT.load(tmp_path)
+    assert again.config == model.config
+    idx = torch.randint(0, V, (1, 7))
+    torch.testing.assert_close(again(idx), model(idx))
+
+
+# Every switch at once, from scratch: what a user may train (not a published family).
+EVERYTHING = dict(
+    vocab_size=V, context_length=32, emb_dim=24, n_heads=4, n_kv_heads=2, n_layers=3, drop_rate=0.0, bias=False,
+    pos="rope", norm="rmsnorm", mlp="geglu", activation="gelu_tanh", head_size=8, attn_scale=0.3, attn_softcap=5.0,
+    logit_softcap=7.0, embed_scale=2.0, norm_offset=1.0, window=4, sinks=1, window_layers=[0, 2],
+    rope_local_theta=50.0, post_norms=True, rotary_fraction=0.5, qk_norm="full", tie_embeddings=False,
+)
+
+
+def test_every_switch_at_once_trains_saves_and_caches(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(EVERYTHING)
+    idx = torch.randint(0, V, (2, 12))
+    loss = model.loss(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with torch.no_grad():  # larger weights: the caps and windows bite
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.eval()
+    model.save(tmp_path)
+    again = GPT.load(tmp_path)
+    assert again.config == model.config and again.config.to_dict() == EVERYTHING | again.config.to_dict()
+    torch.testing.assert_close(again(idx), model(idx))
+    caches = model.new_kv_caches(2)
+    assert [c.max_length for c in caches] == [4 + 1, 32 + 1, 4 + 1]  # each layer its own window (+ sink)
+    cached, logits = model.generate(idx[:, :3], 20, temperature=0, return_logits=True)
+    uncached, logits_u = model.generate(idx[:, :3], 20, temperature=0, use_cache=False, return_logits=True)
+    assert torch.equal(cached, uncached)
+    torch.testing.assert_close(logits, logits_u, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(attn_softcap=0.0), ValueError, "attn_softcap must be a positive number"),
+        (dict(logit_softcap=float("inf")), ValueError, "logit_softcap must be a positive number"),
+        (dict(norm="layernorm"), ValueError, "norm_offset=1 offsets RMSNorm gains"),
+        (dict(window_layers=[0, 3]), ValueError, r"window_layers must be distinct layer indices in \[0, n_layers=3\)"),
+        (dict(window_layers=[0, 0]), ValueError, "distinct"),
+        (dict(window_layers="0,2"), TypeError, "window_layers must be a list"),
+        (dict(window=None, sinks=0), ValueError, "window_layers says which layers slide a window: set window"),
+        (dict(window_layers=None), ValueError, "rope_local_theta is the RoPE base of the window_layers"),
+        (dict(rotary_fraction=0.2), ValueError, "must be even"),
+        (dict(rotary_fraction=1.5), ValueError, r"rotary_fraction must be a number in \(0, 1\]"),
+        (dict(pre_norms=False, post_norms=False), ValueError, "a block needs one of them"),
+        (dict(parallel_residual=True), ValueError, "parallel_residual with post_norms"),
+        (dict(qk_norm="whole"), TypeError, "qk_norm must be a bool, 'head' or 'full'"),
+        (dict(head_size=0), ValueError, "head_size"),
+        (dict(post_norms="yes"), TypeError, "post_norms must be a bool"),
+    ],
+)
+def test_bad_switches_are_clear_errors(overrides, error, match):
+    with pytest.raises(error, match=match):
+        GPTConfig(**{**EVERYTHING, **overrides})
+
+
+def test_bad_family_configs_are_clear_errors():
+    hf = build("qwen3", seed=0)
+    cfg = hf.config.to_dict()
+    with pytest.raises(ValueError, match="attention_bias=True in a Qwen3 config"):
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "attention_bias": True})
+    with pytest.raises(ValueError, match="silu-gated"):
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="rope_scaling type must be one of"):
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="needs 'num_hidden_layers'"):
+        GPT.from_hf(hf.state_dict(), hf_config={k: v for k, v in cfg.items() if k != "num_hidden_layers"})
+    with pytest.raises(ValueError, match="pass hf_config"):
+        GPT.from_hf(hf.state_dict(), hf_config=None) if False else families.to_attnlab(hf.state_dict())
+    sd = dict(hf.state_dict())
+    sd["model.layers.1.self_attn.q_norm.weight"] = sd["model.layers.1.self_attn.q_norm.weight"][:3]
+    with pytest.raises(ValueError, match=r"'layers\.1\.self_attn\.q_norm\.weight' must have shape \(16,\)"):
+        GPT.from_hf(sd, hf_config=cfg)
+    del sd["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.up_proj\.weight' is missing"):
+        GPT.from_hf(sd, hf_config=cfg)
+    with pytest.raises(ValueError, match="the config says 5 layers"):
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "num_hidden_layers": 5, "layer_types": None})
+    with pytest.raises(ValueError, match="attnlab reads the model types gpt2, llama"):
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "model_type": "mamba"})
+    neox = build("gpt_neox", seed=0)
+    sd = dict(neox.state_dict())
+    sd["gpt_neox.layers.0.attention.query_key_value.weight"] = sd["gpt_neox.layers.0.attention.query_key_value.weight"][:9]
+    with pytest.raises(ValueError, match="query_key_value.weight must have 96 rows"):
+        GPT.from_hf(sd, hf_config=neox.config)

@@ -99,8 +99,8 @@ class Family:
         fields: ``config.json`` dict -> the switches that differ from Llama's (see :func:`config_fields`).
         layer: attnlab name inside ``trf_blocks.i`` -> HF source inside ``layers.i``.
         outer: attnlab names outside the blocks -> HF names (``out_head`` is added when untied).
-        head: the HF name of the untied output head (GPT-NeoX: ``embed_out`` in its published
-            files, ``lm_head`` in what transformers 5 writes; the first is what export writes).
+        head: the HF names of the untied output head (GPT-NeoX: ``lm_head`` in what transformers 5
+            writes, ``embed_out`` in the published files); export writes the first.
         prefix: what HF puts before the names above (stripped when present).
     """
 
@@ -351,7 +351,7 @@ FAMILIES: dict[str, Family] = {
             "final_norm.weight": "final_layer_norm.weight",
             "final_norm.bias": "final_layer_norm.bias",
         },
-        head=("embed_out.weight", "lm_head.weight"),
+        head=("lm_head.weight", "embed_out.weight"),
         prefix="gpt_neox.",
     ),
 }
