@@ -43,8 +43,13 @@ CASES = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(head_dim=8, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=1.0,
-             final_logit_softcapping=4.0),
+        dict(
+            head_dim=8,
+            sliding_window=5,
+            query_pre_attn_scalar=12,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=4.0,
+        ),
         dict(attn_softcap=1.0, logit_softcap=4.0, window=5, window_layers=[0, 2], post_norms=True),
     ),
     "gemma3": (
@@ -66,23 +71,35 @@ CASES = {
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
-        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-             sliding_window=6, pad_token_id=0),
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            sliding_window=6,
+            pad_token_id=0,
+        ),
         dict(rotary_fraction=0.5, window=6),
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, dict(qk_norm="full", pre_norms=False, post_norms=True)),
     "gpt_neox": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
-        dict(num_key_value_heads=None, rms_norm_eps=None, layer_norm_eps=1e-5,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+        dict(
+            num_key_value_heads=None,
+            rms_norm_eps=None,
+            layer_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
         dict(norm="layernorm", bias=True, qkv_bias=True, parallel_residual=True, rotary_fraction=0.25),
     ),
     "gpt_neox_serial": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
-        dict(num_key_value_heads=None, rms_norm_eps=None, use_parallel_residual=False, hidden_act="gelu_new",
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        dict(
+            num_key_value_heads=None,
+            rms_norm_eps=None,
+            use_parallel_residual=False,
+            hidden_act="gelu_new",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
         dict(parallel_residual=False, activation="gelu_tanh"),
     ),
 }
@@ -113,13 +130,13 @@ def pair(request):
 
 
 def test_the_family_switches_are_on(pair):
-    name, hf, ours = pair
+    name, _, ours = pair
     want = CASES[name][3]
     assert {k: getattr(ours.config, k) for k in want} == want
 
 
 def test_logits_match_transformers(pair):
-    name, hf, ours = pair
+    _, hf, ours = pair
     idx = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = hf(idx).logits
@@ -132,7 +149,7 @@ def test_logits_match_transformers(pair):
 
 
 def test_greedy_tokens_equal_and_the_cache_changes_nothing(pair):
-    name, hf, ours = pair
+    _, hf, ours = pair
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4))
     n = 12  # past the windows of 5 and 6: the caches roll
     hf.generation_config.eos_token_id = None
@@ -149,7 +166,7 @@ def test_greedy_tokens_equal_and_the_cache_changes_nothing(pair):
 def test_traced_weights_equal_output_attentions(pair):
     from attnlab.interpret import trace
 
-    name, hf, ours = pair
+    _, hf, ours = pair
     idx = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = torch.stack(hf(idx, output_attentions=True).attentions)  # (L, B, H, T, T)
@@ -161,7 +178,7 @@ def test_traced_weights_equal_output_attentions(pair):
 
 
 def test_export_loads_back_into_transformers(pair):
-    name, hf, ours = pair
+    _, hf, ours = pair
     sd = families.to_hf_state_dict(ours, hf.config.model_type)
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected
@@ -184,7 +201,7 @@ def test_model_dir_reads_a_save_pretrained_directory(pair, tmp_path):
     """`--model DIR` (tools.loading.load_pretrained) on what save_pretrained writes."""
     from attnlab.tools.loading import load_pretrained
 
-    name, hf, ours = pair
+    _, hf, ours = pair
     hf.save_pretrained(tmp_path)
     word_tokenizer(tmp_path, V)
     loaded = load_pretrained(str(tmp_path))
@@ -219,8 +236,20 @@ def test_a_config_json_without_the_new_switches_still_loads(tmp_path):
     model = GPT(GPTConfig.preset("modern", n_layers=1, emb_dim=32, n_heads=2, vocab_size=V))
     model.save(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    new = {"head_size", "attn_scale", "attn_softcap", "logit_softcap", "embed_scale", "norm_offset", "window_layers",
-           "rope_local_theta", "pre_norms", "post_norms", "rotary_fraction", "parallel_residual"}
+    new = {
+        "head_size",
+        "attn_scale",
+        "attn_softcap",
+        "logit_softcap",
+        "embed_scale",
+        "norm_offset",
+        "window_layers",
+        "rope_local_theta",
+        "pre_norms",
+        "post_norms",
+        "rotary_fraction",
+        "parallel_residual",
+    }
     assert new <= set(cfg)
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in new}))
     again = GPT.load(tmp_path)
@@ -231,10 +260,32 @@ def test_a_config_json_without_the_new_switches_still_loads(tmp_path):
 
 # Every switch at once, from scratch: what a user may train (not a published family).
 EVERYTHING = dict(
-    vocab_size=V, context_length=32, emb_dim=24, n_heads=4, n_kv_heads=2, n_layers=3, drop_rate=0.0, bias=False,
-    pos="rope", norm="rmsnorm", mlp="geglu", activation="gelu_tanh", head_size=8, attn_scale=0.3, attn_softcap=5.0,
-    logit_softcap=7.0, embed_scale=2.0, norm_offset=1.0, window=4, sinks=1, window_layers=[0, 2],
-    rope_local_theta=50.0, post_norms=True, rotary_fraction=0.5, qk_norm="full", tie_embeddings=False,
+    vocab_size=V,
+    context_length=32,
+    emb_dim=24,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=3,
+    drop_rate=0.0,
+    bias=False,
+    pos="rope",
+    norm="rmsnorm",
+    mlp="geglu",
+    activation="gelu_tanh",
+    head_size=8,
+    attn_scale=0.3,
+    attn_softcap=5.0,
+    logit_softcap=7.0,
+    embed_scale=2.0,
+    norm_offset=1.0,
+    window=4,
+    sinks=1,
+    window_layers=[0, 2],
+    rope_local_theta=50.0,
+    post_norms=True,
+    rotary_fraction=0.5,
+    qk_norm="full",
+    tie_embeddings=False,
 )
 
 
@@ -312,6 +363,8 @@ def test_bad_family_configs_are_clear_errors():
         GPT.from_hf(hf.state_dict(), hf_config={**cfg, "model_type": "mamba"})
     neox = build("gpt_neox", seed=0)
     sd = dict(neox.state_dict())
-    sd["gpt_neox.layers.0.attention.query_key_value.weight"] = sd["gpt_neox.layers.0.attention.query_key_value.weight"][:9]
-    with pytest.raises(ValueError, match="query_key_value.weight must have 96 rows"):
+    sd["gpt_neox.layers.0.attention.query_key_value.weight"] = sd["gpt_neox.layers.0.attention.query_key_value.weight"][
+        :9
+    ]
+    with pytest.raises(ValueError, match=r"query_key_value\.weight must have 96 rows"):
         GPT.from_hf(sd, hf_config=neox.config)

@@ -1092,7 +1092,9 @@ class GPT(nn.Module):
             fields, state = families.to_attnlab(model_or_state_dict, hf_config=hf_config, **kwargs)
             return cls._from_state(GPTConfig(**fields), state)
         if model_type not in (None, "gpt2"):
-            raise ValueError(f"attnlab reads the model types gpt2, {', '.join(families.MODEL_TYPES)}; got {model_type!r}")
+            raise ValueError(
+                f"attnlab reads the model types gpt2, {', '.join(families.MODEL_TYPES)}; got {model_type!r}"
+            )
         return cls.from_hf_gpt2(model_or_state_dict, hf_config=hf_config, **kwargs)
 
     @classmethod

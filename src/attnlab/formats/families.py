@@ -304,8 +304,11 @@ def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
 _NEOX_LAYER: dict[str, Source] = {
     "norm1.weight": "input_layernorm.weight",
     "norm1.bias": "input_layernorm.bias",
-    **{f"att.{m}.{p}": Split(f"attention.query_key_value.{p}", s, per_head=True) for m, s in
-       (("W_query", "q"), ("W_key", "k"), ("W_value", "v")) for p in ("weight", "bias")},
+    **{
+        f"att.{m}.{p}": Split(f"attention.query_key_value.{p}", s, per_head=True)
+        for m, s in (("W_query", "q"), ("W_key", "k"), ("W_value", "v"))
+        for p in ("weight", "bias")
+    },
     "att.out_proj.weight": "attention.dense.weight",
     "att.out_proj.bias": "attention.dense.bias",
     "norm2.weight": "post_attention_layernorm.weight",

@@ -262,9 +262,9 @@ def records_data(
         maps.append((name, heads, rec.weights[0, heads]))
         scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)[0]  # (H, T, S)
         mod = None if rec.softcap is None else softcap_score_mod(rec.softcap)
-        masked = attention_scores(
-            rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H, score_mod=mod
-        )[0]
+        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H, score_mod=mod)[
+            0
+        ]
         float_mask = rec.mask is not None and rec.mask.is_floating_point()
         names = PARAMETER_FREE_NAMES if rec.q is rec.k and rec.k is rec.v else None
         for h in heads:

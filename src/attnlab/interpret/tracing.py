@@ -169,7 +169,12 @@ class Trace:
         cap = None if self.softcaps is None else self.softcaps[layer]
         mod = None if cap is None else softcap_score_mod(cap)
         masked = attention_scores(
-            q, k, self.masks[layer], is_causal=self.is_causal[layer], scale=self.scale[layer], enable_gqa=gqa,
+            q,
+            k,
+            self.masks[layer],
+            is_causal=self.is_causal[layer],
+            scale=self.scale[layer],
+            enable_gqa=gqa,
             score_mod=mod,
         )
         steps = {"scores": scores, "scaled": scaled}

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import positive_int
-from attnlab.formats.hf import gpt2_config_fields, read_pretrained_config
 from attnlab.formats.families import MODEL_TYPES, config_fields
+from attnlab.formats.hf import gpt2_config_fields, read_pretrained_config
 from attnlab.model import CONFIG_NAME, GPTConfig
 
 
