@@ -113,12 +113,12 @@ def load_pretrained(
 
     ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``), another Hub
     repository of a GPT-2 or of another family :meth:`GPT.from_hf` reads, or a local Hugging Face
-    directory. The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when
-    online; set ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer is, in this order:
-    GPT-2's byte-pair tokenizer when ``bpe_dir`` is given; the model's ``tokenizer.json`` through the ``tokenizers`` library
-    (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or ``config.json``);
-    for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory (when it holds
-    ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
+    directory. The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when online;
+    set ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer is, in this order: GPT-2's
+    byte-pair tokenizer when ``bpe_dir`` is given; the model's ``tokenizer.json`` through the
+    ``tokenizers`` library (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or
+    ``config.json``); for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory
+    (when it holds ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
 
     ``dtype`` defaults to float32 on the CPU (bfloat16 weights run slowly there) and to the weights'
     own dtype elsewhere.
