@@ -216,14 +216,13 @@ def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
     fields = _gemma(cfg)
-    n = fields["n_layers"]
+    n, head_dim = fields["n_layers"], fields.get("head_size") or cfg["hidden_size"] // fields["n_heads"]
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True: attnlab's GPT is causal")
     pattern = cfg.get("sliding_window_pattern", 6 if cfg.get("model_type") == "gemma3_text" else 2)
     fields |= _window_layers(cfg, n, [bool((i + 1) % pattern) for i in range(n)])
     return fields | dict(
-        attn_scale=cfg.get("query_pre_attn_scalar", fields.get("head_size") or cfg["hidden_size"] // fields["n_heads"])
-        ** -0.5,
+        attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5,  # as transformers: not always head_dim's
         attn_softcap=cfg.get("attn_logit_softcapping"),
         logit_softcap=cfg.get("final_logit_softcapping"),
         post_norms=True,
