@@ -666,8 +666,8 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.window, self.sinks = check_window(window, sinks)
         if self.window is not None and not self.causal:
             raise ValueError(f"window={window} is a sliding causal window: it needs causal=True")
-        if qk_norm not in (False, True, "head", "full") or not isinstance(qk_norm, (bool, str)):
-            raise ValueError(f"qk_norm must be False, True (= 'head') or 'full', got {qk_norm!r}")
+        if not (isinstance(qk_norm, bool) or qk_norm in ("head", "full")):
+            raise TypeError(f"qk_norm must be a bool, 'head' (= True) or 'full', got {qk_norm!r}")
         self.qk_norm = True if qk_norm == "head" else qk_norm  # False, True (per head) or "full"
         if not finite_real(norm_eps) or not 0 < norm_eps < 1:
             raise ValueError(f"norm_eps must be a small positive float, got {norm_eps!r}")
