@@ -368,3 +368,18 @@ def test_bad_family_configs_are_clear_errors():
     ]
     with pytest.raises(ValueError, match=r"query_key_value\.weight must have 96 rows"):
         GPT.from_hf(sd, hf_config=neox.config)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox"])
+def test_published_sizes_have_transformers_shapes(name):
+    """transformers' default config of each family (a published model's sizes: Gemma 2's head_dim 256
+    beside a width of 2304, Gemma 3's five window layers in six, ...), built on the meta device: every
+    tensor converts, and attnlab's model has the same number of parameters."""
+    cfg_cls, model_cls = CASES[name][:2]
+    config = getattr(transformers, cfg_cls)()
+    with torch.device("meta"):
+        hf = getattr(transformers, model_cls)(config)
+    ours = GPT.from_hf(hf)
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert ours.trf_blocks[0].att.head_dim == head_dim
