@@ -143,6 +143,11 @@ def test_logits_match_transformers(pair):
         got = ours(idx)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert want.std() > 0.3  # varied distributions: the check has teeth
+    with torch.no_grad():  # left padding: each row's logits are its own
+        mask = torch.ones_like(idx)
+        mask[1, :7] = 0
+        alone = hf(idx[1:2, 7:]).logits
+        torch.testing.assert_close(ours(idx, attention_mask=mask)[1, 7:], alone[0], atol=1e-4, rtol=1e-4)
     # the same from a bare state dict with the dict of its config.json
     again = GPT.from_hf(hf.state_dict(), hf_config=hf.config.to_dict())
     torch.testing.assert_close(again(idx), got)
@@ -199,6 +204,7 @@ def word_tokenizer(directory, vocab_size: int) -> None:
 
 def test_model_dir_reads_a_save_pretrained_directory(pair, tmp_path):
     """`--model DIR` (tools.loading.load_pretrained) on what save_pretrained writes."""
+    from attnlab.tools.info import config_of
     from attnlab.tools.loading import load_pretrained
 
     _, hf, ours = pair
@@ -206,6 +212,7 @@ def test_model_dir_reads_a_save_pretrained_directory(pair, tmp_path):
     word_tokenizer(tmp_path, V)
     loaded = load_pretrained(str(tmp_path))
     assert loaded.model.config == ours.config
+    assert config_of(str(tmp_path))[0] == ours.config  # attnlab info --model DIR
     ids = loaded.tokenizer.encode("w3 w14 w15 w9 w26 w5")
     assert ids == [3, 14, 15, 9, 26, 5]
     idx = torch.tensor([ids])
