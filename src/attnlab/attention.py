@@ -20,6 +20,7 @@ the right argument order, not the same model:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -678,7 +679,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.k_norm = rms_norm(k_width, float(norm_eps), float(norm_offset)) if self.qk_norm else None
         if scale is not None and not finite_real(scale):
             raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-        self.scale = 1.0 / self.head_dim**0.5 if scale is None else float(scale)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)  # (as attend's default)
         if softcap is not None and (not finite_real(softcap) or softcap <= 0):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
         self.softcap = None if softcap is None else float(softcap)
