@@ -390,3 +390,31 @@ def test_published_sizes_have_transformers_shapes(name):
     assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert ours.trf_blocks[0].att.head_dim == head_dim
+
+
+def test_llama_with_a_head_dim_of_its_own_and_its_export():
+    """Mistral Nemo's layout (head_dim * heads != width) through hf_llama, both ways."""
+    from attnlab.formats.hf_llama import to_hf_llama
+
+    cfg = {k: v for k, v in COMMON.items()} | dict(head_dim=12)
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    ours = GPT.from_hf(hf)
+    assert ours.config.head_size == 12 and ours.trf_blocks[0].att.W_query.weight.shape == (48, 32)
+    idx = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(to_hf_llama(ours)(idx).logits, hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_exports_refuse_what_their_layouts_cannot_hold():
+    from attnlab.formats.hf import to_hf_gpt2_state_dict
+    from attnlab.formats.hf_llama import to_hf_llama_state_dict
+
+    llama = dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    with pytest.raises(ValueError, match="attn_softcap"):
+        to_hf_llama_state_dict(GPT(llama | dict(attn_softcap=5.0)))
+    with pytest.raises(ValueError, match="post_norms"):
+        to_hf_llama_state_dict(GPT(llama | dict(post_norms=True)))
+    with pytest.raises(ValueError, match="parallel_residual"):
+        to_hf_gpt2_state_dict(GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, parallel_residual=True)))
