@@ -592,7 +592,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        window = cfg.attention_window if cfg.relative else cfg.window  # (see below)
+        # Relative positions attend over a sliding window (context_length by default), so a
+        # sequence may be longer than the context; learned positions only with an explicit one.
+        window = cfg.attention_window if cfg.relative else cfg.window
         if not cfg.is_window_layer(layer):
             window = cfg.context_length  # a global layer of a mixed stack (relative positions)
         # Gemma 3: the window layers rotate with a RoPE base of their own.
@@ -611,8 +613,6 @@ class TransformerBlock(nn.Module):
             rope_theta=cfg.rope_local_theta if local_rope else cfg.rope_theta,
             rope_scaling=None if local_rope else cfg.rope_scaling,
             alibi=cfg.pos == "alibi",
-            # Relative positions attend over a sliding window (context_length by default), so a
-            # sequence may be longer than the context; learned positions only with an explicit one.
             window=window,
             sinks=cfg.sinks,
             qk_norm=cfg.qk_norm,
