@@ -153,6 +153,7 @@ def test_logits_match_transformers(pair):
     torch.testing.assert_close(again(idx), got)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_and_the_cache_changes_nothing(pair):
     _, hf, ours = pair
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4))
@@ -202,6 +203,7 @@ def word_tokenizer(directory, vocab_size: int) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
+@pytest.mark.slow
 def test_model_dir_reads_a_save_pretrained_directory(pair, tmp_path):
     """`--model DIR` (tools.loading.load_pretrained) on what save_pretrained writes."""
     from attnlab.tools.info import config_of
@@ -296,6 +298,7 @@ EVERYTHING = dict(
 )
 
 
+@pytest.mark.slow
 def test_every_switch_at_once_trains_saves_and_caches(tmp_path):
     torch.manual_seed(0)
     model = GPT(EVERYTHING)
@@ -377,6 +380,7 @@ def test_bad_family_configs_are_clear_errors():
         GPT.from_hf(sd, hf_config=neox.config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox"])
 def test_published_sizes_have_transformers_shapes(name):
     """transformers' default config of each family (a published model's sizes: Gemma 2's head_dim 256
