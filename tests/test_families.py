@@ -422,3 +422,24 @@ def test_exports_refuse_what_their_layouts_cannot_hold():
         to_hf_llama_state_dict(GPT(llama | dict(post_norms=True)))
     with pytest.raises(ValueError, match="parallel_residual"):
         to_hf_gpt2_state_dict(GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, parallel_residual=True)))
+
+
+@pytest.mark.slow
+def test_generate_cli_reads_a_gemma2_directory(tmp_path, capsys):
+    """`attnlab generate --model DIR` on a Gemma 2 (soft caps, alternating windows): transformers' greedy tokens."""
+    from attnlab.cli import main
+    from attnlab.tokenizers import HFTokenizer
+
+    hf = build("gemma2", seed=7)
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(tmp_path, V)
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    prompt = "w3 w14 w15 w9"
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False, pad_token_id=0)
+    want = out[0, ids.shape[1] :].tolist()
+    argv = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "9"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
