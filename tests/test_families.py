@@ -443,3 +443,69 @@ def test_generate_cli_reads_a_gemma2_directory(tmp_path, capsys):
     argv = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "9"]
     assert main([*argv, "--device", "cpu"]) == 0
     assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
+
+
+# config.json as the published files write it (the keys before transformers 5's rope_parameters and
+# layer_types), small sizes: (config class, model class, the dict)
+OLD_STYLE = {
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=False, sliding_window=131072, max_window_layers=2, rope_theta=1000000.0),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=8,
+            sliding_window=5,
+            query_pre_attn_scalar=12,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=4.0,
+            rope_theta=10000.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=8,
+            num_hidden_layers=7,
+            sliding_window=5,
+            sliding_window_pattern=6,
+            query_pre_attn_scalar=8,
+            rope_theta=100000.0,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(rope_theta=10000.0, partial_rotary_factor=0.5, sliding_window=6, pad_token_id=0),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(num_key_value_heads=None, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", list(OLD_STYLE))
+def test_published_config_json_keys(model_type):
+    cfg_cls, model_cls, extra = OLD_STYLE[model_type]
+    old = {k: v for k, v in {**COMMON, **extra}.items() if v is not None} | {"model_type": model_type}
+    if model_type == "gpt_neox":
+        old = {k: v for k, v in old.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
+    torch.manual_seed(8)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**old)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    ours = GPT.from_hf(hf.state_dict(), hf_config=old)  # the old-style dict, not transformers' reading of it
+    assert ours.config == GPT.from_hf(hf).config
+    idx = torch.randint(0, V, (1, 19), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
