@@ -822,8 +822,9 @@ class MultiHeadAttention(_DropsTutorialMask):
             sinks=sinks,
             score_mod=self._score_mod,  # soft-capping (None: the fused kernels)
             return_weights=return_weights or observed,
-            # A soft cap is not a bias the fused kernel can add: the explicit path, except on CUDA (flex).
-            backend="reference" if self._score_mod is not None and not q.is_cuda else "auto",
+            # A soft cap is not a bias a fused kernel can add: the explicit path, as transformers' eager
+            # Gemma 2 (flex_attention could fuse it on CUDA; untested here at Gemma's head width of 256).
+            backend="reference" if self._score_mod is not None else "auto",
         )
         heads, weights = result if return_weights or observed else (result, None)  # (b, H, n, hd), (b, H, n, S)
         if observed:
