@@ -18,8 +18,8 @@ Gemma 3       gemma3_text     Gemma 2's without the caps, plus QK-norm, a RoPE b
 Phi-3         phi3            fused ``qkv_proj`` and ``gate_up_proj`` (split here), partial rotary
 OLMo 2        olmo2           norms after each sublayer only (``pre_norms=False, post_norms=True``),
                               QK-norm over the whole width (``qk_norm="full"``)
-GPT-NeoX      gpt_neox        LayerNorm with biases, biases everywhere, partial rotary
-(Pythia)                      (``rotary_fraction``), parallel residual (``parallel_residual``),
+GPT-NeoX      gpt_neox        Pythia's: LayerNorm with biases, biases everywhere, partial rotary
+                              (``rotary_fraction``), parallel residual (``parallel_residual``),
                               fused per-head ``query_key_value`` (split here)
 ============  ==============  ============================================================================
 
