@@ -86,3 +86,16 @@ def test_gqa_lesson():
     assert "17.18 GB, 4.29 GB and 0.54 GB" in " ".join(text.split())
     assert t["sizes"].tolist() == [4 * t["sizes"][1].item(), t["sizes"][1].item(), t["sizes"][1].item() // 8]
     torch.testing.assert_close(t["weights"].sum(-1), torch.ones(1, 4, 6))
+
+
+def test_soft_capping_lesson():
+    t, text = run("soft-capping")
+    x = tc.INPUTS.double()
+    for i in range(6):  # by hand, in float64: 2 tanh(s / 2), then a causal softmax
+        row = [2 * math.tanh(4 * float(x[i] @ x[j]) / 2) for j in range(i + 1)]
+        assert max(abs(a - float(b)) for a, b in zip(row, t["capped"][i, : i + 1], strict=True)) < 1e-5
+        z = sum(math.exp(s) for s in row)
+        want = [math.exp(s) / z for s in row] + [0.0] * (5 - i)
+        assert max(abs(a - float(b)) for a, b in zip(want, t["weights"][i], strict=True)) < 1e-5
+    assert float(t["scores"].max()) > 2 > float(t["capped"].max())  # the cap bit
+    assert "applies the same step: max |difference| = 0.0e+00" in " ".join(text.split())

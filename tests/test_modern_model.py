@@ -130,7 +130,7 @@ def test_save_load_roundtrip_of_every_variant(tmp_path, name):
     [
         (dict(pos="relative"), ValueError, "pos must be one of 'learned', 'rope', 'alibi', 'none'"),
         (dict(norm="batchnorm"), ValueError, "norm must be one of"),
-        (dict(mlp="geglu"), ValueError, "mlp must be one of"),
+        (dict(mlp="swish"), ValueError, "mlp must be one of"),
         (dict(window=0), ValueError, "window must be a positive int"),
         (dict(window=2.5), ValueError, "window must be a positive int"),
         (dict(sinks=-1), ValueError, "sinks must be a non-negative int"),

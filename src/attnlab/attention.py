@@ -20,6 +20,7 @@ the right argument order, not the same model:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from attnlab.functional import (
     combine_masks,
     positions_mask,
     scaled_dot_product_attention,
+    softcap_score_mod,
 )
 from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
 
@@ -56,6 +58,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "OffsetRMSNorm",
     "SelfAttention_v1",
     "SelfAttention_v2",
 ]
@@ -489,6 +492,8 @@ class AttentionRecord:
         q_positions: ``(1 or b, n)`` positions of the queries, for modules with positions (RoPE, ALiBi,
             a window), else None; k_positions: ``(1 or b, S)`` of the keys (a rolling cache holds them
             out of order; -1 = empty slot or padding).
+        softcap: soft-capping of the scaled scores, ``cap * tanh(scores / cap)`` before any mask
+            (Gemma 2), or None.
     """
 
     q: Tensor
@@ -501,6 +506,36 @@ class AttentionRecord:
     head_outputs: Tensor
     q_positions: Tensor | None = None
     k_positions: Tensor | None = None
+    softcap: float | None = None
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose gain is ``offset + weight`` (Gemma: ``offset=1``, so a zero weight is the identity).
+
+    Computed in float32 and cast back afterwards, as Gemma does (Llama casts before the gain). The
+    weight starts at ``1 - offset``: a gain of 1, as ``nn.RMSNorm``'s. Shapes: ``(..., dim) -> (..., dim)``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 1.0) -> None:
+        super().__init__()
+        self.eps, self.offset = float(eps), float(offset)
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # (..., dim) float32
+        return (y * (self.offset + self.weight.float())).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+
+
+def rms_norm(dim: int, eps: float, offset: float = 0.0) -> nn.Module:
+    """``nn.RMSNorm`` (gain ``weight``), or :class:`OffsetRMSNorm` for a gain ``offset + weight``."""
+    return nn.RMSNorm(dim, eps=eps) if offset == 0 else OffsetRMSNorm(dim, eps, offset)
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,8 +570,19 @@ class MultiHeadAttention(_DropsTutorialMask):
         window: sliding causal window: each query sees itself and the ``window - 1`` keys before it.
         sinks: with ``window``, the first ``sinks`` tokens stay visible to every query.
         qk_norm: RMSNorm (with a learned gain) on each query and key head before the scores
-            (OLMo 2, Qwen 3; nanochat without the gain), which keeps the logits bounded.
-        norm_eps: epsilon of those RMSNorms.
+            (Qwen 3, Gemma 3; nanochat without the gain), which keeps the logits bounded;
+            ``"full"``: one RMSNorm over all the heads' queries (and one over the keys) before they
+            are split into heads (OLMo 2).
+        norm_eps: epsilon of those RMSNorms; norm_offset: their gain is ``norm_offset + weight``
+            (Gemma 3: 1).
+        head_dim: width of each head (default ``d_out // num_heads``); the projections are then
+            ``num_heads * head_dim`` wide and ``out_proj`` maps that back to ``d_out`` (Gemma, Qwen 3).
+        scale: the multiplier of ``q k^T`` (default ``1 / sqrt(head_dim)``; Gemma 2: a configured
+            ``query_pre_attn_scalar ** -0.5``).
+        softcap: soft-cap the scaled scores, ``softcap * tanh(scores / softcap)``, before masking
+            and the softmax (Gemma 2: 50), so no score exceeds the cap.
+        rope_dim: with ``rope``, rotate only the first ``rope_dim`` features of each head (partial
+            rotary: GPT-NeoX/Pythia a quarter, Phi-4-mini three quarters); the others carry no position.
 
     A module with positions (``rope``, ``alibi`` or ``window``) attends at explicit positions: by
     default ``0, 1, ...`` after the tokens in its cache; ``positions`` in :meth:`forward` overrides
@@ -571,8 +617,13 @@ class MultiHeadAttention(_DropsTutorialMask):
         alibi: bool = False,
         window: int | None = None,
         sinks: int = 0,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        head_dim: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        rope_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.d_in = positive_int("d_in", d_in)
@@ -580,7 +631,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.context_length = positive_int("context_length", context_length)
         self.num_heads = _check_num_heads(num_heads, "MultiHeadAttention")
         _check_dropout(dropout, "MultiHeadAttention")
-        if d_out % num_heads != 0:
+        if head_dim is None and d_out % num_heads != 0:
             raise ValueError(f"d_out must be divisible by num_heads, got d_out={d_out} and num_heads={num_heads}")
         num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
@@ -590,13 +641,14 @@ class MultiHeadAttention(_DropsTutorialMask):
             )
         self.kv_dim = d_in if kv_dim is None else positive_int("kv_dim", kv_dim)
         self.num_kv_heads = num_kv_heads
-        self.head_dim = d_out // num_heads
+        self.head_dim = d_out // num_heads if head_dim is None else positive_int("head_dim", head_dim)
+        self.inner_dim = num_heads * self.head_dim  # = d_out unless head_dim is given
         self.causal = check_bool("causal", causal)
         kv_out = num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, self.inner_dim, bias=qkv_bias)
         self.W_key = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         # Attention since GPT-2 (created after the tutorials' parameters: their numbers stay the same).
         self.rope = check_bool("rope", rope)
@@ -607,16 +659,31 @@ class MultiHeadAttention(_DropsTutorialMask):
             raise ValueError(f"rope_theta must be a number > 1, got {rope_theta!r}")
         self.rope_theta = float(rope_theta)
         self.rope_scaling = check_rope_scaling(rope_scaling)
+        self.rope_dim = self.head_dim if rope_dim is None else positive_int("rope_dim", rope_dim)
+        if self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim={rope_dim} must be at most head_dim={self.head_dim}")
         if self.rope:
-            rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # odd head_dim: a ValueError here
+            rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)  # odd rope_dim: a ValueError here
         self.window, self.sinks = check_window(window, sinks)
         if self.window is not None and not self.causal:
             raise ValueError(f"window={window} is a sliding causal window: it needs causal=True")
-        self.qk_norm = check_bool("qk_norm", qk_norm)
+        if not (isinstance(qk_norm, bool) or qk_norm in ("head", "full")):
+            raise TypeError(f"qk_norm must be a bool, 'head' (= True) or 'full', got {qk_norm!r}")
+        self.qk_norm = True if qk_norm == "head" else qk_norm  # False, True (per head) or "full"
         if not finite_real(norm_eps) or not 0 < norm_eps < 1:
             raise ValueError(f"norm_eps must be a small positive float, got {norm_eps!r}")
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=float(norm_eps)) if self.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=float(norm_eps)) if self.qk_norm else None
+        if not finite_real(norm_offset):
+            raise ValueError(f"norm_offset must be a number, got {norm_offset!r}")
+        q_width, k_width = (self.inner_dim, kv_out) if qk_norm == "full" else (self.head_dim, self.head_dim)
+        self.q_norm = rms_norm(q_width, float(norm_eps), float(norm_offset)) if self.qk_norm else None
+        self.k_norm = rms_norm(k_width, float(norm_eps), float(norm_offset)) if self.qk_norm else None
+        if scale is not None and not finite_real(scale):
+            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)  # (as attend's default)
+        if softcap is not None and (not finite_real(softcap) or softcap <= 0):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+        self.softcap = None if softcap is None else float(softcap)
+        self._score_mod = None if softcap is None else softcap_score_mod(self.softcap)
         # Called with an AttentionRecord after every attend() when set (attnlab's inspection tools
         # set it for the length of a traced pass); the weights are then computed explicitly.
         self.observer: Callable[[MultiHeadAttention, AttentionRecord], None] | None = None
@@ -666,7 +733,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             if self.W_query.bias is not None:
                 b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
             kv_out = self.num_kv_heads * self.head_dim
-            return F.linear(x, w, b).split([self.d_out, kv_out, kv_out], dim=-1)
+            return F.linear(x, w, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
         source = x if context is None else context
         return self.W_query(x), self.W_key(source), self.W_value(source)
 
@@ -718,9 +785,11 @@ class MultiHeadAttention(_DropsTutorialMask):
         """
         b, n, _ = x.shape
         q, k, v = self._project_qkv(x, context)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # all heads' queries (keys) together to unit RMS (OLMo 2)
         q = q.view(b, n, self.num_heads, self.head_dim)  # (b, n, H, hd)
         k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim)  # (b, m, Hkv, hd)
-        if self.qk_norm:
+        if self.qk_norm is True:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to unit RMS, times a learned gain
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, H, n, hd), (b, Hkv, m, hd)
         v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
@@ -747,10 +816,15 @@ class MultiHeadAttention(_DropsTutorialMask):
             attn_mask=mask,
             dropout_p=self.dropout.p if self.training else 0.0,
             is_causal=is_causal,
+            scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
             window=window,
             sinks=sinks,
+            score_mod=self._score_mod,  # soft-capping (None: the fused kernels)
             return_weights=return_weights or observed,
+            # A soft cap is not a bias a fused kernel can add: the explicit path, as transformers' eager
+            # Gemma 2 (flex_attention could fuse it on CUDA; untested here at Gemma's head width of 256).
+            backend="reference" if self._score_mod is not None else "auto",
         )
         heads, weights = result if return_weights or observed else (result, None)  # (b, H, n, hd), (b, H, n, S)
         if observed:
@@ -758,9 +832,9 @@ class MultiHeadAttention(_DropsTutorialMask):
                 mask = combine_masks(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
             if kv_cache is not None and kv_cache.rolling:  # views of slots the next steps overwrite
                 k, v, k_pos = k.clone(), v.clone(), k_pos.clone()
-            scale = 1.0 / self.head_dim**0.5
-            self.observer(self, AttentionRecord(q, k, v, mask, is_causal, scale, weights, heads, q_pos, k_pos))
-        out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.d_out))  # (b, n, d_out)
+            record = AttentionRecord(q, k, v, mask, is_causal, self.scale, weights, heads, q_pos, k_pos, self.softcap)
+            self.observer(self, record)
+        out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.inner_dim))  # (b, n, d_out)
         return (out, weights) if return_weights else out
 
     def _at_positions(
@@ -789,7 +863,12 @@ class MultiHeadAttention(_DropsTutorialMask):
         if self.rope:
             cos, sin = rope if rope is not None else self.rope_cos_sin(positions, q.dtype)
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (angles in float32; rotate in the queries' dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, H, n, hd), (b, Hkv, n, hd)
+            if self.rope_dim == self.head_dim:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, H, n, hd), (b, Hkv, n, hd)
+            else:  # partial rotary: the first rope_dim features turn, the rest keep no position
+                r = self.rope_dim
+                q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)  # (b, H, n, hd)
+                k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)  # (b, Hkv, n, hd)
         ordered, k_pos = True, positions
         if kv_cache is not None:
             self._check_ring(kv_cache, n)
@@ -827,8 +906,8 @@ class MultiHeadAttention(_DropsTutorialMask):
             )
 
     def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """RoPE's ``(cos, sin)`` for ``positions (1 or b, n)``, shaped ``(1 or b, 1, n, head_dim)``."""
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, scaling=self.rope_scaling, dtype=dtype)
+        """RoPE's ``(cos, sin)`` for ``positions (1 or b, n)``, shaped ``(1 or b, 1, n, rope_dim)``."""
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, scaling=self.rope_scaling, dtype=dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _check_forward(
@@ -939,5 +1018,9 @@ class MultiHeadAttention(_DropsTutorialMask):
         if self.window is not None:
             extra += f", window={self.window}" + (f", sinks={self.sinks}" if self.sinks else "")
         if self.qk_norm:
-            extra += ", qk_norm=True"
+            extra += f", qk_norm={self.qk_norm!r}"
+        if self.rope and self.rope_dim != self.head_dim:
+            extra += f", rope_dim={self.rope_dim}"
+        if self.softcap is not None:
+            extra += f", softcap={self.softcap:g}"
         return extra

@@ -64,6 +64,7 @@ __all__ = [
     "positions_mask",
     "scaled_dot_product_attention",
     "simple_self_attention",
+    "softcap_score_mod",
 ]
 
 Backend = Literal["auto", "fused", "reference", "flex"]
@@ -84,6 +85,18 @@ def check_window(window: object, sinks: object = 0) -> tuple[int | None, int]:
     if sinks and window is None:
         raise ValueError(f"sinks={sinks} keeps the first keys visible beside a sliding window: set window too")
     return (None if window is None else int(window)), int(sinks)
+
+
+def softcap_score_mod(cap: float) -> ScoreMod:
+    """Soft-capping as a ``score_mod``: ``cap * tanh(score / cap)`` (Gemma 2's attention logits, cap 50).
+
+    Close to the identity for scores much smaller than ``cap``, and never beyond ``+-cap``: no head
+    can grow one score so large that its softmax becomes a one-hot."""
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
 
 
 def causal_mask(

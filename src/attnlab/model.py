@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import generation
-from attnlab.attention import KVCache, MultiHeadAttention
+from attnlab.attention import KVCache, MultiHeadAttention, OffsetRMSNorm, rms_norm
 from attnlab.checks import (
     can_read_values,
     check_model_size,
@@ -52,7 +52,7 @@ from attnlab.checks import (
     positive_int,
 )
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
-from attnlab.formats import hf, hf_llama
+from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
 
 __all__ = [
@@ -73,7 +73,7 @@ CONFIG_NAME = "config.json"
 _ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}
 POSITIONS = ("learned", "rope", "alibi", "none")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu", "relu2")
+MLPS = ("gelu", "swiglu", "geglu", "relu2")
 
 
 def _id_ranges(*pairs: tuple[Tensor, int | None]) -> list[int]:
@@ -213,7 +213,29 @@ class GPTConfig:
             it (Mistral). Default: ``context_length`` for relative positions, none for learned.
         sinks: the first ``sinks`` tokens stay visible beside the window (StreamingLLM): a model
             generating far past its window keeps its attention sinks.
-        qk_norm: RMSNorm on each query and key head before the scores.
+        qk_norm: RMSNorm on each query and key head before the scores (``True`` or ``"head"``), or
+            ``"full"``: one RMSNorm over all the queries (keys) of a token before the split into heads.
+
+    Model families after Llama (defaults: off; :mod:`attnlab.formats.families` sets them):
+        head_size: width of each head (Hugging Face's ``head_dim``; default ``emb_dim // n_heads``).
+            Gemma and Qwen 3 decouple it: the projections are ``n_heads * head_size`` wide.
+        attn_scale: multiplier of ``q k^T`` (default ``1 / sqrt(head_size)``; Gemma 2/3:
+            ``query_pre_attn_scalar ** -0.5``).
+        attn_softcap: soft-cap the attention scores, ``cap * tanh(scores / cap)`` (Gemma 2: 50).
+        logit_softcap: soft-cap the output logits the same way (Gemma 2: 30).
+        embed_scale: multiply the token embeddings by this (Gemma: ``sqrt(emb_dim)``).
+        norm_offset: RMSNorm gains are ``norm_offset + weight`` (Gemma: 1, weights start at 0).
+        window_layers: the layers that use ``window``; the others attend globally (over
+            ``context_length``). Gemma 2: every other layer, Gemma 3: five of every six. None: all.
+        rope_local_theta: RoPE base of the ``window_layers``, which then get no ``rope_scaling``
+            (Gemma 3: 10000 locally, ``rope_theta`` = 1e6 with its scaling globally).
+        pre_norms: normalise the input of each sublayer (GPT-2, Llama; OLMo 2 has none).
+        post_norms: normalise the output of each sublayer before adding it to the stream
+            (Gemma 2/3 with ``pre_norms``: "sandwich" norms; OLMo 2 alone).
+        rotary_fraction: with ``pos="rope"``, the fraction of each head's features that rotate
+            (GPT-NeoX/Pythia: 0.25; Phi-4-mini: 0.75).
+        parallel_residual: attention and MLP both read the block's input and are added together,
+            ``x + att(norm1(x)) + ff(norm2(x))`` (GPT-NeoX, GPT-J).
     """
 
     vocab_size: int = 50257
@@ -236,12 +258,24 @@ class GPTConfig:
     mlp: str = "gelu"
     window: int | None = None
     sinks: int = 0
-    qk_norm: bool = False
+    qk_norm: bool | str = False
+    head_size: int | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    embed_scale: float | None = None
+    norm_offset: float = 0.0
+    window_layers: list[int] | None = None
+    rope_local_theta: float | None = None
+    pre_norms: bool = True
+    post_norms: bool = False
+    rotary_fraction: float = 1.0
+    parallel_residual: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             positive_int(name, getattr(self, name))
-        for name in ("n_kv_heads", "ff_dim"):
+        for name in ("n_kv_heads", "ff_dim", "head_size"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         d = self.drop_rate
@@ -257,7 +291,7 @@ class GPTConfig:
         self.ln_eps = float(eps)
         if self.activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
-        if self.emb_dim % self.n_heads != 0:
+        if self.head_size is None and self.emb_dim % self.n_heads != 0:
             raise ValueError(
                 f"emb_dim must be divisible by n_heads, got emb_dim={self.emb_dim} and n_heads={self.n_heads}"
             )
@@ -268,10 +302,17 @@ class GPTConfig:
         for name, allowed in (("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
-        if self.pos == "rope" and self.head_dim % 2:
+        if not is_real(self.rotary_fraction) or not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"rotary_fraction must be a number in (0, 1], got {self.rotary_fraction!r}")
+        self.rotary_fraction = float(self.rotary_fraction)
+        if self.pos == "rope" and (self.rope_dim % 2 or self.rope_dim == 0):
             raise ValueError(
-                f"pos='rope' rotates pairs of features: the head width emb_dim / n_heads = {self.head_dim} must be even"
+                f"pos='rope' rotates pairs of features: the rotated width head_dim * rotary_fraction = "
+                f"{self.head_dim} * {self.rotary_fraction:g} = {self.head_dim * self.rotary_fraction:g} must be even "
+                "(and positive)"
             )
+        if self.rotary_fraction != 1 and self.pos != "rope":
+            raise ValueError(f"rotary_fraction={self.rotary_fraction:g} is a share of RoPE: it needs pos='rope'")
         if not finite_real(self.rope_theta) or self.rope_theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
         self.rope_theta = float(self.rope_theta)
@@ -286,8 +327,11 @@ class GPTConfig:
             )
         if self.sinks >= self.attention_window:
             raise ValueError(f"sinks={self.sinks} must be less than the window ({self.attention_window})")
-        if not isinstance(self.qk_norm, bool):
-            raise TypeError(f"qk_norm must be a bool, got {self.qk_norm!r}")
+        if self.qk_norm == "head":
+            self.qk_norm = True  # (what a config.json of before "full" existed says)
+        if not (isinstance(self.qk_norm, bool) or self.qk_norm == "full"):
+            raise TypeError(f"qk_norm must be a bool, 'head' or 'full', got {self.qk_norm!r}")
+        self._check_families()
         # Past sane sizes (a hand-edited config.json with n_layers: 1000000) is an error here, before
         # anything is built: not minutes of building modules, or terabytes of weights.
         check_model_size(
@@ -299,10 +343,61 @@ class GPTConfig:
             ff_dim=self.hidden_dim,
         )
 
+    def _check_families(self) -> None:
+        """The switches of the families after Llama (see the class docstring)."""
+        for name in ("attn_scale", "attn_softcap", "logit_softcap", "embed_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                if not finite_real(value) or value <= 0:
+                    raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+                setattr(self, name, float(value))
+        if not finite_real(self.norm_offset):
+            raise ValueError(f"norm_offset must be a number (Gemma: 1.0), got {self.norm_offset!r}")
+        self.norm_offset = float(self.norm_offset)
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ValueError(f"norm_offset={self.norm_offset:g} offsets RMSNorm gains: it needs norm='rmsnorm'")
+        for name in ("pre_norms", "post_norms", "parallel_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.pre_norms or self.post_norms):
+            raise ValueError("pre_norms and post_norms are both False: a block needs one of them")
+        if self.parallel_residual and self.post_norms:
+            raise ValueError("parallel_residual with post_norms is no published block: choose one")
+        if self.window_layers is not None:
+            layers = self.window_layers
+            if not isinstance(layers, (list, tuple)) or not all(is_int(i) for i in layers):
+                raise TypeError(f"window_layers must be a list of layer indices or None, got {layers!r}")
+            if any(not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(
+                    f"window_layers must be distinct layer indices in [0, n_layers={self.n_layers}), got {layers!r}"
+                )
+            if self.window is None or not self.relative:
+                raise ValueError(
+                    "window_layers says which layers slide a window: set window, with relative positions (pos='rope', "
+                    "'alibi' or 'none')"
+                )
+            self.window_layers = sorted(int(i) for i in layers)
+        if self.rope_local_theta is not None:
+            if not finite_real(self.rope_local_theta) or self.rope_local_theta <= 1:
+                raise ValueError(f"rope_local_theta must be a number > 1 or None, got {self.rope_local_theta!r}")
+            if self.pos != "rope" or self.window_layers is None:
+                raise ValueError("rope_local_theta is the RoPE base of the window_layers: it needs pos='rope' and them")
+            self.rope_local_theta = float(self.rope_local_theta)
+
     # Derived sizes --------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.emb_dim // self.n_heads
+        """Width of each head: ``head_size``, else ``emb_dim // n_heads``."""
+        return self.emb_dim // self.n_heads if self.head_size is None else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of each head that RoPE rotates (``head_dim * rotary_fraction``)."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    def is_window_layer(self, i: int) -> bool:
+        """Whether layer ``i`` attends over ``window`` (all layers unless ``window_layers`` says)."""
+        return self.window_layers is None or i in self.window_layers
 
     @property
     def kv_heads(self) -> int:
@@ -428,14 +523,17 @@ class FeedForward(nn.Module):
     selects the exact one. ``"relu2"``: ``relu(x)^2`` (nanochat, modded-nanogpt): cheaper than GELU
     and as good at small scale. ``"swiglu"``: Llama's gated unit ``silu(x W_gate) * (x W_up)``; its
     first layer computes gate and up in one matmul (``2 * hidden`` outputs, gate first).
+    ``"geglu"``: Gemma's, ``gelu(x W_gate) * (x W_up)`` (the GELU of ``cfg.activation``).
     Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        gated = cfg.mlp == "swiglu"
+        gated = cfg.mlp in ("swiglu", "geglu")
         if cfg.mlp == "gelu":
             act: nn.Module = nn.GELU(approximate=_ACTIVATIONS[cfg.activation])
+        elif cfg.mlp == "geglu":
+            act = GeGLU(_ACTIVATIONS[cfg.activation])
         else:
             act = SwiGLU() if gated else ReLUSquared()
         self.layers = nn.Sequential(
@@ -463,9 +561,21 @@ class SwiGLU(nn.Module):
         return F.silu(gate) * up
 
 
+class GeGLU(nn.Module):
+    """``gelu(gate) * up`` for ``x = [gate | up]`` (``approximate``: nn.GELU's argument)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
 def _norm(cfg: GPTConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.emb_dim, eps=cfg.ln_eps)
+        return rms_norm(cfg.emb_dim, cfg.ln_eps, cfg.norm_offset)
     return nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
 
 
@@ -473,12 +583,23 @@ class TransformerBlock(nn.Module):
     """Pre-norm transformer block: ``x + att(norm1(x))`` then ``x + ff(norm2(x))``.
 
     Normalising *before* each sublayer (GPT-2's choice) keeps the residual stream an identity
-    path, which is what lets deep stacks train without warm-up tricks.
+    path, which is what lets deep stacks train without warm-up tricks. Variants (``GPTConfig``):
+    ``post_norms`` normalise each sublayer's output before it joins the stream
+    (``x + post_norm1(att(norm1(x)))``: Gemma 2/3's sandwich; without ``pre_norms``, OLMo 2's
+    ``x + post_norm1(att(x))``); ``parallel_residual`` adds both sublayers of the block's input at
+    once (GPT-NeoX). ``layer`` is the block's index (``window_layers`` picks the sliding ones).
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.norm1 = _norm(cfg)
+        # Relative positions attend over a sliding window (context_length by default), so a
+        # sequence may be longer than the context; learned positions only with an explicit one.
+        window = cfg.attention_window if cfg.relative else cfg.window
+        if not cfg.is_window_layer(layer):
+            window = cfg.context_length  # a global layer of a mixed stack (relative positions)
+        # Gemma 3: the window layers rotate with a RoPE base of their own.
+        self.local_rope = local_rope = cfg.rope_local_theta is not None and cfg.is_window_layer(layer)
+        self.norm1 = _norm(cfg) if cfg.pre_norms else None
         self.att = MultiHeadAttention(
             d_in=cfg.emb_dim,
             d_out=cfg.emb_dim,
@@ -489,18 +610,24 @@ class TransformerBlock(nn.Module):
             num_kv_heads=cfg.n_kv_heads,
             out_bias=cfg.bias,
             rope=cfg.pos == "rope",
-            rope_theta=cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
+            rope_theta=cfg.rope_local_theta if local_rope else cfg.rope_theta,
+            rope_scaling=None if local_rope else cfg.rope_scaling,
             alibi=cfg.pos == "alibi",
-            # Relative positions attend over a sliding window (context_length by default), so a
-            # sequence may be longer than the context; learned positions only with an explicit one.
-            window=cfg.attention_window if cfg.relative else cfg.window,
+            window=window,
             sinks=cfg.sinks,
             qk_norm=cfg.qk_norm,
             norm_eps=cfg.ln_eps,
+            norm_offset=cfg.norm_offset,
+            head_dim=cfg.head_size,
+            scale=cfg.attn_scale,
+            softcap=cfg.attn_softcap,
+            rope_dim=cfg.rope_dim if cfg.pos == "rope" else None,
         )
-        self.norm2 = _norm(cfg)
+        self.post_norm1 = _norm(cfg) if cfg.post_norms else None
+        self.norm2 = _norm(cfg) if cfg.pre_norms else None
         self.ff = FeedForward(cfg)
+        self.post_norm2 = _norm(cfg) if cfg.post_norms else None
+        self.parallel_residual = cfg.parallel_residual
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
     def forward(
@@ -514,10 +641,17 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once);
         ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`."""
-        att = self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)
+        h = x if self.norm1 is None else self.norm1(x)
+        att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
+        if self.post_norm1 is not None:
+            att = self.post_norm1(att)
+        if self.parallel_residual:  # the MLP reads the block's input too, not x + att
+            return x + self.drop_shortcut(att) + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
         x = x + self.drop_shortcut(att)  # (B, T, C)
-        x = x + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
-        return x
+        ff = self.ff(x if self.norm2 is None else self.norm2(x))
+        if self.post_norm2 is not None:
+            ff = self.post_norm2(ff)
+        return x + self.drop_shortcut(ff)  # (B, T, C)
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,7 +684,9 @@ class GPT(nn.Module):
         # BadLM_V2 sized it by vocab_size; see examples/badlm_v2.py). Relative positions need none.
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim) if cfg.pos == "learned" else None
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
+        # A layer whose RoPE angles the others share: {local_rope: layer} (two entries for Gemma 3).
+        self.rope_sources = {b.local_rope: i for i, b in reversed(list(enumerate(self.trf_blocks)))}
         self.final_norm = _norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -574,6 +710,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, OffsetRMSNorm):
+                module.reset_parameters()
         std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for block in self.trf_blocks:
             nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=std)
@@ -614,10 +752,13 @@ class GPT(nn.Module):
         if not cfg.relative and cfg.window is None:
             n = cfg.context_length if max_length is None else max_length
             return [block.att.new_kv_cache(batch_size, n) for block in self.trf_blocks]
-        ring = cfg.attention_window + cfg.sinks
-        n = ring if max_length is None else min(max_length, ring)
-        sinks = cfg.sinks if cfg.sinks < n else 0  # (a cache too short to ever wrap needs no pinned slots)
-        return [block.att.new_kv_cache(batch_size, n, rolling=True, sinks=sinks) for block in self.trf_blocks]
+        caches = []
+        for block in self.trf_blocks:
+            ring = block.att.window + cfg.sinks  # (window_layers: each layer's own window)
+            n = ring if max_length is None else min(max_length, ring)
+            sinks = cfg.sinks if cfg.sinks < n else 0  # (a cache too short to ever wrap needs no pinned slots)
+            caches.append(block.att.new_kv_cache(batch_size, n, rolling=True, sinks=sinks))
+        return caches
 
     # Forward ------------------------------------------------------------------------------------
     def check_idx(self, idx: object, past: int = 0, *, values: bool = True, limit_length: bool = True) -> Tensor:
@@ -767,18 +908,26 @@ class GPT(nn.Module):
                 positions = (counts if positions is None else positions.expand(B, T)).masked_fill(~key_mask[:, -T:], -1)
             at = torch.arange(past, past + T, device=idx.device)[None] if positions is None else positions  # (1|B, T)
             x = self.tok_emb(idx)  # (B, T, C)
+            if cfg.embed_scale is not None:  # Gemma: times sqrt(emb_dim), rounded to the weights' dtype
+                x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
             if cfg.pos == "learned":
                 x = x + self.pos_emb(at.clamp(min=0))
             x = self.drop_emb(x)
-            # RoPE's cosines and sines once for every layer: (1 or B, 1, T, head_dim) each.
-            rope = self.trf_blocks[0].att.rope_cos_sin(at, x.dtype) if cfg.pos == "rope" else None
+            # RoPE's cosines and sines once for every layer: (1 or B, 1, T, rope_dim) each; Gemma 3's
+            # window layers have a RoPE base of their own.
+            ropes = {}
+            if cfg.pos == "rope":
+                ropes = {k: self.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in self.rope_sources.items()}
             for i, block in enumerate(self.trf_blocks):
                 cache = None if kv_caches is None else kv_caches[i]
-                x = block(x, kv_cache=cache, positions=positions, rope=rope)  # (B, T, C)
+                x = block(x, kv_cache=cache, positions=positions, rope=ropes.get(block.local_rope))  # (B, T, C)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.final_norm(x)
-        return self.out_head(x)  # (B, T, vocab_size)
+        logits = self.out_head(x)  # (B, T, vocab_size)
+        if cfg.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        return logits
 
     @staticmethod
     def check_attention_mask(mask: object, B: int, S: int) -> Tensor:
@@ -921,18 +1070,30 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, model_or_state_dict: Any, *, hf_config: Any = None, **kwargs: Any) -> GPT:
-        """:meth:`from_hf_gpt2` or :meth:`from_hf_llama`, whichever the model (or ``hf_config``'s
-        ``model_type``, or the state dict's names) is."""
+        """A GPT holding the weights of a Hugging Face model of any family attnlab reads: GPT-2
+        (:meth:`from_hf_gpt2`), Llama, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2, Gemma 3 (text),
+        Phi-3, OLMo 2, GPT-NeoX/Pythia (:mod:`attnlab.formats.families`), whichever the model (or
+        ``hf_config``'s ``model_type``, or the state dict's names) is.
+
+        Args:
+            model_or_state_dict: a transformers model, or a state dict with Hugging Face's names.
+            hf_config: its config (a transformers config or the dict of ``config.json``).
+            kwargs: ``drop_rate`` (and, for GPT-2, :meth:`from_hf_gpt2`'s options).
+
+        Returns:
+            A ``GPT`` in eval mode, with the source's dtype and device, whose logits equal the source's.
+        """
         cfg = hf_config if hf_config is not None else getattr(model_or_state_dict, "config", None)
         model_type = cfg.get("model_type") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
         if model_type is None and isinstance(model_or_state_dict, dict):
             llama_keys = any(k.removeprefix("model.").startswith("embed_tokens") for k in model_or_state_dict)
             model_type = "llama" if llama_keys else "gpt2"
-        if model_type in hf_llama.LLAMA_FAMILY:
-            return cls.from_hf_llama(model_or_state_dict, hf_config=hf_config, **kwargs)
+        if model_type in families.MODEL_TYPES:
+            fields, state = families.to_attnlab(model_or_state_dict, hf_config=hf_config, **kwargs)
+            return cls._from_state(GPTConfig(**fields), state)
         if model_type not in (None, "gpt2"):
             raise ValueError(
-                f"attnlab reads GPT-2 and Llama-family ({', '.join(hf_llama.LLAMA_FAMILY)}) models, got {model_type!r}"
+                f"attnlab reads the model types gpt2, {', '.join(families.MODEL_TYPES)}; got {model_type!r}"
             )
         return cls.from_hf_gpt2(model_or_state_dict, hf_config=hf_config, **kwargs)
 
@@ -974,7 +1135,8 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> GPT:
-        """Load OpenAI's GPT-2 weights, or a Llama-family model (Llama, Mistral).
+        """Load OpenAI's GPT-2 weights, or a model of another family :meth:`from_hf` reads (Llama,
+        Mistral, Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX/Pythia).
 
         Args:
             name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
@@ -995,14 +1157,14 @@ class GPT(nn.Module):
         """
         hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
         model_type = hf_config.get("model_type", "gpt2")
-        if model_type in hf_llama.LLAMA_FAMILY:
-            model = cls.from_hf_llama(state, hf_config=hf_config)
+        if model_type in families.MODEL_TYPES:
+            model = cls.from_hf(state, hf_config=hf_config)
         elif model_type == "gpt2":
             model = cls.from_hf_gpt2(state, hf_config=hf_config)
         else:
             raise ValueError(
-                f"{name!r} is a {model_type!r} model; attnlab reads GPT-2 and Llama-family "
-                f"({', '.join(hf_llama.LLAMA_FAMILY)}) models"
+                f"{name!r} is a {model_type!r} model; attnlab reads the model types gpt2, "
+                f"{', '.join(families.MODEL_TYPES)}"
             )
         return model.to(device=device, dtype=dtype)
 

@@ -7,5 +7,7 @@ package and never the other way round:
 - :mod:`attnlab.formats.hf`: Hugging Face GPT-2 (Conv1D layouts), the Hub download, local directories.
 - :mod:`attnlab.formats.hf_llama`: Hugging Face Llama-family weights (Llama, Mistral).
 - :mod:`attnlab.formats.gguf`: GGUF files (llama.cpp, Ollama, LM Studio), read through the Llama mapping.
+- :mod:`attnlab.formats.families`: the families after Llama (Qwen2/2.5, Qwen3, Gemma, Gemma 2,
+  Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX/Pythia), one table each, and the dispatch by ``model_type``.
 - :mod:`attnlab.formats.chat`: chat templates (Jinja, rendered in a sandbox as transformers does).
 """

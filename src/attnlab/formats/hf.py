@@ -271,6 +271,24 @@ def gpt2_to_attnlab(
 # --------------------------------------------------------------------------------------------
 # attnlab -> Hugging Face
 # --------------------------------------------------------------------------------------------
+# The GPTConfig switches of the families after Llama (attnlab.formats.families), as they are when
+# off: neither GPT-2's nor Llama's layout can hold a model that turns one on.
+FAMILY_SWITCHES_OFF = {
+    "head_size": None,
+    "attn_scale": None,
+    "attn_softcap": None,
+    "logit_softcap": None,
+    "embed_scale": None,
+    "norm_offset": 0.0,
+    "window_layers": None,
+    "rope_local_theta": None,
+    "pre_norms": True,
+    "post_norms": False,
+    "rotary_fraction": 1.0,
+    "parallel_residual": False,
+}
+
+
 def _check_exportable(model: GPT) -> GPTConfig:
     # Duck-typed: this module sits below attnlab.model, so it cannot name the class.
     cfg = getattr(model, "config", None)
@@ -281,6 +299,7 @@ def _check_exportable(model: GPT) -> GPTConfig:
             f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
         )
     gpt2 = {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "window": None, "qk_norm": False}
+    gpt2 |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size" or cfg.head_size != cfg.head_dim}
     other = {k: getattr(cfg, k) for k, v in gpt2.items() if getattr(cfg, k, v) != v}
     if other:
         raise ValueError(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import is_int
-from attnlab.formats.hf import read_pretrained
+from attnlab.formats.hf import FAMILY_SWITCHES_OFF, read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT, GPTConfig
@@ -93,9 +93,11 @@ def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]
     if act != "silu":
         raise ValueError(f"attnlab's SwiGLU is silu-gated; this model's hidden_act is {act!r}")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ValueError(f"head_dim={head_dim} x {heads} heads != hidden_size={hidden}: attnlab's heads split it")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ValueError(
+            f"config hidden_size={hidden} is not divisible by num_attention_heads={heads}, and no head_dim is given"
+        )
+    head_dim = cfg.get("head_dim") or hidden // heads  # (Mistral Nemo: 32 heads of 128 in a width of 5120)
     attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise ValueError("attnlab's GPT has one bias switch for the output projection and the MLP (bias=...)")
@@ -121,6 +123,7 @@ def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]
         norm="rmsnorm",
         mlp="swiglu",
         window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        head_size=None if head_dim * heads == hidden else head_dim,
     )
 
 
@@ -169,14 +172,14 @@ def llama_to_attnlab(
             raise TypeError(f"state dict entry {k!r} is a {type(v).__name__}, not a tensor")
     fields = _fields_from_hf(state, _config_dict(hf_config), drop_rate)
     C, V, F = fields["emb_dim"], fields["vocab_size"], fields["ff_dim"]
-    hd = C // fields["n_heads"]
-    kv = fields["n_kv_heads"] * hd
+    hd = fields["head_size"] or C // fields["n_heads"]
+    q, kv = fields["n_heads"] * hd, fields["n_kv_heads"] * hd
     shapes = {
-        "self_attn.q_proj.weight": (C, C),
+        "self_attn.q_proj.weight": (q, C),
         "self_attn.k_proj.weight": (kv, C),
         "self_attn.v_proj.weight": (kv, C),
-        "self_attn.o_proj.weight": (C, C),
-        "self_attn.q_proj.bias": (C,),
+        "self_attn.o_proj.weight": (C, q),
+        "self_attn.q_proj.bias": (q,),
         "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,),
         "mlp.gate_proj.weight": (F, C),
@@ -234,7 +237,8 @@ def _check_exportable(model: GPT) -> GPTConfig:
     if not isinstance(model, torch.nn.Module) or not hasattr(cfg, "kv_heads"):
         raise TypeError(f"expected an attnlab GPT, got {type(model).__name__}")
     llama = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "sinks": 0, "qk_norm": False}
-    other = {k: getattr(cfg, k) for k, v in llama.items() if getattr(cfg, k) != v}
+    llama |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size"}  # (Llama's config has head_dim)
+    other = {k: getattr(cfg, k) for k, v in llama.items() if getattr(cfg, k, v) != v}
     if cfg.qkv_bias != cfg.bias:
         other["qkv_bias, bias"] = (cfg.qkv_bias, cfg.bias)
     if other:
@@ -299,6 +303,7 @@ def to_hf_llama_config(model: GPT) -> Any:
         tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters=rope,
         attention_dropout=cfg.drop_rate,
+        head_dim=cfg.head_dim,
     )
     if cfg.window is not None:
         return transformers.MistralConfig(**common, sliding_window=cfg.window)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from attnlab.attention import AttentionRecord
-from attnlab.functional import attention_scores
+from attnlab.functional import attention_scores, softcap_score_mod
 from attnlab.interpret.ablation import parse_heads
 from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
 from attnlab.interpret.analysis import rollout as attention_rollout
@@ -170,24 +170,34 @@ def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, 
 # The tutorials' steps of one head
 # --------------------------------------------------------------------------------------------
 def _head_steps(
-    row: int, head: int, name: str, st: dict[str, Tensor], scale: float, float_mask: bool, names: dict | None = None
+    row: int,
+    head: int,
+    name: str,
+    st: dict[str, Tensor],
+    scale: float,
+    float_mask: bool,
+    names: dict | None = None,
+    softcap: float | None = None,
 ) -> dict:
     """One head's steps for the page, from ``st``: ``q (T, hd)``, ``k, v (S, hd)``, ``scores``,
     ``masked``, ``weights (T, S)`` and ``head_outputs (T, hd)``, as the library computed them.
 
     The page stores ``scores`` and which keys each query may attend, and derives ``scaled = scores *
-    scale`` (in float32, as torch) and ``masked = allowed ? scaled (+ bias) : -inf``; a layer with an
-    additive float mask (a position bias) also stores that bias."""
+    scale`` (in float32, as torch), for a soft-capped head ``capped = softcap * tanh(scaled / softcap)``,
+    and ``masked = allowed ? scaled or capped (+ bias) : -inf``; a layer with an additive float mask
+    (a position bias) also stores that bias."""
     scores, masked = st["scores"].float(), st["masked"].float()
     allowed = masked != float("-inf")
     bias = None
     if float_mask:
-        bias = torch.where(allowed, masked - scores * scale, torch.zeros_like(masked))
+        before = scores * scale if softcap is None else softcap * torch.tanh(scores * scale / softcap)
+        bias = torch.where(allowed, masked - before, torch.zeros_like(masked))
     return {
         "row": row,
         "head": head,
         "name": name,
         "scale": float(scale),
+        "softcap": softcap,
         "q": pack(st["q"].float()),
         "k": pack(st["k"].float()),
         "v": pack(st["v"].float()),
@@ -251,7 +261,10 @@ def records_data(
         heads = [int(h) for h in chosen[0]] if chosen else list(range(H))
         maps.append((name, heads, rec.weights[0, heads]))
         scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)[0]  # (H, T, S)
-        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H)[0]
+        mod = None if rec.softcap is None else softcap_score_mod(rec.softcap)
+        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H, score_mod=mod)[
+            0
+        ]
         float_mask = rec.mask is not None and rec.mask.is_floating_point()
         names = PARAMETER_FREE_NAMES if rec.q is rec.k and rec.k is rec.v else None
         for h in heads:
@@ -265,7 +278,7 @@ def records_data(
                 "weights": rec.weights[0, h],
                 "head_outputs": rec.head_outputs[0, h],
             }
-            steps.append(_head_steps(r, h, name, st, rec.scale, float_mask, names))
+            steps.append(_head_steps(r, h, name, st, rec.scale, float_mask, names, rec.softcap))
     n = sum(w.numel() for _, _, w in maps)
     data["layers"] = _layers(maps, _weights_dtype(n, "auto"))
     data["steps"] = _steps_section(steps, 0)
@@ -481,7 +494,8 @@ def _steps_of_trace(
         }
         float_mask = not _bool_mask(trace.masks[layer])
         r = shown_layers.index(layer)
-        heads.append(_head_steps(r, h, f"layer {layer}", head_st, trace.scale[layer], float_mask))
+        cap = None if trace.softcaps is None else trace.softcaps[layer]
+        heads.append(_head_steps(r, h, f"layer {layer}", head_st, trace.scale[layer], float_mask, softcap=cap))
     return _steps_section(heads, len(shown_layers) * n_shown - len(heads))
 
 

@@ -29,7 +29,7 @@ from attnlab.attention import (
     SelfAttention_v2,
 )
 from attnlab.checks import check_float_tensor
-from attnlab.functional import attention_scores, simple_self_attention
+from attnlab.functional import attention_scores, simple_self_attention, softcap_score_mod
 
 __all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "record_module", "trace"]
 
@@ -38,6 +38,7 @@ __all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "reco
 STEP_NAMES = {
     "scores": "attn_scores = queries @ keys.T",
     "scaled": "attn_scores / keys.shape[-1]**0.5",
+    "capped": "attn_scores = cap * torch.tanh(attn_scores / cap)",  # only a soft-capped layer (Gemma 2)
     "masked": "attn_scores.masked_fill(mask.bool(), -torch.inf)",
     "weights": "attn_weights = torch.softmax(masked, dim=-1)",
     "head_outputs": "context_vec = attn_weights @ values",
@@ -103,6 +104,8 @@ class Trace:
         scale, is_causal: per layer, the multiplier of ``q k^T`` and whether causal masking applied.
         masks: per layer, the mask the layer applied besides causality (bool, True = may attend, or
             an additive float bias), broadcastable to ``(B, H, T, S)``; or None.
+        softcaps: per layer, the cap of ``cap * tanh(scores / cap)`` applied to the scaled scores
+            before the mask (Gemma 2), or None.
     With ``stages=True`` (else None):
         q: ``(L, B, H, T, hd)``; k, v: ``(L, B, Hkv, S, hd)`` (after any rotation the layer applies);
         head_outputs: ``(L, B, H, T, hd)`` = ``weights @ v`` per head;
@@ -120,6 +123,7 @@ class Trace:
     is_causal: list[bool]
     masks: list[Tensor | None]
     attention_mask: Tensor | None = None
+    softcaps: list[float | None] | None = None
     q: Tensor | None = None
     k: Tensor | None = None
     v: Tensor | None = None
@@ -150,8 +154,9 @@ class Trace:
     # The tutorials' steps --------------------------------------------------------------------------
     def steps(self, layer: int) -> dict[str, Tensor]:
         """The steps of layer ``layer`` for all heads, each ``(B, H, T, S)`` (``head_outputs``:
-        ``(B, H, T, hd)``): ``scores = q @ k^T``, ``scaled = scores * scale``, ``masked`` (``-inf``
-        where masked, or the layer's additive bias added), ``weights`` and ``head_outputs``.
+        ``(B, H, T, hd)``): ``scores = q @ k^T``, ``scaled = scores * scale``, for a soft-capped
+        layer ``capped = cap * tanh(scaled / cap)``, ``masked`` (``-inf`` where masked, or the
+        layer's additive bias added), ``weights`` and ``head_outputs``.
 
         ``softmax(masked) == weights`` and ``weights @ v == head_outputs`` (rows with no key to
         attend, e.g. padding, have all ``-inf`` scores and zero weights)."""
@@ -161,16 +166,21 @@ class Trace:
         gqa = k.shape[1] != q.shape[1]
         scores = attention_scores(q, k, scale=1.0, enable_gqa=gqa)  # (B, H, T, S): q @ k^T
         scaled = scores * self.scale[layer]
+        cap = None if self.softcaps is None else self.softcaps[layer]
+        mod = None if cap is None else softcap_score_mod(cap)
         masked = attention_scores(
-            q, k, self.masks[layer], is_causal=self.is_causal[layer], scale=self.scale[layer], enable_gqa=gqa
+            q,
+            k,
+            self.masks[layer],
+            is_causal=self.is_causal[layer],
+            scale=self.scale[layer],
+            enable_gqa=gqa,
+            score_mod=mod,
         )
-        return {
-            "scores": scores,
-            "scaled": scaled,
-            "masked": masked,
-            "weights": self.weights[layer],
-            "head_outputs": self.head_outputs[layer],
-        }
+        steps = {"scores": scores, "scaled": scaled}
+        if cap is not None:
+            steps["capped"] = cap * torch.tanh(scaled / cap)
+        return steps | {"masked": masked, "weights": self.weights[layer], "head_outputs": self.head_outputs[layer]}
 
     def _stacked(self, name: str) -> Tensor:
         if name not in self._cache:
@@ -295,6 +305,7 @@ def trace(
         is_causal=[bool(r.is_causal) for r in records],
         masks=[None if r.mask is None else r.mask.detach() for r in records],
         attention_mask=attention_mask,
+        softcaps=[r.softcap for r in records],
         model=model,
         tokenizer=tokenizer,
     )

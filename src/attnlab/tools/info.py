@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import positive_int
+from attnlab.formats.families import MODEL_TYPES, config_fields
 from attnlab.formats.hf import gpt2_config_fields, read_pretrained_config
-from attnlab.formats.hf_llama import LLAMA_FAMILY, config_fields
 from attnlab.model import CONFIG_NAME, GPTConfig
 
 
@@ -154,7 +154,7 @@ def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: 
 
 def config_of(source: str) -> tuple[GPTConfig, str]:
     """``(GPTConfig, name)`` of a model: a directory with a ``config.json`` (attnlab's, or a Hugging
-    Face GPT-2 / Llama-family one), a training run, or a Hub repository id (its config.json only,
+    Face one of a family attnlab reads), a training run, or a Hub repository id (its config.json only,
     from the cache when offline)."""
     path = Path(source).expanduser()
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
@@ -167,6 +167,6 @@ def config_of(source: str) -> tuple[GPTConfig, str]:
         return GPTConfig.from_dict(cfg), source
     if model_type == "gpt2":
         return GPTConfig(**gpt2_config_fields(cfg)), source
-    if model_type in LLAMA_FAMILY:
+    if model_type in MODEL_TYPES:
         return GPTConfig(**config_fields(cfg)), source
-    raise ValueError(f"{source}: a {model_type!r} model; attnlab reads GPT-2 and Llama-family configs")
+    raise ValueError(f"{source}: a {model_type!r} model; attnlab reads the configs of gpt2, {', '.join(MODEL_TYPES)}")

@@ -10,7 +10,8 @@ wrong. :func:`load_model` reads a directory of attnlab's:
   :meth:`attnlab.tokenizers.Tokenizer.to_dict` description).
 
 :func:`load_pretrained` reads published models: OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...) or a
-Llama-family model (Llama, Mistral), from the Hugging Face cache (downloading once when online) or a
+model of another family ``GPT.from_hf`` reads (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2,
+GPT-NeoX/Pythia), from the Hugging Face cache (downloading once when online) or a
 local Hugging Face directory (``config.json`` + safetensors weights, as ``save_pretrained`` writes),
 with the model's own ``tokenizer.json`` or, for a GPT-2 without one, GPT-2's byte-pair tokenizer. :func:`load` picks one
 of the two from command-line style arguments. :func:`load_demo` gives the tutorials' six-word
@@ -119,14 +120,14 @@ def load_pretrained(
     """A published model and its tokenizer, through :meth:`GPT.from_pretrained`.
 
     ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``), another Hub
-    repository of a GPT-2 or a Llama-family model, a local Hugging Face directory, or a GGUF file
-    (``*.gguf``, or any file starting with ``GGUF``: :func:`load_gguf`). The weights come
-    from the Hugging Face cache (``$HF_HOME``; downloaded once when online; set ``HF_HUB_OFFLINE=1`` to
-    never try the network). The tokenizer is, in this order: GPT-2's byte-pair tokenizer when
-    ``bpe_dir`` is given; the model's ``tokenizer.json`` through the ``tokenizers`` library
-    (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or ``config.json``);
-    for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory (when it holds
-    ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
+    repository of a GPT-2 or of another family :meth:`GPT.from_hf` reads, or a local Hugging Face
+    directory, or a GGUF file (``*.gguf``, or any file starting with ``GGUF``: :func:`load_gguf`).
+    The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when online;
+    set ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer is, in this order: GPT-2's
+    byte-pair tokenizer when ``bpe_dir`` is given; the model's ``tokenizer.json`` through the
+    ``tokenizers`` library (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or
+    ``config.json``); for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory
+    (when it holds ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
 
     ``dtype`` defaults to :func:`attnlab.hardware.inference_dtype`: the weights' own half precision
     where the device computes it natively (bf16 on CUDA and on CPUs with AVX512-BF16 or AMX), else

@@ -8,7 +8,7 @@
 //                                generation}
 //   weights(row, i)              Float32Array T*S: the weights of head i (an index into layers[row].heads)
 //   thumbnail(row, i, n)         Float32Array n*n: the same, max-pooled
-//   steps(row, head)             the tutorials' steps of one head (q, k, v, scores, allowed, bias, weights,
+//   steps(row, head)             the tutorials' steps of one head (q, k, v, scores, softcap, allowed, bias, weights,
 //                                head_outputs, scale, T, S, hd) or null when the page does not hold them
 //   nextTokens(pos, settings)    {ids, probs, approx, greedy} after {temperature, topK, topP}
 //   rollout(fusion)              Float32Array T*T
@@ -146,7 +146,7 @@ class EmbeddedSource {
     const get = (name) => (s[name] ? this.arr(s[name]) : null);
     const q = get("q"), k = get("k"), scores = get("scores");
     return {
-      name: s.name, scale: s.scale, T: scores.rows, S: scores.cols, hd: q.cols,
+      name: s.name, scale: s.scale, softcap: s.softcap || null, T: scores.rows, S: scores.cols, hd: q.cols,
       q: q.matrix(0), k: k.matrix(0), v: get("v").matrix(0), scores: scores.matrix(0),
       allowed: get("allowed").matrix(0), bias: s.bias ? get("bias").matrix(0) : null,
       weights: get("weights").matrix(0), head_outputs: get("head_outputs").matrix(0),
@@ -565,11 +565,13 @@ async function showInspector(source, opts) {
       $("steps-note").textContent = "Queries, keys and values of this head, then the steps of \u201cA simple "
         + "self-attention mechanism\u201d as the model computed them. Scale = "
         + (usual ? "1/\u221a" + hd + " = " : "") + scale.toFixed(4) + ". Hover a cell for its number.";
-      const f32 = Math.fround, sc = f32(scale);
+      const f32 = Math.fround, sc = f32(scale), cap = s.softcap;
       const scaled = new Float32Array(R * S), masked = new Float32Array(R * S);
+      const capped = cap ? new Float32Array(R * S) : scaled;  // a soft-capped head (Gemma 2): cap * tanh(x / cap)
       for (let p = 0; p < R * S; p++) {
         scaled[p] = f32(s.scores[p] * sc);  // float32 arithmetic, as torch
-        masked[p] = s.allowed[p] > 0.5 ? (s.bias ? f32(scaled[p] + s.bias[p]) : scaled[p]) : -Infinity;
+        if (cap) capped[p] = f32(cap * Math.tanh(scaled[p] / cap));
+        masked[p] = s.allowed[p] > 0.5 ? (s.bias ? f32(capped[p] + s.bias[p]) : capped[p]) : -Infinity;
       }
       let all = true;
       for (let p = 0; p < R * S && all; p++) all = s.allowed[p] > 0.5;
@@ -584,6 +586,7 @@ async function showInspector(source, opts) {
         ["v", s.names.v, s.v, S, hd, tl, dim, "div"],
         ["scores", s.names.scores, s.scores, R, S, tl, tl, "div"],
         ["scaled", s.names.scaled, scaled, R, S, tl, tl, "div"],
+        ...(cap ? [["capped", s.names.capped + "   (cap = " + cap + ")", capped, R, S, tl, tl, "div"]] : []),
         ["masked", maskedName, masked, R, S, tl, tl, "div"],
         ["weights", s.names.weights, s.weights, R, S, tl, tl, "seq"],
         ["head_outputs", s.names.head_outputs, s.head_outputs, R, hd, tl, dim, "div"],
@@ -597,6 +600,7 @@ async function showInspector(source, opts) {
           + fmt(v, 4),
         scaled: (i, j, v) => "attn_scores[" + i + ", " + j + "] / \u221a" + hd + " = " + fmt(s.scores[i * S + j], 4)
           + " \u00d7 " + scale.toFixed(4) + " = " + fmt(v, 4),
+        capped: (i, j, v) => cap + " \u00d7 tanh(" + fmt(scaled[i * S + j], 4) + " / " + cap + ") = " + fmt(v, 4),
         masked: (i, j, v) => v === -Infinity ? "masked[" + i + ", " + j + "] = -inf: query " + i
           + " may not attend to key " + j : "masked[" + i + ", " + j + "] = " + fmt(v, 4) + " (kept)",
         weights: (i, j, v) => "attn_weights[" + i + ", " + j + "] = softmax(masked[" + i + "])[" + j + "] = "

@@ -1,11 +1,12 @@
-"""Lessons on attention since GPT-2: ``rope``, ``alibi``, ``sliding-window`` and ``gqa``.
+"""Lessons on attention since GPT-2: ``rope``, ``alibi``, ``sliding-window``, ``gqa`` and ``soft-capping``.
 
 The tutorials stop at GPT-2's attention. These lessons start from their numbers (the six words of
 "A simple self-attention mechanism", the trainable projections of its ``SelfAttention_v2`` under the
 tutorial's seed) and show, tensor by tensor, what the models after it changed, each claim checked
 numerically: a rotation keeps lengths and makes scores depend only on the distance between tokens;
 ALiBi's penalty does the same without parameters; a window bounds what a token sees and what the
-cache must keep; shared key/value heads shrink the cache by the group size.
+cache must keep; shared key/value heads shrink the cache by the group size; a soft cap bounds every
+score while leaving small ones as they were.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from attnlab import tutorial_code as tc
 from attnlab.attention import MultiHeadAttention, SelfAttention_v2
-from attnlab.functional import causal_mask, scaled_dot_product_attention
+from attnlab.functional import causal_mask, scaled_dot_product_attention, softcap_score_mod
 from attnlab.positions import alibi_bias, alibi_score_mod, alibi_slopes, apply_rope, rope_cos_sin, rope_inv_freq
 from attnlab.tools.explain.registry import GPT_GUIDE, lesson
 from attnlab.tools.explain.walk import Walk
@@ -23,7 +24,7 @@ from attnlab.tools.info import kv_cache_bytes
 
 __all__ = ["MODERN_LESSONS"]
 
-MODERN_LESSONS = ("rope", "alibi", "sliding-window", "gqa")  # registered below, in this order
+MODERN_LESSONS = ("rope", "alibi", "sliding-window", "gqa", "soft-capping")  # registered below, in this order
 
 # What these lessons follow: the GPT-style guide, then past where it stops (not one of its sections,
 # so `attnlab explain --tutorial gpt-style` keeps to the guide itself).
@@ -226,3 +227,47 @@ def gqa(w: Walk) -> dict[str, Tensor]:
         "`attnlab info --kv-memory` prints such tables for any preset or model."
     )
     return {"weights": weights, "out": out, "repeated": repeated, "sizes": sizes}
+
+
+@lesson(
+    "soft-capping",
+    "soft-capping: cap * tanh(scores / cap), the step Gemma 2 adds before the mask",
+    headline="soft-capped attention scores",
+    tutorial=AFTER_GUIDE,
+)
+def soft_capping(w: Walk) -> dict[str, Tensor]:
+    w.say(
+        "Gemma 2 bounds every attention score: after scaling, scores become cap * tanh(scores / cap) "
+        "(cap = 50), and its final logits the same way (cap = 30). Small scores pass almost as they "
+        "were; none can exceed the cap, so no single key can take all of a softmax. The tutorial's "
+        "scores inputs @ inputs.T, times 4 to make them large, with a cap of 2:"
+    )
+    inputs = tc.INPUTS.clone()  # (6, 3)
+    scores = 4 * (inputs @ inputs.T)  # (6, 6)
+    cap = 2.0
+    w.step("capped = cap * torch.tanh(attn_scores / cap)")
+    capped = cap * torch.tanh(scores / cap)  # (6, 6)
+    w.show("attn_scores", scores, f"up to {float(scores.max()):.1f}")
+    w.show("capped", capped, "all within (-2, 2)")
+    w.value("capped.abs().max()", float(capped.abs().max()), f"below the cap of {cap:g}")
+    small = torch.tensor([0.01, -0.05, 0.1])
+    w.check("near 0 the cap changes almost nothing", cap * torch.tanh(small / cap), small)
+    masked = capped.masked_fill(~causal_mask(6), float("-inf"))  # (6, 6)
+    weights = torch.softmax(masked, dim=-1)  # (6, 6)
+    w.show("weights = softmax(masked capped scores)", weights, "the cap, then the mask, then the softmax")
+    _, lib = scaled_dot_product_attention(
+        scores[None, None],
+        torch.eye(6)[None, None],
+        torch.eye(6)[None, None],
+        is_causal=True,
+        scale=1.0,
+        score_mod=softcap_score_mod(cap),
+        return_weights=True,
+    )  # (1, 1, 6, 6): queries = the scores, keys = the identity, so q @ k.T = the scores
+    w.check("attnlab's score_mod=softcap_score_mod(2.0) applies the same step", lib[0, 0], weights)
+    w.say(
+        "In attnlab: MultiHeadAttention(..., softcap=50.0), GPTConfig(attn_softcap=50.0, "
+        "logit_softcap=30.0); the inspector's steps of such a head show the capped scores between "
+        "the scaled and the masked ones."
+    )
+    return {"scores": scores, "capped": capped, "weights": weights}
