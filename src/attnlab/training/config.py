@@ -89,9 +89,16 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "The "
     progress: bool = True
+    # Fine-tuning (see attnlab.training.lora) and sharding (attnlab.training.fsdp).
+    init_from: str | None = None  # the pretrained model it starts from (the caller loads it: Trainer(init=...))
+    lora_rank: int = 0  # 0: every parameter trains; r > 0: LoRA adapters of rank r, the base frozen
+    lora_alpha: float | None = None  # None: 2 * lora_rank
+    lora_targets: str | None = None  # None: q,k,v,o
+    fsdp: bool = False  # under torchrun: FSDP2 (fully_shard) instead of DDP
 
     # Settings a resumed run must keep (they define the model, its data or its batch sequence).
     FIXED_ON_RESUME = ("data", "tokenizer", "preset", "context_length", "dropout", "seed", "val_fraction", "optimizer")
+    FIXED_ON_RESUME += ("init_from", "lora_rank", "lora_alpha", "lora_targets")
 
     def validate(self) -> None:
         """ValueError naming the flag for any setting of the wrong type or out of range (before any
@@ -128,8 +135,22 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
         if not (is_real(self.val_fraction) and 0 < self.val_fraction < 1):
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if self.tokenizer not in ("byte", "char", "gpt2"):
+        if self.tokenizer not in ("byte", "char", "gpt2", "hf") or (self.tokenizer == "hf" and not self.init_from):
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of: byte, char, gpt2")
+        if self.init_from is not None and not _path_like(self.init_from):
+            raise ValueError(f"--init-from must name a model, got {self.init_from!r}")
+        if not is_int(self.lora_rank) or self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+        if self.lora_rank:
+            from attnlab.training.lora import LoRASettings
+
+            if not self.init_from:
+                raise ValueError("--lora-rank needs --init-from: LoRA adapts a pretrained model")
+            if self.fsdp:
+                raise ValueError("--lora-rank with --fsdp is not supported: LoRA's frozen base fits where DDP does")
+            LoRASettings.make(self.lora_rank, self.lora_alpha, self.lora_targets)
+        elif self.lora_alpha is not None or self.lora_targets is not None:
+            raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
         for name in ("data", "bpe_dir"):
             if (v := getattr(self, name)) is not None and not _path_like(v):
                 raise ValueError(f"{_flag(name)} must be a path (or None), got {v!r}")
@@ -138,7 +159,7 @@ class TrainConfig:
         for name in ("device", "sample_prompt", "preset"):
             if not isinstance(v := getattr(self, name), str):
                 raise ValueError(f"{_flag(name)} must be a string, got {v!r}")
-        for name in ("resume", "compile", "progress"):
+        for name in ("resume", "compile", "progress", "fsdp"):
             if not is_bool(v := getattr(self, name)):
                 raise ValueError(f"{_flag(name)} must be True or False, got {v!r}")
         canonical_preset(self.preset)

@@ -66,6 +66,8 @@ from attnlab.training.checkpoint import (
 )
 from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
+from attnlab.training.finetune import finetune_config, finetune_lr
+from attnlab.training.lora import LoRASettings, apply_lora
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory
 from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
@@ -209,11 +211,16 @@ class Trainer:
         result = Trainer(TrainConfig(max_steps=100, out="runs/x")).fit()
     """
 
-    def __init__(self, config: TrainConfig, *, log: Any = None, given: Iterable[str] | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, *, log: Any = None, given: Iterable[str] | None = None, init: Any = None
+    ) -> None:
         """``given``: names of the settings the caller set (the CLI passes the flags given). On
         resume, every other setting comes from the checkpoint; None means "those that differ
-        from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
+        from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's).
+        ``init``: with ``config.init_from``, the pretrained model a new run starts from, as
+        :func:`attnlab.tools.loading.load` returns it (``.model``, ``.tokenizer``)."""
         config.validate()
+        self._init = init
         self.dist = DistEnv.from_environ()
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
@@ -259,6 +266,8 @@ class Trainer:
             self._saved_meta = meta
             config = config.resumed(meta["train_config"], given, source=where)
             config.validate()
+        elif config.init_from:
+            config = finetune_config(config, self._init, config.explicit_fields() if given is None else set(given))
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
         paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
@@ -339,6 +348,8 @@ class Trainer:
         cfg = self.cfg
         if meta is not None:
             return tokenizer_from_dict(meta["tokenizer"], bpe_dir=cfg.bpe_dir)
+        if cfg.init_from:
+            return self._init.tokenizer
         if cfg.tokenizer == "char":
             return get_tokenizer("char", text=None if cfg.data else data.builtin_corpus(), path=cfg.data)
         return get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
@@ -375,6 +386,8 @@ class Trainer:
         cfg = self.cfg
         if self._saved_meta is not None:
             return GPTConfig.from_dict(self._saved_meta["model_config"])
+        if cfg.init_from:
+            return self._init.model.config
         overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
         if cfg.context_length is not None:
             overrides["context_length"] = cfg.context_length
@@ -401,7 +414,9 @@ class Trainer:
         :mod:`attnlab.training.memory`: a lower bound, so a run that might fit always starts)."""
         b = self._per_rank_batch()
         bf16 = autocast_dtype(self.cfg.precision, self.device) is not None
-        need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4)
+        if self.cfg.init_from:  # a pretrained model trains on windows of --context-length tokens
+            config = dataclasses.replace(config, context_length=self.cfg.context_length)
+        need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4, lora=self.cfg.lora_rank > 0)
         have = available_memory(self.device)
         if have is None or need.total <= have:
             return
@@ -418,19 +433,26 @@ class Trainer:
         and ``cfg`` with the preset-dependent defaults settled, so the checkpoint records what was used."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = ckpt.model if ckpt is not None else GPT(config)
+        if ckpt is not None:
+            model = ckpt.model  # with its adapters, for a LoRA run
+        elif cfg.init_from:
+            model = self._init.model.float()
+            if cfg.lora_rank:
+                apply_lora(model, LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets))
+        else:
+            model = GPT(config)
         self.raw_model = model.to(self.device)
         self.model_config = model_cfg = model.config
         self.cfg = dataclasses.replace(
             cfg,
-            context_length=model_cfg.context_length,
+            context_length=cfg.context_length if cfg.init_from else model_cfg.context_length,
             dropout=model_cfg.drop_rate,
-            lr=cfg.lr if cfg.lr is not None else default_lr(model_cfg.emb_dim),
+            lr=cfg.lr if cfg.lr is not None else finetune_lr(cfg) or default_lr(model_cfg.emb_dim),
         )
 
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
         """This rank's share of each global batch, for training and validation."""
-        cfg, d, T = self.cfg, self.dist, self.model_config.context_length
+        cfg, d, T = self.cfg, self.dist, self.cfg.context_length
         per_rank = self._per_rank_batch()
         for name, part in (("training", train_tokens), ("validation", val_tokens)):
             if len(part) < T + 1:
@@ -522,7 +544,7 @@ class Trainer:
                 "next_step": self.step,
                 "seed": self.cfg.seed,
                 "global_batch_size": self.cfg.batch_size,
-                "context_length": self.model_config.context_length,
+                "context_length": self.cfg.context_length,
                 "source": self.cfg.data,
                 "sha256": self.data_sha256,
             },
@@ -693,10 +715,19 @@ class Trainer:
 
     def _log_start(self) -> None:
         """One line on what this run is; a note when there is nothing left to train."""
-        cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.model_config.context_length
+        cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.cfg.context_length
         what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
+        n_train = sum(p.numel() for p in self.raw_model.parameters() if p.requires_grad)
+        model = f"{cfg.init_from} (fine-tuned)" if cfg.init_from else f"GPT {cfg.preset}"
+        model += f" {n_params / 1e6:.2f}M parameters"
+        if n_train != n_params:
+            lora = LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            model += (
+                f" with LoRA rank {lora['rank']} alpha {lora['alpha']:g} on {','.join(lora['targets'])}: "
+                f"{n_train:,} of {n_params:,} parameters train ({100 * n_train / n_params:.2f}%)"
+            )
         self.log(
-            f"attnlab train: {what}; GPT {cfg.preset} {n_params / 1e6:.2f}M parameters, "
+            f"attnlab train: {what}; {model}, "
             f"context {T}, tokenizer {self.tokenizer.name} "
             f"(vocab {self.tokenizer.vocab_size}), data {cfg.data or 'built-in corpus (Python docs)'} "
             f"({len(self.train_batches.tokens):,} train / {len(self.val_batches.tokens):,} val tokens), "
