@@ -214,7 +214,18 @@ def smollm2_hf_dir(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     out = tmp_path_factory.mktemp("smollm2")
+    from safetensors.torch import save_file
+
     model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    model.save_pretrained(out)
+    # transformers refuses save_pretrained on a model read from GGUF ("quantized"): its weights are
+    # dequantized float32 tensors, written here as a plain model (tied weights once).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     transformers.AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
     return out
