@@ -118,8 +118,8 @@ def test_merge_writes_a_plain_model_that_every_reader_takes(base, tmp_path, caps
                  "--temperature", "0", "--device", "cpu"]) == 0  # fmt: skip
     assert capsys.readouterr().out == a
     # A merged model is a model to start from again.
-    assert main(["train", "--init-from", str(merged), "--data", str(base / "text.txt"), "--out", str(tmp_path / "again"),
-                 "--max-steps", "1", "--batch-size", "2", "--sample-tokens", "0", "--no-progress"]) == 0  # fmt: skip
+    again = ["train", "--init-from", str(merged), "--data", str(base / "text.txt"), "--out", str(tmp_path / "again")]
+    assert main([*again, "--max-steps", "1", "--batch-size", "2", "--sample-tokens", "0", "--no-progress"]) == 0
 
 
 def test_full_fine_tuning_starts_from_the_pretrained_weights(base, tmp_path) -> None:
