@@ -245,7 +245,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
     one that a resumed run cannot change), exactly as for the Python API.
     """
     given = _explicit(args)
-    return dataclasses.replace(TrainConfig(), **given), set(given)
+    defaults = {}
+    if (args.init_from or args.fsdp) and args.optimizer is None:
+        defaults["optimizer"] = "adamw"  # fine-tuning, sharding: AdamW (see attnlab.training.finetune, .fsdp)
+    return dataclasses.replace(TrainConfig(), **defaults, **given), set(given)
 
 
 def load_init(name: str, device: Any = None) -> Any:
@@ -275,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     if args.malloc_tuning:
         tune_cpu_allocator()
     merge = Path(args.merge).expanduser() if args.merge else None
+    if merge is not None and cfg.fsdp:
+        raise ValueError("--merge with --fsdp: the checkpoint's model.safetensors is already the whole model")
     if merge is not None and merge.exists() and (not merge.is_dir() or any(merge.iterdir())):
         raise ValueError(f"--merge {merge} exists and is not an empty directory; choose a new one")
     init = None
@@ -298,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
     print(f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr)
     prompt = trainer.sample_prompt(cfg.sample_prompt)
-    if cfg.sample_tokens > 0:
+    if cfg.sample_tokens > 0 and not cfg.fsdp:  # a sharded model generates only with every process
         _print_sample(trainer, prompt)
     print(f"generate more: attnlab generate --checkpoint {result.out} --prompt {prompt!r}", file=sys.stderr)
     return 0

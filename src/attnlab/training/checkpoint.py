@@ -101,6 +101,9 @@ __all__ = [
 LATEST_NAME = "latest.json"
 CHECKPOINT_NAME = "checkpoint.json"
 OPTIMIZER_NAME = "optimizer.pt"
+OPTIMIZER_DIR = "optimizer"  # a sharded run's optimizer state (attnlab.training.fsdp)
+# What torch.distributed.checkpoint writes in a directory: one file per process (and writer), the metadata.
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(?:\.tmp)?")
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
@@ -306,6 +309,12 @@ def _step_of(p: Path) -> int | None:
     return int(m.group(1)) if m and p.is_dir() and not p.is_symlink() else None
 
 
+def _sharded_optimizer_file(name: str) -> bool:
+    """``optimizer/<file>``: a file torch.distributed.checkpoint wrote for a sharded run."""
+    head, _, tail = name.partition("/")
+    return head == OPTIMIZER_DIR and _DCP_FILE.fullmatch(tail) is not None
+
+
 def _written_by_attnlab(d: Path) -> bool:
     """Whether every entry of the step directory ``d`` is a file attnlab writes there, so that
     removing ``d`` removes nothing else (attnlab never deletes what it cannot prove it wrote)."""
@@ -313,7 +322,18 @@ def _written_by_attnlab(d: Path) -> bool:
         entries = list(d.iterdir())
     except OSError:
         return False
-    return all(e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name) for e in entries)
+    return all(
+        (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
+        or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
+        for e in entries
+    )
+
+
+def _all_dcp_files(d: Path) -> bool:
+    try:
+        return all(e.is_file() and not e.is_symlink() and _DCP_FILE.fullmatch(e.name) for e in d.iterdir())
+    except OSError:
+        return False
 
 
 def metadata_digest(meta: dict[str, Any]) -> str:
@@ -355,22 +375,40 @@ def save_checkpoint(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     step, keep = int(step), int(keep)  # e.g. numpy integers
     out = Path(out_dir)
+    final, tmp = begin_save(out, step)
+    if tmp is None:
+        return final
+    try:
+        write_step_dir(tmp, step, model, optimizer, metadata)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_save(out, tmp, final, step, keep)
+
+
+def begin_save(out: Path, step: int) -> tuple[Path, Path | None]:
+    """(the step directory, a new temporary directory to assemble it in), or (the step directory,
+    None) when ``latest.json`` already names it."""
     ckpts = out / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
     name = step_dirname(step)
     final = ckpts / name
     latest = read_latest(out) if has_checkpoint(out) else None
     if latest is not None and latest.get("path") == f"{CHECKPOINTS_DIR}/{name}" and final.is_dir():
-        return final
+        return final, None
     ours = final.is_dir() and not final.is_symlink() and _written_by_attnlab(final)
     if (final.exists() or final.is_symlink()) and not ours:
         raise ValueError(f"{final} exists and holds files attnlab did not write; move it away to save step {step}")
-
     # 1. Assemble the step directory under a temporary name; every file fsynced.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckpts))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: give it a plain mkdir's permissions
+    return final, tmp
+
+
+def commit_save(out: Path, tmp: Path, final: Path, step: int, keep: int) -> Path:
+    """Publish the assembled ``tmp`` as ``final``: rename, switch ``latest.json``, prune."""
+    ckpts = final.parent
     try:
-        _write_step_dir(tmp, step, model, optimizer, metadata)
         # 2. Move it into place. A directory of that name can only be debris of a run killed
         #    between this rename and the pointer switch (latest.json does not name it): replace it.
         if final.exists():
@@ -381,20 +419,26 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # 3. The commit point: switch the pointer.
-    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{name}"})
+    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{final.name}"})
     # 4. Only now forget old checkpoints and debris.
     _prune_step_dirs(ckpts, final, step, keep)
     return final
 
 
-def _write_step_dir(
-    d: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: dict[str, Any]
+def write_step_dir(
+    d: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metadata: dict[str, Any],
+    *,
+    extra_files: list[str] | tuple[str, ...] = (),
 ) -> None:
     """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
     sizes and hashes, and its own) last; ``d`` itself fsynced."""
     with base_weights(model):  # a LoRA model: the frozen base here, its adapters beside it
         model.save(d)  # model.safetensors + config.json
-    files = [WEIGHTS_NAME, CONFIG_NAME]
+    files = [WEIGHTS_NAME, CONFIG_NAME, *extra_files]  # extra: a sharded optimizer state, already written
     metadata = dict(metadata)
     if has_lora(model):
         from safetensors.torch import save as st_save
@@ -460,6 +504,7 @@ class Checkpoint:
     model: Any  # attnlab.GPT
     metadata: dict[str, Any]  # checkpoint.json
     optimizer_state: dict[str, Any] | None
+    optimizer_dir: Path | None = None  # a sharded run's optimizer state (verified), for attnlab.training.fsdp
 
 
 def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
@@ -562,7 +607,7 @@ def _check_files(files: Any, where: Path) -> None:
     for name, info in files.items():
         # Only attnlab's own plain names inside the step directory: a recorded '../x' must not
         # make us read (or hash) files elsewhere.
-        if name not in FILE_NAMES:
+        if name not in FILE_NAMES and not _sharded_optimizer_file(name):
             raise ValueError(
                 f"{where}: file name {name!r} in 'files' is not one of the step directory's files "
                 f"({', '.join(FILE_NAMES)})"
@@ -825,7 +870,15 @@ def load_checkpoint(
                 f"checkpoint file {f} is {f.stat().st_size:,} bytes, too large for this model's optimizer state"
             )
         opt_state = _load_tensors(f, device)
-    return Checkpoint(path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state)
+    opt_dir = None
+    sharded = [name for name in meta["files"] if _sharded_optimizer_file(name)]
+    if load_optimizer and sharded:
+        for name in sharded:
+            _verify_file(d, name, meta["files"][name])
+        opt_dir = d / OPTIMIZER_DIR
+    return Checkpoint(
+        path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state, optimizer_dir=opt_dir
+    )
 
 
 def _load_tensors(f: Path, device: torch.device | str | None) -> Any:

@@ -159,6 +159,8 @@ class TrainConfig:
         for name in ("device", "sample_prompt", "preset"):
             if not isinstance(v := getattr(self, name), str):
                 raise ValueError(f"{_flag(name)} must be a string, got {v!r}")
+        if self.fsdp and self.optimizer == "muon":
+            raise ValueError("--fsdp trains with --optimizer adamw (Muon orthogonalises whole matrices, not shards)")
         for name in ("resume", "compile", "progress", "fsdp"):
             if not is_bool(v := getattr(self, name)):
                 raise ValueError(f"{_flag(name)} must be True or False, got {v!r}")
@@ -186,7 +188,7 @@ class TrainConfig:
         ``given`` names the settings the caller set (default: :meth:`explicit_fields`); they are
         kept, every other one comes from ``saved``. A setting in :attr:`FIXED_ON_RESUME` that was
         given and differs from the saved one is a ValueError naming it. ``out`` and ``resume``
-        are always this run's.
+        and ``fsdp`` are always this run's.
         """
         given = self.explicit_fields() if given is None else set(given)
         # Runs from before --optimizer and --precision trained with AdamW, in bf16 on CUDA and in
@@ -200,7 +202,7 @@ class TrainConfig:
                     f"{_shown(name, getattr(old, name))} of {source}; a resumed run keeps it (start a new --out "
                     "to change it)"
                 )
-        keep = given | {"out", "resume"}
+        keep = given | {"out", "resume", "fsdp"}  # sharded or not: how this run is started
         names = {f.name for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: getattr(old, k) for k in names if k in saved and k not in keep})
 

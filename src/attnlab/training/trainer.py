@@ -52,7 +52,9 @@ from attnlab.files import atomic_open, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
+from attnlab.training import fsdp
 from attnlab.training.checkpoint import (
+    OPTIMIZER_DIR,
     OPTIMIZER_NAME,
     Checkpoint,
     check_optimizer_state,
@@ -222,6 +224,10 @@ class Trainer:
         config.validate()
         self._init = init
         self.dist = DistEnv.from_environ()
+        if config.fsdp and "RANK" not in os.environ:
+            raise ValueError(
+                "--fsdp shards the model over torchrun's processes: run torchrun ... -m attnlab train --fsdp"
+            )
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
         self._owns_process_group = False
@@ -258,7 +264,9 @@ class Trainer:
             missing = [k for k in ("tokenizer", "model_config", "train_config", "rng", "data") if k not in meta]
             if missing:
                 raise ValueError(f"{where} cannot be resumed: its checkpoint.json has no {', '.join(missing)} entry")
-            if OPTIMIZER_NAME not in meta["files"]:
+            if OPTIMIZER_NAME not in meta["files"] and not any(
+                f.startswith(OPTIMIZER_DIR + "/") for f in meta["files"]
+            ):
                 raise ValueError(
                     f"{where} records no optimizer state ({OPTIMIZER_NAME}); resuming would restart AdamW "
                     "from zero, which is not the run it continues: start a new --out from its weights instead"
@@ -306,6 +314,8 @@ class Trainer:
         train_tokens, val_tokens = self._load_tokens()
         self._build_model(ckpt, model_config)  # also settles cfg's preset-dependent defaults
         self._build_batches(train_tokens, val_tokens)
+        if self.cfg.fsdp:  # before the optimizer: fully_shard replaces the parameters by their shards
+            fsdp.shard(self.raw_model, param_dtype=autocast_dtype(self.cfg.precision, self.device))
         self.optimizer = self._build_optimizer()
         self._restore_state(ckpt)
         self._wrap_model()
@@ -322,7 +332,7 @@ class Trainer:
 
     def _init_distributed(self) -> None:
         """Under torchrun, join the process group; on CUDA, allow TF32 matmuls."""
-        if self.dist.enabled:
+        if self.dist.enabled or self.cfg.fsdp:
             self._owns_process_group = start_process_group(self.device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -416,7 +426,10 @@ class Trainer:
         bf16 = autocast_dtype(self.cfg.precision, self.device) is not None
         if self.cfg.init_from:  # a pretrained model trains on windows of --context-length tokens
             config = dataclasses.replace(config, context_length=self.cfg.context_length)
-        need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4, lora=self.cfg.lora_rank > 0)
+        shards = self.dist.world_size if self.cfg.fsdp else 1
+        need = estimate_training_memory(
+            config, b, act_bytes=2 if bf16 else 4, lora=self.cfg.lora_rank > 0, shards=shards
+        )
         have = available_memory(self.device)
         if have is None or need.total <= have:
             return
@@ -482,8 +495,14 @@ class Trainer:
         # Checked against this model's parameters first: load_state_dict would take a crafted
         # state whose tensors the fused kernel then reads out of bounds.
         where = ckpt.path / OPTIMIZER_NAME
-        state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
-        self.optimizer.load_state_dict(state)
+        if ckpt.optimizer_dir is not None:  # a sharded run's, resharded for this run (see attnlab.training.fsdp)
+            fsdp.load_optimizer(self.raw_model, self.optimizer, ckpt.optimizer_dir)
+        elif self.cfg.fsdp:
+            state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
+            fsdp.load_full_optimizer_state(self.raw_model, self.optimizer, state)
+        else:
+            state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
+            self.optimizer.load_state_dict(state)
         self.step = ckpt.step
         self._restore_rng(ckpt.metadata)
         saved_val = ckpt.metadata.get("val_loss")
@@ -510,6 +529,9 @@ class Trainer:
         """``model``: ``raw_model`` in DDP (under torchrun) and torch.compile (``--compile``);
         ``autocast``: the forward pass in bf16 where :func:`autocast_dtype` says so."""
         self.model: torch.nn.Module = self.raw_model
+        if self.cfg.fsdp:  # sharded in _setup; its mixed-precision policy computes in bf16 where autocast would
+            self.autocast = contextlib.nullcontext
+            return
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -531,7 +553,7 @@ class Trainer:
             torch.distributed.all_gather_object(gathered, rng)
         else:
             gathered = [rng]
-        if not self.dist.is_main:
+        if not self.dist.is_main and not self.cfg.fsdp:
             return None
         meta = {
             "tokenizer": self.tokenizer.to_dict(),
@@ -551,6 +573,9 @@ class Trainer:
             "val_loss": self.last_val_loss,
             "torch_version": torch.__version__,
         }
+        if self.cfg.fsdp:  # every process writes its shards of the optimizer state
+            kw = dict(step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta)
+            return fsdp.save_sharded(self.out, keep=self.cfg.keep_checkpoints, **kw)
         return save_checkpoint(
             self.out,
             step=self.step,
@@ -598,6 +623,8 @@ class Trainer:
             last = micro == cfg.grad_accum - 1
             # DDP: all-reduce the gradients once, on the last micro-step.
             sync = contextlib.nullcontext() if last or not self.dist.enabled else no_sync(self.model)
+            if self.cfg.fsdp and not last:
+                sync = fsdp.no_gradient_sync(self.raw_model)
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
@@ -608,6 +635,7 @@ class Trainer:
         # scales the gradients by exactly 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.dist.enabled:
@@ -639,7 +667,7 @@ class Trainer:
         finally:
             self._lock.release()  # nothing more to write: another run may take the directory
         text = prompt = None
-        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0:
+        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0 and not cfg.fsdp:
             prompt = self.sample_prompt(cfg.sample_prompt)
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
