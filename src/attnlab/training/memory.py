@@ -34,7 +34,7 @@ import torch
 
 from attnlab.model import GPTConfig
 
-__all__ = ["MemoryEstimate", "available_memory", "estimate_training_memory"]
+__all__ = ["MemoryEstimate", "available_memory", "estimate_training_memory", "fsdp_processes_needed"]
 
 GiB = 1 << 30
 
@@ -75,6 +75,18 @@ def estimate_training_memory(
         activations=n * L * (6 * d + 2 * ff) * act_bytes,
         logits=(act_bytes + 4) * n * V,
     )
+
+
+def fsdp_processes_needed(config: GPTConfig, micro_batch: int, have: int, *, act_bytes: int = 4) -> int | None:
+    """The fewest processes (a power of two, at most 1024) over which ``--fsdp`` shards a run that
+    fits ``have`` bytes per device by :func:`estimate_training_memory`; None when even 1024 shards
+    do not (the activations alone are too large: lower the batch or the context instead)."""
+    n = 1
+    while n <= 1024:
+        if estimate_training_memory(config, micro_batch, act_bytes=act_bytes, shards=n).total <= have:
+            return n
+        n *= 2
+    return None
 
 
 def available_memory(device: torch.device) -> int | None:

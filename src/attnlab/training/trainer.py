@@ -70,7 +70,7 @@ from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_a
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 from attnlab.training.finetune import finetune_config, finetune_lr
 from attnlab.training.lora import LoRASettings, apply_lora
-from attnlab.training.memory import GiB, available_memory, estimate_training_memory
+from attnlab.training.memory import GiB, available_memory, estimate_training_memory, fsdp_processes_needed
 from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
 
@@ -433,12 +433,19 @@ class Trainer:
         have = available_memory(self.device)
         if have is None or need.total <= have:
             return
+        per = "4 bytes (frozen weights)" if self.cfg.lora_rank else "16 bytes (weights, gradients, AdamW)"
+        per += f" / {shards} processes" if shards > 1 else ""
+        fix = "lower --batch-size (or raise --grad-accum), --context-length, or choose a smaller --preset"
+        n = None if self.cfg.lora_rank else fsdp_processes_needed(config, b, have, act_bytes=2 if bf16 else 4)
+        if n is not None and n > shards:  # the weights and optimizer state are what does not fit: shard them
+            fix += (
+                f"; or shard it over {n} devices like this one: torchrun --nproc_per_node={n} -m attnlab train --fsdp"
+            )
         raise ValueError(
             f"this run needs at least {need.total / GiB:.1f} GiB on {self.device} but {have / GiB:.1f} GiB are "
-            f"available: {need.parameters / 1e6:,.0f}M parameters x 16 bytes (weights, gradients, AdamW) = "
+            f"available: {need.parameters / 1e6:,.0f}M parameters x {per} = "
             f"{need.states / GiB:.1f} GiB, activations and logits of {b} x {config.context_length} tokens per "
-            f"micro-step = {(need.activations + need.logits) / GiB:.1f} GiB; lower --batch-size (or raise "
-            "--grad-accum), --context-length, or choose a smaller --preset"
+            f"micro-step = {(need.activations + need.logits) / GiB:.1f} GiB; {fix}"
         )
 
     def _build_model(self, ckpt: Checkpoint | None, config: GPTConfig) -> None:
