@@ -29,6 +29,7 @@ import torch
 
 from attnlab.files import safe_write
 from attnlab.training.allocator import tune_cpu_allocator
+from attnlab.training.chat_data import template_from_hf_dir
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, has_checkpoint
 from attnlab.training.config import OPTIMIZERS, PRECISIONS, TINY_LR, TrainConfig
 from attnlab.training.finetune import FINETUNE_CONTEXT, FINETUNE_LR, LORA_LR
@@ -262,7 +263,10 @@ def load_init(name: str, device: Any = None) -> Any:
     )
     if attnlab_dir:
         return load_model(p, device=device, what="--init-from")
-    return load_pretrained(name, device=device, what="--init-from")
+    loaded = load_pretrained(name, device=device, what="--init-from")
+    if getattr(loaded, "chat_template", None) is None and loaded.path.is_dir():  # an instruct model's format
+        loaded.chat_template = template_from_hf_dir(loaded.path)
+    return loaded
 
 
 def _gpt_config(path: Path) -> bool:

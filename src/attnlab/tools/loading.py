@@ -32,6 +32,7 @@ import torch
 
 from attnlab import attention
 from attnlab.files import read_json
+from attnlab.formats.chat import ChatTemplate
 from attnlab.formats.hf import PRETRAINED, read_pretrained_file
 from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
@@ -58,6 +59,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path
     metadata: dict[str, Any] = field(default_factory=dict)
+    chat_template: ChatTemplate | None = None  # attnlab.formats.chat.ChatTemplate, with bos/eos tokens set
+    stop_ids: tuple[int, ...] = ()  # end-of-turn / end-of-text token ids generation stops at
 
 
 def load_model(

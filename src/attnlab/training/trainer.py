@@ -52,7 +52,7 @@ from attnlab.files import atomic_open, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
-from attnlab.training import fsdp
+from attnlab.training import chat_data, fsdp
 from attnlab.training.checkpoint import (
     OPTIMIZER_DIR,
     OPTIMIZER_NAME,
@@ -385,10 +385,32 @@ class Trainer:
         raise ValueError(f"{why}; a resumed run must see the same text: {fix}")
 
     def _load_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The text as token ids (cached on disk), split into training and validation tokens."""
+        """The text as token ids (cached on disk), split into training and validation tokens; a
+        ``.jsonl`` file of conversations, rendered with the chat template (:mod:`attnlab.training.chat_data`)."""
         cfg = self.cfg
+        self.chat_template, self._chat_masks = None, None
+        if chat_data.is_chat_file(cfg.data):
+            return self._load_chat()
         tokens = data.tokenize_to_cache(cfg.data, self.tokenizer, content_hash=self.data_sha256 if cfg.data else None)
         return data.train_val_split(tokens, cfg.val_fraction)
+
+    def _load_chat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conversations as one token stream and the assistant mask, split as text is."""
+        saved = (self._saved_meta or {}).get("chat_template")
+        if saved is not None:
+            self.chat_template = chat_data.template_from_dict(saved)
+        else:
+            self.chat_template = getattr(self._init, "chat_template", None)
+        if self.chat_template is None:
+            raise ValueError(
+                f"--data {self.cfg.data} holds conversations (.jsonl): they need --init-from a model with a chat "
+                "template (an instruct model's tokenizer_config.json or chat_template.jinja)"
+            )
+        conversations = chat_data.read_conversations(self.cfg.data)
+        ids, mask = chat_data.encode_conversations(self.chat_template, self.tokenizer, conversations)
+        n_train = len(ids) - round(len(ids) * self.cfg.val_fraction)
+        self._chat_masks = (mask[:n_train], mask[n_train:])
+        return torch.from_numpy(ids[:n_train]), torch.from_numpy(ids[n_train:])
 
     def _model_config(self) -> GPTConfig:
         """The configuration of the model this run trains: the checkpoint's, or the preset's with
@@ -481,6 +503,16 @@ class Trainer:
                     "use a longer text or a smaller --context-length"
                 )
         common = dict(batch_size=per_rank, context_length=T, rank=d.rank, world_size=d.world_size)
+        if self._chat_masks is not None:  # the loss on the assistant's tokens only
+            masks = self._chat_masks
+            self.train_batches = chat_data.MaskedWindowBatches(
+                train_tokens, masks[0], seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
+            )
+            self.val_batches = chat_data.MaskedWindowBatches(
+                val_tokens, masks[1], seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common
+            )
+            self.tokens_per_step = cfg.batch_size * T
+            return
         self.train_batches = data.RandomWindowBatches(
             train_tokens, seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
         )
@@ -580,6 +612,8 @@ class Trainer:
             "val_loss": self.last_val_loss,
             "torch_version": torch.__version__,
         }
+        if self.chat_template is not None:  # a resumed run renders its conversations the same way
+            meta["chat_template"] = chat_data.template_to_dict(self.chat_template)
         if self.cfg.fsdp:  # every process writes its shards of the optimizer state
             kw = dict(step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta)
             return fsdp.save_sharded(self.out, keep=self.cfg.keep_checkpoints, **kw)
