@@ -262,8 +262,9 @@ def load_init(name: str, device: Any = None) -> Any:
         any(os.path.lexists(p / n) for n in (LATEST_NAME, CHECKPOINT_NAME)) or _gpt_config(p / "config.json")
     )
     if attnlab_dir:
-        return load_model(p, device=device, what="--init-from")
-    loaded = load_pretrained(name, device=device, what="--init-from")
+        loaded = load_model(p, device=device, what="--init-from")
+    else:
+        loaded = load_pretrained(name, device=device, what="--init-from")
     if getattr(loaded, "chat_template", None) is None and loaded.path.is_dir():  # an instruct model's format
         loaded.chat_template = template_from_hf_dir(loaded.path)
     return loaded
