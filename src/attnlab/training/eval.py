@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnlab.checks import is_int
@@ -80,7 +81,9 @@ def evaluate_tokens(
     """Score ``tokens`` with ``model`` in the windows of :func:`windows` (``stride`` defaults to
     ``context_length``); the loss is summed in float64 over the scored tokens. ``on_window`` is
     called with the tokens each window scored (a progress bar). ``model`` is put in eval mode."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).flatten()  # (N,)
+    ids = (
+        tokens.long().flatten() if torch.is_tensor(tokens) else torch.tensor(np.asarray(tokens), dtype=torch.long)
+    )  # (N,)
     stride = context_length if stride is None else stride
     model.eval()
     device = model.device
