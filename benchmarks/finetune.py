@@ -32,6 +32,7 @@ from attnlab.cli.train import load_init
 from attnlab.files import atomic_write_json
 from attnlab.tools.bench import load_average
 from attnlab.tools.bench.harness import machine
+from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.config import TrainConfig
 from attnlab.training.eval import evaluate_tokens
 from attnlab.training.trainer import Trainer
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--lora-lr", type=float, default=None, help="LoRA's lr (default: attnlab's)")
     p.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = p.parse_args()
+    tune_cpu_allocator()  # as attnlab train does
 
     where = machine()
     print(f"# {where['processor']}, {where['cpus']} CPUs, torch {where['torch']} ({where['torch_threads']} threads), "
