@@ -104,10 +104,17 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> int:
     in place; returns the number of parameters that train (the adapters')."""
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
+    modules = list(_target_modules(model, settings["targets"]))
+    smallest = min(min(m.weight.shape) for _, m in modules)
+    if settings["rank"] > smallest:  # a rank past a matrix's smaller side adds parameters, not expressiveness
+        raise ValueError(
+            f"--lora-rank must be in [1, {smallest}] for this model (the smallest side of the adapted matrices), "
+            f"got {settings['rank']}"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     n = 0
-    for _, module in _target_modules(model, settings["targets"]):
+    for _, module in modules:
         out_f, in_f = module.weight.shape
         lora = LoRA(out_f, in_f, settings["rank"], settings["alpha"], like=module.weight)
         parametrize.register_parametrization(module, "weight", lora)
