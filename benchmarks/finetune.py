@@ -2,8 +2,8 @@
 time per optimizer step, parameters and optimizer memory that train.
 
 Both runs are ``attnlab train --init-from`` trainers (the same data, windows, batches and seed) built
-side by side; their optimizer steps are interleaved (LoRA step i, full step i, ...) so load from other
-processes falls on both alike, and each step is timed on its own. The loss is measured on the
+side by side; their optimizer steps are interleaved (LoRA step 1, full step 1, full step 2, LoRA step
+2, ...) so load from other processes falls on both alike, and each step is timed on its own. The loss is measured on the
 held-out last 10% of the text (every token once, :func:`attnlab.training.eval.evaluate_tokens` over
 windows of ``--context-length``), before training and after each run.
 
@@ -116,7 +116,8 @@ def main() -> None:
             for t in trainers.values():
                 t.raw_model.train()
             for step in range(args.steps):
-                for key, t in trainers.items():  # interleaved: load hits both alike
+                order = list(trainers.items())[:: 1 if step % 2 == 0 else -1]  # ABBA: neither always goes first
+                for key, t in order:  # interleaved: load hits both alike
                     t0 = time.perf_counter()
                     loss, _, _ = t._train_step()
                     times[key].append(time.perf_counter() - t0)
