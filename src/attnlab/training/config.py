@@ -33,6 +33,7 @@ __all__ = [
     "canonical_preset",
     "default_lr",
     "lr_at",
+    "model_path",
 ]
 
 SEED_LIMIT = 2**64  # torch.manual_seed takes seeds below it
@@ -225,11 +226,18 @@ def _same_setting(name: str, a: Any, b: Any) -> bool:
             return a == b
     if name == "data":
         return absolute_path(a) == absolute_path(b)
+    if name == "init_from":  # a local model by its absolute path, a Hub name as it is
+        return model_path(a) == model_path(b)
     return a == b
 
 
 def _shown(name: str, value: Any) -> str:
     return "the built-in corpus" if name == "data" and value is None else f"the {value!r}"
+
+
+def model_path(name: str | None) -> str | None:
+    """``--init-from``: an existing local path made absolute (as :func:`absolute_path`), a Hub name kept."""
+    return absolute_path(name) if name and Path(name).expanduser().exists() else name
 
 
 def absolute_path(path: str | None) -> str | None:

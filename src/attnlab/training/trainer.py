@@ -66,7 +66,7 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at
+from attnlab.training.config import TrainConfig, absolute_path, default_lr, lr_at, model_path
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
 from attnlab.training.finetune import finetune_config, finetune_lr
 from attnlab.training.lora import LoRASettings, apply_lora
@@ -279,6 +279,7 @@ class Trainer:
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
         paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
+        paths["init_from"] = model_path(config.init_from)
         return TrainConfig.from_dict(config.to_dict() | paths)
 
     def close(self) -> None:
