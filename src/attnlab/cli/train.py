@@ -6,6 +6,9 @@ The command-line face of :mod:`attnlab.training`. Examples::
     attnlab train --data input.txt --tokenizer char --max-steps 5000 --out runs/shakespeare
     attnlab train --out runs/shakespeare --resume    # continue after Ctrl-C, a crash or a kill
     torchrun --nproc_per_node=4 -m attnlab train --preset gpt2-small --tokenizer gpt2 --data big.txt
+    attnlab train --init-from ./SmolLM2-135M --data notes.txt --lora-rank 8 --merge merged/  # fine-tune
+    attnlab train --init-from ./SmolLM2-135M --data chats.jsonl --out runs/chat              # chat fine-tune
+    torchrun --nproc_per_node=8 -m attnlab train --fsdp --preset gpt2-xl --tokenizer gpt2 --data big.txt
 
 Exit status: 0 when training finished; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when it was
 stopped by a signal, *after* saving a checkpoint of the last completed step; 2 for a user error
@@ -16,14 +19,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnlab.files import safe_write
 from attnlab.training.allocator import tune_cpu_allocator
+from attnlab.training.chat_data import template_from_hf_dir
+from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, has_checkpoint
 from attnlab.training.config import DEFAULT_MAX_TIME, OPTIMIZERS, PLAN_STEPS, PRECISIONS, TINY_LR, TrainConfig
+from attnlab.training.finetune import FINETUNE_CONTEXT, FINETUNE_LR, LORA_LR
+from attnlab.training.lora import TARGETS, merge_lora
 from attnlab.training.trainer import SAMPLE_SETTINGS, Trainer
 
 _D = TrainConfig()
@@ -68,6 +78,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per training window and the model's context (default: 64 for tiny, else the preset's)",
     )
     g.add_argument("--dropout", type=float, metavar="P", help="dropout rate (default: the preset's)")
+    g = parser.add_argument_group("fine-tuning a pretrained model")
+    g.add_argument(
+        "--init-from",
+        metavar="MODEL",
+        help="start from a pretrained model instead of random weights: a Hugging Face directory or name, a GGUF "
+        f"file or an attnlab checkpoint; it brings its tokenizer, trains on --context-length windows (default "
+        f"{FINETUNE_CONTEXT}) with AdamW at lr {FINETUNE_LR:g} (LoRA: {LORA_LR:g}). --data FILE.jsonl of "
+        '{"messages": [...]} lines fine-tunes on chats (loss on the assistant\'s tokens only)',
+    )
+    g.add_argument(
+        "--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on a frozen --init-from model"
+    )
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA's scale is A / R (default: A = 2R)")
+    g.add_argument(
+        "--lora-targets",
+        metavar="LIST",
+        help=f"the matrices LoRA adapts in every block, comma-separated among {','.join(TARGETS)} (default: q,k,v,o)",
+    )
+    g.add_argument(
+        "--merge",
+        metavar="DIR",
+        help="after training, write the model (LoRA adapters merged into its weights) to DIR as a plain "
+        "model that --checkpoint/--init-from read",
+    )
     g = parser.add_argument_group("optimisation")
     g.add_argument(
         "--batch-size",
@@ -200,6 +234,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="show the progress bar (default: on)",
     )
+    g.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="under torchrun: shard the weights, gradients and optimizer state over the processes (FSDP2) "
+        "instead of replicating them (DDP); for models that do not fit one device",
+    )
 
 
 def _explicit(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,16 +255,53 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
     one that a resumed run cannot change), exactly as for the Python API.
     """
     given = _explicit(args)
-    return dataclasses.replace(TrainConfig(), **given), set(given)
+    defaults = {}
+    if (args.init_from or args.fsdp) and args.optimizer is None:
+        defaults["optimizer"] = "adamw"  # fine-tuning, sharding: AdamW (see attnlab.training.finetune, .fsdp)
+    return dataclasses.replace(TrainConfig(), **defaults, **given), set(given)
+
+
+def load_init(name: str, device: Any = None) -> Any:
+    """``--init-from``: an attnlab model (a training directory, a step directory, a GPT.save()
+    directory) or else a published one (a Hugging Face directory or name, a GGUF file)."""
+    from attnlab.tools.loading import load_model, load_pretrained
+
+    p = Path(name).expanduser()
+    attnlab_dir = p.is_dir() and (
+        any(os.path.lexists(p / n) for n in (LATEST_NAME, CHECKPOINT_NAME)) or _gpt_config(p / "config.json")
+    )
+    if attnlab_dir:
+        loaded = load_model(p, device=device, what="--init-from")
+    else:
+        loaded = load_pretrained(name, device=device, what="--init-from")
+    if getattr(loaded, "chat_template", None) is None and loaded.path.is_dir():  # an instruct model's format
+        loaded.chat_template = template_from_hf_dir(loaded.path)
+    return loaded
+
+
+def _gpt_config(path: Path) -> bool:
+    """Whether ``path`` is GPT.save()'s config.json (a Hugging Face one has no ``emb_dim``)."""
+    try:
+        return "emb_dim" in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
     cfg, given = config_from_args(args)
     if args.malloc_tuning:
         tune_cpu_allocator()
+    merge = Path(args.merge).expanduser() if args.merge else None
+    if merge is not None and cfg.fsdp:
+        raise ValueError("--merge with --fsdp: the checkpoint's model.safetensors is already the whole model")
+    if merge is not None and merge.exists() and (not merge.is_dir() or any(merge.iterdir())):
+        raise ValueError(f"--merge {merge} exists and is not an empty directory; choose a new one")
+    init = None
+    if cfg.init_from and not (cfg.resume and has_checkpoint(Path(cfg.out).expanduser())):
+        init = load_init(cfg.init_from)  # a resumed run takes the model from its checkpoint
     try:
         # Inside the try: Trainer() itself may fail after it started the process group.
-        trainer = Trainer(cfg, given=given)
+        trainer = Trainer(cfg, given=given, init=init)
         result = trainer.fit(sample=False)  # sampled below, after the summary, as it is generated
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -233,14 +311,27 @@ def run(args: argparse.Namespace) -> int:
         return 128 + int(result.interrupted)
     if not trainer.dist.is_main:
         return 0
+    if merge is not None:
+        _merge(trainer, merge)
     vl = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
     print(f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr)
     prompt = trainer.sample_prompt(cfg.sample_prompt)
-    if cfg.sample_tokens > 0:
+    if cfg.sample_tokens > 0 and not cfg.fsdp:  # a sharded model generates only with every process
         _print_sample(trainer, prompt)
     print(f"generate more: attnlab generate --checkpoint {result.out} --prompt {prompt!r}", file=sys.stderr)
     return 0
+
+
+def _merge(trainer: Trainer, out: Path) -> None:
+    """``--merge DIR``: the trained model as GPT.save() + tokenizer.json (adapters merged in)."""
+    from attnlab.files import atomic_write_json
+    from attnlab.tools.loading import TOKENIZER_NAME
+
+    model = merge_lora(trainer.raw_model)  # in place: training is over
+    model.save(out)
+    atomic_write_json(out / TOKENIZER_NAME, trainer.tokenizer.to_dict())
+    print(f"merged model written to {out} (read it with --checkpoint {out} or --init-from {out})", file=sys.stderr)
 
 
 def _print_sample(trainer: Trainer, prompt: str) -> None:

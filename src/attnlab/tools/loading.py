@@ -93,7 +93,7 @@ def load_model(
     # lexists, not is_file: a latest.json that is a FIFO or a link to /dev/zero is reported as such
     # (the readers take regular files only), not taken for "no checkpoint here".
     if os.path.lexists(d / LATEST_NAME) or os.path.lexists(d / CHECKPOINT_NAME):
-        ckpt = load_checkpoint(d, device=device, load_optimizer=False)
+        ckpt = load_checkpoint(d, device=device, load_optimizer=False, merge_adapters=True)
         if "tokenizer" not in ckpt.metadata:
             raise ValueError(f"{what} {d}: its {CHECKPOINT_NAME} records no tokenizer")
         tokenizer = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir)

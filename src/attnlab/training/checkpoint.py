@@ -69,6 +69,16 @@ from attnlab.files import (
     sha256_file,
 )
 from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
+from attnlab.training.lora import (
+    ADAPTERS_NAME,
+    LoRASettings,
+    adapter_state,
+    apply_lora,
+    base_weights,
+    has_lora,
+    load_adapter_state,
+    merge_lora,
+)
 from attnlab.training.optim import MuonAdamW
 
 __all__ = [
@@ -91,12 +101,15 @@ __all__ = [
 LATEST_NAME = "latest.json"
 CHECKPOINT_NAME = "checkpoint.json"
 OPTIMIZER_NAME = "optimizer.pt"
+OPTIMIZER_DIR = "optimizer"  # a sharded run's optimizer state (attnlab.training.fsdp)
+# What torch.distributed.checkpoint writes in a directory: one file per process (and writer), the metadata.
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(?:\.tmp)?")
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
 VERSION = 2
 SELF_HASH = "metadata_sha256"
-FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, OPTIMIZER_NAME)  # what a step directory may list
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, OPTIMIZER_NAME, ADAPTERS_NAME)  # what a step directory may list
 METADATA_MAX_BYTES = 16 << 20  # checkpoint.json is ~40 KB per process (its RNG states)
 INT64_MAX = 2**63 - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -286,7 +299,7 @@ def step_dirname(step: int) -> str:
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # What attnlab itself puts in a step directory: its files, and their temporary files (atomic_open).
-_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json"
+_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json|adapters\.safetensors"
 _OWN_FILE = re.compile(rf"(?:{_NAMES})|\.(?:{_NAMES})\..+\.tmp")
 
 
@@ -296,6 +309,12 @@ def _step_of(p: Path) -> int | None:
     return int(m.group(1)) if m and p.is_dir() and not p.is_symlink() else None
 
 
+def _sharded_optimizer_file(name: str) -> bool:
+    """``optimizer/<file>``: a file torch.distributed.checkpoint wrote for a sharded run."""
+    head, _, tail = name.partition("/")
+    return head == OPTIMIZER_DIR and _DCP_FILE.fullmatch(tail) is not None
+
+
 def _written_by_attnlab(d: Path) -> bool:
     """Whether every entry of the step directory ``d`` is a file attnlab writes there, so that
     removing ``d`` removes nothing else (attnlab never deletes what it cannot prove it wrote)."""
@@ -303,7 +322,18 @@ def _written_by_attnlab(d: Path) -> bool:
         entries = list(d.iterdir())
     except OSError:
         return False
-    return all(e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name) for e in entries)
+    return all(
+        (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
+        or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
+        for e in entries
+    )
+
+
+def _all_dcp_files(d: Path) -> bool:
+    try:
+        return all(e.is_file() and not e.is_symlink() and _DCP_FILE.fullmatch(e.name) for e in d.iterdir())
+    except OSError:
+        return False
 
 
 def metadata_digest(meta: dict[str, Any]) -> str:
@@ -345,22 +375,40 @@ def save_checkpoint(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     step, keep = int(step), int(keep)  # e.g. numpy integers
     out = Path(out_dir)
+    final, tmp = begin_save(out, step)
+    if tmp is None:
+        return final
+    try:
+        write_step_dir(tmp, step, model, optimizer, metadata)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_save(out, tmp, final, step, keep)
+
+
+def begin_save(out: Path, step: int) -> tuple[Path, Path | None]:
+    """(the step directory, a new temporary directory to assemble it in), or (the step directory,
+    None) when ``latest.json`` already names it."""
     ckpts = out / CHECKPOINTS_DIR
     ckpts.mkdir(parents=True, exist_ok=True)
     name = step_dirname(step)
     final = ckpts / name
     latest = read_latest(out) if has_checkpoint(out) else None
     if latest is not None and latest.get("path") == f"{CHECKPOINTS_DIR}/{name}" and final.is_dir():
-        return final
+        return final, None
     ours = final.is_dir() and not final.is_symlink() and _written_by_attnlab(final)
     if (final.exists() or final.is_symlink()) and not ours:
         raise ValueError(f"{final} exists and holds files attnlab did not write; move it away to save step {step}")
-
     # 1. Assemble the step directory under a temporary name; every file fsynced.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckpts))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: give it a plain mkdir's permissions
+    return final, tmp
+
+
+def commit_save(out: Path, tmp: Path, final: Path, step: int, keep: int) -> Path:
+    """Publish the assembled ``tmp`` as ``final``: rename, switch ``latest.json``, prune."""
+    ckpts = final.parent
     try:
-        _write_step_dir(tmp, step, model, optimizer, metadata)
         # 2. Move it into place. A directory of that name can only be debris of a run killed
         #    between this rename and the pointer switch (latest.json does not name it): replace it.
         if final.exists():
@@ -371,19 +419,33 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # 3. The commit point: switch the pointer.
-    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{name}"})
+    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{final.name}"})
     # 4. Only now forget old checkpoints and debris.
     _prune_step_dirs(ckpts, final, step, keep)
     return final
 
 
-def _write_step_dir(
-    d: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: dict[str, Any]
+def write_step_dir(
+    d: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metadata: dict[str, Any],
+    *,
+    extra_files: list[str] | tuple[str, ...] = (),
 ) -> None:
     """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
     sizes and hashes, and its own) last; ``d`` itself fsynced."""
-    model.save(d)  # model.safetensors + config.json
-    files = [WEIGHTS_NAME, CONFIG_NAME]
+    with base_weights(model):  # a LoRA model: the frozen base here, its adapters beside it
+        model.save(d)  # model.safetensors + config.json
+    files = [WEIGHTS_NAME, CONFIG_NAME, *extra_files]  # extra: a sharded optimizer state, already written
+    metadata = dict(metadata)
+    if has_lora(model):
+        from safetensors.torch import save as st_save
+
+        atomic_write_bytes(d / ADAPTERS_NAME, st_save(adapter_state(model), metadata={"format": "pt"}))
+        files.append(ADAPTERS_NAME)
+        metadata["lora"] = dict(model.lora_settings)
     if optimizer is not None:
         buf = io.BytesIO()
         torch.save(optimizer.state_dict(), buf)
@@ -442,6 +504,7 @@ class Checkpoint:
     model: Any  # attnlab.GPT
     metadata: dict[str, Any]  # checkpoint.json
     optimizer_state: dict[str, Any] | None
+    optimizer_dir: Path | None = None  # a sharded run's optimizer state (verified), for attnlab.training.fsdp
 
 
 def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
@@ -544,7 +607,7 @@ def _check_files(files: Any, where: Path) -> None:
     for name, info in files.items():
         # Only attnlab's own plain names inside the step directory: a recorded '../x' must not
         # make us read (or hash) files elsewhere.
-        if name not in FILE_NAMES:
+        if name not in FILE_NAMES and not _sharded_optimizer_file(name):
             raise ValueError(
                 f"{where}: file name {name!r} in 'files' is not one of the step directory's files "
                 f"({', '.join(FILE_NAMES)})"
@@ -572,9 +635,10 @@ def _check_tokenizer(tok: Any, meta: dict[str, Any]) -> None:
         "byte": {"name"},
         "char": {"name", "chars"},
         "gpt2": {"name", "bpe_dir", "vocab_bpe_sha256", "encoder_json_sha256"},
+        "hf": {"name", "path", "sha256", "eot_id", "bos_id"},  # a pretrained model's tokenizer.json
     }
     if name not in keys:
-        raise ValueError(f"unknown tokenizer {name!r} (byte, char or gpt2)")
+        raise ValueError(f"unknown tokenizer {name!r} (byte, char, gpt2 or hf)")
     if not set(tok) <= keys[name]:
         raise ValueError(f"unknown entries {sorted(set(tok) - keys[name])} for the {name} tokenizer")
     if name == "char":
@@ -587,6 +651,13 @@ def _check_tokenizer(tok: Any, meta: dict[str, Any]) -> None:
         for key in ("vocab_bpe_sha256", "encoder_json_sha256"):
             if tok.get(key) is not None and not _sha256_hex(tok[key]):
                 raise ValueError(f"{key!r} must be a SHA-256 or null, got {_describe(tok[key])}")
+    if name == "hf":
+        if not isinstance(tok.get("path"), str) or not _sha256_hex(tok.get("sha256")):
+            raise ValueError("the hf tokenizer needs the 'path' and 'sha256' of its tokenizer.json")
+        for key in ("eot_id", "bos_id"):
+            if tok.get(key) is not None and not (is_int(tok[key]) and tok[key] >= 0):
+                raise ValueError(f"{key!r} must be a token id or null, got {_describe(tok[key])}")
+        return  # its vocabulary is the file's: checked against the model when the file is read
     vocab = {"byte": 256, "gpt2": 50257}.get(name, len(tok.get("chars") or ""))
     model_vocab = meta.get("model_config", {}).get("vocab_size") if isinstance(meta.get("model_config"), dict) else None
     if is_int(model_vocab) and model_vocab != vocab:
@@ -626,7 +697,8 @@ def _check_train_config(d: Any, meta: dict[str, Any]) -> None:
     TrainConfig.from_dict(d).validate()
     model = meta.get("model_config")
     T = d.get("context_length")
-    if isinstance(model, dict) and T is not None and model.get("context_length") != T:
+    # A pretrained model (init_from) trains on windows shorter than its context.
+    if isinstance(model, dict) and T is not None and model.get("context_length") != T and not d.get("init_from"):
         raise ValueError(f"context_length {T!r} differs from model_config's {model.get('context_length')!r}")
 
 
@@ -666,6 +738,8 @@ def _check_data(d: Any, meta: dict[str, Any]) -> None:
         raise ValueError(f"unknown entries {unknown}")
     tc, model = meta.get("train_config"), meta.get("model_config")
     pairs = [("seed", tc, "seed"), ("global_batch_size", tc, "batch_size"), ("context_length", model, "context_length")]
+    if isinstance(tc, dict) and tc.get("init_from"):  # windows shorter than the model's context
+        pairs = [*pairs[:2], ("context_length", tc, "context_length")]
     for key, other, other_key in pairs:
         if key in d and isinstance(other, dict) and other_key in other and other[other_key] != d[key]:
             raise ValueError(f"{key!r} is {d[key]!r} but the checkpoint's {other_key} is {other[other_key]!r}")
@@ -690,7 +764,14 @@ _ENTRY_CHECKS = {
     "data": _check_data,
     "val_loss": _check_val_loss,
     "torch_version": _check_torch_version,
+    "lora": lambda v, meta: _check_lora(v),
 }
+
+
+def _check_lora(v: Any) -> None:
+    if not isinstance(v, dict) or set(v) != {"rank", "alpha", "targets"}:
+        raise ValueError(f"must be an object of rank, alpha and targets, got {_describe(v)}")
+    LoRASettings.make(**v)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -738,6 +819,7 @@ def load_checkpoint(
     *,
     device: torch.device | str | None = None,
     load_optimizer: bool = True,
+    merge_adapters: bool = False,
 ) -> Checkpoint:
     """Read and verify a checkpoint: ``path`` is a training directory or a step directory.
 
@@ -749,6 +831,10 @@ def load_checkpoint(
     (generation, visualisation) ``optimizer.pt`` is neither read nor hashed; otherwise it is loaded
     with ``weights_only=True`` and must be a plain dict of tensors (see :func:`check_optimizer_state`
     for its check against a model).
+
+    A LoRA run's checkpoint (a ``lora`` entry, ``adapters.safetensors``) gives the base model with
+    its adapters (:mod:`attnlab.training.lora`), or with ``merge_adapters`` a plain model with them
+    merged into its weights (what generation and the inspector read).
     """
     d = find_checkpoint(path)
     where = d / CHECKPOINT_NAME
@@ -763,6 +849,16 @@ def load_checkpoint(
     if layers is not None and layers != config.n_layers:
         raise ValueError(f"{d / CONFIG_NAME} describes {config.n_layers} layers but {d / WEIGHTS_NAME} holds {layers}")
     model = GPT.load(d, device=device)
+    if "lora" in meta:
+        if ADAPTERS_NAME not in meta["files"]:
+            raise ValueError(f"{where} records LoRA settings but no {ADAPTERS_NAME}")
+        from safetensors.torch import load_file
+
+        f = _verify_file(d, ADAPTERS_NAME, meta["files"][ADAPTERS_NAME])
+        apply_lora(model, LoRASettings.make(**meta["lora"]))
+        load_adapter_state(model, load_file(str(f)), where=str(f))
+        if merge_adapters:
+            merge_lora(model)
     opt_state = None
     if load_optimizer and OPTIMIZER_NAME in meta["files"]:
         f = _verify_file(d, OPTIMIZER_NAME, meta["files"][OPTIMIZER_NAME])
@@ -774,7 +870,15 @@ def load_checkpoint(
                 f"checkpoint file {f} is {f.stat().st_size:,} bytes, too large for this model's optimizer state"
             )
         opt_state = _load_tensors(f, device)
-    return Checkpoint(path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state)
+    opt_dir = None
+    sharded = [name for name in meta["files"] if _sharded_optimizer_file(name)]
+    if load_optimizer and sharded:
+        for name in sharded:
+            _verify_file(d, name, meta["files"][name])
+        opt_dir = d / OPTIMIZER_DIR
+    return Checkpoint(
+        path=d, step=meta["step"], model=model, metadata=meta, optimizer_state=opt_state, optimizer_dir=opt_dir
+    )
 
 
 def _load_tensors(f: Path, device: torch.device | str | None) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "canonical_preset",
     "default_lr",
     "lr_at",
+    "model_path",
 ]
 
 SEED_LIMIT = 2**64  # torch.manual_seed takes seeds below it
@@ -95,9 +96,16 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "The "
     progress: bool = True
+    # Fine-tuning (see attnlab.training.lora) and sharding (attnlab.training.fsdp).
+    init_from: str | None = None  # the pretrained model it starts from (the caller loads it: Trainer(init=...))
+    lora_rank: int = 0  # 0: every parameter trains; r > 0: LoRA adapters of rank r, the base frozen
+    lora_alpha: float | None = None  # None: 2 * lora_rank
+    lora_targets: str | None = None  # None: q,k,v,o
+    fsdp: bool = False  # under torchrun: FSDP2 (fully_shard) instead of DDP
 
     # Settings a resumed run must keep (they define the model, its data or its batch sequence).
     FIXED_ON_RESUME = ("data", "tokenizer", "preset", "context_length", "dropout", "seed", "val_fraction", "optimizer")
+    FIXED_ON_RESUME += ("init_from", "lora_rank", "lora_alpha", "lora_targets")
 
     def validate(self) -> None:
         """ValueError naming the flag for any setting of the wrong type or out of range (before any
@@ -136,8 +144,22 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
         if not (is_real(self.val_fraction) and 0 < self.val_fraction < 1):
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if self.tokenizer not in ("byte", "char", "gpt2"):
+        if self.tokenizer not in ("byte", "char", "gpt2", "hf") or (self.tokenizer == "hf" and not self.init_from):
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of: byte, char, gpt2")
+        if self.init_from is not None and not _path_like(self.init_from):
+            raise ValueError(f"--init-from must name a model, got {self.init_from!r}")
+        if not is_int(self.lora_rank) or self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+        if self.lora_rank:
+            from attnlab.training.lora import LoRASettings
+
+            if not self.init_from:
+                raise ValueError("--lora-rank needs --init-from: LoRA adapts a pretrained model")
+            if self.fsdp:
+                raise ValueError("--lora-rank with --fsdp is not supported: LoRA's frozen base fits where DDP does")
+            LoRASettings.make(self.lora_rank, self.lora_alpha, self.lora_targets)
+        elif self.lora_alpha is not None or self.lora_targets is not None:
+            raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
         for name in ("data", "bpe_dir"):
             if (v := getattr(self, name)) is not None and not _path_like(v):
                 raise ValueError(f"{_flag(name)} must be a path (or None), got {v!r}")
@@ -146,7 +168,9 @@ class TrainConfig:
         for name in ("device", "sample_prompt", "preset"):
             if not isinstance(v := getattr(self, name), str):
                 raise ValueError(f"{_flag(name)} must be a string, got {v!r}")
-        for name in ("resume", "compile", "progress"):
+        if self.fsdp and self.optimizer == "muon":
+            raise ValueError("--fsdp trains with --optimizer adamw (Muon orthogonalises whole matrices, not shards)")
+        for name in ("resume", "compile", "progress", "fsdp"):
             if not is_bool(v := getattr(self, name)):
                 raise ValueError(f"{_flag(name)} must be True or False, got {v!r}")
         canonical_preset(self.preset)
@@ -173,7 +197,7 @@ class TrainConfig:
         ``given`` names the settings the caller set (default: :meth:`explicit_fields`); they are
         kept, every other one comes from ``saved``. A setting in :attr:`FIXED_ON_RESUME` that was
         given and differs from the saved one is a ValueError naming it. ``out`` and ``resume``
-        are always this run's.
+        and ``fsdp`` are always this run's.
         """
         given = self.explicit_fields() if given is None else set(given)
         # Runs from before --optimizer and --precision trained with AdamW, in bf16 on CUDA and in
@@ -187,7 +211,7 @@ class TrainConfig:
                     f"{_shown(name, getattr(old, name))} of {source}; a resumed run keeps it (start a new --out "
                     "to change it)"
                 )
-        keep = given | {"out", "resume"}
+        keep = given | {"out", "resume", "fsdp"}  # sharded or not: how this run is started
         names = {f.name for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: getattr(old, k) for k in names if k in saved and k not in keep})
 
@@ -210,11 +234,18 @@ def _same_setting(name: str, a: Any, b: Any) -> bool:
             return a == b
     if name == "data":
         return absolute_path(a) == absolute_path(b)
+    if name == "init_from":  # a local model by its absolute path, a Hub name as it is
+        return model_path(a) == model_path(b)
     return a == b
 
 
 def _shown(name: str, value: Any) -> str:
     return "the built-in corpus" if name == "data" and value is None else f"the {value!r}"
+
+
+def model_path(name: str | None) -> str | None:
+    """``--init-from``: an existing local path made absolute (as :func:`absolute_path`), a Hub name kept."""
+    return absolute_path(name) if name and Path(name).expanduser().exists() else name
 
 
 def absolute_path(path: str | None) -> str | None:

@@ -34,7 +34,7 @@ import torch
 
 from attnlab.model import GPTConfig
 
-__all__ = ["MemoryEstimate", "available_memory", "estimate_training_memory"]
+__all__ = ["MemoryEstimate", "available_memory", "estimate_training_memory", "fsdp_processes_needed"]
 
 GiB = 1 << 30
 
@@ -53,9 +53,14 @@ class MemoryEstimate:
         return self.states + self.activations + self.logits
 
 
-def estimate_training_memory(config: GPTConfig, micro_batch: int, *, act_bytes: int = 4) -> MemoryEstimate:
+def estimate_training_memory(
+    config: GPTConfig, micro_batch: int, *, act_bytes: int = 4, lora: bool = False, shards: int = 1
+) -> MemoryEstimate:
     """A lower bound of the memory one process needs to train ``config`` on ``micro_batch`` rows of
-    ``config.context_length`` tokens per micro-step; ``act_bytes`` is 4 (float32) or 2 (bf16 autocast)."""
+    ``config.context_length`` tokens per micro-step; ``act_bytes`` is 4 (float32) or 2 (bf16 autocast).
+    ``lora``: the weights are frozen (4 bytes each; the adapters are left out). ``shards``: FSDP over
+    that many processes, each holding its share of the weights, gradients and AdamW moments (one
+    layer's weights are gathered at a time, left out)."""
     d, ff, L, V, T = config.emb_dim, config.hidden_dim, config.n_layers, config.vocab_size, config.context_length
     kv_dim = config.kv_heads * config.head_dim
     embeddings = V * d * (1 if config.tie_embeddings else 2) + (
@@ -66,10 +71,22 @@ def estimate_training_memory(config: GPTConfig, micro_batch: int, *, act_bytes: 
     n = micro_batch * T
     return MemoryEstimate(
         parameters=P,
-        states=16 * P,
+        states=(4 if lora else 16) * P // shards,
         activations=n * L * (6 * d + 2 * ff) * act_bytes,
         logits=(act_bytes + 4) * n * V,
     )
+
+
+def fsdp_processes_needed(config: GPTConfig, micro_batch: int, have: int, *, act_bytes: int = 4) -> int | None:
+    """The fewest processes (a power of two, at most 1024) over which ``--fsdp`` shards a run that
+    fits ``have`` bytes per device by :func:`estimate_training_memory`; None when even 1024 shards
+    do not (the activations alone are too large: lower the batch or the context instead)."""
+    n = 1
+    while n <= 1024:
+        if estimate_training_memory(config, micro_batch, act_bytes=act_bytes, shards=n).total <= have:
+            return n
+        n *= 2
+    return None
 
 
 def available_memory(device: torch.device) -> int | None:

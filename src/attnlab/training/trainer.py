@@ -52,7 +52,9 @@ from attnlab.files import atomic_open, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
+from attnlab.training import chat_data, fsdp
 from attnlab.training.checkpoint import (
+    OPTIMIZER_DIR,
     OPTIMIZER_NAME,
     Checkpoint,
     check_optimizer_state,
@@ -64,9 +66,19 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from attnlab.training.config import DEFAULT_MAX_TIME, PLAN_STEPS, TrainConfig, absolute_path, default_lr, lr_at
+from attnlab.training.config import (
+    DEFAULT_MAX_TIME,
+    PLAN_STEPS,
+    TrainConfig,
+    absolute_path,
+    default_lr,
+    lr_at,
+    model_path,
+)
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
-from attnlab.training.memory import GiB, available_memory, estimate_training_memory
+from attnlab.training.finetune import finetune_config, finetune_lr
+from attnlab.training.lora import LoRASettings, apply_lora
+from attnlab.training.memory import GiB, available_memory, estimate_training_memory, fsdp_processes_needed
 from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
 
@@ -203,12 +215,21 @@ class Trainer:
         result = Trainer(TrainConfig(max_steps=100, out="runs/x")).fit()
     """
 
-    def __init__(self, config: TrainConfig, *, log: Any = None, given: Iterable[str] | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, *, log: Any = None, given: Iterable[str] | None = None, init: Any = None
+    ) -> None:
         """``given``: names of the settings the caller set (the CLI passes the flags given). On
         resume, every other setting comes from the checkpoint; None means "those that differ
-        from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's)."""
+        from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's).
+        ``init``: with ``config.init_from``, the pretrained model a new run starts from, as
+        :func:`attnlab.tools.loading.load` returns it (``.model``, ``.tokenizer``)."""
         config.validate()
+        self._init = init
         self.dist = DistEnv.from_environ()
+        if config.fsdp and "RANK" not in os.environ:
+            raise ValueError(
+                "--fsdp shards the model over torchrun's processes: run torchrun ... -m attnlab train --fsdp"
+            )
         self._log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.out = Path(config.out).expanduser()
         self._owns_process_group = False
@@ -245,7 +266,9 @@ class Trainer:
             missing = [k for k in ("tokenizer", "model_config", "train_config", "rng", "data") if k not in meta]
             if missing:
                 raise ValueError(f"{where} cannot be resumed: its checkpoint.json has no {', '.join(missing)} entry")
-            if OPTIMIZER_NAME not in meta["files"]:
+            if OPTIMIZER_NAME not in meta["files"] and not any(
+                f.startswith(OPTIMIZER_DIR + "/") for f in meta["files"]
+            ):
                 raise ValueError(
                     f"{where} records no optimizer state ({OPTIMIZER_NAME}); resuming would restart AdamW "
                     "from zero, which is not the run it continues: start a new --out from its weights instead"
@@ -253,11 +276,15 @@ class Trainer:
             self._saved_meta = meta
             config = config.resumed(meta["train_config"], given, source=where)
             config.validate()
+        elif config.init_from:
+            config = finetune_config(config, self._init, config.explicit_fields() if given is None else set(given))
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
         paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
+        paths["init_from"] = model_path(config.init_from)
         config = TrainConfig.from_dict(config.to_dict() | paths)
-        if given is not None and self._saved_meta is None and not {"max_steps", "max_time"} & set(given):
+        bare = given is not None and not {"max_steps", "max_time"} & set(given) and config.init_from is None
+        if bare and self._saved_meta is None:
             config.max_time = DEFAULT_MAX_TIME  # the bare run: 800 steps, fewer where they do not fit
         return config
 
@@ -294,6 +321,8 @@ class Trainer:
         train_tokens, val_tokens = self._load_tokens()
         self._build_model(ckpt, model_config)  # also settles cfg's preset-dependent defaults
         self._build_batches(train_tokens, val_tokens)
+        if self.cfg.fsdp:  # before the optimizer: fully_shard replaces the parameters by their shards
+            fsdp.shard(self.raw_model, param_dtype=autocast_dtype(self.cfg.precision, self.device))
         self.optimizer = self._build_optimizer()
         self._restore_state(ckpt)
         self._wrap_model()
@@ -310,7 +339,7 @@ class Trainer:
 
     def _init_distributed(self) -> None:
         """Under torchrun, join the process group; on CUDA, allow TF32 matmuls."""
-        if self.dist.enabled:
+        if self.dist.enabled or self.cfg.fsdp:
             self._owns_process_group = start_process_group(self.device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -336,6 +365,8 @@ class Trainer:
         cfg = self.cfg
         if meta is not None:
             return tokenizer_from_dict(meta["tokenizer"], bpe_dir=cfg.bpe_dir)
+        if cfg.init_from:
+            return self._init.tokenizer
         if cfg.tokenizer == "char":
             return get_tokenizer("char", text=None if cfg.data else data.builtin_corpus(), path=cfg.data)
         return get_tokenizer(cfg.tokenizer, bpe_dir=cfg.bpe_dir)
@@ -361,10 +392,32 @@ class Trainer:
         raise ValueError(f"{why}; a resumed run must see the same text: {fix}")
 
     def _load_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The text as token ids (cached on disk), split into training and validation tokens."""
+        """The text as token ids (cached on disk), split into training and validation tokens; a
+        ``.jsonl`` file of conversations, rendered with the chat template (:mod:`attnlab.training.chat_data`)."""
         cfg = self.cfg
+        self.chat_template, self._chat_masks = None, None
+        if chat_data.is_chat_file(cfg.data):
+            return self._load_chat()
         tokens = data.tokenize_to_cache(cfg.data, self.tokenizer, content_hash=self.data_sha256 if cfg.data else None)
         return data.train_val_split(tokens, cfg.val_fraction)
+
+    def _load_chat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conversations as one token stream and the assistant mask, split as text is."""
+        saved = (self._saved_meta or {}).get("chat_template")
+        if saved is not None:
+            self.chat_template = chat_data.template_from_dict(saved)
+        else:
+            self.chat_template = getattr(self._init, "chat_template", None)
+        if self.chat_template is None:
+            raise ValueError(
+                f"--data {self.cfg.data} holds conversations (.jsonl): they need --init-from a model with a chat "
+                "template (an instruct model's tokenizer_config.json or chat_template.jinja)"
+            )
+        conversations = chat_data.read_conversations(self.cfg.data)
+        ids, mask = chat_data.encode_conversations(self.chat_template, self.tokenizer, conversations)
+        n_train = len(ids) - round(len(ids) * self.cfg.val_fraction)
+        self._chat_masks = (mask[:n_train], mask[n_train:])
+        return torch.from_numpy(ids[:n_train]), torch.from_numpy(ids[n_train:])
 
     def _model_config(self) -> GPTConfig:
         """The configuration of the model this run trains: the checkpoint's, or the preset's with
@@ -372,6 +425,8 @@ class Trainer:
         cfg = self.cfg
         if self._saved_meta is not None:
             return GPTConfig.from_dict(self._saved_meta["model_config"])
+        if cfg.init_from:
+            return self._init.model.config
         overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
         if cfg.context_length is not None:
             overrides["context_length"] = cfg.context_length
@@ -398,16 +453,28 @@ class Trainer:
         :mod:`attnlab.training.memory`: a lower bound, so a run that might fit always starts)."""
         b = self._per_rank_batch()
         bf16 = autocast_dtype(self.cfg.precision, self.device) is not None
-        need = estimate_training_memory(config, b, act_bytes=2 if bf16 else 4)
+        if self.cfg.init_from:  # a pretrained model trains on windows of --context-length tokens
+            config = dataclasses.replace(config, context_length=self.cfg.context_length)
+        shards = self.dist.world_size if self.cfg.fsdp else 1
+        need = estimate_training_memory(
+            config, b, act_bytes=2 if bf16 else 4, lora=self.cfg.lora_rank > 0, shards=shards
+        )
         have = available_memory(self.device)
         if have is None or need.total <= have:
             return
+        per = "4 bytes (frozen weights)" if self.cfg.lora_rank else "16 bytes (weights, gradients, AdamW)"
+        per += f" / {shards} processes" if shards > 1 else ""
+        fix = "lower --batch-size (or raise --grad-accum), --context-length, or choose a smaller --preset"
+        n = None if self.cfg.lora_rank else fsdp_processes_needed(config, b, have, act_bytes=2 if bf16 else 4)
+        if n is not None and n > shards:  # the weights and optimizer state are what does not fit: shard them
+            fix += (
+                f"; or shard it over {n} devices like this one: torchrun --nproc_per_node={n} -m attnlab train --fsdp"
+            )
         raise ValueError(
             f"this run needs at least {need.total / GiB:.1f} GiB on {self.device} but {have / GiB:.1f} GiB are "
-            f"available: {need.parameters / 1e6:,.0f}M parameters x 16 bytes (weights, gradients, AdamW) = "
+            f"available: {need.parameters / 1e6:,.0f}M parameters x {per} = "
             f"{need.states / GiB:.1f} GiB, activations and logits of {b} x {config.context_length} tokens per "
-            f"micro-step = {(need.activations + need.logits) / GiB:.1f} GiB; lower --batch-size (or raise "
-            "--grad-accum), --context-length, or choose a smaller --preset"
+            f"micro-step = {(need.activations + need.logits) / GiB:.1f} GiB; {fix}"
         )
 
     def _build_model(self, ckpt: Checkpoint | None, config: GPTConfig) -> None:
@@ -415,19 +482,26 @@ class Trainer:
         and ``cfg`` with the preset-dependent defaults settled, so the checkpoint records what was used."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = ckpt.model if ckpt is not None else GPT(config)
+        if ckpt is not None:
+            model = ckpt.model  # with its adapters, for a LoRA run
+        elif cfg.init_from:
+            model = self._init.model.float()
+            if cfg.lora_rank:
+                apply_lora(model, LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets))
+        else:
+            model = GPT(config)
         self.raw_model = model.to(self.device)
         self.model_config = model_cfg = model.config
         self.cfg = dataclasses.replace(
             cfg,
-            context_length=model_cfg.context_length,
+            context_length=cfg.context_length if cfg.init_from else model_cfg.context_length,
             dropout=model_cfg.drop_rate,
-            lr=cfg.lr if cfg.lr is not None else default_lr(model_cfg.emb_dim),
+            lr=cfg.lr if cfg.lr is not None else finetune_lr(cfg) or default_lr(model_cfg.emb_dim),
         )
 
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
         """This rank's share of each global batch, for training and validation."""
-        cfg, d, T = self.cfg, self.dist, self.model_config.context_length
+        cfg, d, T = self.cfg, self.dist, self.cfg.context_length
         per_rank = self._per_rank_batch()
         for name, part in (("training", train_tokens), ("validation", val_tokens)):
             if len(part) < T + 1:
@@ -436,6 +510,16 @@ class Trainer:
                     "use a longer text or a smaller --context-length"
                 )
         common = dict(batch_size=per_rank, context_length=T, rank=d.rank, world_size=d.world_size)
+        if self._chat_masks is not None:  # the loss on the assistant's tokens only
+            masks = self._chat_masks
+            self.train_batches = chat_data.MaskedWindowBatches(
+                train_tokens, masks[0], seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
+            )
+            self.val_batches = chat_data.MaskedWindowBatches(
+                val_tokens, masks[1], seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common
+            )
+            self.tokens_per_step = cfg.batch_size * T
+            return
         self.train_batches = data.RandomWindowBatches(
             train_tokens, seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
         )
@@ -457,8 +541,14 @@ class Trainer:
         # Checked against this model's parameters first: load_state_dict would take a crafted
         # state whose tensors the fused kernel then reads out of bounds.
         where = ckpt.path / OPTIMIZER_NAME
-        state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
-        self.optimizer.load_state_dict(state)
+        if ckpt.optimizer_dir is not None:  # a sharded run's, resharded for this run (see attnlab.training.fsdp)
+            fsdp.load_optimizer(self.raw_model, self.optimizer, ckpt.optimizer_dir)
+        elif self.cfg.fsdp:
+            state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
+            fsdp.load_full_optimizer_state(self.raw_model, self.optimizer, state)
+        else:
+            state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
+            self.optimizer.load_state_dict(state)
         self.step = ckpt.step
         self._restore_rng(ckpt.metadata)
         saved_val = ckpt.metadata.get("val_loss")
@@ -485,6 +575,9 @@ class Trainer:
         """``model``: ``raw_model`` in DDP (under torchrun) and torch.compile (``--compile``);
         ``autocast``: the forward pass in bf16 where :func:`autocast_dtype` says so."""
         self.model: torch.nn.Module = self.raw_model
+        if self.cfg.fsdp:  # sharded in _setup; its mixed-precision policy computes in bf16 where autocast would
+            self.autocast = contextlib.nullcontext
+            return
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -506,7 +599,7 @@ class Trainer:
             torch.distributed.all_gather_object(gathered, rng)
         else:
             gathered = [rng]
-        if not self.dist.is_main:
+        if not self.dist.is_main and not self.cfg.fsdp:
             return None
         meta = {
             "tokenizer": self.tokenizer.to_dict(),
@@ -519,13 +612,18 @@ class Trainer:
                 "next_step": self.step,
                 "seed": self.cfg.seed,
                 "global_batch_size": self.cfg.batch_size,
-                "context_length": self.model_config.context_length,
+                "context_length": self.cfg.context_length,
                 "source": self.cfg.data,
                 "sha256": self.data_sha256,
             },
             "val_loss": self.last_val_loss,
             "torch_version": torch.__version__,
         }
+        if self.chat_template is not None:  # a resumed run renders its conversations the same way
+            meta["chat_template"] = chat_data.template_to_dict(self.chat_template)
+        if self.cfg.fsdp:  # every process writes its shards of the optimizer state
+            kw = dict(step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta)
+            return fsdp.save_sharded(self.out, keep=self.cfg.keep_checkpoints, **kw)
         return save_checkpoint(
             self.out,
             step=self.step,
@@ -573,6 +671,8 @@ class Trainer:
             last = micro == cfg.grad_accum - 1
             # DDP: all-reduce the gradients once, on the last micro-step.
             sync = contextlib.nullcontext() if last or not self.dist.enabled else no_sync(self.model)
+            if self.cfg.fsdp and not last:
+                sync = fsdp.no_gradient_sync(self.raw_model)
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
@@ -583,6 +683,7 @@ class Trainer:
         # scales the gradients by exactly 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.dist.enabled:
@@ -614,7 +715,7 @@ class Trainer:
         finally:
             self._lock.release()  # nothing more to write: another run may take the directory
         text = prompt = None
-        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0:
+        if sample and not interrupted and d.is_main and cfg.sample_tokens > 0 and not cfg.fsdp:
             prompt = self.sample_prompt(cfg.sample_prompt)
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
@@ -716,11 +817,20 @@ class Trainer:
 
     def _log_start(self) -> None:
         """One line on what this run is; a note when there is nothing left to train."""
-        cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.model_config.context_length
+        cfg, n_params, T = self.cfg, self.raw_model.num_parameters(), self.cfg.context_length
         what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
         self.log(f"recipe: {self.recipe()}")
+        n_train = sum(p.numel() for p in self.raw_model.parameters() if p.requires_grad)
+        model = f"{cfg.init_from} (fine-tuned)" if cfg.init_from else f"GPT {cfg.preset}"
+        model += f" {n_params / 1e6:.2f}M parameters"
+        if n_train != n_params:
+            lora = LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            model += (
+                f" with LoRA rank {lora['rank']} alpha {lora['alpha']:g} on {','.join(lora['targets'])}: "
+                f"{n_train:,} of {n_params:,} parameters train ({100 * n_train / n_params:.2f}%)"
+            )
         self.log(
-            f"attnlab train: {what}; GPT {cfg.preset} {n_params / 1e6:.2f}M parameters, "
+            f"attnlab train: {what}; {model}, "
             f"context {T}, tokenizer {self.tokenizer.name} "
             f"(vocab {self.tokenizer.vocab_size}), data {cfg.data or 'built-in corpus (Python docs)'} "
             f"({len(self.train_batches.tokens):,} train / {len(self.val_batches.tokens):,} val tokens), "

@@ -1,0 +1,103 @@
+"""``attnlab eval``: how well a model predicts a text (loss per token, perplexity, bits per byte).
+
+Examples::
+
+    attnlab eval --model ./SmolLM2-135M --data ../shared/data/the-verdict.txt
+    attnlab eval --checkpoint runs/attnlab --data input.txt --context-length 256 --stride 128
+
+The text is scored in windows of ``--context-length`` tokens every ``--stride`` tokens (see
+:mod:`attnlab.training.eval`); every token but the first is scored once, so the figures are those of
+the whole text. A Hugging Face model's text starts with its beginning-of-text token, as Hugging Face's
+tokenizer would put it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from attnlab.checks import resolve_device
+from attnlab.data import load_text
+from attnlab.tokenizers import HFTokenizer
+from attnlab.tools.loading import load
+from attnlab.training.eval import evaluate_tokens, windows
+
+DEFAULT_CONTEXT = 1024  # at most the model's own context
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Measure a model's next-token loss, perplexity and bits per byte on a text file."
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--checkpoint", metavar="DIR", help="an attnlab model: a training --out directory or a step directory"
+    )
+    source.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a published model: gpt2 (...), a Hugging Face repository or a local Hugging Face directory",
+    )
+    parser.add_argument("--data", metavar="PATH", required=True, help="UTF-8 text file to score")
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        metavar="T",
+        help=f"tokens the model reads per window (default: the model's context, at most {DEFAULT_CONTEXT})",
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        metavar="S",
+        help="tokens between window starts; smaller gives each token more context (default: T, disjoint windows)",
+    )
+    parser.add_argument("--device", default="auto", metavar="DEV", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
+    )
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar (default: on)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    text = load_text(args.data)
+    loaded = load(args.checkpoint, args.model, device=device, bpe_dir=args.bpe_dir)
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok.encode_prompt(text) if isinstance(tok, HFTokenizer) else tok.encode(text)
+    T = args.context_length if args.context_length is not None else min(model.config.context_length, DEFAULT_CONTEXT)
+    if not 1 <= T <= model.config.context_length and model.config.pos == "learned":
+        raise ValueError(f"--context-length must be in [1, {model.config.context_length}] (the model's), got {T}")
+    stride = T if args.stride is None else args.stride
+    plan = windows(len(ids), T, stride)  # checks --context-length and --stride first
+    bar = None
+    if args.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(s for *_, s in plan), desc="eval", unit="tok", dynamic_ncols=True)
+    try:
+        result = evaluate_tokens(
+            model, ids, context_length=T, stride=stride, n_bytes=len(text.encode("utf-8")), on_window=bar and bar.update
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    figures = {
+        "loss": result.loss,
+        "perplexity": result.perplexity,
+        "bits_per_byte": result.bits_per_byte,
+        "tokens": result.tokens,
+        "bytes": result.bytes,
+        "context_length": T,
+        "stride": stride,
+    }
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    where = args.model or args.checkpoint
+    print(f"{where} on {args.data}: {result.tokens:,} tokens scored ({len(plan)} windows of <= {T}, stride {stride})")
+    print(f"loss        {result.loss:.4f} nats/token")
+    print(f"perplexity  {result.perplexity:.3f}")
+    print(f"bits/byte   {result.bits_per_byte:.4f}", file=sys.stdout)
+    return 0

@@ -1,0 +1,189 @@
+"""LoRA (Hu et al. 2021): fine-tune a frozen model through low-rank updates of its weight matrices.
+
+A target linear layer's weight ``W (out, in)`` is used as ``W + (alpha / r) * B @ A`` with
+``A (r, in)`` random and ``B (out, r)`` zero at the start, so the adapted model starts as the base
+model and only ``r * (in + out)`` numbers per matrix train. The update is a
+``torch.nn.utils.parametrize`` parametrization of the ``weight`` itself, not a second branch in the
+forward pass: every way the model reads the weight (attention's fused Q/K/V matmul reads
+``W_query.weight`` directly) sees the adapted one, and :func:`merge_lora` writing
+``W + (alpha / r) B A`` into a plain layer gives the same function by construction.
+
+Targets name the matrices of each transformer block:
+
+    q, k, v, o     attention's W_query, W_key, W_value, out_proj
+    up, down       the MLP's first (with SwiGLU: gate and up together) and second linear layer
+
+(rasbt's LLMs-from-scratch, chapter 7 appendix E, adapts the same layers; no LoRA dropout here.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "ADAPTERS_NAME",
+    "TARGETS",
+    "LoRA",
+    "LoRASettings",
+    "adapter_state",
+    "apply_lora",
+    "base_weights",
+    "has_lora",
+    "load_adapter_state",
+    "merge_lora",
+    "parse_targets",
+]
+
+ADAPTERS_NAME = "adapters.safetensors"  # beside the base weights in a checkpoint
+TARGETS = {"q": "att.W_query", "k": "att.W_key", "v": "att.W_value", "o": "att.out_proj", "up": "ff.layers.0",
+           "down": "ff.layers.2"}  # fmt: skip
+DEFAULT_TARGETS = ("q", "k", "v", "o")
+MAX_RANK = 4096
+
+
+class LoRA(nn.Module):
+    """The parametrization ``W -> W + scale * B @ A`` of one ``(out, in)`` weight."""
+
+    def __init__(self, out_features: int, in_features: int, rank: int, alpha: float, *, like: Tensor) -> None:
+        super().__init__()
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=like.device, dtype=like.dtype))  # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=like.device, dtype=like.dtype))  # (out, r)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as the paper's code does
+
+    def forward(self, W: Tensor) -> Tensor:
+        return W + self.scale * (self.lora_B @ self.lora_A)  # (out, in)
+
+
+class LoRASettings(dict):
+    """``{"rank": r, "alpha": a, "targets": [...]}``, checked (what a checkpoint records)."""
+
+    @classmethod
+    def make(cls, rank: Any, alpha: Any = None, targets: Any = None) -> LoRASettings:
+        from attnlab.checks import finite_real, is_int
+
+        if not is_int(rank) or not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"--lora-rank must be an integer in [1, {MAX_RANK}], got {rank!r}")
+        alpha = 2 * rank if alpha is None else alpha
+        if not finite_real(alpha) or alpha <= 0:
+            raise ValueError(f"--lora-alpha must be a positive number, got {alpha!r}")
+        return cls(rank=int(rank), alpha=float(alpha), targets=parse_targets(targets))
+
+
+def parse_targets(targets: str | Sequence[str] | None) -> list[str]:
+    """``"q,v"`` or ``["q", "v"]`` -> ``["q", "v"]``; ValueError naming ``--lora-targets`` for an unknown one."""
+    if targets is None:
+        return list(DEFAULT_TARGETS)
+    names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in names if t not in TARGETS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"--lora-targets must be distinct names among {', '.join(TARGETS)} (comma-separated), got {targets!r}"
+        )
+    return names
+
+
+def _target_modules(model: nn.Module, targets: Sequence[str]) -> Iterator[tuple[str, nn.Linear]]:
+    for i, block in enumerate(model.trf_blocks):
+        for t in targets:
+            module = block.get_submodule(TARGETS[t])
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"--lora-targets {t}: block {i}'s {TARGETS[t]} is no linear layer")
+            yield f"trf_blocks.{i}.{TARGETS[t]}", module
+
+
+def apply_lora(model: nn.Module, settings: LoRASettings) -> int:
+    """Freeze every parameter of ``model`` (an :class:`attnlab.GPT`) and adapt its target weights
+    in place; returns the number of parameters that train (the adapters')."""
+    if has_lora(model):
+        raise ValueError("the model already has LoRA adapters")
+    modules = list(_target_modules(model, settings["targets"]))
+    smallest = min(min(m.weight.shape) for _, m in modules)
+    if settings["rank"] > smallest:  # a rank past a matrix's smaller side adds parameters, not expressiveness
+        raise ValueError(
+            f"--lora-rank must be in [1, {smallest}] for this model (the smallest side of the adapted matrices), "
+            f"got {settings['rank']}"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    n = 0
+    for _, module in modules:
+        out_f, in_f = module.weight.shape
+        lora = LoRA(out_f, in_f, settings["rank"], settings["alpha"], like=module.weight)
+        parametrize.register_parametrization(module, "weight", lora)
+        n += lora.lora_A.numel() + lora.lora_B.numel()
+    model.lora_settings = settings  # what a checkpoint records
+    return n
+
+
+def has_lora(model: nn.Module) -> bool:
+    return getattr(model, "lora_settings", None) is not None
+
+
+def _adapted(model: nn.Module) -> Iterator[tuple[str, nn.Module, LoRA]]:
+    for name, module in _target_modules(model, model.lora_settings["targets"]):
+        yield name, module, module.parametrizations.weight[0]
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters as ``{"trf_blocks.0.att.W_query.lora_A": (r, in), ...}`` (CPU, contiguous)."""
+    out = {}
+    for name, _, lora in _adapted(model):
+        out[f"{name}.lora_A"] = lora.lora_A.detach().contiguous().cpu()
+        out[f"{name}.lora_B"] = lora.lora_B.detach().contiguous().cpu()
+    return out
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, Tensor], *, where: str = "adapters") -> None:
+    """Copy :func:`adapter_state`'s tensors into ``model``'s adapters; ValueError naming ``where`` on
+    any missing, extra or misshapen entry."""
+    own = {}
+    for name, _, lora in _adapted(model):
+        own[f"{name}.lora_A"], own[f"{name}.lora_B"] = lora.lora_A, lora.lora_B
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ValueError(f"{where} does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for k, p in own.items():
+            if state[k].shape != p.shape or not state[k].is_floating_point():
+                raise ValueError(f"{where}: {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state[k])
+
+
+@contextlib.contextmanager
+def base_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with its adapters taken off (its base weights as plain parameters, as
+    :meth:`GPT.save` writes them), put back on exit."""
+    settings = getattr(model, "lora_settings", None)
+    taken = []
+    try:
+        for _, module, lora in list(_adapted(model)) if settings is not None else []:
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            taken.append((module, lora))
+        model.lora_settings = None
+        yield model
+    finally:
+        for module, lora in taken:
+            parametrize.register_parametrization(module, "weight", lora)
+            module.parametrizations.weight.original.requires_grad_(False)
+        model.lora_settings = settings
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Write ``W + scale * B A`` into each adapted layer's plain weight (in place) and drop the
+    adapters: a plain model computing the adapted function. Every parameter trains again."""
+    if has_lora(model):
+        for _, module, _ in list(_adapted(model)):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        model.lora_settings = None
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model

@@ -1,0 +1,162 @@
+"""Chat fine-tuning: the loss mask is the assistant's tokens, as the chat template's prefixes say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab import GPT, GPTConfig
+from attnlab.cli import main
+from attnlab.formats.chat import ChatTemplate
+from attnlab.tokenizers import ByteTokenizer
+from attnlab.training.chat_data import (
+    MaskedWindowBatches,
+    encode_conversation,
+    encode_conversations,
+    read_conversations,
+)
+from attnlab.training.config import TrainConfig
+from attnlab.training.trainer import Trainer
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "chat_example.jsonl"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is attention?"},
+    {"role": "assistant", "content": "A weighted average."},
+    {"role": "user", "content": "Of what?"},
+    {"role": "assistant", "content": "Of value vectors."},
+]
+
+
+def check_mask_against_prefixes(template: ChatTemplate, tok, messages) -> None:
+    """The masked tokens decode to exactly the text each assistant turn adds to the rendering of the
+    conversation before it (with the generation prompt), and the rest to everything else."""
+    ids, mask = encode_conversation(template, tok, messages)
+    assert tok.decode(ids) == template.render(messages, add_generation_prompt=False)
+    spans, current, in_span = [], [], False
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(t)
+        elif current:
+            spans.append(tok.decode(current))
+            current = []
+        in_span = m
+    if current or in_span:
+        spans.append(tok.decode(current))
+    want = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            before = template.render(messages[:i], add_generation_prompt=True)
+            through = template.render(messages[: i + 1], add_generation_prompt=False)
+            want.append(through[len(before) :])
+    assert spans == want
+    for s, m in zip(spans, [m for m in messages if m["role"] == "assistant"], strict=True):
+        assert m["content"] in s  # the answer itself is trained on
+
+
+def test_the_mask_is_the_assistants_tokens_chatml_bytes() -> None:
+    template = ChatTemplate(CHATML)
+    check_mask_against_prefixes(template, ByteTokenizer(), CONVERSATION)
+    ids, mask = encode_conversation(template, ByteTokenizer(), CONVERSATION)
+    text = bytes(t for t, m in zip(ids, mask, strict=True) if m).decode()
+    assert text == "A weighted average.<|im_end|>\nOf value vectors.<|im_end|>\n"
+
+
+@pytest.mark.slow
+def test_the_mask_is_the_assistants_tokens_with_smollm2s_template(smollm2_hf_dir) -> None:
+    from attnlab.tokenizers import HFTokenizer
+    from attnlab.training.chat_data import template_from_hf_dir
+
+    template, tok = template_from_hf_dir(smollm2_hf_dir), HFTokenizer(smollm2_hf_dir)
+    assert template is not None
+    for messages in [CONVERSATION, CONVERSATION[1:], *read_conversations(EXAMPLE)[:3]]:
+        check_mask_against_prefixes(template, tok, messages)
+    # the end-of-turn token is the assistant's: the model learns to stop
+    ids, mask = encode_conversation(template, tok, CONVERSATION)
+    im_end = tok._tok.token_to_id("<|im_end|>")
+    ends = [m for t, m in zip(ids, mask, strict=True) if t == im_end]
+    assert ends.count(True) == 2 and ends.count(False) == 3
+
+
+def test_windows_score_only_assistant_tokens_and_always_some() -> None:
+    template = ChatTemplate(CHATML)
+    ids, mask = encode_conversations(template, ByteTokenizer(), [CONVERSATION] * 4)
+    batches = MaskedWindowBatches(ids, mask, batch_size=16, context_length=24, seed=0)
+    for step in range(5):
+        starts = batches.global_starts(step)
+        x, y = batches.batch(step)
+        for row, s in enumerate(starts):
+            targets = ids[s + 1 : s + 25]
+            keep = mask[s + 1 : s + 25]
+            assert torch.equal(x[row], torch.from_numpy(ids[s : s + 24]))
+            assert torch.equal(y[row], torch.from_numpy(np.where(keep, targets, -100)))
+            assert keep.any()
+    assert torch.equal(batches.batch(3)[1], batches.batch(3)[1])  # a pure function of (seed, step)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"text": "hi"}', 'has no "messages" list'),
+        (
+            '{"messages": [{"role": "wizard", "content": "x"}]}',
+            "role 'wizard'; expected one of system, user, assistant",
+        ),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "has no assistant message"),
+        ("not json", "is not a JSON object"),
+    ],
+)
+def test_bad_chat_lines_are_one_line_naming_the_line(tmp_path, capsys, line, message) -> None:
+    data = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": CONVERSATION})
+    data.write_text(f"{good}\n{line}\n")
+    base = tmp_path / "base"
+    GPT(GPTConfig(vocab_size=256, context_length=32, emb_dim=16, n_heads=2, n_layers=1)).save(base)
+    (base / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
+    (base / "chat_template.jinja").write_text(CHATML)  # what an instruct model's directory has
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2"):
+        read_conversations(data)
+    code = main(
+        ["train", "--init-from", str(base), "--data", str(data), "--out", str(tmp_path / "o"), "--max-steps", "1"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and "chat.jsonl:2" in err, err
+
+
+def test_chat_training_on_the_example_data(tmp_path) -> None:
+    """A small model fine-tuned on the example conversations (byte tokens, ChatML): the loss counts the
+    assistant's tokens only, and the checkpoint records the template so the run resumes the same."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, context_length=128, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0,
+                          pos="rope", norm="rmsnorm", mlp="swiglu", bias=False))  # fmt: skip
+    init = SimpleNamespace(model=model, tokenizer=ByteTokenizer(), chat_template=ChatTemplate(CHATML))
+    cfg = TrainConfig(init_from="tiny-chat", data=str(EXAMPLE), out=str(tmp_path / "run"), max_steps=4,
+                      batch_size=4, context_length=64, eval_every=2, eval_batches=1, checkpoint_every=2,
+                      sample_tokens=0, progress=False, device="cpu", precision="fp32", optimizer="adamw",
+                      lr=3e-3, warmup_steps=1)  # fmt: skip
+    trainer = Trainer(cfg, init=init)
+    try:
+        # every validation batch's loss is a mean over the assistant's targets alone
+        _, y = trainer.val_batches.batch(0)
+        assert (y == -100).any() and (y != -100).any()
+        result = trainer.fit(sample=False)
+    finally:
+        trainer.close()
+    assert result.step == 4 and result.history[-1]["loss"] < result.history[0]["loss"]
+    meta = json.loads((result.checkpoint / "checkpoint.json").read_text())
+    assert meta["chat_template"]["source"] == CHATML
+    # resumed without the init object: the template comes from the checkpoint
+    resumed = Trainer(TrainConfig(out=str(tmp_path / "run"), resume=True, max_steps=5, device="cpu", progress=False))
+    try:
+        assert resumed.chat_template.source == CHATML and resumed.fit(sample=False).step == 5
+    finally:
+        resumed.close()

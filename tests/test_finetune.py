@@ -1,0 +1,158 @@
+"""``attnlab train --init-from``: fine-tuning a pretrained model, with every weight or LoRA adapters."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab import GPT, GPTConfig
+from attnlab.cli import main
+from attnlab.tokenizers import ByteTokenizer
+from attnlab.tools.loading import load_model
+from attnlab.training.checkpoint import load_checkpoint
+from attnlab.training.lora import LoRASettings, adapter_state, apply_lora, merge_lora
+
+TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
+
+
+def llama_like(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=256, context_length=64, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                    drop_rate=0.0, pos="rope", mlp="swiglu", norm="rmsnorm", bias=False)  # fmt: skip
+    return GPT(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A small pretrained model as a GPT.save() directory with its tokenizer, and a text."""
+    d = tmp_path_factory.mktemp("base")
+    llama_like().save(d / "model")
+    (d / "model" / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
+    (d / "text.txt").write_text(TEXT)
+    return d
+
+
+def train(base: Path, out: Path, *extra: str) -> int:
+    args = ["train", "--init-from", str(base / "model"), "--data", str(base / "text.txt"), "--out", str(out),
+            "--context-length", "32", "--batch-size", "4", "--eval-every", "3", "--checkpoint-every", "3",
+            "--eval-batches", "2", "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--precision", "fp32",
+            "--warmup-steps", "1"]  # fmt: skip
+    return main([*args, *extra])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("targets", [["q", "k", "v", "o"], ["v", "up", "down"]])
+def test_a_merged_model_computes_the_adapted_models_logits(targets) -> None:
+    model = llama_like()
+    x = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    base_logits = model(x)
+    n = apply_lora(model, LoRASettings.make(4, 8, targets))
+    assert n == sum(t.numel() for t in adapter_state(model).values()) > 0
+    assert torch.equal(model(x), base_logits)  # B starts at zero: the adapted model starts as the base
+    with torch.no_grad():  # as after training: B nonzero
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    adapted = model(x)
+    assert not torch.allclose(adapted, base_logits, atol=1e-3)
+    merged = merge_lora(copy.deepcopy(model))
+    assert not any("lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(merged(x), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_trains_only_the_adapters_and_resumes_exactly(base, tmp_path, capsys) -> None:
+    flags = ["--lora-rank", "4", "--lora-targets", "q,v", "--seed", "5"]
+    assert train(base, tmp_path / "full", *flags, "--max-steps", "6") == 0
+    log = capsys.readouterr().err
+    # 2 layers x (q: 4 x (32 + 32), v: 4 x (32 + 16)) adapter parameters
+    n_train = 2 * (4 * (32 + 32) + 4 * (32 + 16))
+    n_total = llama_like().num_parameters() + n_train
+    assert f"{n_train:,} of {n_total:,} parameters train" in log, log
+    # The checkpoint keeps the frozen base and the adapters; the base is the pretrained model's.
+    ckpt = load_checkpoint(tmp_path / "full", load_optimizer=False)
+    assert ckpt.metadata["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "v"]}
+    step_dir = ckpt.path
+    assert (step_dir / "adapters.safetensors").is_file()
+    base_model = GPT.load(base / "model")
+    saved_base = GPT.load(step_dir)  # model.safetensors alone: the plain base
+    for (k, a), b in zip(base_model.state_dict().items(), saved_base.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert any(t.abs().sum() > 0 for k, t in adapter_state(ckpt.model).items() if k.endswith("lora_B"))
+    # Stopped at 3 (its step-3 checkpoint alone) and resumed: the same losses, bit for bit.
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000003", half / "checkpoints" / "step-00000003")
+    (half / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 3, "path": "checkpoints/step-00000003"})
+    )
+    assert train(base, half, "--resume") == 0
+    full, half = metrics(tmp_path / "full"), metrics(tmp_path / "half")
+    assert [r["loss"] for r in half] == [r["loss"] for r in full[3:]]
+    # Readers get the adapted function: the checkpoint (merged on load) equals the adapted model.
+    x = torch.tensor([list(b"the quick brown")])
+    adapted = load_checkpoint(tmp_path / "full", load_optimizer=False).model.eval()
+    read = load_model(tmp_path / "full").model
+    torch.testing.assert_close(read(x), adapted(x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(read(x), base_model(x), atol=1e-4)  # training moved it
+
+
+def test_merge_writes_a_plain_model_that_every_reader_takes(base, tmp_path, capsys) -> None:
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    assert train(base, out, "--lora-rank", "2", "--max-steps", "3", "--merge", str(merged)) == 0
+    assert not (merged / "adapters.safetensors").exists()
+    plain = GPT.load(merged)  # GPT.load refuses unknown (adapter) weights
+    x = torch.tensor([list(b"pack my box")])
+    torch.testing.assert_close(plain(x), load_model(out).model(x), rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(merged), "--prompt", "the", "--max-new-tokens", "4",
+                 "--temperature", "0", "--device", "cpu"]) == 0  # fmt: skip
+    a = capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "the", "--max-new-tokens", "4",
+                 "--temperature", "0", "--device", "cpu"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == a
+    # A merged model is a model to start from again.
+    again = ["train", "--init-from", str(merged), "--data", str(base / "text.txt"), "--out", str(tmp_path / "again")]
+    assert main([*again, "--max-steps", "1", "--batch-size", "2", "--sample-tokens", "0", "--no-progress"]) == 0
+
+
+def test_full_fine_tuning_starts_from_the_pretrained_weights(base, tmp_path) -> None:
+    assert train(base, tmp_path / "run", "--max-steps", "3", "--lr", "1e-9", "--grad-clip", "0") == 0
+    # With a vanishing learning rate the trained model is still the pretrained one.
+    trained = load_model(tmp_path / "run").model
+    x = torch.tensor([list(b"lazy dog")])
+    torch.testing.assert_close(trained(x), GPT.load(base / "model")(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--lora-rank", "0", "--lora-alpha", "4"], "--lora-alpha and --lora-targets go with --lora-rank"),
+        (["--lora-rank", "-1"], "--lora-rank must be a positive integer"),
+        (["--lora-rank", "5000"], "--lora-rank must be an integer in [1, 4096]"),
+        (["--lora-rank", "17"], "--lora-rank must be in [1, 16] for this model"),  # W_key: (16, 32) with 2 kv heads
+        (["--lora-rank", "4", "--lora-targets", "q,attn"], "--lora-targets must be distinct names among"),
+        (["--lora-rank", "4", "--optimizer", "muon"], "--lora-rank trains the adapters with AdamW"),
+        (["--tokenizer", "gpt2"], "--tokenizer gpt2 disagrees with --init-from"),
+        (["--context-length", "65"], None),
+    ],
+)
+def test_bad_fine_tuning_flags_are_one_line(base, tmp_path, capsys, extra, message) -> None:
+    code = train(base, tmp_path / "run", *extra, "--max-steps", "1")
+    err = capsys.readouterr().err
+    if message is None:  # rope: a window longer than the pretrained context is allowed
+        assert code == 0
+        return
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_init_from_a_missing_model_is_one_line(tmp_path, capsys) -> None:
+    code = main(["train", "--init-from", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--init-from" in err, err

@@ -1,0 +1,128 @@
+"""``torchrun -m attnlab train --fsdp``: 2 sharded CPU processes (FSDP2 over Gloo) follow one process,
+their checkpoints (torch.distributed.checkpoint inside attnlab's atomic step directory) survive a
+SIGKILL in the middle of a save and resume with any number of processes, sharded or not."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from attnlab.cli import main
+from attnlab.training.checkpoint import load_checkpoint, read_latest
+
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with Gloo"
+    ),
+    pytest.mark.slow,
+]
+
+HERE = Path(__file__).parent
+STEPS = 6
+FLAGS = [
+    "--context-length", "16", "--batch-size", "8", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress",
+    "--max-steps", str(STEPS), "--eval-every", "3", "--checkpoint-every", "3", "--dropout", "0", "--seed", "3",
+    "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu", "--precision", "fp32", "--optimizer", "adamw",
+]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TOL = 1e-4
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(out: Path, nproc: int, *extra: str, script: list[str] | None = None, env: dict | None = None, check=True):
+    if nproc == 1 and script is None:
+        cmd = [sys.executable, "-m", "attnlab", "train"]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd = [*launcher, *(script or ["-m", "attnlab"]), "train"]
+    r = subprocess.run(
+        [*cmd, "--out", str(out), *FLAGS, *extra], capture_output=True, text=True, env=env or ENV, timeout=300
+    )
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def from_step(src: Path, out: Path, step: int) -> Path:
+    """A new training directory holding only ``src``'s checkpoint of ``step`` (as if it stopped there)."""
+    name = f"step-{step:08d}"
+    shutil.copytree(src / "checkpoints" / name, out / "checkpoints" / name)
+    (out / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": step, "path": f"checkpoints/{name}"})
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fsdp")
+    run(root / "one", 1)
+    r = run(root / "sharded", 2, "--fsdp")
+    assert "batch 8 x 16 tokens (4 per process x 1 micro-step(s)), 2 process(es)" in r.stderr, r.stderr
+    return {"one": root / "one", "sharded": root / "sharded"}
+
+
+def assert_follows(run_metrics: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in run_metrics] == [r["step"] for r in reference]
+    for a, b in zip(reference, run_metrics, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=TOL), (a, b)
+        assert b["lr"] == a["lr"]
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=TOL)
+
+
+def test_two_sharded_processes_follow_one_process(runs) -> None:
+    one, sharded = metrics(runs["one"]), metrics(runs["sharded"])
+    assert_follows(sharded, one)
+    assert one[-1]["loss"] < one[0]["loss"] - 0.5  # it trained: equal losses are not equal by accident
+    step_dir = runs["sharded"] / "checkpoints" / f"step-{STEPS:08d}"
+    meta = json.loads((step_dir / "checkpoint.json").read_text())
+    shards = sorted(f for f in meta["files"] if f.startswith("optimizer/"))
+    assert shards == ["optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"]
+    assert "optimizer.pt" not in meta["files"] and meta["world_size"] == 2
+    # The weights are whole: generate & co. read a sharded run's checkpoint like any other.
+    a = load_checkpoint(runs["one"], load_optimizer=False).model.state_dict()
+    b = load_checkpoint(runs["sharded"], load_optimizer=False).model.state_dict()
+    for k in a:
+        assert (a[k] - b[k]).abs().max() < 1e-4, k
+
+
+@pytest.mark.parametrize(("source", "nproc", "extra"), [("sharded", 1, ()), ("one", 2, ("--fsdp",))])
+def test_a_checkpoint_resumes_with_another_process_count_sharded_or_not(runs, tmp_path, source, nproc, extra) -> None:
+    out = from_step(runs[source], tmp_path / "resumed", 3)
+    run(out, nproc, "--resume", *extra)
+    assert_follows(metrics(out), metrics(runs["one"])[3:])
+
+
+def test_a_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint(runs, tmp_path) -> None:
+    out = tmp_path / "killed"
+    # Both processes are killed right after writing their optimizer shards of the step-6 save, before
+    # rank 0 wrote the weights and checkpoint.json and switched latest.json.
+    killer = [str(HERE / "fsdp_kill_during_save.py")]
+    r = run(out, 2, "--fsdp", script=killer, env={**ENV, "ATTNLAB_TEST_KILL_AT_SAVE": "2"}, check=False)
+    assert r.returncode != 0
+    assert read_latest(out)["step"] == 3
+    debris = list((out / "checkpoints").glob(".tmp-step-00000006-*"))
+    assert debris and (debris[0] / "optimizer").is_dir()  # the kill did land inside the save
+    ckpt = load_checkpoint(out)  # the previous checkpoint, whole and verified
+    assert ckpt.step == 3 and ckpt.optimizer_dir is not None
+    run(out, 1, "--resume")  # and it continues (the debris is cleared by the next save)
+    assert_follows(metrics(out), metrics(runs["one"]))
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_fsdp_without_torchrun_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--fsdp", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fsdp shards the model over torchrun's processes" in err, err
