@@ -502,6 +502,7 @@ class TransformerBlock(nn.Module):
         self.norm2 = _norm(cfg)
         self.ff = FeedForward(cfg)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+        self.hook: Any = None  # set by attnlab.interpret.hooks for the length of a hooked pass
 
     def forward(
         self,
@@ -514,9 +515,23 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once);
         ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`."""
-        att = self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)
-        x = x + self.drop_shortcut(att)  # (B, T, C)
-        x = x + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
+        hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
+        if hook is not None:
+            x = hook("resid_pre", x)
+        att = self.drop_shortcut(
+            self.att.attend(self.norm1(x), mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)
+        )
+        if hook is not None:
+            att = hook("attn_out", att)
+        x = x + att  # (B, T, C)
+        if hook is not None:
+            x = hook("resid_mid", x)
+        mlp = self.drop_shortcut(self.ff(self.norm2(x)))
+        if hook is not None:
+            mlp = hook("mlp_out", mlp)
+        x = x + mlp  # (B, T, C)
+        if hook is not None:
+            x = hook("resid_post", x)
         return x
 
 
