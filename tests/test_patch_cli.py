@@ -46,6 +46,12 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
     assert f"clean run {lc:+.4f}" in text
     page = out.read_text()
     assert "data:image/png;base64," in page and "head_out" in page
+    from attnlab.tools.loading import load_model
+    from attnlab.tools.patch import patch_report
+
+    report = patch_report(load_model(d), clean, corrupted, ("a", "b"), ["resid_pre"])
+    assert "data:image/png;base64," in report._repr_html_()  # the same view inline in Jupyter
+    torch.testing.assert_close(report.results["resid_pre"], activation_patching(model, *ids, metric, "resid_pre"))
     png = tmp_path / "heads.png"
     assert main([*argv, "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

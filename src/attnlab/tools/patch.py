@@ -21,7 +21,7 @@ from attnlab.files import atomic_write_bytes, atomic_write_text
 from attnlab.interpret import SITES, activation_patching, logit_diff, token_strings
 from attnlab.tools.loading import LoadedModel
 
-__all__ = ["PatchReport", "patch_report", "save_patch_picture"]
+__all__ = ["PatchReport", "patch_page", "patch_report", "save_patch_picture"]
 
 
 @dataclass
@@ -61,6 +61,10 @@ class PatchReport:
         if kind == "head":
             return f"{index[0]}.{index[1]}"
         return f"{index[0]}.{index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
+
+    def _repr_html_(self) -> str:
+        """The heatmaps and tables, inline in Jupyter (the page ``attnlab patch --out page.html`` writes)."""
+        return patch_page(self)
 
     def format(self, top: int = 10) -> str:
         a, b = self.answers
@@ -149,6 +153,12 @@ def save_patch_picture(report: PatchReport, path: str | os.PathLike[str], *, top
         return path
     if suffix not in (".html", ".htm"):
         raise ValueError(f"--out must end in .html or .png, got {str(path)!r}")
+    atomic_write_text(path, patch_page(report, top=top))
+    return path
+
+
+def patch_page(report: PatchReport, *, top: int = 10) -> str:
+    """One self-contained HTML page: every site's heatmap (PNG inline) and its top patches."""
     a, b = (html.escape(repr(x)) for x in report.answers)
     parts = [
         "<!doctype html><meta charset='utf-8'><title>attnlab patch</title>",
@@ -167,5 +177,4 @@ def save_patch_picture(report: PatchReport, path: str | os.PathLike[str], *, top
             f"<h2>{site}</h2><img alt='{site} heatmap' src='data:image/png;base64,{img}'>"
             f"<table><tr><th>patch</th><th>value</th><th>restored</th></tr>{rows}</table>"
         )
-    atomic_write_text(path, "\n".join(parts))
-    return path
+    return "\n".join(parts)
