@@ -25,8 +25,8 @@ A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.lay
 TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any
 attention-level name of a layer is hooked, that layer computes its softmax explicitly (the fused
 kernel never forms the pattern), which agrees with the fused path to rounding. With a KV cache
-(generation), ``S`` counts the cached keys too, and ``k``/``v``/``rot_k`` hold only the new tokens'
-keys while ``attn_scores``/``pattern`` cover all of them.
+(generation), ``k``/``v`` hold only the new tokens' keys and values, while ``rot_k``,
+``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
 """
 
 from __future__ import annotations
