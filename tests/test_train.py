@@ -297,7 +297,8 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
         "bad batch": (["--batch-size", "6", "--grad-accum", "4"], "--batch-size"),
         "bad lr": (["--lr", "-1"], "--lr"),
         "bad max time": (["--max-time", "nan"], "--max-time"),
-        "existing checkpoint": (["--out", str(finished_run)], "--resume"),
+        # Each case on its own copy of the run: they run at once, and a run directory takes one at a time.
+        "existing checkpoint": (["--out", str(_damaged(finished_run, tmp_path, "copy-1"))], "--resume"),
         "truncated weights": (
             ["--out", str(_damaged(finished_run, tmp_path, "truncated-weights")), "--resume"],
             "model.safetensors",
@@ -306,8 +307,14 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
             ["--out", str(_damaged(finished_run, tmp_path, "corrupt-pointer")), "--resume"],
             "latest.json",
         ),
-        "changed context": (["--out", str(finished_run), "--resume", "--context-length", "32"], "--context-length"),
-        "other data": (["--out", str(finished_run), "--resume", "--data", __file__], "from the built-in corpus"),
+        "changed context": (
+            ["--out", str(_damaged(finished_run, tmp_path, "copy-2")), "--resume", "--context-length", "32"],
+            "--context-length",
+        ),
+        "other data": (
+            ["--out", str(_damaged(finished_run, tmp_path, "copy-3")), "--resume", "--data", __file__],
+            "from the built-in corpus",
+        ),
         "out is a file": (["--out", __file__], "exists and is not a directory"),
     }
     procs = {}

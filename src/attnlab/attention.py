@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -687,6 +688,9 @@ class MultiHeadAttention(_DropsTutorialMask):
         # Called with an AttentionRecord after every attend() when set (attnlab's inspection tools
         # set it for the length of a traced pass); the weights are then computed explicitly.
         self.observer: Callable[[MultiHeadAttention, AttentionRecord], None] | None = None
+        # Set by attnlab.interpret.hooks for the length of a hooked pass: hook(step, tensor) -> tensor,
+        # and hook.attend, attend() with each step a hook point. None (the default) costs one test.
+        self.hook: Any = None
 
     def new_kv_cache(
         self,
@@ -789,10 +793,13 @@ class MultiHeadAttention(_DropsTutorialMask):
             q, k = self.q_norm(q), self.k_norm(k)  # all heads' queries (keys) together to unit RMS (OLMo 2)
         q = q.view(b, n, self.num_heads, self.head_dim)  # (b, n, H, hd)
         k = k.view(b, k.shape[1], self.num_kv_heads, self.head_dim)  # (b, m, Hkv, hd)
+        v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim)  # (b, m, Hkv, hd)
+        hook = self.hook
+        if hook is not None:  # attnlab.interpret.hooks: read or replace the projections
+            q, k, v = hook("q", q), hook("k", k), hook("v", v)
         if self.qk_norm is True:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to unit RMS, times a learned gain
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, H, n, hd), (b, Hkv, m, hd)
-        v = v.view(b, v.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, Hkv, m, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, H, n, hd), (b, Hkv, m, hd) x2
         is_causal = self.causal and context is None
         window, sinks, q_pos, k_pos = None, 0, None, None
         if self.has_positions:
@@ -809,7 +816,8 @@ class MultiHeadAttention(_DropsTutorialMask):
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
         observed = self.observer is not None
-        result = attend(
+        # With hooks set, the steps (rot_q, rot_k, attn_scores, pattern, z) are computed one by one.
+        result = (attend if hook is None else hook.attend)(
             q,
             k,
             v,

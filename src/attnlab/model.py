@@ -629,6 +629,7 @@ class TransformerBlock(nn.Module):
         self.post_norm2 = _norm(cfg) if cfg.post_norms else None
         self.parallel_residual = cfg.parallel_residual
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+        self.hook: Any = None  # set by attnlab.interpret.hooks for the length of a hooked pass
 
     def forward(
         self,
@@ -641,17 +642,35 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once);
         ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`."""
+        hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
+        if hook is not None:
+            x = hook("resid_pre", x)
         h = x if self.norm1 is None else self.norm1(x)
         att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
         if self.post_norm1 is not None:
             att = self.post_norm1(att)
+        att = self.drop_shortcut(att)
+        if hook is not None:
+            att = hook("attn_out", att)
         if self.parallel_residual:  # the MLP reads the block's input too, not x + att
-            return x + self.drop_shortcut(att) + self.drop_shortcut(self.ff(self.norm2(x)))  # (B, T, C)
-        x = x + self.drop_shortcut(att)  # (B, T, C)
-        ff = self.ff(x if self.norm2 is None else self.norm2(x))
-        if self.post_norm2 is not None:
-            ff = self.post_norm2(ff)
-        return x + self.drop_shortcut(ff)  # (B, T, C)
+            mlp = self.drop_shortcut(self.ff(self.norm2(x)))
+            if hook is not None:
+                mlp = hook("mlp_out", mlp)
+            x = x + att + mlp  # (B, T, C)
+        else:
+            x = x + att  # (B, T, C)
+            if hook is not None:
+                x = hook("resid_mid", x)
+            ff = self.ff(x if self.norm2 is None else self.norm2(x))
+            if self.post_norm2 is not None:
+                ff = self.post_norm2(ff)
+            mlp = self.drop_shortcut(ff)
+            if hook is not None:
+                mlp = hook("mlp_out", mlp)
+            x = x + mlp  # (B, T, C)
+        if hook is not None:
+            x = hook("resid_post", x)
+        return x
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ probabilities under temperature/top-k/top-p (:func:`next_token_probabilities`, t
 generation). Every weight comes from the model's own ``return_weights`` path; nothing here computes
 a second softmax.
 
+From looking to explaining: hook points with TransformerLens's names (:func:`hooks`,
+:func:`run_with_cache`), activation, path and attribution patching (:func:`activation_patching`,
+:func:`path_patching`, :func:`attribution_patching`) and direct logit attribution
+(:func:`direct_logit_attribution`).
+
 :func:`inspector_data` gathers all of it for the inspector page (:func:`render_page`, the file
 ``attnlab viz --out page.html`` writes); in Jupyter a :class:`Trace` shows that page inline::
 
@@ -28,31 +33,56 @@ from attnlab.interpret.analysis import (
     repeated_tokens,
     rollout,
 )
+from attnlab.interpret.attribution import LogitAttribution, direct_logit_attribution
+from attnlab.interpret.hooks import ActivationCache, HookPoint, act_name, hook_names, hooks, run_with_cache
 from attnlab.interpret.inspector import inspector_data, maps_data, records_data, token_label, token_strings
 from attnlab.interpret.page import notebook_html, read_asset, read_page_data, render_page, save_page
+from attnlab.interpret.patching import (
+    SITES,
+    LogitDiff,
+    activation_patching,
+    attribution_patching,
+    logit_diff,
+    normalized_logit_diff,
+    path_patching,
+)
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
 from attnlab.interpret.tracing import STEP_NAMES, Trace, attention_layers, observe_attention, record_module, trace
 
 __all__ = [
     "HEAD_KINDS",
+    "SITES",
     "STEP_NAMES",
     "AblationEffect",
+    "ActivationCache",
     "GenerationStep",
     "GenerationTrace",
+    "HookPoint",
+    "LogitAttribution",
+    "LogitDiff",
     "LogitLens",
     "Trace",
     "ablate",
     "ablation_effect",
+    "act_name",
+    "activation_patching",
     "all_head_scores",
     "attention_layers",
+    "attribution_patching",
+    "direct_logit_attribution",
     "head_scores",
+    "hook_names",
+    "hooks",
     "inspector_data",
+    "logit_diff",
     "logit_lens",
     "maps_data",
     "next_token_probabilities",
+    "normalized_logit_diff",
     "notebook_html",
     "observe_attention",
     "parse_heads",
+    "path_patching",
     "read_asset",
     "read_page_data",
     "record_module",
@@ -60,6 +90,7 @@ __all__ = [
     "render_page",
     "repeated_tokens",
     "rollout",
+    "run_with_cache",
     "save_page",
     "token_label",
     "token_strings",

@@ -1,0 +1,112 @@
+"""Direct logit attribution: how much each head and MLP writes the answer straight into the logits.
+
+The residual stream before the final norm is a sum: the embeddings, each head's output through
+``out_proj``, each ``out_proj`` bias, each MLP's output. With the final norm's scale frozen at its
+value on this prompt (TransformerLens's ``apply_ln`` on the accumulated/decomposed residual), the
+final norm is linear, so the logit difference of two answers splits exactly into one term per part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.interpret.hooks import act_name, run_with_cache
+from attnlab.interpret.patching import check_token
+from attnlab.interpret.tracing import attention_layers
+
+__all__ = ["LogitAttribution", "direct_logit_attribution"]
+
+
+@dataclass
+class LogitAttribution:
+    """Each part's share of ``logit[a] - logit[b]`` at the last position (float64).
+
+    heads: ``(L, H)``; mlps: ``(L,)``; embeddings: the embeddings' (token and position) term;
+    rest: the biases (``out_proj``'s, the final norm's, the output head's); total: the model's own
+    logit difference. ``heads.sum() + mlps.sum() + embeddings + rest == total`` up to rounding."""
+
+    heads: Tensor
+    mlps: Tensor
+    embeddings: Tensor
+    rest: Tensor
+    total: Tensor
+
+    def parts_sum(self) -> Tensor:
+        return self.heads.sum() + self.mlps.sum() + self.embeddings + self.rest
+
+
+@torch.no_grad()
+def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, int]) -> LogitAttribution:
+    """Split the logit difference ``answers[0] - answers[1]`` at the last token of ``idx`` ((T,) or
+    (1, T)) over the model's parts, through the final norm with its scale frozen."""
+    layers = attention_layers(model)
+    if isinstance(idx, Tensor) and idx.dim() == 1:
+        idx = idx.unsqueeze(0)
+    if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
+        raise ValueError(f"idx must be the token ids of one prompt, (T,) or (1, T), got {getattr(idx, 'shape', idx)}")
+    if not (isinstance(answers, (tuple, list)) and len(answers) == 2):
+        raise ValueError(f"answers must be two token ids (a, b), got {answers!r}")
+    V = model.out_head.weight.shape[0]
+    a, b = (check_token(f"answers[{i}]", t, V) for i, t in enumerate(answers))
+    L = len(layers)
+    names = [act_name("resid_pre", 0), act_name("resid_post", L - 1)]
+    names += [act_name(s, i) for i in range(L) for s in ("z", "mlp_out", "attn_out")]
+    logits, cache = run_with_cache(model, idx, names)
+    f64 = lambda t: t[0, -1].double()
+    final = f64(cache[names[1]])  # (d,)
+    norm = model.final_norm
+    direction = (model.out_head.weight[a] - model.out_head.weight[b]).double()  # (d,)
+    gain = norm.weight.double() if getattr(norm, "weight", None) is not None else torch.ones_like(final)
+    if isinstance(norm, nn.RMSNorm):
+        eps = norm.eps if norm.eps is not None else torch.finfo(cache[names[1]].dtype).eps
+        scale = (final.square().mean() + eps).sqrt()
+
+        def through(c: Tensor) -> Tensor:  # the frozen norm's linear part, then the answer direction
+            return (gain * c / scale) @ direction
+
+        bias = 0.0
+    elif isinstance(norm, nn.LayerNorm):
+        scale = (final.var(unbiased=False) + norm.eps).sqrt()
+
+        def through(c: Tensor) -> Tensor:
+            return (gain * (c - c.mean(-1, keepdim=True)) / scale) @ direction
+
+        bias = 0.0 if norm.bias is None else norm.bias.double() @ direction
+    else:
+        raise TypeError(f"direct_logit_attribution needs a LayerNorm or RMSNorm final norm, got {type(norm).__name__}")
+    if model.out_head.bias is not None:
+        bias = bias + model.out_head.bias[a].double() - model.out_head.bias[b].double()
+    embeddings = f64(cache[names[0]])
+    parts = embeddings.clone()
+    heads, mlps, rest = [], [], torch.as_tensor(bias, dtype=torch.float64)
+    for i, att in enumerate(layers):
+        z = f64(cache[act_name("z", i)])  # (H, hd)
+        W = att.out_proj.weight.double().T.reshape(att.num_heads, att.head_dim, -1)  # (H, hd, d)
+        per_head = torch.einsum("hk,hkd->hd", z, W)  # (H, d): each head's write into the stream
+        heads.append(through(per_head))
+        mlp = f64(cache[act_name("mlp_out", i)])
+        mlps.append(through(mlp))
+        parts = parts + per_head.sum(0) + mlp
+        if att.out_proj.bias is not None:
+            rest = rest + through(att.out_proj.bias.double())
+            parts = parts + att.out_proj.bias.double()
+        attn_out = f64(cache[act_name("attn_out", i)])
+        if not torch.allclose(
+            per_head.sum(0) + (0 if att.out_proj.bias is None else att.out_proj.bias.double()),
+            attn_out,
+            atol=1e-4 * (1 + attn_out.abs().max().item()),
+        ):
+            raise RuntimeError(f"layer {i}'s attention output is not the sum of its heads through out_proj")
+    if not torch.allclose(parts, final, atol=1e-3 * (1 + final.abs().max().item())):
+        raise RuntimeError(
+            "the residual stream is not the sum of embeddings, heads and MLPs for this model family "
+            "(a norm after a sublayer?): direct logit attribution does not apply"
+        )
+    total = (logits[0, -1, a] - logits[0, -1, b]).double()
+    return LogitAttribution(
+        heads=torch.stack(heads), mlps=torch.stack(mlps), embeddings=through(embeddings), rest=rest, total=total
+    )

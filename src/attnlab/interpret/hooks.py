@@ -1,0 +1,288 @@
+"""Hook points with TransformerLens's names: read or replace any activation of a forward pass.
+
+Every block and every attention layer of an attnlab GPT has a ``hook`` attribute, ``None`` unless
+:func:`hooks` is active (then the model runs its named steps through it; otherwise nothing is
+called, so generation costs what it did). The names and shapes are TransformerLens's (``B`` batch,
+``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width)::
+
+    hook_embed                       (B, T, d)     the token embedding
+    hook_pos_embed                   (T, d)        the learned position embedding (GPT-2 only)
+    blocks.{l}.hook_resid_pre        (B, T, d)     the stream entering block l
+    blocks.{l}.attn.hook_q           (B, T, H, hd) queries, before QK-norm and RoPE
+    blocks.{l}.attn.hook_k, hook_v   (B, S, Hkv, hd)
+    blocks.{l}.attn.hook_rot_q       (B, T, H, hd) after RoPE (RoPE models only)
+    blocks.{l}.attn.hook_rot_k       (B, S, Hkv, hd)
+    blocks.{l}.attn.hook_attn_scores (B, H, T, S)  scaled, masked (-inf) scores
+    blocks.{l}.attn.hook_pattern     (B, H, T, S)  the softmax of the scores
+    blocks.{l}.attn.hook_z           (B, T, H, hd) pattern @ v: each head's output before out_proj
+    blocks.{l}.hook_attn_out         (B, T, d)     the attention output added to the stream
+    blocks.{l}.hook_resid_mid        (B, T, d)
+    blocks.{l}.hook_mlp_out          (B, T, d)
+    blocks.{l}.hook_resid_post       (B, T, d)
+    ln_final.hook_normalized         (B, T, d)     the final norm's output (its gain applied)
+
+A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.layer()``, as in
+TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any
+attention-level name of a layer is hooked, that layer computes its softmax explicitly (the fused
+kernel never forms the pattern), which agrees with the fused path to rounding. With a KV cache
+(generation), ``k``/``v`` hold only the new tokens' keys and values, while ``rot_k``,
+``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.functional import attend, attention_scores
+from attnlab.interpret.tracing import attention_layers
+
+__all__ = ["ActivationCache", "HookPoint", "act_name", "hook_names", "hooks", "run_with_cache"]
+
+BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")
+_NAME = re.compile(r"blocks\.(\d+)\.(attn\.)?hook_(\w+)$")
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """What a hook function is told about where it runs (TransformerLens's ``hook`` argument)."""
+
+    name: str
+
+    def layer(self) -> int | None:
+        m = _NAME.match(self.name)
+        return int(m.group(1)) if m else None
+
+
+def act_name(step: str, layer: int | None = None) -> str:
+    """The full hook name of a step: ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``
+    (TransformerLens's ``utils.get_act_name``); ``"embed"``, ``"pos_embed"``, ``"normalized"`` need no layer."""
+    step = step.removeprefix("hook_")
+    if step in ("embed", "pos_embed"):
+        return f"hook_{step}"
+    if step in ("normalized", "ln_final"):
+        return "ln_final.hook_normalized"
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ValueError(f"act_name({step!r}) needs an int layer, got {layer!r}")
+    if step in ATTN_STEPS:
+        return f"blocks.{layer}.attn.hook_{step}"
+    if step in BLOCK_STEPS:
+        return f"blocks.{layer}.hook_{step}"
+    raise ValueError(f"unknown step {step!r}; steps are {', '.join(BLOCK_STEPS + ATTN_STEPS)}, embed, normalized")
+
+
+def hook_names(model: nn.Module) -> list[str]:
+    """Every hook name of ``model``, in the order a forward pass reaches them."""
+    layers = attention_layers(model)
+    names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
+    for i, att in enumerate(layers):
+        steps = [s for s in ATTN_STEPS if att.rope or not s.startswith("rot_")]
+        names.append(f"blocks.{i}.hook_resid_pre")
+        names += [f"blocks.{i}.attn.hook_{s}" for s in steps]
+        names += [f"blocks.{i}.hook_{s}" for s in BLOCK_STEPS[1:]]
+    return [*names, "ln_final.hook_normalized"]
+
+
+class _Sites:
+    """The hook functions of one block or one attention layer; the model calls ``sites(step, x)``
+    at each named step (and, for attention, :meth:`attend` in place of the fused kernel)."""
+
+    def __init__(self, prefix: str, fns: dict[str, list[Callable]]) -> None:
+        self.prefix, self.fns = prefix, fns
+
+    def __call__(self, step: str, x: Tensor) -> Tensor:
+        fns = self.fns.get(step)
+        return x if fns is None else _apply(fns, x, HookPoint(f"{self.prefix}hook_{step}"))
+
+    def _heads(self, step: str, x: Tensor) -> Tensor:
+        """A ``(b, H, n, hd)`` tensor through the hook of ``step``, which sees ``(b, n, H, hd)``."""
+        return x if step not in self.fns else self(step, x.transpose(1, 2)).transpose(1, 2)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        *,
+        enable_gqa: bool = False,
+        window: int | None = None,
+        sinks: int = 0,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:func:`attnlab.functional.attend` step by step: ``q (b, H, n, hd)``, ``k, v (b, Hkv, S, hd)``."""
+        if not any(s in self.fns for s in ATTN_STEPS[3:]):  # only q, k or v hooked: the fused kernel
+            return attend(
+                q,
+                k,
+                v,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa=enable_gqa,
+                window=window,
+                sinks=sinks,
+                return_weights=return_weights,
+            )
+        q, k = self._heads("rot_q", q), self._heads("rot_k", k)
+        scores = attention_scores(
+            q, k, attn_mask, is_causal, scale, enable_gqa=enable_gqa, window=window, sinks=sinks
+        )  # (b, H, n, S), -inf where masked
+        scores = self("attn_scores", scores)
+        pattern = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (padding): zero weights
+        pattern = self("pattern", pattern)  # (b, H, n, S)
+        dropped = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
+        if enable_gqa:
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (b, H, S, hd)
+        z = self._heads("z", dropped @ v)  # (b, H, n, hd)
+        return (z, pattern) if return_weights else z
+
+
+def _apply(fns: list[Callable], x: Tensor, point: HookPoint) -> Tensor:
+    for fn in fns:
+        out = fn(x, point)
+        if out is None:
+            continue
+        if not isinstance(out, Tensor) or out.shape != x.shape:
+            got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(
+                f"the hook on {point.name} must return None or a tensor of shape {tuple(x.shape)}, got {got}"
+            )
+        x = out
+    return x
+
+
+def _check_fns(model: nn.Module, fns: object) -> dict[str, list[Callable]]:
+    if not isinstance(fns, Mapping):
+        raise TypeError(f"hooks must be a dict {{hook name: function}}, got {type(fns).__name__}")
+    known = set(hook_names(model))
+    out: dict[str, list[Callable]] = {}
+    for name, fn in fns.items():
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else " (see attnlab.interpret.hook_names(model))"
+            raise ValueError(f"unknown hook name {name!r}{hint}")
+        listed = list(fn) if isinstance(fn, Sequence) else [fn]
+        if not listed or not all(callable(f) for f in listed):
+            raise TypeError(f"the hook on {name} must be a function fn(activation, hook) or a list of them")
+        out[name] = listed
+    return out
+
+
+@contextlib.contextmanager
+def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) -> Iterator[nn.Module]:
+    """Inside the block, ``fns[name](activation, hook)`` runs at each named hook point of ``model``.
+
+    A function returns None (the activation is kept) or a same-shaped tensor (it replaces it); it
+    may keep a reference, call ``retain_grad()``, or build on it with gradients (grad mode is the
+    caller's). Blocks nest (an inner block's functions run after the outer ones'). On exit, also
+    after an error, the model is as it was. Unknown names are a ValueError that suggests close ones.
+    """
+    checked = _check_fns(model, fns)
+    layers = attention_layers(model)
+    previous = [(b.hook, a.hook) for b, a in zip(model.trf_blocks, layers, strict=True)]
+    handles = []
+
+    def merged(before: _Sites | None, prefix: str, steps: dict[str, list[Callable]]) -> _Sites | None:
+        if before is None and not steps:
+            return None
+        old = {} if before is None else before.fns
+        return _Sites(prefix, {s: old.get(s, []) + steps.get(s, []) for s in {*old, *steps}})
+
+    def module_hook(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            return _apply(checked[name], output, HookPoint(name))
+
+        return hook
+
+    try:
+        for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
+            mine = {n: f for n, f in checked.items() if n.startswith(f"blocks.{i}.")}
+            block_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." not in n}
+            attn_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." in n}
+            block.hook = merged(block.hook, f"blocks.{i}.", block_steps)
+            att.hook = merged(att.hook, f"blocks.{i}.attn.", attn_steps)
+        for name, module in (
+            ("hook_embed", "tok_emb"),
+            ("hook_pos_embed", "pos_emb"),
+            ("ln_final.hook_normalized", "final_norm"),
+        ):
+            if name in checked:
+                handles.append(getattr(model, module).register_forward_hook(module_hook(name)))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for (block, att), (b_hook, a_hook) in zip(zip(model.trf_blocks, layers, strict=True), previous, strict=True):
+            block.hook, att.hook = b_hook, a_hook
+
+
+class ActivationCache(dict):
+    """What :func:`run_with_cache` recorded: ``{hook name: tensor}``. Also indexed as
+    TransformerLens's cache is: ``cache["pattern", 3]`` is ``cache["blocks.3.attn.hook_pattern"]``."""
+
+    def __getitem__(self, key: object) -> Tensor:
+        if isinstance(key, tuple):
+            key = act_name(*key)
+        elif isinstance(key, str) and key not in self and not key.startswith(("blocks.", "hook_", "ln_final")):
+            key = act_name(key)
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            raise KeyError(f"{key!r} was not cached; cached: {', '.join(list(self)[:6])}...") from None
+
+
+def run_with_cache(
+    model: nn.Module,
+    idx: Tensor,
+    names: Sequence[str] | Callable[[str], bool] | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+    grad: bool = False,
+) -> tuple[Tensor, ActivationCache]:
+    """Run ``model`` on ``idx (B, T)`` (or ``(T,)``) and keep the activations at ``names``.
+
+    Args:
+        names: hook names, a filter ``name -> bool`` (TransformerLens's ``names_filter``), or None: all.
+        attention_mask: ``(B, T)`` True = real token, as :meth:`attnlab.GPT.forward` takes it.
+        grad: run with gradients (the cached tensors then stay in the graph); default: no_grad, detached.
+    Returns:
+        ``(logits (B, T, V), cache)``; the model runs in eval mode and is left in its own mode.
+    """
+    known = hook_names(model)
+    if names is None:
+        wanted = known
+    elif callable(names):
+        wanted = [n for n in known if names(n)]
+    elif isinstance(names, str):
+        wanted = [names]
+    else:
+        wanted = list(names)
+    if isinstance(idx, Tensor) and idx.dim() == 1:
+        idx = idx.unsqueeze(0)  # (1, T)
+    cache = ActivationCache()
+
+    def keep(x: Tensor, hook: HookPoint) -> None:
+        cache[hook.name] = x if grad else x.detach()
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), hooks(model, dict.fromkeys(wanted, keep)):
+            logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
+    finally:
+        model.train(was_training)
+    return logits, ActivationCache({n: cache[n] for n in known if n in cache})

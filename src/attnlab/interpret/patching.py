@@ -1,0 +1,431 @@
+"""Causal tracing: activation patching, path patching and attribution patching.
+
+Run the *corrupted* prompt with one activation taken from the *clean* run and measure what the
+metric becomes (TransformerLens's ``patching`` module: raw metric values, not normalized). Sites::
+
+    resid_pre, resid_mid, resid_post, attn_out, mlp_out   (L, T)     one position at a time
+    head_out (hook_z, every position)                     (L, H)
+    head_out_by_pos                                       (L, T, H)
+    pattern, q                                            (L, H)     one head, every position
+    k, v                                                  (L, Hkv)   one key/value head (GQA: fewer)
+
+Patching layer ``l`` leaves everything below it as in the corrupted run, so each patched run starts
+from the corrupted residual at layer ``l`` (cached once), and all patched runs go through the model
+as the rows of one batch that grows block by block: a row patched at layer ``l`` joins at block ``l``.
+A metric that reads only the last position (``metric.last_only``, as :func:`logit_diff`
+does) gets ``(R, 1, V)`` logits: the vocabulary matmul of the other positions is skipped.
+
+A metric is a callable on logits ``(1, T, V)`` returning a scalar. It may also have ``rows(logits
+(R, T, V)) -> (R,)``, one value per row (then it is called once per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.interpret.hooks import HookPoint, act_name, hooks, run_with_cache
+from attnlab.interpret.tracing import attention_layers
+
+__all__ = [
+    "SITES",
+    "LogitDiff",
+    "activation_patching",
+    "attribution_patching",
+    "logit_diff",
+    "normalized_logit_diff",
+    "path_patching",
+]
+
+# site -> (hook step, what one patch covers): "pos" one position, "head" one head at every
+# position, "pos_head" one head at one position.
+SITES = {
+    "resid_pre": ("resid_pre", "pos"),
+    "resid_mid": ("resid_mid", "pos"),
+    "resid_post": ("resid_post", "pos"),
+    "attn_out": ("attn_out", "pos"),
+    "mlp_out": ("mlp_out", "pos"),
+    "head_out": ("z", "head"),
+    "head_out_by_pos": ("z", "pos_head"),
+    "pattern": ("pattern", "head"),
+    "q": ("q", "head"),
+    "k": ("k", "head"),
+    "v": ("v", "head"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LogitDiff:
+    """``logits[:, -1, a] - logits[:, -1, b]`` (averaged over the batch), optionally normalized:
+    ``(value - corrupted) / (clean - corrupted)`` (0 = the corrupted run, 1 = the clean one)."""
+
+    a: int
+    b: int
+    clean: float | None = None
+    corrupted: float | None = None
+    last_only = True  # reads only the last position: patching skips the vocabulary matmul elsewhere
+
+    def rows(self, logits: Tensor) -> Tensor:
+        """``(R,)``: the metric of each row of ``logits (R, T, V)``."""
+        d = logits[:, -1, self.a] - logits[:, -1, self.b]  # (R,)
+        if self.clean is None:
+            return d
+        return (d - self.corrupted) / (self.clean - self.corrupted)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        return self.rows(logits).mean()
+
+
+def check_token(name: str, t: object, vocab: int | None) -> int:
+    if isinstance(t, Tensor) and t.numel() == 1 and not t.is_floating_point():
+        t = int(t)
+    if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
+        raise ValueError(f"{name} must be one token id in [0, {vocab or 'vocab_size'}), got {t!r}")
+    return t
+
+
+def logit_diff(a: int, b: int) -> LogitDiff:
+    """The logit of token ``a`` minus that of token ``b`` at the last position."""
+    return LogitDiff(check_token("a", a, None), check_token("b", b, None))
+
+
+def normalized_logit_diff(a: int, b: int, clean: float, corrupted: float) -> LogitDiff:
+    """:func:`logit_diff` rescaled so that the corrupted run's value is 0 and the clean run's is 1."""
+    clean, corrupted = float(clean), float(corrupted)
+    if clean == corrupted:
+        raise ValueError(f"clean and corrupted logit differences must differ to normalize, both are {clean}")
+    return LogitDiff(check_token("a", a, None), check_token("b", b, None), clean, corrupted)
+
+
+def _metric_rows(metric: Callable, logits: Tensor) -> Tensor:
+    """``(R,)`` float64: ``metric`` on each row of ``logits (R, T', V)``."""
+    rows = getattr(metric, "rows", None)
+    if rows is not None:
+        out = rows(logits)
+        if not isinstance(out, Tensor) or out.shape != logits.shape[:1]:
+            raise ValueError(f"metric.rows must return one value per row, shape ({logits.shape[0]},)")
+        return out.detach().double()
+    return torch.stack([_scalar(metric(logits[i : i + 1])) for i in range(logits.shape[0])])
+
+
+def _scalar(value: object) -> Tensor:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    if not isinstance(value, Tensor) or value.numel() != 1 or not (value.is_floating_point() or value.is_complex()):
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"metric must return a scalar (a float or a one-element float tensor), got {got}")
+    return value.detach().reshape(()).double()
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs and the tail of the model
+# --------------------------------------------------------------------------------------------
+def _check_pair(model: nn.Module, clean: object, corrupted: object) -> tuple[Tensor, Tensor]:
+    out = []
+    for name, idx in (("clean", clean), ("corrupted", corrupted)):
+        if isinstance(idx, Tensor) and idx.dim() == 1:
+            idx = idx.unsqueeze(0)
+        if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
+            got = f"shape {tuple(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(f"{name} must be the token ids of one prompt, (T,) or (1, T), got {got}")
+        out.append(model.check_idx(idx) if hasattr(model, "check_idx") else idx)
+    if out[0].shape != out[1].shape:
+        raise ValueError(
+            f"clean and corrupted must have the same number of tokens (patching pairs positions), "
+            f"got {out[0].shape[1]} and {out[1].shape[1]}"
+        )
+    return out[0], out[1]
+
+
+def _check_site(site: object) -> tuple[str, str]:
+    if site not in SITES:
+        raise ValueError(f"site must be one of {', '.join(SITES)}, got {site!r}")
+    return SITES[site]
+
+
+def _tail(model: nn.Module, layer: int, x: Tensor, last_only: bool) -> Tensor:
+    """The logits of ``model`` from the residual ``x (R, T, d)`` entering block ``layer``: the end of
+    :meth:`attnlab.GPT.decode_logits` for whole sequences without cache or padding."""
+    rope = None
+    if model.config.pos == "rope":
+        at = torch.arange(x.shape[1], device=x.device)[None]  # (1, T)
+        rope = model.trf_blocks[0].att.rope_cos_sin(at, x.dtype)  # once for every layer, as the model does
+    for block in model.trf_blocks[layer:]:
+        x = block(x, rope=rope)  # (R, T, d)
+    if last_only:
+        x = x[:, -1:]  # (R, 1, d)
+    return model.out_head(model.final_norm(x))  # (R, T or 1, V)
+
+
+def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: bool) -> None:
+    """The tail must reproduce the model (a model family whose blocks take other arguments would not)."""
+    mine = _tail(model, 0, resid0, last_only)
+    theirs = logits[:, -1:] if last_only else logits
+    if not torch.allclose(mine, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
+        raise RuntimeError(
+            "patching could not rerun this model from a cached residual (its blocks take arguments the "
+            "patching tail does not pass); this model family is not supported by activation_patching yet"
+        )
+
+
+def _layout(model: nn.Module, step: str, kind: str, T: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """The patch indices of one layer and the shape of one layer's results."""
+    att = attention_layers(model)[0]
+    H = att.num_kv_heads if step in ("k", "v") else att.num_heads
+    if kind == "pos":
+        return [(p,) for p in range(T)], (T,)
+    if kind == "head":
+        return [(h,) for h in range(H)], (H,)
+    return [(p, h) for p in range(T) for h in range(H)], (T, H)
+
+
+def _patch_rows(act: Tensor, clean: Tensor, step: str, kind: str, index: Tensor) -> Tensor:
+    """``act (N, ...)`` whose last ``R`` rows each take ``clean (1, ...)`` at their own ``index[r]``."""
+    act = act.clone()
+    rows = torch.arange(act.shape[0] - index.shape[0], act.shape[0], device=act.device)  # (R,)
+    if kind == "pos":
+        act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, ...) at one position each
+    elif kind == "head" and step == "pattern":
+        act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, T, S): one head's pattern
+    elif kind == "head":
+        act[rows, :, index[:, 0]] = clean[0][:, index[:, 0]].transpose(0, 1)  # (R, T, hd): every position
+    else:
+        act[rows, index[:, 0], index[:, 1]] = clean[0, index[:, 0], index[:, 1]]  # (R, hd)
+    return act
+
+
+def _staggered(
+    model: nn.Module,
+    starts: list[Tensor],
+    names: list[str],
+    sources: list[Tensor],
+    step: str,
+    kind: str,
+    index: Tensor,
+    last_only: bool,
+) -> Tensor:
+    """The logits of ``L * R`` patched runs in one pass: the rows patched at layer ``l`` join the batch
+    at block ``l`` (from the corrupted stream ``starts[l] (1, T, d)``), so every block runs once, on
+    every row that has reached it. Row ``l * R + r`` is patched at layer ``l`` at ``index[r]``."""
+    R, T = index.shape[0], starts[0].shape[1]
+    rope = None
+    if model.config.pos == "rope":  # as GPT.decode_logits: RoPE's angles once for every layer
+        rope = model.trf_blocks[0].att.rope_cos_sin(torch.arange(T, device=index.device)[None], starts[0].dtype)
+    x = starts[0][:0].expand(0, T, -1)  # (0, T, d)
+    for layer, block in enumerate(model.trf_blocks):
+        x = torch.cat([x, starts[layer].expand(R, -1, -1)])  # (N + R, T, d): this layer's rows join
+
+        def patch(act: Tensor, hook: HookPoint, source: Tensor = sources[layer]) -> Tensor:
+            return _patch_rows(act, source, step, kind, index)
+
+        with hooks(model, {names[layer]: patch}):
+            x = block(x, rope=rope)  # (N + R, T, d)
+    if last_only:
+        x = x[:, -1:]  # (L * R, 1, d)
+    return model.out_head(model.final_norm(x))  # (L * R, T or 1, V)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation patching
+# --------------------------------------------------------------------------------------------
+def activation_patching(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    site: str = "resid_pre",
+    *,
+    max_tokens: int = 16384,
+) -> Tensor:
+    """The metric of the corrupted run with one clean activation patched in, for every index of ``site``.
+
+    Args:
+        model: an attnlab GPT. clean, corrupted: ``(T,)`` or ``(1, T)`` token ids of equal length.
+        metric: logits ``(1, T, V)`` -> scalar (see the module's notes for ``rows``/``last_only``).
+        site: see :data:`SITES`; the result's shape is the site's (``(L, T)``, ``(L, H)``, ...).
+        max_tokens: at most this many tokens (rows x T) in one batched pass (memory).
+    Returns:
+        float32 tensor of raw metric values (on the CPU).
+    """
+    clean, corrupted = _check_pair(model, clean, corrupted)
+    step, kind = _check_site(site)
+    L, T = len(attention_layers(model)), clean.shape[1]
+    names = [act_name(step, i) for i in range(L)]
+    starts = [act_name("resid_pre", i) for i in range(L)]
+    last_only = bool(getattr(metric, "last_only", False))
+    indices, shape = _layout(model, step, kind, T)
+    out = torch.empty((L, len(indices)), dtype=torch.float64)
+    per_pass = max(1, int(max_tokens) // (T * L))  # patches of each layer per staggered pass
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, clean_cache = run_with_cache(model, clean, names)
+            logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
+            _scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+            _check_tail(model, logits, corr_cache[starts[0]], last_only)
+            sources = [clean_cache[n] for n in names]
+            resid = [corr_cache[n] for n in starts]
+            for lo in range(0, len(indices), per_pass):
+                index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
+                patched = _staggered(model, resid, names, sources, step, kind, index, last_only)
+                out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(L, -1)
+    finally:
+        model.train(was_training)
+    return out.reshape(L, *shape).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Path patching
+# --------------------------------------------------------------------------------------------
+def path_patching(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    senders: Sequence[tuple[int, int]],
+    receivers: Sequence[tuple[int, int, str]],
+) -> float:
+    """The metric when only the path *senders -> receivers' inputs* carries the clean run.
+
+    1. Run the corrupted prompt with the senders' outputs (``hook_z``) from the clean run and every
+       other head frozen at its corrupted output (MLPs recompute, as in Wang et al.'s IOI study);
+       record the receivers' inputs (``hook_q``/``hook_k``/``hook_v`` of head ``h``; for ``k`` and
+       ``v`` ``h`` is a key/value head).
+    2. Run the corrupted prompt with only those receiver inputs replaced; return the metric.
+
+    senders: ``(layer, head)`` pairs; receivers: ``(layer, head, "q" | "k" | "v")``, in later layers.
+    """
+    clean, corrupted = _check_pair(model, clean, corrupted)
+    layers = attention_layers(model)
+    L, H = len(layers), layers[0].num_heads
+    senders = [_head(f"senders[{i}]", s, L, H) for i, s in enumerate(senders)]
+    if not senders:
+        raise ValueError("senders must name at least one (layer, head)")
+    checked = []
+    for i, r in enumerate(receivers):
+        if not (isinstance(r, (tuple, list)) and len(r) == 3 and r[2] in ("q", "k", "v")):
+            raise ValueError(f"receivers[{i}] must be (layer, head, 'q' | 'k' | 'v'), got {r!r}")
+        n = H if r[2] == "q" else layers[0].num_kv_heads
+        layer, head = _head(f"receivers[{i}]", r[:2], L, n)
+        if layer <= min(s[0] for s in senders):
+            raise ValueError(
+                f"receivers[{i}] is in layer {layer}, not after any sender (senders' first layer: "
+                f"{min(s[0] for s in senders)})"
+            )
+        checked.append((layer, head, r[2]))
+    if not checked:
+        raise ValueError("receivers must name at least one (layer, head, 'q' | 'k' | 'v')")
+    z_names = [act_name("z", i) for i in range(L)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, clean_cache = run_with_cache(model, clean, z_names)
+            _, corr_cache = run_with_cache(model, corrupted, z_names)
+
+            def freeze(layer: int) -> Callable:
+                def fn(z: Tensor, hook: HookPoint) -> Tensor:
+                    z = corr_cache[z_names[layer]].clone()  # (1, T, H, hd): every head as corrupted...
+                    for sl, sh in senders:
+                        if sl == layer:
+                            z[:, :, sh] = clean_cache[z_names[layer]][:, :, sh]  # ...but the senders, clean
+                    return z
+
+                return fn
+
+            recorded: dict[str, Tensor] = {}
+
+            def record(x: Tensor, hook: HookPoint) -> None:
+                recorded[hook.name] = x
+
+            wanted = {act_name(kind, layer) for layer, _, kind in checked}
+            step1 = {**{z_names[i]: freeze(i) for i in range(L)}, **dict.fromkeys(wanted, record)}
+            with hooks(model, step1):
+                model(corrupted)
+
+            def receive(x: Tensor, hook: HookPoint) -> Tensor:
+                x = x.clone()
+                for layer, head, kind in checked:
+                    if hook.name == act_name(kind, layer):
+                        x[:, :, head] = recorded[hook.name][:, :, head]
+                return x
+
+            with hooks(model, dict.fromkeys(wanted, receive)):
+                value = _scalar(metric(model(corrupted)))
+    finally:
+        model.train(was_training)
+    return float(value)
+
+
+def _head(name: str, pair: object, L: int, H: int) -> tuple[int, int]:
+    ok = (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in pair)
+    )
+    if not ok or not (0 <= pair[0] < L and 0 <= pair[1] < H):
+        raise ValueError(f"{name} must be a (layer, head) with layer in [0, {L}) and head in [0, {H}), got {pair!r}")
+    return int(pair[0]), int(pair[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Attribution patching
+# --------------------------------------------------------------------------------------------
+def attribution_patching(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    site: str = "resid_pre",
+) -> Tensor:
+    """The first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` of each patch's effect.
+
+    The same sites and shapes as :func:`activation_patching`, from one clean forward and one
+    corrupted forward and backward. It estimates the *change* of the metric (activation patching's
+    value minus the corrupted run's metric); exact where the metric is linear in the activation.
+    """
+    clean, corrupted = _check_pair(model, clean, corrupted)
+    step, kind = _check_site(site)
+    L = len(attention_layers(model))
+    names = [act_name(step, i) for i in range(L)]
+    acts: dict[str, Tensor] = {}
+
+    def leaf(x: Tensor, hook: HookPoint) -> Tensor:
+        return x.detach().requires_grad_(True)  # the graph starts here: no gradient for the weights
+
+    def keep(x: Tensor, hook: HookPoint) -> None:
+        acts[hook.name] = x
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, clean_cache = run_with_cache(model, clean, names)
+        with torch.enable_grad(), hooks(model, {"hook_embed": leaf, **dict.fromkeys(names, keep)}):
+            value = metric(model(corrupted))
+            _scalar(value)
+            grads = torch.autograd.grad(value.reshape(()), [acts[n] for n in names], allow_unused=True)
+    finally:
+        model.train(was_training)
+    out = []
+    for n, g in zip(names, grads, strict=True):
+        a = acts[n].detach()
+        g = torch.zeros_like(a) if g is None else g
+        prod = ((clean_cache[n] - a) * g)[0].double()  # (T, d) | (T, H, hd) | (H, T, S)
+        if kind == "pos":
+            out.append(prod.flatten(1).sum(1))  # (T,)
+        elif kind == "head" and step == "pattern":
+            out.append(prod.sum((1, 2)))  # (H,)
+        elif kind == "head":
+            out.append(prod.sum((0, 2)))  # (H,)
+        else:
+            out.append(prod.sum(2))  # (T, H)
+    return torch.stack(out).float()

@@ -1,0 +1,180 @@
+"""``attnlab patch``: which heads and positions carry the answer, by activation patching.
+
+The corrupted prompt is run with one clean activation at a time; the report lists the patches that
+move the logit difference of the two answers the most toward the clean run's, and a picture shows
+each site as a heatmap (layer x head, layer x position).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnlab.files import atomic_write_bytes, atomic_write_text
+from attnlab.interpret import SITES, activation_patching, logit_diff, token_strings
+from attnlab.tools.loading import LoadedModel
+
+__all__ = ["PatchReport", "patch_page", "patch_report", "save_patch_picture"]
+
+
+@dataclass
+class PatchReport:
+    """The results of :func:`patch_report`: raw metric values per site, and the two ends."""
+
+    tokens: list[str]
+    answers: tuple[str, str]
+    clean_value: float
+    corrupted_value: float
+    results: dict[str, Tensor] = field(default_factory=dict)
+
+    def restored(self, site: str) -> Tensor:
+        """The site's results normalized: 0 = the corrupted run, 1 = the clean one."""
+        return (self.results[site] - self.corrupted_value) / (self.clean_value - self.corrupted_value)
+
+    def top(self, site: str, k: int) -> list[tuple[str, float, float]]:
+        """The ``k`` patches that restore the most: ``(label, raw value, restored fraction)``."""
+        restored = self.restored(site)
+        order = restored.flatten().argsort(descending=True)[:k]
+        out = []
+        for i in order.tolist():
+            index = torch.unravel_index(torch.tensor(i), restored.shape)
+            out.append(
+                (
+                    self.label(site, [int(j) for j in index]),
+                    float(self.results[site].flatten()[i]),
+                    float(restored.flatten()[i]),
+                )
+            )
+        return out
+
+    def label(self, site: str, index: list[int]) -> str:
+        kind = SITES[site][1]
+        if kind == "pos":
+            return f"layer {index[0]} position {index[1]} {self.tokens[index[1]]!r}"
+        if kind == "head":
+            return f"{index[0]}.{index[1]}"
+        return f"{index[0]}.{index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
+
+    def _repr_html_(self) -> str:
+        """The heatmaps and tables, inline in Jupyter (the page ``attnlab patch --out page.html`` writes)."""
+        return patch_page(self)
+
+    def format(self, top: int = 10) -> str:
+        a, b = self.answers
+        lines = [
+            f"metric: logit({a!r}) - logit({b!r}) at the last token",
+            f"clean run {self.clean_value:+.4f}, corrupted run {self.corrupted_value:+.4f}",
+        ]
+        for site in self.results:
+            lines.append(f"\n{site}: the {top} patches that restore the most (value, fraction restored)")
+            for label, value, frac in self.top(site, top):
+                lines.append(f"  {label:40} {value:+.4f}  {frac:+.3f}")
+        return "\n".join(lines)
+
+
+def _one_token(tokenizer: object, text: str, what: str) -> int:
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(
+            f"--answers: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)"
+        )
+    return ids[0]
+
+
+def patch_report(
+    loaded: LoadedModel, clean: str, corrupted: str, answers: tuple[str, str], sites: list[str]
+) -> PatchReport:
+    """Activation patching of ``sites`` (see :data:`attnlab.interpret.SITES`) for two prompts of the
+    same number of tokens, with the metric logit(answers[0]) - logit(answers[1])."""
+    model, tok = loaded.model, loaded.tokenizer
+    for site in sites:
+        if site not in SITES:
+            raise ValueError(f"--site must be one of {', '.join(SITES)}, got {site!r}")
+    a, b = (_one_token(tok, t, w) for t, w in zip(answers, ("the first answer", "the second answer"), strict=True))
+    device = next(model.parameters()).device
+    ids = [torch.tensor(tok.encode(t), device=device) for t in (clean, corrupted)]
+    if ids[0].numel() != ids[1].numel():
+        raise ValueError(
+            f"--clean and --corrupted must have the same number of tokens, got {ids[0].numel()} and {ids[1].numel()}"
+        )
+    metric = logit_diff(a, b)
+    with torch.no_grad():
+        values = [float(metric(model(i[None]))) for i in ids]
+    if values[0] == values[1]:
+        raise ValueError("the clean and corrupted prompts give the same logit difference: nothing to restore")
+    report = PatchReport(token_strings(tok, ids[0].tolist()), tuple(answers), values[0], values[1])
+    for site in sites:
+        report.results[site] = activation_patching(model, ids[0], ids[1], metric, site)
+    return report
+
+
+def _figure(report: PatchReport, site: str) -> object:
+    from matplotlib.figure import Figure
+
+    data = report.restored(site)
+    kind = SITES[site][1]
+    if kind == "pos_head":
+        data = data.abs().amax(-1)  # (L, T): the strongest head at each layer and position
+    L, n = data.shape
+    fig = Figure(figsize=(max(4.0, 0.45 * n + 2), max(3.0, 0.22 * L + 1.5)), dpi=110)
+    ax = fig.add_subplot()
+    lim = max(float(data.abs().max()), 1e-6)
+    im = ax.imshow(data.numpy(), cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+    fig.colorbar(im, ax=ax, label="fraction restored (0 corrupted, 1 clean)")
+    ax.set_ylabel("layer")
+    if kind == "head":
+        ax.set_xlabel("head")
+    else:
+        ax.set_xticks(range(n), [t.replace("$", r"\$") for t in report.tokens], rotation=60, ha="right", fontsize=7)
+    ax.set_title(f"activation patching: {site}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _png(report: PatchReport, site: str) -> bytes:
+    buf = io.BytesIO()
+    _figure(report, site).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def save_patch_picture(report: PatchReport, path: str | os.PathLike[str], *, top: int = 10) -> Path:
+    """A PNG of the first site's heatmap, or (``.html``) one page with every site's heatmap and table."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".png":
+        atomic_write_bytes(path, _png(report, next(iter(report.results))))
+        return path
+    if suffix not in (".html", ".htm"):
+        raise ValueError(f"--out must end in .html or .png, got {str(path)!r}")
+    atomic_write_text(path, patch_page(report, top=top))
+    return path
+
+
+def patch_page(report: PatchReport, *, top: int = 10) -> str:
+    """One self-contained HTML page: every site's heatmap (PNG inline) and its top patches."""
+    a, b = (html.escape(repr(x)) for x in report.answers)
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>attnlab patch</title>",
+        "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 8px}img{max-width:100%}</style>",
+        f"<h1>Activation patching</h1><p>metric: logit({a}) &minus; logit({b}) at the last token; "
+        f"clean run {report.clean_value:+.4f}, corrupted run {report.corrupted_value:+.4f}.</p>",
+        f"<p>tokens: {html.escape(' | '.join(report.tokens))}</p>",
+    ]
+    for site in report.results:
+        img = base64.b64encode(_png(report, site)).decode()
+        rows = "".join(
+            f"<tr><td>{html.escape(label)}</td><td>{value:+.4f}</td><td>{frac:+.3f}</td></tr>"
+            for label, value, frac in report.top(site, top)
+        )
+        parts.append(
+            f"<h2>{site}</h2><img alt='{site} heatmap' src='data:image/png;base64,{img}'>"
+            f"<table><tr><th>patch</th><th>value</th><th>restored</th></tr>{rows}</table>"
+        )
+    return "\n".join(parts)

@@ -1,0 +1,170 @@
+"""Hook points with TransformerLens's names: shapes, read/replace, restore, zero cost when unset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.interpret import act_name, hook_names, hooks, run_with_cache, trace
+
+FAMILIES = {
+    "gpt2": {},
+    "llama": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def model(request, make_gpt):
+    return make_gpt(**FAMILIES[request.param])
+
+
+def expected_shape(name: str, B: int, T: int, model) -> tuple[int, ...]:
+    att = model.trf_blocks[0].att
+    H, Hkv, hd, d = att.num_heads, att.num_kv_heads, att.head_dim, model.config.emb_dim
+    step = name.rsplit("hook_", 1)[1]
+    return {
+        "pos_embed": (T, d),
+        "q": (B, T, H, hd),
+        "rot_q": (B, T, H, hd),
+        "z": (B, T, H, hd),
+        "k": (B, T, Hkv, hd),
+        "v": (B, T, Hkv, hd),
+        "rot_k": (B, T, Hkv, hd),
+        "attn_scores": (B, H, T, T),
+        "pattern": (B, H, T, T),
+    }.get(step, (B, T, d))
+
+
+def test_names_and_shapes(model):
+    idx = torch.randint(0, 37, (3, 7))
+    logits, cache = run_with_cache(model, idx)
+    names = hook_names(model)
+    assert list(cache) == names
+    L = model.config.n_layers
+    rope = model.config.pos == "rope"
+    for i in range(L):
+        for s in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
+            assert f"blocks.{i}.hook_{s}" in names
+        for s in ("q", "k", "v", "attn_scores", "pattern", "z"):
+            assert f"blocks.{i}.attn.hook_{s}" in names
+        assert (f"blocks.{i}.attn.hook_rot_q" in names) == rope
+    assert "hook_embed" in names and "ln_final.hook_normalized" in names
+    for name, t in cache.items():
+        assert tuple(t.shape) == expected_shape(name, 3, 7, model), name
+    torch.testing.assert_close(logits, model(idx), rtol=1e-5, atol=1e-5)
+    # TransformerLens's ways to index a cache
+    assert cache["pattern", 1] is cache["blocks.1.attn.hook_pattern"]
+    assert cache["embed"] is cache["hook_embed"]
+
+
+def test_cache_agrees_with_trace_and_stream(model):
+    """The pattern is the weights the fused path applied; z its heads; the stream adds up."""
+    idx = torch.randint(0, 37, (2, 9))
+    _, cache = run_with_cache(model, idx)
+    tr = trace(model, idx, stages=True)
+    for i in range(model.config.n_layers):
+        torch.testing.assert_close(cache["pattern", i], tr.weights[i], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache["z", i], tr.head_outputs[i].transpose(1, 2), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache["resid_pre", i], tr.residual[i])
+        assert torch.equal(cache["resid_mid", i], cache["resid_pre", i] + cache["attn_out", i])
+        assert torch.equal(cache["resid_post", i], cache["resid_mid", i] + cache["mlp_out", i])
+        torch.testing.assert_close(cache["attn_scores", i].softmax(-1), cache["pattern", i])
+    torch.testing.assert_close(model.final_norm(cache["resid_post", model.config.n_layers - 1]), cache["normalized"])
+
+
+def test_replacing_with_itself_changes_nothing(model):
+    idx = torch.randint(0, 37, (2, 8))
+    with torch.no_grad():
+        ref = model(idx)
+        resid = {n: (lambda x, hook: x.clone()) for n in hook_names(model) if ".attn." not in n}
+        with hooks(model, resid):
+            assert torch.equal(model(idx), ref)  # the block-level points leave the fused kernel alone
+        with hooks(model, dict.fromkeys(hook_names(model), lambda x, hook: x.clone())):
+            torch.testing.assert_close(model(idx), ref, rtol=1e-5, atol=1e-6)  # explicit softmax: rounding
+
+
+def test_replacing_changes_what_follows(model):
+    """The whole residual at layer 0 from another prompt gives that prompt's logits, exactly; a
+    zeroed head's pattern removes its output."""
+    a, b = torch.randint(0, 37, (1, 8)), torch.randint(0, 37, (1, 8))
+    with torch.no_grad():
+        _, cache = run_with_cache(model, a, ["blocks.0.hook_resid_pre"])
+        with hooks(model, {"blocks.0.hook_resid_pre": lambda x, hook: cache[hook.name]}):
+            got = model(b)
+        assert torch.equal(got, model(a))
+
+        def zero(x, hook):
+            x = x.clone()
+            x[:, 2] = 0
+            return x
+
+        with hooks(model, {"blocks.1.attn.hook_pattern": zero}):
+            _, patched = run_with_cache(model, b, ["blocks.1.attn.hook_z"])
+        assert torch.all(patched["z", 1][:, :, 2] == 0)
+
+
+def test_gradients_through_hooks(model):
+    idx = torch.randint(0, 37, (1, 6))
+    kept = {}
+
+    def keep(x, hook):
+        x.retain_grad()
+        kept[hook.name] = x
+
+    with hooks(model, {"blocks.1.hook_resid_mid": keep, "blocks.0.attn.hook_pattern": keep}):
+        model(idx)[0, -1, 3].backward()
+    assert kept["blocks.1.hook_resid_mid"].grad is not None
+    assert kept["blocks.0.attn.hook_pattern"].grad.abs().sum() > 0
+    model.zero_grad()
+
+
+def test_restored_on_exit_and_on_error(model):
+    idx = torch.randint(0, 37, (1, 6))
+    ref = model(idx)
+    fns = {"blocks.0.attn.hook_q": lambda x, h: x * 2, "hook_embed": lambda x, h: x * 0}
+    with pytest.raises(RuntimeError, match="boom"), hooks(model, fns):
+        raise RuntimeError("boom")
+    assert all(b.hook is None and b.att.hook is None for b in model.trf_blocks)
+    assert not model.tok_emb._forward_hooks
+    assert torch.equal(model(idx), ref)
+
+
+def test_nested_blocks_run_both(model):
+    idx = torch.randint(0, 37, (1, 5))
+    seen = []
+    with hooks(model, {"blocks.0.hook_resid_pre": lambda x, h: seen.append("outer")}):
+        with hooks(model, {"blocks.0.hook_resid_pre": lambda x, h: seen.append("inner")}):
+            model(idx)
+        model(idx)
+    assert seen == ["outer", "inner", "outer"]
+
+
+def test_bad_names_and_returns(model):
+    with pytest.raises(ValueError, match=r"unknown hook name 'blocks.0.hook_resid'.*did you mean"):  # noqa: SIM117
+        with hooks(model, {"blocks.0.hook_resid": lambda x, h: None}):
+            pass
+    with pytest.raises(TypeError, match=r"blocks.0.hook_resid_pre must be a function"):  # noqa: SIM117
+        with hooks(model, {"blocks.0.hook_resid_pre": 3}):
+            pass
+    bad = {"blocks.1.attn.hook_z": lambda x, h: x[:, :1]}
+    with (
+        pytest.raises(ValueError, match=r"blocks.1.attn.hook_z must return None or a tensor of shape"),
+        hooks(model, bad),
+    ):
+        model(torch.randint(0, 37, (1, 5)))
+    with pytest.raises(ValueError, match="needs an int layer"):
+        act_name("pattern")
+
+
+def test_generation_unchanged_and_hookable(make_gpt):
+    """Decoding with a KV cache gives the same tokens with an empty hooks block; hooks also see it."""
+    from attnlab.generation import generate
+
+    model = make_gpt(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    idx = torch.randint(0, 37, (1, 4))
+    ref = generate(model, idx, max_new_tokens=6, temperature=0.0)
+    steps = []
+    with hooks(model, {"blocks.0.hook_resid_pre": lambda x, h: steps.append(x.shape[1])}):
+        got = generate(model, idx, max_new_tokens=6, temperature=0.0)
+    assert torch.equal(got, ref)
+    assert steps[0] == 4 and set(steps[1:]) == {1}

@@ -1,0 +1,74 @@
+"""``attnlab patch``: the library's numbers, printed; heatmaps written; bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.interpret import activation_patching, logit_diff
+from attnlab.tokenizers import CharTokenizer
+
+LETTERS = "abcdefghijklmnop"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from attnlab.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0))
+    d = model.save(tmp_path_factory.mktemp("patch") / "ckpt")
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS).to_dict()))
+    return d, model.eval()
+
+
+def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, capsys):
+    d, model = checkpoint
+    clean, corrupted = "abcabcd", "abcabce"
+    out = tmp_path / "page.html"
+    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "a", "b"]
+    assert main([*argv, "--site", "head_out", "--top", "3", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    tok = CharTokenizer(LETTERS)
+    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
+    metric = logit_diff(0, 1)
+    want = activation_patching(model, *ids, metric, "head_out")
+    with torch.no_grad():
+        lc, lx = (float(metric(model(i[None]))) for i in ids)
+    best = int(((want - lx) / (lc - lx)).flatten().argmax())
+    L, H = divmod(best, want.shape[1])
+    lines = text.split("head_out:")[1].strip().splitlines()
+    assert lines[1].split()[0] == f"{L}.{H}"
+    assert float(lines[1].split()[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
+    assert f"clean run {lc:+.4f}" in text
+    page = out.read_text()
+    assert "data:image/png;base64," in page and "head_out" in page
+    from attnlab.tools.loading import load_model
+    from attnlab.tools.patch import patch_report
+
+    report = patch_report(load_model(d), clean, corrupted, ("a", "b"), ["resid_pre"])
+    assert "data:image/png;base64," in report._repr_html_()  # the same view inline in Jupyter
+    torch.testing.assert_close(report.results["resid_pre"], activation_patching(model, *ids, metric, "resid_pre"))
+    png = tmp_path / "heads.png"
+    assert main([*argv, "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--corrupted", "abcab"], "same number of tokens"),
+        (["--answers", "ab", "c"], "'ab' is 2 tokens"),
+        (["--out", "x.jpg"], "--out must end in .html or .png"),
+        (["--top", "0"], "--top must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(checkpoint, extra, message, capsys):
+    d, _ = checkpoint
+    argv = ["patch", "--checkpoint", str(d), "--clean", "abcabcd", "--corrupted", "abcabce", "--answers", "a", "b"]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,308 @@
+"""Activation, path and attribution patching and direct logit attribution, held to a float64 forward
+pass written here (explicit attention, no hooks), on small GPTs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.interpret import (
+    SITES,
+    activation_patching,
+    attribution_patching,
+    direct_logit_attribution,
+    hooks,
+    logit_diff,
+    normalized_logit_diff,
+    path_patching,
+    run_with_cache,
+)
+
+A, B = 3, 5  # the two answer tokens of the tests' metric
+
+
+def reference(model, idx, edit=None):
+    """Logits of a learned-position GPT in float64, step by step; ``edit(step, layer, t)`` may
+    return a replacement of each step (TransformerLens's shapes)."""
+    m = model if model.dtype == torch.float64 else copy.deepcopy(model).double()
+    e = edit or (lambda step, layer, t: None)
+
+    def at(step, layer, t):
+        out = e(step, layer, t)
+        return t if out is None else out
+
+    T = idx.shape[1]
+    x = m.tok_emb(idx) + m.pos_emb(torch.arange(T))  # (1, T, d)
+    for i, blk in enumerate(m.trf_blocks):
+        att = blk.att
+        H, hd = att.num_heads, att.head_dim
+        x = at("resid_pre", i, x)
+        h = blk.norm1(x)
+        q, k, v = (
+            at(s, i, w(h).view(1, T, H, hd)) for s, w in (("q", att.W_query), ("k", att.W_key), ("v", att.W_value))
+        )
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+        pattern = at("pattern", i, scores.softmax(-1))  # (1, H, T, T)
+        z = at("z", i, torch.einsum("bhqk,bkhd->bqhd", pattern, v))  # (1, T, H, hd)
+        attn_out = at("attn_out", i, att.out_proj(z.reshape(1, T, H * hd)))
+        x = at("resid_mid", i, x + attn_out)
+        mlp = at("mlp_out", i, blk.ff(blk.norm2(x)))
+        x = at("resid_post", i, x + mlp)
+    return m.out_head(m.final_norm(x))
+
+
+def ref_metric(logits):
+    return float((logits[0, -1, A] - logits[0, -1, B]).detach())
+
+
+def ref_cache(model, idx):
+    cache = {}
+
+    def keep(step, layer, t):
+        cache[step, layer] = t.detach().clone()
+
+    reference(model, idx, keep)
+    return cache
+
+
+def naive_patching(model, clean, corrupted, site):
+    """One full float64 forward per patch, as TransformerLens does."""
+    step, kind = SITES[site]
+    model = copy.deepcopy(model).double()
+    cache = ref_cache(model, clean)
+    L = model.config.n_layers
+    T = clean.shape[1]
+    H = model.trf_blocks[0].att.num_heads
+    indices = {"pos": [(p,) for p in range(T)], "head": [(h,) for h in range(H)]}.get(kind) or [
+        (p, h) for p in range(T) for h in range(H)
+    ]
+    out = []
+    for layer in range(L):
+        row = []
+        for index in indices:
+
+            def edit(s, i, t, layer=layer, index=index):
+                if s != step or i != layer:
+                    return None
+                t = t.clone()
+                src = cache[s, i]
+                if kind == "pos" or step == "pattern":
+                    t[0, index[0]] = src[0, index[0]]
+                elif kind == "head":
+                    t[0, :, index[0]] = src[0, :, index[0]]
+                else:
+                    t[0, index[0], index[1]] = src[0, index[0], index[1]]
+                return t
+
+            row.append(ref_metric(reference(model, corrupted, edit)))
+        out.append(row)
+    shape = {"pos": (L, T), "head": (L, H), "pos_head": (L, T, H)}[kind]
+    return torch.tensor(out, dtype=torch.float64).reshape(shape)
+
+
+@pytest.fixture
+def pair():
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 37, (1, 7), generator=g)
+    corrupted = clean.clone()
+    corrupted[0, 2] = (clean[0, 2] + 11) % 37
+    corrupted[0, 4] = (clean[0, 4] + 5) % 37
+    return clean, corrupted
+
+
+def test_reference_is_the_model(make_gpt, pair):
+    model = make_gpt()
+    torch.testing.assert_close(reference(model, pair[0]).float(), model(pair[0]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_activation_patching_matches_naive_float64_loop(make_gpt, pair, site):
+    model = make_gpt()
+    got = activation_patching(model, *pair, logit_diff(A, B), site)
+    want = naive_patching(model, *pair, site)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_patching_small_batches_and_a_plain_metric(make_gpt, pair):
+    """Rows split across runs, and a metric without ``rows``/``last_only``: the same numbers."""
+    model = make_gpt()
+    want = activation_patching(model, *pair, logit_diff(A, B), "head_out_by_pos")
+    got = activation_patching(model, *pair, lambda lg: lg[0, -1, A] - lg[0, -1, B], "head_out_by_pos", max_tokens=10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2), dict(pos="alibi", qk_norm=True)],
+    ids=["gpt2", "llama-gqa", "alibi-qknorm"],
+)
+def test_clean_into_clean_changes_nothing(make_gpt, pair, overrides):
+    model = make_gpt(**overrides)
+    clean = pair[0]
+    value = logit_diff(A, B)(model(clean)).item()
+    for site in SITES:
+        got = activation_patching(model, clean, clean, logit_diff(A, B), site)
+        torch.testing.assert_close(got, torch.full_like(got, value), rtol=1e-4, atol=1e-5)
+
+
+def test_whole_residual_at_layer_0_restores_clean_exactly(make_gpt, pair):
+    model = make_gpt(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    clean, corrupted = pair
+    with torch.no_grad():
+        _, cache = run_with_cache(model, clean, ["blocks.0.hook_resid_pre"])
+        with hooks(model, {"blocks.0.hook_resid_pre": lambda x, h: cache[h.name]}):
+            got = logit_diff(A, B)(model(corrupted))
+        assert got == logit_diff(A, B)(model(clean))
+    # and patching every position of layer 0 one by one brackets it: the last position's patch
+    # restores exactly the clean last-position residual
+    one_by_one = activation_patching(model, clean, corrupted, logit_diff(A, B), "resid_post")
+    torch.testing.assert_close(one_by_one[-1, -1], got, rtol=1e-5, atol=1e-6)
+
+
+def test_normalized_metric(make_gpt, pair):
+    model = make_gpt()
+    clean, corrupted = pair
+    lc, lx = (logit_diff(A, B)(model(t)).item() for t in pair)
+    raw = activation_patching(model, clean, corrupted, logit_diff(A, B), "resid_pre")
+    norm = activation_patching(model, clean, corrupted, normalized_logit_diff(A, B, lc, lx), "resid_pre")
+    torch.testing.assert_close(norm, (raw - lx) / (lc - lx), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="must differ"):
+        normalized_logit_diff(A, B, 1.0, 1.0)
+
+
+def test_path_patching_matches_hand_written_reference(make_gpt, pair):
+    model = make_gpt(n_layers=3)
+    clean, corrupted = pair
+    senders, receivers = [(0, 1), (1, 3)], [(1, 0, "q"), (2, 2, "k"), (2, 1, "v")]
+    cc, cx = ref_cache(model, clean), ref_cache(model, corrupted)
+
+    def step1(s, i, t):
+        if s == "z":  # every head as corrupted, the senders clean
+            z = cx["z", i].clone()
+            for sl, sh in senders:
+                if sl == i:
+                    z[:, :, sh] = cc["z", i][:, :, sh]
+            return z
+        return None
+
+    seen = {}
+    reference(model, corrupted, lambda s, i, t: seen.__setitem__((s, i), t.detach().clone()) or step1(s, i, t))
+
+    def step2(s, i, t):
+        out = None
+        for rl, rh, rk in receivers:
+            if (rk, rl) == (s, i):
+                out = t.clone() if out is None else out
+                out[:, :, rh] = seen[s, i][:, :, rh]
+        return out
+
+    want = ref_metric(reference(model, corrupted, step2))
+    got = path_patching(model, clean, corrupted, logit_diff(A, B), senders=senders, receivers=receivers)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert abs(got - ref_metric(reference(model, corrupted))) > 10 * abs(got - want)  # the path matters
+    with pytest.raises(ValueError, match="receivers\\[0\\] is in layer 0"):
+        path_patching(model, clean, corrupted, logit_diff(A, B), senders=[(0, 1)], receivers=[(0, 1, "q")])
+    with pytest.raises(ValueError, match="receivers\\[0\\] must be"):
+        path_patching(model, clean, corrupted, logit_diff(A, B), senders=[(0, 1)], receivers=[(1, 1, "z")])
+
+
+def test_attribution_is_exact_where_the_metric_is_linear(make_gpt, pair):
+    """Without a final norm the logits are linear in the last layer's outputs: the first-order
+    estimate is the patch's effect."""
+    model = make_gpt()
+    model.final_norm = nn.Identity()
+    clean, corrupted = pair
+    base = logit_diff(A, B)(model(corrupted)).item()
+    for site in ("head_out", "head_out_by_pos", "attn_out", "mlp_out", "resid_post"):
+        act = activation_patching(model, clean, corrupted, logit_diff(A, B), site)[-1] - base
+        est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)[-1]
+        torch.testing.assert_close(est, act, rtol=1e-4, atol=1e-5)
+
+
+def correlation(a, b):
+    return float(torch.corrcoef(torch.stack([a.flatten().double(), b.flatten().double()]))[0, 1])
+
+
+@pytest.mark.slow
+def test_attribution_agrees_with_activation_patching(make_gpt):
+    """A small perturbation (one token, a nearby embedding): estimates close to the patches' effects."""
+    model = make_gpt(n_layers=3)
+    clean = torch.randint(0, 37, (1, 8), generator=torch.Generator().manual_seed(3))
+    corrupted = clean.clone()
+    corrupted[0, 3] = 36
+    with torch.no_grad():
+        model.tok_emb.weight[36] = model.tok_emb.weight[clean[0, 3]] + 0.01 * torch.randn(model.config.emb_dim)
+    base = logit_diff(A, B)(model(corrupted)).item()
+    for site in ("resid_pre", "head_out", "mlp_out"):
+        act = activation_patching(model, clean, corrupted, logit_diff(A, B), site) - base
+        est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)
+        assert est.shape == act.shape
+        assert correlation(est, act) > 0.98, site
+        torch.testing.assert_close(est, act, rtol=0.1, atol=0.1 * float(act.abs().max()))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(qkv_bias=True), dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)],
+    ids=["gpt2-biases", "llama-gqa"],
+)
+def test_direct_logit_attribution_sums_to_the_logit_difference(make_gpt, pair, overrides):
+    model = make_gpt(n_layers=3, **overrides)
+    idx = pair[0]
+    dla = direct_logit_attribution(model, idx, answers=(A, B))
+    L, H = 3, model.config.n_heads
+    assert dla.heads.shape == (L, H) and dla.mlps.shape == (L,)
+    torch.testing.assert_close(dla.total, torch.tensor(ref_metric(model(idx)), dtype=torch.float64))
+    torch.testing.assert_close(dla.parts_sum(), dla.total, rtol=1e-5, atol=1e-5)
+    # each head against a float64 computation here: its output through out_proj, the final norm
+    # with the scale of the whole stream, the unembedding difference
+    with torch.no_grad():
+        _, cache = run_with_cache(model, idx)
+        m = copy.deepcopy(model).double()
+        final = cache["resid_post", L - 1][0, -1].double()
+        direction = m.out_head.weight[A] - m.out_head.weight[B]
+        norm = m.final_norm
+        for layer in range(L):
+            att = m.trf_blocks[layer].att
+            z = cache["z", layer][0, -1].double()  # (H, hd)
+            for h in range(H):
+                zh = torch.zeros_like(z)
+                zh[h] = z[h]
+                write = F.linear(zh.reshape(-1), att.out_proj.weight)  # no bias
+                if isinstance(norm, nn.LayerNorm):
+                    c = (write - write.mean()) / (final.var(unbiased=False) + norm.eps).sqrt() * norm.weight
+                else:
+                    c = write / (final.square().mean() + norm.eps).sqrt() * norm.weight
+                assert float(dla.heads[layer, h]) == pytest.approx(float(c @ direction), rel=1e-6, abs=1e-8)
+
+
+def test_bad_input_is_named(make_gpt, pair):
+    model = make_gpt()
+    clean, corrupted = pair
+    with pytest.raises(ValueError, match="same number of tokens"):
+        activation_patching(model, clean, corrupted[:, :5], logit_diff(A, B))
+    with pytest.raises(ValueError, match="site must be one of"):
+        activation_patching(model, clean, corrupted, logit_diff(A, B), site="heads")
+    with pytest.raises(ValueError, match="site must be one of"):
+        attribution_patching(model, clean, corrupted, logit_diff(A, B), site="resid")
+    with pytest.raises(ValueError, match="metric must return a scalar"):
+        activation_patching(model, clean, corrupted, lambda lg: lg[0, -1], "resid_pre")
+    with pytest.raises(ValueError, match="metric must return a scalar"):
+        attribution_patching(model, clean, corrupted, lambda lg: lg[0, -1], "resid_pre")
+    with pytest.raises(ValueError, match="answers\\[1\\] must be one token id"):
+        direct_logit_attribution(model, clean, answers=(1, 99))
+    with pytest.raises(ValueError, match="answers must be two token ids"):
+        direct_logit_attribution(model, clean, answers=(1, 2, 3))
+    with pytest.raises(ValueError, match="a must be one token id"):
+        logit_diff("Mary", B)
+    with pytest.raises(ValueError, match="clean must be the token ids of one prompt"):
+        activation_patching(model, torch.cat([clean, clean]), corrupted, logit_diff(A, B))
