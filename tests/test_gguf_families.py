@@ -143,9 +143,9 @@ def test_a_quantized_qwen2_reads_as_transformers_reads_it(tmp_path):
 
 def test_model_file_loads_with_its_tokenizer(written):
     """``--model FILE.gguf``'s loader: the family's model and the file's tokenizer together."""
-    name, _, path, ours = written
+    _, hf, path, ours = written
     loaded = load_pretrained(str(path))
-    assert loaded.metadata["architecture"] == LLAMA_CPP_ARCH[written[1].config.model_type]
+    assert loaded.metadata["architecture"] == LLAMA_CPP_ARCH[hf.config.model_type]
     assert loaded.tokenizer.vocab_size == VOCAB
     for a, b in zip(loaded.model.state_dict().values(), ours.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -183,7 +183,8 @@ def test_refused_a_tensor_the_family_does_not_have(tmp_path):
 
 
 def test_refused_odd_rotary_dimensions(tmp_path):
-    _refused(tmp_path, "gpt_neox", {}, "rope.dimension_count must be an even integer", meta={"gptneox.rope.dimension_count": 3})
+    meta = {"gptneox.rope.dimension_count": 3}
+    _refused(tmp_path, "gpt_neox", {}, "rope.dimension_count must be an even integer", meta=meta)
 
 
 def test_refused_a_window_pattern_of_the_wrong_length(tmp_path):
@@ -196,5 +197,5 @@ def test_refused_an_architecture_attnlab_does_not_read(tmp_path):
     path = write_family_gguf(tmp_path / "x.gguf", hf)
     data = path.read_bytes().replace(b"qwen2", b"mamba")  # general.architecture and its keys alike
     (tmp_path / "mamba.gguf").write_bytes(data)
-    with pytest.raises(ValueError, match="'mamba' is not supported yet.*qwen2, qwen3, gemma, gemma2, gemma3"):
+    with pytest.raises(ValueError, match=r"'mamba' is not supported yet.*qwen2, qwen3, gemma, gemma2, gemma3"):
         GPT.from_gguf(tmp_path / "mamba.gguf")

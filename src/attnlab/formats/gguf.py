@@ -422,7 +422,7 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
     if arch.partial_rotary:  # the fraction of each head that rotates
         rot = head_dim if rot is None else rot
         if not is_int(rot) or not 0 < rot <= head_dim or rot % 2:
-            raise ValueError(f"rope.dimension_count must be an even integer up to the head size {head_dim}, got {rot!r}")
+            raise ValueError(f"rope.dimension_count must be an even integer up to the head size {head_dim}, got {rot}")
         cfg["rotary_pct" if arch.model_type == "gpt_neox" else "partial_rotary_factor"] = rot / head_dim
     elif rot is not None and rot != head_dim:
         raise ValueError(f"rope.dimension_count={rot!r}: attnlab's {arch_name} rotates whole heads of {head_dim}")
