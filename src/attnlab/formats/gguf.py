@@ -9,14 +9,39 @@ memory-mapped :class:`gguf.GGUFReader` and turns it into what a Hugging Face dir
   ``num_attention_heads``, ``rope_theta``, ...), through one data-driven table per llama.cpp
   architecture (:data:`ARCHITECTURES`);
 * the tensors into Hugging Face names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
-  one at a time, dequantized by ``gguf.quants.dequantize``. llama.cpp's converter permutes the rows
-  of a Llama's query and key projections (it pairs RoPE's rotated halves as neighbours,
-  ``(x0, x1), (x2, x3), ...``, where Hugging Face rotates ``x[:hd/2]`` with ``x[hd/2:]``); the
-  permutation is undone here, so the result is exactly the Hugging Face checkpoint it came from.
+  one at a time, dequantized by ``gguf.quants.dequantize``, with what llama.cpp's converter changed
+  put back, so the result is exactly the Hugging Face checkpoint it came from:
 
-From there the Hugging Face mapping that already exists (:func:`attnlab.formats.hf_llama.llama_to_attnlab`)
-makes the attnlab model, so a new family needs only a table row here. The tokenizer stored in the
-file is built by :class:`attnlab.tokenizers.HFTokenizer` (it reads ``.gguf`` paths too).
+  * Llama (``llama``): the converter permutes the rows of the query and key projections (it pairs
+    RoPE's rotated halves as neighbours, ``(x0, x1), (x2, x3), ...``, where Hugging Face rotates
+    ``x[:hd/2]`` with ``x[hd/2:]``). The other families rotate halves in llama.cpp too (its
+    "NEOX" RoPE) and are stored unpermuted.
+  * Gemma 1/2/3: every norm weight is stored as ``1 + w`` (llama.cpp multiplies by it); ``1`` is
+    subtracted. The file records neither Gemma's query scale (llama.cpp: the head size, but width /
+    heads for the 27B models, recognised by their layer count, as llama.cpp does) nor Gemma 1/2's
+    RoPE base (10,000) nor, for Gemma 3, the window pattern (five window layers in six) unless
+    ``attention.sliding_window_pattern`` says otherwise; ``rope.freq_base_swa`` is Gemma 3's local base.
+  * Phi-3: ``attn_qkv`` and ``ffn_up`` are Hugging Face's fused ``qkv_proj`` and ``gate_up_proj``
+    as they are; ``rope.dimension_count`` gives the partial rotary fraction.
+  * GPT-NeoX: the converter reorders the per-head fused ``query_key_value`` (``q0 k0 v0 q1 ...``)
+    as all queries, all keys, all values: put back per head.
+
+From there the Hugging Face mapping that already exists (:func:`attnlab.formats.hf_llama.llama_to_attnlab`
+for Llama, :func:`attnlab.formats.families.to_attnlab` for the others) makes the attnlab model, so a
+new family needs only a table row here. The tokenizer stored in the file is built by
+:class:`attnlab.tokenizers.HFTokenizer` (it reads ``.gguf`` paths too).
+
+====================  ==============================  ==========================================
+llama.cpp             Hugging Face ``model_type``     refused (a clear ValueError)
+====================  ==============================  ==========================================
+llama                 llama                           Llama 3.1 ``rope_freqs``, YaRN scaling
+qwen2, qwen3          qwen2, qwen3                    YaRN scaling
+gemma, gemma2         gemma, gemma2
+gemma3                gemma3_text
+phi3                  phi3                            LongRoPE (``rope_factors_long/short``)
+olmo2                 olmo2                           a sliding window (OLMo 3)
+gptneox               gpt_neox
+====================  ==============================  ==========================================
 
     model = GPT.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # float32 on the CPU
 
