@@ -98,7 +98,6 @@ class Architecture:
             each head that rotates: Phi-3, GPT-NeoX); elsewhere it must be the whole head.
         qkv_per_head: the converter reordered a per-head fused query/key/value tensor (GPT-NeoX's
             ``q0 k0 v0 q1 k1 v1 ...``) as all queries, all keys, all values: put back here.
-        supported: whether attnlab reads it (checked by a test against transformers).
     """
 
     model_type: str
@@ -110,7 +109,6 @@ class Architecture:
     partial_rotary: bool = False
     norm_shift: float = 0.0
     qkv_per_head: bool = False
-    supported: bool = True
 
 
 _LLAMA_CONFIG = {
@@ -333,7 +331,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         qkv_per_head=True,
     ),
 }
-SUPPORTED = tuple(name for name, a in ARCHITECTURES.items() if a.supported)
+SUPPORTED = tuple(ARCHITECTURES)
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
 _REFUSED_TENSORS = {
     "rope_freqs.weight": "RoPE frequency factors (Llama 3.1 scaling)",
