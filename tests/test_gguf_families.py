@@ -199,3 +199,18 @@ def test_refused_an_architecture_attnlab_does_not_read(tmp_path):
     (tmp_path / "mamba.gguf").write_bytes(data)
     with pytest.raises(ValueError, match=r"'mamba' is not supported yet.*qwen2, qwen3, gemma, gemma2, gemma3"):
         GPT.from_gguf(tmp_path / "mamba.gguf")
+
+
+def test_a_window_pattern_given_per_layer(tmp_path):
+    """``attention.sliding_window_pattern`` as one boolean a layer (what newer converters write
+    when the layers do not follow the family's period): test_families' three-layer Gemma 3."""
+    hf = build("gemma3", seed=2, vocab_size=VOCAB)  # layer_types: sliding, sliding, full
+    meta = {"gemma3.attention.sliding_window_pattern": [True, True, False]}
+    ours = GPT.from_gguf(write_family_gguf(tmp_path / "g3.gguf", hf, meta=meta))
+    assert ours.config.window_layers == [0, 1]
+    idx = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=0)
+        plain = GPT.from_gguf(write_family_gguf(tmp_path / "plain.gguf", hf))  # the default: all three slide
+        assert plain.config.window_layers is None and plain.config.window == 5
+        assert (plain(idx) - hf(idx).logits).abs().max() > 1e-3  # the pattern matters on this input
