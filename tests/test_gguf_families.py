@@ -214,3 +214,17 @@ def test_a_window_pattern_given_per_layer(tmp_path):
         plain = GPT.from_gguf(write_family_gguf(tmp_path / "plain.gguf", hf))  # the default: all three slide
         assert plain.config.window_layers is None and plain.config.window == 5
         assert (plain(idx) - hf(idx).logits).abs().max() > 1e-3  # the pattern matters on this input
+
+
+@pytest.mark.slow  # 46 layers: 3 s
+def test_gemma2_27b_query_scale_by_its_layer_count(tmp_path):
+    """The file does not record Gemma's query scale: llama.cpp uses the head size, but width / heads
+    for Gemma 2 27B, which it knows by its 46 layers. A tiny 46-layer Gemma 2 whose head size (16)
+    is not width / heads (8) reads with the 27B's scale, as transformers' 27B config has it."""
+    hf = build("gemma2", seed=4, vocab_size=VOCAB, num_hidden_layers=46, head_dim=16, query_pre_attn_scalar=8,
+               tie_word_embeddings=True, hidden_size=32, intermediate_size=32)  # fmt: skip
+    ours = GPT.from_gguf(write_family_gguf(tmp_path / "g2.gguf", hf))
+    assert ours.config.attn_scale == 8**-0.5
+    idx = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=0)
