@@ -131,6 +131,12 @@ def llama_metadata(model: Any, arch: str = "llama") -> dict[str, Any]:
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.vocab_size": cfg.vocab_size,
         f"{arch}.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
+    } | tokenizer_metadata()
+
+
+def tokenizer_metadata() -> dict[str, Any]:
+    """The tiny byte-level BPE tokenizer and chat template, under llama.cpp's keys."""
+    return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens(),
@@ -182,6 +188,133 @@ def write_gguf(
     model = tiny_llama() if model is None else model
     values = llama_metadata(model, arch) | (meta or {})
     arrays = gguf_tensors(model)
+    if tensors is not None:
+        arrays = tensors(arrays)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in values.items():
+        if value is not None:
+            _add(writer, key, value)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in arrays.items():
+        if w.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The families after Llama, as llama.cpp's converter (convert_hf_to_gguf.py) writes each
+# ---------------------------------------------------------------------------------------------
+# Hugging Face model_type -> llama.cpp architecture (general.architecture)
+LLAMA_CPP_ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "gpt_neox": "gptneox",
+}
+
+
+def family_metadata(model: Any) -> dict[str, Any]:
+    """The metadata the converter's ``set_gguf_parameters`` writes for ``model``'s family, plus the
+    tiny tokenizer's (the keys it leaves out are what llama.cpp assumes: Gemma's RoPE base, ...)."""
+    cfg = model.config
+    mt, arch = cfg.model_type, LLAMA_CPP_ARCH[cfg.model_type]
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = dict(cfg.rope_parameters or {})  # transformers 5's (Gemma 3: one dict per layer type)
+    out: dict[str, Any] = {
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": heads,
+    }
+    if mt == "gpt_neox":  # GPTNeoXModel.set_gguf_parameters: no RoPE base, no kv heads
+        out[f"{arch}.rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0) * head_dim)
+        out[f"{arch}.use_parallel_residual"] = bool(cfg.use_parallel_residual)
+        out[f"{arch}.attention.layer_norm_epsilon"] = float(cfg.layer_norm_eps)
+    else:
+        out[f"{arch}.attention.head_count_kv"] = cfg.num_key_value_heads
+        out[f"{arch}.attention.layer_norm_rms_epsilon"] = float(cfg.rms_norm_eps)
+    if mt in ("qwen2", "qwen3", "olmo2", "phi3"):  # TextModel's (Phi3MiniModel writes its own, alike)
+        out[f"{arch}.rope.freq_base"] = float(rope["rope_theta"])
+    if mt in ("qwen3", "gemma", "gemma2", "gemma3_text"):
+        out[f"{arch}.attention.key_length"] = head_dim
+        out[f"{arch}.attention.value_length"] = head_dim
+    if mt == "phi3":
+        rot = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // heads
+        out[f"{arch}.rope.dimension_count"] = rot
+        out[f"{arch}.rope.scaling.original_context_length"] = cfg.original_max_position_embeddings
+        out[f"{arch}.attention.sliding_window"] = cfg.sliding_window or 0
+    if mt == "gemma2":
+        out[f"{arch}.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
+        out[f"{arch}.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        out[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+    if mt == "gemma3_text":
+        full, local = rope["full_attention"], rope["sliding_attention"]
+        out[f"{arch}.rope.freq_base"] = float(full["rope_theta"])
+        out[f"{arch}.rope.freq_base_swa"] = float(local["rope_theta"])
+        if full.get("rope_type") == "linear":
+            out[f"{arch}.rope.scaling.type"] = "linear"
+            out[f"{arch}.rope.scaling.factor"] = float(full["factor"])
+        if cfg.final_logit_softcapping:
+            out[f"{arch}.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        out[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+    return out | tokenizer_metadata()
+
+
+def family_tensors(model: Any) -> dict[str, np.ndarray]:
+    """``{llama.cpp name: float32 array}`` of ``model`` as the converter writes it: names by the
+    ``gguf`` package's own ``TensorNameMap`` (what the converter uses), Gemma's norms stored as
+    ``1 + w``, GPT-NeoX's per-head fused q/k/v reordered as all q, all k, all v, Gemma 1/2's
+    ``lm_head`` skipped (they are tied)."""
+    import gguf
+
+    cfg = model.config
+    mt, arch = cfg.model_type, LLAMA_CPP_ARCH[cfg.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    heads = cfg.num_attention_heads
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or mt in ("gemma", "gemma2")):
+            continue
+        w = t.detach().float()
+        if mt.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1
+        if mt == "gpt_neox" and "query_key_value" in name:  # GPTNeoXModel.modify_tensors
+            w = w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            raise KeyError(f"the converter has no name for {name} in {arch}")
+        out[f"{gguf_name}.{suffix}"] = w.numpy().copy()
+    return out
+
+
+def write_family_gguf(
+    path: Path,
+    model: Any,
+    *,
+    qtype: str = "F32",
+    meta: dict[str, Any] | None = None,
+    tensors: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+) -> Path:
+    """Write a transformers model of one of the families to ``path`` as llama.cpp's converter
+    would (``qtype``, ``meta`` and ``tensors`` as for :func:`write_gguf`)."""
+    import gguf
+
+    arch = LLAMA_CPP_ARCH[model.config.model_type]
+    values = family_metadata(model) | (meta or {})
+    arrays = family_tensors(model)
     if tensors is not None:
         arrays = tensors(arrays)
     writer = gguf.GGUFWriter(str(path), arch)

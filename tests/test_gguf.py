@@ -173,7 +173,7 @@ def test_tiny_gguf_through_the_loader(tmp_path):
     assert again == loaded.tokenizer and again.encode(text) == ids and again.eot_id == 2
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3"])
+@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "olmo", "llama-bpe", "llama3", "dbrx", "qwen2", "deepseek-r1-qwen"])
 def test_pre_tokenizers_as_transformers(tmp_path, pre):
     """llama.cpp's pre-tokenizers (how text is cut before the merges) against transformers' reading
     of the same file, on a vocabulary whose merges show the cuts (digits, spaces, contractions)."""

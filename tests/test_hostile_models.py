@@ -132,7 +132,7 @@ GGUF_ROWS = {
     "no feed-forward size": (_write(meta={"llama.feed_forward_length": None}), "lacks llama.feed_forward_length"),
     "partial rotary": (_write(meta={"llama.rope.dimension_count": 4}), "rope.dimension_count"),
     "unsupported RoPE scaling": (_write(meta={"llama.rope.scaling.type": "yarn"}), "not supported yet"),
-    "architecture not supported yet": (_write(meta={"general.architecture": "qwen2"}), "'qwen2' is not supported yet"),
+    "a Llama file labelled qwen2": (_write(meta={"general.architecture": "qwen2"}), "lacks qwen2.embedding_length"),
     "unknown architecture": (_write(meta={"general.architecture": "bert"}), "'bert' is not supported yet"),
     "no architecture": (
         _bytes(lambda d: d.replace(b"general.architecture", b"general.architectxre")),

@@ -1124,8 +1124,9 @@ class GPT(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> GPT:
-        """Load a GGUF file (llama.cpp, Ollama, LM Studio): a Llama-architecture model, any of the
-        quantization types the ``gguf`` package dequantizes (see :mod:`attnlab.formats.gguf`).
+        """Load a GGUF file (llama.cpp, Ollama, LM Studio) of the architectures llama, qwen2, qwen3,
+        gemma, gemma2, gemma3, phi3, olmo2 or gptneox, in any of the quantization types the ``gguf``
+        package dequantizes (see :mod:`attnlab.formats.gguf`).
 
         ``path`` is the file, or what :func:`attnlab.formats.gguf.read_gguf` returned for it. The
         file is memory-mapped and converted one tensor at a time, straight into ``dtype``.

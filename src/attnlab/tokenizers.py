@@ -625,11 +625,17 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2/2.5/3: digits one by one
 _GGUF_PRE = {
     "gpt2": "gpt2",
+    "gpt-2": "gpt2",  # GPT-2's own name in llama.cpp
+    "olmo": "gpt2",  # GPT-NeoX's vocabulary (Pythia, OLMo 1): GPT-2's cut
     "smollm": "digits+gpt2",
     "llama-bpe": _LLAMA3_SPLIT,
     "llama3": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,  # cl100k (OLMo 2): Llama 3's cut
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 

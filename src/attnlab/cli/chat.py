@@ -24,6 +24,7 @@ import sys
 
 from attnlab.checks import resolve_device
 from attnlab.cli.generate import DTYPES, add_generation_arguments, sampling_from_args
+from attnlab.cli.options import MODEL_SOURCES
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
 from attnlab.tools.loading import load_pretrained
 
@@ -38,9 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        metavar="REPO_OR_DIR",
-        help="an instruct model with a chat template: a Hugging Face directory (config.json, safetensors weights, "
-        "tokenizer.json, a chat template) or a Hub repository id (read from the cache when offline)",
+        metavar="MODEL",
+        help=f"an instruct model with a chat template: {MODEL_SOURCES}",
     )
     parser.add_argument("--system", metavar="TEXT", help="a system message, kept however long the conversation")
     add_generation_arguments(

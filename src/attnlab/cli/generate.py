@@ -10,9 +10,11 @@ training wrote them. Multi-byte characters (``byte`` tokenizer) and BPE pieces a
 as they are complete, each flushed at once; characters the terminal's encoding cannot show (an
 ASCII-only locale) are printed as backslash escapes rather than ending the command.
 
-``--model`` reads a published model instead: a Hugging Face GPT-2 or Llama-family (Llama, Mistral)
-repository or directory, from the Hugging Face cache when offline, with its own ``tokenizer.json``;
-the prompt starts with the model's beginning-of-text token, and generation stops at its end::
+``--model`` reads a published model instead: a GGUF file (llama.cpp's llama, qwen2, qwen3, gemma,
+gemma2, gemma3, phi3, olmo2 and gptneox architectures, with the tokenizer the file stores), or a
+Hugging Face repository or directory of GPT-2 or a family attnlab reads (Llama, Mistral, Qwen2/2.5,
+Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, GPT-NeoX), from the cache when offline, with its own
+``tokenizer.json``; the prompt starts with the model's beginning-of-text token, and generation stops at its end::
 
     attnlab generate --model meta-llama/Llama-3.2-1B --prompt "The capital of France is" --temperature 0
 
@@ -32,6 +34,7 @@ import sys
 import torch
 
 from attnlab.checks import resolve_device
+from attnlab.cli.options import MODEL_SOURCES
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import HFTokenizer, StreamDecoder
@@ -50,9 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument(
         "--model",
-        metavar="REPO_OR_DIR",
-        help="a Hugging Face GPT-2 or Llama-family model: a Hub repository id (read from the cache when "
-        "offline) or a directory with config.json, safetensors weights and tokenizer.json",
+        metavar="MODEL",
+        help=f"a published model: {MODEL_SOURCES}",
     )
     parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
     parser.add_argument(

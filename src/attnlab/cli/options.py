@@ -19,6 +19,13 @@ def index_list(text: str) -> list[int]:
     return out
 
 
+# What --model reads (generate, chat, inspect, viz, serve): one line for every command's help.
+MODEL_SOURCES = (
+    "a GGUF file (llama.cpp: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, gptneox), or a Hugging Face "
+    "directory or Hub id (cached) of GPT-2, Llama, Mistral, Qwen2/2.5/3, Gemma 1/2/3, Phi-3, OLMo 2 or GPT-NeoX"
+)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
     """``--checkpoint DIR | --model NAME``, ``--prompt``, ``--bpe-dir``, ``--device``; returns the
     group of the model's sources (a command may add one, as serve's ``--demo``)."""
@@ -32,8 +39,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
     source.add_argument(
         "--model",
         metavar="NAME",
-        help="OpenAI's GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl (from the Hugging Face cache; downloaded "
-        "once when online), or a local Hugging Face directory (config.json + model.safetensors)",
+        help=f"gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once when online), {MODEL_SOURCES}",
     )
     parser.add_argument("--prompt", metavar="TEXT", help=f"the text {what}")
     parser.add_argument(

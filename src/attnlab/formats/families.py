@@ -437,7 +437,7 @@ def _read(state: Mapping[str, Tensor], where: str, source: Source, f: dict[str, 
 
 
 def to_attnlab(
-    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0
+    model_or_state_dict: Any, *, hf_config: Any = None, drop_rate: float = 0.0, copy: bool = True
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face model of any family in :data:`MODEL_TYPES`.
 
@@ -447,6 +447,8 @@ def to_attnlab(
         hf_config: its config (a transformers config or the dict of ``config.json``); read from the
             model when one is given. Its ``model_type`` picks the family.
         drop_rate: dropout for training the converted model.
+        copy: copy every tensor (the default: the result shares no memory with the input); False
+            when the input is thrown away anyway (a GGUF file's tensors), to halve the peak memory.
     """
     if hasattr(model_or_state_dict, "state_dict") and callable(model_or_state_dict.state_dict):
         state = dict(model_or_state_dict.state_dict())
@@ -489,7 +491,9 @@ def to_attnlab(
         if tuple(tensor.shape) != want:
             raise ValueError(f"{model_type} weight {hf_name!r} must have shape {want}, got {tuple(tensor.shape)}")
         new[name] = tensor
-    return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
+    if copy:
+        return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
+    return fields, {k: v.detach().contiguous() for k, v in new.items()}
 
 
 def to_hf_state_dict(model: GPT, model_type: str) -> dict[str, Tensor]:

@@ -9,14 +9,39 @@ memory-mapped :class:`gguf.GGUFReader` and turns it into what a Hugging Face dir
   ``num_attention_heads``, ``rope_theta``, ...), through one data-driven table per llama.cpp
   architecture (:data:`ARCHITECTURES`);
 * the tensors into Hugging Face names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
-  one at a time, dequantized by ``gguf.quants.dequantize``. llama.cpp's converter permutes the rows
-  of a Llama's query and key projections (it pairs RoPE's rotated halves as neighbours,
-  ``(x0, x1), (x2, x3), ...``, where Hugging Face rotates ``x[:hd/2]`` with ``x[hd/2:]``); the
-  permutation is undone here, so the result is exactly the Hugging Face checkpoint it came from.
+  one at a time, dequantized by ``gguf.quants.dequantize``, with what llama.cpp's converter changed
+  put back, so the result is exactly the Hugging Face checkpoint it came from:
 
-From there the Hugging Face mapping that already exists (:func:`attnlab.formats.hf_llama.llama_to_attnlab`)
-makes the attnlab model, so a new family needs only a table row here. The tokenizer stored in the
-file is built by :class:`attnlab.tokenizers.HFTokenizer` (it reads ``.gguf`` paths too).
+  * Llama (``llama``): the converter permutes the rows of the query and key projections (it pairs
+    RoPE's rotated halves as neighbours, ``(x0, x1), (x2, x3), ...``, where Hugging Face rotates
+    ``x[:hd/2]`` with ``x[hd/2:]``). The other families rotate halves in llama.cpp too (its
+    "NEOX" RoPE) and are stored unpermuted.
+  * Gemma 1/2/3: every norm weight is stored as ``1 + w`` (llama.cpp multiplies by it); ``1`` is
+    subtracted. The file records neither Gemma's query scale (llama.cpp: the head size, but width /
+    heads for the 27B models, recognised by their layer count, as llama.cpp does) nor Gemma 1/2's
+    RoPE base (10,000) nor, for Gemma 3, the window pattern (five window layers in six) unless
+    ``attention.sliding_window_pattern`` says otherwise; ``rope.freq_base_swa`` is Gemma 3's local base.
+  * Phi-3: ``attn_qkv`` and ``ffn_up`` are Hugging Face's fused ``qkv_proj`` and ``gate_up_proj``
+    as they are; ``rope.dimension_count`` gives the partial rotary fraction.
+  * GPT-NeoX: the converter reorders the per-head fused ``query_key_value`` (``q0 k0 v0 q1 ...``)
+    as all queries, all keys, all values: put back per head.
+
+From there the Hugging Face mapping that already exists (:func:`attnlab.formats.hf_llama.llama_to_attnlab`
+for Llama, :func:`attnlab.formats.families.to_attnlab` for the others) makes the attnlab model, so a
+new family needs only a table row here. The tokenizer stored in the file is built by
+:class:`attnlab.tokenizers.HFTokenizer` (it reads ``.gguf`` paths too).
+
+====================  ==============================  ==========================================
+llama.cpp             Hugging Face ``model_type``     refused (a clear ValueError)
+====================  ==============================  ==========================================
+llama                 llama                           Llama 3.1 ``rope_freqs``, YaRN scaling
+qwen2, qwen3          qwen2, qwen3                    YaRN scaling
+gemma, gemma2         gemma, gemma2
+gemma3                gemma3_text
+phi3                  phi3                            LongRoPE (``rope_factors_long/short``)
+olmo2                 olmo2                           a sliding window (OLMo 3)
+gptneox               gpt_neox
+====================  ==============================  ==========================================
 
     model = GPT.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # float32 on the CPU
 
@@ -30,6 +55,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -40,7 +66,7 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
-from attnlab.formats import hf_llama
+from attnlab.formats import families, hf_llama
 
 __all__ = [
     "ARCHITECTURES",
@@ -59,17 +85,30 @@ class Architecture:
     Attributes:
         model_type: the Hugging Face ``model_type`` it becomes.
         config: ``{config.json key: GGUF key}``; ``{arch}`` in a GGUF key is the architecture's name.
-        tensors: ``{llama.cpp tensor name: Hugging Face name}``; ``{i}`` is the layer.
-        permuted: the llama.cpp tensors whose rows the converter permuted for its RoPE layout.
-        supported: whether attnlab reads it (checked by a test against transformers); a table row
-            that is not yet is refused with a clear message instead of being loaded untested.
+        tensors: ``{llama.cpp tensor name: Hugging Face name}``; ``{i}`` is the layer. A tensor not
+            in the table is refused (never silently dropped).
+        permuted: the llama.cpp tensors whose rows the converter permuted for its RoPE layout (only
+            Llama's: the other families rotate halves, as Hugging Face does, and are stored as is).
+        defaults: ``config.json`` values the converter does not write (llama.cpp's own defaults).
+        extra: the rest of the config that is not a plain key (window layers, RoPE parts, ...):
+            ``extra(cfg, meta, arch_name) -> cfg``.
+        norm_shift: what the converter added to every norm weight (Gemma's ``(1 + w)`` gains are
+            stored as ``1 + w``: subtracted here, so the state dict is Hugging Face's).
+        partial_rotary: ``rope.dimension_count`` may be less than the head size (the fraction of
+            each head that rotates: Phi-3, GPT-NeoX); elsewhere it must be the whole head.
+        qkv_per_head: the converter reordered a per-head fused query/key/value tensor (GPT-NeoX's
+            ``q0 k0 v0 q1 k1 v1 ...``) as all queries, all keys, all values: put back here.
     """
 
     model_type: str
     config: dict[str, str]
     tensors: dict[str, str]
     permuted: tuple[str, ...] = ()
-    supported: bool = False
+    defaults: dict[str, Any] = field(default_factory=dict)
+    extra: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]] | None = None
+    partial_rotary: bool = False
+    norm_shift: float = 0.0
+    qkv_per_head: bool = False
 
 
 _LLAMA_CONFIG = {
@@ -84,52 +123,224 @@ _LLAMA_CONFIG = {
     "head_dim": "{arch}.attention.key_length",
     "vocab_size": "{arch}.vocab_size",
 }
-_LLAMA_TENSORS = {
+_OUTER = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+}
+_QKVO = {
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+}
+_QKV_BIAS = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+_GATED_MLP = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_PRE_NORMS = {
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+# Gemma 2/3's four norms a layer: llama.cpp's ffn_norm is the one *before* the MLP.
+_SANDWICH_NORMS = {
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
 _QK_NORM = {
     "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
-
+_LLAMA_TENSORS = {
+    **_OUTER,
+    **_PRE_NORMS,
+    **_QKVO,
+    **_QKV_BIAS,
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    **_GATED_MLP,
+}
+_NEOX_TENSORS = {
+    "token_embd.weight": "gpt_neox.embed_in.weight",
+    "output.weight": "embed_out.weight",
+    **{f"output_norm.{p}": f"gpt_neox.final_layer_norm.{p}" for p in ("weight", "bias")},
+    **{
+        f"blk.{{i}}.{gguf_name}.{p}": f"gpt_neox.layers.{{i}}.{hf_name}.{p}"
+        for gguf_name, hf_name in {
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "attention.query_key_value",
+            "attn_output": "attention.dense",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.dense_h_to_4h",
+            "ffn_down": "mlp.dense_4h_to_h",
+        }.items()
+        for p in ("weight", "bias")
+    },
+}
+_NEOX_CONFIG = {
+    "max_position_embeddings": "{arch}.context_length",
+    "hidden_size": "{arch}.embedding_length",
+    "num_hidden_layers": "{arch}.block_count",
+    "intermediate_size": "{arch}.feed_forward_length",
+    "num_attention_heads": "{arch}.attention.head_count",
+    "layer_norm_eps": "{arch}.attention.layer_norm_epsilon",
+    "use_parallel_residual": "{arch}.use_parallel_residual",
+    "rotary_emb_base": "{arch}.rope.freq_base",
+    "vocab_size": "{arch}.vocab_size",
+}
 _SOFTCAP = {
     "attn_logit_softcapping": "{arch}.attn_logit_softcapping",
     "final_logit_softcapping": "{arch}.final_logit_softcapping",
     "sliding_window": "{arch}.attention.sliding_window",
 }
 
-# One row per llama.cpp architecture (``general.architecture``). Only "llama" is checked against
-# transformers so far; the other rows record the names for the families to come and are refused.
+
+def _sliding_layers(meta: dict[str, Any], arch_name: str, n_layers: int, pattern: int) -> list[bool]:
+    """Which layers slide, as llama.cpp decides: ``attention.sliding_window_pattern`` per layer (an
+    array of booleans) or as a period ``n`` (the last layer of every ``n`` is global), else ``pattern``."""
+    key = f"{arch_name}.attention.sliding_window_pattern"
+    given = meta.get(key, pattern)
+    if isinstance(given, list):
+        if len(given) != n_layers or not all(isinstance(b, bool) for b in given):
+            raise ValueError(f"{key} must be {n_layers} booleans, got {given!r}")
+        return given
+    if not is_int(given) or given < 0:
+        raise ValueError(f"{key} must be a non-negative integer or an array of booleans, got {given!r}")
+    return [given == 0 or i % given < given - 1 for i in range(n_layers)]
+
+
+def _attention_scale(cfg: dict[str, Any], big: int) -> int:
+    """Gemma 2/3's ``query_pre_attn_scalar``, which the file does not record: llama.cpp scales by
+    the head size, except for the 27B models (``big`` layers), by width / heads."""
+    if cfg["num_hidden_layers"] == big:
+        return cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def _gemma2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    cfg.setdefault("sliding_window", 4096)  # llama.cpp's default for Gemma 2
+    sliding = _sliding_layers(meta, arch_name, n, 2)
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cfg["query_pre_attn_scalar"] = _attention_scale(cfg, big=46)
+    return cfg
+
+
+def _gemma3_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    if cfg.get("sliding_window"):
+        sliding = _sliding_layers(meta, arch_name, n, 6)
+    else:
+        sliding = [False] * n
+        cfg.pop("sliding_window", None)
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cfg["query_pre_attn_scalar"] = _attention_scale(cfg, big=62)
+    local = meta.get(f"{arch_name}.rope.freq_base_swa", 10_000.0)  # llama.cpp's default local base
+    if not isinstance(local, (int, float)) or not math.isfinite(local) or local <= 0:
+        raise ValueError(f"{arch_name}.rope.freq_base_swa must be a positive number, got {local!r}")
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta", 1_000_000.0)}
+    full |= cfg.pop("rope_scaling", None) or {}  # linear scaling: the global layers only, as llama.cpp
+    cfg["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(local)},
+    }
+    return cfg
+
+
+def _phi3_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    if not cfg.get("sliding_window"):  # the converter writes 0 for "none"
+        cfg.pop("sliding_window", None)
+    return cfg
+
+
+def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    if meta.get(f"{arch_name}.attention.sliding_window"):
+        raise ValueError("a sliding window in an olmo2 file (OLMo 3) is not supported yet")
+    return cfg
+
+
+# One row per llama.cpp architecture (``general.architecture``), each checked against transformers
+# by tests/test_gguf.py (llama) and tests/test_gguf_families.py (the others).
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("llama", _LLAMA_CONFIG, _LLAMA_TENSORS, permuted=("attn_q", "attn_k"), supported=True),
-    "qwen2": Architecture("qwen2", _LLAMA_CONFIG, _LLAMA_TENSORS),
-    "qwen3": Architecture("qwen3", _LLAMA_CONFIG, _LLAMA_TENSORS | _QK_NORM),
-    "gemma": Architecture("gemma", _LLAMA_CONFIG, _LLAMA_TENSORS),
-    "gemma2": Architecture("gemma2", _LLAMA_CONFIG | _SOFTCAP, _LLAMA_TENSORS),
-    "gemma3": Architecture("gemma3_text", _LLAMA_CONFIG, _LLAMA_TENSORS | _QK_NORM),
-    "phi3": Architecture("phi3", _LLAMA_CONFIG, _LLAMA_TENSORS),
-    "olmo2": Architecture("olmo2", _LLAMA_CONFIG, _LLAMA_TENSORS | _QK_NORM),
-    "gptneox": Architecture("gpt_neox", _LLAMA_CONFIG, _LLAMA_TENSORS),
+    "llama": Architecture("llama", _LLAMA_CONFIG, _LLAMA_TENSORS, permuted=("attn_q", "attn_k")),
+    "qwen2": Architecture("qwen2", _LLAMA_CONFIG, {**_OUTER, **_PRE_NORMS, **_QKVO, **_QKV_BIAS, **_GATED_MLP}),
+    "qwen3": Architecture("qwen3", _LLAMA_CONFIG, {**_OUTER, **_PRE_NORMS, **_QKVO, **_QK_NORM, **_GATED_MLP}),
+    "gemma": Architecture(
+        "gemma",
+        _LLAMA_CONFIG,
+        {**_OUTER, **_PRE_NORMS, **_QKVO, **_GATED_MLP},
+        defaults={"rope_theta": 10_000.0, "hidden_activation": "gelu_pytorch_tanh"},
+        norm_shift=1.0,
+    ),
+    "gemma2": Architecture(
+        "gemma2",
+        _LLAMA_CONFIG | _SOFTCAP,
+        {**_OUTER, **_SANDWICH_NORMS, **_QKVO, **_GATED_MLP},
+        defaults={"rope_theta": 10_000.0, "hidden_activation": "gelu_pytorch_tanh"},
+        extra=_gemma2_extra,
+        norm_shift=1.0,
+    ),
+    "gemma3": Architecture(
+        "gemma3_text",
+        _LLAMA_CONFIG | _SOFTCAP,
+        {**_OUTER, **_SANDWICH_NORMS, **_QKVO, **_QK_NORM, **_GATED_MLP},
+        defaults={"hidden_activation": "gelu_pytorch_tanh"},
+        extra=_gemma3_extra,
+        norm_shift=1.0,
+    ),
+    "phi3": Architecture(
+        "phi3",
+        _LLAMA_CONFIG | {"sliding_window": "{arch}.attention.sliding_window"},
+        {
+            **_OUTER,
+            **_PRE_NORMS,
+            "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",  # q, k, v rows: HF's
+            "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+            "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",  # gate rows, then up: HF's
+            "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+        },
+        extra=_phi3_extra,
+        partial_rotary=True,
+    ),
+    "olmo2": Architecture(
+        "olmo2",
+        _LLAMA_CONFIG,
+        {
+            **_OUTER,
+            **_QKVO,
+            **_QK_NORM,  # over the whole width (qk_norm="full"): the shapes say so
+            "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+            **_GATED_MLP,
+            "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+        },
+        extra=_olmo2_extra,
+    ),
+    "gptneox": Architecture(
+        "gpt_neox",
+        _NEOX_CONFIG,
+        _NEOX_TENSORS,
+        defaults={"rotary_emb_base": 10_000.0, "hidden_act": "gelu", "layer_norm_eps": 1e-5},
+        partial_rotary=True,
+        qkv_per_head=True,
+    ),
 }
-SUPPORTED = tuple(name for name, a in ARCHITECTURES.items() if a.supported)
+SUPPORTED = tuple(ARCHITECTURES)
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
-_REFUSED_TENSORS = {"rope_freqs.weight": "RoPE frequency factors (Llama 3.1 scaling)"}
+_REFUSED_TENSORS = {
+    "rope_freqs.weight": "RoPE frequency factors (Llama 3.1 scaling)",
+    "rope_factors_long.weight": "LongRoPE factors (Phi-3 128k)",
+    "rope_factors_short.weight": "LongRoPE factors (Phi-3 128k)",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+_FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base", "attn_logit_softcapping",
+           "final_logit_softcapping")  # fmt: skip
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -200,7 +411,7 @@ class GGUFModel:
 
 def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: Any) -> dict[str, Any]:
     """The ``config.json`` dict of the metadata, each value checked for type and range."""
-    cfg: dict[str, Any] = {"model_type": arch.model_type}
+    cfg: dict[str, Any] = {"model_type": arch.model_type, "hidden_act": "silu", **arch.defaults}
     for hf_key, gguf_key in arch.config.items():
         key = gguf_key.format(arch=arch_name)
         if key in meta:
@@ -211,15 +422,19 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
     missing = [arch.config.get(k, k).format(arch=arch_name) for k in required if k not in cfg]
     if missing:
         raise ValueError(f"its metadata lacks {', '.join(missing)}")
-    for k, v in cfg.items():
-        if k in ("model_type",):
+    for k, gguf_key in arch.config.items():
+        if k not in cfg:
             continue
-        if k in ("rms_norm_eps", "rope_theta"):
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{arch.config[k].format(arch=arch_name)} must be a positive number, got {v!r}")
+        v, name = cfg[k], gguf_key.format(arch=arch_name)
+        if k in _FLOATS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
             cfg[k] = float(v)
-        elif not is_int(v) or not 0 < v <= 1 << 31:
-            raise ValueError(f"{arch.config[k].format(arch=arch_name)} must be a positive integer, got {v!r}")
+        elif k == "use_parallel_residual":
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a boolean, got {v!r}")
+        elif not is_int(v) or not 0 <= v <= 1 << 31 or (v == 0 and k != "sliding_window"):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
     heads, kv = cfg["num_attention_heads"], cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
     if heads % kv:
         raise ValueError(f"{heads} attention heads do not split into {kv} key/value heads (head_count_kv)")
@@ -227,7 +442,12 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
         raise ValueError(f"embedding_length={cfg['hidden_size']} is not divisible by head_count={heads}")
     rot = meta.get(f"{arch_name}.rope.dimension_count")
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
-    if rot is not None and rot != head_dim:
+    if arch.partial_rotary:  # the fraction of each head that rotates
+        rot = head_dim if rot is None else rot
+        if not is_int(rot) or not 0 < rot <= head_dim or rot % 2:
+            raise ValueError(f"rope.dimension_count must be an even integer up to the head size {head_dim}, got {rot}")
+        cfg["rotary_pct" if arch.model_type == "gpt_neox" else "partial_rotary_factor"] = rot / head_dim
+    elif rot is not None and rot != head_dim:
         raise ValueError(f"rope.dimension_count={rot!r}: attnlab's {arch_name} rotates whole heads of {head_dim}")
     kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
     if kind not in ("none", None):
@@ -236,8 +456,7 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
             raise ValueError(f"RoPE scaling {kind!r} (factor {factor!r}) is not supported yet (linear is)")
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
-    cfg["hidden_act"] = "silu"
-    return cfg
+    return arch.extra(cfg, meta, arch_name) if arch.extra is not None else cfg
 
 
 def _hf_name(arch: Architecture, name: str, n_layers: int) -> str | None:
@@ -311,7 +530,7 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
     if not isinstance(name, str):
         raise ValueError("no general.architecture in its metadata")
     arch = ARCHITECTURES.get(name)
-    if arch is None or not arch.supported:
+    if arch is None:
         raise ValueError(
             f"GGUF architecture {name!r} is not supported yet (attnlab reads {', '.join(SUPPORTED)} from GGUF files)"
         )
@@ -337,7 +556,10 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
                 # half-size blocks are holes the allocator cannot use: 1.4x the model, not 1.05x).
                 fused = torch.cat([state[gate], state[k]])
                 state[gate], state[k] = fused.chunk(2)
-    fields, state = hf_llama.llama_to_attnlab(state, hf_config=cfg, copy=False)
+    if arch.model_type in hf_llama.LLAMA_FAMILY:
+        fields, state = hf_llama.llama_to_attnlab(state, hf_config=cfg, copy=False)
+    else:
+        fields, state = families.to_attnlab(state, hf_config=cfg, copy=False)
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
@@ -345,12 +567,20 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
 
 
 def _convert(t: Any, dtype: torch.dtype, file: BinaryIO, arch: Architecture, heads: int, kv_heads: int) -> Tensor:
-    """One tensor of the file, dequantized, and unpermuted where llama.cpp's converter permuted it."""
+    """One tensor of the file, dequantized, and put back as Hugging Face has it where llama.cpp's
+    converter changed it (Llama's permuted q/k rows, Gemma's shifted norms, NeoX's fused q/k/v)."""
     w = dequantize(t, dtype, file)
-    kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+    kind = t.name.split(".")[2] if t.name.startswith("blk.") else t.name.split(".")[0]
     if kind in arch.permuted:
         n = heads if kind == "attn_q" else kv_heads
         if w.shape[0] % (2 * n):
             raise ValueError(f"tensor {t.name!r} has {w.shape[0]} rows, not a whole number of {n} heads")
         w = _unpermute(w, n)
+    if arch.norm_shift and kind.endswith("norm"):
+        w = w - arch.norm_shift  # the converter stored Gemma's gains as 1 + w
+    if arch.qkv_per_head and kind == "attn_qkv":
+        if w.shape[0] % (3 * heads):
+            raise ValueError(f"tensor {t.name!r} has {w.shape[0]} rows, not q, k and v for {heads} heads")
+        # (3, H, hd, ...) -> (H, 3, hd, ...): each head's query, key and value rows in turn
+        w = w.reshape(3, heads, w.shape[0] // 3 // heads, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
     return w
