@@ -206,7 +206,9 @@ def _named(heads: list[tuple[int, int, float]]) -> str:
 
 def _q(token: str) -> str:
     """A token in running text: in code quotes, with a visible space."""
-    return f"`{token}`"
+    from attnlab.interpret import token_label
+
+    return f"`{token_label(token)}`"
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,8 +354,8 @@ def logit_lens_grid(t: Tour) -> Shown:
     return Shown(
         _png(fig),
         "grid of the logit lens's top token at every third layer and each position of the prompt",
-        "Each column is a position of the prompt (the token read there), each row a layer; early layers "
-        "mostly echo the current token or a common word, and the answer forms in the last layers.",
+        "Each column is a position of the prompt (the token read there), each row a layer (the stream "
+        "entering it; *out*: the model's output); each cell the lens's top next token, shaded by its probability.",
     )
 
 
