@@ -75,7 +75,7 @@ def test_the_guide_pages_examples_run(page, tmp_path, monkeypatch, capsys):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         for code, line in blocks:
-            exec(compile(code, f"docs/{page}, the block at line {line}", "exec"), namespace)  # noqa: S102
+            exec(compile(code, f"docs/{page}, the block at line {line}", "exec"), namespace)
     capsys.readouterr()
 
 
@@ -157,3 +157,15 @@ def test_the_tour_names_what_the_model_computes(tour_hooks):
     idx = torch.tensor([tok.encode(hooks.NAMES_PROMPT)])
     w = trace(model, idx).weights[:, 0, :, 1:, 0]  # (L, H, T-1)
     assert f"takes {float(w.mean()):.0%} of all attention" in page
+
+
+def test_the_bad_file_example_shows_what_attnlab_says(tmp_path, monkeypatch, capsys):
+    """docs/models.md shows one command and its one-line error: the message is attnlab's own."""
+    from attnlab import cli
+
+    text = (DOCS / "models.md").read_text(encoding="utf-8")
+    command, said = re.search(r"^\$ (echo garbage > bad\.gguf && attnlab (.+))\n(.+)$", text, re.M).group(2, 3)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.gguf").write_text("garbage\n")
+    assert cli.main(command.split()) == 2
+    assert capsys.readouterr().err.strip() == said

