@@ -86,11 +86,8 @@ class Tour:
     """SmolLM2 and its traces: computed once per build, shared by the figures."""
 
     def __init__(self, path: Path):
-        import torch
-
         from attnlab.tools.loading import load_pretrained
 
-        torch.manual_seed(0)
         self.loaded = load_pretrained(str(path))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.L, self.H = self.model.config.n_layers, self.model.config.n_heads
