@@ -292,13 +292,19 @@ def logit_lens_curve(t: Tour) -> Shown:
     target = t.tokenizer.encode(FACT_ANSWER)[0]
     probs = torch.softmax(logits, dim=-1)[:, target]  # (L + 1,)
     ranks = (logits > logits[:, target : target + 1]).sum(dim=-1)  # (L + 1,) 0 = top
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    ax.plot(range(len(probs)), probs.numpy(), marker="o", markersize=3)
-    ax.set_xlabel("layer (the stream entering it; the last point: the model's output)")
+    fig, (ax, ax_rank) = plt.subplots(2, 1, figsize=(6.5, 4.8), sharex=True)
+    layers = range(len(probs))
+    ax.plot(layers, probs.numpy(), marker="o", markersize=3)
     ax.set_ylabel(f"p({FACT_ANSWER.strip()!r})")
     ax.set_title(f"logit lens: {FACT_PROMPT!r} -> {FACT_ANSWER!r}", fontsize=10)
-    ax.set_ylim(0, max(0.05, float(probs.max()) * 1.1))
+    ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
+    ax_rank.plot(layers, (ranks + 1).numpy(), marker="o", markersize=3, color="tab:orange")
+    ax_rank.set_yscale("log")  # the answer climbs by orders of magnitude before it wins
+    ax_rank.invert_yaxis()
+    ax_rank.set_ylabel(f"rank of {FACT_ANSWER.strip()!r}")
+    ax_rank.set_xlabel("layer (the stream entering it; the last point: the model's output)")
+    ax_rank.grid(alpha=0.3)
     png = _png(fig)
     top = t.tokenizer.decode([int(logits[-1].argmax())])
     top1 = (ranks == 0).nonzero()
@@ -313,7 +319,7 @@ def logit_lens_curve(t: Tour) -> Shown:
     text = (
         f"The model's next token after *{FACT_PROMPT}* is {_q(top)}, and it gives {_q(FACT_ANSWER)} "
         f"{float(probs[-1]):.0%}. {when}; at layer {t.L // 2} it ranks it {int(ranks[t.L // 2]) + 1} "
-        f"of {logits.shape[-1]} (probability {float(probs[t.L // 2]):.2g})."
+        f"of {logits.shape[-1]} (probability {float(probs[t.L // 2]):.1g})."
     )
     return Shown(png, f"probability of {FACT_ANSWER!r} read from each layer's residual stream", text)
 
