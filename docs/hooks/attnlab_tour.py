@@ -36,6 +36,8 @@ ANY_MARKER = re.compile(r"<!-- tour\b[^>]*-->")
 FACT_PROMPT = "The Eiffel Tower is in the city of"
 FACT_ANSWER = " Paris"
 NAMES_PROMPT = "When Mary and John went to the store, John gave a drink to"
+NAMES_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"  # the names swapped
+NAMES_ANSWERS = (" Mary", " John")
 REPEAT_HALF = 24  # the random sequence repeated twice: 48 tokens
 
 
@@ -143,6 +145,12 @@ def tour() -> Tour:
 # --------------------------------------------------------------------------------------------
 # Drawing
 # --------------------------------------------------------------------------------------------
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()
+
+
 def _png(fig) -> bytes:
     import matplotlib.pyplot as plt
 
@@ -322,6 +330,27 @@ def logit_lens_curve(t: Tour) -> Shown:
         f"of {logits.shape[-1]} (probability {float(probs[t.L // 2]):.1g})."
     )
     return Shown(png, f"probability of {FACT_ANSWER!r} read from each layer's residual stream", text)
+
+
+@figure("name-movers")
+def name_movers(t: Tour) -> Shown:
+    from attnlab.interpret import activation_patching, logit_diff
+
+    clean, corrupted = t.ids(NAMES_PROMPT), t.ids(NAMES_CORRUPTED)
+    a, b = (t.tokenizer.encode(s)[0] for s in NAMES_ANSWERS)
+    metric = logit_diff(a, b)
+    with torch_no_grad():
+        base = float(metric(t.model(corrupted)))
+        top = float(metric(t.model(clean)))
+        effect = activation_patching(t.model, clean, corrupted, metric, "head_out")  # (L, H)
+    restored = (effect - base) / (top - base)  # 0: the corrupted run, 1: the clean run
+    png = _head_grid(restored, "fraction of the logit difference restored by one head's clean output", "restored")
+    text = (
+        f"The clean run gives logit({NAMES_ANSWERS[0]!r}) - logit({NAMES_ANSWERS[1]!r}) = {top:.2f}, the "
+        f"corrupted run {base:.2f}. The heads whose clean output restores the most (layer.head, fraction): "
+        f"{_named(_top_heads(restored))}."
+    )
+    return Shown(png, "heatmap of the fraction of the answer each head restores, layers down, heads across", text)
 
 
 @figure("logit-lens-grid")
