@@ -35,6 +35,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from attnlab import hardware
 from attnlab.cli.bench import positive_int
 from attnlab.files import atomic_write_json
 from attnlab.functional import causal_mask, scaled_dot_product_attention
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             log=log,
         )
     if args.only_sliding_window:
+        print(hardware.header("cpu"), flush=True)
         print(format_sliding_window_report(sliding).lstrip("\n"))
         if args.json:
             atomic_write_json(args.json, {"sliding_window": sliding})

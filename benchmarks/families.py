@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from attnlab import hardware
 from attnlab.interpret import trace
 from attnlab.model import GPT
 from attnlab.tools.bench import interleave
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=64, help="tokens to generate")
     args = ap.parse_args(argv)
+    print(hardware.header("cpu"), flush=True)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
         f"load average {os.getloadavg()[0]:.1f}; {args.rounds} interleaved rounds, medians"

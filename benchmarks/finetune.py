@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab import hardware
 from attnlab.cli.train import load_init
 from attnlab.files import atomic_write_json
 from attnlab.tools.bench import load_average
@@ -83,6 +84,7 @@ def main() -> None:
     tune_cpu_allocator()  # as attnlab train does
 
     where = machine()
+    print(hardware.header("cpu"), flush=True)
     print(f"# {where['processor']}, {where['cpus']} CPUs, torch {where['torch']} ({where['torch_threads']} threads), "
           f"load average {load_average()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp_name:

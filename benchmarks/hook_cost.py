@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import sys, time, torch
 torch.set_num_threads({threads})
+from attnlab import hardware
 from attnlab.model import GPT, GPTConfig
 from attnlab.generation import generate
 torch.manual_seed(0)
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             ["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True, capture_output=True, text=True
         ).stdout.strip()
     )
+    from attnlab import hardware
+
+    print(hardware.header("cpu"), flush=True)
     print(
         f"# hook cost: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     )

@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    from attnlab import hardware
+
+    print(hardware.header("cpu"), flush=True)
     print(f"# GGUF loading: {Path(path).name} ({Path(path).stat().st_size / 2**20:.0f} MiB), float32")
     print(
         f"# CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "

@@ -98,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from attnlab import hardware
     from attnlab.interpret import activation_patching, logit_diff, run_with_cache
     from attnlab.tools.loading import load_pretrained
 
+    print(hardware.header("cpu"), flush=True)
     print(
         f"# activation patching: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {args.threads} threads each"
