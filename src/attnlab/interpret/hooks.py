@@ -36,6 +36,7 @@ import difflib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -120,7 +121,10 @@ class _Sites:
         enable_gqa: bool = False,
         window: int | None = None,
         sinks: int = 0,
+        score_mod: Any = None,
+        mask_mod: Any = None,
         return_weights: bool = False,
+        backend: str = "auto",
     ) -> Tensor | tuple[Tensor, Tensor]:
         """:func:`attnlab.functional.attend` step by step: ``q (b, H, n, hd)``, ``k, v (b, Hkv, S, hd)``."""
         if not any(s in self.fns for s in ATTN_STEPS[3:]):  # only q, k or v hooked: the fused kernel
@@ -135,12 +139,24 @@ class _Sites:
                 enable_gqa=enable_gqa,
                 window=window,
                 sinks=sinks,
+                score_mod=score_mod,
+                mask_mod=mask_mod,
                 return_weights=return_weights,
+                backend=backend,
             )
         q, k = self._heads("rot_q", q), self._heads("rot_k", k)
         scores = attention_scores(
-            q, k, attn_mask, is_causal, scale, enable_gqa=enable_gqa, window=window, sinks=sinks
-        )  # (b, H, n, S), -inf where masked
+            q,
+            k,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa=enable_gqa,
+            window=window,
+            sinks=sinks,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+        )  # (b, H, n, S), soft-capped where the model caps, -inf where masked
         scores = self("attn_scores", scores)
         pattern = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (padding): zero weights
         pattern = self("pattern", pattern)  # (b, H, n, S)
