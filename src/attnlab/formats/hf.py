@@ -45,6 +45,7 @@ __all__ = [
     "PRETRAINED",
     "gpt2_config_fields",
     "gpt2_to_attnlab",
+    "import_transformers",
     "read_pretrained",
     "read_pretrained_config",
     "read_pretrained_file",
@@ -355,7 +356,7 @@ def to_hf_gpt2_state_dict(model: GPT) -> dict[str, Tensor]:
 def to_hf_gpt2_config(model: GPT) -> Any:
     """The ``transformers.GPT2Config`` matching ``model`` (needs ``transformers``)."""
     cfg = _check_exportable(model)
-    transformers = _import_transformers()
+    transformers = import_transformers()
     return transformers.GPT2Config(
         vocab_size=cfg.vocab_size,
         n_positions=cfg.context_length,
@@ -376,13 +377,13 @@ def to_hf_gpt2_config(model: GPT) -> Any:
 
 def to_hf_gpt2(model: GPT) -> Any:
     """A ``transformers.GPT2LMHeadModel`` with ``model``'s weights (eval mode, same dtype/device)."""
-    transformers = _import_transformers()
+    transformers = import_transformers()
     hf = transformers.GPT2LMHeadModel(to_hf_gpt2_config(model))
     hf.load_state_dict(to_hf_gpt2_state_dict(model))
     return hf.to(device=model.device, dtype=model.dtype).eval()
 
 
-def _import_transformers() -> Any:
+def import_transformers() -> Any:
     try:
         import transformers
     except ImportError:

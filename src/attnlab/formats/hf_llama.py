@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import is_int
-from attnlab.formats.hf import FAMILY_SWITCHES_OFF, read_pretrained
+from attnlab.formats.hf import FAMILY_SWITCHES_OFF, import_transformers, read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT, GPTConfig
@@ -287,7 +287,7 @@ def to_hf_llama_state_dict(model: GPT) -> dict[str, Tensor]:
 def to_hf_llama_config(model: GPT) -> Any:
     """The ``transformers.LlamaConfig`` (``MistralConfig`` when the model has a window) matching ``model``."""
     cfg = _check_exportable(model)
-    transformers = _import_transformers()
+    transformers = import_transformers()
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
@@ -312,7 +312,7 @@ def to_hf_llama_config(model: GPT) -> Any:
 
 def to_hf_llama(model: GPT) -> Any:
     """A ``transformers.LlamaForCausalLM`` / ``MistralForCausalLM`` with ``model``'s weights (eval mode)."""
-    transformers = _import_transformers()
+    transformers = import_transformers()
     hf_cfg = to_hf_llama_config(model)
     cls = transformers.MistralForCausalLM if hf_cfg.model_type == "mistral" else transformers.LlamaForCausalLM
     hf = cls(hf_cfg)
@@ -320,16 +320,6 @@ def to_hf_llama(model: GPT) -> Any:
     if model.config.tie_embeddings:
         hf.tie_weights()
     return hf.to(device=model.device, dtype=model.dtype).eval()
-
-
-def _import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError(
-            "this needs the 'transformers' package: pip install 'attnlab[hf]' (or pip install transformers)"
-        ) from None
-    return transformers
 
 
 def read_pretrained_llama(
