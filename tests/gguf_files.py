@@ -183,28 +183,13 @@ def write_gguf(
     ``qtype`` quantizes the 2-D weights (``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ...; the norms stay
     F32, as llama.cpp keeps them); ``meta`` overrides metadata (a value of None drops the key);
     ``tensors`` edits the ``{name: array}`` dict before it is written."""
-    import gguf
 
     model = tiny_llama() if model is None else model
     values = llama_metadata(model, arch) | (meta or {})
     arrays = gguf_tensors(model)
     if tensors is not None:
         arrays = tensors(arrays)
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in values.items():
-        if value is not None:
-            _add(writer, key, value)
-    kind = gguf.GGMLQuantizationType[qtype]
-    for name, w in arrays.items():
-        if w.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _write(path, arch, values, arrays, qtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,13 +295,20 @@ def write_family_gguf(
 ) -> Path:
     """Write a transformers model of one of the families to ``path`` as llama.cpp's converter
     would (``qtype``, ``meta`` and ``tensors`` as for :func:`write_gguf`)."""
-    import gguf
 
     arch = LLAMA_CPP_ARCH[model.config.model_type]
     values = family_metadata(model) | (meta or {})
     arrays = family_tensors(model)
     if tensors is not None:
         arrays = tensors(arrays)
+    return _write(path, arch, values, arrays, qtype)
+
+
+def _write(path, arch: str, values: dict, arrays: dict, qtype: str):
+    """The GGUF file: ``values`` as metadata (None: left out), ``arrays`` as tensors, the 2-D ones
+    quantized to ``qtype``."""
+    import gguf
+
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in values.items():
         if value is not None:
