@@ -89,6 +89,7 @@ def test_kv_formula_reproduces_llms_from_scratch():
         (dict(), 3),  # GPT-2: plain caches of the context
         (dict(pos="rope", n_kv_heads=2, window=5, sinks=2), 2),  # rolling caches of window + sinks
         (dict(pos="alibi", window=4), 1),
+        (dict(pos="rope", n_kv_heads=2, window=5, window_layers=[0, 2]), 2),  # Gemma 2: window and global layers
     ],
 )
 def test_kv_table_equals_the_caches_attnlab_allocates(overrides, batch):

@@ -107,19 +107,25 @@ def kv_memory_rows(
     window = (config.window or DEFAULT_WINDOW) if window is None else positive_int("window", window)
     held = min(context, window + config.sinks)
 
-    def row(label: str, heads: int, tokens: int) -> KVRow:
-        per_token = kv_cache_bytes(n_layers=1, n_kv_heads=heads, head_dim=hd, tokens=1, bytes_per_elem=size)
-        per_layer = kv_cache_bytes(
-            n_layers=1, n_kv_heads=heads, head_dim=hd, tokens=tokens, batch=batch, bytes_per_elem=size
-        )
-        return KVRow(label, heads, tokens, per_token, per_layer, per_layer * L)
+    # A model whose window_layers slide the window (Gemma 2/3) keeps the whole context in the others.
+    windowed = L if config.window_layers is None else len(config.window_layers)
+    which = "" if windowed == L else f" on {windowed} of {L} layers"
+
+    def row(label: str, heads: int, tokens: int, n_windowed: int = L) -> KVRow:
+        """``tokens`` slots on ``n_windowed`` layers, the whole context on the others."""
+
+        def cache(n: int, b: int = batch) -> int:  # one layer's keys and values
+            return kv_cache_bytes(n_layers=1, n_kv_heads=heads, head_dim=hd, tokens=n, batch=b, bytes_per_elem=size)
+
+        total = cache(tokens) * n_windowed + cache(context) * (L - n_windowed)
+        return KVRow(label, heads, tokens, cache(1, 1), cache(tokens), total)
 
     group = H // kv_heads
     return [
         row("MHA", H, context),
         row(f"GQA (groups of {group})", kv_heads, context),
-        row(f"MHA + window {window}", H, held),
-        row(f"GQA + window {window}", kv_heads, held),
+        row(f"MHA + window {window}{which}", H, held, windowed),
+        row(f"GQA + window {window}{which}", kv_heads, held, windowed),
     ]
 
 
