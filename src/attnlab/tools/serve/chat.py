@@ -118,13 +118,7 @@ def start_chat(
 def advance_chat(engine: Engine, run: ChatRun) -> dict[str, Any] | None:
     """The next token of the answer and the text it completes (``{"token", "text"}``), or None when
     the answer is over (``run.end_reason``: "stop" at a stop token, "length", "shutdown")."""
-    if run.finished:
-        return None
-    if engine.closing:
-        run.end_reason = "shutdown"
-        return None
-    if run.produced >= run.max_new_tokens:
-        run.end_reason = "length"
+    if engine.ended(run):
         return None
     token = engine.run(lambda: next(run.tokens, None))
     if token is None:

@@ -424,16 +424,23 @@ class Engine:
         self.count("generations_active")
         return run
 
+    def ended(self, run: Any) -> bool:
+        """Whether ``run`` (a generation or a chat answer) takes no more tokens: finished already,
+        the server shutting down, or ``max_new_tokens`` produced (``run.end_reason`` says which)."""
+        if run.finished:
+            return True
+        if self.closing:
+            run.end_reason = "shutdown"
+            return True
+        if run.produced >= run.max_new_tokens:
+            run.end_reason = "length"
+            return True
+        return False
+
     def advance(self, run: GenerationRun) -> dict[str, Any] | None:
         """The next token of ``run`` with its attention and candidates (the page's generation step,
         :func:`attnlab.interpret.inspector.generation_step_data`), or None when it is complete."""
-        if run.finished:
-            return None
-        if self.closing:
-            run.end_reason = "shutdown"
-            return None
-        if run.produced >= run.max_new_tokens:
-            run.end_reason = "length"
+        if self.ended(run):
             return None
         model = self._need_model().model
 
