@@ -800,9 +800,9 @@ class Trainer:
         the warm-up, so the learning rates already taken are the planned run's; the checkpoints
         record the planned ``max_steps``, and a resumed run keeps it."""
         cfg = self.cfg
-        times = sorted(self.tokens_per_step / r["tokens_per_s"] for r in history[2:])  # seconds per step
-        per_step = times[len(times) // 2]
-        spent = sum(self.tokens_per_step / r["tokens_per_s"] for r in history)
+        seconds = [self.tokens_per_step / r["tokens_per_s"] for r in history]  # each step's own time
+        per_step = sorted(seconds[2:])[(len(seconds) - 2) // 2]
+        spent = sum(seconds)
         fit = self.step + max(1, int((cfg.max_time - spent) / per_step))
         if self.dist.enabled:
             t = torch.tensor([fit], device=self.device if self.device.type == "cuda" else "cpu")
