@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--generate", type=int, default=8, metavar="N", help="tokens to generate and play back (default: 8)"
     )
     add_sampling_arguments(page)
+    page.add_argument(
+        "--corrupted",
+        metavar="TEXT",
+        help="add the patching view: activation patching of --prompt (clean) and TEXT (as many tokens), every "
+        "head and every position, computed now (the page is static); needs --answers",
+    )
+    page.add_argument("--answers", nargs=2, metavar=("A", "B"), help="the patching view's answers: one token each")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--generate must be >= 0, got {args.generate}")
     check_sampling(args)
     html = out is not None and out.suffix.lower() in (".html", ".htm")
+    check_patching(args, html, has_model)
     if not has_model:
         view = demo_view().select(args.layer, args.head)
     else:
@@ -79,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
                 layers=args.layer,
                 heads=args.head,
             )
+            if args.corrupted is not None:
+                from attnlab.tools.patch import patching_view
+
+                data["patching"] = patching_view(loaded, args.prompt, args.corrupted, tuple(args.answers))
             save_html(data, out)
             n = sum(len(layer["heads"]) for layer in data["layers"])
             print(
@@ -86,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(data['tokens'])} tokens; the inspector: the tutorials' steps of "
                 f"{len(data['steps']['heads'])} heads, next-token probabilities, rollout, logit lens, head roles"
                 + (f", {len(data['generation']['steps'])} generated tokens" if data["generation"] else "")
+                + (", activation patching (the Patching tab)" if data.get("patching") else "")
             )
             return 0
         from attnlab.tools.viz.inspector import encode_prompt
@@ -108,3 +121,15 @@ def run(args: argparse.Namespace) -> int:
     if n > 64 and not html:
         print("(a big grid: --layer and --head pick a few panels to see them larger)")
     return 0
+
+
+def check_patching(args: argparse.Namespace, html: bool, has_model: bool) -> None:
+    """--corrupted and --answers come together, on a model's HTML page."""
+    if (args.corrupted is None) != (args.answers is None):
+        given, missing = ("--corrupted", "--answers A B") if args.answers is None else ("--answers", "--corrupted TEXT")
+        raise ValueError(f"{given} needs {missing} (the patching view takes both)")
+    if args.corrupted is not None and not (html and has_model):
+        raise ValueError(
+            "--corrupted and --answers add the patching view to a model's page: give --model or "
+            "--checkpoint, --prompt and --out FILE.html"
+        )

@@ -13,6 +13,9 @@ From looking to explaining: hook points with TransformerLens's names (:func:`hoo
 :func:`path_patching`, :func:`attribution_patching`) and direct logit attribution
 (:func:`direct_logit_attribution`).
 
+The inspector's patching view (:func:`patching_data`; :func:`notebook_patching_html` in Jupyter) draws
+activation patching as heatmaps.
+
 :func:`inspector_data` gathers all of it for the inspector page (:func:`render_page`, the file
 ``attnlab viz --out page.html`` writes); in Jupyter a :class:`Trace` shows that page inline::
 
@@ -37,6 +40,7 @@ from attnlab.interpret.attribution import LogitAttribution, direct_logit_attribu
 from attnlab.interpret.hooks import ActivationCache, HookPoint, act_name, hook_names, hooks, run_with_cache
 from attnlab.interpret.inspector import inspector_data, maps_data, records_data, token_label, token_strings
 from attnlab.interpret.page import notebook_html, read_asset, read_page_data, render_page, save_page
+from attnlab.interpret.patch_view import notebook_patching_html, patching_data, patching_page, patching_section
 from attnlab.interpret.patching import (
     SITES,
     LogitDiff,
@@ -80,8 +84,12 @@ __all__ = [
     "next_token_probabilities",
     "normalized_logit_diff",
     "notebook_html",
+    "notebook_patching_html",
     "observe_attention",
     "parse_heads",
+    "patching_data",
+    "patching_page",
+    "patching_section",
     "path_patching",
     "read_asset",
     "read_page_data",

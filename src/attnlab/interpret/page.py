@@ -28,7 +28,7 @@ from attnlab.interpret.codec import to_json, unpack
 
 __all__ = ["ASSETS", "OFFLINE_CSP", "notebook_html", "read_asset", "read_page_data", "render_page", "save_page"]
 
-ASSETS = ("viewer.html", "viewer.css", "viewer.js")
+ASSETS = ("viewer.html", "viewer.css", "viewer.js", "patching.html", "patching.css", "patching.js")
 
 # The offline page loads nothing: inline styles and scripts, canvases as data: images, no requests.
 OFFLINE_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
@@ -63,12 +63,16 @@ def render_page(data: dict[str, Any], *, read: Any = None) -> str:
     network access at all. ``data`` is what :func:`~attnlab.interpret.inspector_data` (or
     :func:`~attnlab.interpret.records_data`, :func:`~attnlab.interpret.maps_data`) returns."""
     read = read_asset if read is None else read
+    styles, scripts = inline("style", read("viewer.css")), inline("script", read("viewer.js"))
+    if data.get("patching") is not None:  # the patching view (attnlab.interpret.patch_view): its own files
+        styles += "\n" + inline("style", read("patching.css"))
+        scripts = inline("script", read("patching.js")) + "\n" + scripts
     return Template(read("viewer.html")).substitute(
         csp=OFFLINE_CSP,
         title=html.escape(data.get("title") or "attention"),
-        styles=inline("style", read("viewer.css")),
+        styles=styles,
         data=f'<script type="application/json" id="attn-data">{json_for_script(to_json(data, blob=True))}</script>',
-        scripts=inline("script", read("viewer.js")),
+        scripts=scripts,
     )
 
 

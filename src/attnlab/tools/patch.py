@@ -13,15 +13,24 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnlab.files import atomic_write_bytes, atomic_write_text
-from attnlab.interpret import SITES, activation_patching, logit_diff, token_strings
+from attnlab.interpret import (
+    SITES,
+    activation_patching,
+    logit_diff,
+    notebook_patching_html,
+    patching_section,
+    token_strings,
+)
+from attnlab.interpret.patch_view import PATTERNS_BUDGET, VIEW_SITES, head_patterns
 from attnlab.tools.loading import LoadedModel
 
-__all__ = ["PatchReport", "patch_page", "patch_report", "save_patch_picture"]
+__all__ = ["PatchReport", "patch_page", "patch_report", "patching_view", "save_patch_picture"]
 
 
 @dataclass
@@ -33,6 +42,13 @@ class PatchReport:
     clean_value: float
     corrupted_value: float
     results: dict[str, Tensor] = field(default_factory=dict)
+    # For the interactive view (view_data): the token ids of both prompts and of the answers, the
+    # prompts' text, and every head's attention pattern on each prompt ((L, H, T, T) twice, or None).
+    ids: tuple[list[int], list[int]] | None = None
+    answer_ids: tuple[int, int] | None = None
+    texts: tuple[str, str] | None = None
+    patterns: tuple[Tensor, Tensor] | None = None
+    tokenizer: Any = field(default=None, repr=False)
 
     def restored(self, site: str) -> Tensor:
         """The site's results normalized: 0 = the corrupted run, 1 = the clean one."""
@@ -62,9 +78,28 @@ class PatchReport:
             return f"{index[0]}.{index[1]}"
         return f"{index[0]}.{index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
 
+    def view_data(self) -> dict[str, Any]:
+        """The patching view's page data (:func:`attnlab.interpret.patching_section`): the sites with
+        a heatmap (layer x head, layer x position) and the heads' patterns when they were kept."""
+        if self.ids is None or self.answer_ids is None:
+            raise ValueError("this PatchReport has no token ids: make it with patch_report() to draw its view")
+        return patching_section(
+            self.tokenizer,
+            self.ids[0],
+            self.ids[1],
+            self.answer_ids,
+            (self.clean_value, self.corrupted_value),
+            self.results,
+            texts=self.texts or (None, None),
+            patterns=self.patterns,
+        )
+
     def _repr_html_(self) -> str:
-        """The heatmaps and tables, inline in Jupyter (the page ``attnlab patch --out page.html`` writes)."""
-        return patch_page(self)
+        """In Jupyter: the inspector's patching view inline (heatmaps to hover, heads to click), or the
+        page of ``attnlab patch --out page.html`` for a report without token ids."""
+        if self.ids is None or not any(SITES[s][1] in ("head", "pos") for s in self.results):
+            return patch_page(self)
+        return notebook_patching_html(self.view_data())
 
     def format(self, top: int = 10) -> str:
         a, b = self.answers
@@ -89,10 +124,20 @@ def _one_token(tokenizer: object, text: str, what: str) -> int:
 
 
 def patch_report(
-    loaded: LoadedModel, clean: str, corrupted: str, answers: tuple[str, str], sites: list[str]
+    loaded: LoadedModel,
+    clean: str,
+    corrupted: str,
+    answers: tuple[str, str],
+    sites: list[str],
+    *,
+    patterns: bool | None = None,
+    clean_flag: str = "--clean",
 ) -> PatchReport:
     """Activation patching of ``sites`` (see :data:`attnlab.interpret.SITES`) for two prompts of the
-    same number of tokens, with the metric logit(answers[0]) - logit(answers[1])."""
+    same number of tokens, with the metric logit(answers[0]) - logit(answers[1]).
+
+    ``patterns``: also keep every head's attention pattern on both prompts (the view shows a clicked
+    head's); None: when they fit :data:`attnlab.interpret.patch_view.PATTERNS_BUDGET` as bytes."""
     model, tok = loaded.model, loaded.tokenizer
     for site in sites:
         if site not in SITES:
@@ -102,14 +147,27 @@ def patch_report(
     ids = [torch.tensor(tok.encode(t), device=device) for t in (clean, corrupted)]
     if ids[0].numel() != ids[1].numel():
         raise ValueError(
-            f"--clean and --corrupted must have the same number of tokens, got {ids[0].numel()} and {ids[1].numel()}"
+            f"{clean_flag} and --corrupted must have the same number of tokens, "
+            f"got {ids[0].numel()} and {ids[1].numel()}"
         )
     metric = logit_diff(a, b)
     with torch.no_grad():
         values = [float(metric(model(i[None]))) for i in ids]
     if values[0] == values[1]:
         raise ValueError("the clean and corrupted prompts give the same logit difference: nothing to restore")
-    report = PatchReport(token_strings(tok, ids[0].tolist()), tuple(answers), values[0], values[1])
+    report = PatchReport(
+        token_strings(tok, ids[0].tolist()),
+        tuple(answers),
+        values[0],
+        values[1],
+        ids=(ids[0].tolist(), ids[1].tolist()),
+        answer_ids=(a, b),
+        texts=(clean, corrupted),
+        tokenizer=tok,
+    )
+    L, H, T = model.config.n_layers, model.config.n_heads, ids[0].numel()
+    if patterns or (patterns is None and L * H * T * (T + 1) <= PATTERNS_BUDGET):
+        report.patterns = (head_patterns(model, ids[0])[1].cpu(), head_patterns(model, ids[1])[1].cpu())
     for site in sites:
         report.results[site] = activation_patching(model, ids[0], ids[1], metric, site)
     return report
@@ -178,3 +236,9 @@ def patch_page(report: PatchReport, *, top: int = 10) -> str:
             f"<table><tr><th>patch</th><th>value</th><th>restored</th></tr>{rows}</table>"
         )
     return "\n".join(parts)
+
+
+def patching_view(loaded: LoadedModel, clean: str, corrupted: str, answers: tuple[str, str]) -> dict[str, Any]:
+    """The inspector page's patching view (``attnlab viz --prompt CLEAN --corrupted TEXT --answers A B``):
+    ``head_out`` and ``resid_pre``, with every head's pattern on both prompts when they fit."""
+    return patch_report(loaded, clean, corrupted, answers, list(VIEW_SITES), clean_flag="--prompt").view_data()

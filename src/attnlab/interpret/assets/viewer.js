@@ -891,6 +891,14 @@ async function showInspector(source, opts) {
     },
   };
 
+  // Views in files of their own (patching.js, loaded before this file, registers in ATTNLAB_VIEWS):
+  // each says whether this page has its data.
+  if (typeof ATTNLAB_VIEWS !== "undefined")
+    for (const [name, make] of Object.entries(ATTNLAB_VIEWS)) {
+      views[name] = make({ source: source, info: info, on: on, signal: opts.signal, paintStrip: paintStrip });
+      info.has[name] = views[name].available;
+    }
+
   // ---- tabs, selection, redraws ------------------------------------------------------------------
   const tabs = Array.from(document.querySelectorAll("#tabs .tab"));
   for (const tab of tabs) {

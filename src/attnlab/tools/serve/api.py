@@ -204,3 +204,31 @@ class StatsAnswer(BaseModel):
     generations_stopped: int = Field(description="generations ended early because their client left")
     generations_active: int
     generation_steps: int = Field(description="tokens generated, all generations together")
+
+
+# -- the patching view (attnlab.tools.serve.patching) -------------------------------------------------
+PatchSite = Literal["head_out", "resid_pre"]
+Answer = Annotated[int, Field(ge=0, le=(1 << 31) - 1)] | Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class PatchRequest(Strict):
+    """Activation patching of two prompts (:func:`attnlab.interpret.activation_patching`), metric
+    ``logit(A) - logit(B)`` at the last token."""
+
+    clean: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt whose answer is A")
+    corrupted: str = Field(
+        min_length=1, max_length=MAX_PROMPT_CHARS, description="a prompt of as many tokens whose answer is B"
+    )
+    answers: list[Answer] = Field(
+        min_length=2,
+        max_length=2,
+        description="A and B: token ids, or texts that are exactly one token each (e.g. ' Paris')",
+        examples=[[" Mary", " John"]],
+    )
+    sites: list[PatchSite] = Field(
+        default=["head_out", "resid_pre"],
+        max_length=2,
+        description="head_out: every head's output, (L, H); resid_pre: the residual stream at each layer and "
+        "position, (L, T); [] for one head's pattern only",
+    )
+    head: HeadName | None = Field(default=None, description="also this head's attention pattern on both prompts")

@@ -14,6 +14,8 @@ source that asks the API for what the page shows. The API (OpenAPI schema at ``/
 * ``POST /api/chat``: one assistant turn of a conversation (the model's chat template), as server-sent
   events (``start``, one ``token`` per new token with the text it completes, ``done`` with the answer
   and the text the inspector opens); see :mod:`attnlab.tools.serve.chat`.
+* ``POST /api/patch``: activation patching of the page's prompt and a corrupted one, the patching view
+  (:mod:`attnlab.tools.serve.patching`).
 * ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
 * ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
 
@@ -52,12 +54,14 @@ from attnlab.tools.serve.api import (
     InspectRequest,
     NextAnswer,
     NextRequest,
+    PatchRequest,
     PromptRequest,
     StatsAnswer,
     TokenizeAnswer,
 )
 from attnlab.tools.serve.chat import NoChatTemplate, advance_chat, start_chat
 from attnlab.tools.serve.engine import Engine, NotALanguageModel
+from attnlab.tools.serve.patching import patch_answer, patch_site, prepare_patch, unpatched_runs
 
 __all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page"]
 
@@ -79,9 +83,10 @@ def live_page(engine: Engine) -> str:
     return Template(read_asset("viewer.html")).substitute(
         csp=LIVE_CSP,
         title=html.escape(engine.name),
-        styles='<link rel="icon" href="data:,">\n<link rel="stylesheet" href="assets/viewer.css">',
+        styles='<link rel="icon" href="data:,">\n<link rel="stylesheet" href="assets/viewer.css">'
+        '\n<link rel="stylesheet" href="assets/patching.css">',
         data=f'<script type="application/json" id="attn-live">{json_for_script(config)}</script>',
-        scripts='<script src="assets/viewer.js"></script>',
+        scripts='<script src="assets/patching.js"></script>\n<script src="assets/viewer.js"></script>',
     )
 
 
@@ -417,6 +422,23 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
             background=BackgroundTask(run_in_threadpool, engine.finish, run),
         )
+
+    @app.post(
+        "/api/patch",
+        summary="activation patching of a clean and a corrupted prompt: the patching view",
+        description="The metric logit(A) - logit(B) at the last token of both runs, attnlab.interpret."
+        "activation_patching of each site asked for (head_out (L, H), resid_pre (L, T): raw metric values, packed), "
+        "and with `head` that head's attention pattern on both prompts. See attnlab.interpret.patch_view.",
+    )
+    async def patch(req: PatchRequest, request: Request) -> Response:
+        job = await call(prepare_patch, engine, req.clean, req.corrupted, req.answers, req.head)
+        values, pattern = await call(unpatched_runs, engine, job)
+        results = {}
+        for site in dict.fromkeys(req.sites):  # one model call each: other requests run in between
+            if await request.is_disconnected():  # the reader pressed stop, or patched again
+                return _json({"detail": "the client left"}, 400)
+            results[site] = await call(patch_site, engine, job, site)
+        return _json(to_json(patch_answer(engine, job, values, results, pattern), blob=False))
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
