@@ -50,7 +50,8 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
     from attnlab.tools.patch import patch_report
 
     report = patch_report(load_model(d), clean, corrupted, ("a", "b"), ["resid_pre"])
-    assert "data:image/png;base64," in report._repr_html_()  # the same view inline in Jupyter
+    # In Jupyter: the inspector's patching view (tests/test_patch_view.py checks its data)
+    assert report._repr_html_().startswith('<iframe class="attnlab-patching"')
     torch.testing.assert_close(report.results["resid_pre"], activation_patching(model, *ids, metric, "resid_pre"))
     png = tmp_path / "heads.png"
     assert main([*argv, "--out", str(png)]) == 0
