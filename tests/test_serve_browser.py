@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.interpret import ablation_effect, next_token_probabilities, trace, trace_generation
+from attnlab.interpret import (
+    ablation_effect,
+    act_name,
+    activation_patching,
+    logit_diff,
+    next_token_probabilities,
+    run_with_cache,
+    trace,
+    trace_generation,
+)
 from browser import By, Keys, Select, WebDriverWait, start_chromium  # skips this module when there is no browser
 from test_serve import Server, checkpoint  # noqa: F401  (the same model)
 
@@ -205,6 +214,73 @@ def test_type_slide_generate_and_ablate(driver, server, checkpoint):  # noqa: F8
     }
 
 
+def _cells(driver, box: str, key: str) -> list[str]:
+    return _js(driver, f"return Array.from(document.querySelectorAll('#{box} .cell'), c => c.dataset.{key})")
+
+
+def test_the_patching_tab_patches_and_shows_a_heads_pattern_on_both_prompts(driver, server, checkpoint):  # noqa: F811
+    """Type a corrupted prompt, pick answer A among the likeliest tokens and type B; the heatmaps hold
+    what activation_patching computes; a click on a head shows its pattern on both prompts."""
+    _, loaded = checkpoint
+    model, tok = loaded.model, loaded.tokenizer
+    driver.get_log("browser")
+    driver.get(server.url + "/")
+    _wait(driver, "return document.body.dataset.ready || document.body.dataset.error")
+    clean, corrupted = "the cat sat on the mat", "the dog sat on the mat"
+    _type(driver, clean)
+    _show(driver, "patching")
+    _wait(driver, "return document.querySelectorAll('#patch-a option').length > 2")
+    assert driver.find_element(By.ID, "patch-corrupted").get_attribute("value") == clean  # prefilled
+    box = driver.find_element(By.ID, "patch-corrupted")
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(corrupted + "s")
+    _wait(driver, "return document.getElementById('patch-count').textContent.includes('must match')")
+    box.send_keys(Keys.BACKSPACE)
+    _wait(driver, f"return document.getElementById('patch-count').textContent.includes('{len(clean)} tokens each')")
+    idx = torch.tensor([tok.encode(clean)])
+    top = torch.topk(model(idx)[0, -1], 10).indices.tolist()
+    options = _js(driver, "return Array.from(document.querySelectorAll('#patch-a option'), o => o.value)")
+    assert options == [str(i) for i in top] + ["text"]  # the clean run's likeliest next tokens, then free text
+    a = top[0]
+    b_text = next(c for c in "zqx" if tok.encode(c)[0] != a)
+    Select(driver.find_element(By.ID, "patch-b")).select_by_value("text")
+    text_box = driver.find_element(By.ID, "patch-b-text")
+    text_box.send_keys("zq")  # two tokens: the server says so
+    driver.find_element(By.ID, "patch-run").click()
+    _wait(driver, "return document.body.dataset.patchError")
+    assert "answers[1] 'zq' is 2 tokens" in driver.find_element(By.ID, "patch-status").text
+    text_box.clear()
+    text_box.send_keys(b_text)
+    driver.find_element(By.ID, "patch-run").click()
+    _wait(
+        driver,
+        "return document.body.dataset.patchReady && !document.body.dataset.patching"
+        " && !document.body.dataset.patchError && document.body.dataset.patchPattern",
+    )
+
+    b = tok.encode(b_text)[0]
+    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
+    metric = logit_diff(a, b)
+    for site in ("head_out", "resid_pre"):
+        want = activation_patching(model, *ids, metric, site)
+        got = _floats(_cells(driver, f"patch-{site}", "value")).reshape(want.shape)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # The head that restores the most is shown first; then a click shows another's.
+    names = [act_name("pattern", i) for i in range(model.config.n_layers)]
+    patterns = [torch.stack([c[n][0] for n in names]) for c in (run_with_cache(model, i[None], names)[1] for i in ids)]
+    for layer, head in [tuple(map(int, _js(driver, "return document.body.dataset.patchPattern").split("."))), (2, 1)]:
+        driver.find_element(By.CSS_SELECTOR, f'#patch-head_out .cell[data-q="{layer}"][data-k="{head}"]').click()
+        _wait(driver, f"return document.body.dataset.patchPattern === '{layer}.{head}'")
+        for which, pattern in zip(("clean", "corrupted"), patterns, strict=True):
+            got = _floats(_cells(driver, f"patch-pattern-{which}", "weight"))
+            torch.testing.assert_close(got, pattern[layer, head].flatten(), atol=1e-4, rtol=0)
+    selected = driver.find_elements(By.CSS_SELECTOR, "#patch-head_out .cell.selected")
+    assert [(c.get_attribute("data-q"), c.get_attribute("data-k")) for c in selected] == [("2", "1")]
+    _screenshot(driver, "serve-patching.png")
+    others = [e for e in _errors(driver) if "422" not in e["message"]]
+    assert others == []
+
+
 def test_a_prompt_the_model_cannot_read_is_said_on_the_page(driver, server):
     driver.get_log("browser")
     driver.get(server.url + "/")
@@ -236,7 +312,7 @@ def test_the_demo_page_shows_the_six_words(driver, subprocess_env):
         assert driver.find_element(By.ID, "prompt").get_attribute("disabled") == "true"
         assert "language model" in driver.find_element(By.ID, "live-status").text
         disabled = [t.get_attribute("data-view") for t in driver.find_elements(By.CSS_SELECTOR, "#tabs .tab:disabled")]
-        assert disabled == ["next", "rollout", "lens", "roles", "generation"]
+        assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching"]
         _show(driver, "steps")
         assert "attn_scores = inputs @ inputs.T" in driver.find_element(By.ID, "steps").text
         assert _errors(driver) == []
