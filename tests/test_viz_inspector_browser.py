@@ -20,12 +20,18 @@ import torch
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import (
     HEAD_KINDS,
+    act_name,
+    activation_patching,
     all_head_scores,
     inspector_data,
+    logit_diff,
     logit_lens,
     notebook_html,
+    notebook_patching_html,
+    patching_data,
     render_page,
     rollout,
+    run_with_cache,
     trace,
     trace_generation,
 )
@@ -149,7 +155,7 @@ def test_every_view_renders_without_errors_or_network(driver, gpt_page, demo_pag
     # The tutorials' example has only the views of attention modules: the others are disabled.
     _open(driver, demo_page)
     disabled = [t.get_attribute("data-view") for t in driver.find_elements(By.CSS_SELECTOR, "#tabs .tab:disabled")]
-    assert disabled == ["next", "rollout", "lens", "roles", "generation"]
+    assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching"]
     _show(driver, "steps")
     assert _errors(driver) == []
 
@@ -341,6 +347,83 @@ def test_a_trace_shows_the_same_page_inside_a_notebook_iframe(driver, gpt_page, 
         WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
         cells = _js(driver, "return Array.from(document.querySelectorAll('#matrix .cell'), c => c.dataset.weight)")
         torch.testing.assert_close(_floats(cells), tr.weights[0, 0, 0].flatten(), atol=1e-4, rtol=0)
+        assert _js(driver, "return performance.getEntriesByType('resource').length") == 0
+    finally:
+        driver.switch_to.default_content()
+    assert _errors(driver) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The patching view: precomputed on the page (attnlab viz --corrupted --answers), or alone in Jupyter
+# --------------------------------------------------------------------------------------------
+CLEAN_IDS = [5, 17, 3, 99, 5, 17, 3, 42, 7, 150, 5, 17]
+CORRUPTED_IDS = [5, 17, 3, 99, 5, 18, 3, 42, 7, 150, 5, 17]
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    model = sharp_model(1)
+    clean, corrupted = torch.tensor(CLEAN_IDS), torch.tensor(CORRUPTED_IDS)
+    section = patching_data(model, clean, corrupted, (3, 42), tokenizer=Letters())
+    data = inspector_data(trace(model, clean[None], stages=True, tokenizer=Letters()), model_name="sharp")
+    data["patching"] = section
+    path = tmp_path_factory.mktemp("patching") / "page.html"
+    path.write_text(render_page(data), encoding="utf-8")
+    names = [act_name("pattern", i) for i in range(3)]
+    patterns = [
+        torch.stack([c[n][0] for n in names])
+        for c in (run_with_cache(model, i[None], names)[1] for i in (clean, corrupted))
+    ]
+    metric = logit_diff(3, 42)
+    want = {site: activation_patching(model, clean, corrupted, metric, site) for site in ("head_out", "resid_pre")}
+    return path, section, want, patterns
+
+
+def _check_patching_view(driver, want, patterns) -> None:
+    """The heatmaps hold activation_patching's values; a click on a head shows its pattern on both prompts."""
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.patchPattern"))
+    for site, values in want.items():
+        got = _js(driver, f"return Array.from(document.querySelectorAll('#patch-{site} .cell'), c => c.dataset.value)")
+        torch.testing.assert_close(_floats(got).reshape(values.shape), values, atol=1e-5, rtol=0)
+    cols = _js(driver, "return Array.from(document.querySelectorAll('#patch-resid_pre .clab'), c => c.textContent)")
+    assert cols[5] == "t17␣→t18␣" and cols[4] == "t5␣"  # the position where the prompts differ, marked
+    for layer, head in ((2, 3), (0, 1)):
+        driver.find_element(By.CSS_SELECTOR, f'#patch-head_out .cell[data-q="{layer}"][data-k="{head}"]').click()
+        WebDriverWait(driver, 10).until(
+            lambda d, key=f"{layer}.{head}": d.execute_script("return document.body.dataset.patchPattern") == key
+        )
+        for which, pattern in zip(("clean", "corrupted"), patterns, strict=True):
+            got = _js(
+                driver,
+                f"return Array.from(document.querySelectorAll('#patch-pattern-{which} .cell'), c => c.dataset.weight)",
+            )
+            torch.testing.assert_close(_floats(got), pattern[layer, head].flatten(), atol=1e-4, rtol=0)
+
+
+def test_the_inspector_page_carries_a_static_patching_view(driver, patched, tmp_path):
+    path, section, want, patterns = patched
+    _open(driver, path)
+    _show(driver, "patching")
+    _check_patching_view(driver, want, patterns)
+    box = driver.find_element(By.ID, "patch-corrupted")
+    assert box.get_attribute("disabled") == "true" and box.get_attribute("value") == section["corrupted"]["text"]
+    assert not driver.find_element(By.ID, "patch-run").is_displayed()
+    assert "This page is static" in driver.find_element(By.ID, "view-patching").text
+    _screenshot(driver, "inspector-patching.png", tmp_path)
+    assert _errors(driver) == []
+    assert _js(driver, "return performance.getEntriesByType('resource').length") == 0
+
+
+def test_a_patch_report_shows_the_view_alone_inside_a_notebook_iframe(driver, patched, tmp_path):
+    _, section, want, patterns = patched
+    host = tmp_path / "notebook.html"
+    host.write_text(f"<!DOCTYPE html><html><body><h1>a notebook</h1>{notebook_patching_html(section)}</body></html>")
+    driver.get_log("browser")
+    driver.get(host.as_uri())
+    driver.switch_to.frame(driver.find_element(By.CSS_SELECTOR, "iframe.attnlab-patching"))
+    try:
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+        _check_patching_view(driver, want, patterns)
         assert _js(driver, "return performance.getEntriesByType('resource').length") == 0
     finally:
         driver.switch_to.default_content()
