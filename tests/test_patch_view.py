@@ -144,6 +144,24 @@ def test_an_answer_that_needs_a_leading_space_says_so():
         answer_token(Words(), "paris", 10)
 
 
+@pytest.mark.parametrize("site", ["head_out", "resid_pre", "head_out_by_pos", "k"])
+@pytest.mark.parametrize("layers", [[1], [2, 0], range(3), (0, 1)])
+def test_patching_some_layers_gives_those_rows_of_the_whole(checkpoint, site, layers):
+    """What a server runs in pieces (layers=...), to take other requests between them."""
+    _, loaded = checkpoint
+    metric = logit_diff(3, 14)
+    whole = activation_patching(loaded.model, ids(CLEAN), ids(CORRUPTED), metric, site)
+    part = activation_patching(loaded.model, ids(CLEAN), ids(CORRUPTED), metric, site, layers=layers, max_tokens=50)
+    close(part, whole[sorted(layers)], atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [[], [3], [-1], [0, 0], [True], "0", 1])
+def test_bad_layers_are_named(checkpoint, layers):
+    _, loaded = checkpoint
+    with pytest.raises(ValueError, match=r"layers must be distinct layer indices in \[0, 3\), at least one"):
+        activation_patching(loaded.model, ids(CLEAN), ids(CORRUPTED), logit_diff(3, 14), "head_out", layers=layers)
+
+
 # --------------------------------------------------------------------------------------------
 # The inspector page (attnlab viz) and Jupyter
 # --------------------------------------------------------------------------------------------
@@ -250,8 +268,11 @@ def test_the_api_answers_what_activation_patching_computes(client, checkpoint):
     before = client.engine.snapshot()["model_calls"]
     r = client.post("/api/patch", json={"clean": CLEAN, "corrupted": CORRUPTED, "answers": [a, "o"]})
     assert r.status_code == 200, r.text
-    # One model call for the two unpatched runs, then one per site: other requests run in between.
-    assert client.engine.snapshot()["model_calls"] - before == 3
+    # One model call for the two unpatched runs, then each site in pieces: other requests run in between.
+    from attnlab.tools.serve.patching import layer_chunks
+
+    assert layer_chunks(3) == [[0], [1], [2]]
+    assert client.engine.snapshot()["model_calls"] - before == 1 + 2 * 3
     got = unpack(r.json())
     assert got["answers"] == [{"id": a, "label": "a"}, {"id": b, "label": "o"}]
     assert got["static"] is False and got["pattern"] is None and got["patterns"] is None
@@ -315,6 +336,18 @@ def test_bad_patch_requests_get_a_4xx_naming_what_is_wrong(client, change, statu
     answer = r.json()
     assert list(answer) == ["detail"] and "\n" not in answer["detail"] and detail in answer["detail"], answer
     assert client.engine.snapshot()["model_calls"] == before  # refused before the model ran
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 5, 12, 30, 80])
+def test_a_site_is_cut_into_pieces_of_about_equal_cost(n_layers):
+    from attnlab.tools.serve.patching import PIECES, layer_chunks
+
+    chunks = layer_chunks(n_layers)
+    assert [layer for chunk in chunks for layer in chunk] == list(range(n_layers))
+    assert min(n_layers, PIECES - 2) <= len(chunks) <= PIECES + 1
+    costs = [sum(n_layers - layer for layer in chunk) for chunk in chunks]
+    if n_layers >= 2 * PIECES:  # a piece costs at most about twice its share
+        assert max(costs) <= 2 * sum(costs) / PIECES, costs
 
 
 def test_prompts_longer_than_the_patching_limit_are_refused(client, monkeypatch):

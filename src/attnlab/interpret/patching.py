@@ -210,16 +210,22 @@ def _staggered(
     kind: str,
     index: Tensor,
     last_only: bool,
+    layers: list[int],
 ) -> Tensor:
-    """The logits of ``L * R`` patched runs in one pass: the rows patched at layer ``l`` join the batch
-    at block ``l`` (from the corrupted stream ``starts[l] (1, T, d)``), so every block runs once, on
-    every row that has reached it. Row ``l * R + r`` is patched at layer ``l`` at ``index[r]``."""
+    """The logits of ``len(layers) * R`` patched runs in one pass: the rows patched at layer ``l`` join
+    the batch at block ``l`` (from the corrupted stream ``starts[l] (1, T, d)``), so every block runs
+    once, on every row that has reached it. Row ``i * R + r`` is patched at layer ``layers[i]`` (in
+    increasing order) at ``index[r]``; the blocks below ``layers[0]`` do not run."""
     R, T = index.shape[0], starts[0].shape[1]
     rope = None
     if model.config.pos == "rope":  # as GPT.decode_logits: RoPE's angles once for every layer
         rope = model.trf_blocks[0].att.rope_cos_sin(torch.arange(T, device=index.device)[None], starts[0].dtype)
     x = starts[0][:0].expand(0, T, -1)  # (0, T, d)
-    for layer, block in enumerate(model.trf_blocks):
+    for layer in range(layers[0], len(model.trf_blocks)):
+        block = model.trf_blocks[layer]
+        if layer not in layers:  # no rows join here: nothing to patch
+            x = block(x, rope=rope)
+            continue
         x = torch.cat([x, starts[layer].expand(R, -1, -1)])  # (N + R, T, d): this layer's rows join
 
         def patch(act: Tensor, hook: HookPoint, source: Tensor = sources[layer]) -> Tensor:
@@ -228,8 +234,8 @@ def _staggered(
         with hooks(model, {names[layer]: patch}):
             x = block(x, rope=rope)  # (N + R, T, d)
     if last_only:
-        x = x[:, -1:]  # (L * R, 1, d)
-    return model.out_head(model.final_norm(x))  # (L * R, T or 1, V)
+        x = x[:, -1:]  # (len(layers) * R, 1, d)
+    return model.out_head(model.final_norm(x))  # (len(layers) * R, T or 1, V)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +249,7 @@ def activation_patching(
     site: str = "resid_pre",
     *,
     max_tokens: int = 16384,
+    layers: Sequence[int] | None = None,
 ) -> Tensor:
     """The metric of the corrupted run with one clean activation patched in, for every index of ``site``.
 
@@ -251,18 +258,22 @@ def activation_patching(
         metric: logits ``(1, T, V)`` -> scalar (see the module's notes for ``rows``/``last_only``).
         site: see :data:`SITES`; the result's shape is the site's (``(L, T)``, ``(L, H)``, ...).
         max_tokens: at most this many tokens (rows x T) in one batched pass (memory).
+        layers: patch these layers only (distinct, any order; default all): the result has one row
+            per layer, in increasing order, equal to those rows of the whole result. A server runs
+            a site in a few such calls, to take other requests in between.
     Returns:
         float32 tensor of raw metric values (on the CPU).
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
     step, kind = _check_site(site)
     L, T = len(attention_layers(model)), clean.shape[1]
+    chosen = _check_layers(layers, L)
     names = [act_name(step, i) for i in range(L)]
     starts = [act_name("resid_pre", i) for i in range(L)]
     last_only = bool(getattr(metric, "last_only", False))
     indices, shape = _layout(model, step, kind, T)
-    out = torch.empty((L, len(indices)), dtype=torch.float64)
-    per_pass = max(1, int(max_tokens) // (T * L))  # patches of each layer per staggered pass
+    out = torch.empty((len(chosen), len(indices)), dtype=torch.float64)
+    per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
     was_training = model.training
     model.eval()
     try:
@@ -275,11 +286,21 @@ def activation_patching(
             resid = [corr_cache[n] for n in starts]
             for lo in range(0, len(indices), per_pass):
                 index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
-                patched = _staggered(model, resid, names, sources, step, kind, index, last_only)
-                out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(L, -1)
+                patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
+                out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
     finally:
         model.train(was_training)
-    return out.reshape(L, *shape).float()
+    return out.reshape(len(chosen), *shape).float()
+
+
+def _check_layers(layers: object, L: int) -> list[int]:
+    if layers is None:
+        return list(range(L))
+    chosen = list(layers) if isinstance(layers, (list, tuple, range)) else None
+    ok = chosen is not None and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L for i in chosen)
+    if not ok or not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(f"layers must be distinct layer indices in [0, {L}), at least one, got {layers!r}")
+    return sorted(chosen)
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from attnlab.tools.serve.api import (
 )
 from attnlab.tools.serve.chat import NoChatTemplate, advance_chat, start_chat
 from attnlab.tools.serve.engine import Engine, NotALanguageModel
-from attnlab.tools.serve.patching import patch_answer, patch_site, prepare_patch, unpatched_runs
+from attnlab.tools.serve.patching import patch_answer, patch_sites, prepare_patch, unpatched_runs
 
 __all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page"]
 
@@ -433,11 +433,9 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
     async def patch(req: PatchRequest, request: Request) -> Response:
         job = await call(prepare_patch, engine, req.clean, req.corrupted, req.answers, req.head)
         values, pattern = await call(unpatched_runs, engine, job)
-        results = {}
-        for site in dict.fromkeys(req.sites):  # one model call each: other requests run in between
-            if await request.is_disconnected():  # the reader pressed stop, or patched again
-                return _json({"detail": "the client left"}, 400)
-            results[site] = await call(patch_site, engine, job, site)
+        results = await patch_sites(engine, job, req.sites, call, request.is_disconnected)  # in pieces
+        if results is None:  # the reader pressed stop, or patched again
+            return _json({"detail": "the client left"}, 400)
         return _json(to_json(patch_answer(engine, job, values, results, pattern), blob=False))
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")

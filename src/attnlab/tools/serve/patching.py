@@ -6,15 +6,16 @@ the answers A and B (token ids, or texts of one token). The answer is the view's
 sites asked for (``head_out`` (L, H), ``resid_pre`` (L, T)), and with ``head`` that head's pattern on
 both prompts.
 
-The work is several model calls (:meth:`Engine.run`), not one: the two unpatched runs, then one
-site at a time. Each site is a few seconds of a 135M model on a CPU; between them the model's
-thread takes the other requests waiting (the page's views follow the typing meanwhile), and a client
-that has left is noticed and not patched for any further.
+The work is many model calls (:meth:`Engine.run`), not one: the two unpatched runs, then each site
+a few layers at a time (``activation_patching(..., layers=...)``, :data:`PIECES` calls a site). A
+site is seconds of a 135M model on a CPU; between two calls the model's thread takes the other
+requests waiting (the page's views follow the typing meanwhile), and a client that has left is
+noticed and not patched for any further.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,21 @@ from attnlab.interpret import activation_patching, logit_diff, parse_heads
 from attnlab.interpret.patch_view import answer_token, head_patterns, patching_section
 from attnlab.tools.serve.engine import Engine
 
-__all__ = ["MAX_PATCH_TOKENS", "PatchJob", "patch_answer", "patch_site", "prepare_patch", "unpatched_runs"]
+__all__ = [
+    "MAX_PATCH_TOKENS",
+    "PatchJob",
+    "layer_chunks",
+    "patch_answer",
+    "patch_site",
+    "patch_sites",
+    "prepare_patch",
+    "unpatched_runs",
+]
 
 # The longest prompts patched: the cost grows as T^2 (resid_pre patches each of the T positions, each
 # run T tokens long); 64 tokens of SmolLM2-135M take about a minute on two CPU cores.
 MAX_PATCH_TOKENS = 64
+PIECES = 6  # model calls per site: a typing request waits for one of them at most, not for the whole site
 
 
 @dataclass(frozen=True)
@@ -105,12 +116,42 @@ def unpatched_runs(engine: Engine, job: PatchJob) -> tuple[tuple[float, float], 
     return engine.run(work)
 
 
-def patch_site(engine: Engine, job: PatchJob, site: str) -> torch.Tensor:
-    """:func:`attnlab.interpret.activation_patching` of one site (one model call)."""
+def layer_chunks(n_layers: int, pieces: int = PIECES) -> list[list[int]]:
+    """The layers in about ``pieces`` runs of about equal cost (a row patched at layer ``l`` runs
+    through ``n_layers - l`` blocks: the first layers cost the most)."""
+    target = n_layers * (n_layers + 1) / 2 / pieces
+    chunks, current, cost = [], [], 0
+    for layer in range(n_layers):
+        current.append(layer)
+        cost += n_layers - layer
+        if cost >= target:
+            chunks.append(current)
+            current, cost = [], 0
+    return chunks + ([current] if current else [])
+
+
+def patch_site(engine: Engine, job: PatchJob, site: str, layers: list[int] | None = None) -> torch.Tensor:
+    """:func:`attnlab.interpret.activation_patching` of one site, at ``layers`` (one model call)."""
     model, metric = engine.loaded.model, logit_diff(*job.answers)
-    return engine.run(
-        lambda: activation_patching(model, _tensor(engine, job.clean), _tensor(engine, job.corrupted), metric, site)
-    )
+    clean, corrupted = _tensor(engine, job.clean), _tensor(engine, job.corrupted)
+    return engine.run(lambda: activation_patching(model, clean, corrupted, metric, site, layers=layers))
+
+
+async def patch_sites(
+    engine: Engine, job: PatchJob, sites: Sequence[str], call: Callable, left: Callable[[], Awaitable[bool]]
+) -> dict[str, torch.Tensor] | None:
+    """Every site, a few layers per model call (:func:`layer_chunks`): the requests that came in
+    meanwhile run between two calls. ``call(fn, ...)`` runs ``fn`` in a worker thread; ``left()``
+    tells whether the client has gone (then None: nothing more is computed)."""
+    results = {}
+    for site in dict.fromkeys(sites):
+        parts = []
+        for layers in layer_chunks(engine.loaded.model.config.n_layers):
+            if await left():
+                return None
+            parts.append(await call(patch_site, engine, job, site, layers))
+        results[site] = torch.cat(parts)  # (L, H) or (L, T): the chunks are in layer order
+    return results
 
 
 def patch_answer(
