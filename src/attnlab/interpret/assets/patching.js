@@ -87,12 +87,6 @@ class PatchingView {
     add(form, "p", "status", "", "patch-status").setAttribute("role", "status");
     add(root, "p", "note", "", "patch-summary");
     add(root, "div", "patch-maps", undefined, "patch-maps");
-    const legend = add(root, "div", "legend", undefined, "patch-legend");
-    add(legend, "span", "", "", "patch-legend-min");
-    add(legend, "span", "bar diverging");
-    add(legend, "span", "", "", "patch-legend-max");
-    add(legend, "span", "", " fraction restored (0: corrupted, 1: clean)");
-    legend.hidden = true;
     add(root, "p", "readout", "", "patch-readout");
     add(root, "h3", "", "", "patch-pattern-title");
     const pats = add(root, "div", "patch-patterns");
@@ -272,11 +266,6 @@ class PatchingView {
     $["patch-summary"].textContent = "Metric: logit(" + A + ") \u2212 logit(" + B + ") at the last token: "
       + fmt(c, 4) + " on the clean prompt, " + fmt(x, 4) + " on the corrupted one."
       + (norm ? "" : " They are equal, so nothing can be restored: the colours show each patch's change instead.");
-    let lim = 1e-6;
-    for (const name of Object.keys(res.sites)) for (const v of res.sites[name].all()) lim = Math.max(lim, Math.abs(restored(v)));
-    $["patch-legend"].hidden = false;
-    $["patch-legend-min"].textContent = fmt(-lim, 2);
-    $["patch-legend-max"].textContent = fmt(lim, 2);
     const box = $["patch-maps"], L = d.n_layers, T = d.clean.ids.length;
     box.textContent = "";
     this.heads = null;
@@ -307,8 +296,16 @@ class PatchingView {
         colLabel: (j) => (kind === "head" ? String(j) : posLabel(j)),
         onHover: (i, j) => { readout.textContent = say(i, j, a.at(i * C + j)); },
       });
-      const raw = a.all();
-      map.draw(raw.map(restored), (r) => divRGB(r / lim), (i, j) => say(i, j, raw[i * C + j]));
+      const raw = a.all(), shown = raw.map(restored);
+      let lim = 1e-6;  // each map its own scale, symmetric about 0 (white: as the corrupted run)
+      for (const r of shown) lim = Math.max(lim, Math.abs(r));
+      map.draw(shown, (r) => divRGB(r / lim), (i, j) => say(i, j, raw[i * C + j]));
+      const legend = el("div", "legend");
+      legend.appendChild(el("span", "", fmt(-lim, 2)));
+      legend.appendChild(el("span", "bar diverging"));
+      legend.appendChild(el("span", "", fmt(lim, 2)));
+      legend.appendChild(el("span", "", norm ? "fraction restored" : "change"));
+      pane.appendChild(legend);
       if (map.dom) map.cells.forEach((row, i) => row.forEach((c, j) => { c.dataset.value = String(raw[i * C + j]); }));
       if (map.dom && kind === "pos") map.colLabs.forEach((lab, j) => lab.classList.toggle("changed", cl[j] !== xl[j]));
       if (kind === "head") {
