@@ -14,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the inspector as a live local web page: type a prompt and watch every head, the tutorials' steps, "
         "next-token probabilities (temperature/top-k/top-p), rollout, the logit lens and head roles follow; "
-        "stream a generation token by token with its attention; ablate heads from the grid; chat with an instruct "
-        "model (its chat template) and open an answer in the inspector. Binds 127.0.0.1 "
+        "stream a generation token by token with its attention; ablate heads from the grid; patch activations "
+        "(type a corrupted prompt, pick two answers: which heads and positions restore the answer); chat with an "
+        "instruct model (its chat template) and open an answer in the inspector. Binds 127.0.0.1 "
         "(this machine only) unless --host says otherwise. Needs: pip install 'attnlab[serve]'."
     )
     source = add_model_arguments(parser, what="the page opens with (default: 'Your journey starts with one step')")

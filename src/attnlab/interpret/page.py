@@ -11,6 +11,10 @@ fetches the JSON of :func:`attnlab.interpret.inspector_data` instead.
 
 Template slots: ``$csp`` (the policy), ``$title`` (escaped text), ``$styles``, ``$data`` and
 ``$scripts`` (markup).
+
+The patching view has files of its own (``patching.js``, ``patching.css``; ``patching.html`` holds
+the view alone, for Jupyter: :mod:`attnlab.interpret.patch_view`): a page with a ``patching``
+section inlines them too, ``patching.js`` first (it registers the view that ``showInspector`` adds).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Type a prompt and the inspector's views follow (debounced): every head's attention, the tutorials'
 steps of a chosen head, next-token probabilities under temperature/top-k/top-p, rollout, the logit
 lens, head roles; "generate" streams tokens one by one with each token's attention; clicking heads
-in "ablate" mode shows how the next-token distribution changes without them; an instruct model gets a
+in "ablate" mode shows how the next-token distribution changes without them; the Patching tab runs
+activation patching of the prompt and a corrupted one (:mod:`~attnlab.tools.serve.patching`); an instruct model gets a
 chat box whose answers open in the inspector (:mod:`~attnlab.tools.serve.chat`). One front end with the
 offline page (the same package-data files of :mod:`attnlab.interpret`), only its data source
 differs: here a JSON API that returns what :mod:`attnlab.interpret` computes.
