@@ -373,3 +373,42 @@ def test_the_demo_server_has_no_patching(checkpoint):
 def test_a_loaded_model_is_required_for_a_text_answer():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         answer_token(None, "a", 10, "answers[0]")
+
+
+# --------------------------------------------------------------------------------------------
+# SmolLM2: the cheap part of a request (the unpatched runs and a clicked head's pattern)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_the_api_values_are_transformers_logit_difference(smollm2_gguf, smollm2_transformers):
+    pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+    from fastapi.testclient import TestClient
+
+    from attnlab.tools.loading import load_pretrained
+    from attnlab.tools.serve import Engine, create_app
+
+    hf, hf_tok = smollm2_transformers
+    loaded = load_pretrained(str(smollm2_gguf))
+    clean = "When Mary and John went to the store, John gave a drink to"
+    corrupted = "When Mary and John went to the store, Mary gave a drink to"
+    with TestClient(create_app(Engine(loaded))) as c:
+        body = {"clean": clean, "corrupted": corrupted, "answers": [" Mary", " John"], "sites": [], "head": "23.3"}
+        r = c.post("/api/patch", json=body)
+        assert r.status_code == 200, r.text
+        bad = c.post("/api/patch", json={**body, "answers": [" Mary", " Johnathan"]})
+    got = unpack(r.json())
+    a, b = (hf_tok.encode(t, add_special_tokens=False)[0] for t in (" Mary", " John"))
+    assert [x["id"] for x in got["answers"]] == [a, b]
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")  # the weights of output_attentions (the fixture is shared: put back)
+    try:
+        for name, text in (("clean", clean), ("corrupted", corrupted)):
+            ids = hf_tok.encode(text, add_special_tokens=False)
+            assert got[name]["ids"] == ids
+            with torch.no_grad():
+                out = hf(torch.tensor([ids]), output_attentions=True)
+            want = float(out.logits[0, -1, a] - out.logits[0, -1, b])
+            assert got[f"{name}_value"] == pytest.approx(want, abs=2e-3)
+            close(got["pattern"][name], out.attentions[23][0, 3], atol=1e-4)
+    finally:
+        hf.set_attn_implementation(before)
+    assert bad.status_code == 422 and "answers[1] ' Johnathan' is" in bad.json()["detail"]
