@@ -9,6 +9,8 @@ answers " Mary" and " John". Measured, round by round so that machine load hits 
 * **api**: ``POST /api/patch`` (head_out (L, H) and resid_pre (L, T), the page's request);
 * **library**: the same work called directly: the two unpatched runs, then
   ``activation_patching`` of each site (what the request adds is the ratio api / library);
+* **library_in_pieces**: the same, each site in the server's pieces (``layers=`` of ``layer_chunks``):
+  what taking other requests between the pieces costs;
 * **click**: ``POST /api/patch`` with ``sites: []`` and a head: one head's pattern on both prompts
   (what a click on the layer x head heatmap asks);
 * **typing while patching**: ``POST /api/inspect`` of a new prompt (the heads: what the page asks on
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from attnlab.interpret import activation_patching, logit_diff
     from attnlab.tools.loading import load_pretrained
     from attnlab.tools.serve import Engine, create_app
+    from attnlab.tools.serve.patching import layer_chunks
 
     print(hardware.header("cpu"))
     loaded = load_pretrained(path)
@@ -81,6 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                 metric(model(i))
             for site in ("head_out", "resid_pre"):
                 activation_patching(model, ids[0], ids[1], metric, site)
+        return time.perf_counter() - t0
+
+    def pieces() -> float:  # the library called as the server calls it: each site in layer_chunks
+        metric = logit_diff(a, b)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in ids:
+                metric(model(i))
+            for site in ("head_out", "resid_pre"):
+                for layers in layer_chunks(cfg.n_layers):
+                    activation_patching(model, ids[0], ids[1], metric, site, layers=layers)
         return time.perf_counter() - t0
 
     def click() -> float:
@@ -113,22 +127,25 @@ def main(argv: list[str] | None = None) -> int:
         return took
 
     api(), library()  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in ("api", "library", "click", "typing", "typing_while_patching")}
+    tasks = {
+        "api": api,
+        "library": library,
+        "library_in_pieces": pieces,
+        "click": click,
+        "typing": typing,
+        "typing_while_patching": typing_while_patching,
+    }
+    times: dict[str, list[float]] = {k: [] for k in tasks}
     for _ in range(args.rounds):
-        for name, fn in (
-            ("api", api),
-            ("library", library),
-            ("click", click),
-            ("typing", typing),
-            ("typing_while_patching", typing_while_patching),
-        ):
+        for name, fn in tasks.items():
             times[name].append(fn())
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores shared: figures are noisy)")
     print(f"{'task':34} {'median s':>9}  all rounds")
     for k, v in times.items():
         print(f"{k:34} {med[k]:9.3f}  {' '.join(f'{x:.3f}' for x in v)}")
-    print(f"api / library = {med['api'] / med['library']:.3f} (what the request adds to the library's work)")
+    print(f"api / library = {med['api'] / med['library']:.3f} (what the request adds to one call per site)")
+    print(f"library in pieces / library = {med['library_in_pieces'] / med['library']:.3f} (the cost of the pieces)")
     print(
         f"typing while patching / alone = {med['typing_while_patching'] / med['typing']:.2f} "
         f"({med['typing_while_patching']:.2f} s against a {med['api']:.2f} s patch request)"

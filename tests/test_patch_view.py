@@ -412,3 +412,35 @@ def test_smollm2_the_api_values_are_transformers_logit_difference(smollm2_gguf, 
     finally:
         hf.set_attn_implementation(before)
     assert bad.status_code == 422 and "answers[1] ' Johnathan' is" in bad.json()["detail"]
+
+
+@pytest.mark.slow
+def test_typing_is_answered_between_the_pieces_of_a_patch_request(client, monkeypatch):
+    """A patch request is many model calls: a prompt typed meanwhile (POST /api/inspect) is answered
+    after the piece under way, long before the patching ends."""
+    import threading
+    import time
+
+    import attnlab.tools.serve.patching as sp
+
+    real = sp.activation_patching
+
+    def slow(*args, **kwargs):  # each piece of a site takes 0.4 s: the patch request, about 2.4 s
+        time.sleep(0.4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sp, "activation_patching", slow)
+    done = {}
+
+    def patch() -> None:
+        done["status"] = client.post("/api/patch", json=GOOD).status_code
+        done["patched"] = time.perf_counter()
+
+    t = threading.Thread(target=patch)
+    t.start()
+    time.sleep(0.6)  # into the patching
+    r = client.post("/api/inspect", json={"prompt": "typed meanwhile", "sections": ["layers"]})
+    typed = time.perf_counter()
+    t.join()
+    assert r.status_code == 200 and done["status"] == 200
+    assert done["patched"] - typed > 0.8  # at least two pieces were still to come
