@@ -168,4 +168,7 @@ def patch_answer(
         texts=job.texts,
         pattern=pattern,
         static=False,
-    ) | {"n_heads": engine.loaded.model.config.n_heads, "n_layers": engine.loaded.model.config.n_layers}
+    ) | {  # the model's, also for a click's answer (no sites to read them from)
+        "n_heads": engine.loaded.model.config.n_heads,
+        "n_layers": engine.loaded.model.config.n_layers,
+    }
