@@ -462,15 +462,28 @@ def _heads_section(
 ) -> tuple[list[dict[str, Any]], str]:
     """The heads view's rows (one per shown layer) and the dtype their weights are stored in."""
     T = len(keep)
-    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T) over the real tokens
     dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
     # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
     causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
-    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
-    out = _layers(rows, dtype, causal)
+    out = _layers(
+        [(f"layer {i}", shown_heads, _real(trace.weights[i, row], keep, shown_heads)) for i in shown_layers],
+        dtype,
+        causal,
+    )
     for entry, i in zip(out, shown_layers, strict=True):
         entry["layer"] = i
     return out, dtype
+
+
+def _real(w: Tensor, keep: Tensor, heads: list[int]) -> Tensor:
+    """``w (H, T, S)`` at ``heads``, over the real tokens ``keep``: a view when nothing is left out
+    (no copy of a layer's weights, the largest array of a trace)."""
+    H, T, S = w.shape
+    if heads != list(range(H)):
+        w = w[heads]
+    if len(keep) == T == S:  # no padding: every position is real
+        return w
+    return w[:, keep][:, :, keep]
 
 
 def _steps_of_trace(
