@@ -47,6 +47,7 @@ SECTIONS = ("layers", "steps", "next", "rollout", "lens", "roles")
 # library: one softmax over the whole vocabulary per temperature and position, so they are few.
 TEMPERATURES = [0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0]
 WEIGHTS_BUDGET = 16 << 20  # raw bytes of attention weights before dropping to a coarser dtype
+NEXT_CHUNK = 32  # positions per step of the next-token section: its (32, V) temporaries stay in cache
 STEPS_BUDGET = 12 << 20  # raw bytes of the tutorials' steps kept for chosen heads
 # The tutorials' names for queries, keys and values (the steps after them: tracing.STEP_NAMES), and
 # for the parameter-free first step of "A simple self-attention mechanism", where all three are x.
@@ -516,10 +517,15 @@ def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
     """Next-token probabilities of each position's ``next_k`` likeliest tokens at every temperature of
     :data:`TEMPERATURES` (``logits (T, V)``), through the library's sampling filter; the page applies
     top-k and top-p to them as the filter does. ``top_ids`` (a list) is for the page's vocabulary."""
-    logits = logits.float()
-    n = min(next_k, logits.shape[-1])
-    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
-    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
+    T, V = logits.shape
+    n = min(next_k, V)
+    top_ids = torch.empty(T, n, dtype=torch.long, device=logits.device)  # the same order at every temperature
+    probs = torch.empty(len(TEMPERATURES), T, n, dtype=torch.float32, device=logits.device)
+    for s in range(0, T, NEXT_CHUNK):  # a few positions at a time: (chunk, V) temporaries, never (T, V) ones
+        chunk = logits[s : s + NEXT_CHUNK].float()  # (c, V)
+        ids = top_ids[s : s + NEXT_CHUNK] = torch.topk(chunk, n, dim=-1).indices  # (c, n)
+        for i, t in enumerate(TEMPERATURES):
+            probs[i, s : s + NEXT_CHUNK] = next_token_probabilities(chunk, temperature=t).gather(-1, ids)
     return {
         "k": n,
         "ids": pack(top_ids.int(), "i32"),
