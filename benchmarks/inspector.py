@@ -159,10 +159,20 @@ def prompt_text(text: Path | None) -> tuple[str, str]:
     return FALLBACK * 60, "a paragraph of benchmarks/inspector.py repeated (the-verdict.txt not found)"
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: ``VmHWM``, which exec resets (``ru_maxrss`` would
+    count the parent's memory at the fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
 def page_child(path: str, prompt: str, generate: int, out: str) -> None:
     """In a child process: load as ``attnlab viz`` does (untimed), then time the page, print JSON."""
     import json
-    import resource
 
     from attnlab.tools.loading import load
     from attnlab.tools.viz import model_inspector, save_html
@@ -172,13 +182,13 @@ def page_child(path: str, prompt: str, generate: int, out: str) -> None:
     with torch.no_grad():
         loaded.model(idx[:, :8])  # warm up the kernels
         forward_s, _ = timed(lambda: loaded.model(idx))
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_loaded = peak_rss()
     t0, c0 = time.perf_counter(), time.process_time()
     data = model_inspector(loaded, prompt, generate=generate)
     data_s = time.perf_counter() - t0
     save_html(data, out)
     page_s, page_cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = peak_rss()
     print(
         json.dumps(
             {
