@@ -277,13 +277,15 @@ def smollm2_main(args: argparse.Namespace) -> int:
         print(
             f"| {i} | {r['hf_forward_s']:.2f} | {r['attnlab_forward_s']:.2f} | {r['page_s']:.2f} | "
             f"{r['page_s'] / r['hf_forward_s']:.2f}x | {r['hf_forward_cpu_s']:.2f} | {r['page_cpu_s']:.2f} | "
-            f"{r['page_cpu_s'] / r['hf_forward_cpu_s']:.2f}x | {r['peak_rss_bytes'] / 1e9:.2f} | {r['page_bytes'] / 1e6:.1f} |"
+            f"{r['page_cpu_s'] / r['hf_forward_cpu_s']:.2f}x | {r['peak_rss_bytes'] / 1e9:.2f} | "
+            f"{r['page_bytes'] / 1e6:.1f} |"
         )
     ratios = sorted(r["page_s"] / r["hf_forward_s"] for r in rounds)
     cpu_ratios = sorted(r["page_cpu_s"] / r["hf_forward_cpu_s"] for r in rounds)
     peak = max(r["peak_rss_bytes"] for r in rounds)
     print(
-        f"median ratio {statistics.median(ratios):.2f}x wall, {statistics.median(cpu_ratios):.2f}x CPU time (goal <= 6x); "
+        f"median ratio {statistics.median(ratios):.2f}x wall, {statistics.median(cpu_ratios):.2f}x CPU time "
+        "(goal <= 6x); "
         f"peak RSS {peak / 1e9:.2f} GB (goal < 2.5 GB; "
         f"{rounds[0]['rss_after_load_bytes'] / 1e9:.2f} GB of it after loading the model)"
     )
