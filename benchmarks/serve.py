@@ -356,7 +356,8 @@ def smollm2_main(args) -> None:
     ):
         m = out[key]
         print(
-            f"  {label}: {m['ms']:.0f} ms = {m['ratio']:.2f}x the HF eager forward ({m['forward_ms']:.0f} ms) (goal < 3x)"
+            f"  {label}: {m['ms']:.0f} ms = {m['ratio']:.2f}x the HF eager forward "
+            f"({m['forward_ms']:.0f} ms) (goal < 3x)"
         )
     t1, t16 = out["typing_1"], out["typing_16"]
     print(

@@ -122,6 +122,8 @@ def logit_lens(
     attention_layers(model)
     _check_trace(trace, "logit_lens")
     trace._need_stages("logit_lens")
+    if trace.logits is None:
+        raise ValueError("logit_lens needs a trace with logits: trace(model, idx, stages=True, logits=True)")
     k = positive_int("k", k)
     chunk = positive_int("chunk", chunk)
     head = model.out_head
@@ -214,6 +216,8 @@ def next_token_probabilities(
     ``temperature=0`` is greedy, one-hot). Returns ``(..., V)`` float32.
     """
     if isinstance(logits, Trace):
+        if logits.logits is None:
+            raise ValueError("next_token_probabilities needs a trace with logits: trace(..., logits=True)")
         logits = logits.logits
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError(f"logits must be a float tensor (..., V) or a Trace, got {type(logits).__name__}")

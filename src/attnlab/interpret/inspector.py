@@ -383,6 +383,8 @@ def inspector_data(
     wanted = set(SECTIONS if sections is None else sections)
     if not wanted <= set(SECTIONS):
         raise ValueError(f"sections must be among {', '.join(SECTIONS)}, got {sorted(wanted - set(SECTIONS))}")
+    if trace.logits is None and wanted & {"next", "lens"}:
+        raise ValueError("the next-token and logit-lens sections need a trace with logits: trace(..., logits=True)")
     keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
     ids = trace.idx[row, keep].tolist()
     tokens = token_strings(tokenizer, ids)

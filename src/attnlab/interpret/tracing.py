@@ -101,7 +101,7 @@ class Trace:
     Always:
         idx: ``(B, T)`` the token ids; attention_mask: ``(B, T)`` bool (True = real token) or None.
         weights: ``(L, B, H, T, S)`` the attention weights each layer applied (float32).
-        logits: ``(B, T, V)`` the model's output.
+        logits: ``(B, T, V)`` the model's output (None from ``trace(..., logits=False)``).
         scale, is_causal: per layer, the multiplier of ``q k^T`` and whether causal masking applied.
         masks: per layer, the mask the layer applied besides causality (bool, True = may attend, or
             an additive float bias), broadcastable to ``(B, H, T, S)``; or None.
@@ -119,7 +119,7 @@ class Trace:
 
     idx: Tensor
     weights: Tensor
-    logits: Tensor
+    logits: Tensor | None
     scale: list[float]
     is_causal: list[bool]
     masks: list[Tensor | None]
@@ -231,6 +231,7 @@ def trace(
     stages: bool = False,
     attention_mask: Tensor | None = None,
     tokenizer: object | None = None,
+    logits: bool = True,
 ) -> Trace:
     """Run ``model`` once on ``idx`` and record what each attention layer computed.
 
@@ -241,6 +242,9 @@ def trace(
             residual stream (see :class:`Trace`); the scores follow from them on demand.
         attention_mask: ``(B, T)`` bool or 0/1, True = real token (left padding, as generation).
         tokenizer: kept with the trace to label tokens when it is displayed (Jupyter).
+        logits: compute the model's output; False stops the pass after the last block (no final norm,
+            no unembedding: a fifth of a small model's work, for a view that shows attention only) and
+            leaves ``Trace.logits`` None.
     Returns:
         A :class:`Trace`. The pass runs in eval mode without gradients; the model's training mode,
         observers and hooks are as they were afterwards, even after an error.
@@ -291,9 +295,14 @@ def trace(
                 handles.append(block.register_forward_pre_hook(block_input(i)))
                 handles.append(layers[i].out_proj.register_forward_hook(out_proj_output(i)))
             handles.append(model.final_norm.register_forward_pre_hook(block_input(L)))
+        if not logits:
+            handles.append(model.final_norm.register_forward_pre_hook(_stop))
         model.eval()
         with torch.no_grad(), observe_attention(model, on_record):
-            logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+            try:
+                out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+            except _Stopped:
+                out_logits = None
     finally:
         model.train(was_training)
         for h in handles:
@@ -308,7 +317,7 @@ def trace(
     out = Trace(
         idx=idx,
         weights=weights[0],  # (L, B, H, T, S) float32
-        logits=logits.detach(),
+        logits=None if out_logits is None else out_logits.detach(),
         scale=[float(r.scale) for r in records],
         is_causal=[bool(r.is_causal) for r in records],
         masks=[None if r.mask is None else r.mask.detach() for r in records],
@@ -323,6 +332,14 @@ def trace(
         out.attn_output = torch.stack(attn_out)  # (L, B, T, d)
         out.residual = torch.stack(residual)  # (L + 1, B, T, d)
     return out
+
+
+class _Stopped(Exception):
+    """Raised by :func:`_stop` to end a traced pass after the last block."""
+
+
+def _stop(module: nn.Module, args: tuple) -> None:
+    raise _Stopped
 
 
 # --------------------------------------------------------------------------------------------
