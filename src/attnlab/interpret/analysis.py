@@ -314,7 +314,7 @@ def all_head_scores(
             raise ValueError("head_scores without a trace needs model.config (vocab_size, context_length)")
         device = next(model.parameters()).device
         idx = repeated_tokens(cfg.vocab_size, cfg.context_length, seed=seed).to(device)
-        trace = run_trace(model, idx)
+        trace = run_trace(model, idx, logits=False)  # the attention is all the scores read
     _check_trace(trace, "head_scores")
     if trace.n_layers != len(layers):
         raise ValueError(f"trace has {trace.n_layers} layers but model has {len(layers)}")

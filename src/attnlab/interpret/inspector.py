@@ -496,8 +496,8 @@ def _steps_of_trace(
     group = trace.n_heads // trace.k.shape[2]  # query heads per key/value head
     heads, by_layer = [], {}
     for layer, h in chosen:
-        if layer not in by_layer:
-            by_layer[layer] = trace.steps(layer)
+        if layer not in by_layer:  # one layer's (B, H, T, S) steps at a time
+            by_layer = {layer: trace.steps(layer)}
         st, g = by_layer[layer], h // group
         head_st = {
             "q": trace.q[layer, row, h][keep],

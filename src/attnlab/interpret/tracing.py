@@ -46,6 +46,9 @@ STEP_NAMES = {
 }
 
 
+STAGES = ("q", "k", "v", "head_outputs")  # the fields of a record trace(stages=True) keeps for every layer
+
+
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     """The attention module of each block of a GPT-style model, in order.
 
@@ -263,6 +266,7 @@ def trace(
     # The weights go straight into one (L, B, H, T, S) float32 tensor as each layer reports them:
     # stacking them at the end would hold every layer's weights twice (0.85 GB at 626 tokens of SmolLM2).
     weights: list[Tensor] = []
+    buffers: dict[str, Tensor] = {}
     residual: list[Tensor | None] = [None] * (L + 1)
     attn_out: list[Tensor | None] = [None] * L
 
@@ -273,7 +277,15 @@ def trace(
         if not weights:
             weights.append(torch.empty((L, *w.shape), dtype=torch.float32, device=w.device))
         weights[0][i].copy_(w)
-        records[i] = dataclasses.replace(record, weights=None)  # the other observers keep theirs
+        kept = {"weights": None}  # the other observers keep theirs
+        if stages:  # likewise the stages: one (L, ...) tensor each, filled layer by layer
+            for name in STAGES:
+                t = getattr(record, name).detach()
+                if name not in buffers:
+                    buffers[name] = torch.empty((L, *t.shape), dtype=t.dtype, device=t.device)
+                buffers[name][i].copy_(t)
+                kept[name] = None
+        records[i] = dataclasses.replace(record, **kept)
 
     def block_input(i: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -311,9 +323,6 @@ def trace(
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
 
-    def stack(name: str) -> Tensor:
-        return torch.stack([getattr(r, name).detach() for r in records])
-
     out = Trace(
         idx=idx,
         weights=weights[0],  # (L, B, H, T, S) float32
@@ -327,8 +336,7 @@ def trace(
         tokenizer=tokenizer,
     )
     if stages:
-        out.q, out.k, out.v = stack("q"), stack("k"), stack("v")
-        out.head_outputs = stack("head_outputs")
+        out.q, out.k, out.v, out.head_outputs = (buffers[name] for name in STAGES)
         out.attn_output = torch.stack(attn_out)  # (L, B, T, d)
         out.residual = torch.stack(residual)  # (L + 1, B, T, d)
     return out
