@@ -83,7 +83,7 @@ class LogitLens:
     final_token_probs: Tensor
 
 
-LENS_CHUNK = 32  # positions per step of the lens: a (32, V) block of logits at a time stays in cache
+LENS_CHUNK = 128  # positions per step of the lens: a few (128, V) blocks of logits at a time (25 MB each)
 LENS_CANDIDATES = 64  # tokens per position the fast search hands to the exact re-ranking
 
 
