@@ -11,7 +11,6 @@ from torch import Tensor
 
 from attnlab.checks import positive_int
 from attnlab.generation import SamplingConfig
-from attnlab.hardware import bf16_native
 from attnlab.interpret.tracing import Trace, attention_layers
 from attnlab.interpret.tracing import trace as run_trace
 
@@ -93,18 +92,6 @@ def lens_logits(model: nn.Module, residual: Tensor) -> Tensor:
         return model.out_head(model.final_norm(residual))
 
 
-def _search_dtype(model: nn.Module, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype the lens searches its candidates in: bfloat16 where the hardware multiplies it natively
-    and the model is wider (two bfloat16 products, for the two halves of h, take 2/3 of the time of one in
-    float32 on a CPU with AVX512-BF16), else the model's."""
-    w = model.out_head.weight
-    if dtype is not None:
-        return dtype
-    if w.dtype in (torch.float32, torch.float64) and bf16_native(w.device):
-        return torch.bfloat16
-    return w.dtype
-
-
 def logit_lens(
     model: nn.Module, trace: Trace, *, k: int = 5, chunk: int = LENS_CHUNK, search_dtype: torch.dtype | None = None
 ) -> LogitLens:
@@ -112,13 +99,14 @@ def logit_lens(
     (``trace`` needs ``stages=True``); the last row equals the model's own logits' top-k.
 
     Computed by chunks of ``chunk`` positions: at most ``(chunk, V)`` logits exist at a time, never
-    ``(L, T, V)``. The vocabulary is searched in ``search_dtype`` (default: bfloat16 where the hardware
-    has it natively, else the model's dtype) for the :data:`LENS_CANDIDATES` likeliest tokens of each
-    position, which are then scored again exactly, in the model's dtype; the softmax's normaliser adds
-    the exact terms of those candidates to the searched terms of the rest of the vocabulary. So the
-    top-k ids are the model's own and their probabilities within 0.1% (relative) of the exact ones
-    (about 1e-4 on SmolLM2; the rest of the vocabulary, whose terms the search gets slightly wrong,
-    weighs little in the normaliser); ``search_dtype=`` the model's dtype computes everything exactly.
+    ``(L, T, V)``. By default everything is computed in the model's dtype, exactly. With
+    ``search_dtype`` narrower than the model's (``torch.bfloat16``), the vocabulary is searched in it
+    for the :data:`LENS_CANDIDATES` likeliest tokens of each position, which are then scored again
+    exactly; the softmax's normaliser adds the exact terms of those candidates to the searched terms of
+    the rest of the vocabulary. The top-k ids are then the model's own and their probabilities within
+    0.1% (relative) of the exact ones (about 1e-4 on SmolLM2). On a 2-core AVX512-BF16 CPU that search
+    took as long as the exact lens (its two bfloat16 products, the candidates' gathering and re-scoring
+    cost what float32 saves), hence not the default; it may pay where bfloat16 is much faster.
     """
     attention_layers(model)
     _check_trace(trace, "logit_lens")
@@ -134,7 +122,7 @@ def logit_lens(
     V = W.shape[0]
     k = min(k, V)
     n_cand = min(V, max(LENS_CANDIDATES, k))
-    search = _search_dtype(model, search_dtype)
+    search = W.dtype if search_dtype is None else search_dtype
     W_search = W if search == W.dtype else W.to(search)  # (V, d): one copy for all chunks
     final = trace.logits.argmax(dim=-1)  # (B, T): the token the model finally ranks first
     L, (B, T) = trace.n_layers, final.shape
@@ -178,8 +166,10 @@ def _lens_rows(
     ``W_search`` scores the whole vocabulary (maybe in a narrower dtype); the ``n_cand`` best and the
     final token are scored again with ``W`` exactly; the normaliser is ``log(sum over candidates of
     exp(exact) + sum over the rest of exp(searched))``."""
-    if W_search.dtype == h.dtype:  # the model's own dtype: the searched logits are exact
-        approx = F.linear(h, W_search, bias).float()  # (c, V)
+    if W_search.dtype == h.dtype:  # the model's own dtype: the logits are exact, nothing to re-score
+        logits = F.linear(h, W, bias).float()  # (c, V)
+        top = torch.topk(logits, k, dim=-1)
+        return top.indices, top.values, logits.gather(-1, final), _logsumexp(logits, top.indices[:, :1])
     else:
         # h in two narrow parts, h = hi + lo: rounding h alone would shift every logit alike along the
         # direction the unembedding's rows share (+0.02 on SmolLM2, 1% of the normaliser). Both parts
