@@ -18,6 +18,8 @@ generation, not to the model, so interleaving is safe.
 
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
+While the user types, the heads view needs the attention alone: that pass records no stages and stops
+before the final norm and the unembedding; a section that needs more traces the prompt again, fully.
 """
 
 from __future__ import annotations
