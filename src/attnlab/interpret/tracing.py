@@ -13,6 +13,7 @@ The residual stream comes from forward pre-hooks on the blocks and on the final 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ STEP_NAMES = {
     "weights": "attn_weights = torch.softmax(masked, dim=-1)",
     "head_outputs": "context_vec = attn_weights @ values",
 }
+
+
+STAGES = ("q", "k", "v", "head_outputs")  # the fields of a record trace(stages=True) keeps for every layer
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -100,7 +104,7 @@ class Trace:
     Always:
         idx: ``(B, T)`` the token ids; attention_mask: ``(B, T)`` bool (True = real token) or None.
         weights: ``(L, B, H, T, S)`` the attention weights each layer applied (float32).
-        logits: ``(B, T, V)`` the model's output.
+        logits: ``(B, T, V)`` the model's output (None from ``trace(..., logits=False)``).
         scale, is_causal: per layer, the multiplier of ``q k^T`` and whether causal masking applied.
         masks: per layer, the mask the layer applied besides causality (bool, True = may attend, or
             an additive float bias), broadcastable to ``(B, H, T, S)``; or None.
@@ -118,7 +122,7 @@ class Trace:
 
     idx: Tensor
     weights: Tensor
-    logits: Tensor
+    logits: Tensor | None
     scale: list[float]
     is_causal: list[bool]
     masks: list[Tensor | None]
@@ -230,6 +234,7 @@ def trace(
     stages: bool = False,
     attention_mask: Tensor | None = None,
     tokenizer: object | None = None,
+    logits: bool = True,
 ) -> Trace:
     """Run ``model`` once on ``idx`` and record what each attention layer computed.
 
@@ -240,6 +245,9 @@ def trace(
             residual stream (see :class:`Trace`); the scores follow from them on demand.
         attention_mask: ``(B, T)`` bool or 0/1, True = real token (left padding, as generation).
         tokenizer: kept with the trace to label tokens when it is displayed (Jupyter).
+        logits: compute the model's output; False stops the pass after the last block (no final norm,
+            no unembedding: a fifth of a small model's work, for a view that shows attention only) and
+            leaves ``Trace.logits`` None.
     Returns:
         A :class:`Trace`. The pass runs in eval mode without gradients; the model's training mode,
         observers and hooks are as they were afterwards, even after an error.
@@ -255,13 +263,29 @@ def trace(
         raise TypeError(f"stages must be a bool, got {stages!r}")
     L = len(layers)
     records: list[AttentionRecord | None] = [None] * L
+    # The weights go straight into one (L, B, H, T, S) float32 tensor as each layer reports them:
+    # stacking them at the end would hold every layer's weights twice (0.85 GB at 626 tokens of SmolLM2).
+    weights: list[Tensor] = []
+    buffers: dict[str, Tensor] = {}
     residual: list[Tensor | None] = [None] * (L + 1)
     attn_out: list[Tensor | None] = [None] * L
 
     def on_record(i: int, record: AttentionRecord) -> None:
         if records[i] is not None:
             raise RuntimeError(f"layer {i} attended twice in one forward pass; trace expects one call per layer")
-        records[i] = record
+        w = record.weights.detach()
+        if not weights:
+            weights.append(torch.empty((L, *w.shape), dtype=torch.float32, device=w.device))
+        weights[0][i].copy_(w)
+        kept = {"weights": None}  # the other observers keep theirs
+        if stages:  # likewise the stages: one (L, ...) tensor each, filled layer by layer
+            for name in STAGES:
+                t = getattr(record, name).detach()
+                if name not in buffers:
+                    buffers[name] = torch.empty((L, *t.shape), dtype=t.dtype, device=t.device)
+                buffers[name][i].copy_(t)
+                kept[name] = None
+        records[i] = dataclasses.replace(record, **kept)
 
     def block_input(i: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -283,9 +307,14 @@ def trace(
                 handles.append(block.register_forward_pre_hook(block_input(i)))
                 handles.append(layers[i].out_proj.register_forward_hook(out_proj_output(i)))
             handles.append(model.final_norm.register_forward_pre_hook(block_input(L)))
+        if not logits:
+            handles.append(model.final_norm.register_forward_pre_hook(_stop))
         model.eval()
         with torch.no_grad(), observe_attention(model, on_record):
-            logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+            try:
+                out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+            except _Stopped:
+                out_logits = None
     finally:
         model.train(was_training)
         for h in handles:
@@ -294,13 +323,10 @@ def trace(
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
 
-    def stack(name: str) -> Tensor:
-        return torch.stack([getattr(r, name).detach() for r in records])
-
     out = Trace(
         idx=idx,
-        weights=stack("weights").float(),  # (L, B, H, T, S)
-        logits=logits.detach(),
+        weights=weights[0],  # (L, B, H, T, S) float32
+        logits=None if out_logits is None else out_logits.detach(),
         scale=[float(r.scale) for r in records],
         is_causal=[bool(r.is_causal) for r in records],
         masks=[None if r.mask is None else r.mask.detach() for r in records],
@@ -310,11 +336,18 @@ def trace(
         tokenizer=tokenizer,
     )
     if stages:
-        out.q, out.k, out.v = stack("q"), stack("k"), stack("v")
-        out.head_outputs = stack("head_outputs")
+        out.q, out.k, out.v, out.head_outputs = (buffers[name] for name in STAGES)
         out.attn_output = torch.stack(attn_out)  # (L, B, T, d)
         out.residual = torch.stack(residual)  # (L + 1, B, T, d)
     return out
+
+
+class _Stopped(Exception):
+    """Raised by :func:`_stop` to end a traced pass after the last block."""
+
+
+def _stop(module: nn.Module, args: tuple) -> None:
+    raise _Stopped
 
 
 # --------------------------------------------------------------------------------------------

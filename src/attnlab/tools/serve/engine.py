@@ -18,6 +18,8 @@ generation, not to the model, so interleaving is safe.
 
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
+While the user types, the heads view needs the attention alone: that pass records no stages and stops
+before the final norm and the unembedding; a section that needs more traces the prompt again, fully.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from attnlab.tools.loading import LoadedModel
 __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageModel"]
 
 DEFAULT_PROMPT = "Your journey starts with one step"
+FULL_TRACE_SECTIONS = {"steps", "next", "lens"}  # the sections that need the stages or the logits of a trace
 T = TypeVar("T")
 
 
@@ -243,16 +246,19 @@ class Engine:
         return {"ids": ids, "tokens": tokens, "labels": [token_label(t) for t in tokens]}
 
     # -- traces -----------------------------------------------------------------------------------
-    def _trace(self, ids: list[int]):
-        """The trace (with the stages) of ``ids``; call with the lock held."""
+    def _trace(self, ids: list[int], full: bool = True):
+        """The trace of ``ids``: with the stages and the logits (``full``), or the attention alone, which
+        is all the heads view and rollout need (what the page asks while the user types: no final norm,
+        no unembedding, nothing kept but the weights). Call with the lock held."""
         key = tuple(ids)
-        if key in self._traces:
+        cached = self._traces.get(key)
+        if cached is not None and (cached.logits is not None or not full):
             self._traces.move_to_end(key)
             self.count("trace_cache_hits")
-            return self._traces[key]
+            return cached
         loaded = self._need_model()
         idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
-        tr = trace(loaded.model, idx, stages=True, tokenizer=loaded.tokenizer)
+        tr = trace(loaded.model, idx, stages=full, logits=full, tokenizer=loaded.tokenizer)
         self.count("traces")
         self._traces[key] = tr
         while len(self._traces) > self.cache_size:
@@ -279,7 +285,7 @@ class Engine:
         loaded = self._need_model()
 
         def work() -> dict[str, Any]:
-            tr = self._trace(ids)
+            tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
             if "roles" in sections and self._roles is None:
                 self._roles = inspector_data(tr, sections={"roles"})["roles"]
             data = inspector_data(

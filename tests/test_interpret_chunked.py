@@ -1,0 +1,152 @@
+"""The inspector's cheaper computations held to the plain ones: the logit lens by chunks of positions
+with its candidates searched in bfloat16, the next-token section by chunks, a trace without logits.
+
+References are float64 (the lens through the model's own final norm and unembedding, in float64) or
+the full computation the chunked one replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.interpret import inspector, inspector_data, logit_lens, next_token_probabilities, trace
+from attnlab.interpret.analysis import LENS_CANDIDATES
+from attnlab.interpret.inspector import TEMPERATURES
+from attnlab.model import GPT, GPTConfig
+
+
+def llama_like(vocab: int = 700, seed: int = 0) -> GPT:
+    """A small RoPE/RMSNorm/SwiGLU model with grouped keys (as SmolLM2) and a vocabulary much larger
+    than the lens's candidates, so the bfloat16 search decides which tokens are scored exactly."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(
+        vocab_size=vocab,
+        context_length=64,
+        emb_dim=48,
+        n_heads=6,
+        n_kv_heads=2,
+        n_layers=3,
+        drop_rate=0.0,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        ff_dim=96,
+        bias=False,
+        tie_embeddings=True,
+    )
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # logits with a realistic spread: peaked at some positions, flat at others
+        model.tok_emb.weight.mul_(4.0)
+    return model
+
+
+def lens_reference(model: GPT, tr, k: int):
+    """The logit lens in float64, the whole vocabulary at once: ``(probs (L+1, B, T, V), final (B, T))``."""
+    m64 = GPT(model.config).eval().double()
+    m64.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        rows = [torch.softmax(m64.out_head(m64.final_norm(r.double())), -1) for r in tr.residual]
+    return torch.stack(rows), tr.logits.argmax(-1)
+
+
+def check_lens(lens, probs64, final, k, atol, rtol):
+    top = torch.topk(probs64, k, dim=-1)
+    # The probabilities of the ids chosen, and the k largest probabilities: equal to the reference's
+    # (a near tie may order two ids either way; their probabilities must still be right).
+    torch.testing.assert_close(lens.probs.double(), probs64.gather(-1, lens.tokens), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lens.probs.double(), top.values, atol=atol, rtol=rtol)
+    want_final = probs64.gather(-1, final[None, ..., None].expand(probs64.shape[0], -1, -1, 1)).squeeze(-1)
+    torch.testing.assert_close(lens.final_token_probs.double(), want_final, atol=atol, rtol=rtol)
+    clear = (top.values[..., k - 1] - probs64.topk(k + 1, dim=-1).values[..., k]) > 1e-6  # no near tie
+    assert torch.equal(lens.tokens[clear], top.indices[clear])
+
+
+@pytest.mark.parametrize("search", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 5, 32])
+def test_chunked_lens_equals_the_float64_lens_of_the_whole_vocabulary(search, chunk):
+    model = llama_like()
+    idx = torch.randint(0, 700, (2, 23), generator=torch.Generator().manual_seed(1))
+    tr = trace(model, idx, stages=True)
+    lens = logit_lens(model, tr, k=5, chunk=chunk, search_dtype=search)
+    assert lens.tokens.shape == lens.probs.shape == (4, 2, 23, 5) and lens.final_token_probs.shape == (4, 2, 23)
+    probs64, final = lens_reference(model, tr, 5)
+    assert model.config.vocab_size > LENS_CANDIDATES  # the search leaves most of the vocabulary out
+    # A bfloat16 search gets the normaliser's terms outside the candidates slightly wrong: within 0.1%.
+    check_lens(lens, probs64, final, 5, atol=1e-6, rtol=1e-3 if search == torch.bfloat16 else 1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(1, 12), chunk=st.integers(1, 40), seed=st.integers(0, 3))
+def test_lens_does_not_depend_on_the_chunk(k, chunk, seed):
+    model = llama_like(vocab=300, seed=seed)
+    idx = torch.randint(0, 300, (1, 17), generator=torch.Generator().manual_seed(seed))
+    tr = trace(model, idx, stages=True)
+    whole = logit_lens(model, tr, k=k, chunk=10_000, search_dtype=torch.float32)
+    got = logit_lens(model, tr, k=k, chunk=chunk, search_dtype=torch.bfloat16)
+    torch.testing.assert_close(got.probs, whole.probs, atol=1e-6, rtol=1e-3)
+    torch.testing.assert_close(got.final_token_probs, whole.final_token_probs, atol=1e-6, rtol=1e-3)
+
+
+def test_lens_checks_its_arguments():
+    model = llama_like(vocab=100)
+    tr = trace(model, torch.arange(6)[None], stages=True)
+    with pytest.raises(ValueError, match="chunk"):
+        logit_lens(model, tr, chunk=0)
+    light = trace(model, torch.arange(6)[None], stages=True, logits=False)
+    with pytest.raises(ValueError, match="logits"):
+        logit_lens(model, light)
+
+
+def test_next_section_by_chunks_equals_the_library_distribution(monkeypatch):
+    model = llama_like(vocab=200)
+    idx = torch.randint(0, 200, (1, 11), generator=torch.Generator().manual_seed(2))
+    tr = trace(model, idx, stages=True)
+    monkeypatch.setattr(inspector, "NEXT_CHUNK", 4)  # 11 positions: chunks of 4, 4 and 3
+    nxt = inspector_data(tr, sections={"next"}, next_k=7)["next"]
+    ids = torch.frombuffer(bytearray(nxt["ids"].data), dtype=torch.int32).reshape(11, 7).long()
+    probs = torch.frombuffer(bytearray(nxt["probs"].data), dtype=torch.float32).reshape(len(TEMPERATURES), 11, 7)
+    assert torch.equal(ids, torch.topk(tr.logits[0], 7, dim=-1).indices)
+    for i, t in enumerate(TEMPERATURES):
+        want = next_token_probabilities(tr.logits[0], temperature=t).gather(-1, ids)
+        torch.testing.assert_close(probs[i], want, atol=0, rtol=0)
+
+
+def test_trace_without_logits_records_the_same_attention():
+    model = llama_like(vocab=120)
+    idx = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    full = trace(model, idx, stages=True, attention_mask=mask)
+    light = trace(model, idx, attention_mask=mask, logits=False)
+    assert light.logits is None and not light.has_stages
+    torch.testing.assert_close(light.weights, full.weights, atol=0, rtol=0)
+    staged = trace(model, idx, stages=True, attention_mask=mask, logits=False)
+    torch.testing.assert_close(staged.residual, full.residual, atol=0, rtol=0)  # the stream after the last block too
+    data = inspector_data(light, sections={"layers", "rollout"}, roles=False)
+    assert len(data["layers"]) == 3 and data["rollout"] is not None
+    with pytest.raises(ValueError, match="logits"):
+        inspector_data(light, sections={"next"})
+    with pytest.raises(ValueError, match="logits"):
+        next_token_probabilities(light)
+    assert model.training is False and all(a.observer is None for a in (b.att for b in model.trf_blocks))
+
+
+@pytest.mark.slow
+def test_smollm2_lens_equals_the_float64_lens(smollm2_gguf):
+    from attnlab.tools.loading import load
+
+    loaded = load(None, str(smollm2_gguf))
+    model = loaded.model
+    ids = loaded.tokenizer.encode(
+        "The logit lens reads what each layer of the model would predict, if it stopped there."
+    )
+    tr = trace(model, torch.tensor([ids]), stages=True)
+    W = model.out_head.weight.double()
+    with torch.no_grad():
+        rows = [torch.softmax(model.final_norm(r).double() @ W.T, -1) for r in tr.residual[:-1]]
+        rows.append(torch.softmax(tr.logits.double(), -1))
+    for search, rtol in ((None, 1e-4), (torch.bfloat16, 1e-3)):  # float32 (the default), a bfloat16 search
+        lens = logit_lens(model, tr, k=5, search_dtype=search)
+        check_lens(lens, torch.stack(rows), tr.logits.argmax(-1), 5, atol=1e-5, rtol=rtol)
