@@ -10,7 +10,7 @@ math with the work a step needs and nothing else:
   a parameter changes: the parameters, ``state_dict`` and checkpoints stay as they are);
 * RoPE's angles once per step for all layers, the new key and value written into the preallocated
   cache, attention over the filled slots only;
-* with ``compile=True``, each layer as one ``torch.compile``\\ d function over the whole
+* with ``compile=True``, each layer as one function compiled by ``torch.compile`` over the whole
   preallocated cache (static shapes, a mask over the filled slots), shared by every layer (one
   compilation, not 30), and each matrix-vector product of a single row as a fused multiply-reduce
   that inductor turns into one vectorized loop over the weights, which streams them at memory speed
@@ -89,9 +89,7 @@ _FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor, Tensor | None]
 def _version_key(tensors: list[Tensor | None]) -> tuple:
     """Identity and in-place version of each tensor: any change (an optimizer step, ``load_state_dict``,
     ``.to()``, a new parameter) gives another key."""
-    return tuple(
-        None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors
-    )
+    return tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
 
 
 def fused_qkv(att: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -248,7 +246,7 @@ class FastDecoder:
     Args:
         model: an :class:`attnlab.GPT` for which :func:`supported` holds.
         caches: its per-layer caches, already holding the prompt (the prefill runs the eager forward).
-        compile: run each layer (and the head) as a ``torch.compile``\\ d function over the whole
+        compile: run each layer (and the head) as a function compiled by ``torch.compile`` over the whole
             preallocated cache. The first step compiles (once per process and shape set).
     """
 
@@ -343,4 +341,3 @@ class FastDecoder:
             cache.length = cache.seen = pos + 1
         nw, nb, head, cap = self.head
         return self.head_fn(x, nw, nb, head, self.norm, cap, self.compile)  # (B, V)
-

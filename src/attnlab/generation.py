@@ -238,8 +238,6 @@ def _steps(
         if compile:  # in steps of 256 slots: the compiled step's shapes, shared by calls of similar lengths
             n = -(-n // 256) * 256
         caches = model.new_kv_caches(B, n if relative else min(C, n))
-        if fast and supported(model, caches, mask):
-            decoder = FastDecoder(model, caches, compile=compile)
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
@@ -247,6 +245,8 @@ def _steps(
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
+        if fast and supported(model, caches, mask):
+            decoder = FastDecoder(model, caches, compile=compile)
         for step in range(max_new_tokens):
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
                 more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
@@ -375,7 +375,7 @@ def generate(
         fast: run the decoding steps on :class:`attnlab.decoding.FastDecoder` where it applies (the
             same math as the model's forward without its per-call checks, with the query, key and value
             projections fused); ``False``: the eager forward for every step (the reference).
-        compile: with ``fast``, run each decoding step as a ``torch.compile``\ d function over the
+        compile: with ``fast``, run each decoding step as a function compiled by ``torch.compile`` over the
             preallocated cache: faster per token, but the first call compiles (seconds to a minute;
             once per process and shape).
 
