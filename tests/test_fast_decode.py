@@ -135,10 +135,6 @@ def test_hooks_observers_and_forward_hooks_run_eager(steps):
     with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
         hooked_ref = model.generate(idx, 6, temperature=0, fast=False)
     assert torch.equal(hooked, hooked_ref) and steps[0] == 0
-    seen = []
-    with observe_attention(model, lambda layer, record: seen.append(layer)):
-        assert torch.equal(model.generate(idx, 6, temperature=0), ref)
-    assert len(seen) == 6 * 3 and steps[0] == 0
     handle = model.trf_blocks[0].att.out_proj.register_forward_pre_hook(lambda m, a: (a[0] * 0,))
     try:
         ablated = model.generate(idx, 6, temperature=0)
@@ -146,6 +142,28 @@ def test_hooks_observers_and_forward_hooks_run_eager(steps):
     finally:
         handle.remove()
     assert torch.equal(model.generate(idx, 6, temperature=0), ref) and steps[0] == 5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "olmo2"])
+def test_observers_get_the_records_of_the_eager_forward(family, steps):
+    """attnlab.interpret's observers (serve's live generation, trace_generation) run on the fast path
+    and see what the eager forward shows them: weights, keys, values, positions, mask."""
+    from attnlab.interpret.tracing import observe_attention
+
+    model = make(FAMILIES[family])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 4))
+    records = {True: [], False: []}
+    for fast in (False, True):
+        with observe_attention(model, lambda layer, r, fast=fast: records[fast].append((layer, r))):
+            model.generate(idx, 7, temperature=0, fast=fast)
+    assert steps[0] > 0 and len(records[True]) == len(records[False]) == 7 * 3
+    for (la, a), (lb, b) in zip(records[False], records[True], strict=True):
+        assert la == lb and a.is_causal == b.is_causal and a.scale == b.scale
+        for name in ("q", "k", "v", "weights", "head_outputs", "q_positions", "k_positions", "mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10, msg=name)
 
 
 def test_lora_runs_eager_and_merged_weights_run_fast(steps):

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from attnlab.attention import AttentionRecord
 from attnlab.checks import autocast_on
+from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
 
 __all__ = ["FastDecoder", "supported"]
@@ -46,16 +48,19 @@ _ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's
 # --------------------------------------------------------------------------------------------
 # When the fast path computes what the eager forward does
 # --------------------------------------------------------------------------------------------
-def _plain_modules(model: nn.Module) -> bool:
-    """No forward (pre-)hooks, parametrizations (LoRA) or attnlab hooks/observers anywhere."""
+def _plain_modules(modules: list[nn.Module], hookable: list[nn.Module]) -> bool:
+    """No forward (pre-)hooks on ``modules``, no attnlab hook (:mod:`attnlab.interpret.hooks`) on the
+    blocks and attention layers ``hookable``. (Attention observers are fine: the fast step hands them
+    the record the eager forward would.)"""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
-    for m in model.modules():
-        if m._forward_hooks or m._forward_pre_hooks or parametrize.is_parametrized(m):
-            return False
-        if getattr(m, "hook", None) is not None or getattr(m, "observer", None) is not None:
-            return False
-    return True
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return False
+    return all(m.hook is None for m in hookable)
+
+
+def _hookable(model: nn.Module) -> list[nn.Module]:
+    return [m for block in model.trf_blocks for m in (block, block.att)]
 
 
 def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | None) -> bool:
@@ -77,7 +82,9 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
             return False
         if any(type(m) is not nn.Linear for m in lin) or att.kv_dim != att.d_in or not att.causal:
             return False
-    return _plain_modules(model)
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        return False
+    return _plain_modules(list(model.modules()), _hookable(model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,6 +177,7 @@ def _layer(
     w: tuple,
     spec: tuple,
     static: bool,
+    observe: Any = None,
 ) -> Tensor:
     """One block for one new token per row: ``x (B, 1, C)`` -> ``(B, 1, C)``.
 
@@ -177,6 +185,8 @@ def _layer(
     slot ``slot`` (a 0-d int64 tensor). ``static``: attend over all ``M`` slots with a mask (shapes
     never change: the compiled step); else over the filled ``slot + 1`` (``slot`` then a Python int).
     ``w``: the layer's tensors (see :meth:`FastDecoder._weights`); ``spec``: its constants.
+    ``observe(q, keys, values, weights, heads)``: called with the attention weights, computed
+    explicitly then (not static).
     """
     (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
     norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post = spec
@@ -211,7 +221,13 @@ def _layer(
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
         values[:, :, slot] = v[:, :, 0].to(values.dtype)
         K, V = keys[:, :, : slot + 1], values[:, :, : slot + 1]  # (B, Hkv, S, hd): the filled slots
-        att = F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=G > 1)  # (B, H, 1, hd)
+        if observe is None:
+            att = F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=G > 1)  # (B, H, 1, hd)
+        else:  # an observer reads the weights: explicit, as the eager forward computes them then
+            Kx, Vx = (K.repeat_interleave(G, dim=1), V.repeat_interleave(G, dim=1)) if G > 1 else (K, V)
+            weights = torch.softmax(q @ Kx.transpose(-1, -2) * scale, dim=-1)  # (B, H, 1, S)
+            att = weights @ Vx  # (B, H, 1, hd)
+            observe(q, K, V, weights, att)
         heads = att.transpose(1, 2).reshape(B, 1, H * hd)
     out = _matvec(heads, wo, bo, reduce)  # (B, 1, C)
     if post:
@@ -281,6 +297,10 @@ class FastDecoder:
         )
         self.layer_fn = _compiled(_layer) if compile else _layer
         self.head_fn = _compiled(_head) if compile else _head
+        self.modules, self.hookable = (
+            list(model.modules()),
+            _hookable(model),
+        )  # hooks may come and go: checked each step
 
     @staticmethod
     def _weights(block: nn.Module) -> tuple:
@@ -308,8 +328,11 @@ class FastDecoder:
         )
 
     def fits(self) -> bool:
-        """Whether the next token fits: a free slot in every cache (a rolling cache that has not
-        wrapped) within every layer's window, so attention covers exactly the filled slots."""
+        """Whether the next step may run here: a free slot in every cache (a rolling cache that has not
+        wrapped) within every layer's window, so attention covers exactly the filled slots, and no
+        hook set on the model since (those run the eager forward)."""
+        if not _plain_modules(self.modules, self.hookable):
+            return False
         for cache, (_, _, window, _, _) in zip(self.caches, self.layers, strict=True):
             if cache.seen >= cache.max_length or (window is not None and cache.seen + 1 > window):
                 return False
@@ -332,12 +355,36 @@ class FastDecoder:
                 k: tuple(t.to(x.dtype) for t in model.trf_blocks[i].att.rope_cos_sin(at, x.dtype))
                 for k, i in model.rope_sources.items()
             }
-        slot: Any = torch.tensor(pos, device=idx.device) if self.compile else pos
-        for cache, (w, spec, _, local, has_positions) in zip(self.caches, self.layers, strict=True):
+        blocks = model.trf_blocks
+        observed = any(block.att.observer is not None for block in blocks)  # then the eager step, which reports
+        static = self.compile and not observed
+        slot: Any = torch.tensor(pos, device=idx.device) if static else pos
+        layer_fn = self.layer_fn if static else _layer
+        for block, cache, (w, spec, _, local, has_positions) in zip(blocks, self.caches, self.layers, strict=True):
             cos, sin = ropes.get(local, (None, None))
-            x = self.layer_fn(x, cos, sin, cache.keys, cache.values, slot, w, spec, self.compile)
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, pos] = pos
+            observe = None if block.att.observer is None else self._observer(block.att, cache, at, has_positions)
+            x = layer_fn(x, cos, sin, cache.keys, cache.values, slot, w, spec, static, observe)
             cache.length = cache.seen = pos + 1
         nw, nb, head, cap = self.head
-        return self.head_fn(x, nw, nb, head, self.norm, cap, self.compile)  # (B, V)
+        return (self.head_fn if static else _head)(x, nw, nb, head, self.norm, cap, static)  # (B, V)
+
+    @staticmethod
+    def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool) -> Any:
+        """``observe`` for :func:`_layer`: the :class:`AttentionRecord` the eager forward hands ``att.observer``."""
+
+        def observe(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, heads: Tensor) -> None:
+            S = keys.shape[2]
+            window, sinks = att.window, att.sinks
+            if window is None and cache.rolling:
+                window, sinks = cache.max_length - cache.sinks, cache.sinks  # the ring is the window
+            mask = None if window is None else causal_mask(1, S, window=window, sinks=sinks, device=q.device)
+            k_pos = cache.positions[:, :S] if has_positions else None
+            if cache.rolling:  # views of slots the next steps overwrite
+                keys, values, k_pos = keys.clone(), values.clone(), k_pos.clone()
+            q_pos = at if has_positions else None
+            record = AttentionRecord(q, keys, values, mask, True, att.scale, weights, heads, q_pos, k_pos, att.softcap)
+            att.observer(att, record)
+
+        return observe

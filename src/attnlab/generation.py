@@ -320,7 +320,8 @@ def stream(
     attention_mask: Tensor | None = None,
     fast: bool = True,
     compile: bool = False,
-) -> Iterator[Tensor]:
+    with_logits: bool = False,
+) -> Iterator[Tensor] | Iterator[tuple[Tensor, Tensor]]:
     """Like :func:`generate`, but yields each new token batch ``(B,)`` (int64) as soon as it is sampled::
 
         dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
@@ -328,7 +329,8 @@ def stream(
             print(dec.push(int(tok[0])), end="", flush=True)
         print(dec.flush())
 
-    Arguments as :func:`generate`. They are checked when ``stream`` is called, not at the first
+    Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
+    each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is called, not at the first
     ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
@@ -337,7 +339,7 @@ def stream(
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
     steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
-    return (tok for tok, _ in steps)
+    return steps if check_bool("with_logits", with_logits) else (tok for tok, _ in steps)
 
 
 def generate(
