@@ -122,9 +122,8 @@ def test_alibi_and_soft_capping_run_eager(overrides, steps):
     assert steps[0] == 0
 
 
-def test_hooks_observers_and_forward_hooks_run_eager(steps):
+def test_hooks_and_forward_hooks_run_eager(steps):
     from attnlab.interpret.hooks import hooks
-    from attnlab.interpret.tracing import observe_attention
 
     model = make(FAMILIES["llama-gqa"])
     idx = torch.randint(0, BASE["vocab_size"], (1, 4))

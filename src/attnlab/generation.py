@@ -330,8 +330,8 @@ def stream(
         print(dec.flush())
 
     Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
-    each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is called, not at the first
-    ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
+    each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is
+    called, not at the first ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
     """
