@@ -71,7 +71,7 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
     cfg = getattr(model, "config", None)
     if cfg is None or caches is None or key_mask is not None or model.training:
         return False
-    if cfg.pos == "alibi" or cfg.attn_softcap is not None or not hasattr(model, "trf_blocks"):
+    if not hasattr(model, "trf_blocks"):
         return False
     blocks = model.trf_blocks
     if len(caches) != len(blocks) or autocast_on(model.device):
@@ -81,6 +81,8 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
         if type(block.ff.layers[0]) is not nn.Linear or type(block.ff.layers[2]) is not nn.Linear:
             return False
         if any(type(m) is not nn.Linear for m in lin) or att.kv_dim != att.d_in or not att.causal:
+            return False
+        if att.alibi or att.softcap is not None:  # (judged by the modules: a model may hold others than its config's)
             return False
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         return False
@@ -278,7 +280,7 @@ class FastDecoder:
             spec = (
                 norm,
                 att.qk_norm,
-                ("rms", cfg.ln_eps, cfg.norm_offset),  # the QK-norms: RMSNorm with the model's epsilon and offset
+                None if att.q_norm is None else ("rms", att.q_norm.eps, getattr(att.q_norm, "offset", 0.0)),
                 att.num_heads,
                 att.num_kv_heads,
                 att.head_dim,
@@ -350,18 +352,17 @@ class FastDecoder:
         if cfg.pos == "learned":
             x = x + model.pos_emb(at)
         ropes: dict[bool, tuple[Tensor, Tensor]] = {}
-        if cfg.pos == "rope":
-            ropes = {
-                k: tuple(t.to(x.dtype) for t in model.trf_blocks[i].att.rope_cos_sin(at, x.dtype))
-                for k, i in model.rope_sources.items()
-            }
+        if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
+            ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in model.rope_sources.items()}
         blocks = model.trf_blocks
         observed = any(block.att.observer is not None for block in blocks)  # then the eager step, which reports
         static = self.compile and not observed
         slot: Any = torch.tensor(pos, device=idx.device) if static else pos
         layer_fn = self.layer_fn if static else _layer
         for block, cache, (w, spec, _, local, has_positions) in zip(blocks, self.caches, self.layers, strict=True):
-            cos, sin = ropes.get(local, (None, None))
+            cos, sin = None, None
+            if block.att.rope:  # (a module of its own RoPE in a model without: its angles, as its forward does)
+                cos, sin = ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype)
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, pos] = pos
             observe = None if block.att.observer is None else self._observer(block.att, cache, at, has_positions)
