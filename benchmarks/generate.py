@@ -359,7 +359,8 @@ def profile_table(fn, path: Path, title: str) -> None:
         fn()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# {title}\n# {hardware.header()}\n{table}\n")
+    load = os.getloadavg()[0]
+    path.write_text(f"# {title}\n# {hardware.header()}; load average {load:.1f}\n{table}\n")
     print(f"  profile -> {path}")
 
 
