@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab import hardware
+from attnlab import decoding, hardware
 from attnlab.files import atomic_write_json
 from attnlab.formats.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
@@ -416,6 +416,11 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         f"  read bandwidth {gbs:.1f} GB/s; weights read per step {nbytes / 1e6:.0f} MB -> bound "
         f"{bound:.1f} steps/s ({bound * args.batch:.1f} tokens/s at batch {args.batch})"
     )
+    fused = decoding.fused_bytes(ours)
+    print(
+        f"  the fast path's fused q/k/v weights: {fused / 1e6:.0f} MB more memory "
+        f"({100 * fused / nbytes:.0f}% of the weights)"
+    )
     if compile_s is not None:
         print(f"  the compiled step's first call (compiling) took {compile_s:.1f} s")
     hf_tps = tps.get("transformers generate")
@@ -426,7 +431,8 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
             f"  {name:<24} {value:8.1f} tokens/s  {vs_hf}  {100 * share:5.1f}% of the bound  same tokens: {same[name]}"
         )
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "weight_bytes": nbytes,
-            "bound_steps_per_s": bound, "compile_s": compile_s, "load_average": os.getloadavg()[0]}  # fmt: skip
+            "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
+            "load_average": os.getloadavg()[0]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from attnlab.checks import autocast_on
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
 
-__all__ = ["FastDecoder", "supported"]
+__all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "supported"]
 
 _ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's `approximate`
 
