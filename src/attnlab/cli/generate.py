@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
     )
     add_generation_arguments(parser, max_new_tokens=200)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a step compiled by torch.compile: faster per token, but the first token waits for the "
+        "compilation (tens of seconds on a small CPU)",
+    )
 
 
 def add_generation_arguments(
@@ -159,7 +165,10 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
     dec = StreamDecoder(tok)
     settings = dataclasses.asdict(sampling)
-    for token in model.stream(idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen):
+    stream = model.stream(
+        idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen, compile=args.compile
+    )
+    for token in stream:
         if int(token[0]) in sampling.stop_ids:
             break  # the end-of-text token is not text
         piece = dec.push(int(token[0]))  # token: (1,)

@@ -422,7 +422,10 @@ class Engine:
         def work() -> GenerationRun:
             idx = torch.tensor([ids], dtype=torch.long, device=model.device)
             g = torch.Generator(device=model.device).manual_seed(int(seed))
-            tokens = stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+            tokens = stream(
+                model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
+                with_logits=True,
+            )  # fmt: skip
             return GenerationRun(list(ids), len(ids), sampling, max_new_tokens, candidates, tokens)
 
         run = self.run(work)
@@ -494,21 +497,17 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     """Advance ``run`` by one token and record it as :func:`attnlab.interpret.trace_generation` does:
     the attention row of the query that produced the token (each layer's last pass), the candidates
     after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
-    Call with the engine's lock held (the observers and the hook live on the model meanwhile)."""
+    Call with the engine's lock held (the observers live on the model meanwhile)."""
     records: list[tuple[int, AttentionRecord]] = []
-    logits: list[torch.Tensor] = []
-    hook = model.out_head.register_forward_hook(lambda m, a, out: logits.append(out[:, -1].float()))
-    try:
-        with observe_attention(model, lambda layer, record: records.append((layer, record))):
-            token = next(run.tokens, None)
-    finally:
-        hook.remove()
-    if token is None:
+    with observe_attention(model, lambda layer, record: records.append((layer, record))):
+        step = next(run.tokens, None)  # (token (B,), the logits it was drawn from (B, V))
+    if step is None:
         return None
+    token, logits = step
     L = len(model.trf_blocks)
     last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
     weights = torch.stack([r.weights[:, :, -1].float() for r in last])  # (L, B, H, S)
-    probs = run.sampling.probabilities(logits[-1])  # (B, V): what the token was drawn from
+    probs = run.sampling.probabilities(logits.float())  # (B, V): what the token was drawn from
     top = torch.topk(probs, min(run.candidates, probs.shape[-1]), dim=-1)
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]

@@ -1,0 +1,391 @@
+"""The decoding fast path: one new token through every layer of a :class:`attnlab.GPT`, no checks.
+
+A decoding step of a small model is many thin operations: at SmolLM2-135M's 30 layers of width 576,
+a token reads 538 MB of float32 weights in some 200 matrix-vector products, and the eager forward
+adds, per layer, the argument checks, the mask and position logic of a general ``attend``, three
+small projections where one would do, and a module call per step. :class:`FastDecoder` runs the same
+math with the work a step needs and nothing else:
+
+* the query, key and value projections as one matmul (their weights concatenated once, rebuilt when
+  a parameter changes: the parameters, ``state_dict`` and checkpoints stay as they are);
+* RoPE's angles once per step for all layers, the new key and value written into the preallocated
+  cache, attention over the filled slots only;
+* with ``compile=True``, each layer as one function compiled by ``torch.compile`` over the whole
+  preallocated cache (static shapes, a mask over the filled slots), shared by every layer (one
+  compilation, not 30), and each matrix-vector product of a single row as a fused multiply-reduce
+  that inductor turns into one vectorized loop over the weights, which streams them at memory speed
+  where the BLAS kernel of a one-row matmul does not (CPU; on CUDA the same code, compiled by
+  inductor's Triton backend).
+
+Eager is the reference: generation uses the fast path only where it computes what the model's own
+forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
+Anything else (hooks, observers, LoRA parametrizations, forward hooks, padding masks, ALiBi,
+soft-capping, a rolling cache that has wrapped or a window shorter than the cache, training mode)
+runs the eager forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from attnlab.attention import AttentionRecord
+from attnlab.checks import autocast_on
+from attnlab.functional import causal_mask
+from attnlab.positions import apply_rope
+
+__all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "supported"]
+
+_ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's `approximate`
+
+
+# --------------------------------------------------------------------------------------------
+# When the fast path computes what the eager forward does
+# --------------------------------------------------------------------------------------------
+def _plain_modules(modules: list[nn.Module], hookable: list[nn.Module]) -> bool:
+    """No forward (pre-)hooks on ``modules``, no attnlab hook (:mod:`attnlab.interpret.hooks`) on the
+    blocks and attention layers ``hookable``. (Attention observers are fine: the fast step hands them
+    the record the eager forward would.)"""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return False
+    return all(m.hook is None for m in hookable)
+
+
+def _hookable(model: nn.Module) -> list[nn.Module]:
+    return [m for block in model.trf_blocks for m in (block, block.att)]
+
+
+def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | None) -> bool:
+    """Whether :class:`FastDecoder` may run ``model``'s decoding steps with these caches: an
+    :class:`attnlab.GPT` in eval mode whose attention the fast step reproduces (no ALiBi, no
+    soft-capping), unmodified by hooks or parametrizations, with plain per-layer caches and no
+    padding mask. Checked once per generation; :meth:`FastDecoder.fits` checks each step."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or caches is None or key_mask is not None or model.training:
+        return False
+    if not hasattr(model, "trf_blocks"):
+        return False
+    blocks = model.trf_blocks
+    if len(caches) != len(blocks) or autocast_on(model.device):
+        return False
+    for block in blocks:
+        att, lin = block.att, [block.att.W_query, block.att.W_key, block.att.W_value, block.att.out_proj]
+        if type(block.ff.layers[0]) is not nn.Linear or type(block.ff.layers[2]) is not nn.Linear:
+            return False
+        if any(type(m) is not nn.Linear for m in lin) or att.kv_dim != att.d_in or not att.causal:
+            return False
+        if att.alibi or att.softcap is not None:  # (judged by the modules: a model may hold others than its config's)
+            return False
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        return False
+    return _plain_modules(list(model.modules()), _hookable(model))
+
+
+# --------------------------------------------------------------------------------------------
+# Fused weights, built lazily and rebuilt when a parameter changes
+# --------------------------------------------------------------------------------------------
+_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor, Tensor | None]] = weakref.WeakKeyDictionary()
+
+
+def _version_key(tensors: list[Tensor | None]) -> tuple:
+    """Identity and in-place version of each tensor: any change (an optimizer step, ``load_state_dict``,
+    ``.to()``, a new parameter) gives another key."""
+    return tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
+
+
+def fused_qkv(att: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(W, b)``: the query, key and value projections of ``att`` as one ``(Hq*hd + 2*Hkv*hd, d_in)``
+    weight (and bias); a copy made once and kept while the three parameters are unchanged."""
+    parts = [att.W_query, att.W_key, att.W_value]
+    tensors = [p.weight for p in parts] + [p.bias for p in parts]
+    key = _version_key(tensors)
+    hit = _FUSED.get(att)
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    with torch.no_grad():
+        w = torch.cat([p.weight for p in parts]).detach()  # (Hq*hd + 2*Hkv*hd, d_in)
+        b = None if att.W_query.bias is None else torch.cat([p.bias for p in parts]).detach()
+    _FUSED[att] = (key, w, b)
+    return w, b
+
+
+def fused_bytes(model: nn.Module) -> int:
+    """Bytes held by the fused copies of ``model``'s projections (the fast path's extra memory)."""
+    total = 0
+    for m in model.modules():
+        hit = _FUSED.get(m)
+        if hit is not None:
+            total += sum(t.numel() * t.element_size() for t in hit[1:] if t is not None)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# The math of one step (one function for every layer: the compiled version is compiled once)
+# --------------------------------------------------------------------------------------------
+def _norm(x: Tensor, w: Tensor | None, b: Tensor | None, spec: tuple | None) -> Tensor:
+    """The block's LayerNorm / RMSNorm / Gemma's offset RMSNorm as functions (``spec``: kind, eps, offset)."""
+    if spec is None:
+        return x
+    kind, eps, offset = spec
+    if kind == "ln":
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    if offset == 0:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (offset + w.float())).type_as(x)
+
+
+def _wide(t: Tensor) -> Tensor:
+    """``t`` in float32 if it is a half type (for sums and softmax), else as it is (float64 stays)."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def _matvec(x: Tensor, w: Tensor, b: Tensor | None, reduce: bool) -> Tensor:
+    """``x @ w.T + b``. With ``reduce`` (compiled, one row) a multiply-and-sum that inductor fuses into
+    one loop streaming ``w`` (accumulating in float32), instead of the BLAS call of a one-row matmul."""
+    if not reduce:
+        return F.linear(x, w, b)
+    y = (_wide(x).unsqueeze(-2) * _wide(w)).sum(-1).to(x.dtype)  # (..., N)
+    return y if b is None else y + b
+
+
+def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, kind: str, reduce: bool) -> Tensor:
+    h = _matvec(x, w1, b1, reduce)
+    mlp, approximate = kind
+    if mlp == "gelu":
+        h = F.gelu(h, approximate=approximate)
+    elif mlp == "relu2":
+        h = F.relu(h).square()
+    else:  # swiglu / geglu: [gate | up]
+        gate, up = h.chunk(2, dim=-1)
+        h = (F.silu(gate) if mlp == "swiglu" else F.gelu(gate, approximate=approximate)) * up
+    return _matvec(h, w2, b2, reduce)
+
+
+def _layer(
+    x: Tensor,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    keys: Tensor,
+    values: Tensor,
+    slot: Tensor,
+    w: tuple,
+    spec: tuple,
+    static: bool,
+    observe: Any = None,
+) -> Tensor:
+    """One block for one new token per row: ``x (B, 1, C)`` -> ``(B, 1, C)``.
+
+    ``keys``/``values`` ``(B, Hkv, M, hd)``: the layer's cache buffers; the new key and value go to
+    slot ``slot`` (a 0-d int64 tensor). ``static``: attend over all ``M`` slots with a mask (shapes
+    never change: the compiled step); else over the filled ``slot + 1`` (``slot`` then a Python int).
+    ``w``: the layer's tensors (see :meth:`FastDecoder._weights`); ``spec``: its constants.
+    ``observe(q, keys, values, weights, heads)``: called with the attention weights, computed
+    explicitly then (not static).
+    """
+    (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
+    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post = spec
+    B = x.shape[0]
+    reduce = static and B == 1
+    h = _norm(x, n1w, n1b, norm if n1w is not None else None)
+    q, k, v = _matvec(h, wqkv, bqkv, reduce).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, .) x3
+    if qk_norm == "full":  # all heads' queries (keys) together (OLMo 2)
+        q, k = _norm(q, qnw, None, qspec), _norm(k, knw, None, qspec)
+    q, k, v = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd), v.view(B, 1, Hkv, hd)
+    if qk_norm is True:  # each head
+        q, k = _norm(q, qnw, None, qspec), _norm(k, knw, None, qspec)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, 1, hd), (B, Hkv, 1, hd) x2
+    if cos is not None:
+        if rd == hd:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # partial rotary: the first rd features turn
+            q = torch.cat([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
+    G = H // Hkv
+    if static:
+        keys.index_copy_(2, slot.view(1), k.to(keys.dtype))  # (B, Hkv, M, hd): the new key in its slot
+        values.index_copy_(2, slot.view(1), v.to(values.dtype))
+        M = keys.shape[2]
+        qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, Hkv, G, M)
+        filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
+        scores = scores.masked_fill(~filled, float("-inf"))
+        att = torch.matmul(torch.softmax(_wide(scores), dim=-1).to(values.dtype), values)  # (B, Hkv, G, hd)
+        heads = att.reshape(B, 1, H * hd)
+    else:
+        keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
+        values[:, :, slot] = v[:, :, 0].to(values.dtype)
+        K, V = keys[:, :, : slot + 1], values[:, :, : slot + 1]  # (B, Hkv, S, hd): the filled slots
+        if observe is None:
+            att = F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=G > 1)  # (B, H, 1, hd)
+        else:  # an observer reads the weights: explicit, as the eager forward computes them then
+            Kx, Vx = (K.repeat_interleave(G, dim=1), V.repeat_interleave(G, dim=1)) if G > 1 else (K, V)
+            weights = torch.softmax(q @ Kx.transpose(-1, -2) * scale, dim=-1)  # (B, H, 1, S)
+            att = weights @ Vx  # (B, H, 1, hd)
+            observe(q, K, V, weights, att)
+        heads = att.transpose(1, 2).reshape(B, 1, H * hd)
+    out = _matvec(heads, wo, bo, reduce)  # (B, 1, C)
+    if post:
+        out = _norm(out, p1w, p1b, norm)
+    if parallel:
+        return x + out + _mlp(_norm(x, n2w, n2b, norm), w1, b1, w2, b2, mlp, reduce)
+    x = x + out
+    ff = _mlp(_norm(x, n2w, n2b, norm if n2w is not None else None), w1, b1, w2, b2, mlp, reduce)
+    if post:
+        ff = _norm(ff, p2w, p2b, norm)
+    return x + ff
+
+
+def _head(x: Tensor, nw: Tensor | None, nb: Tensor | None, w: Tensor, norm: tuple, cap: float | None, static: bool):
+    """Final norm and output head of ``x (B, 1, C)``: logits ``(B, V)`` (Gemma 2's soft cap with ``cap``)."""
+    logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, static and x.shape[0] == 1)  # (B, V)
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+@functools.cache
+def _compiled(fn: Any) -> Any:
+    # dynamic=False: the shapes of a generation never change (the cache buffers are preallocated).
+    return torch.compile(fn, dynamic=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder
+# --------------------------------------------------------------------------------------------
+class FastDecoder:
+    """Decoding steps of ``model`` over its KV ``caches`` (one token per row per step).
+
+    Args:
+        model: an :class:`attnlab.GPT` for which :func:`supported` holds.
+        caches: its per-layer caches, already holding the prompt (the prefill runs the eager forward).
+        compile: run each layer (and the head) as a function compiled by ``torch.compile`` over the whole
+            preallocated cache. The first step compiles (once per process and shape set).
+    """
+
+    def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False) -> None:
+        self.model, self.caches, self.compile = model, caches, compile
+        cfg = model.config
+        self.cfg = cfg
+        norm = ("ln", cfg.ln_eps, 0.0) if cfg.norm == "layernorm" else ("rms", cfg.ln_eps, cfg.norm_offset)
+        self.norm = norm
+        self.layers = []
+        for block in model.trf_blocks:
+            att = block.att
+            spec = (
+                norm,
+                att.qk_norm,
+                None if att.q_norm is None else ("rms", att.q_norm.eps, getattr(att.q_norm, "offset", 0.0)),
+                att.num_heads,
+                att.num_kv_heads,
+                att.head_dim,
+                att.rope_dim if att.rope else 0,
+                att.scale,
+                (cfg.mlp, _ACT[cfg.activation]),
+                block.parallel_residual,
+                block.post_norm1 is not None,
+            )
+            self.layers.append((self._weights(block), spec, att.window, block.local_rope, att.has_positions))
+        self.head = (
+            model.final_norm.weight,
+            getattr(model.final_norm, "bias", None),
+            model.out_head.weight,
+            cfg.logit_softcap,
+        )
+        self.layer_fn = _compiled(_layer) if compile else _layer
+        self.head_fn = _compiled(_head) if compile else _head
+        self.modules, self.hookable = (
+            list(model.modules()),
+            _hookable(model),
+        )  # hooks may come and go: checked each step
+
+    @staticmethod
+    def _weights(block: nn.Module) -> tuple:
+        att, ff = block.att, block.ff.layers
+
+        def nb(m: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
+            return (None, None) if m is None else (m.weight, getattr(m, "bias", None))
+
+        wqkv, bqkv = fused_qkv(att)
+        return (
+            *nb(block.norm1),
+            wqkv,
+            bqkv,
+            None if att.q_norm is None else att.q_norm.weight,
+            None if att.k_norm is None else att.k_norm.weight,
+            att.out_proj.weight,
+            att.out_proj.bias,
+            *nb(block.post_norm1),
+            *nb(block.norm2),
+            ff[0].weight,
+            ff[0].bias,
+            ff[2].weight,
+            ff[2].bias,
+            *nb(block.post_norm2),
+        )
+
+    def fits(self) -> bool:
+        """Whether the next step may run here: a free slot in every cache (a rolling cache that has not
+        wrapped) within every layer's window, so attention covers exactly the filled slots, and no
+        hook set on the model since (those run the eager forward)."""
+        if not _plain_modules(self.modules, self.hookable):
+            return False
+        for cache, (_, _, window, _, _) in zip(self.caches, self.layers, strict=True):
+            if cache.seen >= cache.max_length or (window is not None and cache.seen + 1 > window):
+                return False
+        return True
+
+    def step(self, token: Tensor) -> Tensor:
+        """Feed ``token (B,)`` (the newest token of each row) and return its logits ``(B, V)``."""
+        model, cfg = self.model, self.cfg
+        pos = self.caches[0].seen
+        idx = token.view(-1, 1)  # (B, 1)
+        x = model.tok_emb(idx)  # (B, 1, C)
+        if cfg.embed_scale is not None:  # (as the eager forward: the factor rounded to the weights' dtype)
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        at = torch.tensor([[pos]], device=idx.device)  # (1, 1)
+        if cfg.pos == "learned":
+            x = x + model.pos_emb(at)
+        ropes: dict[bool, tuple[Tensor, Tensor]] = {}
+        if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
+            ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in model.rope_sources.items()}
+        blocks = model.trf_blocks
+        observed = any(block.att.observer is not None for block in blocks)  # then the eager step, which reports
+        static = self.compile and not observed
+        slot: Any = torch.tensor(pos, device=idx.device) if static else pos
+        layer_fn = self.layer_fn if static else _layer
+        for block, cache, (w, spec, _, local, has_positions) in zip(blocks, self.caches, self.layers, strict=True):
+            cos, sin = None, None
+            if block.att.rope:  # (a module of its own RoPE in a model without: its angles, as its forward does)
+                cos, sin = ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype)
+            if has_positions:  # (as the eager update(): the cache records the position of the slot)
+                cache.positions[:, pos] = pos
+            observe = None if block.att.observer is None else self._observer(block.att, cache, at, has_positions)
+            x = layer_fn(x, cos, sin, cache.keys, cache.values, slot, w, spec, static, observe)
+            cache.length = cache.seen = pos + 1
+        nw, nb, head, cap = self.head
+        return (self.head_fn if static else _head)(x, nw, nb, head, self.norm, cap, static)  # (B, V)
+
+    @staticmethod
+    def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool) -> Any:
+        """``observe`` for :func:`_layer`: the :class:`AttentionRecord` the eager forward hands ``att.observer``."""
+
+        def observe(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, heads: Tensor) -> None:
+            S = keys.shape[2]
+            window, sinks = att.window, att.sinks
+            if window is None and cache.rolling:
+                window, sinks = cache.max_length - cache.sinks, cache.sinks  # the ring is the window
+            mask = None if window is None else causal_mask(1, S, window=window, sinks=sinks, device=q.device)
+            k_pos = cache.positions[:, :S] if has_positions else None
+            if cache.rolling:  # views of slots the next steps overwrite
+                keys, values, k_pos = keys.clone(), values.clone(), k_pos.clone()
+            q_pos = at if has_positions else None
+            record = AttentionRecord(q, keys, values, mask, True, att.scale, weights, heads, q_pos, k_pos, att.softcap)
+            att.observer(att, record)
+
+        return observe

@@ -1,0 +1,240 @@
+"""The decoding fast path (:mod:`attnlab.decoding`) against the eager forward, the reference.
+
+Every family's switches on a small model built from its config, in float64 (so the two paths agree
+to rounding, and the greedy tokens cannot flip on a near tie): the tokens and the logits of
+``generate(fast=True)`` must equal those of ``generate(fast=False)``, and the fast path must have run
+(a spy counts its steps). Where it does not apply (hooks, observers, LoRA, forward hooks, padding
+masks, ALiBi, soft-capping, a cache that wraps) it must hand over to the eager path, with the same
+tokens again. Its fused projection weights follow the parameters when they change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import decoding
+from attnlab.model import GPT, GPTConfig
+
+BASE = dict(vocab_size=61, context_length=48, emb_dim=48, n_heads=4, n_layers=3, drop_rate=0.0)
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+FAMILIES = {
+    "gpt2": dict(qkv_bias=True),
+    "gpt2-window": dict(qkv_bias=True, window=8),
+    "llama-gqa": dict(LLAMA, n_kv_heads=2),
+    "smollm2-like": dict(LLAMA, n_kv_heads=2, tie_embeddings=True, rope_theta=100000.0),
+    "modern": dict(pos="rope", norm="rmsnorm", mlp="relu2", qk_norm=True, bias=False, tie_embeddings=False),
+    "qwen2": dict(LLAMA, n_kv_heads=2, qkv_bias=True),
+    "gemma": dict(LLAMA, mlp="geglu", norm_offset=1.0, head_size=16, embed_scale=48**0.5, tie_embeddings=True),
+    "gemma3": dict(
+        LLAMA, qk_norm=True, post_norms=True, window=6, window_layers=[0, 1], rope_local_theta=100.0, head_size=8
+    ),
+    "olmo2": dict(LLAMA, qk_norm="full", pre_norms=False, post_norms=True),
+    "neox": dict(pos="rope", norm="layernorm", qkv_bias=True, parallel_residual=True, rotary_fraction=0.25, n_heads=3),
+    "nope": dict(pos="none", norm="rmsnorm", mlp="swiglu", bias=False),
+    "phi3-window": dict(LLAMA, rotary_fraction=0.5, window=40),
+}
+
+
+def make(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**BASE, **overrides})).to(dtype).eval()
+    with torch.no_grad():  # larger than the init: peaked, varied next-token distributions
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(4)
+            elif "norm" in name and name.endswith("weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """How many steps the fast path ran (a spy on FastDecoder.step)."""
+    count = [0]
+    step = decoding.FastDecoder.step
+
+    def spy(self, token):
+        count[0] += 1
+        return step(self, token)
+
+    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
+    return count
+
+
+def both(model: GPT, idx: torch.Tensor, n: int, **kw):
+    ref = model.generate(idx, n, return_logits=True, fast=False, **kw)
+    fast = model.generate(idx, n, return_logits=True, **kw)
+    return ref, fast
+
+
+def assert_same(ref, fast, tol: float = 1e-10) -> None:
+    assert torch.equal(ref[0], fast[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_steps_equal_the_eager_forward(family, steps):
+    model = make(FAMILIES[family])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+    ref, fast = both(model, idx, 20, temperature=0)
+    assert_same(ref, fast)
+    if "window" not in FAMILIES[family] or FAMILIES[family]["window"] > 25:
+        assert steps[0] == 19  # every step after the prefill
+    else:  # the fast path runs until the cache holds a window of tokens
+        assert 0 < steps[0] < 19
+
+
+def test_sampling_draws_the_same_tokens(steps):
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (3, 4), generator=torch.Generator().manual_seed(2))
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95)
+    ref = model.generate(idx, 15, generator=torch.Generator().manual_seed(5), fast=False, **kw)
+    fast = model.generate(idx, 15, generator=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(ref, fast) and steps[0] == 14
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+def test_past_the_context_and_around_the_ring(family, steps):
+    """GPT-2 re-encodes its window when the cache is full, a rolling cache wraps: both hand the
+    steps back to the eager forward where needed, with the same tokens."""
+    model = make({**FAMILIES[family], "context_length": 12})
+    idx = torch.randint(0, BASE["vocab_size"], (1, 5))
+    ref, fast = both(model, idx, 30, temperature=0)
+    assert_same(ref, fast)
+    assert 0 < steps[0] < 29
+
+
+def test_a_padded_batch_runs_eager_with_the_same_tokens(steps):
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref, fast = both(model, idx, 8, temperature=0, attention_mask=mask)
+    assert_same(ref, fast)
+    assert steps[0] == 0
+
+
+@pytest.mark.parametrize("overrides", [dict(pos="alibi"), dict(LLAMA, attn_softcap=2.0, logit_softcap=5.0)])
+def test_alibi_and_soft_capping_run_eager(overrides, steps):
+    model = make(overrides)
+    ref, fast = both(model, torch.randint(0, BASE["vocab_size"], (1, 4)), 6, temperature=0)
+    assert_same(ref, fast)
+    assert steps[0] == 0
+
+
+def test_hooks_and_forward_hooks_run_eager(steps):
+    from attnlab.interpret.hooks import hooks
+
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+    ref = model.generate(idx, 6, temperature=0, fast=False)
+    doubled = lambda x, hook: 2 * x
+    with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
+        hooked = model.generate(idx, 6, temperature=0)
+    with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
+        hooked_ref = model.generate(idx, 6, temperature=0, fast=False)
+    assert torch.equal(hooked, hooked_ref) and steps[0] == 0
+    handle = model.trf_blocks[0].att.out_proj.register_forward_pre_hook(lambda m, a: (a[0] * 0,))
+    try:
+        ablated = model.generate(idx, 6, temperature=0)
+        assert steps[0] == 0 and torch.equal(ablated, model.generate(idx, 6, temperature=0, fast=False))
+    finally:
+        handle.remove()
+    assert torch.equal(model.generate(idx, 6, temperature=0), ref) and steps[0] == 5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "olmo2"])
+def test_observers_get_the_records_of_the_eager_forward(family, steps):
+    """attnlab.interpret's observers (serve's live generation, trace_generation) run on the fast path
+    and see what the eager forward shows them: weights, keys, values, positions, mask."""
+    from attnlab.interpret.tracing import observe_attention
+
+    model = make(FAMILIES[family])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 4))
+    records = {True: [], False: []}
+    for fast in (False, True):
+        with observe_attention(model, lambda layer, r, fast=fast: records[fast].append((layer, r))):
+            model.generate(idx, 7, temperature=0, fast=fast)
+    assert steps[0] > 0 and len(records[True]) == len(records[False]) == 7 * 3
+    for (la, a), (lb, b) in zip(records[False], records[True], strict=True):
+        assert la == lb and a.is_causal == b.is_causal and a.scale == b.scale
+        for name in ("q", "k", "v", "weights", "head_outputs", "q_positions", "k_positions", "mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_lora_runs_eager_and_merged_weights_run_fast(steps):
+    from attnlab.training.lora import LoRASettings, apply_lora, merge_lora
+
+    model = make(FAMILIES["llama-gqa"])
+    apply_lora(model, LoRASettings.make(4, targets="q,v,down"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+    ref, fast = both(model, idx, 8, temperature=0)
+    assert_same(ref, fast)
+    assert steps[0] == 0
+    merge_lora(model)
+    ref, fast = both(model, idx, 8, temperature=0)
+    assert_same(ref, fast)
+    assert steps[0] == 7
+
+
+def test_fused_weights_follow_the_parameters(steps):
+    model = make(FAMILIES["llama-gqa"])
+    keys = set(model.state_dict())
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+    model.generate(idx, 4, temperature=0)
+    with torch.no_grad():  # in place (an optimizer step), then a new tensor (load_state_dict(assign=True))
+        model.trf_blocks[1].att.W_key.weight.mul_(-1.5)
+    assert_same(*both(model, idx, 8, temperature=0))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["trf_blocks.0.att.W_value.weight"].normal_()
+    model.load_state_dict(state, assign=True)
+    assert_same(*both(model, idx, 8, temperature=0))
+    assert set(model.state_dict()) == keys  # the fused copies are no parameters or buffers
+    assert decoding.fused_bytes(model) > 0
+
+
+def test_training_mode_comes_back_and_float32_agrees(steps):
+    model = make(FAMILIES["smollm2-like"], dtype=torch.float32).train()
+    idx = torch.randint(0, BASE["vocab_size"], (4, 6))
+    ref, fast = both(model, idx, 10, temperature=0)
+    assert torch.equal(ref[0], fast[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert model.training and steps[0] == 9
+
+
+def test_bad_switches_are_type_errors():
+    model = make(FAMILIES["gpt2"])
+    with pytest.raises(TypeError, match="fast"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, fast="yes")
+    with pytest.raises(TypeError, match="compile"):
+        model.stream(torch.zeros(1, 2, dtype=torch.long), 2, compile=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["smollm2-like", "gpt2"])
+def test_the_compiled_step_equals_the_eager_forward(family, steps):
+    """One compiled layer function (and head) over the whole preallocated cache, in float64."""
+    model = make(FAMILIES[family])
+    for B in (1, 2):
+        idx = torch.randint(0, BASE["vocab_size"], (B, 5))
+        ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+        compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
+        assert_same(ref, compiled, tol=1e-9)
+    assert steps[0] == 2 * 11
+
+
+@pytest.mark.slow
+def test_smollm2_fast_steps_equal_eager(smollm2_gguf, steps):
+    model = GPT.from_gguf(smollm2_gguf)
+    idx = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref, fast = both(model, idx, 12, temperature=0)
+    assert torch.equal(ref[0], fast[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert steps[0] == 11
