@@ -198,6 +198,13 @@ def test_fused_weights_follow_the_parameters(steps):
     assert_same(*both(model, idx, 8, temperature=0))
     assert set(model.state_dict()) == keys  # the fused copies are no parameters or buffers
     assert decoding.fused_bytes(model) > 0
+    # An edit through .data bumps no version counter: a fused copy kept from the last generation would
+    # miss it (the ablation people do by hand, weight.data[...] = 0).
+    before = both(model, idx, 8, temperature=0)[1]
+    model.trf_blocks[0].att.W_value.weight.data[:, :] = 0.0
+    ref, fast = both(model, idx, 8, temperature=0)
+    assert_same(ref, fast)
+    assert not torch.allclose(before[1], fast[1])  # the edit did change the model
 
 
 def test_training_mode_comes_back_and_float32_agrees(steps):

@@ -6,8 +6,8 @@ adds, per layer, the argument checks, the mask and position logic of a general `
 small projections where one would do, and a module call per step. :class:`FastDecoder` runs the same
 math with the work a step needs and nothing else:
 
-* the query, key and value projections as one matmul (their weights concatenated once, rebuilt when
-  a parameter changes: the parameters, ``state_dict`` and checkpoints stay as they are);
+* the query, key and value projections as one matmul (their weights concatenated when a generation
+  starts, freed when it ends: the parameters, ``state_dict`` and checkpoints stay as they are);
 * RoPE's angles once per step for all layers, the new key and value written into the preallocated
   cache, attention over the filled slots only;
 * with ``compile=True``, each layer as one function compiled by ``torch.compile`` over the whole
@@ -27,7 +27,6 @@ runs the eager forward.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -90,40 +89,27 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
 
 
 # --------------------------------------------------------------------------------------------
-# Fused weights, built lazily and rebuilt when a parameter changes
+# Fused weights, made for each generation
 # --------------------------------------------------------------------------------------------
-_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor, Tensor | None]] = weakref.WeakKeyDictionary()
-
-
-def _version_key(tensors: list[Tensor | None]) -> tuple:
-    """Identity and in-place version of each tensor: any change (an optimizer step, ``load_state_dict``,
-    ``.to()``, a new parameter) gives another key."""
-    return tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
-
-
 def fused_qkv(att: nn.Module) -> tuple[Tensor, Tensor | None]:
     """``(W, b)``: the query, key and value projections of ``att`` as one ``(Hq*hd + 2*Hkv*hd, d_in)``
-    weight (and bias); a copy made once and kept while the three parameters are unchanged."""
+    weight (and bias). A fresh copy, made when a generation starts and freed when it ends: a copy kept
+    between generations could go stale unseen (``weight.data[...] = 0`` bumps no version counter), and
+    the copy costs a few milliseconds against the seconds of a generation."""
     parts = [att.W_query, att.W_key, att.W_value]
-    tensors = [p.weight for p in parts] + [p.bias for p in parts]
-    key = _version_key(tensors)
-    hit = _FUSED.get(att)
-    if hit is not None and hit[0] == key:
-        return hit[1], hit[2]
     with torch.no_grad():
         w = torch.cat([p.weight for p in parts]).detach()  # (Hq*hd + 2*Hkv*hd, d_in)
         b = None if att.W_query.bias is None else torch.cat([p.bias for p in parts]).detach()
-    _FUSED[att] = (key, w, b)
     return w, b
 
 
 def fused_bytes(model: nn.Module) -> int:
-    """Bytes held by the fused copies of ``model``'s projections (the fast path's extra memory)."""
+    """Bytes of the fused projections a generation of ``model`` holds while it runs (the fast path's
+    extra memory): the query, key and value weights and biases of every attention layer, once more."""
     total = 0
-    for m in model.modules():
-        hit = _FUSED.get(m)
-        if hit is not None:
-            total += sum(t.numel() * t.element_size() for t in hit[1:] if t is not None)
+    for block in getattr(model, "trf_blocks", []):
+        for p in (block.att.W_query, block.att.W_key, block.att.W_value):
+            total += sum(t.numel() * t.element_size() for t in (p.weight, p.bias) if t is not None)
     return total
 
 
