@@ -76,26 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         assert r.status_code == 200, r.text
         return time.perf_counter() - t0
 
-    def library() -> float:
+    def library(chunks: list | None = None) -> float:
+        """The unpatched runs and both sites; ``chunks``: each site in these layer groups, as the server does."""
         metric = logit_diff(a, b)
         t0 = time.perf_counter()
         with torch.inference_mode():
             for i in ids:
                 metric(model(i))
             for site in ("head_out", "resid_pre"):
-                activation_patching(model, ids[0], ids[1], metric, site)
+                for layers in chunks or [None]:
+                    activation_patching(model, ids[0], ids[1], metric, site, layers=layers)
         return time.perf_counter() - t0
 
     def pieces() -> float:  # the library called as the server calls it: each site in layer_chunks
-        metric = logit_diff(a, b)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for i in ids:
-                metric(model(i))
-            for site in ("head_out", "resid_pre"):
-                for layers in layer_chunks(cfg.n_layers):
-                    activation_patching(model, ids[0], ids[1], metric, site, layers=layers)
-        return time.perf_counter() - t0
+        return library(layer_chunks(cfg.n_layers))
 
     def click() -> float:
         t0 = time.perf_counter()

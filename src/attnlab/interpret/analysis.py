@@ -136,10 +136,7 @@ def logit_lens(
                     e = min(T, s + chunk)
                     f = final[b, s:e, None]  # (c, 1)
                     if layer == L:  # after the last block the lens is the model's own head: its logits are here
-                        logits = trace.logits[b, s:e].float()  # (c, V)
-                        top = torch.topk(logits, k, dim=-1)
-                        lse = _logsumexp(logits, top.indices[:, :1])  # (c, 1)
-                        ids, vals, fval = top.indices, top.values, logits.gather(-1, f)
+                        ids, vals, fval, lse = _exact_rows(trace.logits[b, s:e].float(), f, k)
                     else:
                         h = model.final_norm(trace.residual[layer, b, s:e])  # (c, d)
                         ids, vals, fval, lse = _lens_rows(h, W, bias, W_search, f, k, n_cand)
@@ -157,6 +154,13 @@ def _logsumexp(x: Tensor, at: Tensor) -> Tensor:
     return x.gather(-1, at) - torch.log_softmax(x, dim=-1).gather(-1, at)
 
 
+def _exact_rows(logits: Tensor, final: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Exact ``logits (c, V)``: the top-``k`` ids and logits ``(c, k)``, the logit of ``final (c, 1)``
+    and the normaliser ``lse (c, 1)``."""
+    top = torch.topk(logits, k, dim=-1)
+    return top.indices, top.values, logits.gather(-1, final), _logsumexp(logits, top.indices[:, :1])
+
+
 def _lens_rows(
     h: Tensor, W: Tensor, bias: Tensor | None, W_search: Tensor, final: Tensor, k: int, n_cand: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -167,9 +171,7 @@ def _lens_rows(
     final token are scored again with ``W`` exactly; the normaliser is ``log(sum over candidates of
     exp(exact) + sum over the rest of exp(searched))``."""
     if W_search.dtype == h.dtype:  # the model's own dtype: the logits are exact, nothing to re-score
-        logits = F.linear(h, W, bias).float()  # (c, V)
-        top = torch.topk(logits, k, dim=-1)
-        return top.indices, top.values, logits.gather(-1, final), _logsumexp(logits, top.indices[:, :1])
+        return _exact_rows(F.linear(h, W, bias).float(), final, k)
     else:
         # h in two narrow parts, h = hi + lo: rounding h alone would shift every logit alike along the
         # direction the unembedding's rows share (+0.02 on SmolLM2, 1% of the normaliser). Both parts
