@@ -20,6 +20,9 @@ Recent traces are cached by token ids: the live page asks for the heads, then fo
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
 While the user types, the heads view needs the attention alone: that pass records no stages and stops
 before the final norm and the unembedding; a section that needs more traces the prompt again, fully.
+Typing changes the end of the prompt only, so the attention pass keeps the keys and values of its
+tokens (:func:`attnlab.interpret.retrace`): the next prompt runs the model on the tokens after the
+longest prefix it shares with a recent one, and takes the attention rows of that prefix as they were.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from attnlab.attention import AttentionRecord
 from attnlab.errors import UserError
 from attnlab.generation import SamplingConfig, stream
 from attnlab.interpret import (
+    KeptTrace,
     ablation_effect,
     inspector_data,
     next_token_probabilities,
     observe_attention,
     parse_heads,
+    retrace,
+    shared_prefix,
     token_label,
     token_strings,
     trace,
@@ -127,6 +133,7 @@ class Engine:
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
         self.cache_size = cache_size
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._kept: OrderedDict[tuple[int, ...], KeptTrace] = OrderedDict()  # attention traces, keys and values
         self._roles: dict[str, Any] | None = None
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
@@ -135,6 +142,8 @@ class Engine:
             "model_calls": 0,
             "traces": 0,
             "trace_cache_hits": 0,
+            "prefix_reuses": 0,
+            "tokens_reused": 0,
             "generations_started": 0,
             "generations_finished": 0,
             "generations_stopped": 0,
@@ -258,11 +267,18 @@ class Engine:
             return cached
         loaded = self._need_model()
         idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
-        tr = trace(loaded.model, idx, stages=full, logits=full, tokenizer=loaded.tokenizer)
+        if full:
+            tr = trace(loaded.model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer)
+        else:  # the attention alone: from the recent prompt sharing the longest prefix, if any
+            base = max(self._kept.values(), key=lambda k: shared_prefix(k.trace.idx, idx), default=None)
+            kept = retrace(loaded.model, idx, base, tokenizer=loaded.tokenizer)
+            if kept.reused:
+                self.count("prefix_reuses")
+                self.count("tokens_reused", kept.reused)
+            _remember(self._kept, key, kept, self.cache_size)
+            tr = kept.trace
         self.count("traces")
-        self._traces[key] = tr
-        while len(self._traces) > self.cache_size:
-            self._traces.popitem(last=False)
+        _remember(self._traces, key, tr, self.cache_size)
         return tr
 
     def inspect(
@@ -491,6 +507,14 @@ class Engine:
         if self.demo is None:
             raise LookupError("this server runs a language model, not the tutorials' six-word example")
         return self.demo
+
+
+def _remember(cache: OrderedDict, key: tuple[int, ...], value: Any, size: int) -> None:
+    """Put ``value`` last in the least-recently-used ``cache`` of ``size`` entries."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep | None:
