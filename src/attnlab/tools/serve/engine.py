@@ -110,6 +110,8 @@ class Engine:
         limits: what a request may ask for.
         cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
             GPT-2-small, most of it the logits).
+        kept_bytes: memory for the attention traces kept with their keys and values, whose prefix the
+            next prompts reuse (31 MB per 150-token prompt of SmolLM2); the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
     """
@@ -122,6 +124,7 @@ class Engine:
         name: str = "",
         limits: Limits | None = None,
         cache_size: int = 4,
+        kept_bytes: int = 512 << 20,
         prompt: str | None = None,
     ):
         if (loaded is None) == (demo is None):
@@ -131,7 +134,7 @@ class Engine:
         self.name = name or ("the tutorials' six-word example" if demo is not None else type(loaded.model).__name__)
         self.lock = threading.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
-        self.cache_size = cache_size
+        self.cache_size, self.kept_bytes = cache_size, kept_bytes
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._kept: OrderedDict[tuple[int, ...], KeptTrace] = OrderedDict()  # attention traces, keys and values
         self._roles: dict[str, Any] | None = None
@@ -142,6 +145,7 @@ class Engine:
             "model_calls": 0,
             "traces": 0,
             "trace_cache_hits": 0,
+            "tokens_run": 0,
             "prefix_reuses": 0,
             "tokens_reused": 0,
             "generations_started": 0,
@@ -269,17 +273,31 @@ class Engine:
         idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
         if full:
             tr = trace(loaded.model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer)
+            self.count("tokens_run", len(ids))
         else:  # the attention alone: from the recent prompt sharing the longest prefix, if any
             base = max(self._kept.values(), key=lambda k: shared_prefix(k.trace.idx, idx), default=None)
             kept = retrace(loaded.model, idx, base, tokenizer=loaded.tokenizer)
+            self.count("tokens_run", len(ids) - kept.reused)
             if kept.reused:
                 self.count("prefix_reuses")
                 self.count("tokens_reused", kept.reused)
-            _remember(self._kept, key, kept, self.cache_size)
+            self._keep(key, kept)
             tr = kept.trace
         self.count("traces")
         _remember(self._traces, key, tr, self.cache_size)
         return tr
+
+    def _keep(self, key: tuple[int, ...], kept: KeptTrace) -> None:
+        """Keep ``kept`` last; forget the oldest while they hold more than ``kept_bytes`` (not the latest)."""
+        _remember(self._kept, key, kept, self.cache_size * 4)
+
+        def size(k: KeptTrace) -> int:
+            caches = sum(c.keys.nbytes + c.values.nbytes for c in k.caches)
+            return k.trace.weights.nbytes + caches
+
+        total = sum(size(k) for k in self._kept.values())
+        while len(self._kept) > 1 and total > self.kept_bytes:
+            total -= size(self._kept.popitem(last=False)[1])
 
     def inspect(
         self,
