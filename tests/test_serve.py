@@ -303,6 +303,24 @@ def test_kept_traces_stay_within_their_memory(tmp_path):
         )
 
 
+def test_head_roles_are_computed_at_start_in_the_background(tmp_path):
+    """warm_up (which attnlab serve calls once it listens) computes the head roles on the model's thread:
+    the first request for them runs no pass but its prompt's, and gets what all_head_scores computes."""
+    model = sharp_gpt()
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+    engine.warm_up()
+    engine.run(lambda: None)  # queued behind the warm-up: it has finished
+    passes: list[int] = []
+    handle = model.trf_blocks[0].register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[1]))
+    try:
+        got = unpack(to_json(engine.inspect("roles now", ["roles"])))
+    finally:
+        handle.remove()
+    assert passes == [len("roles now")]
+    for kind, scores in all_head_scores(model).items():
+        close(got["roles"]["scores"][kind], scores)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(max_size=30) | st.sampled_from(['"attnlab-', 'attnlab-0"', '\\"b64"', "\u2028\x00"]),

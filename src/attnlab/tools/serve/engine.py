@@ -320,8 +320,8 @@ class Engine:
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
-            if "roles" in sections and self._roles is None:
-                self._roles = inspector_data(tr, sections={"roles"})["roles"]
+            if "roles" in sections:
+                self._head_roles()
             data = inspector_data(
                 tr,
                 sections=sections - {"roles"},
@@ -344,6 +344,31 @@ class Engine:
         data["ids"] = ids
         data["vocab_size"] = loaded.model.config.vocab_size
         return data
+
+    def _head_roles(self) -> dict[str, Any]:
+        """The head-role section of the page (computed once: it depends on the model alone). Call with
+        the lock held."""
+        if self._roles is None:
+            loaded = self._need_model()
+            one = torch.zeros(
+                (1, 1), dtype=torch.long, device=loaded.model.device
+            )  # (any trace: roles are the model's)
+            tr = trace(loaded.model, one, logits=False)
+            self._roles = inspector_data(tr, sections={"roles"})["roles"]
+        return self._roles
+
+    def warm_up(self) -> None:
+        """Compute the head roles on the model's thread now, without waiting for them: the page's first
+        full inspection then finds them ready (on SmolLM2 they take as long as a 150-token forward).
+        A request that comes meanwhile waits its turn, as behind any other."""
+        if self.loaded is None:
+            return
+
+        def roles() -> None:
+            with self.lock, torch.inference_mode():
+                self._head_roles()
+
+        self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
 
     def next_tokens(
         self,
