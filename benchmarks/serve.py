@@ -37,9 +37,9 @@ every number down); run it more than once.
 (``output_attentions=True``, float32, the same tokens, on as many torch threads as the server uses) timed
 in this process just before (and for the full inspection just after):
 
-* the full inspection of a new prompt (all six sections, head roles included, the first time the server
-  computes them and again once they are cached), and its pieces timed in this process on attnlab's own
-  model (the trace, each section, head roles, the JSON answer);
+* the full inspection of a new prompt (all six sections; the server computes the head roles, which
+  depend on the model alone, in the background once it listens), twice, and its pieces timed in this
+  process on attnlab's own model (the trace, each section, head roles, the JSON answer);
 * **typing**, as a reader types: one 150-token prompt typed on, a word added per request (the page asks
   250 ms after the last key) and every sixth request the last word deleted instead; the server runs the
   model on the tokens after the prefix shared with a recent prompt only (``interpret.retrace``). Against
@@ -343,7 +343,7 @@ def smollm2_main(args) -> None:
                     "kb": len(r.content) >> 10,
                 }
 
-            out["full_first"] = full(prompts[0])  # head roles computed here
+            out["full_first"] = full(prompts[0])  # (head roles: computed by the server once it listens)
             out["full_cached_roles"] = full(prompts[1])
             # Typing: one prompt typed on, a word per request, now and then the last word deleted.
             out["typing_1"] = typing_session(c, starts[2], n1, forward)
@@ -367,8 +367,8 @@ def smollm2_main(args) -> None:
         f"{load_after[0]:.2f} after"
     )
     for key, label in (
-        ("full_first", "full inspection, head roles computed"),
-        ("full_cached_roles", "full inspection, roles cached"),
+        ("full_first", "full inspection of a new prompt, the first"),
+        ("full_cached_roles", "full inspection of another new prompt"),
     ):
         m = out[key]
         print(
