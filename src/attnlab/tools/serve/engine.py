@@ -111,7 +111,8 @@ class Engine:
         cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
             GPT-2-small, most of it the logits).
         kept_bytes: memory for the attention traces kept with their keys and values, whose prefix the
-            next prompts reuse (31 MB per 150-token prompt of SmolLM2); the latest is kept whatever its size.
+            next prompts reuse (31 MB per 150-token prompt of SmolLM2), at most ``4 * cache_size`` of
+            them (16 typists each find theirs); the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
     """
@@ -350,10 +351,8 @@ class Engine:
         the lock held."""
         if self._roles is None:
             loaded = self._need_model()
-            one = torch.zeros(
-                (1, 1), dtype=torch.long, device=loaded.model.device
-            )  # (any trace: roles are the model's)
-            tr = trace(loaded.model, one, logits=False)
+            one = torch.zeros((1, 1), dtype=torch.long, device=loaded.model.device)
+            tr = trace(loaded.model, one, logits=False)  # any trace: the roles come from a probe of their own
             self._roles = inspector_data(tr, sections={"roles"})["roles"]
         return self._roles
 
