@@ -197,3 +197,22 @@ def test_bad_arguments_are_named():
         retrace(torch.nn.Linear(2, 2), ids(6, 13))
     with pytest.raises(ValueError, match="context_length"):
         retrace(model, torch.zeros(1, C + 1, dtype=torch.long), kept)
+
+
+@pytest.mark.slow
+def test_smollm2_typing_equals_fresh_traces(smollm2_gguf):
+    """The real model (30 layers, grouped-query RoPE attention): a 120-token prompt typed on, a word at
+    a time, then a word deleted, each retraced from the last and compared with a fresh trace."""
+    from attnlab.tools.loading import load_pretrained
+
+    loaded = load_pretrained(str(smollm2_gguf), dtype=torch.float32)
+    text = "I had always thought Jack Gisburn rather a cheap genius--though a good fellow enough--so it was no"
+    base = text * 2
+    typed = [base, base + " great", base + " great surprise", base + " great surprise to me", base + " great surprise"]
+    kept = None
+    for prompt in typed:
+        idx = torch.tensor([loaded.tokenizer.encode(prompt)])
+        reused = 0 if kept is None else shared_prefix(kept.trace.idx, idx)
+        kept = retrace(loaded.model, idx, kept)
+        assert kept.reused == reused
+        same_as_fresh(kept, loaded.model, idx, atol=1e-5)
