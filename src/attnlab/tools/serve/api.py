@@ -199,6 +199,9 @@ class StatsAnswer(BaseModel):
     model_calls: int
     traces: int
     trace_cache_hits: int
+    tokens_run: int = Field(description="positions the traces ran the model on (the rest reused or cached)")
+    prefix_reuses: int = Field(description="attention passes that ran only the tokens after a recent prompt's prefix")
+    tokens_reused: int = Field(description="positions whose attention rows those passes took from the recent prompt")
     generations_started: int
     generations_finished: int
     generations_stopped: int = Field(description="generations ended early because their client left")

@@ -28,8 +28,10 @@ this server only.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
+import secrets
 from collections.abc import Callable
 from string import Template
 from typing import Any
@@ -43,7 +45,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab import __version__
-from attnlab.interpret.codec import to_json
+from attnlab.interpret.codec import Packed, to_json
 from attnlab.interpret.page import ASSETS, json_for_script, read_asset
 from attnlab.tools.serve.api import (
     AblateAnswer,
@@ -63,7 +65,7 @@ from attnlab.tools.serve.chat import NoChatTemplate, advance_chat, start_chat
 from attnlab.tools.serve.engine import Engine, NotALanguageModel
 from attnlab.tools.serve.patching import patch_answer, patch_sites, prepare_patch, unpatched_runs
 
-__all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page"]
+__all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page", "packed_json"]
 
 # The live page talks to this server only: its own scripts and styles, fetches to itself, canvases
 # as data: images. No inline script runs (the page's configuration is a JSON block, not code).
@@ -199,6 +201,37 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(text, status_code=status, media_type="application/json")
 
 
+def packed_json(data: Any) -> bytes:
+    """``json.dumps(to_json(data))`` as UTF-8 bytes, made faster: each packed array's base64 is spliced
+    into the text instead of passing through ``json.dumps``, which would scan every character of it
+    for one to escape (base64 has none). A 150-token page of SmolLM2 holds 16 MB of it: 70-100 ms of
+    dumping and encoding, against a few to join the bytes."""
+    arrays: list[Packed] = []
+    marker = "attnlab-" + secrets.token_hex(12) + "-"  # no text of the request can know it
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, Packed):
+            arrays.append(obj)
+            return {**obj.header(), "b64": f"{marker}{len(arrays) - 1}"}
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
+        return obj
+
+    text = json.dumps(walk(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    pieces = text.split(f'"{marker}'.encode())
+    out = [pieces[0]]
+    for piece in pieces[1:]:  # each: the array's number, the closing quote, the text up to the next array
+        number, rest = piece.split(b'"', 1)
+        out += [b'"', base64.b64encode(arrays[int(number)].data), b'"', rest]
+    return b"".join(out)
+
+
+def _packed_response(data: Any) -> Response:
+    return Response(packed_json(data), media_type="application/json")
+
+
 def _sse(event: str, data: Any) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
 
@@ -296,7 +329,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
             lens_k=req.lens_k,
             next_k=req.next_k,
         )
-        return _json(to_json(data, blob=False))
+        return await call(_packed_response, data)  # a worker thread: megabytes to encode, the event loop free
 
     @app.post("/api/next", response_model=NextAnswer, summary="next-token probabilities after a position")
     async def next_tokens(req: NextRequest) -> dict:
@@ -436,10 +469,10 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         results = await patch_sites(engine, job, req.sites, call, request.is_disconnected)  # in pieces
         if results is None:  # the reader pressed stop, or patched again
             return _json({"detail": "the client left"}, 400)
-        return _json(to_json(patch_answer(engine, job, values, results, pattern), blob=False))
+        return await call(_packed_response, patch_answer(engine, job, values, results, pattern))
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
-        return _json(to_json(engine.demo_data(), blob=False))
+        return _packed_response(engine.demo_data())
 
     return app

@@ -20,6 +20,9 @@ Recent traces are cached by token ids: the live page asks for the heads, then fo
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
 While the user types, the heads view needs the attention alone: that pass records no stages and stops
 before the final norm and the unembedding; a section that needs more traces the prompt again, fully.
+Typing changes the end of the prompt only, so the attention pass keeps the keys and values of its
+tokens (:func:`attnlab.interpret.retrace`): the next prompt runs the model on the tokens after the
+longest prefix it shares with a recent one, and takes the attention rows of that prefix as they were.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from attnlab.attention import AttentionRecord
 from attnlab.errors import UserError
 from attnlab.generation import SamplingConfig, stream
 from attnlab.interpret import (
+    KeptTrace,
     ablation_effect,
     inspector_data,
     next_token_probabilities,
     observe_attention,
     parse_heads,
+    retrace,
+    shared_prefix,
     token_label,
     token_strings,
     trace,
@@ -104,6 +110,9 @@ class Engine:
         limits: what a request may ask for.
         cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
             GPT-2-small, most of it the logits).
+        kept_bytes: memory for the attention traces kept with their keys and values, whose prefix the
+            next prompts reuse (31 MB per 150-token prompt of SmolLM2), at most ``4 * cache_size`` of
+            them (16 typists each find theirs); the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
     """
@@ -116,6 +125,7 @@ class Engine:
         name: str = "",
         limits: Limits | None = None,
         cache_size: int = 4,
+        kept_bytes: int = 512 << 20,
         prompt: str | None = None,
     ):
         if (loaded is None) == (demo is None):
@@ -125,8 +135,9 @@ class Engine:
         self.name = name or ("the tutorials' six-word example" if demo is not None else type(loaded.model).__name__)
         self.lock = threading.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
-        self.cache_size = cache_size
+        self.cache_size, self.kept_bytes = cache_size, kept_bytes
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._kept: OrderedDict[tuple[int, ...], KeptTrace] = OrderedDict()  # attention traces, keys and values
         self._roles: dict[str, Any] | None = None
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
@@ -135,6 +146,9 @@ class Engine:
             "model_calls": 0,
             "traces": 0,
             "trace_cache_hits": 0,
+            "tokens_run": 0,
+            "prefix_reuses": 0,
+            "tokens_reused": 0,
             "generations_started": 0,
             "generations_finished": 0,
             "generations_stopped": 0,
@@ -258,12 +272,33 @@ class Engine:
             return cached
         loaded = self._need_model()
         idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
-        tr = trace(loaded.model, idx, stages=full, logits=full, tokenizer=loaded.tokenizer)
+        if full:
+            tr = trace(loaded.model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer)
+            self.count("tokens_run", len(ids))
+        else:  # the attention alone: from the recent prompt sharing the longest prefix, if any
+            base = max(self._kept.values(), key=lambda k: shared_prefix(k.trace.idx, idx), default=None)
+            kept = retrace(loaded.model, idx, base, tokenizer=loaded.tokenizer)
+            self.count("tokens_run", len(ids) - kept.reused)
+            if kept.reused:
+                self.count("prefix_reuses")
+                self.count("tokens_reused", kept.reused)
+            self._keep(key, kept)
+            tr = kept.trace
         self.count("traces")
-        self._traces[key] = tr
-        while len(self._traces) > self.cache_size:
-            self._traces.popitem(last=False)
+        _remember(self._traces, key, tr, self.cache_size)
         return tr
+
+    def _keep(self, key: tuple[int, ...], kept: KeptTrace) -> None:
+        """Keep ``kept`` last; forget the oldest while they hold more than ``kept_bytes`` (not the latest)."""
+        _remember(self._kept, key, kept, self.cache_size * 4)
+
+        def size(k: KeptTrace) -> int:
+            caches = sum(c.keys.nbytes + c.values.nbytes for c in k.caches)
+            return k.trace.weights.nbytes + caches
+
+        total = sum(size(k) for k in self._kept.values())
+        while len(self._kept) > 1 and total > self.kept_bytes:
+            total -= size(self._kept.popitem(last=False)[1])
 
     def inspect(
         self,
@@ -286,8 +321,8 @@ class Engine:
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
-            if "roles" in sections and self._roles is None:
-                self._roles = inspector_data(tr, sections={"roles"})["roles"]
+            if "roles" in sections:
+                self._head_roles()
             data = inspector_data(
                 tr,
                 sections=sections - {"roles"},
@@ -310,6 +345,29 @@ class Engine:
         data["ids"] = ids
         data["vocab_size"] = loaded.model.config.vocab_size
         return data
+
+    def _head_roles(self) -> dict[str, Any]:
+        """The head-role section of the page (computed once: it depends on the model alone). Call with
+        the lock held."""
+        if self._roles is None:
+            loaded = self._need_model()
+            one = torch.zeros((1, 1), dtype=torch.long, device=loaded.model.device)
+            tr = trace(loaded.model, one, logits=False)  # any trace: the roles come from a probe of their own
+            self._roles = inspector_data(tr, sections={"roles"})["roles"]
+        return self._roles
+
+    def warm_up(self) -> None:
+        """Compute the head roles on the model's thread now, without waiting for them: the page's first
+        full inspection then finds them ready (on SmolLM2 they take as long as a 150-token forward).
+        A request that comes meanwhile waits its turn, as behind any other."""
+        if self.loaded is None:
+            return
+
+        def roles() -> None:
+            with self.lock, torch.inference_mode():
+                self._head_roles()
+
+        self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
 
     def next_tokens(
         self,
@@ -491,6 +549,14 @@ class Engine:
         if self.demo is None:
             raise LookupError("this server runs a language model, not the tutorials' six-word example")
         return self.demo
+
+
+def _remember(cache: OrderedDict, key: tuple[int, ...], value: Any, size: int) -> None:
+    """Put ``value`` last in the least-recently-used ``cache`` of ``size`` entries."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep | None:

@@ -88,6 +88,7 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_leve
                 flush=True,
             )
         print(f"attnlab serve: {engine.name} at {url} (Ctrl-C to stop)", flush=True)
+        engine.warm_up()  # the head roles, in the background
 
     app = create_app(engine, allowed_hosts=LOOPBACK_NAMES if loopback else None)
     config = uvicorn.Config(
