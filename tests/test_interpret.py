@@ -486,6 +486,47 @@ def test_generation_trace_makes_the_tokens_generate_makes(sampling, use_cache):
         assert got.steps[-1].key_start > 0
 
 
+@pytest.mark.parametrize(
+    "preset, sampling",
+    [
+        ("gpt2", dict(temperature=0.0)),
+        ("gpt2", dict(temperature=0.9, top_k=6)),
+        ("modern", dict(temperature=1.2, top_p=0.8)),
+        ("modern", dict(temperature=1.0, eos_id=5)),
+    ],
+)
+def test_generation_from_the_prompts_trace_equals_generation_from_the_prompt(preset, sampling):
+    """prefix=: the trace's keys and values seed the cache instead of a prompt pass; the tokens, each
+    step's attention and candidates are those of the plain trace_generation (and of generate)."""
+    torch.manual_seed(3)
+    cfg = GPTConfig.preset(preset, vocab_size=41, context_length=32, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(4))
+    tr = trace(model, idx, stages=True)
+    passes = []
+    hook = model.trf_blocks[0].register_forward_pre_hook(lambda m, args: passes.append(args[0].shape[1]))
+    eager = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    assert passes and 9 not in passes  # the prompt was not run again (a hooked model: eager steps)
+    hook.remove()
+    got = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    want = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(eager.tokens, want.tokens)
+    assert torch.equal(got.tokens, model.generate(idx, 10, generator=torch.Generator().manual_seed(5), **sampling))
+    assert len(got.steps) == len(want.steps)
+    for a, b in zip(got.steps, want.steps, strict=True):
+        assert (a.position, a.key_start) == (b.position, b.key_start) and torch.equal(a.key_index, b.key_index)
+        torch.testing.assert_close(a.weights, b.weights, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-6, rtol=0)
+        assert torch.equal(a.candidates[a.probs > 1e-4], b.candidates[b.probs > 1e-4])
+    # Where the cache would slide (more tokens than the context), or another prompt: the usual path.
+    long = trace_generation(model, idx, 30, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    assert torch.equal(long.tokens, model.generate(idx, 30, generator=torch.Generator().manual_seed(5), **sampling))
+    other = trace_generation(model, idx.flip(1), 3, prefix=tr, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(other.tokens, model.generate(idx.flip(1), 3, generator=torch.Generator().manual_seed(5)))
+    with pytest.raises(TypeError, match="prefix"):
+        trace_generation(model, idx, 3, prefix="trace")
+
+
 def test_generation_trace_with_a_left_padded_batch():
     model = sharp_gpt()
     idx = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(12))
