@@ -83,7 +83,7 @@ class LogitLens:
     final_token_probs: Tensor
 
 
-LENS_CHUNK = 128  # positions per step of the lens: a few (128, V) blocks of logits at a time (25 MB each)
+LENS_CHUNK = 256  # positions per step of the lens: a few (256, V) blocks of logits at a time (50 MB each)
 LENS_CANDIDATES = 128  # tokens per position the fast search hands to the exact scoring
 LENS_SPLIT = 16  # dims of h whose bfloat16 rounding the fast search carries in extra columns
 LENS_MIN_VOCAB = 4096  # the fast search pays only for a large vocabulary (SmolLM2: 49152, GPT-2: 50257)
@@ -149,7 +149,7 @@ def logit_lens(
     probs = torch.empty(L + 1, B, T, k, dtype=torch.float32, device=W.device)
     final_probs = torch.empty(L + 1, B, T, dtype=torch.float32, device=W.device)
     with torch.no_grad():
-        search = _Search.build(model, trace, W) if fast else None
+        search = _Search(model, trace, W, chunk) if fast else None
         for layer in range(L + 1):
             for b in range(B):
                 for s in range(0, T, chunk):
@@ -184,33 +184,50 @@ def _exact_rows(logits: Tensor, final: Tensor, k: int) -> tuple[Tensor, Tensor, 
     return top.indices, top.values, logits.gather(-1, final), _logsumexp(logits, top.indices[:, :1])
 
 
-@dataclass
+LENS_BLOCK = 64  # vocabulary entries per block of the search's two-level top-n
+
+
 class _Search:
-    """The fast search's unembedding: ``W_c = W - mean`` in bfloat16, with the columns of ``dims``
-    repeated (they multiply the rounding of ``h`` there), and ``W_c``'s largest row norm."""
+    """The fast search's unembedding and its buffers, made once per :func:`logit_lens` call.
 
-    weight: Tensor  # (V, d + m) bfloat16: [W_c | W_c[:, dims]]
-    mean: Tensor  # (d,) the mean row of W, W's dtype
-    dims: Tensor  # (m,) h's largest dimensions over the trace
-    row_norm: float  # max_j |W_c[j]|
+    ``weight (V, d + m)`` bfloat16 is ``W_c = W - mean(W)`` with the columns of ``h``'s ``m`` largest
+    dimensions repeated (they multiply the rounding of ``h`` there); ``row_norm`` is ``max_j |W_c[j]|``.
+    The ``(chunk, V)`` logits live in buffers allocated once: a fresh 50 MB tensor per chunk costs
+    more in page faults than the pass that fills it."""
 
-    @staticmethod
-    def build(model: nn.Module, trace: Trace, W: Tensor) -> _Search:
+    def __init__(self, model: nn.Module, trace: Trace, W: Tensor, chunk: int) -> None:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
-        dims = torch.topk(big, min(LENS_SPLIT, big.numel())).indices
-        mean = W.mean(0)
-        centred = W - mean  # (V, d)
-        weight = torch.cat([centred, centred[:, dims]], dim=1).to(torch.bfloat16)
-        return _Search(weight, mean, dims, float(centred.norm(dim=-1).amax()))
+        self.dims = torch.topk(big, min(LENS_SPLIT, big.numel())).indices  # (m,)
+        self.mean = W.mean(0)  # (d,)
+        centred = W - self.mean  # (V, d)
+        self.weight = torch.cat([centred, centred[:, self.dims]], dim=1).to(torch.bfloat16)  # (V, d + m)
+        self.row_norm = float(centred.norm(dim=-1).amax())
+        del centred
+        V = W.shape[0]
+        c = min(chunk, trace.residual.shape[2])
+        Vp = -(-V // LENS_BLOCK) * LENS_BLOCK  # padded to whole blocks with -inf (nothing, to a softmax)
+        self.narrow = torch.empty(c, V, dtype=torch.bfloat16, device=W.device)  # (c, V) the product
+        self.wide = torch.full((c, Vp), float("-inf"), dtype=torch.float32, device=W.device)  # (c, Vp)
 
     def rows(self, h: Tensor, W: Tensor, final: Tensor, k: int, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The lens of ``h (c, d)`` (through the final norm) as :func:`_exact_rows` returns it, the
         logits centred (``h . mean`` left out of all of them, the normaliser included)."""
+        c, V = h.shape[0], W.shape[0]
         hb = h.to(torch.bfloat16)
         lo = (h - hb.to(h.dtype))[:, self.dims].to(torch.bfloat16)  # (c, m): what rounding lost there
-        approx = F.linear(torch.cat([hb, lo], dim=1), self.weight).float()  # (c, V): centred, searched
-        best = torch.topk(approx, n, dim=-1)  # (c, n), the largest first
-        cand = torch.cat([best.indices, final], dim=-1)  # (c, n + 1)
+        narrow = torch.mm(torch.cat([hb, lo], dim=1), self.weight.t(), out=self.narrow[:c])  # (c, V) centred
+        x = self.wide[:c]  # (c, Vp)
+        x[:, :V].copy_(narrow)
+        # The n best in two steps: the n blocks with the largest maxima hold a top-n set (a block with
+        # one of them has a maximum at least the n-th value), then the n best of those blocks' entries.
+        blocks = x.view(c, -1, LENS_BLOCK)  # (c, nb, 64)
+        nb = min(n, blocks.shape[1])
+        top_blocks = torch.topk(blocks.amax(-1), nb, dim=-1).indices  # (c, nb)
+        inside = blocks.gather(1, top_blocks[..., None].expand(-1, -1, LENS_BLOCK)).flatten(1)  # (c, nb * 64)
+        best = torch.topk(inside, n, dim=-1)  # (c, n), the largest first
+        best_ids = top_blocks.gather(1, best.indices // LENS_BLOCK) * LENS_BLOCK + best.indices % LENS_BLOCK  # (c, n)
+        cand = torch.cat([best_ids, final], dim=-1)  # (c, n + 1)
+        searched = x.gather(-1, cand)  # (c, n + 1)
         off = h @ self.mean  # (c,): the constant the centring leaves out
         # Nearby positions share most candidates (some 750-3200 distinct tokens for 128 positions of
         # SmolLM2): one product with those rows is cheaper than gathering (c, n + 1, d) weights.
@@ -225,10 +242,10 @@ class _Search:
         bound = (3 * u + 3 * u * u + d * 2.0**-23) * h.norm(dim=-1) * self.row_norm + 2 * u * best.values[:, -1].abs()
         ok = top.values[:, -1] > best.values[:, -1] + bound  # (c,)
         # The normaliser: the exact terms of the candidates, the searched terms of the rest.
+        at = best_ids[:, :1]  # (c, 1) the largest searched logit
+        lse_all = x.gather(-1, at) - torch.log_softmax(x, dim=-1, out=x).gather(-1, at)  # (c, 1); x is spent
         dup = (cand[:, :-1] == final).any(-1, keepdim=True)  # (c, 1): the final token among the candidates
-        lse_all = _logsumexp(approx, best.indices[:, :1])  # (c, 1)
         m = torch.maximum(lse_all, exact.amax(-1, keepdim=True))  # a common scale: no exp overflows
-        searched = approx.gather(-1, cand)  # (c, n + 1)
         last = (~dup).float()
         s_terms, e_terms = (searched - m).exp(), (exact - m).exp()
         rest = (lse_all - m).exp() - s_terms[:, :-1].sum(-1, keepdim=True) - s_terms[:, -1:] * last
