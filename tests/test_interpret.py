@@ -231,6 +231,19 @@ def test_rollout_matches_float64_loops(fusion):
         rollout(tr, head_fusion="median")
 
 
+@pytest.mark.parametrize("T", [161, 333, 700])
+def test_rollout_of_a_long_causal_trace_equals_the_dense_float64_product(T):
+    """Long causal traces multiply only the lower triangles (in halves, recursively): the same as the
+    dense float64 chain of the fused, renormalised layers."""
+    model = sharp_gpt(context_length=T, n_layers=3)
+    tr = trace(model, torch.randint(0, 37, (1, T), generator=torch.Generator().manual_seed(5)))
+    for fusion, fuse in (("mean", torch.mean), ("max", torch.amax)):
+        a = fuse(tr.weights.double(), dim=2) + torch.eye(T, dtype=torch.float64)  # (L, B, T, T)
+        a = a / a.sum(-1, keepdim=True)
+        want = a[2] @ a[1] @ a[0]
+        torch.testing.assert_close(rollout(tr, head_fusion=fusion).double(), want, atol=1e-6, rtol=1e-5)
+
+
 def test_logit_lens_last_layer_is_the_models_own_prediction_and_earlier_ones_read_hf_hidden_states():
     hf = hf_gpt2(seed=7)
     ours = GPT.from_hf_gpt2(hf)

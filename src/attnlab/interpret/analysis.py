@@ -57,9 +57,25 @@ def rollout(trace: Trace, *, head_fusion: str = "mean") -> Tensor:
     fused = fuse(w, dim=2)  # (L, B, T, T)
     a = fused.float() + torch.eye(T, dtype=torch.float32, device=w.device)  # the residual path
     a = a / a.sum(dim=-1, keepdim=True)  # (L, B, T, T), rows sum to 1
+    causal = not bool(torch.triu(a, diagonal=1).any())  # a causal model's: lower triangles, and so their products
     out = a[0]
     for layer in a[1:]:
-        out = layer @ out  # (B, T, T)
+        out = _tril_matmul(layer, out) if causal else layer @ out  # (B, T, T)
+    return out
+
+
+def _tril_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for lower-triangular ``a, b (..., T, T)``, skipping the zero upper-right blocks: in
+    halves, ``[[A1, 0], [B1, C1]] @ [[A2, 0], [B2, C2]] = [[A1 A2, 0], [B1 A2 + C1 B2, C1 C2]]``, the
+    diagonal blocks recursively (a third of the multiplications of a dense product)."""
+    T = a.shape[-1]
+    if T <= 160:
+        return a @ b
+    h = T // 2
+    out = torch.zeros_like(a)
+    out[..., :h, :h] = _tril_matmul(a[..., :h, :h], b[..., :h, :h])
+    out[..., h:, h:] = _tril_matmul(a[..., h:, h:], b[..., h:, h:])
+    out[..., h:, :h] = a[..., h:, :h] @ b[..., :h, :h] + a[..., h:, h:] @ b[..., h:, :h]
     return out
 
 

@@ -57,9 +57,11 @@ def pack(t: Tensor, dtype: str = "f32", *, tri: bool = False) -> Packed:
             raise ValueError(f"tri packing needs square matrices in the last two dims, got {shape}")
         rows, cols = torch.tril_indices(t.shape[-1], t.shape[-1], device=t.device)
         t = t[..., rows, cols]  # (..., T (T + 1) / 2), row by row
-    if dtype in QMAX:
-        t = (t.float().clamp(0.0, 1.0) * QMAX[dtype]).round()
-    arr = t.cpu().numpy().astype(DTYPES[dtype]).astype(np.dtype(DTYPES[dtype]).newbyteorder("<"), copy=False)
+    if dtype in QMAX:  # in place on a copy of its own (a fresh tensor each step costs page faults)
+        q = t.float() if tri or t.dtype != torch.float32 else t.float().clone()
+        t = q.clamp_(0.0, 1.0).mul_(QMAX[dtype]).round_().to(torch.uint8 if dtype == "u8" else torch.int32)
+    little = np.dtype(DTYPES[dtype]).newbyteorder("<")
+    arr = t.cpu().numpy().astype(DTYPES[dtype], copy=False).astype(little, copy=False)
     return Packed(dtype, shape, tri, arr.tobytes())
 
 
