@@ -5,9 +5,12 @@ projection with a head's columns zeroed, and ``model.generate``."""
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import (
@@ -28,7 +31,7 @@ from attnlab.interpret import (
     trace,
     trace_generation,
 )
-from attnlab.interpret.codec import pack, to_json, unpack
+from attnlab.interpret.codec import deflate, pack, to_json, unpack
 from attnlab.model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'attnlab[hf]')")
@@ -620,6 +623,21 @@ def test_packed_arrays_round_trip(dtype, tri, blob):
     torch.testing.assert_close(back["a"].double(), t.double(), atol=step + 1e-7, rtol=0)
     torch.testing.assert_close(back["nested"][0]["b"].double(), t[0].double(), atol=step + 1e-7, rtol=0)
     assert back["x"] == 1 and "blob" not in back
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    parts=st.integers(1, 5), size=st.integers(1 << 20, 3 << 20), seed=st.integers(0, 9), level=st.sampled_from([1, 6])
+)
+def test_deflate_in_pieces_is_one_zlib_stream(parts, size, seed, level):
+    """The page's blob compressed in pieces on threads: one zlib stream (header, segments, Adler-32)
+    that zlib (and so the browser's DecompressionStream) reads back whole, ending exactly at its end."""
+    g = torch.Generator().manual_seed(seed)
+    raw = (torch.randint(0, 7, (size,), generator=g, dtype=torch.uint8) * 37).numpy().tobytes()  # compressible
+    out = deflate(raw, level, parts)
+    d = zlib.decompressobj()
+    assert d.decompress(out) == raw and d.eof and d.unused_data == b""
+    assert len(out) < len(raw)
 
 
 def test_inspector_data_holds_what_the_library_computes(gpt2):
