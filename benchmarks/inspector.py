@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     gen_s, gen = 0.0, None
     if args.generate:
         gen_s, gen = timed(
-            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0)),
+            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0), prefix=tr),
             "trace_generation",
         )
     data_s, data = timed(lambda: inspector_data(tr, generation=gen), "page_data")

@@ -215,11 +215,14 @@ class _Search:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
         self.dims = torch.topk(big, min(LENS_SPLIT, big.numel())).indices  # (m,)
         self.mean = W.mean(0)  # (d,)
-        centred = W - self.mean  # (V, d)
-        self.weight = torch.cat([centred, centred[:, self.dims]], dim=1).to(torch.bfloat16)  # (V, d + m)
-        self.row_norm = float(centred.norm(dim=-1).amax())
-        del centred
-        V = W.shape[0]
+        (V, d), m = W.shape, len(self.dims)
+        self.weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
+        self.row_norm = 0.0
+        for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
+            centred = W[s : s + 8192] - self.mean  # (8192, d)
+            self.weight[s : s + 8192, :d] = centred
+            self.weight[s : s + 8192, d:] = centred[:, self.dims]
+            self.row_norm = max(self.row_norm, float(centred.norm(dim=-1).amax()))
         c = min(chunk, trace.residual.shape[2])
         Vp = -(-V // LENS_BLOCK) * LENS_BLOCK  # padded to whole blocks with -inf (nothing, to a softmax)
         self.narrow = torch.empty(c, V, dtype=torch.bfloat16, device=W.device)  # (c, V) the product
