@@ -248,7 +248,8 @@ def smollm2_main(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             before = hf_forward()
             child = subprocess.run(
-                [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)],
+                [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)]
+                + (["--threads", str(args.threads)] if args.threads else []),
                 input=prompt,
                 capture_output=True,
                 text=True,
