@@ -135,9 +135,13 @@ def logit_lens(
       The top-k ids are thus the exact lens's (up to exact ties), their logits exact.
     * The normaliser adds the candidates' exact terms to the searched terms of the rest, corrected for
       the noise's bias (``E exp(l + e) = exp(l) exp(var(e) / 2)``, the variance measured on the
-      candidates). Its error is the probabilities' relative error: on SmolLM2 (626 tokens of the
-      tutorials' story, 30 layers) at most 0.15%, 6e-5 root-mean-square (``tests/test_interpret_chunked.py``
-      bounds it against the exact lens).
+      candidates). Its error is the probabilities' relative error. Measured on SmolLM2 (626 tokens of
+      the tutorials' story, 30 layers x 626 positions, against the exact float32 lens): at most 0.15%
+      (1.5e-3), 5.5e-5 root-mean-square; the top-5 ids all equal. ``tests/test_interpret_chunked.py``
+      holds it to 0.2% there and to the float64 lens on small models.
+
+    On a 2-core AVX512-BF16 CPU the search takes half the exact lens's time (SmolLM2, 626 tokens: 8.8 s
+    of one core against 17.7 s), most of it the bfloat16 product itself.
     """
     attention_layers(model)
     _check_trace(trace, "logit_lens")
