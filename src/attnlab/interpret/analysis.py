@@ -131,7 +131,8 @@ def logit_lens(
     * Its :data:`LENS_CANDIDATES` best tokens and the final token are scored again exactly; the
       top-k ids come from those exact scores and are *verified*: the k-th exact logit must exceed the
       best token left out by more than the product's rounding bound (``3u |h| max|w_j|`` and the
-      output's rounding, ``u = 2^-8``). A position that fails (0.5% on SmolLM2) is recomputed exactly.
+      output's rounding, ``u = 2^-8``). A position that fails (4 of 18,780 on SmolLM2 at 626 tokens) is
+      recomputed exactly.
       The top-k ids are thus the exact lens's (up to exact ties), their logits exact.
     * The normaliser adds the candidates' exact terms to the searched terms of the rest, corrected for
       the noise's bias (``E exp(l + e) = exp(l) exp(var(e) / 2)``, the variance measured on the
