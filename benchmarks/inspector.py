@@ -248,7 +248,8 @@ def smollm2_main(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             before = hf_forward()
             child = subprocess.run(
-                [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)],
+                [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)]
+                + (["--threads", str(args.threads)] if args.threads else []),
                 input=prompt,
                 capture_output=True,
                 text=True,
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     gen_s, gen = 0.0, None
     if args.generate:
         gen_s, gen = timed(
-            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0)),
+            lambda: trace_generation(model, idx, args.generate, generator=torch.Generator().manual_seed(0), prefix=tr),
             "trace_generation",
         )
     data_s, data = timed(lambda: inspector_data(tr, generation=gen), "page_data")

@@ -5,9 +5,12 @@ projection with a head's columns zeroed, and ``model.generate``."""
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import (
@@ -28,7 +31,7 @@ from attnlab.interpret import (
     trace,
     trace_generation,
 )
-from attnlab.interpret.codec import pack, to_json, unpack
+from attnlab.interpret.codec import deflate, pack, to_json, unpack
 from attnlab.model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'attnlab[hf]')")
@@ -229,6 +232,19 @@ def test_rollout_matches_float64_loops(fusion):
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 9))
     with pytest.raises(ValueError, match="head_fusion"):
         rollout(tr, head_fusion="median")
+
+
+@pytest.mark.parametrize("T", [161, 333, 700])
+def test_rollout_of_a_long_causal_trace_equals_the_dense_float64_product(T):
+    """Long causal traces multiply only the lower triangles (in halves, recursively): the same as the
+    dense float64 chain of the fused, renormalised layers."""
+    model = sharp_gpt(context_length=T, n_layers=3)
+    tr = trace(model, torch.randint(0, 37, (1, T), generator=torch.Generator().manual_seed(5)))
+    for fusion, fuse in (("mean", torch.mean), ("max", torch.amax)):
+        a = fuse(tr.weights.double(), dim=2) + torch.eye(T, dtype=torch.float64)  # (L, B, T, T)
+        a = a / a.sum(-1, keepdim=True)
+        want = a[2] @ a[1] @ a[0]
+        torch.testing.assert_close(rollout(tr, head_fusion=fusion).double(), want, atol=1e-6, rtol=1e-5)
 
 
 def test_logit_lens_last_layer_is_the_models_own_prediction_and_earlier_ones_read_hf_hidden_states():
@@ -486,6 +502,47 @@ def test_generation_trace_makes_the_tokens_generate_makes(sampling, use_cache):
         assert got.steps[-1].key_start > 0
 
 
+@pytest.mark.parametrize(
+    "preset, sampling",
+    [
+        ("gpt2", dict(temperature=0.0)),
+        ("gpt2", dict(temperature=0.9, top_k=6)),
+        ("modern", dict(temperature=1.2, top_p=0.8)),
+        ("modern", dict(temperature=1.0, eos_id=5)),
+    ],
+)
+def test_generation_from_the_prompts_trace_equals_generation_from_the_prompt(preset, sampling):
+    """prefix=: the trace's keys and values seed the cache instead of a prompt pass; the tokens, each
+    step's attention and candidates are those of the plain trace_generation (and of generate)."""
+    torch.manual_seed(3)
+    cfg = GPTConfig.preset(preset, vocab_size=41, context_length=32, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 41, (2, 9), generator=torch.Generator().manual_seed(4))
+    tr = trace(model, idx, stages=True)
+    passes = []
+    hook = model.trf_blocks[0].register_forward_pre_hook(lambda m, args: passes.append(args[0].shape[1]))
+    eager = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    assert passes and 9 not in passes  # the prompt was not run again (a hooked model: eager steps)
+    hook.remove()
+    got = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    want = trace_generation(model, idx, 10, generator=torch.Generator().manual_seed(5), **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(eager.tokens, want.tokens)
+    assert torch.equal(got.tokens, model.generate(idx, 10, generator=torch.Generator().manual_seed(5), **sampling))
+    assert len(got.steps) == len(want.steps)
+    for a, b in zip(got.steps, want.steps, strict=True):
+        assert (a.position, a.key_start) == (b.position, b.key_start) and torch.equal(a.key_index, b.key_index)
+        torch.testing.assert_close(a.weights, b.weights, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-6, rtol=0)
+        assert torch.equal(a.candidates[a.probs > 1e-4], b.candidates[b.probs > 1e-4])
+    # Where the cache would slide (more tokens than the context), or another prompt: the usual path.
+    long = trace_generation(model, idx, 30, generator=torch.Generator().manual_seed(5), prefix=tr, **sampling)
+    assert torch.equal(long.tokens, model.generate(idx, 30, generator=torch.Generator().manual_seed(5), **sampling))
+    other = trace_generation(model, idx.flip(1), 3, prefix=tr, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(other.tokens, model.generate(idx.flip(1), 3, generator=torch.Generator().manual_seed(5)))
+    with pytest.raises(TypeError, match="prefix"):
+        trace_generation(model, idx, 3, prefix="trace")
+
+
 def test_generation_trace_with_a_left_padded_batch():
     model = sharp_gpt()
     idx = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(12))
@@ -566,6 +623,21 @@ def test_packed_arrays_round_trip(dtype, tri, blob):
     torch.testing.assert_close(back["a"].double(), t.double(), atol=step + 1e-7, rtol=0)
     torch.testing.assert_close(back["nested"][0]["b"].double(), t[0].double(), atol=step + 1e-7, rtol=0)
     assert back["x"] == 1 and "blob" not in back
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    parts=st.integers(1, 5), size=st.integers(1 << 20, 3 << 20), seed=st.integers(0, 9), level=st.sampled_from([1, 6])
+)
+def test_deflate_in_pieces_is_one_zlib_stream(parts, size, seed, level):
+    """The page's blob compressed in pieces on threads: one zlib stream (header, segments, Adler-32)
+    that zlib (and so the browser's DecompressionStream) reads back whole, ending exactly at its end."""
+    g = torch.Generator().manual_seed(seed)
+    raw = (torch.randint(0, 7, (size,), generator=g, dtype=torch.uint8) * 37).numpy().tobytes()  # compressible
+    out = deflate(raw, level, parts)
+    d = zlib.decompressobj()
+    assert d.decompress(out) == raw and d.eof and d.unused_data == b""
+    assert len(out) < len(raw)
 
 
 def test_inspector_data_holds_what_the_library_computes(gpt2):

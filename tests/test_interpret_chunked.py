@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab.interpret import inspector, inspector_data, logit_lens, next_token_probabilities, trace
+from attnlab import hardware
+from attnlab.interpret import analysis, inspector, inspector_data, logit_lens, next_token_probabilities, trace
 from attnlab.interpret.analysis import LENS_CANDIDATES
 from attnlab.interpret.inspector import TEMPERATURES
 from attnlab.model import GPT, GPTConfig
@@ -133,6 +134,36 @@ def test_trace_without_logits_records_the_same_attention():
     assert model.training is False and all(a.observer is None for a in (b.att for b in model.trf_blocks))
 
 
+def test_lens_search_falls_back_to_the_exact_lens_where_its_bound_fails(monkeypatch):
+    # As many candidates as ids kept: the k-th exact logit never clears the best token left out by the
+    # rounding bound, so every position is recomputed exactly: the float32 lens, bit for bit.
+    model = llama_like()
+    idx = torch.randint(0, 700, (1, 19), generator=torch.Generator().manual_seed(4))
+    tr = trace(model, idx, stages=True)
+    exact = logit_lens(model, tr, k=5, search_dtype=torch.float32)
+    monkeypatch.setattr(analysis, "LENS_CANDIDATES", 5)
+    got = logit_lens(model, tr, k=5, search_dtype=torch.bfloat16)
+    assert torch.equal(got.tokens, exact.tokens)
+    torch.testing.assert_close(got.probs, exact.probs, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(got.final_token_probs, exact.final_token_probs, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_lens_default_searches_in_bfloat16_only_where_it_is_native(monkeypatch, native):
+    model = llama_like()
+    tr = trace(model, torch.randint(0, 700, (1, 9), generator=torch.Generator().manual_seed(5)), stages=True)
+    monkeypatch.setattr(hardware, "bf16_native", lambda device="cpu": native)
+    monkeypatch.setattr(analysis, "LENS_MIN_VOCAB", 100)  # a vocabulary of 700 counts as large
+    got = logit_lens(model, tr)
+    want = logit_lens(model, tr, search_dtype=torch.bfloat16 if native else torch.float32)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.probs, want.probs)
+    monkeypatch.setattr(analysis, "LENS_MIN_VOCAB", 10_000)  # a small vocabulary: always exact
+    small = logit_lens(model, tr)
+    assert torch.equal(small.probs, logit_lens(model, tr, search_dtype=torch.float32).probs)
+    with pytest.raises(ValueError, match="search_dtype"):
+        logit_lens(model, tr, search_dtype=torch.int8)
+
+
 @pytest.mark.slow
 def test_smollm2_lens_equals_the_float64_lens(smollm2_gguf):
     from attnlab.tools.loading import load
@@ -147,6 +178,16 @@ def test_smollm2_lens_equals_the_float64_lens(smollm2_gguf):
     with torch.no_grad():
         rows = [torch.softmax(model.final_norm(r).double() @ W.T, -1) for r in tr.residual[:-1]]
         rows.append(torch.softmax(tr.logits.double(), -1))
-    for search, rtol in ((None, 1e-4), (torch.bfloat16, 1e-3)):  # float32 (the default), a bfloat16 search
+    for search, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-3)):  # exact, the bfloat16 search
         lens = logit_lens(model, tr, k=5, search_dtype=search)
         check_lens(lens, torch.stack(rows), tr.logits.argmax(-1), 5, atol=1e-5, rtol=rtol)
+    # A longer text (the story's flat and peaked rows alike): the search against the exact float32
+    # lens. The probabilities' relative error is the normaliser's: the docstring's 0.15% at 626 tokens.
+    text = " ".join(["The logit lens reads what each layer would predict, if it stopped there."] * 4)
+    text += " It was a quiet evening in the small town; the painter had not touched a brush in years."
+    tr = trace(model, torch.tensor([loaded.tokenizer.encode(text)]), stages=True)
+    exact = logit_lens(model, tr, k=5, search_dtype=torch.float32)
+    fast = logit_lens(model, tr, k=5, search_dtype=torch.bfloat16)
+    assert torch.equal(fast.tokens, exact.tokens)
+    torch.testing.assert_close(fast.probs, exact.probs, atol=1e-6, rtol=2e-3)
+    torch.testing.assert_close(fast.final_token_probs, exact.final_token_probs, atol=1e-6, rtol=2e-3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "Packed", "pack", "to_json", "unpack"]
+__all__ = ["DTYPES", "Packed", "deflate", "pack", "to_json", "unpack"]
 
 DTYPES = {"f32": np.float32, "i32": np.int32, "u16": np.uint16, "u8": np.uint8}
 QMAX = {"u16": 65535, "u8": 255}
@@ -57,9 +58,11 @@ def pack(t: Tensor, dtype: str = "f32", *, tri: bool = False) -> Packed:
             raise ValueError(f"tri packing needs square matrices in the last two dims, got {shape}")
         rows, cols = torch.tril_indices(t.shape[-1], t.shape[-1], device=t.device)
         t = t[..., rows, cols]  # (..., T (T + 1) / 2), row by row
-    if dtype in QMAX:
-        t = (t.float().clamp(0.0, 1.0) * QMAX[dtype]).round()
-    arr = t.cpu().numpy().astype(DTYPES[dtype]).astype(np.dtype(DTYPES[dtype]).newbyteorder("<"), copy=False)
+    if dtype in QMAX:  # in place on a copy of its own (a fresh tensor each step costs page faults)
+        q = t.float() if tri or t.dtype != torch.float32 else t.float().clone()
+        t = q.clamp_(0.0, 1.0).mul_(QMAX[dtype]).round_().to(torch.uint8 if dtype == "u8" else torch.int32)
+    little = np.dtype(DTYPES[dtype]).newbyteorder("<")
+    arr = t.cpu().numpy().astype(DTYPES[dtype], copy=False).astype(little, copy=False)
     return Packed(dtype, shape, tri, arr.tobytes())
 
 
@@ -94,9 +97,32 @@ def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 1) -> dict
     out["blob"] = {
         "encoding": "deflate",
         "nbytes": len(raw),
-        "b64": base64.b64encode(zlib.compress(raw, level)).decode("ascii"),
+        "b64": base64.b64encode(deflate(raw, level)).decode("ascii"),
     }
     return out
+
+
+def deflate(raw: bytes, level: int = 1, parts: int | None = None) -> bytes:
+    """``zlib.compress(raw, level)``'s format (a zlib stream, what the page's ``DecompressionStream
+    ("deflate")`` reads), compressed in ``parts`` pieces on as many threads (default: torch's thread
+    count), as pigz does: each piece a raw deflate segment ending on a byte boundary (a sync flush),
+    the last one final, between the zlib header and the Adler-32 of the whole. zlib lets go of the GIL
+    while it compresses, so the pieces run at once; each starts with an empty window (a few bytes more)."""
+    parts = max(1, torch.get_num_threads() if parts is None else parts)
+    if parts == 1 or len(raw) < (1 << 20):
+        return zlib.compress(raw, level)
+    view = memoryview(raw)
+    size = -(-len(raw) // parts)
+    pieces = [view[i : i + size] for i in range(0, len(raw), size)]
+
+    def segment(i: int) -> bytes:
+        c = zlib.compressobj(level, zlib.DEFLATED, -15)  # raw deflate: no header, no checksum
+        return c.compress(pieces[i]) + c.flush(zlib.Z_FINISH if i == len(pieces) - 1 else zlib.Z_SYNC_FLUSH)
+
+    with ThreadPoolExecutor(len(pieces)) as pool:
+        body = list(pool.map(segment, range(len(pieces))))
+    header = zlib.compress(b"", level)[:2]  # CMF and FLG for this level
+    return header + b"".join(body) + zlib.adler32(raw).to_bytes(4, "big")
 
 
 def _tensor(header: dict[str, Any], raw: bytes) -> Tensor:

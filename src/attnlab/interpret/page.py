@@ -75,9 +75,20 @@ def render_page(data: dict[str, Any], *, read: Any = None) -> str:
         csp=OFFLINE_CSP,
         title=html.escape(data.get("title") or "attention"),
         styles=styles,
-        data=f'<script type="application/json" id="attn-data">{json_for_script(to_json(data, blob=True))}</script>',
+        data=f'<script type="application/json" id="attn-data">{_page_json(data)}</script>',
         scripts=scripts,
     )
+
+
+def _page_json(data: dict[str, Any]) -> str:
+    """:func:`json_for_script` of the page's data with its arrays in one blob. The blob's base64 text
+    (tens of MB; letters, digits, ``+/=``: nothing to escape for JSON or HTML) is spliced in after the
+    rest is encoded, instead of being scanned by the encoder and the escaping passes."""
+    payload = to_json(data, blob=True)
+    b64, payload["blob"]["b64"] = payload["blob"]["b64"], ""
+    text = json_for_script(payload)
+    at = text.rindex('"b64":""')  # the blob's, the last key written (no other "b64" key: arrays hold refs)
+    return text[:at] + '"b64":"' + b64 + text[at + len('"b64":"') :]
 
 
 def save_page(data: dict[str, Any], path: str | os.PathLike) -> Path:

@@ -5,6 +5,9 @@ it was drawn from.
 the same sampling and generator) with the attention layers observed, so it produces exactly the
 tokens ``model.generate`` produces; the candidates' probabilities come from
 :meth:`attnlab.generation.SamplingConfig.probabilities`, the one filter generation samples through.
+Given the prompt's trace (``prefix=``, as the inspector page has one), it skips the prompt's pass:
+the trace's keys and values fill the KV cache and its last position gives the first token's logits
+(the same numbers the prefill computes), then the same decoding steps run.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from torch import Tensor
 
 from attnlab.attention import AttentionRecord
 from attnlab.checks import positive_int
-from attnlab.generation import SamplingConfig, generate
-from attnlab.interpret.tracing import observe_attention
+from attnlab.decoding import FastDecoder, supported
+from attnlab.generation import SamplingConfig, check_logits, generate
+from attnlab.interpret.tracing import Trace, observe_attention
 
 __all__ = ["GenerationStep", "GenerationTrace", "trace_generation"]
 
@@ -79,13 +83,22 @@ def trace_generation(
     attention_mask: Tensor | None = None,
     use_cache: bool = True,
     candidates: int = 10,
+    prefix: Trace | None = None,
 ) -> GenerationTrace:
     """Generate like :func:`attnlab.generation.generate` (same arguments, same tokens for the same
-    ``generator``) and record, for each new token, its attention rows and its top ``candidates``."""
+    ``generator``) and record, for each new token, its attention rows and its top ``candidates``.
+
+    ``prefix``: a :func:`~attnlab.interpret.trace` of ``idx`` with ``stages=True``. Its keys and values
+    seed the KV cache, so the prompt is not run again (at 626 tokens of SmolLM2 that pass is most of
+    the time). Used when the cache holds the prompt and the new tokens without sliding (else, and
+    with an ``attention_mask`` or ``use_cache=False``, the prompt runs as usual)."""
     candidates = positive_int("candidates", candidates)
     if isinstance(idx, Tensor) and idx.dim() == 1:
         idx = idx.unsqueeze(0)
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
+    if prefix is not None and not isinstance(prefix, Trace):
+        raise TypeError(f"prefix must be a Trace of idx (attnlab.interpret.trace), got {type(prefix).__name__}")
+    caches = _seeded_caches(model, prefix, idx, max_new_tokens) if attention_mask is None and use_cache else None
     calls: list[tuple[int, Tensor]] = []
     offsets: list[Tensor | None] = []  # per pass: how far before the newest query each key is
     n_layers = len(model.trf_blocks)
@@ -96,20 +109,27 @@ def trace_generation(
             offsets.append(_key_offsets(record))
 
     with observe_attention(model, on_record):
-        tokens, logits = generate(
-            model,
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos_id,
-            use_cache=use_cache,
-            generator=generator,
-            attention_mask=attention_mask,
-            return_logits=True,
-        )  # (B, T + new), (B, new, V)
+        if caches is not None:
+            positive_int("max_new_tokens", max_new_tokens)
+            tokens, logits = _continue(model, prefix, caches, max_new_tokens, sampling, generator)
+        else:
+            tokens, logits = generate(
+                model,
+                idx,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=eos_id,
+                use_cache=use_cache,
+                generator=generator,
+                attention_mask=attention_mask,
+                return_logits=True,
+            )  # (B, T + new), (B, new, V)
     T, new = idx.shape[1], logits.shape[1]
+    if caches is not None:  # the prompt's pass is the trace's: its last query's rows, keys in order
+        calls[:0] = [(layer, prefix.weights[layer, :, :, -1].float().clone()) for layer in range(n_layers)]
+        offsets.insert(0, None)
     if len(calls) != new * n_layers or any(layer != i % n_layers for i, (layer, _) in enumerate(calls)):
         raise RuntimeError(f"expected {new} passes over {n_layers} layers, saw {len(calls)} attention calls")
     steps = []
@@ -136,6 +156,73 @@ def trace_generation(
             )
         )
     return GenerationTrace(tokens, T, sampling, steps)
+
+
+def _seeded_caches(model: nn.Module, prefix: Trace | None, idx: Tensor, new: int) -> list | None:
+    """KV caches holding the prompt's keys and values from ``prefix``, or None where they cannot stand
+    in for the prompt's pass (no prefix or another prompt, no stages, padding, or a cache that would
+    slide or wrap before the last new token)."""
+    if prefix is None or not prefix.has_stages or prefix.attention_mask is not None or prefix.logits is None:
+        return None
+    if not isinstance(idx, Tensor) or prefix.idx.shape != idx.shape or not torch.equal(prefix.idx, idx):
+        return None
+    if not isinstance(new, int) or new < 1 or not hasattr(model, "new_kv_caches"):
+        return None
+    B, T = idx.shape
+    if not model.config.relative and T + new > model.config.context_length:
+        return None  # GPT-2: the window slides and generation re-encodes
+    with torch.no_grad():
+        caches = model.new_kv_caches(B, T + new)
+        if any(c.max_length < T + new for c in caches):  # a ring shorter than the text: it wraps
+            return None
+        at = torch.arange(T, device=idx.device)[None]  # (1, T)
+        for layer, cache in enumerate(caches):
+            cache.update(prefix.k[layer], prefix.v[layer], at)
+    return caches
+
+
+def _continue(
+    model: nn.Module, prefix: Trace, caches: list, new: int, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`attnlab.generation.generate`'s loop after its prefill, over ``caches`` seeded from
+    ``prefix``: ``(tokens (B, T + new), logits (B, new, V))``."""
+    idx = prefix.idx
+    stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=idx.device) if sampling.stop_ids else None
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    was_training = model.training
+    model.eval()
+    out, all_logits = [], []
+    try:
+        with torch.inference_mode():
+            # The prefill's logits: the last position's stream through the final norm and the head.
+            logits = model.out_head(model.final_norm(prefix.residual[-1][:, -1:]))[:, -1]  # (B, V)
+            if model.config.logit_softcap is not None:
+                cap = model.config.logit_softcap
+                logits = cap * torch.tanh(logits / cap)
+            decoder = FastDecoder(model, caches) if supported(model, caches, None) else None
+            for step in range(new):
+                if step:
+                    if decoder is not None and decoder.fits():
+                        logits = decoder.step(out[-1])  # (B, V)
+                    else:
+                        logits = model.decode_logits(out[-1][:, None], None, caches)[:, -1]  # (B, V)
+                try:
+                    check_logits(logits)
+                except ValueError:
+                    raise ValueError(
+                        "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
+                    ) from None
+                nxt = sampling.sample(logits, generator)
+                if stop is not None:
+                    nxt = nxt.masked_fill(finished, stop[0])
+                    finished |= torch.isin(nxt, stop)
+                out.append(nxt.clone())
+                all_logits.append(logits.float())
+                if stop is not None and bool(finished.all()):
+                    break
+    finally:
+        model.train(was_training)
+    return torch.cat([idx.long(), torch.stack(out, dim=1)], dim=1), torch.stack(all_logits, dim=1)
 
 
 def _key_offsets(record: AttentionRecord) -> Tensor | None:

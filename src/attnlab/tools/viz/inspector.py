@@ -46,7 +46,7 @@ def model_inspector(
     if generate:
         g = torch.Generator(device=loaded.model.device).manual_seed(int(seed))
         gen = trace_generation(
-            loaded.model, idx, generate, temperature=temperature, top_k=top_k, top_p=top_p, generator=g
+            loaded.model, idx, generate, temperature=temperature, top_k=top_k, top_p=top_p, generator=g, prefix=tr
         )
     name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
     return inspector_data(
