@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attnlab import hardware
 from attnlab.interpret import analysis, inspector, inspector_data, logit_lens, next_token_probabilities, trace
 from attnlab.interpret.analysis import LENS_CANDIDATES
+from attnlab.interpret.codec import to_json, unpack
 from attnlab.interpret.inspector import TEMPERATURES
 from attnlab.model import GPT, GPTConfig
 
@@ -90,11 +91,48 @@ def test_lens_does_not_depend_on_the_chunk(k, chunk, seed):
     torch.testing.assert_close(got.final_token_probs, whole.final_token_probs, atol=1e-6, rtol=1e-3)
 
 
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), search=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_lens_of_a_window_of_positions_is_that_slice_of_the_whole_lens(data, search):
+    model = llama_like(vocab=300)
+    idx = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(2))
+    tr = trace(model, idx, stages=True)
+    start = data.draw(st.integers(0, 18))
+    stop = data.draw(st.integers(start + 1, 19))
+    chunk = data.draw(st.integers(1, 8))
+    whole = logit_lens(model, tr, k=3, search_dtype=search)
+    got = logit_lens(model, tr, k=3, chunk=chunk, search_dtype=search, positions=(start, stop))
+    assert got.tokens.shape == (4, 2, stop - start, 3)
+    torch.testing.assert_close(got.probs, whole.probs[:, :, start:stop], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.final_token_probs, whole.final_token_probs[:, :, start:stop], atol=1e-6, rtol=1e-5)
+    # the ids where no near tie could order two of them either way
+    gap = whole.probs[..., :-1] - whole.probs[..., 1:]
+    clear = (gap > 1e-5).all(-1)[:, :, start:stop]
+    assert torch.equal(got.tokens[clear], whole.tokens[:, :, start:stop][clear])
+
+
+def test_inspector_lens_window_holds_the_page_positions_it_names():
+    model = llama_like(vocab=300)
+    tr = trace(model, torch.randint(0, 300, (1, 15), generator=torch.Generator().manual_seed(3)), stages=True)
+    whole = inspector_data(tr, sections={"lens"})["lens"]
+    part = inspector_data(tr, sections={"lens"}, lens_window=(4, 11))["lens"]
+    assert whole["start"] == 0 and part["start"] == 4
+    w, p = (unpack(to_json({"x": d["probs"]}))["x"] for d in (whole, part))
+    assert p.shape == (4, 7, 5)
+    torch.testing.assert_close(p, w[:, 4:11], atol=1e-6, rtol=1e-5)
+    for bad in [(0, 16), (5, 5), (-1, 3), (1.0, 3), "0:3"]:
+        with pytest.raises(ValueError, match="lens_window"):
+            inspector_data(tr, sections={"lens"}, lens_window=bad)
+
+
 def test_lens_checks_its_arguments():
     model = llama_like(vocab=100)
     tr = trace(model, torch.arange(6)[None], stages=True)
     with pytest.raises(ValueError, match="chunk"):
         logit_lens(model, tr, chunk=0)
+    for bad in [(0, 7), (3, 2), (True, 4), [1]]:
+        with pytest.raises(ValueError, match="positions"):
+            logit_lens(model, tr, positions=bad)
     light = trace(model, torch.arange(6)[None], stages=True, logits=False)
     with pytest.raises(ValueError, match="logits"):
         logit_lens(model, light)

@@ -238,6 +238,16 @@ def test_sections_are_computed_on_demand_and_traces_reused(client):
     assert after["trace_cache_hits"] - before["trace_cache_hits"] == 2
 
 
+def test_the_lens_of_a_window_is_that_slice_of_the_whole_lens(client):
+    prompt = "a window of the lens"
+    whole = unpack(client.post("/api/inspect", json={"prompt": prompt, "sections": ["lens"]}).json())["lens"]
+    body = {"prompt": prompt, "sections": ["lens"], "lens_window": [3, 9]}
+    part = unpack(client.post("/api/inspect", json=body).json())["lens"]
+    assert (whole["start"], part["start"]) == (0, 3) and part["ids"].shape[1] == 6
+    for name in ("ids", "probs", "final_probs"):
+        torch.testing.assert_close(part[name], whole[name][:, 3:9])
+
+
 def typed(text: str, deletions: dict[int, int]) -> list[str]:
     """The prompts a reader sends typing ``text`` a character at a time; after character ``i`` in
     ``deletions``, that many backspaces, one request each."""
@@ -497,6 +507,9 @@ BAD = [
     ("POST", "/api/next", {"prompt": "abc", "top_p": 0}, None, 422, "top_p"),
     ("POST", "/api/next", {"prompt": "abc", "top_k": 0}, None, 422, "top_k"),
     ("POST", "/api/next", {"prompt": "abc", "position": 3}, None, 422, "position 3 is out of range"),
+    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["lens"], "lens_window": [1, 4]}, None, 422, "lens_window"),
+    ("POST", "/api/inspect", {"prompt": "abc", "lens_window": [-1, 2]}, None, 422, "lens_window"),
+    ("POST", "/api/inspect", {"prompt": "abc", "lens_window": [1, 2, 3]}, None, 422, "lens_window"),
     ("POST", "/api/ablate", {"prompt": "abc", "heads": ["3.0"]}, None, 422, "head 3.0 does not exist"),
     ("POST", "/api/ablate", {"prompt": "abc", "heads": ["0.4"]}, None, 422, "head 0.4 does not exist"),
     ("POST", "/api/ablate", {"prompt": "abc", "heads": ["a.b"]}, None, 422, "heads.0: String should match"),

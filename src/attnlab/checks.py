@@ -37,6 +37,7 @@ __all__ = [
     "is_int",
     "is_real",
     "non_negative_int",
+    "position_window",
     "positive_int",
     "probability",
     "resolve_device",
@@ -73,6 +74,17 @@ def non_negative_int(name: str, value: object) -> int:
     if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def position_window(name: str, value: object, n: int) -> tuple[int, int]:
+    """``value`` as positions ``(start, stop)`` of ``n`` with ``0 <= start < stop <= n``, or ``(0, n)``
+    for None; else ValueError naming ``name``."""
+    if value is None:
+        return 0, n
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(i) for i in value)
+    if not ok or not 0 <= value[0] < value[1] <= n:
+        raise ValueError(f"{name} must be (start, stop) with 0 <= start < stop <= {n} (the positions), got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def probability(name: str, value: object) -> float:

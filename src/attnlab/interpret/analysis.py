@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import hardware
-from attnlab.checks import positive_int
+from attnlab.checks import position_window, positive_int
 from attnlab.generation import SamplingConfig
 from attnlab.interpret.tracing import Trace, attention_layers
 from attnlab.interpret.tracing import trace as run_trace
@@ -112,10 +112,18 @@ def lens_logits(model: nn.Module, residual: Tensor) -> Tensor:
 
 
 def logit_lens(
-    model: nn.Module, trace: Trace, *, k: int = 5, chunk: int = LENS_CHUNK, search_dtype: torch.dtype | None = None
+    model: nn.Module,
+    trace: Trace,
+    *,
+    k: int = 5,
+    chunk: int = LENS_CHUNK,
+    search_dtype: torch.dtype | None = None,
+    positions: tuple[int, int] | None = None,
 ) -> LogitLens:
     """The final norm and unembedding of ``model`` applied to the residual stream of every layer
     (``trace`` needs ``stages=True``); the last row equals the model's own logits' top-k.
+    ``positions=(start, stop)``: only those positions (the result's ``T`` is ``stop - start``); the cost
+    is per position, and a view that shows a dozen of them needs no more.
 
     Computed by chunks of ``chunk`` positions: at most ``(chunk, V)`` logits exist at a time, never
     ``(L, T, V)``. The ``L x T x V x d`` product is the lens's cost (1.06 TFLOP for SmolLM2 at 626
@@ -164,7 +172,8 @@ def logit_lens(
         fast = W.dtype == torch.float32 and bias is None and V >= LENS_MIN_VOCAB and hardware.bf16_native(W.device)
     else:
         fast = search_dtype == torch.bfloat16 and W.dtype != torch.bfloat16 and bias is None and n_cand < V
-    final = trace.logits.argmax(dim=-1)  # (B, T): the token the model finally ranks first
+    start, stop = position_window("positions", positions, trace.logits.shape[1])
+    final = trace.logits[:, start:stop].argmax(dim=-1)  # (B, T): the token the model finally ranks first
     L, (B, T) = trace.n_layers, final.shape
     tokens = torch.empty(L + 1, B, T, k, dtype=torch.long, device=W.device)
     probs = torch.empty(L + 1, B, T, k, dtype=torch.float32, device=W.device)
@@ -176,10 +185,11 @@ def logit_lens(
                 for s in range(0, T, chunk):
                     e = min(T, s + chunk)
                     f = final[b, s:e, None]  # (c, 1)
+                    at = slice(start + s, start + e)  # the positions of the trace
                     if layer == L:  # after the last block the lens is the model's own head: its logits are here
-                        ids, vals, fval, lse = _exact_rows(trace.logits[b, s:e].float(), f, k)
+                        ids, vals, fval, lse = _exact_rows(trace.logits[b, at].float(), f, k)
                     else:
-                        h = model.final_norm(trace.residual[layer, b, s:e])  # (c, d)
+                        h = model.final_norm(trace.residual[layer, b, at])  # (c, d)
                         if search is None:
                             ids, vals, fval, lse = _exact_rows(F.linear(h, W, bias).float(), f, k)
                         else:

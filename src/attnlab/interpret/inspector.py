@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnlab.attention import AttentionRecord
+from attnlab.checks import position_window
 from attnlab.functional import attention_scores, softcap_score_mod
 from attnlab.interpret.ablation import parse_heads
 from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
@@ -341,6 +342,7 @@ def inspector_data(
     roles: bool = True,
     role_seed: int = 0,
     lens_k: int = 5,
+    lens_window: tuple[int, int] | None = None,
     next_k: int = 32,
     precision: str = "auto",
     row: int = 0,
@@ -362,6 +364,9 @@ def inspector_data(
         generation: a :class:`~attnlab.interpret.GenerationTrace` of the same model to play back.
         roles: compute the head-role scores (on a repeated random sequence, ``role_seed``).
         lens_k, next_k: candidates kept per position for the logit lens and the next-token view.
+        lens_window: the page's positions ``(start, stop)`` of the logit lens (default: all); the
+            section's ``start`` says where its arrays begin. The lens costs a whole-vocabulary product
+            per layer and position: the live page asks for the positions its view shows.
         precision: attention weights as ``"f32"``, ``"u16"`` or ``"u8"``; ``"auto"``: the most
             precise within :data:`WEIGHTS_BUDGET`.
         model_name: shown in the note.
@@ -425,14 +430,19 @@ def inspector_data(
             **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
         }
     if trace.has_stages and model is not None and "lens" in wanted:
-        lens = logit_lens(model, trace, k=lens_k)
-        top = lens.tokens[:, row][:, keep]  # (L + 1, T, k)
+        lo, hi = position_window("lens_window", lens_window, T)
+        at = keep[lo:hi]  # (W,) the window's positions in the trace
+        first = int(at[0])
+        lens = logit_lens(model, trace, k=lens_k, positions=(first, int(at[-1]) + 1))
+        at = at - first  # in the lens's positions
+        top = lens.tokens[:, row][:, at]  # (L + 1, W, k)
         data["lens"] = {
             "k": lens.tokens.shape[-1],
+            "start": lo,
             "rows": ["embeddings", *[f"after layer {i}" for i in range(L)]],
             "ids": pack(top.int(), "i32"),
-            "probs": pack(lens.probs[:, row][:, keep].float()),
-            "final_probs": pack(lens.final_token_probs[:, row][:, keep].float()),
+            "probs": pack(lens.probs[:, row][:, at].float()),
+            "final_probs": pack(lens.final_token_probs[:, row][:, at].float()),
         }
         vocab.update(top.flatten().tolist())
     if generation is not None:

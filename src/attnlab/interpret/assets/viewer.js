@@ -12,7 +12,7 @@
 //                                head_outputs, scale, T, S, hd) or null when the page does not hold them
 //   nextTokens(pos, settings)    {ids, probs, approx, greedy} after {temperature, topK, topP}
 //   rollout(fusion)              Float32Array T*T
-//   lens()                       {rows, k, ids, probs, final}
+//   lens(lo, hi)                 {rows, k, start, width, ids, probs, final}: positions start..start+width-1 (covering lo..hi-1)
 //   roles()                      {kinds, L, H, scores: {kind: Float32Array L*H}, note}
 //   generation()                 {prompt_length, tokens, settings, steps: [{token, position, key_start,
 //                                key_index (the token of each key slot, -1 none), candidates, probs,
@@ -196,10 +196,10 @@ class EmbeddedSource {
     return out;
   }
   rollout(fusion) { return this.arr(this.data.rollout[fusion]).matrix(0); }
-  lens() {
-    const l = this.data.lens;
-    return { rows: l.rows, k: l.k, ids: this.arr(l.ids).raw, probs: this.arr(l.probs).all(),
-             final: this.arr(l.final_probs).all() };
+  lens(lo, hi) {  // positions [lo, hi) are asked for; an offline page holds them all (start 0)
+    const l = this.data.lens, ids = this.arr(l.ids);
+    return { rows: l.rows, k: l.k, start: l.start || 0, width: ids.shape[1], ids: ids.raw,
+             probs: this.arr(l.probs).all(), final: this.arr(l.final_probs).all() };
   }
   roles() {
     const r = this.data.roles, first = this.arr(r.scores[r.kinds[0]]);
@@ -728,12 +728,13 @@ async function showInspector(source, opts) {
 
   // (5) The logit lens.
   views.lens = {
-    async build() { this.data = await source.lens(); },
+    build() {},
     async draw() {
-      const d = this.data, k = d.k, rows = d.rows.length, pos = state.query === null ? T - 1 : state.query;
+      const pos = state.query === null ? T - 1 : state.query;
+      const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
+      const d = await source.lens(lo, hi), k = d.k, rows = d.rows.length, W = d.width, at = (l, t) => l * W + t - d.start;
       paintStrip(null);
       $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
-      const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
       const table = $("lens-table");
       table.textContent = "";
       const head = el("tr");
@@ -749,7 +750,7 @@ async function showInspector(source, opts) {
         const tr = el("tr");
         tr.appendChild(el("th", "", d.rows[l] + (l === rows - 1 ? " (= output)" : "")));
         for (let t = lo; t < hi; t++) {
-          const base = (l * T + t) * k, p = d.probs[base], id = d.ids[base];
+          const base = at(l, t) * k, p = d.probs[base], id = d.ids[base];
           const td = el("td", "cell", await source.label(id));
           const col = seqRGB(p);
           td.style.backgroundColor = css(col);
@@ -761,7 +762,7 @@ async function showInspector(source, opts) {
           td.addEventListener("mouseenter", () => { $("lens-readout").textContent = td.title; });
           tr.appendChild(td);
         }
-        tr.appendChild(el("td", "num", d.final[l * T + pos].toFixed(4)));
+        tr.appendChild(el("td", "num", d.final[at(l, pos)].toFixed(4)));
         table.appendChild(tr);
       }
     },
@@ -1069,9 +1070,9 @@ class LiveSource extends EmbeddedSource {
     this.data.rollout = (await this.section("rollout")).rollout;
     return super.rollout(fusion);
   }
-  async lens() {
-    this.data.lens = (await this.section("lens")).lens;
-    return super.lens();
+  async lens(lo, hi) {  // the positions the view shows, asked for by window: the lens costs per position
+    this.data.lens = (await this.section("lens", { lens_window: [lo, hi] })).lens;
+    return super.lens(lo, hi);
   }
   async roles() {  // the model's, not the prompt's: asked for once
     if (!this.shared.roles) {

@@ -80,6 +80,11 @@ class InspectRequest(PromptRequest):
         default="auto", description="how attention weights are stored (auto: the most precise within 16 MiB)"
     )
     lens_k: int = Field(default=5, ge=1, le=50, description="logit-lens candidates per layer and position")
+    lens_window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]] | None = Field(
+        default=None,
+        description="the positions [start, stop) of the logit lens (the live page asks for the ones it shows: "
+        "the lens costs a whole-vocabulary product per layer and position); default: every position",
+    )
     next_k: int = Field(default=32, ge=1, le=256, description="next-token candidates per position")
 
 

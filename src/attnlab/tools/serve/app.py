@@ -327,6 +327,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
             heads=req.heads,
             precision=req.precision,
             lens_k=req.lens_k,
+            lens_window=req.lens_window,
             next_k=req.next_k,
         )
         return await call(_packed_response, data)  # a worker thread: megabytes to encode, the event loop free

@@ -310,11 +310,12 @@ class Engine:
         heads: Sequence[int] | None = None,
         precision: str = "auto",
         lens_k: int = 5,
+        lens_window: tuple[int, int] | None = None,
         next_k: int = 32,
     ) -> dict[str, Any]:
         """:func:`attnlab.interpret.inspector_data` of the prompt, the given sections only (arrays
-        still :class:`~attnlab.interpret.codec.Packed`). Head roles depend on the model alone: they
-        are computed once."""
+        still :class:`~attnlab.interpret.codec.Packed`); ``lens_window``: the positions ``[start, stop)``
+        of the logit lens (default: all). Head roles depend on the model alone: they are computed once."""
         ids = self.encode(prompt)
         sections = set(sections)
         loaded = self._need_model()
@@ -334,6 +335,7 @@ class Engine:
                 heads=heads,
                 precision=precision,
                 lens_k=lens_k,
+                lens_window=lens_window,
                 next_k=next_k,
                 roles=False,
             )
