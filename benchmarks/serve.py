@@ -316,7 +316,7 @@ def smollm2_main(args) -> None:
             threads = c.get("/api/info").json()["torch_threads"]
             torch.set_num_threads(threads)  # the forward on as many threads as the server's model
             n1, n16 = args.requests, args.concurrent_requests
-            starts = server_prompts(c, text, args.tokens, 3 + n1 + 16 + 1, with_rest=True)
+            starts = server_prompts(c, text, args.tokens, 3 + n1 + 16 + 2, with_rest=True)
             prompts = [p for p, _ in starts]
 
             def forward(prompt: str) -> float:
@@ -329,10 +329,14 @@ def smollm2_main(args) -> None:
             forward(prompts[-1])  # warm up
             c.post("/api/inspect", json={"prompt": prompts[-1], "sections": ["layers"]}).raise_for_status()  # warm up
 
-            def full(prompt: str) -> dict:
+            def full(prompt: str, whole_lens: bool = False) -> dict:
                 f0 = forward(prompt)
+                body = {"prompt": prompt, "sections": ALL_SECTIONS}
+                if not whole_lens:  # as the page asks: the lens of the positions its view shows
+                    T = len(c.post("/api/tokenize", json={"prompt": prompt}).json()["ids"])
+                    body["lens_window"] = [max(0, T - LENS_VIEW), T]
                 t0 = time.perf_counter()
-                r = c.post("/api/inspect", json={"prompt": prompt, "sections": ALL_SECTIONS})
+                r = c.post("/api/inspect", json=body)
                 r.raise_for_status()
                 ms = 1000 * (time.perf_counter() - t0)
                 f = (f0 + forward(prompt)) / 2 * 1000
@@ -345,6 +349,7 @@ def smollm2_main(args) -> None:
 
             out["full_first"] = full(prompts[0])  # (head roles: computed by the server once it listens)
             out["full_cached_roles"] = full(prompts[1])
+            out["full_whole_lens"] = full(prompts[-2], whole_lens=True)
             # Typing: one prompt typed on, a word per request, now and then the last word deleted.
             out["typing_1"] = typing_session(c, starts[2], n1, forward)
             # A pasted prompt: each request a new, unrelated prompt (nothing to reuse).
@@ -367,8 +372,9 @@ def smollm2_main(args) -> None:
         f"{load_after[0]:.2f} after"
     )
     for key, label in (
-        ("full_first", "full inspection of a new prompt, the first"),
-        ("full_cached_roles", "full inspection of another new prompt"),
+        ("full_first", f"full inspection of a new prompt, the first (the lens of the {LENS_VIEW} positions shown)"),
+        ("full_cached_roles", f"full inspection of another new prompt (the lens of the {LENS_VIEW} positions shown)"),
+        ("full_whole_lens", f"full inspection with the lens of all {args.tokens} positions (not what the page asks)"),
     ):
         m = out[key]
         print(
@@ -402,6 +408,9 @@ def smollm2_main(args) -> None:
         atomic_write_json(args.json, out)
 
 
+LENS_VIEW = 13  # positions the page's logit-lens view shows (viewer.js), and asks the server for
+
+
 def full_inspection_pieces(path: Path, prompt: str, hf, rounds: int) -> dict:
     """What the full inspection of ``prompt`` is made of, each piece timed in this process on attnlab's
     own reading of the GGUF file, against the HF forward of the same tokens just before it: the trace
@@ -432,6 +441,12 @@ def full_inspection_pieces(path: Path, prompt: str, hf, rounds: int) -> dict:
             tr = timed("trace", lambda: trace(model, idx, stages=True, logits=True, tokenizer=loaded.tokenizer))
             for section in ("layers", "steps", "next", "rollout", "lens"):
                 timed(section, lambda s=section, t=tr: inspector_data(t, sections={s}, roles=False))
+            T = idx.shape[1]
+            window = (max(0, T - LENS_VIEW), T)
+            timed(
+                f"lens of {LENS_VIEW} positions",
+                lambda t=tr, w=window: inspector_data(t, sections={"lens"}, roles=False, lens_window=w),
+            )
             timed("roles (once per model)", lambda: all_head_scores(model))
             data = inspector_data(tr, sections={"layers", "steps", "next", "rollout", "lens"}, roles=False)
             timed("JSON", lambda d=data: packed_json(d))
