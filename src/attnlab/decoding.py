@@ -202,14 +202,11 @@ def _layer(
         M = keys.shape[2]
         qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
-        if reduce:  # products as multiply-and-sum loops inductor fuses (no two bmm calls a layer)
-            scores = (_wide(qg).unsqueeze(-2) * _wide(keys).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, G, M)
-            p = torch.softmax(scores.masked_fill(~filled, float("-inf")), dim=-1)  # (B, Hkv, G, M)
-            att = (p.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2).to(values.dtype)  # (B, Hkv, G, hd)
-        else:
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, Hkv, G, M)
-            scores = scores.masked_fill(~filled, float("-inf"))
-            att = torch.matmul(torch.softmax(_wide(scores), dim=-1).to(values.dtype), values)  # (B, Hkv, G, hd)
+        # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
+        # a batch attends to its own cache, so a batch shares no reads a matmul could reuse).
+        scores = (_wide(qg).unsqueeze(-2) * _wide(keys).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, G, M)
+        p = torch.softmax(scores.masked_fill(~filled, float("-inf")), dim=-1)  # (B, Hkv, G, M)
+        att = (p.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2).to(values.dtype)  # (B, Hkv, G, hd)
         heads = att.reshape(B, 1, H * hd)
     else:
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
