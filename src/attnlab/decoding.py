@@ -204,9 +204,13 @@ def _layer(
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
         # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
         # a batch attends to its own cache, so a batch shares no reads a matmul could reuse).
+        # The softmax's division after the sum over the slots: the exponentials are a stored (B, Hkv, G, M)
+        # result, their products with the values stay inside the sum's loop (no (B, Hkv, G, M, hd) buffer).
         scores = (_wide(qg).unsqueeze(-2) * _wide(keys).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, G, M)
-        p = torch.softmax(scores.masked_fill(~filled, float("-inf")), dim=-1)  # (B, Hkv, G, M)
-        att = (p.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2).to(values.dtype)  # (B, Hkv, G, hd)
+        scores = scores.masked_fill(~filled, float("-inf"))
+        e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # (B, Hkv, G, M): 0 at empty slots
+        att = (e.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2) / e.sum(-1, keepdim=True)  # (B, Hkv, G, hd)
+        att = att.to(values.dtype)
         heads = att.reshape(B, 1, H * hd)
     else:
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
