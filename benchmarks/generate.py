@@ -30,7 +30,8 @@ step reads every weight once, so tokens/s are bounded by (read bandwidth) / (wei
 benchmark measures the read bandwidth itself (a sum over 512 MB, with the same threads, interleaved
 with the rounds) and prints each row's share of that bound. Goals (issue 23): >= 2x transformers,
 >= 60% of the bound. ``--profile DIR`` writes torch.profiler's top operations of one generation of
-each attnlab row.
+each attnlab row. ``--time compiled,transformers`` times only those rows (the eager and fast
+paths still run once: their tokens are checked), for a shorter run on a busy machine.
 
     python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
     python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
