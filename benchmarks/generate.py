@@ -30,7 +30,8 @@ step reads every weight once, so tokens/s are bounded by (read bandwidth) / (wei
 benchmark measures the read bandwidth itself (a sum over 512 MB, with the same threads, interleaved
 with the rounds) and prints each row's share of that bound. Goals (issue 23): >= 2x transformers,
 >= 60% of the bound. ``--profile DIR`` writes torch.profiler's top operations of one generation of
-each attnlab row.
+each attnlab row. ``--time compiled,transformers`` times only those rows (the eager and fast
+paths still run once: their tokens are checked), for a shorter run on a busy machine.
 
     python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
     python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="--model: comma-separated dtypes (float32,bfloat16)")
     ap.add_argument("--no-compile", action="store_true", help="--model: leave out the compiled step")
     ap.add_argument("--profile", default=None, help="--model: write torch.profiler tables into this directory")
+    ap.add_argument(
+        "--time",
+        default="eager,fast,compiled,transformers",
+        help="--model: the rows timed (the others still run once: their tokens are checked)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -399,10 +405,13 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
             slug = name.split()[1]
             path = Path(args.profile) / f"{args.model}_{str(dtype).removeprefix('torch.')}_{slug}.txt"
             profile_table(rows[name], path, f"{label}, {dtype!s}: {name}, {args.prompt} + {new} tokens")
+    keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
+            "transformers generate": "transformers"}  # fmt: skip
+    timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
     buf, bandwidths = torch.ones(128 * 2**20), []  # 512 MB; measured in every round, so load hits it alike
-    timings = interleave({**rows, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
+    timings = interleave({**timed, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
                          device=device, alternate=True)  # fmt: skip
-    tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in rows}
+    tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in timed}
     gbs = statistics.median(bandwidths)
     nbytes = weight_bytes(ours)
     bound = gbs * 1e9 / nbytes  # steps per second at best: each reads every weight once
@@ -430,6 +439,8 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         print(
             f"  {name:<24} {value:8.1f} tokens/s  {vs_hf}  {100 * share:5.1f}% of the bound  same tokens: {same[name]}"
         )
+    for name in rows.keys() - tps.keys():
+        print(f"  {name:<24} (not timed)  same tokens: {same[name]}")
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "weight_bytes": nbytes,
             "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
             "load_average": os.getloadavg()[0]}  # fmt: skip

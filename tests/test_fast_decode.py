@@ -238,6 +238,31 @@ def test_the_compiled_step_equals_the_eager_forward(family, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_compiled_step_in_groups_of_layers(group, steps, monkeypatch):
+    """Layers in several compiled calls (the head a call of its own), the caches' positions written
+    inside them: the same tokens, logits and cache records as the eager forward, in float64."""
+    monkeypatch.setattr(decoding, "_GROUP", group)
+    model = make(FAMILIES["llama-gqa"], seed=group)
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5))
+    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+    compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
+    assert_same(ref, compiled, tol=1e-9)
+    assert steps[0] == 11
+    records = []
+    for compile in (False, True):  # the caches' records after the same steps, eager and compiled
+        caches = model.new_kv_caches(2, 16)
+        with torch.inference_mode():
+            model.decode_logits(idx, None, caches)
+            decoder = decoding.FastDecoder(model, caches, compile=compile)
+            for t in range(3):
+                decoder.step(idx[:, t])
+        records.append([c.positions.clone() for c in caches])
+    for a, b in zip(*records, strict=True):
+        assert torch.equal(a, b) and torch.equal(a[:, :8], torch.arange(8).expand(2, 8))
+
+
+@pytest.mark.slow
 def test_smollm2_fast_steps_equal_eager(smollm2_gguf, steps):
     model = GPT.from_gguf(smollm2_gguf)
     idx = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))

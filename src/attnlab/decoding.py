@@ -10,12 +10,15 @@ math with the work a step needs and nothing else:
   starts, freed when it ends: the parameters, ``state_dict`` and checkpoints stay as they are);
 * RoPE's angles once per step for all layers, the new key and value written into the preallocated
   cache, attention over the filled slots only;
-* with ``compile=True``, each layer as one function compiled by ``torch.compile`` over the whole
-  preallocated cache (static shapes, a mask over the filled slots), shared by every layer (one
-  compilation, not 30), and each matrix-vector product of a single row as a fused multiply-reduce
-  that inductor turns into one vectorized loop over the weights, which streams them at memory speed
-  where the BLAS kernel of a one-row matmul does not (CPU; on CUDA the same code, compiled by
-  inductor's Triton backend).
+* with ``compile=True``, the layers in groups of up to 12 (equal groups: SmolLM2's 30 run as 3 calls
+  of 10 layers and one of the head, GPT-2-small's 12 and the head as one call), each group one
+  function compiled by ``torch.compile`` over the whole preallocated cache (static shapes, a mask
+  over the filled slots), shared by every group (one compilation); each matrix-vector product of a
+  single row as a fused multiply-reduce that inductor turns into one vectorized loop over the
+  weights, which streams them at memory speed where the BLAS kernel of a one-row matmul does not,
+  and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
+  Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
+  Python (some 50 us).
 
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
@@ -42,6 +45,7 @@ from attnlab.positions import apply_rope
 __all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "supported"]
 
 _ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's `approximate`
+_GROUP = 12  # the compiled step: layers per compiled call (fewer calls per token, larger graphs to compile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,14 +205,15 @@ def _layer(
         M = keys.shape[2]
         qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
-        if reduce:  # products as multiply-and-sum loops inductor fuses (no two bmm calls a layer)
-            scores = (_wide(qg).unsqueeze(-2) * _wide(keys).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, G, M)
-            p = torch.softmax(scores.masked_fill(~filled, float("-inf")), dim=-1)  # (B, Hkv, G, M)
-            att = (p.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2).to(values.dtype)  # (B, Hkv, G, hd)
-        else:
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, Hkv, G, M)
-            scores = scores.masked_fill(~filled, float("-inf"))
-            att = torch.matmul(torch.softmax(_wide(scores), dim=-1).to(values.dtype), values)  # (B, Hkv, G, hd)
+        # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
+        # a batch attends to its own cache, so a batch shares no reads a matmul could reuse).
+        # The softmax's division after the sum over the slots: the exponentials are a stored (B, Hkv, G, M)
+        # result, their products with the values stay inside the sum's loop (no (B, Hkv, G, M, hd) buffer).
+        scores = (_wide(qg).unsqueeze(-2) * _wide(keys).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, G, M)
+        scores = scores.masked_fill(~filled, float("-inf"))
+        e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # (B, Hkv, G, M): 0 at empty slots
+        att = (e.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2) / e.sum(-1, keepdim=True)  # (B, Hkv, G, hd)
+        att = att.to(values.dtype)
         heads = att.reshape(B, 1, H * hd)
     else:
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
@@ -240,10 +245,36 @@ def _head(x: Tensor, nw: Tensor | None, nb: Tensor | None, w: Tensor, norm: tupl
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
+def _layers(
+    x: Tensor,
+    ropes: list,
+    keys: list[Tensor],
+    values: list[Tensor],
+    positions: list[Tensor | None],
+    slot: Tensor,
+    ws: list[tuple],
+    specs: list[tuple],
+    head: tuple | None,
+) -> Tensor:
+    """Layers in a row over their static caches (the compiled step: one call, one graph, for all of
+    them): ``x (B, 1, C)`` -> ``(B, 1, C)``, or with ``head`` (:func:`_head`'s arguments after ``x``)
+    the logits ``(B, V)``. ``positions``: the caches' position records (``None`` where a layer keeps
+    none), the new slot's entry written here too."""
+    for (cos, sin), k, v, p, w, spec in zip(ropes, keys, values, positions, ws, specs, strict=True):
+        if p is not None:  # (as the eager update(): the cache records the position of the slot)
+            p.index_fill_(1, slot.view(1), slot)
+        x = _layer(x, cos, sin, k, v, slot, w, spec, True)
+    return x if head is None else _head(x, *head, True)
+
+
 @functools.cache
 def _compiled(fn: Any) -> Any:
     # dynamic=False: the shapes of a generation never change (the cache buffers are preallocated).
-    return torch.compile(fn, dynamic=False)
+    # realize_opcount_threshold: inductor inlines a pointwise result (a norm's output, RoPE's rotation)
+    # into each loop that reads it unless it costs more than this many operations: in a matrix-vector
+    # product that means once per weight row, not once per step. A low threshold stores such results
+    # instead (a few KB): CPU, SmolLM2's layer 10% (float32) to 35% (bfloat16) faster.
+    return torch.compile(fn, dynamic=False, options={"realize_opcount_threshold": 4})
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,8 +319,25 @@ class FastDecoder:
             model.out_head.weight,
             cfg.logit_softcap,
         )
-        self.layer_fn = _compiled(_layer) if compile else _layer
-        self.head_fn = _compiled(_head) if compile else _head
+        self.layers_fn = _compiled(_layers) if compile else None
+        self.head_fn = _compiled(_head) if compile else None
+        # The compiled step's calls: groups of up to _GROUP layers (one call each; the last one ends with
+        # the head), with the arguments that stay the same from step to step.
+        L = len(self.layers)
+        g = max(d for d in range(1, min(L, _GROUP) + 1) if L % d == 0)  # equal groups: one graph for all
+        self.groups = []
+        for a in range(0, L, g):
+            idx = range(a, min(L, a + g))
+            self.groups.append(
+                (
+                    idx,
+                    [caches[i].keys for i in idx],
+                    [caches[i].values for i in idx],
+                    [caches[i].positions if self.layers[i][4] else None for i in idx],
+                    [self.layers[i][0] for i in idx],
+                    [self.layers[i][1] for i in idx],
+                )
+            )
         self.modules, self.hookable = (
             list(model.modules()),
             _hookable(model),
@@ -346,21 +394,31 @@ class FastDecoder:
         if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
             ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in model.rope_sources.items()}
         blocks = model.trf_blocks
-        observed = any(block.att.observer is not None for block in blocks)  # then the eager step, which reports
-        static = self.compile and not observed
-        slot: Any = torch.tensor(pos, device=idx.device) if static else pos
-        layer_fn = self.layer_fn if static else _layer
-        for block, cache, (w, spec, _, local, has_positions) in zip(blocks, self.caches, self.layers, strict=True):
-            cos, sin = None, None
-            if block.att.rope:  # (a module of its own RoPE in a model without: its angles, as its forward does)
-                cos, sin = ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype)
+        rope = []  # each layer's (cos, sin), or (None, None)
+        for block, (_, _, _, local, _) in zip(blocks, self.layers, strict=True):
+            if not block.att.rope:
+                rope.append((None, None))
+            else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
+                rope.append(ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype))
+        nw, nb, head, cap = self.head
+        if self.compile and not any(block.att.observer is not None for block in blocks):  # (observed: eager, reports)
+            slot = torch.tensor(pos, device=idx.device)
+            one = len(self.groups) == 1  # then the head too in that call; else a call of its own
+            for layers, *args in self.groups:
+                last = (nw, nb, head, self.norm, cap) if one else None
+                x = self.layers_fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
+            for cache in self.caches:
+                cache.length = cache.seen = pos + 1
+            return x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
+        for block, cache, (cos, sin), (w, spec, _, _, has_positions) in zip(
+            blocks, self.caches, rope, self.layers, strict=True
+        ):
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, pos] = pos
             observe = None if block.att.observer is None else self._observer(block.att, cache, at, has_positions)
-            x = layer_fn(x, cos, sin, cache.keys, cache.values, slot, w, spec, static, observe)
+            x = _layer(x, cos, sin, cache.keys, cache.values, pos, w, spec, False, observe)
             cache.length = cache.seen = pos + 1
-        nw, nb, head, cap = self.head
-        return (self.head_fn if static else _head)(x, nw, nb, head, self.norm, cap, static)  # (B, V)
+        return _head(x, nw, nb, head, self.norm, cap, False)  # (B, V)
 
     @staticmethod
     def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool) -> Any:
