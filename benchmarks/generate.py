@@ -28,7 +28,8 @@ checked). Rows: attnlab's eager forward per step (``fast=False``, the reference)
 path, its compiled step (``compile=True``; the compile time printed apart), transformers. A decoding
 step reads every weight once, so tokens/s are bounded by (read bandwidth) / (weight bytes): the
 benchmark measures the read bandwidth itself (a sum over 512 MB, with the same threads, interleaved
-with the rounds; the fastest pass of all, the strictest bound) and prints each row's share of that bound. Goals (issue 23): >= 2x transformers,
+with the rounds; the fastest pass of all, the strictest bound) and prints each row's share of that
+bound. Goals (issue 23): >= 2x transformers,
 >= 60% of the bound. ``--profile DIR`` writes torch.profiler's top operations of one generation of
 each attnlab row. ``--time compiled,transformers`` times only those rows (the eager and fast
 paths still run once: their tokens are checked), for a shorter run on a busy machine.
