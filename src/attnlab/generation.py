@@ -42,7 +42,7 @@ from attnlab.decoding import FastDecoder, supported
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
     from attnlab.model import GPT
 
-__all__ = ["SamplingConfig", "check_logits", "generate", "sample_next_token", "stream"]
+__all__ = ["SamplingConfig", "check_logits", "generate", "next_tokens", "sample_next_token", "stream"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,6 +167,27 @@ def check_logits(logits: Tensor) -> None:
         raise ValueError("logits must be finite or -inf, with a finite value in every row: there is no token to pick")
 
 
+def next_tokens(
+    logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None, stop: Tensor | None, finished: Tensor
+) -> Tensor:
+    """A generation's next token of each row, ``(B,)``, drawn from the model's ``logits (B, V)``:
+    checked (NaN or +inf: ValueError, one host sync), sampled, and a row already ``finished`` (it
+    produced one of the ``stop`` ids) kept at the first stop id; ``finished (B,)`` is updated in place."""
+    # NaN logits (a model with NaN weights) have no token to pick: greedy argmax would return token 0
+    # forever, multinomial a RuntimeError.
+    try:
+        check_logits(logits)
+    except ValueError:
+        raise ValueError(
+            "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
+        ) from None
+    nxt = sampling.sample(logits, generator)
+    if stop is not None:
+        nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos
+        finished |= torch.isin(nxt, stop)
+    return nxt
+
+
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
@@ -285,18 +306,7 @@ def _steps(
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]
                     logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
-                # NaN logits (a model with NaN weights) have no token to pick: greedy argmax would
-                # return token 0 forever, multinomial a RuntimeError. One host sync per token.
-                try:
-                    check_logits(logits)
-                except ValueError:
-                    raise ValueError(
-                        "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
-                    ) from None
-                nxt = sampling.sample(logits, generator)
-                if stop is not None:
-                    nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos
-                    finished |= torch.isin(nxt, stop)
+                nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
                 out[:, cur] = nxt
                 cur += 1
             yield nxt.clone(), logits

@@ -21,7 +21,7 @@ from torch import Tensor
 from attnlab.attention import AttentionRecord
 from attnlab.checks import positive_int
 from attnlab.decoding import FastDecoder, supported
-from attnlab.generation import SamplingConfig, check_logits, generate
+from attnlab.generation import SamplingConfig, generate, next_tokens
 from attnlab.interpret.tracing import Trace, observe_attention
 
 __all__ = ["GenerationStep", "GenerationTrace", "trace_generation"]
@@ -206,16 +206,7 @@ def _continue(
                         logits = decoder.step(out[-1])  # (B, V)
                     else:
                         logits = model.decode_logits(out[-1][:, None], None, caches)[:, -1]  # (B, V)
-                try:
-                    check_logits(logits)
-                except ValueError:
-                    raise ValueError(
-                        "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
-                    ) from None
-                nxt = sampling.sample(logits, generator)
-                if stop is not None:
-                    nxt = nxt.masked_fill(finished, stop[0])
-                    finished |= torch.isin(nxt, stop)
+                nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
                 out.append(nxt.clone())
                 all_logits.append(logits.float())
                 if stop is not None and bool(finished.all()):
