@@ -17,7 +17,6 @@ in another order when the shapes differ), checked by the tests against a fresh t
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import AttentionRecord, KVCache
-from attnlab.interpret.tracing import Trace, attention_layers, observe_attention
+from attnlab.interpret.tracing import Trace, attention_layers, observe_attention, stop_before_head
 
 __all__ = ["KeptTrace", "retrace", "shared_prefix"]
 
@@ -56,14 +55,6 @@ def shared_prefix(a: Tensor, b: Tensor) -> int:
     n = min(a.shape[1], b.shape[1])
     differ = (a[:, :n] != b[:, :n].to(a.device)).any(dim=0).nonzero()  # positions where some row differs
     return int(differ[0]) if differ.numel() else n
-
-
-class _Stopped(Exception):
-    """Ends a retraced pass after the last block (no final norm, no unembedding)."""
-
-
-def _stop(module: nn.Module, args: tuple) -> None:
-    raise _Stopped
 
 
 def retrace(model: nn.Module, idx: Tensor, kept: KeptTrace | None = None, *, tokenizer: object = None) -> KeptTrace:
@@ -113,15 +104,13 @@ def retrace(model: nn.Module, idx: Tensor, kept: KeptTrace | None = None, *, tok
         weights[0][i, :, :, P:].copy_(w)
         records[i] = (record.mask, bool(record.is_causal), float(record.scale), record.softcap)
 
-    handle = model.final_norm.register_forward_pre_hook(_stop)  # the heads need no logits
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad(), observe_attention(model, on_record), contextlib.suppress(_Stopped):
-            model(idx[:, P:], kv_caches=caches)  # (stopped before the final norm)
+        with torch.no_grad(), observe_attention(model, on_record), stop_before_head(model):  # no logits needed
+            model(idx[:, P:], kv_caches=caches)
     finally:
         model.train(was_training)
-        handle.remove()
     missing = [i for i, r in enumerate(records) if r is None]
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")

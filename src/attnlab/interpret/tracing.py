@@ -32,7 +32,7 @@ from attnlab.attention import (
 from attnlab.checks import check_float_tensor
 from attnlab.functional import attention_scores, simple_self_attention, softcap_score_mod
 
-__all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "record_module", "trace"]
+__all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "record_module", "stop_before_head", "trace"]
 
 # The tutorials' names for the steps of one head, in order ("A simple self-attention mechanism",
 # "Implement the Self-Attention Mechanism in PyTorch").
@@ -307,14 +307,11 @@ def trace(
                 handles.append(block.register_forward_pre_hook(block_input(i)))
                 handles.append(layers[i].out_proj.register_forward_hook(out_proj_output(i)))
             handles.append(model.final_norm.register_forward_pre_hook(block_input(L)))
-        if not logits:
-            handles.append(model.final_norm.register_forward_pre_hook(_stop))
         model.eval()
-        with torch.no_grad(), observe_attention(model, on_record):
-            try:
-                out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
-            except _Stopped:
-                out_logits = None
+        out_logits = None
+        stop = contextlib.nullcontext() if logits else stop_before_head(model)
+        with torch.no_grad(), observe_attention(model, on_record), stop:
+            out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
     finally:
         model.train(was_training)
         for h in handles:
@@ -348,6 +345,21 @@ class _Stopped(Exception):
 
 def _stop(module: nn.Module, args: tuple) -> None:
     raise _Stopped
+
+
+@contextlib.contextmanager
+def stop_before_head(model: nn.Module) -> Iterator[None]:
+    """Within it, a forward pass of ``model`` ends after its last block, before the final norm and the
+    unembedding (the attention needs neither): the call raises, and that ends the ``with`` block
+    quietly, so the call's result is never assigned. Hooks on the final norm registered before it
+    still run."""
+    handle = model.final_norm.register_forward_pre_hook(_stop)
+    try:
+        yield
+    except _Stopped:
+        pass
+    finally:
+        handle.remove()
 
 
 # --------------------------------------------------------------------------------------------
