@@ -312,13 +312,17 @@ def rolling_cache_benchmark(args: argparse.Namespace, device: torch.device) -> d
 
 
 def read_bandwidth(buf: torch.Tensor, passes: int = 3) -> float:
-    """GB/s of the fastest of ``passes`` passes summing ``buf`` (float32, far larger than the caches)
-    with torch's threads: the rate at which a decoding step can read its weights, at best. (One pass
-    varied from 33 to 52 GB/s on one machine; the fastest is the strictest bound.)"""
+    """GB/s of the fastest of ``passes`` passes summing ``buf`` (float32, far larger than the caches,
+    on the device the model runs on) with torch's threads: the rate at which a decoding step can read
+    its weights, at best. (One pass varied from 33 to 52 GB/s on one machine; the fastest is the
+    strictest bound.)"""
     best = float("inf")
+    sync = torch.cuda.synchronize if buf.is_cuda else (lambda: None)  # CUDA runs asynchronously
     for _ in range(passes):
+        sync()
         t0 = time.perf_counter()
         buf.sum()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * buf.element_size() / best / 1e9
 
@@ -413,7 +417,10 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
             "transformers generate": "transformers"}  # fmt: skip
     timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
-    buf, bandwidths = torch.ones(128 * 2**20), []  # 512 MB; measured in every round, so load hits it alike
+    buf, bandwidths = (
+        torch.ones(128 * 2**20, device=device),
+        [],
+    )  # 512 MB; measured in every round, so load hits it alike
     timings = interleave({**timed, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
                          device=device, alternate=True)  # fmt: skip
     tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in timed}

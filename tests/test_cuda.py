@@ -1,0 +1,129 @@
+"""The CUDA paths against their CPU references (marked ``cuda``: run where a GPU is, ``pytest -m cuda``).
+
+Each test computes the same thing on the GPU and by the CPU reference (float64, or the eager forward
+on the same device) and compares: the decoding fast path and its compiled step (inductor's Triton
+backend on CUDA) against the eager forward, attnlab's Llama against transformers' built from the
+same config, the inspector's trace and logit lens, and activation patching. float32 on the GPU may
+differ from the CPU in the order of its sums (and by TF32 where a library enables it), so these
+compare at float32 tolerances, and greedy tokens on the peaked test models of test_fast_decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import decoding
+from attnlab.interpret import activation_patching, logit_diff, logit_lens, trace
+from attnlab.model import GPT, GPTConfig
+from test_fast_decode import BASE, FAMILIES, make
+
+pytestmark = pytest.mark.cuda
+DEVICE = "cuda"
+
+
+def on(model: GPT, dtype: torch.dtype = torch.float32) -> GPT:
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """How many steps the fast path ran (a spy on FastDecoder.step)."""
+    count = [0]
+    step = decoding.FastDecoder.step
+
+    def spy(self, token):
+        count[0] += 1
+        return step(self, token)
+
+    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
+    return count
+
+
+@pytest.mark.parametrize("family", ["gpt2", "smollm2-like", "gemma3", "neox"])
+@pytest.mark.parametrize("compile", [False, True])
+def test_decoding_on_cuda_equals_the_eager_forward_and_the_cpu(family, compile, steps):
+    cpu = make(FAMILIES[family])  # float64 on the CPU: the reference
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    ref_tokens, ref_logits = cpu.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+    gpu = on(make(FAMILIES[family]))
+    eager = gpu.generate(idx.to(DEVICE), 12, temperature=0, return_logits=True, fast=False)
+    fast = gpu.generate(idx.to(DEVICE), 12, temperature=0, return_logits=True, compile=compile)
+    assert steps[0] > 0  # the fast path ran on the GPU
+    for tokens, logits in (eager, fast):
+        assert tokens.device.type == DEVICE and logits.dtype == torch.float32
+        assert torch.equal(tokens.cpu(), ref_tokens)
+        torch.testing.assert_close(logits.double().cpu(), ref_logits.double(), rtol=2e-3, atol=2e-3)
+
+
+def test_bfloat16_decoding_on_cuda_follows_float32(steps):
+    """bfloat16 on the GPU, fast and compiled: the first step's logits near float32's; the compiled
+    step's tokens and logits equal the fast path's within bfloat16 rounding."""
+    model = make(FAMILIES["smollm2-like"])
+    idx = torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    f32 = on(model).generate(idx, 1, temperature=0, return_logits=True, fast=False)[1]
+    bf16 = on(make(FAMILIES["smollm2-like"]), torch.bfloat16)
+    first = bf16.generate(idx, 1, temperature=0, return_logits=True, fast=False)[1]
+    assert bf16.out_head.weight.dtype == torch.bfloat16
+    scale = f32.abs().max()
+    assert (first.float() - f32).abs().max() < 0.05 * scale
+    fast = bf16.generate(idx, 8, temperature=0, return_logits=True)
+    compiled = bf16.generate(idx, 8, temperature=0, return_logits=True, compile=True)
+    assert steps[0] == 2 * 7
+    n = int((fast[0] != compiled[0]).int().cumprod(-1).eq(0).sum())  # tokens equal before any flip
+    assert n >= 1
+    torch.testing.assert_close(compiled[1][:, :n].float(), fast[1][:, :n].float(), rtol=0.05, atol=0.05 * scale)
+
+
+def test_llama_on_cuda_equals_transformers_built_from_its_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval().to(DEVICE)
+    ours = GPT.from_hf(hf).eval().to(DEVICE)
+    idx = torch.randint(0, 97, (2, 17), device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=1e-4, atol=1e-4)
+        want = hf.generate(idx, max_new_tokens=10, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(idx))
+    assert torch.equal(ours.generate(idx, 10, temperature=0, compile=True), want)
+
+
+def test_trace_and_logit_lens_on_cuda_equal_the_cpu():
+    cpu = make(FAMILIES["llama-gqa"])
+    gpu = on(make(FAMILIES["llama-gqa"]))
+    idx = torch.randint(0, BASE["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(5))
+    ref, got = trace(cpu, idx, stages=True), trace(gpu, idx.to(DEVICE), stages=True)
+    assert got.weights.device.type == DEVICE
+    torch.testing.assert_close(got.weights.cpu().double(), ref.weights.double(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.residual.cpu().double(), ref.residual, rtol=1e-4, atol=1e-3)
+    lens_ref, lens_got = logit_lens(cpu, ref), logit_lens(gpu, got, search_dtype=torch.float32)
+    assert torch.equal(lens_got.tokens.cpu(), lens_ref.tokens)
+
+
+def test_activation_patching_on_cuda_equals_the_cpu():
+    cpu = make(FAMILIES["gpt2"])
+    gpu = on(make(FAMILIES["gpt2"]))
+    g = torch.Generator().manual_seed(6)
+    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (1, 8), generator=g) for _ in range(2))
+    metric = logit_diff(3, 7)
+    ref = activation_patching(cpu, clean, corrupted, metric, "resid_pre")
+    got = activation_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, "resid_pre")
+    torch.testing.assert_close(got.cpu().double(), ref.double(), rtol=1e-3, atol=1e-3)
+
+
+def test_the_config_presets_train_a_step_on_cuda_in_bfloat16_autocast():
+    model = GPT(GPTConfig(**{**BASE, **FAMILIES["smollm2-like"]})).to(DEVICE)
+    idx = torch.randint(0, BASE["vocab_size"], (2, 16), device=DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1).float(), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0]
