@@ -453,6 +453,8 @@ class FastDecoder:
         for cache in self.caches:
             cache.length = cache.seen = pos + 1
         logits = x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
+        if not observed:
+            return logits
         at = torch.tensor([[pos]], device=x.device)  # (1, 1)
         S = pos + 1
         for (q, weights, heads), block, cache, (_, _, _, _, has_positions), observer in zip(

@@ -42,7 +42,7 @@ from attnlab.decoding import FastDecoder, supported
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
     from attnlab.model import GPT
 
-__all__ = ["SamplingConfig", "check_logits", "generate", "next_tokens", "sample_next_token", "stream"]
+__all__ = ["SamplingConfig", "cache_length", "check_logits", "generate", "next_tokens", "sample_next_token", "stream"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +221,17 @@ def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: Sampl
 _CHUNK = 1024  # the token buffer of _steps grows by at least this many tokens at a time
 
 
+def cache_length(model: GPT, prompt_length: int, max_new_tokens: int, compile: bool = False) -> int:
+    """The ``max_length`` of the KV caches a generation of ``model`` makes (``model.new_kv_caches``):
+    what the prompt and the new tokens need; with ``compile``, rounded up to a multiple of 256 slots
+    (the compiled step's shapes, shared by generations of similar lengths: a server compiles ahead
+    for the lengths it expects)."""
+    n = prompt_length + max_new_tokens
+    if compile:
+        n = -(-n // 256) * 256
+    return n if model.config.relative else min(model.config.context_length, n)
+
+
 def _steps(
     model: GPT,
     idx: Tensor,
@@ -255,10 +266,7 @@ def _steps(
     caches = None
     decoder = None
     if use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
-        n = T + max_new_tokens
-        if compile:  # in steps of 256 slots: the compiled step's shapes, shared by calls of similar lengths
-            n = -(-n // 256) * 256
-        caches = model.new_kv_caches(B, n if relative else min(C, n))
+        caches = model.new_kv_caches(B, cache_length(model, T, max_new_tokens, compile))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)

@@ -1,0 +1,105 @@
+"""``attnlab serve``'s generation stream and chat box on the compiled decoding step.
+
+An engine told to compile (:class:`attnlab.tools.serve.Engine` ``compile=True``, what ``attnlab serve``
+does) compiles the step on a thread of its own at warm-up; the generations after it decode with the
+compiled step and compile nothing on the model thread. Against an engine that does not compile, on
+the same model: the same tokens, candidates and probabilities, and the same attention rows per layer.
+Each test compiles (slow).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from attnlab import decoding
+from attnlab.interpret.codec import to_json, unpack
+from attnlab.tokenizers import CharTokenizer
+from attnlab.tools.loading import LoadedModel
+
+pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+from attnlab.tools.serve import Engine
+from attnlab.tools.serve.chat import advance_chat, start_chat
+from test_serve import CHARS, sharp_gpt
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
+
+
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    """The compiled steps the model thread ran (a spy on FastDecoder._compiled_step; the compiling
+    thread's own steps are not counted: they run before the spy is read)."""
+    count = [0]
+    step = decoding.FastDecoder._compiled_step
+
+    def spy(self, *args):
+        count[0] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(decoding.FastDecoder, "_compiled_step", spy)
+    return count
+
+
+def stream_all(engine: Engine, prompt: str, n: int, **kw) -> list[dict]:
+    run = engine.start_generation(prompt, n, **kw)
+    steps = []
+    while (data := engine.advance(run)) is not None:
+        steps.append(data)
+    engine.finish(run)
+    return steps
+
+
+def test_the_generation_stream_runs_the_compiled_step_compiled_at_warm_up(tmp_path, compiled_steps):
+    model = sharp_gpt(5, **LLAMA)
+    plain = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
+    assert not plain.compile and engine.compile
+    engine.warm_up()
+    assert engine.wait_compiled(timeout=900) and engine.compile_error is None
+    stats = engine.snapshot()
+    assert stats["steps_compiled"] == 2 and stats["steps_compiling"] == 0  # the stream's and the chat's
+    compiled_steps[0] = 0
+    graphs = counters["stats"]["unique_graphs"]
+    for kw in (dict(temperature=0.0), dict(temperature=0.9, top_k=12, seed=7)):
+        want = stream_all(plain, "the cat sat on", 14, **kw)
+        got = stream_all(engine, "the cat sat on", 14, **kw)
+        assert len(got) == len(want) == 14
+        for a, b in zip(want, got, strict=True):
+            for key in ("token", "position", "key_start", "key_index", "candidates", "labels"):
+                assert a[key] == b[key], key
+            assert b["probs"] == pytest.approx(a["probs"], abs=1e-5)
+            assert b["token_prob"] == pytest.approx(a["token_prob"], abs=1e-5)
+            wa, wb = (unpack(json.loads(to_json({"w": d["weights"]})))["w"] for d in (a, b))  # (L, H, S)
+            assert wa.shape == (model.config.n_layers, model.config.n_heads, a["position"])
+            torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the model thread
+    assert compiled_steps[0] == 2 * 13 and engine.snapshot()["compiled_generations"] == 2
+    assert plain.snapshot()["compiled_generations"] == 0
+
+
+def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
+    pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from attnlab.tools.loading import load_pretrained
+    from test_chat import write_model_dir
+
+    loaded = load_pretrained(str(write_model_dir(tmp_path / "chat")), device="cpu")
+    plain, engine = Engine(loaded), Engine(loaded, compile=True)
+    engine.warm_up()
+    assert engine.wait_compiled(timeout=900) and engine.compile_error is None
+    compiled_steps[0] = 0
+    messages = [{"role": "user", "content": "Jack Gisburn?"}]
+    answers = []
+    for e in (plain, engine):
+        run = start_chat(e, messages, 10, temperature=0.0)
+        while advance_chat(e, run) is not None:
+            pass
+        e.finish(run)
+        answers.append((run.answer_ids, run.end_reason))
+    assert answers[0] == answers[1] and len(answers[0][0]) > 0
+    assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
