@@ -9,8 +9,6 @@ Each test compiles (slow).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -74,7 +72,7 @@ def test_the_generation_stream_runs_the_compiled_step_compiled_at_warm_up(tmp_pa
                 assert a[key] == b[key], key
             assert b["probs"] == pytest.approx(a["probs"], abs=1e-5)
             assert b["token_prob"] == pytest.approx(a["token_prob"], abs=1e-5)
-            wa, wb = (unpack(json.loads(to_json({"w": d["weights"]})))["w"] for d in (a, b))  # (L, H, S)
+            wa, wb = (unpack(to_json({"w": d["weights"]}))["w"] for d in (a, b))  # (L, H, S)
             assert wa.shape == (model.config.n_layers, model.config.n_heads, a["position"])
             torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the model thread
