@@ -18,11 +18,14 @@ math with the work a step needs and nothing else:
   weights, which streams them at memory speed where the BLAS kernel of a one-row matmul does not,
   and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
   Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
-  Python (some 50 us).
+  Python (some 50 us). With attention observers set (:func:`attnlab.interpret.observe_attention`:
+  serve's generation stream) a variant of that function, compiled apart, also
+  returns each layer's query, attention weights over the cache and head outputs; the records the
+  eager forward would hand the observers are built from them after the call, outside the graph.
 
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
-Anything else (hooks, observers, LoRA parametrizations, forward hooks, padding masks, ALiBi,
+Anything else (hooks, LoRA parametrizations, forward hooks, padding masks, ALiBi,
 soft-capping, a rolling cache that has wrapped or a window shorter than the cache, training mode)
 runs the eager forward.
 """
