@@ -9,6 +9,8 @@ Each test compiles (slow).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -101,3 +103,31 @@ def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
         answers.append((run.answer_ids, run.end_reason))
     assert answers[0] == answers[1] and len(answers[0][0]) > 0
     assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
+
+
+def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, subprocess_env):
+    """``attnlab serve`` as a user starts it (compiling by default): the sixteen-client workload of
+    test_serve (200 requests, 4 generations among them, every answer checked) while the step compiles
+    in the background, then again on the compiled step; Ctrl-C exits cleanly."""
+    import httpx
+
+    from attnlab.tools.loading import load_model
+    from test_serve import MAX_NEW, Server, save_checkpoint, test_sixteen_concurrent_clients_each_get_their_own_answer
+
+    d = save_checkpoint(sharp_gpt(), tmp_path / "sharp")
+    checkpoint = (d, load_model(d))
+    server = Server("--checkpoint", str(d), "--max-new-tokens", str(MAX_NEW), env=subprocess_env, compile=True)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint)
+            deadline = time.monotonic() + 900
+            while c.get("/api/stats").json()["steps_compiled"] < 2 and time.monotonic() < deadline:
+                time.sleep(1)
+            before = c.get("/api/stats").json()
+            assert before["steps_compiled"] == 2 and before["steps_compiling"] == 0
+            test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint)
+            after = c.get("/api/stats").json()
+            assert after["compiled_generations"] - before["compiled_generations"] == 4
+    finally:
+        code, err = server.stop()
+    assert code == 130 and "Traceback" not in err and "warning" not in err, (code, err)
