@@ -131,3 +131,20 @@ def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, s
     finally:
         code, err = server.stop()
     assert code == 130 and "Traceback" not in err and "warning" not in err, (code, err)
+
+
+def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
+    """A server stopped while its compiling thread works exits at once and cleanly (the thread is a
+    daemon: nothing waits for a compilation)."""
+    import httpx
+
+    from test_serve import Server, save_checkpoint, wait_for
+
+    d = save_checkpoint(sharp_gpt(1, **LLAMA), tmp_path / "llama")
+    server = Server("--checkpoint", str(d), env=subprocess_env, compile=True)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        wait_for(lambda: c.get("/api/stats").json()["steps_compiling"] > 0)
+    start = time.perf_counter()
+    code, err = server.stop()
+    assert code == 130 and "Traceback" not in err and "Fatal" not in err, (code, err)
+    assert time.perf_counter() - start < 10
