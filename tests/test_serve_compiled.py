@@ -4,7 +4,7 @@ An engine told to compile (:class:`attnlab.tools.serve.Engine` ``compile=True``,
 does) compiles the step on a thread of its own at warm-up; the generations after it decode with the
 compiled step and compile nothing on the model thread. Against an engine that does not compile, on
 the same model: the same tokens, candidates and probabilities, and the same attention rows per layer.
-Each test compiles (slow).
+Each test compiles (slow), but the one where compiling fails.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from attnlab.tools.serve import Engine
 from attnlab.tools.serve.chat import advance_chat, start_chat
 from test_serve import CHARS, sharp_gpt
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
 
@@ -54,6 +54,7 @@ def stream_all(engine: Engine, prompt: str, n: int, **kw) -> list[dict]:
     return steps
 
 
+@pytest.mark.slow
 def test_the_generation_stream_runs_the_compiled_step_compiled_at_warm_up(tmp_path, compiled_steps):
     model = sharp_gpt(5, **LLAMA)
     plain = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
@@ -82,6 +83,7 @@ def test_the_generation_stream_runs_the_compiled_step_compiled_at_warm_up(tmp_pa
     assert plain.snapshot()["compiled_generations"] == 0
 
 
+@pytest.mark.slow
 def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
     pytest.importorskip("transformers")
     pytest.importorskip("jinja2")
@@ -105,6 +107,7 @@ def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
     assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
 
 
+@pytest.mark.slow
 def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, subprocess_env):
     """``attnlab serve`` as a user starts it (compiling by default): the sixteen-client workload of
     test_serve (200 requests, 4 generations among them, every answer checked) while the step compiles
@@ -133,6 +136,7 @@ def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, s
     assert code == 130 and "Traceback" not in err and "warning" not in err, (code, err)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
     """A server stopped while its compiling thread works exits at once and cleanly (the thread is a
     daemon: nothing waits for a compilation)."""
@@ -148,3 +152,24 @@ def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
     code, err = server.stop()
     assert code == 130 and "Traceback" not in err and "Fatal" not in err, (code, err)
     assert time.perf_counter() - start < 10
+
+
+def test_a_failed_compilation_leaves_the_fast_path(tmp_path, monkeypatch, capsys):
+    """No C++ compiler, say: one warning line, the stats say so, and generations stream on the fast path."""
+
+    def fail(self, observed=False):
+        raise RuntimeError("no C++ compiler found\nsecond line")
+
+    monkeypatch.setattr(decoding.FastDecoder, "precompile", fail)
+    model = sharp_gpt(2, **LLAMA)
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
+    engine.warm_up()
+    assert engine.wait_compiled(timeout=60)
+    assert engine.compile_error == "RuntimeError: no C++ compiler found"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab serve: warning: the compiled decoding step failed"), err
+    want = stream_all(Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path)), "abc", 5, temperature=0.0)
+    got = stream_all(engine, "abc", 5, temperature=0.0)
+    assert [d["token"] for d in got] == [d["token"] for d in want]
+    stats = engine.snapshot()
+    assert stats["compile_failed"] == 1 and stats["steps_compiling"] == 0 and stats["compiled_generations"] == 0

@@ -180,6 +180,7 @@ class Engine:
             "compiled_generations": 0,
             "steps_compiled": 0,
             "steps_compiling": 0,
+            "compile_failed": 0,
         }
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -461,7 +462,8 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
-                self.count("steps_compiling", -1)
+                self.count("steps_compiling", -sum(not done.is_set() for done in list(self._compiles.values())))
+                self.count("compile_failed")  # (nothing else is compiled: compiled_step answers False now)
                 return
             self._compiles[key].set()
             self.count("steps_compiling", -1)
