@@ -23,7 +23,7 @@ never happens on the model thread, where it would hold up every request: :meth:`
 compiles the cache size of short generations (256 slots: a prompt and its new tokens up to 256) on a
 thread of its own, for the stream and for the chat box, and a generation of another size asks for
 its size to be compiled likewise. Until its size is compiled a generation runs the eager fast path
-(the same tokens, at the eager fast path's speed: SmolLM2 float32 on two cores, 18 tokens/s against 49).
+(the same tokens, slower: SmolLM2 in float32 on two cores, 18 tokens/s against the compiled 49).
 
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
