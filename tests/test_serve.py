@@ -93,9 +93,10 @@ def save_checkpoint(model: GPT, directory: Path) -> Path:
 class Server:
     """``python -m attnlab serve ARGS --port 0`` in a child process, at the address it prints."""
 
-    def __init__(self, *args: str, env: dict[str, str], timeout: float = 120):
+    def __init__(self, *args: str, env: dict[str, str], timeout: float = 120, compile: bool = False):
+        # (--no-compile: compiling the decoding step in the background costs each server a minute of CPU)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "attnlab", "serve", *args, "--port", "0"],
+            [sys.executable, "-m", "attnlab", "serve", *args, *([] if compile else ["--no-compile"]), "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -18,11 +18,14 @@ math with the work a step needs and nothing else:
   weights, which streams them at memory speed where the BLAS kernel of a one-row matmul does not,
   and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
   Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
-  Python (some 50 us).
+  Python (some 50 us). With attention observers set (:func:`attnlab.interpret.observe_attention`:
+  serve's generation stream) a variant of that function, compiled apart, also
+  returns each layer's query, attention weights over the cache and head outputs; the records the
+  eager forward would hand the observers are built from them after the call, outside the graph.
 
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
-Anything else (hooks, observers, LoRA parametrizations, forward hooks, padding masks, ALiBi,
+Anything else (hooks, LoRA parametrizations, forward hooks, padding masks, ALiBi,
 soft-capping, a rolling cache that has wrapped or a window shorter than the cache, training mode)
 runs the eager forward.
 """
@@ -170,6 +173,7 @@ def _layer(
     spec: tuple,
     static: bool,
     observe: Any = None,
+    seen: list | None = None,
 ) -> Tensor:
     """One block for one new token per row: ``x (B, 1, C)`` -> ``(B, 1, C)``.
 
@@ -178,7 +182,8 @@ def _layer(
     never change: the compiled step); else over the filled ``slot + 1`` (``slot`` then a Python int).
     ``w``: the layer's tensors (see :meth:`FastDecoder._weights`); ``spec``: its constants.
     ``observe(q, keys, values, weights, heads)``: called with the attention weights, computed
-    explicitly then (not static).
+    explicitly then (not static). ``seen`` (static): a list that gets the layer's ``(q (B, H, 1, hd),
+    weights (B, H, 1, M), head outputs (B, H, 1, hd))`` for the observers, called after the compiled call.
     """
     (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
     norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post = spec
@@ -214,6 +219,9 @@ def _layer(
         e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # (B, Hkv, G, M): 0 at empty slots
         att = (e.unsqueeze(-1) * _wide(values).unsqueeze(2)).sum(-2) / e.sum(-1, keepdim=True)  # (B, Hkv, G, hd)
         att = att.to(values.dtype)
+        if seen is not None:  # (0 at the empty slots: the caller cuts the weights to the filled ones)
+            weights = (e / e.sum(-1, keepdim=True)).to(q.dtype).reshape(B, H, 1, M)
+            seen.append((q, weights, att.reshape(B, H, 1, hd)))
         heads = att.reshape(B, 1, H * hd)
     else:
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
@@ -255,16 +263,25 @@ def _layers(
     ws: list[tuple],
     specs: list[tuple],
     head: tuple | None,
+    seen: list | None = None,
 ) -> Tensor:
     """Layers in a row over their static caches (the compiled step: one call, one graph, for all of
     them): ``x (B, 1, C)`` -> ``(B, 1, C)``, or with ``head`` (:func:`_head`'s arguments after ``x``)
     the logits ``(B, V)``. ``positions``: the caches' position records (``None`` where a layer keeps
-    none), the new slot's entry written here too."""
+    none), the new slot's entry written here too. ``seen``: see :func:`_layer`."""
     for (cos, sin), k, v, p, w, spec in zip(ropes, keys, values, positions, ws, specs, strict=True):
         if p is not None:  # (as the eager update(): the cache records the position of the slot)
             p.index_fill_(1, slot.view(1), slot)
-        x = _layer(x, cos, sin, k, v, slot, w, spec, True)
+        x = _layer(x, cos, sin, k, v, slot, w, spec, True, seen=seen)
     return x if head is None else _head(x, *head, True)
+
+
+def _observed_layers(*args: Any) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:
+    """:func:`_layers`, and each layer's ``(q, weights, head outputs)`` of the new query (see
+    :func:`_layer`), from which the step builds its observers' records after the call. A function of
+    its own: compiled apart (one graph per variant, neither recompiling the other's)."""
+    seen: list[tuple[Tensor, Tensor, Tensor]] = []
+    return _layers(*args, seen), seen
 
 
 @functools.cache
@@ -320,6 +337,7 @@ class FastDecoder:
             cfg.logit_softcap,
         )
         self.layers_fn = _compiled(_layers) if compile else None
+        self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         self.head_fn = _compiled(_head) if compile else None
         # The compiled step's calls: groups of up to _GROUP layers (one call each; the last one ends with
         # the head), with the arguments that stay the same from step to step.
@@ -390,39 +408,88 @@ class FastDecoder:
         at = torch.tensor([[pos]], device=idx.device)  # (1, 1)
         if cfg.pos == "learned":
             x = x + model.pos_emb(at)
-        ropes: dict[bool, tuple[Tensor, Tensor]] = {}
-        if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
-            ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in model.rope_sources.items()}
-        blocks = model.trf_blocks
-        rope = []  # each layer's (cos, sin), or (None, None)
-        for block, (_, _, _, local, _) in zip(blocks, self.layers, strict=True):
-            if not block.att.rope:
-                rope.append((None, None))
-            else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
-                rope.append(ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype))
+        rope = self._ropes(at, x.dtype)
         nw, nb, head, cap = self.head
-        if self.compile and not any(block.att.observer is not None for block in blocks):  # (observed: eager, reports)
-            slot = torch.tensor(pos, device=idx.device)
-            one = len(self.groups) == 1  # then the head too in that call; else a call of its own
-            for layers, *args in self.groups:
-                last = (nw, nb, head, self.norm, cap) if one else None
-                x = self.layers_fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
-            for cache in self.caches:
-                cache.length = cache.seen = pos + 1
-            return x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
-        for block, cache, (cos, sin), (w, spec, _, _, has_positions) in zip(
-            blocks, self.caches, rope, self.layers, strict=True
+        observers = [block.att.observer for block in model.trf_blocks]  # (called with the eager forward's records)
+        if self.compile:
+            return self._compiled_step(x, rope, pos, observers)
+        for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn in zip(
+            model.trf_blocks, self.caches, rope, self.layers, observers, strict=True
         ):
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, pos] = pos
-            observe = None if block.att.observer is None else self._observer(block.att, cache, at, has_positions)
+            observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn)
             x = _layer(x, cos, sin, cache.keys, cache.values, pos, w, spec, False, observe)
             cache.length = cache.seen = pos + 1
         return _head(x, nw, nb, head, self.norm, cap, False)  # (B, V)
 
+    def _ropes(self, at: Tensor, dtype: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
+        """Each layer's RoPE ``(cos, sin)`` at position ``at (1, 1)``, or ``(None, None)``."""
+        model, cfg = self.model, self.cfg
+        ropes: dict[bool, tuple[Tensor, Tensor]] = {}
+        if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
+            ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, dtype) for k, i in model.rope_sources.items()}
+        rope = []
+        for block, (_, _, _, local, _) in zip(model.trf_blocks, self.layers, strict=True):
+            if not block.att.rope:
+                rope.append((None, None))
+            else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
+                rope.append(ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, dtype))
+        return rope
+
+    def _compiled_step(self, x: Tensor, rope: list, pos: int, observers: list) -> Tensor:
+        """The compiled step from the embedded tokens ``x (B, 1, C)`` at position ``pos``: logits ``(B, V)``.
+        With an observer on any layer the observed variant runs, and each observer gets, after the
+        calls, the record the eager forward would hand it (the weights cut to the filled slots)."""
+        nw, nb, head, cap = self.head
+        slot = torch.tensor(pos, device=x.device)
+        observed = any(fn is not None for fn in observers)
+        fn = self.observed_fn if observed else self.layers_fn
+        one = len(self.groups) == 1  # then the head too in that call; else a call of its own
+        seen: list[tuple[Tensor, Tensor, Tensor]] = []  # each layer's (q, weights over all slots, head outputs)
+        for layers, *args in self.groups:
+            last = (nw, nb, head, self.norm, cap) if one else None
+            x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
+            if observed:
+                x, more = x
+                seen += more
+        for cache in self.caches:
+            cache.length = cache.seen = pos + 1
+        logits = x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
+        if not observed:
+            return logits
+        at = torch.tensor([[pos]], device=x.device)  # (1, 1)
+        S = pos + 1
+        for (q, weights, heads), block, cache, (_, _, _, _, has_positions), observer in zip(
+            seen, self.model.trf_blocks, self.caches, self.layers, observers, strict=True
+        ):
+            if observer is not None:
+                observe = self._observer(block.att, cache, at, has_positions, observer)
+                observe(q, cache.keys[:, :, :S], cache.values[:, :, :S], weights[..., :S], heads)
+        return logits
+
+    def precompile(self, observed: bool = False) -> None:
+        """Compile the step for this decoder's shapes (its batch, its caches' slots, the model's dtype)
+        now: the ``observed`` variant (the one that serves observers) or the plain one. One step on this
+        decoder's caches, which must be new ones of its own: they are reset afterwards. No module of the
+        model is called and nothing on it changes (its weights are read): a server compiles on a thread
+        of its own while its model thread answers requests. Run it in the grad mode the generation will
+        run in (``torch.inference_mode()``, as generation's steps do), with caches made in it too
+        (the compiled code's guards check both)."""
+        if not self.compile:
+            raise ValueError("precompile needs a FastDecoder made with compile=True")
+        w = self.model.tok_emb.weight
+        x = torch.zeros(self.caches[0].keys.shape[0], 1, w.shape[1], dtype=w.dtype, device=w.device)  # (B, 1, C)
+        at = torch.zeros(1, 1, dtype=torch.long, device=w.device)
+        ignore = None if not observed else (lambda att, record: None)
+        self._compiled_step(x, self._ropes(at, x.dtype), 0, [ignore] * len(self.layers))
+        for cache in self.caches:
+            cache.reset()
+
     @staticmethod
-    def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool) -> Any:
-        """``observe`` for :func:`_layer`: the :class:`AttentionRecord` the eager forward hands ``att.observer``."""
+    def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool, observer: Any) -> Any:
+        """``observe`` for :func:`_layer`: ``observer`` gets the :class:`AttentionRecord` the eager forward
+        hands ``att.observer``."""
 
         def observe(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, heads: Tensor) -> None:
             S = keys.shape[2]
@@ -435,6 +502,6 @@ class FastDecoder:
                 keys, values, k_pos = keys.clone(), values.clone(), k_pos.clone()
             q_pos = at if has_positions else None
             record = AttentionRecord(q, keys, values, mask, True, att.scale, weights, heads, q_pos, k_pos, att.softcap)
-            att.observer(att, record)
+            observer(att, record)
 
         return observe

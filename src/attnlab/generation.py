@@ -42,7 +42,16 @@ from attnlab.decoding import FastDecoder, supported
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
     from attnlab.model import GPT
 
-__all__ = ["SamplingConfig", "check_logits", "generate", "next_tokens", "sample_next_token", "stream"]
+__all__ = [
+    "SamplingConfig",
+    "cache_length",
+    "check_logits",
+    "generate",
+    "next_tokens",
+    "resume",
+    "sample_next_token",
+    "stream",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +230,17 @@ def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: Sampl
 _CHUNK = 1024  # the token buffer of _steps grows by at least this many tokens at a time
 
 
+def cache_length(model: GPT, prompt_length: int, max_new_tokens: int, compile: bool = False) -> int:
+    """The ``max_length`` of the KV caches a generation of ``model`` makes (``model.new_kv_caches``):
+    what the prompt and the new tokens need; with ``compile``, rounded up to a multiple of 256 slots
+    (the compiled step's shapes, shared by generations of similar lengths: a server compiles ahead
+    for the lengths it expects)."""
+    n = prompt_length + max_new_tokens
+    if compile:
+        n = -(-n // 256) * 256
+    return n if model.config.relative else min(model.config.context_length, n)
+
+
 def _steps(
     model: GPT,
     idx: Tensor,
@@ -231,8 +251,12 @@ def _steps(
     mask: Tensor | None,
     fast: bool = True,
     compile: bool = False,
+    seeded: tuple[list, Tensor] | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(token (B,), logits (B, V))`` per step.
+
+    ``seeded``: ``(caches, logits (B, V))``, KV caches already holding ``idx`` and the logits after its
+    last token (a trace's, :func:`attnlab.interpret.trace_generation`): the prompt is not run again.
 
     The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come: its size
     follows what was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until
@@ -254,11 +278,10 @@ def _steps(
         full_mask[:, :T] = mask
     caches = None
     decoder = None
-    if use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
-        n = T + max_new_tokens
-        if compile:  # in steps of 256 slots: the compiled step's shapes, shared by calls of similar lengths
-            n = -(-n // 256) * 256
-        caches = model.new_kv_caches(B, n if relative else min(C, n))
+    if seeded is not None:
+        caches, first = seeded
+    elif use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
+        caches = model.new_kv_caches(B, cache_length(model, T, max_new_tokens, compile))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
@@ -276,7 +299,9 @@ def _steps(
                     full_mask = torch.cat([full_mask, full_mask.new_ones(B, more)], dim=1)
             with torch.inference_mode():
                 m = None if full_mask is None else full_mask[:, :cur]
-                if caches is None and relative:
+                if seeded is not None and cur == T:
+                    logits = first  # (B, V): the prompt's pass was the seed's
+                elif caches is None and relative:
                     # The whole sequence: the model's sliding window does the cropping.
                     logits = model.decode_logits(out[:, :cur], m, None, last_only=True)[:, -1]  # (B, V)
                 elif relative and cur == T:
@@ -398,8 +423,40 @@ def generate(
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
+    return _collect(steps, model, idx, return_logits)
+
+
+def resume(
+    model: GPT,
+    idx: Tensor,
+    caches: list,
+    logits: Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`generate` from KV ``caches`` that already hold the prompt ``idx (B, T)`` (seeded from a
+    trace's keys and values, as :func:`attnlab.interpret.trace_generation` does), ``logits (B, V)``
+    being the model's output after its last token: the decoding steps alone, no prefill. The caches
+    must hold the prompt and the new tokens without sliding or wrapping. Returns ``(ids (B, T + new),
+    logits (B, new, V))``, as ``generate(..., return_logits=True)``."""
+    _check_args(model, idx, max_new_tokens, sampling, None)
+    if len(caches) != len(model.trf_blocks) or any(c.seen != idx.shape[1] for c in caches):
+        raise ValueError(f"caches must be one per layer, each holding the prompt's {idx.shape[1]} tokens")
+    if tuple(logits.shape) != (idx.shape[0], model.config.vocab_size):
+        raise ValueError(
+            f"logits must have shape (B, V) = {(idx.shape[0], model.config.vocab_size)}, got {tuple(logits.shape)}"
+        )
+    steps = _steps(model, idx, max_new_tokens, sampling, True, generator, None, seeded=(caches, logits))
+    return _collect(steps, model, idx, True)
+
+
+def _collect(steps: Iterator[tuple[Tensor, Tensor]], model: GPT, idx: Tensor, return_logits: bool):
+    """The tokens ``(B, T + new)`` of a generation's ``steps`` after the prompt ``idx``, and with
+    ``return_logits`` the logits ``(B, new, V)`` (float32)."""
     new_tokens, all_logits = [], []
-    for token, logits in _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile):
+    for token, logits in steps:
         new_tokens.append(token)  # (B,)
         if return_logits:
             all_logits.append(logits.float())

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the server's event loop share the machine; on a busy 2-core machine 2 threads made requests 20x slower)",
     )
     parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="decode generations with the eager fast path only (default: the compiled step, compiled in the "
+        "background once the server listens: 10-70 s of CPU; generations run the fast path until then)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -84,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
         name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
         try:
-            engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt)
+            engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt, compile=not args.no_compile)
         except ValueError as exc:
             raise ValueError(f"--prompt: {exc}") from None
     serve(engine, host=args.host, port=args.port, log_level=args.log_level)

@@ -20,8 +20,7 @@ from torch import Tensor
 
 from attnlab.attention import AttentionRecord
 from attnlab.checks import positive_int
-from attnlab.decoding import FastDecoder, supported
-from attnlab.generation import SamplingConfig, generate, next_tokens
+from attnlab.generation import SamplingConfig, generate, resume
 from attnlab.interpret.tracing import Trace, observe_attention
 
 __all__ = ["GenerationStep", "GenerationTrace", "trace_generation"]
@@ -111,7 +110,9 @@ def trace_generation(
     with observe_attention(model, on_record):
         if caches is not None:
             positive_int("max_new_tokens", max_new_tokens)
-            tokens, logits = _continue(model, prefix, caches, max_new_tokens, sampling, generator)
+            tokens, logits = resume(
+                model, idx, caches, _prefill_logits(model, prefix), max_new_tokens, sampling, generator
+            )
         else:
             tokens, logits = generate(
                 model,
@@ -181,39 +182,15 @@ def _seeded_caches(model: nn.Module, prefix: Trace | None, idx: Tensor, new: int
     return caches
 
 
-def _continue(
-    model: nn.Module, prefix: Trace, caches: list, new: int, sampling: SamplingConfig, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """:func:`attnlab.generation.generate`'s loop after its prefill, over ``caches`` seeded from
-    ``prefix``: ``(tokens (B, T + new), logits (B, new, V))``."""
-    idx = prefix.idx
-    stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=idx.device) if sampling.stop_ids else None
-    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    was_training = model.training
-    model.eval()
-    out, all_logits = [], []
-    try:
-        with torch.inference_mode():
-            # The prefill's logits: the last position's stream through the final norm and the head.
-            logits = model.out_head(model.final_norm(prefix.residual[-1][:, -1:]))[:, -1]  # (B, V)
-            if model.config.logit_softcap is not None:
-                cap = model.config.logit_softcap
-                logits = cap * torch.tanh(logits / cap)
-            decoder = FastDecoder(model, caches) if supported(model, caches, None) else None
-            for step in range(new):
-                if step:
-                    if decoder is not None and decoder.fits():
-                        logits = decoder.step(out[-1])  # (B, V)
-                    else:
-                        logits = model.decode_logits(out[-1][:, None], None, caches)[:, -1]  # (B, V)
-                nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
-                out.append(nxt.clone())
-                all_logits.append(logits.float())
-                if stop is not None and bool(finished.all()):
-                    break
-    finally:
-        model.train(was_training)
-    return torch.cat([idx.long(), torch.stack(out, dim=1)], dim=1), torch.stack(all_logits, dim=1)
+def _prefill_logits(model: nn.Module, prefix: Trace) -> Tensor:
+    """The prefill's logits ``(B, V)`` from ``prefix``: its last position's stream through the final
+    norm and the head (the same numbers the prompt's pass computes)."""
+    with torch.inference_mode():
+        logits = model.out_head(model.final_norm(prefix.residual[-1][:, -1:]))[:, -1]  # (B, V)
+        if model.config.logit_softcap is not None:
+            cap = model.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+    return logits
 
 
 def _key_offsets(record: AttentionRecord) -> Tensor | None:

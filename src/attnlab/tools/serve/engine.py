@@ -16,6 +16,15 @@ tokens other requests run (typing stays live while a generation streams), and a 
 client has gone is simply not advanced again (:meth:`Engine.finish`). Its KV caches belong to the
 generation, not to the model, so interleaving is safe.
 
+Generations decode with attnlab's compiled step (:mod:`attnlab.decoding`, ``compile=True``) where
+the engine is told to (``attnlab serve`` does, unless ``--no-compile``), the generation stream in the
+variant that also returns each layer's attention row for the page. Compiling takes 10-70 s, so it
+never happens on the model thread, where it would hold up every request: :meth:`Engine.warm_up`
+compiles the cache size of short generations (256 slots: a prompt and its new tokens up to 256) on a
+thread of its own, for the stream and for the chat box, and a generation of another size asks for
+its size to be compiled likewise. Until its size is compiled a generation runs the eager fast path
+(the same tokens, slower: SmolLM2 in float32 on two cores, 18 tokens/s against the compiled 49).
+
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
 While the user types, the heads view needs the attention alone: that pass records no stages and stops
@@ -27,6 +36,8 @@ longest prefix it shares with a recent one, and takes the attention rows of that
 
 from __future__ import annotations
 
+import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -38,8 +49,10 @@ from typing import Any, TypeVar
 import torch
 
 from attnlab.attention import AttentionRecord
+from attnlab.checks import check_bool
+from attnlab.decoding import FastDecoder, supported
 from attnlab.errors import UserError
-from attnlab.generation import SamplingConfig, stream
+from attnlab.generation import SamplingConfig, cache_length, stream
 from attnlab.interpret import (
     KeptTrace,
     ablation_effect,
@@ -61,6 +74,7 @@ __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageM
 
 DEFAULT_PROMPT = "Your journey starts with one step"
 FULL_TRACE_SECTIONS = {"steps", "next", "lens"}  # the sections that need the stages or the logits of a trace
+COMPILED_SIZES = 4  # cache sizes compiled per variant of the decoding step (each a graph Dynamo keeps)
 T = TypeVar("T")
 
 
@@ -115,6 +129,8 @@ class Engine:
             them (16 typists each find theirs); the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
+        compile: decode generations and chat answers with the compiled step once it is compiled for
+            their cache size, on a thread of its own (see the module's docstring); CPU and CUDA only.
     """
 
     def __init__(
@@ -127,6 +143,7 @@ class Engine:
         cache_size: int = 4,
         kept_bytes: int = 512 << 20,
         prompt: str | None = None,
+        compile: bool = False,
     ):
         if (loaded is None) == (demo is None):
             raise ValueError("Engine needs a loaded model or the demo's page data, exactly one")
@@ -142,6 +159,12 @@ class Engine:
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
         self.default_prompt = self._first_prompt(prompt)
+        device = None if loaded is None else loaded.model.device
+        self.compile = check_bool("compile", compile) and device is not None and device.type in ("cpu", "cuda")
+        self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)
+        self._compiles: dict[tuple[bool, int], threading.Event] = {}  # (observed, cache slots) -> done
+        self._compile_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._compiler: threading.Thread | None = None
         self.stats: dict[str, int] = {
             "model_calls": 0,
             "traces": 0,
@@ -154,6 +177,10 @@ class Engine:
             "generations_stopped": 0,
             "generations_active": 0,
             "generation_steps": 0,
+            "compiled_generations": 0,
+            "steps_compiled": 0,
+            "steps_compiling": 0,
+            "compile_failed": 0,
         }
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -368,8 +395,79 @@ class Engine:
         def roles() -> None:
             with self.lock, torch.inference_mode():
                 self._head_roles()
+                if self.compile:  # the stream's variant first: the page's generation needs it first
+                    for observed in (True, False):
+                        self.compiled_step(observed, 1, 1)
 
         self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
+
+    # -- the compiled decoding step ---------------------------------------------------------------
+    def compiled_step(self, observed: bool, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether a generation of these lengths may decode with the compiled step (``observed``: the
+        variant the generation stream needs; else a chat answer's): compiled already for its cache
+        size. If not, that size is compiled on the compiling thread (at most :data:`COMPILED_SIZES`
+        sizes per variant), and this generation runs the eager fast path. Call on the model thread,
+        with the lock held (the model is checked for what the fast path supports)."""
+        if not self.compile or self.compile_error is not None:
+            return False
+        model = self._need_model().model
+        slots = cache_length(model, prompt_length, max_new_tokens, compile=True)
+        key = (bool(observed), slots)
+        done = self._compiles.get(key)
+        if done is not None:
+            return done.is_set()
+        if sum(k[0] == key[0] for k in self._compiles) >= COMPILED_SIZES:
+            return False
+        if not supported(model, model.new_kv_caches(1, 1), None):
+            return False
+        self._compiles[key] = threading.Event()
+        self.count("steps_compiling")
+        self._compile_jobs.put(key)
+        if self._compiler is None:  # a daemon: a server that stops does not wait for a compilation
+            self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
+            self._compiler.start()
+        return False
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until every compilation asked for so far is done (or failed: :attr:`compile_error`);
+        False if ``timeout`` seconds passed first. (Not on the model thread: it waits for the model
+        thread's queue first, where :meth:`warm_up` asks for its compilations.)"""
+        self._model_thread.submit(lambda: None).result()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for event in list(self._compiles.values()):
+            while not event.is_set() and self.compile_error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                event.wait(0.1 if left is None else min(0.1, left))
+        return True
+
+    def _compile(self) -> None:
+        """The compiling thread: each asked-for (variant, cache size) compiled by a step on caches of
+        its own (:meth:`attnlab.decoding.FastDecoder.precompile`: no module of the model is called,
+        nothing on it changes, so the model thread runs requests meanwhile)."""
+        model = self._need_model().model
+        while True:
+            key = self._compile_jobs.get()
+            observed, slots = key
+            try:
+                with torch.inference_mode():  # as the generations run (the compiled code's guards check it)
+                    FastDecoder(model, model.new_kv_caches(1, slots), compile=True).precompile(observed)
+            except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                self.compile_error = f"{type(exc).__name__}: {first}"
+                print(
+                    f"attnlab serve: warning: the compiled decoding step failed ({self.compile_error}); "
+                    "generations run the eager fast path",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.count("steps_compiling", -sum(not done.is_set() for done in list(self._compiles.values())))
+                self.count("compile_failed")  # (nothing else is compiled: compiled_step answers False now)
+                return
+            self._compiles[key].set()
+            self.count("steps_compiling", -1)
+            self.count("steps_compiled")
 
     def next_tokens(
         self,
@@ -482,10 +580,12 @@ class Engine:
         def work() -> GenerationRun:
             idx = torch.tensor([ids], dtype=torch.long, device=model.device)
             g = torch.Generator(device=model.device).manual_seed(int(seed))
+            compiled = self.compiled_step(True, len(ids), max_new_tokens)
             tokens = stream(
                 model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
-                with_logits=True,
+                with_logits=True, compile=compiled,
             )  # fmt: skip
+            self.count("compiled_generations", int(compiled))
             return GenerationRun(list(ids), len(ids), sampling, max_new_tokens, candidates, tokens)
 
         run = self.run(work)
