@@ -320,6 +320,9 @@ class FastDecoder:
             cfg.logit_softcap,
         )
         self.layers_fn = _compiled(_layers) if compile else None
+        # On CUDA the compiled step is captured in a CUDA graph at its first call (see _replay).
+        self.cuda_graph = compile and caches[0].keys.is_cuda
+        self.graph = None
         self.head_fn = _compiled(_head) if compile else None
         # The compiled step's calls: groups of up to _GROUP layers (one call each; the last one ends with
         # the head), with the arguments that stay the same from step to step.
@@ -379,37 +382,41 @@ class FastDecoder:
                 return False
         return True
 
-    def step(self, token: Tensor) -> Tensor:
-        """Feed ``token (B,)`` (the newest token of each row) and return its logits ``(B, V)``."""
+    def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, list]:
+        """The first block's input ``x (B, 1, C)`` for ``token (B,)`` at position ``at (1, 1)``, and each
+        layer's RoPE ``(cos, sin)`` (``(None, None)`` for a layer without)."""
         model, cfg = self.model, self.cfg
-        pos = self.caches[0].seen
-        idx = token.view(-1, 1)  # (B, 1)
-        x = model.tok_emb(idx)  # (B, 1, C)
+        x = model.tok_emb(token.view(-1, 1))  # (B, 1, C)
         if cfg.embed_scale is not None:  # (as the eager forward: the factor rounded to the weights' dtype)
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        at = torch.tensor([[pos]], device=idx.device)  # (1, 1)
         if cfg.pos == "learned":
             x = x + model.pos_emb(at)
         ropes: dict[bool, tuple[Tensor, Tensor]] = {}
         if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
             ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in model.rope_sources.items()}
-        blocks = model.trf_blocks
-        rope = []  # each layer's (cos, sin), or (None, None)
-        for block, (_, _, _, local, _) in zip(blocks, self.layers, strict=True):
+        rope = []
+        for block, (_, _, _, local, _) in zip(model.trf_blocks, self.layers, strict=True):
             if not block.att.rope:
                 rope.append((None, None))
             else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
                 rope.append(ropes[local] if cfg.pos == "rope" else block.att.rope_cos_sin(at, x.dtype))
-        nw, nb, head, cap = self.head
+        return x, rope
+
+    def step(self, token: Tensor) -> Tensor:
+        """Feed ``token (B,)`` (the newest token of each row) and return its logits ``(B, V)``."""
+        pos = self.caches[0].seen
+        blocks = self.model.trf_blocks
         if self.compile and not any(block.att.observer is not None for block in blocks):  # (observed: eager, reports)
-            slot = torch.tensor(pos, device=idx.device)
-            one = len(self.groups) == 1  # then the head too in that call; else a call of its own
-            for layers, *args in self.groups:
-                last = (nw, nb, head, self.norm, cap) if one else None
-                x = self.layers_fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
+            if self.cuda_graph:
+                logits = self._replay(token, pos)
+            else:
+                logits = self._static_step(token, torch.tensor(pos, device=token.device))
             for cache in self.caches:
                 cache.length = cache.seen = pos + 1
-            return x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
+            return logits  # (B, V)
+        at = torch.tensor([[pos]], device=token.device)  # (1, 1)
+        x, rope = self._inputs(token, at)
+        nw, nb, head, cap = self.head
         for block, cache, (cos, sin), (w, spec, _, _, has_positions) in zip(
             blocks, self.caches, rope, self.layers, strict=True
         ):
@@ -419,6 +426,40 @@ class FastDecoder:
             x = _layer(x, cos, sin, cache.keys, cache.values, pos, w, spec, False, observe)
             cache.length = cache.seen = pos + 1
         return _head(x, nw, nb, head, self.norm, cap, False)  # (B, V)
+
+    def _static_step(self, token: Tensor, slot: Tensor) -> Tensor:
+        """The compiled step: ``token (B,)`` at position ``slot`` (a 0-d int64 tensor on the model's
+        device) -> logits ``(B, V)``. Only tensor operations, no host synchronisation: on CUDA it is
+        captured in a CUDA graph (:meth:`_replay`). The caches' lengths are the caller's to advance."""
+        x, rope = self._inputs(token, slot.view(1, 1))
+        nw, nb, head, cap = self.head
+        one = len(self.groups) == 1  # then the head too in that call; else a call of its own
+        for layers, *args in self.groups:
+            last = (nw, nb, head, self.norm, cap) if one else None
+            x = self.layers_fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
+        return x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)  # (B, V)
+
+    def _replay(self, token: Tensor, pos: int) -> Tensor:
+        """:meth:`_static_step` as one CUDA graph: captured at the first step (after warm-up calls that
+        compile; they write the same key and value to the same slot as the step does), then replayed
+        with the token and position copied into its input buffers. A step of a small model is
+        hundreds of short kernels: on a GPU their launches, not the weights' reads, take the time."""
+        if self.graph is None:
+            self.graph_token = token.clone()
+            self.graph_slot = torch.full((), pos, dtype=torch.long, device=token.device)
+            side = torch.cuda.Stream(token.device)  # warm-up off the default stream, as capture asks
+            side.wait_stream(torch.cuda.current_stream(token.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._static_step(self.graph_token, self.graph_slot)
+            torch.cuda.current_stream(token.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.graph_logits = self._static_step(self.graph_token, self.graph_slot)  # (B, V)
+        self.graph_token.copy_(token)
+        self.graph_slot.fill_(pos)
+        self.graph.replay()
+        return self.graph_logits.clone()  # the next replay overwrites the graph's output
 
     @staticmethod
     def _observer(att: nn.Module, cache: Any, at: Tensor, has_positions: bool) -> Any:
