@@ -56,6 +56,27 @@ def test_decoding_on_cuda_equals_the_eager_forward_and_the_cpu(family, compile, 
         torch.testing.assert_close(logits.double().cpu(), ref_logits.double(), rtol=2e-3, atol=2e-3)
 
 
+def test_the_compiled_step_on_cuda_replays_a_cuda_graph(monkeypatch, steps):
+    """One capture per generation, one replay per step; every step's logits are its own (the graph's
+    output buffer is overwritten by the next replay)."""
+    replays = [0]
+    replay = torch.cuda.CUDAGraph.replay
+
+    def spy(self):
+        replays[0] += 1
+        return replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", spy)
+    model = on(make(FAMILIES["llama-gqa"]))
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+    for _ in range(2):  # a second generation captures its own graph (new caches)
+        got = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert replays[0] == steps[0] == 2 * 11
+
+
 def test_bfloat16_decoding_on_cuda_follows_float32(steps):
     """bfloat16 on the GPU, fast and compiled: the first step's logits near float32's; the compiled
     step's tokens and logits equal the fast path's within bfloat16 rounding."""
