@@ -143,6 +143,40 @@ def test_hooks_and_forward_hooks_run_eager(steps):
     assert torch.equal(model.generate(idx, 6, temperature=0), ref) and steps[0] == 5
 
 
+@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook"])
+def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, steps):
+    """FastDecoder.fits checks each step for hooks set since the generation started (on any module,
+    torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook."""
+    import contextlib
+
+    from attnlab.interpret.hooks import hooks
+
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+    module = model.trf_blocks[1].ff.layers[2]
+
+    def add(stack: contextlib.ExitStack) -> None:
+        if kind == "pre_hook":
+            stack.callback(module.register_forward_pre_hook(lambda m, a: (a[0] * 0,)).remove)
+        elif kind == "hook":
+            stack.callback(module.register_forward_hook(lambda m, a, out: out * 0).remove)
+        else:
+            stack.enter_context(hooks(model, {"blocks.1.hook_mlp_out": lambda x, hook: 0 * x}))
+
+    def run(fast: bool) -> list[int]:
+        out = []
+        with contextlib.ExitStack() as stack:
+            for i, token in enumerate(model.stream(idx, 8, temperature=0, fast=fast)):
+                out.append(token.tolist())
+                if i == 2:
+                    add(stack)
+        return out
+
+    fast = run(True)
+    assert steps[0] == 2  # tokens 2 and 3 (the first comes from the prefill); none after the hook
+    assert fast == run(False)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "olmo2"])
 def test_observers_get_the_records_of_the_eager_forward(family, steps):
     """attnlab.interpret's observers (serve's live generation, trace_generation) run on the fast path
