@@ -17,6 +17,7 @@ from attnlab import decoding
 from attnlab.interpret import activation_patching, logit_diff, logit_lens, trace
 from attnlab.model import GPT, GPTConfig
 from test_fast_decode import BASE, FAMILIES, make
+from test_fast_decode_observed import assert_same_records, observed_generation
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
@@ -75,6 +76,19 @@ def test_the_compiled_step_on_cuda_replays_a_cuda_graph(monkeypatch, steps):
         assert torch.equal(got[0], ref[0])
         torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
     assert replays[0] == steps[0] == 2 * 11
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-window"])
+def test_the_observed_compiled_step_on_cuda_hands_over_the_eager_records(family):
+    """serve's generation stream on a GPU: the observed variant (no CUDA graph) gives every observer
+    the record the eager forward does, in float64."""
+    model = make(FAMILIES[family]).to(DEVICE)
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    (ref, ref_logits), ref_records = observed_generation(model, idx, 10, fast=False)
+    (ids, logits), records = observed_generation(model, idx, 10, compile=True)
+    assert torch.equal(ids, ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-9, atol=1e-9)
+    assert_same_records(ref_records, records, 1e-9)
 
 
 def test_bfloat16_decoding_on_cuda_follows_float32(steps):
