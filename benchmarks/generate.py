@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="--model smollm2: speculative decoding rows (K tokens guessed a step) on real prompts, not the rows above",
     )
+    ap.add_argument(
+        "--text",
+        default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "the-verdict.txt"),
+        help="--speculative: the text the repeat task quotes (default ../shared/data/the-verdict.txt)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -495,7 +500,7 @@ def speculative_benchmark(args: argparse.Namespace, device: torch.device, dtype:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=name, dtype=dtype).to(device).eval()
-    verdict = Path(__file__).resolve().parents[2] / "shared" / "data" / "the-verdict.txt"
+    verdict = Path(args.text)
     if not verdict.is_file():
         raise SystemExit(f"the speculative rows read a passage of {verdict}: not found")
     passage = "\n\n".join(verdict.read_text(encoding="utf-8").split("\n\n")[:2])  # the first two paragraphs
