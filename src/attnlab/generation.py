@@ -38,6 +38,7 @@ from torch import Tensor
 
 from attnlab.checks import check_bool, finite_real, is_int, is_real
 from attnlab.decoding import FastDecoder, supported
+from attnlab.speculative import check_speculative, speculative_decode
 
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
     from attnlab.model import GPT
@@ -392,6 +393,9 @@ def generate(
     return_logits: bool = False,
     fast: bool = True,
     compile: bool = False,
+    prompt_lookup: int | None = None,
+    draft_model: GPT | None = None,
+    draft_tokens: int = 4,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Continue the prompts ``idx (B, T)`` by up to ``max_new_tokens`` tokens.
 
@@ -415,6 +419,11 @@ def generate(
         compile: with ``fast``, run each decoding step as a function compiled by ``torch.compile`` over the
             preallocated cache: faster per token, but the first call compiles (seconds to a minute;
             once per process and shape).
+        prompt_lookup: speculative decoding (:mod:`attnlab.speculative`) with this many tokens guessed a
+            step from the context (where the last tokens occurred before), all checked by one forward:
+            the same tokens, fewer forwards where the text repeats the prompt. Greedy, one prompt.
+        draft_model: speculative decoding with this smaller GPT of the same vocabulary guessing
+            ``draft_tokens`` tokens a step. Greedy, one prompt.
 
     Returns:
         ``(B, T + new)`` int64 token ids (prompt included), ``new <= max_new_tokens``;
@@ -423,6 +432,23 @@ def generate(
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
+    if prompt_lookup is not None or draft_model is not None:
+        if prompt_lookup is not None and draft_model is not None:
+            raise ValueError("pass prompt_lookup or draft_model, not both: each is a way of guessing tokens")
+        k = draft_tokens if prompt_lookup is None else prompt_lookup
+        settings = dict(temperature=temperature, attention_mask=attention_mask, use_cache=use_cache, compile=compile)
+        check_speculative(model, idx, max_new_tokens, k, draft_model, **settings)
+        ids, logits, _ = speculative_decode(
+            model,
+            idx,
+            max_new_tokens,
+            k=k,
+            draft_model=draft_model,
+            stop_ids=sampling.stop_ids,
+            fast=fast,
+            return_logits=return_logits,
+        )
+        return (ids, logits) if return_logits else ids
     steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
     return _collect(steps, model, idx, return_logits)
 

@@ -1,0 +1,91 @@
+"""The fast decoding step of a batch on weights prepacked for oneDNN (:func:`attnlab.decoding.packs`),
+against the eager forward: the same greedy tokens, logits to float32's (bfloat16's) rounding, the
+packed copies made (a spy counts them) and used only where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import decoding
+from attnlab.model import GPT, GPTConfig
+
+BASE = dict(vocab_size=61, context_length=48, emb_dim=64, n_heads=4, n_layers=2, drop_rate=0.0)
+FAMILIES = {
+    "gpt2-gelu-tanh": dict(qkv_bias=True),  # GELU applied inside the packed matmul
+    "tiny-gelu": dict(qkv_bias=False, activation="gelu"),
+    "llama-gqa": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2, tie_embeddings=False),
+}
+
+needs_onednn = pytest.mark.skipif(
+    not decoding.packs(torch.zeros(1), 2, False), reason="prepacked weights need a CPU build of torch with oneDNN"
+)
+
+
+@pytest.fixture
+def packed(monkeypatch):
+    """How many weights were prepacked (a spy on pack_linear)."""
+    count = [0]
+    pack = decoding.pack_linear
+
+    def spy(w, rows):
+        count[0] += 1
+        return pack(w, rows)
+
+    monkeypatch.setattr(decoding, "pack_linear", spy)
+    return count
+
+
+def make(overrides: dict, dtype: torch.dtype) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**BASE, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4)
+    return model.to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_batch_on_packed_weights_equals_the_eager_forward(family, packed):
+    model = make(FAMILIES[family], torch.float32)
+    idx = torch.randint(0, BASE["vocab_size"], (5, 6), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+    fast = model.generate(idx, 12, temperature=0, return_logits=True)
+    assert torch.equal(fast[0], ref[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert packed[0] == 4 * BASE["n_layers"] + 1  # q/k/v, out, the MLP's two, each layer; the head
+
+
+@needs_onednn
+def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
+    if not decoding.packs(torch.zeros(1, dtype=torch.bfloat16), 2, False):
+        pytest.skip("this CPU's oneDNN has no bfloat16 matmul")
+    model = make(FAMILIES["gpt2-gelu-tanh"], torch.bfloat16)
+    idx = torch.randint(0, BASE["vocab_size"], (4, 6), generator=torch.Generator().manual_seed(2))
+    ref = model.generate(idx, 8, temperature=0, return_logits=True, fast=False)
+    fast = model.generate(idx, 8, temperature=0, return_logits=True)
+    # bfloat16 keeps 8 bits: the paths round differently, so compare the logits and the first token
+    # (later tokens may flip on a near tie and then follow different texts).
+    assert torch.equal(fast[0][:, 6], ref[0][:, 6])
+    torch.testing.assert_close(fast[1][:, 0], ref[1][:, 0], rtol=0.05, atol=0.1)
+    assert packed[0] > 0
+
+
+def test_packing_applies_only_to_an_uncompiled_batch_of_float32_or_bfloat16_on_a_cpu():
+    w = torch.zeros(4, 4)
+    assert not decoding.packs(w, 1, False)  # one row: the compiled step's matrix-vector products
+    assert not decoding.packs(w, 8, True)  # compiled: inductor takes plain tensors
+    assert not decoding.packs(w.double(), 8, False)  # oneDNN has no float64 matmul
+    assert not decoding.packs(torch.zeros(4, 4, device="meta"), 8, False)
+
+
+def test_float64_batches_run_unpacked(packed):
+    model = make(FAMILIES["tiny-gelu"], torch.float64)
+    idx = torch.randint(0, BASE["vocab_size"], (3, 4))
+    ref = model.generate(idx, 6, temperature=0, return_logits=True, fast=False)
+    fast = model.generate(idx, 6, temperature=0, return_logits=True)
+    assert torch.equal(fast[0], ref[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-10, atol=1e-10)
+    assert packed[0] == 0
