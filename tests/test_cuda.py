@@ -91,6 +91,19 @@ def test_the_observed_compiled_step_on_cuda_hands_over_the_eager_records(family)
     assert_same_records(ref_records, records, 1e-9)
 
 
+def test_speculative_decoding_on_cuda_equals_greedy():
+    """Prompt lookup and a draft model on the GPU: the tokens and logits of plain greedy decoding."""
+    model = make(FAMILIES["smollm2-like"]).to(DEVICE)
+    draft = make({**FAMILIES["smollm2-like"], "n_layers": 1}, seed=1).to(DEVICE)
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
+    idx = idx.to(DEVICE)  # (1, 12): a prompt that repeats itself, so lookups find guesses
+    ref = model.generate(idx, 20, temperature=0, return_logits=True, fast=False)
+    for kw in (dict(prompt_lookup=4), dict(draft_model=draft, draft_tokens=3)):
+        ids, logits = model.generate(idx, 20, temperature=0, return_logits=True, **kw)
+        assert ids.device.type == DEVICE and torch.equal(ids, ref[0])
+        torch.testing.assert_close(logits, ref[1], rtol=1e-9, atol=1e-9)
+
+
 def test_bfloat16_decoding_on_cuda_follows_float32(steps):
     """bfloat16 on the GPU, fast and compiled: the first step's logits near float32's; the compiled
     step's tokens and logits equal the fast path's within bfloat16 rounding."""
