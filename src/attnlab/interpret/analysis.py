@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -219,25 +223,19 @@ LENS_BLOCK = 64  # vocabulary entries per block of the search's two-level top-n
 
 
 class _Search:
-    """The fast search's unembedding and its buffers, made once per :func:`logit_lens` call.
+    """The fast search's unembedding and its buffers, for one :func:`logit_lens` call.
 
     ``weight (V, d + m)`` bfloat16 is ``W_c = W - mean(W)`` with the columns of ``h``'s ``m`` largest
     dimensions repeated (they multiply the rounding of ``h`` there); ``row_norm`` is ``max_j |W_c[j]|``.
+    They come from :func:`_centred_unembedding` (made once per head while its weight stays the same).
     The ``(chunk, V)`` logits live in buffers allocated once: a fresh 50 MB tensor per chunk costs
     more in page faults than the pass that fills it."""
 
     def __init__(self, model: nn.Module, trace: Trace, W: Tensor, chunk: int) -> None:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
         self.dims = torch.topk(big, min(LENS_SPLIT, big.numel())).indices  # (m,)
-        self.mean = W.mean(0)  # (d,)
-        (V, d), m = W.shape, len(self.dims)
-        self.weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
-        self.row_norm = 0.0
-        for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
-            centred = W[s : s + 8192] - self.mean  # (8192, d)
-            self.weight[s : s + 8192, :d] = centred
-            self.weight[s : s + 8192, d:] = centred[:, self.dims]
-            self.row_norm = max(self.row_norm, float(centred.norm(dim=-1).amax()))
+        self.weight, self.mean, self.row_norm = _centred_unembedding(model.out_head, W, self.dims)
+        V = W.shape[0]
         c = min(chunk, trace.residual.shape[2])
         Vp = -(-V // LENS_BLOCK) * LENS_BLOCK  # padded to whole blocks with -inf (nothing, to a softmax)
         self.narrow = torch.empty(c, V, dtype=torch.bfloat16, device=W.device)  # (c, V) the product
@@ -293,6 +291,73 @@ class _Search:
             logits = F.linear(h[bad], W).float() - off[bad, None].float()
             ids[bad], vals[bad], fval[bad], lse[bad] = _exact_rows(logits, final[bad], k)
         return ids, vals, fval, lse
+
+
+# The centred bfloat16 unembedding of each head the lens has searched, kept while the head lives:
+# ``attnlab serve`` asks for the lens once per window of shown positions, and making it (a pass over
+# the V x d weight, 0.3-0.7 s for SmolLM2's on 2 cores) cost more than the window's search.
+_CENTRED: weakref.WeakKeyDictionary[nn.Module, _Centred] = weakref.WeakKeyDictionary()
+_CENTRED_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Centred:
+    key: tuple  # what the weight was when these were made: see _weight_key
+    dims: Tensor  # (m,) the dimensions whose columns are repeated
+    weight: Tensor  # (V, d + m) bfloat16
+    mean: Tensor  # (d,)
+    row_norm: float
+
+
+def _weight_key(W: Tensor) -> tuple | None:
+    """What the cache checks before it serves the centred copy of ``W``: its storage, shape, dtype and
+    a CRC-32 of its bytes (in pieces, on as many threads as torch uses: zlib lets go of the GIL), 50 ms
+    for SmolLM2's 113 MB on 2 cores. The bytes, not the version counter: an edit through ``.data``
+    (``W.data[...] = 0``) bumps none. A CRC catches every change to one element (a burst of at most 32
+    bits), and a change to many with probability ``1 - 2^-32`` per piece. None (nothing cached) off the
+    CPU or for a strided weight: a GPU makes the copy in about the time it would take to check it."""
+    if W.device.type != "cpu" or not W.is_contiguous():
+        return None
+    raw = memoryview(W.detach().numpy()).cast("B")
+    n = len(raw)
+    size = -(-n // max(1, torch.get_num_threads()))
+    pieces = [raw[i : i + size] for i in range(0, n, size)]
+    if len(pieces) == 1:
+        crcs = [zlib.crc32(pieces[0])]
+    else:
+        with ThreadPoolExecutor(len(pieces)) as pool:
+            crcs = list(pool.map(zlib.crc32, pieces))
+    return (W.data_ptr(), tuple(W.shape), W.dtype, size, *crcs)
+
+
+def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tensor, Tensor, float]:
+    """``(weight (V, d + m) bfloat16, mean (d,), row_norm)`` of :class:`_Search` for ``head``'s weight
+    ``W``, from the cache when ``W`` is what it was (:func:`_weight_key`); only the ``m`` repeated
+    columns are remade when ``dims`` differ."""
+    key = _weight_key(W)
+    with _CENTRED_LOCK:
+        hit = _CENTRED.get(head) if key is not None else None
+    if hit is not None and hit.key == key:
+        if not torch.equal(hit.dims, dims):  # the same rounded values, other columns repeated
+            d = W.shape[1]
+            weight = torch.cat([hit.weight[:, :d], hit.weight[:, dims]], dim=1)  # (V, d + m)
+            hit = _Centred(key, dims, weight, hit.mean, hit.row_norm)
+            with _CENTRED_LOCK:
+                _CENTRED[head] = hit
+        return hit.weight, hit.mean, hit.row_norm
+    mean = W.mean(0)  # (d,)
+    (V, d), m = W.shape, len(dims)
+    weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
+    row_norm = 0.0
+    for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
+        centred = W[s : s + 8192] - mean  # (8192, d)
+        weight[s : s + 8192, :d] = centred
+        weight[s : s + 8192, d:] = centred[:, dims]
+        row_norm = max(row_norm, float(centred.norm(dim=-1).amax()))
+    if key is not None:
+        with _CENTRED_LOCK:
+            _CENTRED[head] = _Centred(key, dims, weight, mean, row_norm)
+    return weight, mean, row_norm
 
 
 # --------------------------------------------------------------------------------------------
