@@ -219,7 +219,9 @@ def _exact_rows(logits: Tensor, final: Tensor, k: int) -> tuple[Tensor, Tensor, 
     return top.indices, top.values, logits.gather(-1, final), _logsumexp(logits, top.indices[:, :1])
 
 
-LENS_BLOCK = 64  # vocabulary entries per block of the search's two-level top-n
+# Vocabulary entries per block of the search's two-level top-n: it sorts V / 32 block maxima, then n x 32
+# entries (32: about the fewest in all for SmolLM2's 49152 and n = 128; 64 took a third longer).
+LENS_BLOCK = 32
 
 
 class _Search:
@@ -252,10 +254,11 @@ class _Search:
         x[:, :V].copy_(narrow)
         # The n best in two steps: the n blocks with the largest maxima hold a top-n set (a block with
         # one of them has a maximum at least the n-th value), then the n best of those blocks' entries.
-        blocks = x.view(c, -1, LENS_BLOCK)  # (c, nb, 64)
+        blocks = x.view(c, -1, LENS_BLOCK)  # (c, nb_all, 32)
         nb = min(n, blocks.shape[1])
         top_blocks = torch.topk(blocks.amax(-1), nb, dim=-1).indices  # (c, nb)
-        inside = blocks.gather(1, top_blocks[..., None].expand(-1, -1, LENS_BLOCK)).flatten(1)  # (c, nb * 64)
+        rows = top_blocks + torch.arange(c, device=x.device)[:, None] * blocks.shape[1]  # (c, nb) rows of the flat view
+        inside = blocks.reshape(-1, LENS_BLOCK)[rows.flatten()].view(c, -1)  # (c, nb * 32): whole blocks copied
         best = torch.topk(inside, n, dim=-1)  # (c, n), the largest first
         best_ids = top_blocks.gather(1, best.indices // LENS_BLOCK) * LENS_BLOCK + best.indices % LENS_BLOCK  # (c, n)
         cand = torch.cat([best_ids, final], dim=-1)  # (c, n + 1)
