@@ -187,7 +187,7 @@ def logit_lens(
     probs = torch.empty(L + 1, B, T, k, dtype=torch.float32, device=W.device)
     final_probs = torch.empty(L + 1, B, T, dtype=torch.float32, device=W.device)
     with torch.no_grad():
-        search = _Search(model, trace, W, chunk) if fast else None
+        search = _Search(model, trace, W, min(chunk, T)) if fast else None  # buffers for the positions asked
         for layer in range(L + 1):
             for b in range(B):
                 for s in range(0, T, chunk):
@@ -234,15 +234,14 @@ class _Search:
     ``weight (V, d + m)`` bfloat16 is ``W_c = W - mean(W)`` with the columns of ``h``'s ``m`` largest
     dimensions repeated (they multiply the rounding of ``h`` there); ``row_norm`` is ``max_j |W_c[j]|``.
     They come from :func:`_centred_unembedding` (made once per head while its weight stays the same).
-    The ``(chunk, V)`` logits live in buffers allocated once: a fresh 50 MB tensor per chunk costs
-    more in page faults than the pass that fills it."""
+    The ``(c, V)`` logits (``c``: positions per chunk, at most the positions asked for) live in buffers
+    allocated once: a fresh 50 MB tensor per chunk costs more in page faults than the pass that fills it."""
 
-    def __init__(self, model: nn.Module, trace: Trace, W: Tensor, chunk: int) -> None:
+    def __init__(self, model: nn.Module, trace: Trace, W: Tensor, c: int) -> None:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
         self.dims = torch.topk(big, min(LENS_SPLIT, big.numel())).indices  # (m,)
         self.weight, self.mean, self.row_norm = _centred_unembedding(model.out_head, W, self.dims)
         V = W.shape[0]
-        c = min(chunk, trace.residual.shape[2])
         Vp = -(-V // LENS_BLOCK) * LENS_BLOCK  # padded to whole blocks with -inf (nothing, to a softmax)
         self.narrow = torch.empty(c, V, dtype=torch.bfloat16, device=W.device)  # (c, V) the product
         self.wide = torch.full((c, Vp), float("-inf"), dtype=torch.float32, device=W.device)  # (c, Vp)
