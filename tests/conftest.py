@@ -273,3 +273,19 @@ def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """How many steps the decoding fast path ran (a spy on attnlab.decoding.FastDecoder.step)."""
+    from attnlab import decoding
+
+    count = [0]
+    step = decoding.FastDecoder.step
+
+    def spy(self, token):
+        count[0] += 1
+        return step(self, token)
+
+    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
+    return count

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab import decoding
 from attnlab.interpret import activation_patching, logit_diff, logit_lens, trace
 from attnlab.model import GPT, GPTConfig
 from test_fast_decode import BASE, FAMILIES, make
@@ -25,20 +24,6 @@ DEVICE = "cuda"
 
 def on(model: GPT, dtype: torch.dtype = torch.float32) -> GPT:
     return model.to(device=DEVICE, dtype=dtype)
-
-
-@pytest.fixture
-def steps(monkeypatch):
-    """How many steps the fast path ran (a spy on FastDecoder.step)."""
-    count = [0]
-    step = decoding.FastDecoder.step
-
-    def spy(self, token):
-        count[0] += 1
-        return step(self, token)
-
-    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
-    return count
 
 
 @pytest.mark.parametrize("family", ["gpt2", "smollm2-like", "gemma3", "neox"])

@@ -48,20 +48,6 @@ def make(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
     return model
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    """How many steps the fast path ran (a spy on FastDecoder.step)."""
-    count = [0]
-    step = decoding.FastDecoder.step
-
-    def spy(self, token):
-        count[0] += 1
-        return step(self, token)
-
-    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
-    return count
-
-
 def both(model: GPT, idx: torch.Tensor, n: int, **kw):
     ref = model.generate(idx, n, return_logits=True, fast=False, **kw)
     fast = model.generate(idx, n, return_logits=True, **kw)
