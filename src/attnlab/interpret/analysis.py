@@ -324,7 +324,7 @@ def _weight_key(W: Tensor) -> tuple | None:
     CPU or for a strided weight: a GPU makes the copy in about the time it would take to check it."""
     if W.device.type != "cpu" or not W.is_contiguous():
         return None
-    raw = memoryview(W.detach().numpy()).cast("B")
+    raw = memoryview(W.detach().reshape(-1).view(torch.uint8).numpy())  # the bytes, whatever the dtype
     n = len(raw)
     size = -(-n // max(1, torch.get_num_threads()))
     pieces = [raw[i : i + size] for i in range(0, n, size)]
