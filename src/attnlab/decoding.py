@@ -58,15 +58,21 @@ _GROUP = 12  # the compiled step: layers per compiled call (fewer calls per toke
 # --------------------------------------------------------------------------------------------
 # When the fast path computes what the eager forward does
 # --------------------------------------------------------------------------------------------
-def _plain_modules(modules: list[nn.Module], hookable: list[nn.Module]) -> bool:
-    """No forward (pre-)hooks on ``modules``, no attnlab hook (:mod:`attnlab.interpret.hooks`) on the
-    blocks and attention layers ``hookable``. (Attention observers are fine: the fast step hands them
-    the record the eager forward would.)"""
+def _plain_modules(hook_dicts: list[dict], hookable: list[nn.Module]) -> bool:
+    """No forward (pre-)hook, global or in the modules' ``hook_dicts`` (:func:`_hook_dicts`), no attnlab
+    hook (:mod:`attnlab.interpret.hooks`) on the blocks and attention layers ``hookable``. (Attention
+    observers are fine: the fast step hands them the record the eager forward would.)"""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+    if any(hook_dicts):  # (a C-level scan: FastDecoder.fits runs it every step)
         return False
     return all(m.hook is None for m in hookable)
+
+
+def _hook_dicts(modules: Any) -> list[dict]:
+    """Each module's forward hook and pre-hook dicts (``register_forward_hook`` adds to these dicts, it
+    does not replace them, so a list made once sees the hooks set later)."""
+    return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
 def _hookable(model: nn.Module) -> list[nn.Module]:
@@ -96,7 +102,7 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
             return False
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         return False
-    return _plain_modules(list(model.modules()), _hookable(model))
+    return _plain_modules(_hook_dicts(model.modules()), _hookable(model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,14 +401,10 @@ class FastDecoder:
                     [self.layers[i][1] for i in idx],
                 )
             )
-        self.modules, self.hookable = (
-            list(model.modules()),
-            _hookable(model),
-        )  # hooks may come and go: checked each step
-        # The per-step checks as C-level scans (a step of SmolLM2 ran them over 457 modules in Python: some
-        # 0.1-0.4 ms of the main thread per token, while the other threads wait): each module's hook dicts
-        # (register_forward_hook adds to these dicts, it does not replace them), the attention modules.
-        self.hook_dicts = [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        # Hooks may come and go: checked each step, as C-level scans of lists made here (a step of SmolLM2
+        # ran them over 457 modules in Python: some 0.1-0.4 ms of the main thread per token, while the
+        # other threads wait).
+        self.hook_dicts, self.hookable = _hook_dicts(model.modules()), _hookable(model)
         self.atts = [block.att for block in model.trf_blocks]
         windows = [window for _, _, window, _, _ in self.layers]
         self.limits = [min(c.max_length, w or c.max_length) for c, w in zip(caches, windows, strict=True)]
@@ -436,9 +438,7 @@ class FastDecoder:
         """Whether the next step may run here: a free slot in every cache (a rolling cache that has not
         wrapped) within every layer's window, so attention covers exactly the filled slots, and no
         hook set on the model since (those run the eager forward)."""
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-            return False
-        if any(self.hook_dicts) or any(m.hook is not None for m in self.hookable):
+        if not _plain_modules(self.hook_dicts, self.hookable):
             return False
         # (a free slot, and within the window: seen < max_length and seen + 1 <= window)
         return all(cache.seen < limit for cache, limit in zip(self.caches, self.limits, strict=True))
