@@ -4,6 +4,8 @@ packed copies made (a spy counts them) and used only where they apply."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ FAMILIES = {
 }
 
 needs_onednn = pytest.mark.skipif(
-    not decoding.packs(torch.zeros(1), 2, False), reason="prepacked weights need a CPU build of torch with oneDNN"
+    not decoding.packs(torch.zeros(1), 2), reason="prepacked weights need a CPU build of torch with oneDNN"
 )
 
 
@@ -60,7 +62,7 @@ def test_a_batch_on_packed_weights_equals_the_eager_forward(family, packed):
 
 @needs_onednn
 def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
-    if not decoding.packs(torch.zeros(1, dtype=torch.bfloat16), 2, False):
+    if not decoding.packs(torch.zeros(1, dtype=torch.bfloat16), 2):
         pytest.skip("this CPU's oneDNN has no bfloat16 matmul")
     model = make(FAMILIES["gpt2-gelu-tanh"], torch.bfloat16)
     idx = torch.randint(0, BASE["vocab_size"], (4, 6), generator=torch.Generator().manual_seed(2))
@@ -73,12 +75,47 @@ def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
     assert packed[0] > 0
 
 
-def test_packing_applies_only_to_an_uncompiled_batch_of_float32_or_bfloat16_on_a_cpu():
+def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu():
     w = torch.zeros(4, 4)
-    assert not decoding.packs(w, 1, False)  # one row: the compiled step's matrix-vector products
-    assert not decoding.packs(w, 8, True)  # compiled: inductor takes plain tensors
-    assert not decoding.packs(w.double(), 8, False)  # oneDNN has no float64 matmul
-    assert not decoding.packs(torch.zeros(4, 4, device="meta"), 8, False)
+    assert not decoding.packs(w, 1)  # one row: the compiled step's matrix-vector products
+    assert not decoding.packs(w.double(), 8)  # oneDNN has no float64 matmul
+    assert not decoding.packs(torch.zeros(4, 4, device="meta"), 8)
+
+
+@needs_onednn
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2-gelu-tanh", "llama-gqa"])
+def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward(family, packed, steps, monkeypatch):
+    """The compiled graph calls packed_linear on plain weights; it finds the copies the decoder
+    registered (a spy on the registry counts the finds), and they go when the decoder does."""
+    monkeypatch.setattr(decoding, "_PACK_COMPILED_MIN", 0)  # (these models are below the size that packs)
+    calls = [0]
+
+    class Registry(dict):  # counts the packed copies packed_linear finds
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            calls[0] += found is not None
+            return found
+
+    monkeypatch.setattr(decoding, "_PACKED", Registry())
+    model = make(FAMILIES[family], torch.float32)
+    idx = torch.randint(0, BASE["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 10, temperature=0, return_logits=True, compile=True)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert packed[0] == 4 * BASE["n_layers"] + 1
+    assert steps[0] == 9, steps
+    assert calls[0] == 9 * (4 * BASE["n_layers"] + 1), calls  # every matmul of the 9 steps on a packed weight
+    gc.collect()
+    assert not decoding._PACKED  # released with the decoder
+
+
+def test_packed_linear_without_a_packed_copy_is_a_plain_matmul():
+    x, w, b = torch.randn(3, 1, 8), torch.randn(5, 8), torch.randn(5)
+    torch.testing.assert_close(decoding.packed_linear(x, w, b, ""), torch.nn.functional.linear(x, w, b))
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, None), approximate="tanh")
+    torch.testing.assert_close(decoding.packed_linear(x, w, None, "tanh"), want)
 
 
 def test_float64_batches_run_unpacked(packed):

@@ -37,6 +37,8 @@ runs the eager forward.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -130,13 +132,15 @@ def fused_bytes(model: nn.Module) -> int:
     return total
 
 
-def packs(weight: Tensor, rows: int, compile: bool) -> bool:
+def packs(weight: Tensor, rows: int) -> bool:
     """Whether the fast step runs its matmuls on weights like ``weight`` prepacked for oneDNN
-    (:func:`pack_linear`): the eager step (the compiled one takes plain tensors) of a batch
-    (``rows > 1``), float32 or bfloat16 on a CPU with oneDNN. A matmul of a few rows spends as much
-    time re-laying the weight out for its kernel as multiplying: packed once per generation, GPT-2-small's
-    projections at 8 rows ran 2-3.5x faster, the ``tiny`` preset's 1.3-2x (2 threads, AMD Zen 4)."""
-    if compile or rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    (:func:`pack_linear`): a batch (``rows > 1``), float32 or bfloat16 on a CPU with oneDNN. A matmul of
+    a few rows spends as much time re-laying the weight out for its kernel as multiplying (and on AMD
+    CPUs the BLAS kernel behind ``F.linear`` is slower still): packed once per generation, GPT-2-small's
+    projections at 8 rows ran 2-3.5x faster, its head 3.4x, the ``tiny`` preset's 1.3-2x (2 threads, AMD
+    Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
+    :func:`packed_linear`, which finds their packed copies."""
+    if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
@@ -150,6 +154,61 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
     tensor that :func:`_matvec` recognises): a copy, made when a generation starts, freed when it ends
     (as :func:`fused_qkv`: the parameters stay as they are)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+# The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
+# twin to trace), so the graph calls packed_linear with the plain weight, which finds the packed copy
+# its FastDecoder registered here, by the weight's address, shape and dtype, while the decoder lives
+# (counted: two generations at once on one model share the copies).
+# The compiled step packs a model whose matrices hold at least this many elements (GPT-2-small's 124M at 8
+# rows: 2.4x transformers packed, against 2x unpacked); the ``tiny`` preset's 1.7M ran slower packed.
+_PACK_COMPILED_MIN = 1 << 24
+_PACKED: dict[tuple, list] = {}  # key -> [packed weight, decoders holding it]
+_PACKED_LOCK = threading.Lock()
+
+
+def _packed_key(weight: Tensor) -> tuple:
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+
+
+def _register_packs(weights: list[Tensor], rows: int) -> list[tuple]:
+    keys = []
+    with _PACKED_LOCK:
+        for w in weights:
+            key = _packed_key(w)
+            if key in _PACKED:
+                _PACKED[key][1] += 1
+            else:
+                _PACKED[key] = [pack_linear(w, rows), 1]
+            keys.append(key)
+    return keys
+
+
+def _release_packs(keys: list[tuple]) -> None:
+    with _PACKED_LOCK:
+        for key in keys:
+            if key in _PACKED:
+                _PACKED[key][1] -= 1
+                if _PACKED[key][1] == 0:
+                    del _PACKED[key]
+
+
+@torch.library.custom_op("attnlab::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str) -> Tensor:
+    """``x @ weight.T + bias`` (``gelu``: ``"none"`` or ``"tanh"`` applies that GELU, ``""`` none) by
+    oneDNN on the packed copy of ``weight`` a :class:`FastDecoder` registered; a plain matmul if there is
+    none. An operator of its own: the compiled step calls it as one opaque kernel."""
+    entry = _PACKED.get(_packed_key(weight))
+    if entry is None:
+        y = F.linear(x, weight, bias)
+        return F.gelu(y, approximate=gelu) if gelu else y
+    attr = "gelu" if gelu else "none"
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[0], bias, attr, [], gelu)
+
+
+@packed_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,22 +231,27 @@ def _wide(t: Tensor) -> Tensor:
     return t.float() if t.element_size() < 4 else t
 
 
-def _matvec(x: Tensor, w: Tensor, b: Tensor | None, reduce: bool) -> Tensor:
-    """``x @ w.T + b``. With ``reduce`` (compiled, one row) a multiply-and-sum that inductor fuses into
-    one loop streaming ``w`` (accumulating in float32), instead of the BLAS call of a one-row matmul."""
+def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
+    """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled, one row): a multiply-and-sum that inductor fuses
+    into one loop streaming ``w`` (accumulating in float32), instead of the BLAS call of a one-row
+    matmul; ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"plain"``: a matmul."""
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    if not reduce:
+    if how == "packed":
+        return packed_linear(x, w, b, "")
+    if how != "reduce":
         return F.linear(x, w, b)
     y = (_wide(x).unsqueeze(-2) * _wide(w)).sum(-1).to(x.dtype)  # (..., N)
     return y if b is None else y + b
 
 
-def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, kind: str, reduce: bool) -> Tensor:
+def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, kind: str, how: str) -> Tensor:
     mlp, approximate = kind
     if mlp == "gelu" and w1.layout == torch._mkldnn:  # prepacked: the GELU applied by the matmul's kernel
-        return _matvec(torch.ops.mkldnn._linear_pointwise(x, w1, b1, "gelu", [], approximate), w2, b2, reduce)
-    h = _matvec(x, w1, b1, reduce)
+        return _matvec(torch.ops.mkldnn._linear_pointwise(x, w1, b1, "gelu", [], approximate), w2, b2, how)
+    if mlp == "gelu" and how == "packed":
+        return _matvec(packed_linear(x, w1, b1, approximate), w2, b2, how)
+    h = _matvec(x, w1, b1, how)
     if mlp == "gelu":
         h = F.gelu(h, approximate=approximate)
     elif mlp == "relu2":
@@ -195,7 +259,7 @@ def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None
     else:  # swiglu / geglu: [gate | up]
         gate, up = h.chunk(2, dim=-1)
         h = (F.silu(gate) if mlp == "swiglu" else F.gelu(gate, approximate=approximate)) * up
-    return _matvec(h, w2, b2, reduce)
+    return _matvec(h, w2, b2, how)
 
 
 def _layer(
@@ -222,11 +286,11 @@ def _layer(
     weights (B, H, 1, M), head outputs (B, H, 1, hd))`` for the observers, called after the compiled call.
     """
     (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
-    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post = spec
+    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post, packed = spec
     B = x.shape[0]
-    reduce = static and B == 1
+    how = _how(static, B, packed)
     h = _norm(x, n1w, n1b, norm if n1w is not None else None)
-    q, k, v = _matvec(h, wqkv, bqkv, reduce).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, .) x3
+    q, k, v = _matvec(h, wqkv, bqkv, how).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, .) x3
     if qk_norm == "full":  # all heads' queries (keys) together (OLMo 2)
         q, k = _norm(q, qnw, None, qspec), _norm(k, knw, None, qspec)
     q, k, v = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd), v.view(B, 1, Hkv, hd)
@@ -271,21 +335,30 @@ def _layer(
             att = weights @ Vx  # (B, H, 1, hd)
             observe(q, K, V, weights, att)
         heads = att.transpose(1, 2).reshape(B, 1, H * hd)
-    out = _matvec(heads, wo, bo, reduce)  # (B, 1, C)
+    out = _matvec(heads, wo, bo, how)  # (B, 1, C)
     if post:
         out = _norm(out, p1w, p1b, norm)
     if parallel:
-        return x + out + _mlp(_norm(x, n2w, n2b, norm), w1, b1, w2, b2, mlp, reduce)
+        return x + out + _mlp(_norm(x, n2w, n2b, norm), w1, b1, w2, b2, mlp, how)
     x = x + out
-    ff = _mlp(_norm(x, n2w, n2b, norm if n2w is not None else None), w1, b1, w2, b2, mlp, reduce)
+    ff = _mlp(_norm(x, n2w, n2b, norm if n2w is not None else None), w1, b1, w2, b2, mlp, how)
     if post:
         ff = _norm(ff, p2w, p2b, norm)
     return x + ff
 
 
-def _head(x: Tensor, nw: Tensor | None, nb: Tensor | None, w: Tensor, norm: tuple, cap: float | None, static: bool):
+def _how(static: bool, rows: int, packed: bool) -> str:
+    """How :func:`_matvec` multiplies in a step of ``rows`` rows (``static``: the compiled step)."""
+    if not static:
+        return "plain"
+    return "reduce" if rows == 1 else "packed" if packed else "plain"
+
+
+def _head(
+    x: Tensor, nw: Tensor | None, nb: Tensor | None, w: Tensor, norm: tuple, cap: float | None, packed: bool, static: bool
+):
     """Final norm and output head of ``x (B, 1, C)``: logits ``(B, V)`` (Gemma 2's soft cap with ``cap``)."""
-    logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, static and x.shape[0] == 1)  # (B, V)
+    logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, _how(static, x.shape[0], packed))  # (B, V)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
@@ -349,6 +422,12 @@ class FastDecoder:
         self.cfg = cfg
         norm = ("ln", cfg.ln_eps, 0.0) if cfg.norm == "layernorm" else ("rms", cfg.ln_eps, cfg.norm_offset)
         self.norm = norm
+        rows = caches[0].keys.shape[0]
+        # A batch on a CPU: the matmuls on weights prepacked for oneDNN (see packs), given to the eager
+        # step as they are, registered for the compiled one (which calls packed_linear).
+        pack = packs(model.out_head.weight, rows)
+        if compile and pack:  # each packed_linear call costs ~30 us of dispatch: it pays on large matrices only
+            pack = sum(p.numel() for p in model.parameters() if p.dim() == 2) >= _PACK_COMPILED_MIN
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
@@ -364,6 +443,7 @@ class FastDecoder:
                 (cfg.mlp, _ACT[cfg.activation]),
                 block.parallel_residual,
                 block.post_norm1 is not None,
+                pack and compile,
             )
             self.layers.append((self._weights(block), spec, att.window, block.local_rope, att.has_positions))
         self.head = (
@@ -372,12 +452,16 @@ class FastDecoder:
             model.out_head.weight,
             cfg.logit_softcap,
         )
-        rows = caches[0].keys.shape[0]
-        if packs(self.head[2], rows, compile):  # the projections' and the head's weights prepacked
+        matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
+        if pack and compile:  # registered while this decoder lives
+            weights = [self.head[2]] + [w[j] for w, *_ in self.layers for j in matrices]
+            weakref.finalize(self, _release_packs, _register_packs(weights, rows))
+        elif pack:
             self.head = (*self.head[:2], pack_linear(self.head[2], rows), self.head[3])
             for i, (w, *rest) in enumerate(self.layers):
-                w = tuple(pack_linear(t, rows) if j in (2, 6, 12, 14) else t for j, t in enumerate(w))  # (see _weights)
+                w = tuple(pack_linear(t, rows) if j in matrices else t for j, t in enumerate(w))
                 self.layers[i] = (w, *rest)
+        self.packed = pack and compile
         self.layers_fn = _compiled(_layers) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         # On CUDA the unobserved compiled step is captured in a CUDA graph at its first call (see _replay).
@@ -461,7 +545,7 @@ class FastDecoder:
             observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn)
             x = _layer(x, cos, sin, cache.keys, cache.values, pos, w, spec, False, observe)
             cache.length = cache.seen = pos + 1
-        return _head(x, nw, nb, head, self.norm, cap, False)  # (B, V)
+        return _head(x, nw, nb, head, self.norm, cap, False, False)  # (B, V)
 
     def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, list]:
         """The first block's input ``x (B, 1, C)`` for ``token (B,)`` at position ``at (1, 1)`` and each
@@ -524,12 +608,12 @@ class FastDecoder:
         one = len(self.groups) == 1  # then the head too in that call; else a call of its own
         seen: list[tuple[Tensor, Tensor, Tensor]] = []
         for layers, *args in self.groups:
-            last = (nw, nb, head, self.norm, cap) if one else None
+            last = (nw, nb, head, self.norm, cap, self.packed) if one else None
             x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
             if observed:
                 x, more = x
                 seen += more
-        return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, True)), seen  # (B, V)
+        return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, self.packed, True)), seen  # (B, V)
 
     def _replay(self, token: Tensor, pos: int) -> Tensor:
         """:meth:`_static_step` as one CUDA graph: captured at the first step (after warm-up calls that
