@@ -355,7 +355,14 @@ def _how(static: bool, rows: int, packed: bool) -> str:
 
 
 def _head(
-    x: Tensor, nw: Tensor | None, nb: Tensor | None, w: Tensor, norm: tuple, cap: float | None, packed: bool, static: bool
+    x: Tensor,
+    nw: Tensor | None,
+    nb: Tensor | None,
+    w: Tensor,
+    norm: tuple,
+    cap: float | None,
+    packed: bool,
+    static: bool,
 ):
     """Final norm and output head of ``x (B, 1, C)``: logits ``(B, V)`` (Gemma 2's soft cap with ``cap``)."""
     logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, _how(static, x.shape[0], packed))  # (B, V)
