@@ -88,7 +88,7 @@ def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu():
 def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward(family, packed, steps, monkeypatch):
     """The compiled graph calls packed_linear on plain weights; it finds the copies the decoder
     registered (a spy on the registry counts the finds), and they go when the decoder does."""
-    monkeypatch.setattr(decoding, "_PACK_COMPILED_MIN", 0)  # (these models are below the size that packs)
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)  # (these models are below the size that packs)
     calls = [0]
 
     class Registry(dict):  # counts the packed copies packed_linear finds
@@ -109,6 +109,31 @@ def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward
     assert calls[0] == 9 * (4 * BASE["n_layers"] + 1), calls  # every matmul of the 9 steps on a packed weight
     gc.collect()
     assert not decoding._PACKED  # released with the decoder
+
+
+@needs_onednn
+def test_one_row_packs_for_a_large_model_and_a_long_generation(packed, monkeypatch):
+    """The eager step of one row packs where the model is large and the generation long enough to pay
+    for the copies: the same tokens and logits as the eager forward; a short one does not pack."""
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)  # (these models are below the size that packs)
+    monkeypatch.setattr(decoding, "_PACK_ONE_ROW_STEPS", 10)
+    model = make(FAMILIES["llama-gqa"], torch.float32)
+    idx = torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 12, temperature=0, return_logits=True)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert packed[0] == 4 * BASE["n_layers"] + 1
+    model.generate(idx, 9, temperature=0)  # fewer steps than pay
+    assert packed[0] == 4 * BASE["n_layers"] + 1
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 10**9)  # a small model: never
+    model.generate(idx, 12, temperature=0)
+    assert packed[0] == 4 * BASE["n_layers"] + 1
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(decoding, "_PACK_MAX_BYTES", 1000)  # a model too large to copy: never, batch or not
+    model.generate(idx, 12, temperature=0)
+    model.generate(idx.expand(3, -1), 12, temperature=0)
+    assert packed[0] == 4 * BASE["n_layers"] + 1
 
 
 def test_packed_linear_without_a_packed_copy_is_a_plain_matmul():

@@ -133,13 +133,14 @@ def fused_bytes(model: nn.Module) -> int:
 
 
 def packs(weight: Tensor, rows: int) -> bool:
-    """Whether the fast step runs its matmuls on weights like ``weight`` prepacked for oneDNN
-    (:func:`pack_linear`): a batch (``rows > 1``), float32 or bfloat16 on a CPU with oneDNN. A matmul of
-    a few rows spends as much time re-laying the weight out for its kernel as multiplying (and on AMD
-    CPUs the BLAS kernel behind ``F.linear`` is slower still): packed once per generation, GPT-2-small's
+    """Whether the fast step of a batch (``rows > 1``) runs its matmuls on weights like ``weight``
+    prepacked for oneDNN (:func:`pack_linear`): float32 or bfloat16 on a CPU with oneDNN. A matmul of a
+    few rows spends as much time re-laying the weight out for its kernel as multiplying (and on AMD CPUs
+    the BLAS kernel behind ``F.linear`` is slower still): packed once per generation, GPT-2-small's
     projections at 8 rows ran 2-3.5x faster, its head 3.4x, the ``tiny`` preset's 1.3-2x (2 threads, AMD
     Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
-    :func:`packed_linear`, which finds their packed copies."""
+    :func:`packed_linear`, which finds their packed copies. (One row packs too, eagerly, for a large
+    model and a long generation: see :func:`_packing`.)"""
     if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -160,9 +161,34 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
 # twin to trace), so the graph calls packed_linear with the plain weight, which finds the packed copy
 # its FastDecoder registered here, by the weight's address, shape and dtype, while the decoder lives
 # (counted: two generations at once on one model share the copies).
-# The compiled step packs a model whose matrices hold at least this many elements (GPT-2-small's 124M at 8
-# rows: 2.4x transformers packed, against 2x unpacked); the ``tiny`` preset's 1.7M ran slower packed.
-_PACK_COMPILED_MIN = 1 << 24
+# The compiled step of a batch, and the eager step of one row, pack a model whose matrices hold at least
+# this many elements (each packed_linear call costs some 30 us of dispatch, a one-row oneDNN call on a
+# small weight more than F.linear's): GPT-2-small's 124M at 8 rows ran 2.7x transformers packed,
+# the ``tiny`` preset's 1.7M slower packed.
+_PACK_MIN_ELEMENTS = 1 << 24
+# The eager step of one row packs for a generation of at least this many steps: packing SmolLM2's 538 MB
+# takes 0.2 s (2 threads, AMD Zen 4), a step then reads its weights at some 22 GB/s against F.linear's 11.
+_PACK_ONE_ROW_STEPS = 32
+# The packed copies hold the matrices once more while a generation runs: no packing past this many bytes
+# of them (a model of some 500M float32 parameters), where the copy would be a memory cost a laptop feels.
+_PACK_MAX_BYTES = 1 << 31
+
+
+def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> bool:
+    """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`)."""
+    if not packs(model.out_head.weight, max(rows, 2)):  # (the dtype and the device)
+        return False
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    if sum(p.numel() * p.element_size() for p in matrices) > _PACK_MAX_BYTES:
+        return False
+    if rows > 1 and not compile:
+        return True
+    big = sum(p.numel() for p in matrices) >= _PACK_MIN_ELEMENTS
+    if rows > 1:  # compiled
+        return big
+    return big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
+
+
 _PACKED: dict[tuple, list] = {}  # key -> [packed weight, decoders holding it]
 _PACKED_LOCK = threading.Lock()
 
@@ -421,9 +447,11 @@ class FastDecoder:
         caches: its per-layer caches, already holding the prompt (the prefill runs the eager forward).
         compile: run each layer (and the head) as a function compiled by ``torch.compile`` over the whole
             preallocated cache. The first step compiles (once per process and shape set).
+        steps: how many steps the generation may run (None: unknown). The eager step of one row packs
+            a large model's weights for oneDNN (see :func:`packs`) only if it runs enough of them.
     """
 
-    def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False, steps: int | None = None) -> None:
         self.model, self.caches, self.compile = model, caches, compile
         cfg = model.config
         self.cfg = cfg
@@ -432,9 +460,7 @@ class FastDecoder:
         rows = caches[0].keys.shape[0]
         # A batch on a CPU: the matmuls on weights prepacked for oneDNN (see packs), given to the eager
         # step as they are, registered for the compiled one (which calls packed_linear).
-        pack = packs(model.out_head.weight, rows)
-        if compile and pack:  # each packed_linear call costs ~30 us of dispatch: it pays on large matrices only
-            pack = sum(p.numel() for p in model.parameters() if p.dim() == 2) >= _PACK_COMPILED_MIN
+        pack = _packing(model, rows, compile, steps)
         self.layers = []
         for block in model.trf_blocks:
             att = block.att

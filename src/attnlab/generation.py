@@ -291,7 +291,7 @@ def _steps(
     model.eval()  # no dropout while generating
     try:
         if fast and supported(model, caches, mask):
-            decoder = FastDecoder(model, caches, compile=compile)
+            decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens)
         for step in range(max_new_tokens):
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
                 more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
