@@ -4,6 +4,8 @@ projection with a head's columns zeroed, and ``model.generate``."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import zlib
 
@@ -625,16 +627,24 @@ def test_packed_arrays_round_trip(dtype, tri, blob):
     assert back["x"] == 1 and "blob" not in back
 
 
+COMPRESSORS = ["zlib"] + (["isal"] if importlib.util.find_spec("isal") else [])
+
+
 @settings(max_examples=8, deadline=None)
 @given(
-    parts=st.integers(1, 5), size=st.integers(1 << 20, 3 << 20), seed=st.integers(0, 9), level=st.sampled_from([1, 6])
+    parts=st.integers(1, 5),
+    size=st.integers(1 << 20, 3 << 20),
+    seed=st.integers(0, 9),
+    level=st.sampled_from([1, 6]),
+    library=st.sampled_from(COMPRESSORS),
 )
-def test_deflate_in_pieces_is_one_zlib_stream(parts, size, seed, level):
-    """The page's blob compressed in pieces on threads: one zlib stream (header, segments, Adler-32)
-    that zlib (and so the browser's DecompressionStream) reads back whole, ending exactly at its end."""
+def test_deflate_in_pieces_is_one_zlib_stream(parts, size, seed, level, library):
+    """The page's blob compressed in pieces on threads (by zlib, or ISA-L where it is installed): one
+    zlib stream (header, segments, Adler-32) that zlib (and so the browser's DecompressionStream) reads
+    back whole, ending exactly at its end."""
     g = torch.Generator().manual_seed(seed)
     raw = (torch.randint(0, 7, (size,), generator=g, dtype=torch.uint8) * 37).numpy().tobytes()  # compressible
-    out = deflate(raw, level, parts)
+    out = deflate(raw, level, parts, library=importlib.import_module("isal.isal_zlib" if library == "isal" else "zlib"))
     d = zlib.decompressobj()
     assert d.decompress(out) == raw and d.eof and d.unused_data == b""
     assert len(out) < len(raw)
