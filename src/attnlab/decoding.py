@@ -22,6 +22,9 @@ math with the work a step needs and nothing else:
   serve's generation stream) a variant of that function, compiled apart, also
   returns each layer's query, attention weights over the cache and head outputs; the records the
   eager forward would hand the observers are built from them after the call, outside the graph.
+  A batch's matmuls on the CPU (compiled or not) run on the weights prepacked once per generation for
+  oneDNN (:func:`packs`; the BLAS kernel behind ``F.linear`` is several times slower at a few rows on
+  AMD CPUs), and so do one row's in the eager step of a large model over a long generation.
   On CUDA the whole unobserved step (embedding, RoPE, the groups, the head) is captured in one CUDA
   graph per generation and replayed per token: a step of a small model is hundreds of short
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
@@ -157,10 +160,6 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
-# The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
-# twin to trace), so the graph calls packed_linear with the plain weight, which finds the packed copy
-# its FastDecoder registered here, by the weight's address, shape and dtype, while the decoder lives
-# (counted: two generations at once on one model share the copies).
 # The compiled step of a batch, and the eager step of one row, pack a model whose matrices hold at least
 # this many elements (each packed_linear call costs some 30 us of dispatch, a one-row oneDNN call on a
 # small weight more than F.linear's): GPT-2-small's 124M at 8 rows ran 2.7x transformers packed,
@@ -189,6 +188,10 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> b
     return big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
 
 
+# The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
+# twin to trace), so the graph calls packed_linear with the plain weight, which finds the packed copy
+# its FastDecoder registered here, by the weight's address, shape and dtype, while the decoder lives
+# (counted: two generations at once on one model share the copies).
 _PACKED: dict[tuple, list] = {}  # key -> [packed weight, decoders holding it]
 _PACKED_LOCK = threading.Lock()
 
@@ -458,8 +461,9 @@ class FastDecoder:
         norm = ("ln", cfg.ln_eps, 0.0) if cfg.norm == "layernorm" else ("rms", cfg.ln_eps, cfg.norm_offset)
         self.norm = norm
         rows = caches[0].keys.shape[0]
-        # A batch on a CPU: the matmuls on weights prepacked for oneDNN (see packs), given to the eager
-        # step as they are, registered for the compiled one (which calls packed_linear).
+        # On a CPU, a batch (or one row of a large model over many steps): the matmuls on weights prepacked
+        # for oneDNN (see _packing), given to the eager step as they are, registered for the compiled one
+        # (which calls packed_linear).
         pack = _packing(model, rows, compile, steps)
         self.layers = []
         for block in model.trf_blocks:
