@@ -543,6 +543,14 @@ def test_generation_from_the_prompts_trace_equals_generation_from_the_prompt(pre
     assert torch.equal(other.tokens, model.generate(idx.flip(1), 3, generator=torch.Generator().manual_seed(5)))
     with pytest.raises(TypeError, match="prefix"):
         trace_generation(model, idx, 3, prefix="trace")
+    # No new token, or a bad count: the same answer with the prefix as without.
+    none = trace_generation(model, idx, 0, prefix=tr)
+    assert torch.equal(none.tokens, idx) and not none.steps
+    for bad in (True, -1, 2.0):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a non-negative int, got {bad!r}"):
+            trace_generation(model, idx, bad, prefix=tr)
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a non-negative int, got {bad!r}"):
+            trace_generation(model, idx, bad)
 
 
 def test_generation_trace_with_a_left_padded_batch():

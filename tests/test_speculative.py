@@ -160,7 +160,11 @@ def test_training_mode_comes_back():
         (dict(temperature=0, prompt_lookup=2, draft_model="small"), ValueError, "not both"),
         (dict(temperature=0, draft_model="small"), TypeError, "draft_model must be an attnlab GPT"),
         (dict(temperature=0, draft_model=make(FAMILIES["gpt2"], vocab_size=V + 1)), ValueError, "vocabulary"),
-        (dict(temperature=0, draft_model=make(FAMILIES["gpt2"], context_length=16)), ValueError, "draft_model's"),
+        (
+            dict(temperature=0, draft_model=make(FAMILIES["gpt2"], context_length=16)),
+            ValueError,
+            r"draft_model.s context \(16 tokens\) must hold the prompt and the new tokens, got 4 \+ 20",
+        ),
     ],
 )
 def test_bad_arguments(kw, error, match):

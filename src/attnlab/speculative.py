@@ -95,12 +95,11 @@ def check_speculative(model: Any, idx: Tensor, max_new_tokens: int, k: object, d
     if settings.get("compile"):
         raise ValueError("speculative decoding runs the fast step uncompiled: pass compile=False")
     cfg = model.config
-    limit = cfg.attention_window if cfg.window is not None or cfg.relative else cfg.context_length
+    limit, span = _span(cfg)
     if idx.shape[1] + max_new_tokens > limit:
         raise ValueError(
-            f"speculative decoding needs the prompt and the new tokens within the model's "
-            f"{'window' if cfg.window is not None or cfg.relative else 'context'} ({limit} tokens), got "
-            f"{idx.shape[1]} + {max_new_tokens}"
+            f"speculative decoding needs the prompt and the new tokens within the model's {span} ({limit} "
+            f"tokens), got {idx.shape[1]} + {max_new_tokens}"
         )
     if draft_model is not None:
         if not hasattr(draft_model, "decode_logits") or not hasattr(draft_model, "config"):
@@ -112,10 +111,20 @@ def check_speculative(model: Any, idx: Tensor, max_new_tokens: int, k: object, d
             )
         if draft_model.device != model.device:
             raise ValueError(f"draft_model is on {draft_model.device}, the model on {model.device}: move it")
-        dcfg = draft_model.config
-        dlimit = dcfg.attention_window if dcfg.window is not None or dcfg.relative else dcfg.context_length
+        dlimit, dspan = _span(draft_model.config)
         if idx.shape[1] + max_new_tokens > dlimit:
-            raise ValueError(f"the draft_model's context ({dlimit} tokens) must hold the prompt and the new tokens")
+            raise ValueError(
+                f"the draft_model's {dspan} ({dlimit} tokens) must hold the prompt and the new tokens, got "
+                f"{idx.shape[1]} + {max_new_tokens}"
+            )
+
+
+def _span(cfg: Any) -> tuple[int, str]:
+    """How many tokens a text may span in a model of ``cfg`` with its caches never wrapping, and what
+    bounds it: the attention window (a sliding window, or relative positions) or the context."""
+    if cfg.window is not None or cfg.relative:
+        return cfg.attention_window, "window"
+    return cfg.context_length, "context"
 
 
 class _Cached:

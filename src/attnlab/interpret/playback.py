@@ -108,8 +108,7 @@ def trace_generation(
             offsets.append(_key_offsets(record))
 
     with observe_attention(model, on_record):
-        if caches is not None:
-            positive_int("max_new_tokens", max_new_tokens)
+        if caches is not None:  # (only for at least one new token: see _seeded_caches; resume checks it)
             tokens, logits = resume(
                 model, idx, caches, _prefill_logits(model, prefix), max_new_tokens, sampling, generator
             )
