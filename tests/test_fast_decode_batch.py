@@ -75,11 +75,18 @@ def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
     assert packed[0] > 0
 
 
-def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu():
+def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu(monkeypatch):
     w = torch.zeros(4, 4)
     assert not decoding.packs(w, 1)  # one row: the compiled step's matrix-vector products
     assert not decoding.packs(w.double(), 8)  # oneDNN has no float64 matmul
     assert not decoding.packs(torch.zeros(4, 4, device="meta"), 8)
+    if decoding.packs(w, 8):  # a oneDNN whose packed matmul differs from F.linear (a build, a CPU): plain
+        decoding._packed_linear_works.cache_clear()
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: torch.zeros(x.shape[0], w.shape[0]))
+        try:
+            assert not decoding.packs(w, 8)
+        finally:
+            decoding._packed_linear_works.cache_clear()
 
 
 @needs_onednn

@@ -148,9 +148,24 @@ def packs(weight: Tensor, rows: int) -> bool:
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
-    return weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return weight.dtype in (torch.float32, torch.bfloat16) and _packed_linear_works(weight.dtype)
+
+
+@functools.cache
+def _packed_linear_works(dtype: torch.dtype) -> bool:
+    """Whether this build's oneDNN packs and multiplies ``dtype`` weights as ``F.linear`` does (checked
+    once per process on a small matmul): a build or CPU where it fails or differs keeps the plain matmul
+    rather than failing a generation."""
+    try:
+        x = torch.linspace(-1, 1, 12, dtype=torch.float32).view(3, 4).to(dtype)
+        w = torch.linspace(-2, 2, 20, dtype=torch.float32).view(5, 4).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=0.02, atol=0.02))
+    except RuntimeError:
+        return False
 
 
 def pack_linear(weight: Tensor, rows: int) -> Tensor:
