@@ -144,13 +144,18 @@ def packs(weight: Tensor, rows: int) -> bool:
     Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
     :func:`packed_linear`, which finds their packed copies. (One row packs too, eagerly, for a large
     model and a long generation: see :func:`_packing`.)"""
-    if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    return rows > 1 and _packable(weight) and _packed_linear_works(weight.dtype)
+
+
+def _packable(weight: Tensor) -> bool:
+    """The cheap half of :func:`packs`: a float32 or bfloat16 weight on a CPU with oneDNN."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    return weight.dtype in (torch.float32, torch.bfloat16) and _packed_linear_works(weight.dtype)
+    return weight.dtype in (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -190,17 +195,18 @@ _PACK_MAX_BYTES = 1 << 31
 
 def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> bool:
     """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`)."""
-    if not packs(model.out_head.weight, max(rows, 2)):  # (the dtype and the device)
+    weight = model.out_head.weight
+    if not _packable(weight):
         return False
     matrices = [p for p in model.parameters() if p.dim() == 2]
     if sum(p.numel() * p.element_size() for p in matrices) > _PACK_MAX_BYTES:
         return False
-    if rows > 1 and not compile:
-        return True
     big = sum(p.numel() for p in matrices) >= _PACK_MIN_ELEMENTS
-    if rows > 1:  # compiled
-        return big
-    return big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
+    if rows > 1:  # the eager step of a batch always; the compiled one for a large model
+        wanted = big or not compile
+    else:
+        wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
+    return wanted and _packed_linear_works(weight.dtype)  # (a oneDNN call: made only where it would pack)
 
 
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
