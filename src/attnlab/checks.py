@@ -29,10 +29,12 @@ __all__ = [
     "check_bool",
     "check_float_tensor",
     "check_length",
+    "check_model_logits",
     "check_model_size",
     "check_module_input",
     "check_same_dtype_and_device",
     "finite_real",
+    "has_a_token",
     "is_bool",
     "is_int",
     "is_real",
@@ -99,6 +101,20 @@ def check_bool(name: str, value: object) -> bool:
     if not is_bool(value):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+def has_a_token(logits: Tensor) -> bool:
+    """Whether every row of ``logits (..., V)`` has a finite value and none is NaN or +inf (one host
+    sync): each row's maximum says it all, in one pass over the logits (NaN propagates into it, +inf
+    is it, and it is finite exactly when the row has a finite value and no +inf)."""
+    return not logits.numel() or bool(torch.isfinite(logits.amax(dim=-1)).all())
+
+
+def check_model_logits(logits: Tensor) -> None:
+    """ValueError unless a model's ``logits (..., V)`` give a token to pick in every row: NaN logits (a
+    model with NaN weights) would make greedy argmax return token 0 forever, multinomial fail."""
+    if not has_a_token(logits):
+        raise ValueError("the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick")
 
 
 def finite_real(value: object) -> bool:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_bool, finite_real, is_int, is_real
+from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real
 from attnlab.decoding import FastDecoder, supported
 from attnlab.speculative import check_speculative, speculative_decode
 
@@ -171,9 +171,7 @@ def sample_next_token(
 def check_logits(logits: Tensor) -> None:
     """ValueError unless every row of ``logits (B, V)`` has a finite value and none is NaN or +inf
     (one host sync): otherwise there is no distribution to draw from."""
-    # Each row's maximum says it all, in one pass over the logits: NaN propagates into it, +inf is it,
-    # and it is finite exactly when the row has a finite value and no +inf.
-    if logits.numel() and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+    if not has_a_token(logits):
         raise ValueError("logits must be finite or -inf, with a finite value in every row: there is no token to pick")
 
 
@@ -183,14 +181,7 @@ def next_tokens(
     """A generation's next token of each row, ``(B,)``, drawn from the model's ``logits (B, V)``:
     checked (NaN or +inf: ValueError, one host sync), sampled, and a row already ``finished`` (it
     produced one of the ``stop`` ids) kept at the first stop id; ``finished (B,)`` is updated in place."""
-    # NaN logits (a model with NaN weights) have no token to pick: greedy argmax would return token 0
-    # forever, multinomial a RuntimeError.
-    try:
-        check_logits(logits)
-    except ValueError:
-        raise ValueError(
-            "the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick"
-        ) from None
+    check_model_logits(logits)
     nxt = sampling.sample(logits, generator)
     if stop is not None:
         nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos

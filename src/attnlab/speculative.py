@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnlab.checks import check_model_logits
 from attnlab.decoding import FastDecoder, supported
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
@@ -154,9 +155,7 @@ class _Cached:
 
 
 def _argmax(logits: Tensor) -> list[int]:
-    # (as generation.next_tokens: NaN logits have no token; argmax would return 0 forever)
-    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
-        raise ValueError("the model's logits hold NaN or +inf (are its weights finite?): there is no token to pick")
+    check_model_logits(logits)
     return logits.argmax(dim=-1).tolist()
 
 
@@ -201,10 +200,10 @@ def speculative_decode(
                 return True
         return False
 
-    was = [m.training for m in (model, draft_model) if m is not None]
-    for m in (model, draft_model):
-        if m is not None:
-            m.eval()
+    models = [m for m in (model, draft_model) if m is not None]
+    was = [m.training for m in models]
+    for m in models:
+        m.eval()
     try:
         with torch.inference_mode():
             done = max_new_tokens == 0
@@ -228,7 +227,7 @@ def speculative_decode(
                 target.rollback(len(ctx) + ok)  # the last token and the kept guesses stay cached
                 done = emit(choice[: ok + 1], logits)
     finally:
-        for m, mode in zip((x for x in (model, draft_model) if x is not None), was, strict=True):
+        for m, mode in zip(models, was, strict=True):
             m.train(mode)
     ids = torch.cat([idx.long(), torch.tensor([new], dtype=torch.long, device=idx.device).view(1, -1)], dim=1)
     V = model.config.vocab_size
