@@ -144,18 +144,13 @@ def packs(weight: Tensor, rows: int) -> bool:
     Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
     :func:`packed_linear`, which finds their packed copies. (One row packs too, eagerly, for a large
     model and a long generation: see :func:`_packing`.)"""
-    return rows > 1 and _packable(weight) and _packed_linear_works(weight.dtype)
-
-
-def _packable(weight: Tensor) -> bool:
-    """The cheap half of :func:`packs`: a float32 or bfloat16 weight on a CPU with oneDNN."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    return weight.dtype in (torch.float32, torch.bfloat16)
+    return weight.dtype in (torch.float32, torch.bfloat16) and _packed_linear_works(weight.dtype)
 
 
 @functools.cache
@@ -195,9 +190,6 @@ _PACK_MAX_BYTES = 1 << 31
 
 def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> bool:
     """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`)."""
-    weight = model.out_head.weight
-    if not _packable(weight):
-        return False
     matrices = [p for p in model.parameters() if p.dim() == 2]
     if sum(p.numel() * p.element_size() for p in matrices) > _PACK_MAX_BYTES:
         return False
@@ -206,7 +198,9 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> b
         wanted = big or not compile
     else:
         wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
-    return wanted and _packed_linear_works(weight.dtype)  # (a oneDNN call: made only where it would pack)
+    # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
+    # a batch; one row's case is the rule above).
+    return wanted and packs(model.out_head.weight, max(rows, 2))
 
 
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
