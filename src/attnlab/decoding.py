@@ -237,11 +237,10 @@ def _release_packs(keys: list[tuple]) -> None:
                     del _PACKED[key]
 
 
-@torch.library.custom_op("attnlab::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str) -> Tensor:
     """``x @ weight.T + bias`` (``gelu``: ``"none"`` or ``"tanh"`` applies that GELU, ``""`` none) by
     oneDNN on the packed copy of ``weight`` a :class:`FastDecoder` registered; a plain matmul if there is
-    none. An operator of its own: the compiled step calls it as one opaque kernel."""
+    none. The compiled step calls it as an operator of its own, one opaque kernel (:func:`_packed_op`)."""
     entry = _PACKED.get(_packed_key(weight))
     if entry is None:
         y = F.linear(x, weight, bias)
@@ -250,9 +249,20 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str) -> 
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[0], bias, attr, [], gelu)
 
 
-@packed_linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: str) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+_PACKED_OP: Any = None  # torch.ops.attnlab.packed_linear, once a decoder has registered it
+
+
+def _packed_op() -> Any:
+    """The operator ``attnlab::packed_linear`` over :func:`packed_linear`, registered by the first
+    decoder that compiles a packed step (not when attnlab is imported: a process that never needs it,
+    a training run's, registers nothing)."""
+    global _PACKED_OP
+    with _PACKED_LOCK:
+        if _PACKED_OP is None:
+            op = torch.library.custom_op("attnlab::packed_linear", packed_linear, mutates_args=())
+            op.register_fake(lambda x, weight, bias, gelu: x.new_empty((*x.shape[:-1], weight.shape[0])))
+            _PACKED_OP = op
+    return _PACKED_OP
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +292,7 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
-        return packed_linear(x, w, b, "")
+        return _PACKED_OP(x, w, b, "")
     if how != "reduce":
         return F.linear(x, w, b)
     y = (_wide(x).unsqueeze(-2) * _wide(w)).sum(-1).to(x.dtype)  # (..., N)
@@ -294,7 +304,7 @@ def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None
     if mlp == "gelu" and w1.layout == torch._mkldnn:  # prepacked: the GELU applied by the matmul's kernel
         return _matvec(torch.ops.mkldnn._linear_pointwise(x, w1, b1, "gelu", [], approximate), w2, b2, how)
     if mlp == "gelu" and how == "packed":
-        return _matvec(packed_linear(x, w1, b1, approximate), w2, b2, how)
+        return _matvec(_PACKED_OP(x, w1, b1, approximate), w2, b2, how)
     h = _matvec(x, w1, b1, how)
     if mlp == "gelu":
         h = F.gelu(h, approximate=approximate)
@@ -505,7 +515,8 @@ class FastDecoder:
             cfg.logit_softcap,
         )
         matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
-        if pack and compile:  # registered while this decoder lives
+        if pack and compile:  # registered while this decoder lives, for the operator its graph calls
+            _packed_op()
             weights = [self.head[2]] + [w[j] for w, *_ in self.layers for j in matrices]
             weakref.finalize(self, _release_packs, _register_packs(weights, rows))
         elif pack:
