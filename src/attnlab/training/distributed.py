@@ -7,6 +7,7 @@ touches ``torch.distributed``.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,11 @@ def start_process_group(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # torch._dynamo before the group: imported after it (DDP imports it), it keeps a reference to
+    # the group (torch 2.13), so destroy_process_group cannot free it and Gloo's worker threads live
+    # on; one of them may then drop a collective's last tensor while the interpreter shuts down,
+    # which aborts the process ("terminate called without an active exception", 1 run in 10).
+    importlib.import_module("torch._dynamo")
     torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return True
 

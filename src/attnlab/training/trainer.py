@@ -720,6 +720,9 @@ class Trainer:
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
             torch.distributed.barrier()
+            # DDP holds the process group: without it, destroy_process_group frees the group and joins
+            # its threads while Python still runs (see start_process_group).
+            self.model = self.raw_model
         return TrainResult(
             step=self.step,
             val_loss=self.last_val_loss,
