@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DistEnv", "no_sync", "rank_seed", "start_process_group"]
+__all__ = ["DistEnv", "no_sync", "rank_seed", "settle", "start_process_group"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,25 @@ def start_process_group(device: torch.device) -> bool:
     importlib.import_module("torch._dynamo")
     torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return True
+
+
+def settle(device: torch.device) -> None:
+    """Wait for every process (a barrier), and on Gloo (CPU) then for this process's collective
+    threads to let go of the last collective's tensors: the end of a run.
+
+    Gloo's threads (torch 2.13) release a finished collective's tensors just after its caller has
+    returned, and releasing a tensor Python also holds takes the GIL: a thread that does so while the
+    interpreter shuts down aborts the process ("terminate called without an active exception"; 1
+    two-process FSDP run in 30, where the sharded model keeps the group and its threads alive to the
+    end). ``barrier()`` would not do: it keeps the collectives before it until its thread lets go of
+    it, and nothing tells when that is."""
+    t = torch.zeros(1, device=device)
+    torch.distributed.all_reduce(t)
+    if device.type != "cpu":  # (NCCL's watchdog keeps a collective's tensors as long as it likes)
+        return
+    deadline = time.monotonic() + 5.0
+    while t._use_count() > 1 and time.monotonic() < deadline:  # the thread's references to t
+        time.sleep(1e-4)  # lets the GIL go: the thread needs it to let go of t
 
 
 def no_sync(model: torch.nn.Module) -> Any:

@@ -75,7 +75,7 @@ from attnlab.training.config import (
     lr_at,
     model_path,
 )
-from attnlab.training.distributed import DistEnv, no_sync, rank_seed, start_process_group
+from attnlab.training.distributed import DistEnv, no_sync, rank_seed, settle, start_process_group
 from attnlab.training.finetune import finetune_config, finetune_lr
 from attnlab.training.lora import LoRASettings, apply_lora
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory, fsdp_processes_needed
@@ -719,7 +719,7 @@ class Trainer:
             prompt = self.sample_prompt(cfg.sample_prompt)
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
-            torch.distributed.barrier()
+            settle(self.device)
             # DDP holds the process group: without it, destroy_process_group frees the group and joins
             # its threads while Python still runs (see start_process_group).
             self.model = self.raw_model
