@@ -13,6 +13,8 @@ the same threads (medians, ms per step):
   weight reads, the ceiling of this design;
 * **step**: the whole compiled step (attention over the cache, norms, RoPE, the cache writes, Python);
 * **Python**: the step with its compiled calls replaced by stubs (embedding, RoPE angles, call setup);
+* **C++ chain** (``--cxx``, float32): the same weights read by ``gemv_chain.cpp``, every product of a step in
+  one OpenMP region with one barrier per matrix: what a hand-written kernel of few barriers would reach;
 * each at ``--threads`` and at 1 thread: the scaling of the parallel loops.
 
 The rest, step - matmuls - Python, is what the attention, the norms, RoPE and the cache writes cost, with
@@ -21,6 +23,7 @@ ends in one) and the serial loops the other threads wait through.
 
     python benchmarks/decode_breakdown.py --model smollm2 --dtype float32,bfloat16 --threads 2 --rounds 20
     python benchmarks/decode_breakdown.py --model gpt2-small --threads 2 --out benchmarks/profiles
+    python benchmarks/decode_breakdown.py --model smollm2 --threads 2 --rounds 10 --cxx
 """
 
 from __future__ import annotations
@@ -56,16 +59,16 @@ def _matmuls(x: torch.Tensor, ws: list[tuple], specs: list[tuple], head: torch.T
     for w, spec in zip(ws, specs, strict=True):
         wqkv, bqkv, wo, bo, w1, b1, w2, b2 = w[2], w[3], w[6], w[7], w[12], w[13], w[14], w[15]
         H, hd = spec[3], spec[5]
-        q = decoding._matvec(x, wqkv, bqkv, True)[..., : H * hd]  # the heads' width, as attention's output
-        x = x + decoding._matvec(q, wo, bo, True)
-        h = decoding._matvec(x, w1, b1, True)
+        q = decoding._matvec(x, wqkv, bqkv, "reduce")[..., : H * hd]  # the heads' width, as attention's output
+        x = x + decoding._matvec(q, wo, bo, "reduce")
+        h = decoding._matvec(x, w1, b1, "reduce")
         if h.shape[-1] != w2.shape[1]:  # [gate | up]
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        x = x + decoding._matvec(h, w2, b2, True)
-    return x if head is None else decoding._matvec(x[:, -1], head, None, True)
+        x = x + decoding._matvec(h, w2, b2, "reduce")
+    return x if head is None else decoding._matvec(x[:, -1], head, None, "reduce")
 
 
 def read_gbs(buf: torch.Tensor) -> float:
@@ -103,7 +106,19 @@ def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> str:
         for i, (_, ws, specs) in enumerate(groups):
             x = matmuls_fn(x, ws, specs, head if len(groups) == 1 else None)
             if i == len(groups) - 1 and len(groups) > 1:
-                decoding._compiled(decoding._matvec)(x[:, -1], head, None, True)
+                decoding._compiled(decoding._matvec)(x[:, -1], head, None, "reduce")
+
+    cxx = None
+    if args.cxx and dtype == torch.float32:  # the floor of the weight reads (see gemv_chain.cpp)
+        from torch.utils import cpp_extension
+
+        chain = cpp_extension.load("attnlab_gemv_chain", [str(Path(__file__).with_name("gemv_chain.cpp"))],
+                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+        mats = [w[i] for _, ws, _ in groups for w in ws for i in (2, 6, 12, 14)] + [head]
+        x_in, y_out = torch.randn(max(m.shape[1] for m in mats)), torch.empty(max(m.shape[0] for m in mats))
+
+        def cxx() -> None:
+            chain.chain(mats, x_in, y_out, torch.get_num_threads())
 
     real = dec.layers_fn, dec.head_fn
     stub_x, stub_logits = x0.clone(), torch.zeros(1, cfg.vocab_size, dtype=dtype)
@@ -119,7 +134,7 @@ def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> str:
     buf32 = torch.ones(128 * 2**20)  # 512 MB
     buf16 = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MB
     gbs: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-    rows = {"step": step, "matmuls alone": matmuls, "Python": python}
+    rows = {"step": step, "matmuls alone": matmuls, "Python": python} | ({"C++ chain": cxx} if cxx else {})
     threads = args.threads or torch.get_num_threads()
     timed = {}
     with torch.inference_mode():
@@ -168,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--position", type=int, default=96, help="cache position of the timed step")
     ap.add_argument("--slots", type=int, default=256, help="cache slots (generate(compile=True) rounds up to 256)")
     ap.add_argument("--out", default=None, help="also write each table into this directory")
+    ap.add_argument("--cxx", action="store_true", help="also time gemv_chain.cpp (float32; needs a C++ compiler)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
