@@ -149,3 +149,36 @@ def test_peak_memory_sees_the_tutorial_scores():
     assert ours.forward_mb < tut.forward_mb
     with pytest.raises(RuntimeError, match="failed"):
         harness.peak_memory_mb("tutorial", (1, 600, 96), kwargs=kw)  # longer than context_length: the child fails
+
+
+def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
+    """benchmarks/decode_breakdown.py's "matmuls alone" row claims the compiled step's form of each
+    product (``_matvec(..., "reduce")``, one fused loop): a BLAS call instead once timed 48 ms against
+    a 17 ms step, unnoticed. Its chain must ask for that form and compute the products right."""
+    import importlib.util
+    from pathlib import Path
+
+    from attnlab import decoding
+    from attnlab.model import GPT, GPTConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_breakdown.py"
+    spec = importlib.util.spec_from_file_location("decode_breakdown", path)
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("modern", n_layers=2, drop_rate=0.0)).eval()
+    dec = decoding.FastDecoder(model, model.new_kv_caches(1, 8))
+    (_, _, _, _, ws, specs), *_ = dec.groups
+    hows, matvec = [], decoding._matvec
+    monkeypatch.setattr(decoding, "_matvec", lambda x, w, b, how: hows.append(how) or matvec(x, w, b, how))
+    x = torch.randn(1, 1, model.config.emb_dim)
+    with torch.inference_mode():
+        out = breakdown._matmuls(x, ws, specs, model.out_head.weight)
+    assert hows and set(hows) == {"reduce"}, hows
+    ref = x
+    linear = torch.nn.functional.linear
+    for w, spec_ in zip(ws, specs, strict=True):  # the same chain with plain matmuls (and its GELU)
+        H, hd = spec_[3], spec_[5]
+        ref = ref + linear(linear(ref, w[2])[..., : H * hd], w[6])
+        ref = ref + linear(torch.nn.functional.gelu(linear(ref, w[12]), approximate="tanh"), w[14])
+    torch.testing.assert_close(out, linear(ref[:, -1], model.out_head.weight))
