@@ -32,12 +32,14 @@ with the rounds; the fastest pass of all, the strictest bound) and prints each r
 bound. Goals (issue 23): >= 2x transformers,
 >= 60% of the bound. ``--profile DIR`` writes torch.profiler's top operations of one generation of
 each attnlab row. ``--time compiled,transformers`` times only those rows (the eager and fast
-paths still run once: their tokens are checked), for a shorter run on a busy machine.
+paths still run once: their tokens are checked), for a shorter run on a busy machine. ``--floor``
+adds the least time any decoder of these matmul kernels takes: the prefill plus each step's matrix
+products alone (see :func:`floor_parts`), its tokens/s against transformers the ceiling of the ratio.
 
     python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
     python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
     python benchmarks/generate.py --model smollm2-shape --device cuda --dtype float32,bfloat16  # no wheel: its shape
-    python benchmarks/generate.py --model tiny --batch 8 --rounds 5
+    python benchmarks/generate.py --model tiny --batch 8 --rounds 5 --floor
     python benchmarks/generate.py --model smollm2 --dtype float32 --rounds 1 --profile benchmarks/profiles
 """
 
@@ -52,6 +54,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from attnlab import decoding, hardware
 from attnlab.files import atomic_write_json
@@ -89,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="--model: comma-separated dtypes (float32,bfloat16)")
     ap.add_argument("--no-compile", action="store_true", help="--model: leave out the compiled step")
     ap.add_argument("--profile", default=None, help="--model: write torch.profiler tables into this directory")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="--model: also time the prefill + each step's matrix products alone (the ceiling of any decoder)",
+    )
     ap.add_argument(
         "--time",
         default="eager,fast,compiled,transformers",
@@ -452,12 +460,20 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
             "transformers generate": "transformers"}  # fmt: skip
     timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
+    if args.floor:
+        prefill, step = floor_parts(ours, prompt)
+        timed |= {"floor: the prefill": prefill, "floor: a step's products": step}
     buf, bandwidths = (
         torch.ones(128 * 2**20, device=device),
         [],
     )  # 512 MB; measured in every round, so load hits it alike
     timings = interleave({**timed, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
                          device=device, alternate=True)  # fmt: skip
+    floor_ms = None
+    if args.floor:  # (apart from the rows: not a generation)
+        floor_parts_ms = timings.pop("floor: the prefill").median_ms, timings.pop("floor: a step's products").median_ms
+        floor_ms = floor_parts_ms[0] + new * floor_parts_ms[1]
+        timed = {k: v for k, v in timed.items() if not k.startswith("floor")}
     tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in timed}
     gbs = max(bandwidths)  # the strictest bound: the best any round measured
     nbytes = weight_bytes(ours)
@@ -488,9 +504,68 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         )
     for name in rows.keys() - tps.keys():
         print(f"  {name:<24} (not timed)  same tokens: {same[name]}")
+    floor_tps = args.batch * new / (floor_ms / 1e3) if floor_ms else None
+    if floor_tps:
+        vs_hf = f"{floor_tps / hf_tps:5.2f}x transformers" if hf_tps else ""
+        print(f"  {'floor (products only)':<24} {floor_tps:8.1f} tokens/s  {vs_hf}  (the prefill, "
+              f"{floor_parts_ms[0]:.1f} ms, + {new} x a step's matrix products, {floor_parts_ms[1]:.3f} ms; "
+              "nothing else)")  # fmt: skip
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "weight_bytes": nbytes,
-            "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
+            "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused, "floor_tokens_per_s": floor_tps,
             "load_average": os.getloadavg()[0]}  # fmt: skip
+
+
+def floor_parts(model: GPT, prompt: torch.Tensor) -> tuple:
+    """``--floor``: the two things every decoder of ``model`` does, as functions to time: the prefill
+    (the forward over ``prompt (B, T)`` filling the caches, as generate() runs it) and one step's matrix
+    products alone on ``B`` rows (the fast path's weights, q/k/v fused), each in the fastest of three
+    layouts, chosen per matrix: ``x @ W.T`` (MKL), ``x @ Wt`` on a transposed copy (as transformers'
+    GPT-2 keeps its weights), and a copy packed for oneDNN (:func:`attnlab.decoding.pack_linear`, where
+    oneDNN works). The prefill + new x the step's products is the least time any decoder built on these
+    matmul kernels can take."""
+    B, device = prompt.shape[0], prompt.device
+    caches = model.new_kv_caches(B, prompt.shape[1] + 1)
+    ws = [decoding.FastDecoder._weights(block) for block in model.trf_blocks]  # (plain tensors: no packing)
+    mats = [(w[i], w[i + 1]) for w in ws for i in (2, 6, 12, 14)] + [(model.out_head.weight, None)]
+
+    def plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        return lambda: F.linear(x, w, b)
+
+    def transposed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        wt = w.t().contiguous()
+        return (lambda: torch.addmm(b, x, wt)) if b is not None else (lambda: x @ wt)
+
+    def packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        wp = decoding.pack_linear(w, B)
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+
+    layouts = [plain, transposed] + ([packed] if decoding.packs(model.out_head.weight, max(B, 2)) else [])
+
+    def seconds(fn, n: int = 20) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return time.perf_counter() - t0
+
+    products = []
+    with torch.no_grad():  # (the fused weights may be inference tensors, made under inference_mode)
+        for w, b in mats:
+            x = torch.randn(B, w.shape[1], device=device, dtype=w.dtype)
+            products.append(min((layout(x, w, b) for layout in layouts), key=seconds))
+
+    def prefill() -> None:
+        for cache in caches:
+            cache.reset()
+        with torch.inference_mode():
+            model.decode_logits(prompt, None, caches, last_only=True)
+
+    def step() -> None:
+        with torch.no_grad():
+            for product in products:
+                product()
+
+    return prefill, step
 
 
 # The prompts of the speculative rows: a task whose answer repeats the prompt (where guessing from the
