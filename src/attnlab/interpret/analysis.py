@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import weakref
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from attnlab import hardware
 from attnlab.checks import position_window, positive_int
 from attnlab.generation import SamplingConfig
+from attnlab.interpret import codec
 from attnlab.interpret.tracing import Trace, attention_layers
 from attnlab.interpret.tracing import trace as run_trace
 
@@ -332,16 +332,9 @@ def _weight_key(W: Tensor) -> tuple | None:
     CPU or for a strided weight: a GPU makes the copy in about the time it would take to check it."""
     if W.device.type != "cpu" or not W.is_contiguous():
         return None
-    raw = memoryview(W.detach().reshape(-1).view(torch.uint8).numpy())  # the bytes, whatever the dtype
-    n = len(raw)
-    size = -(-n // max(1, torch.get_num_threads()))
-    pieces = [raw[i : i + size] for i in range(0, n, size)]
-    if len(pieces) == 1:
-        crcs = [zlib.crc32(pieces[0])]
-    else:
-        with ThreadPoolExecutor(len(pieces)) as pool:
-            crcs = list(pool.map(zlib.crc32, pieces))
-    return (W.data_ptr(), tuple(W.shape), W.dtype, size, *crcs)
+    raw = W.detach().reshape(-1).view(torch.uint8).numpy()  # the bytes, whatever the dtype
+    pieces = codec.split(raw, torch.get_num_threads())
+    return (W.data_ptr(), tuple(W.shape), W.dtype, len(pieces[0]), *codec.on_threads(zlib.crc32, pieces))
 
 
 def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tensor, Tensor, float]:

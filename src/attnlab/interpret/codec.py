@@ -108,6 +108,23 @@ def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 1) -> dict
     return out
 
 
+def split(raw: bytes | memoryview, parts: int) -> list[memoryview]:
+    """``raw`` in ``parts`` pieces of equal size (the last one shorter), views without copies."""
+    view = memoryview(raw)
+    size = -(-len(view) // max(1, parts))
+    return [view[i : i + size] for i in range(0, len(view), size)] or [view]
+
+
+def on_threads(fn: Any, items: Any) -> list:
+    """``[fn(item) for item in items]``, each call on a thread of its own (one item: here), for
+    functions that let go of the GIL (zlib's and ISA-L's)."""
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
 def deflate(raw: bytes, level: int = 1, parts: int | None = None, *, library: Any = None) -> bytes:
     """``zlib.compress(raw, level)``'s format (a zlib stream, what the page's ``DecompressionStream
     ("deflate")`` reads), compressed in ``parts`` pieces on as many threads (default: torch's thread
@@ -122,16 +139,13 @@ def deflate(raw: bytes, level: int = 1, parts: int | None = None, *, library: An
     parts = max(1, torch.get_num_threads() if parts is None else parts)
     if parts == 1 or len(raw) < (1 << 20):
         return z.compress(raw, level)
-    view = memoryview(raw)
-    size = -(-len(raw) // parts)
-    pieces = [view[i : i + size] for i in range(0, len(raw), size)]
+    pieces = split(raw, parts)
 
     def segment(i: int) -> bytes:
         c = z.compressobj(level, zlib.DEFLATED, -15)  # raw deflate: no header, no checksum
         return c.compress(pieces[i]) + c.flush(zlib.Z_FINISH if i == len(pieces) - 1 else zlib.Z_SYNC_FLUSH)
 
-    with ThreadPoolExecutor(len(pieces)) as pool:
-        body = list(pool.map(segment, range(len(pieces))))
+    body = on_threads(segment, range(len(pieces)))
     header = zlib.compress(b"", min(level, 9))[:2]  # CMF and FLG (FLEVEL only informs)
     return header + b"".join(body) + z.adler32(raw).to_bytes(4, "big")
 
