@@ -33,7 +33,7 @@ from attnlab.interpret import (
     trace,
     trace_generation,
 )
-from attnlab.interpret.codec import deflate, pack, to_json, unpack
+from attnlab.interpret.codec import deflate, on_threads, pack, split, to_json, unpack
 from attnlab.model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'attnlab[hf]')")
@@ -656,6 +656,16 @@ def test_deflate_in_pieces_is_one_zlib_stream(parts, size, seed, level, library)
     d = zlib.decompressobj()
     assert d.decompress(out) == raw and d.eof and d.unused_data == b""
     assert len(out) < len(raw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 100), parts=st.integers(1, 9))
+def test_split_covers_the_buffer_in_at_most_parts_pieces(size, parts):
+    raw = bytes(range(size))
+    pieces = split(raw, parts)
+    assert b"".join(pieces) == raw and 1 <= len(pieces) <= max(1, min(parts, size))
+    assert len({len(p) for p in pieces[:-1]}) <= 1 and len(pieces[-1]) <= len(pieces[0])  # equal, the last shorter
+    assert on_threads(bytes, pieces) == [bytes(p) for p in pieces]  # in order, whatever thread ran each
 
 
 def test_inspector_data_holds_what_the_library_computes(gpt2):

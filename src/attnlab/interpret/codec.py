@@ -111,7 +111,7 @@ def to_json(data: dict[str, Any], *, blob: bool = False, level: int = 1) -> dict
 def split(raw: bytes | memoryview, parts: int) -> list[memoryview]:
     """``raw`` in ``parts`` pieces of equal size (the last one shorter), views without copies."""
     view = memoryview(raw)
-    size = -(-len(view) // max(1, parts))
+    size = max(1, -(-len(view) // max(1, parts)))
     return [view[i : i + size] for i in range(0, len(view), size)] or [view]
 
 
