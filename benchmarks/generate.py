@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--floor",
         action="store_true",
-        help="--model: also time the prefill + each step's matrix products alone (the ceiling of any decoder)",
+        help="--model, --batch > 1: also time the prefill + each step's matrix products alone (a ceiling)",
     )
     ap.add_argument(
         "--time",
@@ -460,7 +460,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
             "transformers generate": "transformers"}  # fmt: skip
     timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
-    if args.floor:
+    if args.floor and args.batch > 1:
         prefill, step = floor_parts(ours, prompt)
         timed |= {"floor: the prefill": prefill, "floor: a step's products": step}
     buf, bandwidths = (
@@ -470,7 +470,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     timings = interleave({**timed, "read bandwidth": lambda: bandwidths.append(read_bandwidth(buf))}, args.rounds,
                          device=device, alternate=True)  # fmt: skip
     floor_ms = None
-    if args.floor:  # (apart from the rows: not a generation)
+    if args.floor and args.batch > 1:  # (apart from the rows: not a generation)
         floor_parts_ms = timings.pop("floor: the prefill").median_ms, timings.pop("floor: a step's products").median_ms
         floor_ms = floor_parts_ms[0] + new * floor_parts_ms[1]
         timed = {k: v for k, v in timed.items() if not k.startswith("floor")}
@@ -522,7 +522,8 @@ def floor_parts(model: GPT, prompt: torch.Tensor) -> tuple:
     layouts, chosen per matrix: ``x @ W.T`` (MKL), ``x @ Wt`` on a transposed copy (as transformers'
     GPT-2 keeps its weights), and a copy packed for oneDNN (:func:`attnlab.decoding.pack_linear`, where
     oneDNN works). The prefill + new x the step's products is the least time any decoder built on these
-    matmul kernels can take."""
+    matmul kernels can take. (A batch's: one row's products are the compiled step's own loops, which
+    read the weights faster than these kernels do.)"""
     B, device = prompt.shape[0], prompt.device
     caches = model.new_kv_caches(B, prompt.shape[1] + 1)
     ws = [decoding.FastDecoder._weights(block) for block in model.trf_blocks]  # (plain tensors: no packing)
