@@ -299,11 +299,14 @@ def run(args: argparse.Namespace) -> int:
     init = None
     if cfg.init_from and not (cfg.resume and has_checkpoint(Path(cfg.out).expanduser())):
         init = load_init(cfg.init_from)  # a resumed run takes the model from its checkpoint
+    trainer = None
     try:
         # Inside the try: Trainer() itself may fail after it started the process group.
         trainer = Trainer(cfg, given=given, init=init)
         result = trainer.fit(sample=False)  # sampled below, after the summary, as it is generated
     finally:
+        if trainer is not None:
+            trainer.close()  # the group it started, destroyed
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     cfg = trainer.cfg  # with the checkpoint's settings on --resume

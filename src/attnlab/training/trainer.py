@@ -289,8 +289,12 @@ class Trainer:
         return config
 
     def close(self) -> None:
-        """Release the lock on ``out`` and destroy the process group this trainer created."""
+        """Release the lock on ``out`` and destroy the process group this trainer created (after
+        dropping the DDP wrapper, which holds the group: so its Gloo threads end here, while Python
+        runs; see :func:`~attnlab.training.distributed.start_process_group`)."""
         self._lock.release()
+        if hasattr(self, "raw_model"):
+            self.model = self.raw_model
         if self._owns_process_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self._owns_process_group = False
@@ -720,9 +724,6 @@ class Trainer:
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
             settle(self.device)
-            # DDP holds the process group: without it, destroy_process_group frees the group and joins
-            # its threads while Python still runs (see start_process_group).
-            self.model = self.raw_model
         return TrainResult(
             step=self.step,
             val_loss=self.last_val_loss,
