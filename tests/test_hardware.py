@@ -128,3 +128,32 @@ def test_a_cpu_told_to_behave_as_avx2_says_it_has_no_native_bf16(subprocess_env)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "this CPU has no native bf16 (AVX2)"
+
+
+RELEASE = """
+import os, threading, time, torch
+from attnlab.hardware import release_openmp_threads
+torch.set_num_threads(2)
+def threads(): return len(os.listdir("/proc/self/task"))
+out = {}
+def helper():
+    torch.ones(1 << 22).exp_()  # a parallel region: this thread's own team of OpenMP workers
+    out["team"] = threads()
+    out["released"] = release_openmp_threads()
+    deadline = time.monotonic() + 5
+    while threads() >= out["team"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["after"] = threads()
+t = threading.Thread(target=helper); t.start(); t.join()
+print(out["released"], out["team"], out["after"])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the threads in Linux's /proc")
+def test_release_openmp_threads_lets_the_calling_threads_workers_go():
+    r = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    released, team, after = r.stdout.split()
+    if released != "True":
+        pytest.skip("this torch's OpenMP runtime has no omp_pause_resource_all")
+    assert int(after) == int(team) - 1, r.stdout  # the helper's one worker (2 threads: itself and one more)

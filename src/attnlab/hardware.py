@@ -19,6 +19,8 @@ the trainer's first line and the benchmarks' headers.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import platform
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ __all__ = [
     "fast_dtype",
     "header",
     "inference_dtype",
+    "release_openmp_threads",
     "training_dtype",
 ]
 
@@ -151,3 +154,34 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "CPU"
+
+
+def release_openmp_threads() -> bool:
+    """Let the OpenMP worker threads of the calling thread go (OpenMP's ``omp_pause_resource_all``, soft),
+    where torch's OpenMP runtime is loaded and has the call (GCC's libgomp, LLVM's libomp: Linux); True
+    if it did. Call it on a thread done with torch for a while (one that loaded a model, compiled a step).
+
+    Each thread that ever ran a parallel region keeps its own team of workers, and while the process's
+    OpenMP threads outnumber its CPUs libgomp waits at a barrier by 100 spins instead of 300,000, so
+    every barrier becomes a sleep and a wake-up. A compiled decoding step has hundreds: on 2 cores,
+    SmolLM2's compiled step on one thread ran at 30 tokens/s while another live thread kept its team
+    from one earlier matmul, 48-53 once that team was let go (``attnlab serve`` decodes on its model
+    thread, after loading on the main one)."""
+    pause = _omp_pause()
+    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
+
+
+@functools.cache
+def _omp_pause():
+    """``omp_pause_resource_all`` of the OpenMP runtime this process has loaded, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if any(n in line for n in ("libgomp", "libomp", "libiomp"))}
+        for path in sorted(paths):
+            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+                return fn
+    except (OSError, AttributeError):
+        pass
+    return None

@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from attnlab import hardware
 from attnlab.attention import AttentionRecord
 from attnlab.checks import check_bool
 from attnlab.decoding import FastDecoder, supported
@@ -182,6 +183,10 @@ class Engine:
             "steps_compiling": 0,
             "compile_failed": 0,
         }
+        # The model is the model thread's from here: the thread that loaded it (the server's main one)
+        # lets its OpenMP workers go, or the model thread's barriers wait throttled (2 cores: its
+        # compiled steps 40% slower; see hardware.release_openmp_threads).
+        hardware.release_openmp_threads()
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -468,6 +473,7 @@ class Engine:
             self._compiles[key].set()
             self.count("steps_compiling", -1)
             self.count("steps_compiled")
+            hardware.release_openmp_threads()  # (the compiling thread ran a step: its workers go until the next)
 
     def next_tokens(
         self,
