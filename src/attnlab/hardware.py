@@ -15,6 +15,10 @@ The CPU's answer is oneDNN's (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, fo
 alike): it is what runs the matmuls, and it honours ``ONEDNN_MAX_CPU_ISA`` (a machine told to
 behave as AVX2 answers as one). :func:`describe` says what a device does, for ``attnlab info``,
 the trainer's first line and the benchmarks' headers.
+
+One fact of the CPU runtime too: several threads that each ran torch keep a team of OpenMP workers
+each, which slows every thread's parallel loops where they outnumber the CPUs;
+:func:`release_openmp_threads` lets a thread's team go.
 """
 
 from __future__ import annotations
