@@ -840,6 +840,7 @@ async function showInspector(source, opts) {
       $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
         + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
       if (!g.steps.length) {  // a live page before "generate"
+        this.ticket = (this.ticket || 0) + 1;  // (a draw still waiting for labels must not write after this)
         $("gen-text").textContent = ""; $("gen-candidates").textContent = "";
         $("gen-step").textContent = g.live ? "Press \u201cgenerate\u201d above: each new token streams in with its "
           + "attention, drawn with the sampling settings of the Next token tab." : "";
@@ -856,8 +857,11 @@ async function showInspector(source, opts) {
       for (const v of w) if (v > m) m = v;
       const slot = new Map();  // token index -> the slot of its key (a cache may hold keys out of order)
       s.key_index.forEach((t, j) => { if (t >= 0) slot.set(t, j); });
-      const box = $("gen-text");
-      box.textContent = "";
+      // Labels may come over the network (await): a draw builds everything first and writes the page only
+      // if no later draw began meanwhile (a stream's steps come faster than their labels; two draws writing
+      // at once interleaved their rows).
+      const ticket = (this.ticket = (this.ticket || 0) + 1);
+      const spans = [];
       for (let t = 0; t <= s.position; t++) {
         const span = el("span", "tok" + (t >= g.prompt_length ? " generated" : "") + (t === s.position ? " current" : ""),
                         await source.label(g.tokens[t]));
@@ -871,24 +875,25 @@ async function showInspector(source, opts) {
           wl.textContent = w[j].toFixed(2);
         }
         span.appendChild(wl);
-        box.appendChild(span);
+        spans.push(span);
       }
-      $("gen-step").textContent = "token " + (state.gen + 1) + " of " + g.steps.length + (g.streaming ? " so far" : "") + ": "
+      const stepText = "token " + (state.gen + 1) + " of " + g.steps.length + (g.streaming ? " so far" : "") + ": "
         + (await source.label(s.token)) + " (p = " + s.token_prob.toFixed(4) + "), attention of "
         + (state.genMean ? layers[state.row].name + ", mean over heads" : headName());
-      const table = $("gen-candidates");
-      table.textContent = "";
-      const head2 = el("tr");
-      for (const h of ["#", "candidate", "probability"]) head2.appendChild(el("th", "", h));
-      table.appendChild(head2);
+      const rows = [el("tr")];
+      for (const h of ["#", "candidate", "probability"]) rows[0].appendChild(el("th", "", h));
       for (let i = 0; i < s.candidates.length; i++) {
         const tr = el("tr", s.candidates[i] === s.token ? "chosen" : "");
         tr.dataset.id = String(s.candidates[i]); tr.dataset.prob = String(s.probs[i]);
         tr.appendChild(el("td", "num", String(i + 1)));
         tr.appendChild(el("td", "", (await source.label(s.candidates[i])) + (s.candidates[i] === s.token ? "   \u2190 drawn" : "")));
         tr.appendChild(el("td", "num", s.probs[i].toFixed(4)));
-        table.appendChild(tr);
+        rows.push(tr);
       }
+      if (ticket !== this.ticket) return;  // a later draw owns the page
+      $("gen-text").replaceChildren(...spans);
+      $("gen-step").textContent = stepText;
+      $("gen-candidates").replaceChildren(...rows);
     },
   };
 
