@@ -730,13 +730,13 @@ async function showInspector(source, opts) {
   views.lens = {
     build() {},
     async draw() {
+      const ticket = (this.ticket = (this.ticket || 0) + 1);  // (as the generation view's: one draw writes)
       const pos = state.query === null ? T - 1 : state.query;
       const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
       const d = await source.lens(lo, hi), k = d.k, rows = d.rows.length, W = d.width, at = (l, t) => l * W + t - d.start;
       paintStrip(null);
       $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
-      const table = $("lens-table");
-      table.textContent = "";
+      const out = [];  // the table's rows, written at the end
       const head = el("tr");
       head.appendChild(el("th", "", "residual stream"));
       for (let t = lo; t < hi; t++) {
@@ -745,7 +745,7 @@ async function showInspector(source, opts) {
         head.appendChild(th);
       }
       head.appendChild(el("th", "", "p(final choice) at " + pos));
-      table.appendChild(head);
+      out.push(head);
       for (let l = 0; l < rows; l++) {
         const tr = el("tr");
         tr.appendChild(el("th", "", d.rows[l] + (l === rows - 1 ? " (= output)" : "")));
@@ -763,8 +763,10 @@ async function showInspector(source, opts) {
           tr.appendChild(td);
         }
         tr.appendChild(el("td", "num", d.final[at(l, pos)].toFixed(4)));
-        table.appendChild(tr);
+        out.push(tr);
       }
+      if (ticket !== this.ticket) return;  // a later draw owns the table
+      $("lens-table").replaceChildren(...out);
     },
   };
 
