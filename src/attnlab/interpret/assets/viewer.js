@@ -730,12 +730,10 @@ async function showInspector(source, opts) {
   views.lens = {
     build() {},
     async draw() {
-      const ticket = (this.ticket = (this.ticket || 0) + 1);  // (as the generation view's: one draw writes)
+      const ticket = (this.ticket = (this.ticket || 0) + 1);  // (as the next-token view's: one draw writes)
       const pos = state.query === null ? T - 1 : state.query;
       const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
       const d = await source.lens(lo, hi), k = d.k, rows = d.rows.length, W = d.width, at = (l, t) => l * W + t - d.start;
-      paintStrip(null);
-      $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
       const out = [];  // the table's rows, written at the end
       const head = el("tr");
       head.appendChild(el("th", "", "residual stream"));
@@ -765,7 +763,9 @@ async function showInspector(source, opts) {
         tr.appendChild(el("td", "num", d.final[at(l, pos)].toFixed(4)));
         out.push(tr);
       }
-      if (ticket !== this.ticket) return;  // a later draw owns the table
+      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) owns the table
+      paintStrip(null);
+      $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
       $("lens-table").replaceChildren(...out);
     },
   };
@@ -892,7 +892,7 @@ async function showInspector(source, opts) {
         tr.appendChild(el("td", "num", s.probs[i].toFixed(4)));
         rows.push(tr);
       }
-      if (ticket !== this.ticket) return;  // a later draw owns the page
+      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) owns the page
       $("gen-text").replaceChildren(...spans);
       $("gen-step").textContent = stepText;
       $("gen-candidates").replaceChildren(...rows);
