@@ -118,6 +118,31 @@ def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward
     assert not decoding._PACKED  # released with the decoder
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(dtype, packed, steps, monkeypatch):
+    """A model too small to pack: on a CPU the compiled step of its batch multiplies in inductor's loops
+    (``"reduce"``, as one row's), nothing packed, with the eager forward's tokens and logits; packed once
+    the model counts as large (where oneDNN packs), a matmul on a GPU."""
+    model = make(FAMILIES["llama-gqa"], dtype)
+    caches = model.new_kv_caches(3, 16)
+    assert decoding.FastDecoder(model, caches, compile=True).batch == "reduce"
+    assert decoding._batch_products(model, False, cpu=False) == "plain"
+    idx = torch.randint(0, BASE["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 10, temperature=0, return_logits=True, compile=True)
+    assert packed[0] == 0 and steps[0] == 9
+    if dtype == torch.float32:
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+    else:  # (the first token and logits, as the bfloat16 test above: later ones may flip on a near tie)
+        assert torch.equal(got[0][:, 6], ref[0][:, 6])
+        torch.testing.assert_close(got[1][:, 0], ref[1][:, 0], rtol=0.05, atol=0.1)
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    expected = "packed" if decoding.packs(model.out_head.weight, 3) else "plain"
+    assert decoding.FastDecoder(model, caches, compile=True).batch == expected
+
+
 @needs_onednn
 def test_one_row_packs_for_a_large_model_and_a_long_generation(packed, monkeypatch):
     """The eager step of one row packs where the model is large and the generation long enough to pay

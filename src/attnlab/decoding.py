@@ -24,7 +24,9 @@ math with the work a step needs and nothing else:
   eager forward would hand the observers are built from them after the call, outside the graph.
   A batch's matmuls on the CPU (compiled or not) run on the weights prepacked once per generation for
   oneDNN (:func:`packs`; the BLAS kernel behind ``F.linear`` is several times slower at a few rows on
-  AMD CPUs), and so do one row's in the eager step of a large model over a long generation.
+  AMD CPUs), and so do one row's in the eager step of a large model over a long generation. The
+  compiled step of a batch of a model too small to pack (the ``tiny`` preset) multiplies in inductor's
+  own loops, as one row's does: its weights stay in the CPU's caches, read once per row.
   On CUDA the whole unobserved step (embedding, RoPE, the groups, the head) is captured in one CUDA
   graph per generation and replayed per token: a step of a small model is hundreds of short
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
@@ -203,6 +205,18 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> b
     return wanted and packs(model.out_head.weight, max(rows, 2))
 
 
+def _batch_products(model: nn.Module, packed: bool, cpu: bool) -> str:
+    """How the compiled step of a :class:`FastDecoder` multiplies a batch's rows (:func:`_matvec`): on the
+    ``packed`` weights; on a CPU, a model too small to pack in inductor's loops (``"reduce"``), whose
+    weights stay in the CPU's caches while each row reads them, where MKL's few-row matmul reads them
+    slower (the ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4); else the matmul (a GPU's;
+    a large model's, whose weights each row would read from memory again, where oneDNN is missing)."""
+    if packed:
+        return "packed"
+    small = sum(p.numel() for p in model.parameters() if p.dim() == 2) < _PACK_MIN_ELEMENTS
+    return "reduce" if cpu and small else "plain"
+
+
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
 # twin to trace), so the graph calls packed_linear with the plain weight, which finds the packed copy
 # its FastDecoder registered here, by the weight's address, shape and dtype, while the decoder lives
@@ -286,9 +300,10 @@ def _wide(t: Tensor) -> Tensor:
 
 
 def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
-    """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled, one row): a multiply-and-sum that inductor fuses
-    into one loop streaming ``w`` (accumulating in float32), instead of the BLAS call of a one-row
-    matmul; ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"plain"``: a matmul."""
+    """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled: one row, or a batch of a small model on a CPU,
+    see :func:`_batch_products`): a multiply-and-sum that inductor fuses into one loop streaming ``w``
+    (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"packed"`` (compiled, a
+    batch): :func:`packed_linear`; ``"plain"``: a matmul."""
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
@@ -340,9 +355,9 @@ def _layer(
     weights (B, H, 1, M), head outputs (B, H, 1, hd))`` for the observers, called after the compiled call.
     """
     (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
-    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post, packed = spec
+    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post, batch = spec
     B = x.shape[0]
-    how = _how(static, B, packed)
+    how = _how(static, B, batch)
     h = _norm(x, n1w, n1b, norm if n1w is not None else None)
     q, k, v = _matvec(h, wqkv, bqkv, how).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, .) x3
     if qk_norm == "full":  # all heads' queries (keys) together (OLMo 2)
@@ -401,11 +416,12 @@ def _layer(
     return x + ff
 
 
-def _how(static: bool, rows: int, packed: bool) -> str:
-    """How :func:`_matvec` multiplies in a step of ``rows`` rows (``static``: the compiled step)."""
+def _how(static: bool, rows: int, batch: str) -> str:
+    """How :func:`_matvec` multiplies in a step of ``rows`` rows (``static``: the compiled step; ``batch``:
+    how its decoder's compiled step multiplies a batch, :func:`_batch_products`)."""
     if not static:
         return "plain"
-    return "reduce" if rows == 1 else "packed" if packed else "plain"
+    return "reduce" if rows == 1 else batch
 
 
 def _head(
@@ -415,11 +431,11 @@ def _head(
     w: Tensor,
     norm: tuple,
     cap: float | None,
-    packed: bool,
+    batch: str,
     static: bool,
 ):
     """Final norm and output head of ``x (B, 1, C)``: logits ``(B, V)`` (Gemma 2's soft cap with ``cap``)."""
-    logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, _how(static, x.shape[0], packed))  # (B, V)
+    logits = _matvec(_norm(x[:, -1], nw, nb, norm), w, None, _how(static, x.shape[0], batch))  # (B, V)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
@@ -493,6 +509,7 @@ class FastDecoder:
         # for oneDNN (see _packing), given to the eager step as they are, registered for the compiled one
         # (which calls packed_linear).
         pack = _packing(model, rows, compile, steps)
+        self.batch = _batch_products(model, pack and compile, caches[0].keys.device.type == "cpu")
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
@@ -508,7 +525,7 @@ class FastDecoder:
                 (cfg.mlp, _ACT[cfg.activation]),
                 block.parallel_residual,
                 block.post_norm1 is not None,
-                pack and compile,
+                self.batch,
             )
             self.layers.append((self._weights(block), spec, att.window, block.local_rope, att.has_positions))
         self.head = (
@@ -527,7 +544,6 @@ class FastDecoder:
             for i, (w, *rest) in enumerate(self.layers):
                 w = tuple(pack_linear(t, rows) if j in matrices else t for j, t in enumerate(w))
                 self.layers[i] = (w, *rest)
-        self.packed = pack and compile
         self.layers_fn = _compiled(_layers) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         # On CUDA the unobserved compiled step is captured in a CUDA graph at its first call (see _replay).
@@ -676,12 +692,12 @@ class FastDecoder:
         one = len(self.groups) == 1  # then the head too in that call; else a call of its own
         seen: list[tuple[Tensor, Tensor, Tensor]] = []
         for layers, *args in self.groups:
-            last = (nw, nb, head, self.norm, cap, self.packed) if one else None
+            last = (nw, nb, head, self.norm, cap, self.batch) if one else None
             x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
             if observed:
                 x, more = x
                 seen += more
-        return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, self.packed, True)), seen  # (B, V)
+        return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, self.batch, True)), seen  # (B, V)
 
     def _replay(self, token: Tensor, pos: int) -> Tensor:
         """:meth:`_static_step` as one CUDA graph: captured at the first step (after warm-up calls that
