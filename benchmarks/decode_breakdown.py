@@ -15,7 +15,10 @@ the same threads (medians, ms per step):
 * **Python**: the step with its compiled calls replaced by stubs (embedding, RoPE angles, call setup);
 * **C++ chain** (``--cxx``, float32): the same weights read by ``gemv_chain.cpp``, every product of a step in
   one OpenMP region with one barrier per matrix: what a hand-written kernel of few barriers would reach;
-* each at ``--threads`` and at 1 thread: the scaling of the parallel loops.
+* each at ``--threads`` and at 1 thread: the scaling of the parallel loops;
+* ``--pairs N``: N pairs of one 512 MB sum pass and 5 steps right after it, grouped by the pass's GB/s:
+  how the step's read rate follows the machine's (on a shared machine the passes range widely, and the
+  fastest, the bound above, is a burst).
 
 The rest, step - matmuls - Python, is what the attention, the norms, RoPE and the cache writes cost, with
 the OpenMP barriers between inductor's loops (about 20 per layer: each ``omp for`` and ``omp single``
@@ -24,6 +27,7 @@ ends in one) and the serial loops the other threads wait through.
     python benchmarks/decode_breakdown.py --model smollm2 --dtype float32,bfloat16 --threads 2 --rounds 20
     python benchmarks/decode_breakdown.py --model gpt2-small --threads 2 --out benchmarks/profiles
     python benchmarks/decode_breakdown.py --model smollm2 --threads 2 --rounds 10 --cxx
+    python benchmarks/decode_breakdown.py --model smollm2 --threads 2 --rounds 3 --pairs 150
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -171,7 +176,39 @@ def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> str:
             lines.append(f"  {name + f' ({n} thr)':<22}{ms:9.2f}{rate}{share}")
         rest = timed[f"step @{n}"].median_ms - timed[f"matmuls alone @{n}"].median_ms - timed[f"Python @{n}"].median_ms
         lines.append(f"  {f'the rest ({n} thr)':<22}{rest:9.2f}   (attention, norms, RoPE, cache writes, barriers)")
+    if args.pairs:
+        lines += read_pairs(step, buf32, nbytes, args.pairs)
     return "\n".join(lines)
+
+
+def read_pairs(step, buf: torch.Tensor, nbytes: int, n: int) -> list[str]:
+    """``--pairs``: ``n`` times one pass summing ``buf`` then 5 steps; the steps' read rate (``nbytes``
+    a step) by the GB/s of the pass before them."""
+    pairs = []
+    with torch.inference_mode():
+        for _ in range(n):
+            gbs = read_gbs(buf)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                step()
+            pairs.append((gbs, nbytes * 5 / (time.perf_counter() - t0) / 1e9))
+    passes = sorted(g for g, _ in pairs)
+    step_gbs = statistics.median(r for _, r in pairs)
+    lines = [
+        f"{n} pairs of a sum pass and 5 steps: the pass min {passes[0]:.1f}, median {statistics.median(passes):.1f}, "
+        f"max {passes[-1]:.1f} GB/s; the steps read {step_gbs:.1f} GB/s (median), "
+        f"{100 * step_gbs / statistics.median(passes):.0f}% of the median pass, {100 * step_gbs / passes[-1]:.0f}% "
+        "of the fastest",
+        f"  {'the pass, GB/s':<16}{'pairs':>6}{'steps, GB/s':>13}{'share':>8}",
+    ]
+    for lo, hi in ((0, 30), (30, 40), (40, 50), (50, 1e9)):
+        sel = [(g, r) for g, r in pairs if lo <= g < hi]
+        if sel:
+            label = f"{lo}-{hi}" if hi < 1e9 else f"{lo}+"
+            rate = statistics.median(r for _, r in sel)
+            share = statistics.median(r / g for g, r in sel)
+            lines.append(f"  {label:<16}{len(sel):>6}{rate:>13.1f}{100 * share:>7.0f}%")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--position", type=int, default=96, help="cache position of the timed step")
     ap.add_argument("--slots", type=int, default=256, help="cache slots (generate(compile=True) rounds up to 256)")
     ap.add_argument("--out", default=None, help="also write each table into this directory")
+    ap.add_argument("--pairs", type=int, default=0, help="also N pairs of a sum pass and 5 steps (see above)")
     ap.add_argument("--cxx", action="store_true", help="also time gemv_chain.cpp (float32; needs a C++ compiler)")
     args = ap.parse_args(argv)
     if args.threads:
