@@ -1,6 +1,7 @@
 """The fast decoding step of a batch on weights prepacked for oneDNN (:func:`attnlab.decoding.packs`),
 against the eager forward: the same greedy tokens, logits to float32's (bfloat16's) rounding, the
-packed copies made (a spy counts them) and used only where they apply."""
+packed copies made (a spy counts them) and used only where they apply; a model too small to pack
+multiplies its batch in the compiled step's own loops."""
 
 from __future__ import annotations
 
