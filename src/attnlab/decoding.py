@@ -192,10 +192,9 @@ _PACK_MAX_BYTES = 1 << 31
 
 def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> bool:
     """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`)."""
-    matrices = [p for p in model.parameters() if p.dim() == 2]
-    if sum(p.numel() * p.element_size() for p in matrices) > _PACK_MAX_BYTES:
+    if sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2) > _PACK_MAX_BYTES:
         return False
-    big = sum(p.numel() for p in matrices) >= _PACK_MIN_ELEMENTS
+    big = _large(model)
     if rows > 1:  # the eager step of a batch always; the compiled one for a large model
         wanted = big or not compile
     else:
@@ -203,6 +202,11 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> b
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(model.out_head.weight, max(rows, 2))
+
+
+def _large(model: nn.Module) -> bool:
+    """Whether ``model``'s matrices hold at least :data:`_PACK_MIN_ELEMENTS` elements: large enough to pack."""
+    return sum(p.numel() for p in model.parameters() if p.dim() == 2) >= _PACK_MIN_ELEMENTS
 
 
 def _batch_products(model: nn.Module, packed: bool, cpu: bool) -> str:
@@ -213,8 +217,7 @@ def _batch_products(model: nn.Module, packed: bool, cpu: bool) -> str:
     a large model's, whose weights each row would read from memory again, where oneDNN is missing)."""
     if packed:
         return "packed"
-    small = sum(p.numel() for p in model.parameters() if p.dim() == 2) < _PACK_MIN_ELEMENTS
-    return "reduce" if cpu and small else "plain"
+    return "reduce" if cpu and not _large(model) else "plain"
 
 
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake

@@ -386,6 +386,12 @@ async function showInspector(source, opts) {
   };
   const built = {};
   const gone = () => !!(opts.signal && opts.signal.aborted);  // a newer inspector (a new prompt) has the page
+  // A view's draw that awaits (a live source, token labels) claims the view first; stale() then says
+  // whether a newer draw of it (or a newer inspector) began meanwhile, when it must not write.
+  const claim = (view) => {
+    const ticket = (view.ticket = (view.ticket || 0) + 1);
+    return () => ticket !== view.ticket || gone();
+  };
   let W = null;  // the selected head's weights, T*T
 
   $("title").textContent = info.title || info.text;
@@ -653,11 +659,11 @@ async function showInspector(source, opts) {
       const pos = state.query === null ? T - 1 : state.query;
       paintStrip(null);
       $("next-title").textContent = "Next token after position " + pos + " (" + labels[pos] + ")";
-      const ticket = (this.ticket = (this.ticket || 0) + 1);  // a live source answers in its own time
+      const stale = claim(this);  // a live source answers in its own time
       const r = await source.nextTokens(pos, { temperature: state.temperature, topK: state.topK, topP: state.topP });
       const shown = Math.min(r.ids.length, 12), names = [];
       for (let i = 0; i < shown; i++) names.push(await source.label(r.ids[i]));
-      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) is on its way
+      if (stale()) return;  // a newer draw (or inspector) is on its way
       const table = $("next-table");
       table.textContent = "";
       const head = el("tr");
@@ -730,7 +736,7 @@ async function showInspector(source, opts) {
   views.lens = {
     build() {},
     async draw() {
-      const ticket = (this.ticket = (this.ticket || 0) + 1);  // (as the next-token view's: one draw writes)
+      const stale = claim(this);  // (as the next-token view's: one draw writes)
       const pos = state.query === null ? T - 1 : state.query;
       const lo = Math.max(0, Math.min(pos - 6, T - 13)), hi = Math.min(T, lo + 13);
       const d = await source.lens(lo, hi), k = d.k, rows = d.rows.length, W = d.width, at = (l, t) => l * W + t - d.start;
@@ -763,7 +769,7 @@ async function showInspector(source, opts) {
         tr.appendChild(el("td", "num", d.final[at(l, pos)].toFixed(4)));
         out.push(tr);
       }
-      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) owns the table
+      if (stale()) return;  // a newer draw (or inspector) owns the table
       paintStrip(null);
       $("lens-title").textContent = "Logit lens around position " + pos + " (" + labels[pos] + ")";
       $("lens-table").replaceChildren(...out);
@@ -842,7 +848,7 @@ async function showInspector(source, opts) {
       $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
         + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
       if (!g.steps.length) {  // a live page before "generate"
-        this.ticket = (this.ticket || 0) + 1;  // (a draw still waiting for labels must not write after this)
+        claim(this);  // (a draw still waiting for labels must not write after this)
         $("gen-text").textContent = ""; $("gen-candidates").textContent = "";
         $("gen-step").textContent = g.live ? "Press \u201cgenerate\u201d above: each new token streams in with its "
           + "attention, drawn with the sampling settings of the Next token tab." : "";
@@ -862,7 +868,7 @@ async function showInspector(source, opts) {
       // Labels may come over the network (await): a draw builds everything first and writes the page only
       // if no later draw began meanwhile (a stream's steps come faster than their labels; two draws writing
       // at once interleaved their rows).
-      const ticket = (this.ticket = (this.ticket || 0) + 1);
+      const stale = claim(this);
       const spans = [];
       for (let t = 0; t <= s.position; t++) {
         const span = el("span", "tok" + (t >= g.prompt_length ? " generated" : "") + (t === s.position ? " current" : ""),
@@ -892,7 +898,7 @@ async function showInspector(source, opts) {
         tr.appendChild(el("td", "num", s.probs[i].toFixed(4)));
         rows.push(tr);
       }
-      if (ticket !== this.ticket || gone()) return;  // a newer draw (or inspector) owns the page
+      if (stale()) return;  // a newer draw (or inspector) owns the page
       $("gen-text").replaceChildren(...spans);
       $("gen-step").textContent = stepText;
       $("gen-candidates").replaceChildren(...rows);
