@@ -154,6 +154,44 @@ def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
     assert time.perf_counter() - start < 10
 
 
+def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_path, monkeypatch):
+    """The warm-up asks for two variants; the compiling thread fails on the first while the model thread
+    is between its check and its count of the second (the failure waits for that check to begin, the
+    check for the failure to be recorded): the second is refused, and nothing stays counted as compiling."""
+    import threading
+
+    from attnlab.tools.serve import engine as engine_module
+
+    second_checking = threading.Event()
+
+    def fail(self, observed=False):
+        second_checking.wait(30)
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(decoding.FastDecoder, "precompile", fail)
+    model = sharp_gpt(2, **LLAMA)
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
+    calls = []
+    real = engine_module.supported
+
+    def supported(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            second_checking.set()
+            deadline = time.monotonic() + 30
+            while engine.compile_error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "supported", supported)
+    engine.warm_up()
+    assert engine.wait_compiled(timeout=60)
+    engine.run(lambda: None)  # (the warm-up done)
+    assert len(calls) == 2 and engine.compile_error == "ZeroDivisionError: division by zero"
+    stats = engine.snapshot()
+    assert stats["compile_failed"] == 1 and stats["steps_compiling"] == 0, stats
+
+
 def test_a_failed_compilation_leaves_the_fast_path(tmp_path, monkeypatch, capsys):
     """No C++ compiler, say: one warning line, the stats say so, and generations stream on the fast path."""
 

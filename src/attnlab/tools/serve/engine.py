@@ -165,6 +165,9 @@ class Engine:
         self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)
         self._compiles: dict[tuple[bool, int], threading.Event] = {}  # (observed, cache slots) -> done
         self._compile_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # Held while a size is asked for and while a failure is recorded: a size asked for just as the
+        # compiling thread failed was counted as compiling for good (its job never ran).
+        self._compile_lock = threading.Lock()
         self._compiler: threading.Thread | None = None
         self.stats: dict[str, int] = {
             "model_calls": 0,
@@ -425,8 +428,11 @@ class Engine:
             return False
         if not supported(model, model.new_kv_caches(1, 1), None):
             return False
-        self._compiles[key] = threading.Event()
-        self.count("steps_compiling")
+        with self._compile_lock:
+            if self.compile_error is not None:  # (failed since the check above)
+                return False
+            self._compiles[key] = threading.Event()
+            self.count("steps_compiling")
         self._compile_jobs.put(key)
         if self._compiler is None:  # a daemon: a server that stops does not wait for a compilation
             self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
@@ -460,14 +466,15 @@ class Engine:
                     FastDecoder(model, model.new_kv_caches(1, slots), compile=True).precompile(observed)
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                self.compile_error = f"{type(exc).__name__}: {first}"
+                with self._compile_lock:  # every size asked for until now is no longer compiling
+                    self.compile_error = f"{type(exc).__name__}: {first}"
+                    self.count("steps_compiling", -sum(not done.is_set() for done in list(self._compiles.values())))
                 print(
                     f"attnlab serve: warning: the compiled decoding step failed ({self.compile_error}); "
                     "generations run the eager fast path",
                     file=sys.stderr,
                     flush=True,
                 )
-                self.count("steps_compiling", -sum(not done.is_set() for done in list(self._compiles.values())))
                 self.count("compile_failed")  # (nothing else is compiled: compiled_step answers False now)
                 return
             self._compiles[key].set()
