@@ -5,7 +5,7 @@ bound; this script splits one step of the compiled path (``FastDecoder(compile=T
 cache position) into what it is made of, each part timed in interleaved rounds on the same weights with
 the same threads (medians, ms per step):
 
-* **read bound**: the weight bytes of a step at the read bandwidth the script measures (the fastest pass of a
+* **read bound**: the weight bytes of a step at the read bandwidth the script measures (the median pass of a
   512 MB sum, as generate.py; also a bfloat16 sum, which reads the same bytes through a conversion);
 * **matmuls alone**: the model's own matrix-vector products in the compiled step's form (``_matvec``, one
   fused multiply-reduce loop each, the same groups of layers per compiled call, the same inductor options),
@@ -18,7 +18,7 @@ the same threads (medians, ms per step):
 * each at ``--threads`` and at 1 thread: the scaling of the parallel loops;
 * ``--pairs N``: N pairs of one 512 MB sum pass and 5 steps right after it, grouped by the pass's GB/s:
   how the step's read rate follows the machine's (on a shared machine the passes range widely, and the
-  fastest, the bound above, is a burst).
+  fastest is a burst).
 
 The rest, step - matmuls - Python, is what the attention, the norms, RoPE and the cache writes cost, with
 the OpenMP barriers between inductor's loops (about 20 per layer: each ``omp for`` and ``omp single``
@@ -155,16 +155,18 @@ def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> str:
                                                gbs.setdefault(f"bf16@{n}", []).append(read_gbs(buf16)))  # fmt: skip
             timed.update(interleave(steps, args.rounds, device=torch.device("cpu"), alternate=True))
         torch.set_num_threads(threads)
-    bound_gbs = max(gbs[f"f32@{threads}"])
+    bound_gbs = statistics.median(gbs[f"f32@{threads}"])
     lines = [
         hardware.header(),
         f"{args.model}, {dtype!s}: {cfg.n_layers} layers in {len(groups)} compiled call(s) + "
         f"{'the head in the last' if len(groups) == 1 else 'one for the head'}; batch 1, cache position "
         f"{position} of {slots} slots; {args.rounds} interleaved rounds, medians; "
         f"load average {os.getloadavg()[0]:.1f}; compiling took {compile_s:.0f} s",
-        f"weights read per step {nbytes / 1e6:.0f} MB; read bandwidth (fastest 512 MB sum) float32 "
-        f"{bound_gbs:.1f} GB/s, bfloat16 {max(gbs[f'bf16@{threads}']):.1f} GB/s at {threads} threads; "
-        f"float32 {max(gbs['f32@1']):.1f}, bfloat16 {max(gbs['bf16@1']):.1f} GB/s at 1 thread",
+        f"weights read per step {nbytes / 1e6:.0f} MB; read bandwidth (median 512 MB sum; fastest) float32 "
+        f"{bound_gbs:.1f} ({max(gbs[f'f32@{threads}']):.1f}) GB/s, bfloat16 "
+        f"{statistics.median(gbs[f'bf16@{threads}']):.1f} ({max(gbs[f'bf16@{threads}']):.1f}) GB/s at {threads} "
+        f"threads; float32 {statistics.median(gbs['f32@1']):.1f}, bfloat16 {statistics.median(gbs['bf16@1']):.1f} "
+        "GB/s at 1 thread",
         f"  {'':<22}{'ms/step':>9}{'GB/s':>8}{'% of bound':>12}",
         f"  {'read bound':<22}{nbytes / bound_gbs / 1e6:9.2f}{bound_gbs:8.1f}{100.0:11.1f}%",
     ]
