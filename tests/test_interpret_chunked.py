@@ -111,6 +111,24 @@ def test_lens_of_a_window_of_positions_is_that_slice_of_the_whole_lens(data, sea
     assert torch.equal(got.tokens[clear], whole.tokens[:, :, start:stop][clear])
 
 
+def test_lens_chunks_span_layers_so_a_window_reads_the_unembedding_once_per_chunk(monkeypatch):
+    # A window of a few positions (the page's dozen) is one product over all layers' streams, not one
+    # per layer: each product reads the whole (V, d) unembedding, which is what a window costs.
+    model = llama_like(vocab=300)
+    idx = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(3))
+    tr = trace(model, idx, stages=True)
+    calls = []
+    rows = analysis._Search.rows
+    monkeypatch.setattr(analysis._Search, "rows", lambda self, h, *a: calls.append(len(h)) or rows(self, h, *a))
+    whole = logit_lens(model, tr, k=3, search_dtype=torch.bfloat16)
+    got = logit_lens(model, tr, k=3, search_dtype=torch.bfloat16, positions=(5, 9))
+    assert calls[-1:] == [3 * 2 * 4]  # 3 layers x 2 rows x 4 positions: one search
+    torch.testing.assert_close(got.probs, whole.probs[:, :, 5:9], atol=1e-6, rtol=1e-5)
+    calls.clear()
+    logit_lens(model, tr, k=3, search_dtype=torch.bfloat16, positions=(5, 9), chunk=10)
+    assert calls == [10, 10, 4]
+
+
 def test_inspector_lens_window_holds_the_page_positions_it_names():
     model = llama_like(vocab=300)
     tr = trace(model, torch.randint(0, 300, (1, 15), generator=torch.Generator().manual_seed(3)), stages=True)
