@@ -190,11 +190,11 @@ _PACK_ONE_ROW_STEPS = 32
 _PACK_MAX_BYTES = 1 << 31
 
 
-def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None) -> bool:
-    """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`)."""
+def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big: bool) -> bool:
+    """Whether a :class:`FastDecoder` of ``rows`` rows packs ``model``'s weights for oneDNN (see :func:`packs`);
+    ``big``: :func:`_large` of ``model``."""
     if sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2) > _PACK_MAX_BYTES:
         return False
-    big = _large(model)
     if rows > 1:  # the eager step of a batch always; the compiled one for a large model
         wanted = big or not compile
     else:
@@ -209,15 +209,16 @@ def _large(model: nn.Module) -> bool:
     return sum(p.numel() for p in model.parameters() if p.dim() == 2) >= _PACK_MIN_ELEMENTS
 
 
-def _batch_products(model: nn.Module, packed: bool, cpu: bool) -> str:
+def _batch_products(large: bool, packed: bool, cpu: bool) -> str:
     """How the compiled step of a :class:`FastDecoder` multiplies a batch's rows (:func:`_matvec`): on the
-    ``packed`` weights; on a CPU, a model too small to pack in inductor's loops (``"reduce"``), whose
-    weights stay in the CPU's caches while each row reads them, where MKL's few-row matmul reads them
-    slower (the ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4); else the matmul (a GPU's;
-    a large model's, whose weights each row would read from memory again, where oneDNN is missing)."""
+    ``packed`` weights; on a CPU, a model too small to pack (not ``large``, :func:`_large`) in inductor's
+    loops (``"reduce"``), whose weights stay in the CPU's caches while each row reads them, where MKL's
+    few-row matmul reads them slower (the ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4);
+    else the matmul (a GPU's; a large model's, whose weights each row would read from memory again,
+    where oneDNN is missing)."""
     if packed:
         return "packed"
-    return "reduce" if cpu and not _large(model) else "plain"
+    return "reduce" if cpu and not large else "plain"
 
 
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
@@ -511,8 +512,9 @@ class FastDecoder:
         # On a CPU, a batch (or one row of a large model over many steps): the matmuls on weights prepacked
         # for oneDNN (see _packing), given to the eager step as they are, registered for the compiled one
         # (which calls packed_linear).
-        pack = _packing(model, rows, compile, steps)
-        self.batch = _batch_products(model, pack and compile, caches[0].keys.device.type == "cpu")
+        large = _large(model)  # (a walk over the parameters: once)
+        pack = _packing(model, rows, compile, steps, large)
+        self.batch = _batch_products(large, pack and compile, caches[0].keys.device.type == "cpu")
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
