@@ -76,6 +76,37 @@ def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
     assert packed[0] > 0
 
 
+@needs_onednn
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, packed, monkeypatch):
+    # One row, a short generation: nothing packed; the eager step's products go to oneDNN's matmul on
+    # the weights as they are (a spy counts them), and the tokens and logits are the eager forward's.
+    assert decoding._plain_onednn(torch.zeros(4, 4))  # (its one check of oneDNN made before the spy counts)
+    calls = [0]
+    linear = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:  # stands in for torch.ops.mkldnn inside decoding
+        def __getattr__(self, name):
+            return getattr(torch.ops.mkldnn, name)
+
+        @staticmethod
+        def _linear_pointwise(x, w, *args):
+            calls[0] += w.layout == torch.strided
+            return linear(x, w, *args)
+
+    monkeypatch.setattr(decoding.torch.ops, "mkldnn", Spy(), raising=False)
+    model = make(FAMILIES[family], torch.float32)
+    idx = torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    fast = model.generate(idx, 10, temperature=0, return_logits=True)
+    assert torch.equal(fast[0], ref[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert packed[0] == 0
+    assert calls[0] == 9 * (4 * BASE["n_layers"] + 1)  # 9 steps: q/k/v, out, the MLP's two, each layer; the head
+    assert not decoding._plain_onednn(torch.zeros(4, 4).double())  # float64: F.linear
+    assert not decoding._plain_onednn(torch.zeros(4, 4, dtype=torch.bfloat16))  # (F.linear calls oneDNN itself)
+
+
 def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu(monkeypatch):
     w = torch.zeros(4, 4)
     assert not decoding.packs(w, 1)  # one row: the compiled step's matrix-vector products
