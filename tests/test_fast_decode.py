@@ -65,10 +65,8 @@ def test_fast_steps_equal_the_eager_forward(family, steps):
     idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
     ref, fast = both(model, idx, 20, temperature=0)
     assert_same(ref, fast)
-    if "window" not in FAMILIES[family] or FAMILIES[family]["window"] > 25:
-        assert steps[0] == 19  # every step after the prefill
-    else:  # the fast path runs until the cache holds a window of tokens
-        assert 0 < steps[0] < 19
+    # every step after the prefill (a window's ring too: each new key in its oldest slot once it wraps)
+    assert steps[0] == 19
 
 
 def test_sampling_draws_the_same_tokens(steps):
@@ -82,13 +80,47 @@ def test_sampling_draws_the_same_tokens(steps):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
 def test_past_the_context_and_around_the_ring(family, steps):
-    """GPT-2 re-encodes its window when the cache is full, a rolling cache wraps: both hand the
-    steps back to the eager forward where needed, with the same tokens."""
+    """GPT-2 re-encodes its window when the cache is full (the eager forward, then the fast path
+    again); a rolling cache wraps and the fast path goes on around the ring: the same tokens."""
     model = make({**FAMILIES[family], "context_length": 12})
     idx = torch.randint(0, BASE["vocab_size"], (1, 5))
     ref, fast = both(model, idx, 30, temperature=0)
     assert_same(ref, fast)
-    assert 0 < steps[0] < 29
+    if family == "gpt2":
+        assert 0 < steps[0] < 29
+    else:  # 29 steps, the ring of 12 slots wrapped twice
+        assert steps[0] == 29
+
+
+@pytest.mark.parametrize("overrides", [dict(window=6, sinks=2), dict(window=5), dict(context_length=7)])
+def test_a_ring_goes_on_around_its_slots_as_the_eager_forward_writes_them(overrides, steps):
+    """Past its window a rolling cache wraps: each new key goes to the oldest ring slot (sinks kept),
+    as the eager forward's update() puts it. The same tokens and logits, every step on the fast path,
+    and after a few wraps the caches hold the same keys, values and positions in the same slots."""
+    model = make({**FAMILIES["llama-gqa"], **overrides})
+    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(6))
+    ref, fast = both(model, idx, 25, temperature=0)
+    assert_same(ref, fast)
+    assert steps[0] == 24
+    held = []
+    for fast_step in (False, True):
+        caches = model.new_kv_caches(2)
+        with torch.inference_mode():
+            model.decode_logits(idx, None, caches)
+            decoder = decoding.FastDecoder(model, caches)
+            for t in range(17):
+                token = ref[0][:, 4 + t]
+                if fast_step:
+                    assert decoder.fits()
+                    decoder.step(token)
+                else:
+                    model.decode_logits(token[:, None], None, caches)
+        assert caches[0].seen == 21 > caches[0].max_length and caches[0].length == caches[0].max_length
+        held.append([(c.keys.clone(), c.values.clone(), c.positions.clone()) for c in caches])
+    for a, b in zip(*held, strict=True):
+        assert torch.equal(a[2], b[2])
+        torch.testing.assert_close(b[0], a[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(b[1], a[1], rtol=1e-10, atol=1e-10)
 
 
 def test_a_padded_batch_runs_eager_with_the_same_tokens(steps):
@@ -255,6 +287,18 @@ def test_the_compiled_step_equals_the_eager_forward(family, steps):
         compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
         assert_same(ref, compiled, tol=1e-9)
     assert steps[0] == 2 * 11
+
+
+@pytest.mark.slow
+def test_the_compiled_step_hands_a_wrapped_ring_to_the_eager_step(steps):
+    """The compiled step's mask counts slots in order: once a ring wraps, the steps run the eager
+    fast step, with the same tokens and logits as the eager forward."""
+    model = make({**FAMILIES["smollm2-like"], "context_length": 10})
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
+    ref = model.generate(idx, 16, temperature=0, return_logits=True, fast=False)
+    compiled = model.generate(idx, 16, temperature=0, return_logits=True, compile=True)
+    assert_same(ref, compiled, tol=1e-9)
+    assert steps[0] == 15
 
 
 @pytest.mark.slow

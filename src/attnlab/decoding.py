@@ -35,8 +35,9 @@ math with the work a step needs and nothing else:
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
 Anything else (hooks, LoRA parametrizations, forward hooks, padding masks, ALiBi,
-soft-capping, a rolling cache that has wrapped or a window shorter than the cache, training mode)
-runs the eager forward.
+soft-capping, a rolling cache longer than its layer's window once past the window, training mode)
+runs the eager forward. A ring that has wrapped runs the uncompiled fast step (the compiled one's
+mask counts slots in order).
 """
 
 from __future__ import annotations
@@ -377,12 +378,14 @@ def _layer(
     static: bool,
     observe: Any = None,
     seen: list | None = None,
+    filled: int | None = None,
 ) -> Tensor:
     """One block for one new token per row: ``x (B, 1, C)`` -> ``(B, 1, C)``.
 
     ``keys``/``values`` ``(B, Hkv, M, hd)``: the layer's cache buffers; the new key and value go to
     slot ``slot`` (a 0-d int64 tensor). ``static``: attend over all ``M`` slots with a mask (shapes
-    never change: the compiled step); else over the filled ``slot + 1`` (``slot`` then a Python int).
+    never change: the compiled step); else over the ``filled`` first slots (``slot`` then a Python int;
+    ``filled`` by default ``slot + 1``, all of a wrapped ring's slots).
     ``w``: the layer's tensors (see :meth:`FastDecoder._weights`); ``spec``: its constants.
     ``observe(q, keys, values, weights, heads)``: called with the attention weights, computed
     explicitly then (not static). ``seen`` (static): a list that gets the layer's ``(q (B, H, 1, hd),
@@ -429,7 +432,8 @@ def _layer(
     else:
         keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
         values[:, :, slot] = v[:, :, 0].to(values.dtype)
-        K, V = keys[:, :, : slot + 1], values[:, :, : slot + 1]  # (B, Hkv, S, hd): the filled slots
+        S = slot + 1 if filled is None else filled
+        K, V = keys[:, :, :S], values[:, :, :S]  # (B, Hkv, S, hd): the filled slots
         if observe is None:
             att = F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=G > 1)  # (B, H, 1, hd)
         else:  # an observer reads the weights: explicit, as the eager forward computes them then
@@ -609,6 +613,13 @@ class FastDecoder:
         self.atts = [block.att for block in model.trf_blocks]
         windows = [window for _, _, window, _, _ in self.layers]
         self.limits = [min(c.max_length, w or c.max_length) for c, w in zip(caches, windows, strict=True)]
+        # A rolling cache whose ring is no longer than its layer's window (so are those new_kv_caches
+        # makes) holds only keys the next token attends to, before it wraps and after: its steps stay
+        # here past the limit, each new key in the oldest slot (eager; the compiled step's mask counts
+        # slots in order, so it hands a wrapped ring to the eager step).
+        self.rings = [
+            c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
+        ]
 
     @staticmethod
     def _weights(block: nn.Module) -> tuple:
@@ -641,15 +652,22 @@ class FastDecoder:
         hook set on the model since (those run the eager forward)."""
         if not _plain_modules(self.hook_dicts, self.hookable):
             return False
-        # (a free slot, and within the window: seen < max_length and seen + 1 <= window)
-        return all(cache.seen < limit for cache, limit in zip(self.caches, self.limits, strict=True))
+        # (a free slot, and within the window: seen < max_length and seen + 1 <= window; or a ring)
+        past = [cache.seen >= limit for cache, limit in zip(self.caches, self.limits, strict=True)]
+        if not any(past):
+            return True
+        # Past a limit: rings only, and no observer (its record would need the eager forward's mask
+        # and positions of a ring out of order).
+        return all(ring for ring, p in zip(self.rings, past, strict=True) if p) and all(
+            att.observer is None for att in self.atts
+        )
 
     def step(self, token: Tensor) -> Tensor:
         """Feed ``token (B,)`` (the newest token of each row) and return its logits ``(B, V)``."""
         model = self.model
         pos = self.caches[0].seen
         observers = [att.observer for att in self.atts]  # (called with the eager forward's records)
-        if self.compile:
+        if self.compile and all(pos < cache.max_length for cache in self.caches):
             return self._compiled_step(token, pos, observers)
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
         x, rope = self._inputs(token, at)
@@ -658,11 +676,13 @@ class FastDecoder:
         for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn in zip(
             model.trf_blocks, self.caches, rope, self.layers, observers, strict=True
         ):
+            M, n = cache.max_length, cache.sinks
+            slot = pos if pos < M else n + (pos - n) % (M - n)  # a wrapped ring: the oldest slot (as update())
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
-                cache.positions[:, pos] = pos
+                cache.positions[:, slot] = pos
             observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn, masks)
-            x = _layer(x, cos, sin, cache.keys, cache.values, pos, w, spec, False, observe)
-            cache.length = cache.seen = pos + 1
+            x = _layer(x, cos, sin, cache.keys, cache.values, slot, w, spec, False, observe, filled=min(pos + 1, M))
+            cache.seen, cache.length = pos + 1, min(pos + 1, M)
         return _head(x, nw, nb, head, self.norm, cap, False, False)  # (B, V)
 
     def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, list]:
