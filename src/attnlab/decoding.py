@@ -146,7 +146,7 @@ def packs(weight: Tensor, rows: int) -> bool:
     projections at 8 rows ran 2-3.5x faster, its head 3.4x, the ``tiny`` preset's 1.3-2x (2 threads, AMD
     Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
     :func:`packed_linear`, which finds their packed copies. (One row packs too, eagerly, for a large
-    model and a long generation: see :func:`_packing`.)"""
+    bfloat16 model and a long generation: see :func:`_packing`.)"""
     if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -210,8 +210,9 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
 # small weight more than F.linear's): GPT-2-small's 124M at 8 rows ran 2.7x transformers packed,
 # the ``tiny`` preset's 1.7M slower packed.
 _PACK_MIN_ELEMENTS = 1 << 24
-# The eager step of one row packs for a generation of at least this many steps: packing SmolLM2's 538 MB
-# takes 0.2 s (2 threads, AMD Zen 4), a step then reads its weights at some 22 GB/s against F.linear's 11.
+# The eager step of one row packs bfloat16 weights for a generation of at least this many steps: packing
+# SmolLM2's takes 0.1-0.2 s (2 threads, AMD Zen 4), a step then takes 24.1 ms against 29.5 on the plain
+# weights. (float32 packed no faster than oneDNN on its plain weights: 36.3 against 36.0 ms a step.)
 _PACK_ONE_ROW_STEPS = 32
 # The packed copies hold the matrices once more while a generation runs: no packing past this many bytes
 # of them (a model of some 500M float32 parameters), where the copy would be a memory cost a laptop feels.
@@ -225,8 +226,9 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
         return False
     if rows > 1:  # the eager step of a batch always; the compiled one for a large model
         wanted = big or not compile
-    else:
+    else:  # (not float32's one row: oneDNN reads its plain weights as fast, see _plain_onednn)
         wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
+        wanted = wanted and not _plain_onednn(model.out_head.weight)
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(model.out_head.weight, max(rows, 2))
@@ -533,7 +535,7 @@ class FastDecoder:
         compile: run each layer (and the head) as a function compiled by ``torch.compile`` over the whole
             preallocated cache. The first step compiles (once per process and shape set).
         steps: how many steps the generation may run (None: unknown). The eager step of one row packs
-            a large model's weights for oneDNN (see :func:`packs`) only if it runs enough of them.
+            a large model's bfloat16 weights for oneDNN (see :func:`packs`) only if it runs enough of them.
     """
 
     def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False, steps: int | None = None) -> None:
