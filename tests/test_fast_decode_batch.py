@@ -49,15 +49,19 @@ def make(overrides: dict, dtype: torch.dtype) -> GPT:
     return model.to(dtype)
 
 
+def assert_agrees(model: GPT, idx: torch.Tensor, n: int) -> None:
+    """``n`` greedy tokens on the fast path: the eager forward's tokens, its logits to float32's rounding."""
+    ref = model.generate(idx, n, temperature=0, return_logits=True, fast=False)
+    fast = model.generate(idx, n, temperature=0, return_logits=True)
+    assert torch.equal(fast[0], ref[0])
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+
+
 @needs_onednn
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_batch_on_packed_weights_equals_the_eager_forward(family, packed):
     model = make(FAMILIES[family], torch.float32)
-    idx = torch.randint(0, BASE["vocab_size"], (5, 6), generator=torch.Generator().manual_seed(1))
-    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
-    fast = model.generate(idx, 12, temperature=0, return_logits=True)
-    assert torch.equal(fast[0], ref[0])
-    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert_agrees(model, torch.randint(0, BASE["vocab_size"], (5, 6), generator=torch.Generator().manual_seed(1)), 12)
     assert packed[0] == 4 * BASE["n_layers"] + 1  # q/k/v, out, the MLP's two, each layer; the head
 
 
@@ -96,11 +100,7 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
 
     monkeypatch.setattr(decoding.torch.ops, "mkldnn", Spy(), raising=False)
     model = make(FAMILIES[family], torch.float32)
-    idx = torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4))
-    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
-    fast = model.generate(idx, 10, temperature=0, return_logits=True)
-    assert torch.equal(fast[0], ref[0])
-    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert_agrees(model, torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4)), 10)
     assert packed[0] == 0
     assert calls[0] == 9 * (4 * BASE["n_layers"] + 1)  # 9 steps: q/k/v, out, the MLP's two, each layer; the head
     assert not decoding._plain_onednn(torch.zeros(4, 4).double())  # float64: F.linear
