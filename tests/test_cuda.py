@@ -136,6 +136,39 @@ def test_trace_and_logit_lens_on_cuda_equal_the_cpu():
     assert torch.equal(lens_got.tokens.cpu(), lens_ref.tokens)
 
 
+@pytest.mark.parametrize("candidates", [8, 128])
+def test_logit_lens_bfloat16_search_on_cuda_equals_the_exact_lens(candidates, monkeypatch):
+    """The lens's bfloat16 search on the GPU (its two-step top-n: 8 candidates select among the
+    vocabulary's blocks, 128 take them all) against the exact float32 lens on the same trace."""
+    from attnlab.interpret import analysis
+    from test_interpret_chunked import llama_like
+
+    monkeypatch.setattr(analysis, "LENS_CANDIDATES", candidates)
+    gpu = on(llama_like(vocab=700))
+    idx = torch.randint(0, 700, (2, 23), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    tr = trace(gpu, idx, stages=True)
+    exact = logit_lens(gpu, tr, k=5, search_dtype=torch.float32)
+    fast = logit_lens(gpu, tr, k=5, search_dtype=torch.bfloat16)
+    torch.testing.assert_close(fast.probs, exact.probs, rtol=2e-3, atol=1e-6)
+    torch.testing.assert_close(fast.final_token_probs, exact.final_token_probs, rtol=2e-3, atol=1e-6)
+    gaps = exact.probs[..., :-1] - exact.probs[..., 1:]
+    clear = (gaps > 1e-6).all(-1)  # no near tie among the top 5
+    assert torch.equal(fast.tokens[clear], exact.tokens[clear])
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_wrapped_ring_on_cuda_stays_on_the_fast_step(compile, steps):
+    """Past the context a rolling cache wraps; the fast step goes on around it (the compiled one hands
+    the wrapped ring to the uncompiled step): the eager forward's tokens and logits."""
+    model = on(make({**FAMILIES["smollm2-like"], "context_length": 10}))
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    ref = model.generate(idx, 16, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 16, temperature=0, return_logits=True, compile=compile)
+    assert steps[0] == 15
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=2e-3, atol=2e-3)
+
+
 def test_activation_patching_on_cuda_equals_the_cpu():
     cpu = make(FAMILIES["gpt2"])
     gpu = on(make(FAMILIES["gpt2"]))
