@@ -649,9 +649,9 @@ class FastDecoder:
         )
 
     def fits(self) -> bool:
-        """Whether the next step may run here: a free slot in every cache (a rolling cache that has not
-        wrapped) within every layer's window, so attention covers exactly the filled slots, and no
-        hook set on the model since (those run the eager forward)."""
+        """Whether the next step may run here: a free slot within every layer's window in every cache, or
+        a rolling cache no longer than the window (past it, only without observers), so attention
+        covers exactly the filled slots; and no hook set on the model since (those run the eager forward)."""
         if not _plain_modules(self.hook_dicts, self.hookable):
             return False
         # (a free slot, and within the window: seen < max_length and seen + 1 <= window; or a ring)
