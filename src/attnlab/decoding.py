@@ -675,11 +675,12 @@ class FastDecoder:
         x, rope = self._inputs(token, at)
         nw, nb, head, cap = self.head
         masks: dict = {}  # the step's observed masks, shared by its layers (see _observer)
-        for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn in zip(
-            model.trf_blocks, self.caches, rope, self.layers, observers, strict=True
+        for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn, ring in zip(
+            model.trf_blocks, self.caches, rope, self.layers, observers, self.rings, strict=True
         ):
             M, n = cache.max_length, cache.sinks
-            slot = pos if pos < M else n + (pos - n) % (M - n)  # a wrapped ring: the oldest slot (as update())
+            wrapped = ring and pos >= M
+            slot = n + (pos - n) % (M - n) if wrapped else pos  # a wrapped ring: the oldest slot (as update())
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, slot] = pos
             observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn, masks)
