@@ -87,16 +87,16 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
     # the weights as they are (a spy counts them), and the tokens and logits are the eager forward's.
     assert decoding._plain_onednn(torch.zeros(4, 4))  # (its one check of oneDNN made before the spy counts)
     calls = [0]
-    linear = torch.ops.mkldnn._linear_pointwise
+    mkldnn = torch.ops.mkldnn
 
-    class Spy:  # stands in for torch.ops.mkldnn inside decoding
+    class Spy:  # stands in for torch.ops.mkldnn
         def __getattr__(self, name):
-            return getattr(torch.ops.mkldnn, name)
+            return getattr(mkldnn, name)
 
         @staticmethod
         def _linear_pointwise(x, w, *args):
             calls[0] += w.layout == torch.strided
-            return linear(x, w, *args)
+            return mkldnn._linear_pointwise(x, w, *args)
 
     monkeypatch.setattr(decoding.torch.ops, "mkldnn", Spy(), raising=False)
     model = make(FAMILIES[family], torch.float32)
