@@ -84,10 +84,11 @@ def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, packed, monkeypatch):
     # One row, a short generation: nothing packed; the eager step's products go to oneDNN's matmul on
-    # the weights as they are (a spy counts them), and the tokens and logits are the eager forward's.
+    # the weights as they are (a spy counts them inside the steps), and the tokens and logits are the
+    # eager forward's.
     assert decoding._plain_onednn(torch.zeros(4, 4))  # (its one check of oneDNN made before the spy counts)
-    calls = [0]
-    mkldnn = torch.ops.mkldnn
+    calls, inside = [0], [False]
+    mkldnn, step = torch.ops.mkldnn, decoding.FastDecoder.step
 
     class Spy:  # stands in for torch.ops.mkldnn
         def __getattr__(self, name):
@@ -95,10 +96,18 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
 
         @staticmethod
         def _linear_pointwise(x, w, *args):
-            calls[0] += w.layout == torch.strided
+            calls[0] += inside[0] and w.layout == torch.strided
             return mkldnn._linear_pointwise(x, w, *args)
 
+    def spied_step(self, token):
+        inside[0] = True
+        try:
+            return step(self, token)
+        finally:
+            inside[0] = False
+
     monkeypatch.setattr(decoding.torch.ops, "mkldnn", Spy(), raising=False)
+    monkeypatch.setattr(decoding.FastDecoder, "step", spied_step)
     model = make(FAMILIES[family], torch.float32)
     assert_agrees(model, torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4)), 10)
     assert packed[0] == 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab import hardware
@@ -157,3 +159,68 @@ def test_release_openmp_threads_lets_the_calling_threads_workers_go():
     if released != "True":
         pytest.skip("this torch's OpenMP runtime has no omp_pause_resource_all")
     assert int(after) == int(team) - 1, r.stdout  # the helper's one worker (2 threads: itself and one more)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators a block of code runs (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(5,), (3, 5), (2, 4, 5), (0, 5), (2, 1, 5)]),
+    out=st.integers(1, 9),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_linear_equals_the_float64_product_to_float32_rounding(shape, out, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(shape, generator=g), torch.randn(out, 5, generator=g)
+    b = torch.randn(out, generator=g) if with_bias else None
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    with torch.no_grad():
+        got = hardware.linear(x, w, b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
+    # oneDNN's operator has no backward: training keeps F.linear (and its gradients), inference on a
+    # float32 CPU tensor takes oneDNN where the build has a working one; other dtypes keep F.linear.
+    layer = torch.nn.Linear(6, 4)
+    x = torch.randn(3, 6)
+    with _Ops() as ops:
+        y = hardware.linear(x, layer.weight, layer.bias)
+    assert "_linear_pointwise.default" not in ops.names and y.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(3, 4).t() @ x)
+    onednn = hardware.linear_on_onednn(torch.float32, "cpu")
+    with torch.no_grad(), _Ops() as ops:
+        got = hardware.linear(x, layer.weight, layer.bias)
+    assert ("_linear_pointwise.default" in ops.names) == onednn
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with torch.no_grad(), _Ops() as ops:
+        hardware.linear(x.double(), layer.weight.double(), None)
+        hardware.linear(x.bfloat16(), layer.weight.bfloat16(), None)
+    assert "_linear_pointwise.default" not in ops.names
+    assert not hardware.linear_on_onednn(torch.float64, "cpu") and not hardware.linear_on_onednn(torch.float32, "meta")
+
+
+def test_attnlab_linear_is_nn_linear_with_the_same_state_and_output() -> None:
+    from attnlab.attention import Linear
+
+    torch.manual_seed(0)
+    ours, theirs = Linear(8, 3), torch.nn.Linear(8, 3)
+    theirs.load_state_dict(ours.state_dict())
+    assert isinstance(ours, torch.nn.Linear) and list(ours.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)  # with gradients: the same kernel

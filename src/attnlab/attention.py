@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab import hardware
 from attnlab.checks import (
     autocast_on,
     check_attn_mask,
@@ -57,6 +58,7 @@ __all__ = [
     "AttentionRecord",
     "CausalAttention",
     "KVCache",
+    "Linear",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "OffsetRMSNorm",
@@ -510,6 +512,16 @@ class AttentionRecord:
     softcap: float | None = None
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
+    :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU in float32,
+    ``F.linear`` in training and everywhere else. The projections of :class:`MultiHeadAttention` and
+    :class:`attnlab.GPT`'s MLP and head. Shapes: ``(..., in_features) -> (..., out_features)``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return hardware.linear(x, self.weight, self.bias)
+
+
 class OffsetRMSNorm(nn.Module):
     """RMSNorm whose gain is ``offset + weight`` (Gemma: ``offset=1``, so a zero weight is the identity).
 
@@ -646,10 +658,10 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.inner_dim = num_heads * self.head_dim  # = d_out unless head_dim is given
         self.causal = check_bool("causal", causal)
         kv_out = num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, self.inner_dim, bias=qkv_bias)
-        self.W_key = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
-        self.W_value = nn.Linear(self.kv_dim, kv_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
+        self.W_query = Linear(d_in, self.inner_dim, bias=qkv_bias)
+        self.W_key = Linear(self.kv_dim, kv_out, bias=qkv_bias)
+        self.W_value = Linear(self.kv_dim, kv_out, bias=qkv_bias)
+        self.out_proj = Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         # Attention since GPT-2 (created after the tutorials' parameters: their numbers stay the same).
         self.rope = check_bool("rope", rope)

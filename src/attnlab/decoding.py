@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from attnlab.attention import AttentionRecord
+from attnlab import hardware
+from attnlab.attention import AttentionRecord, Linear
 from attnlab.checks import autocast_on
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
@@ -87,6 +88,9 @@ def _hookable(model: nn.Module) -> list[nn.Module]:
     return [m for block in model.trf_blocks for m in (block, block.att)]
 
 
+_LINEAR = (nn.Linear, Linear)  # the projections the fast step reads as plain weights (no module of another kind)
+
+
 def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | None) -> bool:
     """Whether :class:`FastDecoder` may run ``model``'s decoding steps with these caches: an
     :class:`attnlab.GPT` in eval mode whose attention the fast step reproduces (no ALiBi, no
@@ -102,9 +106,9 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
         return False
     for block in blocks:
         att, lin = block.att, [block.att.W_query, block.att.W_key, block.att.W_value, block.att.out_proj]
-        if type(block.ff.layers[0]) is not nn.Linear or type(block.ff.layers[2]) is not nn.Linear:
+        if type(block.ff.layers[0]) not in _LINEAR or type(block.ff.layers[2]) not in _LINEAR:
             return False
-        if any(type(m) is not nn.Linear for m in lin) or att.kv_dim != att.d_in or not att.causal:
+        if any(type(m) not in _LINEAR for m in lin) or att.kv_dim != att.d_in or not att.causal:
             return False
         if att.alibi or att.softcap is not None:  # (judged by the modules: a model may hold others than its config's)
             return False
@@ -172,30 +176,9 @@ def _packed_linear_works(dtype: torch.dtype) -> bool:
 
 
 def _plain_onednn(weight: Tensor) -> bool:
-    """Whether the eager step multiplies by the float32 ``weight`` with oneDNN's matmul as it is (no
-    packed copy), not ``F.linear``: on a CPU with oneDNN, where ``F.linear`` of a row or a few calls
-    MKL's kernel for small matmuls, which read SmolLM2's weights at 11-12 GB/s against oneDNN's 15-23
-    (2 threads, AMD Zen 4; an eager step 54.8 -> 39.2 ms). bfloat16 goes to oneDNN through ``F.linear``."""
-    return (
-        weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and _plain_linear_works()
-    )
-
-
-@functools.cache
-def _plain_linear_works() -> bool:
-    """Whether this build's oneDNN multiplies a plain float32 weight as ``F.linear`` does (checked once per
-    process on a small matmul; else the eager step keeps ``F.linear``)."""
-    try:
-        x = torch.linspace(-1, 1, 12).view(1, 3, 4)
-        w, b = torch.linspace(-2, 2, 20).view(5, 4), torch.linspace(0, 1, 5)
-        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5))
-    except (RuntimeError, AttributeError):
-        return False
+    """Whether the eager step's products by ``weight`` go to oneDNN on the plain weight
+    (:func:`attnlab.hardware.linear`): float32 on a CPU with a working oneDNN."""
+    return hardware.linear_on_onednn(weight.dtype, weight.device)
 
 
 def pack_linear(weight: Tensor, rows: int) -> Tensor:
@@ -337,14 +320,14 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled: one row, or a batch of a small model on a CPU,
     see :func:`_batch_products`): a multiply-and-sum that inductor fuses into one loop streaming ``w``
     (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"packed"`` (compiled, a
-    batch): :func:`packed_linear`; ``"eager"`` (the eager step): a matmul, by oneDNN on the plain
-    weight where :func:`_plain_onednn` says so; ``"plain"``: a matmul."""
+    batch): :func:`packed_linear`; ``"eager"`` (the eager step): :func:`attnlab.hardware.linear`;
+    ``"plain"``: a matmul."""
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
         return _PACKED_OP(x, w, b, "")
-    if how == "eager" and _plain_onednn(w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if how == "eager":  # (float32 on a CPU: oneDNN's matmul, see hardware.linear)
+        return hardware.linear(x, w, b)
     if how != "reduce":
         return F.linear(x, w, b)
     y = (_wide(x).unsqueeze(-2) * _wide(w)).sum(-1).to(x.dtype)  # (..., N)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import generation
-from attnlab.attention import KVCache, MultiHeadAttention, OffsetRMSNorm, rms_norm
+from attnlab.attention import KVCache, Linear, MultiHeadAttention, OffsetRMSNorm, rms_norm
 from attnlab.checks import (
     can_read_values,
     check_model_size,
@@ -537,9 +537,9 @@ class FeedForward(nn.Module):
         else:
             act = SwiGLU() if gated else ReLUSquared()
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, (2 if gated else 1) * cfg.hidden_dim, bias=cfg.bias),
+            Linear(cfg.emb_dim, (2 if gated else 1) * cfg.hidden_dim, bias=cfg.bias),
             act,
-            nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
+            Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -707,7 +707,7 @@ class GPT(nn.Module):
         # A layer whose RoPE angles the others share: {local_rope: layer} (two entries for Gemma 3).
         self.rope_sources = {b.local_rope: i for i, b in reversed(list(enumerate(self.trf_blocks)))}
         self.final_norm = _norm(cfg)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.out_head = Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.out_head.weight = self.tok_emb.weight
         self.reset_parameters()
