@@ -210,6 +210,8 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
         hardware.linear(x.double(), layer.weight.double(), None)
         hardware.linear(x.bfloat16(), layer.weight.bfloat16(), None)
     assert "_linear_pointwise.default" not in ops.names
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's F.linear, in bfloat16
+        assert hardware.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
     assert not hardware.linear_on_onednn(torch.float64, "cpu") and not hardware.linear_on_onednn(torch.float32, "meta")
 
 

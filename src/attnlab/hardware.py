@@ -205,9 +205,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     preset, and 2x for one row or a few (a decoding step: SmolLM2's weights read at 11-12 GB/s against
     15-23). bfloat16 reaches oneDNN through ``F.linear`` already. Training (anything that needs a
     gradient: oneDNN's operator has no backward), ``torch.compile`` (inductor makes its own choice),
-    tensor subclasses (a DTensor's shards) and other devices and dtypes take ``F.linear``. The two agree
-    to float32's rounding (the sums' order differs); a build whose oneDNN does not (checked once per
-    process) keeps ``F.linear`` everywhere."""
+    autocast (which casts ``F.linear``'s inputs), tensor subclasses (a DTensor's shards) and other
+    devices and dtypes take ``F.linear``. The two agree to float32's rounding (the sums' order differs);
+    a build whose oneDNN does not (checked once per process) keeps ``F.linear`` everywhere."""
     if (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
@@ -221,6 +221,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         )
         and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")  # (F.linear is autocast's: it casts to the autocast dtype)
         and linear_on_onednn(torch.float32, "cpu")
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
