@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from attnlab import decoding
+from attnlab import decoding, hardware
 from attnlab.model import GPT, GPTConfig
 
 BASE = dict(vocab_size=61, context_length=48, emb_dim=64, n_heads=4, n_layers=2, drop_rate=0.0)
@@ -86,7 +86,7 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
     # One row, a short generation: nothing packed; the eager step's products go to oneDNN's matmul on
     # the weights as they are (a spy counts them inside the steps), and the tokens and logits are the
     # eager forward's.
-    assert decoding._plain_onednn(torch.zeros(4, 4))  # (its one check of oneDNN made before the spy counts)
+    assert hardware.linear_on_onednn(torch.float32, "cpu")  # (its one check of oneDNN made before the spy counts)
     calls, inside = [0], [False]
     mkldnn, step = torch.ops.mkldnn, decoding.FastDecoder.step
 
@@ -112,8 +112,8 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
     assert_agrees(model, torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4)), 10)
     assert packed[0] == 0
     assert calls[0] == 9 * (4 * BASE["n_layers"] + 1)  # 9 steps: q/k/v, out, the MLP's two, each layer; the head
-    assert not decoding._plain_onednn(torch.zeros(4, 4).double())  # float64: F.linear
-    assert not decoding._plain_onednn(torch.zeros(4, 4, dtype=torch.bfloat16))  # (F.linear calls oneDNN itself)
+    assert not hardware.linear_on_onednn(torch.float64, "cpu")  # float64: F.linear
+    assert not hardware.linear_on_onednn(torch.bfloat16, "cpu")  # (F.linear calls oneDNN itself)
 
 
 def test_packing_applies_only_to_a_batch_of_float32_or_bfloat16_on_a_cpu(monkeypatch):

@@ -212,6 +212,10 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
     assert "_linear_pointwise.default" not in ops.names
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's F.linear, in bfloat16
         assert hardware.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False), _Ops() as ops:  # oneDNN switched off
+        hardware.linear(x, layer.weight, layer.bias)
+        assert not hardware.linear_on_onednn(torch.float32, "cpu")
+    assert "_linear_pointwise.default" not in ops.names
     assert not hardware.linear_on_onednn(torch.float64, "cpu") and not hardware.linear_on_onednn(torch.float32, "meta")
 
 

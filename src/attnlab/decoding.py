@@ -175,12 +175,6 @@ def _packed_linear_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def _plain_onednn(weight: Tensor) -> bool:
-    """Whether the eager step's products by ``weight`` go to oneDNN on the plain weight
-    (:func:`attnlab.hardware.linear`): float32 on a CPU with a working oneDNN."""
-    return hardware.linear_on_onednn(weight.dtype, weight.device)
-
-
 def pack_linear(weight: Tensor, rows: int) -> Tensor:
     """``weight (N, K)`` in oneDNN's layout for matmuls of ``rows`` rows (an opaque ``torch._mkldnn``
     tensor that :func:`_matvec` recognises): a copy, made when a generation starts, freed when it ends
@@ -209,9 +203,10 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
         return False
     if rows > 1:  # the eager step of a batch always; the compiled one for a large model
         wanted = big or not compile
-    else:  # (not float32's one row: oneDNN reads its plain weights as fast, see _plain_onednn)
+    else:  # (not float32's one row: oneDNN reads its plain weights as fast, see hardware.linear)
+        head = model.out_head.weight
         wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
-        wanted = wanted and not _plain_onednn(model.out_head.weight)
+        wanted = wanted and not hardware.linear_on_onednn(head.dtype, head.device)
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(model.out_head.weight, max(rows, 2))

@@ -222,7 +222,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         )
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")  # (F.linear is autocast's: it casts to the autocast dtype)
-        and linear_on_onednn(torch.float32, "cpu")
+        and torch.backends.mkldnn.enabled
+        and _onednn_linear_works()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -230,15 +231,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def linear_on_onednn(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether :func:`linear` multiplies ``dtype`` tensors on ``device`` by oneDNN (where no gradient is
-    wanted): float32 on a CPU whose oneDNN works."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and _onednn_linear_works()
+    wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``)."""
+    return (
+        dtype == torch.float32
+        and torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.enabled
+        and _onednn_linear_works()
+    )
 
 
 @functools.cache
 def _onednn_linear_works() -> bool:
     """Whether this build has oneDNN and its matmul on a plain float32 weight equals ``F.linear`` (checked
-    once per process on a small one)."""
-    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+    once per process on a small one; whether oneDNN is enabled is asked at each call, as torch does)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         with torch.no_grad():
