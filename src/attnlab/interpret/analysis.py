@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import hardware
@@ -216,7 +215,7 @@ def logit_lens(
             h = model.final_norm(residual[layer, b, t])  # (c, d)
             f = final[b, t, None]  # (c, 1)
             if search is None:
-                put(slice(s, s + len(r)), *_exact_rows(F.linear(h, W, bias).float(), f, k))
+                put(slice(s, s + len(r)), *_exact_rows(hardware.linear(h, W, bias).float(), f, k))
             else:
                 put(slice(s, s + len(r)), *search.rows(h, W, f, k, n_cand))
         # After the last block the lens is the model's own head: its logits are in the trace.
@@ -315,7 +314,7 @@ class _Search:
         # Nearby positions share most candidates (some 750-3200 distinct tokens for 128 positions of
         # SmolLM2): one product with those rows is cheaper than gathering (c, n + 1, d) weights.
         uniq, where = torch.unique(cand, return_inverse=True)  # (u,), (c, n + 1)
-        exact = F.linear(h, W.index_select(0, uniq)).gather(-1, where).float() - off[:, None].float()  # (c, n + 1)
+        exact = hardware.linear(h, W.index_select(0, uniq)).gather(-1, where).float() - off[:, None].float()  # (c, n+1)
         top = torch.topk(exact[:, :-1], k, dim=-1)
         # Verified: every token left out scores at most best.values[:, -1] searched, so at most that plus
         # the rounding bound exactly (h and W_c rounded: 2u per product term + u for the split's
@@ -339,7 +338,7 @@ class _Search:
         ids, vals, fval, lse = cand.gather(-1, top.indices), top.values, exact[:, -1:], m + total.log()
         if not bool(ok.all()):  # the bound does not hold: these positions exactly
             bad = (~ok).nonzero().squeeze(-1)
-            logits = F.linear(h[bad], W).float() - off[bad, None].float()
+            logits = hardware.linear(h[bad], W).float() - off[bad, None].float()
             ids[bad], vals[bad], fval[bad], lse[bad] = _exact_rows(logits, final[bad], k)
         return ids, vals, fval, lse
 
