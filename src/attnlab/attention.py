@@ -749,7 +749,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             if self.W_query.bias is not None:
                 b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
             kv_out = self.num_kv_heads * self.head_dim
-            return F.linear(x, w, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
+            return hardware.linear(x, w, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
         source = x if context is None else context
         return self.W_query(x), self.W_key(source), self.W_value(source)
 
