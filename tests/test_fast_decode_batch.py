@@ -9,6 +9,8 @@ import gc
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab import decoding, hardware
 from attnlab.model import GPT, GPTConfig
@@ -159,17 +161,47 @@ def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward
     assert not decoding._PACKED  # released with the decoder
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    lead=st.sampled_from([(), (1,)]),
+    k=st.integers(1, 40),
+    n=st.integers(1, 24),
+    bias=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_batch_summed_row_by_row_is_the_float64_product(rows, lead, k, n, bias, dtype, seed):
+    """``_matvec(..., "rows")`` (a small model's batch in the compiled step: one sum per row) and the
+    broadcast ``"reduce"`` are ``x @ w.T + b`` of ``x (B, [1,] K)``: the float64 product to the
+    rounding of float32 sums (bfloat16: of the result's bfloat16)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, *lead, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = dict(rtol=1e-5, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2 * k**0.5)
+    for how in ("rows", "reduce"):
+        got = decoding._matvec(x, w, b, how)
+        assert got.shape == ref.shape and got.dtype == dtype
+        torch.testing.assert_close(got.double(), ref, **tol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(dtype, packed, steps, monkeypatch):
+@pytest.mark.parametrize("rows", [3, decoding._ROWS + 1])
+def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(dtype, rows, packed, steps, monkeypatch):
     """A model too small to pack: on a CPU the compiled step of its batch multiplies in inductor's loops
-    (``"reduce"``, as one row's), nothing packed, with the eager forward's tokens and logits; packed once
-    the model counts as large (where oneDNN packs), a matmul on a GPU."""
+    (``"reduce"``, as one row's: up to ``_ROWS`` rows one sum per row, more rows one sum over the
+    batch), nothing packed, with the eager forward's tokens and logits; packed once the model counts as
+    large (where oneDNN packs), a matmul on a GPU."""
     model = make(FAMILIES["llama-gqa"], dtype)
-    caches = model.new_kv_caches(3, 16)
+    caches = model.new_kv_caches(rows, 16)
     assert decoding.FastDecoder(model, caches, compile=True).batch == "reduce"
+    assert decoding._how(True, rows, "reduce") == ("rows" if rows <= decoding._ROWS else "reduce")
+    assert decoding._how(True, 1, "reduce") == "reduce" and decoding._how(True, 3, "packed") == "packed"
     assert decoding._batch_products(decoding._large(model), False, cpu=False) == "plain"
-    idx = torch.randint(0, BASE["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(6))
+    idx = torch.randint(0, BASE["vocab_size"], (rows, 6), generator=torch.Generator().manual_seed(6))
     ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
     got = model.generate(idx, 10, temperature=0, return_logits=True, compile=True)
     assert packed[0] == 0 and steps[0] == 9
@@ -180,7 +212,7 @@ def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(d
         assert torch.equal(got[0][:, 6], ref[0][:, 6])
         torch.testing.assert_close(got[1][:, 0], ref[1][:, 0], rtol=0.05, atol=0.1)
     monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
-    expected = "packed" if decoding.packs(model.out_head.weight, 3) else "plain"
+    expected = "packed" if decoding.packs(model.out_head.weight, rows) else "plain"
     assert decoding.FastDecoder(model, caches, compile=True).batch == expected
 
 

@@ -26,7 +26,10 @@ math with the work a step needs and nothing else:
   oneDNN (:func:`packs`; the BLAS kernel behind ``F.linear`` is several times slower at a few rows on
   AMD CPUs), and so do one row's in the eager step of a large model over a long generation. The
   compiled step of a batch of a model too small to pack (the ``tiny`` preset) multiplies in inductor's
-  own loops, as one row's does: its weights stay in the CPU's caches, read once per row.
+  own loops, as one row's does: a batch of up to 8 rows as one sum per row, which inductor fuses into
+  one loop reading each weight once for all rows, each row's sum in a register of its own (``tiny``'s
+  8 rows: the compiled kernel 451 -> 368 us a step, AMD Zen 4); a larger batch reads the weights,
+  which stay in the CPU's caches, once per row.
   On CUDA the whole unobserved step (embedding, RoPE, the groups, the head) is captured in one CUDA
   graph per generation and replayed per token: a step of a small model is hundreds of short
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
@@ -62,6 +65,9 @@ __all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "pack_linear", "packs", "s
 
 _ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's `approximate`
 _GROUP = 12  # the compiled step: layers per compiled call (fewer calls per token, larger graphs to compile)
+# The compiled step of a small model's batch of up to this many rows: one sum per row (see _matvec), each
+# a multiply-reduce inductor fuses with the others into one loop (more rows: more code to compile).
+_ROWS = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +226,8 @@ def _large(model: nn.Module) -> bool:
 def _batch_products(large: bool, packed: bool, cpu: bool) -> str:
     """How the compiled step of a :class:`FastDecoder` multiplies a batch's rows (:func:`_matvec`): on the
     ``packed`` weights; on a CPU, a model too small to pack (not ``large``, :func:`_large`) in inductor's
-    loops (``"reduce"``), whose weights stay in the CPU's caches while each row reads them, where MKL's
+    loops (``"reduce"``; up to :data:`_ROWS` rows one sum per row, see :func:`_how`), whose weights stay
+    in the CPU's caches while each row reads them, where MKL's
     few-row matmul reads them slower (the ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4);
     else the matmul (a GPU's; a large model's, whose weights each row would read from memory again,
     where oneDNN is missing)."""
@@ -314,15 +321,21 @@ def _wide(t: Tensor) -> Tensor:
 def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled: one row, or a batch of a small model on a CPU,
     see :func:`_batch_products`): a multiply-and-sum that inductor fuses into one loop streaming ``w``
-    (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"packed"`` (compiled, a
-    batch): :func:`packed_linear`; ``"eager"`` (the eager step): :func:`attnlab.hardware.linear`;
-    ``"plain"``: a matmul."""
+    (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"rows"`` (compiled, a
+    small model's batch of up to :data:`_ROWS` rows): the same sum for each row of ``x (B, ..., K)``
+    apart, which inductor fuses into one loop over ``w`` with ``B`` independent sums (over a broadcast
+    batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
+    ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"eager"`` (the eager step):
+    :func:`attnlab.hardware.linear`; ``"plain"``: a matmul."""
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
         return _PACKED_OP(x, w, b, "")
     if how == "eager":  # (float32 on a CPU: oneDNN's matmul, see hardware.linear)
         return hardware.linear(x, w, b)
+    if how == "rows":  # one sum per row, which inductor fuses into one loop: w read once for all rows
+        y = torch.stack([(r.unsqueeze(-2) * _wide(w)).sum(-1) for r in _wide(x).unbind(0)]).to(x.dtype)
+        return y if b is None else y + b  # (B, ..., N)
     if how != "reduce":
         return F.linear(x, w, b)
     y = (_wide(x).unsqueeze(-2) * _wide(w)).sum(-1).to(x.dtype)  # (..., N)
@@ -439,7 +452,9 @@ def _how(static: bool, rows: int, batch: str) -> str:
     how its decoder's compiled step multiplies a batch, :func:`_batch_products`)."""
     if not static:
         return "eager"
-    return "reduce" if rows == 1 else batch
+    if rows == 1:
+        return "reduce"
+    return "rows" if batch == "reduce" and rows <= _ROWS else batch
 
 
 def _head(
