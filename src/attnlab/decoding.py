@@ -72,7 +72,8 @@ _ROWS = 8
 # sums at once, each over its own quarter of the weight's rows, which inductor fuses into one loop: that
 # many independent chains of additions and streams of reads per thread, where one sum at a time waits
 # on each addition (SmolLM2's products, a chain of them as in a step: 1 thread 19.4 -> 24.2 GB/s,
-# 2 threads 26.7 -> 29.9, the machine's sum 25 and 32; AMD Zen 4).
+# 2 threads 26.7 -> 29.9, the machine's sum 25 and 32; AMD Zen 4). CPU only: a GPU's reduction kernel
+# spreads each sum over many threads already.
 _STREAMS = 4
 
 
@@ -344,7 +345,7 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
         return y if b is None else y + b  # (B, ..., N)
     if how != "reduce":
         return F.linear(x, w, b)
-    N, G = w.shape[0], _STREAMS if w.shape[0] % _STREAMS == 0 else 1
+    N, G = w.shape[0], _STREAMS if w.shape[0] % _STREAMS == 0 and w.device.type == "cpu" else 1
     ws = _wide(w).view(G, N // G, -1)  # (G, N/G, K): G sums at once, each over its own rows of w
     y = torch.cat([(_wide(x).unsqueeze(-2) * ws[g]).sum(-1) for g in range(G)], dim=-1).to(x.dtype)  # (..., N)
     return y if b is None else y + b
