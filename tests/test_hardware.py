@@ -212,10 +212,16 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
     assert "_linear_pointwise.default" not in ops.names
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's F.linear, in bfloat16
         assert hardware.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
-    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False), _Ops() as ops:  # oneDNN switched off
-        hardware.linear(x, layer.weight, layer.bias)
-        assert not hardware.linear_on_onednn(torch.float32, "cpu")
-    assert "_linear_pointwise.default" not in ops.names
+    # oneDNN switched off (the switch itself, not torch.backends.mkldnn.flags(), which also sets a TF32
+    # option and warns on a build without Intel GPU support)
+    enabled, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
+    try:
+        with torch.no_grad(), _Ops() as ops:
+            hardware.linear(x, layer.weight, layer.bias)
+            assert not hardware.linear_on_onednn(torch.float32, "cpu")
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+    assert "_linear_pointwise.default" not in ops.names and torch.backends.mkldnn.enabled == enabled
     assert not hardware.linear_on_onednn(torch.float64, "cpu") and not hardware.linear_on_onednn(torch.float32, "meta")
 
 
