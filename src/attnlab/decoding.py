@@ -15,7 +15,8 @@ math with the work a step needs and nothing else:
   function compiled by ``torch.compile`` over the whole preallocated cache (static shapes, a mask
   over the filled slots), shared by every group (one compilation); each matrix-vector product of a
   single row as a fused multiply-reduce that inductor turns into one vectorized loop over the
-  weights, which streams them at memory speed where the BLAS kernel of a one-row matmul does not,
+  weights (four sums at once, over four blocks of the weight's rows: ``_STREAMS``), which streams
+  them at memory speed where the BLAS kernel of a one-row matmul does not,
   and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
   Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
   Python (some 50 us). With attention observers set (:func:`attnlab.interpret.observe_attention`:
@@ -234,8 +235,8 @@ def _batch_products(large: bool, packed: bool, cpu: bool) -> str:
     """How the compiled step of a :class:`FastDecoder` multiplies a batch's rows (:func:`_matvec`): on the
     ``packed`` weights; on a CPU, a model too small to pack (not ``large``, :func:`_large`) in inductor's
     loops (``"reduce"``; up to :data:`_ROWS` rows one sum per row, see :func:`_how`), whose weights stay
-    in the CPU's caches while each row reads them, where MKL's
-    few-row matmul reads them slower (the ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4);
+    in the CPU's caches while each row reads them, where MKL's few-row matmul reads them slower (the
+    ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4);
     else the matmul (a GPU's; a large model's, whose weights each row would read from memory again,
     where oneDNN is missing)."""
     if packed:
@@ -340,14 +341,15 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
         return _PACKED_OP(x, w, b, "")
     if how == "eager":  # (float32 on a CPU: oneDNN's matmul, see hardware.linear)
         return hardware.linear(x, w, b)
-    if how == "rows":  # one sum per row, which inductor fuses into one loop: w read once for all rows
-        y = torch.stack([(r.unsqueeze(-2) * _wide(w)).sum(-1) for r in _wide(x).unbind(0)]).to(x.dtype)
-        return y if b is None else y + b  # (B, ..., N)
-    if how != "reduce":
+    if how not in ("rows", "reduce"):
         return F.linear(x, w, b)
-    N, G = w.shape[0], _STREAMS if w.shape[0] % _STREAMS == 0 and w.device.type == "cpu" else 1
-    ws = _wide(w).view(G, N // G, -1)  # (G, N/G, K): G sums at once, each over its own rows of w
-    y = torch.cat([(_wide(x).unsqueeze(-2) * ws[g]).sum(-1) for g in range(G)], dim=-1).to(x.dtype)  # (..., N)
+    xw, ww = _wide(x).unsqueeze(-2), _wide(w)  # (..., 1, K), (N, K)
+    if how == "rows":  # one sum per row, which inductor fuses into one loop: w read once for all rows
+        y = torch.stack([(r * ww).sum(-1) for r in xw.unbind(0)])  # (B, ..., N)
+    else:  # _STREAMS sums at once, each over its own block of w's rows (see _STREAMS)
+        N, G = w.shape[0], _STREAMS if w.shape[0] % _STREAMS == 0 and w.device.type == "cpu" else 1
+        y = torch.cat([(xw * wg).sum(-1) for wg in ww.view(G, N // G, -1).unbind(0)], dim=-1)  # (..., N)
+    y = y.to(x.dtype)
     return y if b is None else y + b
 
 
