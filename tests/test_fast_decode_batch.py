@@ -168,16 +168,18 @@ def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward
     k=st.integers(1, 40),
     n=st.integers(1, 24),
     bias=st.booleans(),
+    transposed=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-def test_a_batch_summed_row_by_row_is_the_float64_product(rows, lead, k, n, bias, dtype, seed):
+def test_a_batch_summed_row_by_row_is_the_float64_product(rows, lead, k, n, bias, transposed, dtype, seed):
     """``_matvec(..., "rows")`` (a small model's batch in the compiled step: one sum per row) and the
-    broadcast ``"reduce"`` are ``x @ w.T + b`` of ``x (B, [1,] K)``: the float64 product to the
-    rounding of float32 sums (bfloat16: of the result's bfloat16)."""
+    broadcast ``"reduce"`` (one row: four sums at once over blocks of ``w``'s rows where they divide
+    evenly) are ``x @ w.T + b`` of ``x (B, [1,] K)``, for a weight of any strides: the float64 product
+    to the rounding of float32 sums (bfloat16: of the result's bfloat16)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, *lead, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
+    w = torch.randn(k, n, generator=g).to(dtype).t() if transposed else torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     tol = dict(rtol=1e-5, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2 * k**0.5)
