@@ -59,21 +59,23 @@ def load(name: str, dtype: torch.dtype) -> GPT:
 
 
 def _matmuls(x: torch.Tensor, ws: list[tuple], specs: list[tuple], head: torch.Tensor | None) -> torch.Tensor:
-    """The matrix-vector products of some layers as the compiled step computes them (``_matvec`` with
-    ``reduce``), chained through the residual stream: ``x (1, 1, C)`` -> ``(1, 1, C)`` (or the logits)."""
+    """The matrix-vector products of some layers as the compiled step computes them (``_matvec`` in the
+    form the step takes for one row, :func:`attnlab.decoding._how`), chained through the residual stream:
+    ``x (1, 1, C)`` -> ``(1, 1, C)`` (or the logits)."""
+    how = decoding._how(True, 1, specs[0][-1])  # (the spec's last entry: how the decoder multiplies a batch)
     for w, spec in zip(ws, specs, strict=True):
         wqkv, bqkv, wo, bo, w1, b1, w2, b2 = w[2], w[3], w[6], w[7], w[12], w[13], w[14], w[15]
         H, hd = spec[3], spec[5]
-        q = decoding._matvec(x, wqkv, bqkv, "reduce")[..., : H * hd]  # the heads' width, as attention's output
-        x = x + decoding._matvec(q, wo, bo, "reduce")
-        h = decoding._matvec(x, w1, b1, "reduce")
+        q = decoding._matvec(x, wqkv, bqkv, how)[..., : H * hd]  # the heads' width, as attention's output
+        x = x + decoding._matvec(q, wo, bo, how)
+        h = decoding._matvec(x, w1, b1, how)
         if h.shape[-1] != w2.shape[1]:  # [gate | up]
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        x = x + decoding._matvec(h, w2, b2, "reduce")
-    return x if head is None else decoding._matvec(x[:, -1], head, None, "reduce")
+        x = x + decoding._matvec(h, w2, b2, how)
+    return x if head is None else decoding._matvec(x[:, -1], head, None, how)
 
 
 def read_gbs(buf: torch.Tensor) -> float:
@@ -111,7 +113,7 @@ def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> str:
         for i, (_, ws, specs) in enumerate(groups):
             x = matmuls_fn(x, ws, specs, head if len(groups) == 1 else None)
             if i == len(groups) - 1 and len(groups) > 1:
-                decoding._compiled(decoding._matvec)(x[:, -1], head, None, "reduce")
+                decoding._compiled(decoding._matvec)(x[:, -1], head, None, decoding._how(True, 1, dec.batch))
 
     cxx = None
     if args.cxx and dtype == torch.float32:  # the floor of the weight reads (see gemv_chain.cpp)

@@ -153,8 +153,9 @@ def test_peak_memory_sees_the_tutorial_scores():
 
 def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
     """benchmarks/decode_breakdown.py's "matmuls alone" row claims the compiled step's form of each
-    product (``_matvec(..., "reduce")``, one fused loop): a BLAS call instead once timed 48 ms against
-    a 17 ms step, unnoticed. Its chain must ask for that form and compute the products right."""
+    product (``_matvec(..., how)``, fused loops, ``how`` as the step's own for one row): a BLAS call
+    instead once timed 48 ms against a 17 ms step, unnoticed. Its chain must ask for that form and
+    compute the products right, for a small model (one sum at a time) and a large one (four at once)."""
     import importlib.util
     from pathlib import Path
 
@@ -167,14 +168,19 @@ def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
     spec.loader.exec_module(breakdown)
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("modern", n_layers=2, drop_rate=0.0)).eval()
-    dec = decoding.FastDecoder(model, model.new_kv_caches(1, 8))
-    (_, _, _, _, ws, specs), *_ = dec.groups
-    hows, matvec = [], decoding._matvec
-    monkeypatch.setattr(decoding, "_matvec", lambda x, w, b, how: hows.append(how) or matvec(x, w, b, how))
-    x = torch.randn(1, 1, model.config.emb_dim)
-    with torch.inference_mode():
-        out = breakdown._matmuls(x, ws, specs, model.out_head.weight)
-    assert hows and set(hows) == {"reduce"}, hows
+    for large, expected in ((False, "reduce"), (True, "streams")):
+        if large:  # (a model counted as large: its weights stream from memory)
+            monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+        dec = decoding.FastDecoder(model, model.new_kv_caches(1, 8), compile=True)
+        (_, _, _, _, ws, specs), *_ = dec.groups
+        hows, matvec = [], decoding._matvec
+        spy = lambda x, w, b, how, hows=hows, matvec=matvec: hows.append(how) or matvec(x, w, b, how)
+        monkeypatch.setattr(decoding, "_matvec", spy)
+        x = torch.randn(1, 1, model.config.emb_dim)
+        with torch.inference_mode():
+            out = breakdown._matmuls(x, ws, specs, model.out_head.weight)
+        monkeypatch.setattr(decoding, "_matvec", matvec)
+        assert hows and set(hows) == {expected} == {decoding._how(True, 1, dec.batch)}, hows
     ref = x
     linear = torch.nn.functional.linear
     for w, spec_ in zip(ws, specs, strict=True):  # the same chain with plain matmuls (and its GELU)

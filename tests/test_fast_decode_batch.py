@@ -173,17 +173,18 @@ def test_the_compiled_step_of_a_batch_on_packed_weights_equals_the_eager_forward
     seed=st.integers(0, 2**16),
 )
 def test_a_batch_summed_row_by_row_is_the_float64_product(rows, lead, k, n, bias, transposed, dtype, seed):
-    """``_matvec(..., "rows")`` (a small model's batch in the compiled step: one sum per row) and the
-    broadcast ``"reduce"`` (one row: four sums at once over blocks of ``w``'s rows where they divide
-    evenly) are ``x @ w.T + b`` of ``x (B, [1,] K)``, for a weight of any strides: the float64 product
-    to the rounding of float32 sums (bfloat16: of the result's bfloat16)."""
+    """``_matvec(..., "rows")`` (a small model's batch in the compiled step: one sum per row), the
+    broadcast ``"reduce"`` and ``"streams"`` (a large model's row: four sums at once over blocks of
+    ``w``'s rows where they divide evenly) are ``x @ w.T + b`` of ``x (B, [1,] K)``, for a weight of
+    any strides: the float64 product to the rounding of float32 sums (bfloat16: of the result's
+    bfloat16)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, *lead, k, generator=g).to(dtype)
     w = torch.randn(k, n, generator=g).to(dtype).t() if transposed else torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     tol = dict(rtol=1e-5, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2 * k**0.5)
-    for how in ("rows", "reduce"):
+    for how in ("rows", "reduce", "streams"):
         got = decoding._matvec(x, w, b, how)
         assert got.shape == ref.shape and got.dtype == dtype
         torch.testing.assert_close(got.double(), ref, **tol)
@@ -202,6 +203,7 @@ def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(d
     assert decoding.FastDecoder(model, caches, compile=True).batch == "reduce"
     assert decoding._how(True, rows, "reduce") == ("rows" if rows <= decoding._ROWS else "reduce")
     assert decoding._how(True, 1, "reduce") == "reduce" and decoding._how(True, 3, "packed") == "packed"
+    assert decoding._how(True, 1, "plain") == "streams"  # one row of a large model
     assert decoding._batch_products(decoding._large(model), False, cpu=False) == "plain"
     idx = torch.randint(0, BASE["vocab_size"], (rows, 6), generator=torch.Generator().manual_seed(6))
     ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)

@@ -15,7 +15,7 @@ math with the work a step needs and nothing else:
   function compiled by ``torch.compile`` over the whole preallocated cache (static shapes, a mask
   over the filled slots), shared by every group (one compilation); each matrix-vector product of a
   single row as a fused multiply-reduce that inductor turns into one vectorized loop over the
-  weights (four sums at once, over four blocks of the weight's rows: ``_STREAMS``), which streams
+  weights (for a large model four sums at once, over four blocks of the weight's rows: ``_STREAMS``), which streams
   them at memory speed where the BLAS kernel of a one-row matmul does not,
   and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
   Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
@@ -69,12 +69,13 @@ _GROUP = 12  # the compiled step: layers per compiled call (fewer calls per toke
 # The compiled step of a small model's batch of up to this many rows: one sum per row (see _matvec), each
 # a multiply-reduce inductor fuses with the others into one loop (more rows: more code to compile).
 _ROWS = 8
-# The compiled step's matrix-vector product (one row, or a larger batch of a small model) as this many
-# sums at once, each over its own quarter of the weight's rows, which inductor fuses into one loop: that
-# many independent chains of additions and streams of reads per thread, where one sum at a time waits
-# on each addition (SmolLM2's products, a chain of them as in a step: 1 thread 19.4 -> 24.2 GB/s,
-# 2 threads 26.7 -> 29.9, the machine's sum 25 and 32; AMD Zen 4). CPU only: a GPU's reduction kernel
-# spreads each sum over many threads already.
+# The compiled step's matrix-vector product of one row of a model too large for the CPU's caches (see
+# _how) as this many sums at once, each over its own quarter of the weight's rows, which inductor fuses
+# into one loop: that many independent chains of additions and streams of reads per thread, where one
+# sum at a time waits on each addition (SmolLM2's products, a chain of them as in a step: 1 thread
+# 19.4 -> 24.2 GB/s, 2 threads 26.7 -> 29.9, the machine's sum 25 and 32; AMD Zen 4). CPU only: a GPU's
+# reduction kernel spreads each sum over many threads already. Not for a small model, whose weights
+# stay in the caches: the `tiny` preset's one prompt ran 0.96-0.97x so, in process.
 _STREAMS = 4
 
 
@@ -329,7 +330,9 @@ def _wide(t: Tensor) -> Tensor:
 def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     """``x @ w.T + b``. ``how``: ``"reduce"`` (compiled: one row, or a batch of a small model on a CPU,
     see :func:`_batch_products`): a multiply-and-sum that inductor fuses into one loop streaming ``w``
-    (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"rows"`` (compiled, a
+    (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"streams"`` (compiled,
+    one row of a model whose weights stream from memory): the same as :data:`_STREAMS` sums at once,
+    each over its own block of ``w``'s rows (on a CPU, where the rows divide evenly); ``"rows"`` (compiled, a
     small model's batch of up to :data:`_ROWS` rows): the same sum for each row of ``x (B, ..., K)``
     apart, which inductor fuses into one loop over ``w`` with ``B`` independent sums (over a broadcast
     batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
@@ -341,14 +344,16 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
         return _PACKED_OP(x, w, b, "")
     if how == "eager":  # (float32 on a CPU: oneDNN's matmul, see hardware.linear)
         return hardware.linear(x, w, b)
-    if how not in ("rows", "reduce"):
+    if how not in ("rows", "reduce", "streams"):
         return F.linear(x, w, b)
     xw, ww = _wide(x).unsqueeze(-2), _wide(w)  # (..., 1, K), (N, K)
+    N = w.shape[0]
     if how == "rows":  # one sum per row, which inductor fuses into one loop: w read once for all rows
         y = torch.stack([(r * ww).sum(-1) for r in xw.unbind(0)])  # (B, ..., N)
-    else:  # _STREAMS sums at once, each over its own block of w's rows (see _STREAMS)
-        N, G = w.shape[0], _STREAMS if w.shape[0] % _STREAMS == 0 and w.device.type == "cpu" else 1
-        y = torch.cat([(xw * wg).sum(-1) for wg in ww.view(G, N // G, -1).unbind(0)], dim=-1)  # (..., N)
+    elif how == "streams" and N % _STREAMS == 0 and w.device.type == "cpu":  # (see _STREAMS)
+        y = torch.cat([(xw * wg).sum(-1) for wg in ww.view(_STREAMS, N // _STREAMS, -1).unbind(0)], dim=-1)
+    else:
+        y = (xw * ww).sum(-1)  # (..., N)
     y = y.to(x.dtype)
     return y if b is None else y + b
 
@@ -463,8 +468,8 @@ def _how(static: bool, rows: int, batch: str) -> str:
     how its decoder's compiled step multiplies a batch, :func:`_batch_products`)."""
     if not static:
         return "eager"
-    if rows == 1:
-        return "reduce"
+    if rows == 1:  # a small model's weights stay in the CPU's caches: one sum at a time keeps up there
+        return "reduce" if batch == "reduce" else "streams"
     return "rows" if batch == "reduce" and rows <= _ROWS else batch
 
 
