@@ -15,8 +15,8 @@ math with the work a step needs and nothing else:
   function compiled by ``torch.compile`` over the whole preallocated cache (static shapes, a mask
   over the filled slots), shared by every group (one compilation); each matrix-vector product of a
   single row as a fused multiply-reduce that inductor turns into one vectorized loop over the
-  weights (for a large model four sums at once, over four blocks of the weight's rows: ``_STREAMS``), which streams
-  them at memory speed where the BLAS kernel of a one-row matmul does not,
+  weights (for a large model four sums at once, over four blocks of the weight's rows:
+  ``_STREAMS``), which streams them at memory speed where the BLAS kernel of a one-row matmul does not,
   and attention as multiply-and-sum loops too (CPU; on CUDA the same code, compiled by inductor's
   Triton backend). Fewer calls per token: each costs Dynamo's guard checks and a trip through
   Python (some 50 us). With attention observers set (:func:`attnlab.interpret.observe_attention`:
@@ -332,8 +332,8 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     see :func:`_batch_products`): a multiply-and-sum that inductor fuses into one loop streaming ``w``
     (accumulating in float32), instead of the BLAS call of a few-row matmul; ``"streams"`` (compiled,
     one row of a model whose weights stream from memory): the same as :data:`_STREAMS` sums at once,
-    each over its own block of ``w``'s rows (on a CPU, where the rows divide evenly); ``"rows"`` (compiled, a
-    small model's batch of up to :data:`_ROWS` rows): the same sum for each row of ``x (B, ..., K)``
+    each over its own block of ``w``'s rows (on a CPU, where the rows divide evenly); ``"rows"``
+    (compiled, a small model's batch of up to :data:`_ROWS` rows): the same sum for each row of ``x (B, ..., K)``
     apart, which inductor fuses into one loop over ``w`` with ``B`` independent sums (over a broadcast
     batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
     ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"eager"`` (the eager step):
