@@ -449,10 +449,15 @@ class KVCache:
         self._write_rolling(k, v, positions, t0)
         return keys, values, key_positions, False
 
+    def ring_slot(self, index: int) -> int:
+        """The slot of a rolling cache that the token fed at ``index`` (``>= sinks``, past the pinned
+        ones) goes to: ``sinks + (index - sinks) % (max_length - sinks)``, the oldest once the ring is full."""
+        return self.sinks + (index - self.sinks) % (self.max_length - self.sinks)
+
     def _write_rolling(self, k: Tensor, v: Tensor, positions: Tensor, t0: int) -> None:
         """The ring write of tokens fed at indices ``t0, t0 + 1, ...``: tokens at positions ``< sinks``
-        go to the sink slot of their position (per row), the others to ring slot
-        ``sinks + (index - sinks) % (max_length - sinks)``, overwriting the oldest."""
+        go to the sink slot of their position (per row), the others to their :meth:`ring_slot`,
+        overwriting the oldest."""
         B, T = self.positions.shape[0], k.shape[2]
         n, cap = self.sinks, self.max_length
         R = cap - n
@@ -468,7 +473,7 @@ class KVCache:
             positions = positions.masked_fill(pinned, -1)  # their ring slots must not show them twice
         first = max(t0, n, t0 + T - R)  # indices before `first` are overwritten within this chunk
         while first < t0 + T:
-            slot = n + (first - n) % R
+            slot = self.ring_slot(first)
             run = min(t0 + T - first, cap - slot)  # contiguous slots up to the end of the ring
             src = slice(first - t0, first - t0 + run)
             self.keys[:, :, slot : slot + run] = k[:, :, src]

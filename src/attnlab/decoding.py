@@ -687,9 +687,8 @@ class FastDecoder:
         for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn, ring in zip(
             model.trf_blocks, self.caches, rope, self.layers, observers, self.rings, strict=True
         ):
-            M, n = cache.max_length, cache.sinks
-            wrapped = ring and pos >= M
-            slot = n + (pos - n) % (M - n) if wrapped else pos  # a wrapped ring: the oldest slot (as update())
+            M = cache.max_length
+            slot = cache.ring_slot(pos) if ring and pos >= M else pos  # a wrapped ring: its oldest slot
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
                 cache.positions[:, slot] = pos
             observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn, masks)
