@@ -83,12 +83,16 @@ def test_bfloat16_batch_agrees_with_the_eager_forward(packed):
 
 
 @needs_onednn
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "MKL"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, packed, monkeypatch):
-    # One row, a short generation: nothing packed; the eager step's products go to oneDNN's matmul on
-    # the weights as they are (a spy counts them inside the steps), and the tokens and logits are the
-    # eager forward's.
-    assert hardware.linear_on_onednn(torch.float32, "cpu")  # (its one check of oneDNN made before the spy counts)
+def test_one_row_in_float32_multiplies_by_hardware_linears_kernel_on_the_plain_weights(
+    family, onednn, packed, monkeypatch
+):
+    # One row, a short generation: nothing packed; the eager step's products go to hardware.linear's
+    # kernel on the weights as they are: oneDNN's matmul (a spy counts them inside the steps), or on an
+    # Intel CPU F.linear's MKL; the tokens and logits are the eager forward's either way.
+    monkeypatch.setattr(hardware, "_onednn_linear_pays", lambda: onednn)  # (a CPU not Intel's, or Intel's)
+    assert hardware.linear_on_onednn(torch.float32, "cpu") == onednn  # (its check of oneDNN made before the spy counts)
     calls, inside = [0], [False]
     mkldnn, step = torch.ops.mkldnn, decoding.FastDecoder.step
 
@@ -113,7 +117,7 @@ def test_one_row_in_float32_multiplies_by_onednn_on_the_plain_weights(family, pa
     model = make(FAMILIES[family], torch.float32)
     assert_agrees(model, torch.randint(0, BASE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(4)), 10)
     assert packed[0] == 0
-    assert calls[0] == 9 * (4 * BASE["n_layers"] + 1)  # 9 steps: q/k/v, out, the MLP's two, each layer; the head
+    assert calls[0] == onednn * 9 * (4 * BASE["n_layers"] + 1)  # 9 steps x (4 a layer + the head)
     assert not hardware.linear_on_onednn(torch.float64, "cpu")  # float64: F.linear
     assert not hardware.linear_on_onednn(torch.bfloat16, "cpu")  # (F.linear calls oneDNN itself)
 

@@ -191,9 +191,24 @@ def test_linear_equals_the_float64_product_to_float32_rounding(shape, out, with_
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
+@pytest.fixture
+def cpu_maker(monkeypatch):
+    """Makes hardware.linear see a CPU of this maker (``/proc/cpuinfo``'s ``vendor_id``)."""
+
+    def pretend(vendor: str) -> None:
+        monkeypatch.setattr(hardware, "_cpuinfo", lambda field: vendor if field == "vendor_id" else "")
+        hardware._onednn_linear_pays.cache_clear()
+
+    yield pretend
+    hardware._onednn_linear_pays.cache_clear()  # (the next call reads the real CPU again)
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
+def test_linear_takes_onednn_only_where_no_gradient_is_wanted_on_a_cpu_not_intels(vendor, cpu_maker) -> None:
     # oneDNN's operator has no backward: training keeps F.linear (and its gradients), inference on a
-    # float32 CPU tensor takes oneDNN where the build has a working one; other dtypes keep F.linear.
+    # float32 CPU tensor takes oneDNN where the build has a working one, unless F.linear calls MKL on an
+    # Intel CPU (faster there); other dtypes keep F.linear.
+    cpu_maker(vendor)
     layer = torch.nn.Linear(6, 4)
     x = torch.randn(3, 6)
     with _Ops() as ops:
@@ -202,6 +217,8 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted() -> None:
     y.sum().backward()
     torch.testing.assert_close(layer.weight.grad, torch.ones(3, 4).t() @ x)
     onednn = hardware.linear_on_onednn(torch.float32, "cpu")
+    intel_mkl = vendor == "GenuineIntel" and torch.backends.mkl.is_available()
+    assert onednn == (not intel_mkl and hardware._onednn_linear_works())
     with torch.no_grad(), _Ops() as ops:
         got = hardware.linear(x, layer.weight, layer.bias)
     assert ("_linear_pointwise.default" in ops.names) == onednn

@@ -285,7 +285,7 @@ def test_typing_runs_only_the_new_tokens_and_answers_as_a_fresh_trace(tmp_path):
         want = unpack(to_json(inspector_data(tr, sections={"layers", "rollout"}, title=prompt, text=prompt)))
         assert got["precision"] == want["precision"] == "f32"
         # Equal up to float rounding: the new rows come from products of other shapes (see test_prefix.py;
-        # oneDNN's, hardware.linear, round them differently by up to some 6e-6 of a weight here).
+        # hardware.linear's kernel rounds them differently by up to some 6e-6 of a weight here).
         for mine, theirs in zip(got["layers"], want["layers"], strict=True):
             torch.testing.assert_close(mine["weights"], theirs["weights"], rtol=1e-5, atol=1e-5)
         for fusion in ("mean", "max", "min"):

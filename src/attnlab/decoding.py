@@ -204,7 +204,8 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
 _PACK_MIN_ELEMENTS = 1 << 24
 # The eager step of one row packs bfloat16 weights for a generation of at least this many steps: packing
 # SmolLM2's takes 0.1-0.2 s (2 threads, AMD Zen 4), a step then takes 24.1 ms against 29.5 on the plain
-# weights. (float32 packed no faster than oneDNN on its plain weights: 36.3 against 36.0 ms a step.)
+# weights. (float32 packed reads no faster than the plain weights: by oneDNN 36.3 against 36.0 ms a step;
+# on an Intel Xeon 19.8 GB/s against MKL's 26.5, see hardware.linear.)
 _PACK_ONE_ROW_STEPS = 32
 # The packed copies hold the matrices once more while a generation runs: no packing past this many bytes
 # of them (a model of some 500M float32 parameters), where the copy would be a memory cost a laptop feels.
@@ -218,10 +219,9 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
         return False
     if rows > 1:  # the eager step of a batch always; the compiled one for a large model
         wanted = big or not compile
-    else:  # (not float32's one row: oneDNN reads its plain weights as fast, see hardware.linear)
-        head = model.out_head.weight
+    else:  # (bfloat16's: float32's one row reads the plain weights as fast, by hardware.linear's kernel)
         wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
-        wanted = wanted and not hardware.linear_on_onednn(head.dtype, head.device)
+        wanted = wanted and model.out_head.weight.dtype == torch.bfloat16
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(model.out_head.weight, max(rows, 2))

@@ -19,7 +19,7 @@ the trainer's first line and the benchmarks' headers.
 One fact of the CPU runtime too: several threads that each ran torch keep a team of OpenMP workers
 each, which slows every thread's parallel loops where they outnumber the CPUs;
 :func:`release_openmp_threads` lets a thread's team go. And one choice of kernel: :func:`linear`, a
-float32 matmul by oneDNN rather than MKL where nothing needs its gradient.
+float32 matmul by oneDNN rather than MKL where nothing needs its gradient and the CPU is not Intel's.
 """
 
 from __future__ import annotations
@@ -155,14 +155,20 @@ def cpu_capability() -> str:
 
 
 def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "CPU"
+
+
+def _cpuinfo(field: str) -> str:
+    """The first value of ``field`` in ``/proc/cpuinfo`` (``"vendor_id"``: ``"GenuineIntel"``,
+    ``"AuthenticAMD"``), or ``""`` where there is no such file (not Linux) or field."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field) and ":" in line:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "CPU"
+    return ""
 
 
 def release_openmp_threads() -> bool:
@@ -198,12 +204,15 @@ def _omp_pause():
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by oneDNN's matmul on the weight as it is (no packed copy) for
-    float32 on a CPU where no gradient is wanted, else by ``F.linear`` itself.
+    float32 on a CPU other than Intel's where no gradient is wanted, else by ``F.linear`` itself.
 
-    ``F.linear`` of float32 calls MKL, whose kernels on an AMD CPU (Zen 4, 2 threads) took 1.06-1.6x
-    oneDNN's time for the projections of a 626-token forward of SmolLM2 or a prefill of the ``tiny``
-    preset, and 2x for one row or a few (a decoding step: SmolLM2's weights read at 11-12 GB/s against
-    15-23). bfloat16 reaches oneDNN through ``F.linear`` already. Training (anything that needs a
+    ``F.linear`` of float32 calls MKL, Intel's library, whose kernels on an AMD CPU (Zen 4, 2 threads)
+    took 1.06-1.6x oneDNN's time for the projections of a 626-token forward of SmolLM2 or a prefill of
+    the ``tiny`` preset, and 2x for one row or a few (a decoding step: SmolLM2's weights read at 11-12
+    GB/s against 15-23). On an Intel CPU (a Xeon with AMX, 2 threads) it is the other way round: oneDNN
+    took 1.0-1.15x MKL's time for those forwards' products, 2-4x for one row of a weight in the caches,
+    and SmolLM2's one-row products read 19.4 GB/s against MKL's 26.5 (:func:`linear_on_onednn`).
+    bfloat16 reaches oneDNN through ``F.linear`` already. Training (anything that needs a
     gradient: oneDNN's operator has no backward), ``torch.compile`` (inductor makes its own choice),
     autocast (which casts ``F.linear``'s inputs), tensor subclasses (a DTensor's shards) and other
     devices and dtypes take ``F.linear``. The two agree to float32's rounding (the sums' order differs);
@@ -223,6 +232,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")  # (F.linear is autocast's: it casts to the autocast dtype)
         and torch.backends.mkldnn.enabled
+        and _onednn_linear_pays()
         and _onednn_linear_works()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -231,13 +241,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def linear_on_onednn(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether :func:`linear` multiplies ``dtype`` tensors on ``device`` by oneDNN (where no gradient is
-    wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``)."""
+    wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``),
+    unless ``F.linear`` calls MKL on an Intel CPU, MKL's own."""
     return (
         dtype == torch.float32
         and torch.device(device).type == "cpu"
         and torch.backends.mkldnn.enabled
+        and _onednn_linear_pays()
         and _onednn_linear_works()
     )
+
+
+@functools.cache
+def _onednn_linear_pays() -> bool:
+    """Whether oneDNN's float32 matmul is the faster one here: unless ``F.linear`` calls MKL (torch's
+    x86 builds) on an Intel CPU, where MKL runs its own code paths rather than generic ones (see
+    :func:`linear`). A CPU whose maker is unknown keeps oneDNN, as every CPU did before MKL was measured
+    on an Intel one."""
+    return not (torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel")
 
 
 @functools.cache
