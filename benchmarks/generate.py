@@ -458,6 +458,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
     ref = outs["attnlab eager forward"]
     same = {name: bool(torch.equal(o.cpu(), ref.cpu())) for name, o in outs.items()}
+    departs = departures(ours, prompt, new, ref, {name: o for name, o in outs.items() if not same[name]})
     if args.profile:
         for name in [n for n in rows if n.startswith("attnlab")]:
             slug = name.split()[1]
@@ -513,6 +514,8 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         )
     for name in rows.keys() - tps.keys():
         print(f"  {name:<24} (not timed)  same tokens: {same[name]}")
+    for name, where in departs.items():
+        print(f"  {name}: {where}")
     floor_tps = args.batch * new / (floor_ms / 1e3) if floor_ms else None
     if floor_tps:
         vs_hf = f"{floor_tps / hf_tps:5.2f}x transformers" if hf_tps else ""
@@ -522,6 +525,29 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "read_gb_s_fastest": fastest,
             "weight_bytes": nbytes, "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
             "floor_tokens_per_s": floor_tps, "load_average": os.getloadavg()[0]}  # fmt: skip
+
+
+def departures(model: GPT, prompt: torch.Tensor, new: int, ref: torch.Tensor, others: dict) -> dict[str, str]:
+    """Where each of ``others`` (name -> tokens ``(B, P + new)``) first parts from the eager tokens ``ref``,
+    and how close the eager forward's two best logits were there, in steps of the logits' dtype at that
+    value (bfloat16 keeps 8 bits: one step is 0.0625 at a logit of 10). Greedy decoders that sum in
+    another order part only where the best two are within a step or two: a tie in that dtype."""
+    if not others:
+        return {}
+    with torch.inference_mode():
+        _, logits = model.generate(prompt, new, temperature=0, fast=False, return_logits=True)  # (B, new, V)
+    found, P = {}, prompt.shape[1]
+    dtype = model.out_head.weight.dtype  # (the logits come back in float32, computed in this dtype)
+    for name, out in others.items():
+        b, t = ((out.cpu() != ref.cpu()).nonzero()[0]).tolist()
+        top = logits[b, t - P].float().topk(2).values  # the two best logits the eager forward chose from
+        step = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(top[0].abs())).item()
+        found[name] = (
+            f"parts from the eager tokens at new token {t - P} of {new} (row {b}), where the eager forward's "
+            f"best two logits ({top[0]:.4g}, {top[1]:.4g}) are {(top[0] - top[1]) / step:.0f} step(s) of "
+            f"{str(dtype).removeprefix('torch.')} apart"
+        )
+    return found
 
 
 def floor_parts(model: GPT, prompt: torch.Tensor) -> tuple:

@@ -188,3 +188,34 @@ def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
         ref = ref + linear(linear(ref, w[2])[..., : H * hd], w[6])
         ref = ref + linear(torch.nn.functional.gelu(linear(ref, w[12]), approximate="tanh"), w[14])
     torch.testing.assert_close(out, linear(ref[:, -1], model.out_head.weight))
+
+
+def test_generate_benchmark_finds_where_tokens_part_and_the_eager_gap_there():
+    """benchmarks/generate.py's ``departures``: the first new token where a decoder's tokens differ from
+    the eager ones, and the eager forward's two best logits there (those the token was chosen from),
+    counted in steps of the model's dtype; nothing for a decoder with the same tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    from attnlab.model import GPT, GPTConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", drop_rate=0.0)).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(prompt, 6, temperature=0, fast=False)
+    other = ref.clone()
+    other[1, 5 + 3] = (other[1, 5 + 3] + 1) % model.config.vocab_size  # row 1 parts at new token 3
+    other[1, 5 + 4] = (other[1, 5 + 4] + 1) % model.config.vocab_size
+    assert bench.departures(model, prompt, 6, ref, {}) == {}
+    found = bench.departures(model, prompt, 6, ref, {"other": other})
+    with torch.no_grad():  # the logits that chose new token 3 of row 1: the eager forward over what precedes it
+        top = model(ref[1:, : 5 + 3])[0, -1].topk(2).values
+    step = torch.finfo(torch.float32).eps * 2.0 ** torch.floor(torch.log2(top[0].abs())).item()
+    assert found["other"].startswith("parts from the eager tokens at new token 3 of 6 (row 1)")
+    assert f"({top[0]:.4g}, {top[1]:.4g})" in found["other"]
+    steps = float(found["other"].split(" are ")[1].split(" ")[0])
+    assert abs(steps - float((top[0] - top[1]) / step)) <= max(1.0, 1e-3 * steps)
