@@ -165,7 +165,8 @@ def packs(weight: Tensor, rows: int) -> bool:
     projections at 8 rows ran 2-3.5x faster, its head 3.4x, the ``tiny`` preset's 1.3-2x (2 threads, AMD
     Zen 4). The eager step takes the packed tensors; the compiled one plain tensors, and calls
     :func:`packed_linear`, which finds their packed copies. (One row packs too, eagerly, for a large
-    bfloat16 model and a long generation: see :func:`_packing`.)"""
+    bfloat16 model and a long generation; a small float32 model's batch does not on an Intel CPU, whose
+    MKL is faster there on the plain weights: see :func:`_packing`.)"""
     if rows < 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -217,11 +218,15 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
     ``big``: :func:`_large` of ``model``."""
     if sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2) > _PACK_MAX_BYTES:
         return False
-    if rows > 1:  # the eager step of a batch always; the compiled one for a large model
-        wanted = big or not compile
+    head = model.out_head.weight
+    if rows > 1:  # the eager step of a batch; the compiled one for a large model. A small model's float32
+        # batch only where hardware.linear multiplies float32 by oneDNN: MKL's plain few-row matmul, its kernel
+        # on an Intel CPU, beat the packed one there (the `tiny` preset's 8 rows: 8020 against 6563 tokens/s).
+        small_pays = head.dtype != torch.float32 or hardware.linear_on_onednn(head.dtype, head.device)
+        wanted = big or (not compile and small_pays)
     else:  # (bfloat16's: float32's one row reads the plain weights as fast, by hardware.linear's kernel)
         wanted = big and not compile and steps is not None and steps >= _PACK_ONE_ROW_STEPS
-        wanted = wanted and model.out_head.weight.dtype == torch.bfloat16
+        wanted = wanted and head.dtype == torch.bfloat16
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(model.out_head.weight, max(rows, 2))
