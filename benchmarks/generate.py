@@ -529,9 +529,9 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
 
 def departures(model: GPT, prompt: torch.Tensor, new: int, ref: torch.Tensor, others: dict) -> dict[str, str]:
     """Where each of ``others`` (name -> tokens ``(B, P + new)``) first parts from the eager tokens ``ref``,
-    and how close the eager forward's two best logits were there, in steps of the logits' dtype at that
-    value (bfloat16 keeps 8 bits: one step is 0.0625 at a logit of 10). Greedy decoders that sum in
-    another order part only where the best two are within a step or two: a tie in that dtype."""
+    and how close the eager forward's two best logits were there, in steps of the model's dtype at that
+    value (bfloat16 keeps 8 bits: one step is 0.0625 at a logit of 10). A greedy decoder that sums in
+    another order should part only where the best two are a step or two apart: a tie in that dtype."""
     if not others:
         return {}
     with torch.inference_mode():

@@ -520,8 +520,9 @@ class AttentionRecord:
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
     :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU other than
-    Intel's in float32, ``F.linear`` in training and everywhere else. The projections of :class:`MultiHeadAttention` and
-    :class:`attnlab.GPT`'s MLP and head. Shapes: ``(..., in_features) -> (..., out_features)``."""
+    Intel's in float32, ``F.linear`` in training and everywhere else. The projections of
+    :class:`MultiHeadAttention` and :class:`attnlab.GPT`'s MLP and head. Shapes: ``(..., in_features)
+    -> (..., out_features)``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return hardware.linear(x, self.weight, self.bias)
