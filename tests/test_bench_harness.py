@@ -151,21 +151,27 @@ def test_peak_memory_sees_the_tutorial_scores():
         harness.peak_memory_mb("tutorial", (1, 600, 96), kwargs=kw)  # longer than context_length: the child fails
 
 
+def _benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` imported as a module (its functions, not its run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
     """benchmarks/decode_breakdown.py's "matmuls alone" row claims the compiled step's form of each
     product (``_matvec(..., how)``, fused loops, ``how`` as the step's own for one row): a BLAS call
     instead once timed 48 ms against a 17 ms step, unnoticed. Its chain must ask for that form and
     compute the products right, for a small model (one sum at a time) and a large one (four at once)."""
-    import importlib.util
-    from pathlib import Path
-
     from attnlab import decoding
     from attnlab.model import GPT, GPTConfig
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_breakdown.py"
-    spec = importlib.util.spec_from_file_location("decode_breakdown", path)
-    breakdown = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(breakdown)
+    breakdown = _benchmark("decode_breakdown")
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("modern", n_layers=2, drop_rate=0.0)).eval()
     for large, expected in ((False, "reduce"), (True, "streams")):
@@ -194,15 +200,9 @@ def test_generate_benchmark_finds_where_tokens_part_and_the_eager_gap_there():
     """benchmarks/generate.py's ``departures``: the first new token where a decoder's tokens differ from
     the eager ones, and the eager forward's two best logits there (those the token was chosen from),
     counted in steps of the model's dtype; nothing for a decoder with the same tokens."""
-    import importlib.util
-    from pathlib import Path
-
     from attnlab.model import GPT, GPTConfig
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
-    spec = importlib.util.spec_from_file_location("generate_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("generate")
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", drop_rate=0.0)).eval()
     prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))

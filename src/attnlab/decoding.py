@@ -25,12 +25,13 @@ math with the work a step needs and nothing else:
   eager forward would hand the observers are built from them after the call, outside the graph.
   A batch's matmuls on the CPU (compiled or not) run on the weights prepacked once per generation for
   oneDNN (:func:`packs`; the BLAS kernel behind ``F.linear`` is several times slower at a few rows on
-  AMD CPUs), and so do one row's in the eager step of a large model over a long generation. The
-  compiled step of a batch of a model too small to pack (the ``tiny`` preset) multiplies in inductor's
-  own loops, as one row's does: a batch of up to 8 rows as one sum per row, which inductor fuses into
-  one loop reading each weight once for all rows, each row's sum in a register of its own (``tiny``'s
-  8 rows: the compiled kernel 451 -> 368 us a step, AMD Zen 4); a larger batch reads the weights,
-  which stay in the CPU's caches, once per row.
+  AMD CPUs; on an Intel CPU the eager step of a small float32 model keeps MKL's matmul on the plain
+  weights, faster there), and so do one row's in the eager step of a large bfloat16 model over a long
+  generation. The compiled step of a batch of a model too small to pack (the ``tiny`` preset)
+  multiplies in inductor's own loops, as one row's does: a batch of up to 8 rows as one sum per row,
+  which inductor fuses into one loop reading each weight once for all rows, each row's sum in a
+  register of its own (``tiny``'s 8 rows: the compiled kernel 451 -> 368 us a step, AMD Zen 4); a
+  larger batch reads the weights, which stay in the CPU's caches, once per row.
   On CUDA the whole unobserved step (embedding, RoPE, the groups, the head) is captured in one CUDA
   graph per generation and replayed per token: a step of a small model is hundreds of short
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
@@ -229,7 +230,7 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
         wanted = wanted and head.dtype == torch.bfloat16
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
-    return wanted and packs(model.out_head.weight, max(rows, 2))
+    return wanted and packs(head, max(rows, 2))
 
 
 def _large(model: nn.Module) -> bool:
@@ -347,7 +348,7 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
         return _PACKED_OP(x, w, b, "")
-    if how == "eager":  # (float32 on a CPU: oneDNN's matmul, see hardware.linear)
+    if how == "eager":  # (float32 on a CPU: oneDNN's matmul, or MKL's on an Intel CPU: see hardware.linear)
         return hardware.linear(x, w, b)
     if how not in ("rows", "reduce", "streams"):
         return F.linear(x, w, b)

@@ -231,9 +231,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         )
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")  # (F.linear is autocast's: it casts to the autocast dtype)
-        and torch.backends.mkldnn.enabled
-        and _onednn_linear_pays()
-        and _onednn_linear_works()
+        and _onednn_for_float32()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -243,13 +241,13 @@ def linear_on_onednn(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether :func:`linear` multiplies ``dtype`` tensors on ``device`` by oneDNN (where no gradient is
     wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``),
     unless ``F.linear`` calls MKL on an Intel CPU, MKL's own."""
-    return (
-        dtype == torch.float32
-        and torch.device(device).type == "cpu"
-        and torch.backends.mkldnn.enabled
-        and _onednn_linear_pays()
-        and _onednn_linear_works()
-    )
+    return dtype == torch.float32 and torch.device(device).type == "cpu" and _onednn_for_float32()
+
+
+def _onednn_for_float32() -> bool:
+    """Whether this process multiplies float32 on the CPU by oneDNN where no gradient is wanted: oneDNN
+    enabled (asked at each call, as torch does), faster here than MKL and working (both checked once)."""
+    return torch.backends.mkldnn.enabled and _onednn_linear_pays() and _onednn_linear_works()
 
 
 @functools.cache
