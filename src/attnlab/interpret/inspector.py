@@ -23,7 +23,7 @@ from attnlab.attention import AttentionRecord
 from attnlab.checks import position_window
 from attnlab.functional import attention_scores, softcap_score_mod
 from attnlab.interpret.ablation import parse_heads
-from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, next_token_probabilities
+from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens
 from attnlab.interpret.analysis import rollout as attention_rollout
 from attnlab.interpret.codec import pack
 from attnlab.interpret.playback import GenerationStep, GenerationTrace
@@ -527,17 +527,25 @@ def _steps_of_trace(
 
 def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
     """Next-token probabilities of each position's ``next_k`` likeliest tokens at every temperature of
-    :data:`TEMPERATURES` (``logits (T, V)``), through the library's sampling filter; the page applies
-    top-k and top-p to them as the filter does. ``top_ids`` (a list) is for the page's vocabulary."""
+    :data:`TEMPERATURES` (``logits (T, V)``), as the library's sampling filter computes them (the logits
+    less their maximum, divided by the temperature, softmax; within float32's rounding of
+    :func:`~attnlab.interpret.next_token_probabilities`); the page applies top-k and top-p to them as the
+    filter does. ``top_ids`` (a list) is for the page's vocabulary."""
     T, V = logits.shape
     n = min(next_k, V)
     top_ids = torch.empty(T, n, dtype=torch.long, device=logits.device)  # the same order at every temperature
     probs = torch.empty(len(TEMPERATURES), T, n, dtype=torch.float32, device=logits.device)
+    # One (chunk, V) buffer for every temperature's log-softmax, in place: a fresh softmax per temperature
+    # (allocated, then gathered from) took 0.47 s for SmolLM2's 626 positions, this 0.28 s (2 cores).
+    buf = torch.empty(min(T, NEXT_CHUNK), V, dtype=torch.float32, device=logits.device)
     for s in range(0, T, NEXT_CHUNK):  # a few positions at a time: (chunk, V) temporaries, never (T, V) ones
         chunk = logits[s : s + NEXT_CHUNK].float()  # (c, V)
         ids = top_ids[s : s + NEXT_CHUNK] = torch.topk(chunk, n, dim=-1).indices  # (c, n)
+        centred = chunk - chunk.gather(-1, ids[:, :1])  # (c, V), the maximum 0 as in the filter
+        x = buf[: len(chunk)]
         for i, t in enumerate(TEMPERATURES):
-            probs[i, s : s + NEXT_CHUNK] = next_token_probabilities(chunk, temperature=t).gather(-1, ids)
+            torch.div(centred, t, out=x)
+            probs[i, s : s + NEXT_CHUNK] = torch.log_softmax(x, dim=-1, out=x).gather(-1, ids).exp_()
     return {
         "k": n,
         "ids": pack(top_ids.int(), "i32"),
