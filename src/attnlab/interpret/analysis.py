@@ -110,10 +110,15 @@ class LogitLens:
     final_token_probs: Tensor
 
 
-# Streams (layer, position) per step of the lens: a few (512, V) blocks of logits (100 MB in float32). The
+# Streams (layer, position) per step of the lens: a (512, V) block of logits (50 MB in bfloat16). The
 # search's product reads the unembedding once a chunk: on an Intel Xeon with AMX, 512 rows took 13.5 ms where
 # 256 took 10.9, and SmolLM2's lens of 626 positions 2.55 s instead of 2.95 (768: 2.47; 1024: 2.68).
 LENS_CHUNK = 512
+# Rows of the search's (c, V) logits per pass over them (the float32 copy, the block maxima, the softmax):
+# a few MB that stay in the CPU's caches from one pass to the next, where passes over the whole chunk
+# read it from memory each time. SmolLM2's lens of 626 positions (Intel Xeon, 2 threads): whole chunks of
+# 512 rows 2.55 s; by 8 rows 2.6 s, 16 2.4, 32 2.3, 64 2.2, 128 2.25 (each pass's Python costs too).
+LENS_SUB = 64
 LENS_FINAL_CHUNK = 128  # positions per step of the lens's last row (the model's own logits, from the trace)
 LENS_CANDIDATES = 128  # tokens per position the fast search hands to the exact scoring
 LENS_SPLIT = 16  # dims of h whose bfloat16 rounding the fast search carries in extra columns
@@ -281,8 +286,9 @@ class _Search:
     ``weight (V, d + m)`` bfloat16 is ``W_c = W - mean(W)`` with the columns of ``h``'s ``m`` largest
     dimensions repeated (they multiply the rounding of ``h`` there); ``row_norm`` is ``max_j |W_c[j]|``.
     They come from :func:`_centred_unembedding` (made once per head while its weight stays the same).
-    The ``(c, V)`` logits (``c``: streams per chunk, at most the streams asked for) live in buffers
-    allocated once: a fresh 100 MB tensor per chunk costs more in page faults than the pass that fills it."""
+    The ``(c, V)`` bfloat16 logits (``c``: streams per chunk, at most the streams asked for) and the
+    ``(LENS_SUB, V)`` float32 copy of a few of their rows live in buffers allocated once: a fresh 50 MB
+    tensor per chunk costs more in page faults than the pass that fills it."""
 
     def __init__(self, model: nn.Module, trace: Trace, W: Tensor, c: int) -> None:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
@@ -291,7 +297,7 @@ class _Search:
         V = W.shape[0]
         Vp = -(-V // LENS_BLOCK) * LENS_BLOCK  # padded to whole blocks with -inf (nothing, to a softmax)
         self.narrow = torch.empty(c, V, dtype=torch.bfloat16, device=W.device)  # (c, V) the product
-        self.wide = torch.full((c, Vp), float("-inf"), dtype=torch.float32, device=W.device)  # (c, Vp)
+        self.wide = torch.full((min(c, LENS_SUB), Vp), float("-inf"), dtype=torch.float32, device=W.device)  # (sub, Vp)
 
     def rows(self, h: Tensor, W: Tensor, final: Tensor, k: int, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The lens of ``h (c, d)`` (through the final norm) as :func:`_exact_rows` returns it, the
@@ -300,25 +306,43 @@ class _Search:
         hb = h.to(torch.bfloat16)
         lo = (h - hb.to(h.dtype))[:, self.dims].to(torch.bfloat16)  # (c, m): what rounding lost there
         narrow = torch.mm(torch.cat([hb, lo], dim=1), self.weight.t(), out=self.narrow[:c])  # (c, V) centred
-        x = self.wide[:c]  # (c, Vp)
-        x[:, :V].copy_(narrow)
         # The n best in two steps: the n blocks with the largest maxima hold a top-n set (a block with
         # one of them has a maximum at least the n-th value), then the n best of those blocks' entries.
-        blocks = x.view(c, -1, LENS_BLOCK)  # (c, nb_all, 32)
-        nb = min(n, blocks.shape[1])
-        top_blocks = torch.topk(blocks.amax(-1), nb, dim=-1, sorted=False)  # (c, nb)
-        rows = top_blocks.indices + torch.arange(c, device=x.device)[:, None] * blocks.shape[1]  # (c, nb), flat view's
-        inside = blocks.reshape(-1, LENS_BLOCK).index_select(0, rows.flatten()).view(c, -1)  # (c, nb * 32) whole blocks
+        nb_all = self.wide.shape[1] // LENS_BLOCK
+        nb = min(n, nb_all)
+        top_values = torch.empty(c, nb, dtype=torch.float32, device=h.device)  # (c, nb) the best blocks' maxima
+        top_blocks = torch.empty(c, nb, dtype=torch.long, device=h.device)  # (c, nb) and their indices
+        inside = torch.empty(c, nb * LENS_BLOCK, dtype=torch.float32, device=h.device)  # (c, nb * 32) their entries
+        lse_all = torch.empty(c, 1, dtype=torch.float32, device=h.device)  # (c, 1) the normaliser of all V
+        # Every pass over the (c, V) logits (the float32 copy, the block maxima, the softmax's three) by
+        # `sub` rows at a time, which stay in the CPU's caches from one pass to the next: each pass over
+        # the whole chunk read it from memory (see LENS_SUB).
+        sub = self.wide.shape[0]
+        for s in range(0, c, sub):
+            e = min(c, s + sub)
+            x = self.wide[: e - s]  # (r, Vp), -inf past V
+            x[:, :V].copy_(narrow[s:e])
+            blocks = x.view(e - s, nb_all, LENS_BLOCK)  # (r, nb_all, 32)
+            block_max = blocks.amax(-1)  # (r, nb_all)
+            torch.topk(block_max, nb, dim=-1, sorted=False, out=(top_values[s:e], top_blocks[s:e]))
+            r = torch.arange(e - s, device=h.device)  # (r,)
+            rows = top_blocks[s:e] + r[:, None] * nb_all  # (r, nb), the flat view's
+            torch.index_select(blocks.view(-1, LENS_BLOCK), 0, rows.view(-1), out=inside[s:e].view(-1, LENS_BLOCK))
+            # The normaliser from log_softmax (in place: x is spent) at each row's largest entry.
+            j = block_max.argmax(-1)  # (r,) the block of the row's maximum
+            at = (j * LENS_BLOCK + blocks[r, j].argmax(-1))[:, None]  # (r, 1) its column
+            peak = x.gather(-1, at)  # (r, 1)
+            lse_all[s:e] = peak - torch.log_softmax(x, dim=-1, out=x).gather(-1, at)
         # Each of the n best is at least the nb-th largest block maximum (nb blocks reach it), so only the
         # entries that reach it go on to the top-n: some 130-150 of SmolLM2's 4096 (a top-n of 4096 cost more
         # than the product's copy and the block maxima together). With every block taken, all go on.
-        floor = top_blocks.values.amin(-1, keepdim=True) if nb == n else torch.full_like(x[:, :1], float("-inf"))
+        floor = top_values.amin(-1, keepdim=True) if nb == n else torch.full_like(lse_all, float("-inf"))
         kept, column = _at_least(inside, floor)  # (c, w), (c, w)
         best = torch.topk(kept, n, dim=-1)  # (c, n), the largest first
         col = column.gather(1, best.indices)  # (c, n) columns of `inside`
-        best_ids = top_blocks.indices.gather(1, col // LENS_BLOCK) * LENS_BLOCK + col % LENS_BLOCK  # (c, n)
+        best_ids = top_blocks.gather(1, col // LENS_BLOCK) * LENS_BLOCK + col % LENS_BLOCK  # (c, n)
         cand = torch.cat([best_ids, final], dim=-1)  # (c, n + 1)
-        searched = x.gather(-1, cand)  # (c, n + 1)
+        searched = narrow.gather(-1, cand).float()  # (c, n + 1), the float32 copy's values
         off = h @ self.mean  # (c,): the constant the centring leaves out
         # Nearby positions share most candidates (some 750-3200 distinct tokens for 128 positions of
         # SmolLM2): one product with those rows is cheaper than gathering (c, n + 1, d) weights.
@@ -333,8 +357,6 @@ class _Search:
         bound = (3 * u + 3 * u * u + d * 2.0**-23) * h.norm(dim=-1) * self.row_norm + 2 * u * best.values[:, -1].abs()
         ok = top.values[:, -1] > best.values[:, -1] + bound  # (c,)
         # The normaliser: the exact terms of the candidates, the searched terms of the rest.
-        at = best_ids[:, :1]  # (c, 1) the largest searched logit
-        lse_all = x.gather(-1, at) - torch.log_softmax(x, dim=-1, out=x).gather(-1, at)  # (c, 1); x is spent
         dup = (cand[:, :-1] == final).any(-1, keepdim=True)  # (c, 1): the final token among the candidates
         m = torch.maximum(lse_all, exact.amax(-1, keepdim=True))  # a common scale: no exp overflows
         last = (~dup).float()
