@@ -217,6 +217,46 @@ def test_observers_get_the_records_of_the_eager_forward(family, steps):
                 torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_rolling_caches_records_are_copies_unless_the_observer_declines(fast, steps):
+    """A rolling cache (RoPE) writes over old slots, so observers get copies of its keys, values and key
+    positions; ``observe_attention(copy_cache=False)`` hands views of the cache instead (one buffer, step
+    after step), with the same values; an observer set before that keeps its records still gets copies."""
+    from attnlab.interpret.tracing import observe_attention
+
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(5))
+
+    def run(copy_cache: bool, outer: bool = False) -> list:
+        seen = []  # layer 0's records: the tensors and their values at the call
+
+        def on(layer, r):
+            if layer == 0:
+                seen.append((r.k, r.v, r.k_positions, r.k.clone(), r.v.clone(), r.k_positions.clone()))
+
+        att = model.trf_blocks[0].att
+        att.observer = (lambda m, r: None) if outer else None
+        try:
+            with observe_attention(model, on, copy_cache=copy_cache):
+                model.generate(idx, 6, temperature=0, fast=fast)
+        finally:
+            att.observer = None
+        return seen
+
+    def buffers(seen) -> set:
+        return {t.untyped_storage().data_ptr() for rec in seen[1:] for t in rec[:3]}  # (the decoding steps)
+
+    copies, views, outer = run(True), run(False), run(False, outer=True)
+    assert len(copies) == len(views) == 6 and steps[0] == (3 * 5 if fast else 0)  # 5 decoding steps a run
+    for a, b in zip(copies, views, strict=True):
+        for x, y in zip(a[3:], b[3:], strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=0)
+    assert len(buffers(views)) == 3  # the cache's keys, values and positions, step after step
+    assert len(buffers(copies)) == len(buffers(outer)) == 3 * 5  # a copy of each at each step
+    with pytest.raises(TypeError, match="copy_cache"), observe_attention(model, lambda layer, r: None, copy_cache="no"):
+        pass
+
+
 def test_lora_runs_eager_and_merged_weights_run_fast(steps):
     from attnlab.training.lora import LoRASettings, apply_lora, merge_lora
 

@@ -64,6 +64,7 @@ __all__ = [
     "OffsetRMSNorm",
     "SelfAttention_v1",
     "SelfAttention_v2",
+    "wants_cache_copies",
 ]
 
 
@@ -517,6 +518,13 @@ class AttentionRecord:
     softcap: float | None = None
 
 
+def wants_cache_copies(observer: Callable) -> bool:
+    """Whether an attention ``observer`` may keep its records: then a rolling cache's keys, values and key
+    positions reach it as copies, not views of slots the next step overwrites. An observer declines with an
+    attribute ``copy_cache = False`` (:func:`attnlab.interpret.observe_attention`'s ``copy_cache``)."""
+    return getattr(observer, "copy_cache", True) is not False
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
     :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU other than
@@ -856,8 +864,8 @@ class MultiHeadAttention(_DropsTutorialMask):
         if observed:
             if window is not None:  # the record's mask holds everything besides plain causality
                 mask = combine_masks(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
-            if kv_cache is not None and kv_cache.rolling:  # views of slots the next steps overwrite
-                k, v, k_pos = k.clone(), v.clone(), k_pos.clone()
+            if kv_cache is not None and kv_cache.rolling and wants_cache_copies(self.observer):
+                k, v, k_pos = k.clone(), v.clone(), k_pos.clone()  # views of slots the next steps overwrite
             record = AttentionRecord(q, k, v, mask, is_causal, self.scale, weights, heads, q_pos, k_pos, self.softcap)
             self.observer(self, record)
         out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.inner_dim))  # (b, n, d_out)

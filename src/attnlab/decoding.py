@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from attnlab import hardware
-from attnlab.attention import AttentionRecord, Linear
+from attnlab.attention import AttentionRecord, Linear, wants_cache_copies
 from attnlab.checks import autocast_on
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
@@ -827,7 +827,7 @@ class FastDecoder:
                 if mask is None:
                     mask = masks[window, sinks, S] = causal_mask(1, S, window=window, sinks=sinks, device=q.device)
             k_pos = cache.positions[:, :S] if has_positions else None
-            if cache.rolling:  # views of slots the next steps overwrite
+            if cache.rolling and wants_cache_copies(observer):  # views of slots the next steps overwrite
                 keys, values, k_pos = keys.clone(), values.clone(), k_pos.clone()
             q_pos = at if has_positions else None
             record = AttentionRecord(q, keys, values, mask, True, att.scale, weights, heads, q_pos, k_pos, att.softcap)
