@@ -257,6 +257,44 @@ def test_a_rolling_caches_records_are_copies_unless_the_observer_declines(fast, 
         pass
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "phi3-window", "nope"])
+def test_an_observer_of_the_last_query_gets_that_row_of_the_eager_records(family):
+    """``observe_attention(last_query=True)``: each pass's records hold the last query's weights ``(b, H,
+    1, S)`` (a padded batch: masks, windows, GQA, rolling caches), equal to that row of the full records,
+    and the pass's output is the same; an observer set before that reads every row keeps its full ones."""
+    from attnlab.interpret.tracing import observe_attention
+
+    model = make(FAMILIES[family])
+    idx = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False  # left padding: the prompt's mask reaches the records
+
+    def run(last_query: bool, outer: bool = False):
+        records = []
+        att = model.trf_blocks[0].att
+        att.observer = (lambda m, r: None) if outer else None
+        try:
+            with observe_attention(model, lambda layer, r: records.append(r), last_query=last_query):
+                out = model.generate(idx, 4, temperature=0, attention_mask=mask, return_logits=True, fast=False)
+        finally:
+            att.observer = None
+        return out, records
+
+    (ids, logits), full = run(False)
+    (ids_row, logits_row), rows = run(True)
+    assert torch.equal(ids_row, ids)
+    torch.testing.assert_close(logits_row, logits, rtol=1e-12, atol=1e-12)
+    assert len(rows) == len(full) and full[0].weights.shape[2] == 9  # the prompt's pass first
+    for a, b in zip(full, rows, strict=True):
+        assert b.weights.shape[2] == 1
+        torch.testing.assert_close(b.weights, a.weights[:, :, -1:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b.head_outputs, a.head_outputs, rtol=1e-12, atol=1e-12)
+    _, outer = run(True, outer=True)
+    assert outer[0].weights.shape[2] == 9 and outer[1].weights.shape[2] == 1  # layer 0 keeps its rows
+    with pytest.raises(TypeError, match="last_query"), observe_attention(model, lambda layer, r: None, last_query=1):
+        pass
+
+
 def test_lora_runs_eager_and_merged_weights_run_fast(steps):
     from attnlab.training.lora import LoRASettings, apply_lora, merge_lora
 

@@ -107,7 +107,7 @@ def trace_generation(
         if layer == 0:
             offsets.append(_key_offsets(record))
 
-    with observe_attention(model, on_record, copy_cache=False):  # (on_record copies what it keeps)
+    with observe_attention(model, on_record, copy_cache=False, last_query=True):  # (it keeps copies of last rows)
         if caches is not None:  # (only for at least one new token: see _seeded_caches; resume checks it)
             tokens, logits = resume(
                 model, idx, caches, _prefill_logits(model, prefix), max_new_tokens, sampling, generator

@@ -680,8 +680,10 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
     Call with the engine's lock held (the observers live on the model meanwhile)."""
     records: list[tuple[int, AttentionRecord]] = []
-    # copy_cache=False: the records are read below, before the next step writes the caches again.
-    with observe_attention(model, lambda layer, record: records.append((layer, record)), copy_cache=False):
+    # copy_cache=False: the records are read below, before the next step writes the caches again; and
+    # only the last query's weights (a prompt's pass attends fused).
+    keep = lambda layer, record: records.append((layer, record))
+    with observe_attention(model, keep, copy_cache=False, last_query=True):
         step = next(run.tokens, None)  # (token (B,), the logits it was drawn from (B, V))
     if step is None:
         return None
