@@ -818,3 +818,27 @@ def test_a_modern_gpt_rolling_cache_generation_and_page():
     assert torch.equal(lens.tokens[-1, 0, :, 0], tr.logits[0].argmax(-1))
     data = read_page_data(render_page(inspector_data(tr, generation=got)))
     assert data["generation"]["steps"][-1]["key_index"] == got.steps[-1].key_index[0].tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    sampling=st.sampled_from(
+        [dict(temperature=0.0), dict(temperature=0.7, top_k=3), dict(temperature=1.0, top_p=0.5), dict(temperature=1.3)]
+    ),
+)
+def test_candidates_are_the_likeliest_tokens_then_the_runners_up(seed, sampling):
+    """A generation step's candidates: the probabilities a top-k of the distribution gives (the likeliest
+    first), and the tokens the filter leaves at zero (greedy's all but one) by logit, not arbitrary zeros."""
+    from attnlab.interpret.playback import top_candidates
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+    probs = SamplingConfig(**sampling).probabilities(logits)  # (3, 40)
+    ids, p = top_candidates(logits, probs, 10)
+    assert torch.equal(p, probs.gather(-1, ids))
+    torch.testing.assert_close(p, torch.topk(probs, 10).values, rtol=0, atol=0)
+    chosen = logits.gather(-1, ids)  # (3, 10)
+    assert (chosen.diff(dim=-1) <= 0).all()  # by logit
+    left = torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, False)
+    assert (chosen[:, -1] >= logits.masked_fill(~left, float("-inf")).amax(-1)).all()  # none better left out
+    assert torch.equal(ids[:, 0], logits.argmax(-1))

@@ -23,7 +23,7 @@ from attnlab.checks import positive_int
 from attnlab.generation import SamplingConfig, generate, resume
 from attnlab.interpret.tracing import Trace, observe_attention
 
-__all__ = ["GenerationStep", "GenerationTrace", "trace_generation"]
+__all__ = ["GenerationStep", "GenerationTrace", "top_candidates", "trace_generation"]
 
 
 @dataclass
@@ -39,7 +39,8 @@ class GenerationStep:
             order, unless a cache keeps its keys in another order (a rolling cache).
         weights: ``(L, B, H, S)`` the attention of the query that produced the token (the previous
             token's) over those keys.
-        candidates: ``(B, k)`` the most likely tokens after temperature/top-k/top-p, and
+        candidates: ``(B, k)`` the most likely tokens after temperature/top-k/top-p (:func:`top_candidates`:
+            those the filter leaves out, at probability zero, by how close they came), and
         probs: ``(B, k)`` their probabilities (zero outside the filter; one-hot when greedy).
         token_prob: ``(B,)`` the probability of the chosen token.
     """
@@ -136,7 +137,7 @@ def trace_generation(
     for s in range(new):
         weights = torch.stack([w for _, w in calls[s * n_layers : (s + 1) * n_layers]])  # (L, B, H, S)
         probs = sampling.probabilities(logits[:, s])  # (B, V)
-        top = torch.topk(probs, min(candidates, probs.shape[-1]), dim=-1)
+        ids, top_probs = top_candidates(logits[:, s], probs, candidates)
         token = tokens[:, T + s]
         S = weights.shape[-1]
         if offsets[s] is None:  # keys in order, ending at the query: indices key_start .. T + s - 1
@@ -150,12 +151,22 @@ def trace_generation(
                 key_start=T + s - S,
                 key_index=key_index,
                 weights=weights,
-                candidates=top.indices,
-                probs=top.values,
+                candidates=ids,
+                probs=top_probs,
                 token_prob=probs.gather(-1, token[:, None]).squeeze(-1),
             )
         )
     return GenerationTrace(tokens, T, sampling, steps)
+
+
+def top_candidates(logits: Tensor, probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` likeliest next tokens ``(B, k)`` of ``logits (B, V)`` and their probabilities ``(B, k)``
+    under ``probs (B, V)``, the distribution the token was drawn from. Ordered by logit, which orders
+    them as the probabilities do (the softmax keeps the logits' order, and top-k and top-p keep the
+    best logits) and orders the tokens those leave at probability zero, greedy's all but one, by how
+    close they came: the runners-up, not whichever zeros a top-k of the probabilities returned."""
+    ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices  # (B, k)
+    return ids, probs.gather(-1, ids)
 
 
 def _seeded_caches(model: nn.Module, prefix: Trace | None, idx: Tensor, new: int) -> list | None:

@@ -68,7 +68,7 @@ from attnlab.interpret import (
     trace,
 )
 from attnlab.interpret.inspector import generation_step_data
-from attnlab.interpret.playback import GenerationStep
+from attnlab.interpret.playback import GenerationStep, top_candidates
 from attnlab.tools.loading import LoadedModel
 
 __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageModel"]
@@ -507,8 +507,8 @@ class Engine:
             probs = next_token_probabilities(
                 logits[None], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
             )[0]
-            top = torch.topk(probs, min(k, probs.shape[-1]))
-            return top.indices.tolist(), top.values.tolist()
+            top, top_probs = top_candidates(logits[None], probs[None], k)  # (1, k) x2
+            return top[0].tolist(), top_probs[0].tolist()
 
         top_ids, probs = self.run(work)
         return {
@@ -692,7 +692,7 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
     weights = torch.stack([r.weights[:, :, -1].float() for r in last])  # (L, B, H, S)
     probs = run.sampling.probabilities(logits.float())  # (B, V): what the token was drawn from
-    top = torch.topk(probs, min(run.candidates, probs.shape[-1]), dim=-1)
+    candidates, candidate_probs = top_candidates(logits, probs, run.candidates)  # (B, k) x2
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
     first = last[0]
@@ -707,7 +707,7 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
         key_start=position - S,
         key_index=key_index,
         weights=weights,
-        candidates=top.indices,
-        probs=top.values,
+        candidates=candidates,
+        probs=candidate_probs,
         token_prob=probs.gather(-1, token[:, None]).squeeze(-1),
     )
