@@ -507,7 +507,7 @@ class Engine:
             probs = next_token_probabilities(
                 logits[None], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
             )[0]
-            top, top_probs = top_candidates(logits[None], probs[None], k)  # (1, k) x2
+            top, top_probs = top_candidates(logits[None].float(), probs[None], k)  # (1, k) x2
             return top[0].tolist(), top_probs[0].tolist()
 
         top_ids, probs = self.run(work)
@@ -691,7 +691,8 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     L = len(model.trf_blocks)
     last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
     weights = torch.stack([r.weights[:, :, -1].float() for r in last])  # (L, B, H, S)
-    probs = run.sampling.probabilities(logits.float())  # (B, V): what the token was drawn from
+    logits = logits.float()  # (B, V), as trace_generation's (ties among bfloat16 logits in one order)
+    probs = run.sampling.probabilities(logits)  # (B, V): what the token was drawn from
     candidates, candidate_probs = top_candidates(logits, probs, run.candidates)  # (B, k) x2
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
