@@ -328,11 +328,10 @@ class _Search:
             r = torch.arange(e - s, device=h.device)  # (r,)
             rows = top_blocks[s:e] + r[:, None] * nb_all  # (r, nb), the flat view's
             torch.index_select(blocks.view(-1, LENS_BLOCK), 0, rows.view(-1), out=inside[s:e].view(-1, LENS_BLOCK))
-            # The normaliser from log_softmax (in place: x is spent) at each row's largest entry.
+            # The normaliser at each row's largest entry (x is spent: its log-softmax in place).
             j = block_max.argmax(-1)  # (r,) the block of the row's maximum
             at = (j * LENS_BLOCK + blocks[r, j].argmax(-1))[:, None]  # (r, 1) its column
-            peak = x.gather(-1, at)  # (r, 1)
-            lse_all[s:e] = peak - torch.log_softmax(x, dim=-1, out=x).gather(-1, at)
+            lse_all[s:e] = _logsumexp(x, at, spend=True)
         # Each of the n best is at least the nb-th largest block maximum (nb blocks reach it), so only the
         # entries that reach it go on to the top-n: some 130-150 of SmolLM2's 4096 (a top-n of 4096 cost more
         # than the product's copy and the block maxima together). With every block taken, all go on.
