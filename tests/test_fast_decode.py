@@ -161,10 +161,20 @@ def test_hooks_and_forward_hooks_run_eager(steps):
     assert torch.equal(model.generate(idx, 6, temperature=0), ref) and steps[0] == 5
 
 
-@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook"])
-def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, steps):
+@pytest.mark.parametrize(
+    "kind, compile",
+    [
+        ("pre_hook", False),
+        ("hook", False),
+        ("attnlab_hook", False),
+        pytest.param("attnlab_hook", True, marks=pytest.mark.slow),
+    ],
+)
+def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, compile, steps):
     """FastDecoder.fits checks each step for hooks set since the generation started (on any module,
-    torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook."""
+    torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook.
+    Compiled, greedy steps run ahead in chunks: those after the hook are taken back (the caches rewound)
+    and run again by the eager forward."""
     import contextlib
 
     from attnlab.interpret.hooks import hooks
@@ -181,18 +191,26 @@ def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kin
         else:
             stack.enter_context(hooks(model, {"blocks.1.hook_mlp_out": lambda x, hook: 0 * x}))
 
-    def run(fast: bool) -> list[int]:
-        out = []
+    def run(fast: bool, compile: bool = False) -> tuple[list[int], torch.Tensor]:
+        out, logits = [], []
         with contextlib.ExitStack() as stack:
-            for i, token in enumerate(model.stream(idx, 8, temperature=0, fast=fast)):
+            stream = model.stream(idx, 8, temperature=0, fast=fast, compile=compile, with_logits=True)
+            for i, (token, step_logits) in enumerate(stream):
                 out.append(token.tolist())
+                logits.append(step_logits)
                 if i == 2:
                     add(stack)
-        return out
+        return out, torch.stack(logits)
 
-    fast = run(True)
-    assert steps[0] == 2  # tokens 2 and 3 (the first comes from the prefill); none after the hook
-    assert fast == run(False)
+    fast, fast_logits = run(True, compile)
+    # tokens 2 and 3 (the first comes from the prefill); none after the hook. (A chunk: its steps for
+    # tokens 2 to 5, the last two taken back.)
+    assert steps[0] == (decoding._CHUNK if compile else 2)
+    ref, ref_logits = run(False)
+    assert fast == ref
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-9, atol=1e-9)
+    unhooked = model.generate(idx, 8, temperature=0, return_logits=True)[1]  # (1, 8, V)
+    assert not torch.allclose(ref_logits[3:].float(), unhooked[0, 3:, None])  # (the hook changed the logits)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "olmo2"])
@@ -355,16 +373,78 @@ def test_bad_switches_are_type_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["smollm2-like", "gpt2"])
-def test_the_compiled_step_equals_the_eager_forward(family, steps):
-    """One compiled layer function (and head) over the whole preallocated cache, in float64."""
+@pytest.mark.parametrize(
+    "family, chunk",
+    [("smollm2-like", 1), ("gpt2", 1)] + [(f, decoding._CHUNK) for f in ("smollm2-like", "gpt2", "gemma", "neox")],
+)
+def test_the_compiled_step_equals_the_eager_forward(family, chunk, steps, monkeypatch):
+    """One compiled layer function (and head) over the whole preallocated cache, in float64: a step a
+    call, or (a small model's greedy decoding on a CPU) ``chunk`` steps a call, each step's token the
+    argmax of its logits (the last call's steps after the 11th unused). Chunks of every way of making
+    the first block's input: learned positions (GPT-2), RoPE, partial (NeoX), the embedding's scale
+    (Gemma, whose offset RMSNorm computes in float32, as the eager forward's does: to float32's rounding)."""
+    monkeypatch.setattr(decoding, "_CHUNK", chunk)
     model = make(FAMILIES[family])
     for B in (1, 2):
         idx = torch.randint(0, BASE["vocab_size"], (B, 5))
         ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
         compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
-        assert_same(ref, compiled, tol=1e-9)
-    assert steps[0] == 2 * 11
+        assert_same(ref, compiled, tol=1e-5 if family == "gemma" else 1e-9)
+    assert steps[0] == 2 * -(-11 // chunk) * chunk
+
+
+def test_greedy_decoding_runs_in_chunks_on_a_small_models_compiled_cpu_step(monkeypatch):
+    """Chunks (several steps a compiled call) where the steps are short: a small model, compiled, on a
+    CPU, its layers one call; else a step a call."""
+    model = make(FAMILIES["llama-gqa"])
+    caches = model.new_kv_caches(2, 16)
+    assert decoding.FastDecoder(model, caches, compile=True).chunk == decoding._CHUNK > 1
+    assert decoding.FastDecoder(model, caches).chunk == 1
+    monkeypatch.setattr(decoding, "_GROUP", 2)  # three layers: two calls a step
+    assert decoding.FastDecoder(model, caches, compile=True).chunk == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)  # a large model: its steps read the weights for long
+    assert decoding.FastDecoder(model, caches, compile=True).chunk == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["olmo2", "modern"])
+def test_greedy_chunks_stop_where_the_eager_forward_stops(family, steps):
+    """A small model's greedy steps in chunks, with stop ids: a row that stops inside a chunk emits the
+    first stop id from then on (and is fed it), and the generation ends inside a chunk once every row
+    has stopped: the eager forward's tokens and logits, in float64."""
+    model = make(FAMILIES[family])
+    idx = torch.randint(0, BASE["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(8))
+    free = model.generate(idx, 16, temperature=0, fast=False)[:, 5:]  # (3, 16): without stop ids
+    stop = (int(free[0, 2]), int(free[1, 9]), int(free[2, 9]))  # row 0 inside the first chunk
+    ref = model.generate(idx, 16, temperature=0, eos_id=stop, return_logits=True, fast=False)
+    got = model.generate(idx, 16, temperature=0, eos_id=stop, return_logits=True, compile=True)
+    assert_same(ref, got, tol=1e-9)
+    new = ref[0].shape[1] - 5
+    assert new < 16 and bool((ref[0][:, 8:] == stop[0]).any())  # it ended early; a row emits the first stop id
+    assert steps[0] == -(-(new - 1) // decoding._CHUNK) * decoding._CHUNK  # every step in a chunk
+
+
+@pytest.mark.slow
+def test_nan_logits_inside_a_chunk_raise_at_their_step(steps):
+    """A step inside a chunk whose logits are NaN (a NaN in the position of the 7th new token, which the
+    8th comes from):
+    the tokens before it come, then the ValueError of the eager forward's generation at the same step."""
+    model = make(FAMILIES["gpt2"])
+    with torch.no_grad():
+        model.pos_emb.weight[11] = float("nan")  # a 5-token prompt: the 7th new token's position
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(9))
+
+    def run(**kw) -> list:
+        got = []
+        with pytest.raises(ValueError, match="NaN"):
+            for token in model.stream(idx, 12, temperature=0, **kw):
+                got.append(token.tolist())
+        return got
+
+    got = run(compile=True)
+    assert got == run(fast=False) and len(got) == 7
+    assert steps[0] == 2 * decoding._CHUNK  # (the second chunk holds the NaN step)
 
 
 @pytest.mark.slow

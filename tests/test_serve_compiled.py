@@ -32,16 +32,22 @@ LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
 
 @pytest.fixture
 def compiled_steps(monkeypatch):
-    """The compiled steps the model thread ran (a spy on FastDecoder._compiled_step; the compiling
-    thread's own steps are not counted: they run before the spy is read)."""
+    """The compiled steps the model thread ran (a spy on FastDecoder._compiled_step, and on greedy_steps:
+    each call its ``chunk`` steps; the compiling thread's own steps are not counted: they run before the
+    spy is read)."""
     count = [0]
-    step = decoding.FastDecoder._compiled_step
+    step, greedy_steps = decoding.FastDecoder._compiled_step, decoding.FastDecoder.greedy_steps
 
     def spy(self, *args):
         count[0] += 1
         return step(self, *args)
 
+    def chunk_spy(self, *args):
+        count[0] += self.chunk
+        return greedy_steps(self, *args)
+
     monkeypatch.setattr(decoding.FastDecoder, "_compiled_step", spy)
+    monkeypatch.setattr(decoding.FastDecoder, "greedy_steps", chunk_spy)
     return count
 
 
@@ -98,6 +104,7 @@ def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
     messages = [{"role": "user", "content": "Jack Gisburn?"}]
     answers = []
     for e in (plain, engine):
+        before = counters["stats"]["unique_graphs"]
         run = start_chat(e, messages, 10, temperature=0.0)
         while advance_chat(e, run) is not None:
             pass
@@ -105,6 +112,8 @@ def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
         answers.append((run.answer_ids, run.end_reason))
     assert answers[0] == answers[1] and len(answers[0][0]) > 0
     assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
+    # The model is small: its greedy answer ran steps in chunks, compiled ahead (for the model's stop ids).
+    assert counters["stats"]["unique_graphs"] == before
 
 
 @pytest.mark.slow
@@ -164,7 +173,7 @@ def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_pat
 
     second_checking = threading.Event()
 
-    def fail(self, observed=False):
+    def fail(self, *args):
         second_checking.wait(30)
         raise ZeroDivisionError("division by zero")
 
@@ -195,7 +204,7 @@ def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_pat
 def test_a_failed_compilation_leaves_the_fast_path(tmp_path, monkeypatch, capsys):
     """No C++ compiler, say: one warning line, the stats say so, and generations stream on the fast path."""
 
-    def fail(self, observed=False):
+    def fail(self, *args):
         raise RuntimeError("no C++ compiler found\nsecond line")
 
     monkeypatch.setattr(decoding.FastDecoder, "precompile", fail)

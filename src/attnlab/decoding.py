@@ -32,6 +32,10 @@ math with the work a step needs and nothing else:
   which inductor fuses into one loop reading each weight once for all rows, each row's sum in a
   register of its own (``tiny``'s 8 rows: the compiled kernel 451 -> 368 us a step, AMD Zen 4); a
   larger batch reads the weights, which stay in the CPU's caches, once per row.
+  On a CPU a small model's greedy decoding (the ``tiny`` preset) runs :data:`_CHUNK` steps to a compiled
+  call (:meth:`FastDecoder.greedy_steps`): the embedding, each step's argmax and the stop ids inside the
+  graph, the logits checked once a call; a hook or observer set between the tokens takes back the steps
+  run ahead (:meth:`FastDecoder.rewind`).
   On CUDA the whole unobserved step (embedding, RoPE, the groups, the head) is captured in one CUDA
   graph per generation and replayed per token: a step of a small model is hundreds of short
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
@@ -78,6 +82,12 @@ _ROWS = 8
 # reduction kernel spreads each sum over many threads already. Not for a small model, whose weights
 # stay in the caches: the `tiny` preset's one prompt ran 0.96-0.97x so, in process.
 _STREAMS = 4
+# The compiled step of a small model on a CPU (not _large: its weights stay in the CPU's caches) runs greedy
+# decoding this many steps to a call (FastDecoder.greedy_steps): each call costs Dynamo's guards,
+# inductor's wrapper and the loop's Python between steps (the argmax, the logits' check, some 0.3 ms
+# with the step's inputs), as much as the `tiny` preset's kernel itself (0.4 ms for 8 rows). 4: a step
+# 0.71 -> 0.55 ms, its compilation 4 -> 12 s (8: 0.54 ms, 50 s; Xeon with AMX, 2 threads).
+_CHUNK = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +253,8 @@ def _batch_products(large: bool, packed: bool, cpu: bool) -> str:
     ``packed`` weights; on a CPU, a model too small to pack (not ``large``, :func:`_large`) in inductor's
     loops (``"reduce"``; up to :data:`_ROWS` rows one sum per row, see :func:`_how`), whose weights stay
     in the CPU's caches while each row reads them, where MKL's few-row matmul reads them slower (the
-    ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4);
+    ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4; on an Intel Xeon, where MKL's kernels are
+    Intel's own, 4 greedy steps in one call, :data:`_CHUNK`, took 2.29 ms against 2.33 by ``F.linear``);
     else the matmul (a GPU's; a large model's, whose weights each row would read from memory again,
     where oneDNN is missing)."""
     if packed:
@@ -517,6 +528,45 @@ def _layers(
     return x if head is None else _head(x, *head, True)
 
 
+def _greedy_steps(
+    token: Tensor,
+    finished: Tensor,
+    stop: Tensor | None,
+    embed: tuple,
+    ropes: list,
+    slot: Tensor,
+    group: tuple,
+    head: tuple,
+    n: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``n`` greedy decoding steps from ``token (B,)`` at position ``slot`` (a 0-d int64 tensor),
+    each step's token the argmax of its logits fed to the next (the compiled chunk of a small model: one
+    call, one graph). A row ``finished (B,)`` (it produced one of the ``stop`` ids) keeps emitting the first,
+    as :func:`attnlab.generation.next_tokens` does. ``embed``: the token embedding's weight, the embedding
+    scale (a 0-d tensor or None) and the learned positions' rows ``(1, n, C)`` (or None); ``ropes``:
+    each layer's RoPE at the chunk's positions ``(1, 1, n, rd)`` (or ``(None, None)``); ``group``:
+    :func:`_layers`'s caches, weights and specs; ``head``: :func:`_head`'s arguments after ``x``.
+    Returns each step's tokens ``(B, n)``, finished rows after it ``(B, n)`` and logits ``(B, n, V)``."""
+    emb, scale, pos_rows = embed
+    tokens, done, logits = [], [], []
+    for j in range(n):
+        x = F.embedding(token.view(-1, 1), emb)  # (B, 1, C)
+        if scale is not None:
+            x = x * scale
+        if pos_rows is not None:
+            x = x + pos_rows[:, j : j + 1]
+        rope = [(c, s) if c is None else (c[:, :, j : j + 1], s[:, :, j : j + 1]) for c, s in ropes]
+        step = _layers(x, rope, *group[:3], slot + j, *group[3:], head)  # (B, V)
+        token = step.argmax(dim=-1)  # (B,): greedy
+        if stop is not None:
+            token = token.masked_fill(finished, stop[0])
+            finished = finished | (token[:, None] == stop).any(dim=-1)
+        tokens.append(token)
+        done.append(finished)
+        logits.append(step)
+    return torch.stack(tokens, 1), torch.stack(done, 1), torch.stack(logits, 1)
+
+
 def _observed_layers(*args: Any) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:
     """:func:`_layers`, and each layer's ``(q, weights, head outputs)`` of the new query (see
     :func:`_layer`), from which the step builds its observers' records after the call. A function of
@@ -565,7 +615,8 @@ class FastDecoder:
         # (which calls packed_linear).
         large = _large(model)  # (a walk over the parameters: once)
         pack = _packing(model, rows, compile, steps, large)
-        self.batch = _batch_products(large, pack and compile, caches[0].keys.device.type == "cpu")
+        cpu = caches[0].keys.device.type == "cpu"
+        self.batch = _batch_products(large, pack and compile, cpu)
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
@@ -606,6 +657,10 @@ class FastDecoder:
         self.cuda_graph = compile and caches[0].keys.is_cuda
         self.graph = None
         self.head_fn = _compiled(_head) if compile else None
+        # Greedy steps a compiled call (greedy_steps): a small model on a CPU, whose steps are short (a
+        # GPU's are captured in a CUDA graph; a large model's steps read its weights for milliseconds).
+        self.chunk = _CHUNK if compile and cpu and not large and len(model.trf_blocks) <= _GROUP else 1
+        self.chunk_fn = _compiled(_greedy_steps) if self.chunk > 1 else None
         # The compiled step's calls: groups of up to _GROUP layers (one call each; the last one ends with
         # the head), with the arguments that stay the same from step to step.
         L = len(self.layers)
@@ -663,16 +718,19 @@ class FastDecoder:
             *nb(block.post_norm2),
         )
 
-    def fits(self) -> bool:
-        """Whether the next step may run here: a free slot within every layer's window in every cache, or
-        a rolling cache no longer than the window (past it, only without observers), so attention
-        covers exactly the filled slots; and no hook set on the model since (those run the eager forward)."""
+    def fits(self, steps: int = 1) -> bool:
+        """Whether the next ``steps`` steps may run here: a free slot within every layer's window in every
+        cache, or (one step) a rolling cache no longer than the window (past it, only without observers),
+        so attention covers exactly the filled slots; and no hook set on the model since (those run the
+        eager forward)."""
         if not _plain_modules(self.hook_dicts, self.hookable):
             return False
         # (a free slot, and within the window: seen < max_length and seen + 1 <= window; or a ring)
-        past = [cache.seen >= limit for cache, limit in zip(self.caches, self.limits, strict=True)]
+        past = [cache.seen + steps > limit for cache, limit in zip(self.caches, self.limits, strict=True)]
         if not any(past):
             return True
+        if steps > 1:
+            return False
         # Past a limit: rings only, and no observer (its record would need the eager forward's mask
         # and positions of a ring out of order).
         return all(ring for ring, p in zip(self.rings, past, strict=True) if p) and all(
@@ -701,6 +759,40 @@ class FastDecoder:
             x = _layer(x, cos, sin, cache.keys, cache.values, slot, w, spec, False, observe, filled=min(pos + 1, M))
             cache.seen, cache.length = pos + 1, min(pos + 1, M)
         return _head(x, nw, nb, head, self.norm, cap, False, False)  # (B, V)
+
+    def unobserved(self) -> bool:
+        """No hook and no attention observer set on the model: what :meth:`greedy_steps` needs (its steps
+        run ahead, in one call, with no record)."""
+        return _plain_modules(self.hook_dicts, self.hookable) and all(att.observer is None for att in self.atts)
+
+    def rewind(self, steps: int) -> None:
+        """Take back the last ``steps`` steps of :meth:`greedy_steps` (not yet used: a hook came): the
+        caches end where those steps began, the next step overwrites their slots."""
+        for cache in self.caches:
+            cache.length = cache.seen = cache.seen - steps
+
+    def greedy_steps(self, token: Tensor, finished: Tensor, stop: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """:attr:`chunk` greedy steps in one compiled call (a small model on a CPU; call where
+        ``fits(chunk)`` and :meth:`unobserved` hold), the first fed ``token (B,)``: each step's tokens
+        ``(B, chunk)``, the rows ``finished`` after it ``(B, chunk)`` (a row that produced one of the
+        ``stop`` ids keeps emitting the first; ``finished (B,)``, before the first step, is not changed)
+        and its logits ``(B, chunk, V)``, unchecked. The caches advance by ``chunk`` slots: a generation
+        that ends inside a chunk leaves its caches holding the steps after its last token."""
+        pos, n = self.caches[0].seen, self.chunk
+        model, cfg = self.model, self.cfg
+        emb = model.tok_emb.weight
+        at = torch.arange(pos, pos + n, device=token.device).view(1, n)  # (1, chunk)
+        scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=emb.dtype)
+        pos_rows = F.embedding(at, model.pos_emb.weight) if cfg.pos == "learned" else None  # (1, chunk, C)
+        (_, *group), nw, nb, head, cap = self.groups[0], *self.head
+        slot = torch.tensor(pos, device=token.device)
+        out = self.chunk_fn(
+            token, finished, stop, (emb, scale, pos_rows), self._ropes(at, emb.dtype), slot, group,
+            (nw, nb, head, self.norm, cap, self.batch), n,
+        )  # fmt: skip
+        for cache in self.caches:
+            cache.length = cache.seen = pos + n
+        return out
 
     def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, list]:
         """The first block's input ``x (B, 1, C)`` for ``token (B,)`` at position ``at (1, 1)`` and each
@@ -793,19 +885,26 @@ class FastDecoder:
         self.graph.replay()
         return self.graph_logits.clone()  # the next replay overwrites the graph's output
 
-    def precompile(self, observed: bool = False) -> None:
+    def precompile(self, observed: bool = False, stop_ids: tuple[int, ...] = ()) -> None:
         """Compile the step for this decoder's shapes (its batch, its caches' slots, the model's dtype)
         now: the ``observed`` variant (the one that serves observers) or the plain one. One step on this
         decoder's caches, which must be new ones of its own: they are reset afterwards. No module of the
         model is called and nothing on it changes (its weights are read): a server compiles on a thread
         of its own while its model thread answers requests. Run it in the grad mode the generation will
         run in (``torch.inference_mode()``, as generation's steps do), with caches made in it too
-        (the compiled code's guards check both). (No CUDA graph: that is captured by each generation.)"""
+        (the compiled code's guards check both). (No CUDA graph: that is captured by each generation.)
+        A decoder whose greedy decoding runs :attr:`chunk` steps to a call compiles that call too, for
+        generations that stop at ``stop_ids`` (each set of them is a graph of its own)."""
         if not self.compile:
             raise ValueError("precompile needs a FastDecoder made with compile=True")
         device = self.caches[0].keys.device
         token = torch.zeros(self.caches[0].keys.shape[0], dtype=torch.long, device=device)  # (B,)
         self._static_step(token, torch.zeros((), dtype=torch.long, device=device), observed)
+        if self.chunk > 1 and not observed and self.fits(self.chunk):  # (greedy decoding's calls too)
+            for cache in self.caches:
+                cache.reset()
+            stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None
+            self.greedy_steps(token, torch.zeros_like(token, dtype=torch.bool), stop)
         for cache in self.caches:
             cache.reset()
 

@@ -29,6 +29,7 @@ padded row generates exactly what it would alone.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -277,12 +278,14 @@ def _steps(
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     cur = T  # tokens in `out` so far
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
+    ahead: deque[tuple[Tensor, Tensor, Tensor, bool]] = deque()  # steps a greedy chunk computed, not yet yielded
 
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
         if fast and supported(model, caches, mask):
             decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens)
+        chunk = decoder.chunk if decoder is not None and sampling.greedy else 1  # greedy steps to a call
         for step in range(max_new_tokens):
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
                 more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
@@ -291,7 +294,22 @@ def _steps(
                     full_mask = torch.cat([full_mask, full_mask.new_ones(B, more)], dim=1)
             with torch.inference_mode():
                 m = None if full_mask is None else full_mask[:, :cur]
-                if seeded is not None and cur == T:
+                nxt = None
+                if ahead and not decoder.unobserved():  # a hook or observer set since: it sees the steps
+                    decoder.rewind(len(ahead))
+                    ahead.clear()
+                ready = not ahead and chunk > 1 and cur > T and (relative or cur - start + chunk <= C)
+                if ready and decoder.fits(chunk) and decoder.unobserved():
+                    # The next steps in one call: their tokens the argmaxes, checked as one (one sync).
+                    tokens, done, logits = decoder.greedy_steps(out[:, cur - 1], finished, stop)
+                    good = torch.isfinite(logits.amax(dim=-1)).all(dim=0).tolist()  # (chunk,)
+                    ahead.extend(zip(tokens.unbind(1), done.unbind(1), logits.unbind(1), good, strict=True))
+                if ahead:
+                    nxt, done, logits, good = ahead.popleft()
+                    if not good:
+                        check_model_logits(logits)  # (raises, as next_tokens would have at this step)
+                    finished.copy_(done)
+                elif seeded is not None and cur == T:
                     logits = first  # (B, V): the prompt's pass was the seed's
                 elif caches is None and relative:
                     # The whole sequence: the model's sliding window does the cropping.
@@ -323,7 +341,8 @@ def _steps(
                     # Decode: feed the newest token alone; the mask covers everything cached.
                     m = None if full_mask is None else full_mask[:, start:cur]
                     logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
-                nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
+                if nxt is None:
+                    nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
                 out[:, cur] = nxt
                 cur += 1
             yield nxt.clone(), logits

@@ -463,7 +463,8 @@ class Engine:
             observed, slots = key
             try:
                 with torch.inference_mode():  # as the generations run (the compiled code's guards check it)
-                    FastDecoder(model, model.new_kv_caches(1, slots), compile=True).precompile(observed)
+                    decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
+                    decoder.precompile(observed, self._need_model().stop_ids)  # (a chat answer stops there)
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
