@@ -276,3 +276,25 @@ def test_grouped_query_models_cache_and_pad_correctly(overrides):
     mask = torch.tensor([[True] * 5, [False] * 3 + [True] * 2])
     out = m.generate(both, 6, temperature=0, attention_mask=mask)
     assert torch.equal(out[1, 3:], m.generate(idx[1:, :2], 6, temperature=0)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 7), (3, 49), (2, 2, 300), (5,)]),
+    levels=st.integers(1, 6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_greedy_tokens_are_argmax_the_first_of_ties(shape, levels, dtype, seed):
+    """decoding.greedy_tokens (greedy decoding's token, by max(dim).indices) is torch.argmax of the last
+    dimension, ties included (few distinct values: many ties), any dtype and batch shape; and the
+    first index holding the maximum, by a loop."""
+    from attnlab.decoding import greedy_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, shape, generator=g).to(dtype) - 0.5
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1))
+    rows = logits.reshape(-1, shape[-1]).tolist()
+    first = [max(range(len(r)), key=lambda j, r=r: (r[j], -j)) for r in rows]
+    assert got.reshape(-1).tolist() == first

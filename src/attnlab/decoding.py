@@ -67,7 +67,7 @@ from attnlab.checks import autocast_on
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
 
-__all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "pack_linear", "packs", "supported"]
+__all__ = ["FastDecoder", "fused_bytes", "fused_qkv", "greedy_tokens", "pack_linear", "packs", "supported"]
 
 _ACT = {"gelu_tanh": "tanh", "gelu": "none"}  # GPTConfig.activation -> F.gelu's `approximate`
 _GROUP = 12  # the compiled step: layers per compiled call (fewer calls per token, larger graphs to compile)
@@ -88,6 +88,13 @@ _STREAMS = 4
 # with the step's inputs), as much as the `tiny` preset's kernel itself (0.4 ms for 8 rows). 4: a step
 # 0.71 -> 0.55 ms, its compilation 4 -> 12 s (8: 0.54 ms, 50 s; Xeon with AMX, 2 threads).
 _CHUNK = 4
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """``logits (..., V)``' argmax over the last dimension, the first of ties, as ``argmax`` gives it: by
+    ``max(dim=-1).indices``, whose CPU kernel is vectorized where argmax's is not (SmolLM2's 49,152
+    logits, Xeon with AMX: float32 76 -> 32 us, bfloat16 181 -> 46 us; a batch of 8 in bfloat16 729 -> 175)."""
+    return logits.max(dim=-1).indices
 
 
 # --------------------------------------------------------------------------------------------

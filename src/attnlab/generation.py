@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real
-from attnlab.decoding import FastDecoder, supported
+from attnlab.decoding import FastDecoder, greedy_tokens, supported
 from attnlab.speculative import check_speculative, speculative_decode
 
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
@@ -133,13 +133,13 @@ class SamplingConfig:
     def probabilities(self, logits: Tensor) -> Tensor:
         """The distribution a token is drawn from, ``(B, V)`` float32; one-hot on the argmax when greedy."""
         if self.greedy:
-            return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
         return torch.softmax(self.filter(logits), dim=-1)  # (B, V)
 
     def sample(self, logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """One token per row of ``logits (B, V)`` (checked by the caller); ``(B,)`` int64."""
         if self.greedy:
-            return logits.argmax(dim=-1)  # (B,)
+            return greedy_tokens(logits)  # (B,)
         probs = torch.softmax(self.filter(logits), dim=-1)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 

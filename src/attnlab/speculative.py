@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import check_model_logits
-from attnlab.decoding import FastDecoder, supported
+from attnlab.decoding import FastDecoder, greedy_tokens, supported
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
 
@@ -156,7 +156,7 @@ class _Cached:
 
 def _argmax(logits: Tensor) -> list[int]:
     check_model_logits(logits)
-    return logits.argmax(dim=-1).tolist()
+    return greedy_tokens(logits).tolist()
 
 
 def speculative_decode(
