@@ -426,6 +426,23 @@ def test_greedy_chunks_stop_where_the_eager_forward_stops(family, steps):
 
 
 @pytest.mark.slow
+def test_greedy_chunks_up_to_the_context_and_past_it(steps):
+    """GPT-2's learned positions: a generation that ends at its context's last position runs its last
+    steps in a chunk too (whose unused step takes the last slot, which no step fills otherwise); one that
+    goes on past the context re-encodes its window between chunks. The eager forward's tokens and
+    logits, in float64."""
+    model = make({**FAMILIES["gpt2"], "context_length": 16})
+    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(10))
+    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)  # positions 0..15
+    got = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
+    assert_same(ref, got, tol=1e-9)
+    assert steps[0] == 3 * decoding._CHUNK  # 11 steps: three chunks, no step alone
+    ref = model.generate(idx, 30, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 30, temperature=0, return_logits=True, compile=True)
+    assert_same(ref, got, tol=1e-9)
+
+
+@pytest.mark.slow
 def test_nan_logits_inside_a_chunk_raise_at_their_step(steps):
     """A step inside a chunk whose logits are NaN (a NaN in the position of the 7th new token, which the
     8th comes from):

@@ -298,7 +298,9 @@ def _steps(
                 if ahead and not decoder.unobserved():  # a hook or observer set since: it sees the steps
                     decoder.rewind(len(ahead))
                     ahead.clear()
-                ready = not ahead and chunk > 1 and cur > T and (relative or cur - start + chunk <= C)
+                # (GPT-2: the steps used within its window; a chunk's steps past the last token are unused)
+                used = min(chunk, max_new_tokens - step)
+                ready = not ahead and chunk > 1 and cur > T and (relative or cur - start + used <= C)
                 if ready and decoder.fits(chunk) and decoder.unobserved():
                     # The next steps in one call: their tokens the argmaxes, checked as one (one sync).
                     tokens, done, logits = decoder.greedy_steps(out[:, cur - 1], finished, stop)
