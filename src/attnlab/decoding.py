@@ -85,8 +85,9 @@ _STREAMS = 4
 # The compiled step of a small model on a CPU (not _large: its weights stay in the CPU's caches) runs greedy
 # decoding this many steps to a call (FastDecoder.greedy_steps): each call costs Dynamo's guards,
 # inductor's wrapper and the loop's Python between steps (the argmax, the logits' check, some 0.3 ms
-# with the step's inputs), as much as the `tiny` preset's kernel itself (0.4 ms for 8 rows). 4: a step
-# 0.71 -> 0.55 ms, its compilation 4 -> 12 s (8: 0.54 ms, 50 s; Xeon with AMX, 2 threads).
+# with the step's inputs), as much as the `tiny` preset's kernel itself (0.4 ms for 8 rows). 4: a step in
+# the loop 0.69 ms + 0.07 for its token -> 0.57-0.62 ms, the chunk's compilation 8-12 s more (8: no
+# faster, 0.544 against 0.545 ms a step, and 50 s; Xeon with AMX, 2 threads).
 _CHUNK = 4
 
 

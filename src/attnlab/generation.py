@@ -258,6 +258,9 @@ def _steps(
     With ``fast`` the decoding steps (one token per row over the cache) run
     :class:`attnlab.decoding.FastDecoder` where it applies (``compile``: its compiled step), the
     eager forward elsewhere: the prefill, re-encoding, and models or settings it does not cover.
+    Greedy decoding on a decoder that runs several steps a compiled call (a small model on a CPU:
+    :meth:`~attnlab.decoding.FastDecoder.greedy_steps`) computes a chunk of steps at once and yields
+    their tokens one by one; a hook or observer set meanwhile takes back the steps not yet yielded.
     """
     B, T = idx.shape
     C = model.config.context_length
@@ -379,7 +382,9 @@ def stream(
 
     Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
     each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is
-    called, not at the first ``next()``. The model is in eval mode while the iterator runs: its training mode comes back
+    called, not at the first ``next()``. With ``compile``, a small model's greedy steps may run a few
+    tokens ahead of the ones yielded; a hook set between two tokens still applies from the next one.
+    The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
     """
