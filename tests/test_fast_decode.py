@@ -426,6 +426,24 @@ def test_greedy_chunks_stop_where_the_eager_forward_stops(family, steps):
 
 
 @pytest.mark.slow
+def test_greedy_chunks_of_another_prompt_length_compile_nothing_new():
+    """The chunk's graph serves prompts of any length on caches of one size: the token it is fed is a
+    column of the generation's token buffer, whose stride (the buffer's width) follows the prompt."""
+    from torch._dynamo.utils import counters
+
+    model = make(FAMILIES["smollm2-like"])
+    g = torch.Generator().manual_seed(11)
+    short = torch.randint(0, BASE["vocab_size"], (2, 5), generator=g)
+    long = torch.randint(0, BASE["vocab_size"], (2, 7), generator=g)
+    model.generate(short, 12, temperature=0, compile=True)
+    before = counters["stats"]["unique_graphs"]
+    ref = model.generate(long, 12, temperature=0, return_logits=True, fast=False)
+    got = model.generate(long, 12, temperature=0, return_logits=True, compile=True)
+    assert_same(ref, got, tol=1e-9)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.slow
 def test_greedy_chunks_up_to_the_context_and_past_it(steps):
     """GPT-2's learned positions: a generation that ends at its context's last position runs its last
     steps in a chunk too (whose unused step takes the last slot, which no step fills otherwise); one that
@@ -445,8 +463,8 @@ def test_greedy_chunks_up_to_the_context_and_past_it(steps):
 @pytest.mark.slow
 def test_nan_logits_inside_a_chunk_raise_at_their_step(steps):
     """A step inside a chunk whose logits are NaN (a NaN in the position of the 7th new token, which the
-    8th comes from):
-    the tokens before it come, then the ValueError of the eager forward's generation at the same step."""
+    8th comes from): the tokens before it come, then the ValueError of the eager forward's generation
+    at the same step."""
     model = make(FAMILIES["gpt2"])
     with torch.no_grad():
         model.pos_emb.weight[11] = float("nan")  # a 5-token prompt: the 7th new token's position

@@ -33,9 +33,9 @@ LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
 @pytest.fixture
 def compiled_steps(monkeypatch):
     """The compiled steps the model thread ran (a spy on FastDecoder._compiled_step, and on greedy_steps:
-    each call its ``chunk`` steps; the compiling thread's own steps are not counted: they run before the
-    spy is read)."""
-    count = [0]
+    each call its ``chunk`` steps, and ``[1]`` counts those calls; the compiling thread's own steps are
+    not counted: they run before the spy is read)."""
+    count = [0, 0]
     step, greedy_steps = decoding.FastDecoder._compiled_step, decoding.FastDecoder.greedy_steps
 
     def spy(self, *args):
@@ -44,6 +44,7 @@ def compiled_steps(monkeypatch):
 
     def chunk_spy(self, *args):
         count[0] += self.chunk
+        count[1] += 1
         return greedy_steps(self, *args)
 
     monkeypatch.setattr(decoding.FastDecoder, "_compiled_step", spy)
@@ -113,7 +114,7 @@ def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
     assert answers[0] == answers[1] and len(answers[0][0]) > 0
     assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
     # The model is small: its greedy answer ran steps in chunks, compiled ahead (for the model's stop ids).
-    assert counters["stats"]["unique_graphs"] == before
+    assert compiled_steps[1] > 0 and counters["stats"]["unique_graphs"] == before
 
 
 @pytest.mark.slow

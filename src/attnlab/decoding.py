@@ -794,6 +794,9 @@ class FastDecoder:
         pos_rows = F.embedding(at, model.pos_emb.weight) if cfg.pos == "learned" else None  # (1, chunk, C)
         (_, *group), nw, nb, head, cap = self.groups[0], *self.head
         slot = torch.tensor(pos, device=token.device)
+        # token: a copy with its own strides (a column of a generation's token buffer has the buffer's
+        # width as its stride, which the compiled code's guards would see as a new shape each time)
+        token = token.clone(memory_format=torch.contiguous_format)
         out = self.chunk_fn(
             token, finished, stop, (emb, scale, pos_rows), self._ropes(at, emb.dtype), slot, group,
             (nw, nb, head, self.norm, cap, self.batch), n,
