@@ -159,14 +159,15 @@ def trace_generation(
     return GenerationTrace(tokens, T, sampling, steps)
 
 
-def top_candidates(logits: Tensor, probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_candidates(logits: Tensor, probs: Tensor | None, k: int) -> tuple[Tensor, Tensor | None]:
     """The ``k`` likeliest next tokens ``(B, k)`` of ``logits (B, V)`` and their probabilities ``(B, k)``
-    under ``probs (B, V)``, the distribution the token was drawn from. Ordered by logit, which orders
-    them as the probabilities do (the softmax keeps the logits' order, and top-k and top-p keep the
-    best logits) and orders the tokens those leave at probability zero, greedy's all but one, by how
-    close they came: the runners-up, not whichever zeros a top-k of the probabilities returned."""
+    under ``probs (B, V)``, the distribution the token was drawn from (None: the ids alone). Ordered by
+    logit, which orders them as the probabilities do (the softmax keeps the logits' order, and top-k
+    and top-p keep the best logits) and orders the tokens those leave at probability zero, greedy's all
+    but one, by how close they came: the runners-up, not whichever zeros a top-k of the probabilities
+    returned."""
     ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices  # (B, k)
-    return ids, probs.gather(-1, ids)
+    return ids, None if probs is None else probs.gather(-1, ids)
 
 
 def _seeded_caches(model: nn.Module, prefix: Trace | None, idx: Tensor, new: int) -> list | None:

@@ -691,10 +691,19 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     token, logits = step
     L = len(model.trf_blocks)
     last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
-    weights = torch.stack([r.weights[:, :, -1].float() for r in last])  # (L, B, H, S)
+    # The last query's row of each record's weights, (B, H, 1, S) (all of them, unless an observer set
+    # before wants every row): one copy for all layers, (L, B, H, S).
+    rows = [r.weights if r.weights.shape[2] == 1 else r.weights[:, :, -1:] for r in last]
+    weights = torch.cat(rows, dim=2).permute(2, 0, 1, 3).float()
     logits = logits.float()  # (B, V), as trace_generation's (ties among bfloat16 logits in one order)
-    probs = run.sampling.probabilities(logits)  # (B, V): what the token was drawn from
-    candidates, candidate_probs = top_candidates(logits, probs, run.candidates)  # (B, k) x2
+    if run.sampling.greedy:  # one-hot on the token drawn, the argmax: no (B, V) distribution to build
+        candidates = top_candidates(logits, None, run.candidates)[0]  # (B, k)
+        candidate_probs = (candidates == token[:, None]).float()
+        token_prob = torch.ones(token.shape, device=token.device)
+    else:
+        probs = run.sampling.probabilities(logits)  # (B, V): what the token was drawn from
+        candidates, candidate_probs = top_candidates(logits, probs, run.candidates)  # (B, k) x2
+        token_prob = probs.gather(-1, token[:, None]).squeeze(-1)
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
     first = last[0]
@@ -711,5 +720,5 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
         weights=weights,
         candidates=candidates,
         probs=candidate_probs,
-        token_prob=probs.gather(-1, token[:, None]).squeeze(-1),
+        token_prob=token_prob,
     )
