@@ -536,6 +536,16 @@ def _layers(
     return x if head is None else _head(x, *head, True)
 
 
+def _embed(token: Tensor, emb: Tensor, scale: Tensor | None, pos: Tensor | None) -> Tensor:
+    """The first block's input ``(B, 1, C)`` for ``token (B,)``: its row of the embedding ``emb``, times
+    the embedding's ``scale`` (a 0-d tensor or None), plus its learned position's row ``pos (1, 1, C)``
+    (or None)."""
+    x = F.embedding(token.view(-1, 1), emb)  # (B, 1, C)
+    if scale is not None:
+        x = x * scale
+    return x if pos is None else x + pos
+
+
 def _greedy_steps(
     token: Tensor,
     finished: Tensor,
@@ -558,11 +568,7 @@ def _greedy_steps(
     emb, scale, pos_rows = embed
     tokens, done, logits = [], [], []
     for j in range(n):
-        x = F.embedding(token.view(-1, 1), emb)  # (B, 1, C)
-        if scale is not None:
-            x = x * scale
-        if pos_rows is not None:
-            x = x + pos_rows[:, j : j + 1]
+        x = _embed(token, emb, scale, None if pos_rows is None else pos_rows[:, j : j + 1])  # (B, 1, C)
         rope = [(c, s) if c is None else (c[:, :, j : j + 1], s[:, :, j : j + 1]) for c, s in ropes]
         step = _layers(x, rope, *group[:3], slot + j, *group[3:], head)  # (B, V)
         token = step.argmax(dim=-1)  # (B,): greedy
@@ -726,19 +732,16 @@ class FastDecoder:
             *nb(block.post_norm2),
         )
 
-    def fits(self, steps: int = 1) -> bool:
-        """Whether the next ``steps`` steps may run here: a free slot within every layer's window in every
-        cache, or (one step) a rolling cache no longer than the window (past it, only without observers),
-        so attention covers exactly the filled slots; and no hook set on the model since (those run the
-        eager forward)."""
+    def fits(self) -> bool:
+        """Whether the next step may run here: a free slot within every layer's window in every cache, or
+        a rolling cache no longer than the window (past it, only without observers), so attention
+        covers exactly the filled slots; and no hook set on the model since (those run the eager forward)."""
         if not _plain_modules(self.hook_dicts, self.hookable):
             return False
         # (a free slot, and within the window: seen < max_length and seen + 1 <= window; or a ring)
-        past = [cache.seen + steps > limit for cache, limit in zip(self.caches, self.limits, strict=True)]
+        past = [cache.seen >= limit for cache, limit in zip(self.caches, self.limits, strict=True)]
         if not any(past):
             return True
-        if steps > 1:
-            return False
         # Past a limit: rings only, and no observer (its record would need the eager forward's mask
         # and positions of a ring out of order).
         return all(ring for ring, p in zip(self.rings, past, strict=True) if p) and all(
@@ -768,6 +771,11 @@ class FastDecoder:
             cache.seen, cache.length = pos + 1, min(pos + 1, M)
         return _head(x, nw, nb, head, self.norm, cap, False, False)  # (B, V)
 
+    def room(self, steps: int) -> bool:
+        """Whether each of the next ``steps`` steps has a free slot within every layer's window in every
+        cache (no ring wraps): what :meth:`greedy_steps` needs of the caches."""
+        return all(cache.seen + steps <= limit for cache, limit in zip(self.caches, self.limits, strict=True))
+
     def unobserved(self) -> bool:
         """No hook and no attention observer set on the model: what :meth:`greedy_steps` needs (its steps
         run ahead, in one call, with no record)."""
@@ -781,7 +789,7 @@ class FastDecoder:
 
     def greedy_steps(self, token: Tensor, finished: Tensor, stop: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """:attr:`chunk` greedy steps in one compiled call (a small model on a CPU; call where
-        ``fits(chunk)`` and :meth:`unobserved` hold), the first fed ``token (B,)``: each step's tokens
+        ``room(chunk)`` and :meth:`unobserved` hold), the first fed ``token (B,)``: each step's tokens
         ``(B, chunk)``, the rows ``finished`` after it ``(B, chunk)`` (a row that produced one of the
         ``stop`` ids keeps emitting the first; ``finished (B,)``, before the first step, is not changed)
         and its logits ``(B, chunk, V)``, unchecked. The caches advance by ``chunk`` slots: a generation
@@ -790,7 +798,6 @@ class FastDecoder:
         model, cfg = self.model, self.cfg
         emb = model.tok_emb.weight
         at = torch.arange(pos, pos + n, device=token.device).view(1, n)  # (1, chunk)
-        scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=emb.dtype)
         pos_rows = F.embedding(at, model.pos_emb.weight) if cfg.pos == "learned" else None  # (1, chunk, C)
         (_, *group), nw, nb, head, cap = self.groups[0], *self.head
         slot = torch.tensor(pos, device=token.device)
@@ -798,7 +805,7 @@ class FastDecoder:
         # width as its stride, which the compiled code's guards would see as a new shape each time)
         token = token.clone(memory_format=torch.contiguous_format)
         out = self.chunk_fn(
-            token, finished, stop, (emb, scale, pos_rows), self._ropes(at, emb.dtype), slot, group,
+            token, finished, stop, (emb, self._embed_scale(), pos_rows), self._ropes(at, emb.dtype), slot, group,
             (nw, nb, head, self.norm, cap, self.batch), n,
         )  # fmt: skip
         for cache in self.caches:
@@ -809,13 +816,15 @@ class FastDecoder:
         """The first block's input ``x (B, 1, C)`` for ``token (B,)`` at position ``at (1, 1)`` and each
         layer's RoPE (:meth:`_ropes`). Functions of the weights, no module called (a server compiles
         on a thread of its own: :meth:`precompile`)."""
-        model, cfg = self.model, self.cfg
-        x = F.embedding(token.view(-1, 1), model.tok_emb.weight)  # (B, 1, C)
-        if cfg.embed_scale is not None:  # (as the eager forward: the factor rounded to the weights' dtype)
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        if cfg.pos == "learned":
-            x = x + F.embedding(at, model.pos_emb.weight)
+        model = self.model
+        pos = F.embedding(at, model.pos_emb.weight) if self.cfg.pos == "learned" else None  # (1, 1, C)
+        x = _embed(token, model.tok_emb.weight, self._embed_scale(), pos)  # (B, 1, C)
         return x, self._ropes(at, x.dtype)
+
+    def _embed_scale(self) -> Tensor | None:
+        """The embedding's scale (Gemma) as the eager forward applies it, rounded to the weights' dtype."""
+        scale = self.cfg.embed_scale
+        return None if scale is None else torch.tensor(scale, dtype=self.model.tok_emb.weight.dtype)
 
     def _ropes(self, at: Tensor, dtype: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
         """Each layer's RoPE ``(cos, sin)`` at position ``at (1, 1)``, or ``(None, None)``."""
@@ -911,7 +920,7 @@ class FastDecoder:
         device = self.caches[0].keys.device
         token = torch.zeros(self.caches[0].keys.shape[0], dtype=torch.long, device=device)  # (B,)
         self._static_step(token, torch.zeros((), dtype=torch.long, device=device), observed)
-        if self.chunk > 1 and not observed and self.fits(self.chunk):  # (greedy decoding's calls too)
+        if self.chunk > 1 and not observed and self.room(self.chunk):  # (greedy decoding's calls too)
             for cache in self.caches:
                 cache.reset()
             stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None

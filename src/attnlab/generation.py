@@ -304,7 +304,7 @@ def _steps(
                 # (GPT-2: the steps used within its window; a chunk's steps past the last token are unused)
                 used = min(chunk, max_new_tokens - step)
                 ready = not ahead and chunk > 1 and cur > T and (relative or cur - start + used <= C)
-                if ready and decoder.fits(chunk) and decoder.unobserved():
+                if ready and decoder.unobserved() and decoder.room(chunk):
                     # The next steps in one call: their tokens the argmaxes, checked as one (one sync).
                     tokens, done, logits = decoder.greedy_steps(out[:, cur - 1], finished, stop)
                     good = torch.isfinite(logits.amax(dim=-1)).all(dim=0).tolist()  # (chunk,)

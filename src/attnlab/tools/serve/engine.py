@@ -457,14 +457,15 @@ class Engine:
         """The compiling thread: each asked-for (variant, cache size) compiled by a step on caches of
         its own (:meth:`attnlab.decoding.FastDecoder.precompile`: no module of the model is called,
         nothing on it changes, so the model thread runs requests meanwhile)."""
-        model = self._need_model().model
+        loaded = self._need_model()
+        model = loaded.model
         while True:
             key = self._compile_jobs.get()
             observed, slots = key
             try:
                 with torch.inference_mode():  # as the generations run (the compiled code's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
-                    decoder.precompile(observed, self._need_model().stop_ids)  # (a chat answer stops there)
+                    decoder.precompile(observed, loaded.stop_ids)  # (a chat answer stops there)
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
