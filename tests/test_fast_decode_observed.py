@@ -118,7 +118,7 @@ def test_precompile_compiles_ahead(steps):
     with torch.inference_mode():
         caches = model.new_kv_caches(2, 256)  # the slots generate(compile=True) gives 7 + 6 tokens
         decoder = decoding.FastDecoder(model, caches, compile=True)
-        decoder.precompile(observed=True)
+        decoder.precompile("observed")
         assert all(c.seen == 0 and bool((c.positions == -1).all()) for c in caches)
         before = graphs()
         (ids, logits), records = observed_generation(model, idx, 6, compile=True)

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from attnlab import hardware
-from attnlab.attention import AttentionRecord, Linear, wants_cache_copies
+from attnlab.attention import AttentionRecord, Linear, rows_receiver, wants_cache_copies
 from attnlab.checks import autocast_on
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
@@ -589,6 +589,19 @@ def _observed_layers(*args: Any) -> tuple[Tensor, list[tuple[Tensor, Tensor, Ten
     return _layers(*args, seen), seen
 
 
+def _attention_rows(*args: Any) -> tuple[Tensor, Tensor]:
+    """:func:`_layers`, and the new query's attention weights in every layer, ``(n, B, H, M)`` over all
+    slots (0 at the empty ones): one output of the graph for a callback that takes them all at once
+    (:func:`attnlab.attention.rows_receiver`), instead of three per layer and a record built from them.
+    Compiled apart, as :func:`_observed_layers`."""
+    seen: list[tuple[Tensor, Tensor, Tensor]] = []
+    x = _layers(*args, seen)
+    return x, torch.stack([weights[:, :, 0] for _, weights, _ in seen])  # (n, B, H, M)
+
+
+VARIANTS = ("plain", "observed", "rows")  # the compiled step's graphs: no observer, records, rows (see step)
+
+
 @functools.cache
 def _compiled(fn: Any) -> Any:
     # dynamic=False: the shapes of a generation never change (the cache buffers are preallocated).
@@ -667,6 +680,9 @@ class FastDecoder:
                 self.layers[i] = (w, *rest)
         self.layers_fn = _compiled(_layers) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
+        self.rows_fn = _compiled(_attention_rows) if compile else None
+        # (the rows of all layers are one tensor of the graph's: caches of one size)
+        self.even = len({cache.max_length for cache in caches}) == 1
         # On CUDA the unobserved compiled step is captured in a CUDA graph at its first call (see _replay).
         self.cuda_graph = compile and caches[0].keys.is_cuda
         self.graph = None
@@ -843,18 +859,24 @@ class FastDecoder:
     def _compiled_step(self, token: Tensor, pos: int, observers: list) -> Tensor:
         """The compiled step for ``token (B,)`` at position ``pos``: logits ``(B, V)``. With an observer
         on any layer the observed variant runs, and each observer gets, after the calls, the record
-        the eager forward would hand it (the weights cut to the filled slots)."""
-        observed = any(fn is not None for fn in observers)
-        if self.cuda_graph and not observed:
+        the eager forward would hand it (the weights cut to the filled slots). Observers that hand
+        their weights to one callback (:func:`attnlab.attention.rows_receiver`) get no records: the
+        rows variant hands it every layer's row at once, with layer 0's positions."""
+        variant, rows_to = self._variant(observers)
+        if self.cuda_graph and variant == "plain":
             logits, seen = self._replay(token, pos), []
         else:
-            logits, seen = self._static_step(token, torch.tensor(pos, device=token.device), observed)
+            logits, seen = self._static_step(token, torch.tensor(pos, device=token.device), variant)
         for cache in self.caches:
             cache.length = cache.seen = pos + 1
-        if not observed:
+        if variant == "plain":
             return logits
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
         S = pos + 1
+        if variant == "rows":  # (as the records would give them: see _observer)
+            k_pos = self.caches[0].positions[:, :S] if self.layers[0][4] else None
+            rows_to(seen[..., :S], None if k_pos is None else at, k_pos)  # (L, B, H, S)
+            return logits
         masks: dict = {}
         for (q, weights, heads), block, cache, (_, _, _, _, has_positions), observer in zip(
             seen, self.model.trf_blocks, self.caches, self.layers, observers, strict=True
@@ -864,23 +886,33 @@ class FastDecoder:
                 observe(q, cache.keys[:, :, :S], cache.values[:, :, :S], weights[..., :S], heads)
         return logits
 
-    def _static_step(self, token: Tensor, slot: Tensor, observed: bool = False) -> tuple[Tensor, list]:
+    def _variant(self, observers: list) -> tuple[str, Any]:
+        """Which compiled graph a step runs for the layers' ``observers`` (see :data:`VARIANTS`), and for
+        "rows" the callback that takes them."""
+        if all(fn is None for fn in observers):
+            return "plain", None
+        rows_to = rows_receiver(observers) if self.even else None
+        return ("observed" if rows_to is None else "rows"), rows_to
+
+    def _static_step(self, token: Tensor, slot: Tensor, variant: str = "plain") -> tuple[Tensor, Any]:
         """The compiled calls of a step: ``token (B,)`` at position ``slot`` (a 0-d int64 tensor on the
-        model's device) -> logits ``(B, V)`` and, ``observed``, each layer's ``(q, weights over all
-        slots, head outputs)``. Tensor operations only, no host synchronisation: on CUDA the
-        unobserved step is captured in a CUDA graph (:meth:`_replay`). The caches' lengths are the
-        caller's to advance."""
+        model's device) -> logits ``(B, V)`` and what the ``variant`` hands its observers: "observed",
+        each layer's ``(q, weights over all slots, head outputs)``; "rows", the weights of all layers
+        ``(L, B, H, M)``. Tensor operations only, no host synchronisation: on CUDA the plain step is
+        captured in a CUDA graph (:meth:`_replay`). The caches' lengths are the caller's to advance."""
         x, rope = self._inputs(token, slot.view(1, 1))
         nw, nb, head, cap = self.head
-        fn = self.observed_fn if observed else self.layers_fn
+        fn = {"plain": self.layers_fn, "observed": self.observed_fn, "rows": self.rows_fn}[variant]
         one = len(self.groups) == 1  # then the head too in that call; else a call of its own
-        seen: list[tuple[Tensor, Tensor, Tensor]] = []
+        seen: list = []
         for layers, *args in self.groups:
             last = (nw, nb, head, self.norm, cap, self.batch) if one else None
             x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
-            if observed:
+            if variant != "plain":
                 x, more = x
-                seen += more
+                seen += [more] if variant == "rows" else more
+        if variant == "rows":
+            seen = seen[0] if one else torch.cat(seen)  # (L, B, H, M)
         return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, self.batch, True)), seen  # (B, V)
 
     def _replay(self, token: Tensor, pos: int) -> Tensor:
@@ -905,9 +937,10 @@ class FastDecoder:
         self.graph.replay()
         return self.graph_logits.clone()  # the next replay overwrites the graph's output
 
-    def precompile(self, observed: bool = False, stop_ids: tuple[int, ...] = ()) -> None:
+    def precompile(self, variant: str = "plain", stop_ids: tuple[int, ...] = ()) -> None:
         """Compile the step for this decoder's shapes (its batch, its caches' slots, the model's dtype)
-        now: the ``observed`` variant (the one that serves observers) or the plain one. One step on this
+        now: the ``variant`` of :data:`VARIANTS` ("plain": no observer; "observed": observers that get
+        records; "rows": serve's generation stream, :func:`attnlab.interpret.observe_attention_rows`). One step on this
         decoder's caches, which must be new ones of its own: they are reset afterwards. No module of the
         model is called and nothing on it changes (its weights are read): a server compiles on a thread
         of its own while its model thread answers requests. Run it in the grad mode the generation will
@@ -917,10 +950,12 @@ class FastDecoder:
         generations that stop at ``stop_ids`` (each set of them is a graph of its own)."""
         if not self.compile:
             raise ValueError("precompile needs a FastDecoder made with compile=True")
+        if variant not in VARIANTS or (variant == "rows" and not self.even):
+            raise ValueError(f"variant must be one of {VARIANTS} ('rows' with caches of one size), got {variant!r}")
         device = self.caches[0].keys.device
         token = torch.zeros(self.caches[0].keys.shape[0], dtype=torch.long, device=device)  # (B,)
-        self._static_step(token, torch.zeros((), dtype=torch.long, device=device), observed)
-        if self.chunk > 1 and not observed and self.room(self.chunk):  # (greedy decoding's calls too)
+        self._static_step(token, torch.zeros((), dtype=torch.long, device=device), variant)
+        if self.chunk > 1 and variant == "plain" and self.room(self.chunk):  # (greedy decoding's calls too)
             for cache in self.caches:
                 cache.reset()
             stop = torch.tensor(stop_ids, dtype=torch.long, device=device) if stop_ids else None

@@ -52,7 +52,15 @@ from attnlab.interpret.patching import (
 )
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
 from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
-from attnlab.interpret.tracing import STEP_NAMES, Trace, attention_layers, observe_attention, record_module, trace
+from attnlab.interpret.tracing import (
+    STEP_NAMES,
+    Trace,
+    attention_layers,
+    observe_attention,
+    observe_attention_rows,
+    record_module,
+    trace,
+)
 
 __all__ = [
     "HEAD_KINDS",
@@ -88,6 +96,7 @@ __all__ = [
     "notebook_html",
     "notebook_patching_html",
     "observe_attention",
+    "observe_attention_rows",
     "parse_heads",
     "patching_data",
     "patching_page",

@@ -568,7 +568,7 @@ def generation_step_data(step: GenerationStep, row: int = 0, dtype: str = "f32")
         "key_index": step.key_index[row].tolist(),  # the token each weight goes to (-1: none)
         "weights": pack(step.weights[:, row].float(), dtype),  # (L, H, S)
         "candidates": step.candidates[row].tolist(),
-        "probs": [round(float(p), 6) for p in step.probs[row]],
+        "probs": [round(p, 6) for p in step.probs[row].tolist()],
         "token_prob": float(step.token_prob[row]),
     }
 

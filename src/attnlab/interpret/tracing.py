@@ -34,7 +34,16 @@ from attnlab.attention import (
 from attnlab.checks import check_bool, check_float_tensor
 from attnlab.functional import attention_scores, simple_self_attention, softcap_score_mod
 
-__all__ = ["STEP_NAMES", "Trace", "attention_layers", "observe_attention", "record_module", "stop_before_head", "trace"]
+__all__ = [
+    "STEP_NAMES",
+    "Trace",
+    "attention_layers",
+    "observe_attention",
+    "observe_attention_rows",
+    "record_module",
+    "stop_before_head",
+    "trace",
+]
 
 # The tutorials' names for the steps of one head, in order ("A simple self-attention mechanism",
 # "Implement the Self-Attention Mechanism in PyTorch").
@@ -118,6 +127,72 @@ def observe_attention(
     finally:
         for att, before in zip(layers, previous, strict=True):
             object.__setattr__(att, "observer", before)
+
+
+@contextlib.contextmanager
+def observe_attention_rows(
+    model: nn.Module, callback: Callable[[Tensor, Tensor | None, Tensor | None], None]
+) -> Iterator[list[MultiHeadAttention]]:
+    """Call ``callback(weights, q_positions, k_positions)`` once per pass of ``model`` inside the block,
+    after its last layer: ``weights (L, b, H, S)`` the attention weights of the pass's last query in
+    every layer (in the model's dtype), and the query's and keys' positions of layer 0's record (see
+    :class:`~attnlab.attention.AttentionRecord`; None without). What a generation's stream shows of
+    each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``:
+    a compiled decoding step (:class:`attnlab.decoding.FastDecoder`) hands the rows from its graph at
+    once instead of a record per layer (SmolLM2's 30: 0.6 ms a token). The positions may be views of
+    a cache, valid until the next pass; ``weights`` is the callback's to keep. Every layer must attend
+    over the same keys (``S``), as the caches of a model without windows of several sizes do.
+
+    Observers already set are kept and called too (with records of every query, if they ask for them);
+    then each layer builds its record and the rows are stacked from them."""
+    layers = attention_layers(model)
+    L = len(layers)
+    rows: list[Tensor] = []
+    first: list[AttentionRecord] = []
+
+    def keep(layer: int, record: AttentionRecord) -> None:
+        if layer == 0:  # a new pass
+            rows.clear()
+            first[:] = [record]
+        rows.append(record.weights[:, :, -1])  # (b, H, S): the pass's last query
+        if layer == L - 1:
+            sizes = {r.shape[-1] for r in rows}
+            if len(sizes) > 1 or len(rows) != L:
+                raise ValueError(
+                    "observe_attention_rows needs every layer to attend over the same keys once a pass; "
+                    f"this pass's layers attended over {[r.shape[-1] for r in rows]} keys (a model with "
+                    "windows of several sizes): use observe_attention"
+                )
+            callback(torch.stack(rows), first[0].q_positions, first[0].k_positions)  # (L, b, H, S)
+
+    if any(att.observer is not None for att in layers):  # they get their records: the rows from those
+        with observe_attention(model, keep, copy_cache=False, last_query=True) as observed:
+            yield observed
+        return
+    # Nothing else to call: a compiled step may hand the callback the rows itself (rows_to). One small
+    # object a layer, set past nn.Module's __setattr__: serve's stream sets and removes 30 a token.
+    try:
+        for i, att in enumerate(layers):
+            object.__setattr__(att, "observer", _RowsObserver(i, keep, callback))
+        yield layers
+    finally:
+        for att in layers:
+            object.__setattr__(att, "observer", None)
+
+
+class _RowsObserver:
+    """Layer ``layer``'s attention observer under :func:`observe_attention_rows`: its records go to
+    ``keep(layer, record)``; ``rows_to`` is the callback a compiled step hands all layers' rows."""
+
+    __slots__ = ("keep", "layer", "rows_to")
+    copy_cache = False  # (read at once: views of a rolling cache will do)
+    last_query = True
+
+    def __init__(self, layer: int, keep: Callable[[int, AttentionRecord], None], rows_to: Callable) -> None:
+        self.layer, self.keep, self.rows_to = layer, keep, rows_to
+
+    def __call__(self, module: MultiHeadAttention, record: AttentionRecord) -> None:
+        self.keep(self.layer, record)
 
 
 @dataclass

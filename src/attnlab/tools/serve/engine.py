@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from attnlab import hardware
-from attnlab.attention import AttentionRecord
 from attnlab.checks import check_bool
 from attnlab.decoding import FastDecoder, supported
 from attnlab.errors import UserError
@@ -59,7 +59,7 @@ from attnlab.interpret import (
     ablation_effect,
     inspector_data,
     next_token_probabilities,
-    observe_attention,
+    observe_attention_rows,
     parse_heads,
     retrace,
     shared_prefix,
@@ -157,13 +157,14 @@ class Engine:
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._kept: OrderedDict[tuple[int, ...], KeptTrace] = OrderedDict()  # attention traces, keys and values
         self._roles: dict[str, Any] | None = None
+        self._labels: dict[int, str] = {}  # token id -> label (at most the vocabulary)
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
         self.default_prompt = self._first_prompt(prompt)
         device = None if loaded is None else loaded.model.device
         self.compile = check_bool("compile", compile) and device is not None and device.type in ("cpu", "cuda")
         self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)
-        self._compiles: dict[tuple[bool, int], threading.Event] = {}  # (observed, cache slots) -> done
+        self._compiles: dict[tuple[str, int], threading.Event] = {}  # (variant, cache slots) -> done
         self._compile_jobs: queue.SimpleQueue = queue.SimpleQueue()
         # Held while a size is asked for and while a failure is recorded: a size asked for just as the
         # compiling thread failed was counted as compiling for good (its job never ran).
@@ -284,10 +285,14 @@ class Engine:
         return ids
 
     def labels(self, ids: Sequence[int]) -> dict[str, str]:
-        """Printable labels of token ids, as the page shows them."""
+        """Printable labels of token ids, as the page shows them (each decoded once: a stream asks for
+        eleven a token)."""
         ids = sorted(set(int(i) for i in ids))
-        tokenizer = self._need_model().tokenizer
-        return {str(i): token_label(t) for i, t in zip(ids, token_strings(tokenizer, ids), strict=True)}
+        new = [i for i in ids if i not in self._labels]
+        if new:
+            tokenizer = self._need_model().tokenizer
+            self._labels.update(zip(new, map(token_label, token_strings(tokenizer, new)), strict=True))
+        return {str(i): self._labels[i] for i in ids}
 
     def tokenize(self, prompt: str) -> dict[str, Any]:
         ids = self.encode(prompt)
@@ -404,15 +409,15 @@ class Engine:
             with self.lock, torch.inference_mode():
                 self._head_roles()
                 if self.compile:  # the stream's variant first: the page's generation needs it first
-                    for observed in (True, False):
-                        self.compiled_step(observed, 1, 1)
+                    for variant in ("rows", "plain"):
+                        self.compiled_step(variant, 1, 1)
 
         self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
 
     # -- the compiled decoding step ---------------------------------------------------------------
-    def compiled_step(self, observed: bool, prompt_length: int, max_new_tokens: int) -> bool:
-        """Whether a generation of these lengths may decode with the compiled step (``observed``: the
-        variant the generation stream needs; else a chat answer's): compiled already for its cache
+    def compiled_step(self, variant: str, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether a generation of these lengths may decode with the compiled step's ``variant`` ("rows":
+        the generation stream's; "plain": a chat answer's): compiled already for its cache
         size. If not, that size is compiled on the compiling thread (at most :data:`COMPILED_SIZES`
         sizes per variant), and this generation runs the eager fast path. Call on the model thread,
         with the lock held (the model is checked for what the fast path supports)."""
@@ -420,7 +425,7 @@ class Engine:
             return False
         model = self._need_model().model
         slots = cache_length(model, prompt_length, max_new_tokens, compile=True)
-        key = (bool(observed), slots)
+        key = (variant, slots)
         done = self._compiles.get(key)
         if done is not None:
             return done.is_set()
@@ -461,11 +466,11 @@ class Engine:
         model = loaded.model
         while True:
             key = self._compile_jobs.get()
-            observed, slots = key
+            variant, slots = key
             try:
                 with torch.inference_mode():  # as the generations run (the compiled code's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
-                    decoder.precompile(observed, loaded.stop_ids)  # (a chat answer stops there)
+                    decoder.precompile(variant, loaded.stop_ids)  # (a chat answer stops there)
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
@@ -595,7 +600,7 @@ class Engine:
         def work() -> GenerationRun:
             idx = torch.tensor([ids], dtype=torch.long, device=model.device)
             g = torch.Generator(device=model.device).manual_seed(int(seed))
-            compiled = self.compiled_step(True, len(ids), max_new_tokens)
+            compiled = self.compiled_step("rows", len(ids), max_new_tokens)
             tokens = stream(
                 model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
                 with_logits=True, compile=compiled,
@@ -681,21 +686,17 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     the attention row of the query that produced the token (each layer's last pass), the candidates
     after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
     Call with the engine's lock held (the observers live on the model meanwhile)."""
-    records: list[tuple[int, AttentionRecord]] = []
-    # copy_cache=False: the records are read below, before the next step writes the caches again; and
-    # only the last query's weights (a prompt's pass attends fused).
-    keep = lambda layer, record: records.append((layer, record))
-    with observe_attention(model, keep, copy_cache=False, last_query=True):
+    got: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+    # Each pass's last query's weights in every layer, (L, B, H, S) (a prefill may take several passes:
+    # the last one's); a compiled step hands them from its graph at once. Read below, before the next
+    # step writes the caches again (the positions may be views of them).
+    with observe_attention_rows(model, lambda *rows: got.append(rows)):
         step = next(run.tokens, None)  # (token (B,), the logits it was drawn from (B, V))
     if step is None:
         return None
     token, logits = step
-    L = len(model.trf_blocks)
-    last = [record for _, record in records[-L:]]  # the step's last pass (a prefill may take several)
-    # The last query's row of each record's weights, (B, H, 1, S) (all of them, unless an observer set
-    # before wants every row): one copy for all layers, (L, B, H, S).
-    rows = [r.weights if r.weights.shape[2] == 1 else r.weights[:, :, -1:] for r in last]
-    weights = torch.cat(rows, dim=2).permute(2, 0, 1, 3).float()
+    weights, q_positions, k_positions = got[-1]
+    weights = weights.float()  # (L, B, H, S)
     logits = logits.float()  # (B, V), as trace_generation's (ties among bfloat16 logits in one order)
     if run.sampling.greedy:  # one-hot on the token drawn, the argmax: no (B, V) distribution to build
         candidates = top_candidates(logits, None, run.candidates)[0]  # (B, k)
@@ -707,11 +708,12 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
         token_prob = probs.gather(-1, token[:, None]).squeeze(-1)
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
-    first = last[0]
-    if first.q_positions is None or first.k_positions is None:  # keys in order, ending at the query
+    # Keys in order, ending at the query: without positions, or a cache that holds every token so far
+    # (a rolling one before it wraps: slot i holds position i)
+    if q_positions is None or k_positions is None or position == S:
         key_index = torch.arange(position - S, position, device=token.device).expand(token.shape[0], S)
     else:  # a rolling cache: each slot's token from how far before the query its position is
-        offsets = torch.where(first.k_positions >= 0, first.q_positions[:, -1:] - first.k_positions, -1)
+        offsets = torch.where(k_positions >= 0, q_positions[:, -1:] - k_positions, -1)
         key_index = torch.where(offsets >= 0, position - 1 - offsets, -1).expand(token.shape[0], S)
     return GenerationStep(
         token=token,
