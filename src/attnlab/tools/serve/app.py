@@ -45,7 +45,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab import __version__
-from attnlab.interpret.codec import Packed, to_json
+from attnlab.interpret.codec import Packed
 from attnlab.interpret.page import ASSETS, json_for_script, read_asset
 from attnlab.tools.serve.api import (
     AblateAnswer,
@@ -232,8 +232,11 @@ def _packed_response(data: Any) -> Response:
     return Response(packed_json(data), media_type="application/json")
 
 
-def _sse(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
+def _sse(event: str, data: Any) -> bytes:
+    """A server-sent event ``event`` of ``data`` (packed arrays spliced in: :func:`packed_json`; a
+    generation's token of SmolLM2 at 160 keys holds 170 KB of base64, which ``json.dumps`` took 0.33 ms
+    to scan, a fiftieth of the token's time)."""
+    return b"event: " + event.encode() + b"\ndata: " + packed_json(data) + b"\n\n"
 
 
 def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> FastAPI:
@@ -392,7 +395,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
                     step = await run_in_threadpool(engine.advance, run)
                     if step is None:
                         break
-                    yield _sse("token", to_json(step))
+                    yield _sse("token", step)
                 yield _sse("done", {"generated": run.produced, "reason": run.end_reason})
             except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
                 first = str(exc).splitlines()[0] if str(exc) else ""
