@@ -820,6 +820,33 @@ def test_a_modern_gpt_rolling_cache_generation_and_page():
     assert data["generation"]["steps"][-1]["key_index"] == got.steps[-1].key_index[0].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 3),
+    blocks=st.integers(16, 80),
+    k=st.integers(1, 20),
+    levels=st.sampled_from([None, 7, 200]),
+)
+def test_top_ids_are_topks_values_ties_in_any_order(seed, rows, blocks, k, levels):
+    """top_ids against torch.topk on vocabularies of whole blocks (its search) with many ties (values
+    rounded to a few levels, as bfloat16 logits tie) or none: the same values in the same order, distinct
+    ids, and topk's very ids where no value ties."""
+    from attnlab.interpret.playback import top_ids
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, blocks * 64, generator=g, dtype=torch.float64)
+    if levels is not None:
+        x = (x * levels / 4).round()
+    ids = top_ids(x, k)
+    want = torch.topk(x, k, dim=-1)
+    assert ids.shape == (rows, k) and ids.dtype == torch.long
+    assert torch.equal(x.gather(-1, ids), want.values)
+    assert all(len(set(r.tolist())) == k for r in ids)
+    if levels is None:
+        assert torch.equal(ids, want.indices)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
