@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from attnlab import decoding
+from attnlab.interpret import observe_attention_rows
 from test_fast_decode import BASE, FAMILIES, make
 
 pytestmark = pytest.mark.slow
@@ -129,3 +130,105 @@ def test_precompile_compiles_ahead(steps):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="compile=True"):
         decoding.FastDecoder(model, caches).precompile()
+
+
+def row_passes(model, idx, n, **kw):
+    """``generate(..., return_logits=True, **kw)`` under :func:`observe_attention_rows`: the output and
+    each pass's ``(rows, q_positions, k_positions)``, copied (positions may be views of a cache)."""
+    passes = []
+
+    def keep(rows, q_pos, k_pos):
+        passes.append(tuple(None if t is None else t.clone() for t in (rows, q_pos, k_pos)))
+
+    with observe_attention_rows(model, keep):
+        out = model.generate(idx, n, temperature=0, return_logits=True, **kw)
+    return out, passes
+
+
+@pytest.fixture
+def variants(monkeypatch):
+    """The compiled graphs the steps ran, by variant (a spy on FastDecoder._static_step)."""
+    seen: dict[str, int] = {}
+    static = decoding.FastDecoder._static_step
+
+    def spy(self, token, slot, variant="plain"):
+        seen[variant] = seen.get(variant, 0) + 1
+        return static(self, token, slot, variant)
+
+    monkeypatch.setattr(decoding.FastDecoder, "_static_step", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "family, dtype, tol",
+    [("llama-gqa", torch.float64, 1e-9), ("gpt2-window", torch.float64, 1e-9), ("smollm2-like", torch.float32, 1e-5)],
+)
+def test_the_rows_variant_hands_each_pass_the_eager_records_last_rows(family, dtype, tol, variants):
+    """observe_attention_rows on the compiled step (its rows variant: one output, no record per layer):
+    each pass's rows and positions are those of the eager forward's records (observe_attention, the
+    last query of every layer stacked), the tokens and logits the same; compiled once."""
+    model = make(FAMILIES[family], dtype=dtype)
+    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(6))
+    (ref, ref_logits), records = observed_generation(model, idx, 10, fast=False)
+    L = len(model.trf_blocks)
+    assert len(records) % L == 0
+    want = [records[i : i + L] for i in range(0, len(records), L)]  # the passes, each layer's record
+    before = graphs()
+    (ids, logits), passes = row_passes(model, idx, 10, compile=True)
+    assert torch.equal(ids, ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=tol)
+    assert len(passes) == len(want)
+    for (rows, q_pos, k_pos), layers in zip(passes, want, strict=True):
+        expected = torch.stack([r.weights[:, :, -1] for _, r in layers])  # (L, B, H, S)
+        assert rows.dtype == expected.dtype and rows.shape == expected.shape
+        torch.testing.assert_close(rows, expected, rtol=tol, atol=tol)
+        first = layers[0][1]
+        for got, ref_pos in ((q_pos, first.q_positions), (k_pos, first.k_positions)):
+            assert (got is None) == (ref_pos is None) and (got is None or torch.equal(got, ref_pos))
+    assert variants.get("rows", 0) > 0 and "observed" not in variants
+    assert graphs() - before == 1  # the rows variant, once
+
+
+def test_rows_with_an_observer_set_before_come_from_its_records(variants):
+    """An observer already on a layer keeps getting its records (the observed variant runs), and the
+    rows are the same as without it."""
+    model = make(FAMILIES["llama-gqa"])
+    idx = torch.randint(0, BASE["vocab_size"], (1, 4), generator=torch.Generator().manual_seed(7))
+    (ref, _), ref_passes = row_passes(model, idx, 6, fast=False)
+    records = []
+    model.trf_blocks[1].att.observer = lambda m, r: records.append(r)
+    try:
+        (ids, _), passes = row_passes(model, idx, 6, compile=True)
+    finally:
+        model.trf_blocks[1].att.observer = None
+    assert torch.equal(ids, ref) and len(records) == len(passes) == len(ref_passes) == 6
+    for (rows, *_), (ref_rows, *_) in zip(passes, ref_passes, strict=True):
+        torch.testing.assert_close(rows, ref_rows, rtol=1e-9, atol=1e-9)
+    assert variants.get("observed", 0) > 0 and "rows" not in variants
+    assert records[-1].weights.shape[2] == 1  # (the decoding steps' records: one query each)
+
+
+def test_rows_of_layers_over_different_keys_are_an_error():
+    """Gemma 3's window layers keep fewer keys than its global one: no (L, B, H, S) stack, a clear error."""
+    model = make(FAMILIES["gemma3"])
+    idx = torch.randint(0, BASE["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match=r"same keys.*use observe_attention"):
+        row_passes(model, idx, 3, fast=False)
+
+
+def test_precompile_of_the_rows_variant_and_a_bad_variant(variants):
+    """precompile("rows"): the stream's generation afterwards compiles nothing; an unknown variant is a
+    ValueError naming the argument."""
+    model = make({**FAMILIES["smollm2-like"], "emb_dim": 40})
+    idx = torch.randint(0, BASE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(9))
+    (ref, _), ref_passes = row_passes(model, idx, 5, fast=False)
+    with torch.inference_mode():
+        decoder = decoding.FastDecoder(model, model.new_kv_caches(1, 256), compile=True)
+        decoder.precompile("rows")
+        before = graphs()
+        (ids, _), passes = row_passes(model, idx, 5, compile=True)
+        with pytest.raises(ValueError, match="variant must be one of"):
+            decoder.precompile("records")
+    assert graphs() == before and torch.equal(ids, ref) and len(passes) == len(ref_passes)
+    for (rows, *_), (ref_rows, *_) in zip(passes, ref_passes, strict=True):
+        torch.testing.assert_close(rows, ref_rows, rtol=1e-9, atol=1e-9)

@@ -18,10 +18,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.attention import AttentionRecord
 from attnlab.checks import positive_int
 from attnlab.generation import SamplingConfig, generate, resume
-from attnlab.interpret.tracing import Trace, observe_attention
+from attnlab.interpret.tracing import Trace, observe_attention_rows
 
 __all__ = ["GenerationStep", "GenerationTrace", "top_candidates", "top_ids", "trace_generation"]
 
@@ -99,16 +98,13 @@ def trace_generation(
     if prefix is not None and not isinstance(prefix, Trace):
         raise TypeError(f"prefix must be a Trace of idx (attnlab.interpret.trace), got {type(prefix).__name__}")
     caches = _seeded_caches(model, prefix, idx, max_new_tokens) if attention_mask is None and use_cache else None
-    calls: list[tuple[int, Tensor]] = []
-    offsets: list[Tensor | None] = []  # per pass: how far before the newest query each key is
-    n_layers = len(model.trf_blocks)
+    # Per pass: the newest query's rows in every layer (L, B, H, S), and how far before it each key is
+    passes: list[tuple[Tensor, Tensor | None]] = []
 
-    def on_record(layer: int, record: AttentionRecord) -> None:
-        calls.append((layer, record.weights[:, :, -1].float().clone()))  # (B, H, S): the newest query's row
-        if layer == 0:
-            offsets.append(_key_offsets(record))
+    def on_rows(weights: Tensor, q_positions: Tensor | None, k_positions: Tensor | None) -> None:
+        passes.append((weights.float(), key_offsets(q_positions, k_positions)))
 
-    with observe_attention(model, on_record, copy_cache=False, last_query=True):  # (it keeps copies of last rows)
+    with observe_attention_rows(model, on_rows):
         if caches is not None:  # (only for at least one new token: see _seeded_caches; resume checks it)
             tokens, logits = resume(
                 model, idx, caches, _prefill_logits(model, prefix), max_new_tokens, sampling, generator
@@ -129,27 +125,21 @@ def trace_generation(
             )  # (B, T + new), (B, new, V)
     T, new = idx.shape[1], logits.shape[1]
     if caches is not None:  # the prompt's pass is the trace's: its last query's rows, keys in order
-        calls[:0] = [(layer, prefix.weights[layer, :, :, -1].float().clone()) for layer in range(n_layers)]
-        offsets.insert(0, None)
-    if len(calls) != new * n_layers or any(layer != i % n_layers for i, (layer, _) in enumerate(calls)):
-        raise RuntimeError(f"expected {new} passes over {n_layers} layers, saw {len(calls)} attention calls")
+        passes.insert(0, (prefix.weights[:, :, :, -1].float().clone(), None))  # (L, B, H, S)
+    if len(passes) != new:
+        raise RuntimeError(f"expected {new} passes of the model, one a token, saw {len(passes)}")
     steps = []
-    for s in range(new):
-        weights = torch.stack([w for _, w in calls[s * n_layers : (s + 1) * n_layers]])  # (L, B, H, S)
+    for s, (weights, offsets) in enumerate(passes):
         probs = sampling.probabilities(logits[:, s])  # (B, V)
         ids, top_probs = top_candidates(logits[:, s], probs, candidates)
         token = tokens[:, T + s]
         S = weights.shape[-1]
-        if offsets[s] is None:  # keys in order, ending at the query: indices key_start .. T + s - 1
-            key_index = torch.arange(T + s - S, T + s, device=tokens.device).expand(tokens.shape[0], S)
-        else:
-            key_index = torch.where(offsets[s] >= 0, T + s - 1 - offsets[s], -1).expand(tokens.shape[0], S)
         steps.append(
             GenerationStep(
                 token=token,
                 position=T + s,
                 key_start=T + s - S,
-                key_index=key_index,
+                key_index=key_index(offsets, T + s, S, tokens.shape[0], tokens.device),
                 weights=weights,
                 candidates=ids,
                 probs=top_probs,
@@ -220,11 +210,20 @@ def _prefill_logits(model: nn.Module, prefix: Trace) -> Tensor:
     return logits
 
 
-def _key_offsets(record: AttentionRecord) -> Tensor | None:
+def key_index(offsets: Tensor | None, position: int, S: int, rows: int, device: torch.device) -> Tensor:
+    """``(rows, S)``: the index of the token in each of the ``S`` keys the query at ``position`` attended
+    to (-1: none), from :func:`key_offsets`. Without offsets, or with every token so far in the keys
+    (a rolling cache before it wraps: slot i holds position i), the keys are in order and end at the
+    query: ``position - S .. position - 1``."""
+    if offsets is None or position == S:
+        return torch.arange(position - S, position, device=device).expand(rows, S)
+    return torch.where(offsets >= 0, position - 1 - offsets, -1).expand(rows, S)
+
+
+def key_offsets(q_positions: Tensor | None, k_positions: Tensor | None) -> Tensor | None:
     """``(1 or B, S)``: how many tokens before the newest query each key is, from the positions a
-    module with positions records (-1: padding or an empty slot); None without positions."""
-    if record.q_positions is None or record.k_positions is None:
+    module with positions records (queries ``(1 or B, n)``, keys ``(1 or B, S)``; -1: padding or an
+    empty slot); None without positions."""
+    if q_positions is None or k_positions is None:
         return None
-    q = record.q_positions[:, -1:]  # (1 or B, 1)
-    k = record.k_positions  # (1 or B, S)
-    return torch.where(k >= 0, q - k, -1)
+    return torch.where(k_positions >= 0, q_positions[:, -1:] - k_positions, -1)

@@ -68,7 +68,7 @@ from attnlab.interpret import (
     trace,
 )
 from attnlab.interpret.inspector import generation_step_data
-from attnlab.interpret.playback import GenerationStep, top_candidates
+from attnlab.interpret.playback import GenerationStep, key_index, key_offsets, top_candidates
 from attnlab.tools.loading import LoadedModel
 
 __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageModel"]
@@ -708,18 +708,11 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
         token_prob = probs.gather(-1, token[:, None]).squeeze(-1)
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
-    # Keys in order, ending at the query: without positions, or a cache that holds every token so far
-    # (a rolling one before it wraps: slot i holds position i)
-    if q_positions is None or k_positions is None or position == S:
-        key_index = torch.arange(position - S, position, device=token.device).expand(token.shape[0], S)
-    else:  # a rolling cache: each slot's token from how far before the query its position is
-        offsets = torch.where(k_positions >= 0, q_positions[:, -1:] - k_positions, -1)
-        key_index = torch.where(offsets >= 0, position - 1 - offsets, -1).expand(token.shape[0], S)
     return GenerationStep(
         token=token,
         position=position,
         key_start=position - S,
-        key_index=key_index,
+        key_index=key_index(key_offsets(q_positions, k_positions), position, S, token.shape[0], token.device),
         weights=weights,
         candidates=candidates,
         probs=candidate_probs,
