@@ -192,12 +192,21 @@ def test_stream_yields_the_generate_tokens_and_checks_eagerly(model):
 
 
 def test_generate_restores_training_mode_and_makes_no_graph(model):
+    """Each module's mode as it was (a block left in eval mode inside a model in training mode stays
+    so), none training meanwhile: a model with dropout generates the tokens of its eval mode."""
     model.train()
+    model.trf_blocks[0].eval()
+    modes = [m.training for m in model.modules()]
     try:
         out = model.generate(torch.zeros(1, 2, dtype=torch.long), 3)
-        assert model.training and not out.requires_grad
+        assert [m.training for m in model.modules()] == modes and not out.requires_grad
     finally:
         model.eval()
+    torch.manual_seed(0)
+    dropped = GPT(GPTConfig(**{**model.config.to_dict(), "drop_rate": 0.5}))  # (in training mode)
+    idx = torch.randint(0, V, (2, 4))
+    got = dropped.generate(idx, 6, temperature=0)
+    assert dropped.training and torch.equal(got, dropped.eval().generate(idx, 6, temperature=0))
 
 
 def test_zero_new_tokens_returns_prompt(model):

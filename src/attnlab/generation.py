@@ -283,8 +283,12 @@ def _steps(
     start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
     ahead: deque[tuple[Tensor, Tensor, Tensor, bool]] = deque()  # steps a greedy chunk computed, not yet yielded
 
-    was_training = model.training
-    model.eval()  # no dropout while generating
+    # No dropout while generating: the modules in training mode switched off, and back on after (not
+    # model.eval() and model.train(), which set every module each: 0.6 ms of the tiny preset's 24 ms
+    # generation of a batch, where the model is in eval mode already).
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
     try:
         if fast and supported(model, caches, mask):
             decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens)
@@ -354,7 +358,8 @@ def _steps(
             if stop is not None and bool(finished.all()):
                 return
     finally:
-        model.train(was_training)
+        for m in training:
+            m.training = True
 
 
 def stream(
