@@ -708,11 +708,13 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
         token_prob = probs.gather(-1, token[:, None]).squeeze(-1)
     position = len(run.ids)  # the new token's index: the prompt and the tokens before it
     S = weights.shape[-1]
+    # (no offsets to work out while the keys are every token so far, in order: key_index's own case)
+    offsets = None if position == S else key_offsets(q_positions, k_positions)
     return GenerationStep(
         token=token,
         position=position,
         key_start=position - S,
-        key_index=key_index(key_offsets(q_positions, k_positions), position, S, token.shape[0], token.device),
+        key_index=key_index(offsets, position, S, token.shape[0], token.device),
         weights=weights,
         candidates=candidates,
         probs=candidate_probs,
