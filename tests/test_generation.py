@@ -307,3 +307,42 @@ def test_greedy_tokens_are_argmax_the_first_of_ties(shape, levels, dtype, seed):
     rows = logits.reshape(-1, shape[-1]).tolist()
     first = [max(range(len(r)), key=lambda j, r=r: (r[j], -j)) for r in rows]
     assert got.reshape(-1).tolist() == first
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # learned positions (GPT-2's branch of decode_logits)
+        dict(pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_heads=2, bias=False, qkv_bias=False),
+        dict(pos="rope", parallel_residual=True),
+    ],
+)
+def test_last_only_prefill_runs_the_last_mlp_on_the_last_position(overrides):
+    """decode_logits(last_only=True), a prefill: the last position's logits of the full forward (float64),
+    the same keys and values in the caches, and the last block's MLP fed that position alone (a torch
+    hook on it sees one row a prompt); with an attnlab hook on that block, every position as before."""
+    torch.manual_seed(3)
+    cfg = GPTConfig(vocab_size=V, context_length=16, emb_dim=32, n_heads=4, n_layers=3, drop_rate=0.0, **overrides)
+    m = GPT(cfg).double().eval()
+    idx = torch.randint(0, V, (2, 9))
+    seen: list[tuple[int, ...]] = []
+    m.trf_blocks[-1].ff.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        want = m(idx)[:, -1:]  # (B, 1, V)
+        full_caches, caches = m.new_kv_caches(2, 16), m.new_kv_caches(2, 16)
+        m.decode_logits(idx, None, full_caches)
+        seen.clear()
+        got = m.decode_logits(idx, None, caches, last_only=True)
+        assert seen == [(2, 1, 32)]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(caches, full_caches, strict=True):
+            assert a.seen == b.seen == 9
+            assert torch.equal(a.keys[:, :, :9], b.keys[:, :, :9])
+            assert torch.equal(a.values[:, :, :9], b.values[:, :, :9])
+        seen.clear()
+        m.trf_blocks[-1].hook = lambda name, x: x  # an attnlab hook reads every position
+        try:
+            torch.testing.assert_close(m.decode_logits(idx, None, m.new_kv_caches(2, 16), last_only=True), want)
+        finally:
+            m.trf_blocks[-1].hook = None
+        assert seen == [(2, 9, 32)]

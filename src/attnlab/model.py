@@ -639,14 +639,20 @@ class TransformerBlock(nn.Module):
         kv_cache: KVCache | None = None,
         positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """``x (B, T, C)``; ``mask`` bool, broadcastable to ``(B, H, T, S)`` (the GPT builds it once);
-        ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`."""
+        ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`. ``last_only``: the last position's
+        output alone, ``(B, 1, C)`` (a prefill's last block: its other positions' outputs are read by no
+        one, while their keys and values still go to ``kv_cache``); the MLP then runs on that position
+        only. Ignored while a hook is set (it reads every position)."""
         hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
         if hook is not None:
             x = hook("resid_pre", x)
         h = x if self.norm1 is None else self.norm1(x)
         att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
+        if last_only and hook is None:
+            x, att = x[:, -1:], att[:, -1:]  # (B, 1, C)
         if self.post_norm1 is not None:
             att = self.post_norm1(att)
         att = self.drop_shortcut(att)
@@ -901,11 +907,14 @@ class GPT(nn.Module):
 
         ``key_mask`` is ``(B, S)`` bool (see :meth:`check_attention_mask`). ``last_only`` computes the
         logits of the last position only, ``(B, 1, V)``: all that
-        sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill.
+        sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill, and the
+        last block's MLP on the other positions (the ``tiny`` preset's two layers, 8 prompts of 32 tokens:
+        a prefill 4.7-5.2 -> 4.0-4.4 ms, Intel Xeon, 2 threads).
         """
         cfg = self.config
         B, T = idx.shape
         past = 0 if kv_caches is None else kv_caches[0].seen
+        last = len(self.trf_blocks) - 1  # with last_only, the block whose MLP runs on the last position alone
         if not (cfg.relative or cfg.window is not None):  # GPT-2: positions only in the embedding table
             if position_ids is None:
                 if key_mask is not None:
@@ -917,7 +926,8 @@ class GPT(nn.Module):
             x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
             x = self.drop_emb(x)
             for i, block in enumerate(self.trf_blocks):
-                x = block(x, mask=mask, kv_cache=None if kv_caches is None else kv_caches[i])  # (B, T, C)
+                cache = None if kv_caches is None else kv_caches[i]
+                x = block(x, mask=mask, kv_cache=cache, last_only=last_only and i == last)  # (B, T, C)
         else:
             # Attention at explicit positions: None means past, past + 1, ... (the fast paths); padding
             # takes no position (-1) and each real token counts the real tokens before it.
@@ -939,9 +949,10 @@ class GPT(nn.Module):
                 ropes = {k: self.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in self.rope_sources.items()}
             for i, block in enumerate(self.trf_blocks):
                 cache = None if kv_caches is None else kv_caches[i]
-                x = block(x, kv_cache=cache, positions=positions, rope=ropes.get(block.local_rope))  # (B, T, C)
+                rope = ropes.get(block.local_rope)
+                x = block(x, kv_cache=cache, positions=positions, rope=rope, last_only=last_only and i == last)
         if last_only:
-            x = x[:, -1:]  # (B, 1, C)
+            x = x[:, -1:]  # (B, 1, C) (the last block's output already, unless a hook kept every position)
         x = self.final_norm(x)
         logits = self.out_head(x)  # (B, T, vocab_size)
         if cfg.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
