@@ -205,9 +205,11 @@ def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(d
     """A model too small to pack: on a CPU the compiled step of its batch multiplies in inductor's loops
     (``"reduce"``, as one row's: up to ``_ROWS`` rows one sum per row, more rows one sum over the
     batch), nothing packed, with the eager forward's tokens and logits; packed once the model counts as
-    large (where oneDNN packs), a matmul on a GPU."""
+    large (where oneDNN packs), a matmul on a GPU, and a float32 batch's matmul where MKL's kernels are
+    Intel's (an Intel CPU, either way on any CPU here), with the same tokens and logits."""
     model = make(FAMILIES["llama-gqa"], dtype)
     caches = model.new_kv_caches(rows, 16)
+    monkeypatch.setattr(hardware, "mkl_runs_float32", lambda device: False)  # (a CPU not Intel's)
     assert decoding.FastDecoder(model, caches, compile=True).batch == "reduce"
     assert decoding._how(True, rows, "reduce") == ("rows" if rows <= decoding._ROWS else "reduce")
     assert decoding._how(True, 1, "reduce") == "reduce" and decoding._how(True, 3, "packed") == "packed"
@@ -223,6 +225,14 @@ def test_the_compiled_step_of_a_small_models_batch_multiplies_in_its_own_loops(d
     else:  # (the first token and logits, as the bfloat16 test above: later ones may flip on a near tie)
         assert torch.equal(got[0][:, 6], ref[0][:, 6])
         torch.testing.assert_close(got[1][:, 0], ref[1][:, 0], rtol=0.05, atol=0.1)
+    monkeypatch.setattr(hardware, "mkl_runs_float32", lambda device: True)  # (an Intel CPU)
+    mkl = decoding.FastDecoder(model, caches, compile=True).batch
+    assert mkl == ("plain" if dtype == torch.float32 else "reduce")
+    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), compile=True).batch == "reduce"  # (one row)
+    if dtype == torch.float32 and rows == 3:  # (MKL's products in the compiled chunk)
+        by_mkl = model.generate(idx, 10, temperature=0, return_logits=True, compile=True)
+        assert torch.equal(by_mkl[0], ref[0])
+        torch.testing.assert_close(by_mkl[1], ref[1], rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
     expected = "packed" if decoding.packs(model.out_head.weight, rows) else "plain"
     assert decoding.FastDecoder(model, caches, compile=True).batch == expected

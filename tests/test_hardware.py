@@ -219,6 +219,7 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted_on_a_cpu_not_intel
     onednn = hardware.linear_on_onednn(torch.float32, "cpu")
     intel_mkl = vendor == "GenuineIntel" and torch.backends.mkl.is_available()
     assert onednn == (not intel_mkl and hardware._onednn_linear_works())
+    assert hardware.mkl_runs_float32("cpu") == intel_mkl and not hardware.mkl_runs_float32("meta")
     with torch.no_grad(), _Ops() as ops:
         got = hardware.linear(x, layer.weight, layer.bias)
     assert ("_linear_pointwise.default" in ops.names) == onednn

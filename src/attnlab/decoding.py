@@ -256,18 +256,20 @@ def _large(model: nn.Module) -> bool:
     return sum(p.numel() for p in model.parameters() if p.dim() == 2) >= _PACK_MIN_ELEMENTS
 
 
-def _batch_products(large: bool, packed: bool, cpu: bool) -> str:
+def _batch_products(large: bool, packed: bool, cpu: bool, mkl: bool = False) -> str:
     """How the compiled step of a :class:`FastDecoder` multiplies a batch's rows (:func:`_matvec`): on the
     ``packed`` weights; on a CPU, a model too small to pack (not ``large``, :func:`_large`) in inductor's
     loops (``"reduce"``; up to :data:`_ROWS` rows one sum per row, see :func:`_how`), whose weights stay
     in the CPU's caches while each row reads them, where MKL's few-row matmul reads them slower (the
-    ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4; on an Intel Xeon, where MKL's kernels are
-    Intel's own, 4 greedy steps in one call, :data:`_CHUNK`, took 2.29 ms against 2.33 by ``F.linear``);
-    else the matmul (a GPU's; a large model's, whose weights each row would read from memory again,
-    where oneDNN is missing)."""
+    ``tiny`` preset, 8 rows: a step 0.80 -> 0.67 ms, AMD Zen 4); else the matmul: a GPU's, a large
+    model's (whose weights each row would read from memory again, where oneDNN is missing), and a float32
+    batch's where MKL's kernels are Intel's own (``mkl``: :func:`attnlab.hardware.mkl_runs_float32`). There
+    the `tiny` preset's 4 greedy steps in one call (:data:`_CHUNK`, its code around the kernels in C++)
+    took 1.74 ms against 2.04 in inductor's loops (Intel Xeon, 2 threads; with its code around the kernels
+    in Python, 2.33 against 2.29)."""
     if packed:
         return "packed"
-    return "reduce" if cpu and not large else "plain"
+    return "reduce" if cpu and not large and not mkl else "plain"
 
 
 # The compiled step of a batch: inductor takes plain tensors only (an opaque oneDNN tensor has no fake
@@ -645,7 +647,9 @@ class FastDecoder:
         large = _large(model)  # (a walk over the parameters: once)
         pack = _packing(model, rows, compile, steps, large)
         cpu = caches[0].keys.device.type == "cpu"
-        self.batch = _batch_products(large, pack and compile, cpu)
+        head_w = model.out_head.weight  # (a float32 batch on an Intel CPU: MKL's matmuls, see _batch_products)
+        mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
+        self.batch = _batch_products(large, pack and compile, cpu, mkl)
         self.layers = []
         for block in model.trf_blocks:
             att = block.att

@@ -237,6 +237,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def mkl_runs_float32(device: torch.device | str) -> bool:
+    """Whether ``F.linear``'s float32 products on ``device`` run MKL's own kernels: an Intel CPU, with
+    torch's x86 builds (where :func:`linear` keeps ``F.linear``, and a compiled decoding step of a small
+    model's batch calls it too: :func:`attnlab.decoding.FastDecoder`)."""
+    return torch.device(device).type == "cpu" and not _onednn_linear_pays()
+
+
 def linear_on_onednn(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether :func:`linear` multiplies ``dtype`` tensors on ``device`` by oneDNN (where no gradient is
     wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``),
