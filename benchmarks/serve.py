@@ -60,11 +60,11 @@ on its model thread; each token's JSON as the server makes it, ``packed_json``, 
 ``--dtype`` (float32: how serve loads a GGUF; bfloat16: an HF checkpoint stored so, on a CPU with
 native bf16). Rows, interleaved round by round on the same weights and prompt: the stream on the
 compiled step (the engine's default now; compiled at its warm-up, that time printed apart); the same
-read over HTTP from the server's application on that engine (uvicorn on 127.0.0.1 in this process,
-the server-sent events parsed as the page parses them); the stream on the eager fast path
-(``Engine(compile=False)``: before); ``attnlab.generation.generate(..., compile=True)``; transformers'
-``generate``. Tokens/s and ratios. Goal (issue 23, "the generation stream at the decoding speed of
-item 1"): the stream within 5% of the compiled ``generate``.
+read over HTTP from the server's application on that engine (uvicorn on 127.0.0.1 in this process, the
+response's bytes kept as they come and each token event's id read off them at the end); the stream on
+the eager fast path (``Engine(compile=False)``: before); ``attnlab.generation.generate(...,
+compile=True)``; transformers' ``generate``. Tokens/s and ratios. Goal (issue 23, "the generation
+stream at the decoding speed of item 1"): the stream within 5% of the compiled ``generate``.
 
     python benchmarks/serve.py --stream --rounds 3 --threads 2
     python benchmarks/serve.py --stream --dtype float32,bfloat16 --new 128 --rounds 3
