@@ -129,26 +129,6 @@ def test_lens_chunks_span_layers_so_a_window_reads_the_unembedding_once_per_chun
     assert calls == [10, 10, 4]
 
 
-@settings(max_examples=40, deadline=None)
-@given(c=st.integers(1, 6), m=st.integers(1, 70), seed=st.integers(0, 2**16), ties=st.booleans())
-def test_search_keeps_exactly_the_entries_that_reach_the_floor(c, m, seed, ties):
-    # The search's second step hands on only the entries of its blocks that reach the n-th block
-    # maximum: each row's kept values are that row's entries >= its floor, packed left, -inf after.
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(c, m, generator=g)
-    if ties:
-        x = x.round()  # many equal values, some equal to the floor
-    floor = x.gather(1, torch.randint(0, m, (c, 1), generator=g))  # each row keeps at least one
-    values, columns = analysis._at_least(x, floor)
-    for r in range(c):
-        want = (x[r] >= floor[r]).nonzero().squeeze(1)  # columns in order
-        n = len(want)
-        assert torch.equal(columns[r, :n], want)
-        assert torch.equal(values[r, :n], x[r, want])
-        assert torch.isneginf(values[r, n:]).all()
-    assert values.shape[1] == int((x >= floor).sum(-1).max())
-
-
 def test_inspector_lens_window_holds_the_page_positions_it_names():
     model = llama_like(vocab=300)
     tr = trace(model, torch.randint(0, 300, (1, 15), generator=torch.Generator().manual_seed(3)), stages=True)
