@@ -319,14 +319,17 @@ def test_greedy_tokens_are_argmax_the_first_of_ties(shape, levels, dtype, seed):
 )
 def test_last_only_prefill_runs_the_last_mlp_on_the_last_position(overrides):
     """decode_logits(last_only=True), a prefill: the last position's logits of the full forward (float64),
-    the same keys and values in the caches, and the last block's MLP fed that position alone (a torch
-    hook on it sees one row a prompt); with an attnlab hook on that block, every position as before."""
+    the same keys and values in the caches, and the last block's MLP fed that position alone (its
+    forward, wrapped, sees one row a prompt); with an attnlab hook on that block, or a torch hook in it,
+    every position as before."""
     torch.manual_seed(3)
     cfg = GPTConfig(vocab_size=V, context_length=16, emb_dim=32, n_heads=4, n_layers=3, drop_rate=0.0, **overrides)
     m = GPT(cfg).double().eval()
     idx = torch.randint(0, V, (2, 9))
     seen: list[tuple[int, ...]] = []
-    m.trf_blocks[-1].ff.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    ff = m.trf_blocks[-1].ff
+    forward = ff.forward  # wrapped, not hooked: a torch hook turns last_only off (below)
+    ff.forward = lambda x: (seen.append(tuple(x.shape)), forward(x))[1]
     with torch.no_grad():
         want = m(idx)[:, -1:]  # (B, 1, V)
         full_caches, caches = m.new_kv_caches(2, 16), m.new_kv_caches(2, 16)
@@ -346,3 +349,15 @@ def test_last_only_prefill_runs_the_last_mlp_on_the_last_position(overrides):
         finally:
             m.trf_blocks[-1].hook = None
         assert seen == [(2, 9, 32)]
+        for module in (m.trf_blocks[-1], ff):  # a torch hook on the block or inside it: every position too
+            hooked: list[tuple[int, ...]] = []
+            handle = module.register_forward_hook(lambda mod, args, out, hooked=hooked: hooked.append(out.shape))
+            try:
+                seen.clear()
+                torch.testing.assert_close(m.decode_logits(idx, None, m.new_kv_caches(2, 16), last_only=True), want)
+                assert seen == [(2, 9, 32)] and hooked == [(2, 9, 32)]
+                seen.clear()
+                m.generate(idx, 1, temperature=0)  # the prefill of a generation likewise
+                assert seen == [(2, 9, 32)]
+            finally:
+                handle.remove()

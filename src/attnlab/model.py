@@ -573,6 +573,13 @@ class GeGLU(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+def _torch_hooked(module: nn.Module) -> bool:
+    """Whether a torch forward hook or pre-hook is set on ``module``, a module inside it, or globally."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
 def _norm(cfg: GPTConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return rms_norm(cfg.emb_dim, cfg.ln_eps, cfg.norm_offset)
@@ -645,13 +652,14 @@ class TransformerBlock(nn.Module):
         ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`. ``last_only``: the last position's
         output alone, ``(B, 1, C)`` (a prefill's last block: its other positions' outputs are read by no
         one, while their keys and values still go to ``kv_cache``); the MLP then runs on that position
-        only. Ignored while a hook is set (it reads every position)."""
+        only. Ignored while a hook is set, attnlab's or a torch forward (pre-)hook on the block or a
+        module inside it (a hook reads every position, as it would without the flag)."""
         hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
         if hook is not None:
             x = hook("resid_pre", x)
         h = x if self.norm1 is None else self.norm1(x)
         att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
-        if last_only and hook is None:
+        if last_only and hook is None and not _torch_hooked(self):
             x, att = x[:, -1:], att[:, -1:]  # (B, 1, C)
         if self.post_norm1 is not None:
             att = self.post_norm1(att)
