@@ -553,8 +553,9 @@ def test_generation_from_the_prompts_trace_equals_generation_from_the_prompt(pre
             trace_generation(model, idx, bad)
 
 
-def test_generation_trace_with_a_left_padded_batch():
-    model = sharp_gpt()
+@pytest.mark.parametrize("overrides", [{}, {"pos": "rope"}])
+def test_generation_trace_with_a_left_padded_batch(overrides):
+    model = sharp_gpt(**overrides)
     idx = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(12))
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[0, :3] = False
@@ -563,6 +564,11 @@ def test_generation_trace_with_a_left_padded_batch():
     assert torch.equal(got.tokens, want)
     for step in got.steps:
         assert torch.all(step.weights[:, 0, :, :3] == 0)  # padding never attended
+        S = step.weights.shape[-1]
+        every = torch.arange(step.position - S, step.position)  # (S,) the token in each key, in order
+        assert torch.equal(step.key_index[1], every)
+        if overrides:  # a model that records positions: the padded row's padding is no token (-1)
+            assert torch.equal(step.key_index[0], torch.where(every < 3, -1, every))
 
 
 @pytest.mark.parametrize(

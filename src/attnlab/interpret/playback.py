@@ -212,10 +212,10 @@ def _prefill_logits(model: nn.Module, prefix: Trace) -> Tensor:
 
 def key_index(offsets: Tensor | None, position: int, S: int, rows: int, device: torch.device) -> Tensor:
     """``(rows, S)``: the index of the token in each of the ``S`` keys the query at ``position`` attended
-    to (-1: none), from :func:`key_offsets`. Without offsets, or with every token so far in the keys
-    (a rolling cache before it wraps: slot i holds position i), the keys are in order and end at the
-    query: ``position - S .. position - 1``."""
-    if offsets is None or position == S:
+    to (-1: none, such as a left-padded row's padding), from :func:`key_offsets`. Without offsets the
+    keys are in order and end at the query: ``position - S .. position - 1`` (a caller that knows its
+    keys hold every token so far, unpadded, may pass None for that case: serve's stream does)."""
+    if offsets is None:
         return torch.arange(position - S, position, device=device).expand(rows, S)
     return torch.where(offsets >= 0, position - 1 - offsets, -1).expand(rows, S)
 
