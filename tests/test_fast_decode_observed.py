@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from attnlab import decoding
-from attnlab.interpret import observe_attention_rows
+from attnlab.interpret import observe_attention, observe_attention_rows, trace_generation
 from test_fast_decode import BASE, FAMILIES, make
 
 pytestmark = pytest.mark.slow
@@ -208,12 +208,58 @@ def test_rows_with_an_observer_set_before_come_from_its_records(variants):
     assert records[-1].weights.shape[2] == 1  # (the decoding steps' records: one query each)
 
 
-def test_rows_of_layers_over_different_keys_are_an_error():
-    """Gemma 3's window layers keep fewer keys than its global one: no (L, B, H, S) stack, a clear error."""
-    model = make(FAMILIES["gemma3"])
-    idx = torch.randint(0, BASE["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(8))
-    with pytest.raises(ValueError, match=r"same keys.*use observe_attention"):
-        row_passes(model, idx, 3, fast=False)
+@pytest.mark.parametrize("kw", [{"fast": False}, {}, {"compile": True}])
+def test_rows_of_layers_over_different_keys_are_laid_on_the_widest_layers_keys(kw):
+    """Gemma 3's window layers keep fewer keys than its global one once the text is longer than the
+    window: each layer's row laid on the global layer's keys by position (its record's weights where it
+    holds the key, 0 outside its window), the positions handed the global layer's; the eager forward's
+    rows, the fast step's and the compiled one's alike; trace_generation plays such a generation back."""
+    model = make(FAMILIES["gemma3"])  # window 6 on layers 0 and 1, layer 2 global
+    idx = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    records: list[list] = []
+
+    def record(layer, r):
+        if layer == 0:
+            records.append([])
+        records[-1].append((r.weights[:, :, -1].clone(), r.k_positions.clone(), r.q_positions.clone()))
+
+    with observe_attention(model, record, last_query=True):
+        want = model.generate(idx, 4, temperature=0, fast=False)
+    (ids, _), passes = row_passes(model, idx, 4, **kw)
+    assert torch.equal(ids, want) and len(passes) == len(records) == 4
+    for (rows, q_pos, k_pos), layers in zip(passes, records, strict=True):
+        wide = max(layers, key=lambda t: t[0].shape[-1])
+        assert rows.shape == (3, 2, *wide[0].shape[1:]) and torch.equal(k_pos.expand(2, -1), wide[1].expand(2, -1))
+        assert torch.equal(q_pos.expand(2, -1), wide[2].expand(2, -1))
+        for row, (w, pos, _) in zip(rows, layers, strict=True):
+            for b in range(2):
+                mine, theirs = pos.expand(2, -1)[b].tolist(), k_pos.expand(2, -1)[b].tolist()
+                cols = [theirs.index(p) for p in mine if p >= 0]
+                torch.testing.assert_close(row[b][:, cols], w[b][:, [i for i, p in enumerate(mine) if p >= 0]])
+                rest = [c for c in range(len(theirs)) if c not in cols]
+                assert torch.all(row[b][:, rest] == 0)
+            torch.testing.assert_close(row.sum(-1), torch.ones_like(row.sum(-1)))  # every key it attended is there
+    played = trace_generation(model, idx, 4, temperature=0)
+    assert torch.equal(played.tokens, want)
+    for step in played.steps:
+        S = step.weights.shape[-1]
+        assert step.key_start == step.position - S
+        assert torch.equal(step.key_index, torch.arange(step.position - S, step.position).expand(2, S))
+
+
+def test_precompile_of_the_rows_variant_over_caches_of_several_sizes_compiles_the_observed_one():
+    """A model whose window layers keep fewer slots: its stream's steps run the "observed" variant (no
+    (L, B, H, S) stack), so precompile("rows") compiles that one, not an error that would leave a server
+    without its compiled step."""
+    with torch.inference_mode():
+        for family, want in (("gemma3", "observed"), ("smollm2-like", "rows")):
+            model = make(FAMILIES[family])
+            decoder = decoding.FastDecoder(model, model.new_kv_caches(1, 256), compile=True)
+            assert decoder.even == (want == "rows")
+            ran: list[str] = []
+            decoder._static_step = lambda token, slot, variant="plain", ran=ran: ran.append(variant)  # (no compiling)
+            decoder.precompile("rows")
+            assert ran == [want]
 
 
 def test_precompile_of_the_rows_variant_and_a_bad_variant(variants):

@@ -425,9 +425,13 @@ def test_generation_streams_what_trace_generation_records(client, checkpoint, te
     assert [e["token"] for name, e in got if name == "token"] == ids[0, idx.shape[1] :].tolist()
 
 
-def test_a_ring_cache_models_stream_equals_trace_generation(tmp_path):
-    """A RoPE model past its window (a rolling cache: keys out of order), through the engine in-process."""
-    model = GPT(GPTConfig.preset("modern", vocab_size=len(CHARS), context_length=8, emb_dim=32, n_heads=4, n_layers=2))
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_ring_cache_models_stream_equals_trace_generation(tmp_path, mixed):
+    """A RoPE model past its window (a rolling cache: keys out of order), through the engine in-process;
+    ``mixed``: a window on one layer only (Gemma 3's kind), whose rows are laid on the other's keys."""
+    sizes = dict(vocab_size=len(CHARS), emb_dim=32, n_heads=4, n_layers=2)
+    config = dict(context_length=16, window=4, window_layers=[0]) if mixed else dict(context_length=8)
+    model = GPT(GPTConfig.preset("modern", **sizes, **config))
     model.eval()
     engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
     prompt = "abcdef"
@@ -439,7 +443,11 @@ def test_a_ring_cache_models_stream_equals_trace_generation(tmp_path):
     got.append(("done", {"generated": run.produced, "reason": run.end_reason}))
     idx = ids_of(LoadedModel(model, CharTokenizer(CHARS), tmp_path), prompt)
     gen = trace_generation(model, idx, 9, generator=torch.Generator().manual_seed(2))
-    assert any(s.key_index[0].tolist() != sorted(s.key_index[0].tolist()) for s in gen.steps)  # out of order
+    if mixed:  # the window layer's evicted keys: weight 0 in its rows, which sum to 1 over the rest
+        assert all(bool((s.weights[0, :, :, : -model.config.window] == 0).all()) for s in gen.steps)
+        torch.testing.assert_close(gen.steps[-1].weights.sum(-1), torch.ones(2, 1, 4))
+    else:
+        assert any(s.key_index[0].tolist() != sorted(s.key_index[0].tolist()) for s in gen.steps)  # out of order
     check_generation(got, gen, idx[0].tolist())
     assert engine.snapshot()["generations_finished"] == 1 and engine.snapshot()["generations_active"] == 0
 

@@ -951,7 +951,9 @@ class FastDecoder:
     def precompile(self, variant: str = "plain", stop_ids: tuple[int, ...] = ()) -> None:
         """Compile the step for this decoder's shapes (its batch, its caches' slots, the model's dtype)
         now: the ``variant`` of :data:`VARIANTS` ("plain": no observer; "observed": observers that get
-        records; "rows": serve's generation stream, :func:`attnlab.interpret.observe_attention_rows`). One step on this
+        records; "rows": serve's generation stream, :func:`attnlab.interpret.observe_attention_rows`, which
+        over caches of several sizes (a model whose window layers keep fewer slots) runs, and so compiles,
+        the "observed" variant, as :meth:`_variant` picks). One step on this
         decoder's caches, which must be new ones of its own: they are reset afterwards. No module of the
         model is called and nothing on it changes (its weights are read): a server compiles on a thread
         of its own while its model thread answers requests. Run it in the grad mode the generation will
@@ -961,8 +963,10 @@ class FastDecoder:
         generations that stop at ``stop_ids`` (each set of them is a graph of its own)."""
         if not self.compile:
             raise ValueError("precompile needs a FastDecoder made with compile=True")
-        if variant not in VARIANTS or (variant == "rows" and not self.even):
-            raise ValueError(f"variant must be one of {VARIANTS} ('rows' with caches of one size), got {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if variant == "rows" and not self.even:  # (the rows of all layers are one tensor: caches of one size)
+            variant = "observed"
         device = self.caches[0].keys.device
         token = torch.zeros(self.caches[0].keys.shape[0], dtype=torch.long, device=device)  # (B,)
         self._static_step(token, torch.zeros((), dtype=torch.long, device=device), variant)

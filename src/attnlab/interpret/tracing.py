@@ -140,30 +140,37 @@ def observe_attention_rows(
     each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``:
     a compiled decoding step (:class:`attnlab.decoding.FastDecoder`) hands the rows from its graph at
     once instead of a record per layer (SmolLM2's 30: 0.6 ms a token). The positions may be views of
-    a cache, valid until the next pass; ``weights`` is the callback's to keep. Every layer must attend
-    over the same keys (``S``), as the caches of a model without windows of several sizes do.
+    a cache, valid until the next pass; ``weights`` is the callback's to keep.
+
+    Layers that attend over different keys (a model with windows of several sizes, such as Gemma 3's,
+    once the text is longer than a window) have their rows laid on the keys of the layer with the most,
+    by position: a key that layer holds and another does not (outside its window) gets weight 0 there,
+    and the positions handed are that layer's. Without positions that is a ``ValueError``.
 
     Observers already set are kept and called too (with records of every query, if they ask for them);
     then each layer builds its record and the rows are stacked from them."""
     layers = attention_layers(model)
     L = len(layers)
     rows: list[Tensor] = []
-    first: list[AttentionRecord] = []
+    records: list[AttentionRecord] = []
 
     def keep(layer: int, record: AttentionRecord) -> None:
         if layer == 0:  # a new pass
             rows.clear()
-            first[:] = [record]
+            records.clear()
         rows.append(record.weights[:, :, -1])  # (b, H, S): the pass's last query
+        records.append(record)
         if layer == L - 1:
-            sizes = {r.shape[-1] for r in rows}
-            if len(sizes) > 1 or len(rows) != L:
+            if len(rows) != L:
                 raise ValueError(
-                    "observe_attention_rows needs every layer to attend over the same keys once a pass; "
-                    f"this pass's layers attended over {[r.shape[-1] for r in rows]} keys (a model with "
-                    "windows of several sizes): use observe_attention"
+                    f"observe_attention_rows needs every layer to attend once a pass, got {len(rows)} of {L}"
                 )
-            callback(torch.stack(rows), first[0].q_positions, first[0].k_positions)  # (L, b, H, S)
+            if len({r.shape[-1] for r in rows}) == 1:
+                callback(torch.stack(rows), records[0].q_positions, records[0].k_positions)  # (L, b, H, S)
+                return
+            widest = max(range(L), key=lambda i: rows[i].shape[-1])
+            wide = records[widest]
+            callback(_rows_on_keys(rows, records, wide.k_positions), wide.q_positions, wide.k_positions)
 
     if any(att.observer is not None for att in layers):  # they get their records: the rows from those
         with observe_attention(model, keep, copy_cache=False, last_query=True) as observed:
@@ -178,6 +185,31 @@ def observe_attention_rows(
     finally:
         for att in layers:
             object.__setattr__(att, "observer", None)
+
+
+def _rows_on_keys(rows: list[Tensor], records: list[AttentionRecord], keys: Tensor | None) -> Tensor:
+    """Each layer's row ``(b, H, S_i)`` laid on the keys at positions ``keys (1 or b, S)`` (-1: none), by its
+    record's key positions: ``(L, b, H, S)``, 0 where a layer holds no such key."""
+    if keys is None or any(r.k_positions is None for r in records):
+        sizes = [row.shape[-1] for row in rows]
+        raise ValueError(
+            f"observe_attention_rows: this pass's layers attended over {sizes} keys (windows of several "
+            "sizes) and record no key positions to lay them on one another: use observe_attention"
+        )
+    b, H, S = rows[0].shape[0], rows[0].shape[1], keys.shape[-1]
+    keys = keys.expand(b, S)
+    top = int(keys.max()) + 1
+    # column_of[row, p]: the column of position p among `keys` (S: none, a column dropped below)
+    column_of = torch.full((b, top + 1), S, dtype=torch.long, device=keys.device)
+    at = torch.arange(S, device=keys.device).expand(b, S)
+    column_of.scatter_(1, torch.where(keys >= 0, keys, top), torch.where(keys >= 0, at, S))
+    column_of[:, top] = S
+    out = rows[0].new_zeros(len(rows), b, H, S + 1)  # (L, b, H, S + 1)
+    for i, (row, record) in enumerate(zip(rows, records, strict=True)):
+        pos = record.k_positions.expand(b, row.shape[-1])  # (b, S_i)
+        cols = column_of.gather(1, torch.where((pos >= 0) & (pos < top), pos, top))  # (b, S_i)
+        out[i].scatter_(-1, cols[:, None].expand(b, H, -1), row)
+    return out[..., :S]
 
 
 class _RowsObserver:
