@@ -571,6 +571,21 @@ def test_generation_trace_with_a_left_padded_batch(overrides):
             assert torch.equal(step.key_index[0], torch.where(every < 3, -1, every))
 
 
+def test_generation_trace_of_a_prompt_longer_than_the_context():
+    """A RoPE model's prompt longer than its context fills the cache in passes of the context (a ring):
+    one step a new token, the first from the prompt's last pass, the tokens generate's."""
+    model = sharp_gpt(pos="rope", context_length=8)
+    idx = torch.randint(0, 37, (2, 19), generator=torch.Generator().manual_seed(14))  # 3 passes of 8
+    want = model.generate(idx, 4, temperature=0)
+    got = trace_generation(model, idx, 4, temperature=0)
+    assert torch.equal(got.tokens, want) and len(got.steps) == 4
+    for step in got.steps:  # the ring's 8 tokens (the last pass of the prompt: and its own 3 after them)
+        S = step.weights.shape[-1]
+        assert (11 if step.position == 19 else 8) == S
+        torch.testing.assert_close(step.weights.sum(-1), torch.ones(3, 2, 4))
+        assert sorted(step.key_index[0].tolist()) == list(range(step.position - S, step.position))
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
     [(1.0, None, None), (0.5, 4, None), (1.7, None, 0.6), (0.9, 6, 0.8), (0.0, None, None)],

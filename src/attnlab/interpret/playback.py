@@ -126,6 +126,10 @@ def trace_generation(
     T, new = idx.shape[1], logits.shape[1]
     if caches is not None:  # the prompt's pass is the trace's: its last query's rows, keys in order
         passes.insert(0, (prefix.weights[:, :, :, -1].float().clone(), None))  # (L, B, H, S)
+    elif use_cache and new and model.config.relative and model.config.context_length < T:
+        # A prompt longer than the context fills the cache in passes of `context_length` tokens (see
+        # generation's prefill): the first token's rows are the last of them.
+        del passes[: -(-T // model.config.context_length) - 1]
     if len(passes) != new:
         raise RuntimeError(f"expected {new} passes of the model, one a token, saw {len(passes)}")
     steps = []
