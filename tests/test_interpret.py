@@ -571,6 +571,25 @@ def test_generation_trace_with_a_left_padded_batch(overrides):
             assert torch.equal(step.key_index[0], torch.where(every < 3, -1, every))
 
 
+def test_generation_trace_with_sinks_and_a_left_padded_batch_is_the_eager_trace():
+    """Window layers with sinks beside a global one, a left-padded batch: the first token's rows are the
+    eager trace's last query's, each weight on the token key_index names (the layers hold as many keys
+    in other slots: the global layer's cache starts with the sinks)."""
+    model = sharp_gpt(pos="rope", window=6, window_layers=[0, 1], sinks=2)
+    idx = torch.randint(0, 37, (2, 14), generator=torch.Generator().manual_seed(15))
+    mask = torch.ones(2, 14, dtype=torch.bool)
+    mask[0, :4] = False
+    got = trace_generation(model, idx, 2, attention_mask=mask, temperature=0)
+    want = trace(model, idx, attention_mask=mask).weights[:, :, :, -1]  # (L, B, H, T), keys in order
+    step = got.steps[0]
+    for b in range(2):
+        index = step.key_index[b]
+        held = index >= 0
+        torch.testing.assert_close(step.weights[:, b][..., held], want[:, b][..., index[held]])
+        assert torch.all(step.weights[:, b][..., ~held] == 0)
+    assert torch.equal(got.tokens, model.generate(idx, 2, attention_mask=mask, temperature=0))
+
+
 def test_generation_trace_of_a_prompt_longer_than_the_context():
     """A RoPE model's prompt longer than its context fills the cache in passes of the context (a ring):
     one step a new token, the first from the prompt's last pass, the tokens generate's."""

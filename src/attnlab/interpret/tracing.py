@@ -153,6 +153,9 @@ def observe_attention_rows(
     L = len(layers)
     rows: list[Tensor] = []
     records: list[AttentionRecord] = []
+    # Layers of several windows or sinks may hold their keys in other slots even where they hold as many
+    # (a prompt's pass with sinks: the global layer's slots start with them): their positions decide.
+    several = len({(att.window, att.sinks) for att in layers}) > 1
 
     def keep(layer: int, record: AttentionRecord) -> None:
         if layer == 0:  # a new pass
@@ -165,11 +168,14 @@ def observe_attention_rows(
                 raise ValueError(
                     f"observe_attention_rows needs every layer to attend once a pass, got {len(rows)} of {L}"
                 )
-            if len({r.shape[-1] for r in rows}) == 1:
-                callback(torch.stack(rows), records[0].q_positions, records[0].k_positions)  # (L, b, H, S)
+            first = records[0].k_positions
+            if len({r.shape[-1] for r in rows}) == 1 and (
+                not several or first is None or all(torch.equal(r.k_positions, first) for r in records[1:])
+            ):
+                callback(torch.stack(rows), records[0].q_positions, first)  # (L, b, H, S)
                 return
-            widest = max(range(L), key=lambda i: rows[i].shape[-1])
-            wide = records[widest]
+            # The layer that holds the most keys (a global one: every other layer's are among them)
+            wide = max(records, key=lambda r: (r.weights.shape[-1], _held(r.k_positions)))
             callback(_rows_on_keys(rows, records, wide.k_positions), wide.q_positions, wide.k_positions)
 
     if any(att.observer is not None for att in layers):  # they get their records: the rows from those
@@ -185,6 +191,11 @@ def observe_attention_rows(
     finally:
         for att in layers:
             object.__setattr__(att, "observer", None)
+
+
+def _held(positions: Tensor | None) -> int:
+    """How many keys a record's positions ``(1 or b, S)`` name (-1: an empty slot or padding)."""
+    return 0 if positions is None else int((positions >= 0).sum())
 
 
 def _rows_on_keys(rows: list[Tensor], records: list[AttentionRecord], keys: Tensor | None) -> Tensor:
