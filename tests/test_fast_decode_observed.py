@@ -209,13 +209,16 @@ def test_rows_with_an_observer_set_before_come_from_its_records(variants):
 
 
 @pytest.mark.parametrize("kw", [{"fast": False}, {}, {"compile": True}])
-def test_rows_of_layers_over_different_keys_are_laid_on_the_widest_layers_keys(kw):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_rows_of_layers_over_different_keys_are_laid_on_the_widest_layers_keys(kw, sinks):
     """Gemma 3's window layers keep fewer keys than its global one once the text is longer than the
     window: each layer's row laid on the global layer's keys by position (its record's weights where it
     holds the key, 0 outside its window), the positions handed the global layer's; the eager forward's
-    rows, the fast step's and the compiled one's alike; trace_generation plays such a generation back."""
-    model = make(FAMILIES["gemma3"])  # window 6 on layers 0 and 1, layer 2 global
-    idx = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    rows, the fast step's and the compiled one's alike; trace_generation plays such a generation back.
+    With 2 sinks and a context of 8, every layer's ring has 8 slots, holding the tokens in other ones."""
+    extra = {"sinks": 2, "context_length": 8} if sinks else {}
+    model = make({**FAMILIES["gemma3"], **extra})  # window 6 on layers 0 and 1, layer 2 global
+    idx = torch.randint(0, BASE["vocab_size"], (2, 7 if sinks else 9), generator=torch.Generator().manual_seed(8))
     records: list[list] = []
 
     def record(layer, r):
