@@ -19,7 +19,7 @@ from attnlab.interpret.inspector import TEMPERATURES
 from attnlab.model import GPT, GPTConfig
 
 
-def llama_like(vocab: int = 700, seed: int = 0) -> GPT:
+def llama_like(vocab: int = 700, seed: int = 0, **overrides) -> GPT:
     """A small RoPE/RMSNorm/SwiGLU model with grouped keys (as SmolLM2) and a vocabulary much larger
     than the lens's candidates, so the bfloat16 search decides which tokens are scored exactly."""
     torch.manual_seed(seed)
@@ -37,6 +37,7 @@ def llama_like(vocab: int = 700, seed: int = 0) -> GPT:
         ff_dim=96,
         bias=False,
         tie_embeddings=True,
+        **overrides,
     )
     model = GPT(cfg).eval()
     with torch.no_grad():  # logits with a realistic spread: peaked at some positions, flat at others
@@ -45,11 +46,14 @@ def llama_like(vocab: int = 700, seed: int = 0) -> GPT:
 
 
 def lens_reference(model: GPT, tr, k: int):
-    """The logit lens in float64, the whole vocabulary at once: ``(probs (L+1, B, T, V), final (B, T))``."""
+    """The logit lens in float64, the whole vocabulary at once: ``(probs (L+1, B, T, V), final (B, T))``
+    (the logits soft-capped as the model's, ``cap * tanh(logits / cap)``, where it caps them)."""
     m64 = GPT(model.config).eval().double()
     m64.load_state_dict(model.state_dict())
+    cap = model.config.logit_softcap
     with torch.no_grad():
-        rows = [torch.softmax(m64.out_head(m64.final_norm(r.double())), -1) for r in tr.residual]
+        logits = [m64.out_head(m64.final_norm(r.double())) for r in tr.residual]
+        rows = [torch.softmax(z if cap is None else cap * torch.tanh(z / cap), -1) for z in logits]
     return torch.stack(rows), tr.logits.argmax(-1)
 
 
@@ -63,6 +67,19 @@ def check_lens(lens, probs64, final, k, atol, rtol):
     torch.testing.assert_close(lens.final_token_probs.double(), want_final, atol=atol, rtol=rtol)
     clear = (top.values[..., k - 1] - probs64.topk(k + 1, dim=-1).values[..., k]) > 1e-6  # no near tie
     assert torch.equal(lens.tokens[clear], top.indices[clear])
+
+
+@pytest.mark.parametrize("search", [None, torch.bfloat16, torch.float32])
+def test_the_lens_of_a_soft_capped_model_caps_every_row(search):
+    """Gemma 2's logit soft cap: every layer's row capped as the model's own logits (the last row), the
+    exact lens whatever the search asked for."""
+    model = llama_like(logit_softcap=3.0)
+    idx = torch.randint(0, 700, (2, 11), generator=torch.Generator().manual_seed(4))
+    tr = trace(model, idx, stages=True)
+    probs64, final = lens_reference(model, tr, 5)
+    check_lens(logit_lens(model, tr, k=5, search_dtype=search), probs64, final, 5, atol=1e-6, rtol=1e-5)
+    rows = analysis.lens_logits(model, tr.residual[-1])  # (B, T, V): the model's own logits
+    torch.testing.assert_close(rows, tr.logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("search", [torch.bfloat16, torch.float32])

@@ -126,9 +126,20 @@ LENS_MIN_VOCAB = 4096  # the fast search pays only for a large vocabulary (SmolL
 
 
 def lens_logits(model: nn.Module, residual: Tensor) -> Tensor:
-    """The final norm and the unembedding applied to a residual stream ``(..., d)``: ``(..., V)``."""
+    """The final norm and the unembedding applied to a residual stream ``(..., d)``: ``(..., V)``, soft-capped
+    as the model's own logits are where it caps them (Gemma 2's ``logit_softcap``)."""
     with torch.no_grad():
-        return model.out_head(model.final_norm(residual))
+        return _capped(model, model.out_head(model.final_norm(residual)))
+
+
+def _softcap(model: nn.Module) -> float | None:
+    return getattr(getattr(model, "config", None), "logit_softcap", None)
+
+
+def _capped(model: nn.Module, logits: Tensor) -> Tensor:
+    """``cap * tanh(logits / cap)`` (in place) for a model with ``config.logit_softcap``, else ``logits``."""
+    cap = _softcap(model)
+    return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
 
 def logit_lens(
@@ -175,6 +186,9 @@ def logit_lens(
     asks for the lens window by window); each call checks it against a CRC-32 of the weight's bytes, so
     an edit to the weight, even through ``.data``, is never served from a stale copy.
 
+    A model whose logits are soft-capped (Gemma 2's ``logit_softcap``) has every row capped as its own
+    logits are, and the exact lens (the search's centring does not commute with the cap).
+
     On a 2-core AVX512-BF16 CPU the search takes half the exact lens's time (SmolLM2, 626 tokens: 8.8 s
     of one core against 17.7 s), most of it the bfloat16 product itself.
     """
@@ -198,6 +212,9 @@ def logit_lens(
         fast = W.dtype == torch.float32 and bias is None and V >= LENS_MIN_VOCAB and hardware.bf16_native(W.device)
     else:
         fast = search_dtype == torch.bfloat16 and W.dtype != torch.bfloat16 and bias is None and n_cand < V
+    # A soft cap (Gemma 2) bends every logit: the search's centred logits (each position's constant left
+    # out) would no longer be the capped ones less a constant, so such a model's lens is the exact one.
+    fast = fast and _softcap(model) is None
     start, stop = position_window("positions", positions, trace.logits.shape[1])
     final = trace.logits[:, start:stop].argmax(dim=-1)  # (B, T): the token the model finally ranks first
     L, (B, T) = trace.n_layers, final.shape
@@ -224,7 +241,8 @@ def logit_lens(
             h = model.final_norm(residual[layer, b, t])  # (c, d)
             f = final[b, t, None]  # (c, 1)
             if search is None:
-                put(slice(s, s + len(r)), *_exact_rows(hardware.linear(h, W, bias).float(), f, k, spend=True))
+                logits = _capped(model, hardware.linear(h, W, bias).float())  # (c, V)
+                put(slice(s, s + len(r)), *_exact_rows(logits, f, k, spend=True))
             else:
                 put(slice(s, s + len(r)), *search.rows(h, W, f, k, n_cand))
         # After the last block the lens is the model's own head: its logits are in the trace. No product
