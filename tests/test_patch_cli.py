@@ -116,3 +116,31 @@ def test_gemma_models_are_patched(gemma_checkpoints, family, capsys):
     L, H = divmod(best, want.shape[1])
     line = text.split("head_out:")[1].strip().splitlines()[1].split()
     assert line[0] == f"{L}.{H}" and float(line[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
+
+
+@pytest.mark.parametrize("command", ["patch", "viz"])
+def test_a_model_patching_cannot_rerun_is_one_line(checkpoint, tmp_path, monkeypatch, capsys, command):
+    """A model whose forward does more than its blocks, final norm and head (here a bias on the logits):
+    the library's ValueError, one line and status 2, not a traceback."""
+    d, _ = checkpoint
+    decode = GPT.decode_logits
+    monkeypatch.setattr(GPT, "decode_logits", lambda self, *a, **k: decode(self, *a, **k) + 1.0)
+    pair = ["--corrupted", "abcabce", "--answers", "a", "b"]
+    if command == "patch":
+        argv = ["patch", "--checkpoint", str(d), "--clean", "abcabcd", *pair]
+    else:
+        argv = [
+            "viz",
+            "--checkpoint",
+            str(d),
+            "--prompt",
+            "abcabcd",
+            "--out",
+            str(tmp_path / "p.html"),
+            "--generate",
+            "0",
+            *pair,
+        ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not supported by activation_patching" in err and len(err.splitlines()) == 1, err

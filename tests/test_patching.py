@@ -23,6 +23,7 @@ from attnlab.interpret import (
     path_patching,
     run_with_cache,
 )
+from attnlab.model import GPT
 from test_fast_decode import BASE, FAMILIES, make
 
 A, B = 3, 5  # the two answer tokens of the tests' metric
@@ -265,6 +266,22 @@ def test_the_reruns_clean_logits_are_the_models(family, long_pair):
     assert len(seen) == 1 + 2 * clean.shape[1]  # the corrupted (= clean) run, then 2 layers x T positions
     for logits in seen:
         torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-10)
+
+
+class ShiftedLogits(GPT):
+    """A model family whose forward does more than its blocks, final norm and head (a bias on the
+    logits), which patching's reruns cannot know."""
+
+    def decode_logits(self, *args, **kwargs):
+        return super().decode_logits(*args, **kwargs) + 1.0
+
+
+def test_a_model_the_reruns_cannot_reproduce_is_a_value_error(long_pair):
+    model = make(FAMILIES["llama-gqa"])
+    odd = ShiftedLogits(model.config).double().eval()
+    odd.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="not supported by activation_patching"):
+        activation_patching(odd, *long_pair, logit_diff(A, B), "resid_pre")
 
 
 def test_normalized_metric(make_gpt, pair):

@@ -169,13 +169,16 @@ def _tail(model: nn.Module, layer: int, x: Tensor, last_only: bool) -> Tensor:
 
 
 def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: bool) -> None:
-    """The tail must reproduce the model (a model family whose blocks take other arguments would not)."""
+    """The tail must reproduce the model: a model whose forward does more than its blocks, final norm
+    and head (a subclass, another family's switch the reruns do not know) would get wrong numbers.
+    A ValueError: the model is what the caller chose (the command line reports it in one line)."""
     mine = _tail(model, 0, resid0, last_only)
     theirs = logits[:, -1:] if last_only else logits
     if not torch.allclose(mine, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
-        raise RuntimeError(
-            "patching could not rerun this model from a cached residual (its blocks take arguments the "
-            "patching tail does not pass); this model family is not supported by activation_patching yet"
+        raise ValueError(
+            f"patching could not rerun this model ({type(model).__name__}) from a cached residual: its forward "
+            "does more than its blocks, final norm and output head; this model is not supported by "
+            "activation_patching"
         )
 
 
