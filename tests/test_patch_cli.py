@@ -9,15 +9,15 @@ import torch
 
 from attnlab.cli import main
 from attnlab.interpret import activation_patching, logit_diff
+from attnlab.model import GPT, GPTConfig
 from attnlab.tokenizers import CharTokenizer
+from test_fast_decode import BASE, FAMILIES
 
 LETTERS = "abcdefghijklmnop"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from attnlab.model import GPT, GPTConfig
-
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=16, context_length=16, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0))
     d = model.save(tmp_path_factory.mktemp("patch") / "ckpt")
@@ -73,3 +73,74 @@ def test_bad_input_is_one_line(checkpoint, extra, message, capsys):
     assert main(argv + extra) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+# Gemma 2 (logits soft-capped) and Gemma 3 (a RoPE base of its own in the window layers), as
+# tests/test_patching.py builds them, with this file's 16-letter vocabulary.
+GEMMAS = {
+    "gemma2": dict(
+        FAMILIES["gemma"], post_norms=True, window=6, window_layers=[0, 2], attn_softcap=50.0, logit_softcap=2.0
+    ),
+    "gemma3": FAMILIES["gemma3"],
+}
+
+
+@pytest.fixture(scope="module")
+def gemma_checkpoints(tmp_path_factory):
+    out = {}
+    for name, cfg in GEMMAS.items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**BASE, **cfg, "vocab_size": len(LETTERS)}))
+        d = model.save(tmp_path_factory.mktemp("patch") / name)
+        (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS).to_dict()))
+        out[name] = d, model.eval()
+    return out
+
+
+@pytest.mark.parametrize("family", list(GEMMAS))
+def test_gemma_models_are_patched(gemma_checkpoints, family, capsys):
+    """Once a traceback (the patching reruns lacked Gemma 2's soft cap and Gemma 3's per-layer RoPE base):
+    the printed best head is the library's, whose numbers tests/test_patching.py holds to hooked forwards."""
+    d, model = gemma_checkpoints[family]
+    clean, corrupted = "abcabcdab", "abdabcdab"
+    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "c", "d"]
+    assert main([*argv, "--site", "head_out", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    tok = CharTokenizer(LETTERS)
+    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
+    metric = logit_diff(*tok.encode("cd"))
+    want = activation_patching(model, *ids, metric, "head_out")
+    with torch.no_grad():
+        lc, lx = (float(metric(model(i[None]))) for i in ids)
+    best = int(((want - lx) / (lc - lx)).flatten().argmax())
+    L, H = divmod(best, want.shape[1])
+    line = text.split("head_out:")[1].strip().splitlines()[1].split()
+    assert line[0] == f"{L}.{H}" and float(line[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
+
+
+@pytest.mark.parametrize("command", ["patch", "viz"])
+def test_a_model_patching_cannot_rerun_is_one_line(checkpoint, tmp_path, monkeypatch, capsys, command):
+    """A model whose forward does more than its blocks, final norm and head (here a bias on the logits):
+    the library's ValueError, one line and status 2, not a traceback."""
+    d, _ = checkpoint
+    decode = GPT.decode_logits
+    monkeypatch.setattr(GPT, "decode_logits", lambda self, *a, **k: decode(self, *a, **k) + 1.0)
+    pair = ["--corrupted", "abcabce", "--answers", "a", "b"]
+    if command == "patch":
+        argv = ["patch", "--checkpoint", str(d), "--clean", "abcabcd", *pair]
+    else:
+        argv = [
+            "viz",
+            "--checkpoint",
+            str(d),
+            "--prompt",
+            "abcabcd",
+            "--out",
+            str(tmp_path / "p.html"),
+            "--generate",
+            "0",
+            *pair,
+        ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not supported by activation_patching" in err and len(err.splitlines()) == 1, err

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from attnlab.interpret import (
     SITES,
+    act_name,
     activation_patching,
     attribution_patching,
     direct_logit_attribution,
@@ -22,6 +23,8 @@ from attnlab.interpret import (
     path_patching,
     run_with_cache,
 )
+from attnlab.model import GPT
+from test_fast_decode import BASE, FAMILIES, make
 
 A, B = 3, 5  # the two answer tokens of the tests' metric
 
@@ -166,6 +169,119 @@ def test_whole_residual_at_layer_0_restores_clean_exactly(make_gpt, pair):
     # restores exactly the clean last-position residual
     one_by_one = activation_patching(model, clean, corrupted, logit_diff(A, B), "resid_post")
     torch.testing.assert_close(one_by_one[-1, -1], got, rtol=1e-5, atol=1e-6)
+
+
+# Families whose forward the float64 loop above does not write out, from a config as
+# attnlab.formats.families builds them. Gemma 2: alternating window layers, attention and logit
+# soft-capping (the cap far below the logits' range here, 2 against up to ~1.8, so it bends them);
+# Gemma 3: the window layers rotate with a RoPE base of their own (rope_local_theta).
+GEMMA2 = dict(FAMILIES["gemma"], post_norms=True, window=6, window_layers=[0, 2], attn_softcap=50.0, logit_softcap=2.0)
+REFERENCE_FAMILIES = {
+    "gpt2": FAMILIES["gpt2"],
+    "llama-gqa": FAMILIES["llama-gqa"],
+    "gemma2": GEMMA2,
+    "gemma3": FAMILIES["gemma3"],
+}
+# What each Gemma family's model has that a patching rerun must reproduce (the config without it
+# builds the same weights: neither field has parameters).
+FEATURE = {"gemma2": {"logit_softcap": None}, "gemma3": {"rope_local_theta": None}}
+
+
+@pytest.fixture
+def long_pair():
+    """``(1, 10)`` clean and corrupted ids for test_fast_decode's models: longer than their window (6)."""
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randint(0, BASE["vocab_size"], (1, 10), generator=g)
+    corrupted = clean.clone()
+    corrupted[0, 1] = (clean[0, 1] + 17) % BASE["vocab_size"]
+    corrupted[0, 6] = (clean[0, 6] + 29) % BASE["vocab_size"]
+    return clean, corrupted
+
+
+def hooked_patching(model, clean, corrupted, site):
+    """One full forward of ``model`` per patch, the clean activation put in by a hook on the model's
+    own forward (``model(idx)``: every family's switches, none written out here). ``(L, ...)`` float64,
+    the site's shape (as :func:`naive_patching`)."""
+    step, kind = SITES[site]
+    L, T = model.config.n_layers, clean.shape[1]
+    att = model.trf_blocks[0].att
+    H = att.num_kv_heads if step in ("k", "v") else att.num_heads
+    indices = {"pos": [(p,) for p in range(T)], "head": [(h,) for h in range(H)]}.get(kind) or [
+        (p, h) for p in range(T) for h in range(H)
+    ]
+    names = [act_name(step, i) for i in range(L)]
+    with torch.no_grad():
+        _, cache = run_with_cache(model, clean, names)
+    out = []
+    for name in names:
+        for index in indices:
+
+            def patch(t, hook, src=cache[name], index=index):
+                t = t.clone()
+                if kind == "pos" or step == "pattern":
+                    t[0, index[0]] = src[0, index[0]]  # (T, d) at one position, or one head's (T, S) pattern
+                elif kind == "head":
+                    t[0, :, index[0]] = src[0, :, index[0]]  # (T, hd): one head at every position
+                else:
+                    t[0, index[0], index[1]] = src[0, index[0], index[1]]
+                return t
+
+            with torch.no_grad(), hooks(model, {name: patch}):
+                out.append(ref_metric(model(corrupted)))
+    shape = {"pos": (T,), "head": (H,), "pos_head": (T, H)}[kind]
+    return torch.tensor(out, dtype=torch.float64).reshape(L, *shape)
+
+
+@pytest.mark.parametrize("family", list(REFERENCE_FAMILIES))
+def test_activation_patching_matches_hooked_forwards_of_each_family(family, long_pair):
+    """Patching reruns the blocks from a cached residual: each layer must get its own RoPE angles
+    (Gemma 3) and the logits the model's soft cap (Gemma 2), as ``model(idx)`` does."""
+    model = make(REFERENCE_FAMILIES[family])  # float64: the two computations agree to rounding
+    for site in SITES:
+        got = activation_patching(model, *long_pair, logit_diff(A, B), site)
+        want = hooked_patching(model, *long_pair, site)
+        assert got.shape == want.shape, site
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=site)
+    if family in FEATURE:  # the family's switch moves the numbers: a rerun without it could not pass
+        plain = make({**REFERENCE_FAMILIES[family], **FEATURE[family]})
+        moved = hooked_patching(plain, *long_pair, "resid_pre") - hooked_patching(model, *long_pair, "resid_pre")
+        assert moved.abs().max() > 0.05
+
+
+@pytest.mark.parametrize("family", list(REFERENCE_FAMILIES))
+def test_the_reruns_clean_logits_are_the_models(family, long_pair):
+    """Clean patched into clean: every rerun's whole logits ``(1, T, V)`` (a plain metric sees every
+    position) equal ``model(clean)``."""
+    model = make(REFERENCE_FAMILIES[family])
+    clean = long_pair[0]
+    seen = []
+
+    def keep(logits):  # no rows/last_only: called on each rerun's (1, T, V) logits
+        seen.append(logits.detach().clone())
+        return logits[0, -1, A] - logits[0, -1, B]
+
+    activation_patching(model, clean, clean, keep, "resid_pre", layers=[0, 2])
+    with torch.no_grad():
+        want = model(clean)
+    assert len(seen) == 1 + 2 * clean.shape[1]  # the corrupted (= clean) run, then 2 layers x T positions
+    for logits in seen:
+        torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-10)
+
+
+class ShiftedLogits(GPT):
+    """A model family whose forward does more than its blocks, final norm and head (a bias on the
+    logits), which patching's reruns cannot know."""
+
+    def decode_logits(self, *args, **kwargs):
+        return super().decode_logits(*args, **kwargs) + 1.0
+
+
+def test_a_model_the_reruns_cannot_reproduce_is_a_value_error(long_pair):
+    model = make(FAMILIES["llama-gqa"])
+    odd = ShiftedLogits(model.config).double().eval()
+    odd.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="not supported by activation_patching"):
+        activation_patching(odd, *long_pair, logit_diff(A, B), "resid_pre")
 
 
 def test_normalized_metric(make_gpt, pair):

@@ -950,21 +950,32 @@ class GPT(nn.Module):
             if cfg.pos == "learned":
                 x = x + self.pos_emb(at.clamp(min=0))
             x = self.drop_emb(x)
-            # RoPE's cosines and sines once for every layer: (1 or B, 1, T, rope_dim) each; Gemma 3's
-            # window layers have a RoPE base of their own.
-            ropes = {}
-            if cfg.pos == "rope":
-                ropes = {k: self.trf_blocks[i].att.rope_cos_sin(at, x.dtype) for k, i in self.rope_sources.items()}
+            ropes = self.rope_angles(at, x.dtype)  # once for every layer (Gemma 3: two bases)
             for i, block in enumerate(self.trf_blocks):
                 cache = None if kv_caches is None else kv_caches[i]
                 rope = ropes.get(block.local_rope)
                 x = block(x, kv_cache=cache, positions=positions, rope=rope, last_only=last_only and i == last)
         if last_only:
             x = x[:, -1:]  # (B, 1, C) (the last block's output already, unless a hook kept every position)
-        x = self.final_norm(x)
-        logits = self.out_head(x)  # (B, T, vocab_size)
-        if cfg.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
-            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        return self.unembed(x)  # (B, T or 1, vocab_size)
+
+    def rope_angles(self, at: Tensor, dtype: torch.dtype) -> dict[bool, tuple[Tensor, Tensor]]:
+        """RoPE's cosines and sines at positions ``at (1 or B, T)``, ``(1 or B, 1, T, rope_dim)`` each, keyed
+        by :attr:`TransformerBlock.local_rope`: block ``b`` takes ``ropes.get(b.local_rope)``. One entry, or
+        two for Gemma 3, whose window layers rotate with a RoPE base of their own; empty without RoPE.
+        Computed once for every layer (:meth:`decode_logits`, and the reruns of activation patching)."""
+        if self.config.pos != "rope":
+            return {}
+        return {k: self.trf_blocks[i].att.rope_cos_sin(at, dtype) for k, i in self.rope_sources.items()}
+
+    def unembed(self, x: Tensor) -> Tensor:
+        """Logits ``(B, T, vocab_size)`` of the last block's output ``x (B, T, C)``: the final norm, the
+        output head and, with ``logit_softcap`` (Gemma 2), ``cap * tanh(logits / cap)``; how
+        :meth:`decode_logits` ends (and the reruns of activation patching, from a cached residual)."""
+        logits = self.out_head(self.final_norm(x))  # (B, T, vocab_size)
+        cap = self.config.logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = cap * torch.tanh(logits / cap)
         return logits
 
     @staticmethod

@@ -150,28 +150,35 @@ def _check_site(site: object) -> tuple[str, str]:
     return SITES[site]
 
 
+def _ropes(model: nn.Module, T: int, dtype: torch.dtype, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
+    """RoPE's angles at positions ``0..T-1`` for every block, keyed by ``block.local_rope``, as
+    :meth:`attnlab.GPT.decode_logits` computes them (Gemma 3's window layers have a base of their own:
+    layer 0's angles for every layer would rotate its global layers wrongly)."""
+    return model.rope_angles(torch.arange(T, device=device)[None], dtype)  # (1, 1, T, rope_dim) each
+
+
 def _tail(model: nn.Module, layer: int, x: Tensor, last_only: bool) -> Tensor:
     """The logits of ``model`` from the residual ``x (R, T, d)`` entering block ``layer``: the end of
     :meth:`attnlab.GPT.decode_logits` for whole sequences without cache or padding."""
-    rope = None
-    if model.config.pos == "rope":
-        at = torch.arange(x.shape[1], device=x.device)[None]  # (1, T)
-        rope = model.trf_blocks[0].att.rope_cos_sin(at, x.dtype)  # once for every layer, as the model does
+    ropes = _ropes(model, x.shape[1], x.dtype, x.device)
     for block in model.trf_blocks[layer:]:
-        x = block(x, rope=rope)  # (R, T, d)
+        x = block(x, rope=ropes.get(block.local_rope))  # (R, T, d)
     if last_only:
         x = x[:, -1:]  # (R, 1, d)
-    return model.out_head(model.final_norm(x))  # (R, T or 1, V)
+    return model.unembed(x)  # (R, T or 1, V): the final norm, the head and Gemma 2's soft cap
 
 
 def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: bool) -> None:
-    """The tail must reproduce the model (a model family whose blocks take other arguments would not)."""
+    """The tail must reproduce the model: a model whose forward does more than its blocks, final norm
+    and head (a subclass, another family's switch the reruns do not know) would get wrong numbers.
+    A ValueError: the model is what the caller chose (the command line reports it in one line)."""
     mine = _tail(model, 0, resid0, last_only)
     theirs = logits[:, -1:] if last_only else logits
     if not torch.allclose(mine, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
-        raise RuntimeError(
-            "patching could not rerun this model from a cached residual (its blocks take arguments the "
-            "patching tail does not pass); this model family is not supported by activation_patching yet"
+        raise ValueError(
+            f"patching could not rerun this model ({type(model).__name__}) from a cached residual: its forward "
+            "does more than its blocks, final norm and output head; this model is not supported by "
+            "activation_patching"
         )
 
 
@@ -217,12 +224,11 @@ def _staggered(
     once, on every row that has reached it. Row ``i * R + r`` is patched at layer ``layers[i]`` (in
     increasing order) at ``index[r]``; the blocks below ``layers[0]`` do not run."""
     R, T = index.shape[0], starts[0].shape[1]
-    rope = None
-    if model.config.pos == "rope":  # as GPT.decode_logits: RoPE's angles once for every layer
-        rope = model.trf_blocks[0].att.rope_cos_sin(torch.arange(T, device=index.device)[None], starts[0].dtype)
+    ropes = _ropes(model, T, starts[0].dtype, index.device)  # once for every layer, as GPT.decode_logits
     x = starts[0][:0].expand(0, T, -1)  # (0, T, d)
     for layer in range(layers[0], len(model.trf_blocks)):
         block = model.trf_blocks[layer]
+        rope = ropes.get(block.local_rope)  # this layer's RoPE base (Gemma 3: window and global layers differ)
         if layer not in layers:  # no rows join here: nothing to patch
             x = block(x, rope=rope)
             continue
@@ -235,7 +241,7 @@ def _staggered(
             x = block(x, rope=rope)  # (N + R, T, d)
     if last_only:
         x = x[:, -1:]  # (len(layers) * R, 1, d)
-    return model.out_head(model.final_norm(x))  # (len(layers) * R, T or 1, V)
+    return model.unembed(x)  # (len(layers) * R, T or 1, V): the final norm, the head and Gemma 2's soft cap
 
 
 # --------------------------------------------------------------------------------------------
