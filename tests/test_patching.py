@@ -23,7 +23,7 @@ from attnlab.interpret import (
     path_patching,
     run_with_cache,
 )
-from attnlab.model import GPT
+from attnlab.model import GPT, GPTConfig
 from test_fast_decode import BASE, FAMILIES, make
 
 A, B = 3, 5  # the two answer tokens of the tests' metric
@@ -399,6 +399,44 @@ def test_direct_logit_attribution_sums_to_the_logit_difference(make_gpt, pair, o
                 else:
                     c = write / (final.square().mean() + norm.eps).sqrt() * norm.weight
                 assert float(dla.heads[layer, h]) == pytest.approx(float(c @ direction), rel=1e-6, abs=1e-8)
+
+
+@pytest.mark.parametrize("family", ["gemma", "olmo2", "gemma2", "gemma3"])
+def test_direct_logit_attribution_of_norms_after_sublayers_offset_gains_and_a_soft_cap(family):
+    """Gemma's (1 + w) norms, a norm after each sublayer (OLMo 2, Gemma 2/3: a head's write is its share
+    of that norm's input, scaled as the whole) and Gemma 2's logit soft cap (the parts add up to the
+    logit difference before the cap): each head against a float64 computation here, written out."""
+    cfg = {**FAMILIES, "gemma2": GEMMA2}[family]
+    model = make(cfg)  # float64
+    idx = torch.randint(0, BASE["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(5))
+    dla = direct_logit_attribution(model, idx, answers=(A, B))
+    uncapped = GPT(GPTConfig(**{**model.config.to_dict(), "logit_softcap": None})).double().eval()
+    uncapped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want_total = logit_diff(A, B)(uncapped(idx))
+        _, cache = run_with_cache(model, idx)
+    torch.testing.assert_close(dla.total, torch.as_tensor(want_total, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dla.parts_sum(), dla.total, rtol=1e-7, atol=1e-7)
+
+    def rms_gain(norm, x):  # the norm's gain over its scale at input x
+        offset = getattr(norm, "offset", 0.0)
+        return (norm.weight + offset) / (x.square().mean() + norm.eps).sqrt()
+
+    L, H = len(model.trf_blocks), model.config.n_heads
+    final = cache["resid_post", L - 1][0, -1]
+    direction = model.out_head.weight[A] - model.out_head.weight[B]
+    for layer, block in enumerate(model.trf_blocks):
+        att = block.att
+        z = cache["z", layer][0, -1]  # (H, hd)
+        whole = F.linear(z.reshape(-1), att.out_proj.weight, att.out_proj.bias)  # the heads' sum, the bias
+        for h in range(H):
+            zh = torch.zeros_like(z)
+            zh[h] = z[h]
+            write = F.linear(zh.reshape(-1), att.out_proj.weight)  # (d,) no bias
+            if block.post_norm1 is not None:
+                write = write * rms_gain(block.post_norm1, whole)
+            want = (write * rms_gain(model.final_norm, final)) @ direction
+            assert float(dla.heads[layer, h]) == pytest.approx(float(want.detach()), rel=1e-9, abs=1e-12)
 
 
 def test_bad_input_is_named(make_gpt, pair):

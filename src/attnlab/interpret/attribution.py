@@ -8,12 +8,14 @@ final norm is linear, so the logit difference of two answers splits exactly into
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from attnlab.attention import OffsetRMSNorm
 from attnlab.interpret.hooks import act_name, run_with_cache
 from attnlab.interpret.patching import check_token
 from attnlab.interpret.tracing import attention_layers
@@ -26,8 +28,10 @@ class LogitAttribution:
     """Each part's share of ``logit[a] - logit[b]`` at the last position (float64).
 
     heads: ``(L, H)``; mlps: ``(L,)``; embeddings: the embeddings' (token and position) term;
-    rest: the biases (``out_proj``'s, the final norm's, the output head's); total: the model's own
-    logit difference. ``heads.sum() + mlps.sum() + embeddings + rest == total`` up to rounding."""
+    rest: the biases (``out_proj``'s, through the norm after attention where a model has one, the
+    final norm's, the output head's); total: the model's own logit difference (before the soft cap of
+    a model that caps its logits, Gemma 2: the cap is not linear). ``heads.sum() + mlps.sum() +
+    embeddings + rest == total`` up to rounding."""
 
     heads: Tensor
     mlps: Tensor
@@ -42,7 +46,9 @@ class LogitAttribution:
 @torch.no_grad()
 def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, int]) -> LogitAttribution:
     """Split the logit difference ``answers[0] - answers[1]`` at the last token of ``idx`` ((T,) or
-    (1, T)) over the model's parts, through the final norm with its scale frozen."""
+    (1, T)) over the model's parts, through the final norm with its scale frozen (and a norm after
+    each attention, Gemma 2/3's and OLMo 2's, frozen likewise: a head's write is its share of that
+    norm's input, scaled as the whole)."""
     layers = attention_layers(model)
     if isinstance(idx, Tensor) and idx.dim() == 1:
         idx = idx.unsqueeze(0)
@@ -58,55 +64,67 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
     logits, cache = run_with_cache(model, idx, names)
     f64 = lambda t: t[0, -1].double()
     final = f64(cache[names[1]])  # (d,)
-    norm = model.final_norm
     direction = (model.out_head.weight[a] - model.out_head.weight[b]).double()  # (d,)
-    gain = norm.weight.double() if getattr(norm, "weight", None) is not None else torch.ones_like(final)
-    if isinstance(norm, nn.RMSNorm):
-        eps = norm.eps if norm.eps is not None else torch.finfo(cache[names[1]].dtype).eps
-        scale = (final.square().mean() + eps).sqrt()
+    dtype = cache[names[1]].dtype  # (an RMSNorm without eps takes its input dtype's)
+    norm, norm_bias = _frozen_norm(model.final_norm, final, dtype, "the final norm")
 
-        def through(c: Tensor) -> Tensor:  # the frozen norm's linear part, then the answer direction
-            return (gain * c / scale) @ direction
+    def through(c: Tensor) -> Tensor:  # the frozen final norm's linear part, then the answer direction
+        return norm(c) @ direction
 
-        bias = 0.0
-    elif isinstance(norm, nn.LayerNorm):
-        scale = (final.var(unbiased=False) + norm.eps).sqrt()
-
-        def through(c: Tensor) -> Tensor:
-            return (gain * (c - c.mean(-1, keepdim=True)) / scale) @ direction
-
-        bias = 0.0 if norm.bias is None else norm.bias.double() @ direction
-    else:
-        raise TypeError(f"direct_logit_attribution needs a LayerNorm or RMSNorm final norm, got {type(norm).__name__}")
+    bias = norm_bias @ direction
     if model.out_head.bias is not None:
         bias = bias + model.out_head.bias[a].double() - model.out_head.bias[b].double()
     embeddings = f64(cache[names[0]])
     parts = embeddings.clone()
     heads, mlps, rest = [], [], torch.as_tensor(bias, dtype=torch.float64)
-    for i, att in enumerate(layers):
+    for i, (att, block) in enumerate(zip(layers, model.trf_blocks, strict=True)):
         z = f64(cache[act_name("z", i)])  # (H, hd)
         W = att.out_proj.weight.double().T.reshape(att.num_heads, att.head_dim, -1)  # (H, hd, d)
-        per_head = torch.einsum("hk,hkd->hd", z, W)  # (H, d): each head's write into the stream
+        per_head = torch.einsum("hk,hkd->hd", z, W)  # (H, d): each head's output through out_proj
+        o_bias = torch.zeros_like(final) if att.out_proj.bias is None else att.out_proj.bias.double()  # (d,)
+        post = getattr(block, "post_norm1", None)
+        if post is not None:  # a norm after attention (Gemma 2/3, OLMo 2): frozen at its input here
+            post, post_bias = _frozen_norm(post, per_head.sum(0) + o_bias, dtype, f"layer {i}'s norm after attention")
+            per_head, o_bias = post(per_head), post(o_bias) + post_bias  # (H, d), (d,): the writes into the stream
         heads.append(through(per_head))
-        mlp = f64(cache[act_name("mlp_out", i)])
+        mlp = f64(cache[act_name("mlp_out", i)])  # (d,): after the MLP's own norm, if any (its write)
         mlps.append(through(mlp))
-        parts = parts + per_head.sum(0) + mlp
-        if att.out_proj.bias is not None:
-            rest = rest + through(att.out_proj.bias.double())
-            parts = parts + att.out_proj.bias.double()
+        parts = parts + per_head.sum(0) + mlp + o_bias
+        rest = rest + through(o_bias)
         attn_out = f64(cache[act_name("attn_out", i)])
-        if not torch.allclose(
-            per_head.sum(0) + (0 if att.out_proj.bias is None else att.out_proj.bias.double()),
-            attn_out,
-            atol=1e-4 * (1 + attn_out.abs().max().item()),
-        ):
+        if not torch.allclose(per_head.sum(0) + o_bias, attn_out, atol=1e-4 * (1 + attn_out.abs().max().item())):
             raise RuntimeError(f"layer {i}'s attention output is not the sum of its heads through out_proj")
     if not torch.allclose(parts, final, atol=1e-3 * (1 + final.abs().max().item())):
         raise RuntimeError(
-            "the residual stream is not the sum of embeddings, heads and MLPs for this model family "
-            "(a norm after a sublayer?): direct logit attribution does not apply"
+            "the residual stream is not the sum of embeddings, heads and MLPs for this model family: "
+            "direct logit attribution does not apply"
         )
-    total = (logits[0, -1, a] - logits[0, -1, b]).double()
+    if getattr(model.config, "logit_softcap", None) is None:
+        total = (logits[0, -1, a] - logits[0, -1, b]).double()
+    else:  # the parts add up to the logits before the cap (cap * tanh(x / cap) is not linear)
+        uncapped = model.out_head(model.final_norm(cache[names[1]][:, -1]))[0]  # (V,)
+        total = (uncapped[a] - uncapped[b]).double()
     return LogitAttribution(
         heads=torch.stack(heads), mlps=torch.stack(mlps), embeddings=through(embeddings), rest=rest, total=total
     )
+
+
+def _frozen_norm(
+    norm: nn.Module, x: Tensor, dtype: torch.dtype, what: str
+) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """``norm``'s linear part with its scale frozen at its input ``x (d,)`` (float64), and its bias:
+    ``(f, bias (d,))``, ``norm(x) == f(x) + bias``; ``f`` maps ``(..., d) -> (..., d)``. A LayerNorm, an
+    RMSNorm or an :class:`~attnlab.attention.OffsetRMSNorm` (gain ``offset + weight``)."""
+    weight = getattr(norm, "weight", None)
+    gain = torch.ones_like(x) if weight is None else weight.double()
+    if isinstance(norm, OffsetRMSNorm):
+        gain = gain + norm.offset
+    if isinstance(norm, (nn.RMSNorm, OffsetRMSNorm)):
+        eps = norm.eps if norm.eps is not None else torch.finfo(dtype).eps
+        scale = (x.square().mean() + eps).sqrt()
+        return (lambda c: gain * c / scale), torch.zeros_like(x)
+    if isinstance(norm, nn.LayerNorm):
+        scale = (x.var(unbiased=False) + norm.eps).sqrt()
+        bias = torch.zeros_like(x) if norm.bias is None else norm.bias.double()
+        return (lambda c: gain * (c - c.mean(-1, keepdim=True)) / scale), bias
+    raise TypeError(f"direct_logit_attribution needs {what} to be a LayerNorm or an RMSNorm, got {type(norm).__name__}")
