@@ -134,12 +134,14 @@ def test_full_fine_tuning_starts_from_the_pretrained_weights(base, tmp_path) -> 
     ("extra", "message"),
     [
         (["--lora-rank", "0", "--lora-alpha", "4"], "--lora-alpha and --lora-targets go with --lora-rank"),
-        (["--lora-rank", "-1"], "--lora-rank must be a positive integer"),
+        (["--lora-rank", "-1"], "--lora-rank must be a positive integer (0: no adapters)"),
         (["--lora-rank", "5000"], "--lora-rank must be an integer in [1, 4096]"),
         (["--lora-rank", "17"], "--lora-rank must be in [1, 16] for this model"),  # W_key: (16, 32) with 2 kv heads
         (["--lora-rank", "4", "--lora-targets", "q,attn"], "--lora-targets must be distinct names among"),
         (["--lora-rank", "4", "--optimizer", "muon"], "--lora-rank trains the adapters with AdamW"),
         (["--tokenizer", "gpt2"], "--tokenizer gpt2 disagrees with --init-from"),
+        (["--preset", "gpt2-xl"], "--preset does not go with --init-from"),
+        (["--dropout", "0.5"], "--dropout does not go with --init-from"),
         (["--context-length", "65"], None),
     ],
 )

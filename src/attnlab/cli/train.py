@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '{"messages": [...]} lines fine-tunes on chats (loss on the assistant\'s tokens only)',
     )
     g.add_argument(
-        "--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on a frozen --init-from model"
+        "--lora-rank", type=int, metavar="R", help="LoRA adapters of rank R on a frozen --init-from model (0: none)"
     )
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA's scale is A / R (default: A = 2R)")
     g.add_argument(

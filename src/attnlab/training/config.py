@@ -149,7 +149,7 @@ class TrainConfig:
         if self.init_from is not None and not _path_like(self.init_from):
             raise ValueError(f"--init-from must name a model, got {self.init_from!r}")
         if not is_int(self.lora_rank) or self.lora_rank < 0:
-            raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+            raise ValueError(f"--lora-rank must be a positive integer (0: no adapters), got {self.lora_rank!r}")
         if self.lora_rank:
             from attnlab.training.lora import LoRASettings
 

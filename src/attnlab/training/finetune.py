@@ -31,6 +31,12 @@ def finetune_config(config: TrainConfig, init: Any, given: set[str]) -> TrainCon
             "(Trainer(config, init=attnlab.tools.loading.load(...)))"
         )
     name = init.tokenizer.name
+    for flag, what in (("preset", "its architecture"), ("dropout", "its dropout")):
+        if flag in given:  # (the pretrained model is trained as it is: these would be recorded, not used)
+            raise ValueError(
+                f"--{flag} does not go with --init-from {config.init_from}: a pretrained model keeps {what} "
+                f"(drop --{flag})"
+            )
     if "tokenizer" in given and config.tokenizer != name:
         raise ValueError(
             f"--tokenizer {config.tokenizer} disagrees with --init-from {config.init_from}, whose tokenizer is "
