@@ -115,6 +115,7 @@ def test_report_of_a_checkpoint_prints_the_librarys_numbers(role_checkpoint, cap
         (["--checkpoint", "CKPT", "--prompt", "xyz"], "is not in the char tokenizer's vocabulary"),
         (["--checkpoint", "nowhere", "--prompt", "abc"], "no such directory"),
         (["--model", "./nowhere", "--prompt", "abc"], "no such directory"),
+        (["--model", __file__, "--prompt", "abc"], "a file that is not a GGUF file"),  # not sent to the Hub
     ],
 )
 def test_inspect_reports_bad_input_in_one_line(role_checkpoint, argv, message, capsys):

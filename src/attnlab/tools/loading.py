@@ -142,6 +142,8 @@ def load_pretrained(
     if name.lower() not in PRETRAINED and is_gguf(local):
         return load_gguf(local, device=device, dtype=dtype, what=what)
     is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
+    if not is_local and name.lower() not in PRETRAINED and local.is_file():  # (not a Hub name to try)
+        raise ValueError(f"{what} {name}: a file that is not a GGUF file; give a GGUF file or a model's directory")
     if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
         raise FileNotFoundError(f"{what} {name}: no such directory")
     device = torch.device("cpu") if device is None else torch.device(device)
