@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -160,3 +164,107 @@ def test_chat_training_on_the_example_data(tmp_path) -> None:
         assert resumed.chat_template.source == CHATML and resumed.fit(sample=False).step == 5
     finally:
         resumed.close()
+
+
+def _chat_trainer(tmp_path: Path, model: GPT, name: str, **kw) -> Trainer:
+    init = SimpleNamespace(model=model, tokenizer=ByteTokenizer(), chat_template=ChatTemplate(CHATML))
+    cfg = TrainConfig(init_from="tiny-chat", data=str(EXAMPLE), out=str(tmp_path / name), max_steps=2,
+                      batch_size=4, context_length=64, eval_every=100, eval_batches=2, checkpoint_every=100,
+                      sample_tokens=0, progress=False, device="cpu", precision="fp32", optimizer="adamw",
+                      lr=3e-3, warmup_steps=0, grad_clip=0.0, dropout=0.0, **kw)  # fmt: skip
+    return Trainer(cfg, init=init)
+
+
+def _chat_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, context_length=128, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0,
+                         pos="rope", norm="rmsnorm", mlp="swiglu", bias=False))  # fmt: skip
+
+
+def _token_sum(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+
+
+def test_chat_loss_and_gradients_do_not_depend_on_grad_accum(tmp_path) -> None:
+    """The objective is the mean over every assistant token of the global batch, whatever the number of
+    micro-batches: with micro-batches holding different numbers of counted tokens, grad_accum=1 and 2 give
+    the loss and gradients of that mean computed on the whole batch at once, and evaluate() is the
+    token-weighted mean of the validation batches."""
+    model = _chat_model()
+    reference = copy.deepcopy(model)
+    results = {}
+    for k in (1, 2):
+        trainer = _chat_trainer(tmp_path, copy.deepcopy(model), f"ga{k}", grad_accum=k)
+        try:
+            micro = [trainer.train_batches.batch(0, m) for m in range(k)]
+            grads = {}
+
+            def capture(_grads=grads, _model=trainer.raw_model):
+                _grads.update({n: p.grad.clone() for n, p in _model.named_parameters()})
+
+            trainer.optimizer.register_step_pre_hook(lambda *_a, _c=capture: _c())
+            val = [trainer.val_batches.batch(i, m) for i in range(2) for m in range(k)]
+            val_loss = trainer.evaluate()
+            loss, _, grad_norm = trainer._train_step()
+        finally:
+            trainer.close()
+        results[k] = dict(micro=micro, grads=grads, loss=loss, grad_norm=grad_norm, val=val, val_loss=val_loss)
+    x = torch.cat([b[0] for b in results[2]["micro"]])
+    y = torch.cat([b[1] for b in results[2]["micro"]])
+    assert torch.equal(x, results[1]["micro"][0][0]) and torch.equal(y, results[1]["micro"][0][1])
+    counts = [int((b[1] != -100).sum()) for b in results[2]["micro"]]
+    assert counts[0] != counts[1], counts  # otherwise a mean per micro-batch would be right by accident
+    # the reference: the sum over the whole batch's counted tokens over their number, in float64
+    ref = reference.double()
+    ref_loss = _token_sum(ref, x, y) / (y != -100).sum()
+    ref_loss.backward()
+    for k in (1, 2):
+        assert results[k]["loss"] == pytest.approx(ref_loss.item(), abs=1e-6), k
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(results[k]["grads"][n].double(), p.grad, rtol=1e-4, atol=1e-7, msg=n)
+    assert results[2]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-5)
+    # evaluate(): every validation token weighs the same, whatever batch it falls in
+    with torch.no_grad():
+        for k in (1, 2):
+            total = sum(_token_sum(ref, vx, vy) for vx, vy in results[k]["val"])
+            n = sum(int((vy != -100).sum()) for _, vy in results[k]["val"])
+            assert results[k]["val_loss"] == pytest.approx(total.item() / n, abs=1e-6), k
+    assert results[2]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="Gloo")
+def test_chat_loss_and_gradients_do_not_depend_on_the_number_of_processes(tmp_path) -> None:
+    """2 processes (DDP over Gloo), whose shares of the batch count different numbers of assistant tokens,
+    give the loss, gradients and validation loss of 1 process with the same global batch."""
+    trainer = _chat_trainer(tmp_path, _chat_model(), "one")
+    try:
+        _, y = trainer.train_batches.batch(0)
+        assert int((y[:2] != -100).sum()) != int((y[2:] != -100).sum())  # the two processes' shares
+        grads = {}
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_a: grads.update({n: p.grad.clone() for n, p in trainer.raw_model.named_parameters()})
+        )
+        val_loss = trainer.evaluate()
+        loss, _, grad_norm = trainer._train_step()
+    finally:
+        trainer.close()
+    out = tmp_path / "ddp" / "result.pt"
+    out.parent.mkdir()
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(here / "chat_ddp_step.py"), str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    two = torch.load(out)
+    assert two["loss"] == pytest.approx(loss, abs=1e-6)
+    assert two["val_loss"] == pytest.approx(val_loss, abs=1e-6)
+    assert two["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    for n, g in grads.items():
+        torch.testing.assert_close(two["grads"][n], g, rtol=1e-4, atol=1e-7, msg=n)

@@ -3,10 +3,15 @@
 One optimizer step, nanoGPT-style::
 
     lr = lr_at(step)                                   # linear warm-up, then cosine decay to min_lr
+    n = count of targets y != -100 over all micro-steps (all-reduced over the processes)
     for micro in range(grad_accum):                    # gradient accumulation
         x, y = batches.batch(step, micro)              # (b, T) each: this rank's rows of the global batch
-        loss = cross_entropy(model(x), y) / grad_accum # bf16 autocast where the hardware has it
-        loss.backward()                                # DDP all-reduces on the last micro-step only
+        loss = cross_entropy(model(x), y) * n_micro * world_size / n  # bf16 autocast where available
+        loss.backward()                                # DDP all-reduces (averages) on the last micro-step only
+
+The loss is the mean over every counted target of the global batch: on text that is every target
+(the weight is 1 / grad_accum); on chat data, only the assistant's, whose number differs between
+micro-batches, so neither grad_accum nor the number of processes changes the objective.
     clip_grad_norm_(params, grad_clip); opt.step()     # Muon + AdamW (MuonAdamW), or AdamW alone
 
 Exact resume. Batch ``step`` is a pure function of ``(seed, step)`` (see
@@ -187,6 +192,14 @@ def _out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+IGNORE_INDEX = chat_data.IGNORE  # targets that do not count in the loss (chat data: not the assistant's)
+
+
+def _counted(y: torch.Tensor) -> torch.Tensor:
+    """The number of targets of ``y`` that count in the loss, a float32 scalar on ``y``'s device (no host sync)."""
+    return (y != IGNORE_INDEX).sum().float()
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -640,24 +653,27 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss (nats per token) over ``eval_batches`` fixed global batches."""
+        """Mean validation loss (nats per counted token) over ``eval_batches`` fixed global batches."""
         model = self.raw_model
         was_training = model.training
         model.eval()
+        # Every counted target weighs the same: a batch's mean times its count (chat data's batches
+        # count different numbers of assistant tokens), summed, over the total count.
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.cfg.eval_batches):
             for m in range(self.cfg.grad_accum):
                 x, y = self.val_batches.batch(i, m, device=self.device)  # (b, T) each
                 with self.autocast():
                     logits = model(x)  # (b, T, V)
-                total += lm_loss(logits, y)
-                count += 1
+                n = _counted(y)
+                total += lm_loss(logits, y, ignore_index=IGNORE_INDEX).double() * n
+                count += n
         if self.dist.enabled:
             torch.distributed.all_reduce(total)
-            count *= self.dist.world_size
+            torch.distributed.all_reduce(count)
         model.train(was_training)
-        return total.item() / count
+        return (total / count).item()
 
     # -- the loop --------------------------------------------------------------------------------
     def _train_step(self) -> tuple[float, float, float]:
@@ -670,8 +686,17 @@ class Trainer:
         for group in self.optimizer.param_groups:  # each group's peak lr (Muon's own), scheduled
             group["lr"] = group.get("initial_lr", cfg.lr) * scale
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(cfg.grad_accum):
-            x, y = self.train_batches.batch(self.step, micro, device=self.device)  # (b, T) each
+        batches = [self.train_batches.batch(self.step, m, device=self.device) for m in range(cfg.grad_accum)]
+        # The objective is the mean over every counted target of the global batch (all micro-steps, all
+        # processes): micro-batches of chat data count different numbers of assistant tokens, so each
+        # micro-batch's mean weighs its count over the global count. The gradient all-reduce (DDP,
+        # FSDP) averages over the processes, hence the factor world_size. On plain text every count is
+        # b * T and the weight is 1 / grad_accum, as before.
+        counts = [_counted(y) for _, y in batches]
+        total = torch.stack(counts).sum()
+        if self.dist.enabled:
+            torch.distributed.all_reduce(total)
+        for micro, (x, y) in enumerate(batches):
             last = micro == cfg.grad_accum - 1
             # DDP: all-reduce the gradients once, on the last micro-step.
             sync = contextlib.nullcontext() if last or not self.dist.enabled else no_sync(self.model)
@@ -680,7 +705,7 @@ class Trainer:
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
-                loss = lm_loss(logits, y) / cfg.grad_accum
+                loss = lm_loss(logits, y, ignore_index=IGNORE_INDEX) * (counts[micro] * self.dist.world_size / total)
                 loss.backward()
             loss_sum += loss.detach()
         # With --grad-clip 0 the norm is still measured for the metrics (an infinite threshold
