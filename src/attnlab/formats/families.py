@@ -600,10 +600,12 @@ def _check_family(model: GPT, model_type: str) -> None:
     have, probe, why = _switches(model.config), _as_config_json(model.config, model_type), ""
     try:
         want = _switches(config_fields(probe))
-    except ValueError as e:  # the reader refuses the model's activation: compare with the family's own
+    except ValueError as e:  # the reader refuses the model's activation or biases: compare with the family's own
         why = f" ({e})"
         want = _switches(
-            config_fields({k: v for k, v in probe.items() if k not in ("hidden_act", "hidden_activation")})
+            config_fields(
+                {k: v for k, v in probe.items() if k not in ("hidden_act", "hidden_activation", "attention_bias")}
+            )
         )
         want["activation"] = have["activation"] if want["mlp"] == have["mlp"] else want["activation"]
     diff = [k for k in _SWITCHES if _differs(have[k], want[k])]
