@@ -509,3 +509,32 @@ def test_published_config_json_keys(model_type):
     idx = torch.randint(0, V, (1, 19), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+# Families whose blocks are the same computation: exporting one as the other is right.
+SAME_BLOCKS = {("llama", "mistral"), ("llama", "phi3")}
+
+
+@pytest.mark.parametrize("name", ["llama", *CASES])
+def test_export_under_another_family_is_refused(name):
+    """A model exported under a family whose switches differ from its config's must not pass silently
+    (it used to: a Llama model loaded into Gemma with every key matched and other logits)."""
+    llama = name == "llama"
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval() if llama else build(name)
+    ours = GPT.from_hf(hf)
+    own = hf.config.model_type
+    assert families.to_hf_state_dict(ours, own)  # its own family still exports
+    for target in families.MODEL_TYPES:
+        if target == own or (own, target) in SAME_BLOCKS:
+            continue
+        with pytest.raises(ValueError, match=f"model_type={target!r}"):
+            families.to_hf_state_dict(ours, target)
+
+
+def test_gpt2_is_sent_where_it_is_handled():
+    ours = GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1))
+    with pytest.raises(ValueError, match="to_hf_gpt2_state_dict") as err:
+        families.to_hf_state_dict(ours, "gpt2")
+    assert "got 'gpt2'" not in str(err.value)
+    with pytest.raises(ValueError, match="from_hf_gpt2"):
+        families.to_attnlab({}, hf_config={"model_type": "gpt2"})

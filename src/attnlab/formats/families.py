@@ -360,6 +360,10 @@ FAMILIES: dict[str, Family] = {
 # Every model_type GPT.from_hf reads besides GPT-2 (Llama and Mistral: attnlab.formats.hf_llama).
 MODEL_TYPES = (*hf_llama.LLAMA_FAMILY, *FAMILIES)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_GPT2 = (
+    "GPT-2 (model_type='gpt2') has a module of its own: attnlab.formats.hf (GPT.from_hf_gpt2 / GPT.from_hf "
+    "to read it, to_hf_gpt2_state_dict / to_hf_gpt2 to write it); this module holds the families after Llama"
+)
 
 
 def config_fields(cfg: Mapping[str, Any], drop_rate: float = 0.0) -> dict[str, Any]:
@@ -368,6 +372,8 @@ def config_fields(cfg: Mapping[str, Any], drop_rate: float = 0.0) -> dict[str, A
     model_type = cfg.get("model_type")
     if model_type in hf_llama.LLAMA_FAMILY:
         return hf_llama.config_fields(cfg, drop_rate)
+    if model_type == "gpt2":
+        raise ValueError(_GPT2)
     if model_type not in FAMILIES:
         raise ValueError(f"attnlab reads the model types {', '.join(MODEL_TYPES)} (and gpt2), got {model_type!r}")
     try:
@@ -496,13 +502,135 @@ def to_attnlab(
     return fields, {k: v.detach().contiguous() for k, v in new.items()}
 
 
+# The GPTConfig switches that make a family's computation (not its sizes, nor its RoPE base).
+_SWITCHES = (
+    "pos",
+    "norm",
+    "mlp",
+    "activation",
+    "bias",
+    "qkv_bias",
+    "qk_norm",
+    "sinks",
+    "norm_offset",
+    "embed_scale",
+    "attn_scale",
+    "attn_softcap",
+    "logit_softcap",
+    "window",
+    "window_layers",
+    "rope_local_theta",
+    "pre_norms",
+    "post_norms",
+    "rotary_fraction",
+    "parallel_residual",
+    "head_dim",
+)
+_GELU_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def _as_config_json(cfg: Any, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` a ``model_type`` checkpoint of ``cfg`` would have, in every spelling the
+    family readers know: what a family cannot hold, its reader (:data:`FAMILIES`) leaves out."""
+    window = cfg.window if cfg.window is not None and cfg.window < cfg.context_length else None
+    sliding = None
+    if window is not None:
+        layers = set(range(cfg.n_layers) if cfg.window_layers is None else cfg.window_layers)
+        sliding = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.n_layers)]
+    act = "silu" if cfg.mlp == "swiglu" else _GELU_NAMES.get(cfg.activation, cfg.activation)
+    if model_type == "gemma" and act == "gelu":
+        act = "exact gelu"  # Gemma 1's configs read "gelu" as the tanh one: no name for the exact one
+    theta = cfg.rope_theta
+    return dict(
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.emb_dim,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        num_hidden_layers=cfg.n_layers,
+        intermediate_size=cfg.ff_dim,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length,
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act=act,
+        hidden_activation=act,
+        attention_bias=cfg.bias,
+        rope_theta=theta,
+        rope_scaling=cfg.rope_scaling,
+        rope_local_base_freq=cfg.rope_local_theta if cfg.rope_local_theta is not None else theta,
+        partial_rotary_factor=cfg.rotary_fraction,
+        rotary_pct=cfg.rotary_fraction,
+        rotary_emb_base=theta,
+        use_parallel_residual=cfg.parallel_residual,
+        sliding_window=window,
+        use_sliding_window=window is not None,
+        layer_types=sliding,
+        query_pre_attn_scalar=cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale**-2,
+        attn_logit_softcapping=cfg.attn_softcap,
+        final_logit_softcapping=cfg.logit_softcap,
+    )
+
+
+def _switches(fields: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`_SWITCHES` of GPTConfig ``fields``, defaults spelled out (so equal means the same model)."""
+    from attnlab.model import GPTConfig  # the model sits above this module: imported when used
+
+    cfg = fields if isinstance(fields, GPTConfig) else GPTConfig(**fields)
+    out = {k: getattr(cfg, k) for k in _SWITCHES}
+    out["qk_norm"] = "head" if out["qk_norm"] is True else out["qk_norm"]
+    out["attn_scale"] = float(cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale)
+    out["embed_scale"] = float(1.0 if cfg.embed_scale is None else cfg.embed_scale)
+    if cfg.window is None or cfg.window >= cfg.context_length:
+        out["window"] = None
+    if cfg.mlp not in ("gelu", "geglu"):
+        out["activation"] = None  # (unused)
+    return out
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) > 1e-6 * max(abs(a), abs(b), 1.0)
+    return a != b
+
+
+def _check_family(model: GPT, model_type: str) -> None:
+    """Refuse exporting ``model`` as ``model_type`` unless that family's reader, given a config.json
+    that says all of the model's settings, gives back the model's switches (:data:`FAMILIES` is the
+    one table both ways)."""
+    have, probe, why = _switches(model.config), _as_config_json(model.config, model_type), ""
+    try:
+        want = _switches(config_fields(probe))
+    except ValueError as e:  # the reader refuses the model's activation or biases: compare with the family's own
+        why = f" ({e})"
+        want = _switches(
+            config_fields(
+                {k: v for k, v in probe.items() if k not in ("hidden_act", "hidden_activation", "attention_bias")}
+            )
+        )
+        want["activation"] = have["activation"] if want["mlp"] == have["mlp"] else want["activation"]
+    diff = [k for k in _SWITCHES if _differs(have[k], want[k])]
+    if diff or why:
+        needs = ", ".join(f"{k}={want[k]!r}" for k in diff)
+        has = ", ".join(f"{k}={have[k]!r}" for k in diff)
+        raise ValueError(
+            f"model_type={model_type!r} needs {needs}{why}; this model has {has}: export it under its own family"
+        )
+
+
 def to_hf_state_dict(model: GPT, model_type: str) -> dict[str, Tensor]:
     """``model``'s weights under the names of the Hugging Face family ``model_type`` (the inverse
-    of :func:`to_attnlab`; the config must be that family's, e.g. a model read from one)."""
+    of :func:`to_attnlab`). The model's switches must be that family's (e.g. a model read from one):
+    anything else is a ValueError naming the switches that differ."""
+    if model_type == "gpt2":
+        raise ValueError(_GPT2)
     if model_type in hf_llama.LLAMA_FAMILY:
-        return hf_llama.to_hf_llama_state_dict(model)
+        try:
+            return hf_llama.to_hf_llama_state_dict(model)
+        except ValueError as e:
+            raise ValueError(f"model_type={model_type!r}: {e}") from None
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
+        raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (or gpt2), got {model_type!r}")
+    _check_family(model, model_type)
     family, cfg = FAMILIES[model_type], model.config
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     out: dict[str, Tensor] = {}
