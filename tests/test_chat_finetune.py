@@ -171,7 +171,7 @@ def _chat_trainer(tmp_path: Path, model: GPT, name: str, **kw) -> Trainer:
     cfg = TrainConfig(init_from="tiny-chat", data=str(EXAMPLE), out=str(tmp_path / name), max_steps=2,
                       batch_size=4, context_length=64, eval_every=100, eval_batches=2, checkpoint_every=100,
                       sample_tokens=0, progress=False, device="cpu", precision="fp32", optimizer="adamw",
-                      lr=3e-3, warmup_steps=0, grad_clip=0.0, dropout=0.0, **kw)  # fmt: skip
+                      lr=3e-3, warmup_steps=0, grad_clip=0.0, **kw)  # fmt: skip
     return Trainer(cfg, init=init)
 
 

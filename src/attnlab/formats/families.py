@@ -571,11 +571,11 @@ def _as_config_json(cfg: Any, model_type: str) -> dict[str, Any]:
     )
 
 
-def _switches(fields: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`_SWITCHES` of GPTConfig ``fields``, defaults spelled out (so equal means the same model)."""
-    from attnlab.model import GPTConfig  # the model sits above this module: imported when used
-
-    cfg = fields if isinstance(fields, GPTConfig) else GPTConfig(**fields)
+def _switches(fields: dict[str, Any] | Any, config_class: type) -> dict[str, Any]:
+    """The :data:`_SWITCHES` of a GPTConfig or its ``fields`` (built as ``config_class``: this module sits
+    below attnlab.model, so it does not import the class), defaults spelled out (so equal means the same
+    model)."""
+    cfg = config_class(**fields) if isinstance(fields, dict) else fields
     out = {k: getattr(cfg, k) for k in _SWITCHES}
     out["qk_norm"] = "head" if out["qk_norm"] is True else out["qk_norm"]
     out["attn_scale"] = float(cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale)
@@ -597,15 +597,17 @@ def _check_family(model: GPT, model_type: str) -> None:
     """Refuse exporting ``model`` as ``model_type`` unless that family's reader, given a config.json
     that says all of the model's settings, gives back the model's switches (:data:`FAMILIES` is the
     one table both ways)."""
-    have, probe, why = _switches(model.config), _as_config_json(model.config, model_type), ""
+    kind = type(model.config)
+    have, probe, why = _switches(model.config, kind), _as_config_json(model.config, model_type), ""
     try:
-        want = _switches(config_fields(probe))
+        want = _switches(config_fields(probe), kind)
     except ValueError as e:  # the reader refuses the model's activation or biases: compare with the family's own
         why = f" ({e})"
         want = _switches(
             config_fields(
                 {k: v for k, v in probe.items() if k not in ("hidden_act", "hidden_activation", "attention_bias")}
-            )
+            ),
+            kind,
         )
         want["activation"] = have["activation"] if want["mlp"] == have["mlp"] else want["activation"]
     diff = [k for k in _SWITCHES if _differs(have[k], want[k])]
