@@ -158,3 +158,73 @@ def test_init_from_a_missing_model_is_one_line(tmp_path, capsys) -> None:
     code = main(["train", "--init-from", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--init-from" in err, err
+
+
+def byte_level_tokenizer_json(path: Path) -> None:
+    """A Hugging Face tokenizer.json with 256 byte-level tokens (ids match llama_like's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+
+
+def test_a_run_and_its_merge_from_an_hf_tokenizer_outlive_the_base_model(tmp_path, capsys) -> None:
+    """The fine-tuned checkpoint and the --merge directory carry the base's tokenizer.json: moving the
+    base model away changes nothing (generation, encoding, --resume)."""
+    pytest.importorskip("tokenizers")
+    from attnlab.tokenizers import HFTokenizer
+
+    base = tmp_path / "base"
+    byte_level_tokenizer_json(base / "hf" / "tokenizer.json")
+    llama_like().save(base / "model")
+    hf = HFTokenizer(base / "hf" / "tokenizer.json")
+    (base / "model" / "tokenizer.json").write_text(json.dumps(hf.to_dict()))  # an absolute path, as before
+    data = tmp_path / "data.txt"  # not in the base directory: --resume reads it again
+    data.write_text(TEXT)
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    assert train(base, out, "--lora-rank", "2", "--max-steps", "3", "--merge", str(merged), "--data", str(data)) == 0
+    text = "pack my box with five dozen ümlauts"
+    gen = ["--prompt", "the", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+
+    def outputs() -> tuple[list, list, str, str]:
+        ids = [load_model(d).tokenizer.encode(text) for d in (out, merged)]
+        toks = [load_model(d).tokenizer for d in (out, merged)]
+        assert all(isinstance(t, HFTokenizer) and t == hf for t in toks)
+        texts = []
+        for d in (out, merged):
+            capsys.readouterr()
+            assert main(["generate", "--checkpoint", str(d), *gen]) == 0
+            texts.append(capsys.readouterr().out)
+        return ids, [t.sha256 for t in toks], *texts
+
+    before = outputs()
+    assert before[0] == [hf.encode(text)] * 2
+    shutil.move(base, tmp_path / "moved")
+    assert outputs() == before
+    shutil.rmtree(tmp_path / "moved")
+    assert outputs() == before
+    # --resume reads the tokenizer from the checkpoint too.
+    resume = ["train", "--out", str(out), "--resume", "--max-steps", "6", "--data", str(data)]
+    assert main([*resume, "--no-progress", "--sample-tokens", "0"]) == 0
+    assert load_checkpoint(out).step == 6
+    assert load_model(out).tokenizer == hf
+
+
+def test_an_hf_tokenizer_recorded_by_absolute_path_still_loads(tmp_path) -> None:
+    pytest.importorskip("tokenizers")
+    from attnlab.tokenizers import HFTokenizer, tokenizer_from_dict
+
+    byte_level_tokenizer_json(tmp_path / "hf" / "tokenizer.json")
+    hf = HFTokenizer(tmp_path / "hf")
+    old = {"name": "hf", "path": str(hf.path), "sha256": hf.sha256, "eot_id": None, "bos_id": None}
+    for base_dir in (None, tmp_path / "elsewhere"):
+        again = tokenizer_from_dict(old, base_dir=base_dir)
+        assert again == hf and again.path == hf.path and again.encode("héllo") == hf.encode("héllo")
+    with pytest.raises(ValueError, match="relative"):
+        tokenizer_from_dict(old | {"path": "hf_tokenizer.json"})
+    with pytest.raises(ValueError, match="inside"):
+        tokenizer_from_dict(old | {"path": "../hf/tokenizer.json"}, base_dir=tmp_path / "x")

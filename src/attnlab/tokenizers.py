@@ -44,10 +44,11 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.errors import UserError
-from attnlab.files import GGUF_MAGIC, iter_text_chunks, open_gguf, sha256_file
+from attnlab.files import GGUF_MAGIC, atomic_write_bytes, iter_text_chunks, open_gguf, open_regular, sha256_file
 
 __all__ = [
     "GPT2_BPE_ENV",
+    "HF_TOKENIZER_FILE",
     "TOKENIZER_NAMES",
     "ByteTokenizer",
     "CharTokenizer",
@@ -58,9 +59,13 @@ __all__ = [
     "TokenizerLoadError",
     "get_tokenizer",
     "tokenizer_from_dict",
+    "tokenizer_to_dict",
 ]
 
 TOKENIZER_NAMES = ("byte", "char", "gpt2", "hf")
+# The copy of an hf tokenizer's JSON inside a checkpoint or merged model (tokenizer.json there is
+# attnlab's description of the tokenizer, not Hugging Face's file).
+HF_TOKENIZER_FILE = "hf_tokenizer.json"
 GPT2_BPE_ENV = "ATTNLAB_GPT2_BPE_DIR"
 
 # GPT-2's pre-tokenisation regex and special token, exactly as tiktoken defines the "gpt2" encoding
@@ -520,6 +525,7 @@ class HFTokenizer(Tokenizer):
         eot_id: int | None = None,
         bos_id: int | None = None,
         reader: Any = None,
+        find_special: bool = True,
     ) -> None:
         tokenizers = _import_hf_tokenizers()
         p = Path(path).expanduser()
@@ -530,20 +536,22 @@ class HFTokenizer(Tokenizer):
         if _is_gguf_file(p):
             self._tok, found_eot, found_bos = gguf_tokenizer(p if reader is None else reader)
             # the tokenizer's own serialization: what it does, not the model weights around it
-            self.sha256 = hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+            self._json_bytes = self._tok.to_str().encode()
         else:
+            with open_regular(p, "tokenizer.json") as f:
+                self._json_bytes = f.read()  # kept: a checkpoint stores a copy (save_json), not a reference
             try:
-                self._tok = tokenizers.Tokenizer.from_file(str(p))
+                self._tok = tokenizers.Tokenizer.from_str(self._json_bytes.decode("utf-8"))
             except Exception as exc:  # the library raises a bare Exception for malformed files
                 raise ValueError(f"{p} is not a Hugging Face tokenizer.json ({exc})") from None
-            self.sha256 = sha256_file(p)
+        self.sha256 = hashlib.sha256(self._json_bytes).hexdigest()
         self.path = p.resolve()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Byte-fallback tokens (<0x41>): a run of them decodes as a whole (invalid UTF-8 turns every
         # byte of the run into U+FFFD), so streamed text must wait for the run to end.
         self.byte_tokens = frozenset(i for t, i in self._tok.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
         if not _is_gguf_file(p):
-            found_eot, found_bos = self._read_special_ids(p.parent)
+            found_eot, found_bos = self._read_special_ids(p.parent) if find_special else (None, None)
         self.eot_id = found_eot if eot_id is None else self._check_id("eot_id", eot_id)
         self.bos_id = found_bos if bos_id is None else self._check_id("bos_id", bos_id)
 
@@ -601,6 +609,14 @@ class HFTokenizer(Tokenizer):
             "eot_id": self.eot_id,
             "bos_id": self.bos_id,
         }
+
+    def save_json(self, directory: str | os.PathLike[str], name: str = HF_TOKENIZER_FILE) -> dict[str, Any]:
+        """Write this tokenizer's JSON (the ``tokenizer.json`` it was read from, byte for byte, or the
+        ``tokenizers`` serialization of a GGUF's tokenizer) atomically as ``directory/name``; return
+        :meth:`to_dict` with ``path`` that name, relative to ``directory`` (so that a checkpoint holding
+        both does not depend on where the base model was)."""
+        atomic_write_bytes(Path(directory) / name, self._json_bytes)
+        return self.to_dict() | {"path": name}
 
     def fingerprint(self) -> str:
         return _json_fingerprint({"name": "hf", "sha256": self.sha256})
@@ -821,8 +837,26 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
+def tokenizer_to_dict(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """``tokenizer.to_dict()`` for a description stored in ``directory``: an :class:`HFTokenizer`
+    writes its JSON there (:meth:`HFTokenizer.save_json`) and is described by that file's name, so
+    the directory does not depend on where the base model was; read back with
+    ``tokenizer_from_dict(d, base_dir=directory)``."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.save_json(directory)
+    return tokenizer.to_dict()
+
+
+def tokenizer_from_dict(
+    d: dict[str, Any],
+    *,
+    bpe_dir: str | os.PathLike[str] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
     """Rebuild a tokenizer from :meth:`Tokenizer.to_dict` output (e.g. read from a checkpoint).
+
+    An ``hf`` tokenizer's relative ``path`` (written by :func:`tokenizer_to_dict`) is relative to
+    ``base_dir``, the directory the description was read from; an absolute one is read where it is.
 
     For ``gpt2`` the BPE files are looked up in ``bpe_dir`` (if given), else in the recorded
     directory if it still exists, else as :class:`GPT2Tokenizer` does by default; the files found
@@ -859,7 +893,14 @@ def tokenizer_from_dict(d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | 
         path = d.get("path")
         if not isinstance(path, str):
             raise ValueError("hf tokenizer description needs the 'path' of its tokenizer.json")
-        tok = HFTokenizer(path, eot_id=d.get("eot_id"), bos_id=d.get("bos_id"))
+        relative = not Path(path).expanduser().is_absolute()
+        if relative:  # a copy inside the checkpoint (HFTokenizer.save_json): its own special ids are recorded
+            if base_dir is None:
+                raise ValueError(f"hf tokenizer path {path!r} is relative: the directory it is relative to is needed")
+            if ".." in Path(path).parts:
+                raise ValueError(f"hf tokenizer path {path!r} must name a file inside {base_dir}")
+            path = str(Path(base_dir) / path)
+        tok = HFTokenizer(path, eot_id=d.get("eot_id"), bos_id=d.get("bos_id"), find_special=not relative)
         if d.get("sha256") not in (None, tok.sha256):
             raise ValueError(f"{path} differs from the tokenizer.json this tokenizer was saved with (SHA-256)")
         return tok

@@ -96,7 +96,7 @@ def load_model(
         ckpt = load_checkpoint(d, device=device, load_optimizer=False, merge_adapters=True)
         if "tokenizer" not in ckpt.metadata:
             raise ValueError(f"{what} {d}: its {CHECKPOINT_NAME} records no tokenizer")
-        tokenizer = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir)
+        tokenizer = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir, base_dir=ckpt.path)
         return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata)
     tok_path = d / TOKENIZER_NAME
     if not os.path.lexists(d / CONFIG_NAME) or not os.path.lexists(tok_path):
@@ -104,7 +104,7 @@ def load_model(
             f"{what} {d}: not a checkpoint (expected {LATEST_NAME} or {CHECKPOINT_NAME} as written by "
             f"`attnlab train`, or {CONFIG_NAME} and {TOKENIZER_NAME} beside GPT.save()'s weights)"
         )
-    tokenizer = tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir)
+    tokenizer = tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir, base_dir=d)
     return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d)
 
 

@@ -69,6 +69,7 @@ from attnlab.files import (
     sha256_file,
 )
 from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
+from attnlab.tokenizers import HF_TOKENIZER_FILE, Tokenizer, tokenizer_to_dict
 from attnlab.training.lora import (
     ADAPTERS_NAME,
     LoRASettings,
@@ -109,7 +110,13 @@ FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
 VERSION = 2
 SELF_HASH = "metadata_sha256"
-FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, OPTIMIZER_NAME, ADAPTERS_NAME)  # what a step directory may list
+FILE_NAMES = (
+    WEIGHTS_NAME,
+    CONFIG_NAME,
+    OPTIMIZER_NAME,
+    ADAPTERS_NAME,
+    HF_TOKENIZER_FILE,
+)  # what a step directory may list
 METADATA_MAX_BYTES = 16 << 20  # checkpoint.json is ~40 KB per process (its RNG states)
 INT64_MAX = 2**63 - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -299,7 +306,7 @@ def step_dirname(step: int) -> str:
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # What attnlab itself puts in a step directory: its files, and their temporary files (atomic_open).
-_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json|adapters\.safetensors"
+_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json|adapters\.safetensors|hf_tokenizer\.json"
 _OWN_FILE = re.compile(rf"(?:{_NAMES})|\.(?:{_NAMES})\..+\.tmp")
 
 
@@ -352,6 +359,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     metadata: dict[str, Any],
     keep: int = 2,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write a complete checkpoint for ``step`` into ``out_dir`` and point ``latest.json`` at it.
 
@@ -364,6 +372,9 @@ def save_checkpoint(
             settings, RNG states, data position, ...). ``step``, the file list and the metadata's
             own SHA-256 are added.
         keep: how many step directories to keep (the newest; at least 1).
+        tokenizer: if given, recorded as ``metadata["tokenizer"]`` by :func:`tokenizer_to_dict`: a
+            Hugging Face tokenizer's JSON is copied into the step directory (listed and hashed with
+            the other files), so the checkpoint does not depend on where the base model was.
 
     Returns the new step directory. Saving a step that ``latest.json`` already names is a no-op
     (the state at a given step is the same state). Only step directories that hold nothing but
@@ -379,7 +390,7 @@ def save_checkpoint(
     if tmp is None:
         return final
     try:
-        write_step_dir(tmp, step, model, optimizer, metadata)
+        write_step_dir(tmp, step, model, optimizer, metadata, tokenizer=tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -433,13 +444,18 @@ def write_step_dir(
     metadata: dict[str, Any],
     *,
     extra_files: list[str] | tuple[str, ...] = (),
+    tokenizer: Tokenizer | None = None,
 ) -> None:
     """The files of a checkpoint in ``d``, each written atomically, ``checkpoint.json`` (with their
-    sizes and hashes, and its own) last; ``d`` itself fsynced."""
+    sizes and hashes, and its own) last; ``d`` itself fsynced. ``tokenizer``: see :func:`save_checkpoint`."""
     with base_weights(model):  # a LoRA model: the frozen base here, its adapters beside it
         model.save(d)  # model.safetensors + config.json
     files = [WEIGHTS_NAME, CONFIG_NAME, *extra_files]  # extra: a sharded optimizer state, already written
     metadata = dict(metadata)
+    if tokenizer is not None:
+        metadata["tokenizer"] = tokenizer_to_dict(tokenizer, d)
+        if metadata["tokenizer"].get("path") == HF_TOKENIZER_FILE:
+            files.append(HF_TOKENIZER_FILE)
     if has_lora(model):
         from safetensors.torch import save as st_save
 

@@ -71,7 +71,14 @@ def _options(**kw: Any) -> Any:
 
 
 def save_sharded(
-    out: Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, metadata: dict[str, Any], keep: int
+    out: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    metadata: dict[str, Any],
+    keep: int,
+    tokenizer: Any = None,
 ) -> Path | None:
     """Write a checkpoint of a sharded run (every process calls it; rank 0 returns the step directory)."""
     import torch.distributed as dist
@@ -100,7 +107,7 @@ def save_sharded(
         if plain.config.tie_embeddings:
             plain.out_head.weight = plain.tok_emb.weight
         files = sorted(f"{OPTIMIZER_DIR}/{p.name}" for p in (tmp / OPTIMIZER_DIR).iterdir())
-        write_step_dir(tmp, step, plain, None, metadata, extra_files=files)
+        write_step_dir(tmp, step, plain, None, metadata, extra_files=files, tokenizer=tokenizer)
     except BaseException:
         if rank == 0:
             import shutil

@@ -63,6 +63,7 @@ from attnlab.training.checkpoint import (
     OPTIMIZER_NAME,
     Checkpoint,
     check_optimizer_state,
+    find_checkpoint,
     get_rng_state,
     has_checkpoint,
     load_checkpoint,
@@ -381,7 +382,8 @@ class Trainer:
         """A resumed run decodes/encodes exactly as it did before."""
         cfg = self.cfg
         if meta is not None:
-            return tokenizer_from_dict(meta["tokenizer"], bpe_dir=cfg.bpe_dir)
+            # an hf tokenizer's JSON is in the step directory (a relative path); older runs recorded it absolute
+            return tokenizer_from_dict(meta["tokenizer"], bpe_dir=cfg.bpe_dir, base_dir=find_checkpoint(self.out))
         if cfg.init_from:
             return self._init.tokenizer
         if cfg.tokenizer == "char":
@@ -639,7 +641,9 @@ class Trainer:
         if self.chat_template is not None:  # a resumed run renders its conversations the same way
             meta["chat_template"] = chat_data.template_to_dict(self.chat_template)
         if self.cfg.fsdp:  # every process writes its shards of the optimizer state
-            kw = dict(step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta)
+            kw = dict(
+                step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta, tokenizer=self.tokenizer
+            )
             return fsdp.save_sharded(self.out, keep=self.cfg.keep_checkpoints, **kw)
         return save_checkpoint(
             self.out,
@@ -648,6 +652,7 @@ class Trainer:
             optimizer=self.optimizer,
             metadata=meta,
             keep=self.cfg.keep_checkpoints,
+            tokenizer=self.tokenizer,
         )
 
     # -- evaluation ------------------------------------------------------------------------------
