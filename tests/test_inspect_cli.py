@@ -116,6 +116,7 @@ def test_report_of_a_checkpoint_prints_the_librarys_numbers(role_checkpoint, cap
         (["--checkpoint", "nowhere", "--prompt", "abc"], "no such directory"),
         (["--model", "./nowhere", "--prompt", "abc"], "no such directory"),
         (["--model", __file__, "--prompt", "abc"], "a file that is not a GGUF file"),  # not sent to the Hub
+        (["--model", "CKPT", "--prompt", "abc"], "an attnlab model directory"),  # not read as a GPT-2's
     ],
 )
 def test_inspect_reports_bad_input_in_one_line(role_checkpoint, argv, message, capsys):

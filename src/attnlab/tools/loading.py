@@ -24,6 +24,7 @@ training checkpoint carries is neither read nor hashed here.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,10 @@ def load_pretrained(
         raise ValueError(f"{what} {name}: a file that is not a GGUF file; give a GGUF file or a model's directory")
     if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
         raise FileNotFoundError(f"{what} {name}: no such directory")
+    if is_local and _attnlab_directory(local):  # (its config.json has no model_type: not a GPT-2's either)
+        raise ValueError(
+            f"{what} {name}: an attnlab model directory (a checkpoint, GPT.save, --merge): use --checkpoint"
+        )
     device = torch.device("cpu") if device is None else torch.device(device)
     model = GPT.from_pretrained(name, cache_dir=cache_dir, device=device, dtype=dtype).eval()
     if dtype is None:
@@ -268,6 +273,18 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
     metadata = {"source": "gguf", "name": str(p), "architecture": read.architecture}
     metadata["quantization"] = read.quantization
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
+
+
+def _attnlab_directory(d: Path) -> bool:
+    """Whether ``d`` holds an attnlab model (``checkpoint.json``/``latest`` as ``attnlab train`` writes, or
+    ``GPT.save``'s ``config.json`` of GPTConfig fields) rather than a Hugging Face one."""
+    if (d / CHECKPOINT_NAME).is_file() or (d / LATEST_NAME).is_file():
+        return True
+    try:
+        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "model_type" not in config and "emb_dim" in config
 
 
 def load(
