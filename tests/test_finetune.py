@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -152,6 +153,23 @@ def test_bad_fine_tuning_flags_are_one_line(base, tmp_path, capsys, extra, messa
         assert code == 0
         return
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_the_api_names_a_wrong_type() -> None:
+    """Python callers get a TypeError naming the argument and the type that came, not an AttributeError
+    from deep inside."""
+    from attnlab.training.lora import LoRASettings, apply_lora
+    from attnlab.training.trainer import Trainer
+
+    for call, message in (
+        (lambda: Trainer(None), "config must be a TrainConfig, got NoneType"),
+        (lambda: Trainer({}), "config must be a TrainConfig, got dict"),
+        (lambda: apply_lora("x", LoRASettings.make(2, None, None)), "model must be an attnlab GPT, got str"),
+        (lambda: load_model(123), "--checkpoint must be a directory's path (str or os.PathLike), got int"),
+        (lambda: GPT.from_gguf(123), "path must be a GGUF file's path (str or os.PathLike), got int"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call()
 
 
 def test_init_from_a_missing_model_is_one_line(tmp_path, capsys) -> None:

@@ -1163,6 +1163,8 @@ class GPT(nn.Module):
         Raises ``ValueError`` naming the file when it is truncated, corrupt or not supported."""
         from attnlab.formats.gguf import GGUFModel, read_gguf
 
+        if not isinstance(path, (str, os.PathLike, GGUFModel)):
+            raise TypeError(f"path must be a GGUF file's path (str or os.PathLike), got {type(path).__name__}")
         read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype)
         return cls._from_state(GPTConfig(**read.fields), read.state).to(device=device)
 

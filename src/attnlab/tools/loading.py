@@ -88,6 +88,8 @@ def load_model(
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming the directory and what is wrong with it.
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a directory's path (str or os.PathLike), got {type(directory).__name__}")
     d = Path(directory).expanduser()
     if not d.is_dir():
         raise FileNotFoundError(f"{what} {d}: checkpoint not found (no such directory)")

@@ -102,6 +102,8 @@ def _target_modules(model: nn.Module, targets: Sequence[str]) -> Iterator[tuple[
 def apply_lora(model: nn.Module, settings: LoRASettings) -> int:
     """Freeze every parameter of ``model`` (an :class:`attnlab.GPT`) and adapt its target weights
     in place; returns the number of parameters that train (the adapters')."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "trf_blocks"):
+        raise TypeError(f"model must be an attnlab GPT, got {type(model).__name__}")
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
     modules = list(_target_modules(model, settings["targets"]))

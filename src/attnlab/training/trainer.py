@@ -237,6 +237,8 @@ class Trainer:
         from :class:`TrainConfig`'s defaults" (so a default value cannot override a checkpoint's).
         ``init``: with ``config.init_from``, the pretrained model a new run starts from, as
         :func:`attnlab.tools.loading.load` returns it (``.model``, ``.tokenizer``)."""
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         config.validate()
         self._init = init
         self.dist = DistEnv.from_environ()
