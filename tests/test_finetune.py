@@ -96,6 +96,11 @@ def test_lora_trains_only_the_adapters_and_resumes_exactly(base, tmp_path, capsy
     assert train(base, half, "--resume") == 0
     full, half = metrics(tmp_path / "full"), metrics(tmp_path / "half")
     assert [r["loss"] for r in half] == [r["loss"] for r in full[3:]]
+    # Another rank on resume (whose --init-from comes from the checkpoint): the checkpoint's is named.
+    capsys.readouterr()
+    other = ["train", "--out", str(tmp_path / "half"), "--resume", "--lora-rank", "8", "--max-steps", "7"]
+    assert main([*other, "--no-progress", "--sample-tokens", "0"]) == 2
+    assert "--lora-rank 8 differs from the 4 of the checkpoint" in capsys.readouterr().err
     # Readers get the adapted function: the checkpoint (merged on load) equals the adapted model.
     x = torch.tensor([list(b"the quick brown")])
     adapted = load_checkpoint(tmp_path / "full", load_optimizer=False).model.eval()

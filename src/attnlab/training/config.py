@@ -153,7 +153,7 @@ class TrainConfig:
         if self.lora_rank:
             from attnlab.training.lora import LoRASettings
 
-            if not self.init_from:
+            if not self.init_from and not self.resume:  # (a resumed run takes --init-from from its checkpoint)
                 raise ValueError("--lora-rank needs --init-from: LoRA adapts a pretrained model")
             if self.fsdp:
                 raise ValueError("--lora-rank with --fsdp is not supported: LoRA's frozen base fits where DDP does")
