@@ -417,6 +417,12 @@ def one_line_error(capsys, argv, stdin, monkeypatch, match) -> None:
     assert err.count("\n") == 1 and "Traceback" not in err and match in err, err
 
 
+def test_generate_chat_with_a_message_past_the_context_is_one_line(model_dir, capsys, monkeypatch):
+    """The rendered template longer than the context would slide its start out unseen: refused, as chat does."""
+    argv = ["generate", "--model", str(model_dir), "--chat", "--prompt", "Jack " * CONTEXT, "--device", "cpu"]
+    one_line_error(capsys, argv, "", monkeypatch, f"the model's context {CONTEXT}: shorten it")
+
+
 BAD_TEMPLATES = [
     ("{{ raise_exception('only user messages, please') }}", "only user messages, please"),
     ("{{ messages[0].__class__.__mro__[1].__subclasses__() }}", "tried to leave the sandbox"),

@@ -151,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
     tok, model = loaded.tokenizer, loaded.model
     if args.chat:  # the message in the model's conversation format, the assistant's turn opened
         ids = prompt_ids(loaded, [{"role": "user", "content": args.prompt}])
+        ctx = model.config.context_length
+        if len(ids) >= ctx:  # (generation would let the template's start slide out of the window unseen)
+            raise ValueError(
+                f"--prompt in the chat template takes {len(ids)} tokens, the model's context {ctx}: shorten it"
+            )
     else:
         ids = tok.encode_prompt(args.prompt) if isinstance(tok, HFTokenizer) else tok.encode(args.prompt)
     if not ids:
