@@ -251,3 +251,70 @@ def test_an_hf_tokenizer_recorded_by_absolute_path_still_loads(tmp_path) -> None
         tokenizer_from_dict(old | {"path": "hf_tokenizer.json"})
     with pytest.raises(ValueError, match="inside"):
         tokenizer_from_dict(old | {"path": "../hf/tokenizer.json"}, base_dir=tmp_path / "x")
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+STOPS = [10, 33, 46]  # the base instruct model's stop ids ("\n", the tiny model's greedy answer, among them)
+
+
+@pytest.mark.parametrize("data", ["text", "chat"])
+def test_a_model_fine_tuned_from_an_instruct_model_chats_from_its_checkpoint(tmp_path, capsys, monkeypatch, data):
+    """The run's checkpoints and its --merge directory keep the base's chat template and stop ids:
+    attnlab chat --checkpoint and generate --checkpoint --chat answer as the library does, stopping there."""
+    import io
+    import sys
+
+    from attnlab.generation import SamplingConfig
+    from attnlab.tools.chat import ChatSession, prompt_ids
+
+    base = tmp_path / "base"
+    llama_like().save(base / "model")
+    (base / "model" / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
+    chat = {"chat_template": {"source": CHATML, "bos_token": "", "eos_token": ""}, "stop_ids": STOPS}
+    (base / "model" / "chat.json").write_text(json.dumps(chat))  # as --merge writes it
+    assert load_model(base / "model").stop_ids == tuple(STOPS)
+    (base / "text.txt").write_text(TEXT)
+    extra = (
+        []
+        if data == "text"
+        else ["--data", str(Path(__file__).resolve().parents[1] / "examples" / "chat_example.jsonl")]
+    )
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    assert train(base, out, "--max-steps", "2", "--context-length", "64", "--merge", str(merged), *extra) == 0
+    assert load_checkpoint(out).metadata["stop_ids"] == STOPS
+    question, n = "Hi", 8  # (the rendered prompt and the answer fit the 64-token window)
+    loaded = load_model(out)
+    assert loaded.chat_template.source == CHATML and loaded.stop_ids == tuple(STOPS)
+    answer = ChatSession(loaded, sampling=SamplingConfig(temperature=0.0), max_new_tokens=n).ask(question)
+    text = "".join(answer)
+    # The reference: the rendered template continued greedily, cut at the first stop id.
+    idx = torch.tensor([prompt_ids(loaded, [{"role": "user", "content": question}])])
+    raw = [int(t[0]) for t in loaded.model.stream(idx, n, temperature=0.0)]
+    assert any(t in STOPS for t in raw), raw  # the answer does stop at a stop id
+    cut = raw[: next(i for i, t in enumerate(raw) if t in STOPS)]
+    assert text == loaded.tokenizer.decode(cut)
+    gen = ["--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"]
+    for d in (out, merged):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(question + "\n"))
+        capsys.readouterr()
+        assert main(["chat", "--checkpoint", str(d), *gen]) == 0
+        assert capsys.readouterr().out.strip("\n") == text.strip("\n"), d
+        assert main(["generate", "--checkpoint", str(d), "--chat", "--prompt", question, *gen]) == 0
+        assert capsys.readouterr().out == text + "\n", d
+
+
+def test_chatting_with_a_checkpoint_without_a_chat_template_is_one_line(base, tmp_path, capsys, monkeypatch) -> None:
+    import io
+    import sys
+
+    out = tmp_path / "run"
+    assert train(base, out, "--max-steps", "1") == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    for argv in (["chat", "--checkpoint", str(out)], ["generate", "--checkpoint", str(out), "--chat"]):
+        capsys.readouterr()
+        assert main([*argv, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has no chat template" in err, err

@@ -15,6 +15,9 @@ an answer. Through a pipe (stdin not a terminal) each input line is one message 
 printed on its own::
 
     printf 'Hi!\\nWhat did I just say?\\n' | attnlab chat --model DIR --temperature 0
+
+``--checkpoint DIR`` chats with a model fine-tuned from an instruct model (``attnlab train --init-from``):
+its checkpoint (or ``--merge`` directory) keeps the chat template and stop ids it was trained with.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import argparse
 import sys
 
 from attnlab.checks import resolve_device
-from attnlab.cli.generate import DTYPES, add_generation_arguments, sampling_from_args
+from attnlab.cli.generate import DTYPES, add_generation_arguments, require_chat_template, sampling_from_args
 from attnlab.cli.options import MODEL_SOURCES
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
-from attnlab.tools.loading import load_pretrained
+from attnlab.tools.loading import load_model, load_pretrained
 
 MAX_ANSWER = 512  # the default longest answer, in tokens
 
@@ -36,11 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Chat with an instruct model: its chat template, answers streamed, the history kept within the context "
         f"window. {HELP}. Through a pipe, each input line is one message."
     )
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--model",
-        required=True,
         metavar="MODEL",
         help=f"an instruct model with a chat template: {MODEL_SOURCES}",
+    )
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="an attnlab model fine-tuned from an instruct model (attnlab train --init-from): a training --out "
+        "directory, a step directory inside it, or a --merge directory",
     )
     parser.add_argument("--system", metavar="TEXT", help="a system message, kept however long the conversation")
     add_generation_arguments(
@@ -53,7 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     device = resolve_device(args.device)
-    loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
+    if args.model is not None:
+        dtype = None if args.dtype is None else DTYPES[args.dtype]
+        loaded = load_pretrained(args.model, device=device, dtype=dtype)
+        what = f"--model {args.model}"
+    elif args.dtype is not None:
+        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
+    else:
+        loaded = load_model(args.checkpoint, device=device)
+        require_chat_template(loaded, args.checkpoint)
+        what = f"--checkpoint {args.checkpoint}"
     ctx = loaded.model.config.context_length
     max_new_tokens = min(MAX_ANSWER, ctx // 2) if args.max_new_tokens is None else args.max_new_tokens
     try:
@@ -64,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=max_new_tokens,
             seed=args.seed,
             use_cache=not args.no_cache,
-            what=f"--model {args.model}",
+            what=what,
         )
     except ValueError as exc:
         raise ValueError(str(exc).replace("max_new_tokens", "--max-new-tokens", 1)) from None
@@ -72,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
-        print(f"Chatting with {args.model} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
+        print(f"Chatting with {args.model or args.checkpoint} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
         read_line = input
     else:
 

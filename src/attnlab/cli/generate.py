@@ -39,7 +39,7 @@ from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import HFTokenizer, StreamDecoder
 from attnlab.tools.chat import prompt_ids
-from attnlab.tools.loading import load_model, load_pretrained
+from attnlab.tools.loading import LoadedModel, load_model, load_pretrained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat",
         action="store_true",
-        help="with --model: the prompt is one user message, laid out by the model's chat template; prints the "
-        "answer, which ends at the model's end-of-turn token",
+        help="the prompt is one user message, laid out by the model's chat template (an instruct --model, or a "
+        "--checkpoint fine-tuned from one); prints the answer, which ends at the model's end-of-turn token",
     )
     parser.add_argument(
         "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
@@ -115,6 +115,15 @@ def add_generation_arguments(
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole window per token (no KV cache)")
 
 
+def require_chat_template(loaded: LoadedModel, checkpoint: str) -> None:
+    """A checkpoint to chat with must keep a chat template (one fine-tuned from an instruct model)."""
+    if loaded.chat_template is None:
+        raise ValueError(
+            f"--checkpoint {checkpoint} has no chat template: it was not fine-tuned from an instruct model "
+            "(attnlab train --init-from MODEL with one); use attnlab generate without --chat"
+        )
+
+
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
 # More tokens than anyone can wait for (days at any speed): a typo, refused before any work.
 MAX_NEW_TOKENS = 2**31 - 1
@@ -138,8 +147,6 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     device = resolve_device(args.device)
-    if args.chat and args.model is None:
-        raise ValueError("--chat goes with --model (an instruct model with a chat template)")
     if args.model is not None:
         loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
         # Stop where the model ends a text (and, for an instruct model, a turn).
@@ -148,8 +155,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
     else:
         loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
+        if loaded.stop_ids:  # a model fine-tuned from an instruct model stops where its base does
+            sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids)
     tok, model = loaded.tokenizer, loaded.model
     if args.chat:  # the message in the model's conversation format, the assistant's turn opened
+        if args.checkpoint is not None:
+            require_chat_template(loaded, args.checkpoint)
         ids = prompt_ids(loaded, [{"role": "user", "content": args.prompt}])
         ctx = model.config.context_length
         if len(ids) >= ctx:  # (generation would let the template's start slide out of the window unseen)

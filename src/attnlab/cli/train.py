@@ -330,12 +330,15 @@ def _merge(trainer: Trainer, out: Path) -> None:
     """``--merge DIR``: the trained model as GPT.save() + tokenizer.json (adapters merged in)."""
     from attnlab.files import atomic_write_json
     from attnlab.tokenizers import tokenizer_to_dict
-    from attnlab.tools.loading import TOKENIZER_NAME
+    from attnlab.tools.loading import CHAT_NAME, TOKENIZER_NAME
 
     model = merge_lora(trainer.raw_model)  # in place: training is over
     model.save(out)
     # a Hugging Face tokenizer's JSON is copied beside it (hf_tokenizer.json): the directory stands alone
     atomic_write_json(out / TOKENIZER_NAME, tokenizer_to_dict(trainer.tokenizer, out))
+    chat = trainer.chat_metadata()  # an instruct model's chat template and stop ids: attnlab chat --checkpoint
+    if chat:
+        atomic_write_json(out / CHAT_NAME, chat)
     print(f"merged model written to {out} (read it with --checkpoint {out} or --init-from {out})", file=sys.stderr)
 
 

@@ -43,9 +43,20 @@ from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
 
-__all__ = ["TOKENIZER_NAME", "Demo", "LoadedModel", "load", "load_demo", "load_gguf", "load_model", "load_pretrained"]
+__all__ = [
+    "CHAT_NAME",
+    "TOKENIZER_NAME",
+    "Demo",
+    "LoadedModel",
+    "load",
+    "load_demo",
+    "load_gguf",
+    "load_model",
+    "load_pretrained",
+]
 
 TOKENIZER_NAME = "tokenizer.json"  # beside GPT.save()'s files: how its token ids are read
+CHAT_NAME = "chat.json"  # beside GPT.save()'s files (--merge): chat_template and stop_ids, where known
 
 
 @dataclass
@@ -100,7 +111,8 @@ def load_model(
         if "tokenizer" not in ckpt.metadata:
             raise ValueError(f"{what} {d}: its {CHECKPOINT_NAME} records no tokenizer")
         tokenizer = tokenizer_from_dict(ckpt.metadata["tokenizer"], bpe_dir=bpe_dir, base_dir=ckpt.path)
-        return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata)
+        template, stops = _saved_chat(ckpt.metadata, tokenizer, f"{what} {d}")
+        return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata, template, stops)
     tok_path = d / TOKENIZER_NAME
     if not os.path.lexists(d / CONFIG_NAME) or not os.path.lexists(tok_path):
         raise FileNotFoundError(
@@ -108,7 +120,31 @@ def load_model(
             f"`attnlab train`, or {CONFIG_NAME} and {TOKENIZER_NAME} beside GPT.save()'s weights)"
         )
     tokenizer = tokenizer_from_dict(read_json(tok_path, "tokenizer description"), bpe_dir=bpe_dir, base_dir=d)
-    return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d)
+    saved = read_json(d / CHAT_NAME, "chat settings") if os.path.lexists(d / CHAT_NAME) else {}
+    if not isinstance(saved, dict):
+        raise ValueError(f"{what} {d}: {CHAT_NAME} must be a JSON object")
+    template, stops = _saved_chat(saved, tokenizer, f"{what} {d}")
+    return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d, {}, template, stops)
+
+
+def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple[ChatTemplate | None, tuple[int, ...]]:
+    """A fine-tuned model's chat template and stop ids, as its checkpoint metadata or ``chat.json`` records
+    them (an ``--init-from`` run keeps its base model's); none recorded: no template, the tokenizer's eos."""
+    from attnlab.training.chat_data import template_from_dict
+
+    template = None
+    if saved.get("chat_template") is not None:
+        try:
+            template = template_from_dict(saved["chat_template"])
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+    stops = saved.get("stop_ids") or []
+    if not isinstance(stops, list) or not all(is_int(i) and 0 <= i < tokenizer.vocab_size for i in stops):
+        raise ValueError(f"{what}: its stop_ids must be a list of token ids in [0, {tokenizer.vocab_size})")
+    stop = [int(i) for i in stops]
+    if tokenizer.eot_id is not None:
+        stop.append(int(tokenizer.eot_id))
+    return template, tuple(dict.fromkeys(stop))
 
 
 def load_pretrained(

@@ -781,7 +781,17 @@ _ENTRY_CHECKS = {
     "val_loss": _check_val_loss,
     "torch_version": _check_torch_version,
     "lora": lambda v, meta: _check_lora(v),
+    "stop_ids": lambda v, meta: _check_stop_ids(v, meta),
 }
+
+
+def _check_stop_ids(v: Any, meta: dict[str, Any]) -> None:
+    """The ids a chat or a generation stops at (a fine-tuned instruct model's end-of-turn / end-of-text)."""
+    model = meta.get("model_config")
+    vocab = model.get("vocab_size") if isinstance(model, dict) else None
+    limit = vocab if is_int(vocab) and vocab > 0 else INT64_MAX
+    if not isinstance(v, list) or len(v) > 64 or not all(is_int(i) and 0 <= i < limit for i in v):
+        raise ValueError(f"must be a list of token ids in [0, {limit}), got {_describe(v)}")
 
 
 def _check_lora(v: Any) -> None:

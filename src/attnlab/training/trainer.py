@@ -640,8 +640,7 @@ class Trainer:
             "val_loss": self.last_val_loss,
             "torch_version": torch.__version__,
         }
-        if self.chat_template is not None:  # a resumed run renders its conversations the same way
-            meta["chat_template"] = chat_data.template_to_dict(self.chat_template)
+        meta.update(self.chat_metadata())
         if self.cfg.fsdp:  # every process writes its shards of the optimizer state
             kw = dict(
                 step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta, tokenizer=self.tokenizer
@@ -656,6 +655,24 @@ class Trainer:
             keep=self.cfg.keep_checkpoints,
             tokenizer=self.tokenizer,
         )
+
+    def chat_metadata(self) -> dict[str, Any]:
+        """What a chat needs of this run: ``chat_template`` (the run's, else the resumed checkpoint's, else
+        the ``--init-from`` model's) and ``stop_ids`` (the init model's end-of-turn / end-of-text ids, else the
+        resumed checkpoint's); each only where known. A resumed run renders its conversations the same way."""
+        saved = self._saved_meta or {}
+        out: dict[str, Any] = {}
+        init_template = getattr(self._init, "chat_template", None)
+        if self.chat_template is not None:
+            out["chat_template"] = chat_data.template_to_dict(self.chat_template)
+        elif saved.get("chat_template") is not None:
+            out["chat_template"] = saved["chat_template"]
+        elif init_template is not None:
+            out["chat_template"] = chat_data.template_to_dict(init_template)
+        stops = tuple(getattr(self._init, "stop_ids", None) or ()) or tuple(saved.get("stop_ids") or ())
+        if stops:
+            out["stop_ids"] = [int(i) for i in stops]
+        return out
 
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
