@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -124,6 +125,14 @@ def test_inspect_reports_bad_input_in_one_line(role_checkpoint, argv, message, c
     assert main(["inspect", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("attnlab inspect: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_a_saved_model_whose_tokenizer_has_more_ids_is_refused_on_load(role_checkpoint, tmp_path, capsys):
+    d = shutil.copytree(role_checkpoint[0], tmp_path / "wide")
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS + "qrstuvwxyz").to_dict()))
+    assert main(["inspect", "--checkpoint", str(d), "--prompt", "abc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has 26 ids, more than the model's vocab_size=16" in err and len(err.splitlines()) == 1, err
 
 
 def test_checkpoint_and_model_are_exclusive(role_checkpoint, capsys):

@@ -124,7 +124,13 @@ def load_model(
     if not isinstance(saved, dict):
         raise ValueError(f"{what} {d}: {CHAT_NAME} must be a JSON object")
     template, stops = _saved_chat(saved, tokenizer, f"{what} {d}")
-    return LoadedModel(GPT.load(d, device=device).eval(), tokenizer, d, {}, template, stops)
+    model = GPT.load(d, device=device).eval()
+    if tokenizer.vocab_size > model.config.vocab_size:  # (a checkpoint's pair was checked when it was trained)
+        raise ValueError(
+            f"{what} {d}: its {TOKENIZER_NAME} has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={model.config.vocab_size}"
+        )
+    return LoadedModel(model, tokenizer, d, {}, template, stops)
 
 
 def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple[ChatTemplate | None, tuple[int, ...]]:
