@@ -135,6 +135,17 @@ def test_a_saved_model_whose_tokenizer_has_more_ids_is_refused_on_load(role_chec
     assert "has 26 ids, more than the model's vocab_size=16" in err and len(err.splitlines()) == 1, err
 
 
+def test_a_hugging_face_directory_given_as_checkpoint_points_to_model(tmp_path, capsys):
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=99, n_embd=8, n_layer=1, n_head=1)).save_pretrained(
+        tmp_path / "hf"
+    )
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # Hugging Face's file, not attnlab's description
+    capsys.readouterr()  # (transformers' progress bar)
+    assert main(["inspect", "--checkpoint", str(tmp_path / "hf"), "--prompt", "abc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a Hugging Face model directory" in err and "use --model" in err and len(err.splitlines()) == 1, err
+
+
 def test_checkpoint_and_model_are_exclusive(role_checkpoint, capsys):
     with pytest.raises(SystemExit):
         main(["inspect", "--checkpoint", str(role_checkpoint[0]), "--model", "gpt2", "--prompt", "a"])

@@ -114,6 +114,10 @@ def load_model(
         template, stops = _saved_chat(ckpt.metadata, tokenizer, f"{what} {d}")
         return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata, template, stops)
     tok_path = d / TOKENIZER_NAME
+    if _hf_directory(d):  # (its tokenizer.json is Hugging Face's, not attnlab's description of one)
+        raise ValueError(
+            f"{what} {d}: a Hugging Face model directory (its {CONFIG_NAME} names a model_type): use --model"
+        )
     if not os.path.lexists(d / CONFIG_NAME) or not os.path.lexists(tok_path):
         raise FileNotFoundError(
             f"{what} {d}: not a checkpoint (expected {LATEST_NAME} or {CHECKPOINT_NAME} as written by "
@@ -317,6 +321,15 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
     metadata = {"source": "gguf", "name": str(p), "architecture": read.architecture}
     metadata["quantization"] = read.quantization
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
+
+
+def _hf_directory(d: Path) -> bool:
+    """Whether ``d``'s ``config.json`` is a Hugging Face model's (it names a ``model_type``)."""
+    try:
+        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "model_type" in config
 
 
 def _attnlab_directory(d: Path) -> bool:
