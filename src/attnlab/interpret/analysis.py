@@ -127,9 +127,9 @@ LENS_MIN_VOCAB = 4096  # the fast search pays only for a large vocabulary (SmolL
 
 def lens_logits(model: nn.Module, residual: Tensor) -> Tensor:
     """The final norm and the unembedding applied to a residual stream ``(..., d)``: ``(..., V)``, soft-capped
-    as the model's own logits are where it caps them (Gemma 2's ``logit_softcap``)."""
+    as the model's own logits are where it caps them (Gemma 2's ``logit_softcap``): :meth:`attnlab.GPT.unembed`."""
     with torch.no_grad():
-        return _capped(model, model.out_head(model.final_norm(residual)))
+        return model.unembed(residual)
 
 
 def _softcap(model: nn.Module) -> float | None:

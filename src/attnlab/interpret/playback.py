@@ -205,13 +205,9 @@ def _seeded_caches(model: nn.Module, prefix: Trace | None, idx: Tensor, new: int
 
 def _prefill_logits(model: nn.Module, prefix: Trace) -> Tensor:
     """The prefill's logits ``(B, V)`` from ``prefix``: its last position's stream through the final
-    norm and the head (the same numbers the prompt's pass computes)."""
+    norm, the head and a soft cap (:meth:`attnlab.GPT.unembed`: the numbers the prompt's pass computes)."""
     with torch.inference_mode():
-        logits = model.out_head(model.final_norm(prefix.residual[-1][:, -1:]))[:, -1]  # (B, V)
-        if model.config.logit_softcap is not None:
-            cap = model.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-    return logits
+        return model.unembed(prefix.residual[-1][:, -1:])[:, -1]  # (B, V)
 
 
 def key_index(offsets: Tensor | None, position: int, S: int, rows: int, device: torch.device) -> Tensor:
