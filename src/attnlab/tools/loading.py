@@ -323,13 +323,19 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
 
 
-def _hf_directory(d: Path) -> bool:
-    """Whether ``d``'s ``config.json`` is a Hugging Face model's (it names a ``model_type``)."""
+def _config_keys(d: Path) -> set[str]:
+    """The keys of ``d``'s ``config.json`` (none where it is missing or not a JSON object): a Hugging Face
+    model's names a ``model_type``, ``GPT.save``'s holds GPTConfig fields (``emb_dim``)."""
     try:
         config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "model_type" in config
+        return set()
+    return set(config) if isinstance(config, dict) else set()
+
+
+def _hf_directory(d: Path) -> bool:
+    """Whether ``d``'s ``config.json`` is a Hugging Face model's."""
+    return "model_type" in _config_keys(d)
 
 
 def _attnlab_directory(d: Path) -> bool:
@@ -337,11 +343,8 @@ def _attnlab_directory(d: Path) -> bool:
     ``GPT.save``'s ``config.json`` of GPTConfig fields) rather than a Hugging Face one."""
     if (d / CHECKPOINT_NAME).is_file() or (d / LATEST_NAME).is_file():
         return True
-    try:
-        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "model_type" not in config and "emb_dim" in config
+    keys = _config_keys(d)
+    return "model_type" not in keys and "emb_dim" in keys
 
 
 def load(
