@@ -277,21 +277,22 @@ def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """How many steps the decoding fast path ran (a spy on attnlab.decoding.FastDecoder.step, and on its
-    greedy_steps: each call its ``chunk`` steps, those a generation used and any after its last token)."""
+    """How many steps the decoding fast path ran (a spy on attnlab.decoding.FastDecoder._step, behind its
+    step and step_tokens, and on its greedy_steps: each call its ``chunk`` steps, those a generation used
+    and any after its last token)."""
     from attnlab import decoding
 
     count = [0]
-    step, greedy_steps = decoding.FastDecoder.step, decoding.FastDecoder.greedy_steps
+    step, greedy_steps = decoding.FastDecoder._step, decoding.FastDecoder.greedy_steps
 
-    def spy(self, token):
+    def spy(self, token, head):
         count[0] += 1
-        return step(self, token)
+        return step(self, token, head)
 
     def chunk_spy(self, *args):
         count[0] += self.chunk
         return greedy_steps(self, *args)
 
-    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
+    monkeypatch.setattr(decoding.FastDecoder, "_step", spy)
     monkeypatch.setattr(decoding.FastDecoder, "greedy_steps", chunk_spy)
     return count

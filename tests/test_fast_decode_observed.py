@@ -29,10 +29,10 @@ def steps(monkeypatch):
     count = {"steps": 0, "observed": 0}
     step = decoding.FastDecoder._compiled_step
 
-    def spy(self, token, pos, observers):
+    def spy(self, token, pos, observers, head=True):
         count["steps"] += 1
         count["observed"] += any(fn is not None for fn in observers)
-        return step(self, token, pos, observers)
+        return step(self, token, pos, observers, head)
 
     monkeypatch.setattr(decoding.FastDecoder, "_compiled_step", spy)
     return count
@@ -151,9 +151,9 @@ def variants(monkeypatch):
     seen: dict[str, int] = {}
     static = decoding.FastDecoder._static_step
 
-    def spy(self, token, slot, variant="plain"):
+    def spy(self, token, slot, variant="plain", head=True):
         seen[variant] = seen.get(variant, 0) + 1
-        return static(self, token, slot, variant)
+        return static(self, token, slot, variant, head)
 
     monkeypatch.setattr(decoding.FastDecoder, "_static_step", spy)
     return seen

@@ -63,7 +63,7 @@ from torch.nn.utils import parametrize
 
 from attnlab import hardware
 from attnlab.attention import AttentionRecord, Linear, rows_receiver, wants_cache_copies
-from attnlab.checks import autocast_on
+from attnlab.checks import autocast_on, check_model_logits
 from attnlab.functional import causal_mask
 from attnlab.positions import apply_rope
 
@@ -332,6 +332,105 @@ def _packed_op() -> Any:
             op.register_fake(lambda x, weight, bias, gelu: x.new_empty((*x.shape[:-1], weight.shape[0])))
             _PACKED_OP = op
     return _PACKED_OP
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy decoding's head, screened in bfloat16
+# --------------------------------------------------------------------------------------------
+# A float32 head of a large vocabulary is a third of what a step reads (GPT-2-small: 154 of 495 MB).
+# Greedy decoding needs only its argmax: :class:`ScreenedHead` reads a bfloat16 copy (half the bytes) and
+# scores the best few exactly. Vocabularies smaller than this keep the plain head (the `tiny` preset's 256).
+SCREEN_MIN_VOCAB = 4096
+SCREEN_CANDIDATES = 16  # tokens per row scored exactly: enough that the gap to the 16th best covers the bound
+
+
+def screens(model: nn.Module, device: torch.device) -> bool:
+    """Whether greedy decoding of ``model`` on ``device`` may take its tokens from a :class:`ScreenedHead`:
+    a float32 head (no bias, no soft cap) of at least :data:`SCREEN_MIN_VOCAB` rows, on a CPU whose
+    bfloat16 matmuls are native (:func:`attnlab.hardware.bf16_native`; emulated, the screen would cost
+    more than the float32 head)."""
+    w = model.out_head.weight
+    return (
+        device.type == "cpu"
+        and w.dtype == torch.float32
+        and getattr(model.out_head, "bias", None) is None
+        and model.config.logit_softcap is None
+        and w.shape[0] >= SCREEN_MIN_VOCAB
+        and hardware.bf16_native(device)
+    )
+
+
+class ScreenedHead:
+    """The greedy token of a float32 head ``w (V, C)`` from a bfloat16 screen of every row and an exact
+    score of the best few: the argmax of ``h @ w.T`` without reading all of ``w`` in float32.
+
+    One step, for the final-normed ``h (B, C)``:
+
+    1. The screen ``s = bf16(h) @ bf16(w).T`` (float32 sums, a bfloat16 result), ``(B, V)``: half the bytes.
+    2. Its :data:`SCREEN_CANDIDATES` best ids per row; their logits ``h . w_j`` in float32 (the rows of
+       ``w`` gathered).
+    3. The best of those is the argmax if it beats every other token's logit for certain. Each logit is
+       within ``e`` of ``s_j + u |s_j|``: ``h . w_j - s_j`` is ``(h - bf16(h)) . w_j + bf16(h) . (w_j -
+       bf16(w_j))`` plus the screen's own sums and rounding, so ``e = |h - bf16(h)| . max_j |w_j|
+       + |bf16(h)| . max_j |w_j - bf16(w_j)| + C 2^-23 |bf16(h)| max_j |bf16(w_j)|`` (the maxima per
+       column, taken once), and ``u = 2^-8``, bfloat16's rounding. A token left out has ``s_j`` at most
+       the worst candidate's ``t``, so its logit is at most ``t + u |t| + e``, and a best candidate
+       above that wins. A row where it is not (or where anything is NaN) takes its logits in float32
+       from all of ``w``, as without the screen; NaN logits raise there as they would. (SmolLM2, 1,016
+       steps of random prompts: ``e`` about 1.3 where the screen's largest error was 0.13-0.27, and
+       3 rows in 1,000 not sure.)
+
+    Ties among the candidates go to the smallest id, as ``argmax`` does. The result is the argmax of
+    the float32 logits up to their own rounding: two tokens within a few float32 ulps of each other
+    may come out either way, as they may between any two float32 kernels.
+
+    The copy (``V x C`` bfloat16: half the head's bytes) is made by the decoder of each greedy generation
+    and freed with it, so an edit to the weight between generations is always seen.
+    """
+
+    def __init__(self, w: Tensor, rows: int) -> None:
+        w = w.detach()  # (V, C) float32
+        self.w = w
+        wb = w.to(torch.bfloat16)  # (V, C)
+        C = w.shape[1]
+        col = torch.zeros(C, dtype=w.dtype, device=w.device)  # (C,) max_j |w_jk|
+        err = torch.zeros_like(col)  # (C,) max_j |w_jk - bf16(w_jk)|
+        row_b = w.new_zeros(())  # max_j |bf16(w_j)|
+        for s in range(0, w.shape[0], 4096):  # by blocks of rows: never a second (V, C) float32 tensor
+            block, block_b = w[s : s + 4096], wb[s : s + 4096].float()
+            col = torch.maximum(col, block.abs().amax(0))
+            err = torch.maximum(err, (block - block_b).abs().amax(0))
+            row_b = torch.maximum(row_b, torch.linalg.vector_norm(block_b, dim=1).max())
+        self.col, self.err, self.sums = col, err, C * 2.0**-23 * row_b
+        self.screened = self.unsure = 0  # rows screened, and of them rows not sure (taken from all of w)
+        self.wb = pack_linear(wb, max(rows, 2)) if packs(wb, max(rows, 2)) else wb
+
+    def argmax(self, h: Tensor) -> Tensor:
+        """``h (B, C)`` float32 -> the greedy tokens ``(B,)``. Logits that hold NaN or +inf (where a row
+        could not be screened, its float32 logits are checked) raise ValueError, as
+        :func:`attnlab.checks.check_model_logits` does."""
+        hb = h.to(torch.bfloat16)  # (B, C)
+        if self.wb.layout == torch._mkldnn:
+            screen = torch.ops.mkldnn._linear_pointwise(hb, self.wb, None, "none", [], "")  # (B, V) bfloat16
+        else:
+            screen = F.linear(hb, self.wb)
+        top = torch.topk(screen, SCREEN_CANDIDATES, dim=-1, sorted=False)  # (B, n)
+        ids = top.indices.sort(dim=-1).values  # (B, n): ascending, so the first of equal maxima wins
+        exact = torch.bmm(self.w[ids], h.unsqueeze(-1)).squeeze(-1)  # (B, n, C) @ (B, C, 1) -> (B, n)
+        best = exact.max(dim=-1)  # (B,)
+        tokens = ids.gather(-1, best.indices.unsqueeze(-1)).squeeze(-1)  # (B,)
+        hbf = hb.float()
+        e = (h - hbf).abs() @ self.col + hbf.abs() @ self.err + torch.linalg.vector_norm(hbf, dim=-1) * self.sums
+        t = top.values.amin(dim=-1).float()  # (B,) the worst candidate's screen value
+        sure = best.values > t + 2.0**-8 * t.abs() + e * 1.001  # (B,); False where anything is NaN
+        self.screened += h.shape[0]
+        if bool(sure.all()):
+            return tokens
+        unsure = (~sure).nonzero().squeeze(1)  # (b,)
+        self.unsure += len(unsure)
+        logits = F.linear(h[unsure], self.w)  # (b, V): as without the screen
+        check_model_logits(logits)
+        return tokens.index_put_((unsure,), greedy_tokens(logits))
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,9 +731,20 @@ class FastDecoder:
             preallocated cache. The first step compiles (once per process and shape set).
         steps: how many steps the generation may run (None: unknown). The eager step of one row packs
             a large model's bfloat16 weights for oneDNN (see :func:`packs`) only if it runs enough of them.
+        tokens_only: the generation is greedy and wants each step's token, not its logits: where
+            :func:`screens` holds, :meth:`step_tokens` finds the argmax by a :class:`ScreenedHead`
+            (the float32 head is then neither packed nor read whole).
     """
 
-    def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False, steps: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        caches: list[Any],
+        *,
+        compile: bool = False,
+        steps: int | None = None,
+        tokens_only: bool = False,
+    ) -> None:
         self.model, self.caches, self.compile = model, caches, compile
         cfg = model.config
         self.cfg = cfg
@@ -650,6 +760,7 @@ class FastDecoder:
         head_w = model.out_head.weight  # (a float32 batch on an Intel CPU: MKL's matmuls, see _batch_products)
         mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
         self.batch = _batch_products(large, pack and compile, cpu, mkl)
+        self.screen = ScreenedHead(head_w, rows) if tokens_only and screens(model, caches[0].keys.device) else None
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
@@ -677,10 +788,11 @@ class FastDecoder:
         matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
         if pack and compile:  # registered while this decoder lives, for the operator its graph calls
             _packed_op()
-            weights = [self.head[2]] + [w[j] for w, *_ in self.layers for j in matrices]
+            weights = [w[j] for w, *_ in self.layers for j in matrices] + ([] if self.screen else [self.head[2]])
             weakref.finalize(self, _release_packs, _register_packs(weights, rows))
         elif pack:
-            self.head = (*self.head[:2], pack_linear(self.head[2], rows), self.head[3])
+            if self.screen is None:  # (screened, the float32 head is read only where a row cannot be)
+                self.head = (*self.head[:2], pack_linear(self.head[2], rows), self.head[3])
             for i, (w, *rest) in enumerate(self.layers):
                 w = tuple(pack_linear(t, rows) if j in matrices else t for j, t in enumerate(w))
                 self.layers[i] = (w, *rest)
@@ -777,14 +889,28 @@ class FastDecoder:
 
     def step(self, token: Tensor) -> Tensor:
         """Feed ``token (B,)`` (the newest token of each row) and return its logits ``(B, V)``."""
+        return self._step(token, True)
+
+    def step_tokens(self, token: Tensor) -> Tensor:
+        """Feed ``token (B,)`` and return the greedy next tokens ``(B,)``: the argmax of :meth:`step`'s
+        logits, checked as :func:`attnlab.checks.check_model_logits` checks them (ValueError), found by
+        the :class:`ScreenedHead` where the decoder has one (``tokens_only``)."""
+        if self.screen is None:
+            logits = self.step(token)  # (B, V)
+            check_model_logits(logits)
+            return greedy_tokens(logits)
+        return self.screen.argmax(self._step(token, False))  # (B, C) -> (B,)
+
+    def _step(self, token: Tensor, head: bool) -> Tensor:
+        """A step for ``token (B,)``: with ``head`` the logits ``(B, V)``, else the final norm's output ``(B, C)``."""
         model = self.model
         pos = self.caches[0].seen
         observers = [att.observer for att in self.atts]  # (called with the eager forward's records)
         if self.compile and all(pos < cache.max_length for cache in self.caches):
-            return self._compiled_step(token, pos, observers)
+            return self._compiled_step(token, pos, observers, head)
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
         x, rope = self._inputs(token, at)
-        nw, nb, head, cap = self.head
+        nw, nb, w_head, cap = self.head
         masks: dict = {}  # the step's observed masks, shared by its layers (see _observer)
         for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn, ring in zip(
             model.trf_blocks, self.caches, rope, self.layers, observers, self.rings, strict=True
@@ -796,7 +922,9 @@ class FastDecoder:
             observe = None if fn is None else self._observer(block.att, cache, at, has_positions, fn, masks)
             x = _layer(x, cos, sin, cache.keys, cache.values, slot, w, spec, False, observe, filled=min(pos + 1, M))
             cache.seen, cache.length = pos + 1, min(pos + 1, M)
-        return _head(x, nw, nb, head, self.norm, cap, False, False)  # (B, V)
+        if not head:
+            return _norm(x[:, -1], nw, nb, self.norm)  # (B, C)
+        return _head(x, nw, nb, w_head, self.norm, cap, False, False)  # (B, V)
 
     def room(self, steps: int) -> bool:
         """Whether each of the next ``steps`` steps has a free slot within every layer's window in every
@@ -867,17 +995,18 @@ class FastDecoder:
                 rope.append(ropes[local] if cfg.pos == "rope" else att.rope_cos_sin(at, dtype))
         return rope
 
-    def _compiled_step(self, token: Tensor, pos: int, observers: list) -> Tensor:
-        """The compiled step for ``token (B,)`` at position ``pos``: logits ``(B, V)``. With an observer
+    def _compiled_step(self, token: Tensor, pos: int, observers: list, head: bool = True) -> Tensor:
+        """The compiled step for ``token (B,)`` at position ``pos``: logits ``(B, V)`` (without ``head``: the
+        final norm's output ``(B, C)``). With an observer
         on any layer the observed variant runs, and each observer gets, after the calls, the record
         the eager forward would hand it (the weights cut to the filled slots). Observers that hand
         their weights to one callback (:func:`attnlab.attention.rows_receiver`) get no records: the
         rows variant hands it every layer's row at once, with layer 0's positions."""
         variant, rows_to = self._variant(observers)
-        if self.cuda_graph and variant == "plain":
+        if self.cuda_graph and variant == "plain" and head:
             logits, seen = self._replay(token, pos), []
         else:
-            logits, seen = self._static_step(token, torch.tensor(pos, device=token.device), variant)
+            logits, seen = self._static_step(token, torch.tensor(pos, device=token.device), variant, head)
         for cache in self.caches:
             cache.length = cache.seen = pos + 1
         if variant == "plain":
@@ -905,26 +1034,31 @@ class FastDecoder:
         rows_to = rows_receiver(observers) if self.even else None
         return ("observed" if rows_to is None else "rows"), rows_to
 
-    def _static_step(self, token: Tensor, slot: Tensor, variant: str = "plain") -> tuple[Tensor, Any]:
+    def _static_step(
+        self, token: Tensor, slot: Tensor, variant: str = "plain", head: bool = True
+    ) -> tuple[Tensor, Any]:
         """The compiled calls of a step: ``token (B,)`` at position ``slot`` (a 0-d int64 tensor on the
-        model's device) -> logits ``(B, V)`` and what the ``variant`` hands its observers: "observed",
+        model's device) -> logits ``(B, V)`` (without ``head``: the final norm's output ``(B, C)``, the
+        norm outside the graph) and what the ``variant`` hands its observers: "observed",
         each layer's ``(q, weights over all slots, head outputs)``; "rows", the weights of all layers
         ``(L, B, H, M)``. Tensor operations only, no host synchronisation: on CUDA the plain step is
         captured in a CUDA graph (:meth:`_replay`). The caches' lengths are the caller's to advance."""
         x, rope = self._inputs(token, slot.view(1, 1))
-        nw, nb, head, cap = self.head
+        nw, nb, w_head, cap = self.head
         fn = {"plain": self.layers_fn, "observed": self.observed_fn, "rows": self.rows_fn}[variant]
         one = len(self.groups) == 1  # then the head too in that call; else a call of its own
         seen: list = []
         for layers, *args in self.groups:
-            last = (nw, nb, head, self.norm, cap, self.batch) if one else None
+            last = (nw, nb, w_head, self.norm, cap, self.batch) if one and head else None
             x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
             if variant != "plain":
                 x, more = x
                 seen += [more] if variant == "rows" else more
         if variant == "rows":
             seen = seen[0] if one else torch.cat(seen)  # (L, B, H, M)
-        return (x if one else self.head_fn(x, nw, nb, head, self.norm, cap, self.batch, True)), seen  # (B, V)
+        if not head:
+            return _norm(x[:, -1], nw, nb, self.norm), seen  # (B, C)
+        return (x if one else self.head_fn(x, nw, nb, w_head, self.norm, cap, self.batch, True)), seen  # (B, V)
 
     def _replay(self, token: Tensor, pos: int) -> Tensor:
         """:meth:`_static_step` as one CUDA graph: captured at the first step (after warm-up calls that

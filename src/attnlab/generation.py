@@ -183,7 +183,12 @@ def next_tokens(
     checked (NaN or +inf: ValueError, one host sync), sampled, and a row already ``finished`` (it
     produced one of the ``stop`` ids) kept at the first stop id; ``finished (B,)`` is updated in place."""
     check_model_logits(logits)
-    nxt = sampling.sample(logits, generator)
+    return _stopping(sampling.sample(logits, generator), stop, finished)
+
+
+def _stopping(nxt: Tensor, stop: Tensor | None, finished: Tensor) -> Tensor:
+    """The next tokens ``nxt (B,)`` with each row already ``finished`` kept at the first ``stop`` id;
+    ``finished (B,)`` updated in place."""
     if stop is not None:
         nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos
         finished |= torch.isin(nxt, stop)
@@ -245,8 +250,13 @@ def _steps(
     fast: bool = True,
     compile: bool = False,
     seeded: tuple[list, Tensor] | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
+    want_logits: bool = True,
+) -> Iterator[tuple[Tensor, Tensor | None]]:
     """Yield ``(token (B,), logits (B, V))`` per step.
+
+    ``want_logits=False``: the caller does not use the logits, and greedy decoding's fast steps may then
+    yield ``None`` for them, their tokens found by a screen of the head
+    (:class:`attnlab.decoding.ScreenedHead`) instead of from all of its logits.
 
     ``seeded``: ``(caches, logits (B, V))``, KV caches already holding ``idx`` and the logits after its
     last token (a trace's, :func:`attnlab.interpret.trace_generation`): the prompt is not run again.
@@ -291,7 +301,8 @@ def _steps(
         m.training = False
     try:
         if fast and supported(model, caches, mask):
-            decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens)
+            tokens_only = sampling.greedy and not want_logits
+            decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens, tokens_only=tokens_only)
         chunk = decoder.chunk if decoder is not None and sampling.greedy else 1  # greedy steps to a call
         for step in range(max_new_tokens):
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
@@ -333,7 +344,10 @@ def _steps(
                         logits = model.decode_logits(out[:, s:e], m, caches, last_only=True)[:, -1]  # (B, V)
                 elif decoder is not None and cur > T and (relative or cur - start < C) and decoder.fits():
                     # Decode, the fast path: the newest token alone through every layer (same math).
-                    logits = decoder.step(out[:, cur - 1])  # (B, V)
+                    if tokens_only:  # greedy, the logits unused: the head may be screened
+                        nxt, logits = _stopping(decoder.step_tokens(out[:, cur - 1]), stop, finished), None
+                    else:
+                        logits = decoder.step(out[:, cur - 1])  # (B, V)
                 elif relative:
                     # Decode: the newest token alone; its key and value overwrite the oldest slot.
                     logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
@@ -396,8 +410,11 @@ def stream(
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
-    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
-    return steps if check_bool("with_logits", with_logits) else (tok for tok, _ in steps)
+    with_logits = check_bool("with_logits", with_logits)
+    steps = _steps(
+        model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, want_logits=with_logits
+    )
+    return steps if with_logits else (tok for tok, _ in steps)
 
 
 def generate(
@@ -471,7 +488,10 @@ def generate(
             return_logits=return_logits,
         )
         return (ids, logits) if return_logits else ids
-    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
+    return_logits = check_bool("return_logits", return_logits)
+    steps = _steps(
+        model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, want_logits=return_logits
+    )
     return _collect(steps, model, idx, return_logits)
 
 
