@@ -193,6 +193,49 @@ def test_export_loads_back_into_transformers(pair):
         assert torch.equal(hf.state_dict()[k], v), k
 
 
+def test_an_exact_gelu_gemma_exports_and_reads_back(tmp_path):
+    """Gemma's switches with the exact (erf) GELU: the export names it ``gelu_python`` (Gemma 1 reads
+    "gelu" as the tanh one), which transformers' GemmaForCausalLM runs as the erf GELU, and which the
+    reader takes back as ``activation="gelu"``. It used to be refused ("no name for the exact one")."""
+    import json
+
+    from safetensors.torch import load_file
+
+    sizes = {**COMMON, **CASES["gemma"][2]}
+    fields = families.config_fields(transformers.GemmaConfig(**sizes).to_dict())
+    torch.manual_seed(3)
+    ours = GPT(fields | dict(activation="gelu")).eval()
+    with torch.no_grad():  # larger than the init: the GELU's inputs reach where tanh and erf part
+        for p in ours.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    sd = families.to_hf_state_dict(ours, "gemma")
+    act = families._as_config_json(ours.config, "gemma")["hidden_act"]  # the activation the export's config says
+    hf = transformers.GemmaForCausalLM(transformers.GemmaConfig(**sizes, hidden_act=act)).eval()
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    x = torch.linspace(-4, 4, 101)
+    torch.testing.assert_close(hf.model.layers[0].mlp.act_fn(x), torch.nn.functional.gelu(x))  # erf, not tanh
+    idx = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = ours(idx), hf(idx).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    tanh = transformers.GemmaForCausalLM(transformers.GemmaConfig(**sizes)).eval()  # Gemma's default activation
+    tanh.load_state_dict(sd, strict=False)
+    with torch.no_grad():
+        assert (tanh(idx).logits - got).abs().max() > 1e-3  # the comparison tells the two GELUs apart
+
+    hf.save_pretrained(tmp_path)  # round trip: the directory's config.json and weights back into attnlab
+    config_json = json.loads((tmp_path / "config.json").read_text())
+    assert config_json["hidden_act"] == act
+    for back in (
+        GPT.from_hf(transformers.GemmaForCausalLM.from_pretrained(tmp_path)),
+        GPT.from_hf(load_file(tmp_path / "model.safetensors"), hf_config=config_json),
+    ):
+        assert back.config == ours.config
+        with torch.no_grad():
+            torch.testing.assert_close(back(idx), got, atol=1e-5, rtol=1e-5)
+
+
 def word_tokenizer(directory, vocab_size: int) -> None:
     """A word-level tokenizer.json of ``vocab_size`` ids (w0, w1, ...), split on spaces."""
     tokenizers = pytest.importorskip("tokenizers")

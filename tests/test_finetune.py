@@ -257,7 +257,24 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-STOPS = [10, 33, 46]  # the base instruct model's stop ids ("\n", the tiny model's greedy answer, among them)
+QUESTION, N_NEW = "Hi", 8  # (the rendered prompt and the answer fit the 64-token window)
+
+
+def varied_instruct_base() -> tuple[GPT, list[int]]:
+    """A base "instruct" model whose greedy answer to QUESTION is varied, and stop ids it meets only after
+    a few tokens. (llama_like's small tied init only repeats the prompt's last token, "\n": with "\n" a
+    stop id the answer was empty, and the comparisons below compared empty strings.)"""
+    model = llama_like()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights far larger than the init: peaked distributions, which two steps of
+        for name, p in model.named_parameters():  # fine-tuning leave with the same greedy tokens
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g))
+    prompt = ByteTokenizer().encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")  # CHATML's
+    free = model.generate(torch.tensor([prompt]), N_NEW, temperature=0)[0, len(prompt) :].tolist()
+    new = [i for i, t in enumerate(free) if t not in free[:i] and t != 10 and i >= 3]  # first seen at token 3+
+    assert new, free
+    return model, [10, free[new[-1]], free[new[0]]]  # "\n" stays a stop id; the answer stops at token new[0]
 
 
 @pytest.mark.parametrize("data", ["text", "chat"])
@@ -271,11 +288,12 @@ def test_a_model_fine_tuned_from_an_instruct_model_chats_from_its_checkpoint(tmp
     from attnlab.tools.chat import ChatSession, prompt_ids
 
     base = tmp_path / "base"
-    llama_like().save(base / "model")
+    model, stops = varied_instruct_base()
+    model.save(base / "model")
     (base / "model" / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
-    chat = {"chat_template": {"source": CHATML, "bos_token": "", "eos_token": ""}, "stop_ids": STOPS}
+    chat = {"chat_template": {"source": CHATML, "bos_token": "", "eos_token": ""}, "stop_ids": stops}
     (base / "model" / "chat.json").write_text(json.dumps(chat))  # as --merge writes it
-    assert load_model(base / "model").stop_ids == tuple(STOPS)
+    assert load_model(base / "model").stop_ids == tuple(stops)
     (base / "text.txt").write_text(TEXT)
     extra = (
         []
@@ -284,18 +302,19 @@ def test_a_model_fine_tuned_from_an_instruct_model_chats_from_its_checkpoint(tmp
     )
     out, merged = tmp_path / "run", tmp_path / "merged"
     assert train(base, out, "--max-steps", "2", "--context-length", "64", "--merge", str(merged), *extra) == 0
-    assert load_checkpoint(out).metadata["stop_ids"] == STOPS
-    question, n = "Hi", 8  # (the rendered prompt and the answer fit the 64-token window)
+    assert load_checkpoint(out).metadata["stop_ids"] == stops
+    question, n = QUESTION, N_NEW
     loaded = load_model(out)
-    assert loaded.chat_template.source == CHATML and loaded.stop_ids == tuple(STOPS)
+    assert loaded.chat_template.source == CHATML and loaded.stop_ids == tuple(stops)
     answer = ChatSession(loaded, sampling=SamplingConfig(temperature=0.0), max_new_tokens=n).ask(question)
     text = "".join(answer)
     # The reference: the rendered template continued greedily, cut at the first stop id.
     idx = torch.tensor([prompt_ids(loaded, [{"role": "user", "content": question}])])
     raw = [int(t[0]) for t in loaded.model.stream(idx, n, temperature=0.0)]
-    assert any(t in STOPS for t in raw), raw  # the answer does stop at a stop id
-    cut = raw[: next(i for i, t in enumerate(raw) if t in STOPS)]
-    assert text == loaded.tokenizer.decode(cut)
+    assert any(t in stops for t in raw), raw  # the answer does stop at a stop id
+    cut = raw[: next(i for i, t in enumerate(raw) if t in stops)]
+    assert len(cut) >= 3 and answer.ids == cut, (raw, stops)  # a few tokens: the comparisons below mean something
+    assert text == loaded.tokenizer.decode(cut) and text.strip("\n")
     gen = ["--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"]
     for d in (out, merged):
         monkeypatch.setattr(sys, "stdin", io.StringIO(question + "\n"))

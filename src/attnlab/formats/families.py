@@ -114,7 +114,16 @@ class Family:
 # --------------------------------------------------------------------------------------------
 # config.json -> GPTConfig fields
 # --------------------------------------------------------------------------------------------
-_GELUS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+# transformers' ACT2FN names -> GPTConfig.activation. "gelu_python" is ACT2FN's other exact (erf) GELU:
+# the one name of it a Gemma 1 config can hold, since Gemma 1 reads "gelu" as the tanh approximation.
+_GELUS = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
 
 
 def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None, float]:
@@ -539,7 +548,10 @@ def _as_config_json(cfg: Any, model_type: str) -> dict[str, Any]:
         sliding = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.n_layers)]
     act = "silu" if cfg.mlp == "swiglu" else _GELU_NAMES.get(cfg.activation, cfg.activation)
     if model_type == "gemma" and act == "gelu":
-        act = "exact gelu"  # Gemma 1's configs read "gelu" as the tanh one: no name for the exact one
+        # Gemma 1 reads "gelu" as the tanh approximation (GemmaConfig rewrites it, and so does _gemma);
+        # GemmaMLP runs ACT2FN[hidden_act] (hidden_activation before transformers 5), where
+        # "gelu_python" is the exact erf GELU.
+        act = "gelu_python"
     theta = cfg.rope_theta
     return dict(
         model_type=model_type,
@@ -611,12 +623,14 @@ def _check_family(model: GPT, model_type: str) -> None:
         )
         want["activation"] = have["activation"] if want["mlp"] == have["mlp"] else want["activation"]
     diff = [k for k in _SWITCHES if _differs(have[k], want[k])]
-    if diff or why:
+    if diff:
         needs = ", ".join(f"{k}={want[k]!r}" for k in diff)
         has = ", ".join(f"{k}={have[k]!r}" for k in diff)
         raise ValueError(
             f"model_type={model_type!r} needs {needs}{why}; this model has {has}: export it under its own family"
         )
+    if why:  # the reader refused the probe on a setting that is not a switch of its own: say only why
+        raise ValueError(f"model_type={model_type!r} cannot hold this model{why}: export it under its own family")
 
 
 def to_hf_state_dict(model: GPT, model_type: str) -> dict[str, Tensor]:
