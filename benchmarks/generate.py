@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--time",
-        default="eager,fast,compiled,transformers",
-        help="--model: the rows timed (the others still run once: their tokens are checked)",
+        default="eager,fast,compiled,transformers,whole",
+        help="--model: the rows timed (the others still run once: their tokens are checked); whole: the fast and "
+        "compiled rows again with the whole float32 head (no screen), where the screen applies",
     )
     ap.add_argument(
         "--speculative",
@@ -439,6 +440,16 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     def attnlab(**kw):
         return lambda: ours.generate(prompt, new, temperature=0, **kw)
 
+    def whole_head(fn):  # the same generation without the screened head (decoding.screens says no)
+        def run():
+            screens, decoding.screens = decoding.screens, lambda *_: False
+            try:
+                return fn()
+            finally:
+                decoding.screens = screens
+
+        return run
+
     rows = {"attnlab eager forward": attnlab(fast=False), "attnlab fast path": attnlab()}
     compile_s = None
     if not args.no_compile:
@@ -446,6 +457,12 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         attnlab(compile=True)()  # compiles (once per process and shape)
         compile_s = time.perf_counter() - t0
         rows["attnlab compiled step"] = attnlab(compile=True)
+    screened = decoding.screens(ours, device)
+    if screened:  # the rows above again, reading the whole float32 head: what the screen gains
+        rows["attnlab fast, whole head"] = whole_head(attnlab())
+        if not args.no_compile:
+            whole_head(attnlab(compile=True))()  # (the graph with the head inside: compiled apart)
+            rows["attnlab compiled, whole head"] = whole_head(attnlab(compile=True))
     if hf is not None:
 
         def gen_hf():
@@ -455,7 +472,13 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
                                    eos_token_id=None)  # fmt: skip
 
         rows["transformers generate"] = gen_hf
-    outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
+    heads: list = []  # the screened heads the warm-up's generations made (how many rows each could not screen)
+    make_head = decoding.ScreenedHead.__init__
+    decoding.ScreenedHead.__init__ = lambda self, *a: make_head(self, *a) or heads.append(self)
+    try:
+        outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
+    finally:
+        decoding.ScreenedHead.__init__ = make_head
     ref = outs["attnlab eager forward"]
     same = {name: bool(torch.equal(o.cpu(), ref.cpu())) for name, o in outs.items()}
     departs = departures(ours, prompt, new, ref, {name: o for name, o in outs.items() if not same[name]})
@@ -465,7 +488,8 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
             path = Path(args.profile) / f"{args.model}_{str(dtype).removeprefix('torch.')}_{slug}.txt"
             profile_table(rows[name], path, f"{label}, {dtype!s}: {name}, {args.prompt} + {new} tokens")
     keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
-            "transformers generate": "transformers"}  # fmt: skip
+            "transformers generate": "transformers", "attnlab fast, whole head": "whole",
+            "attnlab compiled, whole head": "whole"}  # fmt: skip
     timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
     if args.floor and args.batch > 1:
         prefill, step = floor_parts(ours, prompt)
@@ -504,6 +528,14 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     )
     if compile_s is not None:
         print(f"  the compiled step's first call (compiling) took {compile_s:.1f} s")
+    if screened:
+        rows_screened, unsure = sum(h.screened for h in heads), sum(h.unsure for h in heads)
+        print(
+            f"  greedy tokens through the screened head (a bfloat16 copy of the head, "
+            f"{ours.out_head.weight.numel() * 2 / 1e6:.0f} MB, the best {decoding.SCREEN_CANDIDATES} scored exactly): "
+            f"{unsure} of {rows_screened} rows not sure, taken from the whole float32 head; the bound counts the "
+            "float32 head's bytes"
+        )
     hf_tps = tps.get("transformers generate")
     for name, value in tps.items():
         vs_hf = f"{value / hf_tps:5.2f}x transformers" if hf_tps else ""
@@ -524,7 +556,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
               "nothing else)")  # fmt: skip
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "read_gb_s_fastest": fastest,
             "weight_bytes": nbytes, "bound_steps_per_s": bound, "compile_s": compile_s, "fused_bytes": fused,
-            "floor_tokens_per_s": floor_tps, "load_average": os.getloadavg()[0]}  # fmt: skip
+            "floor_tokens_per_s": floor_tps, "load_average": os.getloadavg()[0], "screened_head": screened}  # fmt: skip
 
 
 def departures(model: GPT, prompt: torch.Tensor, new: int, ref: torch.Tensor, others: dict) -> dict[str, str]:
