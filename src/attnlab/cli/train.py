@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="start from a pretrained model instead of random weights: a Hugging Face directory or name, a GGUF "
         f"file or an attnlab checkpoint; it brings its tokenizer, trains on --context-length windows (default "
-        f"{FINETUNE_CONTEXT}) with AdamW at lr {FINETUNE_LR:g} (LoRA: {LORA_LR:g}). --data FILE.jsonl of "
+        f"{FINETUNE_CONTEXT}, shorter where the text's splits are) with AdamW at lr {FINETUNE_LR:g} "
+        f"(LoRA: {LORA_LR:g}). --data FILE.jsonl of "
         '{"messages": [...]} lines fine-tunes on chats (loss on the assistant\'s tokens only)',
     )
     g.add_argument(
