@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from attnlab.files import safe_write
+from attnlab.model import GPTConfig
 from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.chat_data import template_from_hf_dir
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, has_checkpoint
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--preset",
         metavar="NAME",
-        help=f"model size: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl (default: {_D.preset})",
+        help=f"model size: {', '.join(GPTConfig.presets())} (default: {_D.preset})",
     )
     g.add_argument(
         "--context-length",
