@@ -96,6 +96,17 @@ def test_markers_become_attnlab_output():
         hooks.render_markers("<!-- cli-help: nope -->")
 
 
+def test_the_command_line_page_has_every_commands_help():
+    """docs/cli.md, where README and the index send readers for `attnlab --help`: a section with the
+    generated help of each subcommand (eval, chat and patch were once missing)."""
+    from attnlab.cli import COMMANDS
+
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    assert sorted(re.findall(r"^<!-- cli-help: ([\w-]+) -->$", text, re.M)) == sorted(COMMANDS)
+    for name in COMMANDS:
+        assert f"## attnlab {name}\n" in text, name
+
+
 def _indented_lesson(name: str) -> str:
     import io
 
