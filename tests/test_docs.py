@@ -107,6 +107,14 @@ def test_the_command_line_page_has_every_commands_help():
         assert f"## attnlab {name}\n" in text, name
 
 
+def test_the_serve_api_list_names_every_endpoint():
+    """docs/inspect.md lists the JSON API of attnlab serve: every /api/ route of the app (/api/chat and
+    /api/demo were once missing)."""
+    routes = set(re.findall(r'"(/api/\w+)"', (ROOT / "src/attnlab/tools/serve/app.py").read_text(encoding="utf-8")))
+    text = (DOCS / "inspect.md").read_text(encoding="utf-8")
+    assert len(routes) >= 10 and all(f"{route}`" in text for route in routes), sorted(routes)
+
+
 def _indented_lesson(name: str) -> str:
     import io
 
