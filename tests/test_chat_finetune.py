@@ -166,6 +166,28 @@ def test_chat_training_on_the_example_data(tmp_path) -> None:
         resumed.close()
 
 
+def test_without_context_length_a_short_chat_file_trains_on_windows_that_fit(tmp_path, capsys) -> None:
+    """docs/training.md's command on a small file: the default windows (256 tokens) are longer than
+    the validation split, so the run trains on the longest power of two that fits and says so; a
+    --context-length the user gave is kept, and refused with the one-line error."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(10)))
+    base = tmp_path / "base"
+    GPT(GPTConfig(vocab_size=256, context_length=512, emb_dim=16, n_heads=2, n_layers=1, pos="rope")).save(base)
+    (base / "tokenizer.json").write_text(json.dumps(ByteTokenizer().to_dict()))
+    (base / "chat_template.jinja").write_text(CHATML)
+    common = ["train", "--init-from", str(base), "--data", str(data), "--max-steps", "1", "--batch-size", "2",
+              "--sample-tokens", "0", "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "note: the validation split has" in err and "training on windows of 128 tokens" in err, err
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "checkpoint.json").read_text())
+    assert meta["train_config"]["context_length"] == 128
+    assert main([*common, "--out", str(tmp_path / "given"), "--context-length", "256"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--context-length" in err and "fewer than context length + 1 = 257" in err, err
+
+
 def _chat_trainer(tmp_path: Path, model: GPT, name: str, **kw) -> Trainer:
     init = SimpleNamespace(model=model, tokenizer=ByteTokenizer(), chat_template=ChatTemplate(CHATML))
     cfg = TrainConfig(init_from="tiny-chat", data=str(EXAMPLE), out=str(tmp_path / name), max_steps=2,

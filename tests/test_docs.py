@@ -96,6 +96,25 @@ def test_markers_become_attnlab_output():
         hooks.render_markers("<!-- cli-help: nope -->")
 
 
+def test_the_command_line_page_has_every_commands_help():
+    """docs/cli.md, where README and the index send readers for `attnlab --help`: a section with the
+    generated help of each subcommand (eval, chat and patch were once missing)."""
+    from attnlab.cli import COMMANDS
+
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    assert sorted(re.findall(r"^<!-- cli-help: ([\w-]+) -->$", text, re.M)) == sorted(COMMANDS)
+    for name in COMMANDS:
+        assert f"## attnlab {name}\n" in text, name
+
+
+def test_the_serve_api_list_names_every_endpoint():
+    """docs/inspect.md lists the JSON API of attnlab serve: every /api/ route of the app (/api/chat and
+    /api/demo were once missing)."""
+    routes = set(re.findall(r'"(/api/\w+)"', (ROOT / "src/attnlab/tools/serve/app.py").read_text(encoding="utf-8")))
+    text = (DOCS / "inspect.md").read_text(encoding="utf-8")
+    assert len(routes) >= 10 and all(f"{route}`" in text for route in routes), sorted(routes)
+
+
 def _indented_lesson(name: str) -> str:
     import io
 

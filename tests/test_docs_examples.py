@@ -1,6 +1,6 @@
 """The guide's Python examples run as written, and the tour of SmolLM2 is computed, never pasted.
 
-Every ```python block of a guide page (docs/*.md) runs, in the page's order and in one namespace
+Every ```python block of a guide page (docs/*.md and docs/tutorials/*.md) runs, in the page's order and in one namespace
 per page (a page may define ``model`` in one block and use it in the next), in a temporary working
 directory. A block that cannot run here is marked on the line before it with
 ``<!-- not-run: why -->``; such blocks are few, and each says why.
@@ -21,7 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-GUIDE_PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+# The guide's pages and the tutorials' (docs/tutorials/), as paths under docs/
+GUIDE_PAGES = sorted(p.relative_to(DOCS).as_posix() for p in [*DOCS.glob("*.md"), *DOCS.glob("tutorials/*.md")])
 BLOCK = re.compile(r"^(?:<!-- not-run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<code>.*?)^```[ ]*$", re.M | re.S)
 MAX_NOT_RUN = 3  # across the guide: a guide whose examples mostly do not run is not tested
 

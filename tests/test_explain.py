@@ -428,6 +428,23 @@ def test_cli_unknown_lesson_among_good_ones_prints_nothing(capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("missing", "no such directory"), ("file", "not a directory"), ("empty", "no encoder.json or vocab.bpe")],
+)
+def test_cli_a_wrong_bpe_dir_is_one_line(tmp_path, capsys, where, message):
+    """A --bpe-dir that is not GPT-2's files is a mistake to fix (exit 2), as in attnlab train; the
+    lessons fall back to bytes only when no directory was given (once they did for any)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for argv in (["--tutorial", "review"], ["--lesson", "review-loader"]):
+        assert cli.main(["explain", *argv, "--bpe-dir", str(tmp_path / where)]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and f"--bpe-dir {tmp_path / where}: {message}" in err[0], err
+        assert captured.out == ""
+
+
 def test_cli_repeated_and_comma_lessons(capsys):
     assert cli.main(["explain", "--lesson", "batched-matmul", "--lesson", "normalise,context"]) == 0
     out = capsys.readouterr().out

@@ -348,3 +348,86 @@ def test_serve_on_smollm2(smollm2):
         assert r.status_code == 200, r.text
         top = r.json()
     assert smollm2.tokenizer.decode([top["ids"][0]]) == " Mary" and top["probs"][0] > 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# A GGUF file, or a missing local path, is never taken for a Hub repository id
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_hub(monkeypatch):
+    """The Hub, replaced: the names that reach it are recorded, and it has nothing."""
+    from attnlab.formats import hf
+
+    asked = []
+
+    def download(repo_id, filename, *args, **kwargs):
+        asked.append(repo_id)
+        raise FileNotFoundError(f"the Hub has no {repo_id}")
+
+    monkeypatch.setattr(hf, "_download", download)
+    return asked
+
+
+def test_from_pretrained_reads_a_gguf_file(tmp_path, no_hub):
+    """docs/models.md: GPT.from_pretrained takes the names load_pretrained takes, a GGUF file included."""
+    path = write_gguf(tmp_path / "tiny.gguf")
+    model = GPT.from_pretrained(str(path))
+    idx = torch.tensor([[1, 5, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), GPT.from_gguf(path)(idx), rtol=0, atol=0)
+    for name in (str(tmp_path / "missing.gguf"), str(tmp_path / "no" / "dir"), "./nowhere"):
+        with pytest.raises(FileNotFoundError, match="no such file") as exc:
+            GPT.from_pretrained(name)
+        assert "Hub or its local cache" not in str(exc.value)
+    assert no_hub == []
+
+
+@pytest.mark.parametrize("name", ["{tmp}/no/such/dir", "{tmp}/missing.gguf", "./nowhere"])
+@pytest.mark.parametrize("command", ["info", "generate"])
+def test_a_missing_local_model_is_one_line_and_never_asked_of_the_hub(tmp_path, no_hub, capsys, name, command):
+    from attnlab.cli import main
+
+    name = name.format(tmp=tmp_path)
+    argv = ["info", "--kv-memory", "--model", name] if command == "info" else ["generate", "--model", name]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--model {name}" in err and "no such" in err and "internet" not in err, err
+    assert no_hub == []
+
+
+def test_a_hub_id_still_goes_to_the_hub(tmp_path, no_hub, capsys, monkeypatch):
+    """owner/name is a repository id, not a missing directory (generate once refused it as one)."""
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "HuggingFaceTB/SmolLM2-135M", "--prompt", "a"]) == 2
+    assert main(["info", "--kv-memory", "--model", "HuggingFaceTB/SmolLM2-135M"]) == 2
+    assert no_hub == ["HuggingFaceTB/SmolLM2-135M"] * 2
+    assert "no such" not in capsys.readouterr().err
+
+
+def test_info_kv_memory_reads_a_gguf_files_metadata(tmp_path, no_hub, capsys):
+    from attnlab.cli import main
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    cfg = GPT.from_gguf(path).config
+    assert main(["info", "--kv-memory", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{cfg.n_layers} layers, {cfg.n_heads} heads of {cfg.emb_dim // cfg.n_heads}" in out
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["info", "--kv-memory", "--model", str(tmp_path / "notes.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a GGUF file" in err
+    assert no_hub == []
+
+
+def test_info_kv_memory_on_smollm2(smollm2_gguf, no_hub, capsys):
+    """README's $SMOL with attnlab info --kv-memory: SmolLM2's 30 layers and its 3 key/value heads."""
+    from attnlab.cli import main
+
+    assert main(["info", "--kv-memory", "--model", str(smollm2_gguf)]) == 0
+    out = capsys.readouterr().out
+    assert "30 layers, 9 heads of 64" in out
+    gqa = next(line for line in out.splitlines() if line.startswith("GQA ("))
+    assert gqa.split()[4:6] == ["3", "8,192"]  # 3 key/value heads, 8,192 positions
+    assert no_hub == []

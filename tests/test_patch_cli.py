@@ -65,6 +65,9 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
         (["--answers", "ab", "c"], "'ab' is 2 tokens"),
         (["--out", "x.jpg"], "--out must end in .html or .png"),
         (["--top", "0"], "--top must be >= 1"),
+        (["--clean", "", "--corrupted", ""], "--clean encodes to no tokens"),  # once a traceback
+        (["--corrupted", ""], "--corrupted encodes to no tokens"),
+        (["--clean", "abc" * 6, "--corrupted", "abd" * 6], "--clean is 18 tokens long, more than the model's"),
     ],
 )
 def test_bad_input_is_one_line(checkpoint, extra, message, capsys):

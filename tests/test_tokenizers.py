@@ -209,6 +209,8 @@ def test_gpt2_offline_without_files_is_one_clear_sentence(monkeypatch):
     msg = str(exc)
     assert "\n" not in msg and "--bpe-dir" in msg and "encoder.json" in msg and "vocab.bpe" in msg
     assert "Max retries" not in msg  # no network details dumped on the user
+    # The Python advice is one that works: create_dataloader takes a tokenizer, not bpe_dir=
+    assert "tokenizer=get_tokenizer('gpt2', bpe_dir=DIR)" in msg and "bpe_dir= in Python" not in msg
     assert exc.__cause__ is None and exc.__suppress_context__  # no chained network traceback
 
 

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from attnlab.cli import main
+from attnlab.model import GPTConfig
 from attnlab.training import TrainConfig, Trainer, lr_at
 from attnlab.training.checkpoint import load_checkpoint
 from attnlab.training.distributed import rank_seed
@@ -101,6 +103,16 @@ def test_help_explains_every_flag(capsys) -> None:
     ):  # fmt: skip
         assert flag in text, flag
     assert "global" in text and "130" in text  # the batch-size convention and the exit codes
+    presets = re.search(r"--preset NAME\s+model size: (.*?) \(default", text, re.S).group(1)
+    assert re.sub(r"\s+", " ", presets).strip().split(", ") == GPTConfig.presets()  # every preset train accepts
+
+
+def test_eval_help_names_what_model_reads(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--help"])
+    assert exc.value.code == 0
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    assert "a GGUF file" in text and "gemma3" in text  # README's eval --model SmolLM2-...gguf
 
 
 # ---------------------------------------------------------------------------------------------

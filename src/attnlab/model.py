@@ -1195,8 +1195,10 @@ class GPT(nn.Module):
                 repository id (a GPT-2, e.g. ``distilgpt2``, or a Llama-family model, e.g.
                 ``meta-llama/Llama-3.2-1B``), or a local directory with ``config.json`` and safetensors
                 weights (``model.safetensors``, or shards listed in ``model.safetensors.index.json``:
-                what ``save_pretrained`` writes). The GPT-2 names above always mean the published
-                models; to load a local directory with one of those names, pass a path such as ``./gpt2``.
+                what ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`, in ``dtype``
+                or float32). The GPT-2 names above always mean the published models; to load a local
+                directory with one of those names, pass a path such as ``./gpt2``. A local path is never
+                sent to the Hub: a missing one is a ``FileNotFoundError`` saying so.
             cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
                 or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
             device, dtype: where to put the model (default: the weights' own dtype, often bfloat16
@@ -1207,6 +1209,12 @@ class GPT(nn.Module):
         The tokenizer of a Llama-family model is its ``tokenizer.json``
         (:class:`attnlab.tokenizers.HFTokenizer`).
         """
+        from attnlab.formats.gguf import is_gguf
+
+        if isinstance(name, str) and name.lower() not in hf.PRETRAINED and is_gguf(name):
+            if not Path(name).expanduser().is_file():
+                raise FileNotFoundError(f"{name}: no such file (a GGUF file)")
+            return cls.from_gguf(name, dtype=dtype or torch.float32, device=device)
         hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
         model_type = hf_config.get("model_type", "gpt2")
         if model_type in families.MODEL_TYPES:

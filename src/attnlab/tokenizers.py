@@ -403,7 +403,8 @@ class GPT2Tokenizer(Tokenizer):
             except Exception as exc:  # requests/urllib/ssl errors: network-specific types vary
                 raise TokenizerLoadError(
                     f"could not download the GPT-2 BPE files (offline? {type(exc).__name__}); "
-                    f"pass --bpe-dir DIR (bpe_dir= in Python) or set {GPT2_BPE_ENV}=DIR, "
+                    f"pass --bpe-dir DIR (in Python: tokenizer=get_tokenizer('gpt2', bpe_dir=DIR)) or set "
+                    f"{GPT2_BPE_ENV}=DIR, "
                     "where DIR contains GPT-2's encoder.json and vocab.bpe"
                 ) from None
             # tiktoken verified the downloaded files against these hashes.

@@ -3,7 +3,7 @@
 Examples::
 
     attnlab eval --model ./SmolLM2-135M --data ../shared/data/the-verdict.txt
-    attnlab eval --checkpoint runs/attnlab --data input.txt --context-length 256 --stride 128
+    attnlab eval --checkpoint runs/attnlab --data input.txt --stride 32
 
 The text is scored in windows of ``--context-length`` tokens every ``--stride`` tokens (see
 :mod:`attnlab.training.eval`); every token but the first is scored once, so the figures are those of
@@ -18,6 +18,7 @@ import json
 import sys
 
 from attnlab.checks import resolve_device
+from attnlab.cli.options import MODEL_SOURCES
 from attnlab.data import load_text
 from attnlab.tokenizers import HFTokenizer
 from attnlab.tools.loading import load
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--model",
         metavar="NAME",
-        help="a published model: gpt2 (...), a Hugging Face repository or a local Hugging Face directory",
+        help=f"a published model: {MODEL_SOURCES}",
     )
     parser.add_argument("--data", metavar="PATH", required=True, help="UTF-8 text file to score")
     parser.add_argument(

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 from attnlab.tools.explain import (
     LESSONS,
@@ -89,12 +90,28 @@ def _list(tutorial: str | None) -> None:
         _print_lessons(entries, "  ")
 
 
+def _check_bpe_dir(bpe_dir: str) -> None:
+    d = Path(bpe_dir).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(
+            f"--bpe-dir {bpe_dir}: {'not a directory' if d.exists() else 'no such directory'}; "
+            "expected a directory with GPT-2's encoder.json and vocab.bpe"
+        )
+    missing = [f for f in ("encoder.json", "vocab.bpe") if not (d / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"--bpe-dir {bpe_dir}: no {' or '.join(missing)} in it; expected GPT-2's encoder.json and vocab.bpe"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``attnlab explain``: the chosen lessons (default all, in order), a tutorial, or ``--list``."""
     tutorial = getattr(args, "tutorial", None)
     bpe_dir = getattr(args, "bpe_dir", None)
     if tutorial is not None:
         check_tutorial_name(tutorial)  # a bad name is one line on stderr, before anything prints
+    if bpe_dir is not None:  # a wrong directory is a mistake to fix, not a reason to fall back to bytes
+        _check_bpe_dir(bpe_dir)
     if getattr(args, "list", False):
         _list(tutorial)
         return 0

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--model",
         metavar="PATH_OR_REPO",
-        help="a model directory (attnlab's or Hugging Face's config.json, a training run) or a Hub repository",
+        help="a GGUF file, a model directory (attnlab's or Hugging Face's config.json, a training run) or a Hub "
+        "repository",
     )
     g.add_argument("--context", type=_positive, metavar="N", help="tokens per sequence (default: the context length)")
     g.add_argument("--batch", type=_positive, default=1, metavar="B", help="sequences (default 1)")

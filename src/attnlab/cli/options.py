@@ -34,7 +34,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
         "--checkpoint",
         metavar="DIR",
         help="an attnlab model: a directory written by `attnlab train --out` (or one of its step directories), "
-        "or by GPT.save() with a tokenizer.json",
+        'or by GPT.save() plus a tokenizer.json (the tokenizer\'s to_dict() as JSON, e.g. {"name": "byte"})',
     )
     source.add_argument(
         "--model",

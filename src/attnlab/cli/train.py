@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from attnlab.files import safe_write
+from attnlab.model import GPTConfig
 from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.chat_data import template_from_hf_dir
 from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, has_checkpoint
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--preset",
         metavar="NAME",
-        help=f"model size: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl (default: {_D.preset})",
+        help=f"model size: {', '.join(GPTConfig.presets())} (default: {_D.preset})",
     )
     g.add_argument(
         "--context-length",
@@ -84,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="start from a pretrained model instead of random weights: a Hugging Face directory or name, a GGUF "
         f"file or an attnlab checkpoint; it brings its tokenizer, trains on --context-length windows (default "
-        f"{FINETUNE_CONTEXT}) with AdamW at lr {FINETUNE_LR:g} (LoRA: {LORA_LR:g}). --data FILE.jsonl of "
+        f"{FINETUNE_CONTEXT}, shorter where the text's splits are) with AdamW at lr {FINETUNE_LR:g} "
+        f"(LoRA: {LORA_LR:g}). --data FILE.jsonl of "
         '{"messages": [...]} lines fine-tunes on chats (loss on the assistant\'s tokens only)',
     )
     g.add_argument(

@@ -74,6 +74,7 @@ __all__ = [
     "GGUFModel",
     "is_gguf",
     "read_gguf",
+    "read_gguf_config",
     "read_gguf_metadata",
 ]
 
@@ -524,7 +525,21 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         raise ValueError(f"{p}: {e}") from None
 
 
-def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
+def read_gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict the GGUF file ``path`` amounts to, from its metadata
+    alone (no tensor is read). Raises as :func:`read_gguf` does."""
+    p = Path(path).expanduser()
+    reader = open_gguf(p)
+    try:
+        return _architecture(reader)[3]
+    except ValueError as e:
+        if str(e).startswith(str(p)):
+            raise
+        raise ValueError(f"{p}: {e}") from None
+
+
+def _architecture(reader: Any) -> tuple[dict[str, Any], str, Architecture, dict[str, Any]]:
+    """``(metadata, llama.cpp's architecture name, its Architecture, the config.json dict)``."""
     meta = read_gguf_metadata(reader)
     name = meta.get("general.architecture")
     if not isinstance(name, str):
@@ -534,7 +549,11 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
         raise ValueError(
             f"GGUF architecture {name!r} is not supported yet (attnlab reads {', '.join(SUPPORTED)} from GGUF files)"
         )
-    cfg = _config(name, arch, meta, reader)
+    return meta, name, arch, _config(name, arch, meta, reader)
+
+
+def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
+    meta, name, arch, cfg = _architecture(reader)
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
     for t in reader.tensors:

@@ -46,6 +46,7 @@ __all__ = [
     "gpt2_config_fields",
     "gpt2_to_attnlab",
     "import_transformers",
+    "is_local_path",
     "read_pretrained",
     "read_pretrained_config",
     "read_pretrained_file",
@@ -419,6 +420,9 @@ def read_pretrained_config(
 ) -> dict[str, Any]:
     """The ``config.json`` of ``name`` (a local directory, a known GPT-2 name or a Hub repository), as a dict."""
     local = _local_dir(name)
+    if local is None and is_local_path(name):  # a path, not a Hub id: never sent to the Hub
+        what = "a file, not a model directory" if Path(name).expanduser().exists() else "no such file or directory"
+        raise FileNotFoundError(f"{name}: {what} (a Hugging Face model directory, or a Hub id such as owner/name)")
     path = local / "config.json" if local is not None else _download(_repo(name), "config.json", cache_dir, revision)
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs config.json and safetensors weights")
@@ -487,6 +491,26 @@ def read_pretrained_file(
         return Path(_download(_repo(name), filename, cache_dir, revision, quiet=True))
     except FileNotFoundError:
         return None
+
+
+# What huggingface_hub accepts as a repository id: a name or "owner/name" of letters, digits, "-", "_" and
+# "." (and neither "--" nor ".."). Anything else can only be a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path, never a Hub repository id: an absolute path, one
+    starting with ``.`` or ``~``, one of more than two parts, a ``.gguf`` file name, ... Such a name is
+    never sent to the Hugging Face Hub: when nothing is there, the answer is "no such file or directory"."""
+    if name.lower() in PRETRAINED:
+        return False
+    return (
+        _HUB_ID.fullmatch(name) is None
+        or ".." in name
+        or "--" in name
+        or name.lower().endswith(".gguf")
+        or Path(name).expanduser().exists()
+    )
 
 
 def _local_dir(name: str) -> Path | None:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from attnlab.checks import positive_int
 from attnlab.formats.families import MODEL_TYPES, config_fields
-from attnlab.formats.hf import gpt2_config_fields, read_pretrained_config
+from attnlab.formats.gguf import is_gguf, read_gguf_config
+from attnlab.formats.hf import gpt2_config_fields, is_local_path, read_pretrained_config
 from attnlab.model import CONFIG_NAME, GPTConfig
 
 
@@ -159,14 +160,24 @@ def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: 
 
 
 def config_of(source: str) -> tuple[GPTConfig, str]:
-    """``(GPTConfig, name)`` of a model: a directory with a ``config.json`` (attnlab's, or a Hugging
-    Face one of a family attnlab reads), a training run, or a Hub repository id (its config.json only,
-    from the cache when offline)."""
+    """``(GPTConfig, name)`` of a model: a GGUF file (its metadata only), a directory with a
+    ``config.json`` (attnlab's, or a Hugging Face one of a family attnlab reads), a training run, or a
+    Hub repository id (its config.json only, from the cache when offline). A local path is never sent
+    to the Hub: a missing one is "no such file or directory"."""
     path = Path(source).expanduser()
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
         from attnlab.tools.loading import load_model
 
         return load_model(path, what="--model").model.config, source
+    if not path.is_dir() and is_local_path(source):
+        if not path.exists():
+            raise FileNotFoundError(f"--model {source}: no such file or directory")
+        if not is_gguf(path):
+            raise ValueError(
+                f"--model {source}: a file that is not a GGUF file; give a GGUF file or a model's directory"
+            )
+        cfg = read_gguf_config(path)
+        return GPTConfig(**config_fields(cfg)), source
     cfg = read_pretrained_config(source)
     model_type = cfg.get("model_type")
     if model_type is None:  # attnlab's own config.json (GPT.save)

@@ -37,7 +37,7 @@ from attnlab.checks import is_int
 from attnlab.files import read_json
 from attnlab.formats.chat import ChatTemplate, read_chat_template
 from attnlab.formats.gguf import is_gguf, read_gguf
-from attnlab.formats.hf import PRETRAINED, read_pretrained_file
+from attnlab.formats.hf import PRETRAINED, is_local_path, read_pretrained_file
 from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
@@ -193,7 +193,7 @@ def load_pretrained(
     is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
     if not is_local and name.lower() not in PRETRAINED and local.is_file():  # (not a Hub name to try)
         raise ValueError(f"{what} {name}: a file that is not a GGUF file; give a GGUF file or a model's directory")
-    if not is_local and name.lower() not in PRETRAINED and (os.sep in name or name.startswith(".")):
+    if not is_local and is_local_path(name):  # a path (never a Hub id such as owner/name): not sent to the Hub
         raise FileNotFoundError(f"{what} {name}: no such directory")
     if is_local and _attnlab_directory(local):  # (its config.json has no model_type: not a GPT-2's either)
         raise ValueError(

@@ -144,7 +144,15 @@ def patch_report(
             raise ValueError(f"--site must be one of {', '.join(SITES)}, got {site!r}")
     a, b = (_one_token(tok, t, w) for t, w in zip(answers, ("the first answer", "the second answer"), strict=True))
     device = next(model.parameters()).device
-    ids = [torch.tensor(tok.encode(t), device=device) for t in (clean, corrupted)]
+    ids = [torch.tensor(tok.encode(t), dtype=torch.long, device=device) for t in (clean, corrupted)]
+    ctx = model.config.context_length
+    for flag, i in zip((clean_flag, "--corrupted"), ids, strict=True):
+        if i.numel() == 0:
+            raise ValueError(f"{flag} encodes to no tokens: give a prompt of at least one token")
+        if i.numel() > ctx:
+            raise ValueError(
+                f"{flag} is {i.numel()} tokens long, more than the model's context_length={ctx}; shorten it"
+            )
     if ids[0].numel() != ids[1].numel():
         raise ValueError(
             f"{clean_flag} and --corrupted must have the same number of tokens, "

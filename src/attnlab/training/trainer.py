@@ -91,6 +91,8 @@ from attnlab.training.rundir import RunLock, check_run_directory
 __all__ = ["SAMPLE_SETTINGS", "TrainResult", "Trainer", "train"]
 
 METRICS_NAME = "metrics.jsonl"
+# The shortest windows a fine-tuning run without --context-length shrinks to, to fit a short text.
+MIN_FIT_CONTEXT = 32
 
 # How the sample printed after training is drawn.
 SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=40)
@@ -274,6 +276,7 @@ class Trainer:
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} exists and is not a directory")
         self._saved_meta: dict[str, Any] | None = None
+        self._fit_context = False
         if config.resume and has_checkpoint(self.out):
             # Before anything is built: the device, model, data and seed are the checkpoint's.
             # read_metadata checked every entry (and the file's own hash); resuming needs them all.
@@ -293,6 +296,7 @@ class Trainer:
             config = config.resumed(meta["train_config"], given, source=where)
             config.validate()
         elif config.init_from:
+            self._fit_context = config.context_length is None  # the default windows may shrink to fit the data
             config = finetune_config(config, self._init, config.explicit_fields() if given is None else set(given))
         # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
         # paths were recorded absolute gets them too.
@@ -339,6 +343,8 @@ class Trainer:
         self.data_sha256 = self._data_sha256()
         self._verify_data(ckpt)
         train_tokens, val_tokens = self._load_tokens()
+        if self._fit_context:
+            self._fit_default_context(train_tokens, val_tokens)
         self._build_model(ckpt, model_config)  # also settles cfg's preset-dependent defaults
         self._build_batches(train_tokens, val_tokens)
         if self.cfg.fsdp:  # before the optimizer: fully_shard replaces the parameters by their shards
@@ -518,6 +524,20 @@ class Trainer:
             context_length=cfg.context_length if cfg.init_from else model_cfg.context_length,
             dropout=model_cfg.drop_rate,
             lr=cfg.lr if cfg.lr is not None else finetune_lr(cfg) or default_lr(model_cfg.emb_dim),
+        )
+
+    def _fit_default_context(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
+        """A fine-tuning run not given ``--context-length`` trains on windows its data holds: where a
+        split is shorter than the default windows, the longest power of two that fits (with a note)."""
+        T = self.cfg.context_length
+        name, n = min((("training", len(train_tokens)), ("validation", len(val_tokens))), key=lambda p: p[1])
+        if n >= T + 1 or n - 1 < MIN_FIT_CONTEXT:  # it fits, or nothing sensible does (_build_batches says so)
+            return
+        fit = 1 << ((n - 1).bit_length() - 1)  # the largest power of two <= n - 1
+        self.cfg = dataclasses.replace(self.cfg, context_length=fit)
+        self.log(
+            f"note: the {name} split has {n} tokens, fewer than the default context length + 1 = {T + 1}: "
+            f"training on windows of {fit} tokens (--context-length sets them)"
         )
 
     def _build_batches(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
