@@ -457,7 +457,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         attnlab(compile=True)()  # compiles (once per process and shape)
         compile_s = time.perf_counter() - t0
         rows["attnlab compiled step"] = attnlab(compile=True)
-    screened = decoding.screens(ours, device)
+    screened = decoding.screens(ours, device) and args.batch > 1  # (a batch's greedy tokens: see FastDecoder)
     if screened:  # the rows above again, reading the whole float32 head: what the screen gains
         rows["attnlab fast, whole head"] = whole_head(attnlab())
         if not args.no_compile:
