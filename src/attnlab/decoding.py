@@ -415,7 +415,7 @@ class ScreenedHead:
             screen = F.linear(hb, self.wb)
         top = torch.topk(screen, SCREEN_CANDIDATES, dim=-1, sorted=False)  # (B, n)
         ids = top.indices.sort(dim=-1).values  # (B, n): ascending, so the first of equal maxima wins
-        exact = torch.bmm(self.w[ids], h.unsqueeze(-1)).squeeze(-1)  # (B, n, C) @ (B, C, 1) -> (B, n)
+        exact = torch.bmm(F.embedding(ids, self.w), h.unsqueeze(-1)).squeeze(-1)  # (B, n, C) @ (B, C, 1) -> (B, n)
         best = exact.max(dim=-1)  # (B,)
         tokens = ids.gather(-1, best.indices.unsqueeze(-1)).squeeze(-1)  # (B,)
         hbf = hb.float()
