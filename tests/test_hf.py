@@ -223,3 +223,14 @@ def test_a_gpt2_folder_in_the_working_directory_does_not_hijack_the_preset(tmp_p
             GPT.from_pretrained(str(tmp_path / "gpt2"))(idx), local(idx).logits, atol=1e-4, rtol=1e-4
         )
     assert len(calls) == 4
+
+
+def test_a_hugging_face_folder_named_like_a_gguf_file_loads_as_a_folder(tmp_path):
+    """A directory whose name ends in .gguf is a Hugging Face folder (it was refused as "no such file")."""
+    model = hf_model(seed=6)
+    model.save_pretrained(tmp_path / "odd.gguf", safe_serialization=True)
+    idx = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            GPT.from_pretrained(str(tmp_path / "odd.gguf"))(idx), model(idx).logits, atol=1e-4, rtol=1e-4
+        )

@@ -78,6 +78,22 @@ def test_bad_input_is_one_line(checkpoint, extra, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_rope_model_patches_a_prompt_longer_than_its_context(tmp_path, capsys):
+    """Relative positions slide a window over a long prompt (the forward and activation_patching take it), so
+    the context check above is for learned positions only (a review found it refused RoPE models too)."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=16, context_length=8, emb_dim=24, n_heads=4, n_layers=2, drop_rate=0.0)
+    model = GPT(GPTConfig(**cfg, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)).eval()
+    d = model.save(tmp_path / "ckpt")
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS).to_dict()))
+    clean, corrupted = "abcabcdabcab", "abcabcdabcae"  # 12 tokens
+    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "b", "c"]
+    assert main(argv) == 0, capsys.readouterr().err
+    ids = [torch.tensor(CharTokenizer(LETTERS).encode(t)) for t in (clean, corrupted)]
+    want = activation_patching(model, *ids, logit_diff(1, 2), "resid_pre")  # (L, T)
+    assert want.shape[-1] == 12 and f"{float(want.abs().max()):.3f}" in capsys.readouterr().out
+
+
 # Gemma 2 (logits soft-capped) and Gemma 3 (a RoPE base of its own in the window layers), as
 # tests/test_patching.py builds them, with this file's 16-letter vocabulary.
 GEMMAS = {

@@ -77,6 +77,17 @@ def test_a_peaked_head_is_sure_of_every_row():
     assert head.unsure == 0
 
 
+def test_subnormal_weights_flushed_to_zero_by_the_kernel_are_not_sure():
+    """A CPU's bfloat16 kernel may read entries below 2^-126 as 0 and flush such results: the screen is
+    then all zeros, and the bound must not call its first 16 ids sure (a review found it did)."""
+    torch.manual_seed(3)
+    w = torch.randn(V, 32) * 1e-39  # subnormal float32 entries
+    h = torch.randn(2, 32)
+    head = decoding.ScreenedHead(w, 2)
+    assert torch.equal(head.argmax(h), (h.double() @ w.double().T).argmax(-1))
+    assert head.unsure == 2
+
+
 def test_nan_raises_as_the_logits_check_does():
     w = torch.randn(V, 16)
     h = torch.randn(2, 16)
@@ -96,6 +107,8 @@ def test_screens_only_a_float32_head_of_a_large_vocabulary_without_a_soft_cap():
     assert not decoding.screens(model().to(torch.bfloat16), cpu)
     assert not decoding.screens(model(logit_softcap=30.0), cpu)
     assert not decoding.screens(model(), torch.device("meta"))
+    with torch.backends.mkldnn.flags(enabled=False):  # (no oneDNN: F.linear's bfloat16 product costs more)
+        assert not decoding.screens(model(), cpu)
 
 
 FAMILIES = {
@@ -135,30 +148,35 @@ def screened(monkeypatch):
 def test_greedy_generation_through_the_screen_gives_the_eager_forwards_tokens(family, rows, screened):
     """A batch through the screen, one row through the whole head (see FastDecoder): the same tokens."""
     model = make(family)
+    n = decoding.SCREEN_MIN_STEPS
     idx = torch.randint(0, V, (rows, 7), generator=torch.Generator().manual_seed(rows))
-    ref = model.generate(idx, 20, temperature=0, fast=False)
-    assert torch.equal(model.generate(idx, 20, temperature=0), ref)
-    assert screened[0] == (rows * 19 if rows > 1 else 0)  # a batch's every step after the prompt's; one row: none
+    ref = model.generate(idx, n, temperature=0, fast=False)
+    assert torch.equal(model.generate(idx, n, temperature=0), ref)
+    assert screened[0] == (rows * (n - 1) if rows > 1 else 0)  # a batch's every step after the prompt's; one row: none
     assert len(set(ref[:, 7:].flatten().tolist())) > 3  # varied tokens, not one repeated
     # With stop ids: rows that stop keep emitting the first, as without the screen
     stop = (int(ref[0, 12]), V - 1)
     assert torch.equal(
-        model.generate(idx, 20, temperature=0, eos_id=stop),
-        model.generate(idx, 20, temperature=0, eos_id=stop, fast=False),
+        model.generate(idx, n, temperature=0, eos_id=stop),
+        model.generate(idx, n, temperature=0, eos_id=stop, fast=False),
     )
+    screened[0] = 0
+    model.generate(idx, n - 1, temperature=0)  # too short to pay for the copy
+    assert screened[0] == 0
 
 
 @native
 def test_logits_asked_for_or_sampling_keep_the_full_head(screened):
     model = make("gpt2")
     idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
-    ids, logits = model.generate(idx, 6, temperature=0, return_logits=True)
+    n = decoding.SCREEN_MIN_STEPS
+    ids, logits = model.generate(idx, n, temperature=0, return_logits=True)
     assert torch.equal(logits.argmax(-1), ids[:, 5:])
-    list(model.stream(idx, 6, temperature=0, with_logits=True))
-    model.generate(idx, 6, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    list(model.stream(idx, n, temperature=0, with_logits=True))
+    model.generate(idx, n, temperature=0.8, generator=torch.Generator().manual_seed(0))
     assert screened[0] == 0
-    model.generate(idx, 6, temperature=0)
-    assert screened[0] == 2 * 5
+    model.generate(idx, n, temperature=0)
+    assert screened[0] == 2 * (n - 1)
 
 
 @native
@@ -170,7 +188,7 @@ def test_the_compiled_step_through_the_screen_gives_the_eager_forwards_tokens(sc
     for layers in (13, 1):
         model = make("llama", n_layers=layers, emb_dim=32, n_heads=2, n_kv_heads=1)
         idx = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(layers))
-        ref = model.generate(idx, 12, temperature=0, fast=False)
+        ref = model.generate(idx, decoding.SCREEN_MIN_STEPS, temperature=0, fast=False)
         screened[0] = 0
-        assert torch.equal(model.generate(idx, 12, temperature=0, compile=True), ref)
+        assert torch.equal(model.generate(idx, decoding.SCREEN_MIN_STEPS, temperature=0, compile=True), ref)
         assert screened[0] > 0

@@ -342,6 +342,9 @@ def _packed_op() -> Any:
 # scores the best few exactly. Vocabularies smaller than this keep the plain head (the `tiny` preset's 256).
 SCREEN_MIN_VOCAB = 4096
 SCREEN_CANDIDATES = 16  # tokens per row scored exactly: enough that the gap to the 16th best covers the bound
+# Steps a generation must run for its decoder to screen: making the copy and its bounds takes some 100 ms for
+# GPT-2-small's head (Intel Xeon, 2 threads), what 20 steps of a batch of 8 save.
+SCREEN_MIN_STEPS = 32
 
 
 def screens(model: nn.Module, device: torch.device) -> bool:
@@ -356,7 +359,9 @@ def screens(model: nn.Module, device: torch.device) -> bool:
         and getattr(model.out_head, "bias", None) is None
         and model.config.logit_softcap is None
         and w.shape[0] >= SCREEN_MIN_VOCAB
+        and w.numel() * 2 <= _PACK_MAX_BYTES  # (the copy is held while a generation runs, as packed weights are)
         and hardware.bf16_native(device)
+        and packs(torch.empty(0, dtype=torch.bfloat16), 2)  # oneDNN's bfloat16 product (F.linear's is slower)
     )
 
 
@@ -393,12 +398,15 @@ class ScreenedHead:
         w = w.detach()  # (V, C) float32
         self.w, C = w, w.shape[1]
         # Rounding to bfloat16 (to nearest, 8 significant bits) moves an entry of [2^e, 2^(e+1)) by at most
-        # 2^(e-8) (a subnormal one by at most 2^-134), and a row's norm by at most 2^-8 of it: bounds from one
-        # pass over w each, where the exact maxima would take the bfloat16 copy apart again.
-        low, high = torch.aminmax(w, dim=0)  # (C,), (C,)
-        self.col = torch.maximum(high, -low)  # (C,) max_j |w_jk|
+        # 2^(e-8), and a row's norm by at most 2^-8 of it: bounds from one pass over w each, where the exact
+        # maxima would take the bfloat16 copy apart again.
+        self.col = torch.maximum(w.amax(0), -w.amin(0))  # (C,) max_j |w_jk| (aminmax took 5x as long)
         binade = torch.frexp(self.col).exponent - 1  # (C,) e of max_j |w_jk|: every entry is below 2^(e+1)
-        self.err = torch.ldexp(torch.ones_like(self.col), binade - 8) + 2.0**-134  # (C,) >= max_j |w_jk - bf16(w_jk)|
+        # (C,) >= max_j |w_jk - bf16(w_jk)|, and the 2^-126 a CPU's bfloat16 kernel may read a subnormal entry as 0
+        self.err = torch.ldexp(torch.ones_like(self.col), binade - 8) + 2.0**-126
+        # What flushing to zero below 2^-126 may cost one logit: h's subnormal entries read as 0 (each at most
+        # 2^-126 times its column), each of the C products and the result itself.
+        self.flush = 2.0**-126 * (self.col.sum() + C + 1)
         self.sums = C * 2.0**-23 * (1 + 2.0**-8) * torch.linalg.vector_norm(w, dim=1).max()  # see the docstring
         wb = w.to(torch.bfloat16)  # (V, C)
         self.wb = pack_linear(wb, max(rows, 2)) if packs(wb, max(rows, 2)) else wb
@@ -420,6 +428,7 @@ class ScreenedHead:
         tokens = ids.gather(-1, best.indices.unsqueeze(-1)).squeeze(-1)  # (B,)
         hbf = hb.float()
         e = (h - hbf).abs() @ self.col + hbf.abs() @ self.err + torch.linalg.vector_norm(hbf, dim=-1) * self.sums
+        e = e + self.flush  # (B,)
         t = top.values.amin(dim=-1).float()  # (B,) the worst candidate's screen value
         sure = best.values > t + 2.0**-8 * t.abs() + e * 1.001  # (B,); False where anything is NaN
         self.screened += h.shape[0]
@@ -731,8 +740,9 @@ class FastDecoder:
         steps: how many steps the generation may run (None: unknown). The eager step of one row packs
             a large model's bfloat16 weights for oneDNN (see :func:`packs`) only if it runs enough of them.
         tokens_only: the generation is greedy and wants each step's token, not its logits: for a batch
-            (2 rows or more) where :func:`screens` holds, :meth:`step_tokens` finds the argmax by a
-            :class:`ScreenedHead` (the float32 head is then neither packed nor read whole).
+            (2 rows or more) of at least :data:`SCREEN_MIN_STEPS` steps where :func:`screens` holds,
+            :meth:`step_tokens` finds the argmax by a :class:`ScreenedHead` (the float32 head is then
+            neither packed nor read whole).
     """
 
     def __init__(
@@ -762,7 +772,8 @@ class FastDecoder:
         # (a batch only: one row's compiled product streams the float32 head at the machine's read rate, and
         # the screen's calls around a one-row bfloat16 product cost what it saves: SmolLM2 float32, compiled,
         # 39.2 tokens/s screened against 40.9; a batch of 8 of GPT-2-small's size 193.0 against 170.1)
-        screened = tokens_only and rows > 1 and screens(model, caches[0].keys.device)
+        long = steps is None or steps >= SCREEN_MIN_STEPS
+        screened = tokens_only and rows > 1 and long and screens(model, caches[0].keys.device)
         self.screen = ScreenedHead(head_w, rows) if screened else None
         self.layers = []
         for block in model.trf_blocks:

@@ -149,7 +149,7 @@ def patch_report(
     for flag, i in zip((clean_flag, "--corrupted"), ids, strict=True):
         if i.numel() == 0:
             raise ValueError(f"{flag} encodes to no tokens: give a prompt of at least one token")
-        if i.numel() > ctx:
+        if i.numel() > ctx and not model.config.relative:  # (relative positions slide a window over a long one)
             raise ValueError(
                 f"{flag} is {i.numel()} tokens long, more than the model's context_length={ctx}; shorten it"
             )
