@@ -234,3 +234,17 @@ def test_a_hugging_face_folder_named_like_a_gguf_file_loads_as_a_folder(tmp_path
         torch.testing.assert_close(
             GPT.from_pretrained(str(tmp_path / "odd.gguf"))(idx), model(idx).logits, atol=1e-4, rtol=1e-4
         )
+
+
+def test_the_command_line_loads_a_folder_named_like_a_gguf_file_as_a_folder(tmp_path, gpt2):
+    """load_pretrained (every command's --model): a directory whose name ends in .gguf is a Hugging Face folder
+    (it was read as a GGUF file)."""
+    from attnlab.tools.loading import load_pretrained
+    from shared_data import GPT2_BPE_DIR
+
+    model = hf_model(seed=7, vocab_size=50257)  # (GPT-2's tokenizer: its vocabulary)
+    model.save_pretrained(tmp_path / "odd.gguf", safe_serialization=True)
+    loaded = load_pretrained(str(tmp_path / "odd.gguf"), dtype=torch.float32, bpe_dir=GPT2_BPE_DIR)
+    idx = torch.randint(0, 50257, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(idx), model(idx).logits, atol=1e-4, rtol=1e-4)
