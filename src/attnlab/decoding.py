@@ -417,10 +417,7 @@ class ScreenedHead:
         could not be screened, its float32 logits are checked) raise ValueError, as
         :func:`attnlab.checks.check_model_logits` does."""
         hb = h.to(torch.bfloat16)  # (B, C)
-        if self.wb.layout == torch._mkldnn:
-            screen = torch.ops.mkldnn._linear_pointwise(hb, self.wb, None, "none", [], "")  # (B, V) bfloat16
-        else:
-            screen = F.linear(hb, self.wb)
+        screen = _matvec(hb, self.wb, None, "plain")  # (B, V) bfloat16: oneDNN's kernel on the packed copy
         top = torch.topk(screen, SCREEN_CANDIDATES, dim=-1, sorted=False)  # (B, n)
         ids = top.indices.sort(dim=-1).values  # (B, n): ascending, so the first of equal maxima wins
         exact = torch.bmm(F.embedding(ids, self.w), h.unsqueeze(-1)).squeeze(-1)  # (B, n, C) @ (B, C, 1) -> (B, n)
