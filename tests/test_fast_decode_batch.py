@@ -29,7 +29,9 @@ needs_onednn = pytest.mark.skipif(
 
 @pytest.fixture
 def packed(monkeypatch):
-    """How many weights were prepacked (a spy on pack_linear)."""
+    """How many weights were prepacked for oneDNN (a spy on pack_linear); attnlab's own kernel of a few
+    float32 rows, which takes the place of that packing where it runs, off (tests/test_kernels.py)."""
+    monkeypatch.setattr(decoding.kernels, "available", lambda: False)
     count = [0]
     pack = decoding.pack_linear
 

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from attnlab import hardware
+from attnlab import hardware, kernels
 from attnlab.attention import AttentionRecord, Linear, rows_receiver, wants_cache_copies
 from attnlab.checks import autocast_on, check_model_logits
 from attnlab.functional import causal_mask
@@ -230,6 +230,11 @@ _PACK_ONE_ROW_STEPS = 32
 # The packed copies hold the matrices once more while a generation runs: no packing past this many bytes
 # of them (a model of some 500M float32 parameters), where the copy would be a memory cost a laptop feels.
 _PACK_MAX_BYTES = 1 << 31
+# A float32 batch of up to this many rows multiplies by attnlab's own kernel where it runs
+# (attnlab.kernels: 8 rows a pass over the weight): SmolLM2's products at 8 rows read 21.7 GB/s against
+# oneDNN's packed 16.5 (an Intel Xeon with AMX, 2 threads). More rows keep oneDNN, whose kernel reads
+# the weight once for all of them.
+_PANEL_ROWS = 8
 
 
 def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big: bool) -> bool:
@@ -469,6 +474,8 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
     ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"eager"`` (the eager step):
     :func:`attnlab.hardware.linear`; ``"plain"``: a matmul."""
+    if w.dim() == 3:  # panels for attnlab's own kernel of a few float32 rows (see FastDecoder._pack)
+        return kernels.rows_linear(x, w, b)
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if how == "packed":
@@ -493,7 +500,7 @@ def _mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None
     mlp, approximate = kind
     if mlp == "gelu" and w1.layout == torch._mkldnn:  # prepacked: the GELU applied by the matmul's kernel
         return _matvec(torch.ops.mkldnn._linear_pointwise(x, w1, b1, "gelu", [], approximate), w2, b2, how)
-    if mlp == "gelu" and how == "packed":
+    if mlp == "gelu" and how == "packed" and w1.dim() == 2:
         return _matvec(_PACKED_OP(x, w1, b1, approximate), w2, b2, how)
     h = _matvec(x, w1, b1, how)
     if mlp == "gelu":
@@ -796,17 +803,8 @@ class FastDecoder:
             model.out_head.weight,
             cfg.logit_softcap,
         )
-        matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
-        if pack and compile:  # registered while this decoder lives, for the operator its graph calls
-            _packed_op()
-            weights = [w[j] for w, *_ in self.layers for j in matrices] + ([] if self.screen else [self.head[2]])
-            weakref.finalize(self, _release_packs, _register_packs(weights, rows))
-        elif pack:
-            if self.screen is None:  # (screened, the float32 head is read only where a row cannot be)
-                self.head = (*self.head[:2], pack_linear(self.head[2], rows), self.head[3])
-            for i, (w, *rest) in enumerate(self.layers):
-                w = tuple(pack_linear(t, rows) if j in matrices else t for j, t in enumerate(w))
-                self.layers[i] = (w, *rest)
+        if pack:
+            self._pack(rows, compile, cpu)
         self.layers_fn = _compiled(_layers) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         self.rows_fn = _compiled(_attention_rows) if compile else None
@@ -856,6 +854,40 @@ class FastDecoder:
         self.rings = [
             c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
         ]
+
+    def _pack(self, rows: int, compile: bool, cpu: bool) -> None:
+        """The projections' weights (and the head's, unless screened: then the float32 head is read only
+        where a row cannot be) as the step multiplies them: a float32 batch of up to :data:`_PANEL_ROWS`
+        rows swaps each for its panels where :func:`attnlab.kernels.available` (see :func:`_matvec`); else
+        the eager step swaps each for its oneDNN packing, and the compiled one registers it, while this
+        decoder lives, for the operator its graph calls (:func:`packed_linear`)."""
+        panels = 2 <= rows <= _PANEL_ROWS and cpu and self.head[2].dtype == torch.float32 and kernels.available()
+
+        def swap(t: Tensor) -> Tensor | None:  # (None: registered)
+            if panels and kernels.panel_width(t):
+                return kernels.pack_panels(t)
+            return None if compile else pack_linear(t, rows)
+
+        registered = []
+        if self.screen is None:
+            head = swap(self.head[2])
+            if head is None:
+                registered.append(self.head[2])
+            else:
+                self.head = (*self.head[:2], head, self.head[3])
+        matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
+        for i, (w, *rest) in enumerate(self.layers):
+            w = list(w)
+            for j in matrices:
+                packed = swap(w[j])
+                if packed is None:
+                    registered.append(w[j])
+                else:
+                    w[j] = packed
+            self.layers[i] = (tuple(w), *rest)
+        if registered:
+            _packed_op()
+            weakref.finalize(self, _release_packs, _register_packs(registered, rows))
 
     @staticmethod
     def _weights(block: nn.Module) -> tuple:

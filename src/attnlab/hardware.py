@@ -38,6 +38,7 @@ __all__ = [
     "Hardware",
     "bf16_native",
     "cpu_capability",
+    "cpu_vendor",
     "describe",
     "fast_dtype",
     "header",
@@ -152,6 +153,12 @@ def cpu_capability() -> str:
         if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
             return "AVX512-BF16"
     return cap
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``), or ``""``
+    where it says nothing (not Linux, an Arm CPU)."""
+    return _cpuinfo("vendor_id")
 
 
 def _cpu_name() -> str:
