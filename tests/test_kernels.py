@@ -1,0 +1,119 @@
+"""attnlab's kernel of a few float32 rows (:mod:`attnlab.kernels`) against the float64 product, and a
+float32 batch decoded on it (eager and compiled steps) against the eager forward: the same greedy tokens,
+logits to float32's rounding, the weights swapped for its panels only where it applies."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import decoding, hardware, kernels
+from attnlab.model import GPT, GPTConfig
+
+needs_kernel = pytest.mark.skipif(
+    not kernels.available(), reason="attnlab's rows kernel runs on Intel CPUs with AVX-512, where it builds"
+)
+BASE = dict(vocab_size=64, context_length=48, emb_dim=96, n_heads=4, n_layers=2, drop_rate=0.0)
+FAMILIES = {
+    "gpt2": dict(qkv_bias=True),  # biases; GELU after the product
+    "llama-gqa": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2, tie_embeddings=False),
+}
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 19),
+    lead=st.sampled_from([(), (1,)]),
+    k=st.integers(1, 70),
+    width=st.sampled_from([32, 48]),
+    panels=st.integers(1, 5),
+    bias=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_linear_is_the_float64_product(rows, lead, k, width, panels, bias, strided, seed):
+    """``x (B, [1,] K) @ W.T + b`` for any number of rows (8 a pass over the weight), any ``K``, panels
+    of either width and an ``x`` of any strides: the float64 product to the rounding of float32 sums."""
+    g = torch.Generator().manual_seed(seed)
+    n = width * panels
+    x = torch.randn(rows, *lead, 2 * k, generator=g)[..., ::2] if strided else torch.randn(rows, *lead, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.rows_linear(x, kernels.pack_panels(w), b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k)
+
+
+def test_pack_panels_lays_out_the_weight_by_panels_and_refuses_what_it_cannot():
+    w = torch.randn(96, 7)
+    p = kernels.pack_panels(w)  # 96 = 2 x 48
+    assert p.shape == (2, 7, 48) and p.is_contiguous()
+    assert torch.equal(p.transpose(1, 2).reshape(96, 7), w)
+    assert kernels.pack_panels(torch.randn(64, 5)).shape == (2, 5, 32)
+    for bad in (torch.randn(40, 8), torch.randn(96, 8, dtype=torch.float64), torch.randn(96)):
+        with pytest.raises(ValueError, match="weight must be a float32"):
+            kernels.pack_panels(bad)
+
+
+def test_the_kernel_runs_only_on_intel_cpus_with_avx512(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AuthenticAMD")
+    assert not kernels.available()
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not kernels.available()
+
+
+def make(family: str, **overrides) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**BASE, **FAMILIES[family], **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4)
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("vocab", [64, 61], ids=["head-on-panels", "head-packed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_float32_batch_on_the_kernel_equals_the_eager_forward(family, vocab, compile, steps, monkeypatch):
+    """A large model's float32 batch (here: any size counts as large) swaps its weights for panels; a
+    head whose vocabulary does not divide into panels keeps oneDNN's packing (eager) or its registered
+    copy (compiled), in the same step. The eager forward's tokens and logits."""
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    model = make(family, vocab_size=vocab)
+    idx = torch.randint(0, vocab, (3, 6), generator=torch.Generator().manual_seed(1))
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16), compile=compile)
+    assert all(w[j].dim() == 3 for w, *_ in decoder.layers for j in (2, 6, 12, 14))  # every projection
+    assert (decoder.head[2].dim() == 3) == (vocab == 64)
+    del decoder
+    gc.collect()
+    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 10, temperature=0, return_logits=True, compile=compile)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+    assert steps[0] == 9
+    gc.collect()
+    assert not decoding._PACKED  # (a head registered for the compiled step goes with its decoder)
+
+
+@needs_kernel
+def test_more_rows_and_other_dtypes_keep_onednn(monkeypatch):
+    """Past 8 rows the kernel would read each weight once per 8: oneDNN's packing, which reads it once.
+    A float64 or bfloat16 model, or one row, never takes the panels."""
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    model = make("llama-gqa")
+    assert decoding.FastDecoder(model, model.new_kv_caches(8, 16)).layers[0][0][2].dim() == 3
+    nine = decoding.FastDecoder(model, model.new_kv_caches(9, 16)).layers[0][0][2]
+    assert nine.layout == torch._mkldnn or not decoding.packs(nine, 9)
+    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16)).layers[0][0][2].dim() == 2
+    for dtype in (torch.float64, torch.bfloat16):
+        w = decoding.FastDecoder(model.to(dtype), model.new_kv_caches(3, 16)).layers[0][0][2]
+        assert w.dim() == 2
