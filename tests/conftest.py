@@ -9,7 +9,8 @@
 * Skips: a test may skip only for a missing optional package or missing shared data. With
   ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
   pass by quietly running less. The one exception is hardware: a test marked ``@pytest.mark.cuda``
-  runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those).
+  runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those), one marked
+  ``@pytest.mark.avx512`` only where attnlab's own CPU kernel runs (:func:`attnlab.kernels.runs`).
 * ``pytest -m "not slow"`` runs the fast part (under a minute); CI runs everything.
 """
 
@@ -29,21 +30,35 @@ NO_SKIPS = bool(os.environ.get("ATTNLAB_NO_SKIPS"))
 
 
 NO_CUDA_REASON = "needs a CUDA device (marked cuda)"
+NO_AVX512_REASON = "needs a CPU with AVX-512, where attnlab's kernel builds (marked avx512)"
+
+
+def _kernel_runs() -> bool:
+    from attnlab import kernels
+
+    return kernels.runs()
+
+
+def _missing_hardware(item: pytest.Item) -> bool:
+    """Whether ``item`` needs hardware this machine lacks (the skips ATTNLAB_NO_SKIPS allows)."""
+    cuda = "cuda" in item.keywords and not torch.cuda.is_available()
+    return cuda or ("avx512" in item.keywords and not _kernel_runs())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not torch.cuda.is_available():
-        for item in items:
-            if "cuda" in item.keywords:
-                item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+        elif "avx512" in item.keywords and not _kernel_runs():  # (asked only where such a test runs)
+            item.add_marker(pytest.mark.skip(reason=NO_AVX512_REASON))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
-    """Under ATTNLAB_NO_SKIPS=1 a skipped test fails, with its skip reason (but for missing CUDA)."""
+    """Under ATTNLAB_NO_SKIPS=1 a skipped test fails, with its skip reason (but for missing hardware)."""
     outcome = yield
     report = outcome.get_result()
-    hardware = "cuda" in item.keywords and not torch.cuda.is_available()
+    hardware = _missing_hardware(item)
     if NO_SKIPS and report.skipped and not hasattr(report, "wasxfail") and not hardware:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"

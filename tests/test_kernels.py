@@ -1,10 +1,15 @@
 """attnlab's kernel of a few float32 rows (:mod:`attnlab.kernels`) against the float64 product, and a
 float32 batch decoded on it (eager and compiled steps) against the eager forward: the same greedy tokens,
-logits to float32's rounding, the weights swapped for its panels only where it applies."""
+logits to float32's rounding, the weights swapped for its panels only where it applies. Tests that run
+the kernel are marked ``avx512``: they run on any CPU with AVX-512 (decoding takes the kernel on Intel's
+only; here, on any CPU that runs it)."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,9 +19,7 @@ from hypothesis import strategies as st
 from attnlab import decoding, hardware, kernels
 from attnlab.model import GPT, GPTConfig
 
-needs_kernel = pytest.mark.skipif(
-    not kernels.available(), reason="attnlab's rows kernel runs on Intel CPUs with AVX-512, where it builds"
-)
+needs_kernel = pytest.mark.avx512
 BASE = dict(vocab_size=64, context_length=48, emb_dim=96, n_heads=4, n_layers=2, drop_rate=0.0)
 FAMILIES = {
     "gpt2": dict(qkv_bias=True),  # biases; GELU after the product
@@ -56,9 +59,27 @@ def test_pack_panels_lays_out_the_weight_by_panels_and_refuses_what_it_cannot():
     assert p.shape == (2, 7, 48) and p.is_contiguous()
     assert torch.equal(p.transpose(1, 2).reshape(96, 7), w)
     assert kernels.pack_panels(torch.randn(64, 5)).shape == (2, 5, 32)
-    for bad in (torch.randn(40, 8), torch.randn(96, 8, dtype=torch.float64), torch.randn(96)):
+    for bad in (torch.randn(40, 8), torch.randn(96, 8, dtype=torch.float64), torch.randn(96), torch.randn(48, 0)):
         with pytest.raises(ValueError, match="weight must be a float32"):
             kernels.pack_panels(bad)
+    with pytest.raises(TypeError, match=r"weight must be a torch\.Tensor, got list"):
+        kernels.pack_panels([[1.0] * 4] * 32)
+
+
+@needs_kernel
+def test_rows_linear_names_the_argument_at_fault():
+    p, x = kernels.pack_panels(torch.randn(96, 8)), torch.randn(3, 8)
+    with pytest.raises(TypeError, match="x must be a float32 CPU tensor, got Double"):
+        kernels.rows_linear(x.double(), p)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 8\) .* got shape \[3, 7\]"):
+        kernels.rows_linear(torch.randn(3, 7), p)
+    with pytest.raises(ValueError, match="x must be"):
+        kernels.rows_linear(torch.tensor(1.0), p)
+    with pytest.raises(ValueError, match=r"bias must be \(96\), got shape \[2, 48\]"):
+        kernels.rows_linear(x, p, torch.randn(2, 48))
+    with pytest.raises(ValueError, match="panels must be pack_panels'"):
+        kernels.rows_linear(x, p.transpose(1, 2))
+    assert kernels.rows_linear(torch.randn(0, 8), p).shape == (0, 96)  # no rows: nothing to do
 
 
 def test_the_kernel_runs_only_on_intel_cpus_with_avx512(monkeypatch):
@@ -88,6 +109,7 @@ def test_a_float32_batch_on_the_kernel_equals_the_eager_forward(family, vocab, c
     head whose vocabulary does not divide into panels keeps oneDNN's packing (eager) or its registered
     copy (compiled), in the same step. The eager forward's tokens and logits."""
     monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)  # (any CPU that runs it, Intel's or not)
     model = make(family, vocab_size=vocab)
     idx = torch.randint(0, vocab, (3, 6), generator=torch.Generator().manual_seed(1))
     decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16), compile=compile)
@@ -109,6 +131,7 @@ def test_more_rows_and_other_dtypes_keep_onednn(monkeypatch):
     """Past 8 rows the kernel would read each weight once per 8: oneDNN's packing, which reads it once.
     A float64 or bfloat16 model, or one row, never takes the panels."""
     monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
     model = make("llama-gqa")
     assert decoding.FastDecoder(model, model.new_kv_caches(8, 16)).layers[0][0][2].dim() == 3
     nine = decoding.FastDecoder(model, model.new_kv_caches(9, 16)).layers[0][0][2]
@@ -117,3 +140,48 @@ def test_more_rows_and_other_dtypes_keep_onednn(monkeypatch):
     for dtype in (torch.float64, torch.bfloat16):
         w = decoding.FastDecoder(model.to(dtype), model.new_kv_caches(3, 16)).layers[0][0][2]
         assert w.dim() == 2
+
+
+@needs_kernel
+def test_a_compiled_screened_decoder_on_panels_still_computes_its_logits(monkeypatch):
+    """Every weight on panels and the head screened (so nothing registered for the packed operator): a
+    step that asks for the logits multiplies the plain float32 head, the eager forward's logits."""
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(decoding, "SCREEN_MIN_VOCAB", 0)
+    monkeypatch.setattr(decoding, "screens", lambda model, device: True)
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = make("llama-gqa")
+    idx = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(2))
+    caches = model.new_kv_caches(3, 16)
+    with torch.no_grad():
+        ref = model(idx)[:, -1]  # (B, V): the eager forward's next-token logits
+        model(idx[:, :-1], kv_caches=caches)
+        decoder = decoding.FastDecoder(model, caches, compile=True, tokens_only=True)
+        assert decoder.screen is not None and decoder.layers[0][0][2].dim() == 3
+        torch.testing.assert_close(decoder.step(idx[:, -1]), ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_built_kernel_is_kept_and_loaded_by_later_processes(tmp_path):
+    """The first process builds in a folder of its own and keeps the library (named by the source, the
+    flags, torch and Python); the next loads it without building; where nothing can be kept the kernel
+    still runs."""
+    code = "import logging; logging.basicConfig(level=logging.INFO); from attnlab import kernels; print(kernels.runs())"
+
+    def run(extensions_dir):
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir)}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip(), done.stderr
+
+    out, log = run(tmp_path)
+    assert out == "True" and "building attnlab's rows_linear kernel" in log
+    assert len(list(tmp_path.glob("attnlab_rows_linear_*.so"))) == 1
+    assert not list(tmp_path.glob(".*tmp"))  # (written atomically: no temporary left)
+    out, log = run(tmp_path)
+    assert out == "True" and "building" not in log
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # (a file where the folder would go: nothing can be kept)
+    out, log = run(blocked)
+    assert out == "True" and "could not keep the built kernel" in log

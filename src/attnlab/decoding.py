@@ -885,8 +885,9 @@ class FastDecoder:
                 else:
                     w[j] = packed
             self.layers[i] = (tuple(w), *rest)
-        if registered:
+        if compile:  # (the graph's products on plain weights call it: here, the head if screened)
             _packed_op()
+        if registered:
             weakref.finalize(self, _release_packs, _register_packs(registered, rows))
 
     @staticmethod

@@ -6,26 +6,35 @@ read a weight at some 16.5-18.5 GB/s there, where a plain sum over it reads 22.5
 software prefetch ahead of its one sequential stream per thread (see the file). Its products are float32
 sums, as oneDNN's, in another order.
 
-It is C++ built on first use by ``torch.utils.cpp_extension`` (some 10 s, then cached on disk), for CPUs
-where it was measured faster: Intel's with AVX-512. Where the build fails (no compiler) or the CPU is
-another, :func:`available` says no and decoding keeps oneDNN.
+It is C++ built on first use by ``torch.utils.cpp_extension`` (some 7 s), then kept as a library named
+by its source, torch's and Python's versions and the flags (in ``$TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), which later processes load. Each build runs in a folder of its own and
+its library replaces the kept one atomically: no lock a killed build could leave behind. Decoding uses it
+where it was measured faster, Intel's CPUs with AVX-512 (:func:`available`); it runs on any CPU with
+AVX-512 (:func:`runs`). Where the build fails (no compiler), both say no and decoding keeps oneDNN.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import pathlib
+import sys
+import tempfile
 
 import torch
 from torch import Tensor
 
-from attnlab import hardware
+from attnlab import files, hardware
 
-__all__ = ["available", "pack_panels", "panel_width", "rows_linear"]
+__all__ = ["available", "pack_panels", "panel_width", "rows_linear", "runs"]
 
 _LOG = logging.getLogger(__name__)
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "rows_linear.cpp"
+# -fopenmp: at::parallel_for divides the panels between torch's OpenMP threads (without it, one thread)
+_CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
 
 
 def panel_width(weight: Tensor) -> int:
@@ -39,43 +48,57 @@ def pack_panels(weight: Tensor) -> Tensor:
     """``weight (N, K)`` float32 as the kernel reads it: panels ``(N / w, K, w)`` of ``w``
     (:func:`panel_width`) output columns each, one contiguous stream per panel. A copy, made when a
     generation starts (as the oneDNN packing it replaces: the parameters stay as they are)."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    ok = weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    if not ok or not panel_width(weight) or weight.shape[1] == 0:
+        got = f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        raise ValueError(
+            f"weight must be a float32 (N, K) matrix on the CPU, N a multiple of 32 or 48, K >= 1; got {got}"
+        )
     w = panel_width(weight)
-    if weight.dim() != 2 or weight.dtype != torch.float32 or not w:
-        got = f"{weight.dtype} {tuple(weight.shape)}"
-        raise ValueError(f"weight must be a float32 (N, K) matrix with N a multiple of 32, got {got}")
     N, K = weight.shape
     return weight.detach().view(N // w, w, K).transpose(1, 2).contiguous()  # (N / w, K, w)
 
 
 def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x (..., K) @ W.T + bias`` for ``W`` packed by :func:`pack_panels`: ``(..., N)``, float32, CPU,
-    up to 8 rows a pass over the weight. Only where :func:`available`."""
+    """``x (..., K) @ W.T + bias`` for ``W (N, K)`` packed by :func:`pack_panels`: ``(..., N)``, float32,
+    CPU, up to 8 rows a pass over the weight. Only where :func:`runs` (the kernel checks its arguments:
+    ValueError or TypeError naming the one at fault)."""
     return torch.ops.attnlab_kernels.rows_linear(x, panels, bias)
 
 
 def available() -> bool:
-    """Whether :func:`rows_linear` runs here: an Intel CPU with AVX-512 (where it was measured), and the
-    kernel built (on the first call)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or hardware.cpu_vendor() != "GenuineIntel":
-        return False
-    return _built()
+    """Whether decoding multiplies a float32 batch by :func:`rows_linear`: an Intel CPU (where it was
+    measured faster than oneDNN) that :func:`runs` it."""
+    return hardware.cpu_vendor() == "GenuineIntel" and runs()
+
+
+def runs() -> bool:
+    """Whether :func:`rows_linear` runs here: a CPU with AVX-512, and the kernel built (the first call
+    builds it, or loads the kept build)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _built()
+
+
+def _library() -> pathlib.Path:
+    """Where the built kernel is kept: a name for this source, these flags, torch and Python."""
+    key = hashlib.sha256(
+        b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), sys.version.encode()])
+    ).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or pathlib.Path.home() / ".cache" / "torch_extensions"
+    return pathlib.Path(root) / f"attnlab_rows_linear_{key}.so"
 
 
 @functools.cache
 def _built() -> bool:
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            "attnlab_kernels",
-            [str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],  # (-fopenmp: at::parallel_for threads by OpenMP)
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        kept = _library()
+        if kept.is_file():
+            torch.ops.load_library(str(kept))
+        else:
+            _build(kept)
     except Exception as e:  # (no compiler, no ninja, a header missing: oneDNN's kernels then)
-        _LOG.info("attnlab's rows_linear kernel did not build (%s); decoding keeps oneDNN's kernels", e)
+        _LOG.info("attnlab's rows_linear kernel is not available (%s); decoding keeps oneDNN's kernels", e)
         return False
 
     @torch.library.register_fake("attnlab_kernels::rows_linear")
@@ -83,3 +106,26 @@ def _built() -> bool:
         return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
 
     return True
+
+
+def _build(kept: pathlib.Path) -> None:
+    """Build the kernel in a folder of this process's own, load it, and keep its library at ``kept``
+    (where a folder can't be written, this process uses it all the same)."""
+    from torch.utils import cpp_extension
+
+    _LOG.info("building attnlab's rows_linear kernel (once: it is kept in %s)", kept.parent)
+    with tempfile.TemporaryDirectory(prefix="attnlab_kernels_") as tmp:
+        built = cpp_extension.load(
+            "attnlab_kernels",
+            [str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=tmp,
+            is_python_module=False,
+            verbose=False,
+        )
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            files.atomic_write_bytes(kept, pathlib.Path(built).read_bytes())
+        except OSError as e:
+            _LOG.info("could not keep the built kernel in %s (%s)", kept.parent, e)

@@ -55,11 +55,17 @@ void rows(int M, const float* x, const float* w, int64_t K, float* y, int64_t N,
 }
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "rows_linear: float32 only");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous(), "rows_linear: panels (P, K, 32 | 48), contiguous");
+  // (TORCH_CHECK_TYPE / _VALUE: Python's TypeError / ValueError, naming the argument at fault)
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "rows_linear: x must be a float32 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_TYPE(panels.scalar_type() == at::kFloat && panels.device().is_cpu(),
+                   "rows_linear: panels must be a float32 CPU tensor, got ", panels.scalar_type(), " on ", panels.device());
+  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.is_contiguous() && (panels.size(2) == 32 || panels.size(2) == 48) &&
+                        panels.size(1) > 0,
+                    "rows_linear: panels must be pack_panels' (P, K, 32 | 48), contiguous, got shape ", panels.sizes());
   const int64_t K = panels.size(1), width = panels.size(2), N = panels.size(0) * width;
-  TORCH_CHECK(width == 32 || width == 48, "rows_linear: panels 32 or 48 wide");
-  TORCH_CHECK(x.size(-1) == K, "rows_linear: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "rows_linear: x must be (..., ", K,
+                    ") for a weight of K = ", K, " features, got shape ", x.sizes());
   const at::Tensor xc = x.contiguous();
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -68,7 +74,9 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, "rows_linear: a float32 bias of ", N);
+    TORCH_CHECK_TYPE(bc.scalar_type() == at::kFloat && bc.device().is_cpu(), "rows_linear: bias must be a float32 CPU tensor, got ",
+                     bc.scalar_type(), " on ", bc.device());
+    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "rows_linear: bias must be (", N, "), got shape ", bc.sizes());
     b = bc.data_ptr<float>();
   }
   const int64_t R = xc.numel() / K;
