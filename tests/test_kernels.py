@@ -53,6 +53,47 @@ def test_rows_linear_is_the_float64_product(rows, lead, k, width, panels, bias, 
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k)
 
 
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    hd=st.integers(1, 80),
+    slots=st.integers(1, 40),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_attention_is_the_float64_softmax_over_the_filled_slots(rows, kv_heads, group, hd, slots, data, seed):
+    """``softmax(q k^T * scale) v`` over slots ``0..slot`` of the cache (the rest, here NaN, never read),
+    the ``G`` query heads of each key head against its keys: the float64 result to float32's rounding."""
+    g = torch.Generator().manual_seed(seed)
+    slot = data.draw(st.integers(0, slots - 1))
+    q = torch.randn(rows, kv_heads, group, hd, generator=g)
+    keys, values = (torch.full((rows, kv_heads, slots, hd), float("nan")) for _ in range(2))
+    keys[:, :, : slot + 1] = 3 * torch.randn(rows, kv_heads, slot + 1, hd, generator=g)
+    values[:, :, : slot + 1] = torch.randn(rows, kv_heads, slot + 1, hd, generator=g)
+    scale = hd**-0.5
+    got = kernels.decode_attention(q, keys, values, torch.tensor(slot), scale)
+    k, v = keys[:, :, : slot + 1].double(), values[:, :, : slot + 1].double()
+    ref = torch.softmax(q.double() @ k.transpose(-1, -2) * scale, dim=-1) @ v  # (B, Hkv, G, hd)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_attention_names_the_argument_at_fault():
+    q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 10, 8)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 10\), got 10"):
+        kernels.decode_attention(q, k, k, torch.tensor(10), 1.0)
+    with pytest.raises(ValueError, match="keys and values contiguous"):
+        kernels.decode_attention(q, k.transpose(2, 3), k.transpose(2, 3), torch.tensor(1), 1.0)
+    with pytest.raises(TypeError, match="q, keys and values must be float32 CPU tensors, got Double"):
+        kernels.decode_attention(q.double(), k, k, torch.tensor(1), 1.0)
+    with pytest.raises(ValueError, match="slot must be one int64"):
+        kernels.decode_attention(q, k, k, torch.tensor(1.0), 1.0)
+
+
 def test_pack_panels_lays_out_the_weight_by_panels_and_refuses_what_it_cannot():
     w = torch.randn(96, 7)
     p = kernels.pack_panels(w)  # 96 = 2 x 48
@@ -107,7 +148,8 @@ def make(family: str, **overrides) -> GPT:
 def test_a_float32_batch_on_the_kernel_equals_the_eager_forward(family, vocab, compile, steps, monkeypatch):
     """A large model's float32 batch (here: any size counts as large) swaps its weights for panels; a
     head whose vocabulary does not divide into panels keeps oneDNN's packing (eager) or its registered
-    copy (compiled), in the same step. The eager forward's tokens and logits."""
+    copy (compiled), in the same step; the compiled step attends by decode_attention. The eager
+    forward's tokens and logits, and no graph break."""
     monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
     monkeypatch.setattr(decoding.kernels, "available", kernels.runs)  # (any CPU that runs it, Intel's or not)
     model = make(family, vocab_size=vocab)
@@ -115,13 +157,16 @@ def test_a_float32_batch_on_the_kernel_equals_the_eager_forward(family, vocab, c
     decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16), compile=compile)
     assert all(w[j].dim() == 3 for w, *_ in decoder.layers for j in (2, 6, 12, 14))  # every projection
     assert (decoder.head[2].dim() == 3) == (vocab == 64)
+    assert all(spec[-1] == compile for _, spec, *_ in decoder.layers)  # decode_attention: the compiled step
     del decoder
     gc.collect()
     ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    torch._dynamo.utils.counters.clear()
     got = model.generate(idx, 10, temperature=0, return_logits=True, compile=compile)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
     assert steps[0] == 9
+    assert not torch._dynamo.utils.counters["graph_break"]  # (the kernels' operators inside the graph)
     gc.collect()
     assert not decoding._PACKED  # (a head registered for the compiled step goes with its decoder)
 
@@ -176,8 +221,8 @@ def test_the_built_kernel_is_kept_and_loaded_by_later_processes(tmp_path):
         return done.stdout.strip(), done.stderr
 
     out, log = run(tmp_path)
-    assert out == "True" and "building attnlab's rows_linear kernel" in log
-    assert len(list(tmp_path.glob("attnlab_rows_linear_*.so"))) == 1
+    assert out == "True" and "building attnlab's kernels" in log
+    assert len(list(tmp_path.glob("attnlab_kernels_*.so"))) == 1
     assert not list(tmp_path.glob(".*tmp"))  # (written atomically: no temporary left)
     out, log = run(tmp_path)
     assert out == "True" and "building" not in log

@@ -538,8 +538,9 @@ def _layer(
     explicitly then (not static). ``seen`` (static): a list that gets the layer's ``(q (B, H, 1, hd),
     weights (B, H, 1, M), head outputs (B, H, 1, hd))`` for the observers, called after the compiled call.
     """
-    (n1w, n1b, wqkv, bqkv, qnw, knw, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
-    norm, qk_norm, qspec, H, Hkv, hd, rd, scale, mlp, parallel, post, batch = spec
+    n1w, n1b, wqkv, bqkv, qnw, knw = w[:6]  # (the rest: _after_attention's)
+    norm, qk_norm, qspec, H, Hkv, hd, rd, scale = spec[:8]
+    batch, own_attention = spec[11:]
     B = x.shape[0]
     how = _how(static, B, batch)
     h = _norm(x, n1w, n1b, norm if n1w is not None else None)
@@ -562,6 +563,8 @@ def _layer(
         values.index_copy_(2, slot.view(1), v.to(values.dtype))
         M = keys.shape[2]
         qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
+        if own_attention and seen is None:  # attnlab's kernel over the filled slots only (see FastDecoder)
+            return _after_attention(x, kernels.decode_attention(qg, keys, values, slot, scale), w, spec, how)
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
         # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
         # a batch attends to its own cache, so a batch shares no reads a matmul could reuse).
@@ -589,7 +592,15 @@ def _layer(
             att = weights @ Vx  # (B, H, 1, hd)
             observe(q, K, V, weights, att)
         heads = att.transpose(1, 2).reshape(B, 1, H * hd)
-    out = _matvec(heads, wo, bo, how)  # (B, 1, C)
+    return _after_attention(x, heads, w, spec, how)
+
+
+def _after_attention(x: Tensor, heads: Tensor, w: tuple, spec: tuple, how: str) -> Tensor:
+    """The rest of :func:`_layer` from the heads' outputs ``heads (B, ...)`` (``B * H * hd`` values in
+    head order): the output projection, the residuals and the MLP -> ``(B, 1, C)``."""
+    (_, _, _, _, _, _, wo, bo, p1w, p1b, n2w, n2b, w1, b1, w2, b2, p2w, p2b) = w
+    norm, mlp, parallel, post = spec[0], spec[8], spec[9], spec[10]
+    out = _matvec(heads.reshape(x.shape[0], 1, -1), wo, bo, how)  # (B, 1, C)
     if post:
         out = _norm(out, p1w, p1b, norm)
     if parallel:
@@ -779,6 +790,11 @@ class FastDecoder:
         long = steps is None or steps >= SCREEN_MIN_STEPS
         screened = tokens_only and rows > 1 and long and screens(model, caches[0].keys.device)
         self.screen = ScreenedHead(head_w, rows) if screened else None
+        # A float32 batch of a large model on an Intel CPU: attnlab's own kernels for the products (see
+        # _pack) and, in the compiled step, for attention over the cache's filled slots (see _layer).
+        float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
+        self.panels = pack and 2 <= rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
+        own_attention = self.panels and compile and all(c.keys.is_contiguous() for c in caches)
         self.layers = []
         for block in model.trf_blocks:
             att = block.att
@@ -795,6 +811,7 @@ class FastDecoder:
                 block.parallel_residual,
                 block.post_norm1 is not None,
                 self.batch,
+                own_attention,
             )
             self.layers.append((self._weights(block), spec, att.window, block.local_rope, att.has_positions))
         self.head = (
@@ -804,7 +821,7 @@ class FastDecoder:
             cfg.logit_softcap,
         )
         if pack:
-            self._pack(rows, compile, cpu)
+            self._pack(rows, compile)
         self.layers_fn = _compiled(_layers) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         self.rows_fn = _compiled(_attention_rows) if compile else None
@@ -855,16 +872,15 @@ class FastDecoder:
             c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
         ]
 
-    def _pack(self, rows: int, compile: bool, cpu: bool) -> None:
+    def _pack(self, rows: int, compile: bool) -> None:
         """The projections' weights (and the head's, unless screened: then the float32 head is read only
         where a row cannot be) as the step multiplies them: a float32 batch of up to :data:`_PANEL_ROWS`
         rows swaps each for its panels where :func:`attnlab.kernels.available` (see :func:`_matvec`); else
         the eager step swaps each for its oneDNN packing, and the compiled one registers it, while this
         decoder lives, for the operator its graph calls (:func:`packed_linear`)."""
-        panels = 2 <= rows <= _PANEL_ROWS and cpu and self.head[2].dtype == torch.float32 and kernels.available()
 
         def swap(t: Tensor) -> Tensor | None:  # (None: registered)
-            if panels and kernels.panel_width(t):
+            if self.panels and kernels.panel_width(t):
                 return kernels.pack_panels(t)
             return None if compile else pack_linear(t, rows)
 
