@@ -62,7 +62,7 @@ def _matmuls(x: torch.Tensor, ws: list[tuple], specs: list[tuple], head: torch.T
     """The matrix-vector products of some layers as the compiled step computes them (``_matvec`` in the
     form the step takes for one row, :func:`attnlab.decoding._how`), chained through the residual stream:
     ``x (1, 1, C)`` -> ``(1, 1, C)`` (or the logits)."""
-    how = decoding._how(True, 1, specs[0][-1])  # (the spec's last entry: how the decoder multiplies a batch)
+    how = decoding._how(True, 1, specs[0][11])  # (the spec's 12th entry: how the decoder multiplies a batch)
     for w, spec in zip(ws, specs, strict=True):
         wqkv, bqkv, wo, bo, w1, b1, w2, b2 = w[2], w[3], w[6], w[7], w[12], w[13], w[14], w[15]
         H, hd = spec[3], spec[5]
