@@ -123,6 +123,17 @@ def test_rows_linear_names_the_argument_at_fault():
     assert kernels.rows_linear(torch.randn(0, 8), p).shape == (0, 96)  # no rows: nothing to do
 
 
+def test_the_kernels_say_why_they_cannot_run(monkeypatch):
+    """Called where they cannot run (no AVX-512, or no compiler): one clear error, not torch.ops' own."""
+    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "runs", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.raises(RuntimeError, match=r"need a CPU with AVX-512 .* vector unit is AVX2"):
+        kernels.rows_linear(torch.randn(2, 8), torch.randn(1, 8, 32))
+    with pytest.raises(RuntimeError, match="need a CPU with AVX-512"):
+        kernels.decode_attention(*(torch.randn(1, 1, 1, 4),) * 3, torch.tensor(0), 1.0)
+
+
 def test_the_kernel_runs_only_on_intel_cpus_with_avx512(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AuthenticAMD")
     assert not kernels.available()

@@ -794,7 +794,8 @@ class FastDecoder:
         # _pack) and, in the compiled step, for attention over the cache's filled slots (see _layer).
         float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
         self.panels = pack and 2 <= rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
-        own_attention = self.panels and compile and all(c.keys.is_contiguous() for c in caches)
+        contiguous = all(c.keys.is_contiguous() and c.values.is_contiguous() for c in caches)
+        own_attention = self.panels and compile and contiguous
         self.layers = []
         for block in model.trf_blocks:
             att = block.att

@@ -71,6 +71,8 @@ def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor
     """``x (..., K) @ W.T + bias`` for ``W (N, K)`` packed by :func:`pack_panels`: ``(..., N)``, float32,
     CPU, up to 8 rows a pass over the weight. Only where :func:`runs` (the kernel checks its arguments:
     ValueError or TypeError naming the one at fault)."""
+    if not _loaded:
+        _require()
     return torch.ops.attnlab_kernels.rows_linear(x, panels, bias)
 
 
@@ -78,6 +80,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scal
     """One new query per row against the filled slots ``0..slot`` of a float32 cache: ``softmax(q k^T *
     scale) v``, ``q (B, Hkv, G, hd)`` (the ``G`` query heads sharing each key head), ``keys``/``values``
     contiguous ``(B, Hkv, M, hd)``, ``slot`` a 0-d int64 tensor -> ``(B, Hkv, G, hd)``. Only where :func:`runs`."""
+    if not _loaded:
+        _require()
     return torch.ops.attnlab_kernels.decode_attention(q, keys, values, slot, scale)
 
 
@@ -93,6 +97,18 @@ def runs() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and _built()
 
 
+_loaded = False  # the kernels' library loaded in this process (by _built)
+
+
+def _require() -> None:
+    """Load the kernels (the first call of a process), or say why they cannot run here."""
+    if not runs():
+        raise RuntimeError(
+            "attnlab's kernels need a CPU with AVX-512 and a C++ compiler to build them; "
+            f"this CPU's vector unit is {torch.backends.cpu.get_cpu_capability()} (attnlab.kernels.runs() is False)"
+        )
+
+
 def _library() -> pathlib.Path:
     """Where the built kernel is kept: a name for this source, these flags, torch and Python."""
     key = hashlib.sha256(
@@ -104,6 +120,7 @@ def _library() -> pathlib.Path:
 
 @functools.cache
 def _built() -> bool:
+    global _loaded
     try:
         kept = _library()
         if kept.is_file():
@@ -122,6 +139,7 @@ def _built() -> bool:
     def _(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
+    _loaded = True
     return True
 
 
