@@ -28,6 +28,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 
 import torch
 from torch import Tensor
@@ -118,8 +119,16 @@ def _library() -> pathlib.Path:
     return pathlib.Path(root) / f"attnlab_kernels_{key}.so"
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()  # (two threads' first decoders: one build, one library loaded)
+
+
 def _built() -> bool:
+    with _BUILD_LOCK:
+        return _build_once()
+
+
+@functools.cache
+def _build_once() -> bool:
     global _loaded
     try:
         kept = _library()
