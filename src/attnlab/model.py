@@ -1212,13 +1212,9 @@ class GPT(nn.Module):
         from attnlab.formats.gguf import is_gguf
 
         if isinstance(name, str) and name.lower() not in hf.PRETRAINED and is_gguf(name):
-            path = Path(name).expanduser()
-            if path.is_dir():  # (named like a GGUF file, a directory: a Hugging Face one, read as such)
-                pass
-            elif not path.is_file():
+            if not Path(name).expanduser().is_file():
                 raise FileNotFoundError(f"{name}: no such file (a GGUF file)")
-            else:
-                return cls.from_gguf(name, dtype=dtype or torch.float32, device=device)
+            return cls.from_gguf(name, dtype=dtype or torch.float32, device=device)
         hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
         model_type = hf_config.get("model_type", "gpt2")
         if model_type in families.MODEL_TYPES:

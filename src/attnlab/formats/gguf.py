@@ -345,8 +345,11 @@ _FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base", "a
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names a GGUF file: ends in ``.gguf`` or starts with the bytes ``GGUF``."""
+    """Whether ``path`` names a GGUF file: ends in ``.gguf`` or starts with the bytes ``GGUF``. A directory
+    never does, however it is named (a Hugging Face model's folder called ``*.gguf`` is read as a folder)."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        return False
     if p.suffix.lower() == ".gguf":
         return True
     if not p.is_file():

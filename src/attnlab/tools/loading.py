@@ -188,7 +188,7 @@ def load_pretrained(
             f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
         )
     local = Path(name).expanduser()
-    if name.lower() not in PRETRAINED and not local.is_dir() and is_gguf(local):  # (a folder named *.gguf: a folder)
+    if name.lower() not in PRETRAINED and is_gguf(local):
         return load_gguf(local, device=device, dtype=dtype, what=what)
     is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
     if not is_local and name.lower() not in PRETRAINED and local.is_file():  # (not a Hub name to try)
