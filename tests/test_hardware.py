@@ -196,7 +196,7 @@ def cpu_maker(monkeypatch):
     """Makes hardware.linear see a CPU of this maker (``/proc/cpuinfo``'s ``vendor_id``)."""
 
     def pretend(vendor: str) -> None:
-        monkeypatch.setattr(hardware, "_cpuinfo", lambda field: vendor if field == "vendor_id" else "")
+        monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
         hardware._onednn_linear_pays.cache_clear()
 
     yield pretend

@@ -155,9 +155,10 @@ def cpu_capability() -> str:
     return cap
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """The CPU's maker as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``), or ``""``
-    where it says nothing (not Linux, an Arm CPU)."""
+    where it says nothing (not Linux, an Arm CPU). Read once (every batch's decoder asks)."""
     return _cpuinfo("vendor_id")
 
 
@@ -270,7 +271,7 @@ def _onednn_linear_pays() -> bool:
     x86 builds) on an Intel CPU, where MKL runs its own code paths rather than generic ones (see
     :func:`linear`). A CPU whose maker is unknown keeps oneDNN, as every CPU did before MKL was measured
     on an Intel one."""
-    return not (torch.backends.mkl.is_available() and _cpuinfo("vendor_id") == "GenuineIntel")
+    return not (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel")
 
 
 @functools.cache
