@@ -241,3 +241,143 @@ def test_the_built_kernel_is_kept_and_loaded_by_later_processes(tmp_path):
     blocked.write_text("")  # (a file where the folder would go: nothing can be kept)
     out, log = run(blocked)
     assert out == "True" and "could not keep the built kernel" in log
+
+
+# --------------------------------------------------------------------------------------------
+# A GGUF file's blocks (pack_blocks, block_linear)
+# --------------------------------------------------------------------------------------------
+def quantized(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``w`` as a GGUF file holds it in ``qtype`` and the loader gives it back in float32: quantized and
+    dequantized by the ``gguf`` package (llama.cpp's reference quantizers)."""
+    gguf = pytest.importorskip("gguf")
+    kind = gguf.GGMLQuantizationType[qtype]
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind).copy())
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    qtype=st.sampled_from(["Q4_1", "Q8_0"]),
+    rows=st.integers(1, 19),
+    k_blocks=st.integers(1, 6),
+    width=st.sampled_from([32, 48]),
+    panels=st.integers(1, 4),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_block_linear_on_a_gguf_quantization_is_the_float64_product(
+    qtype, rows, k_blocks, width, panels, scale, bias, seed
+):
+    """A weight quantized as llama.cpp does, then dequantized to float32 (a GGUF model loaded in float32):
+    pack_blocks finds its blocks back, and block_linear on them is the float64 product of the float32
+    weight to float32's rounding; a pass of 3-8 rows sums exactly as rows_linear does, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = width * panels, 32 * k_blocks
+    w = quantized(scale * torch.randn(n, k, generator=g), qtype)
+    blocks = kernels.pack_blocks(w)
+    assert blocks is not None and blocks.dtype == torch.uint8
+    assert blocks.numel() == n * k // 32 * (20 if qtype == "Q4_1" else 34)  # 5 or 8.5 bits a weight
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.block_linear(x, blocks, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k * scale)
+    if 3 <= rows <= 8:
+        assert torch.equal(got, kernels.rows_linear(x, kernels.pack_panels(w), b))
+
+
+@needs_kernel
+def test_pack_blocks_keeps_a_weight_float32_unless_every_value_comes_back_exactly():
+    torch.manual_seed(0)
+    w = quantized(torch.randn(64, 96), "Q4_1")
+    assert kernels.pack_blocks(w) is not None
+    assert kernels.pack_blocks(torch.randn(64, 96)) is None  # (not a quantization)
+    for edit in (
+        lambda t: t.__setitem__((5, 40), torch.nextafter(t[5, 40], torch.tensor(9.0))),  # one weight one ulp off
+        lambda t: t.__setitem__((63, 95), float("nan")),
+        lambda t: t.__setitem__((0, 0), float("inf")),
+    ):
+        edited = w.clone()
+        edit(edited)
+        assert kernels.pack_blocks(edited) is None
+    assert kernels.pack_blocks(w[:40]) is None  # 40 rows: not 32 or 48 a panel
+    assert kernels.pack_blocks(w[:, :80]) is None  # 80 columns: not whole blocks of 32
+    assert kernels.pack_blocks(torch.zeros(32, 32)) is not None  # (d = 0: every q 0)
+    with pytest.raises(ValueError, match=r"weight must be a float32 \(N, K\) matrix on the CPU, got torch.float64"):
+        kernels.pack_blocks(w.double())
+    with pytest.raises(TypeError, match=r"weight must be a torch\.Tensor, got ndarray"):
+        kernels.pack_blocks(w.numpy())
+
+
+@needs_kernel
+def test_block_linear_names_the_argument_at_fault():
+    blocks, x = kernels.pack_blocks(quantized(torch.randn(96, 64), "Q8_0")), torch.randn(3, 64)
+    with pytest.raises(TypeError, match="x must be a float32 CPU tensor, got Double"):
+        kernels.block_linear(x.double(), blocks)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\) .* got shape \[3, 32\]"):
+        kernels.block_linear(torch.randn(3, 32), blocks)
+    with pytest.raises(ValueError, match=r"bias must be \(96\), got shape \[48\]"):
+        kernels.block_linear(x, blocks, torch.randn(48))
+    with pytest.raises(TypeError, match="blocks must be a uint8 CPU tensor"):
+        kernels.block_linear(x, blocks.float())
+    with pytest.raises(ValueError, match="blocks must be pack_blocks'"):
+        kernels.block_linear(x, blocks[:, :, :100].contiguous())
+
+
+def gguf_model(family: str, **overrides) -> GPT:
+    """:func:`make`'s model with every matrix as a GGUF file would give it back in float32: the layers'
+    Q4_1, the embeddings and head Q8_0 (as llama.cpp's Q4_1 files keep them)."""
+    model = make(family, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(quantized(p.detach(), "Q8_0" if "emb" in name or "out_head" in name else "Q4_1"))
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_gguf_models_decoding_reads_its_blocks_and_equals_the_eager_forward(
+    family, rows, compile, steps, monkeypatch
+):
+    """A float32 model whose matrices are a GGUF quantization's: one row or a batch, the decoder reads every
+    projection and the head from their blocks (the compiled step attends by decode_attention), with the
+    eager forward's tokens and logits and no graph break; an edit to a weight between generations is seen."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = gguf_model(family)
+    idx = torch.randint(0, 64, (rows, 6), generator=torch.Generator().manual_seed(1))
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(rows, 16), compile=compile)
+    assert all(w[j].dtype == torch.uint8 for w, *_ in decoder.layers for j in (2, 6, 12, 14))
+    assert decoder.head[2].dtype == torch.uint8 and decoder.screen is None
+    assert all(spec[-1] == compile for _, spec, *_ in decoder.layers)
+    del decoder
+    for _ in range(2):
+        ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+        torch._dynamo.utils.counters.clear()
+        steps[0] = 0
+        got = model.generate(idx, 10, temperature=0, return_logits=True, compile=compile)
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
+        assert steps[0] >= 9  # (every step on the fast path; a small model's compiled chunks run 4 at once)
+        assert not torch._dynamo.utils.counters["graph_break"]
+        with torch.no_grad():  # an edit no version counter sees: the next generation's blocks are found anew
+            model.trf_blocks[0].ff.layers[0].weight.data[:, :32] *= -1
+
+
+@needs_kernel
+def test_a_model_loaded_from_a_q4_1_gguf_file_decodes_from_its_blocks(tmp_path, monkeypatch):
+    """Through the loader: a Llama written to a Q4_1 GGUF file as llama.cpp does, loaded in float32, has
+    its projections found back as blocks; greedy decoding gives the eager forward's tokens."""
+    gguf_files = pytest.importorskip("gguf_files")
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    path = gguf_files.write_gguf(tmp_path / "tiny.Q4_1.gguf", qtype="Q4_1")
+    model = GPT.from_gguf(path, dtype=torch.float32).eval()
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(1, 16))
+    assert all(w[j].dtype == torch.uint8 for w, *_ in decoder.layers for j in (2, 6, 12, 14))
+    idx = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(idx, 8, temperature=0, fast=False)
+    assert torch.equal(model.generate(idx, 8, temperature=0), ref)

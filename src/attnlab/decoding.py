@@ -474,6 +474,8 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
     ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"eager"`` (the eager step):
     :func:`attnlab.hardware.linear`; ``"plain"``: a matmul."""
+    if w.dtype == torch.uint8:  # a GGUF file's blocks, for attnlab's own kernel (see _blocks)
+        return kernels.block_linear(x, w, b)
     if w.dim() == 3:  # panels for attnlab's own kernel of a few float32 rows (see FastDecoder._pack)
         return kernels.rows_linear(x, w, b)
     if w.layout == torch._mkldnn:  # prepacked for oneDNN (see pack_linear): the bias added in the same call
@@ -741,6 +743,26 @@ def _compiled(fn: Any, cpp_wrapper: bool = False) -> Any:
     return torch.compile(fn, dynamic=False, options=options)
 
 
+_MATRICES = (2, 6, 12, 14)  # the projections' weights in a layer's tuple of tensors (see FastDecoder._weights)
+
+
+def _blocks(weights: list[tuple], head: Tensor) -> dict:
+    """The projections of ``weights`` (each layer's :meth:`FastDecoder._weights`) and the output ``head``
+    whose float32 values are exactly a GGUF file's Q4_1 or Q8_0 blocks, as those blocks
+    (:func:`attnlab.kernels.pack_blocks`): ``{(layer, index in its tuple) or "head": blocks}``, empty
+    where none is (a model not loaded from such a file). Found back from the weights when each generation
+    starts, as the fused projections are, never kept between generations (``weight.data[...] = 0`` bumps
+    no version counter): SmolLM2's 210 matrices and head, some 100 ms on 2 threads (Intel Xeon)."""
+    found = {}
+    if (b := kernels.pack_blocks(head.detach())) is not None:
+        found["head"] = b
+    for i, w in enumerate(weights):
+        for j in _MATRICES:
+            if (b := kernels.pack_blocks(w[j].detach())) is not None:
+                found[(i, j)] = b
+    return found
+
+
 # --------------------------------------------------------------------------------------------
 # The decoder
 # --------------------------------------------------------------------------------------------
@@ -787,17 +809,26 @@ class FastDecoder:
         # (a batch only: one row's compiled product streams the float32 head at the machine's read rate, and
         # the screen's calls around a one-row bfloat16 product cost what it saves: SmolLM2 float32, compiled,
         # 39.2 tokens/s screened against 40.9; a batch of 8 of GPT-2-small's size 193.0 against 170.1)
+        # A float32 model on an Intel CPU, one row or a batch of up to _PANEL_ROWS: each projection whose
+        # float32 weights are exactly a GGUF file's Q4_1 or Q8_0 blocks (a model loaded from one) is
+        # multiplied from those blocks (attnlab.kernels.block_linear: a fifth or a quarter of the bytes, the
+        # sums rows_linear's bit for bit), found back when the generation starts (see _pack).
+        float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
+        quantized = rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
+        weights = [self._weights(block) for block in model.trf_blocks]
+        self.blocks = _blocks(weights, head_w) if quantized else {}
         long = steps is None or steps >= SCREEN_MIN_STEPS
         screened = tokens_only and rows > 1 and long and screens(model, caches[0].keys.device)
-        self.screen = ScreenedHead(head_w, rows) if screened else None
+        # (a head read from its blocks reads fewer bytes than the screen's bfloat16 copy)
+        self.screen = ScreenedHead(head_w, rows) if screened and "head" not in self.blocks else None
         # A float32 batch of a large model on an Intel CPU: attnlab's own kernels for the products (see
-        # _pack) and, in the compiled step, for attention over the cache's filled slots (see _layer).
-        float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
+        # _pack) and, in the compiled step, for attention over the cache's filled slots (see _layer); so too
+        # one row whose weights come from their blocks.
         self.panels = pack and 2 <= rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
         contiguous = all(c.keys.is_contiguous() and c.values.is_contiguous() for c in caches)
-        own_attention = self.panels and compile and contiguous
+        own_attention = (self.panels or bool(self.blocks)) and compile and contiguous
         self.layers = []
-        for block in model.trf_blocks:
+        for block, w in zip(model.trf_blocks, weights, strict=True):
             att = block.att
             spec = (
                 norm,
@@ -814,18 +845,18 @@ class FastDecoder:
                 self.batch,
                 own_attention,
             )
-            self.layers.append((self._weights(block), spec, att.window, block.local_rope, att.has_positions))
+            self.layers.append((w, spec, att.window, block.local_rope, att.has_positions))
         self.head = (
             model.final_norm.weight,
             getattr(model.final_norm, "bias", None),
             model.out_head.weight,
             cfg.logit_softcap,
         )
-        if pack:
-            self._pack(rows, compile)
+        if pack or self.blocks:
+            self._pack(rows, compile, pack)
         # (on attnlab's kernels, whose operators are C++: the code around them in C++ too, inductor's
         # cpp_wrapper; SmolLM2's batch of 8, 232.0 -> 258.2 tokens/s, Intel Xeon, 2 threads)
-        self.layers_fn = _compiled(_layers, self.panels) if compile else None
+        self.layers_fn = _compiled(_layers, self.panels or bool(self.blocks)) if compile else None
         self.observed_fn = _compiled(_observed_layers) if compile else None  # (compiled at its first call)
         self.rows_fn = _compiled(_attention_rows) if compile else None
         # (the rows of all layers are one tensor of the graph's: caches of one size)
@@ -875,36 +906,40 @@ class FastDecoder:
             c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
         ]
 
-    def _pack(self, rows: int, compile: bool) -> None:
+    def _pack(self, rows: int, compile: bool, pack: bool) -> None:
         """The projections' weights (and the head's, unless screened: then the float32 head is read only
-        where a row cannot be) as the step multiplies them: a float32 batch of up to :data:`_PANEL_ROWS`
-        rows swaps each for its panels where :func:`attnlab.kernels.available` (see :func:`_matvec`); else
-        the eager step swaps each for its oneDNN packing, and the compiled one registers it, while this
-        decoder lives, for the operator its graph calls (:func:`packed_linear`)."""
+        where a row cannot be) as the step multiplies them: those with GGUF blocks (:func:`_blocks`) swap
+        for them; with ``pack``, a float32 batch of up to :data:`_PANEL_ROWS` rows swaps each other one
+        for its panels where :func:`attnlab.kernels.available` (see :func:`_matvec`); else the eager step
+        swaps it for its oneDNN packing, and the compiled one registers it, while this decoder lives, for
+        the operator its graph calls (:func:`packed_linear`)."""
 
-        def swap(t: Tensor) -> Tensor | None:  # (None: registered)
+        def swap(t: Tensor, key: Any) -> Tensor | None:  # (None: registered)
+            if key in self.blocks:
+                return self.blocks[key]
+            if not pack:
+                return t
             if self.panels and kernels.panel_width(t):
                 return kernels.pack_panels(t)
             return None if compile else pack_linear(t, rows)
 
         registered = []
         if self.screen is None:
-            head = swap(self.head[2])
+            head = swap(self.head[2], "head")
             if head is None:
                 registered.append(self.head[2])
             else:
                 self.head = (*self.head[:2], head, self.head[3])
-        matrices = (2, 6, 12, 14)  # the projections' weights in each layer's tuple (see _weights)
         for i, (w, *rest) in enumerate(self.layers):
             w = list(w)
-            for j in matrices:
-                packed = swap(w[j])
+            for j in _MATRICES:
+                packed = swap(w[j], (i, j))
                 if packed is None:
                     registered.append(w[j])
                 else:
                     w[j] = packed
             self.layers[i] = (tuple(w), *rest)
-        if compile:  # (the graph's products on plain weights call it: here, the head if screened)
+        if compile and pack:  # (the graph's products on plain weights call it: here, the head if screened)
             _packed_op()
         if registered:
             weakref.finalize(self, _release_packs, _register_packs(registered, rows))

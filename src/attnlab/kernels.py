@@ -35,13 +35,34 @@ from torch import Tensor
 
 from attnlab import files, hardware
 
-__all__ = ["available", "decode_attention", "pack_panels", "panel_width", "rows_linear", "runs"]
+__all__ = [
+    "available",
+    "block_bytes",
+    "block_linear",
+    "decode_attention",
+    "pack_blocks",
+    "pack_panels",
+    "panel_width",
+    "rows_linear",
+    "runs",
+]
 
 _LOG = logging.getLogger(__name__)
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "kernels.cpp"
 # -fopenmp: at::parallel_for divides the panels between torch's OpenMP threads (without it, one thread)
 # CPU_CAPABILITY_AVX512: ATen's vectorised math (at::vec) in its AVX-512 form
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-DCPU_CAPABILITY_AVX512"]
+# -mf16c: float16 <-> float32 in one instruction (the blocks' scales)
+_CFLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512dq",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mfma",
+    "-mf16c",
+    "-fopenmp",
+    "-DCPU_CAPABILITY_AVX512",
+]
 
 
 def panel_width(weight: Tensor) -> int:
@@ -75,6 +96,40 @@ def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor
     if not _loaded:
         _require()
     return torch.ops.attnlab_kernels.rows_linear(x, panels, bias)
+
+
+def pack_blocks(weight: Tensor) -> Tensor | None:
+    """``weight (N, K)`` float32 in the blocks a GGUF file quantized it in, where it has them: each row's
+    32-weight blocks as Q4_1 (``w = d * q + m``, ``q`` 4 bits, ``d`` and ``m`` float16) or else Q8_0
+    (``w = d * q``, ``q`` 8 bits), found back from the float32 values and kept only if every weight comes
+    back bit for bit; else None (the weight stays float32). ``N`` a multiple of 32 or 48, ``K`` of 32.
+    uint8 ``(N / w, K / 32, 20 w | 34 w)`` in panels of ``w`` (:func:`panel_width`) output columns (see
+    ``csrc/kernels.cpp``); made when a generation starts, as :func:`pack_panels`' copy. Only where
+    :func:`runs`."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        got = f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        raise ValueError(f"weight must be a float32 (N, K) matrix on the CPU, got {got}")
+    if not _loaded:
+        _require()
+    blocks = torch.ops.attnlab_kernels.pack_blocks(weight.detach())
+    return blocks if blocks.numel() else None
+
+
+def block_bytes(blocks: Tensor) -> int:
+    """Bytes :func:`block_linear` reads of ``blocks`` a pass (all of them)."""
+    return blocks.numel()
+
+
+def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (..., K) @ W.T + bias`` for ``W (N, K)`` kept as :func:`pack_blocks` blocks: ``(..., N)``,
+    float32, CPU, up to 8 rows a pass. Each weight rebuilt exactly from its block, the sums those of
+    :func:`rows_linear` on the same weight, bit for bit, in a fifth (Q4_1) or a quarter (Q8_0) of the
+    bytes. Only where :func:`runs`."""
+    if not _loaded:
+        _require()
+    return torch.ops.attnlab_kernels.block_linear(x, blocks, bias)
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:
@@ -143,6 +198,11 @@ def _build_once() -> bool:
     @torch.library.register_fake("attnlab_kernels::rows_linear")
     def _(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
+
+    @torch.library.register_fake("attnlab_kernels::block_linear")
+    def _(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+        width = blocks.shape[2] // (20 if blocks.shape[2] in (640, 960) else 34)
+        return x.new_empty((*x.shape[:-1], blocks.shape[0] * width))
 
     @torch.library.register_fake("attnlab_kernels::decode_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:

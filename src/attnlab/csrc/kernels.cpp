@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -171,14 +172,334 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// block_linear: rows_linear on a weight kept in the blocks a GGUF file quantized it in, Q4_1 or Q8_0.
+//
+// A GGUF model loaded in float32 holds each weight dequantized: Q4_1's w = d * q + m (q 4 bits, d and m
+// float16, one pair per 32 weights of a row), Q8_0's w = d * q (q 8 bits). Those float32 values are
+// exactly d * q + m rounded once, what a fused multiply-add gives: pack_blocks finds d, m and q back
+// from the float32 weight, block by block, and keeps them only if every weight comes back bit for bit
+// (else the weight stays float32). The kernel then reads 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead
+// of 32, rebuilds each float32 weight in a register with one FMA, and multiplies it as rows_linear does,
+// in the same order: the same sums, bit for bit, over a fifth to a quarter of the bytes.
+//
+// Layout (uint8 (P, K / 32, bytes)): panel p of W = 32 | 48 output columns, one block of 32 k each:
+//   Q4_1 (bytes = 20 W): d (W float16), m (W float16), then 16 rows of W bytes, row r byte c holding
+//        q[k = 2r] in its low nibble and q[k = 2r + 1] in its high one (column c).
+//   Q8_0 (bytes = 34 W): d (W float16), then 32 rows of W int8, row r the q of k = r.
+// ---------------------------------------------------------------------------------------------------
+constexpr int64_t kQ4 = 20, kQ8 = 34;  // bytes a column of a panel takes in a block of 32 k
+
+// float16 <-> float32 by F16C's instructions (round to nearest even, as c10::Half and numpy's).
+inline uint16_t to_half(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+inline float from_half(uint16_t h) { return _cvtsh_ss(h); }
+
+// The smallest and largest of v's 32 entries (NaN: either may be NaN or skip it; the exact check catches it).
+inline void min_max(const float* v, float& mn, float& mx) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  mn = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
+  mx = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+}
+
+// Whether q = round((v - m) / d) gives back every entry of v (32) exactly as fma(d, q, m) (Q4_1: m the
+// block's minimum, q in [0, 15]; Q8_0: m = 0, q in [-128, 127], d * q exact, an FMA with 0 the same); the
+// q as int8 in q.
+inline bool exact_block(const float* v, float d, float m, float lo, float hi, int8_t* q) {
+  // (times 1 / d, not divided by d: (v - m) / d is within 2^-20 of an integer wherever v is exact, and
+  // the check below is exact whatever q comes out)
+  const __m512 dv = _mm512_set1_ps(d), rv = _mm512_set1_ps(1.f / d), mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo), hiv = _mm512_set1_ps(hi);
+  __mmask16 bad = 0;
+  __m512 qs[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512 x = _mm512_loadu_ps(v + 16 * h);
+    const __m512 qh = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, mv), rv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    bad |= _mm512_cmp_ps_mask(qh, lov, _CMP_NGE_UQ) | _mm512_cmp_ps_mask(qh, hiv, _CMP_NLE_UQ) |
+           _mm512_cmp_ps_mask(_mm512_fmadd_ps(dv, qh, mv), x, _CMP_NEQ_UQ);
+    qs[h] = qh;
+  }
+  if (bad) return false;
+  for (int h = 0; h < 2; ++h)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(qs[h])));
+  return true;
+}
+
+// A block's float16 d (with bits d_out) near `guess` that gives v back exactly (see exact_block): the
+// guess rounded to float16 and its neighbours, the scale a quantizer's rounding may have put there.
+inline bool find_scale(const float* v, float guess, float m, float lo, float hi, uint16_t& d_out, int8_t* q) {
+  const int g = to_half(guess);
+  for (int delta : {0, -1, 1, -2, 2}) {
+    const int bits = g + delta;
+    if (bits <= 0 || bits >= 0x7C00) continue;  // (positive and finite)
+    if (exact_block(v, from_half(static_cast<uint16_t>(bits)), m, lo, hi, q)) {
+      d_out = static_cast<uint16_t>(bits);
+      return true;
+    }
+  }
+  return false;
+}
+
+// Q4_1's d, m and q of 32 weights v (one row's block) that give back each v exactly as fma(d, q, m).
+bool q4_1_block(const float* v, uint16_t& d_out, uint16_t& m_out, int8_t* q) {
+  float mn, mx;
+  min_max(v, mn, mx);
+  m_out = to_half(mn);
+  if (!(from_half(m_out) == mn)) return false;  // (the smallest weight is m itself: q = 0; NaN fails here)
+  if (mx == mn) {  // (d = 0: every q 0)
+    d_out = 0;
+    return exact_block(v, 1.f, mn, 0.f, 0.f, q);
+  }
+  return find_scale(v, (mx - mn) / 15.f, mn, 0.f, 15.f, d_out, q);  // (the largest q is 15)
+}
+
+// Q8_0's d and q of 32 weights v that give back each v exactly as d * q.
+bool q8_0_block(const float* v, uint16_t& d_out, int8_t* q) {
+  float mn, mx;
+  min_max(v, mn, mx);
+  const float amax = std::max(-mn, mx);
+  if (amax == 0.f) {
+    d_out = 0;
+    return exact_block(v, 1.f, 0.f, 0.f, 0.f, q);
+  }
+  return find_scale(v, amax / 127.f, 0.f, -128.f, 127.f, d_out, q);  // (the largest |q| is 127)
+}
+
+// The weight's blocks in one format (q4: Q4_1, else Q8_0) into out, or false where a block has none.
+bool pack_format(const float* w, int64_t N, int64_t K, int64_t W, bool q4, uint8_t* out) {
+  const int64_t nb = K / 32, col = q4 ? kQ4 : kQ8, block = col * W;
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, N / W, 1, [&](int64_t a, int64_t b) {
+    int8_t q[32];
+    for (int64_t p = a; p < b && ok.load(std::memory_order_relaxed); ++p)
+      for (int64_t c = 0; c < W; ++c)  // (each row read in order, its blocks' bytes spread over the panel's)
+        for (int64_t kb = 0; kb < nb; ++kb) {
+          uint8_t* o = out + (p * nb + kb) * block;
+          uint16_t* d = reinterpret_cast<uint16_t*>(o);
+          const float* v = w + (p * W + c) * K + kb * 32;
+          if (q4) {
+            uint16_t* m = d + W;
+            if (!q4_1_block(v, d[c], m[c], q)) return void(ok = false);
+            for (int r = 0; r < 16; ++r) o[4 * W + r * W + c] = static_cast<uint8_t>(q[2 * r] | (q[2 * r + 1] << 4));
+          } else {
+            if (!q8_0_block(v, d[c], q)) return void(ok = false);
+            for (int r = 0; r < 32; ++r) o[2 * W + r * W + c] = static_cast<uint8_t>(q[r]);
+          }
+        }
+  });
+  return ok;
+}
+
+at::Tensor pack_blocks(const at::Tensor& weight) {
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+                   "pack_blocks: weight must be a float32 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "pack_blocks: weight must be (N, K), got shape ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t W = N % 48 == 0 ? 48 : N % 32 == 0 ? 32 : 0;
+  if (W == 0 || K == 0 || K % 32 != 0 || N == 0) return at::empty({0}, weight.options().dtype(at::kByte));
+  const at::Tensor w = weight.contiguous();
+  for (bool q4 : {true, false}) {
+    at::Tensor out = at::empty({N / W, K / 32, (q4 ? kQ4 : kQ8) * W}, weight.options().dtype(at::kByte));
+    if (pack_format(w.data_ptr<float>(), N, K, W, q4, out.data_ptr<uint8_t>())) return out;
+  }
+  return at::empty({0}, weight.options().dtype(at::kByte));
+}
+
+// y[m, panel's columns] for the M rows of x: one panel of nb blocks, as panel<M, NP> but the weights
+// rebuilt from their blocks (Q4: Q4_1, else Q8_0). Each accumulator takes k in order, as panel's.
+template <bool Q4, int M, int NP>
+void block_panel(const float* x, int64_t ldx, const uint8_t* blk, int64_t nb, float* y, int64_t ldy,
+                 const float* bias) {
+  constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = blk + b * block;
+    const float* xk = x + 32 * b;
+    for (int64_t line = 0; line < block; line += 64)  // (the block after next: one stream, ahead of use)
+      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * block + line), _MM_HINT_T0);
+    __m512 d[NP], mv[NP];
+    for (int j = 0; j < NP; ++j) {
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+      if (Q4) mv[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * W + 32 * j)));
+    }
+    if constexpr (Q4) {
+      const uint8_t* nib = p + 4 * W;
+      for (int r = 0; r < 16; ++r) {
+        __m512 w0[NP], w1[NP];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + r * W + 16 * j)));
+          w0[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), mv[j]);
+          w1[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), mv[j]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512 x0 = _mm512_set1_ps(xk[m * ldx + 2 * r]), x1 = _mm512_set1_ps(xk[m * ldx + 2 * r + 1]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[m][j]));
+        }
+      }
+    } else {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2 * W);
+      for (int r = 0; r < 32; ++r) {
+        __m512 wv[NP];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j)
+          wv[j] = _mm512_mul_ps(
+              d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + r * W + 16 * j)))));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512 xb = _mm512_set1_ps(xk[m * ldx + r]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+}
+
+// One or two rows (M <= 2): block_panel's sums with fewer operations a weight, the block's factored out,
+// sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k (xsum: each row's sums over its blocks, nb each):
+// no FMA rebuilds each weight, where a row or two leaves the core more arithmetic than the memory's time
+// (SmolLM2's step, 1 row: 4.65 -> 3.9 ms, Intel Xeon, 2 threads). The sums float32, in another order.
+template <bool Q4, int M, int NP>
+void block_panel_factored(const float* x, int64_t ldx, const float* xsum, const uint8_t* blk, int64_t nb, float* y,
+                          int64_t ldy, const float* bias) {
+  constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = blk + b * block;
+    const float* xk = x + 32 * b;
+    for (int64_t line = 0; line < block; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * block + line), _MM_HINT_T0);
+    __m512 sum[M][NP];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < NP; ++j) sum[m][j] = _mm512_setzero_ps();
+    if constexpr (Q4) {
+      const uint8_t* nib = p + 4 * W;
+      for (int r = 0; r < 16; ++r) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + r * W + 16 * j)));
+          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          for (int m = 0; m < M; ++m)
+            sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + 2 * r + 1]), q1,
+                                        _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + 2 * r]), q0, sum[m][j]));
+        }
+      }
+    } else {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2 * W);
+      for (int r = 0; r < 32; ++r) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + r * W + 16 * j))));
+          for (int m = 0; m < M; ++m) sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + r]), q, sum[m][j]);
+        }
+      }
+    }
+    for (int j = 0; j < NP; ++j) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+      for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(d, sum[m][j], acc[m][j]);
+      if constexpr (Q4) {
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * W + 32 * j)));
+        for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * nb + b]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+}
+
+template <bool Q4, int NP>
+void block_rows(int M, const float* x, int64_t K, const uint8_t* blocks, int64_t P, float* y, int64_t N,
+                const float* bias) {
+  using Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, const float*);
+  static constexpr Fn fns[8] = {block_panel<Q4, 1, NP>, block_panel<Q4, 2, NP>, block_panel<Q4, 3, NP>,
+                                block_panel<Q4, 4, NP>, block_panel<Q4, 5, NP>, block_panel<Q4, 6, NP>,
+                                block_panel<Q4, 7, NP>, block_panel<Q4, 8, NP>};
+  constexpr int64_t W = 16 * NP;
+  const int64_t nb = K / 32, panel = nb * (Q4 ? kQ4 : kQ8) * W;
+  if (M <= 2) {
+    using Factored = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t, const float*);
+    const Factored fn = M == 1 ? block_panel_factored<Q4, 1, NP> : block_panel_factored<Q4, 2, NP>;
+    float xsum[2 * 512];  // (K <= 16384: checked by block_linear)
+    for (int m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        float t = 0.f;
+        for (int i = 0; i < 32; ++i) t += x[m * K + 32 * b + i];
+        xsum[m * nb + b] = t;
+      }
+    at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+      for (int64_t p = a; p < b; ++p) fn(x, K, xsum, blocks + p * panel, nb, y + p * W, N, bias ? bias + p * W : nullptr);
+    });
+    return;
+  }
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t p = a; p < b; ++p)
+      fns[M - 1](x, K, blocks + p * panel, nb, y + p * W, N, bias ? bias + p * W : nullptr);
+  });
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "block_linear: x must be a float32 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_TYPE(blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+                   "block_linear: blocks must be a uint8 CPU tensor (pack_blocks'), got ", blocks.scalar_type(), " on ",
+                   blocks.device());
+  const int64_t last = blocks.dim() == 3 ? blocks.size(2) : 0;
+  const bool q4 = last == kQ4 * 32 || last == kQ4 * 48, q8 = last == kQ8 * 32 || last == kQ8 * 48;
+  TORCH_CHECK_VALUE(blocks.is_contiguous() && (q4 || q8) && blocks.size(1) > 0 && blocks.size(1) <= 512,
+                    "block_linear: blocks must be pack_blocks' (P, K / 32, 20 W | 34 W), W = 32 | 48, K <= 16384, contiguous, got shape ",
+                    blocks.sizes());
+  const int64_t W = last / (q4 ? kQ4 : kQ8), P = blocks.size(0), K = 32 * blocks.size(1), N = P * W;
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "block_linear: x must be (..., ", K,
+                    ") for a weight of K = ", K, " features, got shape ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const float* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK_TYPE(bc.scalar_type() == at::kFloat && bc.device().is_cpu(), "block_linear: bias must be a float32 CPU tensor, got ",
+                     bc.scalar_type(), " on ", bc.device());
+    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "block_linear: bias must be (", N, "), got shape ", bc.sizes());
+    b = bc.data_ptr<float>();
+  }
+  const int64_t R = xc.numel() / K;
+  const uint8_t* bl = blocks.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < R; r += 8) {  // up to 8 rows a pass over the weight
+    const int M = static_cast<int>(std::min<int64_t>(8, R - r));
+    const float* xr = xc.data_ptr<float>() + r * K;
+    float* yr = y.data_ptr<float>() + r * N;
+    if (q4)
+      W == 48 ? block_rows<true, 3>(M, xr, K, bl, P, yr, N, b) : block_rows<true, 2>(M, xr, K, bl, P, yr, N, b);
+    else
+      W == 48 ? block_rows<false, 3>(M, xr, K, bl, P, yr, N, b) : block_rows<false, 2>(M, xr, K, bl, P, yr, N, b);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_kernels, m) {
   m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slot, float scale) -> Tensor");
+  m.def("pack_blocks(Tensor weight) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_kernels, CPU, m) {
   m.impl("rows_linear", rows_linear);
   m.impl("decode_attention", decode_attention);
+  m.impl("pack_blocks", pack_blocks);
+  m.impl("block_linear", block_linear);
 }
