@@ -41,6 +41,10 @@ math with the work a step needs and nothing else:
   kernels whose launches, not the weights' reads, take its time (SmolLM2's shape on an H200: 641
   tokens/s against 146 without the graph).
 
+A float32 model loaded from a GGUF file (SmolLM2's Q4_1) decodes on an Intel CPU from the file's
+own blocks (:func:`_blocks`, :mod:`attnlab.kernels`): the same float32 weights, found back from their
+values when the generation starts, read at a fifth of the bytes (one row or a batch of up to 8).
+
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
 Anything else (hooks, LoRA parametrizations, forward hooks, padding masks, ALiBi,
