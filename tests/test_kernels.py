@@ -304,6 +304,11 @@ def test_pack_blocks_keeps_a_weight_float32_unless_every_value_comes_back_exactl
     assert kernels.pack_blocks(w[:40]) is None  # 40 rows: not 32 or 48 a panel
     assert kernels.pack_blocks(w[:, :80]) is None  # 80 columns: not whole blocks of 32
     assert kernels.pack_blocks(torch.zeros(32, 32)) is not None  # (d = 0: every q 0)
+    flat = torch.full((32, 32), 0.5)  # (every weight m, d = 0) ...
+    assert kernels.pack_blocks(flat) is not None
+    flat[7, 3] = float("nan")  # ... but one NaN, which a minimum or maximum may skip
+    assert kernels.pack_blocks(flat) is None
+    assert kernels.pack_blocks(torch.full((32, 32), 1e-44)) is None  # (a scale that rounds to 0: not 0 weights)
     with pytest.raises(ValueError, match=r"weight must be a float32 \(N, K\) matrix on the CPU, got torch.float64"):
         kernels.pack_blocks(w.double())
     with pytest.raises(TypeError, match=r"weight must be a torch\.Tensor, got ndarray"):

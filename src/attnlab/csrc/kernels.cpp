@@ -191,100 +191,88 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 // ---------------------------------------------------------------------------------------------------
 constexpr int64_t kQ4 = 20, kQ8 = 34;  // bytes a column of a panel takes in a block of 32 k
 
-// float16 <-> float32 by F16C's instructions (round to nearest even, as c10::Half and numpy's).
-inline uint16_t to_half(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
-inline float from_half(uint16_t h) { return _cvtsh_ss(h); }
-
-// The smallest and largest of v's 32 entries (NaN: either may be NaN or skip it; the exact check catches it).
-inline void min_max(const float* v, float& mn, float& mx) {
-  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-  mn = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
-  mx = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-}
-
-// Whether q = round((v - m) / d) gives back every entry of v (32) exactly as fma(d, q, m) (Q4_1: m the
-// block's minimum, q in [0, 15]; Q8_0: m = 0, q in [-128, 127], d * q exact, an FMA with 0 the same); the
-// q as int8 in q.
-inline bool exact_block(const float* v, float d, float m, float lo, float hi, int8_t* q) {
-  // (times 1 / d, not divided by d: (v - m) / d is within 2^-20 of an integer wherever v is exact, and
-  // the check below is exact whatever q comes out)
-  const __m512 dv = _mm512_set1_ps(d), rv = _mm512_set1_ps(1.f / d), mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo), hiv = _mm512_set1_ps(hi);
-  __mmask16 bad = 0;
-  __m512 qs[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m512 x = _mm512_loadu_ps(v + 16 * h);
-    const __m512 qh = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, mv), rv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    bad |= _mm512_cmp_ps_mask(qh, lov, _CMP_NGE_UQ) | _mm512_cmp_ps_mask(qh, hiv, _CMP_NLE_UQ) |
-           _mm512_cmp_ps_mask(_mm512_fmadd_ps(dv, qh, mv), x, _CMP_NEQ_UQ);
-    qs[h] = qh;
+// The blocks of 16 rows at once, one row a lane: v[i] holds weight i of each row's block (32).
+// Q4_1: a block's weights are fma(d, q, m) for its smallest one m (q = 0 there) and a d near (max - m) / 15
+// (the largest q is 15), both float16; Q8_0: d * q for a d near max |w| / 127. Each d tried is that guess
+// rounded to float16 and its neighbours (where a quantizer's rounding may have put it), q = round((w -
+// m) / d), kept where every fma(d, q, m) is the weight exactly. Writes d (and m) as float16 bits and the
+// q of each weight; false where a lane finds none.
+bool lanes_block(const __m512* v, bool q4, __m256i& d_out, __m256i& m_out, __m512i* q) {
+  __m512 lo = v[0], hi = v[0];
+  for (int i = 1; i < 32; ++i) lo = _mm512_min_ps(lo, v[i]), hi = _mm512_max_ps(hi, v[i]);
+  __m512 m = _mm512_setzero_ps(), span;
+  __mmask16 ok = 0xFFFF;
+  if (q4) {
+    m_out = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    m = lo;
+    ok = _mm512_cmp_ps_mask(_mm512_cvtph_ps(m_out), lo, _CMP_EQ_OQ);  // (m exactly a float16)
+    span = _mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps(15.f));
+  } else {
+    span = _mm512_div_ps(_mm512_max_ps(hi, _mm512_sub_ps(_mm512_setzero_ps(), lo)), _mm512_set1_ps(127.f));
   }
-  if (bad) return false;
-  for (int h = 0; h < 2; ++h)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(qs[h])));
-  return true;
-}
-
-// A block's float16 d (with bits d_out) near `guess` that gives v back exactly (see exact_block): the
-// guess rounded to float16 and its neighbours, the scale a quantizer's rounding may have put there.
-inline bool find_scale(const float* v, float guess, float m, float lo, float hi, uint16_t& d_out, int8_t* q) {
-  const int g = to_half(guess);
-  for (int delta : {0, -1, 1, -2, 2}) {
-    const int bits = g + delta;
-    if (bits <= 0 || bits >= 0x7C00) continue;  // (positive and finite)
-    if (exact_block(v, from_half(static_cast<uint16_t>(bits)), m, lo, hi, q)) {
-      d_out = static_cast<uint16_t>(bits);
-      return true;
+  const __m512 qlo = _mm512_set1_ps(q4 ? 0.f : -128.f), qhi = _mm512_set1_ps(q4 ? 15.f : 127.f);
+  __m512i dbits = _mm512_setzero_si512();
+  for (int i = 0; i < 32; ++i) q[i] = _mm512_setzero_si512();
+  __mmask16 done = 0;
+  // Lanes `try_` with d of float16 bits `bits`: those whose every weight comes back exactly are done.
+  auto attempt = [&](__m512i bits, __mmask16 try_) {
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits));
+    // (times 1 / d: (w - m) / d is within 2^-20 of an integer wherever w is exact, and the check is exact;
+    // d = 0, where every weight is m: q = 0, and a NaN or infinite weight fails)
+    const __m512 r = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), d);
+    __m512 qs[32];
+    for (int i = 0; i < 32; ++i) {
+      qs[i] = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v[i], m), r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      try_ &= _mm512_cmp_ps_mask(qs[i], qlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(qs[i], qhi, _CMP_LE_OQ) &
+              _mm512_cmp_ps_mask(_mm512_fmadd_ps(d, qs[i], m), v[i], _CMP_EQ_OQ);
     }
+    for (int i = 0; i < 32; ++i) q[i] = _mm512_mask_mov_epi32(q[i], try_, _mm512_cvtps_epi32(qs[i]));
+    dbits = _mm512_mask_mov_epi32(dbits, try_, bits);
+    done |= try_;
+  };
+  const __mmask16 flat = ok & _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  if (flat) attempt(_mm512_setzero_si512(), flat);  // (d = 0)
+  const __m512i guess = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(span, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (int delta : {0, -1, 1, -2, 2}) {
+    const __m512i bits = _mm512_add_epi32(guess, _mm512_set1_epi32(delta));
+    // (positive finite float16s, in lanes still to find)
+    const __mmask16 try_ = ok & ~done & _mm512_cmpgt_epi32_mask(bits, _mm512_setzero_si512()) &
+                           _mm512_cmplt_epi32_mask(bits, _mm512_set1_epi32(0x7C00));
+    if (try_) attempt(bits, try_);
   }
-  return false;
-}
-
-// Q4_1's d, m and q of 32 weights v (one row's block) that give back each v exactly as fma(d, q, m).
-bool q4_1_block(const float* v, uint16_t& d_out, uint16_t& m_out, int8_t* q) {
-  float mn, mx;
-  min_max(v, mn, mx);
-  m_out = to_half(mn);
-  if (!(from_half(m_out) == mn)) return false;  // (the smallest weight is m itself: q = 0; NaN fails here)
-  if (mx == mn) {  // (d = 0: every q 0)
-    d_out = 0;
-    return exact_block(v, 1.f, mn, 0.f, 0.f, q);
-  }
-  return find_scale(v, (mx - mn) / 15.f, mn, 0.f, 15.f, d_out, q);  // (the largest q is 15)
-}
-
-// Q8_0's d and q of 32 weights v that give back each v exactly as d * q.
-bool q8_0_block(const float* v, uint16_t& d_out, int8_t* q) {
-  float mn, mx;
-  min_max(v, mn, mx);
-  const float amax = std::max(-mn, mx);
-  if (amax == 0.f) {
-    d_out = 0;
-    return exact_block(v, 1.f, 0.f, 0.f, 0.f, q);
-  }
-  return find_scale(v, amax / 127.f, 0.f, -128.f, 127.f, d_out, q);  // (the largest |q| is 127)
+  d_out = _mm512_cvtepi32_epi16(dbits);
+  return done == 0xFFFF;
 }
 
 // The weight's blocks in one format (q4: Q4_1, else Q8_0) into out, or false where a block has none.
 bool pack_format(const float* w, int64_t N, int64_t K, int64_t W, bool q4, uint8_t* out) {
-  const int64_t nb = K / 32, col = q4 ? kQ4 : kQ8, block = col * W;
+  const int64_t nb = K / 32, block = (q4 ? kQ4 : kQ8) * W;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(K)));
   std::atomic<bool> ok{true};
-  at::parallel_for(0, N / W, 1, [&](int64_t a, int64_t b) {
-    int8_t q[32];
-    for (int64_t p = a; p < b && ok.load(std::memory_order_relaxed); ++p)
-      for (int64_t c = 0; c < W; ++c)  // (each row read in order, its blocks' bytes spread over the panel's)
-        for (int64_t kb = 0; kb < nb; ++kb) {
-          uint8_t* o = out + (p * nb + kb) * block;
-          uint16_t* d = reinterpret_cast<uint16_t*>(o);
-          const float* v = w + (p * W + c) * K + kb * 32;
-          if (q4) {
-            uint16_t* m = d + W;
-            if (!q4_1_block(v, d[c], m[c], q)) return void(ok = false);
-            for (int r = 0; r < 16; ++r) o[4 * W + r * W + c] = static_cast<uint8_t>(q[2 * r] | (q[2 * r + 1] << 4));
-          } else {
-            if (!q8_0_block(v, d[c], q)) return void(ok = false);
-            for (int r = 0; r < 32; ++r) o[2 * W + r * W + c] = static_cast<uint8_t>(q[r]);
-          }
+  at::parallel_for(0, N / 16, 1, [&](int64_t a, int64_t b) {
+    __m512 v[32];
+    __m512i q[32];
+    for (int64_t g = a; g < b && ok.load(std::memory_order_relaxed); ++g) {  // rows 16 g .. 16 g + 15
+      const int64_t p = 16 * g / W, c = 16 * g % W;  // their panel, and their first column in it
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        const float* base = w + 16 * g * K + 32 * kb;
+        for (int i = 0; i < 32; ++i) v[i] = _mm512_i32gather_ps(rows, base + i, 4);
+        __m256i d, m;
+        if (!lanes_block(v, q4, d, m, q)) return void(ok = false);
+        uint8_t* o = out + (p * nb + kb) * block;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * c), d);
+        if (q4) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * W + 2 * c), m);
+          for (int r = 0; r < 16; ++r)  // row r: q of k = 2r in the low nibble, of k = 2r + 1 in the high one
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 4 * W + r * W + c),
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(q[2 * r], _mm512_slli_epi32(q[2 * r + 1], 4))));
+        } else {
+          for (int r = 0; r < 32; ++r)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * W + r * W + c), _mm512_cvtepi32_epi8(q[r]));
         }
+      }
+    }
   });
   return ok;
 }
