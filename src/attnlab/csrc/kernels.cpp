@@ -126,12 +126,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const float *qp = qc.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const bool wide = hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a, int64_t b) {
     std::vector<float> e(G * S), total(G);
     for (int64_t bh = a; bh < b; ++bh) {
       const float *k = kp + bh * M * hd, *v = vp + bh * M * hd, *qq = qp + bh * G * hd;
       float* o = op + bh * G * hd;
-      for (int64_t m = 0; m < S; ++m) {  // scores: each key row read once for the G queries
+      for (int64_t m = 0; m < S && wide; ++m) {  // (hd a multiple of 16: the same, a vector of 16 at a time)
+        const float* kr = k + m * hd;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qq + g * hd;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
+          for (int64_t i = 16; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(kr + i), acc);
+          e[g * S + m] = _mm512_reduce_add_ps(acc) * sc;
+        }
+      }
+      for (int64_t m = 0; m < S && !wide; ++m) {  // scores: each key row read once for the G queries
         const float* kr = k + m * hd;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qq + g * hd;
@@ -156,7 +166,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         total[g] = sum;
       }
       std::fill(o, o + G * hd, 0.f);
-      for (int64_t m = 0; m < S; ++m) {  // each value row read once for the G queries
+      for (int64_t g = 0; g < G && wide; ++g)  // (hd a multiple of 16, up to 256: a query's sums in registers)
+        for (int64_t i = 0; i < hd; i += 64) {
+          const int n = static_cast<int>(std::min<int64_t>(4, (hd - i) / 16));
+          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          const float* eg = e.data() + g * S;
+          for (int64_t m = 0; m < S; ++m) {
+            const __m512 w = _mm512_set1_ps(eg[m]);
+            const float* vr = v + m * hd + i;
+            for (int c = 0; c < n; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+          }
+          for (int c = 0; c < n; ++c) _mm512_storeu_ps(o + g * hd + i + 16 * c, acc[c]);
+        }
+      for (int64_t m = 0; m < S && !wide; ++m) {  // each value row read once for the G queries
         const float* vr = v + m * hd;
         for (int64_t g = 0; g < G; ++g) {
           const float w = e[g * S + m];
