@@ -158,6 +158,7 @@ def test_training_mode_comes_back():
         (dict(temperature=0, prompt_lookup=2, use_cache=False), ValueError, "use_cache"),
         (dict(temperature=0, prompt_lookup=2, compile=True), ValueError, "compile=False"),
         (dict(temperature=0, prompt_lookup=2, draft_model="small"), ValueError, "not both"),
+        (dict(temperature=0, prompt_lookup=2, return_logits="yes"), TypeError, "return_logits must be a bool"),
         (dict(temperature=0, draft_model="small"), TypeError, "draft_model must be an attnlab GPT"),
         (dict(temperature=0, draft_model=make(FAMILIES["gpt2"], vocab_size=V + 1)), ValueError, "vocabulary"),
         (

@@ -471,6 +471,7 @@ def generate(
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
+    return_logits = check_bool("return_logits", return_logits)  # (before either way of decoding)
     if prompt_lookup is not None or draft_model is not None:
         if prompt_lookup is not None and draft_model is not None:
             raise ValueError("pass prompt_lookup or draft_model, not both: each is a way of guessing tokens")
@@ -488,7 +489,6 @@ def generate(
             return_logits=return_logits,
         )
         return (ids, logits) if return_logits else ids
-    return_logits = check_bool("return_logits", return_logits)
     steps = _steps(
         model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, want_logits=return_logits
     )
