@@ -386,3 +386,27 @@ def test_a_model_loaded_from_a_q4_1_gguf_file_decodes_from_its_blocks(tmp_path, 
     idx = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
     ref = model.generate(idx, 8, temperature=0, fast=False)
     assert torch.equal(model.generate(idx, 8, temperature=0), ref)
+
+
+@needs_kernel
+def test_block_linear_takes_any_number_of_blocks_and_decode_attention_empty_heads():
+    """A weight of more than 16,384 inputs (Qwen2.5-7B's MLP: 18,944) and heads of no features: no limit
+    of the kernels' own, no out-of-bounds read."""
+    torch.manual_seed(0)
+    w = quantized(torch.randn(32, 32 * 600), "Q8_0")
+    x = torch.randn(2, 32 * 600)
+    got = kernels.block_linear(x, kernels.pack_blocks(w))
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-2)
+    q, k = torch.randn(1, 2, 3, 0), torch.randn(1, 2, 5, 0)
+    assert kernels.decode_attention(q, k, k, torch.tensor(2), 1.0).shape == (1, 2, 3, 0)
+
+
+@needs_kernel
+def test_a_short_generation_keeps_the_float32_weights(monkeypatch):
+    """Finding the blocks costs more than a few steps save: a generation known to be shorter than
+    _BLOCK_MIN_STEPS keeps the float32 weights (and one of unknown length reads the blocks)."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = gguf_model("llama-gqa")
+    short = decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=decoding._BLOCK_MIN_STEPS - 1)
+    assert not short.blocks and short.layers[0][0][2].dtype == torch.float32
+    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=None).blocks

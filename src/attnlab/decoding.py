@@ -239,6 +239,10 @@ _PACK_MAX_BYTES = 1 << 31
 # oneDNN's packed 16.5 (an Intel Xeon with AMX, 2 threads). More rows keep oneDNN, whose kernel reads
 # the weight once for all of them.
 _PANEL_ROWS = 8
+# Finding a GGUF file's blocks (see _blocks) costs SmolLM2 76 ms a generation, which its one-row steps
+# make up in some 6 (a compiled float32 step 21 -> 8.5 ms, Intel Xeon, 2 threads): shorter known
+# generations keep the float32 weights.
+_BLOCK_MIN_STEPS = 8
 
 
 def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big: bool) -> bool:
@@ -756,7 +760,8 @@ def _blocks(weights: list[tuple], head: Tensor) -> dict:
     (:func:`attnlab.kernels.pack_blocks`): ``{(layer, index in its tuple) or "head": blocks}``, empty
     where none is (a model not loaded from such a file). Found back from the weights when each generation
     starts, as the fused projections are, never kept between generations (``weight.data[...] = 0`` bumps
-    no version counter): SmolLM2's 210 matrices and head, some 100 ms on 2 threads (Intel Xeon)."""
+    no version counter): SmolLM2's 121 (its 210 projections fused, and the head), some 76 ms on 2 threads
+    (Intel Xeon)."""
     found = {}
     if (b := kernels.pack_blocks(head.detach())) is not None:
         found["head"] = b
@@ -816,9 +821,11 @@ class FastDecoder:
         # A float32 model on an Intel CPU, one row or a batch of up to _PANEL_ROWS: each projection whose
         # float32 weights are exactly a GGUF file's Q4_1 or Q8_0 blocks (a model loaded from one) is
         # multiplied from those blocks (attnlab.kernels.block_linear: a fifth or a quarter of the bytes, the
-        # sums rows_linear's bit for bit), found back when the generation starts (see _pack).
+        # sums those of rows_linear or as close), found back when a generation of at least _BLOCK_MIN_STEPS
+        # steps (or of unknown length) starts (see _blocks).
         float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
-        quantized = rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
+        enough = steps is None or steps >= _BLOCK_MIN_STEPS
+        quantized = rows <= _PANEL_ROWS and cpu and float32 and enough and kernels.available()
         weights = [self._weights(block) for block in model.trf_blocks]
         self.blocks = _blocks(weights, head_w) if quantized else {}
         long = steps is None or steps >= SCREEN_MIN_STEPS

@@ -6,8 +6,9 @@ A GGUF model loaded in float32 (SmolLM2-135M-Instruct's Q4_1 file: 538 MB of flo
 each matrix dequantized, every weight ``d * q + m`` (Q4_1: ``q`` 4 bits, ``d`` and ``m`` float16 for
 each 32 weights of a row) or ``d * q`` (Q8_0). :func:`pack_blocks` finds ``d``, ``m`` and ``q`` back
 from the float32 values when a generation starts and keeps them only if every weight comes back bit for
-bit; :func:`block_linear` rebuilds each weight in a register and multiplies: the same float32 weights,
-the same tokens, from 96 MB a step instead of 538 (SmolLM2's one row: 4.2x transformers' ``generate``
+bit; :func:`block_linear` multiplies from them, 3-8 rows a pass each weight rebuilt in a register (the
+sums of :func:`rows_linear`, bit for bit), one or two rows each block's sum factored: the same float32
+weights, the same tokens, from 96 MB a step instead of 538 (SmolLM2's one row: 4.2x transformers' ``generate``
 on the float32 weights, where reading them all could reach 1.6-1.7x at most; Intel Xeon, 2 threads).
 
 Decoding a batch of 2-8 rows multiplies them by every weight of the model once per step. oneDNN and MKL
@@ -132,8 +133,10 @@ def block_bytes(blocks: Tensor) -> int:
 
 def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x (..., K) @ W.T + bias`` for ``W (N, K)`` kept as :func:`pack_blocks` blocks: ``(..., N)``,
-    float32, CPU, up to 8 rows a pass. Each weight rebuilt exactly from its block, the sums those of
-    :func:`rows_linear` on the same weight, bit for bit, in a fifth (Q4_1) or a quarter (Q8_0) of the
+    float32, CPU, up to 8 rows a pass. A pass of 3-8 rows rebuilds each weight exactly from its block,
+    its sums those of :func:`rows_linear` on the same weight, bit for bit; one of 1 or 2 rows sums each
+    block as ``d * sum(x q) + m * sum(x)`` (fewer operations a weight; float32 sums in another order, and
+    an infinite ``x`` gives NaN there, not infinity). In a fifth (Q4_1) or a quarter (Q8_0) of the
     bytes. Only where :func:`runs`."""
     if not _loaded:
         _require()

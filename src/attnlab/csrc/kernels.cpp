@@ -126,7 +126,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const float *qp = qc.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const bool wide = hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
+  const bool wide = hd > 0 && hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a, int64_t b) {
     std::vector<float> e(G * S), total(G);
     for (int64_t bh = a; bh < b; ++bh) {
@@ -166,7 +166,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         total[g] = sum;
       }
       std::fill(o, o + G * hd, 0.f);
-      for (int64_t g = 0; g < G && wide; ++g)  // (hd a multiple of 16, up to 256: a query's sums in registers)
+      for (int64_t g = 0; g < G && wide; ++g)  // (hd a multiple of 16: a query's sums in registers, 64 at a time)
         for (int64_t i = 0; i < hd; i += 64) {
           const int n = static_cast<int>(std::min<int64_t>(4, (hd - i) / 16));
           __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -204,7 +204,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 // from the float32 weight, block by block, and keeps them only if every weight comes back bit for bit
 // (else the weight stays float32). The kernel then reads 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead
 // of 32, rebuilds each float32 weight in a register with one FMA, and multiplies it as rows_linear does,
-// in the same order: the same sums, bit for bit, over a fifth to a quarter of the bytes.
+// in the same order: the same sums, bit for bit, over a fifth to a quarter of the bytes (1 or 2 rows:
+// block_panel_factored, below).
 //
 // Layout (uint8 (P, K / 32, bytes)): panel p of W = 32 | 48 output columns, one block of 32 k each:
 //   Q4_1 (bytes = 20 W): d (W float16), m (W float16), then 16 rows of W bytes, row r byte c holding
@@ -439,7 +440,7 @@ void block_rows(int M, const float* x, int64_t K, const uint8_t* blocks, int64_t
   if (M <= 2) {
     using Factored = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t, const float*);
     const Factored fn = M == 1 ? block_panel_factored<Q4, 1, NP> : block_panel_factored<Q4, 2, NP>;
-    float xsum[2 * 512];  // (K <= 16384: checked by block_linear)
+    std::vector<float> xsum(M * nb);  // (each row's sum over each block)
     for (int m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         float t = 0.f;
@@ -447,7 +448,7 @@ void block_rows(int M, const float* x, int64_t K, const uint8_t* blocks, int64_t
         xsum[m * nb + b] = t;
       }
     at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
-      for (int64_t p = a; p < b; ++p) fn(x, K, xsum, blocks + p * panel, nb, y + p * W, N, bias ? bias + p * W : nullptr);
+      for (int64_t p = a; p < b; ++p) fn(x, K, xsum.data(), blocks + p * panel, nb, y + p * W, N, bias ? bias + p * W : nullptr);
     });
     return;
   }
@@ -465,8 +466,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
                    blocks.device());
   const int64_t last = blocks.dim() == 3 ? blocks.size(2) : 0;
   const bool q4 = last == kQ4 * 32 || last == kQ4 * 48, q8 = last == kQ8 * 32 || last == kQ8 * 48;
-  TORCH_CHECK_VALUE(blocks.is_contiguous() && (q4 || q8) && blocks.size(1) > 0 && blocks.size(1) <= 512,
-                    "block_linear: blocks must be pack_blocks' (P, K / 32, 20 W | 34 W), W = 32 | 48, K <= 16384, contiguous, got shape ",
+  TORCH_CHECK_VALUE(blocks.is_contiguous() && (q4 || q8) && blocks.size(1) > 0,
+                    "block_linear: blocks must be pack_blocks' (P, K / 32, 20 W | 34 W), W = 32 | 48, contiguous, got shape ",
                     blocks.sizes());
   const int64_t W = last / (q4 ? kQ4 : kQ8), P = blocks.size(0), K = 32 * blocks.size(1), N = P * W;
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "block_linear: x must be (..., ", K,
