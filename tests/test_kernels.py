@@ -76,9 +76,14 @@ def test_decode_attention_is_the_float64_softmax_over_the_filled_slots(rows, kv_
     scale = hd**-0.5
     got = kernels.decode_attention(q, keys, values, torch.tensor(slot), scale)
     k, v = keys[:, :, : slot + 1].double(), values[:, :, : slot + 1].double()
-    ref = torch.softmax(q.double() @ k.transpose(-1, -2) * scale, dim=-1) @ v  # (B, Hkv, G, hd)
+    weights = torch.softmax(q.double() @ k.transpose(-1, -2) * scale, dim=-1)  # (B, Hkv, G, S)
+    ref = weights @ v  # (B, Hkv, G, hd)
     assert got.shape == ref.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    also, got_weights = kernels.decode_attention_weights(q, keys, values, torch.tensor(slot), scale)
+    assert torch.equal(also, got) and got_weights.shape == (rows, kv_heads, group, slots)
+    torch.testing.assert_close(got_weights[..., : slot + 1].double(), weights, rtol=1e-5, atol=1e-6)
+    assert not got_weights[..., slot + 1 :].any()  # (0 at the empty slots)
 
 
 @needs_kernel
@@ -410,3 +415,22 @@ def test_a_short_generation_keeps_the_float32_weights(monkeypatch):
     short = decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=decoding._BLOCK_MIN_STEPS - 1)
     assert not short.blocks and short.layers[0][0][2].dtype == torch.float32
     assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=None).blocks
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_observed_compiled_step_on_the_blocks_hands_over_the_eager_records(rows, monkeypatch):
+    """Every layer observed (serve's stream): the compiled step reads the blocks and attends by
+    decode_attention_weights, and hands the observers the eager forward's records (their weights 0 at
+    the slots not yet filled, as the masked loops gave them)."""
+    from test_fast_decode_observed import assert_same_records, observed_generation
+
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = gguf_model("llama-gqa")
+    idx = torch.randint(0, 64, (rows, 5), generator=torch.Generator().manual_seed(3))
+    (ref, ref_logits), ref_records = observed_generation(model, idx, 10, fast=False)
+    (ids, logits), records = observed_generation(model, idx, 10, compile=True)
+    assert torch.equal(ids, ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert_same_records(ref_records, records, 1e-5)

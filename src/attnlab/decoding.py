@@ -575,6 +575,10 @@ def _layer(
         qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
         if own_attention and seen is None:  # attnlab's kernel over the filled slots only (see FastDecoder)
             return _after_attention(x, kernels.decode_attention(qg, keys, values, slot, scale), w, spec, how)
+        if own_attention:  # the same, and its weights for the observers (0 at the empty slots)
+            att, weights = kernels.decode_attention_weights(qg, keys, values, slot, scale)  # (B, Hkv, G, .) x2
+            seen.append((q, weights.reshape(B, H, 1, M), att.reshape(B, H, 1, hd)))
+            return _after_attention(x, att, w, spec, how)
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
         # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
         # a batch attends to its own cache, so a batch shares no reads a matmul could reuse).

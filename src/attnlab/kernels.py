@@ -49,6 +49,7 @@ __all__ = [
     "block_bytes",
     "block_linear",
     "decode_attention",
+    "decode_attention_weights",
     "pack_blocks",
     "pack_panels",
     "panel_width",
@@ -152,6 +153,16 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scal
     return torch.ops.attnlab_kernels.decode_attention(q, keys, values, slot, scale)
 
 
+def decode_attention_weights(
+    q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`decode_attention`, and its softmax weights over all ``M`` slots ``(B, Hkv, G, M)``, 0 at the
+    empty ones (what an observer of the step reads). Only where :func:`runs`."""
+    if not _loaded:
+        _require()
+    return torch.ops.attnlab_kernels.decode_attention_weights(q, keys, values, slot, scale)
+
+
 def available() -> bool:
     """Whether decoding multiplies a float32 batch by :func:`rows_linear`: an Intel CPU (where it was
     measured faster than oneDNN) that :func:`runs` it."""
@@ -214,6 +225,11 @@ def _build_once() -> bool:
     def _(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
         width = blocks.shape[2] // (20 if blocks.shape[2] in (640, 960) else 34)
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * width))
+
+    @torch.library.register_fake("attnlab_kernels::decode_attention_weights")
+    def _(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return out, torch.empty((*q.shape[:3], keys.shape[2]), dtype=q.dtype, device=q.device)
 
     @torch.library.register_fake("attnlab_kernels::decode_attention")
     def _(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:

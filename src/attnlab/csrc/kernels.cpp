@@ -106,8 +106,9 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
 // (B, Hkv, M, hd). The compiled decoding step of a batch attends over all M slots with a mask in
 // inductor's loops (SmolLM2's batch of 8: 94 MB of cache a step over 256 slots, 7 ms of 37); this reads
 // only the filled ones, each key and value row once for its G queries.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& slot, double scale) {
+// With `weights` ((B, Hkv, G, M) float32, or null): the softmax's weights there too, 0 at the empty slots.
+at::Tensor attend_filled(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slot,
+                         double scale, at::Tensor* weights) {
   for (const at::Tensor* t : {&q, &keys, &values})
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu(),
                      "decode_attention: q, keys and values must be float32 CPU tensors, got ", t->scalar_type(), " on ",
@@ -125,6 +126,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   at::Tensor out = at::empty_like(qc);
   const float *qp = qc.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  float* wp = nullptr;
+  if (weights != nullptr) {
+    *weights = at::zeros({B, Hkv, G, M}, qc.options());
+    wp = weights->data_ptr<float>();
+  }
   const float sc = static_cast<float>(scale);
   const bool wide = hd > 0 && hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a, int64_t b) {
@@ -189,9 +195,26 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < hd; ++i) o[g * hd + i] /= total[g];
+      for (int64_t g = 0; g < G && wp != nullptr; ++g)
+        for (int64_t m = 0; m < S; ++m) wp[(bh * G + g) * M + m] = e[g * S + m] / total[g];
     }
   });
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slot,
+                            double scale) {
+  return attend_filled(q, keys, values, slot, scale, nullptr);
+}
+
+// decode_attention, and its weights over all M slots (B, Hkv, G, M), 0 at the empty ones: what an observer
+// of the step reads (serve's generation stream shows each token's attention).
+std::tuple<at::Tensor, at::Tensor> decode_attention_weights(const at::Tensor& q, const at::Tensor& keys,
+                                                            const at::Tensor& values, const at::Tensor& slot,
+                                                            double scale) {
+  at::Tensor weights;
+  at::Tensor out = attend_filled(q, keys, values, slot, scale, &weights);
+  return {out, weights};
 }
 
 
@@ -504,6 +527,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
 TORCH_LIBRARY(attnlab_kernels, m) {
   m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slot, float scale) -> Tensor");
+  m.def("decode_attention_weights(Tensor q, Tensor keys, Tensor values, Tensor slot, float scale) -> (Tensor, Tensor)");
   m.def("pack_blocks(Tensor weight) -> Tensor");
   m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
 }
@@ -511,6 +535,7 @@ TORCH_LIBRARY(attnlab_kernels, m) {
 TORCH_LIBRARY_IMPL(attnlab_kernels, CPU, m) {
   m.impl("rows_linear", rows_linear);
   m.impl("decode_attention", decode_attention);
+  m.impl("decode_attention_weights", decode_attention_weights);
   m.impl("pack_blocks", pack_blocks);
   m.impl("block_linear", block_linear);
 }
