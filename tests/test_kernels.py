@@ -408,13 +408,17 @@ def test_block_linear_takes_any_number_of_blocks_and_decode_attention_empty_head
 
 @needs_kernel
 def test_a_short_generation_keeps_the_float32_weights(monkeypatch):
-    """Finding the blocks costs more than a few steps save: a generation known to be shorter than
-    _BLOCK_MIN_STEPS keeps the float32 weights (and one of unknown length reads the blocks)."""
+    """Finding the blocks costs more than a few steps save: an eager generation known to be shorter than
+    _BLOCK_MIN_STEPS keeps the float32 weights (one of unknown length, or compiled, reads the blocks)."""
     monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
     model = gguf_model("llama-gqa")
     short = decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=decoding._BLOCK_MIN_STEPS - 1)
     assert not short.blocks and short.layers[0][0][2].dtype == torch.float32
     assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), steps=None).blocks
+    # Compiled, always the blocks: a graph on the float32 weights would be another compilation (serve's
+    # precompiled graphs read the blocks, whatever a request's length)
+    compiled = decoding.FastDecoder(model, model.new_kv_caches(1, 16), compile=True, steps=1)
+    assert compiled.blocks
 
 
 @needs_kernel

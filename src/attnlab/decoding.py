@@ -240,8 +240,8 @@ _PACK_MAX_BYTES = 1 << 31
 # the weight once for all of them.
 _PANEL_ROWS = 8
 # Finding a GGUF file's blocks (see _blocks) costs SmolLM2 76 ms a generation, which its one-row steps
-# make up in some 6 (a compiled float32 step 21 -> 8.5 ms, Intel Xeon, 2 threads): shorter known
-# generations keep the float32 weights.
+# make up in some 6 (a float32 step 29 -> 15 ms eager, 21 -> 8.5 compiled; Intel Xeon, 2 threads): shorter
+# known generations of the eager step keep the float32 weights.
 _BLOCK_MIN_STEPS = 8
 
 
@@ -541,8 +541,9 @@ def _layer(
 
     ``keys``/``values`` ``(B, Hkv, M, hd)``: the layer's cache buffers; the new key and value go to
     slot ``slot`` (a 0-d int64 tensor). ``static``: attend over all ``M`` slots with a mask (shapes
-    never change: the compiled step); else over the ``filled`` first slots (``slot`` then a Python int;
-    ``filled`` by default ``slot + 1``, all of a wrapped ring's slots).
+    never change: the compiled step), or with ``spec``'s ``own_attention`` by attnlab's kernel over the
+    filled ones (:func:`attnlab.kernels.decode_attention`); else over the ``filled`` first slots (``slot``
+    then a Python int; ``filled`` by default ``slot + 1``, all of a wrapped ring's slots).
     ``w``: the layer's tensors (see :meth:`FastDecoder._weights`); ``spec``: its constants.
     ``observe(q, keys, values, weights, heads)``: called with the attention weights, computed
     explicitly then (not static). ``seen`` (static): a list that gets the layer's ``(q (B, H, 1, hd),
@@ -788,7 +789,9 @@ class FastDecoder:
         compile: run each layer (and the head) as a function compiled by ``torch.compile`` over the whole
             preallocated cache. The first step compiles (once per process and shape set).
         steps: how many steps the generation may run (None: unknown). The eager step of one row packs
-            a large model's bfloat16 weights for oneDNN (see :func:`packs`) only if it runs enough of them.
+            a large model's bfloat16 weights for oneDNN (see :func:`packs`) only if it runs enough of them,
+            and the eager step reads a GGUF file's blocks (see :func:`_blocks`) only for at least
+            :data:`_BLOCK_MIN_STEPS`.
         tokens_only: the generation is greedy and wants each step's token, not its logits: for a batch
             (2 rows or more) of at least :data:`SCREEN_MIN_STEPS` steps where :func:`screens` holds,
             :meth:`step_tokens` finds the argmax by a :class:`ScreenedHead` (the float32 head is then
@@ -828,7 +831,9 @@ class FastDecoder:
         # sums those of rows_linear or as close), found back when a generation of at least _BLOCK_MIN_STEPS
         # steps (or of unknown length) starts (see _blocks).
         float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
-        enough = steps is None or steps >= _BLOCK_MIN_STEPS
+        # (compiled, always: a graph on the blocks and one on the float32 weights are two compilations, and
+        # serve's precompiled graphs read the blocks whatever a request's length)
+        enough = compile or steps is None or steps >= _BLOCK_MIN_STEPS
         quantized = rows <= _PANEL_ROWS and cpu and float32 and enough and kernels.available()
         weights = [self._weights(block) for block in model.trf_blocks]
         self.blocks = _blocks(weights, head_w) if quantized else {}
