@@ -26,12 +26,36 @@ namespace {
 
 constexpr int64_t kAhead = 32;  // rows of the panel (k) between a line's prefetch and its use
 
+// acc[m][j] += x[m, k] * wv[j] for the M rows of x and NP vectors of 16 output columns (each accumulator
+// takes the k in order: the kernels below sum alike).
+template <int M, int NP>
+__attribute__((always_inline)) inline void fma_rows(__m512 (&acc)[M][NP], const float* x, int64_t ldx, int64_t k,
+                                                    const __m512* wv) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+  }
+}
+
+template <int M, int NP>
+__attribute__((always_inline)) inline void init_rows(__m512 (&acc)[M][NP], const float* bias) {
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+}
+
+template <int M, int NP>
+__attribute__((always_inline)) inline void store_rows(const __m512 (&acc)[M][NP], float* y, int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+}
+
 // y[m, p*16*NP + j] for the M rows of x: one panel (K, 16 * NP), M * NP accumulators held in registers.
 template <int M, int NP>
 void panel(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* bias) {
   __m512 acc[M][NP];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  init_rows<M, NP>(acc, bias);
   for (int64_t k = 0; k < K; ++k) {
     const float* row = w + k * 16 * NP;
     __m512 wv[NP];
@@ -40,15 +64,9 @@ void panel(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
       wv[j] = _mm512_loadu_ps(row + 16 * j);
       _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * 16 * NP + 16 * j), _MM_HINT_T0);
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
-    }
+    fma_rows<M, NP>(acc, x, ldx, k, wv);
   }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+  store_rows<M, NP>(acc, y, ldy);
 }
 
 template <int NP>
@@ -63,18 +81,14 @@ void rows(int M, const float* x, const float* w, int64_t K, float* y, int64_t N,
   });
 }
 
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+// The part rows_linear and block_linear share: checks x (..., K) and bias (N) (`op` names the caller in
+// the errors), makes y (..., N), and calls pass(M, x rows, y rows, bias) for each pass of up to 8 rows.
+template <typename Pass>
+at::Tensor by_passes(const char* op, const at::Tensor& x, int64_t K, int64_t N, const std::optional<at::Tensor>& bias,
+                     Pass pass) {
   // (TORCH_CHECK_TYPE / _VALUE: Python's TypeError / ValueError, naming the argument at fault)
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "rows_linear: x must be a float32 CPU tensor, got ",
-                   x.scalar_type(), " on ", x.device());
-  TORCH_CHECK_TYPE(panels.scalar_type() == at::kFloat && panels.device().is_cpu(),
-                   "rows_linear: panels must be a float32 CPU tensor, got ", panels.scalar_type(), " on ", panels.device());
-  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.is_contiguous() && (panels.size(2) == 32 || panels.size(2) == 48) &&
-                        panels.size(1) > 0,
-                    "rows_linear: panels must be pack_panels' (P, K, 32 | 48), contiguous, got shape ", panels.sizes());
-  const int64_t K = panels.size(1), width = panels.size(2), N = panels.size(0) * width;
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "rows_linear: x must be (..., ", K,
-                    ") for a weight of K = ", K, " features, got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, op, ": x must be (..., ", K, ") for a weight of K = ", K,
+                    " features, got shape ", x.sizes());
   const at::Tensor xc = x.contiguous();
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -83,22 +97,32 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->contiguous();
-    TORCH_CHECK_TYPE(bc.scalar_type() == at::kFloat && bc.device().is_cpu(), "rows_linear: bias must be a float32 CPU tensor, got ",
+    TORCH_CHECK_TYPE(bc.scalar_type() == at::kFloat && bc.device().is_cpu(), op, ": bias must be a float32 CPU tensor, got ",
                      bc.scalar_type(), " on ", bc.device());
-    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "rows_linear: bias must be (", N, "), got shape ", bc.sizes());
+    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, op, ": bias must be (", N, "), got shape ", bc.sizes());
     b = bc.data_ptr<float>();
   }
   const int64_t R = xc.numel() / K;
   for (int64_t r = 0; r < R; r += 8) {  // up to 8 rows a pass over the weight
     const int M = static_cast<int>(std::min<int64_t>(8, R - r));
-    const float* xr = xc.data_ptr<float>() + r * K;
-    float* yr = y.data_ptr<float>() + r * N;
-    if (width == 48)
-      rows<3>(M, xr, panels.data_ptr<float>(), K, yr, N, b);
-    else
-      rows<2>(M, xr, panels.data_ptr<float>(), K, yr, N, b);
+    pass(M, xc.data_ptr<float>() + r * K, y.data_ptr<float>() + r * N, b);
   }
   return y;
+}
+
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "rows_linear: x must be a float32 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_TYPE(panels.scalar_type() == at::kFloat && panels.device().is_cpu(),
+                   "rows_linear: panels must be a float32 CPU tensor, got ", panels.scalar_type(), " on ", panels.device());
+  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.is_contiguous() && (panels.size(2) == 32 || panels.size(2) == 48) &&
+                        panels.size(1) > 0,
+                    "rows_linear: panels must be pack_panels' (P, K, 32 | 48), contiguous, got shape ", panels.sizes());
+  const int64_t K = panels.size(1), width = panels.size(2), N = panels.size(0) * width;
+  const float* w = panels.data_ptr<float>();
+  return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
+    width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
+  });
 }
 
 // One new query per row against the filled slots 0..slot of a preallocated float32 cache:
@@ -338,6 +362,11 @@ at::Tensor pack_blocks(const at::Tensor& weight) {
   return at::empty({0}, weight.options().dtype(at::kByte));
 }
 
+// The `bytes` at p into the caches (a panel's block four blocks ahead: one stream, ahead of its use).
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // y[m, panel's columns] for the M rows of x: one panel of nb blocks, as panel<M, NP> but the weights
 // rebuilt from their blocks (Q4: Q4_1, else Q8_0). Each accumulator takes k in order, as panel's.
 template <bool Q4, int M, int NP>
@@ -345,14 +374,12 @@ void block_panel(const float* x, int64_t ldx, const uint8_t* blk, int64_t nb, fl
                  const float* bias) {
   constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
   __m512 acc[M][NP];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  init_rows<M, NP>(acc, bias);
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = blk + b * block;
     const float* xk = x + 32 * b;
-    for (int64_t line = 0; line < block; line += 64)  // (the block after next: one stream, ahead of use)
-      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * block + line), _MM_HINT_T0);
+    prefetch_block(p + 4 * block, block);
     __m512 d[NP], mv[NP];
     for (int j = 0; j < NP; ++j) {
       d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
@@ -368,12 +395,8 @@ void block_panel(const float* x, int64_t ldx, const uint8_t* blk, int64_t nb, fl
           w0[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), mv[j]);
           w1[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), mv[j]);
         }
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const __m512 x0 = _mm512_set1_ps(xk[m * ldx + 2 * r]), x1 = _mm512_set1_ps(xk[m * ldx + 2 * r + 1]);
-#pragma GCC unroll 4
-          for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[m][j]));
-        }
+        fma_rows<M, NP>(acc, xk, ldx, 2 * r, w0);
+        fma_rows<M, NP>(acc, xk, ldx, 2 * r + 1, w1);
       }
     } else {
       const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2 * W);
@@ -383,17 +406,11 @@ void block_panel(const float* x, int64_t ldx, const uint8_t* blk, int64_t nb, fl
         for (int j = 0; j < NP; ++j)
           wv[j] = _mm512_mul_ps(
               d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + r * W + 16 * j)))));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const __m512 xb = _mm512_set1_ps(xk[m * ldx + r]);
-#pragma GCC unroll 4
-          for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
-        }
+        fma_rows<M, NP>(acc, xk, ldx, r, wv);
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+  store_rows<M, NP>(acc, y, ldy);
 }
 
 // One or two rows (M <= 2): block_panel's sums with fewer operations a weight, the block's factored out,
@@ -405,14 +422,12 @@ void block_panel_factored(const float* x, int64_t ldx, const float* xsum, const 
                           int64_t ldy, const float* bias) {
   constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
   __m512 acc[M][NP];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  init_rows<M, NP>(acc, bias);
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = blk + b * block;
     const float* xk = x + 32 * b;
-    for (int64_t line = 0; line < block; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * block + line), _MM_HINT_T0);
+    prefetch_block(p + 4 * block, block);
     __m512 sum[M][NP];
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < NP; ++j) sum[m][j] = _mm512_setzero_ps();
@@ -447,8 +462,7 @@ void block_panel_factored(const float* x, int64_t ldx, const float* xsum, const 
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+  store_rows<M, NP>(acc, y, ldy);
 }
 
 template <bool Q4, int NP>
@@ -493,33 +507,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
                     "block_linear: blocks must be pack_blocks' (P, K / 32, 20 W | 34 W), W = 32 | 48, contiguous, got shape ",
                     blocks.sizes());
   const int64_t W = last / (q4 ? kQ4 : kQ8), P = blocks.size(0), K = 32 * blocks.size(1), N = P * W;
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "block_linear: x must be (..., ", K,
-                    ") for a weight of K = ", K, " features, got shape ", x.sizes());
-  const at::Tensor xc = x.contiguous();
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
-  const float* b = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK_TYPE(bc.scalar_type() == at::kFloat && bc.device().is_cpu(), "block_linear: bias must be a float32 CPU tensor, got ",
-                     bc.scalar_type(), " on ", bc.device());
-    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "block_linear: bias must be (", N, "), got shape ", bc.sizes());
-    b = bc.data_ptr<float>();
-  }
-  const int64_t R = xc.numel() / K;
   const uint8_t* bl = blocks.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < R; r += 8) {  // up to 8 rows a pass over the weight
-    const int M = static_cast<int>(std::min<int64_t>(8, R - r));
-    const float* xr = xc.data_ptr<float>() + r * K;
-    float* yr = y.data_ptr<float>() + r * N;
+  return by_passes("block_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
     if (q4)
       W == 48 ? block_rows<true, 3>(M, xr, K, bl, P, yr, N, b) : block_rows<true, 2>(M, xr, K, bl, P, yr, N, b);
     else
       W == 48 ? block_rows<false, 3>(M, xr, K, bl, P, yr, N, b) : block_rows<false, 2>(M, xr, K, bl, P, yr, N, b);
-  }
-  return y;
+  });
 }
 
 }  // namespace
