@@ -248,3 +248,20 @@ def test_the_command_line_loads_a_folder_named_like_a_gguf_file_as_a_folder(tmp_
     idx = torch.randint(0, 50257, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(idx), model(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_name_neither_on_the_hub_nor_a_local_folder_says_both(tmp_path, monkeypatch):
+    """'models/foo' is a Hub id and a relative path alike: offline, and no such folder, the one error says
+    that neither holds a model (a known name like 'gpt2' says only the Hub part)."""
+    import huggingface_hub
+
+    def offline(repo_id, filename, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no local folder 'models/foo' here either.*local directory"):
+        GPT.from_pretrained("models/foo")
+    with pytest.raises(FileNotFoundError) as known:
+        GPT.from_pretrained("gpt2")
+    assert "local folder" not in str(known.value) and "could not get the weights" in str(known.value)

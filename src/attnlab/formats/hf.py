@@ -558,9 +558,12 @@ def _download(
     except Exception as e:  # offline, no such repository, HTTP errors: all end in the same advice
         if quiet:
             raise FileNotFoundError(filename) from None
+        # (an id is also a relative path, 'models/foo': say that no such folder is here either)
+        path_like = "/" in repo_id and repo_id not in PRETRAINED.values()
+        local = f" (there is no local folder {repo_id!r} here either)" if path_like else ""
         raise FileNotFoundError(
             f"could not get the weights of {repo_id!r} ({filename}) from the Hugging Face Hub or its local cache "
-            f"({type(e).__name__}); connect to the internet once so they are downloaded into the cache "
+            f"({type(e).__name__}){local}; connect to the internet once so they are downloaded into the cache "
             f"(~/.cache/huggingface, or $HF_HOME), or pass a local directory holding config.json and "
             f"model.safetensors"
         ) from None
