@@ -262,7 +262,7 @@ def quantized(w: torch.Tensor, qtype: str) -> torch.Tensor:
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(
-    qtype=st.sampled_from(["Q4_1", "Q8_0"]),
+    qtype=st.sampled_from(["Q4_1", "Q4_0", "Q8_0"]),
     rows=st.integers(1, 19),
     k_blocks=st.integers(1, 6),
     width=st.sampled_from([32, 48]),
@@ -275,14 +275,15 @@ def test_block_linear_on_a_gguf_quantization_is_the_float64_product(
     qtype, rows, k_blocks, width, panels, scale, bias, seed
 ):
     """A weight quantized as llama.cpp does, then dequantized to float32 (a GGUF model loaded in float32):
-    pack_blocks finds its blocks back, and block_linear on them is the float64 product of the float32
-    weight to float32's rounding; a pass of 3-8 rows sums exactly as rows_linear does, bit for bit."""
+    pack_blocks finds its blocks back (Q4_0's as Q4_1's with ``m = -8 d``, whatever the sign of ``d``),
+    and block_linear on them is the float64 product of the float32 weight to float32's rounding; a pass
+    of 3-8 rows sums exactly as rows_linear does, bit for bit."""
     g = torch.Generator().manual_seed(seed)
     n, k = width * panels, 32 * k_blocks
     w = quantized(scale * torch.randn(n, k, generator=g), qtype)
     blocks = kernels.pack_blocks(w)
     assert blocks is not None and blocks.dtype == torch.uint8
-    assert blocks.numel() == n * k // 32 * (20 if qtype == "Q4_1" else 34)  # 5 or 8.5 bits a weight
+    assert blocks.numel() == n * k // 32 * (34 if qtype == "Q8_0" else 20)  # 8.5 or 5 bits a weight
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     got = kernels.block_linear(x, blocks, b)

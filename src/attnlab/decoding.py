@@ -761,7 +761,7 @@ _MATRICES = (2, 6, 12, 14)  # the projections' weights in a layer's tuple of ten
 
 def _blocks(weights: list[tuple], head: Tensor) -> dict:
     """The projections of ``weights`` (each layer's :meth:`FastDecoder._weights`) and the output ``head``
-    whose float32 values are exactly a GGUF file's Q4_1 or Q8_0 blocks, as those blocks
+    whose float32 values are exactly a GGUF file's Q4_1, Q4_0 or Q8_0 blocks, as those blocks
     (:func:`attnlab.kernels.pack_blocks`): ``{(layer, index in its tuple) or "head": blocks}``, empty
     where none is (a model not loaded from such a file). Found back from the weights when each generation
     starts, as the fused projections are, never kept between generations (``weight.data[...] = 0`` bumps
@@ -826,7 +826,7 @@ class FastDecoder:
         # the screen's calls around a one-row bfloat16 product cost what it saves: SmolLM2 float32, compiled,
         # 39.2 tokens/s screened against 40.9; a batch of 8 of GPT-2-small's size 193.0 against 170.1)
         # A float32 model on an Intel CPU, one row or a batch of up to _PANEL_ROWS: each projection whose
-        # float32 weights are exactly a GGUF file's Q4_1 or Q8_0 blocks (a model loaded from one) is
+        # float32 weights are exactly a GGUF file's Q4_1, Q4_0 or Q8_0 blocks (a model loaded from one) is
         # multiplied from those blocks (attnlab.kernels.block_linear: a fifth or a quarter of the bytes, the
         # sums those of rows_linear or as close), found back when a generation of at least _BLOCK_MIN_STEPS
         # steps (or of unknown length) starts (see _blocks).

@@ -110,9 +110,10 @@ def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor
 
 def pack_blocks(weight: Tensor) -> Tensor | None:
     """``weight (N, K)`` float32 in the blocks a GGUF file quantized it in, where it has them: each row's
-    32-weight blocks as Q4_1 (``w = d * q + m``, ``q`` 4 bits, ``d`` and ``m`` float16) or else Q8_0
-    (``w = d * q``, ``q`` 8 bits), found back from the float32 values and kept only if every weight comes
-    back bit for bit; else None (the weight stays float32). ``N`` a multiple of 32 or 48, ``K`` of 32.
+    32-weight blocks as Q4_1 (``w = d * q + m``, ``q`` 4 bits, ``d`` and ``m`` float16; Q4_0's ``d * (q -
+    8)`` is Q4_1's with ``m = -8 d``) or else Q8_0 (``w = d * q``, ``q`` 8 bits), found back from the
+    float32 values and kept only if every weight comes back bit for bit; else None (the weight stays
+    float32). ``N`` a multiple of 32 or 48, ``K`` of 32.
     uint8 ``(N / w, K / 32, 20 w | 34 w)`` in panels of ``w`` (:func:`panel_width`) output columns (see
     ``csrc/kernels.cpp``); made when a generation starts, as :func:`pack_panels`' copy. Only where
     :func:`runs`."""

@@ -261,7 +261,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_weights(const at::Tensor& q,
 // ---------------------------------------------------------------------------------------------------
 constexpr int64_t kQ4 = 20, kQ8 = 34;  // bytes a column of a panel takes in a block of 32 k
 
-// The blocks of 16 rows at once, one row a lane: v[i] holds weight i of each row's block (32).
+// The blocks of 16 rows at once, one row a lane: v[i] holds weight i of each row's block (32). (Q4_0's,
+// below, are found as Q4_1's.)
 // Q4_1: a block's weights are fma(d, q, m) for its smallest one m (q = 0 there) and a d near (max - m) / 15
 // (the largest q is 15), both float16; Q8_0: d * q for a d near max |w| / 127. Each d tried is that guess
 // rounded to float16 and its neighbours (where a quantizer's rounding may have put it), q = round((w -
@@ -309,6 +310,22 @@ bool lanes_block(const __m512* v, bool q4, __m256i& d_out, __m256i& m_out, __m51
     const __mmask16 try_ = ok & ~done & _mm512_cmpgt_epi32_mask(bits, _mm512_setzero_si512()) &
                            _mm512_cmplt_epi32_mask(bits, _mm512_set1_epi32(0x7C00));
     if (try_) attempt(bits, try_);
+  }
+  if (q4 && done != 0xFFFF) {
+    // Q4_0's blocks, w = d (q - 8), are Q4_1's with m = -8 d: m the weight of largest magnitude (its q is
+    // 0), d = m / -8 (exact), of either sign.
+    const __m512 m0 = _mm512_mask_mov_ps(hi, _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_setzero_ps(), lo), hi, _CMP_GT_OQ), lo);
+    const __m512 d0 = _mm512_mul_ps(m0, _mm512_set1_ps(-0.125f));
+    const __m256i m0h = _mm512_cvtps_ph(m0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                  d0h = _mm512_cvtps_ph(d0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 try_ = ~done & _mm512_cmp_ps_mask(_mm512_cvtph_ps(m0h), m0, _CMP_EQ_OQ) &
+                           _mm512_cmp_ps_mask(_mm512_cvtph_ps(d0h), d0, _CMP_EQ_OQ);
+    if (try_) {
+      const __mmask16 before = done;
+      m = _mm512_mask_mov_ps(m, try_, m0);
+      attempt(_mm512_cvtepu16_epi32(d0h), try_);
+      m_out = _mm256_mask_mov_epi16(m_out, done & ~before, m0h);
+    }
   }
   d_out = _mm512_cvtepi32_epi16(dbits);
   return done == 0xFFFF;
