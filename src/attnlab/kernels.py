@@ -8,8 +8,9 @@ each 32 weights of a row) or ``d * q`` (Q8_0). :func:`pack_blocks` finds ``d``, 
 from the float32 values when a generation starts and keeps them only if every weight comes back bit for
 bit; :func:`block_linear` multiplies from them, 3-8 rows a pass each weight rebuilt in a register (the
 sums of :func:`rows_linear`, bit for bit), one or two rows each block's sum factored: the same float32
-weights, the same tokens, from 96 MB a step instead of 538 (SmolLM2's one row: 4.2x transformers' ``generate``
-on the float32 weights, where reading them all could reach 1.6-1.7x at most; Intel Xeon, 2 threads).
+weights, the same tokens, from 97 MB a step instead of 538 (SmolLM2's one row: 4.35-4.60x transformers'
+``generate`` on the float32 weights, where reading them all could reach 1.6-1.7x at most; Intel Xeon, 2
+threads). Q4_0's ``d * (q - 8)`` is Q4_1's form with ``m = -8 d``.
 
 Decoding a batch of 2-8 rows multiplies them by every weight of the model once per step. oneDNN and MKL
 read a weight at some 16.5-18.5 GB/s there, where a plain sum over it reads 22.5 (an Intel Xeon with AMX,
@@ -46,7 +47,6 @@ from attnlab import files, hardware
 
 __all__ = [
     "available",
-    "block_bytes",
     "block_linear",
     "decode_attention",
     "decode_attention_weights",
@@ -126,11 +126,6 @@ def pack_blocks(weight: Tensor) -> Tensor | None:
         _require()
     blocks = torch.ops.attnlab_kernels.pack_blocks(weight.detach())
     return blocks if blocks.numel() else None
-
-
-def block_bytes(blocks: Tensor) -> int:
-    """Bytes :func:`block_linear` reads of ``blocks`` a pass (all of them)."""
-    return blocks.numel()
 
 
 def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tensor:
