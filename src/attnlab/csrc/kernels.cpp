@@ -384,6 +384,22 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
+// 16 float16s at p as float32s (a block's d or m for 16 columns).
+inline __m512 halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// A Q4_1 block's row of 16 columns at p (16 bytes) as floats: q0 the q of its k = 2r (low nibbles), q1 of
+// k = 2r + 1 (high nibbles).
+inline void q4_row(const uint8_t* p, __m512& q0, __m512& q1) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+  q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+
+// A Q8_0 block's row of 16 columns at p (16 int8s) as floats.
+inline __m512 q8_row(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // y[m, panel's columns] for the M rows of x: one panel of nb blocks, as panel<M, NP> but the weights
 // rebuilt from their blocks (Q4: Q4_1, else Q8_0). Each accumulator takes k in order, as panel's.
 template <bool Q4, int M, int NP>
@@ -392,37 +408,32 @@ void block_panel(const float* x, int64_t ldx, const uint8_t* blk, int64_t nb, fl
   constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
   __m512 acc[M][NP];
   init_rows<M, NP>(acc, bias);
-  const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = blk + b * block;
     const float* xk = x + 32 * b;
     prefetch_block(p + 4 * block, block);
     __m512 d[NP], mv[NP];
     for (int j = 0; j < NP; ++j) {
-      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
-      if (Q4) mv[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * W + 32 * j)));
+      d[j] = halves(p + 32 * j);
+      if (Q4) mv[j] = halves(p + 2 * W + 32 * j);
     }
     if constexpr (Q4) {
-      const uint8_t* nib = p + 4 * W;
       for (int r = 0; r < 16; ++r) {
         __m512 w0[NP], w1[NP];
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + r * W + 16 * j)));
-          w0[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), mv[j]);
-          w1[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), mv[j]);
+          q4_row(p + 4 * W + r * W + 16 * j, w0[j], w1[j]);
+          w0[j] = _mm512_fmadd_ps(d[j], w0[j], mv[j]);
+          w1[j] = _mm512_fmadd_ps(d[j], w1[j], mv[j]);
         }
         fma_rows<M, NP>(acc, xk, ldx, 2 * r, w0);
         fma_rows<M, NP>(acc, xk, ldx, 2 * r + 1, w1);
       }
     } else {
-      const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2 * W);
       for (int r = 0; r < 32; ++r) {
         __m512 wv[NP];
 #pragma GCC unroll 4
-        for (int j = 0; j < NP; ++j)
-          wv[j] = _mm512_mul_ps(
-              d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + r * W + 16 * j)))));
+        for (int j = 0; j < NP; ++j) wv[j] = _mm512_mul_ps(d[j], q8_row(p + 2 * W + r * W + 16 * j));
         fma_rows<M, NP>(acc, xk, ldx, r, wv);
       }
     }
@@ -440,41 +451,37 @@ void block_panel_factored(const float* x, int64_t ldx, const float* xsum, const 
   constexpr int64_t W = 16 * NP, block = (Q4 ? kQ4 : kQ8) * W;
   __m512 acc[M][NP];
   init_rows<M, NP>(acc, bias);
-  const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = blk + b * block;
     const float* xk = x + 32 * b;
     prefetch_block(p + 4 * block, block);
     __m512 sum[M][NP];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < NP; ++j) sum[m][j] = _mm512_setzero_ps();
+    init_rows<M, NP>(sum, nullptr);
     if constexpr (Q4) {
-      const uint8_t* nib = p + 4 * W;
       for (int r = 0; r < 16; ++r) {
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + r * W + 16 * j)));
-          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          __m512 q0, q1;
+          q4_row(p + 4 * W + r * W + 16 * j, q0, q1);
           for (int m = 0; m < M; ++m)
             sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + 2 * r + 1]), q1,
                                         _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + 2 * r]), q0, sum[m][j]));
         }
       }
     } else {
-      const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2 * W);
       for (int r = 0; r < 32; ++r) {
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + r * W + 16 * j))));
+          const __m512 q = q8_row(p + 2 * W + r * W + 16 * j);
           for (int m = 0; m < M; ++m) sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m * ldx + r]), q, sum[m][j]);
         }
       }
     }
     for (int j = 0; j < NP; ++j) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+      const __m512 d = halves(p + 32 * j);
       for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(d, sum[m][j], acc[m][j]);
       if constexpr (Q4) {
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * W + 32 * j)));
+        const __m512 mv = halves(p + 2 * W + 32 * j);
         for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * nb + b]), acc[m][j]);
       }
     }
