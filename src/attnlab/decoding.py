@@ -574,11 +574,12 @@ def _layer(
         values.index_copy_(2, slot.view(1), v.to(values.dtype))
         M = keys.shape[2]
         qg = q.reshape(B, Hkv, G, hd)  # the G query heads that share each key head
-        if own_attention and seen is None:  # attnlab's kernel over the filled slots only (see FastDecoder)
-            return _after_attention(x, kernels.decode_attention(qg, keys, values, slot, scale), w, spec, how)
-        if own_attention:  # the same, and its weights for the observers (0 at the empty slots)
-            att, weights = kernels.decode_attention_weights(qg, keys, values, slot, scale)  # (B, Hkv, G, .) x2
-            seen.append((q, weights.reshape(B, H, 1, M), att.reshape(B, H, 1, hd)))
+        if own_attention:  # attnlab's kernel over the filled slots only (see FastDecoder)
+            if seen is None:
+                att = kernels.decode_attention(qg, keys, values, slot, scale)  # (B, Hkv, G, hd)
+            else:  # and its weights for the observers (0 at the empty slots)
+                att, weights = kernels.decode_attention_weights(qg, keys, values, slot, scale)  # (B, Hkv, G, .) x2
+                seen.append((q, weights.reshape(B, H, 1, M), att.reshape(B, H, 1, hd)))
             return _after_attention(x, att, w, spec, how)
         filled = torch.arange(M, device=x.device) <= slot  # (M,): the slots written so far
         # The products as multiply-and-sum loops inductor fuses (no two bmm calls a layer; every row of
@@ -831,10 +832,12 @@ class FastDecoder:
         # sums those of rows_linear or as close), found back when a generation of at least _BLOCK_MIN_STEPS
         # steps (or of unknown length) starts (see _blocks).
         float32 = head_w.dtype == torch.float32 and caches[0].keys.dtype == torch.float32
+        # (where attnlab's kernels may multiply, blocks or panels; available() last: its first call builds them)
+        own_kernels = rows <= _PANEL_ROWS and cpu and float32
         # (compiled, always: a graph on the blocks and one on the float32 weights are two compilations, and
         # serve's precompiled graphs read the blocks whatever a request's length)
         enough = compile or steps is None or steps >= _BLOCK_MIN_STEPS
-        quantized = rows <= _PANEL_ROWS and cpu and float32 and enough and kernels.available()
+        quantized = own_kernels and enough and kernels.available()
         weights = [self._weights(block) for block in model.trf_blocks]
         self.blocks = _blocks(weights, head_w) if quantized else {}
         long = steps is None or steps >= SCREEN_MIN_STEPS
@@ -844,7 +847,7 @@ class FastDecoder:
         # A float32 batch of a large model on an Intel CPU: attnlab's own kernels for the products (see
         # _pack) and, in the compiled step, for attention over the cache's filled slots (see _layer); so too
         # one row whose weights come from their blocks.
-        self.panels = pack and 2 <= rows <= _PANEL_ROWS and cpu and float32 and kernels.available()
+        self.panels = pack and rows >= 2 and own_kernels and kernels.available()
         contiguous = all(c.keys.is_contiguous() and c.values.is_contiguous() for c in caches)
         own_attention = (self.panels or bool(self.blocks)) and compile and contiguous
         self.layers = []
