@@ -374,21 +374,22 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for ptr, p in params.items() if ptr not in skip)
 
 
-def block_bytes(model: torch.nn.Module, rows: int) -> int | None:
+def block_bytes(model: torch.nn.Module, rows: int) -> tuple[int | None, bool]:
     """Bytes the fast path's step of ``rows`` rows reads where it multiplies matrices from a GGUF file's
     blocks (:func:`attnlab.kernels.pack_blocks`: a float32 model on an Intel CPU, up to 8 rows): those
     matrices' blocks instead of their float32 values, the rest as :func:`weight_bytes`; None where it reads
-    no block (the bound of :func:`weight_bytes` then holds for every row)."""
-    if rows > 8 or model.out_head.weight.dtype != torch.float32 or model.device.type != "cpu":
-        return None
+    no block (the bound of :func:`weight_bytes` then holds for every row). And whether the head is one of
+    those matrices (then no screened head)."""
+    if rows > decoding._PANEL_ROWS or model.out_head.weight.dtype != torch.float32 or model.device.type != "cpu":
+        return None, False
     if not kernels.available():
-        return None
+        return None, False
     weights = [decoding.FastDecoder._weights(block) for block in model.trf_blocks]
     found = decoding._blocks(weights, model.out_head.weight)
     if not found:
-        return None
+        return None, False
     matrix = {key: (model.out_head.weight if key == "head" else weights[key[0]][key[1]]) for key in found}
-    return weight_bytes(model) - sum(matrix[key].numel() * 4 - b.numel() for key, b in found.items())
+    return weight_bytes(model) - sum(matrix[key].numel() * 4 - b.numel() for key, b in found.items()), "head" in found
 
 
 def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -475,7 +476,7 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         compile_s = time.perf_counter() - t0
         rows["attnlab compiled step"] = attnlab(compile=True)
     # (a batch's greedy tokens, see FastDecoder; not where the head is read from a GGUF file's blocks)
-    head_blocks = block_bytes(ours, args.batch) is not None and kernels.pack_blocks(ours.out_head.weight) is not None
+    blocked, head_blocks = block_bytes(ours, args.batch)  # (found once: some 76 ms on SmolLM2)
     screened = decoding.screens(ours, device) and args.batch > 1 and not head_blocks
     if screened:  # the rows above again, reading the whole float32 head: what the screen gains
         rows["attnlab fast, whole head"] = whole_head(attnlab())
@@ -540,7 +541,6 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         f"read per step {nbytes / 1e6:.0f} MB -> bound {bound:.1f} steps/s ({bound * args.batch:.1f} tokens/s at "
         f"batch {args.batch}); the shares below are of it, (in brackets) of the fastest pass's"
     )
-    blocked = block_bytes(ours, args.batch)
     if blocked is not None:
         print(
             f"  the fast path and the compiled step multiply from the GGUF file's own blocks, the same float32 "
