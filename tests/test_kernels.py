@@ -356,12 +356,15 @@ def test_a_gguf_models_decoding_reads_its_blocks_and_equals_the_eager_forward(
 ):
     """A float32 model whose matrices are a GGUF quantization's: one row or a batch, the decoder reads every
     projection and the head from their blocks (the compiled step attends by decode_attention), with the
-    eager forward's tokens and logits and no graph break; an edit to a weight between generations is seen."""
+    eager forward's tokens and logits and no graph break, all its layers and the head one compiled call
+    whatever the groups of other models; an edit to a weight between generations is seen."""
     monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    monkeypatch.setattr(decoding, "_GROUP", 1)  # (a layer a call for a model on float32 weights)
     model = gguf_model(family)
     idx = torch.randint(0, 64, (rows, 6), generator=torch.Generator().manual_seed(1))
     decoder = decoding.FastDecoder(model, model.new_kv_caches(rows, 16), compile=compile)
     assert all(w[j].dtype == torch.uint8 for w, *_ in decoder.layers for j in (2, 6, 12, 14))
+    assert len(decoder.groups) == 1 < len(decoder.layers)
     assert decoder.head[2].dtype == torch.uint8 and decoder.screen is None
     assert all(spec[-1] == compile for _, spec, *_ in decoder.layers)
     del decoder
