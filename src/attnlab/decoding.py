@@ -656,7 +656,7 @@ def _head(
 
 def _layers(
     x: Tensor,
-    ropes: list,
+    ropes: tuple[list, tuple],
     keys: list[Tensor],
     values: list[Tensor],
     positions: list[Tensor | None],
@@ -668,13 +668,33 @@ def _layers(
 ) -> Tensor:
     """Layers in a row over their static caches (the compiled step: one call, one graph, for all of
     them): ``x (B, 1, C)`` -> ``(B, 1, C)``, or with ``head`` (:func:`_head`'s arguments after ``x``)
-    the logits ``(B, V)``. ``positions``: the caches' position records (``None`` where a layer keeps
-    none), the new slot's entry written here too. ``seen``: see :func:`_layer`."""
-    for (cos, sin), k, v, p, w, spec in zip(ropes, keys, values, positions, ws, specs, strict=True):
+    the logits ``(B, V)``. ``ropes``: the layers' RoPE as :func:`_shared` gives it. ``positions``: the
+    caches' position records (``None`` where a layer keeps none), the new slot's entry written here too.
+    ``seen``: see :func:`_layer`."""
+    angles, which = ropes
+    for i, k, v, p, w, spec in zip(which, keys, values, positions, ws, specs, strict=True):
+        cos, sin = (None, None) if i is None else angles[i]
         if p is not None:  # (as the eager update(): the cache records the position of the slot)
             p.index_fill_(1, slot.view(1), slot)
         x = _layer(x, cos, sin, k, v, slot, w, spec, True, seen=seen)
     return x if head is None else _head(x, *head, True)
+
+
+def _shared(rope: list[tuple[Tensor | None, Tensor | None]]) -> tuple[list, tuple]:
+    """Each layer's RoPE ``(cos, sin)`` (or ``(None, None)``) as a compiled call takes it: the distinct
+    pairs, and each layer's index among them (None: no RoPE). Dynamo checks each tensor passed again in
+    Python (``is``): SmolLM2's 30 layers, one pair for all, were 60 such checks a call, 0.1 ms."""
+    angles: list[tuple[Tensor, Tensor]] = []
+    which: list[int | None] = []
+    for cos, sin in rope:
+        if cos is None:
+            which.append(None)
+            continue
+        i = next((j for j, (c, _) in enumerate(angles) if c is cos), len(angles))
+        if i == len(angles):
+            angles.append((cos, sin))
+        which.append(i)
+    return angles, tuple(which)
 
 
 def _embed(token: Tensor, emb: Tensor, scale: Tensor | None, pos: Tensor | None) -> Tensor:
@@ -692,7 +712,7 @@ def _greedy_steps(
     finished: Tensor,
     stop: Tensor | None,
     embed: tuple,
-    ropes: list,
+    ropes: tuple[list, tuple],
     slot: Tensor,
     group: tuple,
     head: tuple,
@@ -703,14 +723,14 @@ def _greedy_steps(
     call, one graph). A row ``finished (B,)`` (it produced one of the ``stop`` ids) keeps emitting the first,
     as :func:`attnlab.generation.next_tokens` does. ``embed``: the token embedding's weight, the embedding
     scale (a 0-d tensor or None) and the learned positions' rows ``(1, n, C)`` (or None); ``ropes``:
-    each layer's RoPE at the chunk's positions ``(1, 1, n, rd)`` (or ``(None, None)``); ``group``:
+    the layers' RoPE at the chunk's positions ``(1, 1, n, rd)``, as :func:`_shared` gives it; ``group``:
     :func:`_layers`'s caches, weights and specs; ``head``: :func:`_head`'s arguments after ``x``.
     Returns each step's tokens ``(B, n)``, finished rows after it ``(B, n)`` and logits ``(B, n, V)``."""
     emb, scale, pos_rows = embed
     tokens, done, logits = [], [], []
     for j in range(n):
         x = _embed(token, emb, scale, None if pos_rows is None else pos_rows[:, j : j + 1])  # (B, 1, C)
-        rope = [(c, s) if c is None else (c[:, :, j : j + 1], s[:, :, j : j + 1]) for c, s in ropes]
+        rope = ([(c[:, :, j : j + 1], s[:, :, j : j + 1]) for c, s in ropes[0]], ropes[1])
         step = _layers(x, rope, *group[:3], slot + j, *group[3:], head)  # (B, V)
         token = step.argmax(dim=-1)  # (B,): greedy
         if stop is not None:
@@ -1090,8 +1110,9 @@ class FastDecoder:
         # token: a copy with its own strides (a column of a generation's token buffer has the buffer's
         # width as its stride, which the compiled code's guards would see as a new shape each time)
         token = token.clone(memory_format=torch.contiguous_format)
+        ropes = _shared(self._ropes(at, emb.dtype))
         out = self.chunk_fn(
-            token, finished, stop, (emb, self._embed_scale(), pos_rows), self._ropes(at, emb.dtype), slot, group,
+            token, finished, stop, (emb, self._embed_scale(), pos_rows), ropes, slot, group,
             (nw, nb, head, self.norm, cap, self.batch), n,
         )  # fmt: skip
         for cache in self.caches:
@@ -1181,7 +1202,7 @@ class FastDecoder:
         seen: list = []
         for layers, *args in self.groups:
             last = (nw, nb, w_head, self.norm, cap, self.batch) if one and head else None
-            x = fn(x, rope[layers.start : layers.stop], *args[:3], slot, *args[3:], last)
+            x = fn(x, _shared(rope[layers.start : layers.stop]), *args[:3], slot, *args[3:], last)
             if variant != "plain":
                 x, more = x
                 seen += [more] if variant == "rows" else more
