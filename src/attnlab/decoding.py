@@ -686,11 +686,12 @@ def _shared(rope: list[tuple[Tensor | None, Tensor | None]]) -> tuple[list, tupl
     Python (``is``): SmolLM2's 30 layers, one pair for all, were 60 such checks a call, 0.1 ms."""
     angles: list[tuple[Tensor, Tensor]] = []
     which: list[int | None] = []
+    index: dict[int, int] = {}  # id(cos) -> its pair's index (the tensors live as long as `rope`)
     for cos, sin in rope:
         if cos is None:
             which.append(None)
             continue
-        i = next((j for j, (c, _) in enumerate(angles) if c is cos), len(angles))
+        i = index.setdefault(id(cos), len(angles))
         if i == len(angles):
             angles.append((cos, sin))
         which.append(i)
