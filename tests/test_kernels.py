@@ -382,6 +382,23 @@ def test_a_gguf_models_decoding_reads_its_blocks_and_equals_the_eager_forward(
 
 
 @needs_kernel
+def test_a_model_with_a_matrix_off_its_quantization_keeps_its_groups_of_layers(monkeypatch):
+    """One call for all layers only where every layer's products read blocks: a weight one ulp off its
+    quantization keeps float32 (inductor's own loops in the graph), and the layers their groups."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    monkeypatch.setattr(decoding, "_GROUP", 1)
+    model = gguf_model("llama-gqa")
+    caches = model.new_kv_caches(1, 16)
+    assert len(decoding.FastDecoder(model, caches, compile=True).groups) == 1
+    with torch.no_grad():
+        w = model.trf_blocks[-1].ff.layers[2].weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))
+    decoder = decoding.FastDecoder(model, caches, compile=True)
+    assert decoder.layers[-1][0][14].dtype == torch.float32 and decoder.layers[0][0][14].dtype == torch.uint8
+    assert len(decoder.groups) == len(decoder.layers) > 1
+
+
+@needs_kernel
 def test_a_model_loaded_from_a_q4_1_gguf_file_decodes_from_its_blocks(tmp_path, monkeypatch):
     """Through the loader: a Llama written to a Q4_1 GGUF file as llama.cpp does, loaded in float32, has
     its projections found back as blocks; greedy decoding gives the eager forward's tokens."""

@@ -924,13 +924,14 @@ class FastDecoder:
         self.chunk_fn = _compiled(_greedy_steps, True) if self.chunk > 1 else None
         # The compiled step's calls: groups of up to _GROUP layers (one call each; the last one ends with
         # the head), with the arguments that stay the same from step to step. A model decoding from its
-        # blocks runs all its layers and the head in one call: its products are attnlab's operators, so
-        # the graph is small for its layers (the group of 10 and the head's, cold: 31 s to compile; all
-        # 30 and the head: 62 s, once per machine in inductor's cache), and each call of the step costs
-        # Dynamo's guards and a trip through Python and the graph's wrapper (SmolLM2, float32, in one
-        # process: 7.33 -> 6.86 ms a token, Intel Xeon, 2 threads).
+        # blocks (every layer's products) runs all its layers and the head in one call: its products are
+        # attnlab's operators, so the graph is small for its layers (the group of 10 and the head's,
+        # cold: 31 s to compile; all 30 and the head: 62 s, once per machine in inductor's cache), and
+        # each call of the step costs Dynamo's guards and a trip through Python and the graph's wrapper
+        # (SmolLM2, float32, in one process: 7.33 -> 6.86 ms a token, Intel Xeon, 2 threads).
         L = len(self.layers)
-        most = L if self.blocks else min(L, _GROUP)
+        on_blocks = all((i, j) in self.blocks for i in range(L) for j in _MATRICES)
+        most = L if on_blocks else min(L, _GROUP)
         g = max(d for d in range(1, most + 1) if L % d == 0)  # equal groups: one graph for all
         self.groups = []
         for a in range(0, L, g):
