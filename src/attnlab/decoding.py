@@ -668,7 +668,7 @@ def _layers(
 ) -> Tensor:
     """Layers in a row over their static caches (the compiled step: one call, one graph, for all of
     them): ``x (B, 1, C)`` -> ``(B, 1, C)``, or with ``head`` (:func:`_head`'s arguments after ``x``)
-    the logits ``(B, V)``. ``ropes``: the layers' RoPE as :func:`_shared` gives it. ``positions``: the
+    the logits ``(B, V)``. ``ropes``: the layers' RoPE as :meth:`FastDecoder._ropes` gives it. ``positions``: the
     caches' position records (``None`` where a layer keeps none), the new slot's entry written here too.
     ``seen``: see :func:`_layer`."""
     angles, which = ropes
@@ -678,24 +678,6 @@ def _layers(
             p.index_fill_(1, slot.view(1), slot)
         x = _layer(x, cos, sin, k, v, slot, w, spec, True, seen=seen)
     return x if head is None else _head(x, *head, True)
-
-
-def _shared(rope: list[tuple[Tensor | None, Tensor | None]]) -> tuple[list, tuple]:
-    """Each layer's RoPE ``(cos, sin)`` (or ``(None, None)``) as a compiled call takes it: the distinct
-    pairs, and each layer's index among them (None: no RoPE). Dynamo checks each tensor passed again in
-    Python (``is``): SmolLM2's 30 layers, one pair for all, were 60 such checks a call, 0.1 ms."""
-    angles: list[tuple[Tensor, Tensor]] = []
-    which: list[int | None] = []
-    index: dict[int, int] = {}  # id(cos) -> its pair's index (the tensors live as long as `rope`)
-    for cos, sin in rope:
-        if cos is None:
-            which.append(None)
-            continue
-        i = index.setdefault(id(cos), len(angles))
-        if i == len(angles):
-            angles.append((cos, sin))
-        which.append(i)
-    return angles, tuple(which)
 
 
 def _embed(token: Tensor, emb: Tensor, scale: Tensor | None, pos: Tensor | None) -> Tensor:
@@ -724,7 +706,7 @@ def _greedy_steps(
     call, one graph). A row ``finished (B,)`` (it produced one of the ``stop`` ids) keeps emitting the first,
     as :func:`attnlab.generation.next_tokens` does. ``embed``: the token embedding's weight, the embedding
     scale (a 0-d tensor or None) and the learned positions' rows ``(1, n, C)`` (or None); ``ropes``:
-    the layers' RoPE at the chunk's positions ``(1, 1, n, rd)``, as :func:`_shared` gives it; ``group``:
+    the layers' RoPE at the chunk's positions ``(1, 1, n, rd)``, as :meth:`FastDecoder._ropes` gives it; ``group``:
     :func:`_layers`'s caches, weights and specs; ``head``: :func:`_head`'s arguments after ``x``.
     Returns each step's tokens ``(B, n)``, finished rows after it ``(B, n)`` and logits ``(B, n, V)``."""
     emb, scale, pos_rows = embed
@@ -871,7 +853,8 @@ class FastDecoder:
         # one row whose weights come from their blocks.
         self.panels = pack and rows >= 2 and own_kernels and kernels.available()
         contiguous = all(c.keys.is_contiguous() and c.values.is_contiguous() for c in caches)
-        own_attention = (self.panels or bool(self.blocks)) and compile and contiguous
+        own = self.panels or bool(self.blocks)  # (products on attnlab's kernels)
+        own_attention = own and compile and contiguous
         self.layers = []
         for block, w in zip(model.trf_blocks, weights, strict=True):
             att = block.att
@@ -901,7 +884,6 @@ class FastDecoder:
             self._pack(rows, compile, pack)
         # (on attnlab's kernels, whose operators are C++: the code around them in C++ too, inductor's
         # cpp_wrapper; SmolLM2's batch of 8, 232.0 -> 258.2 tokens/s, Intel Xeon, 2 threads)
-        own = self.panels or bool(self.blocks)
         self.layers_fn = _compiled(_layers, own) if compile else None
         # (compiled at their first calls; on attnlab's kernels in C++ too: serve's float32 stream of SmolLM2
         # from its blocks, 85.2 -> 101.6 tokens/s, 0.71x -> 0.85x `generate(compile=True)`)
@@ -951,6 +933,19 @@ class FastDecoder:
         # other threads wait).
         self.hook_dicts, self.hookable = _hook_dicts(model.modules()), _hookable(model)
         self.atts = [block.att for block in model.trf_blocks]
+        # Each layer's RoPE among a step's distinct (cos, sin) pairs (see _ropes): the model's shared ones
+        # (model.rope_angles), then those of a module with a RoPE of its own in a model without; None: none.
+        shared = list(model.rope_sources) if cfg.pos == "rope" else []
+        self.own_ropes = [att for att in self.atts if att.rope and cfg.pos != "rope"]
+        index: list[int | None] = []
+        for block, att in zip(model.trf_blocks, self.atts, strict=True):
+            if not att.rope:
+                index.append(None)
+            elif cfg.pos == "rope":
+                index.append(shared.index(block.local_rope))
+            else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
+                index.append(len(shared) + self.own_ropes.index(att))
+        self.rope_index = tuple(index)
         windows = [window for _, _, window, _, _ in self.layers]
         self.limits = [min(c.max_length, w or c.max_length) for c, w in zip(caches, windows, strict=True)]
         # A rolling cache whose ring is no longer than its layer's window (so are those new_kv_caches
@@ -1062,12 +1057,13 @@ class FastDecoder:
         if self.compile and all(pos < cache.max_length for cache in self.caches):
             return self._compiled_step(token, pos, observers, head)
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
-        x, rope = self._inputs(token, at)
+        x, (angles, which) = self._inputs(token, at)
         nw, nb, w_head, cap = self.head
         masks: dict = {}  # the step's observed masks, shared by its layers (see _observer)
-        for block, cache, (cos, sin), (w, spec, _, _, has_positions), fn, ring in zip(
-            model.trf_blocks, self.caches, rope, self.layers, observers, self.rings, strict=True
+        for block, cache, i, (w, spec, _, _, has_positions), fn, ring in zip(
+            model.trf_blocks, self.caches, which, self.layers, observers, self.rings, strict=True
         ):
+            cos, sin = (None, None) if i is None else angles[i]
             M = cache.max_length
             slot = cache.ring_slot(pos) if ring and pos >= M else pos  # a wrapped ring: its oldest slot
             if has_positions:  # (as the eager update(): the cache records the position of the slot)
@@ -1112,7 +1108,7 @@ class FastDecoder:
         # token: a copy with its own strides (a column of a generation's token buffer has the buffer's
         # width as its stride, which the compiled code's guards would see as a new shape each time)
         token = token.clone(memory_format=torch.contiguous_format)
-        ropes = _shared(self._ropes(at, emb.dtype))
+        ropes = self._ropes(at, emb.dtype)
         out = self.chunk_fn(
             token, finished, stop, (emb, self._embed_scale(), pos_rows), ropes, slot, group,
             (nw, nb, head, self.norm, cap, self.batch), n,
@@ -1121,7 +1117,7 @@ class FastDecoder:
             cache.length = cache.seen = pos + n
         return out
 
-    def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, list]:
+    def _inputs(self, token: Tensor, at: Tensor) -> tuple[Tensor, tuple[list, tuple]]:
         """The first block's input ``x (B, 1, C)`` for ``token (B,)`` at position ``at (1, 1)`` and each
         layer's RoPE (:meth:`_ropes`). Functions of the weights, no module called (a server compiles
         on a thread of its own: :meth:`precompile`)."""
@@ -1135,19 +1131,13 @@ class FastDecoder:
         scale = self.cfg.embed_scale
         return None if scale is None else torch.tensor(scale, dtype=self.model.tok_emb.weight.dtype)
 
-    def _ropes(self, at: Tensor, dtype: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
-        """Each layer's RoPE ``(cos, sin)`` at position ``at (1, 1)``, or ``(None, None)``."""
-        model, cfg = self.model, self.cfg
-        ropes: dict[bool, tuple[Tensor, Tensor]] = {}
-        if cfg.pos == "rope":  # the angles once for all layers (Gemma 3: its window layers have their own)
-            ropes = {k: model.trf_blocks[i].att.rope_cos_sin(at, dtype) for k, i in model.rope_sources.items()}
-        rope = []
-        for att, (_, _, _, local, _) in zip(self.atts, self.layers, strict=True):
-            if not att.rope:
-                rope.append((None, None))
-            else:  # (a module of its own RoPE in a model without: its angles, as its forward does)
-                rope.append(ropes[local] if cfg.pos == "rope" else att.rope_cos_sin(at, dtype))
-        return rope
+    def _ropes(self, at: Tensor, dtype: torch.dtype) -> tuple[list, tuple]:
+        """The layers' RoPE at position ``at (1, 1)``: the distinct ``(cos, sin)`` pairs, each computed once
+        (Gemma 3: its window layers have their own), and each layer's index among them, :attr:`rope_index`
+        (None: no RoPE). So a compiled call takes them: Dynamo checks in Python (``is``) each tensor passed
+        again (SmolLM2's 30 layers sharing one pair, 60 checks a call: 0.1 ms)."""
+        angles = [*self.model.rope_angles(at, dtype).values(), *(att.rope_cos_sin(at, dtype) for att in self.own_ropes)]
+        return angles, self.rope_index
 
     def _compiled_step(self, token: Tensor, pos: int, observers: list, head: bool = True) -> Tensor:
         """The compiled step for ``token (B,)`` at position ``pos``: logits ``(B, V)`` (without ``head``: the
@@ -1197,14 +1187,14 @@ class FastDecoder:
         each layer's ``(q, weights over all slots, head outputs)``; "rows", the weights of all layers
         ``(L, B, H, M)``. Tensor operations only, no host synchronisation: on CUDA the plain step is
         captured in a CUDA graph (:meth:`_replay`). The caches' lengths are the caller's to advance."""
-        x, rope = self._inputs(token, slot.view(1, 1))
+        x, (angles, which) = self._inputs(token, slot.view(1, 1))
         nw, nb, w_head, cap = self.head
         fn = {"plain": self.layers_fn, "observed": self.observed_fn, "rows": self.rows_fn}[variant]
         one = len(self.groups) == 1  # then the head too in that call; else a call of its own
         seen: list = []
         for layers, *args in self.groups:
             last = (nw, nb, w_head, self.norm, cap, self.batch) if one and head else None
-            x = fn(x, _shared(rope[layers.start : layers.stop]), *args[:3], slot, *args[3:], last)
+            x = fn(x, (angles, which[layers.start : layers.stop]), *args[:3], slot, *args[3:], last)
             if variant != "plain":
                 x, more = x
                 seen += [more] if variant == "rows" else more
