@@ -173,7 +173,7 @@ def test_a_float32_batch_on_the_kernel_equals_the_eager_forward(family, vocab, c
     decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16), compile=compile)
     assert all(w[j].dim() == 3 for w, *_ in decoder.layers for j in (2, 6, 12, 14))  # every projection
     assert (decoder.head[2].dim() == 3) == (vocab == 64)
-    assert all(spec[-1] == compile for _, spec, *_ in decoder.layers)  # decode_attention: the compiled step
+    assert all(spec[12] == compile for _, spec, *_ in decoder.layers)  # decode_attention: the compiled step
     del decoder
     gc.collect()
     ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
@@ -366,7 +366,9 @@ def test_a_gguf_models_decoding_reads_its_blocks_and_equals_the_eager_forward(
     assert all(w[j].dtype == torch.uint8 for w, *_ in decoder.layers for j in (2, 6, 12, 14))
     assert len(decoder.groups) == 1 < len(decoder.layers)
     assert decoder.head[2].dtype == torch.uint8 and decoder.screen is None
-    assert all(spec[-1] == compile for _, spec, *_ in decoder.layers)
+    assert all(spec[12] == compile for _, spec, *_ in decoder.layers)
+    # (compiled, a Llama-style block runs whole in one call of block_layer; GPT-2's has biases and GELU)
+    assert all(spec[13] == (compile and family == "llama-gqa") for _, spec, *_ in decoder.layers)
     del decoder
     for _ in range(2):
         ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
@@ -459,3 +461,107 @@ def test_an_observed_compiled_step_on_the_blocks_hands_over_the_eager_records(ro
     assert torch.equal(ids, ref)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert_same_records(ref_records, records, 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# A whole Llama-style block in one call (block_layer)
+# --------------------------------------------------------------------------------------------
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    hd=st.sampled_from([32, 64]),
+    width=st.sampled_from([64, 96]),
+    hidden=st.sampled_from([64, 96]),
+    slots=st.integers(1, 12),
+    rope=st.booleans(),
+    weights=st.booleans(),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_block_layer_is_the_float64_block(rows, kv_heads, group, hd, width, hidden, slots, rope, weights, data, seed):
+    """block_layer on a block's GGUF blocks (the layers' Q4_1, or Q8_0) against the eager step's math of the
+    same block (:func:`attnlab.decoding._layer`, SDPA over the filled slots) in float64: the output, the
+    new key and value in their slot (the other slots untouched), the queries after RoPE, the heads'
+    outputs and the attention's weights (0 past the slot)."""
+    g = torch.Generator().manual_seed(seed)
+    qtype = data.draw(st.sampled_from(["Q4_1", "Q8_0"]))
+    H, C, F = kv_heads * group, width, hidden
+    pos = data.draw(st.integers(0, slots - 1))
+
+    def matrix(n: int, k: int) -> torch.Tensor:
+        return quantized(torch.randn(n, k, generator=g) / k**0.5, qtype)
+
+    mats = [matrix((H + 2 * kv_heads) * hd, C), matrix(C, H * hd), matrix(2 * F, C), matrix(C, F)]
+    n1, n2 = 1 + 0.1 * torch.randn(C, generator=g), 1 + 0.1 * torch.randn(C, generator=g)
+    x = torch.randn(rows, 1, C, generator=g)
+    keys, values = torch.randn(2, rows, kv_heads, slots, hd, generator=g)
+    angles = torch.rand(hd // 2, generator=g) * 6
+    cos, sin = (torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()) if rope else (None, None)
+    scale = hd**-0.5
+    spec = (("rms", 1e-5, 0.0), False, None, H, kv_heads, hd, hd, scale, ("swiglu", "tanh"), False, False, "eager")
+    spec = (*spec, False, False)
+    w = [None] * 18
+    w[0], w[2], w[6], w[10], w[12], w[14] = n1, *mats[:2], n2, *mats[2:]
+    ref_k, ref_v = keys.double(), values.double()
+    w64 = tuple(None if t is None else t.double() for t in w)
+    c64 = None if cos is None else cos.double()
+    s64 = None if sin is None else sin.double()
+    records = []
+    ref = decoding._layer(
+        x.double(), c64, s64, ref_k, ref_v, pos, w64, spec, False, lambda *r: records.append(r), filled=pos + 1
+    )
+    got_k, got_v = keys.clone(), values.clone()
+    blocks = [kernels.pack_blocks(m) for m in mats]
+    products = (n1, blocks[0], blocks[1], n2, blocks[2], blocks[3])
+    out, q, heads, w_att = kernels.block_layer(
+        x, None if cos is None else (cos, sin), got_k, got_v, torch.tensor(pos), products, H, scale, 1e-5, weights
+    )
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(got_k.double(), ref_k, **tol)
+    torch.testing.assert_close(got_v.double(), ref_v, **tol)
+    q_ref, _, _, weights_ref, heads_ref = records[0]  # (B, H, 1, hd), ..., (B, H, 1, S), (B, H, 1, hd)
+    torch.testing.assert_close(q.double(), q_ref, **tol)
+    torch.testing.assert_close(heads.reshape(rows, H, 1, hd).double(), heads_ref, **tol)
+    if weights:
+        w_att = w_att.reshape(rows, H, slots)
+        torch.testing.assert_close(w_att[..., : pos + 1].double(), weights_ref[:, :, 0], **tol)
+        assert not w_att[..., pos + 1 :].any()
+    else:
+        assert w_att.numel() == 0
+
+
+@needs_kernel
+def test_block_layer_names_the_argument_at_fault():
+    torch.manual_seed(0)
+    mats = [quantized(torch.randn(n, k), "Q4_1") for n, k in ((128, 64), (64, 64), (128, 64), (64, 64))]
+    blocks = [kernels.pack_blocks(m) for m in mats]
+    norm = torch.ones(64)
+    x, keys, values = torch.randn(1, 1, 64), torch.zeros(1, 1, 8, 32), torch.zeros(1, 1, 8, 32)
+    products = (norm, blocks[0], blocks[1], norm, blocks[2], blocks[3])
+
+    def call(**change):
+        args = dict(x=x, rope=None, keys=keys, values=values, slot=torch.tensor(3), weights=products, heads=2)
+        args.update(change)
+        return kernels.block_layer(**args, scale=1.0, eps=1e-5)
+
+    assert call()[0].shape == (1, 1, 64)
+    with pytest.raises(TypeError, match="must be float32 CPU tensors, got Double"):
+        call(x=x.double())
+    with pytest.raises(ValueError, match=r"x must be \(B, 1, C\) with B from 1 to 8, got shape \[9, 1, 64\]"):
+        call(x=torch.randn(9, 1, 64), keys=torch.zeros(9, 1, 8, 32), values=torch.zeros(9, 1, 8, 32))
+    with pytest.raises(ValueError, match="heads must be a multiple of the cache's 1 key heads"):
+        call(heads=0)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 8\), got 8"):
+        call(slot=torch.tensor(8))
+    with pytest.raises(ValueError, match=r"the blocks must multiply .* got \(K, N\) \(64, 128\), \(64, 64\)"):
+        call(heads=1)  # (q/k/v would be 96 outputs)
+    with pytest.raises(TypeError, match="qkv must be a uint8 CPU tensor"):
+        call(weights=(norm, mats[0], *products[2:]))
+    with pytest.raises(ValueError, match="cos and sin must be float32, contiguous, 32 values each"):
+        call(rope=(torch.ones(16), torch.ones(16)))
+    with pytest.raises(ValueError, match=r"the norms' weights must be \(64\)"):
+        call(weights=(torch.ones(32), *products[1:]))

@@ -552,8 +552,16 @@ def _layer(
     """
     n1w, n1b, wqkv, bqkv, qnw, knw = w[:6]  # (the rest: _after_attention's)
     norm, qk_norm, qspec, H, Hkv, hd, rd, scale = spec[:8]
-    batch, own_attention = spec[11:]
+    batch, own_attention, whole = spec[11:]
     B = x.shape[0]
+    if static and whole:  # the whole block in one call of attnlab's kernel (see FastDecoder)
+        rope = None if cos is None else (cos.reshape(-1), sin.reshape(-1))
+        products = (n1w, wqkv, w[6], w[10], w[12], w[14])
+        observed = seen is not None
+        x, q, att, weights = kernels.block_layer(x, rope, keys, values, slot, products, H, scale, norm[1], observed)
+        if observed:  # (the records' parts, as below)
+            seen.append((q, weights.reshape(B, H, 1, keys.shape[2]), att.reshape(B, H, 1, hd)))
+        return x
     how = _how(static, B, batch)
     h = _norm(x, n1w, n1b, norm if n1w is not None else None)
     q, k, v = _matvec(h, wqkv, bqkv, how).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, .) x3
@@ -627,6 +635,28 @@ def _after_attention(x: Tensor, heads: Tensor, w: tuple, spec: tuple, how: str) 
     if post:
         ff = _norm(ff, p2w, p2b, norm)
     return x + ff
+
+
+def _llama_block(block: nn.Module, norm: tuple, mlp: str) -> bool:
+    """Whether ``block`` (its norms ``norm``, its MLP ``mlp``: see GPTConfig) is what
+    :func:`attnlab.kernels.block_layer` computes: RMSNorm (no offset) before attention and before the MLP
+    and nowhere else, no query or key norm, RoPE over every feature or none, SwiGLU, sequential
+    residuals, and no bias anywhere."""
+    att, ff = block.att, block.ff.layers
+    linear = [att.W_query, att.W_key, att.W_value, att.out_proj, ff[0], ff[2]]
+    return (
+        norm[0] == "rms"
+        and norm[2] == 0
+        and block.norm1 is not None
+        and block.norm2 is not None
+        and block.post_norm1 is None
+        and block.post_norm2 is None
+        and not att.qk_norm
+        and (not att.rope or att.rope_dim == att.head_dim)
+        and mlp == "swiglu"
+        and not block.parallel_residual
+        and all(getattr(m, "bias", None) is None for m in [*linear, block.norm1, block.norm2])
+    )
 
 
 def _how(static: bool, rows: int, batch: str) -> str:
@@ -856,8 +886,12 @@ class FastDecoder:
         own = self.panels or bool(self.blocks)  # (products on attnlab's kernels)
         own_attention = own and compile and contiguous
         self.layers = []
-        for block, w in zip(model.trf_blocks, weights, strict=True):
+        for i, (block, w) in enumerate(zip(model.trf_blocks, weights, strict=True)):
             att = block.att
+            # A Llama-style block whose products all read blocks: the compiled step runs it whole in one
+            # call of attnlab's kernel (attnlab.kernels.block_layer), not 5 operators and 3 of inductor's loops.
+            whole = own_attention and rows <= _PANEL_ROWS and all((i, j) in self.blocks for j in _MATRICES)
+            whole = whole and _llama_block(block, norm, cfg.mlp)
             spec = (
                 norm,
                 att.qk_norm,
@@ -872,6 +906,7 @@ class FastDecoder:
                 block.post_norm1 is not None,
                 self.batch,
                 own_attention,
+                whole,
             )
             self.layers.append((w, spec, att.window, block.local_rope, att.has_positions))
         self.head = (

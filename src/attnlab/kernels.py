@@ -140,6 +140,41 @@ def block_linear(x: Tensor, blocks: Tensor, bias: Tensor | None = None) -> Tenso
     return torch.ops.attnlab_kernels.block_linear(x, blocks, bias)
 
 
+def block_layer(
+    x: Tensor,
+    rope: tuple[Tensor, Tensor] | None,
+    keys: Tensor,
+    values: Tensor,
+    slot: Tensor,
+    weights: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor],
+    heads: int,
+    scale: float,
+    eps: float,
+    with_weights: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One block of a Llama-style model for one new token per row, in one call: ``x (B, 1, C)``, ``B``
+    up to 8 -> ``(B, 1, C)``. RMSNorm (``eps``), the fused query, key and value projection, RoPE at
+    ``rope``'s angles (``(cos, sin)``, ``hd`` values each; None: no RoPE), the new key and value
+    written to slot ``slot`` (a 0-d int64 tensor) of ``keys``/``values`` ``(B, Hkv, M, hd)`` (in place),
+    grouped-query attention of the ``heads`` queries over the filled slots (``scale``), the output
+    projection and residual, RMSNorm, SwiGLU and the down projection and residual. ``weights``: the
+    first norm's weight, the q/k/v, output, second norm's, gate-and-up (``[gate | up]``) and down
+    projections, each product as :func:`pack_blocks`' blocks; no biases.
+
+    Returns the block's output, the queries after RoPE ``(B, H, 1, hd)``, the heads' outputs ``(B, Hkv,
+    G, hd)`` and, ``with_weights``, the attention's weights ``(B, Hkv, G, M)`` (0 at the empty slots;
+    else an empty tensor). The sums those of :func:`block_linear` and :func:`decode_attention`; the
+    norms' in double. Only where :func:`runs` (the kernel checks its arguments: ValueError or TypeError
+    naming the one at fault)."""
+    if not _loaded:
+        _require()
+    cos, sin = (None, None) if rope is None else rope
+    norm1, qkv, out, norm2, up, down = weights
+    return torch.ops.attnlab_kernels.block_layer(
+        x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps, with_weights
+    )
+
+
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:
     """One new query per row against the filled slots ``0..slot`` of a float32 cache: ``softmax(q k^T *
     scale) v``, ``q (B, Hkv, G, hd)`` (the ``G`` query heads sharing each key head), ``keys``/``values``
@@ -221,6 +256,13 @@ def _build_once() -> bool:
     def _(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
         width = blocks.shape[2] // (20 if blocks.shape[2] in (640, 960) else 34)
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * width))
+
+    @torch.library.register_fake("attnlab_kernels::block_layer")
+    def _(x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps, weights):
+        B, Hkv, M, hd = keys.shape
+        G = heads // Hkv
+        seen = (B, Hkv, G, M) if weights else (0,)
+        return x.new_empty(x.shape), x.new_empty((B, heads, 1, hd)), x.new_empty((B, Hkv, G, hd)), x.new_empty(seen)
 
     @torch.library.register_fake("attnlab_kernels::decode_attention_weights")
     def _(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> tuple[Tensor, Tensor]:
