@@ -367,8 +367,10 @@ def test_a_gguf_models_decoding_reads_its_blocks_and_equals_the_eager_forward(
     assert len(decoder.groups) == 1 < len(decoder.layers)
     assert decoder.head[2].dtype == torch.uint8 and decoder.screen is None
     assert all(spec[12] == compile for _, spec, *_ in decoder.layers)
-    # (compiled, a Llama-style block runs whole in one call of block_layer; GPT-2's has biases and GELU)
+    # (compiled, a Llama-style block runs whole in one call of block_layer; GPT-2's has biases and GELU;
+    # and a model of such blocks, compiled or not, steps in one call of block_step)
     assert all(spec[13] == (compile and family == "llama-gqa") for _, spec, *_ in decoder.layers)
+    assert (decoder.stepper is not None) == (family == "llama-gqa")
     del decoder
     for _ in range(2):
         ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
@@ -565,3 +567,72 @@ def test_block_layer_names_the_argument_at_fault():
         call(rope=(torch.ones(16), torch.ones(16)))
     with pytest.raises(ValueError, match=r"the norms' weights must be \(64\)"):
         call(weights=(torch.ones(32), *products[1:]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_serves_rows_from_the_one_call_step_are_the_eager_records(compile, monkeypatch):
+    """A model of Llama-style blocks on their blocks steps in one call of block_step, compiled or not, no
+    graph compiled; under observe_attention_rows (serve's stream) each pass's rows are the eager forward's
+    records' last rows, with the same positions, tokens and logits. An observer that wants whole records
+    takes the compiled step's observed graph (compiled) or the eager step (not)."""
+    from test_fast_decode_observed import assert_same_records, graphs, observed_generation, row_passes
+
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = gguf_model("llama-gqa")
+    idx = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(6))
+    (ref, ref_logits), records = observed_generation(model, idx, 10, fast=False)
+    L = len(model.trf_blocks)
+    want = [records[i : i + L] for i in range(0, len(records), L)]
+    calls = []
+    step = kernels.block_step
+    monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: calls.append(a[-1]) or step(*a, **k))
+    before = graphs()
+    (ids, logits), passes = row_passes(model, idx, 10, compile=compile)
+    assert torch.equal(ids, ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert len(passes) == len(want) and calls == [True] * (len(want) - 1)  # (the prompt's pass: the forward)
+    for (rows, q_pos, k_pos), layers in zip(passes, want, strict=True):
+        expected = torch.stack([r.weights[:, :, -1] for _, r in layers])  # (L, B, H, S)
+        torch.testing.assert_close(rows, expected, rtol=1e-5, atol=1e-5)
+        first = layers[0][1]
+        assert torch.equal(q_pos, first.q_positions) and torch.equal(k_pos, first.k_positions)
+    assert graphs() == before
+    calls.clear()
+    (ids, logits), got = observed_generation(model, idx, 10, compile=compile)
+    assert torch.equal(ids, ref) and not calls
+    assert_same_records(records, got, 1e-5)
+    # (plain greedy decoding: one call a step; compiled, this small model's steps run 4 to a compiled call)
+    assert torch.equal(model.generate(idx, 10, temperature=0, compile=compile), ref)
+    assert calls == ([] if compile else [False] * 9)
+
+
+@needs_kernel
+def test_block_step_names_the_argument_at_fault():
+    torch.manual_seed(0)
+    mats = [quantized(torch.randn(n, k), "Q4_1") for n, k in ((128, 64), (64, 64), (128, 64), (64, 64), (96, 64))]
+    blocks = [kernels.pack_blocks(m) for m in mats]
+    norm = torch.ones(64)
+    layer = [norm, blocks[0], blocks[1], norm, blocks[2], blocks[3]]
+    x, cache = torch.randn(1, 1, 64), torch.zeros(1, 1, 8, 32)
+
+    def call(**change):
+        args = dict(x=x, rope=None, keys=[cache], values=[cache.clone()], positions=[], slot=torch.tensor(2))
+        args.update(layers=layer, heads=2, scale=1.0, eps=1e-5, final_norm=norm, head=blocks[4])
+        args.update(change)
+        return kernels.block_step(**args)
+
+    logits, weights = call()
+    assert logits.shape == (1, 96) and weights.numel() == 0
+    assert call(with_weights=True)[1].shape == (1, 1, 2, 8)
+    with pytest.raises(ValueError, match="keys and values must be one tensor a block and layers six, got 1, 1 and 5"):
+        call(layers=layer[:5])
+    with pytest.raises(ValueError, match=r"final_norm must be float32 \(C\) for x \(B, 1, C\)"):
+        call(final_norm=torch.ones(32))
+    with pytest.raises(TypeError, match="head must be a uint8 CPU tensor"):
+        call(head=mats[4])
+    with pytest.raises(ValueError, match=r"positions must be int64 \(B, M\) past the slot"):
+        call(positions=[torch.zeros(1, 2, dtype=torch.long)])
+    positions = torch.full((1, 8), -1)
+    call(positions=[positions])
+    assert positions.tolist() == [[-1, -1, 2, -1, -1, -1, -1, -1]]

@@ -990,6 +990,49 @@ class FastDecoder:
         self.rings = [
             c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
         ]
+        # Every block Llama-style on its blocks, one RoPE for all, the head on its blocks: a step (no observer,
+        # or serve's rows) is one call of attnlab's kernel, attnlab.kernels.block_step, compiled or not.
+        self.stepper = self._stepper(contiguous)
+
+    def _stepper(self, contiguous: bool) -> tuple | None:
+        """What :meth:`_whole_step` calls :func:`attnlab.kernels.block_step` with, where it can: every
+        block :func:`_llama_block` with its products on their blocks, with the same heads, norms and RoPE
+        (and so the same position records); the final norm an RMSNorm, the head on its blocks, no soft cap; caches
+        contiguous. Else None. The RoPE's angles for every slot, computed here once (``(M, hd)`` each)."""
+        model, cfg, L = self.model, self.cfg, len(self.layers)
+        if not contiguous or "head" not in self.blocks or cfg.logit_softcap is not None or cfg.pos != "rope":
+            return None
+        if self.own_ropes or len(model.rope_sources) != 1 or getattr(model.final_norm, "bias", None) is not None:
+            return None
+        if not all((i, j) in self.blocks for i in range(L) for j in _MATRICES):
+            return None
+        specs = {spec[:8] for _, spec, *_ in self.layers}  # (norm, qk norm, heads, kv heads, hd, rope dim, scale)
+        if len(specs) != 1 or len({has_positions for *_, has_positions in self.layers}) != 1:
+            return None
+        if not all(_llama_block(block, self.norm, cfg.mlp) for block in model.trf_blocks):
+            return None
+        norm, _, _, H, _, hd, _, scale = next(iter(specs))
+        M = max(cache.max_length for cache in self.caches)
+        at = torch.arange(M, device=self.caches[0].keys.device).view(1, M)
+        cos, sin = next(iter(model.rope_angles(at, torch.float32).values()))  # (1, 1, M, hd) each
+        products = [t for w, *_ in self.layers for t in (w[0], w[2], w[6], w[10], w[12], w[14])]
+        return (cos.reshape(M, hd), sin.reshape(M, hd)), products, H, scale, norm[1]
+
+    def _whole_step(self, token: Tensor, pos: int, rows: bool) -> tuple[Tensor, Any]:
+        """The step for ``token (B,)`` at slot ``pos`` as one call of :func:`attnlab.kernels.block_step`
+        (see :attr:`stepper`): the logits ``(B, V)`` and, with ``rows``, every layer's attention weights
+        ``(L, B, H, M)`` (as :func:`_attention_rows` gives them)."""
+        (cos, sin), products, H, scale, eps = self.stepper
+        x = _embed(token, self.model.tok_emb.weight, self._embed_scale(), None)  # (B, 1, C)
+        slot = torch.tensor(pos)
+        keys, values = [c.keys for c in self.caches], [c.values for c in self.caches]
+        positions = [c.positions for c in self.caches] if self.layers[0][4] else []
+        nw, w_head = self.head[0], self.head[2]
+        rope = (cos[pos], sin[pos])  # (hd,) each
+        logits, weights = kernels.block_step(
+            x, rope, keys, values, positions, slot, products, H, scale, eps, nw, w_head, rows
+        )
+        return logits, weights
 
     def _pack(self, rows: int, compile: bool, pack: bool) -> None:
         """The projections' weights (and the head's, unless screened: then the float32 head is read only
@@ -1089,7 +1132,9 @@ class FastDecoder:
         model = self.model
         pos = self.caches[0].seen
         observers = [att.observer for att in self.atts]  # (called with the eager forward's records)
-        if self.compile and all(pos < cache.max_length for cache in self.caches):
+        # (the compiled step, or attnlab's kernel's, compiled or not: see __init__)
+        whole = self.stepper is not None and head and self._variant(observers)[0] != "observed"
+        if (self.compile or whole) and all(pos < cache.max_length for cache in self.caches):
             return self._compiled_step(token, pos, observers, head)
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
         x, (angles, which) = self._inputs(token, at)
@@ -1182,7 +1227,9 @@ class FastDecoder:
         their weights to one callback (:func:`attnlab.attention.rows_receiver`) get no records: the
         rows variant hands it every layer's row at once, with layer 0's positions."""
         variant, rows_to = self._variant(observers)
-        if self.cuda_graph and variant == "plain" and head:
+        if self.stepper and head and variant != "observed":  # (one call of attnlab's kernel: see __init__)
+            logits, seen = self._whole_step(token, pos, variant == "rows")
+        elif self.cuda_graph and variant == "plain" and head:
             logits, seen = self._replay(token, pos), []
         else:
             logits, seen = self._static_step(token, torch.tensor(pos, device=token.device), variant, head)
@@ -1282,7 +1329,8 @@ class FastDecoder:
             variant = "observed"
         device = self.caches[0].keys.device
         token = torch.zeros(self.caches[0].keys.shape[0], dtype=torch.long, device=device)  # (B,)
-        self._static_step(token, torch.zeros((), dtype=torch.long, device=device), variant)
+        if self.stepper is None or variant == "observed":  # (else a step is attnlab's kernel: no graph)
+            self._static_step(token, torch.zeros((), dtype=torch.long, device=device), variant)
         if self.chunk > 1 and variant == "plain" and self.room(self.chunk):  # (greedy decoding's calls too)
             for cache in self.caches:
                 cache.reset()

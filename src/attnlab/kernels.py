@@ -175,6 +175,37 @@ def block_layer(
     )
 
 
+def block_step(
+    x: Tensor,
+    rope: tuple[Tensor, Tensor] | None,
+    keys: list[Tensor],
+    values: list[Tensor],
+    positions: list[Tensor],
+    slot: Tensor,
+    layers: list[Tensor],
+    heads: int,
+    scale: float,
+    eps: float,
+    final_norm: Tensor,
+    head: Tensor,
+    with_weights: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """A decoding step of a Llama-style model all of whose blocks :func:`block_layer` computes, with one
+    RoPE for all: ``x (B, 1, C)`` (the new tokens' embeddings) through every block (``keys``, ``values``:
+    each block's cache, written in place; ``positions``: each cache's positions record ``(B, M)``, the
+    slot's set to ``slot``, or ``[]``; ``layers``: each block's six tensors, :func:`block_layer`'s
+    ``weights`` one after the other), the final RMSNorm ``final_norm`` and the ``head`` (:func:`pack_blocks`'
+    blocks) -> the logits ``(B, V)`` and, ``with_weights``, every block's attention weights ``(L, B, H, M)``
+    (caches of one size; 0 at the empty slots; else an empty tensor). One call, no graph. Only where
+    :func:`runs`."""
+    if not _loaded:
+        _require()
+    cos, sin = (None, None) if rope is None else rope
+    return torch.ops.attnlab_kernels.block_step(
+        x, cos, sin, keys, values, positions, slot, layers, heads, scale, eps, final_norm, head, with_weights
+    )
+
+
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slot: Tensor, scale: float) -> Tensor:
     """One new query per row against the filled slots ``0..slot`` of a float32 cache: ``softmax(q k^T *
     scale) v``, ``q (B, Hkv, G, hd)`` (the ``G`` query heads sharing each key head), ``keys``/``values``

@@ -608,11 +608,14 @@ void rope_head(const float* x, const float* c, const float* s, int64_t hd, float
   for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
-    const at::Tensor& x, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, const at::Tensor& keys,
-    const at::Tensor& values, const at::Tensor& slot, const at::Tensor& norm1, const at::Tensor& qkv, const at::Tensor& out,
-    const at::Tensor& norm2, const at::Tensor& up, const at::Tensor& down, int64_t heads, double scale, double eps,
-    bool with_weights) {
+// block_layer's work: the block's output, queries and heads' outputs; with wp, the attention's weights
+// there ((B, Hkv, G, M), zeros beforehand).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const std::optional<at::Tensor>& cos,
+                                                     const std::optional<at::Tensor>& sin, const at::Tensor& keys,
+                                                     const at::Tensor& values, const at::Tensor& slot, const at::Tensor& norm1,
+                                                     const at::Tensor& qkv, const at::Tensor& out, const at::Tensor& norm2,
+                                                     const at::Tensor& up, const at::Tensor& down, int64_t heads, double scale,
+                                                     double eps, float* wp) {
   for (const at::Tensor* t : {&x, &keys, &values, &norm1, &norm2})
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu(),
                      "block_layer: x, keys, values and the norms' weights must be float32 CPU tensors, got ", t->scalar_type(),
@@ -650,11 +653,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
                         " ", t->sizes());
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc), q = at::empty({B, H, 1, hd}, xc.options()), att = at::empty({B, Hkv, G, hd}, xc.options());
-  at::Tensor weights = with_weights ? at::zeros({B, Hkv, G, M}, xc.options()) : at::empty({0}, xc.options());
   const float *xp = xc.data_ptr<float>(), *n1 = norm1.data_ptr<float>(), *n2 = norm2.data_ptr<float>();
   const float *cp = rope ? cos->data_ptr<float>() : nullptr, *sp = rope ? sin->data_ptr<float>() : nullptr;
   float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>(), *qp = q.data_ptr<float>(), *ap = att.data_ptr<float>();
-  float* wp = with_weights ? weights.data_ptr<float>() : nullptr;
   std::vector<float> qkvb(B * Nqkv), ob(B * C), gub(B * 2 * F), db(B * C);  // (the products' outputs, shared)
   const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
   const int64_t wide = std::max(C, std::max(F, Nq));
@@ -715,7 +716,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
       for (int64_t i = 0; i < B * C; ++i) yp[i] = res[i] + db[i];
     }
   }
+  return {y, q, att};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, const at::Tensor& keys,
+    const at::Tensor& values, const at::Tensor& slot, const at::Tensor& norm1, const at::Tensor& qkv, const at::Tensor& out,
+    const at::Tensor& norm2, const at::Tensor& up, const at::Tensor& down, int64_t heads, double scale, double eps,
+    bool with_weights) {
+  at::Tensor weights = at::empty({0}, x.options());
+  if (with_weights && keys.dim() == 4 && heads > 0)  // (the shapes checked by layer)
+    weights = at::zeros({keys.size(0), keys.size(1), heads / std::max<int64_t>(1, keys.size(1)), keys.size(2)}, x.options());
+  auto [y, q, att] = layer(x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps,
+                           with_weights ? weights.data_ptr<float>() : nullptr);
   return {y, q, att, weights};
+}
+
+// block_step: every block of a model whose blocks are all block_layer's and share one RoPE, then the
+// final RMSNorm and the head (blocks too): a decoding step of one new token per row in one call, no
+// graph (SmolLM2: 31 calls through the dispatcher, from Python, where a compiled step checked its
+// guards over some 700 tensors and ran its wrapper). `layers`: 6 tensors a block, block_layer's
+// weights in order; `positions`: each block's cache's record of its slots' positions (B, M), or none. Returns the logits (B, V) and, with `with_weights`, every block's attention weights
+// (L, B, H, M) (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::optional<at::Tensor>& cos,
+                                              const std::optional<at::Tensor>& sin, at::TensorList keys, at::TensorList values,
+                                              at::TensorList positions, const at::Tensor& slot, at::TensorList layers,
+                                              int64_t heads, double scale,
+                                              double eps, const at::Tensor& final_norm, const at::Tensor& head,
+                                              bool with_weights) {
+  const int64_t L = static_cast<int64_t>(keys.size());
+  TORCH_CHECK_VALUE(L >= 1 && values.size() == keys.size() && layers.size() == 6 * keys.size(),
+                    "block_step: keys and values must be one tensor a block and layers six, got ", keys.size(), ", ",
+                    values.size(), " and ", layers.size());
+  TORCH_CHECK_VALUE(x.dim() == 3 && final_norm.scalar_type() == at::kFloat && final_norm.numel() == x.size(2) &&
+                        final_norm.is_contiguous(),
+                    "block_step: final_norm must be float32 (C) for x (B, 1, C), got ", final_norm.scalar_type(), " ",
+                    final_norm.sizes(), " for x ", x.sizes());
+  const Blocks w = blocks_of(head, "block_step", "head");
+  TORCH_CHECK_VALUE(w.K == x.size(2), "block_step: head must multiply (", x.size(2), "), got K = ", w.K);
+  TORCH_CHECK_VALUE(positions.empty() || positions.size() == keys.size(),
+                    "block_step: positions must be one tensor a block or none, got ", positions.size());
+  at::Tensor weights = at::empty({0}, x.options());
+  const int64_t B = x.size(0), M = keys[0].dim() == 4 ? keys[0].size(2) : 0;
+  const int64_t pos = slot.item<int64_t>();  // (checked by layer)
+  if (with_weights) weights = at::zeros({L, B, heads, M}, x.options());
+  at::Tensor h = x;
+  for (int64_t l = 0; l < L; ++l) {
+    TORCH_CHECK_VALUE(!with_weights || keys[l].sizes() == keys[0].sizes(),
+                      "block_step: with weights, every block's cache must be ", keys[0].sizes(), ", got ", keys[l].sizes());
+    const at::Tensor* t = layers.data() + 6 * l;
+    if (!positions.empty()) {  // (as the eager update(): the cache records the position of the slot)
+      const at::Tensor& p = positions[l];
+      TORCH_CHECK_VALUE(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == B && p.size(1) > pos,
+                        "block_step: positions must be int64 (B, M) past the slot, got ", p.scalar_type(), " ", p.sizes());
+      for (int64_t b = 0; b < B; ++b) p.data_ptr<int64_t>()[b * p.stride(0) + pos * p.stride(1)] = pos;
+    }
+    h = std::get<0>(layer(h, cos, sin, keys[l], values[l], slot, t[0], t[1], t[2], t[3], t[4], t[5], heads, scale, eps,
+                          with_weights ? weights.data_ptr<float>() + l * B * heads * M : nullptr));
+  }
+  const int64_t C = x.size(2);
+  std::vector<float> normed(B * C), sums(B * C / 32 + 1);
+  const bool few = B <= 2;
+  rms_rows(static_cast<int>(B), h.data_ptr<float>(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data(),
+           few ? sums.data() : nullptr);
+  at::Tensor logits = at::empty({B, w.N}, x.options());
+  at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t b) {
+    block_range_of(w, static_cast<int>(B), normed.data(), few ? sums.data() : nullptr, a, b, logits.data_ptr<float>(), nullptr);
+  });
+  return {logits, weights};
 }
 
 }  // namespace
@@ -730,6 +798,10 @@ TORCH_LIBRARY(attnlab_kernels, m) {
       "block_layer(Tensor x, Tensor? cos, Tensor? sin, Tensor(a!) keys, Tensor(b!) values, Tensor slot, Tensor norm1, "
       "Tensor qkv, Tensor out, Tensor norm2, Tensor up, Tensor down, int heads, float scale, float eps, bool weights) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "block_step(Tensor x, Tensor? cos, Tensor? sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor(c!)[] positions, "
+      "Tensor slot, Tensor[] layers, "
+      "int heads, float scale, float eps, Tensor final_norm, Tensor head, bool weights) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_kernels, CPU, m) {
@@ -739,4 +811,5 @@ TORCH_LIBRARY_IMPL(attnlab_kernels, CPU, m) {
   m.impl("pack_blocks", pack_blocks);
   m.impl("block_linear", block_linear);
   m.impl("block_layer", block_layer);
+  m.impl("block_step", block_step);
 }
