@@ -624,7 +624,9 @@ def test_block_step_names_the_argument_at_fault():
 
     logits, weights = call()
     assert logits.shape == (1, 96) and weights.numel() == 0
-    assert call(with_weights=True)[1].shape == (1, 1, 2, 8)
+    assert call(with_weights=True)[1].shape == (1, 1, 2, 3)  # (the filled slots)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 8\), got 8"):
+        call(slot=torch.tensor(8))
     with pytest.raises(ValueError, match="keys and values must be one tensor a block and layers six, got 1, 1 and 5"):
         call(layers=layer[:5])
     with pytest.raises(ValueError, match=r"final_norm must be float32 \(C\) for x \(B, 1, C\)"):

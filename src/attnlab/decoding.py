@@ -96,11 +96,17 @@ _STREAMS = 4
 _CHUNK = 4
 
 
-def greedy_tokens(logits: Tensor) -> Tensor:
+def greedy_tokens(logits: Tensor, checked: bool = False) -> Tensor:
     """``logits (..., V)``' argmax over the last dimension, the first of ties, as ``argmax`` gives it: by
     ``max(dim=-1).indices``, whose CPU kernel is vectorized where argmax's is not (SmolLM2's 49,152
-    logits, Xeon with AMX: float32 76 -> 32 us, bfloat16 181 -> 46 us; a batch of 8 in bfloat16 729 -> 175)."""
-    return logits.max(dim=-1).indices
+    logits, Xeon with AMX: float32 76 -> 32 us, bfloat16 181 -> 46 us; a batch of 8 in bfloat16 729 -> 175).
+    ``checked``: first checked as :func:`attnlab.checks.check_model_logits` checks them (ValueError), from
+    the same maxima (NaN propagates into a row's, +inf is it: finite exactly where the row has a token),
+    one pass over the logits instead of two."""
+    best = logits.max(dim=-1)
+    if checked:
+        check_model_logits(best.values[..., None])
+    return best.indices
 
 
 # --------------------------------------------------------------------------------------------
@@ -1021,7 +1027,7 @@ class FastDecoder:
     def _whole_step(self, token: Tensor, pos: int, rows: bool) -> tuple[Tensor, Any]:
         """The step for ``token (B,)`` at slot ``pos`` as one call of :func:`attnlab.kernels.block_step`
         (see :attr:`stepper`): the logits ``(B, V)`` and, with ``rows``, every layer's attention weights
-        ``(L, B, H, M)`` (as :func:`_attention_rows` gives them)."""
+        over the filled slots ``(L, B, H, pos + 1)`` (:func:`_attention_rows`' cut as the caller cuts them)."""
         (cos, sin), products, H, scale, eps = self.stepper
         x = _embed(token, self.model.tok_emb.weight, self._embed_scale(), None)  # (B, 1, C)
         slot = torch.tensor(pos)
@@ -1123,8 +1129,7 @@ class FastDecoder:
         the :class:`ScreenedHead` where the decoder has one (``tokens_only``)."""
         if self.screen is None:
             logits = self.step(token)  # (B, V)
-            check_model_logits(logits)
-            return greedy_tokens(logits)
+            return greedy_tokens(logits, checked=True)
         return self.screen.argmax(self._step(token, False))  # (B, C) -> (B,)
 
     def _step(self, token: Tensor, head: bool) -> Tensor:

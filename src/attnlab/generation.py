@@ -182,6 +182,8 @@ def next_tokens(
     """A generation's next token of each row, ``(B,)``, drawn from the model's ``logits (B, V)``:
     checked (NaN or +inf: ValueError, one host sync), sampled, and a row already ``finished`` (it
     produced one of the ``stop`` ids) kept at the first stop id; ``finished (B,)`` is updated in place."""
+    if sampling.greedy:  # (checked from the argmax's own maxima: one pass)
+        return _stopping(greedy_tokens(logits, checked=True), stop, finished)
     check_model_logits(logits)
     return _stopping(sampling.sample(logits, generator), stop, finished)
 

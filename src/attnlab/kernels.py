@@ -195,9 +195,9 @@ def block_step(
     each block's cache, written in place; ``positions``: each cache's positions record ``(B, M)``, the
     slot's set to ``slot``, or ``[]``; ``layers``: each block's six tensors, :func:`block_layer`'s
     ``weights`` one after the other), the final RMSNorm ``final_norm`` and the ``head`` (:func:`pack_blocks`'
-    blocks) -> the logits ``(B, V)`` and, ``with_weights``, every block's attention weights ``(L, B, H, M)``
-    (caches of one size; 0 at the empty slots; else an empty tensor). One call, no graph. Only where
-    :func:`runs`."""
+    blocks) -> the logits ``(B, V)`` and, ``with_weights``, every block's attention weights over the
+    filled slots, ``(L, B, H, slot + 1)`` (caches of one size; else an empty tensor). One call, no
+    graph. Only where :func:`runs`."""
     if not _loaded:
         _require()
     cos, sin = (None, None) if rope is None else rope

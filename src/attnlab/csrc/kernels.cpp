@@ -129,9 +129,10 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
 
 // Queries g0..g1 of the G that share key head bh (of the B * Hkv) against its filled slots 0..S-1:
 // q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd), their outputs to o (as q), and with wp their
-// softmax's weights to wp (B * Hkv, G, M) (the empty slots untouched); e: (g1 - g0) * S floats of scratch.
+// softmax's weights to wp (B * Hkv, G, wlen), wlen >= S (the slots past S untouched); e: (g1 - g0) * S
+// floats of scratch.
 void attend_group(const float* qp, const float* kp, const float* vp, float* op, float* wp, int64_t bh, int64_t g0,
-                  int64_t g1, int64_t G, int64_t S, int64_t M, int64_t hd, float sc, float* e) {
+                  int64_t g1, int64_t G, int64_t S, int64_t M, int64_t hd, float sc, float* e, int64_t wlen) {
   const bool wide = hd > 0 && hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
   const float *k = kp + bh * M * hd, *v = vp + bh * M * hd, *qq = qp + bh * G * hd;
   float* o = op + bh * G * hd;
@@ -195,7 +196,7 @@ void attend_group(const float* qp, const float* kp, const float* vp, float* op, 
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < hd; ++i) o[g * hd + i] /= total[g - g0];
   for (int64_t g = g0; g < g1 && wp != nullptr; ++g)
-    for (int64_t m = 0; m < S; ++m) wp[(bh * G + g) * M + m] = e[(g - g0) * S + m] / total[g - g0];
+    for (int64_t m = 0; m < S; ++m) wp[(bh * G + g) * wlen + m] = e[(g - g0) * S + m] / total[g - g0];
 }
 
 // One new query per row against the filled slots 0..slot of a preallocated float32 cache:
@@ -231,7 +232,7 @@ at::Tensor attend_filled(const at::Tensor& q, const at::Tensor& keys, const at::
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a, int64_t b) {
     std::vector<float> e(G * S);
-    for (int64_t bh = a; bh < b; ++bh) attend_group(qp, kp, vp, op, wp, bh, 0, G, G, S, M, hd, sc, e.data());
+    for (int64_t bh = a; bh < b; ++bh) attend_group(qp, kp, vp, op, wp, bh, 0, G, G, S, M, hd, sc, e.data(), M);
   });
   return out;
 }
@@ -609,13 +610,13 @@ void rope_head(const float* x, const float* c, const float* s, int64_t hd, float
 }
 
 // block_layer's work: the block's output, queries and heads' outputs; with wp, the attention's weights
-// there ((B, Hkv, G, M), zeros beforehand).
+// there ((B, Hkv, G, wlen): the filled slots' of each query, a row of wlen).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const std::optional<at::Tensor>& cos,
                                                      const std::optional<at::Tensor>& sin, const at::Tensor& keys,
                                                      const at::Tensor& values, const at::Tensor& slot, const at::Tensor& norm1,
                                                      const at::Tensor& qkv, const at::Tensor& out, const at::Tensor& norm2,
                                                      const at::Tensor& up, const at::Tensor& down, int64_t heads, double scale,
-                                                     double eps, float* wp) {
+                                                     double eps, float* wp, int64_t wlen) {
   for (const at::Tensor* t : {&x, &keys, &values, &norm1, &norm2})
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu(),
                      "block_layer: x, keys, values and the norms' weights must be float32 CPU tensors, got ", t->scalar_type(),
@@ -688,7 +689,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
     // Attention: this thread's query heads, a run of those sharing a key head at a time.
     for (int64_t i = q0; i < q1;) {
       const int64_t bh = i / G, g0 = i % G, g1 = std::min(G, g0 + (q1 - i));
-      attend_group(qp, kp, vp, ap, wp, bh, g0, g1, G, S, M, hd, sc, e.data());
+      attend_group(qp, kp, vp, ap, wp, bh, g0, g1, G, S, M, hd, sc, e.data(), wlen);
       i += g1 - g0;
     }
 #pragma omp barrier
@@ -728,7 +729,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
   if (with_weights && keys.dim() == 4 && heads > 0)  // (the shapes checked by layer)
     weights = at::zeros({keys.size(0), keys.size(1), heads / std::max<int64_t>(1, keys.size(1)), keys.size(2)}, x.options());
   auto [y, q, att] = layer(x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps,
-                           with_weights ? weights.data_ptr<float>() : nullptr);
+                           with_weights ? weights.data_ptr<float>() : nullptr, weights.dim() == 4 ? weights.size(3) : 0);
   return {y, q, att, weights};
 }
 
@@ -736,14 +737,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
 // final RMSNorm and the head (blocks too): a decoding step of one new token per row in one call, no
 // graph (SmolLM2: 31 calls through the dispatcher, from Python, where a compiled step checked its
 // guards over some 700 tensors and ran its wrapper). `layers`: 6 tensors a block, block_layer's
-// weights in order; `positions`: each block's cache's record of its slots' positions (B, M), or none. Returns the logits (B, V) and, with `with_weights`, every block's attention weights
-// (L, B, H, M) (else an empty tensor).
+// weights in order; `positions`: each block's cache's record of its slots' positions (B, M), or none.
+// Returns the logits (B, V) and, with `with_weights`, every block's attention weights over the filled
+// slots, (L, B, H, slot + 1) (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::optional<at::Tensor>& cos,
                                               const std::optional<at::Tensor>& sin, at::TensorList keys, at::TensorList values,
                                               at::TensorList positions, const at::Tensor& slot, at::TensorList layers,
-                                              int64_t heads, double scale,
-                                              double eps, const at::Tensor& final_norm, const at::Tensor& head,
-                                              bool with_weights) {
+                                              int64_t heads, double scale, double eps, const at::Tensor& final_norm,
+                                              const at::Tensor& head, bool with_weights) {
   const int64_t L = static_cast<int64_t>(keys.size());
   TORCH_CHECK_VALUE(L >= 1 && values.size() == keys.size() && layers.size() == 6 * keys.size(),
                     "block_step: keys and values must be one tensor a block and layers six, got ", keys.size(), ", ",
@@ -758,8 +759,10 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
                     "block_step: positions must be one tensor a block or none, got ", positions.size());
   at::Tensor weights = at::empty({0}, x.options());
   const int64_t B = x.size(0), M = keys[0].dim() == 4 ? keys[0].size(2) : 0;
-  const int64_t pos = slot.item<int64_t>();  // (checked by layer)
-  if (with_weights) weights = at::zeros({L, B, heads, M}, x.options());
+  TORCH_CHECK_VALUE(slot.numel() == 1 && slot.scalar_type() == at::kLong, "block_step: slot must be one int64");
+  const int64_t pos = slot.item<int64_t>();
+  TORCH_CHECK_VALUE(pos >= 0 && pos < M, "block_step: slot must be in [0, ", M, "), got ", pos);
+  if (with_weights) weights = at::empty({L, B, heads, pos + 1}, x.options());  // (every entry written)
   at::Tensor h = x;
   for (int64_t l = 0; l < L; ++l) {
     TORCH_CHECK_VALUE(!with_weights || keys[l].sizes() == keys[0].sizes(),
@@ -772,7 +775,7 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
       for (int64_t b = 0; b < B; ++b) p.data_ptr<int64_t>()[b * p.stride(0) + pos * p.stride(1)] = pos;
     }
     h = std::get<0>(layer(h, cos, sin, keys[l], values[l], slot, t[0], t[1], t[2], t[3], t[4], t[5], heads, scale, eps,
-                          with_weights ? weights.data_ptr<float>() + l * B * heads * M : nullptr));
+                          with_weights ? weights.data_ptr<float>() + l * B * heads * (pos + 1) : nullptr, pos + 1));
   }
   const int64_t C = x.size(2);
   std::vector<float> normed(B * C), sums(B * C / 32 + 1);
