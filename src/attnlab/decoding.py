@@ -44,7 +44,12 @@ math with the work a step needs and nothing else:
 
 A float32 model loaded from a GGUF file (SmolLM2's Q4_1) decodes on an Intel CPU from the file's
 own blocks (:func:`_blocks`, :mod:`attnlab.kernels`): the same float32 weights, found back from their
-values when the generation starts, read at a fifth of the bytes (one row or a batch of up to 8).
+values when the generation starts, read at a fifth of the bytes (one row or a batch of up to 8). A
+Llama-style block on its blocks runs whole in one operator (:func:`attnlab.kernels.block_layer`: one
+OpenMP region for the norms, the products, RoPE, the cache's new slot and the attention, not 5
+operators and 3 of inductor's loops); a model of such blocks with one RoPE and its head on blocks
+(SmolLM2) runs each step as one call, :func:`attnlab.kernels.block_step`, compiled or not, with no
+graph and no guards (:attr:`FastDecoder.stepper`).
 
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
