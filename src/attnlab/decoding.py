@@ -1015,6 +1015,8 @@ class FastDecoder:
             return None
         if self.own_ropes or len(model.rope_sources) != 1 or getattr(model.final_norm, "bias", None) is not None:
             return None
+        if not all(att.rope for att in self.atts):  # (one RoPE for every block: none without)
+            return None
         if not all((i, j) in self.blocks for i in range(L) for j in _MATRICES):
             return None
         specs = {spec[:8] for _, spec, *_ in self.layers}  # (norm, qk norm, heads, kv heads, hd, rope dim, scale)
