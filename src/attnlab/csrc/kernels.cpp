@@ -355,6 +355,11 @@ bool pack_format(const float* w, int64_t N, int64_t K, int64_t W, bool q4, uint8
       const int64_t p = 16 * g / W, c = 16 * g % W;  // their panel, and their first column in it
       for (int64_t kb = 0; kb < nb; ++kb) {
         const float* base = w + 16 * g * K + 32 * kb;
+        if (kb + 4 < nb)  // (each row's lines four blocks ahead: 16 streams the hardware's prefetcher loses)
+          for (int i = 0; i < 16; ++i) {
+            _mm_prefetch(reinterpret_cast<const char*>(base + i * K + 128), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(base + i * K + 144), _MM_HINT_T0);
+          }
         for (int i = 0; i < 32; ++i) v[i] = _mm512_i32gather_ps(rows, base + i, 4);
         __m256i d, m;
         if (!lanes_block(v, q4, d, m, q)) return void(ok = false);
