@@ -7,6 +7,7 @@ only; here, on any CPU that runs it)."""
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import subprocess
 import sys
@@ -584,9 +585,16 @@ def test_serves_rows_from_the_one_call_step_are_the_eager_records(compile, monke
     (ref, ref_logits), records = observed_generation(model, idx, 10, fast=False)
     L = len(model.trf_blocks)
     want = [records[i : i + L] for i in range(0, len(records), L)]
-    calls = []
+    calls = []  # each block_step call's with_weights
     step = kernels.block_step
-    monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: calls.append(a[-1]) or step(*a, **k))
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(step).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(bound.arguments["with_weights"])
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(decoding.kernels, "block_step", spy)
     before = graphs()
     (ids, logits), passes = row_passes(model, idx, 10, compile=compile)
     assert torch.equal(ids, ref)

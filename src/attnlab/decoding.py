@@ -567,8 +567,8 @@ def _layer(
     B = x.shape[0]
     if static and whole:  # the whole block in one call of attnlab's kernel (see FastDecoder)
         rope = None if cos is None else (cos.reshape(-1), sin.reshape(-1))
-        products = (n1w, wqkv, w[6], w[10], w[12], w[14])
         observed = seen is not None
+        products = tuple(w[j] for j in _WHOLE)
         x, q, att, weights = kernels.block_layer(x, rope, keys, values, slot, products, H, scale, norm[1], observed)
         if observed:  # (the records' parts, as below)
             seen.append((q, weights.reshape(B, H, 1, keys.shape[2]), att.reshape(B, H, 1, hd)))
@@ -803,6 +803,7 @@ def _compiled(fn: Any, cpp_wrapper: bool = False) -> Any:
 
 
 _MATRICES = (2, 6, 12, 14)  # the projections' weights in a layer's tuple of tensors (see FastDecoder._weights)
+_WHOLE = (0, 2, 6, 10, 12, 14)  # what attnlab.kernels.block_layer takes of it: the norms and the products
 
 
 def _blocks(weights: list[tuple], head: Tensor) -> dict:
@@ -897,12 +898,13 @@ class FastDecoder:
         own = self.panels or bool(self.blocks)  # (products on attnlab's kernels)
         own_attention = own and compile and contiguous
         self.layers = []
+        llama = []  # each block Llama-style with its products on their blocks (up to _PANEL_ROWS rows, then)
         for i, (block, w) in enumerate(zip(model.trf_blocks, weights, strict=True)):
             att = block.att
-            # A Llama-style block whose products all read blocks: the compiled step runs it whole in one
-            # call of attnlab's kernel (attnlab.kernels.block_layer), not 5 operators and 3 of inductor's loops.
-            whole = own_attention and rows <= _PANEL_ROWS and all((i, j) in self.blocks for j in _MATRICES)
-            whole = whole and _llama_block(block, norm, cfg.mlp)
+            llama.append(all((i, j) in self.blocks for j in _MATRICES) and _llama_block(block, norm, cfg.mlp))
+            # Such a block: the compiled step runs it whole in one call of attnlab's kernel
+            # (attnlab.kernels.block_layer), not 5 operators and 3 of inductor's loops.
+            whole = own_attention and llama[-1]
             spec = (
                 norm,
                 att.qk_norm,
@@ -1003,49 +1005,49 @@ class FastDecoder:
         ]
         # Every block Llama-style on its blocks, one RoPE for all, the head on its blocks: a step (no observer,
         # or serve's rows) is one call of attnlab's kernel, attnlab.kernels.block_step, compiled or not.
-        self.stepper = self._stepper(contiguous)
+        self.stepper = self._stepper(contiguous) if all(llama) else None
 
-    def _stepper(self, contiguous: bool) -> tuple | None:
-        """What :meth:`_whole_step` calls :func:`attnlab.kernels.block_step` with, where it can: every
-        block :func:`_llama_block` with its products on their blocks, with the same heads, norms and RoPE
-        (and so the same position records); the final norm an RMSNorm, the head on its blocks, no soft cap; caches
-        contiguous. Else None. The RoPE's angles for every slot, computed here once (``(M, hd)`` each)."""
-        model, cfg, L = self.model, self.cfg, len(self.layers)
+    def _stepper(self, contiguous: bool) -> dict | None:
+        """What :meth:`_whole_step` calls :func:`attnlab.kernels.block_step` with, where it can (every block
+        Llama-style on its blocks, checked by the caller): the same heads, norms and RoPE in every block
+        (and so the same position records); the final norm an RMSNorm, the head on its blocks, no soft
+        cap; caches contiguous. Else None. The caches, weights and constants, fixed while the decoder
+        lives; the RoPE's angles for every slot, computed here once (``(M, hd)`` each:
+        :attr:`rope_table`)."""
+        model, cfg = self.model, self.cfg
         if not contiguous or "head" not in self.blocks or cfg.logit_softcap is not None or cfg.pos != "rope":
             return None
         if self.own_ropes or len(model.rope_sources) != 1 or getattr(model.final_norm, "bias", None) is not None:
             return None
         if not all(att.rope for att in self.atts):  # (one RoPE for every block: none without)
             return None
-        if not all((i, j) in self.blocks for i in range(L) for j in _MATRICES):
-            return None
         specs = {spec[:8] for _, spec, *_ in self.layers}  # (norm, qk norm, heads, kv heads, hd, rope dim, scale)
         if len(specs) != 1 or len({has_positions for *_, has_positions in self.layers}) != 1:
-            return None
-        if not all(_llama_block(block, self.norm, cfg.mlp) for block in model.trf_blocks):
             return None
         norm, _, _, H, _, hd, _, scale = next(iter(specs))
         M = max(cache.max_length for cache in self.caches)
         at = torch.arange(M, device=self.caches[0].keys.device).view(1, M)
         cos, sin = next(iter(model.rope_angles(at, torch.float32).values()))  # (1, 1, M, hd) each
-        products = [t for w, *_ in self.layers for t in (w[0], w[2], w[6], w[10], w[12], w[14])]
-        return (cos.reshape(M, hd), sin.reshape(M, hd)), products, H, scale, norm[1]
+        self.rope_table = cos.reshape(M, hd), sin.reshape(M, hd)
+        return dict(
+            keys=[c.keys for c in self.caches],
+            values=[c.values for c in self.caches],
+            positions=[c.positions for c in self.caches] if self.layers[0][4] else [],
+            layers=[w[j] for w, *_ in self.layers for j in _WHOLE],
+            heads=H,
+            scale=scale,
+            eps=norm[1],
+            final_norm=self.head[0],
+            head=self.head[2],
+        )
 
     def _whole_step(self, token: Tensor, pos: int, rows: bool) -> tuple[Tensor, Any]:
         """The step for ``token (B,)`` at slot ``pos`` as one call of :func:`attnlab.kernels.block_step`
         (see :attr:`stepper`): the logits ``(B, V)`` and, with ``rows``, every layer's attention weights
         over the filled slots ``(L, B, H, pos + 1)`` (:func:`_attention_rows`' cut as the caller cuts them)."""
-        (cos, sin), products, H, scale, eps = self.stepper
         x = _embed(token, self.model.tok_emb.weight, self._embed_scale(), None)  # (B, 1, C)
-        slot = torch.tensor(pos)
-        keys, values = [c.keys for c in self.caches], [c.values for c in self.caches]
-        positions = [c.positions for c in self.caches] if self.layers[0][4] else []
-        nw, w_head = self.head[0], self.head[2]
-        rope = (cos[pos], sin[pos])  # (hd,) each
-        logits, weights = kernels.block_step(
-            x, rope, keys, values, positions, slot, products, H, scale, eps, nw, w_head, rows
-        )
-        return logits, weights
+        rope = (self.rope_table[0][pos], self.rope_table[1][pos])  # (hd,) each
+        return kernels.block_step(x, rope, slot=torch.tensor(pos), with_weights=rows, **self.stepper)
 
     def _pack(self, rows: int, compile: bool, pack: bool) -> None:
         """The projections' weights (and the head's, unless screened: then the float32 head is read only
@@ -1145,8 +1147,9 @@ class FastDecoder:
         pos = self.caches[0].seen
         observers = [att.observer for att in self.atts]  # (called with the eager forward's records)
         # (the compiled step, or attnlab's kernel's, compiled or not: see __init__)
-        whole = self.stepper is not None and head and self._variant(observers)[0] != "observed"
-        if (self.compile or whole) and all(pos < cache.max_length for cache in self.caches):
+        if all(pos < cache.max_length for cache in self.caches) and (
+            self.compile or (self.stepper is not None and head and self._variant(observers)[0] != "observed")
+        ):
             return self._compiled_step(token, pos, observers, head)
         at = torch.tensor([[pos]], device=token.device)  # (1, 1)
         x, (angles, which) = self._inputs(token, at)

@@ -127,6 +127,14 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
   });
 }
 
+// The position `slot` names (one int64) in a cache of M slots, checked: ValueError naming `op`'s argument.
+int64_t slot_of(const at::Tensor& slot, int64_t M, const char* op) {
+  TORCH_CHECK_VALUE(slot.numel() == 1 && slot.scalar_type() == at::kLong, op, ": slot must be one int64");
+  const int64_t pos = slot.item<int64_t>();
+  TORCH_CHECK_VALUE(pos >= 0 && pos < M, op, ": slot must be in [0, ", M, "), got ", pos);
+  return pos;
+}
+
 // Queries g0..g1 of the G that share key head bh (of the B * Hkv) against its filled slots 0..S-1:
 // q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd), their outputs to o (as q), and with wp their
 // softmax's weights to wp (B * Hkv, G, wlen), wlen >= S (the slots past S untouched); e: (g1 - g0) * S
@@ -216,10 +224,8 @@ at::Tensor attend_filled(const at::Tensor& q, const at::Tensor& keys, const at::
                         values.is_contiguous(),
                     "decode_attention: q must be (B, Hkv, G, hd), keys and values contiguous (B, Hkv, M, hd), got ",
                     q.sizes(), ", ", keys.sizes(), ", ", values.sizes());
-  TORCH_CHECK_VALUE(slot.numel() == 1 && slot.scalar_type() == at::kLong, "decode_attention: slot must be one int64");
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), hd = q.size(3), M = keys.size(2);
-  const int64_t S = slot.item<int64_t>() + 1;
-  TORCH_CHECK_VALUE(S >= 1 && S <= M, "decode_attention: slot must be in [0, ", M, "), got ", S - 1);
+  const int64_t S = slot_of(slot, M, "decode_attention") + 1;
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   const float *qp = qc.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
@@ -568,15 +574,20 @@ void block_range_of(const Blocks& w, int M, const float* x, const float* xsum, i
               : block_range<false, 2>(M, x, w.K, xsum, w.data, p0, p1, y, w.N, bias);
 }
 
+// The product of the M rows of x (w.K each) by the blocks w into y (M rows of w.N), plus bias: the
+// panels shared by torch's threads.
+void block_product(const Blocks& w, int M, const float* x, float* y, const float* bias) {
+  std::vector<float> xsum(M <= 2 ? M * w.K / 32 : 0);  // (each row's sum over each block)
+  if (M <= 2) block_sums(M, x, w.K, xsum.data());
+  at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t e) { block_range_of(w, M, x, xsum.data(), a, e, y, bias); });
+}
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "block_linear: x must be a float32 CPU tensor, got ",
                    x.scalar_type(), " on ", x.device());
   const Blocks w = blocks_of(blocks, "block_linear", "blocks");
-  return by_passes("block_linear", x, w.K, w.N, bias, [&](int M, const float* xr, float* yr, const float* b) {
-    std::vector<float> xsum(M <= 2 ? M * w.K / 32 : 0);  // (each row's sum over each block)
-    if (M <= 2) block_sums(M, xr, w.K, xsum.data());
-    at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t e) { block_range_of(w, M, xr, xsum.data(), a, e, yr, b); });
-  });
+  return by_passes("block_linear", x, w.K, w.N, bias,
+                   [&](int M, const float* xr, float* yr, const float* b) { block_product(w, M, xr, yr, b); });
 }
 
 
@@ -636,9 +647,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
   const int64_t Hkv = keys.size(1), M = keys.size(2), hd = keys.size(3), H = heads;
   TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0, "block_layer: heads must be a multiple of the cache's ", Hkv,
                     " key heads, got ", H);
-  TORCH_CHECK_VALUE(slot.numel() == 1 && slot.scalar_type() == at::kLong, "block_layer: slot must be one int64");
-  const int64_t pos = slot.item<int64_t>(), S = pos + 1, G = H / Hkv;
-  TORCH_CHECK_VALUE(pos >= 0 && pos < M, "block_layer: slot must be in [0, ", M, "), got ", pos);
+  const int64_t pos = slot_of(slot, M, "block_layer"), S = pos + 1, G = H / Hkv;
   const Blocks wqkv = blocks_of(qkv, "block_layer", "qkv"), wo = blocks_of(out, "block_layer", "out"),
                wup = blocks_of(up, "block_layer", "up"), wdown = blocks_of(down, "block_layer", "down");
   const int64_t Nq = H * hd, Nkv = Hkv * hd, Nqkv = Nq + 2 * Nkv, F = wup.N / 2;
@@ -740,8 +749,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
 
 // block_step: every block of a model whose blocks are all block_layer's and share one RoPE, then the
 // final RMSNorm and the head (blocks too): a decoding step of one new token per row in one call, no
-// graph (SmolLM2: 31 calls through the dispatcher, from Python, where a compiled step checked its
-// guards over some 700 tensors and ran its wrapper). `layers`: 6 tensors a block, block_layer's
+// graph (SmolLM2: one call through the dispatcher, from Python, where a compiled step checked its
+// guards over some 700 tensors, ran its wrapper and called block_layer 30 times and the head). `layers`: 6 tensors a block, block_layer's
 // weights in order; `positions`: each block's cache's record of its slots' positions (B, M), or none.
 // Returns the logits (B, V) and, with `with_weights`, every block's attention weights over the filled
 // slots, (L, B, H, slot + 1) (else an empty tensor).
@@ -764,9 +773,7 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
                     "block_step: positions must be one tensor a block or none, got ", positions.size());
   at::Tensor weights = at::empty({0}, x.options());
   const int64_t B = x.size(0), M = keys[0].dim() == 4 ? keys[0].size(2) : 0;
-  TORCH_CHECK_VALUE(slot.numel() == 1 && slot.scalar_type() == at::kLong, "block_step: slot must be one int64");
-  const int64_t pos = slot.item<int64_t>();
-  TORCH_CHECK_VALUE(pos >= 0 && pos < M, "block_step: slot must be in [0, ", M, "), got ", pos);
+  const int64_t pos = slot_of(slot, M, "block_step");
   if (with_weights) weights = at::empty({L, B, heads, pos + 1}, x.options());  // (every entry written)
   at::Tensor h = x;
   for (int64_t l = 0; l < L; ++l) {
@@ -783,14 +790,11 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
                           with_weights ? weights.data_ptr<float>() + l * B * heads * (pos + 1) : nullptr, pos + 1));
   }
   const int64_t C = x.size(2);
-  std::vector<float> normed(B * C), sums(B * C / 32 + 1);
-  const bool few = B <= 2;
+  std::vector<float> normed(B * C);
   rms_rows(static_cast<int>(B), h.data_ptr<float>(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data(),
-           few ? sums.data() : nullptr);
+           nullptr);
   at::Tensor logits = at::empty({B, w.N}, x.options());
-  at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t b) {
-    block_range_of(w, static_cast<int>(B), normed.data(), few ? sums.data() : nullptr, a, b, logits.data_ptr<float>(), nullptr);
-  });
+  block_product(w, static_cast<int>(B), normed.data(), logits.data_ptr<float>(), nullptr);
   return {logits, weights};
 }
 
