@@ -646,3 +646,71 @@ def test_block_step_names_the_argument_at_fault():
     positions = torch.full((1, 8), -1)
     call(positions=[positions])
     assert positions.tolist() == [[-1, -1, 2, -1, -1, -1, -1, -1]]
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 19),
+    lead=st.sampled_from([(), (1,)]),
+    blocks=st.integers(1, 5),
+    n=st.integers(1, 40),
+    bias=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_linear_is_the_float64_product_rounded_to_bfloat16(rows, lead, blocks, n, bias, strided, seed):
+    """``x (B, [1,] K) @ W.T + b`` in bfloat16 for any number of rows (8 a pass over the weight), any
+    ``N`` (its last rows fewer than 8) and ``K`` a multiple of 32, an ``x`` of any strides: the float64
+    product of the same bfloat16 values, to one rounding to bfloat16 and float32's sums."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    x = torch.randn(rows, *lead, 2 * k, generator=g)[..., ::2] if strided else torch.randn(rows, *lead, k, generator=g)
+    x, w = x.bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = kernels.bf16_linear(x, w, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-6 * k)
+
+
+@needs_kernel
+def test_bf16_linear_names_the_argument_at_fault():
+    w, x = torch.randn(5, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    with pytest.raises(TypeError, match="weight must be a bfloat16 CPU tensor, got Float"):
+        kernels.bf16_linear(x, w.float())
+    with pytest.raises(ValueError, match=r"K a multiple of 32, got shape \[5, 48\]"):
+        kernels.bf16_linear(x[:, :48], w[:, :48])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.bf16_linear(x, torch.randn(128, 10).bfloat16()[::2].T.contiguous().T)
+    with pytest.raises(TypeError, match="x must be a bfloat16 CPU tensor, got Float"):
+        kernels.bf16_linear(x.float(), w)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\) .* got shape \[3, 32\]"):
+        kernels.bf16_linear(x[:, :32], w)
+    with pytest.raises(ValueError, match=r"bias must be \(5\), got shape \[4\]"):
+        kernels.bf16_linear(x, w, torch.zeros(4).bfloat16())
+    with pytest.raises(TypeError, match="bias must be a bfloat16 CPU tensor, got Float"):
+        kernels.bf16_linear(x, w, torch.zeros(5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_bfloat16_row_decodes_on_the_kernel_as_the_eager_forward(family, steps, monkeypatch):
+    """The eager step of one bfloat16 row multiplies by bf16_linear (every product, the head too): the
+    eager forward's tokens and its logits to bfloat16's rounding. The compiled step, and a batch, keep
+    theirs."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = make(family).to(torch.bfloat16)
+    calls = []
+    real = kernels.bf16_linear
+    monkeypatch.setattr(decoding.kernels, "bf16_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16)).batch == "bf16"
+    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), compile=True).batch != "bf16"
+    assert decoding.FastDecoder(model, model.new_kv_caches(2, 16)).batch != "bf16"
+    idx = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
+    assert not calls
+    got = model.generate(idx, 10, temperature=0, return_logits=True)
+    assert steps[0] == 9 and len(calls) == 9 * (4 * 2 + 1)  # (4 products a layer, and the head)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2e-2, atol=0.1)

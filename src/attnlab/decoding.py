@@ -238,10 +238,11 @@ def pack_linear(weight: Tensor, rows: int) -> Tensor:
 # small weight more than F.linear's): GPT-2-small's 124M at 8 rows ran 2.7x transformers packed,
 # the ``tiny`` preset's 1.7M slower packed.
 _PACK_MIN_ELEMENTS = 1 << 24
-# The eager step of one row packs bfloat16 weights for a generation of at least this many steps: packing
-# SmolLM2's takes 0.1-0.2 s (2 threads, AMD Zen 4), a step then takes 24.1 ms against 29.5 on the plain
-# weights. (float32 packed reads no faster than the plain weights: by oneDNN 36.3 against 36.0 ms a step;
-# on an Intel Xeon 19.8 GB/s against MKL's 26.5, see hardware.linear.)
+# The eager step of one row packs bfloat16 weights (where attnlab's kernel does not multiply them: see
+# FastDecoder) for a generation of at least this many steps: packing SmolLM2's takes 0.1-0.2 s (2 threads,
+# AMD Zen 4), a step then takes 24.1 ms against 29.5 on the plain weights. (float32 packed reads no faster
+# than the plain weights: by oneDNN 36.3 against 36.0 ms a step; on an Intel Xeon 19.8 GB/s against MKL's
+# 26.5, see hardware.linear.)
 _PACK_ONE_ROW_STEPS = 32
 # The packed copies hold the matrices once more while a generation runs: no packing past this many bytes
 # of them (a model of some 500M float32 parameters), where the copy would be a memory cost a laptop feels.
@@ -274,6 +275,14 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
     # packs() last: its check of oneDNN runs a matmul, made only where a decoder would pack (it asks of
     # a batch; one row's case is the rule above).
     return wanted and packs(head, max(rows, 2))
+
+
+def _bf16_products(weights: list[tuple], head: Tensor) -> bool:
+    """Whether :func:`attnlab.kernels.bf16_linear` takes every product of ``weights`` (each layer's
+    :meth:`FastDecoder._weights`) and the output ``head`` as they are: contiguous, on the CPU, ``K`` a
+    multiple of 32."""
+    mats = [w[j] for w in weights for j in _MATRICES] + [head]
+    return all(m.dim() == 2 and m.is_contiguous() and m.shape[1] % 32 == 0 and m.device.type == "cpu" for m in mats)
 
 
 def _large(model: nn.Module) -> bool:
@@ -493,7 +502,10 @@ def _matvec(x: Tensor, w: Tensor, b: Tensor | None, how: str) -> Tensor:
     apart, which inductor fuses into one loop over ``w`` with ``B`` independent sums (over a broadcast
     batch it sums one row's output at a time, a chain of dependent additions bound by their latency);
     ``"packed"`` (compiled, a batch): :func:`packed_linear`; ``"eager"`` (the eager step):
-    :func:`attnlab.hardware.linear`; ``"plain"``: a matmul."""
+    :func:`attnlab.hardware.linear`; ``"bf16"`` (the eager step of one bfloat16 row, see
+    :class:`FastDecoder`): :func:`attnlab.kernels.bf16_linear`; ``"plain"``: a matmul."""
+    if how == "bf16":
+        return kernels.bf16_linear(x, w, b)
     if w.dtype == torch.uint8:  # a GGUF file's blocks, for attnlab's own kernel (see _blocks)
         return kernels.block_linear(x, w, b)
     if w.dim() == 3:  # panels for attnlab's own kernel of a few float32 rows (see FastDecoder._pack)
@@ -672,7 +684,10 @@ def _llama_block(block: nn.Module, norm: tuple, mlp: str) -> bool:
 
 def _how(static: bool, rows: int, batch: str) -> str:
     """How :func:`_matvec` multiplies in a step of ``rows`` rows (``static``: the compiled step; ``batch``:
-    how its decoder's compiled step multiplies a batch, :func:`_batch_products`)."""
+    how its decoder's compiled step multiplies a batch, :func:`_batch_products`, or ``"bf16"``: the eager
+    step's one bfloat16 row by attnlab's kernel, see :class:`FastDecoder`)."""
+    if batch == "bf16":
+        return batch
     if not static:
         return "eager"
     if rows == 1:  # a small model's weights stay in the CPU's caches: one sum at a time keeps up there
@@ -864,11 +879,19 @@ class FastDecoder:
         # for oneDNN (see _packing), given to the eager step as they are, registered for the compiled one
         # (which calls packed_linear).
         large = _large(model)  # (a walk over the parameters: once)
-        pack = _packing(model, rows, compile, steps, large)
         cpu = caches[0].keys.device.type == "cpu"
         head_w = model.out_head.weight  # (a float32 batch on an Intel CPU: MKL's matmuls, see _batch_products)
+        weights = [self._weights(block) for block in model.trf_blocks]
+        # The eager step of a bfloat16 model's one row on an Intel CPU: every product by attnlab's kernel on
+        # the weights as they lie (attnlab.kernels.bf16_linear), not oneDNN's on a packed copy made each
+        # generation: SmolLM2's fast path 22.1 -> 34.2 tokens/s, the same tokens (Intel Xeon, 2 threads,
+        # alternating in one process). The compiled step keeps inductor's loops: the kernel read its 121
+        # products in 12.6 ms of a 17 ms step there, no faster end to end (1.00-1.01x).
+        one_bf16 = rows == 1 and cpu and head_w.dtype == torch.bfloat16 and caches[0].keys.dtype == torch.bfloat16
+        bf16 = one_bf16 and not compile and _bf16_products(weights, head_w) and kernels.available()
+        pack = not bf16 and _packing(model, rows, compile, steps, large)
         mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
-        self.batch = _batch_products(large, pack and compile, cpu, mkl)
+        self.batch = "bf16" if bf16 else _batch_products(large, pack and compile, cpu, mkl)
         # (a batch only: one row's compiled product streams the float32 head at the machine's read rate, and
         # the screen's calls around a one-row bfloat16 product cost what it saves: SmolLM2 float32, compiled,
         # 39.2 tokens/s screened against 40.9; a batch of 8 of GPT-2-small's size 193.0 against 170.1)
@@ -884,7 +907,6 @@ class FastDecoder:
         # serve's precompiled graphs read the blocks whatever a request's length)
         enough = compile or steps is None or steps >= _BLOCK_MIN_STEPS
         quantized = own_kernels and enough and kernels.available()
-        weights = [self._weights(block) for block in model.trf_blocks]
         self.blocks = _blocks(weights, head_w) if quantized else {}
         long = steps is None or steps >= SCREEN_MIN_STEPS
         screened = tokens_only and rows > 1 and long and screens(model, caches[0].keys.device)
@@ -1168,7 +1190,7 @@ class FastDecoder:
             cache.seen, cache.length = pos + 1, min(pos + 1, M)
         if not head:
             return _norm(x[:, -1], nw, nb, self.norm)  # (B, C)
-        return _head(x, nw, nb, w_head, self.norm, cap, False, False)  # (B, V)
+        return _head(x, nw, nb, w_head, self.norm, cap, self.batch, False)  # (B, V)
 
     def room(self, steps: int) -> bool:
         """Whether each of the next ``steps`` steps has a free slot within every layer's window in every

@@ -1,6 +1,8 @@
 """Kernels of attnlab's own for decoding float32 on Intel CPUs: a few rows times a weight streamed from
 memory (:func:`rows_linear`), the same from the blocks a GGUF file quantized the weight in
-(:func:`block_linear`), and one new query per row against a cache's filled slots (:func:`decode_attention`).
+(:func:`block_linear`), and one new query per row against a cache's filled slots (:func:`decode_attention`);
+and a bfloat16 row times a bfloat16 weight where it lies (:func:`bf16_linear`, the eager step of a
+bfloat16 model's one row).
 
 A GGUF model loaded in float32 (SmolLM2-135M-Instruct's Q4_1 file: 538 MB of float32 weights) holds
 each matrix dequantized, every weight ``d * q + m`` (Q4_1: ``q`` 4 bits, ``d`` and ``m`` float16 for
@@ -47,6 +49,7 @@ from attnlab import files, hardware
 
 __all__ = [
     "available",
+    "bf16_linear",
     "block_linear",
     "decode_attention",
     "decode_attention_weights",
@@ -106,6 +109,17 @@ def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor
     if not _loaded:
         _require()
     return torch.ops.attnlab_kernels.rows_linear(x, panels, bias)
+
+
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (..., K) @ weight.T + bias`` for a bfloat16 ``weight (N, K)`` as it lies (no packed copy),
+    ``K`` a multiple of 32: ``(..., N)`` bfloat16, CPU, up to 8 rows a pass over the weight. Float32
+    products and sums, rounded once to bfloat16 with the bias (the compiled step's one-row sums, in
+    another order). Only where :func:`runs` (the kernel checks its arguments: ValueError or TypeError
+    naming the one at fault)."""
+    if not _loaded:
+        _require()
+    return torch.ops.attnlab_kernels.bf16_linear(x, weight, bias)
 
 
 def pack_blocks(weight: Tensor) -> Tensor | None:
@@ -226,8 +240,8 @@ def decode_attention_weights(
 
 
 def available() -> bool:
-    """Whether decoding multiplies a float32 batch by :func:`rows_linear`: an Intel CPU (where it was
-    measured faster than oneDNN) that :func:`runs` it."""
+    """Whether decoding multiplies a float32 batch by :func:`rows_linear` (and a bfloat16 row by
+    :func:`bf16_linear`): an Intel CPU (where it was measured faster than oneDNN) that :func:`runs` it."""
     return hardware.cpu_vendor() == "GenuineIntel" and runs()
 
 
@@ -282,6 +296,10 @@ def _build_once() -> bool:
     @torch.library.register_fake("attnlab_kernels::rows_linear")
     def _(x: Tensor, panels: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
+
+    @torch.library.register_fake("attnlab_kernels::bf16_linear")
+    def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("attnlab_kernels::block_linear")
     def _(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:

@@ -9,8 +9,8 @@
 // (K, 32 | 48) (see attnlab.kernels.pack_panels), and asks for the panel's lines 32 rows of k ahead:
 // 21.7 GB/s on the same products.
 //
-// decode_attention: below. block_linear and pack_blocks: a GGUF file's blocks (below). block_layer: a
-// whole Llama-style block on its blocks (at the end).
+// decode_attention: below. bf16_linear: a bfloat16 row times a bfloat16 weight (below). block_linear and
+// pack_blocks: a GGUF file's blocks (below). block_layer: a whole Llama-style block on its blocks (at the end).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -125,6 +125,90 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
   return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
     width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
   });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// bf16_linear: a few rows times a bfloat16 weight in its own (N, K) layout, for decoding a bfloat16 model
+// one row at a time. Each output is a dot product along k: w's rows 8 at a time (one contiguous stretch
+// of 8 K bfloat16s), each read once, in order, for all the rows of x. A pair of bfloat16 weights is one
+// 32-bit lane, the odd k its high half (a float32 once the low half is cleared), the even k its low half
+// (shifted up), so x's even and odd k are multiplied apart: float32 products and sums, rounded once to
+// bfloat16 (with the bias), as inductor's sums in the compiled step, in another order. No packed copy:
+// the weight is read where it lies.
+// ---------------------------------------------------------------------------------------------------
+constexpr int64_t kBf16Ahead = 1;  // w's rows prefetched this many stretches of 8 ahead
+
+// out[m][r] = w's row r . x's row m for the M rows of x (xe, xo: its even and odd k, K / 2 each).
+template <int R>
+void bf16_dots(const uint16_t* w, int64_t K, int M, const float* xe, const float* xo, float* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int m = 0; m < M; ++m) {  // (m > 0: the stretch from L1)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const float *e = xe + m * K / 2, *o = xo + m * K / 2;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 ev = _mm512_loadu_ps(e + k / 2), ov = _mm512_loadu_ps(o + k / 2);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_loadu_si512(w + r * K + k);
+        if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (kBf16Ahead * R + r) * K + k), _MM_HINT_T0);
+        acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), ev, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high)), ov, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[m * 8 + r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+                   "bf16_linear: weight must be a bfloat16 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) % 32 == 0 && weight.size(1) > 0,
+                    "bf16_linear: weight must be a contiguous (N, K) matrix, K a multiple of 32, got shape ",
+                    weight.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "bf16_linear: x must be a bfloat16 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x must be (..., ", K, ") for a weight of K = ", K,
+                    " features, got shape ", x.sizes());
+  const at::BFloat16* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK_TYPE(bc.scalar_type() == at::kBFloat16 && bc.device().is_cpu(),
+                     "bf16_linear: bias must be a bfloat16 CPU tensor, got ", bc.scalar_type(), " on ", bc.device());
+    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "bf16_linear: bias must be (", N, "), got shape ", bc.sizes());
+    b = bc.data_ptr<at::BFloat16>();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t R = xc.numel() / K;
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  // x's even and odd k as float32, K / 2 each a row: every stretch of w meets them
+  std::vector<float> xe(R * K / 2), xo(R * K / 2);
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < R * K / 2; ++i) xe[i] = static_cast<float>(xp[2 * i]), xo[i] = static_cast<float>(xp[2 * i + 1]);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  using Fn = void (*)(const uint16_t*, int64_t, int, const float*, const float*, float*);
+  static constexpr Fn fns[8] = {bf16_dots<1>, bf16_dots<2>, bf16_dots<3>, bf16_dots<4>,
+                                bf16_dots<5>, bf16_dots<6>, bf16_dots<7>, bf16_dots<8>};
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {  // up to 8 rows of x a pass over the weight
+    const int M = static_cast<int>(std::min<int64_t>(8, R - r0));
+    at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t a, int64_t g1) {
+      float out[64];
+      for (int64_t g = a; g < g1; ++g) {
+        const int64_t n0 = 8 * g;
+        const int rows = static_cast<int>(std::min<int64_t>(8, N - n0));
+        fns[rows - 1](w + n0 * K, K, M, xe.data() + r0 * K / 2, xo.data() + r0 * K / 2, out);
+        for (int m = 0; m < M; ++m)
+          for (int r = 0; r < rows; ++r)
+            yp[(r0 + m) * N + n0 + r] = at::BFloat16(out[m * 8 + r] + (b ? static_cast<float>(b[n0 + r]) : 0.f));
+      }
+    });
+  }
+  return y;
 }
 
 // The position `slot` names (one int64) in a cache of M slots, checked: ValueError naming `op`'s argument.
@@ -805,6 +889,7 @@ TORCH_LIBRARY(attnlab_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slot, float scale) -> Tensor");
   m.def("decode_attention_weights(Tensor q, Tensor keys, Tensor values, Tensor slot, float scale) -> (Tensor, Tensor)");
   m.def("pack_blocks(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("block_linear(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
   m.def(
       "block_layer(Tensor x, Tensor? cos, Tensor? sin, Tensor(a!) keys, Tensor(b!) values, Tensor slot, Tensor norm1, "
@@ -821,6 +906,7 @@ TORCH_LIBRARY_IMPL(attnlab_kernels, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("decode_attention_weights", decode_attention_weights);
   m.impl("pack_blocks", pack_blocks);
+  m.impl("bf16_linear", bf16_linear);
   m.impl("block_linear", block_linear);
   m.impl("block_layer", block_layer);
   m.impl("block_step", block_step);
