@@ -560,7 +560,7 @@ def test_block_layer_names_the_argument_at_fault():
         call(heads=0)
     with pytest.raises(ValueError, match=r"slot must be in \[0, 8\), got 8"):
         call(slot=torch.tensor(8))
-    with pytest.raises(ValueError, match=r"the blocks must multiply .* got \(K, N\) \(64, 128\), \(64, 64\)"):
+    with pytest.raises(ValueError, match=r"the products must multiply .* got \(K, N\) \(64, 128\), \(64, 64\)"):
         call(heads=1)  # (q/k/v would be 96 outputs)
     with pytest.raises(TypeError, match="qkv must be a uint8 CPU tensor"):
         call(weights=(norm, mats[0], *products[2:]))
@@ -696,21 +696,65 @@ def test_bf16_linear_names_the_argument_at_fault():
 @needs_kernel
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_bfloat16_row_decodes_on_the_kernel_as_the_eager_forward(family, steps, monkeypatch):
-    """The eager step of one bfloat16 row multiplies by bf16_linear (every product, the head too): the
-    eager forward's tokens and its logits to bfloat16's rounding. The compiled step, and a batch, keep
-    theirs."""
+    """The eager step of one bfloat16 row multiplies by bf16_linear (every product, the head too), or a
+    model of Llama-style blocks steps in one call of block_step on its matrices: the eager forward's
+    tokens and its logits to bfloat16's rounding. A batch takes the one-call step too, or keeps oneDNN."""
     monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
     model = make(family).to(torch.bfloat16)
-    calls = []
-    real = kernels.bf16_linear
-    monkeypatch.setattr(decoding.kernels, "bf16_linear", lambda *a: calls.append(a[1].shape) or real(*a))
-    assert decoding.FastDecoder(model, model.new_kv_caches(1, 16)).batch == "bf16"
+    llama = family == "llama-gqa"
+    products, whole = [], []
+    real, step = kernels.bf16_linear, kernels.block_step
+    monkeypatch.setattr(decoding.kernels, "bf16_linear", lambda *a: products.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: whole.append(1) or step(*a, **k))
+    one = decoding.FastDecoder(model, model.new_kv_caches(1, 16))
+    assert one.batch == "bf16" and (one.stepper is not None) == llama
     assert decoding.FastDecoder(model, model.new_kv_caches(1, 16), compile=True).batch != "bf16"
-    assert decoding.FastDecoder(model, model.new_kv_caches(2, 16)).batch != "bf16"
+    batch = decoding.FastDecoder(model, model.new_kv_caches(3, 16))
+    assert batch.batch != "bf16" and (batch.stepper is not None) == llama
     idx = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
     ref = model.generate(idx, 10, temperature=0, return_logits=True, fast=False)
-    assert not calls
+    assert not products and not whole
     got = model.generate(idx, 10, temperature=0, return_logits=True)
-    assert steps[0] == 9 and len(calls) == 9 * (4 * 2 + 1)  # (4 products a layer, and the head)
+    assert steps[0] == 9
+    assert (len(products), len(whole)) == ((0, 9) if llama else (9 * (4 * 2 + 1), 0))  # (4 products a layer, the head)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2e-2, atol=0.1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("width", [96, 128], ids=["hd24", "hd32"])  # (heads of 16 values' multiples: vectors)
+def test_a_bfloat16_llama_steps_in_one_call_as_its_forward(width, rows, compile, monkeypatch):
+    """A bfloat16 model of Llama-style blocks (bf16_linear takes its products) steps in one call of
+    block_step on its matrices, compiled or not, no graph compiled: each step's logits are the eager
+    forward's over the whole text to bfloat16's rounding (each operation's output rounded as the forward
+    holds it, the sums float32), and so are the keys and values it writes into the caches."""
+    from test_fast_decode_observed import graphs
+
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = make("llama-gqa", emb_dim=width).to(torch.bfloat16)
+    idx = torch.randint(0, 64, (rows, 6), generator=torch.Generator().manual_seed(2))
+    caches = model.new_kv_caches(rows, 16)
+    decoder = decoding.FastDecoder(model, caches, compile=compile)
+    assert decoder.stepper is not None and decoder.stepper["head"] is model.out_head.weight
+    calls = []
+    step = kernels.block_step
+    monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    before = graphs()
+    with torch.inference_mode():
+        logits = model.decode_logits(idx, None, caches, last_only=True)[:, -1]  # the prompt's (B, V)
+        text = idx
+        for _ in range(8):
+            token = logits.argmax(-1)  # (B,)
+            text = torch.cat([text, token[:, None]], dim=1)
+            logits = decoder.step(token)
+            assert logits.dtype == torch.bfloat16
+            ref_caches = model.new_kv_caches(rows, 16)
+            ref = model.decode_logits(text, None, ref_caches, last_only=True)[:, -1]  # (B, V)
+            torch.testing.assert_close(logits.float(), ref.float(), rtol=2e-2, atol=0.1)
+            T = text.shape[1]
+            for c, r in zip(caches, ref_caches, strict=True):
+                torch.testing.assert_close(c.keys[:, :, :T].float(), r.keys[:, :, :T].float(), rtol=2e-2, atol=0.05)
+                torch.testing.assert_close(c.values[:, :, :T].float(), r.values[:, :, :T].float(), rtol=2e-2, atol=0.05)
+    assert len(calls) == 8 and graphs() == before

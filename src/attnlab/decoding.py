@@ -887,9 +887,14 @@ class FastDecoder:
         # generation: SmolLM2's fast path 22.1 -> 34.2 tokens/s, the same tokens (Intel Xeon, 2 threads,
         # alternating in one process). The compiled step keeps inductor's loops: the kernel read its 121
         # products in 12.6 ms of a 17 ms step there, no faster end to end (1.00-1.01x).
-        one_bf16 = rows == 1 and cpu and head_w.dtype == torch.bfloat16 and caches[0].keys.dtype == torch.bfloat16
-        bf16 = one_bf16 and not compile and _bf16_products(weights, head_w) and kernels.available()
-        pack = not bf16 and _packing(model, rows, compile, steps, large)
+        bf16_cache = cpu and head_w.dtype == torch.bfloat16 and all(c.keys.dtype == torch.bfloat16 for c in caches)
+        # (a bfloat16 model whose products attnlab's kernel takes as they lie: its one-call step too, below)
+        self.bf16_matrices = bf16_cache and rows <= _PANEL_ROWS and _bf16_products(weights, head_w)
+        self.bf16_matrices = self.bf16_matrices and kernels.available()
+        bf16 = self.bf16_matrices and rows == 1 and not compile
+        shaped = [_llama_block(block, norm, cfg.mlp) for block in model.trf_blocks]  # (block_layer's kind)
+        # (none packed where the products stay as they lie: one row's bf16_linear, or the one-call step)
+        pack = not bf16 and not (self.bf16_matrices and all(shaped)) and _packing(model, rows, compile, steps, large)
         mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
         self.batch = "bf16" if bf16 else _batch_products(large, pack and compile, cpu, mkl)
         # (a batch only: one row's compiled product streams the float32 head at the machine's read rate, and
@@ -923,7 +928,7 @@ class FastDecoder:
         llama = []  # each block Llama-style with its products on their blocks (up to _PANEL_ROWS rows, then)
         for i, (block, w) in enumerate(zip(model.trf_blocks, weights, strict=True)):
             att = block.att
-            llama.append(all((i, j) in self.blocks for j in _MATRICES) and _llama_block(block, norm, cfg.mlp))
+            llama.append(shaped[i] and (self.bf16_matrices or all((i, j) in self.blocks for j in _MATRICES)))
             # Such a block: the compiled step runs it whole in one call of attnlab's kernel
             # (attnlab.kernels.block_layer), not 5 operators and 3 of inductor's loops.
             whole = own_attention and llama[-1]
@@ -1025,19 +1030,21 @@ class FastDecoder:
         self.rings = [
             c.rolling and (w is None or c.max_length - c.sinks <= w) for c, w in zip(caches, windows, strict=True)
         ]
-        # Every block Llama-style on its blocks, one RoPE for all, the head on its blocks: a step (no observer,
-        # or serve's rows) is one call of attnlab's kernel, attnlab.kernels.block_step, compiled or not.
+        # Every block Llama-style on its blocks (or a bfloat16 model's on its matrices), one RoPE for all, the
+        # head likewise: a step (no observer, or serve's rows) is one call of attnlab's kernel,
+        # attnlab.kernels.block_step, compiled or not.
         self.stepper = self._stepper(contiguous) if all(llama) else None
 
     def _stepper(self, contiguous: bool) -> dict | None:
         """What :meth:`_whole_step` calls :func:`attnlab.kernels.block_step` with, where it can (every block
-        Llama-style on its blocks, checked by the caller): the same heads, norms and RoPE in every block
-        (and so the same position records); the final norm an RMSNorm, the head on its blocks, no soft
-        cap; caches contiguous. Else None. The caches, weights and constants, fixed while the decoder
-        lives; the RoPE's angles for every slot, computed here once (``(M, hd)`` each:
-        :attr:`rope_table`)."""
+        Llama-style on its blocks, or on a bfloat16 model's matrices, checked by the caller): the same
+        heads, norms and RoPE in every block (and so the same position records); the final norm an
+        RMSNorm, the head on its blocks (or a bfloat16 matrix), no soft cap; caches contiguous. Else None.
+        The caches, weights and constants, fixed while the decoder lives; the RoPE's angles for every slot,
+        computed here once (``(M, hd)`` each: :attr:`rope_table`)."""
         model, cfg = self.model, self.cfg
-        if not contiguous or "head" not in self.blocks or cfg.logit_softcap is not None or cfg.pos != "rope":
+        head = "head" in self.blocks or self.bf16_matrices
+        if not contiguous or not head or cfg.logit_softcap is not None or cfg.pos != "rope":
             return None
         if self.own_ropes or len(model.rope_sources) != 1 or getattr(model.final_norm, "bias", None) is not None:
             return None
@@ -1055,21 +1062,24 @@ class FastDecoder:
             keys=[c.keys for c in self.caches],
             values=[c.values for c in self.caches],
             positions=[c.positions for c in self.caches] if self.layers[0][4] else [],
-            layers=[w[j] for w, *_ in self.layers for j in _WHOLE],
+            # (the norms' weights in float32: a bfloat16 model's copied once)
+            layers=[w[j].float() if j in (0, 10) else w[j] for w, *_ in self.layers for j in _WHOLE],
             heads=H,
             scale=scale,
             eps=norm[1],
-            final_norm=self.head[0],
+            final_norm=self.head[0].float(),
             head=self.head[2],
         )
 
     def _whole_step(self, token: Tensor, pos: int, rows: bool) -> tuple[Tensor, Any]:
         """The step for ``token (B,)`` at slot ``pos`` as one call of :func:`attnlab.kernels.block_step`
         (see :attr:`stepper`): the logits ``(B, V)`` and, with ``rows``, every layer's attention weights
-        over the filled slots ``(L, B, H, pos + 1)`` (:func:`_attention_rows`' cut as the caller cuts them)."""
+        over the filled slots ``(L, B, H, pos + 1)`` (:func:`_attention_rows`' cut as the caller cuts them),
+        in the model's dtype."""
         x = _embed(token, self.model.tok_emb.weight, self._embed_scale(), None)  # (B, 1, C)
         rope = (self.rope_table[0][pos], self.rope_table[1][pos])  # (hd,) each
-        return kernels.block_step(x, rope, slot=torch.tensor(pos), with_weights=rows, **self.stepper)
+        logits, seen = kernels.block_step(x, rope, slot=torch.tensor(pos), with_weights=rows, **self.stepper)
+        return logits, seen.to(logits.dtype) if rows else seen  # (a bfloat16 model's: float32 from the kernel)
 
     def _pack(self, rows: int, compile: bool, pack: bool) -> None:
         """The projections' weights (and the head's, unless screened: then the float32 head is read only

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -128,26 +129,29 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
 }
 
 // ---------------------------------------------------------------------------------------------------
-// bf16_linear: a few rows times a bfloat16 weight in its own (N, K) layout, for decoding a bfloat16 model
-// one row at a time. Each output is a dot product along k: w's rows 8 at a time (one contiguous stretch
-// of 8 K bfloat16s), each read once, in order, for all the rows of x. A pair of bfloat16 weights is one
-// 32-bit lane, the odd k its high half (a float32 once the low half is cleared), the even k its low half
-// (shifted up), so x's even and odd k are multiplied apart: float32 products and sums, rounded once to
-// bfloat16 (with the bias), as inductor's sums in the compiled step, in another order. No packed copy:
-// the weight is read where it lies.
+// bf16_linear: a few rows times a bfloat16 weight in its own (N, K) layout, for decoding a bfloat16 model.
+// Each output is a dot product along k: w's rows 8 at a time (one contiguous stretch of 8 K bfloat16s),
+// each read once, in order, for all the rows of x. A pair of bfloat16 weights is one 32-bit lane, the
+// odd k its high half (a float32 once the low half is cleared), the even k its low half (shifted up), so
+// x's even and odd k are multiplied apart: float32 products and sums, rounded once to bfloat16 (with the
+// bias), as inductor's sums in the compiled step, in another order. No packed copy: the weight is read
+// where it lies.
 // ---------------------------------------------------------------------------------------------------
 constexpr int64_t kBf16Ahead = 1;  // w's rows prefetched this many stretches of 8 ahead
 
-// out[m][r] = w's row r . x's row m for the M rows of x (xe, xo: its even and odd k, K / 2 each).
+// out[m * 8 + r] = w's row r . x's row m for the M rows of x (float32, K each, a row every ldx).
 template <int R>
-void bf16_dots(const uint16_t* w, int64_t K, int M, const float* xe, const float* xo, float* out) {
+void bf16_dots(const uint16_t* w, int64_t K, int M, const float* x, int64_t ldx, float* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (int m = 0; m < M; ++m) {  // (m > 0: the stretch from L1)
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const float *e = xe + m * K / 2, *o = xo + m * K / 2;
+    const float* xm = x + m * ldx;
     for (int64_t k = 0; k < K; k += 32) {
-      const __m512 ev = _mm512_loadu_ps(e + k / 2), ov = _mm512_loadu_ps(o + k / 2);
+      const __m512 lo = _mm512_loadu_ps(xm + k), hi = _mm512_loadu_ps(xm + k + 16);
+      const __m512 ev = _mm512_permutex2var_ps(lo, even, hi), ov = _mm512_permutex2var_ps(lo, odd, hi);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * K + k);
@@ -160,52 +164,61 @@ void bf16_dots(const uint16_t* w, int64_t K, int M, const float* xe, const float
   }
 }
 
+// y (M rows of N, a row every ldy) = x (M rows of K) times w's rows 8 g .. for the stretches g0 .. g1 - 1,
+// float32 (bias: none, or N float32s).
+void bf16_range(const uint16_t* w, int64_t N, int64_t K, int M, const float* x, int64_t g0, int64_t g1, float* y,
+                int64_t ldy, const float* bias) {
+  using Fn = void (*)(const uint16_t*, int64_t, int, const float*, int64_t, float*);
+  static constexpr Fn fns[8] = {bf16_dots<1>, bf16_dots<2>, bf16_dots<3>, bf16_dots<4>,
+                                bf16_dots<5>, bf16_dots<6>, bf16_dots<7>, bf16_dots<8>};
+  float out[64];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = 8 * g;
+    const int rows = static_cast<int>(std::min<int64_t>(8, N - n0));
+    fns[rows - 1](w + n0 * K, K, M, x, K, out);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[m * 8 + r] + (bias ? bias[n0 + r] : 0.f);
+  }
+}
+
+// A bfloat16 weight's checks (argument `name` of operator `op`): a contiguous (N, K), K a multiple of 32.
+void check_bf16_weight(const at::Tensor& weight, const char* op, const char* name) {
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(), op, ": ", name,
+                   " must be a bfloat16 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) % 32 == 0 && weight.size(1) > 0, op,
+                    ": ", name, " must be a contiguous (N, K) matrix, K a multiple of 32, got shape ", weight.sizes());
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
-                   "bf16_linear: weight must be a bfloat16 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) % 32 == 0 && weight.size(1) > 0,
-                    "bf16_linear: weight must be a contiguous (N, K) matrix, K a multiple of 32, got shape ",
-                    weight.sizes());
+  check_bf16_weight(weight, "bf16_linear", "weight");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "bf16_linear: x must be a bfloat16 CPU tensor, got ",
                    x.scalar_type(), " on ", x.device());
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x must be (..., ", K, ") for a weight of K = ", K,
                     " features, got shape ", x.sizes());
-  const at::BFloat16* b = nullptr;
-  at::Tensor bc;
+  std::vector<float> bf;  // (the bias in float32)
   if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK_TYPE(bc.scalar_type() == at::kBFloat16 && bc.device().is_cpu(),
-                     "bf16_linear: bias must be a bfloat16 CPU tensor, got ", bc.scalar_type(), " on ", bc.device());
-    TORCH_CHECK_VALUE(bc.dim() == 1 && bc.size(0) == N, "bf16_linear: bias must be (", N, "), got shape ", bc.sizes());
-    b = bc.data_ptr<at::BFloat16>();
+    TORCH_CHECK_TYPE(bias->scalar_type() == at::kBFloat16 && bias->device().is_cpu(),
+                     "bf16_linear: bias must be a bfloat16 CPU tensor, got ", bias->scalar_type(), " on ", bias->device());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bf16_linear: bias must be (", N, "), got shape ",
+                      bias->sizes());
+    const at::Tensor bc = bias->contiguous();
+    bf.assign(bc.data_ptr<at::BFloat16>(), bc.data_ptr<at::BFloat16>() + N);
   }
   const at::Tensor xc = x.contiguous();
   const int64_t R = xc.numel() / K;
+  std::vector<float> xf(xc.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>() + R * K), yf(R * N);  // (float32)
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
-  // x's even and odd k as float32, K / 2 each a row: every stretch of w meets them
-  std::vector<float> xe(R * K / 2), xo(R * K / 2);
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < R * K / 2; ++i) xe[i] = static_cast<float>(xp[2 * i]), xo[i] = static_cast<float>(xp[2 * i + 1]);
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  using Fn = void (*)(const uint16_t*, int64_t, int, const float*, const float*, float*);
-  static constexpr Fn fns[8] = {bf16_dots<1>, bf16_dots<2>, bf16_dots<3>, bf16_dots<4>,
-                                bf16_dots<5>, bf16_dots<6>, bf16_dots<7>, bf16_dots<8>};
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   for (int64_t r0 = 0; r0 < R; r0 += 8) {  // up to 8 rows of x a pass over the weight
     const int M = static_cast<int>(std::min<int64_t>(8, R - r0));
-    at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t a, int64_t g1) {
-      float out[64];
-      for (int64_t g = a; g < g1; ++g) {
-        const int64_t n0 = 8 * g;
-        const int rows = static_cast<int>(std::min<int64_t>(8, N - n0));
-        fns[rows - 1](w + n0 * K, K, M, xe.data() + r0 * K / 2, xo.data() + r0 * K / 2, out);
-        for (int m = 0; m < M; ++m)
-          for (int r = 0; r < rows; ++r)
-            yp[(r0 + m) * N + n0 + r] = at::BFloat16(out[m * 8 + r] + (b ? static_cast<float>(b[n0 + r]) : 0.f));
-      }
+    at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t a, int64_t b) {
+      bf16_range(w, N, K, M, xf.data() + r0 * K, a, b, yf.data() + r0 * N, N, bf.empty() ? nullptr : bf.data());
+      for (int m = 0; m < M; ++m)  // (one rounding to bfloat16, to the nearest even)
+        for (int64_t n = 8 * a; n < std::min(N, 8 * b); ++n) yp[(r0 + m) * N + n] = at::BFloat16(yf[(r0 + m) * N + n]);
     });
   }
   return y;
@@ -223,28 +236,38 @@ int64_t slot_of(const at::Tensor& slot, int64_t M, const char* op) {
 // q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd), their outputs to o (as q), and with wp their
 // softmax's weights to wp (B * Hkv, G, wlen), wlen >= S (the slots past S untouched); e: (g1 - g0) * S
 // floats of scratch.
-void attend_group(const float* qp, const float* kp, const float* vp, float* op, float* wp, int64_t bh, int64_t g0,
-                  int64_t g1, int64_t G, int64_t S, int64_t M, int64_t hd, float sc, float* e, int64_t wlen) {
+// 16 of a cache's values at p as float32s: float32, or bfloat16 (its bits the float32's high half).
+inline __m512 cache16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 cache16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// (T: the cache's float32 or bfloat16; the sums float32)
+template <typename T>
+void attend_group(const float* qp, const T* kp, const T* vp, float* op, float* wp, int64_t bh, int64_t g0, int64_t g1,
+                  int64_t G, int64_t S, int64_t M, int64_t hd, float sc, float* e, int64_t wlen) {
   const bool wide = hd > 0 && hd % 16 == 0;  // (the heads of every model attnlab reads: 64, 128, ...)
-  const float *k = kp + bh * M * hd, *v = vp + bh * M * hd, *qq = qp + bh * G * hd;
+  const T *k = kp + bh * M * hd, *v = vp + bh * M * hd;
+  const float* qq = qp + bh * G * hd;
   float* o = op + bh * G * hd;
   const int64_t n = g1 - g0;
   for (int64_t m = 0; m < S && wide; ++m) {  // (hd a multiple of 16: the same, a vector of 16 at a time)
-    const float* kr = k + m * hd;
+    const T* kr = k + m * hd;
     for (int64_t g = g0; g < g1; ++g) {
       const float* qg = qq + g * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
-      for (int64_t i = 16; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(kr + i), acc);
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), cache16(kr));
+      for (int64_t i = 16; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), cache16(kr + i), acc);
       e[(g - g0) * S + m] = _mm512_reduce_add_ps(acc) * sc;
     }
   }
   for (int64_t m = 0; m < S && !wide; ++m) {  // scores: each key row read once for the queries
-    const float* kr = k + m * hd;
+    const T* kr = k + m * hd;
     for (int64_t g = g0; g < g1; ++g) {
       const float* qg = qq + g * hd;
       float d = 0.f;
 #pragma omp simd reduction(+ : d)
-      for (int64_t i = 0; i < hd; ++i) d += qg[i] * kr[i];
+      for (int64_t i = 0; i < hd; ++i) d += qg[i] * static_cast<float>(kr[i]);
       e[(g - g0) * S + m] = d * sc;
     }
   }
@@ -271,18 +294,18 @@ void attend_group(const float* qp, const float* kp, const float* vp, float* op, 
       const float* eg = e + (g - g0) * S;
       for (int64_t m = 0; m < S; ++m) {
         const __m512 w = _mm512_set1_ps(eg[m]);
-        const float* vr = v + m * hd + i;
-        for (int c = 0; c < c4; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+        const T* vr = v + m * hd + i;
+        for (int c = 0; c < c4; ++c) acc[c] = _mm512_fmadd_ps(w, cache16(vr + 16 * c), acc[c]);
       }
       for (int c = 0; c < c4; ++c) _mm512_storeu_ps(o + g * hd + i + 16 * c, acc[c]);
     }
   for (int64_t m = 0; m < S && !wide; ++m) {  // each value row read once for the queries
-    const float* vr = v + m * hd;
+    const T* vr = v + m * hd;
     for (int64_t g = g0; g < g1; ++g) {
       const float w = e[(g - g0) * S + m];
       float* og = o + g * hd;
 #pragma omp simd
-      for (int64_t i = 0; i < hd; ++i) og[i] += w * vr[i];
+      for (int64_t i = 0; i < hd; ++i) og[i] += w * static_cast<float>(vr[i]);
     }
   }
   for (int64_t g = g0; g < g1; ++g)
@@ -709,18 +732,77 @@ void rope_head(const float* x, const float* c, const float* s, int64_t hd, float
   for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-// block_layer's work: the block's output, queries and heads' outputs; with wp, the attention's weights
-// there ((B, Hkv, G, wlen): the filled slots' of each query, a row of wlen).
+// A product's weight as layer() and block_step multiply it: a GGUF file's blocks (pack_blocks'), or a
+// bfloat16 matrix where it lies (a bfloat16 model's). P: the units its threads share, panels or stretches
+// of 8 rows.
+struct Weight {
+  Blocks blocks{};  // (blocks.data null: the bfloat16 matrix)
+  const uint16_t* bf16 = nullptr;
+  int64_t K = 0, N = 0, P = 0;
+};
+
+Weight weight_of(const at::Tensor& t, const char* op, const char* name) {
+  Weight w;
+  if (t.scalar_type() == at::kBFloat16) {
+    check_bf16_weight(t, op, name);
+    w.bf16 = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+    w.K = t.size(1), w.N = t.size(0), w.P = (w.N + 7) / 8;
+  } else {
+    w.blocks = blocks_of(t, op, name);
+    w.K = w.blocks.K, w.N = w.blocks.N, w.P = w.blocks.P;
+  }
+  return w;
+}
+
+// The M rows of x (w.K each) times w's units p0 .. p1 - 1 into y (M rows of w.N); xsum: the rows' block
+// sums (blocks, M <= 2; see block_range).
+void weight_range(const Weight& w, int M, const float* x, const float* xsum, int64_t p0, int64_t p1, float* y) {
+  if (w.bf16 != nullptr) return bf16_range(w.bf16, w.N, w.K, M, x, p0, p1, y, w.N, nullptr);
+  block_range_of(w.blocks, M, x, xsum, p0, p1, y, nullptr);
+}
+
+// The product of the M rows of x by w into y, the units shared by torch's threads.
+void weight_product(const Weight& w, int M, const float* x, float* y) {
+  std::vector<float> xsum(w.bf16 == nullptr && M <= 2 ? M * w.K / 32 : 0);
+  if (!xsum.empty()) block_sums(M, x, w.K, xsum.data());
+  at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t e) { weight_range(w, M, x, xsum.data(), a, e, y); });
+}
+
+// p[0 .. n) rounded to bfloat16's precision (to the nearest even; a NaN stays a NaN), as a bfloat16
+// model's tensors hold them between its operations.
+void round_bf16(float* p, int64_t n) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(p + i);
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(b, bias), _mm512_and_si512(_mm512_srli_epi32(b, 16), one)), top);
+    _mm512_storeu_ps(p + i, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v));
+  }
+  for (; i < n; ++i) p[i] = static_cast<float>(at::BFloat16(p[i]));
+}
+
+// block_layer's work, on float32 caches and activations (T = float, the weights blocks) or a bfloat16
+// model's (T = at::BFloat16, the weights blocks or bfloat16 matrices: each operation's output rounded to
+// bfloat16 as the model's forward holds it; the sums float32): the block's output (T), queries and heads'
+// outputs (float32); with wp, the attention's weights there ((B, Hkv, G, wlen): the filled slots' of each
+// query, a row of wlen).
+template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const std::optional<at::Tensor>& cos,
                                                      const std::optional<at::Tensor>& sin, const at::Tensor& keys,
                                                      const at::Tensor& values, const at::Tensor& slot, const at::Tensor& norm1,
                                                      const at::Tensor& qkv, const at::Tensor& out, const at::Tensor& norm2,
                                                      const at::Tensor& up, const at::Tensor& down, int64_t heads, double scale,
                                                      double eps, float* wp, int64_t wlen) {
-  for (const at::Tensor* t : {&x, &keys, &values, &norm1, &norm2})
+  constexpr bool bf = std::is_same_v<T, at::BFloat16>;
+  const auto dtype = bf ? at::kBFloat16 : at::kFloat;
+  for (const at::Tensor* t : {&x, &keys, &values})
+    TORCH_CHECK_TYPE(t->scalar_type() == dtype && t->device().is_cpu(), "block_layer: x, keys and values must be ",
+                     bf ? "bfloat16" : "float32", " CPU tensors, got ", t->scalar_type(), " on ", t->device());
+  for (const at::Tensor* t : {&norm1, &norm2})
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                     "block_layer: x, keys, values and the norms' weights must be float32 CPU tensors, got ", t->scalar_type(),
-                     " on ", t->device());
+                     "block_layer: the norms' weights must be float32 CPU tensors, got ", t->scalar_type(), " on ", t->device());
   TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && x.size(0) >= 1 && x.size(0) <= 8,
                     "block_layer: x must be (B, 1, C) with B from 1 to 8, got shape ", x.sizes());
   const int64_t B = x.size(0), C = x.size(2);
@@ -732,12 +814,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
   TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0, "block_layer: heads must be a multiple of the cache's ", Hkv,
                     " key heads, got ", H);
   const int64_t pos = slot_of(slot, M, "block_layer"), S = pos + 1, G = H / Hkv;
-  const Blocks wqkv = blocks_of(qkv, "block_layer", "qkv"), wo = blocks_of(out, "block_layer", "out"),
-               wup = blocks_of(up, "block_layer", "up"), wdown = blocks_of(down, "block_layer", "down");
+  const Weight wqkv = weight_of(qkv, "block_layer", "qkv"), wo = weight_of(out, "block_layer", "out"),
+               wup = weight_of(up, "block_layer", "up"), wdown = weight_of(down, "block_layer", "down");
+  const bool matrices = wqkv.bf16 != nullptr;
+  TORCH_CHECK_TYPE((wo.bf16 != nullptr) == matrices && (wup.bf16 != nullptr) == matrices &&
+                       (wdown.bf16 != nullptr) == matrices && matrices == bf,
+                   "block_layer: the products must be pack_blocks' blocks for float32 x, bfloat16 matrices for bfloat16 x");
   const int64_t Nq = H * hd, Nkv = Hkv * hd, Nqkv = Nq + 2 * Nkv, F = wup.N / 2;
   TORCH_CHECK_VALUE(wqkv.K == C && wqkv.N == Nqkv && wo.K == Nq && wo.N == C && wup.K == C && wup.N % 2 == 0 &&
                         wdown.K == F && wdown.N == C,
-                    "block_layer: the blocks must multiply (C) -> (H + 2 Hkv) hd (qkv), H hd -> C (out), C -> 2 F (up) and "
+                    "block_layer: the products must multiply (C) -> (H + 2 Hkv) hd (qkv), H hd -> C (out), C -> 2 F (up) and "
                     "F -> C (down) for C = ",
                     C, ", H = ", H, ", Hkv = ", Hkv, ", hd = ", hd, "; got (K, N) (", wqkv.K, ", ", wqkv.N, "), (", wo.K, ", ",
                     wo.N, "), (", wup.K, ", ", wup.N, "), (", wdown.K, ", ", wdown.N, ")");
@@ -751,10 +837,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
                         "block_layer: cos and sin must be float32, contiguous, ", hd, " values each, got ", t->scalar_type(),
                         " ", t->sizes());
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty_like(xc), q = at::empty({B, H, 1, hd}, xc.options()), att = at::empty({B, Hkv, G, hd}, xc.options());
-  const float *xp = xc.data_ptr<float>(), *n1 = norm1.data_ptr<float>(), *n2 = norm2.data_ptr<float>();
+  const auto f32 = xc.options().dtype(at::kFloat);
+  at::Tensor y = at::empty_like(xc), q = at::empty({B, H, 1, hd}, f32), att = at::empty({B, Hkv, G, hd}, f32);
+  const T* xp = xc.data_ptr<T>();
+  const float *n1 = norm1.data_ptr<float>(), *n2 = norm2.data_ptr<float>();
   const float *cp = rope ? cos->data_ptr<float>() : nullptr, *sp = rope ? sin->data_ptr<float>() : nullptr;
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>(), *qp = q.data_ptr<float>(), *ap = att.data_ptr<float>();
+  T *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
+  float *qp = q.data_ptr<float>(), *ap = att.data_ptr<float>();
   std::vector<float> qkvb(B * Nqkv), ob(B * C), gub(B * 2 * F), db(B * C);  // (the products' outputs, shared)
   const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
   const int64_t wide = std::max(C, std::max(F, Nq));
@@ -763,26 +852,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     auto share = [&](int64_t total) { return std::pair<int64_t, int64_t>(total * t / n, total * (t + 1) / n); };
-    auto product = [&](const Blocks& w, const float* in, const float* sums, float* y) {  // (this thread's panels)
+    // (bfloat16: a tensor of the model's forward, rounded as it holds it)
+    auto held = [&](float* p, int64_t count) {
+      if (bf) round_bf16(p, count);
+    };
+    auto product = [&](const Weight& w, const float* in, const float* sums, float* y) {  // (this thread's units)
       const auto [a, b] = share(w.P);
-      block_range_of(w, B, in, sums, a, b, y, nullptr);
+      weight_range(w, B, in, sums, a, b, y);
+      if (bf && a < b)  // (its outputs: the rows of its stretches of 8)
+        for (int64_t m = 0; m < B; ++m) held(y + m * w.N + 8 * a, std::min(w.N, 8 * b) - 8 * a);
     };
     // (each thread's own: the residual stream, a product's input and its block sums)
-    std::vector<float> res(xp, xp + B * C), h(B * wide), hs(B * wide / 32 + 1), e(G * S);
-    float* sums = B <= 2 ? hs.data() : nullptr;
+    std::vector<float> res(xp, xp + B * C), h(B * wide), hs(B * wide / 32 + 1), e(G * S), row(hd);
+    float* sums = B <= 2 && !matrices ? hs.data() : nullptr;
     // The norm, then q, k and v.
-    rms_rows(B, res.data(), C, n1, ep, h.data(), sums);
+    rms_rows(B, res.data(), C, n1, ep, h.data(), nullptr);
+    held(h.data(), B * C);
+    if (sums != nullptr) block_sums(B, h.data(), C, sums);
     product(wqkv, h.data(), sums, qkvb.data());
 #pragma omp barrier
     // RoPE; the new key and value into their slot (each thread its key heads), the queries (its query heads).
     const auto [k0, k1] = share(B * Hkv);
     for (int64_t bh = k0; bh < k1; ++bh) {
-      const float* row = qkvb.data() + bh / Hkv * Nqkv + Nq + bh % Hkv * hd;
-      rope_head(row, cp, sp, hd, kp + (bh * M + pos) * hd);
-      std::copy(row + Nkv, row + Nkv + hd, vp + (bh * M + pos) * hd);
+      const float* r = qkvb.data() + bh / Hkv * Nqkv + Nq + bh % Hkv * hd;
+      rope_head(r, cp, sp, hd, row.data());
+      std::copy(row.begin(), row.end(), kp + (bh * M + pos) * hd);
+      std::copy(r + Nkv, r + Nkv + hd, vp + (bh * M + pos) * hd);
     }
     const auto [q0, q1] = share(B * H);
     for (int64_t i = q0; i < q1; ++i) rope_head(qkvb.data() + i / H * Nqkv + i % H * hd, cp, sp, hd, qp + i * hd);
+    held(qp + q0 * hd, (q1 - q0) * hd);
 #pragma omp barrier
     // Attention: this thread's query heads, a run of those sharing a key head at a time.
     for (int64_t i = q0; i < q1;) {
@@ -790,13 +889,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
       attend_group(qp, kp, vp, ap, wp, bh, g0, g1, G, S, M, hd, sc, e.data(), wlen);
       i += g1 - g0;
     }
+    held(ap + q0 * hd, (q1 - q0) * hd);
 #pragma omp barrier
     // The output projection, the residual, the norm, then the gate and up projections.
     if (sums != nullptr) block_sums(B, ap, Nq, sums);
     product(wo, ap, sums, ob.data());
 #pragma omp barrier
     for (int64_t i = 0; i < B * C; ++i) res[i] += ob[i];
-    rms_rows(B, res.data(), C, n2, ep, h.data(), sums);
+    held(res.data(), B * C);
+    rms_rows(B, res.data(), C, n2, ep, h.data(), nullptr);
+    held(h.data(), B * C);
+    if (sums != nullptr) block_sums(B, h.data(), C, sums);
     product(wup, h.data(), sums, gub.data());
 #pragma omp barrier
     // SwiGLU: silu(gate) * up, as ATen's silu computes it (x / (1 + exp(-x))); then the down projection.
@@ -805,13 +908,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
       for (int64_t i = 0; i < F; i += Vec::size()) {
         const int c = static_cast<int>(std::min<int64_t>(Vec::size(), F - i));
         const Vec gate = Vec::loadu(gub.data() + b * 2 * F + i, c), upv = Vec::loadu(gub.data() + b * 2 * F + F + i, c);
-        (gate / (Vec(1.f) + gate.neg().exp()) * upv).store(h.data() + b * F + i, c);
+        float* hi = h.data() + b * F + i;
+        (gate / (Vec(1.f) + gate.neg().exp())).store(hi, c);
+        held(hi, c);  // (bfloat16: silu's output, then the product's)
+        (Vec::loadu(hi, c) * upv).store(hi, c);
+        held(hi, c);
       }
     if (sums != nullptr) block_sums(B, h.data(), F, sums);
     product(wdown, h.data(), sums, db.data());
 #pragma omp barrier
     if (t == 0) {
-      float* yp = y.data_ptr<float>();
+      T* yp = y.data_ptr<T>();
       for (int64_t i = 0; i < B * C; ++i) yp[i] = res[i] + db[i];
     }
   }
@@ -826,8 +933,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
   at::Tensor weights = at::empty({0}, x.options());
   if (with_weights && keys.dim() == 4 && heads > 0)  // (the shapes checked by layer)
     weights = at::zeros({keys.size(0), keys.size(1), heads / std::max<int64_t>(1, keys.size(1)), keys.size(2)}, x.options());
-  auto [y, q, att] = layer(x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps,
-                           with_weights ? weights.data_ptr<float>() : nullptr, weights.dim() == 4 ? weights.size(3) : 0);
+  auto [y, q, att] = layer<float>(x, cos, sin, keys, values, slot, norm1, qkv, out, norm2, up, down, heads, scale, eps,
+                                  with_weights ? weights.data_ptr<float>() : nullptr, weights.dim() == 4 ? weights.size(3) : 0);
   return {y, q, att, weights};
 }
 
@@ -838,11 +945,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_layer(
 // weights in order; `positions`: each block's cache's record of its slots' positions (B, M), or none.
 // Returns the logits (B, V) and, with `with_weights`, every block's attention weights over the filled
 // slots, (L, B, H, slot + 1) (else an empty tensor).
-std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::optional<at::Tensor>& cos,
-                                              const std::optional<at::Tensor>& sin, at::TensorList keys, at::TensorList values,
-                                              at::TensorList positions, const at::Tensor& slot, at::TensorList layers,
-                                              int64_t heads, double scale, double eps, const at::Tensor& final_norm,
-                                              const at::Tensor& head, bool with_weights) {
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> step_of(const at::Tensor& x, const std::optional<at::Tensor>& cos,
+                                           const std::optional<at::Tensor>& sin, at::TensorList keys, at::TensorList values,
+                                           at::TensorList positions, const at::Tensor& slot, at::TensorList layers,
+                                           int64_t heads, double scale, double eps, const at::Tensor& final_norm,
+                                           const at::Tensor& head, bool with_weights) {
   const int64_t L = static_cast<int64_t>(keys.size());
   TORCH_CHECK_VALUE(L >= 1 && values.size() == keys.size() && layers.size() == 6 * keys.size(),
                     "block_step: keys and values must be one tensor a block and layers six, got ", keys.size(), ", ",
@@ -851,14 +959,18 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
                         final_norm.is_contiguous(),
                     "block_step: final_norm must be float32 (C) for x (B, 1, C), got ", final_norm.scalar_type(), " ",
                     final_norm.sizes(), " for x ", x.sizes());
-  const Blocks w = blocks_of(head, "block_step", "head");
+  const Weight w = weight_of(head, "block_step", "head");
   TORCH_CHECK_VALUE(w.K == x.size(2), "block_step: head must multiply (", x.size(2), "), got K = ", w.K);
+  constexpr bool bf = std::is_same_v<T, at::BFloat16>;
+  TORCH_CHECK_TYPE((w.bf16 != nullptr) == bf,
+                   "block_step: head must be pack_blocks' blocks for float32 x, a bfloat16 matrix for bfloat16 x");
   TORCH_CHECK_VALUE(positions.empty() || positions.size() == keys.size(),
                     "block_step: positions must be one tensor a block or none, got ", positions.size());
-  at::Tensor weights = at::empty({0}, x.options());
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor weights = at::empty({0}, f32);
   const int64_t B = x.size(0), M = keys[0].dim() == 4 ? keys[0].size(2) : 0;
   const int64_t pos = slot_of(slot, M, "block_step");
-  if (with_weights) weights = at::empty({L, B, heads, pos + 1}, x.options());  // (every entry written)
+  if (with_weights) weights = at::empty({L, B, heads, pos + 1}, f32);  // (every entry written)
   at::Tensor h = x;
   for (int64_t l = 0; l < L; ++l) {
     TORCH_CHECK_VALUE(!with_weights || keys[l].sizes() == keys[0].sizes(),
@@ -870,16 +982,38 @@ std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::op
                         "block_step: positions must be int64 (B, M) past the slot, got ", p.scalar_type(), " ", p.sizes());
       for (int64_t b = 0; b < B; ++b) p.data_ptr<int64_t>()[b * p.stride(0) + pos * p.stride(1)] = pos;
     }
-    h = std::get<0>(layer(h, cos, sin, keys[l], values[l], slot, t[0], t[1], t[2], t[3], t[4], t[5], heads, scale, eps,
-                          with_weights ? weights.data_ptr<float>() + l * B * heads * (pos + 1) : nullptr, pos + 1));
+    h = std::get<0>(layer<T>(h, cos, sin, keys[l], values[l], slot, t[0], t[1], t[2], t[3], t[4], t[5], heads, scale, eps,
+                             with_weights ? weights.data_ptr<float>() + l * B * heads * (pos + 1) : nullptr, pos + 1));
   }
   const int64_t C = x.size(2);
-  std::vector<float> normed(B * C);
-  rms_rows(static_cast<int>(B), h.data_ptr<float>(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data(),
-           nullptr);
-  at::Tensor logits = at::empty({B, w.N}, x.options());
-  block_product(w, static_cast<int>(B), normed.data(), logits.data_ptr<float>(), nullptr);
-  return {logits, weights};
+  std::vector<float> hf(h.data_ptr<T>(), h.data_ptr<T>() + B * C), normed(B * C), logits(B * w.N);
+  rms_rows(static_cast<int>(B), hf.data(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data(), nullptr);
+  if (bf) round_bf16(normed.data(), B * C);
+  weight_product(w, static_cast<int>(B), normed.data(), logits.data());
+  at::Tensor out = at::empty({B, w.N}, x.options());
+  std::copy(logits.begin(), logits.end(), out.data_ptr<T>());  // (bfloat16: one rounding, to the nearest even)
+  return {out, weights};
+}
+
+// block_step: every block of a model whose blocks are all block_layer's and share one RoPE, then the
+// final RMSNorm and the head: a decoding step of one new token per row in one call, no graph (SmolLM2:
+// one call through the dispatcher, from Python, where a compiled step checked its guards over some 700
+// tensors, ran its wrapper and called block_layer 30 times and the head). A float32 model's products
+// are its GGUF blocks; a bfloat16 model's, its bfloat16 matrices (bf16_linear's sums), each operation's
+// output rounded to bfloat16 as its forward holds it. `layers`: 6 tensors a block, block_layer's weights
+// in order (the norms' float32); `positions`: each block's cache's record of its slots' positions
+// (B, M), or none. Returns the logits (B, V), in x's dtype, and, with `with_weights`, every block's
+// attention weights over the filled slots, (L, B, H, slot + 1), float32 (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> block_step(const at::Tensor& x, const std::optional<at::Tensor>& cos,
+                                              const std::optional<at::Tensor>& sin, at::TensorList keys, at::TensorList values,
+                                              at::TensorList positions, const at::Tensor& slot, at::TensorList layers,
+                                              int64_t heads, double scale, double eps, const at::Tensor& final_norm,
+                                              const at::Tensor& head, bool with_weights) {
+  if (x.scalar_type() == at::kBFloat16)
+    return step_of<at::BFloat16>(x, cos, sin, keys, values, positions, slot, layers, heads, scale, eps, final_norm, head,
+                                 with_weights);
+  return step_of<float>(x, cos, sin, keys, values, positions, slot, layers, heads, scale, eps, final_norm, head,
+                        with_weights);
 }
 
 }  // namespace
