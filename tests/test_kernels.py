@@ -680,9 +680,9 @@ def test_bf16_linear_names_the_argument_at_fault():
     with pytest.raises(TypeError, match="weight must be a bfloat16 CPU tensor, got Float"):
         kernels.bf16_linear(x, w.float())
     with pytest.raises(ValueError, match=r"K a multiple of 32, got shape \[5, 48\]"):
-        kernels.bf16_linear(x[:, :48], w[:, :48])
-    with pytest.raises(ValueError, match="contiguous"):
-        kernels.bf16_linear(x, torch.randn(128, 10).bfloat16()[::2].T.contiguous().T)
+        kernels.bf16_linear(x[:, :48], w[:, :48].contiguous())
+    with pytest.raises(ValueError, match=r"contiguous \(N, K\) matrix, K a multiple of 32, got shape \[5, 64\]"):
+        kernels.bf16_linear(x, torch.randn(64, 5).bfloat16().T)
     with pytest.raises(TypeError, match="x must be a bfloat16 CPU tensor, got Float"):
         kernels.bf16_linear(x.float(), w)
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\) .* got shape \[3, 32\]"):
@@ -723,13 +723,15 @@ def test_a_bfloat16_row_decodes_on_the_kernel_as_the_eager_forward(family, steps
 
 @needs_kernel
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("width", [96, 128], ids=["hd24", "hd32"])  # (heads of 16 values' multiples: vectors)
 def test_a_bfloat16_llama_steps_in_one_call_as_its_forward(width, rows, compile, monkeypatch):
     """A bfloat16 model of Llama-style blocks (bf16_linear takes its products) steps in one call of
     block_step on its matrices, compiled or not, no graph compiled: each step's logits are the eager
     forward's over the whole text to bfloat16's rounding (each operation's output rounded as the forward
-    holds it, the sums float32), and so are the keys and values it writes into the caches."""
+    holds it, the sums float32), and so are the keys and values it writes into the caches and, under
+    observe_attention_rows (serve's stream), every layer's attention row, in bfloat16."""
+    from attnlab.interpret.tracing import observe_attention_rows
     from test_fast_decode_observed import graphs
 
     monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
@@ -742,19 +744,50 @@ def test_a_bfloat16_llama_steps_in_one_call_as_its_forward(width, rows, compile,
     step = kernels.block_step
     monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: calls.append(1) or step(*a, **k))
     before = graphs()
+    got, want = [], []  # (each step's rows under observe_attention_rows, (L, B, H, S))
     with torch.inference_mode():
         logits = model.decode_logits(idx, None, caches, last_only=True)[:, -1]  # the prompt's (B, V)
         text = idx
         for _ in range(8):
             token = logits.argmax(-1)  # (B,)
             text = torch.cat([text, token[:, None]], dim=1)
-            logits = decoder.step(token)
+            got.clear(), want.clear()
+            with observe_attention_rows(model, lambda *r: got.append(r[0])):
+                logits = decoder.step(token)
             assert logits.dtype == torch.bfloat16
             ref_caches = model.new_kv_caches(rows, 16)
-            ref = model.decode_logits(text, None, ref_caches, last_only=True)[:, -1]  # (B, V)
+            with observe_attention_rows(model, lambda *r: want.append(r[0])):
+                ref = model.decode_logits(text, None, ref_caches, last_only=True)[:, -1]  # (B, V)
             torch.testing.assert_close(logits.float(), ref.float(), rtol=2e-2, atol=0.1)
+            assert got[-1].dtype == torch.bfloat16 and got[-1].shape == want[-1].shape
+            torch.testing.assert_close(got[-1].float(), want[-1].float(), rtol=2e-2, atol=1e-2)
             T = text.shape[1]
             for c, r in zip(caches, ref_caches, strict=True):
                 torch.testing.assert_close(c.keys[:, :, :T].float(), r.keys[:, :, :T].float(), rtol=2e-2, atol=0.05)
                 torch.testing.assert_close(c.values[:, :, :T].float(), r.values[:, :, :T].float(), rtol=2e-2, atol=0.05)
     assert len(calls) == 8 and graphs() == before
+
+
+@needs_kernel
+def test_block_step_of_a_bfloat16_model_names_the_argument_at_fault(monkeypatch):
+    """A bfloat16 model's step takes bfloat16 matrices and float32 norms; a float32 one's, blocks: each
+    argument of the wrong kind is a TypeError naming it."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    model = make("llama-gqa").to(torch.bfloat16)
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(1, 16))
+    args = dict(decoder.stepper)
+    x, rope, slot = torch.randn(1, 1, 96).bfloat16(), tuple(t[0] for t in decoder.rope_table), torch.tensor(0)
+    assert kernels.block_step(x, rope, slot=slot, **args)[0].shape == (1, 64)
+    blocks = kernels.pack_blocks(torch.zeros(64, 96))
+    with pytest.raises(TypeError, match="block_step: head must be a bfloat16 CPU tensor, got Byte"):
+        kernels.block_step(x, rope, slot=slot, **{**args, "head": blocks})
+    layers = list(args["layers"])
+    layers[1] = layers[1].float()
+    with pytest.raises(TypeError, match="block_layer: qkv must be a bfloat16 CPU tensor, got Float"):
+        kernels.block_step(x, rope, slot=slot, **{**args, "layers": layers})
+    layers = list(args["layers"])
+    layers[0] = layers[0].bfloat16()
+    with pytest.raises(TypeError, match="the norms' weights must be float32 CPU tensors, got BFloat16"):
+        kernels.block_step(x, rope, slot=slot, **{**args, "layers": layers})
+    with pytest.raises(TypeError, match="block_step: head must be a uint8 CPU tensor"):  # (float32 x: blocks)
+        kernels.block_step(x.float(), rope, slot=slot, **args)

@@ -49,7 +49,10 @@ Llama-style block on its blocks runs whole in one operator (:func:`attnlab.kerne
 OpenMP region for the norms, the products, RoPE, the cache's new slot and the attention, not 5
 operators and 3 of inductor's loops); a model of such blocks with one RoPE and its head on blocks
 (SmolLM2) runs each step as one call, :func:`attnlab.kernels.block_step`, compiled or not, with no
-graph and no guards (:attr:`FastDecoder.stepper`).
+graph and no guards (:attr:`FastDecoder.stepper`). So does a bfloat16 model of such blocks, on its
+bfloat16 matrices as they lie (:func:`attnlab.kernels.bf16_linear`'s sums, each operation's output
+rounded to bfloat16 as its forward holds it), up to 8 rows; the eager step of another bfloat16 model's
+one row multiplies by :func:`attnlab.kernels.bf16_linear` too.
 
 Eager is the reference: generation uses the fast path only where it computes what the model's own
 forward would (:func:`supported`), and the tests hold its tokens and logits to the eager path's.
@@ -280,9 +283,10 @@ def _packing(model: nn.Module, rows: int, compile: bool, steps: int | None, big:
 def _bf16_products(weights: list[tuple], head: Tensor) -> bool:
     """Whether :func:`attnlab.kernels.bf16_linear` takes every product of ``weights`` (each layer's
     :meth:`FastDecoder._weights`) and the output ``head`` as they are: contiguous, on the CPU, ``K`` a
-    multiple of 32."""
+    multiple of 32, bfloat16."""
     mats = [w[j] for w in weights for j in _MATRICES] + [head]
-    return all(m.dim() == 2 and m.is_contiguous() and m.shape[1] % 32 == 0 and m.device.type == "cpu" for m in mats)
+    dense = all(m.dim() == 2 and m.is_contiguous() and m.shape[1] % 32 == 0 for m in mats)
+    return dense and all(m.device.type == "cpu" and m.dtype == torch.bfloat16 for m in mats)
 
 
 def _large(model: nn.Module) -> bool:
@@ -887,14 +891,18 @@ class FastDecoder:
         # generation: SmolLM2's fast path 22.1 -> 34.2 tokens/s, the same tokens (Intel Xeon, 2 threads,
         # alternating in one process). The compiled step keeps inductor's loops: the kernel read its 121
         # products in 12.6 ms of a 17 ms step there, no faster end to end (1.00-1.01x).
-        bf16_cache = cpu and head_w.dtype == torch.bfloat16 and all(c.keys.dtype == torch.bfloat16 for c in caches)
+        bf16_cache = cpu and model.tok_emb.weight.dtype == torch.bfloat16
+        bf16_cache = bf16_cache and all(c.keys.dtype == c.values.dtype == torch.bfloat16 for c in caches)
         # (a bfloat16 model whose products attnlab's kernel takes as they lie: its one-call step too, below)
         self.bf16_matrices = bf16_cache and rows <= _PANEL_ROWS and _bf16_products(weights, head_w)
         self.bf16_matrices = self.bf16_matrices and kernels.available()
         bf16 = self.bf16_matrices and rows == 1 and not compile
         shaped = [_llama_block(block, norm, cfg.mlp) for block in model.trf_blocks]  # (block_layer's kind)
-        # (none packed where the products stay as they lie: one row's bf16_linear, or the one-call step)
-        pack = not bf16 and not (self.bf16_matrices and all(shaped)) and _packing(model, rows, compile, steps, large)
+        one_rope = cfg.pos == "rope" and all(block.att.rope for block in model.trf_blocks)
+        # (none packed where the products stay as they lie: one row's bf16_linear, or the one-call step's
+        # matrices, which _stepper takes where these hold)
+        stepped = self.bf16_matrices and all(shaped) and one_rope
+        pack = not bf16 and not stepped and _packing(model, rows, compile, steps, large)
         mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
         self.batch = "bf16" if bf16 else _batch_products(large, pack and compile, cpu, mkl)
         # (a batch only: one row's compiled product streams the float32 head at the machine's read rate, and
@@ -1056,8 +1064,10 @@ class FastDecoder:
         norm, _, _, H, _, hd, _, scale = next(iter(specs))
         M = max(cache.max_length for cache in self.caches)
         at = torch.arange(M, device=self.caches[0].keys.device).view(1, M)
-        cos, sin = next(iter(model.rope_angles(at, torch.float32).values()))  # (1, 1, M, hd) each
-        self.rope_table = cos.reshape(M, hd), sin.reshape(M, hd)
+        # (a bfloat16 model's angles rounded to bfloat16, as its forward takes them)
+        dtype = torch.bfloat16 if self.bf16_matrices else torch.float32
+        cos, sin = next(iter(model.rope_angles(at, dtype).values()))  # (1, 1, M, hd) each
+        self.rope_table = cos.reshape(M, hd).float(), sin.reshape(M, hd).float()
         return dict(
             keys=[c.keys for c in self.caches],
             values=[c.values for c in self.caches],

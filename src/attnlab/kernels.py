@@ -1,8 +1,8 @@
 """Kernels of attnlab's own for decoding float32 on Intel CPUs: a few rows times a weight streamed from
 memory (:func:`rows_linear`), the same from the blocks a GGUF file quantized the weight in
 (:func:`block_linear`), and one new query per row against a cache's filled slots (:func:`decode_attention`);
-and a bfloat16 row times a bfloat16 weight where it lies (:func:`bf16_linear`, the eager step of a
-bfloat16 model's one row).
+and a few bfloat16 rows times a bfloat16 weight where it lies (:func:`bf16_linear`: a bfloat16 model's
+products, in the eager step of one row and in :func:`block_step`).
 
 A GGUF model loaded in float32 (SmolLM2-135M-Instruct's Q4_1 file: 538 MB of float32 weights) holds
 each matrix dequantized, every weight ``d * q + m`` (Q4_1: ``q`` 4 bits, ``d`` and ``m`` float16 for
@@ -210,8 +210,11 @@ def block_step(
     slot's set to ``slot``, or ``[]``; ``layers``: each block's six tensors, :func:`block_layer`'s
     ``weights`` one after the other), the final RMSNorm ``final_norm`` and the ``head`` (:func:`pack_blocks`'
     blocks) -> the logits ``(B, V)`` and, ``with_weights``, every block's attention weights over the
-    filled slots, ``(L, B, H, slot + 1)`` (caches of one size; else an empty tensor). One call, no
-    graph. Only where :func:`runs`."""
+    filled slots, ``(L, B, H, slot + 1)`` float32 (caches of one size; else an empty tensor). One call,
+    no graph. A bfloat16 model's too: ``x``, the caches and the logits bfloat16, the products and the
+    head its bfloat16 matrices as they lie (:func:`bf16_linear`'s sums), the norms' weights float32; each
+    operation's output rounded to bfloat16 as the model's forward holds it, the sums float32. Only
+    where :func:`runs`."""
     if not _loaded:
         _require()
     cos, sin = (None, None) if rope is None else rope

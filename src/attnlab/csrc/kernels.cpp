@@ -232,10 +232,6 @@ int64_t slot_of(const at::Tensor& slot, int64_t M, const char* op) {
   return pos;
 }
 
-// Queries g0..g1 of the G that share key head bh (of the B * Hkv) against its filled slots 0..S-1:
-// q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd), their outputs to o (as q), and with wp their
-// softmax's weights to wp (B * Hkv, G, wlen), wlen >= S (the slots past S untouched); e: (g1 - g0) * S
-// floats of scratch.
 // 16 of a cache's values at p as float32s: float32, or bfloat16 (its bits the float32's high half).
 inline __m512 cache16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 cache16(const at::BFloat16* p) {
@@ -243,7 +239,10 @@ inline __m512 cache16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// (T: the cache's float32 or bfloat16; the sums float32)
+// Queries g0..g1 of the G that share key head bh (of the B * Hkv) against its filled slots 0..S-1:
+// q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd) (T: float32 or bfloat16; the sums float32),
+// their outputs to o (as q), and with wp their softmax's weights to wp (B * Hkv, G, wlen), wlen >= S
+// (the slots past S untouched); e: (g1 - g0) * S floats of scratch.
 template <typename T>
 void attend_group(const float* qp, const T* kp, const T* vp, float* op, float* wp, int64_t bh, int64_t g0, int64_t g1,
                   int64_t G, int64_t S, int64_t M, int64_t hd, float sc, float* e, int64_t wlen) {
@@ -725,11 +724,18 @@ void rms_rows(int M, const float* x, int64_t C, const float* w, float eps, float
 
 // RoPE of one head's hd features x (feature i and i + hd / 2 a pair, as attnlab.positions.apply_rope
 // turns them) at the angles whose cosines and sines are c and s (hd each) into y; without c, a copy.
-void rope_head(const float* x, const float* c, const float* s, int64_t hd, float* y) {
+// bf: x * c rounded to bfloat16 first, as a bfloat16 forward's addcmul(x * cos, ...) takes it.
+void rope_head(const float* x, const float* c, const float* s, int64_t hd, float* y, bool bf = false) {
   if (c == nullptr) return void(std::copy(x, x + hd, y));
   const int64_t half = hd / 2;
-  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] - x[i + half] * s[i];
-  for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+  if (!bf) {
+    for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] - x[i + half] * s[i];
+    for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+    return;
+  }
+  auto xc = [&](int64_t i) { return static_cast<float>(at::BFloat16(x[i] * c[i])); };
+  for (int64_t i = 0; i < half; ++i) y[i] = xc(i) - x[i + half] * s[i];
+  for (int64_t i = half; i < hd; ++i) y[i] = xc(i) + x[i - half] * s[i];
 }
 
 // A product's weight as layer() and block_step multiply it: a GGUF file's blocks (pack_blocks'), or a
@@ -741,9 +747,10 @@ struct Weight {
   int64_t K = 0, N = 0, P = 0;
 };
 
-Weight weight_of(const at::Tensor& t, const char* op, const char* name) {
+// (matrix: a bfloat16 model's, else blocks: each a TypeError naming the argument where it is not)
+Weight weight_of(const at::Tensor& t, bool matrix, const char* op, const char* name) {
   Weight w;
-  if (t.scalar_type() == at::kBFloat16) {
+  if (matrix) {
     check_bf16_weight(t, op, name);
     w.bf16 = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     w.K = t.size(1), w.N = t.size(0), w.P = (w.N + 7) / 8;
@@ -783,9 +790,9 @@ void round_bf16(float* p, int64_t n) {
   for (; i < n; ++i) p[i] = static_cast<float>(at::BFloat16(p[i]));
 }
 
-// block_layer's work, on float32 caches and activations (T = float, the weights blocks) or a bfloat16
-// model's (T = at::BFloat16, the weights blocks or bfloat16 matrices: each operation's output rounded to
-// bfloat16 as the model's forward holds it; the sums float32): the block's output (T), queries and heads'
+// block_layer's work, on float32 caches and activations (T = float, the products' weights blocks) or a
+// bfloat16 model's (T = at::BFloat16, its bfloat16 matrices: each operation's output rounded to bfloat16
+// as the model's forward holds it, RoPE's x cos too; the sums float32): the block's output (T), queries and heads'
 // outputs (float32); with wp, the attention's weights there ((B, Hkv, G, wlen): the filled slots' of each
 // query, a row of wlen).
 template <typename T>
@@ -814,12 +821,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
   TORCH_CHECK_VALUE(H > 0 && H % Hkv == 0, "block_layer: heads must be a multiple of the cache's ", Hkv,
                     " key heads, got ", H);
   const int64_t pos = slot_of(slot, M, "block_layer"), S = pos + 1, G = H / Hkv;
-  const Weight wqkv = weight_of(qkv, "block_layer", "qkv"), wo = weight_of(out, "block_layer", "out"),
-               wup = weight_of(up, "block_layer", "up"), wdown = weight_of(down, "block_layer", "down");
-  const bool matrices = wqkv.bf16 != nullptr;
-  TORCH_CHECK_TYPE((wo.bf16 != nullptr) == matrices && (wup.bf16 != nullptr) == matrices &&
-                       (wdown.bf16 != nullptr) == matrices && matrices == bf,
-                   "block_layer: the products must be pack_blocks' blocks for float32 x, bfloat16 matrices for bfloat16 x");
+  // (a float32 model's products: its blocks; a bfloat16 model's: its matrices)
+  const Weight wqkv = weight_of(qkv, bf, "block_layer", "qkv"), wo = weight_of(out, bf, "block_layer", "out"),
+               wup = weight_of(up, bf, "block_layer", "up"), wdown = weight_of(down, bf, "block_layer", "down");
   const int64_t Nq = H * hd, Nkv = Hkv * hd, Nqkv = Nq + 2 * Nkv, F = wup.N / 2;
   TORCH_CHECK_VALUE(wqkv.K == C && wqkv.N == Nqkv && wo.K == Nq && wo.N == C && wup.K == C && wup.N % 2 == 0 &&
                         wdown.K == F && wdown.N == C,
@@ -864,7 +868,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
     };
     // (each thread's own: the residual stream, a product's input and its block sums)
     std::vector<float> res(xp, xp + B * C), h(B * wide), hs(B * wide / 32 + 1), e(G * S), row(hd);
-    float* sums = B <= 2 && !matrices ? hs.data() : nullptr;
+    float* sums = B <= 2 && !bf ? hs.data() : nullptr;
     // The norm, then q, k and v.
     rms_rows(B, res.data(), C, n1, ep, h.data(), nullptr);
     held(h.data(), B * C);
@@ -875,12 +879,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
     const auto [k0, k1] = share(B * Hkv);
     for (int64_t bh = k0; bh < k1; ++bh) {
       const float* r = qkvb.data() + bh / Hkv * Nqkv + Nq + bh % Hkv * hd;
-      rope_head(r, cp, sp, hd, row.data());
+      rope_head(r, cp, sp, hd, row.data(), bf);
       std::copy(row.begin(), row.end(), kp + (bh * M + pos) * hd);
       std::copy(r + Nkv, r + Nkv + hd, vp + (bh * M + pos) * hd);
     }
     const auto [q0, q1] = share(B * H);
-    for (int64_t i = q0; i < q1; ++i) rope_head(qkvb.data() + i / H * Nqkv + i % H * hd, cp, sp, hd, qp + i * hd);
+    for (int64_t i = q0; i < q1; ++i) rope_head(qkvb.data() + i / H * Nqkv + i % H * hd, cp, sp, hd, qp + i * hd, bf);
     held(qp + q0 * hd, (q1 - q0) * hd);
 #pragma omp barrier
     // Attention: this thread's query heads, a run of those sharing a key head at a time.
@@ -959,11 +963,9 @@ std::tuple<at::Tensor, at::Tensor> step_of(const at::Tensor& x, const std::optio
                         final_norm.is_contiguous(),
                     "block_step: final_norm must be float32 (C) for x (B, 1, C), got ", final_norm.scalar_type(), " ",
                     final_norm.sizes(), " for x ", x.sizes());
-  const Weight w = weight_of(head, "block_step", "head");
-  TORCH_CHECK_VALUE(w.K == x.size(2), "block_step: head must multiply (", x.size(2), "), got K = ", w.K);
   constexpr bool bf = std::is_same_v<T, at::BFloat16>;
-  TORCH_CHECK_TYPE((w.bf16 != nullptr) == bf,
-                   "block_step: head must be pack_blocks' blocks for float32 x, a bfloat16 matrix for bfloat16 x");
+  const Weight w = weight_of(head, bf, "block_step", "head");
+  TORCH_CHECK_VALUE(w.K == x.size(2), "block_step: head must multiply (", x.size(2), "), got K = ", w.K);
   TORCH_CHECK_VALUE(positions.empty() || positions.size() == keys.size(),
                     "block_step: positions must be one tensor a block or none, got ", positions.size());
   const auto f32 = x.options().dtype(at::kFloat);
