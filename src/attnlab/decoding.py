@@ -889,8 +889,9 @@ class FastDecoder:
         # The eager step of a bfloat16 model's one row on an Intel CPU: every product by attnlab's kernel on
         # the weights as they lie (attnlab.kernels.bf16_linear), not oneDNN's on a packed copy made each
         # generation: SmolLM2's fast path 22.1 -> 34.2 tokens/s, the same tokens (Intel Xeon, 2 threads,
-        # alternating in one process). The compiled step keeps inductor's loops: the kernel read its 121
-        # products in 12.6 ms of a 17 ms step there, no faster end to end (1.00-1.01x).
+        # alternating in one process). A compiled step the one-call step below does not take keeps inductor's
+        # loops: the kernel in SmolLM2's graph read its 121 products in 12.6 ms of a 17 ms step, no faster
+        # end to end (1.00-1.01x).
         bf16_cache = cpu and model.tok_emb.weight.dtype == torch.bfloat16
         bf16_cache = bf16_cache and all(c.keys.dtype == c.values.dtype == torch.bfloat16 for c in caches)
         # (a bfloat16 model whose products attnlab's kernel takes as they lie: its one-call step too, below)
@@ -933,7 +934,7 @@ class FastDecoder:
         own = self.panels or bool(self.blocks)  # (products on attnlab's kernels)
         own_attention = own and compile and contiguous
         self.layers = []
-        llama = []  # each block Llama-style with its products on their blocks (up to _PANEL_ROWS rows, then)
+        llama = []  # each block Llama-style, its products on their blocks or bfloat16 matrices (<= _PANEL_ROWS rows)
         for i, (block, w) in enumerate(zip(model.trf_blocks, weights, strict=True)):
             att = block.att
             llama.append(shaped[i] and (self.bf16_matrices or all((i, j) in self.blocks for j in _MATRICES)))

@@ -710,8 +710,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, const std
 // each thread computes for itself, in the same order as the other.
 // ---------------------------------------------------------------------------------------------------
 
-// RMSNorm of the M rows of x (C each) times w into h, and with hsum (M <= 2) h's block_sums.
-void rms_rows(int M, const float* x, int64_t C, const float* w, float eps, float* h, float* hsum) {
+// RMSNorm of the M rows of x (C each) times w into h (the sum of squares in double).
+void rms_rows(int M, const float* x, int64_t C, const float* w, float eps, float* h) {
   for (int m = 0; m < M; ++m) {
     const float* r = x + m * C;
     double squares = 0.0;
@@ -719,7 +719,6 @@ void rms_rows(int M, const float* x, int64_t C, const float* w, float eps, float
     const float inv = 1.f / std::sqrt(static_cast<float>(squares / C) + eps);
     for (int64_t i = 0; i < C; ++i) h[m * C + i] = r[i] * inv * w[i];
   }
-  if (hsum != nullptr) block_sums(M, h, C, hsum);
 }
 
 // RoPE of one head's hd features x (feature i and i + hd / 2 a pair, as attnlab.positions.apply_rope
@@ -778,7 +777,8 @@ void weight_product(const Weight& w, int M, const float* x, float* y) {
 // p[0 .. n) rounded to bfloat16's precision (to the nearest even; a NaN stays a NaN), as a bfloat16
 // model's tensors hold them between its operations.
 void round_bf16(float* p, int64_t n) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(p + i);
@@ -792,9 +792,9 @@ void round_bf16(float* p, int64_t n) {
 
 // block_layer's work, on float32 caches and activations (T = float, the products' weights blocks) or a
 // bfloat16 model's (T = at::BFloat16, its bfloat16 matrices: each operation's output rounded to bfloat16
-// as the model's forward holds it, RoPE's x cos too; the sums float32): the block's output (T), queries and heads'
-// outputs (float32); with wp, the attention's weights there ((B, Hkv, G, wlen): the filled slots' of each
-// query, a row of wlen).
+// as the model's forward holds it, RoPE's x cos too; the sums float32): the block's output (T), queries
+// and heads' outputs (float32); with wp, the attention's weights there ((B, Hkv, G, wlen): the filled
+// slots' of each query, a row of wlen).
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const std::optional<at::Tensor>& cos,
                                                      const std::optional<at::Tensor>& sin, const at::Tensor& keys,
@@ -870,7 +870,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
     std::vector<float> res(xp, xp + B * C), h(B * wide), hs(B * wide / 32 + 1), e(G * S), row(hd);
     float* sums = B <= 2 && !bf ? hs.data() : nullptr;
     // The norm, then q, k and v.
-    rms_rows(B, res.data(), C, n1, ep, h.data(), nullptr);
+    rms_rows(B, res.data(), C, n1, ep, h.data());
     held(h.data(), B * C);
     if (sums != nullptr) block_sums(B, h.data(), C, sums);
     product(wqkv, h.data(), sums, qkvb.data());
@@ -901,7 +901,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer(const at::Tensor& x, const 
 #pragma omp barrier
     for (int64_t i = 0; i < B * C; ++i) res[i] += ob[i];
     held(res.data(), B * C);
-    rms_rows(B, res.data(), C, n2, ep, h.data(), nullptr);
+    rms_rows(B, res.data(), C, n2, ep, h.data());
     held(h.data(), B * C);
     if (sums != nullptr) block_sums(B, h.data(), C, sums);
     product(wup, h.data(), sums, gub.data());
@@ -989,7 +989,7 @@ std::tuple<at::Tensor, at::Tensor> step_of(const at::Tensor& x, const std::optio
   }
   const int64_t C = x.size(2);
   std::vector<float> hf(h.data_ptr<T>(), h.data_ptr<T>() + B * C), normed(B * C), logits(B * w.N);
-  rms_rows(static_cast<int>(B), hf.data(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data(), nullptr);
+  rms_rows(static_cast<int>(B), hf.data(), C, final_norm.data_ptr<float>(), static_cast<float>(eps), normed.data());
   if (bf) round_bf16(normed.data(), B * C);
   weight_product(w, static_cast<int>(B), normed.data(), logits.data());
   at::Tensor out = at::empty({B, w.N}, x.options());
