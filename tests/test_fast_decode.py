@@ -375,7 +375,7 @@ def test_bad_switches_are_type_errors():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, chunk",
-    [("smollm2-like", 1), ("gpt2", 1)] + [(f, decoding._CHUNK) for f in ("smollm2-like", "gpt2", "gemma", "neox")],
+    [("smollm2-like", 1), ("gpt2", 1), ("smollm2-like", decoding._CHUNK)] + [(f, 2) for f in ("gpt2", "gemma", "neox")],
 )
 def test_the_compiled_step_equals_the_eager_forward(family, chunk, steps, monkeypatch):
     """One compiled layer function (and head) over the whole preallocated cache, in float64: a step a
@@ -385,12 +385,15 @@ def test_the_compiled_step_equals_the_eager_forward(family, chunk, steps, monkey
     (Gemma, whose offset RMSNorm computes in float32, as the eager forward's does: to float32's rounding)."""
     monkeypatch.setattr(decoding, "_CHUNK", chunk)
     model = make(FAMILIES[family])
-    for B in (1, 2):
+    # (chunks of 2 and one batch size for the families beside SmolLM2's: each graph is C++ that an empty
+    # inductor cache, as CI's, compiles for up to a minute)
+    sizes = (1, 2) if family == "smollm2-like" or chunk == 1 else (2,)
+    for B in sizes:
         idx = torch.randint(0, BASE["vocab_size"], (B, 5))
         ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
         compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
         assert_same(ref, compiled, tol=1e-5 if family == "gemma" else 1e-9)
-    assert steps[0] == 2 * -(-11 // chunk) * chunk
+    assert steps[0] == len(sizes) * -(-11 // chunk) * chunk
 
 
 def test_greedy_decoding_runs_in_chunks_on_a_small_models_compiled_cpu_step(monkeypatch):
