@@ -672,6 +672,9 @@ def test_bf16_linear_is_the_float64_product_rounded_to_bfloat16(rows, lead, bloc
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.shape == ref.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-6 * k)
+    if rows:  # (a row's sums in one order whatever the rows beside it: alone, the same bits)
+        i = seed % rows
+        assert torch.equal(kernels.bf16_linear(x[i : i + 1], w, b), got[i : i + 1])
 
 
 @needs_kernel
@@ -717,6 +720,26 @@ def test_a_bfloat16_row_decodes_on_the_kernel_as_the_eager_forward(family, steps
     got = model.generate(idx, 10, temperature=0, return_logits=True)
     assert steps[0] == 9
     assert (len(products), len(whole)) == ((0, 9) if llama else (9 * (4 * 2 + 1), 0))  # (4 products a layer, the head)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2e-2, atol=0.1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["one-call", "soft-cap"])
+def test_a_bfloat16_batch_is_left_unpacked_only_for_the_one_call_step(softcap, monkeypatch):
+    """A bfloat16 batch of Llama-style blocks leaves its products unpacked only where the one-call step
+    takes them as they lie; with a logit soft cap, which block_step does not compute, it steps layer by
+    layer on oneDNN's packed matrices, as any large batch does, and decodes as the eager forward."""
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)  # (these models are below the size that packs)
+    model = make("llama-gqa", logit_softcap=softcap).to(torch.bfloat16)
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16), steps=64)
+    one_call = softcap is None
+    assert (decoder.stepper is not None) == one_call
+    assert (decoder.layers[0][0][2].layout == torch._mkldnn) != one_call  # (the fused q/k/v projection)
+    idx = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(2))
+    ref = model.generate(idx, 8, temperature=0, return_logits=True, fast=False)
+    got = model.generate(idx, 8, temperature=0, return_logits=True)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2e-2, atol=0.1)
 

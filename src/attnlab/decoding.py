@@ -686,6 +686,21 @@ def _llama_block(block: nn.Module, norm: tuple, mlp: str) -> bool:
     )
 
 
+def _one_call(model: nn.Module, caches: list[Any], shaped: list[bool]) -> bool:
+    """Whether each step of ``model`` over ``caches`` may be one call of :func:`attnlab.kernels.block_step`,
+    its products aside (each block's on its blocks or a bfloat16 model's matrices, and the head's, are the
+    caller's to check): every block Llama-style (``shaped``, see :func:`_llama_block`) with the model's
+    one RoPE, the same heads, scale and position records in every block; the final norm without bias, no
+    soft cap; the caches contiguous."""
+    cfg, atts = model.config, [block.att for block in model.trf_blocks]
+    if not all(shaped) or cfg.pos != "rope" or cfg.logit_softcap is not None or len(model.rope_sources) != 1:
+        return False
+    if getattr(model.final_norm, "bias", None) is not None or not all(att.rope for att in atts):
+        return False
+    kinds = {(a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.has_positions) for a in atts}
+    return len(kinds) == 1 and all(c.keys.is_contiguous() and c.values.is_contiguous() for c in caches)
+
+
 def _how(static: bool, rows: int, batch: str) -> str:
     """How :func:`_matvec` multiplies in a step of ``rows`` rows (``static``: the compiled step; ``batch``:
     how its decoder's compiled step multiplies a batch, :func:`_batch_products`, or ``"bf16"``: the eager
@@ -895,14 +910,14 @@ class FastDecoder:
         bf16_cache = cpu and model.tok_emb.weight.dtype == torch.bfloat16
         bf16_cache = bf16_cache and all(c.keys.dtype == c.values.dtype == torch.bfloat16 for c in caches)
         # (a bfloat16 model whose products attnlab's kernel takes as they lie: its one-call step too, below)
-        self.bf16_matrices = bf16_cache and rows <= _PANEL_ROWS and _bf16_products(weights, head_w)
-        self.bf16_matrices = self.bf16_matrices and kernels.available()
+        bf16_products = bf16_cache and rows <= _PANEL_ROWS and _bf16_products(weights, head_w)
+        self.bf16_matrices = bf16_products and kernels.available()
         bf16 = self.bf16_matrices and rows == 1 and not compile
         shaped = [_llama_block(block, norm, cfg.mlp) for block in model.trf_blocks]  # (block_layer's kind)
-        one_rope = cfg.pos == "rope" and all(block.att.rope for block in model.trf_blocks)
+        one_call = _one_call(model, caches, shaped)
         # (none packed where the products stay as they lie: one row's bf16_linear, or the one-call step's
-        # matrices, which _stepper takes where these hold)
-        stepped = self.bf16_matrices and all(shaped) and one_rope
+        # matrices, where its stepper takes them)
+        stepped = self.bf16_matrices and one_call
         pack = not bf16 and not stepped and _packing(model, rows, compile, steps, large)
         mkl = rows > 1 and head_w.dtype == torch.float32 and hardware.mkl_runs_float32(caches[0].keys.device)
         self.batch = "bf16" if bf16 else _batch_products(large, pack and compile, cpu, mkl)
@@ -1042,27 +1057,18 @@ class FastDecoder:
         # Every block Llama-style on its blocks (or a bfloat16 model's on its matrices), one RoPE for all, the
         # head likewise: a step (no observer, or serve's rows) is one call of attnlab's kernel,
         # attnlab.kernels.block_step, compiled or not.
-        self.stepper = self._stepper(contiguous) if all(llama) else None
+        self.stepper = self._stepper() if one_call and all(llama) else None
 
-    def _stepper(self, contiguous: bool) -> dict | None:
+    def _stepper(self) -> dict | None:
         """What :meth:`_whole_step` calls :func:`attnlab.kernels.block_step` with, where it can (every block
-        Llama-style on its blocks, or on a bfloat16 model's matrices, checked by the caller): the same
-        heads, norms and RoPE in every block (and so the same position records); the final norm an
-        RMSNorm, the head on its blocks (or a bfloat16 matrix), no soft cap; caches contiguous. Else None.
-        The caches, weights and constants, fixed while the decoder lives; the RoPE's angles for every slot,
-        computed here once (``(M, hd)`` each: :attr:`rope_table`)."""
-        model, cfg = self.model, self.cfg
-        head = "head" in self.blocks or self.bf16_matrices
-        if not contiguous or not head or cfg.logit_softcap is not None or cfg.pos != "rope":
+        Llama-style on its blocks or a bfloat16 model's matrices, and :func:`_one_call`, checked by the
+        caller) and the head is on its blocks (or a bfloat16 matrix). Else None. The caches, weights and
+        constants, fixed while the decoder lives; the RoPE's angles for every slot, computed here once
+        (``(M, hd)`` each: :attr:`rope_table`)."""
+        model = self.model
+        if "head" not in self.blocks and not self.bf16_matrices:
             return None
-        if self.own_ropes or len(model.rope_sources) != 1 or getattr(model.final_norm, "bias", None) is not None:
-            return None
-        if not all(att.rope for att in self.atts):  # (one RoPE for every block: none without)
-            return None
-        specs = {spec[:8] for _, spec, *_ in self.layers}  # (norm, qk norm, heads, kv heads, hd, rope dim, scale)
-        if len(specs) != 1 or len({has_positions for *_, has_positions in self.layers}) != 1:
-            return None
-        norm, _, _, H, _, hd, _, scale = next(iter(specs))
+        norm, _, _, H, _, hd, _, scale = self.layers[0][1][:8]  # (every block's the same: _one_call)
         M = max(cache.max_length for cache in self.caches)
         at = torch.arange(M, device=self.caches[0].keys.device).view(1, M)
         # (a bfloat16 model's angles rounded to bfloat16, as its forward takes them)
