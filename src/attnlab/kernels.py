@@ -113,10 +113,11 @@ def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor
 
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x (..., K) @ weight.T + bias`` for a bfloat16 ``weight (N, K)`` as it lies (no packed copy),
-    ``K`` a multiple of 32: ``(..., N)`` bfloat16, CPU, up to 8 rows a pass over the weight. Float32
-    products and sums, rounded once to bfloat16 with the bias (the compiled step's one-row sums, in
-    another order). Only where :func:`runs` (the kernel checks its arguments: ValueError or TypeError
-    naming the one at fault)."""
+    ``K`` a multiple of 32: ``(..., N)`` bfloat16, CPU, up to 8 rows a pass over the weight (each
+    weight read and widened once for them all). Float32 products and sums, rounded once to bfloat16
+    with the bias (the compiled step's one-row sums, in another order); a row's sums in one order
+    whatever rows stand beside it. Only where :func:`runs` (the kernel checks its arguments: ValueError
+    or TypeError naming the one at fault)."""
     if not _loaded:
         _require()
     return torch.ops.attnlab_kernels.bf16_linear(x, weight, bias)
