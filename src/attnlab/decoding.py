@@ -907,8 +907,11 @@ class FastDecoder:
         # alternating in one process). A compiled step the one-call step below does not take keeps inductor's
         # loops: the kernel in SmolLM2's graph read its 121 products in 12.6 ms of a 17 ms step, no faster
         # end to end (1.00-1.01x).
-        bf16_cache = cpu and model.tok_emb.weight.dtype == torch.bfloat16
-        bf16_cache = bf16_cache and all(c.keys.dtype == c.values.dtype == torch.bfloat16 for c in caches)
+        bf16_cache = (
+            cpu
+            and model.tok_emb.weight.dtype == torch.bfloat16
+            and all(c.keys.dtype == c.values.dtype == torch.bfloat16 for c in caches)
+        )
         # (a bfloat16 model whose products attnlab's kernel takes as they lie: its one-call step too, below)
         bf16_products = bf16_cache and rows <= _PANEL_ROWS and _bf16_products(weights, head_w)
         self.bf16_matrices = bf16_products and kernels.available()

@@ -154,18 +154,24 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
 // ---------------------------------------------------------------------------------------------------
 constexpr int64_t kBf16Ahead = 1;  // w's rows prefetched this many stretches of 8 ahead
 
+// x's 32 k at p as their 16 even k (ev) and their 16 odd k (ov): the halves a bfloat16 pair's lanes meet.
+inline void even_odd(const float* p, __m512& ev, __m512& ov) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+  ev = _mm512_permutex2var_ps(lo, even, hi), ov = _mm512_permutex2var_ps(lo, odd, hi);
+}
+
 // out[r] = w's row r . x for one row x (float32, K): 8 rows of w at a time, x's even and odd k split in
 // registers once for all of them.
 template <int R>
 void bf16_dots(const uint16_t* w, int64_t K, const float* x, float* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    const __m512 lo = _mm512_loadu_ps(x + k), hi = _mm512_loadu_ps(x + k + 16);
-    const __m512 ev = _mm512_permutex2var_ps(lo, even, hi), ov = _mm512_permutex2var_ps(lo, odd, hi);
+    __m512 ev, ov;
+    even_odd(x + k, ev, ov);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i v = _mm512_loadu_si512(w + r * K + k);
@@ -227,13 +233,12 @@ void bf16_range(const uint16_t* w, int64_t N, int64_t K, int M, const float* x, 
                                            bf16_stretch<5>, bf16_stretch<6>, bf16_stretch<7>, bf16_stretch<8>};
   std::vector<float> xs;
   if (M > 1) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     xs.resize(M * K);
     for (int64_t i = 0; i < M * K; i += 32) {
-      const __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + i + 16);
-      _mm512_storeu_ps(xs.data() + i, _mm512_permutex2var_ps(lo, even, hi));
-      _mm512_storeu_ps(xs.data() + i + 16, _mm512_permutex2var_ps(lo, odd, hi));
+      __m512 ev, ov;
+      even_odd(x + i, ev, ov);
+      _mm512_storeu_ps(xs.data() + i, ev);
+      _mm512_storeu_ps(xs.data() + i + 16, ov);
     }
   }
   float out[64];
