@@ -47,6 +47,29 @@ def test_the_screened_argmax_is_the_float64_argmax(rows, width, h_scale, outlier
     assert head.screened == rows
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    vocab=st.integers(decoding.SCREEN_MIN_VOCAB, decoding.SCREEN_MIN_VOCAB + 130),
+    levels=st.sampled_from([3, 50, 10_000]),
+    tail_best=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_candidates_are_a_topk_of_the_screen(rows, vocab, levels, tail_best, seed):
+    """The block search's candidates hold the same values as a top-k over the whole row (ties included:
+    few levels), each at its own id, the tail's ids too."""
+    g = torch.Generator().manual_seed(seed)
+    screen = torch.randint(0, levels, (rows, vocab), generator=g).to(torch.bfloat16)  # (B, V)
+    if tail_best:
+        screen[:, -1] = levels + 1  # the row's best in the ids past the last whole block
+    head = decoding.ScreenedHead(torch.randn(vocab, 16, generator=g), rows)
+    values, ids = head._candidates(screen)
+    want = screen.float().topk(decoding.SCREEN_CANDIDATES, dim=-1).values
+    assert torch.equal(values.float().sort(-1).values, want.sort(-1).values)
+    assert torch.equal(screen.gather(1, ids), values)
+    assert all(len(set(r)) == decoding.SCREEN_CANDIDATES for r in ids.tolist())  # distinct ids
+
+
 def test_ties_go_to_the_smallest_id_as_argmax():
     torch.manual_seed(0)
     w = torch.randn(V, 32) * 0.05

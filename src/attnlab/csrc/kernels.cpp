@@ -281,6 +281,12 @@ int64_t slot_of(const at::Tensor& slot, int64_t M, const char* op) {
   return pos;
 }
 
+// attend_group prefetches each key row this many rows ahead of its use, and the value row of the same
+// slot into L2 for the sums after the scores: GPT-2-small's 12 layers at 8 rows over 41, 101 and 151
+// filled slots read their caches at 12.1-16.2 GB/s against 10.0-11.9 without (Intel Xeon, 2 threads,
+// alternating processes; 16 rows ahead was no better, a prefetch of the next head's first rows worse).
+constexpr int64_t kAttAhead = 8;
+
 // 16 of a cache's values at p as float32s: float32, or bfloat16 (its bits the float32's high half).
 inline __m512 cache16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 cache16(const at::BFloat16* p) {
@@ -300,8 +306,13 @@ void attend_group(const float* qp, const T* kp, const T* vp, float* op, float* w
   const float* qq = qp + bh * G * hd;
   float* o = op + bh * G * hd;
   const int64_t n = g1 - g0;
+  const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(T));
   for (int64_t m = 0; m < S && wide; ++m) {  // (hd a multiple of 16: the same, a vector of 16 at a time)
     const T* kr = k + m * hd;
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kr + kAttAhead * hd) + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + m * hd) + l, _MM_HINT_T1);
+    }
     for (int64_t g = g0; g < g1; ++g) {
       const float* qg = qq + g * hd;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), cache16(kr));
