@@ -38,17 +38,22 @@ FAMILIES = {
     panels=st.integers(1, 5),
     bias=st.booleans(),
     strided=st.booleans(),
+    bf16=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_rows_linear_is_the_float64_product(rows, lead, k, width, panels, bias, strided, seed):
+def test_rows_linear_is_the_float64_product(rows, lead, k, width, panels, bias, strided, bf16, seed):
     """``x (B, [1,] K) @ W.T + b`` for any number of rows (8 a pass over the weight), any ``K``, panels
-    of either width and an ``x`` of any strides: the float64 product to the rounding of float32 sums."""
+    of either width, float32 or bfloat16 (widened exactly), and an ``x`` of any strides: the float64
+    product to the rounding of float32 sums."""
     g = torch.Generator().manual_seed(seed)
     n = width * panels
     x = torch.randn(rows, *lead, 2 * k, generator=g)[..., ::2] if strided else torch.randn(rows, *lead, k, generator=g)
     w = torch.randn(n, k, generator=g)
+    if bf16:
+        w = w.to(torch.bfloat16).float()  # (the weights the bfloat16 panels hold, exactly)
     b = torch.randn(n, generator=g) if bias else None
-    got = kernels.rows_linear(x, kernels.pack_panels(w), b)
+    p = kernels.pack_panels(w)
+    got = kernels.rows_linear(x, p.to(torch.bfloat16) if bf16 else p, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.shape == ref.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * k)
@@ -118,6 +123,8 @@ def test_rows_linear_names_the_argument_at_fault():
     p, x = kernels.pack_panels(torch.randn(96, 8)), torch.randn(3, 8)
     with pytest.raises(TypeError, match="x must be a float32 CPU tensor, got Double"):
         kernels.rows_linear(x.double(), p)
+    with pytest.raises(TypeError, match="panels must be a float32 or bfloat16 CPU tensor, got Half"):
+        kernels.rows_linear(x, p.half())
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., 8\) .* got shape \[3, 7\]"):
         kernels.rows_linear(torch.randn(3, 7), p)
     with pytest.raises(ValueError, match="x must be"):

@@ -70,6 +70,16 @@ def test_the_candidates_are_a_topk_of_the_screen(rows, vocab, levels, tail_best,
     assert all(len(set(r)) == decoding.SCREEN_CANDIDATES for r in ids.tolist())  # distinct ids
 
 
+@pytest.mark.parametrize("vocab", [96, 100, 143])
+def test_the_bfloat16_panels_hold_the_rounded_head_and_zeros_past_it(vocab):
+    w = torch.randn(vocab, 8)
+    panels = decoding._bf16_panels(w)  # (ceil(V / 48), 8, 48)
+    assert panels.shape == (-(-vocab // 48), 8, 48) and panels.dtype == torch.bfloat16
+    rows = panels.transpose(1, 2).reshape(-1, 8)  # (48 ceil(V / 48), 8)
+    assert torch.equal(rows[:vocab], w.to(torch.bfloat16))
+    assert not rows[vocab:].any()
+
+
 def test_ties_go_to_the_smallest_id_as_argmax():
     torch.manual_seed(0)
     w = torch.randn(V, 32) * 0.05

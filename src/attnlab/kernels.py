@@ -104,7 +104,9 @@ def pack_panels(weight: Tensor) -> Tensor:
 
 def rows_linear(x: Tensor, panels: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x (..., K) @ W.T + bias`` for ``W (N, K)`` packed by :func:`pack_panels`: ``(..., N)``, float32,
-    CPU, up to 8 rows a pass over the weight. Only where :func:`runs` (the kernel checks its arguments:
+    CPU, up to 8 rows a pass over the weight. The panels may be bfloat16 too (``pack_panels(W)`` rounded:
+    the screened head's, :class:`attnlab.decoding.ScreenedHead`), each weight widened exactly, the sums
+    float32. Only where :func:`runs` (the kernel checks its arguments:
     ValueError or TypeError naming the one at fault)."""
     if not _loaded:
         _require()

@@ -54,17 +54,25 @@ __attribute__((always_inline)) inline void store_rows(const __m512 (&acc)[M][NP]
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
 }
 
-// y[m, p*16*NP + j] for the M rows of x: one panel (K, 16 * NP), M * NP accumulators held in registers.
-template <int M, int NP>
-void panel(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* bias) {
+// 16 of a panel's weights at p as float32s: float32, or bfloat16 (its bits a float32's high half).
+inline __m512 panel16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 panel16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[m, p*16*NP + j] for the M rows of x: one panel (K, 16 * NP) of T (float32, or bfloat16 widened
+// exactly: the screened head's), M * NP accumulators held in registers.
+template <int M, int NP, typename T>
+void panel(const float* x, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy, const float* bias) {
   __m512 acc[M][NP];
   init_rows<M, NP>(acc, bias);
   for (int64_t k = 0; k < K; ++k) {
-    const float* row = w + k * 16 * NP;
+    const T* row = w + k * 16 * NP;
     __m512 wv[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
-      wv[j] = _mm512_loadu_ps(row + 16 * j);
+      wv[j] = panel16(row + 16 * j);
       _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * 16 * NP + 16 * j), _MM_HINT_T0);
     }
     fma_rows<M, NP>(acc, x, ldx, k, wv);
@@ -72,11 +80,11 @@ void panel(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
   store_rows<M, NP>(acc, y, ldy);
 }
 
-template <int NP>
-void rows(int M, const float* x, const float* w, int64_t K, float* y, int64_t N, const float* bias) {
-  using Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*);
-  static constexpr Fn fns[8] = {panel<1, NP>, panel<2, NP>, panel<3, NP>, panel<4, NP>,
-                                panel<5, NP>, panel<6, NP>, panel<7, NP>, panel<8, NP>};
+template <int NP, typename T>
+void rows(int M, const float* x, const T* w, int64_t K, float* y, int64_t N, const float* bias) {
+  using Fn = void (*)(const float*, int64_t, const T*, int64_t, float*, int64_t, const float*);
+  static constexpr Fn fns[8] = {panel<1, NP, T>, panel<2, NP, T>, panel<3, NP, T>, panel<4, NP, T>,
+                                panel<5, NP, T>, panel<6, NP, T>, panel<7, NP, T>, panel<8, NP, T>};
   const int64_t width = 16 * NP, panels = N / width;
   at::parallel_for(0, panels, 1, [&](int64_t a, int64_t b) {
     for (int64_t p = a; p < b; ++p)
@@ -128,15 +136,24 @@ at::Tensor by_passes(const char* op, const at::Tensor& x, int64_t K, int64_t N, 
   return y;
 }
 
+// (bfloat16 panels: the screened head's, attnlab.decoding.ScreenedHead; the sums float32, y float32)
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "rows_linear: x must be a float32 CPU tensor, got ",
                    x.scalar_type(), " on ", x.device());
-  TORCH_CHECK_TYPE(panels.scalar_type() == at::kFloat && panels.device().is_cpu(),
-                   "rows_linear: panels must be a float32 CPU tensor, got ", panels.scalar_type(), " on ", panels.device());
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE((panels.scalar_type() == at::kFloat || bf16) && panels.device().is_cpu(),
+                   "rows_linear: panels must be a float32 or bfloat16 CPU tensor, got ", panels.scalar_type(), " on ",
+                   panels.device());
   TORCH_CHECK_VALUE(panels.dim() == 3 && panels.is_contiguous() && (panels.size(2) == 32 || panels.size(2) == 48) &&
                         panels.size(1) > 0,
                     "rows_linear: panels must be pack_panels' (P, K, 32 | 48), contiguous, got shape ", panels.sizes());
   const int64_t K = panels.size(1), width = panels.size(2), N = panels.size(0) * width;
+  if (bf16) {
+    const at::BFloat16* w = panels.data_ptr<at::BFloat16>();
+    return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
+      width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
+    });
+  }
   const float* w = panels.data_ptr<float>();
   return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
     width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
