@@ -50,7 +50,7 @@ def test_the_screened_argmax_is_the_float64_argmax(rows, width, h_scale, outlier
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 9),
-    vocab=st.integers(decoding.SCREEN_MIN_VOCAB, decoding.SCREEN_MIN_VOCAB + 130),
+    vocab=st.one_of(st.integers(16, 1100), st.integers(decoding.SCREEN_MIN_VOCAB, decoding.SCREEN_MIN_VOCAB + 130)),
     levels=st.sampled_from([3, 50, 10_000]),
     tail_best=st.booleans(),
     seed=st.integers(0, 2**31 - 1),

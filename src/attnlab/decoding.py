@@ -475,7 +475,7 @@ class ScreenedHead:
         # Block b: the ids b + j * nb (j < _SCREEN_BLOCK), strided so that the blocks' maxima are elementwise
         # maxima of contiguous stretches; the last V - nb * _SCREEN_BLOCK ids are candidates always.
         V, self.nb = w.shape[0], w.shape[0] // _SCREEN_BLOCK
-        self.offsets = torch.arange(0, _SCREEN_BLOCK * self.nb, self.nb, device=w.device)  # (_SCREEN_BLOCK,)
+        self.offsets = torch.arange(_SCREEN_BLOCK, device=w.device) * self.nb  # (_SCREEN_BLOCK,)
         self.tail = torch.arange(_SCREEN_BLOCK * self.nb, V, device=w.device)  # (V mod _SCREEN_BLOCK,)
 
     def _candidates(self, screen: Tensor) -> tuple[Tensor, Tensor]:
@@ -486,6 +486,9 @@ class ScreenedHead:
         any token left out is at most the smallest candidate (its block's maximum is), as argmax's bound
         needs. A NaN is a maximum (as topk takes it), so it reaches the candidates."""
         B = screen.shape[0]
+        if self.nb < SCREEN_CANDIDATES:  # (a head too small for the blocks: screens() asks for more rows)
+            top = screen.topk(SCREEN_CANDIDATES, dim=-1, sorted=False)
+            return top.values, top.indices
         body = screen[:, : _SCREEN_BLOCK * self.nb].unflatten(1, (_SCREEN_BLOCK, self.nb))  # (B, 64, nb)
         blocks = body.amax(1).topk(SCREEN_CANDIDATES, dim=-1, sorted=False).indices  # (B, n)
         ids = (blocks.unsqueeze(-1) + self.offsets).flatten(1)  # (B, n * 64)
