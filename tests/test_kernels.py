@@ -684,6 +684,59 @@ def test_bf16_linear_is_the_float64_product_rounded_to_bfloat16(rows, lead, bloc
         assert torch.equal(kernels.bf16_linear(x[i : i + 1], w, b), got[i : i + 1])
 
 
+needs_amx = pytest.mark.skipif(
+    not (kernels.runs() and kernels.amx_available()), reason="needs a CPU with AMX's bfloat16 tiles (an Intel Xeon)"
+)
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 19),
+    blocks=st.integers(1, 4),
+    groups=st.integers(1, 3),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_linear_on_amx_tiles_is_the_float64_product_rounded_to_bfloat16(rows, blocks, groups, bias, seed):
+    """pack_amx's weight through bf16_linear (AMX's tiles): the float64 product of the same bfloat16
+    values to one rounding and float32's sums, for any number of rows; a row alone gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 32 * blocks, 48 * groups
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = kernels.bf16_linear(x, kernels.pack_amx(w), b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-6 * k)
+    if rows:
+        i = seed % rows
+        assert torch.equal(kernels.bf16_linear(x[i : i + 1], kernels.pack_amx(w), b), got[i : i + 1])
+
+
+@needs_amx
+def test_pack_amx_lays_out_tiles_and_names_the_argument_at_fault():
+    w = torch.randn(96, 64).bfloat16()
+    p = kernels.pack_amx(w)  # (N / 16, K / 32, 16, 16, 2): p[a, c, r, j, t] = w[16 a + j, 32 c + 2 r + t]
+    assert p.shape == (6, 2, 16, 16, 2) and p[1, 1, 3, 5, 1] == w[16 + 5, 32 + 7]
+    with pytest.raises(ValueError, match=r"multiple of 48 rows, got shape \[32, 64\]"):
+        kernels.pack_amx(w[:32])
+    with pytest.raises(TypeError, match="weight must be a bfloat16 CPU tensor, got Float"):
+        kernels.pack_amx(w.float())
+    with pytest.raises(ValueError, match=r"weight must be pack_amx's .* got BFloat16 \[6, 2, 16, 8, 4\]"):
+        kernels.bf16_linear(torch.randn(2, 64).bfloat16(), p.reshape(6, 2, 16, 8, 4))
+
+
+@needs_kernel
+def test_without_amx_a_bfloat16_batch_keeps_its_matrices(monkeypatch):
+    monkeypatch.setattr(decoding.kernels, "available", kernels.runs)
+    monkeypatch.setattr(decoding.kernels, "amx_available", lambda: False)
+    model = make("llama-gqa", emb_dim=96).to(torch.bfloat16)
+    decoder = decoding.FastDecoder(model, model.new_kv_caches(3, 16))
+    assert decoder.stepper is not None and not decoder.amx
+    assert decoder.stepper["layers"][1] is decoder.layers[0][0][2]  # (the fused q/k/v matrix as it lies)
+
+
 @needs_kernel
 def test_bf16_linear_names_the_argument_at_fault():
     w, x = torch.randn(5, 64).bfloat16(), torch.randn(3, 64).bfloat16()
@@ -770,6 +823,8 @@ def test_a_bfloat16_llama_steps_in_one_call_as_its_forward(width, rows, compile,
     caches = model.new_kv_caches(rows, 16)
     decoder = decoding.FastDecoder(model, caches, compile=compile)
     assert decoder.stepper is not None and decoder.stepper["head"] is model.out_head.weight
+    # (a batch's products on AMX's tiles where the CPU has them: every product's N a multiple of 48, width 96's)
+    assert decoder.amx == (rows > 1 and width == 96 and kernels.amx_available())
     calls = []
     step = kernels.block_step
     monkeypatch.setattr(decoding.kernels, "block_step", lambda *a, **k: calls.append(1) or step(*a, **k))
