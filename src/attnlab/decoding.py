@@ -501,8 +501,9 @@ class ScreenedHead:
         could not be screened, its float32 logits are checked) raise ValueError, as
         :func:`attnlab.checks.check_model_logits` does."""
         hb = h.to(torch.bfloat16)  # (B, C)
+        hbf = hb.float()  # (B, C): bf16(h), exactly
         if self.wb.dim() == 3:  # (B, V) float32: attnlab's kernel on the panels (past V, the padding's zeros)
-            screen = kernels.rows_linear(hb.float(), self.wb)[:, : self.w.shape[0]]
+            screen = kernels.rows_linear(hbf, self.wb)[:, : self.w.shape[0]]
         else:  # (B, V) bfloat16: oneDNN's kernel on the packed copy
             screen = _matvec(hb, self.wb, None, "plain")
         values, ids = self._candidates(screen)  # (B, n) each
@@ -510,7 +511,6 @@ class ScreenedHead:
         exact = torch.bmm(F.embedding(ids, self.w), h.unsqueeze(-1)).squeeze(-1)  # (B, n, C) @ (B, C, 1) -> (B, n)
         best = exact.max(dim=-1)  # (B,)
         tokens = ids.gather(-1, best.indices.unsqueeze(-1)).squeeze(-1)  # (B,)
-        hbf = hb.float()
         e = (h - hbf).abs() @ self.col + hbf.abs() @ self.err + torch.linalg.vector_norm(hbf, dim=-1) * self.sums
         e = e + self.flush  # (B,)
         t = values.amin(dim=-1).float()  # (B,) the worst candidate's screen value
@@ -1133,8 +1133,9 @@ class FastDecoder:
         # faster than widened and multiplied in FMAs (the head keeps its matrix).
         rows = self.caches[0].keys.shape[0]
         mats = [w[j] for w, *_ in self.layers for j in _MATRICES]
-        self.amx = self.bf16_matrices and rows > 1 and all(m.shape[0] % 48 == 0 for m in mats)
-        self.amx = self.amx and kernels.amx_available()
+        self.amx = (
+            self.bf16_matrices and rows > 1 and all(m.shape[0] % 48 == 0 for m in mats) and kernels.amx_available()
+        )
 
         def weight(t: Tensor, j: int) -> Tensor:  # (the norms' weights in float32: a bfloat16 model's copied once)
             if j in (0, 10):

@@ -55,9 +55,10 @@ __attribute__((always_inline)) inline void store_rows(const __m512 (&acc)[M][NP]
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
 }
 
-// 16 of a panel's weights at p as float32s: float32, or bfloat16 (its bits a float32's high half).
-inline __m512 panel16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 panel16(const at::BFloat16* p) {
+// 16 values at p as float32s: float32, or bfloat16 (its bits the float32's high half): a panel's weights,
+// a cache's keys and values.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -73,7 +74,7 @@ void panel(const float* x, int64_t ldx, const T* w, int64_t K, float* y, int64_t
     __m512 wv[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
-      wv[j] = panel16(row + 16 * j);
+      wv[j] = load16(row + 16 * j);
       _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * 16 * NP + 16 * j), _MM_HINT_T0);
     }
     fma_rows<M, NP>(acc, x, ldx, k, wv);
@@ -149,16 +150,12 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const std:
                         panels.size(1) > 0,
                     "rows_linear: panels must be pack_panels' (P, K, 32 | 48), contiguous, got shape ", panels.sizes());
   const int64_t K = panels.size(1), width = panels.size(2), N = panels.size(0) * width;
-  if (bf16) {
-    const at::BFloat16* w = panels.data_ptr<at::BFloat16>();
+  auto product = [&](const auto* w) {  // (w: the panels' float32 or bfloat16 values)
     return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
       width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
     });
-  }
-  const float* w = panels.data_ptr<float>();
-  return by_passes("rows_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
-    width == 48 ? rows<3>(M, xr, w, K, yr, N, b) : rows<2>(M, xr, w, K, yr, N, b);
-  });
+  };
+  return bf16 ? product(panels.data_ptr<at::BFloat16>()) : product(panels.data_ptr<float>());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -280,20 +277,6 @@ void check_bf16_weight(const at::Tensor& weight, const char* op, const char* nam
                     ": ", name, " must be a contiguous (N, K) matrix, K a multiple of 32, got shape ", weight.sizes());
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
-
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (weight.dim() == 5) return amx_linear(x, weight, bias);  // (pack_amx's)
-  check_bf16_weight(weight, "bf16_linear", "weight");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "bf16_linear: x must be a bfloat16 CPU tensor, got ",
-                   x.scalar_type(), " on ", x.device());
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  return by_passes("bf16_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
-    at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t a, int64_t c) { bf16_range(w, N, K, M, xr, a, c, yr, N, b); });
-  });
-}
-
 // ---------------------------------------------------------------------------------------------------
 // amx_range: bf16_range's product by AMX's tiles (Intel Xeons from Sapphire Rapids on), for a batch of a
 // bfloat16 model: the weight copied once a generation into tiles of 32 k x 16 columns, each k pair a lane
@@ -359,26 +342,29 @@ void check_amx_weight(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(amx_available(), op, ": ", name, " is packed for AMX's tiles, which this CPU or process cannot use");
 }
 
-// bf16_linear on pack_amx's weight.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  check_amx_weight(weight, "bf16_linear", "weight");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "bf16_linear: x must be a bfloat16 CPU tensor, got ",
-                   x.scalar_type(), " on ", x.device());
-  const int64_t N = weight.size(0) * 16, K = weight.size(1) * 32;
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  return by_passes("bf16_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
-    at::parallel_for(0, N / 48, 1, [&](int64_t a, int64_t c) { amx_range(w, K, M, xr, a, c, yr, N); });
-    for (int m = 0; m < M && b != nullptr; ++m)
-      for (int64_t j = 0; j < N; ++j) yr[m * N + j] += b[j];
-  });
-}
-
 // pack_amx: a bfloat16 weight (N, K), N a multiple of 48 and K of 32, as amx_range reads it.
 at::Tensor pack_amx(const at::Tensor& weight) {
   check_bf16_weight(weight, "pack_amx", "weight");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK_VALUE(N % 48 == 0, "pack_amx: weight must have a multiple of 48 rows, got shape ", weight.sizes());
   return weight.view({N / 16, 16, K / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+// bf16_linear: x's rows times a bfloat16 weight as it lies (bf16_range), or pack_amx's (amx_range).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool amx = weight.dim() == 5;
+  amx ? check_amx_weight(weight, "bf16_linear", "weight") : check_bf16_weight(weight, "bf16_linear", "weight");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "bf16_linear: x must be a bfloat16 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  const int64_t N = weight.size(0) * (amx ? 16 : 1), K = weight.size(1) * (amx ? 32 : 1);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  return by_passes("bf16_linear", x, K, N, bias, [&](int M, const float* xr, float* yr, const float* b) {
+    if (!amx)
+      return at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t a, int64_t c) { bf16_range(w, N, K, M, xr, a, c, yr, N, b); });
+    at::parallel_for(0, N / 48, 1, [&](int64_t a, int64_t c) { amx_range(w, K, M, xr, a, c, yr, N); });
+    for (int m = 0; m < M && b != nullptr; ++m)  // (the tiles' sums, then the bias)
+      for (int64_t j = 0; j < N; ++j) yr[m * N + j] += b[j];
+  });
 }
 
 // The position `slot` names (one int64) in a cache of M slots, checked: ValueError naming `op`'s argument.
@@ -394,13 +380,6 @@ int64_t slot_of(const at::Tensor& slot, int64_t M, const char* op) {
 // filled slots read their caches at 12.1-16.2 GB/s against 10.0-11.9 without (Intel Xeon, 2 threads,
 // alternating processes; 16 rows ahead was no better, a prefetch of the next head's first rows worse).
 constexpr int64_t kAttAhead = 8;
-
-// 16 of a cache's values at p as float32s: float32, or bfloat16 (its bits the float32's high half).
-inline __m512 cache16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 cache16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // Queries g0..g1 of the G that share key head bh (of the B * Hkv) against its filled slots 0..S-1:
 // q (B * Hkv, G, hd), keys and values (B * Hkv, M, hd) (T: float32 or bfloat16; the sums float32),
@@ -423,8 +402,8 @@ void attend_group(const float* qp, const T* kp, const T* vp, float* op, float* w
     }
     for (int64_t g = g0; g < g1; ++g) {
       const float* qg = qq + g * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), cache16(kr));
-      for (int64_t i = 16; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), cache16(kr + i), acc);
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kr));
+      for (int64_t i = 16; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), load16(kr + i), acc);
       e[(g - g0) * S + m] = _mm512_reduce_add_ps(acc) * sc;
     }
   }
@@ -462,7 +441,7 @@ void attend_group(const float* qp, const T* kp, const T* vp, float* op, float* w
       for (int64_t m = 0; m < S; ++m) {
         const __m512 w = _mm512_set1_ps(eg[m]);
         const T* vr = v + m * hd + i;
-        for (int c = 0; c < c4; ++c) acc[c] = _mm512_fmadd_ps(w, cache16(vr + 16 * c), acc[c]);
+        for (int c = 0; c < c4; ++c) acc[c] = _mm512_fmadd_ps(w, load16(vr + 16 * c), acc[c]);
       }
       for (int c = 0; c < c4; ++c) _mm512_storeu_ps(o + g * hd + i + 16 * c, acc[c]);
     }
@@ -909,7 +888,7 @@ void rope_head(const float* x, const float* c, const float* s, int64_t hd, float
 // bfloat16 matrix where it lies (a bfloat16 model's). P: the units its threads share, panels or stretches
 // of 8 rows.
 struct Weight {
-  Blocks blocks{};  // (blocks.data null: the bfloat16 matrix)
+  Blocks blocks{};  // (blocks.data null: a bfloat16 matrix, as it lies or packed by pack_amx)
   const uint16_t* bf16 = nullptr;
   const uint16_t* amx = nullptr;  // (a bfloat16 matrix packed by pack_amx: units of 48 columns)
   int64_t K = 0, N = 0, P = 0, unit = 8;
@@ -943,7 +922,7 @@ void weight_range(const Weight& w, int M, const float* x, const float* xsum, int
 
 // The product of the M rows of x by w into y, the units shared by torch's threads.
 void weight_product(const Weight& w, int M, const float* x, float* y) {
-  std::vector<float> xsum(w.bf16 == nullptr && w.amx == nullptr && M <= 2 ? M * w.K / 32 : 0);
+  std::vector<float> xsum(w.blocks.data != nullptr && M <= 2 ? M * w.K / 32 : 0);
   if (!xsum.empty()) block_sums(M, x, w.K, xsum.data());
   at::parallel_for(0, w.P, 1, [&](int64_t a, int64_t e) { weight_range(w, M, x, xsum.data(), a, e, y); });
 }
