@@ -9,8 +9,7 @@
 * Skips: a test may skip only for a missing optional package or missing shared data. With
   ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
   pass by quietly running less. The one exception is hardware: a test marked ``@pytest.mark.cuda``
-  runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those), one marked
-  ``@pytest.mark.avx512`` only where attnlab's own CPU kernel runs (:func:`attnlab.kernels.runs`).
+  runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those).
 * ``pytest -m "not slow"`` runs the fast part (under a minute); CI runs everything.
 """
 
@@ -30,27 +29,17 @@ NO_SKIPS = bool(os.environ.get("ATTNLAB_NO_SKIPS"))
 
 
 NO_CUDA_REASON = "needs a CUDA device (marked cuda)"
-NO_AVX512_REASON = "needs a CPU with AVX-512, where attnlab's kernel builds (marked avx512)"
-
-
-def _kernel_runs() -> bool:
-    from attnlab import kernels
-
-    return kernels.runs()
 
 
 def _missing_hardware(item: pytest.Item) -> bool:
     """Whether ``item`` needs hardware this machine lacks (the skips ATTNLAB_NO_SKIPS allows)."""
-    cuda = "cuda" in item.keywords and not torch.cuda.is_available()
-    return cuda or ("avx512" in item.keywords and not _kernel_runs())
+    return "cuda" in item.keywords and not torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "cuda" in item.keywords and not torch.cuda.is_available():
+        if _missing_hardware(item):
             item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
-        elif "avx512" in item.keywords and not _kernel_runs():  # (asked only where such a test runs)
-            item.add_marker(pytest.mark.skip(reason=NO_AVX512_REASON))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -292,22 +281,15 @@ def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """How many steps the decoding fast path ran (a spy on attnlab.decoding.FastDecoder._step, behind its
-    step and step_tokens, and on its greedy_steps: each call its ``chunk`` steps, those a generation used
-    and any after its last token)."""
+    """How many steps the decoding fast path ran (a spy on attnlab.decoding.FastDecoder.step)."""
     from attnlab import decoding
 
     count = [0]
-    step, greedy_steps = decoding.FastDecoder._step, decoding.FastDecoder.greedy_steps
+    step = decoding.FastDecoder.step
 
-    def spy(self, token, head):
+    def spy(self, token):
         count[0] += 1
-        return step(self, token, head)
+        return step(self, token)
 
-    def chunk_spy(self, *args):
-        count[0] += self.chunk
-        return greedy_steps(self, *args)
-
-    monkeypatch.setattr(decoding.FastDecoder, "_step", spy)
-    monkeypatch.setattr(decoding.FastDecoder, "greedy_steps", chunk_spy)
+    monkeypatch.setattr(decoding.FastDecoder, "step", spy)
     return count

@@ -58,6 +58,7 @@ __all__ = [
     "AttentionRecord",
     "CausalAttention",
     "KVCache",
+    "SlotCache",
     "Linear",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -295,6 +296,8 @@ class KVCache:
         length: slots in use (``<= max_length``); seen: tokens appended since :meth:`reset`.
     """
 
+    static = False  # see SlotCache
+
     def __init__(
         self,
         batch_size: int,
@@ -484,6 +487,43 @@ class KVCache:
             first += run
         self.seen = t0 + T
         self.length = min(cap, self.seen)
+
+
+class SlotCache:
+    """A :class:`KVCache`'s buffers, written at the slots a decoding step names: its tokens' indices.
+
+    :meth:`update` changes no Python number (the cache's ``seen`` and ``length`` stay as they are: the
+    caller counts the steps), and attention reads every slot with a mask from the slots' positions.
+    So one step has the same shapes at every position, which is what lets ``torch.compile`` trace the
+    model's own forward once for a whole generation (:class:`attnlab.decoding.FastDecoder`). Valid while
+    slot ``j`` holds token ``j``: a plain cache, or a rolling one that has not wrapped.
+    """
+
+    static = True
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.keys, self.values, self.positions = cache.keys, cache.values, cache.positions  # (B, Hkv, M, hd) x2, (B, M)
+        self.rolling, self.sinks = cache.rolling, cache.sinks
+        self.slots = torch.arange(cache.max_length, device=cache.keys.device)[None]  # (1, M): slot j, position j
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def seen(self) -> int:
+        return self.cache.seen
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """Write ``k, v (B, Hkv, n, hd)`` of the tokens at ``positions (1, n)`` into those slots; return
+        every slot's keys, values and positions (empty slots, past the newest token, are masked as
+        causality masks later keys)."""
+        at = positions[0]  # (n,)
+        self.keys.index_copy_(2, at, k.to(self.keys.dtype))
+        self.values.index_copy_(2, at, v.to(self.values.dtype))
+        self.positions.index_copy_(1, at, positions.expand(self.positions.shape[0], -1))
+        return self.keys, self.values, self.slots, False
 
 
 @dataclass
@@ -853,6 +893,9 @@ class MultiHeadAttention(_DropsTutorialMask):
             q, k, v, mask, is_causal, window, sinks, q_pos, k_pos = self._at_positions(
                 q, k, v, mask, kv_cache, positions, rope
             )
+        elif kv_cache is not None and kv_cache.static:  # a decoding step's slots: causality from their positions
+            k, v, k_pos, _ = kv_cache.update(k, v, positions)  # (b, Hkv, M, hd) x2, (1, M)
+            mask, is_causal = combine_masks(mask, positions_mask(positions, k_pos)[:, None]), False  # (b, 1, n, M)
         elif kv_cache is not None:
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v = kv_cache._write(k.to(dt), v.to(dt))  # (b, Hkv, S = past + n, hd)

@@ -29,7 +29,6 @@ padded row generates exactly what it would alone.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -252,13 +251,9 @@ def _steps(
     fast: bool = True,
     compile: bool = False,
     seeded: tuple[list, Tensor] | None = None,
-    want_logits: bool = True,
-) -> Iterator[tuple[Tensor, Tensor | None]]:
-    """Yield ``(token (B,), logits (B, V))`` per step.
-
-    ``want_logits=False``: the caller does not use the logits, and greedy decoding's fast steps may then
-    yield ``None`` for them, their tokens found by a screen of the head
-    (:class:`attnlab.decoding.ScreenedHead`) instead of from all of its logits.
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``(token (B,), logits (B, V))`` per step: a prefill of the prompt, then one decoding step a
+    token (:func:`_stepper`, chosen once).
 
     ``seeded``: ``(caches, logits (B, V))``, KV caches already holding ``idx`` and the logits after its
     last token (a trace's, :func:`attnlab.interpret.trace_generation`): the prompt is not run again.
@@ -266,17 +261,8 @@ def _steps(
     The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come: its size
     follows what was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until
     stopped), so asking for 10**10 tokens allocates nothing up front.
-
-    With ``fast`` the decoding steps (one token per row over the cache) run
-    :class:`attnlab.decoding.FastDecoder` where it applies (``compile``: its compiled step), the
-    eager forward elsewhere: the prefill, re-encoding, and models or settings it does not cover.
-    Greedy decoding on a decoder that runs several steps a compiled call (a small model on a CPU:
-    :meth:`~attnlab.decoding.FastDecoder.greedy_steps`) computes a chunk of steps at once and yields
-    their tokens one by one; a hook or observer set meanwhile takes back the steps not yet yielded.
     """
     B, T = idx.shape
-    C = model.config.context_length
-    relative = model.config.relative
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=idx.device) if sampling.stop_ids else None
     out = torch.empty(B, T + min(max_new_tokens, _CHUNK), dtype=torch.long, device=idx.device)  # (B, T + chunk)
     out[:, :T] = idx
@@ -284,16 +270,10 @@ def _steps(
     if mask is not None:
         full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + chunk)
         full_mask[:, :T] = mask
-    caches = None
-    decoder = None
-    if seeded is not None:
-        caches, first = seeded
-    elif use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
+    caches, first = seeded if seeded is not None else (None, None)
+    if seeded is None and use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
         caches = model.new_kv_caches(B, cache_length(model, T, max_new_tokens, compile))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-    cur = T  # tokens in `out` so far
-    start = 0  # first token held by the caches (GPT-2: the window re-encoded last)
-    ahead: deque[tuple[Tensor, Tensor, Tensor, bool]] = deque()  # steps a greedy chunk computed, not yet yielded
 
     # No dropout while generating: the modules in training mode switched off, and back on after (not
     # model.eval() and model.train(), which walk and set every module, and put a module left in eval
@@ -302,11 +282,12 @@ def _steps(
     for m in training:
         m.training = False
     try:
+        decoder = None
         if fast and supported(model, caches, mask):
-            tokens_only = sampling.greedy and not want_logits
-            decoder = FastDecoder(model, caches, compile=compile, steps=max_new_tokens, tokens_only=tokens_only)
-        chunk = decoder.chunk if decoder is not None and sampling.greedy else 1  # greedy steps to a call
+            decoder = FastDecoder(model, caches, compile=compile)
+        prefill, decode = _stepper(model, caches, decoder)
         for step in range(max_new_tokens):
+            cur = T + step  # tokens in `out` so far
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
                 more = min(max_new_tokens - step, max(_CHUNK, out.shape[1]))
                 out = torch.cat([out, out.new_empty(B, more)], dim=1)
@@ -314,68 +295,59 @@ def _steps(
                     full_mask = torch.cat([full_mask, full_mask.new_ones(B, more)], dim=1)
             with torch.inference_mode():
                 m = None if full_mask is None else full_mask[:, :cur]
-                nxt = None
-                if ahead and not decoder.unobserved():  # a hook or observer set since: it sees the steps
-                    decoder.rewind(len(ahead))
-                    ahead.clear()
-                # (GPT-2: the steps used within its window; a chunk's steps past the last token are unused)
-                used = min(chunk, max_new_tokens - step)
-                ready = not ahead and chunk > 1 and cur > T and (relative or cur - start + used <= C)
-                if ready and decoder.unobserved() and decoder.room(chunk):
-                    # The next steps in one call: their tokens the argmaxes, checked as one (one sync).
-                    tokens, done, logits = decoder.greedy_steps(out[:, cur - 1], finished, stop)
-                    good = torch.isfinite(logits.amax(dim=-1)).all(dim=0).tolist()  # (chunk,)
-                    ahead.extend(zip(tokens.unbind(1), done.unbind(1), logits.unbind(1), good, strict=True))
-                if ahead:
-                    nxt, done, logits, good = ahead.popleft()
-                    if not good:
-                        check_model_logits(logits)  # (raises, as next_tokens would have at this step)
-                    finished.copy_(done)
-                elif seeded is not None and cur == T:
-                    logits = first  # (B, V): the prompt's pass was the seed's
-                elif caches is None and relative:
-                    # The whole sequence: the model's sliding window does the cropping.
-                    logits = model.decode_logits(out[:, :cur], m, None, last_only=True)[:, -1]  # (B, V)
-                elif relative and cur == T:
-                    # Prefill in chunks of the context (a prompt may be longer); the ring keeps the window.
-                    for c in caches:
-                        c.reset()
-                    for s in range(0, cur, C):
-                        e = min(cur, s + C)
-                        m = None if full_mask is None else full_mask[:, :e]
-                        logits = model.decode_logits(out[:, s:e], m, caches, last_only=True)[:, -1]  # (B, V)
-                elif decoder is not None and cur > T and (relative or cur - start < C) and decoder.fits():
-                    # Decode, the fast path: the newest token alone through every layer (same math).
-                    if tokens_only:  # greedy, the logits unused: the head may be screened
-                        nxt, logits = _stopping(decoder.step_tokens(out[:, cur - 1]), stop, finished), None
-                    else:
-                        logits = decoder.step(out[:, cur - 1])  # (B, V)
-                elif relative:
-                    # Decode: the newest token alone; its key and value overwrite the oldest slot.
-                    logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
-                elif caches is None or cur - start >= C or cur == T:
-                    # GPT-2: (re)run the whole window, the last C tokens. Without a cache this
-                    # happens every step; with one, first and then whenever the context is full.
-                    start = max(0, cur - C)
-                    if caches is not None:
-                        for c in caches:
-                            c.reset()
-                    m = None if full_mask is None else full_mask[:, start:cur]
-                    logits = model.decode_logits(out[:, start:cur], m, caches, last_only=True)[:, -1]  # (B, V)
+                if step == 0:
+                    logits = first if first is not None else prefill(out[:, :cur], m)  # (B, V)
                 else:
-                    # Decode: feed the newest token alone; the mask covers everything cached.
-                    m = None if full_mask is None else full_mask[:, start:cur]
-                    logits = model.decode_logits(out[:, cur - 1 : cur], m, caches)[:, -1]  # (B, V)
-                if nxt is None:
-                    nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
+                    logits = decode(out[:, :cur], m)  # (B, V)
+                nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
                 out[:, cur] = nxt
-                cur += 1
             yield nxt.clone(), logits
             if stop is not None and bool(finished.all()):
                 return
     finally:
         for m in training:
             m.training = True
+
+
+def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None):
+    """``(prefill, decode)``: each maps the tokens so far ``seq (B, t)`` and their mask ``(B, t)`` (or
+    None) to the logits after the last one, ``(B, V)``; ``prefill`` reads the prompt, ``decode`` the
+    newest token of each later step.
+
+    * No cache: every step runs the window (a model with relative positions slides it inside the
+      forward; GPT-2 runs the last ``context_length`` tokens).
+    * Relative positions: the prompt in chunks of the context into the ring; each step the newest token,
+      on the fast decoder where it fits (:meth:`FastDecoder.fits`), else the eager forward.
+    * GPT-2 (absolute positions): the window's tokens, again each time the context is full (the cached
+      keys hold the old positions); else the newest token, fast where it fits.
+    """
+    C, relative = model.config.context_length, model.config.relative
+    forward = model.decode_logits
+    if caches is None:
+        if relative:
+            return (lambda seq, m: forward(seq, m, None, last_only=True)[:, -1],) * 2
+        return (lambda seq, m: forward(seq[:, -C:], None if m is None else m[:, -C:], None, last_only=True)[:, -1],) * 2
+
+    def refill(seq: Tensor, m: Tensor | None) -> Tensor:  # (the window anew: caches emptied first)
+        for c in caches:
+            c.reset()
+        start = 0 if relative else max(0, seq.shape[1] - C)
+        logits = None
+        for s in range(start, seq.shape[1], C):  # (relative: chunks of the context; GPT-2: one window)
+            e = min(seq.shape[1], s + C)
+            logits = forward(seq[:, s:e], None if m is None else m[:, start:e], caches, last_only=True)[:, -1]
+        return logits  # (B, V)
+
+    def newest(seq: Tensor, m: Tensor | None) -> Tensor:
+        if not relative and caches[0].seen >= C:  # GPT-2's context is full: the window anew
+            return refill(seq, m)
+        if decoder is not None and decoder.fits():
+            return decoder.step(seq[:, -1])  # (B, V)
+        if m is not None and not relative:  # (GPT-2: the mask's columns are the window's, the cached tokens')
+            m = m[:, seq.shape[1] - 1 - caches[0].seen :]
+        return forward(seq[:, -1:], m, caches)[:, -1]  # (B, V)
+
+    return refill, newest
 
 
 def stream(
@@ -403,8 +375,7 @@ def stream(
 
     Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
     each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is
-    called, not at the first ``next()``. With ``compile``, a small model's greedy steps may run a few
-    tokens ahead of the ones yielded; a hook set between two tokens still applies from the next one.
+    called, not at the first ``next()``. A hook set between two tokens applies from the next one.
     The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
@@ -413,9 +384,7 @@ def stream(
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
     with_logits = check_bool("with_logits", with_logits)
-    steps = _steps(
-        model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, want_logits=with_logits
-    )
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
     return steps if with_logits else (tok for tok, _ in steps)
 
 
@@ -455,11 +424,10 @@ def generate(
         attention_mask: ``(B, T)`` bool or 0/1 for left-padded prompts (True = real token).
         return_logits: also return the logits each token was chosen from, ``(B, new, V)``.
         fast: run the decoding steps on :class:`attnlab.decoding.FastDecoder` where it applies (the
-            same math as the model's forward without its per-call checks, with the query, key and value
-            projections fused); ``False``: the eager forward for every step (the reference).
-        compile: with ``fast``, run each decoding step as a function compiled by ``torch.compile`` over the
-            preallocated cache: faster per token, but the first call compiles (seconds to a minute;
-            once per process and shape).
+            model's own forward without its per-call checks, on caches written at fixed slots);
+            ``False``: the eager forward with its checks for every step (the reference).
+        compile: with ``fast``, run each decoding step compiled by ``torch.compile``: faster per token,
+            but the first step compiles (seconds to a minute; once per process, model and shape).
         prompt_lookup: speculative decoding (:mod:`attnlab.speculative`) with this many tokens guessed a
             step from the context (where the last tokens occurred before), all checked by one forward:
             the same tokens, fewer forwards where the text repeats the prompt. Greedy, one prompt.
@@ -491,9 +459,7 @@ def generate(
             return_logits=return_logits,
         )
         return (ids, logits) if return_logits else ids
-    steps = _steps(
-        model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, want_logits=return_logits
-    )
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
     return _collect(steps, model, idx, return_logits)
 
 

@@ -921,7 +921,8 @@ class GPT(nn.Module):
         """
         cfg = self.config
         B, T = idx.shape
-        past = 0 if kv_caches is None else kv_caches[0].seen
+        # (read only where needed: a compiled decoding step passes positions and reads no Python count)
+        past = 0 if kv_caches is None or position_ids is not None else kv_caches[0].seen
         last = len(self.trf_blocks) - 1  # with last_only, the block whose MLP runs on the last position alone
         if not (cfg.relative or cfg.window is not None):  # GPT-2: positions only in the embedding table
             if position_ids is None:
@@ -933,9 +934,11 @@ class GPT(nn.Module):
             mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): padding never attended
             x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
             x = self.drop_emb(x)
+            # (slot caches, attention.SlotCache: the positions say which slots the new tokens fill)
+            slots = position_ids.reshape(-1, T) if kv_caches is not None and kv_caches[0].static else None
             for i, block in enumerate(self.trf_blocks):
                 cache = None if kv_caches is None else kv_caches[i]
-                x = block(x, mask=mask, kv_cache=cache, last_only=last_only and i == last)  # (B, T, C)
+                x = block(x, mask=mask, kv_cache=cache, positions=slots, last_only=last_only and i == last)  # (B, T, C)
         else:
             # Attention at explicit positions: None means past, past + 1, ... (the fast paths); padding
             # takes no position (-1) and each real token counts the real tokens before it.

@@ -16,14 +16,14 @@ tokens other requests run (typing stays live while a generation streams), and a 
 client has gone is simply not advanced again (:meth:`Engine.finish`). Its KV caches belong to the
 generation, not to the model, so interleaving is safe.
 
-Generations decode with attnlab's compiled step (:mod:`attnlab.decoding`, ``compile=True``) where
-the engine is told to (``attnlab serve`` does, unless ``--no-compile``), the generation stream in the
-variant that also returns each layer's attention row for the page. Compiling takes 10-70 s, so it
-never happens on the model thread, where it would hold up every request: :meth:`Engine.warm_up`
+Chat answers decode with attnlab's compiled step (:mod:`attnlab.decoding`, ``compile=True``) where
+the engine is told to (``attnlab serve`` does, unless ``--no-compile``). Compiling takes 10-70 s, so
+it never happens on the model thread, where it would hold up every request: :meth:`Engine.warm_up`
 compiles the cache size of short generations (256 slots: a prompt and its new tokens up to 256) on a
-thread of its own, for the stream and for the chat box, and a generation of another size asks for
-its size to be compiled likewise. Until its size is compiled a generation runs the eager fast path
-(the same tokens, slower: SmolLM2 in float32 on two cores, 18 tokens/s against the compiled 49).
+thread of its own, and a generation of another size asks for its size to be compiled likewise. Until
+its size is compiled a generation runs the eager fast path (the same tokens, slower). The inspector's
+generation stream records every layer's attention at each token, so it runs the eager forward, whose
+records those are.
 
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
@@ -408,9 +408,8 @@ class Engine:
         def roles() -> None:
             with self.lock, torch.inference_mode():
                 self._head_roles()
-                if self.compile:  # the stream's variant first: the page's generation needs it first
-                    for variant in ("rows", "plain"):
-                        self.compiled_step(variant, 1, 1)
+                if self.compile:
+                    self.compiled_step("plain", 1, 1)
 
         self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
 
@@ -459,18 +458,18 @@ class Engine:
         return True
 
     def _compile(self) -> None:
-        """The compiling thread: each asked-for (variant, cache size) compiled by a step on caches of
-        its own (:meth:`attnlab.decoding.FastDecoder.precompile`: no module of the model is called,
-        nothing on it changes, so the model thread runs requests meanwhile)."""
+        """The compiling thread: each asked-for (variant, cache size) compiled by a step of the model on
+        caches of its own (:meth:`attnlab.decoding.FastDecoder.precompile`), under the engine's lock: the
+        step runs the model's own forward, which must not see a request's hooks or observers."""
         loaded = self._need_model()
         model = loaded.model
         while True:
             key = self._compile_jobs.get()
-            variant, slots = key
+            _, slots = key
             try:
-                with torch.inference_mode():  # as the generations run (the compiled code's guards check it)
+                with self.lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
-                    decoder.precompile(variant, loaded.stop_ids)  # (a chat answer stops there)
+                    decoder.precompile()
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
@@ -600,12 +599,11 @@ class Engine:
         def work() -> GenerationRun:
             idx = torch.tensor([ids], dtype=torch.long, device=model.device)
             g = torch.Generator(device=model.device).manual_seed(int(seed))
-            compiled = self.compiled_step("rows", len(ids), max_new_tokens)
+            # (each token's attention recorded: the eager forward's records, no compiled step)
             tokens = stream(
                 model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
-                with_logits=True, compile=compiled,
+                with_logits=True,
             )  # fmt: skip
-            self.count("compiled_generations", int(compiled))
             return GenerationRun(list(ids), len(ids), sampling, max_new_tokens, candidates, tokens)
 
         run = self.run(work)
