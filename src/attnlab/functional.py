@@ -434,7 +434,7 @@ def _masked_scores(
     In place on the fresh product where the result has its shape and dtype (no ``score_mod``, whose
     output its backward may keep): neither the product's backward nor the scaling's or the fill's
     needs the values overwritten, and each ``(B, H, L, S)`` temporary not made is a pass over memory
-    and its page faults (a third of a traced pass of SmolLM2 at 626 tokens went to them)."""
+    and its page faults (a large share of a traced pass's time goes to them)."""
     scores = (query @ key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
     if score_mod is not None:
         scores = _modded_scores(scores, score_mod)  # (B, H, L, S)

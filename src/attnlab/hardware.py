@@ -2,8 +2,8 @@
 
 bfloat16 halves the bytes of every tensor, and where the hardware multiplies it natively (CUDA from
 Ampere on, CPUs with AVX512-BF16 or AMX, Arm CPUs with the BF16 extension, Apple GPUs on macOS 14+)
-it is also faster. Elsewhere it is emulated: on an AVX2-only CPU (most laptops and desktops, AMD
-before Zen 4, many cloud machines) a bf16 matmul is 20-200x slower than the float32 one. So attnlab
+it is also faster. Elsewhere it is emulated: on an AVX2-only CPU (most laptops and desktops, many
+cloud machines) a bf16 matmul is 20x slower than the float32 one, or worse. So attnlab
 never picks bf16 by itself without asking :func:`bf16_native`:
 
 - the training forward pass's autocast (``attnlab train --precision auto``);
@@ -44,7 +44,6 @@ __all__ = [
     "header",
     "inference_dtype",
     "linear",
-    "linear_on_onednn",
     "release_openmp_threads",
     "training_dtype",
 ]
@@ -58,7 +57,7 @@ class Hardware:
 
     Attributes:
         device: ``"cpu"``, ``"cuda"``, ``"mps"``.
-        name: the processor, e.g. ``"AMD EPYC"`` or ``"NVIDIA H100 80GB HBM3"``.
+        name: the processor: the CPU's model name as ``/proc/cpuinfo`` gives it, or the GPU's.
         capability: the CPU's vector unit as the kernels see it (``"AVX2"``, ``"AVX512"``,
             ``"AVX512-BF16"``, ``"AMX"``, ``"SVE256"``, ...), or the GPU's (``"sm_90"``, ``"MPS"``).
         bf16_native: whether bfloat16 matmuls run in hardware here.
@@ -132,8 +131,8 @@ def describe(device: torch.device | str = "cpu") -> Hardware:
 
 
 def header(device: torch.device | str = "cpu") -> str:
-    """The line a benchmark starts with: where it ran, e.g. ``"cpu: AMD EPYC, AVX2, native bf16: no;
-    torch 2.13.0, 2 threads"`` (figures from different CPU classes are not comparable)."""
+    """The line a benchmark starts with: where it ran, as ``"cpu: <model name>, AVX2, native bf16: no;
+    torch <version>, <n> threads"`` (figures from different CPU classes are not comparable)."""
     hw = describe(device)
     return (
         f"{hw.device}: {hw.name}, {hw.capability}, native bf16: {'yes' if hw.bf16_native else 'no'}; "
@@ -158,7 +157,7 @@ def cpu_capability() -> str:
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's maker as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``), or ``""``
-    where it says nothing (not Linux, an Arm CPU). Read once (every batch's decoder asks)."""
+    where it says nothing (not Linux, an Arm CPU). Read once."""
     return _cpuinfo("vendor_id")
 
 
@@ -186,10 +185,9 @@ def release_openmp_threads() -> bool:
 
     Each thread that ever ran a parallel region keeps its own team of workers, and while the process's
     OpenMP threads outnumber its CPUs libgomp waits at a barrier by 100 spins instead of 300,000, so
-    every barrier becomes a sleep and a wake-up. A compiled decoding step has hundreds: on 2 cores,
-    SmolLM2's compiled step on one thread ran at 30 tokens/s while another live thread kept its team
-    from one earlier matmul, 48-53 once that team was let go (``attnlab serve`` decodes on its model
-    thread, after loading on the main one)."""
+    every barrier becomes a sleep and a wake-up. A compiled decoding step has hundreds, so a team that
+    another live thread keeps (even from a single earlier matmul) slows every token until it is let go
+    (``attnlab serve`` decodes on its model thread, after loading on the main one)."""
     pause = _omp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 
@@ -214,12 +212,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by oneDNN's matmul on the weight as it is (no packed copy) for
     float32 on a CPU other than Intel's where no gradient is wanted, else by ``F.linear`` itself.
 
-    ``F.linear`` of float32 calls MKL, Intel's library, whose kernels on an AMD CPU (Zen 4, 2 threads)
-    took 1.06-1.6x oneDNN's time for the projections of a 626-token forward of SmolLM2 or a prefill of
-    the ``tiny`` preset, and 2x for one row or a few (a decoding step: SmolLM2's weights read at 11-12
-    GB/s against 15-23). On an Intel CPU (a Xeon with AMX, 2 threads) it is the other way round: oneDNN
-    took 1.0-1.15x MKL's time for those forwards' products, 2-4x for one row of a weight in the caches,
-    and SmolLM2's one-row products read 19.4 GB/s against MKL's 26.5 (:func:`linear_on_onednn`).
+    ``F.linear`` of float32 calls MKL, Intel's library, which runs generic code paths on other makers'
+    CPUs: there oneDNN's matmul is the faster one, for a prompt's projections and most of all for the
+    one row or few of a decoding step, whose time is reading the weight from memory. On Intel's CPUs MKL
+    runs its own code paths and is the faster one, so ``F.linear`` keeps the float32 products there.
     bfloat16 reaches oneDNN through ``F.linear`` already. Training (anything that needs a
     gradient: oneDNN's operator has no backward), ``torch.compile`` (inductor makes its own choice),
     autocast (which casts ``F.linear``'s inputs), tensor subclasses (a DTensor's shards) and other
@@ -245,20 +241,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def mkl_runs_float32(device: torch.device | str) -> bool:
-    """Whether ``F.linear``'s float32 products on ``device`` run MKL's own kernels: an Intel CPU, with
-    torch's x86 builds (where :func:`linear` keeps ``F.linear``, and a compiled decoding step of a small
-    model's batch calls it too: :func:`attnlab.decoding.FastDecoder`)."""
-    return torch.device(device).type == "cpu" and not _onednn_linear_pays()
-
-
-def linear_on_onednn(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether :func:`linear` multiplies ``dtype`` tensors on ``device`` by oneDNN (where no gradient is
-    wanted): float32 on a CPU whose oneDNN works and is enabled (``torch.backends.mkldnn.enabled``),
-    unless ``F.linear`` calls MKL on an Intel CPU, MKL's own."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and _onednn_for_float32()
-
-
 def _onednn_for_float32() -> bool:
     """Whether this process multiplies float32 on the CPU by oneDNN where no gradient is wanted: oneDNN
     enabled (asked at each call, as torch does), faster here than MKL and working (both checked once)."""
@@ -269,8 +251,7 @@ def _onednn_for_float32() -> bool:
 def _onednn_linear_pays() -> bool:
     """Whether oneDNN's float32 matmul is the faster one here: unless ``F.linear`` calls MKL (torch's
     x86 builds) on an Intel CPU, where MKL runs its own code paths rather than generic ones (see
-    :func:`linear`). A CPU whose maker is unknown keeps oneDNN, as every CPU did before MKL was measured
-    on an Intel one."""
+    :func:`linear`). A CPU whose maker is unknown keeps oneDNN."""
     return not (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel")
 
 

@@ -28,9 +28,9 @@ from torch import Tensor
 
 __all__ = ["BLOCKS_PER_CALL", "available", "block_size", "key_chunk", "sliding_window_attention"]
 
-# Query blocks per kernel call. Fewer, larger calls are faster (T = 8192, W = 512 on 2 cores: 4
-# blocks per call took 0.37x the time of full causal attention, 16: 0.23x, all 30 at once: 0.22x);
-# groups bound the temporary buffers of very long sequences.
+# Query blocks per kernel call. Fewer, larger calls are faster (each call's fixed cost is paid fewer
+# times; the gain levels off at a few dozen blocks); groups bound the temporary buffers of very long
+# sequences.
 BLOCKS_PER_CALL = 32
 
 
@@ -55,14 +55,14 @@ def available() -> bool:
 
 def block_size(window: int) -> int:
     """Query rows per block of the forward pass: a quarter of the window (a block's band is then
-    1.25 W keys), at least 32. (Measured at W = 512 on 2 cores: 128-row blocks 0.19 s per 8192
-    rows, 256-row blocks 0.20 s, 512-row blocks 0.26 s.)"""
+    1.25 W keys), at least 32. (Larger blocks compute more masked-out scores in their wider bands;
+    much smaller ones call the kernel more often.)"""
     return max(window // 4, 32)
 
 
 def key_chunk(window: int) -> int:
     """Keys per chunk of the backward pass: half the window, at least 32 (its query windows are then
-    1.5 W long; the kernel measured as fast as with 128-key chunks, with fewer windows to add up)."""
+    1.5 W long; the kernel is about as fast as with smaller chunks, with fewer windows to add up)."""
     return max(window // 2, 32)
 
 

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "matmul rate; write report.md, results.json and PNG plots into a directory."
     )
     parser.add_argument("--out", metavar="DIR", default="bench-report", help="report directory (default: bench-report)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 3 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a few minutes even on a small CPU")
     parser.add_argument(
         "--seq-lens",
         type=_int_list,
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="N",
         help="torch CPU threads (default: torch's choice). On a machine shared with other busy processes, "
-        "1 avoids threads spin-waiting for each other, which can slow small ops by 10-100x",
+        "1 avoids threads spin-waiting for each other, which can slow small ops many times over",
     )
     parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory sweep")
     parser.add_argument("--skip-generation", action="store_true", help="leave out the generation test")

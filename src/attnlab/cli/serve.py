@@ -40,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="torch threads for the model (default: one less than torch's default, at least 1: the browser and "
-        "the server's event loop share the machine; on a busy 2-core machine 2 threads made requests 20x slower)",
+        "the server's event loop share the machine; on a busy machine with few cores, a thread per core makes "
+        "requests many times slower)",
     )
     parser.add_argument(
         "--no-compile",
         action="store_true",
         help="decode generations with the eager fast path only (default: the compiled step, compiled in the "
-        "background once the server listens: 10-70 s of CPU; generations run the fast path until then)",
+        "background once the server listens: tens of seconds of CPU; generations run the fast path until then)",
     )
     parser.add_argument(
         "--log-level",

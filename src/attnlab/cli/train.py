@@ -2,7 +2,7 @@
 
 The command-line face of :mod:`attnlab.training`. Examples::
 
-    attnlab train                                    # tiny byte-level GPT on the Python docs, < 2 min on 2 CPU cores
+    attnlab train                                    # tiny byte-level GPT on the Python docs, minutes on a CPU
     attnlab train --data input.txt --tokenizer char --max-steps 5000 --out runs/shakespeare
     attnlab train --out runs/shakespeare --resume    # continue after Ctrl-C, a crash or a kill
     torchrun --nproc_per_node=4 -m attnlab train --preset gpt2-small --tokenizer gpt2 --data big.txt

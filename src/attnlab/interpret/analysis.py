@@ -110,14 +110,13 @@ class LogitLens:
     final_token_probs: Tensor
 
 
-# Streams (layer, position) per step of the lens: a (512, V) block of logits (50 MB in bfloat16). The
-# search's product reads the unembedding once a chunk: on an Intel Xeon with AMX, 512 rows took 13.5 ms where
-# 256 took 10.9, and SmolLM2's lens of 626 positions 2.55 s instead of 2.95 (768: 2.47; 1024: 2.68).
+# Streams (layer, position) per step of the lens: a (512, V) block of logits. The search's product reads
+# the unembedding once a chunk, so larger chunks read it fewer times; past a few hundred rows the gain
+# levels off while the block of logits keeps growing.
 LENS_CHUNK = 512
 # Rows of the search's (c, V) logits per pass over them (the float32 copy, the block maxima, the softmax):
 # a few MB that stay in the CPU's caches from one pass to the next, where passes over the whole chunk
-# read it from memory each time. SmolLM2's lens of 626 positions (Intel Xeon, 2 threads): whole chunks of
-# 512 rows 2.55 s; by 8 rows 2.6 s, 16 2.4, 32 2.3, 64 2.2, 128 2.25 (each pass's Python costs too).
+# read it from memory each time. Much smaller pieces lose it again to each pass's Python overhead.
 LENS_SUB = 64
 LENS_FINAL_CHUNK = 128  # positions per step of the lens's last row (the model's own logits, from the trace)
 LENS_CANDIDATES = 128  # tokens per position the fast search hands to the exact scoring
@@ -159,7 +158,7 @@ def logit_lens(
     Computed by chunks of ``chunk`` streams (a layer's stream at one position; a chunk spans layers,
     so a window of a few positions is a product or two, not one per layer): at most ``(chunk, V)``
     logits exist at a time, never ``(L, T, V)``. The ``L x T x V x d`` product is the lens's cost
-    (1.06 TFLOP for SmolLM2 at 626 tokens), so where bfloat16 is native
+    (a whole-vocabulary product per layer and position), so where bfloat16 is native
     (:func:`attnlab.hardware.bf16_native`), the model is float32, the vocabulary large
     (``>= LENS_MIN_VOCAB``) and the head has no bias, the vocabulary is searched by one bfloat16
     product (``search_dtype=None``, the default); ``search_dtype=torch.float32`` (the model's dtype)
@@ -168,19 +167,17 @@ def logit_lens(
     * The search runs against the *centred* unembedding ``W - mean(W)`` (softmax ignores the
       per-position constant ``h . mean(W)``; without it, rounding ``h`` shifts all logits alike along
       the direction the rows share), with the bfloat16 rounding of ``h``'s :data:`LENS_SPLIT` largest
-      dimensions (the stream's outliers, 20-40 on SmolLM2) carried in extra columns.
+      dimensions (the stream's outliers) carried in extra columns.
     * Its :data:`LENS_CANDIDATES` best tokens and the final token are scored again exactly; the
       top-k ids come from those exact scores and are *verified*: the k-th exact logit must exceed the
       best token left out by more than the product's rounding bound (``3u |h| max|w_j|`` and the
-      output's rounding, ``u = 2^-8``). A position that fails (4 of 18,780 on SmolLM2 at 626 tokens) is
-      recomputed exactly.
+      output's rounding, ``u = 2^-8``). A position that fails (rare) is recomputed exactly.
       The top-k ids are thus the exact lens's (up to exact ties), their logits exact.
     * The normaliser adds the candidates' exact terms to the searched terms of the rest, corrected for
       the noise's bias (``E exp(l + e) = exp(l) exp(var(e) / 2)``, the variance measured on the
-      candidates). Its error is the probabilities' relative error. Measured on SmolLM2 (626 tokens of
-      the tutorials' story, 30 layers x 626 positions, against the exact float32 lens): at most 0.15%
-      (1.5e-3), 5.5e-5 root-mean-square; the top-5 ids all equal. ``tests/test_interpret_chunked.py``
-      holds it to 0.2% there and to the float64 lens on small models.
+      candidates). Its error is the probabilities' relative error, a small fraction of a percent:
+      ``tests/test_interpret_chunked.py`` holds it to 0.2% against the exact float32 lens of SmolLM2
+      (with the same top-5 ids) and to the float64 lens on small models.
 
     The centred bfloat16 unembedding is made once per head and kept while the head lives (a live server
     asks for the lens window by window); each call checks it against a CRC-32 of the weight's bytes, so
@@ -189,8 +186,8 @@ def logit_lens(
     A model whose logits are soft-capped (Gemma 2's ``logit_softcap``) has every row capped as its own
     logits are, and the exact lens (the search's centring does not commute with the cap).
 
-    On a 2-core AVX512-BF16 CPU the search takes half the exact lens's time (SmolLM2, 626 tokens: 8.8 s
-    of one core against 17.7 s), most of it the bfloat16 product itself.
+    Where bfloat16 is native the search takes about half the exact lens's time, most of it the
+    bfloat16 product itself.
     """
     attention_layers(model)
     _check_trace(trace, "logit_lens")
@@ -231,7 +228,7 @@ def logit_lens(
     with torch.no_grad():
         # The layers' streams by chunks of `chunk` (layer, row, position) triples, across layers: each
         # chunk reads the unembedding once, so a window of a few positions reads it once or twice, not
-        # once per layer (SmolLM2, 13 positions: 30 products of 13 rows took 210 ms, one of 390 89 ms).
+        # once per layer (each product of a few rows costs about a whole read of the weight).
         n = L * B * T
         search = _Search(model, trace, W, min(chunk, n)) if fast and n else None  # buffers for a chunk
         residual = trace.residual[:L, :, start:stop]  # (L, B, T, d), a view
@@ -275,8 +272,9 @@ def _exact_rows(logits: Tensor, final: Tensor, k: int, *, spend: bool = False) -
 
 
 # Vocabulary entries per block of the search's two-level top-n: it selects among V / 32 block maxima, then
-# among the entries of the n best blocks (32: about the fewest in all for SmolLM2's 49152 and n = 128; 64
-# took a third longer).
+# among the entries of the n best blocks (V / 32 maxima, then 32 n entries: larger blocks lengthen
+# the second level, smaller ones the first; 32 balances the two best for a vocabulary of some 50,000 and
+# n = 128).
 LENS_BLOCK = 32
 
 
@@ -329,8 +327,8 @@ class _Search:
             r = torch.arange(e - s, device=h.device)  # (r,)
             rows = top_blocks[s:e] + r[:, None] * nb_all  # (r, nb), the flat view's
             torch.index_select(blocks.view(-1, LENS_BLOCK), 0, rows.view(-1), out=inside[s:e].view(-1, LENS_BLOCK))
-            # (a top-n of those 4096 entries here, while they are in the caches: 0.08 s less of SmolLM2's
-            # 2.1 s lens than keeping the entries that reach the n-th block maximum, then their top-n)
+            # (a top-n of those entries here, while they are in the caches: cheaper than keeping the
+            # entries that reach the n-th block maximum, then their top-n)
             torch.topk(inside[s:e], n, dim=-1, out=(best_values[s:e], best_cols[s:e]))
             # The normaliser at each row's largest entry, the first of its n best (x is spent: its
             # log-softmax in place).
@@ -341,8 +339,8 @@ class _Search:
         cand = torch.cat([best_ids, final], dim=-1)  # (c, n + 1)
         searched = narrow.gather(-1, cand).float()  # (c, n + 1), the float32 copy's values
         off = h @ self.mean  # (c,): the constant the centring leaves out
-        # Nearby positions share most candidates (some 750-3200 distinct tokens for 128 positions of
-        # SmolLM2): one product with those rows is cheaper than gathering (c, n + 1, d) weights.
+        # Nearby positions share most candidates: one product with the distinct rows is cheaper than
+        # gathering (c, n + 1, d) weights.
         uniq, where = torch.unique(cand, return_inverse=True)  # (u,), (c, n + 1)
         exact = hardware.linear(h, W.index_select(0, uniq)).gather(-1, where).float() - off[:, None].float()  # (c, n+1)
         top = torch.topk(exact[:, :-1], k, dim=-1)
@@ -373,7 +371,7 @@ class _Search:
 
 # The centred bfloat16 unembedding of each head the lens has searched, kept while the head lives:
 # ``attnlab serve`` asks for the lens once per window of shown positions, and making it (a pass over
-# the V x d weight, 0.3-0.7 s for SmolLM2's on 2 cores) cost more than the window's search.
+# the whole V x d weight) costs more than a window's search.
 _CENTRED: weakref.WeakKeyDictionary[nn.Module, _Centred] = weakref.WeakKeyDictionary()
 _CENTRED_LOCK = threading.Lock()
 
@@ -389,8 +387,8 @@ class _Centred:
 
 def _weight_key(W: Tensor) -> tuple | None:
     """What the cache checks before it serves the centred copy of ``W``: its storage, shape, dtype and
-    a CRC-32 of its bytes (in pieces, on as many threads as torch uses: zlib lets go of the GIL), 50 ms
-    for SmolLM2's 113 MB on 2 cores. The bytes, not the version counter: an edit through ``.data``
+    a CRC-32 of its bytes (in pieces, on as many threads as torch uses: zlib lets go of the GIL), far
+    cheaper than remaking the copy. The bytes, not the version counter: an edit through ``.data``
     (``W.data[...] = 0``) bumps none. A CRC catches every change to one element (a burst of at most 32
     bits), and a change to many with probability ``1 - 2^-32`` per piece. None (nothing cached) off the
     CPU or for a strided weight: a GPU makes the copy in about the time it would take to check it."""
@@ -546,8 +544,8 @@ def all_head_scores(
                 "call head_scores without trace= to use a repeated random sequence"
             )
         # The mean over the queries with a target of the weight each head gives its targets: a sum over
-        # the few (query, key) pairs that count, gathered (no (L, B, H, T, S) product: 5 of them cost a
-        # third of the page's head roles on SmolLM2).
+        # the few (query, key) pairs that count, gathered (no (L, B, H, T, S) product: such temporaries
+        # would cost more than the rest of the head roles' work).
         b, t, s = targets.to(w.device).nonzero(as_tuple=True)  # (n,) x3
         out[kind] = w[:, b, :, t, s].sum(0) / valid.sum()  # (n, L, H) -> (L, H)
     return out

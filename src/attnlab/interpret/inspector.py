@@ -536,7 +536,7 @@ def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
     top_ids = torch.empty(T, n, dtype=torch.long, device=logits.device)  # the same order at every temperature
     probs = torch.empty(len(TEMPERATURES), T, n, dtype=torch.float32, device=logits.device)
     # One (chunk, V) buffer for every temperature's log-softmax, in place: a fresh softmax per temperature
-    # (allocated, then gathered from) took 0.47 s for SmolLM2's 626 positions, this 0.28 s (2 cores).
+    # (allocated, then gathered from) pays a new allocation and its page faults each time.
     buf = torch.empty(min(T, NEXT_CHUNK), V, dtype=torch.float32, device=logits.device)
     for s in range(0, T, NEXT_CHUNK):  # a few positions at a time: (chunk, V) temporaries, never (T, V) ones
         chunk = logits[s : s + NEXT_CHUNK].float()  # (c, V)

@@ -88,8 +88,8 @@ def trace_generation(
     ``generator``) and record, for each new token, its attention rows and its top ``candidates``.
 
     ``prefix``: a :func:`~attnlab.interpret.trace` of ``idx`` with ``stages=True``. Its keys and values
-    seed the KV cache, so the prompt is not run again (at 626 tokens of SmolLM2 that pass is most of
-    the time). Used when the cache holds the prompt and the new tokens without sliding (else, and
+    seed the KV cache, so the prompt is not run again (for a long prompt that pass is most of the
+    time). Used when the cache holds the prompt and the new tokens without sliding (else, and
     with an ``attention_mask`` or ``use_cache=False``, the prompt runs as usual)."""
     candidates = positive_int("candidates", candidates)
     if isinstance(idx, Tensor) and idx.dim() == 1:
@@ -168,8 +168,8 @@ def top_ids(x: Tensor, k: int, block: int = 64) -> Tensor:
     """``torch.topk(x, k, dim=-1).indices`` of ``x (B, V)``, the largest first: the same values, ties
     taken in any order. A vocabulary's logits are searched in blocks of ``block``: the ``k`` largest lie
     in the ``k`` blocks of the largest maxima (a block with one of them has a maximum at least the
-    ``k``-th largest value; fewer than ``k`` blocks have one above it), so only those are ranked. One row
-    of SmolLM2's 49,152 on a CPU: 29 us against topk's 76, once a token in serve's stream."""
+    ``k``-th largest value; fewer than ``k`` blocks have one above it), so only those are ranked: far
+    fewer entries than ``torch.topk`` goes through (this runs once a token in serve's stream)."""
     B, V = x.shape
     n = V // block
     if V % block or n < 16 or k > n:  # (GPT-2's 50,257: topk)

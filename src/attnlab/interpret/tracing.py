@@ -95,15 +95,15 @@ def observe_attention(
     A layer with a rolling KV cache (RoPE models decoding) writes each new key over an old slot, so its
     records hold copies of the cache's keys, values and key positions, safe to keep. ``copy_cache=False``
     is for a callback that reads those at once or not at all: the record then holds views of the cache,
-    valid until the cache is written again (the next token's step). The copies grow with the context:
-    ``attnlab serve``'s generation stream of SmolLM2 (which reads the weights) after a 1,500-token prompt
-    took 69 ms a token with them, 61 without. Where an observer set before asks for copies (any
-    observer without ``copy_cache = False``), they are made.
+    valid until the cache is written again (the next token's step). The copies grow with the context,
+    and after a long prompt they are a noticeable part of each token's time (``attnlab serve``'s
+    generation stream reads the weights at once and needs none). Where an observer set before asks
+    for copies (any observer without ``copy_cache = False``), they are made.
 
     ``last_query=True``: the records' ``weights`` are those of each pass's last query only, ``(b, H, 1,
     S)``, for a callback that reads no other row: a prompt's pass then attends by the fused kernels and
-    works that row out apart, instead of every layer's whole ``(n, S)`` matrix (SmolLM2, a 1,500-token
-    prompt: 1.6 s against 4.0). Only where every observer of the layer asks for it."""
+    works that row out apart, instead of every layer's whole ``(n, S)`` matrix (much faster for a long
+    prompt). Only where every observer of the layer asks for it."""
     copy_cache, last_query = check_bool("copy_cache", copy_cache), check_bool("last_query", last_query)
     layers = attention_layers(model)
     previous = [a.observer for a in layers]
@@ -119,7 +119,7 @@ def observe_attention(
         return observe
 
     # (`observer` is a plain attribute, never a parameter, buffer or submodule: set past nn.Module's
-    # __setattr__, whose checks took 1.2 us a layer; serve's stream sets and removes 30 a token)
+    # __setattr__, whose checks would run for every layer twice a token in serve's stream)
     try:
         for i, (att, before) in enumerate(zip(layers, previous, strict=True)):
             object.__setattr__(att, "observer", make(i, before))
@@ -139,7 +139,7 @@ def observe_attention_rows(
     :class:`~attnlab.attention.AttentionRecord`; None without). What a generation's stream shows of
     each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``:
     a compiled decoding step (:class:`attnlab.decoding.FastDecoder`) hands the rows from its graph at
-    once instead of a record per layer (SmolLM2's 30: 0.6 ms a token). The positions may be views of
+    once instead of a record per layer (one call a token, not one per layer). The positions may be views of
     a cache, valid until the next pass; ``weights`` is the callback's to keep.
 
     Layers that attend over different keys (a model with windows of several sizes, such as Gemma 3's,
@@ -406,7 +406,7 @@ def trace(
     L = len(layers)
     records: list[AttentionRecord | None] = [None] * L
     # The weights go straight into one (L, B, H, T, S) float32 tensor as each layer reports them:
-    # stacking them at the end would hold every layer's weights twice (0.85 GB at 626 tokens of SmolLM2).
+    # stacking them at the end would hold every layer's weights twice (the trace's largest tensor).
     weights: list[Tensor] = []
     buffers: dict[str, Tensor] = {}
     residual: list[Tensor | None] = [None] * (L + 1)

@@ -3,9 +3,9 @@
 Why this exists: glibc's ``malloc`` serves a large request (above 128 KiB, a threshold that
 rises by itself to at most 32 MiB) with a fresh ``mmap`` and returns memory to the kernel as soon
 as it is freed. A training step on the CPU allocates and frees the same activation-sized buffers
-every step, so every step the kernel maps them in again, one zeroed 4 KiB page at a time: 3,500 to
-6,500 minor page faults per step of the ``tiny`` preset, measured at 3-10% of its step time on a
-2-core VM (more where page faults cost more, and for models with larger activations).
+every step, so every step the kernel maps them in again, one zeroed 4 KiB page at a time: thousands
+of minor page faults per step of the ``tiny`` preset, a noticeable share of its step time (more where
+page faults cost more, as in many VMs, and for models with larger activations).
 Raising both thresholds keeps freed memory in the process, where the next step reuses it. This is
 what PyTorch's CPU performance guide gets by preloading jemalloc or tcmalloc, done here through
 glibc's own ``mallopt`` so that nothing has to be installed or preloaded.

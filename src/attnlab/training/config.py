@@ -58,7 +58,7 @@ class TrainConfig:
     """Everything ``attnlab train`` needs (the CLI flags, one field each).
 
     The defaults are tuned so that ``attnlab train`` with no flags trains the ``tiny`` preset on
-    the built-in corpus in under four minutes on a 2-core CPU (see the README for the figures).
+    the built-in corpus in a few minutes even on a small CPU (see the README for the figures).
     """
 
     data: str | None = None  # UTF-8 text file; None = the built-in corpus (pydoc_data.topics)
@@ -275,8 +275,9 @@ TINY_LR = 2e-3
 
 OPTIMIZERS = ("adamw", "muon")
 
-# The bare `attnlab train`: its 800 steps, or as many as fit in this many seconds of steps (with its
-# evaluations, start and sample, about 220 s on a 2-core CPU without native bf16, the slowest class).
+# The bare `attnlab train`: its 800 steps, or as many as fit in this many seconds of steps (its
+# evaluations, start and sample come on top, so the whole run stays a few minutes even on the slowest
+# class of CPU, one without native bf16).
 DEFAULT_MAX_TIME = 180.0
 # --max-time plans after this many steps: inside the warm-up, whose learning rates do not depend
 # on max_steps, so the schedule is the one a run of the planned length would have had.

@@ -208,8 +208,8 @@ def _counted(y: torch.Tensor) -> torch.Tensor:
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The dtype the forward pass autocasts to (None: float32 throughout): ``--precision``'s
     dtype (:func:`attnlab.hardware.training_dtype`; ``auto`` is bf16 where the device has native
-    bf16 matmuls: a 2-core AMX machine ran the ``tiny`` step in 0.7x the time at the same loss per
-    step, see benchmarks/recipe.py; elsewhere bf16 is emulated, 20x slower)."""
+    bf16 matmuls, where the step is faster at the same loss per step, see benchmarks/recipe.py;
+    elsewhere bf16 is emulated, 20x slower)."""
     dtype = hardware.training_dtype(precision, device)
     return None if dtype == torch.float32 else dtype
 

@@ -17,7 +17,7 @@ What is measured (CPU, float32, dropout 0, every competitor in the same run):
 The modules: :mod:`.registry` (the competitors, one set of names), :mod:`.harness` (the timing
 driver, the memory probe, page faults, the matmul rate), :mod:`.suites` (the sweeps and the goal
 benchmark), :mod:`.report` (``report.md``, ``results.json``, PNG plots; the goal benchmark's tables).
-``attnlab bench --quick`` uses small sizes and finishes in under 3 minutes on a 2-core machine.
+``attnlab bench --quick`` uses small sizes and finishes in a few minutes even on a small CPU.
 """
 
 from __future__ import annotations

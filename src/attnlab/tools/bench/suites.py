@@ -55,13 +55,13 @@ SWEEP = ("tutorial-loop", "tutorial-matrix", "tutorial-wrapper", "tutorial", "at
 
 @dataclass
 class BenchConfig:
-    """Sizes of every sweep of ``attnlab bench``. :meth:`quick` is the under-3-minutes version."""
+    """Sizes of every sweep of ``attnlab bench``. :meth:`quick` is the few-minutes version."""
 
     d_model: int = 768
     num_heads: int = 12
     batch: int = 1
     seq_lens: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048])
-    loop_max_len: int = 64  # the Python loop takes O(T^2) interpreter steps (about 10 s a round at 128)
+    loop_max_len: int = 64  # the Python loop takes O(T^2) interpreter steps: longer rounds take too long
     repeats: int = 7
     warmup: int = 2
     memory_seq_lens: list[int] = field(default_factory=lambda: [128, 1024, 2048, 4096])

@@ -204,8 +204,8 @@ def _json(obj: Any, status: int = 200) -> Response:
 def packed_json(data: Any) -> bytes:
     """``json.dumps(to_json(data))`` as UTF-8 bytes, made faster: each packed array's base64 is spliced
     into the text instead of passing through ``json.dumps``, which would scan every character of it
-    for one to escape (base64 has none). A 150-token page of SmolLM2 holds 16 MB of it: 70-100 ms of
-    dumping and encoding, against a few to join the bytes."""
+    for one to escape (base64 has none). A page holds megabytes of it, whose scan costs far more
+    than joining the bytes."""
     arrays: list[Packed] = []
     marker = "attnlab-" + secrets.token_hex(12) + "-"  # no text of the request can know it
 
@@ -233,9 +233,9 @@ def _packed_response(data: Any) -> Response:
 
 
 def _sse(event: str, data: Any) -> bytes:
-    """A server-sent event ``event`` of ``data`` (packed arrays spliced in: :func:`packed_json`; a
-    generation's token of SmolLM2 at 160 keys holds 170 KB of base64, which ``json.dumps`` took 0.33 ms
-    to scan, a fiftieth of the token's time)."""
+    """A server-sent event ``event`` of ``data`` (packed arrays spliced in: :func:`packed_json`; each
+    generated token's event holds its attention rows as base64, which ``json.dumps`` would scan
+    character by character at every token)."""
     return b"event: " + event.encode() + b"\ndata: " + packed_json(data) + b"\n\n"
 
 

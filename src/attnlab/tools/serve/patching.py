@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # The longest prompts patched: the cost grows as T^2 (resid_pre patches each of the T positions, each
-# run T tokens long); 64 tokens of SmolLM2-135M take about a minute on two CPU cores.
+# run T tokens long); past this, a small model's patching on a CPU keeps the page waiting too long.
 MAX_PATCH_TOKENS = 64
 PIECES = 6  # model calls per site: a typing request waits for one of them at most, not for the whole site
 
