@@ -981,7 +981,8 @@ class MultiHeadAttention(_DropsTutorialMask):
                 k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)  # (b, Hkv, n, hd)
         ordered, k_pos = True, positions
         if kv_cache is not None:
-            self._check_ring(kv_cache, n)
+            if not kv_cache.static:  # (a slot cache never wraps: its decoder stops at the last slot)
+                self._check_ring(kv_cache, n)
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v, k_pos, ordered = kv_cache.update(k.to(dt), v.to(dt), positions)  # (b, Hkv, S, hd), (b, S)
         window, sinks, is_causal = self.window, self.sinks, self.causal

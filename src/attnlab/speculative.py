@@ -18,14 +18,11 @@ The guesses (drafts) come from
   decoding ``k`` tokens greedily on its own KV cache. It pays when it is much faster than the model
   and often agrees with it.
 
-Measured on SmolLM2-135M-Instruct (float32, one thread of a loaded 2-core machine, 64 tokens of
-"repeat this passage"): prompt lookup of 10 tokens 1.7x plain greedy decoding (27-45% of the guesses
-kept); transformers' prompt lookup on the same prompt was 2.0x its own greedy and 1.1x this one (its
-verification forward costs less than attnlab's eager forward). With two threads on the loaded machine
-it did not pay (0.8x plain greedy: the eager forward's many small operations each wait for both
-threads), and on free text (2% of the guesses kept) it cost 2x, as transformers' did. SmolLM2's own
-first 8 or 15 layers as a draft model agreed with it on 1-4% of the guesses: no gain without a
-trained small model.
+Prompt lookup pays where the text repeats its prompt and the verification forward of ``k + 1`` tokens
+costs about a plain step; on free text it finds few guesses and costs more than plain decoding. A
+draft model pays only when it is much faster than the model and often agrees with it (a model's own
+first layers, untrained as a draft, rarely do). ``python benchmarks/generate.py --model smollm2
+--speculative K`` measures both against plain greedy decoding and transformers' prompt lookup.
 
 A rejected guess's keys and values were written into the caches: rolling back is setting the caches'
 length back (the next forward overwrites the slots). Rounds without a guess run the fast decoding

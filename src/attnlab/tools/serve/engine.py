@@ -8,7 +8,7 @@ would record each other's attention or ablate each other's heads. A copy of the 
 would avoid that at the cost of its memory (500 MB per GPT-2-small) and buys nothing on a CPU whose
 cores one forward pass already keeps busy (torch's own threads). One thread, not a lock taken by
 whichever worker thread a request lands on: each thread that calls into torch gets its own team of
-OpenMP threads, and a dozen teams spinning on two cores made a 64-token forward pass 20x slower here.
+OpenMP threads, and a dozen teams spinning on a few cores slow every forward pass many times over.
 The server's event loop stays free meanwhile, to serve files and notice clients that leave.
 
 A generation advances one token per model call (:meth:`Engine.advance`): between two of its
