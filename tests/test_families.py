@@ -419,7 +419,7 @@ def test_bad_family_configs_are_clear_errors():
     sd["gpt_neox.layers.0.attention.query_key_value.weight"] = sd["gpt_neox.layers.0.attention.query_key_value.weight"][
         :9
     ]
-    with pytest.raises(ValueError, match=r"query_key_value\.weight must have 96 rows"):
+    with pytest.raises(ValueError, match=r"query_key_value\.weight. must have shape \(96, 32\)"):
         GPT.from_hf(sd, hf_config=neox.config)
 
 

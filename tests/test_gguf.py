@@ -356,7 +356,7 @@ def test_serve_on_smollm2(smollm2):
 @pytest.fixture
 def no_hub(monkeypatch):
     """The Hub, replaced: the names that reach it are recorded, and it has nothing."""
-    from attnlab.formats import hf
+    from attnlab.formats import hub
 
     asked = []
 
@@ -364,7 +364,7 @@ def no_hub(monkeypatch):
         asked.append(repo_id)
         raise FileNotFoundError(f"the Hub has no {repo_id}")
 
-    monkeypatch.setattr(hf, "_download", download)
+    monkeypatch.setattr(hub, "_download", download)
     return asked
 
 

@@ -1,11 +1,15 @@
-"""Hugging Face model families after Llama: one table per family, one dispatch by ``model_type``.
+"""Hugging Face model families: one table of weight names, one dispatch by ``model_type``.
 
 Every family is a set of :class:`~attnlab.GPTConfig` switches on the same :class:`~attnlab.GPT`
-(no copy of the model), and a table saying where each attnlab tensor comes from:
+(no copy of the model), and a row of :data:`FAMILIES` saying where each attnlab tensor comes from:
 
 ============  ==============  ============================================================================
-family        model_type      what it switches on (beyond Llama's RoPE, RMSNorm, SwiGLU, grouped heads)
+family        model_type      what it switches on
 ============  ==============  ============================================================================
+GPT-2         gpt2            learned positions, LayerNorm, a GELU MLP, biases; ``Conv1D`` weights
+                              (stored transposed) and a fused ``c_attn`` (split here)
+Llama         llama           RoPE, RMSNorm, SwiGLU, grouped heads; biases when ``attention_bias``
+Mistral       mistral         Llama's, with a sliding ``window``
 Qwen2/2.5     qwen2           biases on the query, key and value projections (``qkv_bias``)
 Qwen3         qwen3           QK-norm per head (``qk_norm``), ``head_size`` apart from the width
 Gemma         gemma           GeGLU (``mlp="geglu"``), embeddings times sqrt(width) (``embed_scale``),
@@ -23,11 +27,16 @@ GPT-NeoX      gpt_neox        Pythia's: LayerNorm with biases, biases everywhere
                               fused per-head ``query_key_value`` (split here)
 ============  ==============  ============================================================================
 
-Llama and Mistral go through :mod:`attnlab.formats.hf_llama`. :func:`to_attnlab` takes a
-transformers model, or a state dict with HF names and the dict of its ``config.json`` (what a GGUF
-reader produces too), and returns ``(GPTConfig fields, attnlab state dict)``; :func:`to_hf_state_dict`
-goes back. Like the other modules of :mod:`attnlab.formats` this holds formats only:
-``GPT.from_hf`` builds the model.
+A source in a row is a Hugging Face name, a tuple of names stacked along the rows (gate, then up:
+attnlab runs them as one matmul), a :class:`Conv1D` (a weight stored ``(in, out)``, GPT-2's) or a
+:class:`Split` (one part of a fused query/key/value tensor): a family's fixes are kinds of source,
+so reading (:func:`to_attnlab`) and writing (:func:`to_hf_state_dict`) are one loop for every family.
+llama.cpp names attnlab's tensors the same way in every architecture (:data:`GGUF_NAMES`), so
+:func:`gguf_tensors` derives a GGUF file's names from the same rows.
+
+GPT-2 is a row here, but its bare state dicts record no config: :mod:`attnlab.formats.hf` reads the
+sizes from the tensors and calls :func:`convert`. Like the other modules of :mod:`attnlab.formats`
+this holds formats only: ``GPT.from_hf`` builds the model.
 """
 
 from __future__ import annotations
@@ -40,31 +49,53 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnlab.formats import hf_llama
+from attnlab.checks import is_int
 
 if TYPE_CHECKING:  # the model sits above this module
-    from attnlab.model import GPT
+    from attnlab.model import GPT, GPTConfig
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "Split", "config_fields", "to_attnlab", "to_hf_state_dict"]
+__all__ = [
+    "FAMILIES",
+    "GGUF_NAMES",
+    "LLAMA_FAMILY",
+    "MODEL_TYPES",
+    "Conv1D",
+    "Split",
+    "check_exportable",
+    "config_fields",
+    "convert",
+    "export",
+    "gguf_tensors",
+    "to_attnlab",
+    "to_hf_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class Conv1D:
+    """A weight stored as a ``Conv1D``'s ``(in, out)`` (GPT-2's), the transpose of ``nn.Linear``'s."""
+
+    name: str
 
 
 @dataclass(frozen=True)
 class Split:
     """Part ``part`` (``"q"``, ``"k"`` or ``"v"``) of a fused query/key/value tensor ``name``.
 
-    ``per_head=False``: all queries, then all keys, then all values (Phi-3's ``qkv_proj``);
-    ``per_head=True``: for each head its query, key and value in turn (GPT-NeoX's ``query_key_value``).
+    ``per_head=False``: all queries, then all keys, then all values (GPT-2's ``c_attn``, Phi-3's
+    ``qkv_proj``); ``per_head=True``: for each head its query, key and value in turn (GPT-NeoX's
+    ``query_key_value``).
     """
 
-    name: str
+    name: str | Conv1D
     part: str
     per_head: bool = False
 
 
-# A source: one HF tensor (its name), several stacked along dim 0 (gate then up), or a Split.
-Source = str | tuple[str, ...] | Split
+# A source: one HF tensor (its name), several stacked along dim 0 (gate then up), a Conv1D or a Split.
+Source = str | tuple[str, ...] | Conv1D | Split
 
-# Llama's layer names (Qwen 2/3, Gemma share them).
+# Llama's layer names (Mistral, Qwen 2/3, Gemma, OLMo 2 share them).
 _ATTENTION = {
     "att.W_query.weight": "self_attn.q_proj.weight",
     "att.W_key.weight": "self_attn.k_proj.weight",
@@ -89,26 +120,36 @@ _SANDWICH_NORMS = {
     "post_norm2.weight": "post_feedforward_layernorm.weight",
 }
 _LLAMA_OUTER = {"tok_emb.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
+_QKV = (("W_query", "q"), ("W_key", "k"), ("W_value", "v"))
 
 
 @dataclass(frozen=True)
 class Family:
-    """One family's table: config switches and tensor sources.
+    """One family's row: config switches and tensor sources.
 
     Attributes:
-        fields: ``config.json`` dict -> the switches that differ from Llama's (see :func:`config_fields`).
-        layer: attnlab name inside ``trf_blocks.i`` -> HF source inside ``layers.i``.
-        outer: attnlab names outside the blocks -> HF names (``out_head`` is added when untied).
+        fields: ``config.json`` dict -> the :class:`~attnlab.GPTConfig` fields (see :func:`config_fields`).
+        layer: attnlab name inside ``trf_blocks.i`` -> HF source inside ``{blocks}i``. A bias the
+            config switches off (``qkv_bias``, ``bias``) is neither read nor written.
+        outer: attnlab names outside the blocks -> HF sources (``out_head`` is added when untied).
         head: the HF names of the untied output head (GPT-NeoX: ``lm_head`` in what transformers 5
             writes, ``embed_out`` in the published files); export writes the first.
         prefix: what HF puts before the names above (stripped when present).
+        blocks: HF's name of the blocks, before the layer index.
+        check: ``(model config, model_type)`` -> refuse a model the layout cannot hold; by default
+            the family's reader must give back the model's switches (:func:`check_exportable`).
+        zero_biases: the layout always has every bias: a model without them writes zeros (which is
+            what their absence computes).
     """
 
     fields: Callable[[dict[str, Any]], dict[str, Any]]
     layer: dict[str, Source]
-    outer: dict[str, str]
+    outer: dict[str, Source]
     head: tuple[str, ...] = ("lm_head.weight",)
     prefix: str = "model."
+    blocks: str = "layers."
+    check: Callable[[Any, str], None] | None = None
+    zero_biases: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,15 +347,81 @@ def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def gpt2_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """:class:`~attnlab.GPTConfig` sizes of a GPT-2 ``config.json`` (as a dict): enough to build the
+    model's shapes (e.g. on the meta device) or size its KV cache, without the weights."""
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"expected a GPT-2 config, got model_type={cfg.get('model_type')!r}")
+    return dict(
+        vocab_size=cfg.get("vocab_size", 50257),
+        context_length=cfg.get("n_positions", 1024),
+        emb_dim=cfg.get("n_embd", 768),
+        n_heads=cfg.get("n_head", 12),
+        n_layers=cfg.get("n_layer", 12),
+        qkv_bias=True,
+        ff_dim=cfg.get("n_inner"),
+        ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        activation=_GELUS.get(cfg.get("activation_function", "gelu_new"), "gelu_tanh"),
+    )
+
+
+def _llama(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama and Mistral (a Llama with a sliding window): biases on every projection or none."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not is_int(cfg.get(key)) or not 0 < cfg[key] <= 1 << 31:
+            raise ValueError(f"config {key} must be a positive integer, got {cfg.get(key)!r}")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    kv = cfg.get("num_key_value_heads") or heads
+    if not is_int(kv) or kv <= 0 or heads % kv:
+        raise ValueError(f"config num_key_value_heads={kv!r} must divide num_attention_heads={heads}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"config rms_norm_eps must be a small positive number, got {eps!r}")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ValueError(
+            f"config hidden_size={hidden} is not divisible by num_attention_heads={heads}, and no head_dim is given"
+        )
+    bias = bool(cfg.get("attention_bias", False))
+    if bias != bool(cfg.get("mlp_bias", False)):
+        raise ValueError("attnlab's GPT has one bias switch for the output projection and the MLP (bias=...)")
+    if cfg.get("pretraining_tp", 1) != 1:
+        raise ValueError("pretraining_tp != 1 (a tensor-parallel split of the weights) is not supported")
+    fields = _llama_like(cfg) | dict(qkv_bias=bias, bias=bias)
+    return fields | (_window_layers(cfg, fields["n_layers"], None) if cfg.get("model_type") == "mistral" else {})
+
+
 # --------------------------------------------------------------------------------------------
-# The tables
+# The table
 # --------------------------------------------------------------------------------------------
+_GPT2_LAYER: dict[str, Source] = {
+    "norm1.weight": "ln_1.weight",
+    "norm1.bias": "ln_1.bias",
+    **{f"att.{m}.weight": Split(Conv1D("attn.c_attn.weight"), p) for m, p in _QKV},
+    **{f"att.{m}.bias": Split("attn.c_attn.bias", p) for m, p in _QKV},
+    "att.out_proj.weight": Conv1D("attn.c_proj.weight"),
+    "att.out_proj.bias": "attn.c_proj.bias",
+    "norm2.weight": "ln_2.weight",
+    "norm2.bias": "ln_2.bias",
+    "ff.layers.0.weight": Conv1D("mlp.c_fc.weight"),
+    "ff.layers.0.bias": "mlp.c_fc.bias",
+    "ff.layers.2.weight": Conv1D("mlp.c_proj.weight"),
+    "ff.layers.2.bias": "mlp.c_proj.bias",
+}
+_LLAMA_LAYER: dict[str, Source] = {
+    **_PRE_NORMS,
+    **_ATTENTION,
+    **_QKV_BIAS,
+    "att.out_proj.bias": "self_attn.o_proj.bias",
+    **_GATED_MLP,
+    "ff.layers.0.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+    "ff.layers.2.bias": "mlp.down_proj.bias",
+}
 _NEOX_LAYER: dict[str, Source] = {
     "norm1.weight": "input_layernorm.weight",
     "norm1.bias": "input_layernorm.bias",
     **{
         f"att.{m}.{p}": Split(f"attention.query_key_value.{p}", s, per_head=True)
-        for m, s in (("W_query", "q"), ("W_key", "k"), ("W_value", "v"))
+        for m, s in _QKV
         for p in ("weight", "bias")
     },
     "att.out_proj.weight": "attention.dense.weight",
@@ -328,20 +435,76 @@ _NEOX_LAYER: dict[str, Source] = {
 }
 _PHI3_LAYER: dict[str, Source] = {
     **_PRE_NORMS,
-    "att.W_query.weight": Split("self_attn.qkv_proj.weight", "q"),
-    "att.W_key.weight": Split("self_attn.qkv_proj.weight", "k"),
-    "att.W_value.weight": Split("self_attn.qkv_proj.weight", "v"),
+    **{f"att.{m}.weight": Split("self_attn.qkv_proj.weight", p) for m, p in _QKV},
     "att.out_proj.weight": "self_attn.o_proj.weight",
     "ff.layers.0.weight": "mlp.gate_up_proj.weight",  # gate rows, then up rows: attnlab's layout already
     "ff.layers.2.weight": "mlp.down_proj.weight",
 }
 
+# The GPTConfig switches of the families after Llama, as they are when off: neither GPT-2's nor
+# Llama's layout can hold a model that turns one on.
+FAMILY_SWITCHES_OFF = {
+    "head_size": None,
+    "attn_scale": None,
+    "attn_softcap": None,
+    "logit_softcap": None,
+    "embed_scale": None,
+    "norm_offset": 0.0,
+    "window_layers": None,
+    "rope_local_theta": None,
+    "pre_norms": True,
+    "post_norms": False,
+    "rotary_fraction": 1.0,
+    "parallel_residual": False,
+}
+
+
+def _check_gpt2(cfg: GPTConfig, model_type: str) -> None:
+    if cfg.kv_heads != cfg.n_heads:
+        raise ValueError(
+            f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
+        )
+    gpt2 = {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "window": None, "qk_norm": False}
+    gpt2 |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size" or cfg.head_size != cfg.head_dim}
+    other = {k: getattr(cfg, k) for k, v in gpt2.items() if getattr(cfg, k, v) != v}
+    if other:
+        raise ValueError(
+            f"GPT-2 has learned positions, LayerNorm, a GELU MLP and full attention; this model has {other}"
+        )
+
+
+def _check_llama(cfg: GPTConfig, model_type: str) -> None:
+    llama = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "sinks": 0, "qk_norm": False}
+    llama |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size"}  # (Llama's config has head_dim)
+    other = {k: getattr(cfg, k) for k, v in llama.items() if getattr(cfg, k, v) != v}
+    if cfg.qkv_bias != cfg.bias:
+        other["qkv_bias, bias"] = (cfg.qkv_bias, cfg.bias)
+    if other:
+        raise ValueError(
+            f"model_type={model_type!r}: a Llama block has RoPE, RMSNorm, a SwiGLU MLP, no sinks or QK-norm, and "
+            f"one bias switch; this model has {other}"
+        )
+
+
+_GEMMA2 = {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}
 FAMILIES: dict[str, Family] = {
+    "gpt2": Family(
+        gpt2_config_fields,
+        _GPT2_LAYER,
+        {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight"}
+        | {f"final_norm.{p}": f"ln_f.{p}" for p in ("weight", "bias")},
+        prefix="transformer.",
+        blocks="h.",
+        check=_check_gpt2,
+        zero_biases=True,
+    ),
+    "llama": Family(_llama, _LLAMA_LAYER, _LLAMA_OUTER, check=_check_llama),
+    "mistral": Family(_llama, _LLAMA_LAYER, _LLAMA_OUTER, check=_check_llama),
     "qwen2": Family(_qwen2, {**_PRE_NORMS, **_ATTENTION, **_QKV_BIAS, **_GATED_MLP}, _LLAMA_OUTER),
     "qwen3": Family(_qwen3, {**_PRE_NORMS, **_ATTENTION, **_QK_NORM, **_GATED_MLP}, _LLAMA_OUTER),
     "gemma": Family(_gemma, {**_PRE_NORMS, **_ATTENTION, **_GATED_MLP}, _LLAMA_OUTER),
-    "gemma2": Family(_gemma2, {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}, _LLAMA_OUTER),
-    "gemma3_text": Family(_gemma3, {**_SANDWICH_NORMS, **_ATTENTION, **_QK_NORM, **_GATED_MLP}, _LLAMA_OUTER),
+    "gemma2": Family(_gemma2, _GEMMA2, _LLAMA_OUTER),
+    "gemma3_text": Family(_gemma3, {**_GEMMA2, **_QK_NORM}, _LLAMA_OUTER),
     "phi3": Family(_phi3, _PHI3_LAYER, _LLAMA_OUTER),
     "olmo2": Family(
         _olmo2,
@@ -357,33 +520,67 @@ FAMILIES: dict[str, Family] = {
     "gpt_neox": Family(
         _gpt_neox,
         _NEOX_LAYER,
-        {
-            "tok_emb.weight": "embed_in.weight",
-            "final_norm.weight": "final_layer_norm.weight",
-            "final_norm.bias": "final_layer_norm.bias",
-        },
+        {"tok_emb.weight": "embed_in.weight"}
+        | {f"final_norm.{p}": f"final_layer_norm.{p}" for p in ("weight", "bias")},
         head=("lm_head.weight", "embed_out.weight"),
         prefix="gpt_neox.",
     ),
 }
-# Every model_type GPT.from_hf reads besides GPT-2 (Llama and Mistral: attnlab.formats.hf_llama).
-MODEL_TYPES = (*hf_llama.LLAMA_FAMILY, *FAMILIES)
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+# model_type values read as a Llama block (Mistral: a Llama with a sliding window).
+LLAMA_FAMILY = ("llama", "mistral")
+# Every model_type GPT.from_hf reads through to_attnlab (GPT-2: through attnlab.formats.hf).
+MODEL_TYPES = tuple(t for t in FAMILIES if t != "gpt2")
 _GPT2 = (
     "GPT-2 (model_type='gpt2') has a module of its own: attnlab.formats.hf (GPT.from_hf_gpt2 / GPT.from_hf "
-    "to read it, to_hf_gpt2_state_dict / to_hf_gpt2 to write it); this module holds the families after Llama"
+    "to read it, to_hf_gpt2_state_dict / to_hf_gpt2 to write it), since a bare GPT-2 state dict records no config"
 )
+
+# llama.cpp's names of attnlab's tensors, the same in every architecture (``blk.i.`` for ``trf_blocks.i.``;
+# a gate and up pair stacked by a row is ffn_gate and ffn_up, a fused query/key/value tensor attn_qkv).
+GGUF_NAMES = {
+    "tok_emb": "token_embd",
+    "final_norm": "output_norm",
+    "out_head": "output",
+    "norm1": "attn_norm",
+    "post_norm1": "post_attention_norm",
+    "norm2": "ffn_norm",
+    "post_norm2": "post_ffw_norm",
+    "att.W_query": "attn_q",
+    "att.W_key": "attn_k",
+    "att.W_value": "attn_v",
+    "att.out_proj": "attn_output",
+    "att.q_norm": "attn_q_norm",
+    "att.k_norm": "attn_k_norm",
+    "ff.layers.0": "ffn_up",
+    "ff.layers.2": "ffn_down",
+}
+
+
+def gguf_tensors(model_type: str) -> dict[str, str]:
+    """``{llama.cpp tensor name: Hugging Face name}`` of family ``model_type`` (``{i}``: the layer), from
+    its row of :data:`FAMILIES` and :data:`GGUF_NAMES`."""
+    family, out = FAMILIES[model_type], {}
+    rows = [("", "", family.outer | {"out_head.weight": family.head[0]})]
+    for gguf_where, where, table in [*rows, ("blk.{i}.", family.blocks + "{i}.", family.layer)]:
+        for name, src in table.items():
+            module, kind = name.rsplit(".", 1)
+            theirs = GGUF_NAMES[module]
+            if isinstance(src, Split):
+                theirs, src = "attn_qkv", src.name
+            if isinstance(src, tuple):  # the gate and up projections
+                out[f"{gguf_where}ffn_gate.{kind}"] = where + src[0]
+                src = src[1]
+            out[f"{gguf_where}{theirs}.{kind}"] = where + (src.name if isinstance(src, Conv1D) else src)
+    return out
 
 
 def config_fields(cfg: Mapping[str, Any], drop_rate: float = 0.0) -> dict[str, Any]:
     """:class:`~attnlab.GPTConfig` fields of a ``config.json`` (as a dict) of any family in :data:`MODEL_TYPES`."""
     cfg = dict(cfg)
     model_type = cfg.get("model_type")
-    if model_type in hf_llama.LLAMA_FAMILY:
-        return hf_llama.config_fields(cfg, drop_rate)
     if model_type == "gpt2":
         raise ValueError(_GPT2)
-    if model_type not in FAMILIES:
+    if model_type not in MODEL_TYPES:
         raise ValueError(f"attnlab reads the model types {', '.join(MODEL_TYPES)} (and gpt2), got {model_type!r}")
     try:
         return FAMILIES[model_type].fields(cfg) | dict(drop_rate=drop_rate)
@@ -400,14 +597,16 @@ def _config_dict(hf_config: Any) -> dict[str, Any]:
 
 
 def _expected_shapes(f: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor name (inside a block or outside) a GPT with fields ``f`` has."""
-    C, V, F = f["emb_dim"], f["vocab_size"], f["ff_dim"]
+    """The shape of each tensor name (inside a block or outside) a GPT with fields ``f`` has; the rest: ``(C,)``."""
+    C, V = f["emb_dim"], f["vocab_size"]
+    F = f.get("ff_dim") or 4 * C
     hd = f.get("head_size") or C // f["n_heads"]
     q, kv = f["n_heads"] * hd, (f.get("n_kv_heads") or f["n_heads"]) * hd
-    gated = 2 if f["mlp"] in ("swiglu", "geglu") else 1
+    gated = 2 if f.get("mlp") in ("swiglu", "geglu") else 1
     full = f.get("qk_norm") == "full"
     return {
         "tok_emb.weight": (V, C),
+        "pos_emb.weight": (f["context_length"], C),
         "out_head.weight": (V, C),
         "att.W_query.weight": (q, C),
         "att.W_key.weight": (kv, C),
@@ -424,31 +623,80 @@ def _expected_shapes(f: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _read(state: Mapping[str, Tensor], where: str, source: Source, f: dict[str, Any]) -> tuple[Tensor, str]:
-    """The tensor ``source`` names (under ``where``), and how to name it in an error."""
+def _has(name: str, f: dict[str, Any] | Any) -> bool:
+    """Whether a model of fields (or config) ``f`` has tensor ``name``: a bias only when switched on."""
+    get = f.get if isinstance(f, dict) else lambda k, d: getattr(f, k)
+    if not name.endswith(".bias"):
+        return True
+    return bool(get("qkv_bias", False) if name.split(".")[-2] in dict(_QKV) else get("bias", True))
 
-    def get(name: str) -> Tensor:
-        if where + name not in state:
-            raise ValueError(f"not a {f['model_type']} state dict: {where + name!r} is missing")
-        return state[where + name]
 
-    if isinstance(source, str):
-        return get(source), where + source
-    if isinstance(source, tuple):
-        return torch.cat([get(s) for s in source]), " + ".join(where + s for s in source)
-    fused = get(source.name)
-    hd = f.get("head_size") or f["emb_dim"] // f["n_heads"]
-    H, Hkv = f["n_heads"], f.get("n_kv_heads") or f["n_heads"]
-    name = f"{where}{source.name} ({source.part})"
-    if source.per_head:  # (H, 3, hd, ...) : each head's q, k, v rows in turn
-        if fused.shape[0] != 3 * H * hd:
-            raise ValueError(f"{where + source.name} must have {3 * H * hd} rows, got {tuple(fused.shape)}")
-        part = fused.view(H, 3, hd, *fused.shape[1:])[:, "qkv".index(source.part)]
-        return part.reshape(H * hd, *fused.shape[1:]), name
-    sizes = [H * hd, Hkv * hd, Hkv * hd]
-    if fused.shape[0] != sum(sizes):
-        raise ValueError(f"{where + source.name} must have {sum(sizes)} rows (q, k, v), got {tuple(fused.shape)}")
-    return fused.split(sizes)["qkv".index(source.part)], name
+def _read(take: Callable[[str, tuple[int, ...]], Tensor], src: Source, want: tuple[int, ...], f: dict) -> Tensor:
+    """The attnlab tensor (of shape ``want``) that ``src`` names; ``take(name, shape)`` gives a Hugging
+    Face tensor, checked against the shape it must have."""
+    if isinstance(src, str):
+        return take(src, want)
+    if isinstance(src, Conv1D):
+        return take(src.name, want[::-1]).t()
+    if isinstance(src, tuple):
+        return torch.cat([take(s, (want[0] // len(src), *want[1:])) for s in src])
+    H, hd = f["n_heads"], f.get("head_size") or f["emb_dim"] // f["n_heads"]
+    sizes, rest = [H * hd, *2 * [(f.get("n_kv_heads") or H) * hd]], want[1:]
+    fused, i = _read(take, src.name, (sum(sizes), *rest), f), "qkv".index(src.part)
+    if src.per_head:  # (H, 3, hd, ...): each head's q, k, v rows in turn
+        return fused.view(H, 3, hd, *rest)[:, i].reshape(H * hd, *rest)
+    return fused.split(sizes)[i]
+
+
+def convert(
+    state: dict[str, Tensor], fields: dict[str, Any], model_type: str, *, copy: bool = True
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(fields, attnlab state dict)`` of ``state`` (Hugging Face names, the family's prefix optional)
+    read through family ``model_type``'s row, every tensor's shape checked against ``fields``.
+
+    With ``copy=False`` the tensors are *moved*: ``state`` is emptied, and each layer's tensors are
+    dropped once converted, so a caller that owns them (the GGUF reader) never holds two copies."""
+    family = FAMILIES[model_type]
+    for k, v in state.items():
+        if not isinstance(v, Tensor):
+            raise TypeError(f"state dict entry {k!r} is a {type(v).__name__}, not a tensor")
+    hf = {k.removeprefix(family.prefix): v for k, v in state.items()}
+    if not copy:
+        state.clear()
+    layer = re.compile(rf"^{re.escape(family.blocks)}(\d+)\.")
+    layers = {int(m.group(1)) for k in hf if (m := layer.match(k))}
+    if layers != set(range(fields["n_layers"])):
+        raise ValueError(
+            f"the config says {fields['n_layers']} layers, the weights have layers {sorted(layers)[:8]}"
+            f"{'...' if len(layers) > 8 else ''}"
+        )
+    head = next((h for h in family.head if h in hf), None)
+    fields["tie_embeddings"] = fields["tie_embeddings"] or head is None
+    f, shapes = fields | {"model_type": model_type}, _expected_shapes(fields)
+    groups = [("", "", family.outer | ({} if fields["tie_embeddings"] else {"out_head.weight": head}))]
+    groups += [(f"{family.blocks}{i}.", f"trf_blocks.{i}.", family.layer) for i in range(fields["n_layers"])]
+    new, used = {}, set()
+    for where, ours, table in groups:
+
+        def take(name: str, want: tuple[int, ...], where: str = where) -> Tensor:
+            if where + name not in hf:
+                raise ValueError(f"not a {model_type} state dict: {where + name!r} is missing")
+            if tuple(hf[where + name].shape) != tuple(want):
+                got = tuple(hf[where + name].shape)
+                raise ValueError(f"{model_type} weight {where + name!r} must have shape {tuple(want)}, got {got}")
+            used.add(where + name)
+            return hf[where + name]
+
+        for name, src in table.items():
+            if _has(name, f):
+                new[ours + name] = _read(take, src, shapes.get(name, (fields["emb_dim"],)), f)
+        if not copy:  # this layer's Hugging Face tensors are now attnlab's (or unused): drop them
+            for k in used:
+                del hf[k]
+            used.clear()
+    if copy:
+        return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
+    return fields, {k: v.detach().contiguous() for k, v in new.items()}
 
 
 def to_attnlab(
@@ -462,53 +710,23 @@ def to_attnlab(
         hf_config: its config (a transformers config or the dict of ``config.json``); read from the
             model when one is given. Its ``model_type`` picks the family.
         drop_rate: dropout for training the converted model.
-        copy: copy every tensor (the default: the result shares no memory with the input); False
-            when the input is thrown away anyway (a GGUF file's tensors), to halve the peak memory.
+        copy: copy every tensor (the default: the result shares no memory with the input). With
+            False the tensors of a state dict are *moved* (see :func:`convert`).
     """
     if hasattr(model_or_state_dict, "state_dict") and callable(model_or_state_dict.state_dict):
         state = dict(model_or_state_dict.state_dict())
         hf_config = getattr(model_or_state_dict, "config", None) if hf_config is None else hf_config
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
+        if not copy and isinstance(model_or_state_dict, dict):
+            model_or_state_dict.clear()
     else:
         raise TypeError(f"expected a Hugging Face model or its state dict, got {type(model_or_state_dict).__name__}")
     if hf_config is None:
         raise ValueError("a state dict does not record heads, RoPE base or norms: pass hf_config= (its config.json)")
     cfg = _config_dict(hf_config)
-    model_type = cfg.get("model_type")
-    if model_type in hf_llama.LLAMA_FAMILY:
-        return hf_llama.llama_to_attnlab(state, hf_config=cfg, drop_rate=drop_rate)
     fields = config_fields(cfg, drop_rate)
-    family = FAMILIES[model_type]
-    for k, v in state.items():
-        if not isinstance(v, Tensor):
-            raise TypeError(f"state dict entry {k!r} is a {type(v).__name__}, not a tensor")
-    state = {k.removeprefix(family.prefix): v for k, v in state.items()}
-    layers = {int(m.group(1)) for k in state if (m := _LAYER.match(k))}
-    if layers != set(range(fields["n_layers"])):
-        raise ValueError(
-            f"the config says {fields['n_layers']} layers, the weights have layers {sorted(layers)[:8]}"
-            f"{'...' if len(layers) > 8 else ''}"
-        )
-    head = next((h for h in family.head if h in state), None)
-    fields["tie_embeddings"] = fields["tie_embeddings"] or head is None
-    shapes = _expected_shapes(fields | {"model_type": model_type})
-    C = fields["emb_dim"]
-    sources = [(name, src, "") for name, src in family.outer.items()]
-    if not fields["tie_embeddings"]:
-        sources.append(("out_head.weight", head, ""))
-    for i in range(fields["n_layers"]):
-        sources += [(f"trf_blocks.{i}.{name}", src, f"layers.{i}.") for name, src in family.layer.items()]
-    new = {}
-    for name, src, where in sources:
-        tensor, hf_name = _read(state, where, src, fields | {"model_type": model_type})
-        want = shapes.get(name.split(".", 2)[-1] if where else name, (C,))
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"{model_type} weight {hf_name!r} must have shape {want}, got {tuple(tensor.shape)}")
-        new[name] = tensor
-    if copy:
-        return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
-    return fields, {k: v.detach().contiguous() for k, v in new.items()}
+    return convert(state, fields, cfg["model_type"], copy=copy)
 
 
 # The GPTConfig switches that make a family's computation (not its sizes, nor its RoPE base).
@@ -605,12 +823,12 @@ def _differs(a: Any, b: Any) -> bool:
     return a != b
 
 
-def _check_family(model: GPT, model_type: str) -> None:
-    """Refuse exporting ``model`` as ``model_type`` unless that family's reader, given a config.json
+def _check_family(config: GPTConfig, model_type: str) -> None:
+    """Refuse exporting a model of ``config`` as ``model_type`` unless that family's reader, given a config.json
     that says all of the model's settings, gives back the model's switches (:data:`FAMILIES` is the
     one table both ways)."""
-    kind = type(model.config)
-    have, probe, why = _switches(model.config, kind), _as_config_json(model.config, model_type), ""
+    kind = type(config)
+    have, probe, why = _switches(config, kind), _as_config_json(config, model_type), ""
     try:
         want = _switches(config_fields(probe), kind)
     except ValueError as e:  # the reader refuses the model's activation or biases: compare with the family's own
@@ -633,45 +851,65 @@ def _check_family(model: GPT, model_type: str) -> None:
         raise ValueError(f"model_type={model_type!r} cannot hold this model{why}: export it under its own family")
 
 
+def check_exportable(model: GPT, model_type: str) -> GPTConfig:
+    """``model``'s config, if family ``model_type``'s layout can hold the model; else a ValueError
+    naming the switches that differ."""
+    # Duck-typed: this module sits below attnlab.model, so it cannot name the class.
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(cfg, "kv_heads"):
+        raise TypeError(f"expected an attnlab GPT, got {type(model).__name__}")
+    (FAMILIES[model_type].check or _check_family)(cfg, model_type)
+    return cfg
+
+
+def export(model: GPT, model_type: str) -> dict[str, Tensor]:
+    """``model``'s weights under family ``model_type``'s Hugging Face names (the inverse of :func:`convert`)."""
+    cfg, family = check_exportable(model, model_type), FAMILIES[model_type]
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    out: dict[str, Tensor] = {}
+    pieces: dict[str, dict[str, Tensor]] = {}  # fused tensors, gathered part by part
+
+    def write(src: Source, t: Tensor, where: str) -> None:
+        if isinstance(src, str):
+            out[where + src] = t
+        elif isinstance(src, Conv1D):
+            out[where + src.name] = t.t()
+        elif isinstance(src, tuple):
+            for s, part in zip(src, t.chunk(len(src)), strict=True):
+                out[where + s] = part
+        else:
+            got = pieces.setdefault(where + str(src.name), {})
+            got[src.part] = t
+            if len(got) < 3:
+                return
+            q, k, v = (got[p] for p in "qkv")
+            if src.per_head:  # back to each head's q, k, v rows in turn
+                fused = torch.stack([p.reshape(cfg.n_heads, cfg.head_dim, *p.shape[1:]) for p in (q, k, v)], dim=1)
+                write(src.name, fused.reshape(-1, *q.shape[1:]), where)
+            else:
+                write(src.name, torch.cat([q, k, v]), where)
+
+    rows = [("", "", family.outer)]
+    rows += [(f"{family.blocks}{i}.", f"trf_blocks.{i}.", family.layer) for i in range(cfg.n_layers)]
+    for where, ours, table in rows:
+        for name, src in table.items():
+            if ours + name in sd:
+                write(src, sd[ours + name], family.prefix + where)
+            elif not name.endswith(".bias"):
+                raise ValueError(f"this model has no {ours + name!r}: it is not a {model_type} model")
+            elif family.zero_biases:  # a bias switched off: zeros compute what its absence does
+                weight = sd[ours + name.removesuffix(".bias") + ".weight"]
+                write(src, weight.new_zeros(weight.shape[0]), family.prefix + where)
+    out[family.head[0]] = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["out_head.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def to_hf_state_dict(model: GPT, model_type: str) -> dict[str, Tensor]:
     """``model``'s weights under the names of the Hugging Face family ``model_type`` (the inverse
     of :func:`to_attnlab`). The model's switches must be that family's (e.g. a model read from one):
     anything else is a ValueError naming the switches that differ."""
     if model_type == "gpt2":
         raise ValueError(_GPT2)
-    if model_type in hf_llama.LLAMA_FAMILY:
-        try:
-            return hf_llama.to_hf_llama_state_dict(model)
-        except ValueError as e:
-            raise ValueError(f"model_type={model_type!r}: {e}") from None
-    if model_type not in FAMILIES:
+    if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (or gpt2), got {model_type!r}")
-    _check_family(model, model_type)
-    family, cfg = FAMILIES[model_type], model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    out: dict[str, Tensor] = {}
-    pieces: dict[str, dict[str, Tensor]] = {}  # fused tensors, gathered part by part
-    sources = [(name, src, "") for name, src in family.outer.items()]
-    for i in range(cfg.n_layers):
-        sources += [(f"trf_blocks.{i}.{name}", src, f"layers.{i}.") for name, src in family.layer.items()]
-    for name, src, where in sources:
-        if name not in sd:
-            raise ValueError(f"this model has no {name!r}: it is not a {model_type} model")
-        t = sd[name]
-        if isinstance(src, str):
-            out[family.prefix + where + src] = t
-        elif isinstance(src, tuple):
-            for s, part in zip(src, t.chunk(len(src)), strict=True):
-                out[family.prefix + where + s] = part
-        else:
-            pieces.setdefault(family.prefix + where + src.name, {})[src.part] = t
-            if len(pieces[family.prefix + where + src.name]) == 3:
-                q, k, v = (pieces[family.prefix + where + src.name][p] for p in "qkv")
-                if src.per_head:
-                    H = cfg.n_heads
-                    fused = torch.stack([p.reshape(H, cfg.head_dim, *p.shape[1:]) for p in (q, k, v)], dim=1)
-                    out[family.prefix + where + src.name] = fused.reshape(-1, *q.shape[1:])
-                else:
-                    out[family.prefix + where + src.name] = torch.cat([q, k, v])
-    out[family.head[0]] = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["out_head.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return export(model, model_type)

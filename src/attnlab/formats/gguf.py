@@ -8,7 +8,7 @@ memory-mapped :class:`gguf.GGUFReader` and turns it into what a Hugging Face dir
 * the metadata into a ``config.json``-style dict (``model_type``, ``hidden_size``,
   ``num_attention_heads``, ``rope_theta``, ...), through one data-driven table per llama.cpp
   architecture (:data:`ARCHITECTURES`);
-* the tensors into Hugging Face names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
+* the tensors into Hugging Face names (``blk.3.attn_q.weight`` -> ``layers.3.self_attn.q_proj.weight``),
   one at a time, dequantized by ``gguf.quants.dequantize``, with what llama.cpp's converter changed
   put back, so the result is exactly the Hugging Face checkpoint it came from:
 
@@ -26,9 +26,9 @@ memory-mapped :class:`gguf.GGUFReader` and turns it into what a Hugging Face dir
   * GPT-NeoX: the converter reorders the per-head fused ``query_key_value`` (``q0 k0 v0 q1 ...``)
     as all queries, all keys, all values: put back per head.
 
-From there the Hugging Face mapping that already exists (:func:`attnlab.formats.hf_llama.llama_to_attnlab`
-for Llama, :func:`attnlab.formats.families.to_attnlab` for the others) makes the attnlab model, so a
-new family needs only a table row here. The tokenizer stored in the file is built by
+From there the Hugging Face mapping (:func:`attnlab.formats.families.to_attnlab`, whose table also
+gives the llama.cpp tensor names) makes the attnlab model, so a new family needs only a row of
+metadata keys here. The tokenizer stored in the file is built by
 :class:`attnlab.tokenizers.HFTokenizer` (it reads ``.gguf`` paths too).
 
 ====================  ==============================  ==========================================
@@ -66,7 +66,7 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
-from attnlab.formats import families, hf_llama
+from attnlab.formats import families
 
 __all__ = [
     "ARCHITECTURES",
@@ -84,10 +84,10 @@ class Architecture:
     """How one llama.cpp architecture's metadata and tensors read as a Hugging Face model.
 
     Attributes:
-        model_type: the Hugging Face ``model_type`` it becomes.
+        model_type: the Hugging Face ``model_type`` it becomes; its row of
+            :data:`attnlab.formats.families.FAMILIES` names the tensors (:func:`~attnlab.formats.families.gguf_tensors`:
+            a tensor not there is refused, never silently dropped).
         config: ``{config.json key: GGUF key}``; ``{arch}`` in a GGUF key is the architecture's name.
-        tensors: ``{llama.cpp tensor name: Hugging Face name}``; ``{i}`` is the layer. A tensor not
-            in the table is refused (never silently dropped).
         permuted: the llama.cpp tensors whose rows the converter permuted for its RoPE layout (only
             Llama's: the other families rotate halves, as Hugging Face does, and are stored as is).
         defaults: ``config.json`` values the converter does not write (llama.cpp's own defaults).
@@ -103,7 +103,6 @@ class Architecture:
 
     model_type: str
     config: dict[str, str]
-    tensors: dict[str, str]
     permuted: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
     extra: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]] | None = None
@@ -124,67 +123,6 @@ _LLAMA_CONFIG = {
     "head_dim": "{arch}.attention.key_length",
     "vocab_size": "{arch}.vocab_size",
 }
-_OUTER = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_QKVO = {
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-}
-_QKV_BIAS = {
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-}
-_GATED_MLP = {
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-_PRE_NORMS = {
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-}
-# Gemma 2/3's four norms a layer: llama.cpp's ffn_norm is the one *before* the MLP.
-_SANDWICH_NORMS = {
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-_QK_NORM = {
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-}
-_LLAMA_TENSORS = {
-    **_OUTER,
-    **_PRE_NORMS,
-    **_QKVO,
-    **_QKV_BIAS,
-    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    **_GATED_MLP,
-}
-_NEOX_TENSORS = {
-    "token_embd.weight": "gpt_neox.embed_in.weight",
-    "output.weight": "embed_out.weight",
-    **{f"output_norm.{p}": f"gpt_neox.final_layer_norm.{p}" for p in ("weight", "bias")},
-    **{
-        f"blk.{{i}}.{gguf_name}.{p}": f"gpt_neox.layers.{{i}}.{hf_name}.{p}"
-        for gguf_name, hf_name in {
-            "attn_norm": "input_layernorm",
-            "attn_qkv": "attention.query_key_value",
-            "attn_output": "attention.dense",
-            "ffn_norm": "post_attention_layernorm",
-            "ffn_up": "mlp.dense_h_to_4h",
-            "ffn_down": "mlp.dense_4h_to_h",
-        }.items()
-        for p in ("weight", "bias")
-    },
-}
 _NEOX_CONFIG = {
     "max_position_embeddings": "{arch}.context_length",
     "hidden_size": "{arch}.embedding_length",
@@ -196,6 +134,7 @@ _NEOX_CONFIG = {
     "rotary_emb_base": "{arch}.rope.freq_base",
     "vocab_size": "{arch}.vocab_size",
 }
+_GEMMA = {"rope_theta": 10_000.0, "hidden_activation": "gelu_pytorch_tanh"}
 _SOFTCAP = {
     "attn_logit_softcapping": "{arch}.attn_logit_softcapping",
     "final_logit_softcapping": "{arch}.final_logit_softcapping",
@@ -270,68 +209,35 @@ def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> d
 # One row per llama.cpp architecture (``general.architecture``), each checked against transformers
 # by tests/test_gguf.py (llama) and tests/test_gguf_families.py (the others).
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("llama", _LLAMA_CONFIG, _LLAMA_TENSORS, permuted=("attn_q", "attn_k")),
-    "qwen2": Architecture("qwen2", _LLAMA_CONFIG, {**_OUTER, **_PRE_NORMS, **_QKVO, **_QKV_BIAS, **_GATED_MLP}),
-    "qwen3": Architecture("qwen3", _LLAMA_CONFIG, {**_OUTER, **_PRE_NORMS, **_QKVO, **_QK_NORM, **_GATED_MLP}),
-    "gemma": Architecture(
-        "gemma",
-        _LLAMA_CONFIG,
-        {**_OUTER, **_PRE_NORMS, **_QKVO, **_GATED_MLP},
-        defaults={"rope_theta": 10_000.0, "hidden_activation": "gelu_pytorch_tanh"},
-        norm_shift=1.0,
-    ),
-    "gemma2": Architecture(
-        "gemma2",
-        _LLAMA_CONFIG | _SOFTCAP,
-        {**_OUTER, **_SANDWICH_NORMS, **_QKVO, **_GATED_MLP},
-        defaults={"rope_theta": 10_000.0, "hidden_activation": "gelu_pytorch_tanh"},
-        extra=_gemma2_extra,
-        norm_shift=1.0,
-    ),
+    "llama": Architecture("llama", _LLAMA_CONFIG, permuted=("attn_q", "attn_k")),
+    "qwen2": Architecture("qwen2", _LLAMA_CONFIG),
+    "qwen3": Architecture("qwen3", _LLAMA_CONFIG),
+    "gemma": Architecture("gemma", _LLAMA_CONFIG, defaults=_GEMMA, norm_shift=1.0),
+    "gemma2": Architecture("gemma2", _LLAMA_CONFIG | _SOFTCAP, defaults=_GEMMA, extra=_gemma2_extra, norm_shift=1.0),
     "gemma3": Architecture(
         "gemma3_text",
         _LLAMA_CONFIG | _SOFTCAP,
-        {**_OUTER, **_SANDWICH_NORMS, **_QKVO, **_QK_NORM, **_GATED_MLP},
         defaults={"hidden_activation": "gelu_pytorch_tanh"},
         extra=_gemma3_extra,
         norm_shift=1.0,
     ),
-    "phi3": Architecture(
+    "phi3": Architecture(  # attn_qkv and ffn_up are HF's fused qkv_proj and gate_up_proj as they are
         "phi3",
         _LLAMA_CONFIG | {"sliding_window": "{arch}.attention.sliding_window"},
-        {
-            **_OUTER,
-            **_PRE_NORMS,
-            "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",  # q, k, v rows: HF's
-            "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-            "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",  # gate rows, then up: HF's
-            "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-        },
         extra=_phi3_extra,
         partial_rotary=True,
     ),
-    "olmo2": Architecture(
-        "olmo2",
-        _LLAMA_CONFIG,
-        {
-            **_OUTER,
-            **_QKVO,
-            **_QK_NORM,  # over the whole width (qk_norm="full"): the shapes say so
-            "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-            **_GATED_MLP,
-            "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-        },
-        extra=_olmo2_extra,
-    ),
+    "olmo2": Architecture("olmo2", _LLAMA_CONFIG, extra=_olmo2_extra),
     "gptneox": Architecture(
         "gpt_neox",
         _NEOX_CONFIG,
-        _NEOX_TENSORS,
         defaults={"rotary_emb_base": 10_000.0, "hidden_act": "gelu", "layer_norm_eps": 1e-5},
         partial_rotary=True,
         qkv_per_head=True,
     ),
 }
+# What each architecture's Hugging Face family names its tensors: {llama.cpp name: HF name}.
+_TENSORS = {name: families.gguf_tensors(arch.model_type) for name, arch in ARCHITECTURES.items()}
 SUPPORTED = tuple(ARCHITECTURES)
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
 _REFUSED_TENSORS = {
@@ -463,13 +369,13 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
     return arch.extra(cfg, meta, arch_name) if arch.extra is not None else cfg
 
 
-def _hf_name(arch: Architecture, name: str, n_layers: int) -> str | None:
+def _hf_name(arch_name: str, name: str, n_layers: int) -> str | None:
     """The Hugging Face name of llama.cpp tensor ``name`` (None: not one of this architecture's)."""
-    m = _LAYER_TENSOR.fullmatch(name)
+    m, tensors = _LAYER_TENSOR.fullmatch(name), _TENSORS[arch_name]
     if m is None:
-        return arch.tensors.get(name)
+        return tensors.get(name)
     layer = int(m.group(1))
-    hf_name = arch.tensors.get("blk.{i}." + m.group(2))
+    hf_name = tensors.get("blk.{i}." + m.group(2))
     return None if hf_name is None or layer >= n_layers else hf_name.format(i=layer)
 
 
@@ -562,7 +468,7 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
     for t in reader.tensors:
         if t.name in _REFUSED_TENSORS:
             raise ValueError(f"tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported yet")
-        hf_name = _hf_name(arch, t.name, n_layers)
+        hf_name = _hf_name(name, t.name, n_layers)
         if hf_name is None:
             raise ValueError(f"unexpected tensor {t.name!r} for a {name} model of {n_layers} layers")
         tensors[hf_name] = t
@@ -575,13 +481,10 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
             if gate != k and gate in state and state[gate].shape == state[k].shape:
                 # One block for the pair attnlab runs as one matmul: the mapping's concatenation
                 # then frees one block of that size, which the next layer's reuses (two freed
-                # half-size blocks are holes the allocator cannot use: 1.4x the model, not 1.05x).
+                # half-size blocks would be holes the allocator cannot reuse for a whole one).
                 fused = torch.cat([state[gate], state[k]])
                 state[gate], state[k] = fused.chunk(2)
-    if arch.model_type in hf_llama.LLAMA_FAMILY:
-        fields, state = hf_llama.llama_to_attnlab(state, hf_config=cfg, copy=False)
-    else:
-        fields, state = families.to_attnlab(state, hf_config=cfg, copy=False)
+    fields, state = families.to_attnlab(state, hf_config=cfg, copy=False)
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
