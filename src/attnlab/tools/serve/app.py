@@ -32,7 +32,7 @@ import base64
 import html
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from string import Template
 from typing import Any
 
@@ -256,12 +256,23 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         redoc_url=None,
     )
     app.add_middleware(Guard, max_body_bytes=engine.limits.max_body_bytes, allowed_hosts=allowed_hosts)
-    assets = {name: read_asset(name) for name in ASSETS}
-    page = live_page(engine)
+    _add_error_handlers(app)
+    _add_page_routes(app, engine)
+    _add_prompt_routes(app, engine)
+    _add_generate_route(app, engine)
+    _add_chat_route(app, engine)
+    _add_patch_and_demo_routes(app, engine)
+    return app
 
-    async def call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers."""
-        return await run_in_threadpool(fn, *args, **kwargs)
+
+async def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers."""
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as a one-line ``{"detail": "..."}``: a bad request 400/422, a model that cannot do
+    what was asked 409, something missing 404, anything else 500."""
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -290,7 +301,12 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         first = str(exc).splitlines()[0] if str(exc) else ""
         return _json({"detail": f"internal error: {type(exc).__name__}: {first}"}, 500)
 
-    # -- the page and its files ---------------------------------------------------------------------
+
+def _add_page_routes(app: FastAPI, engine: Engine) -> None:
+    """``/``, the inspector page, and ``/assets/{name}``, its files."""
+    assets = {name: read_asset(name) for name in ASSETS}
+    page = live_page(engine)
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index() -> Response:
         return HTMLResponse(page, headers={"content-security-policy": PAGE_CSP, "cache-control": "no-store"})
@@ -302,7 +318,10 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         suffix = name[name.rfind(".") :]
         return Response(assets[name], media_type=CONTENT_TYPES[suffix], headers={"cache-control": "no-cache"})
 
-    # -- the API ----------------------------------------------------------------------------------
+
+def _add_prompt_routes(app: FastAPI, engine: Engine) -> None:
+    """The API's answers in one piece: info, stats, and what one forward of a prompt shows."""
+
     @app.get("/api/info", response_model=InfoAnswer, summary="the model, the limits, what the page can do")
     async def info() -> dict:
         return engine.info()
@@ -313,7 +332,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
 
     @app.post("/api/tokenize", response_model=TokenizeAnswer, summary="the prompt's tokens")
     async def tokenize(req: PromptRequest) -> dict:
-        return await call(engine.tokenize, req.prompt)
+        return await _call(engine.tokenize, req.prompt)
 
     @app.post(
         "/api/inspect",
@@ -321,7 +340,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         responses={200: {"description": "the page data: tokens, labels, model, and each section asked for"}},
     )
     async def inspect(req: InspectRequest) -> Response:
-        data = await call(
+        data = await _call(
             engine.inspect,
             req.prompt,
             req.sections,
@@ -333,11 +352,11 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
             lens_window=req.lens_window,
             next_k=req.next_k,
         )
-        return await call(_packed_response, data)  # a worker thread: megabytes to encode, the event loop free
+        return await _call(_packed_response, data)  # a worker thread: megabytes to encode, the event loop free
 
     @app.post("/api/next", response_model=NextAnswer, summary="next-token probabilities after a position")
     async def next_tokens(req: NextRequest) -> dict:
-        return await call(
+        return await _call(
             engine.next_tokens,
             req.prompt,
             position=req.position,
@@ -349,7 +368,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
 
     @app.post("/api/ablate", response_model=AblateAnswer, summary="the effect of removing heads")
     async def ablate(req: AblateRequest) -> dict:
-        return await call(
+        return await _call(
             engine.ablate,
             req.prompt,
             req.heads,
@@ -359,6 +378,21 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
             top_p=req.top_p,
             k=req.k,
         )
+
+
+def _event_stream(events: AsyncIterator[bytes], engine: Engine, run: Any) -> StreamingResponse:
+    """``events`` as server-sent events; ``engine.finish(run)`` also runs after the response, in case
+    the stream was cancelled before it started."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+        background=BackgroundTask(run_in_threadpool, engine.finish, run),
+    )
+
+
+def _add_generate_route(app: FastAPI, engine: Engine) -> None:
+    """``/api/generate``: a generation, token by token, with what the inspector plays back."""
 
     @app.post(
         "/api/generate",
@@ -370,7 +404,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
     )
     async def generate(req: GenerateRequest) -> Response:
-        run = await call(
+        run = await _call(
             engine.start_generation,
             req.prompt,
             req.max_new_tokens,
@@ -383,7 +417,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         start = {
             "prompt_length": run.prompt_length,
             "tokens": list(run.ids),
-            "labels": await call(engine.labels, run.ids),
+            "labels": await _call(engine.labels, run.ids),
             "settings": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
             "max_new_tokens": req.max_new_tokens,
         }
@@ -404,13 +438,11 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
                 with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
                     await run_in_threadpool(engine.finish, run)
 
-        # finish() also runs after the response, in case the stream was cancelled before it started.
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
-            background=BackgroundTask(run_in_threadpool, engine.finish, run),
-        )
+        return _event_stream(events(), engine, run)
+
+
+def _add_chat_route(app: FastAPI, engine: Engine) -> None:
+    """``/api/chat``: one assistant turn, token by token, as text."""
 
     @app.post(
         "/api/chat",
@@ -424,7 +456,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
     )
     async def chat(req: ChatRequest) -> Response:
         messages = [m.model_dump() for m in req.messages]
-        run = await call(
+        run = await _call(
             start_chat,
             engine,
             messages,
@@ -453,12 +485,11 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
                 with anyio.CancelScope(shield=True):
                     await run_in_threadpool(engine.finish, run)
 
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
-            background=BackgroundTask(run_in_threadpool, engine.finish, run),
-        )
+        return _event_stream(events(), engine, run)
+
+
+def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
+    """``/api/patch``, the patching view, and ``/api/demo``, the six-word example's page."""
 
     @app.post(
         "/api/patch",
@@ -468,15 +499,13 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         "and with `head` that head's attention pattern on both prompts. See attnlab.interpret.patch_view.",
     )
     async def patch(req: PatchRequest, request: Request) -> Response:
-        job = await call(prepare_patch, engine, req.clean, req.corrupted, req.answers, req.head)
-        values, pattern = await call(unpatched_runs, engine, job)
-        results = await patch_sites(engine, job, req.sites, call, request.is_disconnected)  # in pieces
+        job = await _call(prepare_patch, engine, req.clean, req.corrupted, req.answers, req.head)
+        values, pattern = await _call(unpatched_runs, engine, job)
+        results = await patch_sites(engine, job, req.sites, _call, request.is_disconnected)  # in pieces
         if results is None:  # the reader pressed stop, or patched again
             return _json({"detail": "the client left"}, 400)
-        return await call(_packed_response, patch_answer(engine, job, values, results, pattern))
+        return await _call(_packed_response, patch_answer(engine, job, values, results, pattern))
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
         return _packed_response(engine.demo_data())
-
-    return app
