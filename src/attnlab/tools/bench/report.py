@@ -173,9 +173,26 @@ def _section(title: str, intro: str, header: list[str], rows: list[list[str]], n
 def format_markdown(result: Mapping, plots: list[str]) -> str:
     """``report.md``: the tables of every measurement of :func:`~attnlab.tools.bench.suites.run_all`,
     with the plots linked."""
+
+    def plot(name: str) -> str | None:
+        return name if name in plots else None
+
+    L = _markdown_intro(result)
+    L += _attention_markdown(result, plot("attention_time.png"))
+    if result.get("memory"):
+        L += _memory_markdown(result["memory"], plot("attention_memory.png"))
+    if result.get("generation"):
+        L += _generation_markdown(result["generation"], result["config"], plot("generation.png"))
+    if result.get("training"):
+        L += _training_markdown(result["training"], result["config"], plot("training.png"))
+    return "\n".join(L).rstrip() + "\n"
+
+
+def _markdown_intro(result: Mapping) -> list[str]:
+    """The title, the machine and the run, and the matmul rate every percentage is of."""
     m, cfg, mm, end = result["machine"], result["config"], result["matmul"], result["matmul_end"]
     peak = result["peak_gflops"]
-    L = [
+    return [
         "# attnlab benchmark report",
         "",
         f"{m['date']}, {'quick' if cfg['is_quick'] else 'full'} run, {result['seconds']:.0f} s. torch {m['torch']}, "
@@ -195,10 +212,9 @@ def format_markdown(result: Mapping, plots: list[str]) -> str:
         "",
     ]
 
-    def plot(name: str) -> str | None:
-        return name if name in plots else None
 
-    att = result["attention"]
+def _attention_markdown(result: Mapping, plot: str | None) -> list[str]:
+    att, cfg = result["attention"], result["config"]
     rows = att["rows"]
     names = [n for n in IMPLEMENTATIONS if any(n in r["results"] for r in rows)]
     cells = [
@@ -215,7 +231,7 @@ def format_markdown(result: Mapping, plots: list[str]) -> str:
         for row in rows
     )
     worst = max(max(row["max_abs_diff"].values()) for row in rows)
-    L += _section(
+    return _section(
         "One causal attention layer: forward + backward",
         f"d_model {att['d_model']}, {att['num_heads']} heads, batch {att['batch']}, float32, dropout 0. Median of "
         f"{cfg['repeats']} interleaved rounds after {cfg['warmup']} warm-up; median ms, the best round's ms, and the "
@@ -229,72 +245,71 @@ def format_markdown(result: Mapping, plots: list[str]) -> str:
             "Outputs agree before timing: largest |difference| between implementations of the same function "
             f"{worst:.1e}.",
         ],
-        plot("attention_time.png"),
+        plot,
     )
 
-    mem = result.get("memory")
-    if mem:
-        lens = sorted({int(t) for pts in mem["results"].values() for t in pts})
-        cells = [
-            [_label(n)] + [f"{pts[str(t)]['forward_mb']:.1f}" if str(t) in pts else "—" for t in lens]
-            for n, pts in mem["results"].items()
-            if pts
-        ]
-        L += _section(
-            "Peak memory of one forward",
-            f"MB above the process's baseline during one `torch.no_grad()` forward, batch {mem['batch']}, each point "
-            "in a fresh process (after a tiny warm-up forward, so one-off library costs are in the baseline).",
-            ["implementation"] + [f"T={t}" for t in lens],
-            cells,
-            [f"Skipped {key}: {why}." for key, why in mem["skipped"].items()],
-            plot("attention_memory.png"),
-        )
 
-    gen = result.get("generation")
-    if gen:
-        cells = [
-            [
-                str(r["total_len"]),
-                f"{r['cached_ms_per_token']:.2f}",
-                f"{r['uncached_ms_per_token']:.2f}",
-                f"{r['speedup']:.1f}x",
-                "yes" if r["same_tokens"] else "NO",
-            ]
-            for r in gen["rows"]
-        ]
-        L += _section(
-            "Generation with and without the KV cache",
-            f"Greedy decoding from a {gen['prompt_tokens']}-token prompt with GPT preset '{gen['preset']}' "
-            f"({gen['parameters'] / 1e6:.2f}M parameters); median of {cfg['gen_repeats']} interleaved runs.",
-            ["total tokens", "ms/token, cache", "ms/token, no cache", "speed-up", "same tokens"],
-            cells,
-            [],
-            plot("generation.png"),
-        )
+def _memory_markdown(mem: Mapping, plot: str | None) -> list[str]:
+    lens = sorted({int(t) for pts in mem["results"].values() for t in pts})
+    cells = [
+        [_label(n)] + [f"{pts[str(t)]['forward_mb']:.1f}" if str(t) in pts else "—" for t in lens]
+        for n, pts in mem["results"].items()
+        if pts
+    ]
+    return _section(
+        "Peak memory of one forward",
+        f"MB above the process's baseline during one `torch.no_grad()` forward, batch {mem['batch']}, each point "
+        "in a fresh process (after a tiny warm-up forward, so one-off library costs are in the baseline).",
+        ["implementation"] + [f"T={t}" for t in lens],
+        cells,
+        [f"Skipped {key}: {why}." for key, why in mem["skipped"].items()],
+        plot,
+    )
 
-    tr = result.get("training")
-    if tr:
-        cells = [
-            [
-                f"{r['batch']} x {r['seq_len']}",
-                f"{r['median_ms']:.1f}",
-                f"{r['tokens_per_s']:.0f}",
-                f"{r['gflops']:.1f}",
-                _pct(r["fraction_of_matmul"]),
-            ]
-            for r in tr["rows"]
+
+def _generation_markdown(gen: Mapping, cfg: Mapping, plot: str | None) -> list[str]:
+    cells = [
+        [
+            str(r["total_len"]),
+            f"{r['cached_ms_per_token']:.2f}",
+            f"{r['uncached_ms_per_token']:.2f}",
+            f"{r['speedup']:.1f}x",
+            "yes" if r["same_tokens"] else "NO",
         ]
-        L += _section(
-            "Training step",
-            f"GPT preset '{tr['preset']}' ({tr['non_embedding_parameters'] / 1e6:.2f}M non-embedding parameters): "
-            f"zero_grad, forward, cross-entropy, backward, AdamW step; median of {cfg['train_repeats']} steps after "
-            "one warm-up. Model FLOPs = 6 N B T + 12 L d B T^2.",
-            ["batch x tokens", "ms/step", "tokens/s", "GFLOP/s", "% of matmul"],
-            cells,
-            [],
-            plot("training.png"),
-        )
-    return "\n".join(L).rstrip() + "\n"
+        for r in gen["rows"]
+    ]
+    return _section(
+        "Generation with and without the KV cache",
+        f"Greedy decoding from a {gen['prompt_tokens']}-token prompt with GPT preset '{gen['preset']}' "
+        f"({gen['parameters'] / 1e6:.2f}M parameters); median of {cfg['gen_repeats']} interleaved runs.",
+        ["total tokens", "ms/token, cache", "ms/token, no cache", "speed-up", "same tokens"],
+        cells,
+        [],
+        plot,
+    )
+
+
+def _training_markdown(tr: Mapping, cfg: Mapping, plot: str | None) -> list[str]:
+    cells = [
+        [
+            f"{r['batch']} x {r['seq_len']}",
+            f"{r['median_ms']:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['gflops']:.1f}",
+            _pct(r["fraction_of_matmul"]),
+        ]
+        for r in tr["rows"]
+    ]
+    return _section(
+        "Training step",
+        f"GPT preset '{tr['preset']}' ({tr['non_embedding_parameters'] / 1e6:.2f}M non-embedding parameters): "
+        f"zero_grad, forward, cross-entropy, backward, AdamW step; median of {cfg['train_repeats']} steps after "
+        "one warm-up. Model FLOPs = 6 N B T + 12 L d B T^2.",
+        ["batch x tokens", "ms/step", "tokens/s", "GFLOP/s", "% of matmul"],
+        cells,
+        [],
+        plot,
+    )
 
 
 def write_report(result: Mapping, out: str | os.PathLike) -> Path:
@@ -315,9 +330,15 @@ def write_report(result: Mapping, out: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------------
 def format_attention_report(result: Mapping) -> str:
     """The tables of :func:`~attnlab.tools.bench.suites.attention_benchmark`'s result, as the script prints them."""
-    cfg, m = result["config"], result["config"]["machine"]
-    timings, ratios, goals, shape = result["timings"], result["ratios"], result["goals"], result["goal_shape"]
-    applies = result["goals_apply"]
+    lines = [*_attention_timings(result), "", *_attention_ratios(result)]
+    if result.get("memory"):
+        lines += _attention_memory(result)
+    return "\n".join(lines)
+
+
+def _attention_timings(result: Mapping) -> list[str]:
+    """The run's settings and one row of times per competitor."""
+    cfg, m, timings = result["config"], result["config"]["machine"], result["timings"]
     load = cfg["load_average"]
     lines = [
         "attnlab attention benchmark: forward+backward of one causal attention layer",
@@ -349,17 +370,21 @@ def format_attention_report(result: Mapping) -> str:
             1 + list(timings).index("attnlab-core"),
             "attention alone (packed q, k, v in, no projections; same interleaving):",
         )
-    lines += text
+    return lines + text
 
+
+def _attention_ratios(result: Mapping) -> list[str]:
+    """The time ratios, each against its goal (judged only at the shape the goals are set for)."""
+    goals, shape = result["goals"], result["goal_shape"]
     time_goal = (
         f"(goal is for batch {shape['batch']} x {shape['seq_len']}, d {shape['d_model']}, {shape['num_heads']} heads)"
     )
     rows = []
-    for key, r in ratios.items():
+    for key, r in result["ratios"].items():
         if key.startswith("memory"):
             continue
         goal = goals.get(key)
-        if goal is None or not applies["time"]:
+        if goal is None or not result["goals_apply"]["time"]:
             verdict = "" if goal is None else time_goal
         else:
             verdict = "met" if r["of_medians"] <= goal else "MISSED"
@@ -373,44 +398,43 @@ def format_attention_report(result: Mapping) -> str:
                 verdict,
             ]
         )
-    lines += [
-        "",
-        *table(["ratio (lower = attnlab faster)", "medians", "paired", "CPU", "goal", ""], rows, align="lrrrrl"),
-    ]
+    return table(["ratio (lower = attnlab faster)", "medians", "paired", "CPU", "goal", ""], rows, align="lrrrrl")
 
-    mem = result.get("memory")
-    if mem:
-        lines += [
-            "",
-            f"peak memory of one forward (torch.no_grad), batch {mem['batch']} x {mem['seq_len']} tokens, "
-            "each in a fresh process",
+
+def _attention_memory(result: Mapping) -> list[str]:
+    """The peak memory of each competitor's forward, and the memory ratio against its goal."""
+    mem, shape = result["memory"], result["goal_shape"]
+    lines = [
+        "",
+        f"peak memory of one forward (torch.no_grad), batch {mem['batch']} x {mem['seq_len']} tokens, "
+        "each in a fresh process",
+    ]
+    rows = [
+        [
+            _label(name),
+            f"{r['forward_mb']:.0f}",
+            f"{r['baseline_mb']:.0f}",
+            f"{r['peak_mb']:.0f}",
+            f"{r['seconds']:.1f}",
+            "" if r["exact"] else "(upper bound)",
         ]
-        rows = [
-            [
-                _label(name),
-                f"{r['forward_mb']:.0f}",
-                f"{r['baseline_mb']:.0f}",
-                f"{r['peak_mb']:.0f}",
-                f"{r['seconds']:.1f}",
-                "" if r["exact"] else "(upper bound)",
-            ]
-            for name, pts in mem["results"].items()
-            for r in pts.values()
-        ]
-        lines += table(["competitor", "forward MB", "baseline MB", "peak MB", "time s", ""], rows, align="lrrrrl")
-        if mem["results"].get("torch"):
-            lines.append(
-                "  (torch.nn.MultiheadAttention in eval mode under no_grad takes its inference fast path, "
-                "which forms the masked scores)"
+        for name, pts in mem["results"].items()
+        for r in pts.values()
+    ]
+    lines += table(["competitor", "forward MB", "baseline MB", "peak MB", "time s", ""], rows, align="lrrrrl")
+    if mem["results"].get("torch"):
+        lines.append(
+            "  (torch.nn.MultiheadAttention in eval mode under no_grad takes its inference fast path, "
+            "which forms the masked scores)"
+        )
+    lines += [f"{_label(key.split('@')[0])}: skipped: {why}" for key, why in mem["skipped"].items()]
+    r = result["ratios"].get("memory attnlab/tutorial")
+    if r is not None:
+        goal = result["goals"]["memory attnlab/tutorial"]
+        verdict = "met" if r <= goal else "MISSED"
+        if not result["goals_apply"]["memory"]:
+            verdict = (
+                f"(goal is for {shape['memory_seq_len']} tokens, d {shape['d_model']}, {shape['num_heads']} heads)"
             )
-        lines += [f"{_label(key.split('@')[0])}: skipped: {why}" for key, why in mem["skipped"].items()]
-        r = ratios.get("memory attnlab/tutorial")
-        if r is not None:
-            goal = goals["memory attnlab/tutorial"]
-            verdict = "met" if r <= goal else "MISSED"
-            if not applies["memory"]:
-                verdict = (
-                    f"(goal is for {shape['memory_seq_len']} tokens, d {shape['d_model']}, {shape['num_heads']} heads)"
-                )
-            lines.append(f"ratio attnlab / tutorial: {r:.3f}   goal <= {goal:.2f}  {verdict}")
-    return "\n".join(lines)
+        lines.append(f"ratio attnlab / tutorial: {r:.3f}   goal <= {goal:.2f}  {verdict}")
+    return lines

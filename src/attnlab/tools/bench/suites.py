@@ -393,34 +393,14 @@ def attention_benchmark(
     if d_model % num_heads:
         raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model} and num_heads={num_heads}")
     log = log or (lambda msg: None)
-    if malloc_tuning:
-        from attnlab.training.allocator import tune_cpu_allocator
-
-        allocator = tune_cpu_allocator().reason
-    else:
-        allocator = "as the process found it (not tuned)"
+    allocator = _allocator(malloc_tuning)
     blocks = [["attnlab", "torch", "tutorial"] + (["attnlab-wrapper", "tutorial-wrapper"] if wrappers else [])]
     if core:
         blocks.append(["attnlab-core", "torch-core", "tutorial-core"])
-    diffs, timings, rows = {}, {}, {}
     load_before = load_average()
-    for names in blocks:
-        what = "the attention alone" if names[0] == "attnlab-core" else f"{len(names)} competitors"
-        log(f"timing {what}, {repeats} interleaved rounds after {warmup} warm-up ...")
-        d, t, r = time_attention(names, **shape, repeats=repeats, warmup=warmup, seed=seed)
-        diffs.update(d)
-        timings.update(t)
-        rows.update(r)
+    diffs, timings, rows = _time_blocks(blocks, shape, repeats=repeats, warmup=warmup, seed=seed, log=log)
     load_after = load_average()
-    pairs = [("attnlab", "torch"), ("attnlab", "tutorial")]
-    pairs += [("attnlab-wrapper", "tutorial-wrapper")] if wrappers else []
-    pairs += [("attnlab-core", "torch-core"), ("attnlab-core", "tutorial-core")] if core else []
-    ratios: dict[str, object] = {
-        f"core: {a.removesuffix('-core')}/{b.removesuffix('-core')}" if a.endswith("-core") else f"{a}/{b}": compare(
-            timings[a], timings[b]
-        )
-        for a, b in pairs
-    }
+    ratios = _time_ratios(timings, wrappers=wrappers, core=core)
     goal = {k: v for k, v in GOAL_SHAPE.items() if k != "memory_seq_len"}
     result: dict[str, object] = {
         "config": {
@@ -449,13 +429,63 @@ def attention_benchmark(
         },
     }
     if memory:
-        points = [(name, memory_seq_len) for name in ("attnlab", "torch", "tutorial")]
-        res, skipped = measure_memory(points, batch=memory_batch, d_model=d_model, num_heads=num_heads, log=log)
-        key = str(memory_seq_len)
-        if key in res["attnlab"] and key in res["tutorial"]:
-            ratios["memory attnlab/tutorial"] = res["attnlab"][key]["forward_mb"] / res["tutorial"][key]["forward_mb"]
-        result["memory"] = {"batch": memory_batch, "seq_len": memory_seq_len, "results": res, "skipped": skipped}
+        result["memory"], ratio = _forward_memory(memory_batch, memory_seq_len, d_model, num_heads, log)
+        if ratio is not None:
+            ratios["memory attnlab/tutorial"] = ratio
     return result
+
+
+def _allocator(malloc_tuning: bool) -> str:
+    """What the benchmark says of malloc: tuned as ``attnlab train`` tunes it (for good), or as found."""
+    if not malloc_tuning:
+        return "as the process found it (not tuned)"
+    from attnlab.training.allocator import tune_cpu_allocator
+
+    return tune_cpu_allocator().reason
+
+
+def _time_blocks(
+    blocks: list[list[str]], shape: dict[str, int], *, repeats: int, warmup: int, seed: int, log: Log
+) -> tuple[dict, dict, dict]:
+    """:func:`time_attention` of each block of competitors (interleaved within a block, not across):
+    the outputs' differences, the timings and their table rows, of all blocks together."""
+    diffs, timings, rows = {}, {}, {}
+    for names in blocks:
+        what = "the attention alone" if names[0] == "attnlab-core" else f"{len(names)} competitors"
+        log(f"timing {what}, {repeats} interleaved rounds after {warmup} warm-up ...")
+        d, t, r = time_attention(names, **shape, repeats=repeats, warmup=warmup, seed=seed)
+        diffs.update(d)
+        timings.update(t)
+        rows.update(r)
+    return diffs, timings, rows
+
+
+def _time_ratios(timings: dict, *, wrappers: bool, core: bool) -> dict[str, object]:
+    """attnlab's time against each competitor's (:func:`compare`), keyed ``"attnlab/torch"``,
+    ``"core: attnlab/torch"``, ..."""
+    pairs = [("attnlab", "torch"), ("attnlab", "tutorial")]
+    pairs += [("attnlab-wrapper", "tutorial-wrapper")] if wrappers else []
+    pairs += [("attnlab-core", "torch-core"), ("attnlab-core", "tutorial-core")] if core else []
+    return {
+        f"core: {a.removesuffix('-core')}/{b.removesuffix('-core')}" if a.endswith("-core") else f"{a}/{b}": compare(
+            timings[a], timings[b]
+        )
+        for a, b in pairs
+    }
+
+
+def _forward_memory(
+    batch: int, seq_len: int, d_model: int, num_heads: int, log: Log
+) -> tuple[dict[str, object], float | None]:
+    """The peak memory of one forward of attnlab, torch and the tutorial (:func:`measure_memory`), and
+    attnlab's over the tutorial's (None when either was skipped)."""
+    points = [(name, seq_len) for name in ("attnlab", "torch", "tutorial")]
+    res, skipped = measure_memory(points, batch=batch, d_model=d_model, num_heads=num_heads, log=log)
+    key = str(seq_len)
+    ratio = None
+    if key in res["attnlab"] and key in res["tutorial"]:
+        ratio = res["attnlab"][key]["forward_mb"] / res["tutorial"][key]["forward_mb"]
+    return {"batch": batch, "seq_len": seq_len, "results": res, "skipped": skipped}, ratio
 
 
 def goals_met(result: Mapping[str, object]) -> bool:
