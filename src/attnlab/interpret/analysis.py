@@ -189,6 +189,29 @@ def logit_lens(
     Where bfloat16 is native the search takes about half the exact lens's time, most of it the
     bfloat16 product itself.
     """
+    k, chunk = _check_lens_args(model, trace, k, chunk, search_dtype)
+    W = model.out_head.weight  # (V, d)
+    k = min(k, W.shape[0])
+    n_cand = min(W.shape[0], max(LENS_CANDIDATES, k))
+    fast = _searches(model, search_dtype, n_cand)
+    start, stop = position_window("positions", positions, trace.logits.shape[1])
+    final = trace.logits[:, start:stop].argmax(dim=-1)  # (B, T): the token the model finally ranks first
+    L, (B, T) = trace.n_layers, final.shape
+    lens = LogitLens(
+        tokens=torch.empty(L + 1, B, T, k, dtype=torch.long, device=W.device),
+        probs=torch.empty(L + 1, B, T, k, dtype=torch.float32, device=W.device),
+        final_token_probs=torch.empty(L + 1, B, T, dtype=torch.float32, device=W.device),
+    )
+    with torch.no_grad():
+        _lens_of_layers(lens, model, trace, final, start, stop, chunk, n_cand if fast else None)
+        _lens_of_output(lens, trace, final, start, chunk)
+    return lens
+
+
+def _check_lens_args(
+    model: nn.Module, trace: Trace, k: int, chunk: int, search_dtype: torch.dtype | None
+) -> tuple[int, int]:
+    """:func:`logit_lens`'s arguments checked; ``k`` and ``chunk`` as ints."""
     attention_layers(model)
     _check_trace(trace, "logit_lens")
     trace._need_stages("logit_lens")
@@ -201,56 +224,76 @@ def logit_lens(
         raise TypeError(f"logit_lens needs model.out_head to be an nn.Linear, got {type(head).__name__}")
     if search_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, head.weight.dtype):
         raise ValueError(f"search_dtype must be None, the model's dtype or torch.bfloat16, got {search_dtype}")
-    W, bias = head.weight, head.bias  # (V, d), (V,) or None
+    return k, chunk
+
+
+def _searches(model: nn.Module, search_dtype: torch.dtype | None, n_cand: int) -> bool:
+    """Whether :func:`logit_lens` searches the vocabulary in bfloat16 (``n_cand`` candidates a position)
+    rather than computing the exact lens: see its docstring."""
+    W, bias = model.out_head.weight, model.out_head.bias  # (V, d), (V,) or None
     V = W.shape[0]
-    k = min(k, V)
-    n_cand = min(V, max(LENS_CANDIDATES, k))
     if search_dtype is None:
         fast = W.dtype == torch.float32 and bias is None and V >= LENS_MIN_VOCAB and hardware.bf16_native(W.device)
     else:
         fast = search_dtype == torch.bfloat16 and W.dtype != torch.bfloat16 and bias is None and n_cand < V
     # A soft cap (Gemma 2) bends every logit: the search's centred logits (each position's constant left
     # out) would no longer be the capped ones less a constant, so such a model's lens is the exact one.
-    fast = fast and _softcap(model) is None
-    start, stop = position_window("positions", positions, trace.logits.shape[1])
-    final = trace.logits[:, start:stop].argmax(dim=-1)  # (B, T): the token the model finally ranks first
-    L, (B, T) = trace.n_layers, final.shape
-    tokens = torch.empty(L + 1, B, T, k, dtype=torch.long, device=W.device)
-    probs = torch.empty(L + 1, B, T, k, dtype=torch.float32, device=W.device)
-    final_probs = torch.empty(L + 1, B, T, dtype=torch.float32, device=W.device)
+    return fast and _softcap(model) is None
 
-    def put(rows: slice, ids: Tensor, vals: Tensor, fval: Tensor, lse: Tensor) -> None:
-        # rows of the (L + 1) * B * T (layer, row, position) triples, in that order
-        tokens.view(-1, k)[rows] = ids
-        probs.view(-1, k)[rows] = (vals.float() - lse).exp()
-        final_probs.view(-1)[rows] = (fval.float() - lse).exp().squeeze(-1)
 
-    with torch.no_grad():
-        # The layers' streams by chunks of `chunk` (layer, row, position) triples, across layers: each
-        # chunk reads the unembedding once, so a window of a few positions reads it once or twice, not
-        # once per layer (each product of a few rows costs about a whole read of the weight).
-        n = L * B * T
-        search = _Search(model, trace, W, min(chunk, n)) if fast and n else None  # buffers for a chunk
-        residual = trace.residual[:L, :, start:stop]  # (L, B, T, d), a view
-        for s in range(0, n, chunk):
-            r = torch.arange(s, min(n, s + chunk), device=W.device)  # (c,) flat (layer, row, position)
-            layer, b, t = r // (B * T), r // T % B, r % T
-            h = model.final_norm(residual[layer, b, t])  # (c, d)
-            f = final[b, t, None]  # (c, 1)
-            if search is None:
-                logits = _capped(model, hardware.linear(h, W, bias).float())  # (c, V)
-                put(slice(s, s + len(r)), *_exact_rows(logits, f, k, spend=True))
-            else:
-                put(slice(s, s + len(r)), *search.rows(h, W, f, k, n_cand))
-        # After the last block the lens is the model's own head: its logits are in the trace. No product
-        # here, so a small step: each takes two (step, V) float32 temporaries.
-        step = min(chunk, LENS_FINAL_CHUNK)
-        for b in range(B):
-            for s in range(0, T, step):
-                e = min(T, s + step)
-                logits = trace.logits[b, start + s : start + e].float()  # (c, V)
-                put(slice(n + b * T + s, n + b * T + e), *_exact_rows(logits, final[b, s:e, None], k))
-    return LogitLens(tokens, probs, final_probs)
+def _put(lens: LogitLens, rows: slice, ids: Tensor, vals: Tensor, fval: Tensor, lse: Tensor) -> None:
+    """Rows ``rows`` of the lens's ``(L + 1) * B * T`` (layer, row, position) triples, in that order: the
+    top-k ids, their logits ``vals`` and the final token's ``fval``, made probabilities by ``lse``."""
+    k = lens.tokens.shape[-1]
+    lens.tokens.view(-1, k)[rows] = ids
+    lens.probs.view(-1, k)[rows] = (vals.float() - lse).exp()
+    lens.final_token_probs.view(-1)[rows] = (fval.float() - lse).exp().squeeze(-1)
+
+
+def _lens_of_layers(
+    lens: LogitLens,
+    model: nn.Module,
+    trace: Trace,
+    final: Tensor,
+    start: int,
+    stop: int,
+    chunk: int,
+    n_cand: int | None,
+) -> None:
+    """The lens's rows ``0..L-1`` (the stream entering each block), searched in bfloat16 over ``n_cand``
+    candidates a position, or (None) exact."""
+    head = model.out_head
+    W, bias = head.weight, head.bias
+    L, (B, T), k = trace.n_layers, final.shape, lens.tokens.shape[-1]
+    # The layers' streams by chunks of `chunk` (layer, row, position) triples, across layers: each
+    # chunk reads the unembedding once, so a window of a few positions reads it once or twice, not
+    # once per layer (each product of a few rows costs about a whole read of the weight).
+    n = L * B * T
+    search = _Search(model, trace, W, min(chunk, n)) if n_cand is not None and n else None  # buffers for a chunk
+    residual = trace.residual[:L, :, start:stop]  # (L, B, T, d), a view
+    for s in range(0, n, chunk):
+        r = torch.arange(s, min(n, s + chunk), device=W.device)  # (c,) flat (layer, row, position)
+        layer, b, t = r // (B * T), r // T % B, r % T
+        h = model.final_norm(residual[layer, b, t])  # (c, d)
+        f = final[b, t, None]  # (c, 1)
+        if search is None:
+            logits = _capped(model, hardware.linear(h, W, bias).float())  # (c, V)
+            _put(lens, slice(s, s + len(r)), *_exact_rows(logits, f, k, spend=True))
+        else:
+            _put(lens, slice(s, s + len(r)), *search.rows(h, W, f, k, n_cand))
+
+
+def _lens_of_output(lens: LogitLens, trace: Trace, final: Tensor, start: int, chunk: int) -> None:
+    """The lens's last row: after the last block the lens is the model's own head, whose logits are in
+    the trace. No product here, so a small step: each takes two (step, V) float32 temporaries."""
+    L, (B, T), k = trace.n_layers, final.shape, lens.tokens.shape[-1]
+    n = L * B * T  # the rows before
+    step = min(chunk, LENS_FINAL_CHUNK)
+    for b in range(B):
+        for s in range(0, T, step):
+            e = min(T, s + step)
+            logits = trace.logits[b, start + s : start + e].float()  # (c, V)
+            _put(lens, slice(n + b * T + s, n + b * T + e), *_exact_rows(logits, final[b, s:e, None], k))
 
 
 def _logsumexp(x: Tensor, at: Tensor, *, spend: bool = False) -> Tensor:

@@ -378,29 +378,12 @@ def inspector_data(
             vocabulary is not worth computing on every keystroke.
     Padding is dropped: the page shows the row's real tokens only.
     """
-    if not isinstance(trace, Trace):
-        raise TypeError(f"trace must be an attnlab.interpret Trace, got {type(trace).__name__}")
+    wanted = _check_inspector_args(trace, row, steps, sections)
     model, tokenizer = trace.model, tokenizer if tokenizer is not None else trace.tokenizer
-    if not 0 <= row < trace.idx.shape[0]:
-        raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
-    if not trace.has_stages and steps not in (None, "auto"):
-        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
-    wanted = set(SECTIONS if sections is None else sections)
-    if not wanted <= set(SECTIONS):
-        raise ValueError(f"sections must be among {', '.join(SECTIONS)}, got {sorted(wanted - set(SECTIONS))}")
-    if trace.logits is None and wanted & {"next", "lens"}:
-        raise ValueError("the next-token and logit-lens sections need a trace with logits: trace(..., logits=True)")
     keep = torch.nonzero(trace.real_tokens()[row]).flatten()  # (T,) the real positions
     ids = trace.idx[row, keep].tolist()
-    tokens = token_strings(tokenizer, ids)
     T, L, H = len(ids), trace.n_layers, trace.n_heads
-    decoded = tokenizer.decode(ids) if tokenizer is not None else " ".join(tokens)
-    name = model_name or type(model).__name__
-    if note is None:
-        note = f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to)."
-    short = decoded if len(decoded) <= 120 else decoded[:119].rstrip() + "…"
-    data = _base(short if title is None else title, decoded if text is None else text, note, tokens)
-    data["model"] = _model_section(model, name, L, H)
+    data = _page_top(trace, ids, tokenizer, model_name, title, text, note)
     vocab: set[int] = set(ids)
 
     shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
@@ -412,11 +395,7 @@ def inspector_data(
     role_scores = None
     if roles and model is not None and "roles" in wanted:
         role_scores = all_head_scores(model, seed=role_seed)
-        data["roles"] = {
-            "kinds": list(HEAD_KINDS),
-            "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
-            "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
-        }
+        data["roles"] = _roles_section(role_scores, role_seed)
     if trace.has_stages and "steps" in wanted:
         cost = _steps_cost(T, T, trace.q.shape[-1])
         chosen = _pick_step_heads(steps, L, H, cost, role_scores, shown_layers, shown_heads)
@@ -425,25 +404,9 @@ def inspector_data(
         data["next"] = _next_section(trace.logits[row, keep], next_k)
         vocab.update(data["next"].pop("top_ids"))
     if "rollout" in wanted:
-        data["rollout"] = {
-            "fusions": list(FUSIONS),
-            **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
-        }
+        data["rollout"] = _rollout_section(trace, row, keep)
     if trace.has_stages and model is not None and "lens" in wanted:
-        lo, hi = position_window("lens_window", lens_window, T)
-        at = keep[lo:hi]  # (W,) the window's positions in the trace
-        first = int(at[0])
-        lens = logit_lens(model, trace, k=lens_k, positions=(first, int(at[-1]) + 1))
-        at = at - first  # in the lens's positions
-        top = lens.tokens[:, row][:, at]  # (L + 1, W, k)
-        data["lens"] = {
-            "k": lens.tokens.shape[-1],
-            "start": lo,
-            "rows": ["embeddings", *[f"after layer {i}" for i in range(L)]],
-            "ids": pack(top.int(), "i32"),
-            "probs": pack(lens.probs[:, row][:, at].float()),
-            "final_probs": pack(lens.final_token_probs[:, row][:, at].float()),
-        }
+        data["lens"], top = _lens_section(model, trace, row, keep, lens_k, lens_window)
         vocab.update(top.flatten().tolist())
     if generation is not None:
         data["generation"] = _generation_section(generation, row, dtype or _weights_dtype(0, precision))
@@ -453,6 +416,81 @@ def inspector_data(
     ordered = sorted(vocab)
     data["vocab"] = {str(i): token_label(t) for i, t in zip(ordered, token_strings(tokenizer, ordered), strict=True)}
     return data
+
+
+def _page_top(
+    trace: Trace,
+    ids: list[int],
+    tokenizer: Any,
+    model_name: str,
+    title: str | None,
+    text: str | None,
+    note: str | None,
+) -> dict[str, Any]:
+    """The page's title, text, note, tokens and model section, before the sections of the views."""
+    model, T, L, H = trace.model, len(ids), trace.n_layers, trace.n_heads
+    tokens = token_strings(tokenizer, ids)
+    decoded = tokenizer.decode(ids) if tokenizer is not None else " ".join(tokens)
+    name = model_name or type(model).__name__
+    if note is None:
+        note = f"{name}: {L} layers x {H} heads, {T} tokens (row = query token, column = the token it attends to)."
+    short = decoded if len(decoded) <= 120 else decoded[:119].rstrip() + "…"
+    data = _base(short if title is None else title, decoded if text is None else text, note, tokens)
+    data["model"] = _model_section(model, name, L, H)
+    return data
+
+
+def _check_inspector_args(trace: Trace, row: int, steps: object, sections: Collection[str] | None) -> set[str]:
+    """The sections :func:`inspector_data` computes, once its arguments are checked against ``trace``."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be an attnlab.interpret Trace, got {type(trace).__name__}")
+    if not 0 <= row < trace.idx.shape[0]:
+        raise ValueError(f"row must be in [0, {trace.idx.shape[0]}), got {row!r}")
+    if not trace.has_stages and steps not in (None, "auto"):
+        raise ValueError("steps= needs a trace with the stages: trace(model, idx, stages=True)")
+    wanted = set(SECTIONS if sections is None else sections)
+    if not wanted <= set(SECTIONS):
+        raise ValueError(f"sections must be among {', '.join(SECTIONS)}, got {sorted(wanted - set(SECTIONS))}")
+    if trace.logits is None and wanted & {"next", "lens"}:
+        raise ValueError("the next-token and logit-lens sections need a trace with logits: trace(..., logits=True)")
+    return wanted
+
+
+def _roles_section(role_scores: dict[str, Tensor], role_seed: int) -> dict[str, Any]:
+    return {
+        "kinds": list(HEAD_KINDS),
+        "scores": {kind: pack(role_scores[kind].float()) for kind in HEAD_KINDS},
+        "note": f"mean attention to each role's target keys, on random tokens repeated twice (seed {role_seed})",
+    }
+
+
+def _rollout_section(trace: Trace, row: int, keep: Tensor) -> dict[str, Any]:
+    return {
+        "fusions": list(FUSIONS),
+        **{f: pack(attention_rollout(trace, head_fusion=f)[row][keep][:, keep], tri=True) for f in FUSIONS},
+    }
+
+
+def _lens_section(
+    model: Any, trace: Trace, row: int, keep: Tensor, lens_k: int, lens_window: tuple[int, int] | None
+) -> tuple[dict[str, Any], Tensor]:
+    """The logit lens of the page's positions ``lens_window`` (of the real tokens ``keep``), and its
+    top token ids ``(L + 1, W, k)`` (for the page's vocabulary)."""
+    lo, hi = position_window("lens_window", lens_window, len(keep))
+    at = keep[lo:hi]  # (W,) the window's positions in the trace
+    first = int(at[0])
+    lens = logit_lens(model, trace, k=lens_k, positions=(first, int(at[-1]) + 1))
+    at = at - first  # in the lens's positions
+    top = lens.tokens[:, row][:, at]  # (L + 1, W, k)
+    section = {
+        "k": lens.tokens.shape[-1],
+        "start": lo,
+        "rows": ["embeddings", *[f"after layer {i}" for i in range(trace.n_layers)]],
+        "ids": pack(top.int(), "i32"),
+        "probs": pack(lens.probs[:, row][:, at].float()),
+        "final_probs": pack(lens.final_token_probs[:, row][:, at].float()),
+    }
+    return section, top
 
 
 def _model_section(model: Any, name: str, L: int, H: int) -> dict[str, Any] | None:

@@ -403,68 +403,16 @@ def trace(
         attention_mask = model.check_attention_mask(attention_mask, *idx.shape)
     if not isinstance(stages, bool):
         raise TypeError(f"stages must be a bool, got {stages!r}")
-    L = len(layers)
-    records: list[AttentionRecord | None] = [None] * L
-    # The weights go straight into one (L, B, H, T, S) float32 tensor as each layer reports them:
-    # stacking them at the end would hold every layer's weights twice (the trace's largest tensor).
-    weights: list[Tensor] = []
-    buffers: dict[str, Tensor] = {}
-    residual: list[Tensor | None] = [None] * (L + 1)
-    attn_out: list[Tensor | None] = [None] * L
-
-    def on_record(i: int, record: AttentionRecord) -> None:
-        if records[i] is not None:
-            raise RuntimeError(f"layer {i} attended twice in one forward pass; trace expects one call per layer")
-        w = record.weights.detach()
-        if not weights:
-            weights.append(torch.empty((L, *w.shape), dtype=torch.float32, device=w.device))
-        weights[0][i].copy_(w)
-        kept = {"weights": None}  # the other observers keep theirs
-        if stages:  # likewise the stages: one (L, ...) tensor each, filled layer by layer
-            for name in STAGES:
-                t = getattr(record, name).detach()
-                if name not in buffers:
-                    buffers[name] = torch.empty((L, *t.shape), dtype=t.dtype, device=t.device)
-                buffers[name][i].copy_(t)
-                kept[name] = None
-        records[i] = dataclasses.replace(record, **kept)
-
-    def block_input(i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
-            residual[i] = args[0].detach()
-
-        return hook
-
-    def out_proj_output(i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            attn_out[i] = output.detach()
-
-        return hook
-
-    handles = []
-    was_training = model.training
-    try:
-        if stages:
-            for i, block in enumerate(model.trf_blocks):
-                handles.append(block.register_forward_pre_hook(block_input(i)))
-                handles.append(layers[i].out_proj.register_forward_hook(out_proj_output(i)))
-            handles.append(model.final_norm.register_forward_pre_hook(block_input(L)))
-        model.eval()
-        out_logits = None
-        stop = contextlib.nullcontext() if logits else stop_before_head(model)
-        with torch.no_grad(), observe_attention(model, on_record), stop:
-            out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
-    missing = [i for i, r in enumerate(records) if r is None]
+    rec = _TraceRecorder(len(layers), stages)
+    out_logits = _traced_forward(model, layers, idx, attention_mask, rec, logits)
+    missing = [i for i, r in enumerate(rec.records) if r is None]
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
 
+    records = rec.records
     out = Trace(
         idx=idx,
-        weights=weights[0],  # (L, B, H, T, S) float32
+        weights=rec.weights,  # (L, B, H, T, S) float32
         logits=None if out_logits is None else out_logits.detach(),
         scale=[float(r.scale) for r in records],
         is_causal=[bool(r.is_causal) for r in records],
@@ -475,10 +423,84 @@ def trace(
         tokenizer=tokenizer,
     )
     if stages:
-        out.q, out.k, out.v, out.head_outputs = (buffers[name] for name in STAGES)
-        out.attn_output = torch.stack(attn_out)  # (L, B, T, d)
-        out.residual = torch.stack(residual)  # (L + 1, B, T, d)
+        out.q, out.k, out.v, out.head_outputs = (rec.buffers[name] for name in STAGES)
+        out.attn_output = torch.stack(rec.attn_out)  # (L, B, T, d)
+        out.residual = torch.stack(rec.residual)  # (L + 1, B, T, d)
     return out
+
+
+class _TraceRecorder:
+    """What :func:`trace` keeps of one pass, layer by layer: each layer's record (its big tensors
+    dropped), the weights, and with ``stages`` the stages, the attention outputs and the residual stream.
+
+    The weights go straight into one ``(L, B, H, T, S)`` float32 tensor as each layer reports them:
+    stacking them at the end would hold every layer's weights twice (the trace's largest tensor).
+    """
+
+    def __init__(self, n_layers: int, stages: bool):
+        self.n_layers, self.stages = n_layers, stages
+        self.records: list[AttentionRecord | None] = [None] * n_layers
+        self.weights: Tensor | None = None
+        self.buffers: dict[str, Tensor] = {}
+        self.residual: list[Tensor | None] = [None] * (n_layers + 1)
+        self.attn_out: list[Tensor | None] = [None] * n_layers
+
+    def on_record(self, i: int, record: AttentionRecord) -> None:
+        if self.records[i] is not None:
+            raise RuntimeError(f"layer {i} attended twice in one forward pass; trace expects one call per layer")
+        w = record.weights.detach()
+        if self.weights is None:
+            self.weights = torch.empty((self.n_layers, *w.shape), dtype=torch.float32, device=w.device)
+        self.weights[i].copy_(w)
+        kept = {"weights": None}  # the other observers keep theirs
+        if self.stages:  # likewise the stages: one (L, ...) tensor each, filled layer by layer
+            for name in STAGES:
+                t = getattr(record, name).detach()
+                if name not in self.buffers:
+                    self.buffers[name] = torch.empty((self.n_layers, *t.shape), dtype=t.dtype, device=t.device)
+                self.buffers[name][i].copy_(t)
+                kept[name] = None
+        self.records[i] = dataclasses.replace(record, **kept)
+
+    def block_input(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.residual[i] = args[0].detach()
+
+        return hook
+
+    def out_proj_output(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            self.attn_out[i] = output.detach()
+
+        return hook
+
+
+def _traced_forward(
+    model: nn.Module,
+    layers: list[MultiHeadAttention],
+    idx: Tensor,
+    attention_mask: Tensor | None,
+    rec: _TraceRecorder,
+    logits: bool,
+) -> Tensor | None:
+    """``model``'s forward in eval mode without gradients, ``rec`` observing it; the model's logits
+    (None with ``logits=False``). Training mode and hooks are restored afterwards, even after an error."""
+    handles = []
+    was_training = model.training
+    try:
+        if rec.stages:
+            for i, block in enumerate(model.trf_blocks):
+                handles.append(block.register_forward_pre_hook(rec.block_input(i)))
+                handles.append(layers[i].out_proj.register_forward_hook(rec.out_proj_output(i)))
+            handles.append(model.final_norm.register_forward_pre_hook(rec.block_input(rec.n_layers)))
+        model.eval()
+        stop = contextlib.nullcontext() if logits else stop_before_head(model)
+        with torch.no_grad(), observe_attention(model, rec.on_record), stop:
+            return model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
 
 
 class _Stopped(Exception):
