@@ -1,19 +1,32 @@
 """The decoding fast path (:mod:`attnlab.decoding`) against the eager forward, the reference.
 
-Every family's switches on a small model built from its config, in float64 (so the two paths agree
-to rounding, and the greedy tokens cannot flip on a near tie): the tokens and the logits of
-``generate(fast=True)`` must equal those of ``generate(fast=False)``, and the fast path must have run
-(a spy counts its steps). Where it does not apply (hooks, observers, LoRA, forward hooks, padding
-masks, ALiBi, soft-capping, a cache that wraps) it must hand over to the eager path, with the same
-tokens again. Its fused projection weights follow the parameters when they change.
+Everything here goes through the public API: ``generate`` and ``stream`` with ``fast=False`` (the
+eager forward with its checks, every step), ``fast=True`` (the default: :class:`FastDecoder`'s step,
+the model's own forward over slot views of the caches) and ``compile=True`` (that step compiled by
+``torch.compile``), :class:`FastDecoder`'s own methods, and the ``steps`` fixture (a spy on the public
+:meth:`FastDecoder.step`: how many steps ran on the fast path).
+
+Every family's switches on a small model built from its config, in float32: the tokens of
+``generate(fast=True)`` must equal those of ``generate(fast=False)``, its logits to float32's
+rounding, and the fast step must have run every decoding step it may (until the smallest ring of the
+generation's caches would wrap). Where it must not (hooks, forward hooks, observers, LoRA, padding
+masks, a ring that would wrap) the eager forward takes the steps, with the same tokens again, and hooks
+and observers see the eager forward's values. The compiled step (slow: each compilation takes 10-30 s
+on a small CPU) runs on the smallest models, as few compilations as the checks allow.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from attnlab import decoding
+from attnlab.decoding import DecodePlan, FastDecoder, Route, supported
+from attnlab.generation import cache_length
+from attnlab.interpret import observe_attention, observe_attention_rows, trace_generation
+from attnlab.interpret.hooks import hooks
 from attnlab.model import GPT, GPTConfig
 
 BASE = dict(vocab_size=61, context_length=48, emb_dim=48, n_heads=4, n_layers=3, drop_rate=0.0)
@@ -33,7 +46,12 @@ FAMILIES = {
     "neox": dict(pos="rope", norm="layernorm", qkv_bias=True, parallel_residual=True, rotary_fraction=0.25, n_heads=3),
     "nope": dict(pos="none", norm="rmsnorm", mlp="swiglu", bias=False),
     "phi3-window": dict(LLAMA, rotary_fraction=0.5, window=40),
+    "alibi": dict(pos="alibi"),
+    "soft-capping": dict(LLAMA, attn_softcap=2.0, logit_softcap=5.0),
 }
+F32 = 1e-5  # float32 logits of the fast step against the eager forward's (attention over more, masked, slots)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (small models run fastest on one thread; the machine is shared)
+FIELDS = ("q", "k", "v", "weights", "head_outputs", "q_positions", "k_positions", "mask")
 
 
 def make(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> GPT:
@@ -48,6 +66,10 @@ def make(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
     return model
 
 
+def prompt(rows: int, tokens: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, BASE["vocab_size"], (rows, tokens), generator=torch.Generator().manual_seed(seed))
+
+
 def both(model: GPT, idx: torch.Tensor, n: int, **kw):
     ref = model.generate(idx, n, return_logits=True, fast=False, **kw)
     fast = model.generate(idx, n, return_logits=True, **kw)
@@ -59,180 +81,324 @@ def assert_same(ref, fast, tol: float = 1e-10) -> None:
     torch.testing.assert_close(fast[1], ref[1], rtol=tol, atol=tol)
 
 
+def fast_steps(model: GPT, rows: int, prompt_length: int, n: int) -> int:
+    """The decoding steps a generation of ``n`` tokens runs on the fast path: all ``n - 1`` of them, but
+    none once a ring of its caches would wrap (the eager forward's ring logic takes over there)."""
+    slots = min(c.max_length for c in model.new_kv_caches(rows, cache_length(model, prompt_length, n)))
+    return min(n - 1, slots - prompt_length)
+
+
+def graphs() -> int:
+    """Graphs Dynamo compiled so far in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The route of each fast step that ran, in order (a spy on the public FastDecoder.step)."""
+    seen: list[Route] = []
+    step = FastDecoder.step
+
+    def spy(self, token):
+        seen.append(self.plan.route)
+        return step(self, token)
+
+    monkeypatch.setattr(FastDecoder, "step", spy)
+    return seen
+
+
+# --------------------------------------------------------------------------------------------
+# Every family, fast and eager
+# --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fast_steps_equal_the_eager_forward(family, steps):
-    model = make(FAMILIES[family])
-    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+    """ALiBi and soft-capping included: the fast step is the model's own forward, so whatever the
+    forward computes it computes."""
+    model = make(FAMILIES[family], dtype=torch.float32)
+    idx = prompt(2, 3)
     ref, fast = both(model, idx, 20, temperature=0)
-    assert_same(ref, fast)
-    # every step after the prefill (a window's ring too: each new key in its oldest slot once it wraps)
-    assert steps[0] == 19
+    assert_same(ref, fast, F32)
+    # every step after the prefill (the windowed ones until their ring is full: gemma3's of 6 slots, 3 steps)
+    assert steps[0] == fast_steps(model, 2, 3, 20) > 0
+    if family in ("gpt2", "alibi", "soft-capping"):
+        assert steps[0] == 19
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+def test_a_batch_of_rows_agrees_with_the_eager_forward(family, rows, dtype, steps):
+    model = make({**FAMILIES[family], "n_layers": 2, "emb_dim": 64}, dtype=dtype)
+    idx = prompt(rows, 6, seed=rows)
+    ref, fast = both(model, idx, 10, temperature=0)
+    assert steps[0] == 9
+    if dtype == torch.float32:
+        assert_same(ref, fast, F32)
+    else:  # bfloat16 keeps 8 bits: the first token and its logits (later tokens may flip on a near tie)
+        assert torch.equal(fast[0][:, 6], ref[0][:, 6])
+        torch.testing.assert_close(fast[1][:, 0], ref[1][:, 0], rtol=0.05, atol=0.1)
+
+
+def test_a_float64_model_agrees_to_its_rounding(steps):
+    model = make(FAMILIES["qwen2"])
+    ref, fast = both(model, prompt(3, 4), 12, temperature=0)
+    assert_same(ref, fast, 1e-10)
+    assert steps[0] == 11
 
 
 def test_sampling_draws_the_same_tokens(steps):
-    model = make(FAMILIES["llama-gqa"])
-    idx = torch.randint(0, BASE["vocab_size"], (3, 4), generator=torch.Generator().manual_seed(2))
+    model = make(FAMILIES["llama-gqa"], dtype=torch.float32)
+    idx = prompt(3, 4, seed=2)
     kw = dict(temperature=0.9, top_k=20, top_p=0.95)
     ref = model.generate(idx, 15, generator=torch.Generator().manual_seed(5), fast=False, **kw)
     fast = model.generate(idx, 15, generator=torch.Generator().manual_seed(5), **kw)
     assert torch.equal(ref, fast) and steps[0] == 14
 
 
+def test_stop_ids_end_rows_where_the_eager_forward_ends_them(steps):
+    """A row that emits a stop id emits the first stop id from then on, and the generation ends once every
+    row has stopped: the eager forward's tokens and logits."""
+    model = make(FAMILIES["olmo2"], dtype=torch.float32)
+    idx = prompt(3, 5, seed=8)
+    free = model.generate(idx, 16, temperature=0, fast=False)[:, 5:]  # (3, 16): without stop ids
+    stop = (int(free[0, 2]), int(free[1, 9]), int(free[2, 9]))
+    ref, fast = both(model, idx, 16, temperature=0, eos_id=stop)
+    assert_same(ref, fast, F32)
+    new = ref[0].shape[1] - 5
+    assert new < 16 and bool((ref[0][:, 8:] == stop[0]).any())  # it ended early; a row emits the first stop id
+    assert steps[0] == new - 1
+
+
+def test_nan_logits_raise_at_their_step(steps):
+    """A NaN in the position of the 7th new token, which the 8th is drawn after: the tokens before it
+    come, then the eager forward's ValueError at the same step."""
+    model = make(FAMILIES["gpt2"], dtype=torch.float32)
+    with torch.no_grad():
+        model.pos_emb.weight[11] = float("nan")  # a 5-token prompt: the 7th new token's position
+    idx = prompt(2, 5, seed=9)
+
+    def run(**kw) -> list:
+        got = []
+        with pytest.raises(ValueError, match="NaN"):
+            for token in model.stream(idx, 12, temperature=0, **kw):
+                got.append(token.tolist())
+        return got
+
+    got = run()
+    assert steps[0] == 7  # (the 7th step's logits are NaN)
+    assert got == run(fast=False) and len(got) == 7
+
+
+# --------------------------------------------------------------------------------------------
+# Past the context, around a ring
+# --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
 def test_past_the_context_and_around_the_ring(family, steps):
-    """GPT-2 re-encodes its window when the cache is full (the eager forward, then the fast path
-    again); a rolling cache wraps and the fast path goes on around the ring: the same tokens."""
-    model = make({**FAMILIES[family], "context_length": 12})
-    idx = torch.randint(0, BASE["vocab_size"], (1, 5))
-    ref, fast = both(model, idx, 30, temperature=0)
-    assert_same(ref, fast)
-    if family == "gpt2":
-        assert 0 < steps[0] < 29
-    else:  # 29 steps, the ring of 12 slots wrapped twice
-        assert steps[0] == 29
+    """GPT-2's cache holds its context: once full, each step re-encodes the window (the eager forward);
+    a rolling cache wraps, and the eager forward's ring logic writes each new key over the oldest. The
+    fast step runs the steps before either: 12 slots, a prompt of 5, 7 steps; the same tokens."""
+    model = make({**FAMILIES[family], "context_length": 12}, dtype=torch.float32)
+    ref, fast = both(model, prompt(1, 5), 30, temperature=0)
+    assert_same(ref, fast, F32)
+    assert steps[0] == 7
 
 
 @pytest.mark.parametrize("overrides", [dict(window=6, sinks=2), dict(window=5), dict(context_length=7)])
-def test_a_ring_goes_on_around_its_slots_as_the_eager_forward_writes_them(overrides, steps):
-    """Past its window a rolling cache wraps: each new key goes to the oldest ring slot (sinks kept),
-    as the eager forward's update() puts it. The same tokens and logits, every step on the fast path,
-    and after a few wraps the caches hold the same keys, values and positions in the same slots."""
+def test_a_ring_hands_its_steps_to_the_eager_forward_where_it_would_wrap(overrides, steps):
+    """FastDecoder.fits holds while the ring has a free slot; its steps write the slots the eager forward
+    would (the same keys, values and positions), so the eager forward goes on from those caches around
+    the ring, sinks kept: the same logits as an eager run all along."""
     model = make({**FAMILIES["llama-gqa"], **overrides})
-    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(6))
+    idx = prompt(2, 4, seed=6)
     ref, fast = both(model, idx, 25, temperature=0)
     assert_same(ref, fast)
-    assert steps[0] == 24
-    held = []
+    ring = model.new_kv_caches(2)[0].max_length
+    assert steps[0] == ring - 4
+    held, logits = [], []
     for fast_step in (False, True):
         caches = model.new_kv_caches(2)
+        out = []
         with torch.inference_mode():
             model.decode_logits(idx, None, caches)
-            decoder = decoding.FastDecoder(model, caches)
-            for t in range(17):
+            decoder = FastDecoder(model, caches)
+            assert decoder.plan == DecodePlan(Route.EAGER, 2, ring)
+            for t in range(ring - 4):  # up to the last slot
                 token = ref[0][:, 4 + t]
-                if fast_step:
-                    assert decoder.fits()
-                    decoder.step(token)
-                else:
-                    model.decode_logits(token[:, None], None, caches)
-        assert caches[0].seen == 21 > caches[0].max_length and caches[0].length == caches[0].max_length
-        held.append([(c.keys.clone(), c.values.clone(), c.positions.clone()) for c in caches])
+                assert decoder.fits()
+                out.append(
+                    decoder.step(token) if fast_step else model.decode_logits(token[:, None], None, caches)[:, -1]
+                )
+            assert not decoder.fits() and caches[0].seen == caches[0].length == ring
+            held.append([(c.keys.clone(), c.values.clone(), c.positions.clone()) for c in caches])
+            for t in range(ring - 4, 17):  # around the ring: the eager forward
+                out.append(model.decode_logits(ref[0][:, 4 + t, None], None, caches)[:, -1])
+        assert caches[0].seen == 21 > caches[0].max_length == caches[0].length
+        logits.append(torch.stack(out, 1))
     for a, b in zip(*held, strict=True):
         assert torch.equal(a[2], b[2])
         torch.testing.assert_close(b[0], a[0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b[1], a[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits[0].float(), ref[1][:, 1:18], rtol=F32, atol=F32)  # (generate's are float32)
 
 
 def test_a_padded_batch_runs_eager_with_the_same_tokens(steps):
-    model = make(FAMILIES["llama-gqa"])
-    idx = torch.randint(0, BASE["vocab_size"], (2, 6))
+    model = make(FAMILIES["llama-gqa"], dtype=torch.float32)
+    idx = prompt(2, 6)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     ref, fast = both(model, idx, 8, temperature=0, attention_mask=mask)
-    assert_same(ref, fast)
+    assert_same(ref, fast, F32)
     assert steps[0] == 0
 
 
-@pytest.mark.parametrize("overrides", [dict(pos="alibi"), dict(LLAMA, attn_softcap=2.0, logit_softcap=5.0)])
-def test_alibi_and_soft_capping_run_eager(overrides, steps):
-    model = make(overrides)
-    ref, fast = both(model, torch.randint(0, BASE["vocab_size"], (1, 4)), 6, temperature=0)
-    assert_same(ref, fast)
-    assert steps[0] == 0
+# --------------------------------------------------------------------------------------------
+# When the eager forward takes the steps
+# --------------------------------------------------------------------------------------------
+def test_the_plan_and_what_is_supported():
+    model = make(FAMILIES["llama-gqa"], dtype=torch.float32)
+    caches = model.new_kv_caches(3, 16)
+    decoder = FastDecoder(model, caches)
+    assert decoder.plan == DecodePlan(Route.EAGER, 3, 16) and decoder.fits()
+    assert decoder.plan.describe() == "eager step, 3 rows over 16 cache slots"
+    compiled = FastDecoder(model, model.new_kv_caches(1, 256), compile=True).plan  # (nothing compiles before a step)
+    assert compiled == DecodePlan(Route.COMPILED, 1, 48)  # (a rolling cache: its ring of context_length slots)
+    assert compiled.describe() == "compiled step, 1 row over 48 cache slots"
+    assert supported(model, caches, None)
+    assert not supported(model, None, None)  # no cache
+    assert not supported(model, caches, torch.ones(3, 4, dtype=torch.bool))  # a padding mask
+    assert not supported(model, caches[:1], None)  # a cache per layer
+    assert not supported(model.train(), caches, None)
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not supported(model, caches, None)
 
 
-def test_hooks_and_forward_hooks_run_eager(steps):
-    from attnlab.interpret.hooks import hooks
-
-    model = make(FAMILIES["llama-gqa"])
-    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+def test_hooks_and_forward_hooks_run_eager_and_see_the_eager_values(steps):
+    model = make(FAMILIES["llama-gqa"], dtype=torch.float32)
+    idx = prompt(1, 4)
     ref = model.generate(idx, 6, temperature=0, fast=False)
-    doubled = lambda x, hook: 2 * x
-    with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
-        hooked = model.generate(idx, 6, temperature=0)
-    with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
-        hooked_ref = model.generate(idx, 6, temperature=0, fast=False)
-    assert torch.equal(hooked, hooked_ref) and steps[0] == 0
-    handle = model.trf_blocks[0].att.out_proj.register_forward_pre_hook(lambda m, a: (a[0] * 0,))
-    try:
-        ablated = model.generate(idx, 6, temperature=0)
-        assert steps[0] == 0 and torch.equal(ablated, model.generate(idx, 6, temperature=0, fast=False))
-    finally:
-        handle.remove()
+
+    def hooked(fast: bool) -> tuple[torch.Tensor, list]:
+        seen = []
+
+        def doubled(x, hook):
+            seen.append(x.clone())
+            return 2 * x
+
+        with hooks(model, {"blocks.1.hook_mlp_out": doubled}):
+            return model.generate(idx, 6, temperature=0, fast=fast), seen
+
+    (tokens, seen), (ref_tokens, ref_seen) = hooked(True), hooked(False)
+    assert steps[0] == 0 and torch.equal(tokens, ref_tokens) and not torch.equal(tokens, ref)
+    assert len(seen) == len(ref_seen) == 6 and seen[1].shape == (
+        1,
+        1,
+        BASE["emb_dim"],
+    )  # (the prompt, then a token a pass)
+    for a, b in zip(seen, ref_seen, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    att = model.trf_blocks[0].att
+    for register in (
+        lambda: att.out_proj.register_forward_pre_hook(lambda m, a: (a[0] * 0,)),
+        lambda: att.out_proj.register_forward_hook(lambda m, a, out: out * 0),
+        lambda: torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None),  # global: every module
+    ):
+        handle = register()
+        try:
+            got = model.generate(idx, 6, temperature=0, return_logits=True)
+            assert steps[0] == 0
+            assert_same(model.generate(idx, 6, temperature=0, return_logits=True, fast=False), got, 0)
+        finally:
+            handle.remove()
     assert torch.equal(model.generate(idx, 6, temperature=0), ref) and steps[0] == 5
 
 
-@pytest.mark.parametrize(
-    "kind, compile",
-    [
-        ("pre_hook", False),
-        ("hook", False),
-        ("attnlab_hook", False),
-        pytest.param("attnlab_hook", True, marks=pytest.mark.slow),
-    ],
-)
-def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, compile, steps):
+def add_hook(stack: contextlib.ExitStack, model: GPT, kind: str) -> None:
+    """A hook that zeroes the MLP's output of the last layer: a forward pre-hook or hook on its last
+    module, or an attnlab hook, removed when ``stack`` closes."""
+    last = len(model.trf_blocks) - 1
+    module = model.trf_blocks[last].ff.layers[2]
+    if kind == "pre_hook":
+        stack.callback(module.register_forward_pre_hook(lambda m, a: (a[0] * 0,)).remove)
+    elif kind == "hook":
+        stack.callback(module.register_forward_hook(lambda m, a, out: out * 0).remove)
+    else:
+        stack.enter_context(hooks(model, {f"blocks.{last}.hook_mlp_out": lambda x, hook: 0 * x}))
+
+
+def hooked_at_the_third_token(model: GPT, idx: torch.Tensor, kind: str, **kw) -> tuple[list, torch.Tensor]:
+    """``stream(idx, 8, with_logits=True, **kw)``'s tokens and logits, a hook (:func:`add_hook`) set once
+    the third token is out."""
+    out, logits = [], []
+    with contextlib.ExitStack() as stack:
+        for i, (token, step_logits) in enumerate(model.stream(idx, 8, temperature=0, with_logits=True, **kw)):
+            out.append(token.tolist())
+            logits.append(step_logits)
+            if i == 2:
+                add_hook(stack, model, kind)
+    return out, torch.stack(logits)
+
+
+@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook"])
+def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, steps):
     """FastDecoder.fits checks each step for hooks set since the generation started (on any module,
-    torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook.
-    Compiled, greedy steps run ahead in chunks: those after the hook are taken back (the caches rewound)
-    and run again by the eager forward."""
-    import contextlib
-
-    from attnlab.interpret.hooks import hooks
-
+    torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook."""
     model = make(FAMILIES["llama-gqa"])
-    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
-    module = model.trf_blocks[1].ff.layers[2]
-
-    def add(stack: contextlib.ExitStack) -> None:
-        if kind == "pre_hook":
-            stack.callback(module.register_forward_pre_hook(lambda m, a: (a[0] * 0,)).remove)
-        elif kind == "hook":
-            stack.callback(module.register_forward_hook(lambda m, a, out: out * 0).remove)
-        else:
-            stack.enter_context(hooks(model, {"blocks.1.hook_mlp_out": lambda x, hook: 0 * x}))
-
-    def run(fast: bool, compile: bool = False) -> tuple[list[int], torch.Tensor]:
-        out, logits = [], []
-        with contextlib.ExitStack() as stack:
-            stream = model.stream(idx, 8, temperature=0, fast=fast, compile=compile, with_logits=True)
-            for i, (token, step_logits) in enumerate(stream):
-                out.append(token.tolist())
-                logits.append(step_logits)
-                if i == 2:
-                    add(stack)
-        return out, torch.stack(logits)
-
-    fast, fast_logits = run(True, compile)
-    # tokens 2 and 3 (the first comes from the prefill); none after the hook. (A chunk: its steps for
-    # tokens 2 to 5, the last two taken back.)
-    assert steps[0] == (decoding._CHUNK if compile else 2)
-    ref, ref_logits = run(False)
+    idx = prompt(1, 4)
+    fast, fast_logits = hooked_at_the_third_token(model, idx, kind)
+    assert steps[0] == 2  # tokens 2 and 3 (the first comes from the prefill); none after the hook
+    ref, ref_logits = hooked_at_the_third_token(model, idx, kind, fast=False)
     assert fast == ref
-    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-10, atol=1e-10)
     unhooked = model.generate(idx, 8, temperature=0, return_logits=True)[1]  # (1, 8, V)
     assert not torch.allclose(ref_logits[3:].float(), unhooked[0, 3:, None])  # (the hook changed the logits)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "olmo2"])
-def test_observers_get_the_records_of_the_eager_forward(family, steps):
-    """attnlab.interpret's observers (serve's live generation, trace_generation) run on the fast path
-    and see what the eager forward shows them: weights, keys, values, positions, mask."""
-    from attnlab.interpret.tracing import observe_attention
+def observed_generation(model: GPT, idx: torch.Tensor, n: int, layers=None, **kw):
+    """``generate(..., temperature=0, return_logits=True, **kw)`` with ``layers``' attention observed
+    (default: all): the output and the ``(layer, record)`` pairs in call order."""
+    records = []
+    chosen = range(len(model.trf_blocks)) if layers is None else layers
+    for i in chosen:
+        model.trf_blocks[i].att.observer = lambda m, r, i=i: records.append((i, r))
+    try:
+        out = model.generate(idx, n, temperature=0, return_logits=True, **kw)
+    finally:
+        for i in chosen:
+            model.trf_blocks[i].att.observer = None
+    return out, records
 
-    model = make(FAMILIES[family])
-    idx = torch.randint(0, BASE["vocab_size"], (2, 4))
-    records = {True: [], False: []}
-    for fast in (False, True):
-        with observe_attention(model, lambda layer, r, fast=fast: records[fast].append((layer, r))):
-            model.generate(idx, 7, temperature=0, fast=fast)
-    assert steps[0] > 0 and len(records[True]) == len(records[False]) == 7 * 3
-    for (la, a), (lb, b) in zip(records[False], records[True], strict=True):
-        assert la == lb and a.is_causal == b.is_causal and a.scale == b.scale
-        for name in ("q", "k", "v", "weights", "head_outputs", "q_positions", "k_positions", "mask"):
+
+def assert_same_records(ref, got, tol):
+    assert len(got) == len(ref) > 0
+    for (la, a), (lb, b) in zip(ref, got, strict=True):
+        assert la == lb and a.is_causal == b.is_causal and a.scale == b.scale and a.softcap == b.softcap
+        for name in FIELDS:
             x, y = getattr(a, name), getattr(b, name)
             assert (x is None) == (y is None), name
             if x is not None:
-                torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10, msg=name)
+                assert y.dtype == x.dtype and y.shape == x.shape, name
+                torch.testing.assert_close(y, x, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2-window", "llama-gqa", "gemma3"])
+def test_observers_run_eager_and_get_the_records_of_the_eager_forward(family, steps):
+    """attnlab.interpret's observers (serve's live generation, trace_generation) see what the eager
+    forward shows them: weights, keys, values, positions, mask. With compile=True too, which then
+    compiles nothing (the observed steps are the eager forward's)."""
+    model = make(FAMILIES[family])
+    idx = prompt(2, 4)
+    (ref, ref_logits), ref_records = observed_generation(model, idx, 7, fast=False)
+    before = graphs()
+    for kw in ({}, {"compile": True}):
+        (ids, logits), records = observed_generation(model, idx, 7, **kw)
+        assert torch.equal(ids, ref)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
+        assert_same_records(ref_records, records, 1e-10)
+    (ids, _), records = observed_generation(model, idx, 7, layers=[1])  # one layer observed: still eager
+    assert torch.equal(ids, ref) and {layer for layer, _ in records} == {1}
+    assert len(ref_records) == 7 * 3 and steps[0] == 0 and graphs() == before
+    assert model.generate(idx, 7, temperature=0).equal(ref) and steps[0] > 0  # (the observers gone: fast)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -240,10 +406,8 @@ def test_a_rolling_caches_records_are_copies_unless_the_observer_declines(fast, 
     """A rolling cache (RoPE) writes over old slots, so observers get copies of its keys, values and key
     positions; ``observe_attention(copy_cache=False)`` hands views of the cache instead (one buffer, step
     after step), with the same values; an observer set before that keeps its records still gets copies."""
-    from attnlab.interpret.tracing import observe_attention
-
     model = make(FAMILIES["llama-gqa"])
-    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(5))
+    idx = prompt(2, 4, seed=5)
 
     def run(copy_cache: bool, outer: bool = False) -> list:
         seen = []  # layer 0's records: the tensors and their values at the call
@@ -265,7 +429,7 @@ def test_a_rolling_caches_records_are_copies_unless_the_observer_declines(fast, 
         return {t.untyped_storage().data_ptr() for rec in seen[1:] for t in rec[:3]}  # (the decoding steps)
 
     copies, views, outer = run(True), run(False), run(False, outer=True)
-    assert len(copies) == len(views) == 6 and steps[0] == (3 * 5 if fast else 0)  # 5 decoding steps a run
+    assert len(copies) == len(views) == 6 and steps[0] == 0  # (observed: the eager forward)
     for a, b in zip(copies, views, strict=True):
         for x, y in zip(a[3:], b[3:], strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=0)
@@ -280,10 +444,8 @@ def test_an_observer_of_the_last_query_gets_that_row_of_the_eager_records(family
     """``observe_attention(last_query=True)``: each pass's records hold the last query's weights ``(b, H,
     1, S)`` (a padded batch: masks, windows, GQA, rolling caches), equal to that row of the full records,
     and the pass's output is the same; an observer set before that reads every row keeps its full ones."""
-    from attnlab.interpret.tracing import observe_attention
-
     model = make(FAMILIES[family])
-    idx = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(6))
+    idx = prompt(2, 9, seed=6)
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[1, :3] = False  # left padding: the prompt's mask reaches the records
 
@@ -313,55 +475,116 @@ def test_an_observer_of_the_last_query_gets_that_row_of_the_eager_records(family
         pass
 
 
+def row_passes(model: GPT, idx: torch.Tensor, n: int, **kw):
+    """``generate(..., temperature=0, return_logits=True, **kw)`` under :func:`observe_attention_rows`: the
+    output and each pass's ``(rows, q_positions, k_positions)``, copied (positions may be views of a cache)."""
+    passes = []
+
+    def keep(rows, q_pos, k_pos):
+        passes.append(tuple(None if t is None else t.clone() for t in (rows, q_pos, k_pos)))
+
+    with observe_attention_rows(model, keep):
+        out = model.generate(idx, n, temperature=0, return_logits=True, **kw)
+    return out, passes
+
+
+@pytest.mark.parametrize("kw", [{"fast": False}, {}, {"compile": True}])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_rows_of_layers_over_different_keys_are_laid_on_the_widest_layers_keys(kw, sinks, steps):
+    """Gemma 3's window layers keep fewer keys than its global one once the text is longer than the
+    window: each layer's row laid on the global layer's keys by position (its record's weights where it
+    holds the key, 0 outside its window), the positions handed the global layer's; the same rows whatever
+    ``generate``'s switches (observed, every step is the eager forward's, compiling nothing);
+    trace_generation plays such a generation back. With 2 sinks and a context of 8, every layer's ring
+    has 8 slots, holding the tokens in other ones."""
+    extra = {"sinks": 2, "context_length": 8} if sinks else {}
+    model = make({**FAMILIES["gemma3"], **extra})  # window 6 on layers 0 and 1, layer 2 global
+    idx = prompt(2, 7 if sinks else 9, seed=8)
+    records: list[list] = []
+
+    def record(layer, r):
+        if layer == 0:
+            records.append([])
+        records[-1].append((r.weights[:, :, -1].clone(), r.k_positions.clone(), r.q_positions.clone()))
+
+    with observe_attention(model, record, last_query=True):
+        want = model.generate(idx, 4, temperature=0, fast=False)
+    before = graphs()
+    (ids, _), passes = row_passes(model, idx, 4, **kw)
+    assert torch.equal(ids, want) and len(passes) == len(records) == 4
+    assert steps[0] == 0 and graphs() == before
+    for (rows, q_pos, k_pos), layers in zip(passes, records, strict=True):
+        wide = max(layers, key=lambda t: t[0].shape[-1])
+        assert rows.shape == (3, 2, *wide[0].shape[1:]) and torch.equal(k_pos.expand(2, -1), wide[1].expand(2, -1))
+        assert torch.equal(q_pos.expand(2, -1), wide[2].expand(2, -1))
+        for row, (w, pos, _) in zip(rows, layers, strict=True):
+            for b in range(2):
+                mine, theirs = pos.expand(2, -1)[b].tolist(), k_pos.expand(2, -1)[b].tolist()
+                cols = [theirs.index(p) for p in mine if p >= 0]
+                torch.testing.assert_close(row[b][:, cols], w[b][:, [i for i, p in enumerate(mine) if p >= 0]])
+                rest = [c for c in range(len(theirs)) if c not in cols]
+                assert torch.all(row[b][:, rest] == 0)
+            torch.testing.assert_close(row.sum(-1), torch.ones_like(row.sum(-1)))  # every key it attended is there
+    played = trace_generation(model, idx, 4, temperature=0)
+    assert torch.equal(played.tokens, want)
+    for step in played.steps:
+        S = step.weights.shape[-1]
+        assert step.key_start == step.position - S
+        assert torch.equal(step.key_index, torch.arange(step.position - S, step.position).expand(2, S))
+
+
 def test_lora_runs_eager_and_merged_weights_run_fast(steps):
     from attnlab.training.lora import LoRASettings, apply_lora, merge_lora
 
-    model = make(FAMILIES["llama-gqa"])
+    model = make(FAMILIES["llama-gqa"], dtype=torch.float32)
     apply_lora(model, LoRASettings.make(4, targets="q,v,down"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_()
-    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
+    idx = prompt(1, 4)
     ref, fast = both(model, idx, 8, temperature=0)
-    assert_same(ref, fast)
+    assert_same(ref, fast, F32)
     assert steps[0] == 0
     merge_lora(model)
-    ref, fast = both(model, idx, 8, temperature=0)
-    assert_same(ref, fast)
+    merged = both(model, idx, 8, temperature=0)
+    assert_same(*merged, F32)
     assert steps[0] == 7
+    torch.testing.assert_close(merged[1][1][:, 0], fast[1][:, 0], rtol=1e-4, atol=1e-4)  # (the same model)
 
 
-def test_fused_weights_follow_the_parameters(steps):
+def test_the_fast_step_follows_the_parameters(steps):
+    """In place (an optimizer step), a new tensor (load_state_dict(assign=True)), through ``.data`` (the
+    ablation people do by hand, which bumps no version counter): each next generation's fast steps use the
+    weights as they are, and the decoder leaves no parameter or buffer on the model."""
     model = make(FAMILIES["llama-gqa"])
     keys = set(model.state_dict())
-    idx = torch.randint(0, BASE["vocab_size"], (1, 4))
-    model.generate(idx, 4, temperature=0)
-    with torch.no_grad():  # in place (an optimizer step), then a new tensor (load_state_dict(assign=True))
+    idx = prompt(1, 4)
+    first = model.generate(idx, 8, temperature=0, return_logits=True)
+    with torch.no_grad():
         model.trf_blocks[1].att.W_key.weight.mul_(-1.5)
     assert_same(*both(model, idx, 8, temperature=0))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["trf_blocks.0.att.W_value.weight"].normal_()
     model.load_state_dict(state, assign=True)
     assert_same(*both(model, idx, 8, temperature=0))
-    assert set(model.state_dict()) == keys  # the fused copies are no parameters or buffers
-    assert decoding.fused_bytes(model) > 0
-    # An edit through .data bumps no version counter: a fused copy kept from the last generation would
-    # miss it (the ablation people do by hand, weight.data[...] = 0).
-    before = both(model, idx, 8, temperature=0)[1]
+    assert set(model.state_dict()) == keys
+    before = model.generate(idx, 8, temperature=0, return_logits=True)
     model.trf_blocks[0].att.W_value.weight.data[:, :] = 0.0
     ref, fast = both(model, idx, 8, temperature=0)
     assert_same(ref, fast)
-    assert not torch.allclose(before[1], fast[1])  # the edit did change the model
+    assert not torch.allclose(before[1], fast[1]) and not torch.allclose(
+        first[1], before[1]
+    )  # (the edits did change it)
+    assert steps[0] == 7 * 5
 
 
 def test_training_mode_comes_back_and_float32_agrees(steps):
     model = make(FAMILIES["smollm2-like"], dtype=torch.float32).train()
-    idx = torch.randint(0, BASE["vocab_size"], (4, 6))
+    idx = prompt(4, 6)
     ref, fast = both(model, idx, 10, temperature=0)
-    assert torch.equal(ref[0], fast[0])
-    torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
-    assert model.training and steps[0] == 9
+    assert_same(ref, fast, F32)
+    assert model.training and all(m.training for m in model.modules()) and steps[0] == 9
 
 
 def test_bad_switches_are_type_errors():
@@ -373,156 +596,6 @@ def test_bad_switches_are_type_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "family, chunk",
-    [("smollm2-like", 1), ("gpt2", 1), ("smollm2-like", decoding._CHUNK)] + [(f, 2) for f in ("gpt2", "gemma", "neox")],
-)
-def test_the_compiled_step_equals_the_eager_forward(family, chunk, steps, monkeypatch):
-    """One compiled layer function (and head) over the whole preallocated cache, in float64: a step a
-    call, or (a small model's greedy decoding on a CPU) ``chunk`` steps a call, each step's token the
-    argmax of its logits (the last call's steps after the 11th unused). Chunks of every way of making
-    the first block's input: learned positions (GPT-2), RoPE, partial (NeoX), the embedding's scale
-    (Gemma, whose offset RMSNorm computes in float32, as the eager forward's does: to float32's rounding)."""
-    monkeypatch.setattr(decoding, "_CHUNK", chunk)
-    model = make(FAMILIES[family])
-    # (chunks of 2 and one batch size for the families beside SmolLM2's: each graph is C++ that an empty
-    # inductor cache, as CI's, compiles for up to a minute)
-    sizes = (1, 2) if family == "smollm2-like" or chunk == 1 else (2,)
-    for B in sizes:
-        idx = torch.randint(0, BASE["vocab_size"], (B, 5))
-        ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
-        compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
-        assert_same(ref, compiled, tol=1e-5 if family == "gemma" else 1e-9)
-    assert steps[0] == len(sizes) * -(-11 // chunk) * chunk
-
-
-def test_greedy_decoding_runs_in_chunks_on_a_small_models_compiled_cpu_step(monkeypatch):
-    """Chunks (several steps a compiled call) where the steps are short: a small model, compiled, on a
-    CPU, its layers one call; else a step a call."""
-    model = make(FAMILIES["llama-gqa"])
-    caches = model.new_kv_caches(2, 16)
-    assert decoding.FastDecoder(model, caches, compile=True).chunk == decoding._CHUNK > 1
-    assert decoding.FastDecoder(model, caches).chunk == 1
-    monkeypatch.setattr(decoding, "_GROUP", 2)  # three layers: two calls a step
-    assert decoding.FastDecoder(model, caches, compile=True).chunk == 1
-    monkeypatch.undo()
-    monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)  # a large model: its steps read the weights for long
-    assert decoding.FastDecoder(model, caches, compile=True).chunk == 1
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["olmo2", "modern"])
-def test_greedy_chunks_stop_where_the_eager_forward_stops(family, steps):
-    """A small model's greedy steps in chunks, with stop ids: a row that stops inside a chunk emits the
-    first stop id from then on (and is fed it), and the generation ends inside a chunk once every row
-    has stopped: the eager forward's tokens and logits, in float64."""
-    model = make(FAMILIES[family])
-    idx = torch.randint(0, BASE["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(8))
-    free = model.generate(idx, 16, temperature=0, fast=False)[:, 5:]  # (3, 16): without stop ids
-    stop = (int(free[0, 2]), int(free[1, 9]), int(free[2, 9]))  # row 0 inside the first chunk
-    ref = model.generate(idx, 16, temperature=0, eos_id=stop, return_logits=True, fast=False)
-    got = model.generate(idx, 16, temperature=0, eos_id=stop, return_logits=True, compile=True)
-    assert_same(ref, got, tol=1e-9)
-    new = ref[0].shape[1] - 5
-    assert new < 16 and bool((ref[0][:, 8:] == stop[0]).any())  # it ended early; a row emits the first stop id
-    assert steps[0] == -(-(new - 1) // decoding._CHUNK) * decoding._CHUNK  # every step in a chunk
-
-
-@pytest.mark.slow
-def test_greedy_chunks_of_another_prompt_length_compile_nothing_new():
-    """The chunk's graph serves prompts of any length on caches of one size: the token it is fed is a
-    column of the generation's token buffer, whose stride (the buffer's width) follows the prompt."""
-    from torch._dynamo.utils import counters
-
-    model = make(FAMILIES["smollm2-like"])
-    g = torch.Generator().manual_seed(11)
-    short = torch.randint(0, BASE["vocab_size"], (2, 5), generator=g)
-    long = torch.randint(0, BASE["vocab_size"], (2, 7), generator=g)
-    model.generate(short, 12, temperature=0, compile=True)
-    before = counters["stats"]["unique_graphs"]
-    ref = model.generate(long, 12, temperature=0, return_logits=True, fast=False)
-    got = model.generate(long, 12, temperature=0, return_logits=True, compile=True)
-    assert_same(ref, got, tol=1e-9)
-    assert counters["stats"]["unique_graphs"] == before
-
-
-@pytest.mark.slow
-def test_greedy_chunks_up_to_the_context_and_past_it(steps):
-    """GPT-2's learned positions: a generation that ends at its context's last position runs its last
-    steps in a chunk too (whose unused step takes the last slot, which no step fills otherwise); one that
-    goes on past the context re-encodes its window between chunks. The eager forward's tokens and
-    logits, in float64."""
-    model = make({**FAMILIES["gpt2"], "context_length": 16})
-    idx = torch.randint(0, BASE["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(10))
-    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)  # positions 0..15
-    got = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
-    assert_same(ref, got, tol=1e-9)
-    assert steps[0] == 3 * decoding._CHUNK  # 11 steps: three chunks, no step alone
-    ref = model.generate(idx, 30, temperature=0, return_logits=True, fast=False)
-    got = model.generate(idx, 30, temperature=0, return_logits=True, compile=True)
-    assert_same(ref, got, tol=1e-9)
-
-
-@pytest.mark.slow
-def test_nan_logits_inside_a_chunk_raise_at_their_step(steps):
-    """A step inside a chunk whose logits are NaN (a NaN in the position of the 7th new token, which the
-    8th comes from): the tokens before it come, then the ValueError of the eager forward's generation
-    at the same step."""
-    model = make(FAMILIES["gpt2"])
-    with torch.no_grad():
-        model.pos_emb.weight[11] = float("nan")  # a 5-token prompt: the 7th new token's position
-    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(9))
-
-    def run(**kw) -> list:
-        got = []
-        with pytest.raises(ValueError, match="NaN"):
-            for token in model.stream(idx, 12, temperature=0, **kw):
-                got.append(token.tolist())
-        return got
-
-    got = run(compile=True)
-    assert got == run(fast=False) and len(got) == 7
-    assert steps[0] == 2 * decoding._CHUNK  # (the second chunk holds the NaN step)
-
-
-@pytest.mark.slow
-def test_the_compiled_step_hands_a_wrapped_ring_to_the_eager_step(steps):
-    """The compiled step's mask counts slots in order: once a ring wraps, the steps run the eager
-    fast step, with the same tokens and logits as the eager forward."""
-    model = make({**FAMILIES["smollm2-like"], "context_length": 10})
-    idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
-    ref = model.generate(idx, 16, temperature=0, return_logits=True, fast=False)
-    compiled = model.generate(idx, 16, temperature=0, return_logits=True, compile=True)
-    assert_same(ref, compiled, tol=1e-9)
-    assert steps[0] == 15
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("group", [1, 2])
-def test_the_compiled_step_in_groups_of_layers(group, steps, monkeypatch):
-    """Layers in several compiled calls (the head a call of its own), the caches' positions written
-    inside them: the same tokens, logits and cache records as the eager forward, in float64."""
-    monkeypatch.setattr(decoding, "_GROUP", group)
-    model = make(FAMILIES["llama-gqa"], seed=group)
-    idx = torch.randint(0, BASE["vocab_size"], (2, 5))
-    ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
-    compiled = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
-    assert_same(ref, compiled, tol=1e-9)
-    assert steps[0] == 11
-    records = []
-    for compile in (False, True):  # the caches' records after the same steps, eager and compiled
-        caches = model.new_kv_caches(2, 16)
-        with torch.inference_mode():
-            model.decode_logits(idx, None, caches)
-            decoder = decoding.FastDecoder(model, caches, compile=compile)
-            for t in range(3):
-                decoder.step(idx[:, t])
-        records.append([c.positions.clone() for c in caches])
-    for a, b in zip(*records, strict=True):
-        assert torch.equal(a, b) and torch.equal(a[:, :8], torch.arange(8).expand(2, 8))
-
-
-@pytest.mark.slow
 def test_smollm2_fast_steps_equal_eager(smollm2_gguf, steps):
     model = GPT.from_gguf(smollm2_gguf)
     idx = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -530,3 +603,80 @@ def test_smollm2_fast_steps_equal_eager(smollm2_gguf, steps):
     assert torch.equal(ref[0], fast[0])
     torch.testing.assert_close(fast[1], ref[1], rtol=1e-4, atol=1e-4)
     assert steps[0] == 11
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled step (slow: two compilations in all, each of a one-layer model)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    """One layer of SmolLM2's design, float32, a context of 16: its generations' caches (compiled: 256
+    slots asked, a ring of 16 given) are one shape, compiled once for the tests that share it."""
+    return make({**FAMILIES["smollm2-like"], "n_layers": 1, "emb_dim": 32, "context_length": 16}, dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_precompile_compiles_ahead_and_the_compiled_step_equals_the_eager_forward(tiny, routes):
+    """precompile on scratch caches, in inference mode (as serve's compiling thread): the caches as they
+    were, and the generation of that shape afterwards (in inference mode, as a server runs it) compiles
+    nothing; its compiled steps give the eager forward's tokens and logits up to the ring's last slot,
+    where the eager forward goes on. The compiled graph reads the parameters as they are: an edit made
+    through ``.data`` reaches the next generation, without compiling again."""
+    idx = prompt(1, 5, seed=3)
+    ref = tiny.generate(idx, 20, temperature=0, return_logits=True, fast=False)
+    with torch.inference_mode():
+        caches = tiny.new_kv_caches(1, cache_length(tiny, 5, 20, compile=True))
+        decoder = FastDecoder(tiny, caches, compile=True)
+        assert decoder.plan == DecodePlan(Route.COMPILED, 1, 16)
+        decoder.precompile()
+        assert all(c.seen == c.length == 0 and bool((c.positions == -1).all()) for c in caches)
+        assert routes == [Route.COMPILED]  # (precompile's own step)
+        before = graphs()
+        got = tiny.generate(idx, 20, temperature=0, return_logits=True, compile=True)
+    assert graphs() == before > 0
+    assert routes[1:] == [Route.COMPILED] * 11  # slots 5 to 15; then the ring would wrap: the eager forward
+    assert_same(ref, got, F32)
+    weight = tiny.trf_blocks[0].att.W_value.weight
+    weight.data.mul_(-1)
+    try:
+        edited = tiny.generate(idx, 20, temperature=0, return_logits=True, fast=False)
+        with torch.inference_mode():
+            got = tiny.generate(idx, 20, temperature=0, return_logits=True, compile=True)
+    finally:
+        weight.data.mul_(-1)
+    assert_same(edited, got, F32)
+    assert not torch.allclose(edited[1], ref[1]) and graphs() == before and len(routes) == 1 + 2 * 11
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["pre_hook", "attnlab_hook"])
+def test_a_hook_set_during_a_compiled_generation_hands_its_steps_to_the_eager_forward(tiny, kind, routes):
+    """The compiled step checks for hooks before each step as the eager one does: the steps after one is
+    set run the eager forward, which runs it (the graph of the tiny model's shape, shared by both kinds)."""
+    idx = prompt(1, 4, seed=4)
+    with torch.inference_mode():  # (as a server runs it: one graph for precompile and generations)
+        fast, fast_logits = hooked_at_the_third_token(tiny, idx, kind, compile=True)
+    assert routes == [Route.COMPILED] * 2
+    ref, ref_logits = hooked_at_the_third_token(tiny, idx, kind, fast=False)
+    assert fast == ref
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=F32, atol=F32)
+    unhooked = tiny.generate(idx, 8, temperature=0, return_logits=True, fast=False)[1]  # (1, 8, V)
+    assert not torch.allclose(ref_logits[3:], unhooked[0, 3:, None])  # (the hook changed the logits)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_of_a_gpt2_batch_serves_prompts_of_any_length(routes):
+    """Learned positions, three rows: the compiled step's tokens and logits are the eager forward's, and
+    one graph serves prompts of other lengths on caches of one size (the token fed is a column of the
+    generation's token buffer, whose width follows the prompt)."""
+    model = make({**FAMILIES["gpt2"], "n_layers": 1, "emb_dim": 32, "context_length": 24}, dtype=torch.float32)
+    new = []
+    for T in (5, 7):
+        idx = prompt(3, T, seed=T)
+        ref = model.generate(idx, 12, temperature=0, return_logits=True, fast=False)
+        before = graphs()
+        got = model.generate(idx, 12, temperature=0, return_logits=True, compile=True)
+        new.append(graphs() - before)
+        assert_same(ref, got, F32)
+    assert new[0] >= 1 and new[1] == 0
+    assert routes == [Route.COMPILED] * 2 * 11

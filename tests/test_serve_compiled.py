@@ -1,22 +1,23 @@
-"""``attnlab serve``'s generation stream and chat box on the compiled decoding step.
+"""``attnlab serve``'s chat box on the compiled decoding step, and its generation stream beside it.
 
 An engine told to compile (:class:`attnlab.tools.serve.Engine` ``compile=True``, what ``attnlab serve``
-does) compiles the step on a thread of its own at warm-up; the generations after it decode with the
-compiled step and compile nothing on the model thread. Against an engine that does not compile, on
-the same model: the same tokens, candidates and probabilities, and the same attention rows per layer.
-Each test compiles (slow), but the one where compiling fails.
+does) compiles the step on a thread of its own at warm-up, holding the engine's lock meanwhile (the
+step runs the model's own forward: requests wait for it). Chat answers then decode on the compiled
+step and compile nothing on the model thread: the same answers as an engine that does not compile.
+The generation stream records every layer's attention at each token, so it runs the eager forward:
+the tokens ``model.generate`` draws. Each test that compiles is slow; one engine compiles for them all.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from attnlab import decoding
-from attnlab.interpret.codec import to_json, unpack
+from attnlab.decoding import FastDecoder, Route
 from attnlab.tokenizers import CharTokenizer
 from attnlab.tools.loading import LoadedModel
 
@@ -30,26 +31,43 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
 
 
+def graphs() -> int:
+    """Graphs Dynamo compiled so far in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
 @pytest.fixture
-def compiled_steps(monkeypatch):
-    """The compiled steps the model thread ran (a spy on FastDecoder._compiled_step, and on greedy_steps:
-    each call its ``chunk`` steps, and ``[1]`` counts those calls; the compiling thread's own steps are
-    not counted: they run before the spy is read)."""
-    count = [0, 0]
-    step, greedy_steps = decoding.FastDecoder._compiled_step, decoding.FastDecoder.greedy_steps
+def routes(monkeypatch):
+    """The route of each fast decoding step run from now on, in order (a spy on the public
+    FastDecoder.step; the model thread runs the steps, the list takes them in turn)."""
+    seen: list[Route] = []
+    step = FastDecoder.step
 
-    def spy(self, *args):
-        count[0] += 1
-        return step(self, *args)
+    def spy(self, token):
+        seen.append(self.plan.route)
+        return step(self, token)
 
-    def chunk_spy(self, *args):
-        count[0] += self.chunk
-        count[1] += 1
-        return greedy_steps(self, *args)
+    monkeypatch.setattr(FastDecoder, "step", spy)
+    return seen
 
-    monkeypatch.setattr(decoding.FastDecoder, "_compiled_step", spy)
-    monkeypatch.setattr(decoding.FastDecoder, "greedy_steps", chunk_spy)
-    return count
+
+@pytest.fixture(scope="module")
+def chat_engines(tmp_path_factory, one_thread_module):
+    """``(plain, compiled)``: two engines on one tiny ChatML Llama, the second told to compile, warmed up
+    and its step compiled (once for the module's tests)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from attnlab.tools.loading import load_pretrained
+    from test_chat import write_model_dir
+
+    loaded = load_pretrained(str(write_model_dir(tmp_path_factory.mktemp("chat") / "chat")), device="cpu")
+    plain, compiled = Engine(loaded), Engine(loaded, compile=True)
+    assert not plain.compile and compiled.compile
+    compiled.warm_up()
+    assert compiled.wait_compiled(timeout=900) and compiled.compile_error is None
+    stats = compiled.snapshot()
+    assert stats["steps_compiled"] == 1 and stats["steps_compiling"] == 0  # the chat box's step
+    return plain, compiled
 
 
 def stream_all(engine: Engine, prompt: str, n: int, **kw) -> list[dict]:
@@ -61,67 +79,58 @@ def stream_all(engine: Engine, prompt: str, n: int, **kw) -> list[dict]:
     return steps
 
 
+def chat_answer(engine: Engine, messages: list[dict], n: int) -> tuple[list[int], str]:
+    run = start_chat(engine, messages, n, temperature=0.0)
+    while advance_chat(engine, run) is not None:
+        pass
+    engine.finish(run)
+    return run.answer_ids, run.end_reason
+
+
 @pytest.mark.slow
-def test_the_generation_stream_runs_the_compiled_step_compiled_at_warm_up(tmp_path, compiled_steps):
-    model = sharp_gpt(5, **LLAMA)
-    plain = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
-    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
-    assert not plain.compile and engine.compile
-    engine.warm_up()
-    assert engine.wait_compiled(timeout=900) and engine.compile_error is None
-    stats = engine.snapshot()
-    assert stats["steps_compiled"] == 2 and stats["steps_compiling"] == 0  # the stream's and the chat's
-    compiled_steps[0] = 0
-    graphs = counters["stats"]["unique_graphs"]
-    for kw in (dict(temperature=0.0), dict(temperature=0.9, top_k=12, seed=7)):
-        want = stream_all(plain, "the cat sat on", 14, **kw)
-        got = stream_all(engine, "the cat sat on", 14, **kw)
-        assert len(got) == len(want) == 14
-        for a, b in zip(want, got, strict=True):
-            for key in ("token", "position", "key_start", "key_index", "candidates", "labels"):
-                assert a[key] == b[key], key
-            assert b["probs"] == pytest.approx(a["probs"], abs=1e-5)
-            assert b["token_prob"] == pytest.approx(a["token_prob"], abs=1e-5)
-            wa, wb = (unpack(to_json({"w": d["weights"]}))["w"] for d in (a, b))  # (L, H, S)
-            assert wa.shape == (model.config.n_layers, model.config.n_heads, a["position"])
-            torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the model thread
-    assert compiled_steps[0] == 2 * 13 and engine.snapshot()["compiled_generations"] == 2
+def test_the_chat_box_runs_the_compiled_step(chat_engines, routes):
+    plain, compiled = chat_engines
+    messages = [{"role": "user", "content": "Jack Gisburn?"}]
+    want = chat_answer(plain, messages, 10)
+    assert len(want[0]) > 0 and routes and set(routes) == {Route.EAGER}  # (the fast step, uncompiled)
+    routes.clear()
+    before, generations = graphs(), compiled.snapshot()["compiled_generations"]
+    assert chat_answer(compiled, messages, 10) == want
+    assert len(routes) == len(want[0]) - 1 and set(routes) == {Route.COMPILED}  # every step after the prompt's
+    assert graphs() == before  # nothing compiled on the model thread
+    assert compiled.snapshot()["compiled_generations"] == generations + 1
     assert plain.snapshot()["compiled_generations"] == 0
 
 
 @pytest.mark.slow
-def test_the_chat_box_runs_the_compiled_step(tmp_path, compiled_steps):
-    pytest.importorskip("transformers")
-    pytest.importorskip("jinja2")
-    from attnlab.tools.loading import load_pretrained
-    from test_chat import write_model_dir
-
-    loaded = load_pretrained(str(write_model_dir(tmp_path / "chat")), device="cpu")
-    plain, engine = Engine(loaded), Engine(loaded, compile=True)
-    engine.warm_up()
-    assert engine.wait_compiled(timeout=900) and engine.compile_error is None
-    compiled_steps[0] = 0
-    messages = [{"role": "user", "content": "Jack Gisburn?"}]
-    answers = []
-    for e in (plain, engine):
-        before = counters["stats"]["unique_graphs"]
-        run = start_chat(e, messages, 10, temperature=0.0)
-        while advance_chat(e, run) is not None:
-            pass
-        e.finish(run)
-        answers.append((run.answer_ids, run.end_reason))
-    assert answers[0] == answers[1] and len(answers[0][0]) > 0
-    assert compiled_steps[0] > 0 and engine.snapshot()["compiled_generations"] == 1
-    # The model is small: its greedy answer ran steps in chunks, compiled ahead (for the model's stop ids).
-    assert compiled_steps[1] > 0 and counters["stats"]["unique_graphs"] == before
+def test_the_generation_stream_runs_the_eager_forward_with_the_tokens_of_generate(chat_engines, steps):
+    """The stream observes every layer, so no step runs on the fast path, compiled or not: the tokens
+    ``model.generate`` draws (with ``torch.Generator().manual_seed(seed)``), the same on both engines,
+    and nothing compiled or counted as a compiled generation."""
+    plain, compiled = chat_engines
+    model = compiled.loaded.model
+    prompt = "Jack Gisburn had always"
+    idx = torch.tensor([compiled.encode(prompt)])
+    before, generations = graphs(), compiled.snapshot()["compiled_generations"]
+    for kw in (dict(temperature=0.0), dict(temperature=0.9, top_k=12, seed=7)):
+        g = torch.Generator().manual_seed(kw.get("seed", 0))
+        sampling = {k: v for k, v in kw.items() if k != "seed"}
+        want = model.generate(idx, 14, generator=g, fast=False, **sampling)[0, idx.shape[1] :].tolist()
+        for engine in (plain, compiled):
+            got = stream_all(engine, prompt, 14, **kw)
+            assert [d["token"] for d in got] == want
+            assert [d["position"] for d in got] == list(range(idx.shape[1], idx.shape[1] + 14))
+    assert steps[0] == 0 and graphs() == before
+    assert compiled.snapshot()["compiled_generations"] == generations
 
 
 @pytest.mark.slow
-def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, subprocess_env):
+def test_sixteen_clients_while_it_compiles_then_after(tmp_path, subprocess_env):
     """``attnlab serve`` as a user starts it (compiling by default): the sixteen-client workload of
     test_serve (200 requests, 4 generations among them, every answer checked) while the step compiles
-    in the background, then again on the compiled step; Ctrl-C exits cleanly."""
+    in the background (the requests wait while the compiling thread holds the engine), then again once
+    it is compiled; the stream's generations run the eager forward, so none counts as compiled; Ctrl-C
+    exits cleanly."""
     import httpx
 
     from attnlab.tools.loading import load_model
@@ -133,14 +142,15 @@ def test_sixteen_clients_while_it_compiles_then_on_the_compiled_step(tmp_path, s
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint)
-            deadline = time.monotonic() + 900
-            while c.get("/api/stats").json()["steps_compiled"] < 2 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 900  # (a wait, not a check of time)
+            while c.get("/api/stats").json()["steps_compiled"] < 1 and time.monotonic() < deadline:
                 time.sleep(1)
             before = c.get("/api/stats").json()
-            assert before["steps_compiled"] == 2 and before["steps_compiling"] == 0
+            assert before["steps_compiled"] == 1 and before["steps_compiling"] == 0 and before["compile_failed"] == 0
             test_sixteen_concurrent_clients_each_get_their_own_answer(server, checkpoint)
             after = c.get("/api/stats").json()
-            assert after["compiled_generations"] - before["compiled_generations"] == 4
+            assert after["compiled_generations"] == before["compiled_generations"] == 0
+            assert after["generations_started"] - before["generations_started"] == 4
     finally:
         code, err = server.stop()
     assert code == 130 and "Traceback" not in err and "warning" not in err, (code, err)
@@ -165,20 +175,24 @@ def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
 
 
 def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_path, monkeypatch):
-    """The warm-up asks for two variants; the compiling thread fails on the first while the model thread
-    is between its check and its count of the second (the failure waits for that check to begin, the
-    check for the failure to be recorded): the second is refused, and nothing stays counted as compiling."""
-    import threading
-
+    """The warm-up asks for the short generations' size; its compilation fails, and the compiling thread
+    has let the engine go but not yet recorded the failure when a request of another size checks the
+    model (the failure's message waits for that check, the check for the failure to be recorded): that
+    size is refused, and nothing stays counted as compiling."""
     from attnlab.tools.serve import engine as engine_module
 
-    second_checking = threading.Event()
+    failing, second_checking = threading.Event(), threading.Event()
 
-    def fail(self, *args):
-        second_checking.wait(30)
-        raise ZeroDivisionError("division by zero")
+    class SlowError(Exception):
+        def __str__(self) -> str:  # (read after the engine's lock is let go, before the failure is recorded)
+            second_checking.wait(30)
+            return "division by zero"
 
-    monkeypatch.setattr(decoding.FastDecoder, "precompile", fail)
+    def fail(self):
+        failing.set()
+        raise SlowError
+
+    monkeypatch.setattr(FastDecoder, "precompile", fail)
     model = sharp_gpt(2, **LLAMA)
     engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
     calls = []
@@ -195,29 +209,39 @@ def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_pat
 
     monkeypatch.setattr(engine_module, "supported", supported)
     engine.warm_up()
+    assert failing.wait(30)
+    assert engine.run(lambda: engine.compiled_step("plain", 300, 10)) is False  # (a request of 300 + 10 tokens)
     assert engine.wait_compiled(timeout=60)
-    engine.run(lambda: None)  # (the warm-up done)
-    assert len(calls) == 2 and engine.compile_error == "ZeroDivisionError: division by zero"
+    assert len(calls) == 2 and engine.compile_error == "SlowError: division by zero"
     stats = engine.snapshot()
-    assert stats["compile_failed"] == 1 and stats["steps_compiling"] == 0, stats
+    assert stats["compile_failed"] == 1 and stats["steps_compiling"] == 0 and stats["steps_compiled"] == 0, stats
 
 
-def test_a_failed_compilation_leaves_the_fast_path(tmp_path, monkeypatch, capsys):
-    """No C++ compiler, say: one warning line, the stats say so, and generations stream on the fast path."""
+def test_a_failed_compilation_leaves_the_fast_path(tmp_path, monkeypatch, capsys, steps):
+    """No C++ compiler, say: one warning line, the stats say so, and chat answers decode on the eager
+    fast step (the generation stream runs the eager forward either way): the same tokens."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from attnlab.tools.loading import load_pretrained
+    from test_chat import write_model_dir
 
-    def fail(self, *args):
+    def fail(self):
         raise RuntimeError("no C++ compiler found\nsecond line")
 
-    monkeypatch.setattr(decoding.FastDecoder, "precompile", fail)
-    model = sharp_gpt(2, **LLAMA)
-    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
+    monkeypatch.setattr(FastDecoder, "precompile", fail)
+    loaded = load_pretrained(str(write_model_dir(tmp_path / "chat")), device="cpu")
+    capsys.readouterr()  # (transformers' progress bars writing the model)
+    engine = Engine(loaded, compile=True)
     engine.warm_up()
     assert engine.wait_compiled(timeout=60)
     assert engine.compile_error == "RuntimeError: no C++ compiler found"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab serve: warning: the compiled decoding step failed"), err
-    want = stream_all(Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path)), "abc", 5, temperature=0.0)
+    messages = [{"role": "user", "content": "Jack Gisburn?"}]
+    want = chat_answer(Engine(loaded), messages, 6)
+    steps[0] = 0
+    assert chat_answer(engine, messages, 6) == want and steps[0] == len(want[0]) - 1 > 0
     got = stream_all(engine, "abc", 5, temperature=0.0)
-    assert [d["token"] for d in got] == [d["token"] for d in want]
+    assert [d["token"] for d in got] == [d["token"] for d in stream_all(Engine(loaded), "abc", 5, temperature=0.0)]
     stats = engine.snapshot()
     assert stats["compile_failed"] == 1 and stats["steps_compiling"] == 0 and stats["compiled_generations"] == 0
