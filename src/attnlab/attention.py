@@ -575,17 +575,6 @@ def wants_cache_copies(observer: Callable) -> bool:
     return getattr(observer, "copy_cache", True) is not False
 
 
-def rows_receiver(observers: list) -> Callable | None:
-    """The one callback to which every layer's attention observer in ``observers`` (a model's, in layer
-    order) hands its last query's weights (:func:`attnlab.interpret.observe_attention_rows`: an
-    attribute ``rows_to``), or None. A compiled decoding step then hands that callback all the layers'
-    rows at once, from its graph, without building a record per layer."""
-    first = getattr(observers[0], "rows_to", None) if observers else None
-    if first is None or any(getattr(o, "rows_to", None) is not first for o in observers):
-        return None
-    return first
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
     :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU other than

@@ -170,7 +170,9 @@ class FastDecoder:
         take in their next slot."""
         at = self.caches[0].seen
         position = torch.full((1, 1), at, dtype=torch.long, device=token.device)  # (1, 1)
-        token = token.reshape(-1, 1).contiguous()  # (B, 1) (a column of the tokens so far: its own strides)
+        # (B, 1), a fresh copy: a column of the tokens so far has that buffer's strides, which the compiled
+        # step's guards would see change with the prompt's length
+        token = token.reshape(-1, 1).clone(memory_format=torch.contiguous_format)
         logits = self.run(self.model, token, position, self.slot_caches)  # (B, V)
         for c in self.caches:  # (the slot written: what KVCache.update counts)
             c.seen = c.length = at + 1

@@ -137,10 +137,9 @@ def observe_attention_rows(
     after its last layer: ``weights (L, b, H, S)`` the attention weights of the pass's last query in
     every layer (in the model's dtype), and the query's and keys' positions of layer 0's record (see
     :class:`~attnlab.attention.AttentionRecord`; None without). What a generation's stream shows of
-    each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``:
-    a compiled decoding step (:class:`attnlab.decoding.FastDecoder`) hands the rows from its graph at
-    once instead of a record per layer (one call a token, not one per layer). The positions may be views of
-    a cache, valid until the next pass; ``weights`` is the callback's to keep.
+    each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``
+    (one call a token, not one per layer). The positions may be views of a cache, valid until the next
+    pass; ``weights`` is the callback's to keep.
 
     Layers that attend over different keys (a model with windows of several sizes, such as Gemma 3's,
     once the text is longer than a window) have their rows laid on the keys of the layer with the most,
@@ -182,11 +181,11 @@ def observe_attention_rows(
         with observe_attention(model, keep, copy_cache=False, last_query=True) as observed:
             yield observed
         return
-    # Nothing else to call: a compiled step may hand the callback the rows itself (rows_to). One small
-    # object a layer, set past nn.Module's __setattr__: serve's stream sets and removes 30 a token.
+    # One small object a layer, set past nn.Module's __setattr__: serve's stream sets and removes one
+    # per layer at every token.
     try:
         for i, att in enumerate(layers):
-            object.__setattr__(att, "observer", _RowsObserver(i, keep, callback))
+            object.__setattr__(att, "observer", _RowsObserver(i, keep))
         yield layers
     finally:
         for att in layers:
@@ -225,14 +224,14 @@ def _rows_on_keys(rows: list[Tensor], records: list[AttentionRecord], keys: Tens
 
 class _RowsObserver:
     """Layer ``layer``'s attention observer under :func:`observe_attention_rows`: its records go to
-    ``keep(layer, record)``; ``rows_to`` is the callback a compiled step hands all layers' rows."""
+    ``keep(layer, record)``."""
 
-    __slots__ = ("keep", "layer", "rows_to")
+    __slots__ = ("keep", "layer")
     copy_cache = False  # (read at once: views of a rolling cache will do)
     last_query = True
 
-    def __init__(self, layer: int, keep: Callable[[int, AttentionRecord], None], rows_to: Callable) -> None:
-        self.layer, self.keep, self.rows_to = layer, keep, rows_to
+    def __init__(self, layer: int, keep: Callable[[int, AttentionRecord], None]) -> None:
+        self.layer, self.keep = layer, keep
 
     def __call__(self, module: MultiHeadAttention, record: AttentionRecord) -> None:
         self.keep(self.layer, record)
