@@ -220,7 +220,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     gradient: oneDNN's operator has no backward), ``torch.compile`` (inductor makes its own choice),
     autocast (which casts ``F.linear``'s inputs), tensor subclasses (a DTensor's shards) and other
     devices and dtypes take ``F.linear``. The two agree to float32's rounding (the sums' order differs);
-    a build whose oneDNN does not (checked once per process) keeps ``F.linear`` everywhere."""
+    a build whose oneDNN does not (checked once per process) keeps ``F.linear`` everywhere.
+
+    Under ``torch.compile`` on a CPU, one row (a decoding step's) is a multiply-and-sum, which inductor
+    turns into one vectorized loop over the weight that reads it at the memory's speed, where a library's
+    matrix-vector kernel called from the graph reads it slower on some CPUs."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+        y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, K) * (N, K) -> (..., N)
+        return y if bias is None else y + bias
     if (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
