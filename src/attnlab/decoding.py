@@ -173,7 +173,11 @@ class FastDecoder:
         # (B, 1), a fresh copy: a column of the tokens so far has that buffer's strides, which the compiled
         # step's guards would see change with the prompt's length
         token = token.reshape(-1, 1).clone(memory_format=torch.contiguous_format)
+        if self.plan.route is Route.CUDA_GRAPH:  # (each step a new replay: the last one's outputs are read)
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self.run(self.model, token, position, self.slot_caches)  # (B, V)
+        if self.plan.route is Route.CUDA_GRAPH:  # (the graph's output buffer is overwritten by the next replay)
+            logits = logits.clone()
         for c in self.caches:  # (the slot written: what KVCache.update counts)
             c.seen = c.length = at + 1
         return logits
