@@ -233,7 +233,7 @@ def test_rolling_cache_memory_is_flat_and_nothing_is_re_encoded(name):
     if cfg.relative:
         assert fed == [3] + [1] * (6 * C - 1)  # prefill once, then one token per step, forever
     else:  # learned positions: re-encode once the context is full, as GPT-2
-        assert fed[: C - 2] == [3] + [1] * (C - 4) + [C]  # the 4 steps up to the context, then C again
+        assert fed[: C - 1] == [3] + [1] * (C - 3) + [C]  # one token a step up to the context, then C again
 
 
 def test_long_prompt_is_prefilled_in_context_chunks():
