@@ -58,13 +58,13 @@ server runs it (:class:`attnlab.tools.serve.Engine`: ``start_generation``, then 
 on its model thread; each token's JSON as the server makes it, ``packed_json``, included), greedy,
 ``--tokens`` (default 32) prompt tokens cut from the text and ``--new`` (default 128) new tokens, in
 ``--dtype`` (float32: how serve loads a GGUF; bfloat16: an HF checkpoint stored so, on a CPU with
-native bf16). Rows, interleaved round by round on the same weights and prompt: the stream on the
-compiled step (the engine's default now; compiled at its warm-up, that time printed apart); the same
+native bf16). Rows, interleaved round by round on the same weights and prompt: the stream through an
+engine that compiles (its chat answers' step compiled at its warm-up, that time printed apart; the
+stream itself records every layer's attention at each token, so it runs the eager forward); the same
 read over HTTP from the server's application on that engine (uvicorn on 127.0.0.1 in this process, the
 response's bytes kept as they come and each token event's id read off them at the end); the stream on
-the eager fast path (``Engine(compile=False)``: before); ``attnlab.generation.generate(...,
-compile=True)``; transformers' ``generate``. Tokens/s and ratios. Goal (issue 23, "the generation
-stream at the decoding speed of item 1"): the stream within 5% of the compiled ``generate``.
+an engine that does not compile (``Engine(compile=False)``); ``attnlab.generation.generate(...,
+compile=True)``; transformers' ``generate``. Tokens/s and ratios.
 
     python benchmarks/serve.py --stream --rounds 3 --threads 2
     python benchmarks/serve.py --stream --dtype float32,bfloat16 --new 128 --rounds 3
@@ -608,8 +608,8 @@ def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int, with_r
 
 
 STREAM, STREAM_HTTP, STREAM_FAST, GENERATE, HF = (
-    "serve stream, compiled step",
-    "serve stream over HTTP, compiled step",
+    "serve stream (each token's attention)",
+    "serve stream over HTTP",
     "serve stream, fast path (before)",
     "attnlab generate(compile=True)",
     "transformers generate",
