@@ -293,3 +293,20 @@ def steps(monkeypatch):
 
     monkeypatch.setattr(decoding.FastDecoder, "step", spy)
     return count
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The route (attnlab.decoding.Route) of each fast decoding step run from now on, in order (a spy
+    on the public FastDecoder.step)."""
+    from attnlab.decoding import FastDecoder
+
+    seen: list = []
+    step = FastDecoder.step
+
+    def spy(self, token):
+        seen.append(self.plan.route)
+        return step(self, token)
+
+    monkeypatch.setattr(FastDecoder, "step", spy)
+    return seen

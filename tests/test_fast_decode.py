@@ -93,20 +93,6 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture
-def routes(monkeypatch):
-    """The route of each fast step that ran, in order (a spy on the public FastDecoder.step)."""
-    seen: list[Route] = []
-    step = FastDecoder.step
-
-    def spy(self, token):
-        seen.append(self.plan.route)
-        return step(self, token)
-
-    monkeypatch.setattr(FastDecoder, "step", spy)
-    return seen
-
-
 # --------------------------------------------------------------------------------------------
 # Every family, fast and eager
 # --------------------------------------------------------------------------------------------

@@ -36,21 +36,6 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture
-def routes(monkeypatch):
-    """The route of each fast decoding step run from now on, in order (a spy on the public
-    FastDecoder.step; the model thread runs the steps, the list takes them in turn)."""
-    seen: list[Route] = []
-    step = FastDecoder.step
-
-    def spy(self, token):
-        seen.append(self.plan.route)
-        return step(self, token)
-
-    monkeypatch.setattr(FastDecoder, "step", spy)
-    return seen
-
-
 @pytest.fixture(scope="module")
 def chat_engines(tmp_path_factory, one_thread_module):
     """``(plain, compiled)``: two engines on one tiny ChatML Llama, the second told to compile, warmed up
