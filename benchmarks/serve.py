@@ -155,7 +155,7 @@ class Server:
 
     def wait_compiled(self, c: httpx.Client, timeout: float = 900) -> float:
         """Seconds until the server's background compilation of its decoding step is done (the
-        stream's and the chat's variants), so that it takes no CPU from what is measured."""
+        chat's step), so that it takes no CPU from what is measured."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
             stats = c.get("/api/stats").json()
@@ -658,7 +658,7 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
     limits = Limits(max_new_tokens=N)
     compiled, fast = Engine(loaded, limits=limits, compile=True), Engine(loaded, limits=limits)
     t0 = time.perf_counter()
-    compiled.warm_up()  # the head roles, then the compiled step on its own thread (the stream's variant first)
+    compiled.warm_up()  # the head roles, then the compiled step on its own thread
     compiled.wait_compiled()
     warm_s = time.perf_counter() - t0
     if compiled.compile_error:
@@ -748,7 +748,7 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"  the engine's warm-up (head roles, then the compiled step: the stream's and the chat's variants) "
+        f"  the engine's warm-up (head roles, then the chat's compiled step) "
         f"{warm_s:.1f} s; generate(compile=True)'s first call {generate_first_s:.1f} s; graphs compiled while "
         f"timing: {recompiled}"
     )

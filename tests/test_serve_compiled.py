@@ -195,7 +195,7 @@ def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_pat
     monkeypatch.setattr(engine_module, "supported", supported)
     engine.warm_up()
     assert failing.wait(30)
-    assert engine.run(lambda: engine.compiled_step("plain", 300, 10)) is False  # (a request of 300 + 10 tokens)
+    assert engine.run(lambda: engine.compiled_step(300, 10)) is False  # (a request of 300 + 10 tokens)
     assert engine.wait_compiled(timeout=60)
     assert len(calls) == 2 and engine.compile_error == "SlowError: division by zero"
     stats = engine.snapshot()

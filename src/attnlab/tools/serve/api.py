@@ -213,7 +213,7 @@ class StatsAnswer(BaseModel):
     generations_active: int
     generation_steps: int = Field(description="tokens generated, all generations together")
     compiled_generations: int = Field(description="generations and chat answers decoded by the compiled step")
-    steps_compiled: int = Field(description="variants and cache sizes of the compiled decoding step ready")
+    steps_compiled: int = Field(description="cache sizes of the compiled decoding step ready")
     steps_compiling: int = Field(description="compilations of the decoding step asked for and not done")
     compile_failed: int = Field(description="1 if compiling failed (the server then decodes on the fast path)")
 

@@ -75,7 +75,7 @@ __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageM
 
 DEFAULT_PROMPT = "Your journey starts with one step"
 FULL_TRACE_SECTIONS = {"steps", "next", "lens"}  # the sections that need the stages or the logits of a trace
-COMPILED_SIZES = 4  # cache sizes compiled per variant of the decoding step (each a graph Dynamo keeps)
+COMPILED_SIZES = 4  # cache sizes of the decoding step compiled (each a graph Dynamo keeps)
 T = TypeVar("T")
 
 
@@ -164,7 +164,7 @@ class Engine:
         device = None if loaded is None else loaded.model.device
         self.compile = check_bool("compile", compile) and device is not None and device.type in ("cpu", "cuda")
         self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)
-        self._compiles: dict[tuple[str, int], threading.Event] = {}  # (variant, cache slots) -> done
+        self._compiles: dict[int, threading.Event] = {}  # cache slots -> done
         self._compile_jobs: queue.SimpleQueue = queue.SimpleQueue()
         # Held while a size is asked for and while a failure is recorded: a size asked for just as the
         # compiling thread failed was counted as compiling for good (its job never ran).
@@ -409,35 +409,34 @@ class Engine:
             with self.lock, torch.inference_mode():
                 self._head_roles()
                 if self.compile:
-                    self.compiled_step("plain", 1, 1)
+                    self.compiled_step(1, 1)
 
         self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
 
     # -- the compiled decoding step ---------------------------------------------------------------
-    def compiled_step(self, variant: str, prompt_length: int, max_new_tokens: int) -> bool:
-        """Whether a generation of these lengths may decode with the compiled step's ``variant`` ("rows":
-        the generation stream's; "plain": a chat answer's): compiled already for its cache
-        size. If not, that size is compiled on the compiling thread (at most :data:`COMPILED_SIZES`
-        sizes per variant), and this generation runs the eager fast path. Call on the model thread,
-        with the lock held (the model is checked for what the fast path supports)."""
+    def compiled_step(self, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether a generation of these lengths (a chat answer's: nothing observes it) may decode with the
+        compiled step: compiled already for its cache size. If not, that size is compiled on the
+        compiling thread (at most :data:`COMPILED_SIZES` sizes), and this generation runs the eager fast
+        path. Call on the model thread, with the lock held (the model is checked for what the fast path
+        supports)."""
         if not self.compile or self.compile_error is not None:
             return False
         model = self._need_model().model
         slots = cache_length(model, prompt_length, max_new_tokens, compile=True)
-        key = (variant, slots)
-        done = self._compiles.get(key)
+        done = self._compiles.get(slots)
         if done is not None:
             return done.is_set()
-        if sum(k[0] == key[0] for k in self._compiles) >= COMPILED_SIZES:
+        if len(self._compiles) >= COMPILED_SIZES:
             return False
         if not supported(model, model.new_kv_caches(1, 1), None):
             return False
         with self._compile_lock:
             if self.compile_error is not None:  # (failed since the check above)
                 return False
-            self._compiles[key] = threading.Event()
+            self._compiles[slots] = threading.Event()
             self.count("steps_compiling")
-        self._compile_jobs.put(key)
+        self._compile_jobs.put(slots)
         if self._compiler is None:  # a daemon: a server that stops does not wait for a compilation
             self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
             self._compiler.start()
@@ -458,14 +457,13 @@ class Engine:
         return True
 
     def _compile(self) -> None:
-        """The compiling thread: each asked-for (variant, cache size) compiled by a step of the model on
+        """The compiling thread: each asked-for cache size compiled by a step of the model on
         caches of its own (:meth:`attnlab.decoding.FastDecoder.precompile`), under the engine's lock: the
         step runs the model's own forward, which must not see a request's hooks or observers."""
         loaded = self._need_model()
         model = loaded.model
         while True:
-            key = self._compile_jobs.get()
-            _, slots = key
+            slots = self._compile_jobs.get()
             try:
                 with self.lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
@@ -483,7 +481,7 @@ class Engine:
                 )
                 self.count("compile_failed")  # (nothing else is compiled: compiled_step answers False now)
                 return
-            self._compiles[key].set()
+            self._compiles[slots].set()
             self.count("steps_compiling", -1)
             self.count("steps_compiled")
             hardware.release_openmp_threads()  # (the compiling thread ran a step: its workers go until the next)
