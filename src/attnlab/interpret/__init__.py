@@ -8,6 +8,9 @@ probabilities under temperature/top-k/top-p (:func:`next_token_probabilities`, t
 generation). Every weight comes from the model's own ``return_weights`` path; nothing here computes
 a second softmax.
 
+Sparse autoencoders and transcoders: :class:`SAE` (SAELens's, sparsify's and Gemma Scope's files),
+:func:`splice` (an SAE at its hook, its latents readable and editable) and :func:`evaluate_sae`.
+
 From looking to explaining: hook points with TransformerLens's names (:func:`hooks`,
 :func:`run_with_cache`), activation, path and attribution patching (:func:`activation_patching`,
 :func:`path_patching`, :func:`attribution_patching`) and direct logit attribution
@@ -52,6 +55,7 @@ from attnlab.interpret.patching import (
 )
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
 from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
+from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, splice
 from attnlab.interpret.tracing import (
     STEP_NAMES,
     Trace,
@@ -64,6 +68,7 @@ from attnlab.interpret.tracing import (
 
 __all__ = [
     "HEAD_KINDS",
+    "SAE",
     "SITES",
     "STEP_NAMES",
     "AblationEffect",
@@ -75,6 +80,8 @@ __all__ = [
     "LogitAttribution",
     "LogitDiff",
     "LogitLens",
+    "SAEConfig",
+    "SAEEvaluation",
     "Trace",
     "ablate",
     "ablation_effect",
@@ -84,6 +91,7 @@ __all__ = [
     "attention_layers",
     "attribution_patching",
     "direct_logit_attribution",
+    "evaluate_sae",
     "head_scores",
     "hook_names",
     "hooks",
@@ -113,6 +121,7 @@ __all__ = [
     "run_with_cache",
     "save_page",
     "shared_prefix",
+    "splice",
     "token_label",
     "token_strings",
     "trace",

@@ -1,0 +1,980 @@
+"""Sparse autoencoders and transcoders: load, save, run, splice into a model and measure.
+
+A sparse autoencoder (SAE) rewrites an activation ``x (..., d_in)`` of a hook point as a sparse
+combination of ``d_sae`` learned directions (its latents)::
+
+    pre = (x - b_dec) @ W_enc + b_enc          # (..., d_sae)   b_dec subtracted only if apply_b_dec_to_input
+    z   = act(pre)                             # (..., d_sae)   mostly zeros: the latent activations
+    x^  = z @ W_dec + b_dec                    # (..., d_out)   the reconstruction
+
+A transcoder is the same map from one hook point to another (an MLP's input to its output), so
+``d_out`` may differ from ``d_in``, ``b_dec`` is never subtracted from the input, and a skip
+connection ``x @ W_skip.T`` (``W_skip (d_out, d_in)``) may be added to the output.
+
+The activations ``act``, one function each below:
+
+* ``standard``: ReLU;
+* ``topk``: keep the k largest pre-activations of each row (then ReLU);
+* ``batchtopk``: keep the ``k * rows`` largest of the whole batch while training; at inference a
+  JumpReLU with the threshold learned while training (as SAELens saves it);
+* ``jumprelu``: ``pre`` where ``pre > threshold`` (per latent), else 0;
+* ``gated``: a gate ``x @ W_enc + b_gate > 0`` times ``relu(x @ (W_enc * exp(r_mag)) + b_mag)``.
+
+Files: SAELens's directory (``cfg.json`` + ``sae_weights.safetensors``), EleutherAI sparsify's
+(``cfg.json`` + ``sae.safetensors``), Gemma Scope's ``params.npz`` (read only) and a Hugging Face
+Hub repository holding one of them. The parameter names and shapes are SAELens's, so a SAELens file
+maps one to one; sparsify's ``encoder.weight (d_sae, d_in)`` is ``W_enc.T``.
+
+:func:`splice` runs the model with the SAE's reconstruction in place of the activation (the
+error term ``x - x^`` kept, so the model's output is unchanged unless a latent is edited), and
+:func:`evaluate_sae` gives SAELens's measures: L0, explained variance about the mean, dead latents,
+the cross-entropy loss recovered and the KL divergence with the reconstruction spliced in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, open_regular, read_json
+from attnlab.interpret.hooks import HookPoint, hook_names, hooks
+
+__all__ = [
+    "ARCHITECTURES",
+    "SAE",
+    "SAEConfig",
+    "SAEEvaluation",
+    "batchtopk",
+    "evaluate_sae",
+    "jumprelu",
+    "splice",
+    "topk",
+]
+
+ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu", "gated")
+NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
+SAELENS_CFG, SAELENS_WEIGHTS = "cfg.json", "sae_weights.safetensors"
+SPARSIFY_WEIGHTS = "sae.safetensors"
+GEMMA_SCOPE_PARAMS = "params.npz"
+# SAELens reads a cfg.json without this version as a pre-6.0 file and rewrites its keys; ours are 6.x keys.
+SAELENS_FORMAT_VERSION = "6.0.0"
+# SAELens's architecture names of transcoders -> (activation, skip connection).
+_SAELENS_TRANSCODERS = {
+    "transcoder": ("standard", False),
+    "skip_transcoder": ("standard", True),
+    "jumprelu_transcoder": ("jumprelu", False),
+    "jumprelu_skip_transcoder": ("jumprelu", True),
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_RESIDUAL_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+
+
+# ---------------------------------------------------------------------------------------------
+# The activation functions
+# ---------------------------------------------------------------------------------------------
+def topk(pre: Tensor, k: int) -> Tensor:
+    """Keep the ``k`` largest entries of each row of ``pre (..., d_sae)``, ReLU'd; zeros elsewhere."""
+    values, indices = pre.topk(k, dim=-1, sorted=False)  # (..., k)
+    return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+
+def batchtopk(pre: Tensor, k: int) -> Tensor:
+    """Keep the ``k * rows`` largest ReLU'd entries of the whole batch ``pre (..., d_sae)``: on
+    average ``k`` per row, more on rows that need more (BatchTopK, Bussmann et al. 2024)."""
+    acts = pre.relu()
+    flat = acts.reshape(-1)  # (rows * d_sae,)
+    rows = flat.numel() // pre.shape[-1]
+    values, indices = flat.topk(min(k * rows, flat.numel()), sorted=False)
+    return torch.zeros_like(flat).scatter(0, indices, values).view_as(pre)
+
+
+def jumprelu(pre: Tensor, threshold: Tensor) -> Tensor:
+    """``pre`` where it exceeds its latent's ``threshold (d_sae,)``, else 0 (JumpReLU, Rajamanoharan
+    et al. 2024). The ReLU is SAELens's: a negative threshold still never lets a negative value through."""
+    return pre.relu() * (pre > threshold).to(pre.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SAEConfig:
+    """What an SAE is: its widths, activation and where it reads and writes.
+
+    Attributes:
+        d_in: the width of the input activation.
+        d_sae: the number of latents.
+        architecture: one of :data:`ARCHITECTURES`.
+        k: latents kept per row (``topk``, ``batchtopk``).
+        d_out: a transcoder's output width (set for every transcoder); None for an autoencoder.
+        hook_name: the hook point read (TransformerLens's name, as :func:`attnlab.interpret.hook_names`).
+        hook_name_out: a transcoder's output hook point (None for an autoencoder).
+        skip: a transcoder's linear skip connection ``W_skip (d_out, d_in)``.
+        apply_b_dec_to_input: subtract ``b_dec`` from the input before encoding (SAELens's and
+            sparsify's autoencoders do; transcoders and Gemma Scope do not).
+        normalize_activations: SAELens's run-time normalization of the input: ``none``,
+            ``expected_average_only_in`` (a constant folded into the weights: nothing at run time),
+            ``constant_norm_rescale`` or ``layer_norm``.
+        rescale_acts_by_decoder_norm: SAELens's TopK option: latents ranked and decoded as if the
+            decoder rows had unit norm.
+        model_name: the model the SAE was trained on (informational).
+    """
+
+    d_in: int
+    d_sae: int
+    architecture: str = "topk"
+    k: int | None = None
+    d_out: int | None = None
+    hook_name: str | None = None
+    hook_name_out: str | None = None
+    skip: bool = False
+    apply_b_dec_to_input: bool = True
+    normalize_activations: str = "none"
+    rescale_acts_by_decoder_norm: bool = False
+    model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("d_in", "d_sae"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"SAE config: {name} must be a positive int, got {v!r}")
+        if self.d_out is not None and (not _is_int(self.d_out) or self.d_out < 1):
+            raise ValueError(f"SAE config: d_out must be a positive int or None, got {self.d_out!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"SAE config: unknown architecture {self.architecture!r}; attnlab runs {', '.join(ARCHITECTURES)}"
+            )
+        if self.architecture in ("topk", "batchtopk") and (not _is_int(self.k) or not 1 <= self.k <= self.d_sae):
+            raise ValueError(
+                f"SAE config: a {self.architecture} SAE needs k, an int in 1..d_sae={self.d_sae}, got {self.k!r}"
+            )
+        if self.normalize_activations not in NORMALIZATIONS:
+            raise ValueError(
+                f"SAE config: normalize_activations must be one of {', '.join(NORMALIZATIONS)}, "
+                f"got {self.normalize_activations!r}"
+            )
+        if self.transcoder and self.apply_b_dec_to_input:
+            raise ValueError("SAE config: a transcoder cannot subtract b_dec (of width d_out) from its input")
+        if self.skip and not self.transcoder:
+            raise ValueError("SAE config: a skip connection belongs to a transcoder (give hook_name_out or d_out)")
+
+    @property
+    def transcoder(self) -> bool:
+        """Whether it maps one hook point to another (an output hook or an output width of its own)."""
+        return self.hook_name_out is not None or self.d_out is not None
+
+    @property
+    def width_out(self) -> int:
+        return self.d_in if self.d_out is None else self.d_out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------------
+class SAE(nn.Module):
+    """A sparse autoencoder or transcoder (see the module docstring for the formulas).
+
+    Parameters (SAELens's names): ``W_enc (d_in, d_sae)``, ``b_enc (d_sae,)``, ``W_dec (d_sae,
+    d_out)``, ``b_dec (d_out,)``; ``threshold (d_sae,)`` for ``jumprelu`` (a buffer learned from the
+    batches for ``batchtopk``); ``b_gate``, ``r_mag``, ``b_mag (d_sae,)`` in place of ``b_enc`` for
+    ``gated``; ``W_skip (d_out, d_in)`` for a transcoder with a skip connection.
+
+    ``sae(x)`` is the reconstruction ``(..., d_out)``; :meth:`encode` gives the latents ``(...,
+    d_sae)``, :meth:`decode` maps them back. Dtype and device are the parameters' (``sae.to(...)``);
+    inputs are cast to the SAE's dtype and the output comes back in the input's.
+    """
+
+    def __init__(self, cfg: SAEConfig, *, dtype: torch.dtype | None = None, device: Any = None) -> None:
+        super().__init__()
+        if not isinstance(cfg, SAEConfig):
+            raise TypeError(f"SAE(cfg): cfg must be an SAEConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        d_in, d_sae, d_out = cfg.d_in, cfg.d_sae, cfg.width_out
+        kw = {"dtype": dtype or torch.float32, "device": device}
+        # Encoder rows start as the decoder's (the transpose), decoder rows with unit norm: the
+        # usual start of a TopK SAE (Gao et al. 2024), so the first reconstruction is not noise.
+        w_dec = torch.randn(d_sae, d_out, **kw)
+        w_dec = w_dec / w_dec.norm(dim=-1, keepdim=True)
+        w_enc = w_dec.T.clone() if d_out == d_in else torch.randn(d_in, d_sae, **kw) / math.sqrt(d_in)
+        self.W_enc = nn.Parameter(w_enc)  # (d_in, d_sae)
+        self.W_dec = nn.Parameter(w_dec)  # (d_sae, d_out)
+        self.b_dec = nn.Parameter(torch.zeros(d_out, **kw))  # (d_out,)
+        if cfg.architecture == "gated":
+            self.b_gate = nn.Parameter(torch.zeros(d_sae, **kw))
+            self.r_mag = nn.Parameter(torch.zeros(d_sae, **kw))
+            self.b_mag = nn.Parameter(torch.zeros(d_sae, **kw))
+        else:
+            self.b_enc = nn.Parameter(torch.zeros(d_sae, **kw))  # (d_sae,)
+        if cfg.architecture == "jumprelu":
+            self.threshold = nn.Parameter(torch.zeros(d_sae, **kw))
+        elif cfg.architecture == "batchtopk":
+            # Learned from the batches (a running mean of the smallest kept activation), not by gradient.
+            self.register_buffer("threshold", torch.zeros(d_sae, **kw))
+        if cfg.skip:
+            self.W_skip = nn.Parameter(torch.zeros(d_out, d_in, **kw))  # (d_out, d_in)
+
+    # -- running ------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_enc.dtype
+
+    def _normalize_in(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """SAELens's run-time normalization of the input, and what undoes it on the output."""
+        how = self.cfg.normalize_activations
+        if how == "constant_norm_rescale":
+            coeff = math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)  # (..., 1)
+            return x * coeff, (1 / coeff, torch.zeros_like(coeff))
+        if how == "layer_norm":
+            mu = x.mean(dim=-1, keepdim=True)  # (..., 1)
+            x = x - mu
+            std = x.std(dim=-1, keepdim=True)
+            return x / (std + 1e-5), (std, mu)
+        return x, None
+
+    def pre_activations(self, x: Tensor) -> Tensor:
+        """The encoder's output before the activation: ``x (..., d_in)`` -> ``(..., d_sae)``."""
+        x = self._check_input(x).to(self.dtype)
+        x, _ = self._normalize_in(x)
+        if self.cfg.apply_b_dec_to_input:
+            x = x - self.b_dec
+        if self.cfg.architecture == "gated":
+            return x @ (self.W_enc * self.r_mag.exp()) + self.b_mag  # the magnitude path
+        pre = x @ self.W_enc + self.b_enc  # (..., d_sae)
+        if self.cfg.rescale_acts_by_decoder_norm:
+            pre = pre * self.W_dec.norm(dim=-1)
+        return pre
+
+    def activation(self, pre: Tensor, x: Tensor | None = None) -> Tensor:
+        """The latents from the pre-activations (``x``: the input, which only ``gated`` needs)."""
+        arch = self.cfg.architecture
+        if arch == "standard":
+            return pre.relu()
+        if arch == "topk":
+            return topk(pre, self.cfg.k)
+        if arch == "batchtopk":
+            return batchtopk(pre, self.cfg.k) if self.training else jumprelu(pre, self.threshold)
+        if arch == "jumprelu":
+            return jumprelu(pre, self.threshold)
+        # gated: the gate shares W_enc with the magnitude path but has a bias of its own
+        assert x is not None, "a gated SAE's activation needs the input"
+        xin, _ = self._normalize_in(self._check_input(x).to(self.dtype))
+        if self.cfg.apply_b_dec_to_input:
+            xin = xin - self.b_dec
+        gate = (xin @ self.W_enc + self.b_gate > 0).to(pre.dtype)  # (..., d_sae)
+        return gate * pre.relu()
+
+    def encode(self, x: Tensor) -> Tensor:
+        """The latent activations ``(..., d_sae)`` of ``x (..., d_in)`` (mostly zeros)."""
+        return self.activation(self.pre_activations(x), x)
+
+    def decode(self, z: Tensor, x: Tensor | None = None) -> Tensor:
+        """The reconstruction ``(..., d_out)`` from latents ``z (..., d_sae)``.
+
+        ``x`` (the input the latents came from) is needed to undo a run-time normalization and to
+        add a transcoder's skip connection; without it neither is applied.
+        """
+        if not isinstance(z, Tensor) or z.shape[-1:] != (self.cfg.d_sae,):
+            got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+            raise ValueError(f"SAE.decode: z must be a tensor (..., d_sae={self.cfg.d_sae}), got {got}")
+        z = z.to(self.dtype)
+        if self.cfg.rescale_acts_by_decoder_norm:
+            z = z / self.W_dec.norm(dim=-1)
+        out = z @ self.W_dec + self.b_dec  # (..., d_out)
+        if x is not None:
+            xin = x.to(self.dtype)
+            # SAELens's transcoders do not undo the input's normalization (the output is another hook's).
+            if not self.cfg.transcoder:
+                _, undo = self._normalize_in(xin)
+                if undo is not None:
+                    out = out * undo[0] + undo[1]
+            if self.cfg.skip:
+                out = out + xin @ self.W_skip.T  # (..., d_out)
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The reconstruction ``(..., d_out)`` of ``x (..., d_in)``, in ``x``'s dtype."""
+        return self.decode(self.encode(x), x).to(x.dtype)
+
+    def encode_decode(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(latents (..., d_sae), reconstruction (..., d_out))`` in one pass."""
+        z = self.encode(x)
+        return z, self.decode(z, x).to(x.dtype)
+
+    def _check_input(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != self.cfg.d_in:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"SAE: the input must be a tensor (..., d_in={self.cfg.d_in}), got {got}")
+        if not x.is_floating_point():
+            raise TypeError(f"SAE: the input must be floating point, got {x.dtype}")
+        return x
+
+    # -- training helpers -----------------------------------------------------------------------
+    @torch.no_grad()
+    def normalize_decoder(self) -> None:
+        """Give every decoder row unit norm (TopK SAEs are trained with it; see Gao et al. 2024)."""
+        self.W_dec.div_(self.W_dec.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(self.dtype).eps))
+
+    @torch.no_grad()
+    def remove_parallel_gradient(self) -> None:
+        """Remove from ``W_dec``'s gradient its component along each row (a unit-norm row can then
+        only turn), as sparsify and SAELens do before each step."""
+        if self.W_dec.grad is not None:
+            parallel = (self.W_dec.grad * self.W_dec).sum(dim=-1, keepdim=True)  # (d_sae, 1)
+            self.W_dec.grad.sub_(parallel * self.W_dec)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        """ValueError unless the SAE's hook point(s) exist on ``model`` with the SAE's widths."""
+        if self.cfg.transcoder and self.cfg.hook_name_out is None:
+            raise ValueError("the transcoder names no output hook point (cfg.hook_name_out); give hook_name_out=")
+        for name, width, what in (
+            (self.cfg.hook_name, self.cfg.d_in, "d_in"),
+            (self.cfg.hook_name_out, self.cfg.width_out, "d_out"),
+        ):
+            if name is None:
+                if what == "d_in":
+                    raise ValueError("the SAE names no hook point (cfg.hook_name); give hook_name=")
+                continue
+            known = hook_names(model)
+            if name not in known:
+                raise ValueError(f"the SAE's hook {name!r} is not a hook point of this model (see hook_names(model))")
+            model_width = hook_width(model, name)
+            if model_width != width:
+                raise ValueError(f"the SAE's {what}={width} does not match the model's width {model_width} at {name}")
+
+    # -- files ----------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        subfolder: str | None = None,
+        hook_name: str | None = None,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+        revision: str | None = None,
+    ) -> SAE:
+        """Read an SAE from SAELens's, sparsify's or Gemma Scope's files, or from the Hub.
+
+        Args:
+            path: a directory holding ``cfg.json`` + ``sae_weights.safetensors`` (SAELens),
+                ``cfg.json`` + ``sae.safetensors`` (sparsify) or ``params.npz`` (Gemma Scope), the
+                ``params.npz`` file itself, or a Hugging Face Hub repository id ``owner/name``.
+            subfolder: the folder inside ``path`` (or the Hub repository) that holds the SAE (a
+                sparsify hookpoint such as ``layers.6``, a Gemma Scope ``layer_20/width_16k/...``).
+            hook_name: the hook point, where the files do not name it (sparsify, Gemma Scope) or
+                to override it.
+            dtype, device: cast and move the weights (default: as stored, on the CPU).
+
+        Raises ValueError naming the file for an unknown architecture, shapes that disagree with
+        the configuration, or weights that are not finite; FileNotFoundError when nothing is there.
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"SAE.load: path must be a str or os.PathLike, got {type(path).__name__}")
+        p = Path(path).expanduser()
+        if not p.exists() and isinstance(path, str) and _HUB_ID.fullmatch(path):
+            p = _download(path, subfolder, revision)
+        elif subfolder is not None:
+            p = p / subfolder
+        sae = _load_local(p, hook_name)
+        if dtype is not None or device is not None:
+            sae = sae.to(dtype=dtype or sae.dtype, device=device)
+        return sae.eval()
+
+    def save(self, directory: str | os.PathLike[str], *, format: str = "saelens") -> Path:
+        """Write the SAE into ``directory`` (created if needed), each file atomically.
+
+        ``format="saelens"``: ``cfg.json`` + ``sae_weights.safetensors``, which SAELens's
+        ``SAE.load_from_disk`` reads (a ``batchtopk`` SAE is saved as the JumpReLU it runs as at
+        inference, as SAELens does). ``format="sparsify"``: ``cfg.json`` + ``sae.safetensors``
+        (TopK only, as sparsify has no other). Returns the directory.
+        """
+        if format not in ("saelens", "sparsify"):
+            raise ValueError(f"SAE.save: format must be 'saelens' or 'sparsify', got {format!r}")
+        d = Path(directory).expanduser()
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"SAE.save: {d} exists and is not a directory")
+        d.mkdir(parents=True, exist_ok=True)
+        cfg, tensors, weights_name = (_to_saelens if format == "saelens" else _to_sparsify)(self)
+        st = import_safetensors()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        atomic_write_bytes(d / weights_name, st.torch.save(tensors))
+        atomic_write_json(d / SAELENS_CFG, cfg)
+        return d
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        kind = "transcoder" if c.transcoder else "autoencoder"
+        k = f", k={c.k}" if c.k is not None else ""
+        return f"{c.architecture} {kind}: d_in={c.d_in}, d_sae={c.d_sae}, d_out={c.width_out}{k}, hook={c.hook_name}"
+
+
+def hook_width(model: nn.Module, name: str) -> int:
+    """The last dimension of the activation at hook ``name``: the residual width for every
+    ``(B, T, d)`` hook point. Per-head hook points (``attn.hook_q`` ...) are refused: an SAE there
+    would need SAELens's reshaping of heads, which attnlab does not do."""
+    cfg = getattr(model, "config", None)
+    step = name.rsplit("hook_", 1)[-1]
+    if step in (*_RESIDUAL_STEPS, "embed", "normalized") and ".attn." not in name and cfg is not None:
+        return int(cfg.emb_dim)
+    raise ValueError(f"SAEs attach to hook points of width d_model ((B, T, d) activations), not {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------
+def _download(repo_id: str, subfolder: str | None, revision: str | None) -> Path:
+    """Fetch the SAE's files from the Hugging Face Hub (only its folder) into the local cache."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ImportError("loading an SAE from the Hub needs huggingface_hub: pip install huggingface_hub") from None
+    patterns = [f"{subfolder.strip('/')}/*"] if subfolder else None
+    root = Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
+    return root / subfolder if subfolder else root
+
+
+def _load_local(p: Path, hook_name: str | None) -> SAE:
+    if not p.exists():
+        raise FileNotFoundError(f"SAE not found: {p} (a directory with cfg.json, a params.npz, or a Hub id owner/name)")
+    if p.is_file():
+        if p.name.endswith(".npz"):
+            return _load_gemma_scope(p, hook_name)
+        raise ValueError(f"SAE file {p}: expected a directory (cfg.json + weights) or a Gemma Scope params.npz")
+    if (p / GEMMA_SCOPE_PARAMS).exists() and not (p / SAELENS_CFG).exists():
+        return _load_gemma_scope(p / GEMMA_SCOPE_PARAMS, hook_name)
+    if not (p / SAELENS_CFG).exists():
+        raise FileNotFoundError(
+            f"no SAE in {p}: expected {SAELENS_CFG} with {SAELENS_WEIGHTS} (SAELens) or {SPARSIFY_WEIGHTS} "
+            f"(sparsify), or {GEMMA_SCOPE_PARAMS} (Gemma Scope)"
+        )
+    raw = read_json(p / SAELENS_CFG, "SAE config")
+    if not isinstance(raw, dict):
+        raise ValueError(f"SAE config {p / SAELENS_CFG} must be a JSON object, got {type(raw).__name__}")
+    if (p / SAELENS_WEIGHTS).exists():
+        cfg, names = _cfg_from_saelens(raw, p / SAELENS_CFG)
+        tensors = _read_safetensors(p / SAELENS_WEIGHTS)
+    elif (p / SPARSIFY_WEIGHTS).exists():
+        cfg, names = _cfg_from_sparsify(raw, p / SAELENS_CFG, p.name)
+        tensors = _read_safetensors(p / SPARSIFY_WEIGHTS)
+        tensors = {names.get(k, k): v for k, v in tensors.items()}
+        if "W_enc" in tensors:
+            tensors["W_enc"] = tensors["W_enc"].T.contiguous()  # sparsify stores encoder.weight (d_sae, d_in)
+        names = {}
+    else:
+        raise FileNotFoundError(
+            f"SAE config {p / SAELENS_CFG} has no weights beside it ({SAELENS_WEIGHTS} or {SPARSIFY_WEIGHTS})"
+        )
+    if hook_name is not None:
+        cfg = replace(cfg, hook_name=hook_name)
+    tensors = {names.get(k, k): v for k, v in tensors.items()}
+    return _build(cfg, tensors, p)
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    st = import_safetensors()
+    with open_regular(path, "SAE weights") as f:
+        data = f.read()
+    try:
+        return dict(st.torch.load(data))
+    except Exception as exc:  # safetensors raises its own error type for a damaged header
+        raise ValueError(f"SAE weights {path} are not a readable safetensors file ({exc})") from None
+
+
+def _load_gemma_scope(path: Path, hook_name: str | None) -> SAE:
+    """Gemma Scope's ``params.npz``: ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_in)``, ``b_enc``,
+    ``b_dec``, ``threshold``; a JumpReLU SAE that does not subtract ``b_dec`` from its input."""
+    import numpy as np
+
+    with open_regular(path, "SAE params") as f:
+        try:
+            with np.load(io.BytesIO(f.read()), allow_pickle=False) as npz:
+                tensors = {k: torch.from_numpy(np.ascontiguousarray(npz[k])) for k in npz.files}
+        except (ValueError, OSError, EOFError) as exc:
+            raise ValueError(f"SAE params {path} is not a readable .npz file ({exc})") from None
+    for key in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
+        if key not in tensors:
+            raise ValueError(
+                f"SAE params {path} has no {key!r} (a Gemma Scope file holds W_enc, W_dec, b_enc, b_dec, threshold)"
+            )
+    w_enc = tensors["W_enc"]
+    if w_enc.dim() != 2:
+        raise ValueError(f"SAE params {path}: W_enc must be (d_in, d_sae), got shape {tuple(w_enc.shape)}")
+    d_in, d_sae = w_enc.shape
+    d_out = tensors["W_dec"].shape[-1] if tensors["W_dec"].dim() == 2 else None
+    transcoder = d_out is not None and d_out != d_in
+    cfg = SAEConfig(
+        d_in=int(d_in),
+        d_sae=int(d_sae),
+        architecture="jumprelu",
+        d_out=int(d_out) if transcoder else None,
+        hook_name=hook_name,
+        apply_b_dec_to_input=False,
+    )
+    return _build(cfg, tensors, path)
+
+
+def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A key of a SAELens cfg: at the top level (files before 6.0) or in its ``metadata``."""
+    if key in raw:
+        return raw[key]
+    meta = raw.get("metadata")
+    return meta.get(key, default) if isinstance(meta, dict) else default
+
+
+def _cfg_from_saelens(raw: dict[str, Any], where: Path) -> tuple[SAEConfig, dict[str, str]]:
+    """SAELens's ``cfg.json`` (6.x, or the flat files before it) as an :class:`SAEConfig`."""
+    arch = raw.get("architecture", "standard")
+    if arch == "standard" and raw.get("activation_fn_str", raw.get("activation_fn")) == "topk":
+        arch = "topk"  # files before 6.0: a TopK SAE said so in its activation function
+    skip = False
+    d_out = None
+    if arch in _SAELENS_TRANSCODERS:
+        arch, skip = _SAELENS_TRANSCODERS[arch]
+        d_out = raw.get("d_out")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"SAE config {where}: unknown architecture {arch!r}; attnlab reads "
+            f"{', '.join(ARCHITECTURES)} and SAELens's transcoders"
+        )
+    k = raw.get("k")
+    if k is None and isinstance(raw.get("activation_fn_kwargs"), dict):
+        k = raw["activation_fn_kwargs"].get("k")
+    norm = raw.get("normalize_activations", "none")
+    norm = (
+        {None: "none", False: "none", True: "expected_average_only_in"}.get(norm, norm)
+        if not isinstance(norm, str)
+        else norm
+    )
+    if raw.get("reshape_activations", "none") not in ("none", None):
+        raise ValueError(
+            f"SAE config {where}: reshape_activations={raw['reshape_activations']!r} (per-head SAEs) is not supported"
+        )
+    if _get(raw, "hook_head_index") is not None:
+        raise ValueError(f"SAE config {where}: an SAE on one head (hook_head_index) is not supported")
+    try:
+        cfg = SAEConfig(
+            d_in=raw.get("d_in"),
+            d_sae=raw.get("d_sae"),
+            architecture=arch,
+            k=k if arch in ("topk", "batchtopk") else None,
+            d_out=d_out,
+            hook_name=_get(raw, "hook_name", _get(raw, "hook_point")),
+            hook_name_out=_get(raw, "hook_name_out"),
+            skip=skip,
+            apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", d_out is None)),
+            normalize_activations=norm,
+            rescale_acts_by_decoder_norm=bool(raw.get("rescale_acts_by_decoder_norm", False)),
+            model_name=_get(raw, "model_name"),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    # SAELens's BatchTopK training state keeps its threshold as one number.
+    return cfg, {"topk_threshold": "threshold"}
+
+
+def _cfg_from_sparsify(raw: dict[str, Any], where: Path, folder: str) -> tuple[SAEConfig, dict[str, str]]:
+    """sparsify's ``cfg.json`` (its SparseCoderConfig plus ``d_in``) as an :class:`SAEConfig`."""
+    if raw.get("activation", "topk") != "topk":
+        raise ValueError(
+            f"SAE config {where}: sparsify activation {raw.get('activation')!r} is not supported (topk only)"
+        )
+    d_in = raw.get("d_in")
+    num = raw.get("num_latents") or 0
+    if not num and _is_int(d_in) and _is_int(raw.get("expansion_factor", 32)):
+        num = d_in * raw.get("expansion_factor", 32)
+    transcode = bool(raw.get("transcode", False))
+    hook = raw.get("hookpoint") or raw.get("hook_name")
+    try:
+        cfg = SAEConfig(
+            d_in=d_in,
+            d_sae=num,
+            architecture="topk",
+            k=raw.get("k", 32),
+            hook_name=hook,
+            hook_name_out=raw.get("hook_name_out"),
+            d_out=d_in if transcode else None,
+            skip=bool(raw.get("skip_connection", False)),
+            apply_b_dec_to_input=not transcode,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return cfg, {"encoder.weight": "W_enc", "encoder.bias": "b_enc"}
+
+
+def _build(cfg: SAEConfig, tensors: Mapping[str, Tensor], where: Path) -> SAE:
+    """An SAE from checked tensors: each present, of the configured shape, finite."""
+    dtypes = {t.dtype for t in tensors.values()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
+    sae = SAE(cfg, dtype=dtype, device="meta")
+    expected = {n: tuple(t.shape) for n, t in [*sae.named_parameters(), *sae.named_buffers()]}
+    state: dict[str, Tensor] = {}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(
+                f"SAE weights in {where} have no {name!r} (a {cfg.architecture} SAE needs {', '.join(expected)})"
+            )
+        t = tensors[name]
+        if name == "threshold" and t.numel() == 1:
+            t = t.reshape(()).expand(shape)  # one threshold for every latent (BatchTopK)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"SAE weights in {where}: {name} has shape {tuple(t.shape)}, but the config (d_in={cfg.d_in}, "
+                f"d_sae={cfg.d_sae}, d_out={cfg.width_out}) needs {shape}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"SAE weights in {where}: {name} must be floating point, got {t.dtype}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"SAE weights in {where}: {name} holds NaN or infinite values")
+        state[name] = t.to(dtype).contiguous()
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(
+            f"SAE weights in {where} hold tensors a {cfg.architecture} SAE does not have: {', '.join(unknown)}"
+        )
+    sae.load_state_dict(state, assign=True)
+    return sae
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing files
+# ---------------------------------------------------------------------------------------------
+def _to_saelens(sae: SAE) -> tuple[dict[str, Any], dict[str, Tensor], str]:
+    c = sae.cfg
+    arch = c.architecture
+    tensors = dict(sae.state_dict())
+    if arch == "batchtopk":
+        arch = "jumprelu"  # what SAELens saves a BatchTopK SAE as: its inference form
+    if c.transcoder:
+        if arch not in ("standard", "jumprelu"):
+            raise ValueError(
+                f"SAELens has no {c.architecture} transcoder (only ReLU and JumpReLU ones); save with format='sparsify'"
+            )
+        arch = {("standard", False): "transcoder", ("standard", True): "skip_transcoder"}.get(
+            (arch, c.skip), "jumprelu_skip_transcoder" if c.skip else "jumprelu_transcoder"
+        )
+    metadata = {
+        "sae_lens_version": SAELENS_FORMAT_VERSION,
+        "hook_name": c.hook_name,
+        "hook_name_out": c.hook_name_out,
+        "model_name": c.model_name,
+        "written_by": "attnlab",
+        **c.extra,
+    }
+    cfg = {
+        "architecture": arch,
+        "d_in": c.d_in,
+        "d_sae": c.d_sae,
+        "dtype": str(sae.dtype).removeprefix("torch."),
+        "device": "cpu",
+        "apply_b_dec_to_input": c.apply_b_dec_to_input,
+        "normalize_activations": c.normalize_activations,
+        "reshape_activations": "none",
+        "metadata": {k: v for k, v in metadata.items() if v is not None},
+    }
+    if arch == "topk":
+        cfg.update(k=c.k, rescale_acts_by_decoder_norm=c.rescale_acts_by_decoder_norm)
+    if c.transcoder:
+        cfg["d_out"] = c.width_out
+    return cfg, tensors, SAELENS_WEIGHTS
+
+
+def _to_sparsify(sae: SAE) -> tuple[dict[str, Any], dict[str, Tensor], str]:
+    c = sae.cfg
+    if c.architecture != "topk" or c.rescale_acts_by_decoder_norm or c.normalize_activations != "none":
+        raise ValueError(
+            f"sparsify's format holds plain TopK SAEs only, not a {c.architecture} one; save with format='saelens'"
+        )
+    if c.transcoder and c.width_out != c.d_in:
+        raise ValueError(f"sparsify's transcoders have d_out = d_in; this one maps {c.d_in} to {c.width_out}")
+    if c.apply_b_dec_to_input == c.transcoder:
+        raise ValueError(
+            "sparsify subtracts b_dec from an autoencoder's input and never from a transcoder's; "
+            "this SAE does otherwise"
+        )
+    tensors = {"encoder.weight": sae.W_enc.T, "encoder.bias": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    if c.skip:
+        tensors["W_skip"] = sae.W_skip
+    cfg = {
+        "activation": "topk",
+        "expansion_factor": max(1, c.d_sae // c.d_in),
+        "normalize_decoder": True,
+        "num_latents": c.d_sae,
+        "k": c.k,
+        "multi_topk": False,
+        "skip_connection": c.skip,
+        "transcode": c.transcoder,
+        "d_in": c.d_in,
+    }
+    # Extra keys sparsify drops when it reads the file (from_dict(drop_extra_fields=True)).
+    cfg.update({k: v for k, v in (("hookpoint", c.hook_name), ("hook_name_out", c.hook_name_out)) if v is not None})
+    return cfg, tensors, SPARSIFY_WEIGHTS
+
+
+# ---------------------------------------------------------------------------------------------
+# Splicing into a model
+# ---------------------------------------------------------------------------------------------
+SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error")
+
+
+@contextlib.contextmanager
+def splice(
+    model: nn.Module,
+    sae: SAE,
+    *,
+    keep_error: bool = True,
+    fns: Mapping[str, Callable | Sequence[Callable]] | None = None,
+    cache: dict[str, Tensor] | None = None,
+) -> Iterator[dict[str, Tensor]]:
+    """Inside the block, ``model`` runs with ``sae`` at its hook point: the activation there is
+    replaced by the SAE's reconstruction plus (``keep_error``) the error term ``x - x^``.
+
+    With the error kept, the model computes what it did (to rounding) until a latent is edited,
+    which is what makes the latents usable as a circuit's nodes. The SAE's own points take hook
+    functions ``fn(activation, hook)`` as :func:`attnlab.interpret.hooks` does, named by their
+    full name or their last part::
+
+        {hook}.hook_sae_input       (B, T, d_in)   what the SAE reads
+        {hook}.hook_sae_acts_pre    (B, T, d_sae)  pre-activations
+        {hook}.hook_sae_acts_post   (B, T, d_sae)  latents (edit them to steer or ablate features)
+        {hook}.hook_sae_recons      (B, T, d_out)  the reconstruction from the (edited) latents
+        {hook}.hook_sae_error       (B, T, d_out)  x - x^ of the unedited SAE
+
+    For a transcoder, the input hook is read and the output hook (``hook_name_out``) replaced.
+    Yields a dict that holds, after each forward pass, those five tensors by full name (detached),
+    or fills ``cache`` if given.
+    """
+    if not isinstance(sae, SAE):
+        raise TypeError(f"splice: sae must be an attnlab SAE, got {type(sae).__name__}")
+    sae.check_model(model)
+    base = sae.cfg.hook_name_out or sae.cfg.hook_name
+    points = {p: [] for p in SAE_POINTS}
+    for name, fn in (fns or {}).items():
+        short = name.removeprefix(f"{base}.")
+        if short not in points:
+            raise ValueError(
+                f"splice: unknown SAE hook {name!r}; the SAE's points are "
+                f"{', '.join(f'{base}.{p}' for p in SAE_POINTS)}"
+            )
+        listed = list(fn) if isinstance(fn, Sequence) else [fn]
+        if not all(callable(f) for f in listed):
+            raise TypeError(f"splice: the hook on {name} must be a function fn(activation, hook) or a list of them")
+        points[short] += listed
+    out = {} if cache is None else cache
+    seen: dict[str, Tensor] = {}
+
+    def run(point: str, x: Tensor) -> Tensor:
+        hp = HookPoint(f"{base}.{point}")
+        for fn in points[point]:
+            y = fn(x, hp)
+            if y is not None:
+                if not isinstance(y, Tensor) or y.shape != x.shape:
+                    raise ValueError(f"the hook on {hp.name} must return None or a tensor of shape {tuple(x.shape)}")
+                x = y
+        out[hp.name] = x.detach()
+        return x
+
+    def read_input(x: Tensor, hook: HookPoint) -> None:
+        seen["input"] = x
+
+    def replace_output(x: Tensor, hook: HookPoint) -> Tensor:
+        x_in = run("hook_sae_input", seen.pop("input") if sae.cfg.transcoder else x)
+        pre = run("hook_sae_acts_pre", sae.pre_activations(x_in))
+        z = run("hook_sae_acts_post", sae.activation(pre, x_in))
+        recons = run("hook_sae_recons", sae.decode(z, x_in).to(x.dtype))
+        if not keep_error:
+            return recons
+        with torch.no_grad():  # the error of the SAE as it is, not as the hooks edited it (SAELens's)
+            clean = sae(x_in).to(x.dtype)
+        error = run("hook_sae_error", (x - clean).detach())
+        return recons + error
+
+    table: dict[str, list[Callable]] = {base: [replace_output]}
+    if sae.cfg.transcoder:
+        table.setdefault(sae.cfg.hook_name, []).insert(0, read_input)
+    with hooks(model, table):
+        yield out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measures
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SAEEvaluation:
+    """What :func:`evaluate_sae` measured (SAELens's names in brackets).
+
+    Attributes:
+        l0: mean number of active latents per token [l0].
+        explained_variance: ``1 - E|x - x^|^2 / E|x - E x|^2`` over all tokens [explained_variance,
+            after SAELens's PR #665: about the mean, not about zero].
+        dead_fraction: fraction of latents never active on these tokens.
+        ce_clean, ce_spliced, ce_zero_ablated: next-token cross-entropy (nats) of the model as it
+            is, with the reconstruction in place of the activation, and with the activation zeroed
+            [ce_loss_without_sae, ce_loss_with_sae, ce_loss_with_ablation].
+        ce_loss_recovered: ``(ce_zero_ablated - ce_spliced) / (ce_zero_ablated - ce_clean)`` [ce_loss_score].
+        kl_spliced, kl_zero_ablated: mean ``KL(clean || spliced)`` and ``KL(clean || zero-ablated)``
+            of the next-token distributions [kl_div_with_sae, kl_div_with_ablation].
+        kl_recovered: ``(kl_zero_ablated - kl_spliced) / kl_zero_ablated`` [kl_div_score].
+        tokens: how many token positions were measured.
+        density: ``(d_sae,)`` fraction of tokens on which each latent is active.
+    """
+
+    l0: float
+    explained_variance: float
+    dead_fraction: float
+    ce_clean: float
+    ce_spliced: float
+    ce_zero_ablated: float
+    ce_loss_recovered: float
+    kl_spliced: float
+    kl_zero_ablated: float
+    kl_recovered: float
+    tokens: int
+    density: Tensor = field(repr=False)
+
+    def as_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d.pop("density")
+        return d
+
+
+def _kl_per_token(clean_logits: Tensor, new_logits: Tensor) -> Tensor:
+    """``KL(p_clean || p_new)`` per position ``(B, T)``, summed over the vocabulary."""
+    log_clean = F.log_softmax(clean_logits.float(), dim=-1)
+    log_new = F.log_softmax(new_logits.float(), dim=-1)
+    return (log_clean.exp() * (log_clean - log_new)).sum(-1)
+
+
+def _ce_per_token(logits: Tensor, idx: Tensor) -> Tensor:
+    """Next-token cross-entropy ``(B, T-1)``: position t predicts token t+1."""
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), idx[:, 1:], reduction="none")
+
+
+@torch.no_grad()
+def evaluate_sae(
+    model: nn.Module,
+    sae: SAE,
+    tokens: Tensor,
+    *,
+    batch_size: int = 8,
+    ignore_tokens: Sequence[int] = (),
+) -> SAEEvaluation:
+    """SAELens's evaluation of ``sae`` on ``model`` over ``tokens (N, T)`` (or ``(T,)``).
+
+    Every measure is taken over the token positions whose token is not in ``ignore_tokens``
+    (SAELens leaves out the tokenizer's special tokens: pass ``bos``/``eos`` ids here for the same
+    figures); the CE loss covers positions ``0..T-2`` (each predicts the next token), the KL all
+    ``T``. The clean, spliced and zero-ablated runs see the same batches; the splice replaces only
+    kept positions. Runs in eval mode and no_grad; ``model`` is left in its own mode.
+    """
+    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() not in (1, 2):
+        got = (
+            f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}"
+            if isinstance(tokens, Tensor)
+            else type(tokens).__name__
+        )
+        raise ValueError(f"evaluate_sae: tokens must be an integer tensor (N, T) or (T,), got {got}")
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.shape[1] < 2:
+        raise ValueError(f"evaluate_sae: tokens need at least 2 positions (a next-token loss), got {tokens.shape[1]}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"evaluate_sae: batch_size must be a positive int, got {batch_size!r}")
+    sae.check_model(model)
+    hook_in = sae.cfg.hook_name
+    hook_out = sae.cfg.hook_name_out or hook_in
+    was_training, sae_training = model.training, sae.training
+    model.eval()
+    sae.eval()
+    device = next(model.parameters()).device
+    sums = {"l0": 0.0, "sq_res": 0.0, "sq_norm": 0.0, "n": 0, "ce": [], "kl": []}
+    sum_x: Tensor | None = None
+    active = torch.zeros(sae.cfg.d_sae, dtype=torch.float64)
+    ignore = torch.tensor(list(ignore_tokens), dtype=torch.long)
+    try:
+        for start in range(0, tokens.shape[0], batch_size):
+            idx = tokens[start : start + batch_size].to(device=device, dtype=torch.long)  # (b, T)
+            keep = ~torch.isin(idx, ignore.to(device))  # (b, T) positions measured
+            seen: dict[str, Tensor] = {}
+
+            def grab(x: Tensor, hook: HookPoint, seen: dict[str, Tensor] = seen) -> None:
+                seen[hook.name] = x
+
+            with hooks(model, {hook_in: grab, **({hook_out: grab} if hook_out != hook_in else {})}):
+                clean = model(idx)  # (b, T, V)
+            x_in, target = seen[hook_in], seen[hook_out]
+
+            def spliced(x: Tensor, hook: HookPoint, x_in: Tensor = x_in, keep: Tensor = keep) -> Tensor:
+                recons = sae(x_in).to(x.dtype)
+                return torch.where(keep[..., None], recons, x)
+
+            with hooks(model, {hook_out: spliced}):
+                with_sae = model(idx)
+            with hooks(model, {hook_out: lambda x, hook: torch.zeros_like(x)}):
+                ablated = model(idx)
+            z, recons = sae.encode_decode(x_in)  # (b, T, d_sae), (b, T, d_out)
+            z, recons, tgt = z[keep], recons[keep].double(), target[keep].double()  # rows kept
+            sums["l0"] += float((z != 0).sum())
+            sums["sq_res"] += float((tgt - recons).pow(2).sum())
+            sums["sq_norm"] += float(tgt.pow(2).sum())
+            sums["n"] += tgt.shape[0]
+            sum_x = tgt.sum(0).cpu() if sum_x is None else sum_x + tgt.sum(0).cpu()
+            active += (z != 0).sum(0).double().cpu()
+            ce_keep = keep[:, :-1]
+            sums["ce"].append(
+                torch.stack([_ce_per_token(lg, idx)[ce_keep].double().cpu() for lg in (clean, with_sae, ablated)])
+            )
+            sums["kl"].append(
+                torch.stack([_kl_per_token(clean, lg)[keep].double().cpu() for lg in (with_sae, ablated)])
+            )
+    finally:
+        model.train(was_training)
+        sae.train(sae_training)
+    n = sums["n"]
+    if n == 0:
+        raise ValueError("evaluate_sae: every position was an ignored token; nothing to measure")
+    mean_sq = sums["sq_norm"] / n
+    total_var = mean_sq - float((sum_x / n).pow(2).sum())
+    mse = sums["sq_res"] / n
+    ev = (1.0 if mse < 1e-10 else 0.0) if total_var < 1e-10 else 1.0 - mse / total_var
+    ce = torch.cat(sums["ce"], dim=1).mean(dim=1)  # (3,)
+    kl = torch.cat(sums["kl"], dim=1).mean(dim=1)  # (2,)
+    ce_clean, ce_sae, ce_abl = (float(v) for v in ce)
+    density = active / n
+    return SAEEvaluation(
+        l0=sums["l0"] / n,
+        explained_variance=ev,
+        dead_fraction=float((active == 0).double().mean()),
+        ce_clean=ce_clean,
+        ce_spliced=ce_sae,
+        ce_zero_ablated=ce_abl,
+        ce_loss_recovered=(ce_abl - ce_sae) / (ce_abl - ce_clean) if ce_abl != ce_clean else float("nan"),
+        kl_spliced=float(kl[0]),
+        kl_zero_ablated=float(kl[1]),
+        kl_recovered=float((kl[1] - kl[0]) / kl[1]) if float(kl[1]) != 0 else float("nan"),
+        tokens=n,
+        density=density.float(),
+    )
+
+
+def cfg_dict(cfg: SAEConfig) -> dict[str, Any]:
+    """``cfg`` as plain JSON (what a training checkpoint records)."""
+    return json.loads(json.dumps(asdict(cfg)))
