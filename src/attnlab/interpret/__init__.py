@@ -14,7 +14,9 @@ Sparse autoencoders and transcoders: :class:`SAE` (SAELens's, sparsify's and Gem
 From looking to explaining: hook points with TransformerLens's names (:func:`hooks`,
 :func:`run_with_cache`), activation, path and attribution patching (:func:`activation_patching`,
 :func:`path_patching`, :func:`attribution_patching`) and direct logit attribution
-(:func:`direct_logit_attribution`).
+(:func:`direct_logit_attribution`); circuits: edge attribution patching, EAP and EAP-IG
+(:func:`edge_attribution`), and the faithfulness of a circuit (:func:`faithfulness`,
+:func:`faithfulness_curve`).
 
 The inspector's patching view (:func:`patching_data`; :func:`notebook_patching_html` in Jupyter) draws
 activation patching as heatmaps.
@@ -40,6 +42,17 @@ from attnlab.interpret.analysis import (
     rollout,
 )
 from attnlab.interpret.attribution import LogitAttribution, direct_logit_attribution
+from attnlab.interpret.circuits import (
+    MIB_BUDGETS,
+    Circuit,
+    EdgeGraph,
+    EdgeScores,
+    FaithfulnessCurve,
+    circuit_metrics,
+    edge_attribution,
+    faithfulness,
+    faithfulness_curve,
+)
 from attnlab.interpret.hooks import ActivationCache, HookPoint, act_name, hook_names, hooks, run_with_cache
 from attnlab.interpret.inspector import inspector_data, maps_data, records_data, token_label, token_strings
 from attnlab.interpret.page import notebook_html, read_asset, read_page_data, render_page, save_page
@@ -68,11 +81,16 @@ from attnlab.interpret.tracing import (
 
 __all__ = [
     "HEAD_KINDS",
+    "MIB_BUDGETS",
     "SAE",
     "SITES",
     "STEP_NAMES",
     "AblationEffect",
     "ActivationCache",
+    "Circuit",
+    "EdgeGraph",
+    "EdgeScores",
+    "FaithfulnessCurve",
     "GenerationStep",
     "GenerationTrace",
     "HookPoint",
@@ -90,8 +108,12 @@ __all__ = [
     "all_head_scores",
     "attention_layers",
     "attribution_patching",
+    "circuit_metrics",
     "direct_logit_attribution",
+    "edge_attribution",
     "evaluate_sae",
+    "faithfulness",
+    "faithfulness_curve",
     "head_scores",
     "hook_names",
     "hooks",

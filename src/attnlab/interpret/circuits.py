@@ -1,0 +1,1099 @@
+"""Circuits: edge attribution patching (EAP, EAP-IG) and the faithfulness of the circuits it finds.
+
+The graph is TransformerLens 4.3's residual-stream graph. *Writers* add to the residual stream:
+the embeddings ``("embed", None, None)``, each attention head ``("attn_head_out", l, h)`` (its own
+``z_h @ W_O[h]``, the output bias belonging to no head) and each MLP ``("mlp_out", l, None)``.
+*Readers* take the residual stream in: each head's query input ``("q_input", l, h)``, key and value
+inputs ``("k_input", l, g)``, ``("v_input", l, g)``, each MLP ``("mlp_in", l, None)`` and the
+unembedding ``("logits", L - 1, None)``. An edge joins a writer to every reader after it, at the
+same position. A reader's input is the residual stream *before* the block's norm (as TransformerLens's
+``hook_q_input``/``hook_mlp_in`` and its final ``hook_resid_post``): the stream is then a plain sum of
+the writers, which is what makes an edge's contribution a well-defined part of a reader's input.
+
+Grouped-query attention stays grouped: a key/value head ``g`` is read by the ``H / Hkv`` query heads
+of its group, so ``k_input``/``v_input`` nodes are numbered by key/value head (``g < Hkv``), as the
+model computes them. (TransformerLens 4.3 refuses such models; hannamw/EAP-IG ungroups them, which
+multiplies their key/value readers by the group size.) With as many key/value heads as heads the
+graph is TransformerLens's node for node.
+
+EAP scores an edge ``u -> v`` as ``(a_u(clean) - a_u(corrupted)) . d metric / d x_v`` with the
+gradient taken on the corrupted run: TransformerLens's *denoising* sign, a positive score moves the
+metric toward the clean run. It costs one clean forward, one corrupted forward and one backward:
+the gradient with respect to each head's own input copy is not a tensor of the forward pass (the
+heads share one normed input), so it is recovered by linearity, ``W_q[h]^T (d metric / d q_h)``
+pulled back through the norm at that head's input (the norm's vector-Jacobian product, batched
+over the heads). Scores are summed over positions (``per_position=True`` keeps them apart) and over
+the rows of a batch: with a metric that averages over rows, as :class:`~attnlab.interpret.LogitDiff`
+does, that is TransformerLens's mean over pairs.
+
+EAP-IG replaces the one gradient by the mean of ``ig_steps`` gradients along a path from the
+corrupted run toward the clean one, at ``alpha = k / ig_steps`` for ``k = 0 .. ig_steps - 1``
+(hannamw/EAP-IG's steps; ``alpha = 0`` is the corrupted run, so ``ig_steps=1`` is EAP exactly):
+
+* ``"EAP-IG-inputs"``: the token embeddings are interpolated; every edge reads those gradients.
+* ``"EAP-IG-activations"`` (MIB's name): the outputs of one writer layer at a time (the embeddings,
+  one layer's heads, one MLP) are interpolated, and the edges out of that layer read the gradients of
+  its own runs. All runs of a call go through the model as the rows of a few batches.
+
+A circuit is a set of edges (:class:`Circuit`; :meth:`EdgeScores.top_n`, :meth:`EdgeScores.threshold`,
+:meth:`EdgeScores.greedy`). :func:`circuit_metrics` runs the clean prompt with every edge outside the
+circuit patched from the corrupted run: each reader's input is the live residual stream minus, for
+each edge left out, the writer's live output plus its corrupted output (exact: the stream is a sum).
+The full circuit gives the clean run, the empty one the corrupted run. :func:`faithfulness` is MIB's
+normalized faithfulness ``(m(C) - m(corrupted)) / (m(clean) - m(corrupted))`` and
+:func:`faithfulness_curve` MIB's summaries over edge budgets: CPR, the area under the faithfulness
+curve, and CMD, the area between it and 1, both by the trapezoid rule over the budgets' fractions.
+
+Models: attnlab GPTs with pre-norm blocks (GPT-2, Llama and their kin, parallel residual included).
+Post-norms (Gemma 2/3's sandwich, OLMo 2) normalise a sublayer's output before it joins the stream,
+so a head's output is no longer its contribution; ``qk_norm="full"`` mixes all heads' queries. Both
+are refused (TransformerLens refuses the first too).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.interpret.hooks import HookPoint, hooks
+from attnlab.interpret.patching import _scalar
+
+__all__ = [
+    "MIB_BUDGETS",
+    "Circuit",
+    "EdgeGraph",
+    "EdgeScores",
+    "FaithfulnessCurve",
+    "circuit_metrics",
+    "edge_attribution",
+    "faithfulness",
+    "faithfulness_curve",
+]
+
+METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
+# MIB's edge budgets as fractions of all edges (0.1% ... 50%).
+MIB_BUDGETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+Node = tuple  # (kind, layer, head), or (kind, layer, head, position) for position-resolved edges
+
+
+# --------------------------------------------------------------------------------------------
+# The graph
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class EdgeGraph:
+    """Writers and readers of a model's residual stream, and which writer feeds which reader.
+
+    ``valid (W, R)`` is True where writer ``w`` comes before reader ``r`` (an edge). Writers are
+    ordered embed, then per layer its heads and its MLP; readers per layer ``H`` query heads,
+    ``Hkv`` key heads, ``Hkv`` value heads and the MLP, then the logits.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    parallel: bool
+    writers: tuple[Node, ...] = field(init=False)
+    readers: tuple[Node, ...] = field(init=False)
+    valid: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        L, H, G = self.n_layers, self.n_heads, self.n_kv_heads
+        writers: list[Node] = [("embed", None, None)]
+        w_stage = [0]
+        readers: list[Node] = []
+        r_stage: list[int] = []
+        for layer in range(L):
+            writers += [("attn_head_out", layer, h) for h in range(H)] + [("mlp_out", layer, None)]
+            w_stage += [2 * layer + 1] * H + [2 * layer + 2]
+            readers += [("q_input", layer, h) for h in range(H)]
+            readers += [("k_input", layer, g) for g in range(G)] + [("v_input", layer, g) for g in range(G)]
+            readers.append(("mlp_in", layer, None))
+            # a parallel block's MLP reads the block's input: its own layer's heads do not reach it
+            r_stage += [2 * layer + 1] * (H + 2 * G) + [2 * layer + 1 if self.parallel else 2 * layer + 2]
+        readers.append(("logits", L - 1, None))
+        r_stage.append(2 * L + 1)
+        valid = torch.tensor(w_stage)[:, None] < torch.tensor(r_stage)[None, :]  # (W, R)
+        object.__setattr__(self, "writers", tuple(writers))
+        object.__setattr__(self, "readers", tuple(readers))
+        object.__setattr__(self, "valid", valid)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> EdgeGraph:
+        """The graph of an attnlab GPT (a ValueError for a model whose stream is not a sum of writers)."""
+        cfg = _check_model(model)
+        return cls(cfg.n_layers, cfg.n_heads, cfg.kv_heads, bool(cfg.parallel_residual))
+
+    @property
+    def n_edges(self) -> int:
+        """Edges summed over positions (per position there are ``T`` times as many)."""
+        return int(self.valid.sum())
+
+    # Index helpers: the first writer and reader of a layer.
+    def head_writer(self, layer: int) -> int:
+        return 1 + layer * (self.n_heads + 1)
+
+    def reader_start(self, layer: int) -> int:
+        return layer * (self.n_heads + 2 * self.n_kv_heads + 1)
+
+    @property
+    def readers_per_layer(self) -> int:
+        return self.n_heads + 2 * self.n_kv_heads + 1
+
+    def writer_index(self, node: Node) -> int:
+        return _index(self.writers, node, "writer")
+
+    def reader_index(self, node: Node) -> int:
+        return _index(self.readers, node, "reader")
+
+
+def _index(nodes: tuple[Node, ...], node: object, what: str) -> int:
+    key = tuple(node)[:3] if isinstance(node, (tuple, list)) else node
+    try:
+        return nodes.index(key)
+    except ValueError:
+        raise ValueError(
+            f"{node!r} is not a {what} of this graph; {what}s are (kind, layer, head) like {nodes[1]!r}"
+        ) from None
+
+
+def _check_model(model: object) -> object:
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or cfg is None or not hasattr(model, "trf_blocks"):
+        raise TypeError(f"model must be an attnlab GPT, got {type(model).__name__}")
+    if not cfg.pre_norms or cfg.post_norms:
+        raise ValueError(
+            "edge attribution needs pre-norm blocks whose sublayer outputs add to the residual stream as they are; "
+            f"this model has pre_norms={cfg.pre_norms}, post_norms={cfg.post_norms} (a head's output is normalised "
+            "before it joins the stream, so it is not that head's contribution)"
+        )
+    if cfg.qk_norm == "full":
+        raise ValueError(
+            "edge attribution reads each head's query input apart; qk_norm='full' normalises all heads' queries "
+            "together, so a head's query depends on the others' inputs"
+        )
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Scores
+# --------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class EdgeScores:
+    """Every edge's score: ``scores (W, R)`` (or ``(T, W, R)`` per position), zero where no edge.
+
+    ``items()`` yields ``(writer, reader, score)`` for every edge (per position: the nodes carry the
+    position as a fourth entry, TransformerLens's position-resolved nodes).
+    """
+
+    graph: EdgeGraph
+    scores: Tensor
+    method: str
+    ig_steps: int
+    per_position: bool
+
+    def _mask(self) -> Tensor:
+        return self.graph.valid.expand_as(self.scores)
+
+    def items(self) -> Iterator[tuple[Node, Node, float]]:
+        g = self.graph
+        if not self.per_position:
+            for w, r in self.graph.valid.nonzero().tolist():
+                yield g.writers[w], g.readers[r], float(self.scores[w, r])
+            return
+        for t in range(self.scores.shape[0]):
+            for w, r in self.graph.valid.nonzero().tolist():
+                yield (*g.writers[w], t), (*g.readers[r], t), float(self.scores[t, w, r])
+
+    def __len__(self) -> int:
+        return int(self._mask().sum())
+
+    def __getitem__(self, edge: tuple[Node, Node]) -> float:
+        writer, reader = edge
+        w, r = self.graph.writer_index(writer), self.graph.reader_index(reader)
+        if not self.graph.valid[w, r]:
+            raise KeyError(f"{writer!r} -> {reader!r} is not an edge (the writer does not come before the reader)")
+        if self.per_position:
+            return float(self.scores[writer[3], w, r])
+        return float(self.scores[w, r])
+
+    def top(self, n: int = 10) -> list[tuple[Node, Node, float]]:
+        """The ``n`` edges of largest ``|score|``, strongest first (a strongly negative edge matters too)."""
+        order = self._ranked()[: _count("n", n)]
+        return [self._edge(i) for i in order.tolist()]
+
+    def _ranked(self) -> Tensor:
+        """Flat indices of the edges by decreasing ``|score|`` (ties: enumeration order)."""
+        flat = self.scores.abs().masked_fill(~self._mask(), -1.0).flatten()
+        order = torch.sort(flat, descending=True, stable=True).indices
+        return order[: len(self)]
+
+    def _edge(self, flat: int) -> tuple[Node, Node, float]:
+        R, W = len(self.graph.readers), len(self.graph.writers)
+        t, rest = divmod(flat, W * R)
+        w, r = divmod(rest, R)
+        score = float(self.scores.flatten()[flat])
+        if self.per_position:
+            return (*self.graph.writers[w], t), (*self.graph.readers[r], t), score
+        return self.graph.writers[w], self.graph.readers[r], score
+
+    # Circuit selection ---------------------------------------------------------------------
+    def top_n(self, n: int) -> Circuit:
+        """The circuit of the ``n`` edges of largest ``|score|``."""
+        mask = torch.zeros(self.scores.numel(), dtype=torch.bool)
+        mask[self._ranked()[: _count("n", n)]] = True
+        return Circuit(self.graph, mask.view(self.scores.shape))
+
+    def threshold(self, t: float) -> Circuit:
+        """The circuit of the edges with ``|score| >= t``."""
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise TypeError(f"t must be a finite number, got {t!r}")
+        return Circuit(self.graph, (self.scores.abs() >= t) & self._mask())
+
+    def greedy(self, n: int) -> Circuit:
+        """Grow a circuit from the logits, ``n`` edges: each step adds the edge of largest ``|score|``
+        whose reader belongs to a node already in the circuit (hannamw/EAP-IG's ``apply_greedy``), so
+        every edge lies on a path to the logits. Position-summed scores only."""
+        if self.per_position:
+            raise ValueError("greedy selection works on position-summed scores; use per_position=False")
+        n = _count("n", n)
+        g = self.graph
+        group = g.n_heads // g.n_kv_heads
+        by_reader: dict[int, list[int]] = {}
+        for w, r in g.valid.nonzero().tolist():
+            by_reader.setdefault(r, []).append(w)
+        absolute = self.scores.abs().tolist()
+        heap: list[tuple[float, int, int, int]] = []
+        tick = 0
+
+        def open_reader(r: int) -> None:
+            nonlocal tick
+            for w in by_reader.get(r, ()):
+                heapq.heappush(heap, (-absolute[w][r], tick, w, r))
+                tick += 1
+
+        open_readers: set[int] = set()
+
+        def open_node(w: int) -> None:  # a writer joined: its own inputs become candidates
+            kind, layer, head = g.writers[w]
+            if kind == "embed":
+                return
+            base = g.reader_start(layer)
+            if kind == "mlp_out":
+                wanted = [base + g.readers_per_layer - 1]
+            else:
+                kv = head // group
+                wanted = [base + head, base + g.n_heads + kv, base + g.n_heads + g.n_kv_heads + kv]
+            for r in wanted:
+                if r not in open_readers:
+                    open_readers.add(r)
+                    open_reader(r)
+
+        logits = len(g.readers) - 1
+        open_readers.add(logits)
+        open_reader(logits)
+        mask = torch.zeros_like(g.valid)
+        taken = 0
+        while heap and taken < n:
+            _, _, w, r = heapq.heappop(heap)
+            if mask[w, r]:
+                continue
+            mask[w, r] = True
+            taken += 1
+            open_node(w)
+        return Circuit(g, mask)
+
+
+def _count(name: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"{name} must be a non-negative int (a number of edges), got {n!r}")
+    return n
+
+
+@dataclass(eq=False)
+class Circuit:
+    """A set of edges of ``graph``: ``mask (W, R)`` (or ``(T, W, R)`` per position), True = kept."""
+
+    graph: EdgeGraph
+    mask: Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mask, Tensor) or self.mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {type(self.mask).__name__}")
+        shape = tuple(self.graph.valid.shape)
+        if self.mask.dim() not in (2, 3) or tuple(self.mask.shape[-2:]) != shape:
+            raise ValueError(f"mask must have shape {shape} or (T, *{shape}), got {tuple(self.mask.shape)}")
+        self.mask = self.mask & self.graph.valid
+
+    def __len__(self) -> int:
+        return int(self.mask.sum())
+
+    def edges(self) -> Iterator[tuple[Node, Node]]:
+        g = self.graph
+        if self.mask.dim() == 2:
+            for w, r in self.mask.nonzero().tolist():
+                yield g.writers[w], g.readers[r]
+        else:
+            for t, w, r in self.mask.nonzero().tolist():
+                yield (*g.writers[w], t), (*g.readers[r], t)
+
+    @classmethod
+    def from_edges(cls, graph: EdgeGraph, edges: Sequence[tuple[Node, Node]]) -> Circuit:
+        """A position-summed circuit of ``(writer, reader)`` pairs (a trailing score is ignored)."""
+        mask = torch.zeros_like(graph.valid)
+        for i, edge in enumerate(edges):
+            if not isinstance(edge, (tuple, list)) or len(edge) not in (2, 3):
+                raise ValueError(f"edges[{i}] must be (writer, reader) or (writer, reader, score), got {edge!r}")
+            w, r = graph.writer_index(edge[0]), graph.reader_index(edge[1])
+            if not graph.valid[w, r]:
+                raise ValueError(f"edges[{i}] = {edge[0]!r} -> {edge[1]!r} is not an edge of the graph")
+            mask[w, r] = True
+        return cls(graph, mask)
+
+    @classmethod
+    def full(cls, graph: EdgeGraph) -> Circuit:
+        return cls(graph, graph.valid.clone())
+
+    @classmethod
+    def empty(cls, graph: EdgeGraph) -> Circuit:
+        return cls(graph, torch.zeros_like(graph.valid))
+
+    @classmethod
+    def random(cls, graph: EdgeGraph, n: int, generator: torch.Generator | None = None) -> Circuit:
+        """``n`` edges drawn uniformly without replacement (the baseline a found circuit must beat)."""
+        n = _count("n", n)
+        edges = graph.valid.flatten().nonzero()[:, 0]
+        if n > edges.numel():
+            raise ValueError(f"n={n} is more than the graph's {edges.numel()} edges")
+        mask = torch.zeros(graph.valid.numel(), dtype=torch.bool)
+        mask[edges[torch.randperm(edges.numel(), generator=generator)[:n]]] = True
+        return cls(graph, mask.view(graph.valid.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def _check_inputs(model: nn.Module, clean: object, corrupted: object, metric: object) -> tuple[Tensor, Tensor]:
+    out = []
+    for name, idx in (("clean", clean), ("corrupted", corrupted)):
+        if not isinstance(idx, Tensor):
+            raise TypeError(f"{name} must be a tensor of token ids, (T,) or (B, T), got {type(idx).__name__}")
+        if idx.dim() == 1:
+            idx = idx.unsqueeze(0)
+        if idx.dim() != 2:
+            raise ValueError(f"{name} must be token ids of shape (T,) or (B, T), got shape {tuple(idx.shape)}")
+        out.append(model.check_idx(idx))
+    if out[0].shape != out[1].shape:
+        raise ValueError(
+            f"clean and corrupted must have the same shape (edges pair positions), got {tuple(out[0].shape)} "
+            f"and {tuple(out[1].shape)}"
+        )
+    if not callable(metric):
+        raise TypeError(f"metric must be a function logits (B, T, V) -> scalar, got {type(metric).__name__}")
+    return out[0], out[1]
+
+
+def _metric_value(metric: Callable, logits: Tensor) -> Tensor:
+    value = metric(logits)
+    _scalar(value)  # a clear ValueError for anything but one float
+    if not isinstance(value, Tensor) or not value.requires_grad:
+        raise ValueError("metric must return a tensor computed from the logits (edge attribution needs its gradient)")
+    return value.reshape(())
+
+
+# --------------------------------------------------------------------------------------------
+# Writers: each writer's output, one forward
+# --------------------------------------------------------------------------------------------
+class _Writers:
+    """Records each writer's output during one forward pass: ``out (B, T, W, d)`` when done."""
+
+    def __init__(self, model: nn.Module, graph: EdgeGraph) -> None:
+        self.model, self.graph = model, graph
+        self.parts: dict[int, Tensor] = {}
+
+    def fns(self) -> dict[str, Callable]:
+        fns: dict[str, Callable] = {"blocks.0.hook_resid_pre": self._embed}
+        for layer in range(self.graph.n_layers):
+            fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
+        return fns
+
+    def torch_hooks(self) -> list:
+        handles = []
+        for layer, block in enumerate(self.model.trf_blocks):
+            handles.append(block.att.out_proj.register_forward_pre_hook(self._heads(layer)))
+        return handles
+
+    def _embed(self, x: Tensor, hook: HookPoint) -> None:
+        self.parts[0] = x.detach()[:, :, None]  # (B, T, 1, d): everything before block 0 (token + position)
+
+    def _mlp(self, layer: int) -> Callable:
+        def fn(x: Tensor, hook: HookPoint) -> None:
+            self.parts[self.graph.head_writer(layer) + self.graph.n_heads] = x.detach()[:, :, None]  # (B, T, 1, d)
+
+        return fn
+
+    def _heads(self, layer: int) -> Callable:
+        att = self.model.trf_blocks[layer].att
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            self.parts[self.graph.head_writer(layer)] = head_results(att, args[0].detach())  # (B, T, H, d)
+
+        return pre
+
+    def stacked(self) -> Tensor:
+        return torch.cat([self.parts[k] for k in sorted(self.parts)], dim=2)  # (B, T, W, d)
+
+
+def head_results(att: nn.Module, z: Tensor) -> Tensor:
+    """Each head's own write to the stream, ``z_h @ W_O[:, h]^T``: ``z (B, T, H * hd)`` -> ``(B, T, H, d)``
+    (TransformerLens's ``hook_result``, without the output bias, which belongs to no head)."""
+    B, T, _ = z.shape
+    w_o = att.out_proj.weight.view(-1, att.num_heads, att.head_dim)  # (d, H, hd)
+    return torch.einsum("bthe,dhe->bthd", z.view(B, T, att.num_heads, att.head_dim), w_o)
+
+
+def _run_writers(model: nn.Module, graph: EdgeGraph, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(writers (B, T, W, d), logits)`` of one plain forward."""
+    rec = _Writers(model, graph)
+    handles = rec.torch_hooks()
+    try:
+        with torch.no_grad(), hooks(model, rec.fns()):
+            logits = model(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return rec.stacked(), logits
+
+
+# --------------------------------------------------------------------------------------------
+# Readers: the gradient at each reader's own input, one backward
+# --------------------------------------------------------------------------------------------
+def _reader_grads(
+    model: nn.Module,
+    graph: EdgeGraph,
+    idx: Tensor,
+    objective: Callable[[Tensor], Tensor],
+    replace: dict[str, Callable] | None = None,
+    out_proj_replace: dict[int, Callable] | None = None,
+) -> list[Tensor]:
+    """One forward and one backward of ``objective(logits)``; per layer ``(B, T, R_l, d)`` (its readers'
+    input gradients), then the logits reader's ``(B, T, 1, d)``.
+
+    ``replace`` adds hook functions (interpolated activations); the embeddings start the graph, so
+    no weight gets a gradient.
+    """
+    kept: dict[str, Tensor] = {}
+
+    def start(x: Tensor, hook: HookPoint) -> Tensor:
+        return x.detach().requires_grad_(True)
+
+    def keep(x: Tensor, hook: HookPoint) -> None:
+        kept[hook.name] = x
+
+    def clone_input(name: str) -> Callable:
+        def pre(module: nn.Module, args: tuple) -> tuple:
+            x = args[0].clone()  # its own node: the gradient of this reader alone, not of the skip path
+            kept[name] = x
+            return (x, *args[1:])
+
+        return pre
+
+    fns: dict[str, list[Callable]] = {}
+    for name, fn in (replace or {}).items():
+        fns.setdefault(name, []).append(fn)
+    fns.setdefault("hook_embed", []).append(start)  # after an interpolation: the graph starts on the path
+    for layer in range(graph.n_layers):
+        for step in ("q", "k", "v"):
+            fns.setdefault(f"blocks.{layer}.attn.hook_{step}", []).append(keep)
+        fns.setdefault(f"blocks.{layer}.hook_resid_pre", []).append(keep)
+    handles = [model.final_norm.register_forward_pre_hook(clone_input("final"))]
+    for layer, block in enumerate(model.trf_blocks):
+        handles.append(block.norm2.register_forward_pre_hook(clone_input(f"mlp_in.{layer}")))
+        if out_proj_replace and layer in out_proj_replace:
+            handles.append(block.att.out_proj.register_forward_pre_hook(out_proj_replace[layer]))
+    try:
+        with torch.enable_grad(), hooks(model, fns):
+            value = objective(model(idx))
+            names = [f"blocks.{layer}.attn.hook_{s}" for layer in range(graph.n_layers) for s in "qkv"]
+            names += [f"mlp_in.{layer}" for layer in range(graph.n_layers)] + ["final"]
+            grads = torch.autograd.grad(value, [kept[n] for n in names], allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    grad = {n: torch.zeros_like(kept[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
+    out = []
+    for layer, block in enumerate(model.trf_blocks):
+        att = block.att
+        d = att.d_in
+        per_head = []
+        for s, w in (("q", att.W_query), ("k", att.W_key), ("v", att.W_value)):
+            g = grad[f"blocks.{layer}.attn.hook_{s}"]  # (B, T, H or Hkv, hd)
+            # the gradient at each head's normed input: W_h^T (d metric / d q_h), by linearity
+            per_head.append(torch.einsum("bthe,hed->bthd", g, w.weight.view(g.shape[2], att.head_dim, d)))
+        u = torch.cat(per_head, dim=2)  # (B, T, H + 2 Hkv, d)
+        x = kept[f"blocks.{layer}.hook_resid_pre"].detach()  # (B, T, d): the stream the heads read
+        with torch.enable_grad():
+            copies = x[:, :, None].expand_as(u).clone().requires_grad_(True)  # one input per head
+            (g_attn,) = torch.autograd.grad(block.norm1(copies), copies, u)  # (B, T, H + 2 Hkv, d)
+        out.append(torch.cat([g_attn, grad[f"mlp_in.{layer}"][:, :, None]], dim=2))  # (B, T, R_l, d)
+    out.append(grad["final"][:, :, None])  # (B, T, 1, d)
+    return out
+
+
+def _contract(delta: Tensor, g: Tensor, per_position: bool) -> Tensor:
+    """``delta (B, T, W, d) . g (B, T, R, d)`` summed over rows and width: ``(W, R)`` or ``(T, W, R)``."""
+    if per_position:
+        return torch.einsum("btwd,btrd->twr", delta, g)
+    W, R = delta.shape[2], g.shape[2]
+    return delta.permute(2, 0, 1, 3).reshape(W, -1) @ g.permute(0, 1, 3, 2).reshape(-1, R)  # (W, R)
+
+
+def _scores_from_grads(
+    graph: EdgeGraph, delta: Tensor, grads: list[Tensor], per_position: bool, out: Tensor, writers: slice | None = None
+) -> None:
+    """Add each reader layer's scores into ``out (W, R)`` / ``(T, W, R)``, for ``writers`` (default all)."""
+    acc = out.dtype
+    rows = slice(None) if writers is None else writers
+    for layer, g in enumerate(grads):
+        lo = graph.reader_start(layer)
+        hi = lo + g.shape[2]
+        # writers up to this layer's heads (the MLP reader may read them; the mask drops the rest)
+        top = len(graph.writers) if layer == graph.n_layers else graph.head_writer(layer) + graph.n_heads
+        w = range(len(graph.writers))[rows]
+        w_hi = min(w.stop, top)
+        if w.start >= w_hi:
+            continue
+        part = _contract(delta[:, :, w.start : w_hi].to(acc), g.to(acc), per_position)
+        if per_position:
+            out[:, w.start : w_hi, lo:hi] += part
+        else:
+            out[w.start : w_hi, lo:hi] += part
+
+
+# --------------------------------------------------------------------------------------------
+# Edge attribution
+# --------------------------------------------------------------------------------------------
+def edge_attribution(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    method: str = "EAP",
+    ig_steps: int = 5,
+    per_position: bool = False,
+    *,
+    max_tokens: int = 8192,
+) -> EdgeScores:
+    """Every edge's attribution score (see the module's notes for the graph, methods and sign).
+
+    Args:
+        model: an attnlab GPT with pre-norm blocks.
+        clean, corrupted: token ids ``(T,)`` or ``(B, T)`` of the same shape (a batch of pairs).
+        metric: logits ``(B, T, V)`` -> scalar tensor; averaged over rows for a batch to get
+            TransformerLens's mean over pairs (:func:`~attnlab.interpret.logit_diff` does).
+        method: ``"EAP"``, ``"EAP-IG-inputs"`` or ``"EAP-IG-activations"``.
+        ig_steps: points on the integration path (EAP-IG only; 1 gives EAP).
+        per_position: keep each position's edges apart: scores ``(T, W, R)``.
+        max_tokens: at most this many tokens (rows x T) through the model in one pass of EAP-IG.
+    Returns:
+        :class:`EdgeScores` (float32, or float64 for a float64 model; on the model's device).
+    """
+    clean, corrupted = _check_inputs(model, clean, corrupted, metric)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    if isinstance(ig_steps, bool) or not isinstance(ig_steps, int) or ig_steps < 1:
+        raise ValueError(f"ig_steps must be an int >= 1, got {ig_steps!r}")
+    if not isinstance(per_position, bool):
+        raise TypeError(f"per_position must be a bool, got {per_position!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    graph = EdgeGraph.of(model)
+    steps = 1 if method == "EAP" else ig_steps
+    T = clean.shape[1]
+    acc = torch.promote_types(model.dtype, torch.float32)
+    W, R = len(graph.writers), len(graph.readers)
+    out = torch.zeros((T, W, R) if per_position else (W, R), dtype=acc, device=clean.device)
+    was_training = model.training
+    model.eval()
+    try:
+        clean_w, _ = _run_writers(model, graph, clean)
+        if method == "EAP":
+            corr_w = _eap(model, graph, corrupted, metric, clean_w, per_position, out)
+        elif method == "EAP-IG-inputs":
+            corr_w = _ig_inputs(model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
+        else:
+            corr_w = _ig_activations(
+                model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens
+            )
+        del corr_w
+    finally:
+        model.train(was_training)
+    out *= graph.valid.to(out.device)
+    return EdgeScores(graph, out, method, steps, per_position)
+
+
+def _recording(model: nn.Module, graph: EdgeGraph) -> tuple[_Writers, dict[str, Callable], list]:
+    rec = _Writers(model, graph)
+    return rec, rec.fns(), rec.torch_hooks()
+
+
+def _eap(
+    model: nn.Module, graph: EdgeGraph, corrupted: Tensor, metric: Callable, clean_w: Tensor, per_pos: bool, out: Tensor
+) -> Tensor:
+    """One corrupted forward and backward: its writers' outputs and every reader's gradient."""
+    rec, fns, handles = _recording(model, graph)
+    try:
+        grads = _reader_grads(model, graph, corrupted, lambda logits: _metric_value(metric, logits), fns)
+    finally:
+        for h in handles:
+            h.remove()
+    corr_w = rec.stacked()
+    _scores_from_grads(graph, clean_w - corr_w, grads, per_pos, out)
+    return corr_w
+
+
+def _step_chunks(n: int, rows_per_step: int, T: int, max_tokens: int) -> list[range]:
+    per = max(1, max_tokens // max(1, rows_per_step * T))
+    return [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def _ig_inputs(
+    model: nn.Module,
+    graph: EdgeGraph,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable,
+    clean_w: Tensor,
+    steps: int,
+    per_pos: bool,
+    out: Tensor,
+    max_tokens: int,
+) -> Tensor:
+    """EAP-IG on the inputs: the token embeddings at ``alpha = k / steps``, the steps as rows of a batch."""
+    embeds: dict[str, Tensor] = {}
+
+    def grab(name: str) -> Callable:
+        def fn(x: Tensor, hook: HookPoint) -> None:
+            embeds[name] = x.detach()
+
+        return fn
+
+    with torch.no_grad():
+        with hooks(model, {"hook_embed": grab("clean")}):
+            model(clean)
+        with hooks(model, {"hook_embed": grab("corrupted")}):
+            model(corrupted)
+    rec, fns, handles = _recording(model, graph)
+    try:
+        with torch.no_grad(), hooks(model, fns):
+            model(corrupted)
+    finally:
+        for h in handles:
+            h.remove()
+    corr_w = rec.stacked()
+    delta = clean_w - corr_w
+    B = clean.shape[0]
+    e0, e1 = embeds["corrupted"], embeds["clean"]
+    total: list[Tensor] | None = None
+    for chunk in _step_chunks(steps, B, clean.shape[1], max_tokens):
+        alphas = torch.tensor([k / steps for k in chunk], dtype=e0.dtype, device=e0.device)
+        path = (e0[None] + alphas[:, None, None, None] * (e1 - e0)[None]).flatten(0, 1)  # (n B, T, d)
+
+        def interpolate(x: Tensor, hook: HookPoint, path: Tensor = path) -> Tensor:
+            return path
+
+        def objective(logits: Tensor, n: int = len(chunk)) -> Tensor:
+            # the mean over steps: each step's metric on its own rows
+            return sum(_metric_value(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
+
+        grads = _reader_grads(model, graph, corrupted.repeat(len(chunk), 1), objective, {"hook_embed": interpolate})
+        grads = [g.view(len(chunk), B, *g.shape[1:]).sum(0) for g in grads]  # (B, T, R_l, d)
+        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    _scores_from_grads(graph, delta, total, per_pos, out)
+    return corr_w
+
+
+def _ig_activations(
+    model: nn.Module,
+    graph: EdgeGraph,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable,
+    clean_w: Tensor,
+    steps: int,
+    per_pos: bool,
+    out: Tensor,
+    max_tokens: int,
+) -> Tensor:
+    """EAP-IG on the activations: one writer layer at a time at ``alpha = k / steps`` on the corrupted
+    run; the edges out of that layer read the mean gradient of its own runs. Every (layer, step) run
+    is ``B`` rows of a batch, a few batches in all."""
+    rec, fns, handles = _recording(model, graph)
+    try:
+        with torch.no_grad(), hooks(model, fns):
+            model(corrupted)
+    finally:
+        for h in handles:
+            h.remove()
+    corr_w = rec.stacked()
+    delta = clean_w - corr_w
+    # Each layer's own activations on both prompts: the embeddings, z before out_proj (a head's
+    # output is linear in its z) and the MLP's output.
+    acts = {"clean": _layer_acts(model, graph, clean), "corrupted": _layer_acts(model, graph, corrupted)}
+    L, H, B = graph.n_layers, graph.n_heads, clean.shape[0]
+    # group: (where its activation is replaced, the writers it holds)
+    groups: list[tuple[str, slice]] = [("hook_embed", slice(0, 1))]
+    for layer in range(L):
+        h0 = graph.head_writer(layer)
+        groups.append((f"z.{layer}", slice(h0, h0 + H)))
+        groups.append((f"blocks.{layer}.hook_mlp_out", slice(h0 + H, h0 + H + 1)))
+    jobs = [(g, k) for g in range(len(groups)) for k in range(steps)]
+    for chunk in _step_chunks(len(jobs), B, clean.shape[1], max_tokens):
+        mine = [jobs[i] for i in chunk]
+
+        def interpolated(name: str, x: Tensor, mine: list = mine) -> Tensor:
+            """``x (n B, ...)`` with the rows of the jobs that interpolate ``name`` set on the path."""
+            a0, a1 = acts["corrupted"][name], acts["clean"][name]
+            x = x.clone()
+            for j, (g, k) in enumerate(mine):
+                if groups[g][0] == name:
+                    x[j * B : (j + 1) * B] = a0 + (k / steps) * (a1 - a0)
+            return x
+
+        names_here = {groups[g][0] for g, _ in mine}
+        replace = {
+            name: (lambda x, hook, name=name: interpolated(name, x)) for name in names_here if not name.startswith("z.")
+        }
+        z_replace = {
+            int(name[2:]): (lambda m, args, name=name: (interpolated(name, args[0]), *args[1:]))
+            for name in names_here
+            if name.startswith("z.")
+        }
+
+        def objective(logits: Tensor, n: int = len(mine)) -> Tensor:
+            return sum(_metric_value(metric, logits[j * B : (j + 1) * B]) for j in range(n)) / steps
+
+        idx = corrupted.repeat(len(mine), 1)
+        grads = _reader_grads(model, graph, idx, objective, replace, z_replace)
+        for j, (g, _) in enumerate(mine):
+            rows = [gr[j * B : (j + 1) * B] for gr in grads]  # (B, T, R_l, d) per reader layer
+            _scores_from_grads(graph, delta, rows, per_pos, out, writers=groups[g][1])
+    return corr_w
+
+
+def _layer_acts(model: nn.Module, graph: EdgeGraph, idx: Tensor) -> dict[str, Tensor]:
+    """The activations EAP-IG-activations interpolates, from one plain forward of ``idx``."""
+    acts: dict[str, Tensor] = {}
+
+    def grab(x: Tensor, hook: HookPoint) -> None:
+        acts[hook.name] = x.detach()
+
+    def grab_z(layer: int) -> Callable:
+        def pre(module: nn.Module, args: tuple) -> None:
+            acts[f"z.{layer}"] = args[0].detach()  # (B, T, H * hd)
+
+        return pre
+
+    handles = [b.att.out_proj.register_forward_pre_hook(grab_z(i)) for i, b in enumerate(model.trf_blocks)]
+    names = ["hook_embed"] + [f"blocks.{i}.hook_mlp_out" for i in range(graph.n_layers)]
+    try:
+        with torch.no_grad(), hooks(model, dict.fromkeys(names, grab)):
+            model(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return acts
+
+
+# --------------------------------------------------------------------------------------------
+# Circuits: the model with the edges outside a circuit patched from the corrupted run
+# --------------------------------------------------------------------------------------------
+class _CircuitRun:
+    """Hooks that run ``C`` circuits at once on the clean prompt (row ``c * B + b``): each reader's
+    input is the live stream minus, for each edge left out, the writer's live output plus its
+    corrupted one. ``D (C, W, B, T, d)`` holds each writer's live minus corrupted output as it runs."""
+
+    def __init__(self, model: nn.Module, graph: EdgeGraph, corr_w: Tensor, excluded: Tensor) -> None:
+        self.model, self.graph = model, graph
+        self.C = excluded.shape[0]
+        B, T, W, d = corr_w.shape
+        self.B, self.T, self.d = B, T, d
+        self.corr = corr_w.permute(2, 0, 1, 3)  # (W, B, T, d)
+        self.E = excluded.transpose(-1, -2).to(corr_w.dtype)  # (C, R, W) or (C, T, R, W): 1 = patched
+        self.per_pos = excluded.dim() == 4
+        self.D = corr_w.new_zeros(self.C, W, B, T, d)
+        self.state: dict[str, Tensor | None] = {}
+
+    def _rows(self, x: Tensor) -> Tensor:
+        return x.view(self.C, self.B, self.T, -1)  # (C, B, T, ...)
+
+    def _patched(self, lo: int, hi: int, w_hi: int) -> bool:
+        return bool(self.E[..., lo:hi, :w_hi].any())
+
+    def _corrections(self, lo: int, hi: int, w_hi: int) -> Tensor:
+        """``(C, hi - lo, B, T, d)``: what readers ``lo:hi`` take off their live input."""
+        D = self.D[:, :w_hi]  # (C, w, B, T, d)
+        if self.per_pos:
+            return torch.einsum("ctrw,cwbtd->crbtd", self.E[:, :, lo:hi, :w_hi], D)
+        e = self.E[:, lo:hi, :w_hi]  # (C, r, w)
+        return (e @ D.reshape(self.C, w_hi, -1)).view(self.C, hi - lo, self.B, self.T, self.d)
+
+    def fns(self) -> dict[str, Callable]:
+        fns: dict[str, Callable] = {}
+        for layer in range(self.graph.n_layers):
+            fns[f"blocks.{layer}.hook_resid_pre"] = self._resid_pre(layer)
+            fns[f"blocks.{layer}.attn.hook_q"] = self._q(layer)
+            fns[f"blocks.{layer}.attn.hook_k"] = self._kv("k")
+            fns[f"blocks.{layer}.attn.hook_v"] = self._kv("v")
+            fns[f"blocks.{layer}.hook_resid_mid"] = self._mid
+            fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
+        return fns
+
+    def torch_hooks(self) -> list:
+        handles = [self.model.final_norm.register_forward_pre_hook(self._final)]
+        for layer, block in enumerate(self.model.trf_blocks):
+            handles.append(block.att.out_proj.register_forward_pre_hook(self._heads(layer)))
+        return handles
+
+    def _resid_pre(self, layer: int) -> Callable:
+        def fn(x: Tensor, hook: HookPoint) -> None:
+            self.state["x"] = self._rows(x)  # (C, B, T, d)
+            if layer == 0:
+                self.D[:, 0] = self.state["x"] - self.corr[0]
+
+        return fn
+
+    def _q(self, layer: int) -> Callable:
+        g, att = self.graph, self.model.trf_blocks[layer].att
+        H, G, hd = g.n_heads, g.n_kv_heads, att.head_dim
+        lo, w_hi = g.reader_start(layer), g.head_writer(layer)
+        hi = lo + H + 2 * G
+
+        def project(y: Tensor, lin: nn.Module, n: int) -> Tensor:
+            """Head ``i`` of ``lin`` on its own input ``y[:, i]``: ``(C, n, B, T, d)`` -> ``(C B, T, n, hd)``."""
+            out = torch.einsum("cnbtd,ned->cbtne", y, lin.weight.view(n, hd, -1))
+            if lin.bias is not None:
+                out = out + lin.bias.view(n, hd)
+            return out.reshape(self.C * self.B, self.T, n, hd)
+
+        def fn(q: Tensor, hook: HookPoint) -> Tensor | None:
+            self.state["k"] = self.state["v"] = None
+            if not self._patched(lo, hi, w_hi):
+                return None
+            inputs = self.state["x"][:, None] - self._corrections(lo, hi, w_hi)  # (C, H + 2G, B, T, d)
+            y = self.model.trf_blocks[layer].norm1(inputs)
+            self.state["k"] = project(y[:, H : H + G], att.W_key, G)
+            self.state["v"] = project(y[:, H + G :], att.W_value, G)
+            return project(y[:, :H], att.W_query, H)
+
+        return fn
+
+    def _kv(self, which: str) -> Callable:
+        def fn(x: Tensor, hook: HookPoint) -> Tensor | None:
+            return self.state[which]
+
+        return fn
+
+    def _heads(self, layer: int) -> Callable:
+        att, h0 = self.model.trf_blocks[layer].att, self.graph.head_writer(layer)
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            live = head_results(att, args[0]).view(self.C, self.B, self.T, -1, self.d)  # (C, B, T, H, d)
+            self.D[:, h0 : h0 + att.num_heads] = live.permute(0, 3, 1, 2, 4) - self.corr[h0 : h0 + att.num_heads]
+
+        return pre
+
+    def _mid(self, x: Tensor, hook: HookPoint) -> None:
+        self.state["mid"] = self._rows(x)
+
+    def _mlp(self, layer: int) -> Callable:
+        g, block = self.graph, self.model.trf_blocks[layer]
+        r = g.reader_start(layer) + g.readers_per_layer - 1
+        w = g.head_writer(layer) + g.n_heads  # this MLP's writer index
+        w_hi = g.head_writer(layer) if g.parallel else w  # a parallel MLP does not read its layer's heads
+
+        def fn(out: Tensor, hook: HookPoint) -> Tensor | None:
+            new = None
+            if self._patched(r, r + 1, w_hi):
+                base = self.state["x" if g.parallel else "mid"]
+                inputs = base - self._corrections(r, r + 1, w_hi)[:, 0]  # (C, B, T, d)
+                new = block.ff(block.norm2(inputs)).reshape(out.shape)
+            live = out if new is None else new
+            self.D[:, w] = self._rows(live) - self.corr[w]
+            return new
+
+        return fn
+
+    def _final(self, module: nn.Module, args: tuple) -> tuple | None:
+        r, W = len(self.graph.readers) - 1, len(self.graph.writers)
+        if not self._patched(r, r + 1, W):
+            return None
+        x = self._rows(args[0]) - self._corrections(r, r + 1, W)[:, 0]  # (C, B, T, d)
+        return (x.reshape(args[0].shape), *args[1:])
+
+
+def _as_masks(graph: EdgeGraph, circuits: object, T: int) -> Tensor:
+    """``circuits`` (one :class:`Circuit` or a sequence) as ``(C, W, R)`` or ``(C, T, W, R)`` kept-masks."""
+    listed = [circuits] if isinstance(circuits, Circuit) else circuits
+    if not isinstance(listed, (list, tuple)) or not listed or not all(isinstance(c, Circuit) for c in listed):
+        raise TypeError(f"circuits must be a Circuit or a non-empty list of them, got {type(circuits).__name__}")
+    shapes = {tuple(c.mask.shape) for c in listed}
+    if len(shapes) != 1:
+        raise ValueError(f"circuits must all be position-summed or all per position, got mask shapes {sorted(shapes)}")
+    for c in listed:
+        g = c.graph
+        if (g.n_layers, g.n_heads, g.n_kv_heads, g.parallel) != (
+            graph.n_layers,
+            graph.n_heads,
+            graph.n_kv_heads,
+            graph.parallel,
+        ):
+            raise ValueError("a circuit belongs to another model's graph (its layers or heads differ)")
+        if c.mask.dim() == 3 and c.mask.shape[0] != T:
+            raise ValueError(f"a per-position circuit has {c.mask.shape[0]} positions, the prompts have {T}")
+    return torch.stack([c.mask for c in listed])
+
+
+def circuit_metrics(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    circuits: Circuit | Sequence[Circuit],
+    *,
+    max_tokens: int = 8192,
+) -> list[float]:
+    """The metric of the clean prompt with every edge outside each circuit patched from the corrupted run.
+
+    The circuits run together as the rows of a few batches (``max_tokens`` rows x T at a time). The
+    full circuit gives ``metric(model(clean))`` and the empty one ``metric(model(corrupted))``.
+    """
+    clean, corrupted = _check_inputs(model, clean, corrupted, metric)
+    graph = EdgeGraph.of(model)
+    masks = _as_masks(graph, circuits, clean.shape[1]).to(clean.device)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    B, T = clean.shape
+    per = max(1, max_tokens // (B * T))
+    values: list[float] = []
+    was_training = model.training
+    model.eval()
+    try:
+        corr_w, _ = _run_writers(model, graph, corrupted)
+        for lo in range(0, masks.shape[0], per):
+            kept = masks[lo : lo + per]
+            excluded = graph.valid.to(kept.device) & ~kept
+            run = _CircuitRun(model, graph, corr_w, excluded)
+            handles = run.torch_hooks()
+            try:
+                with torch.no_grad(), hooks(model, run.fns()):
+                    logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
+            finally:
+                for h in handles:
+                    h.remove()
+            values += [float(_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
+    finally:
+        model.train(was_training)
+    return values
+
+
+def faithfulness(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    circuits: Circuit | Sequence[Circuit],
+    *,
+    max_tokens: int = 8192,
+) -> list[float]:
+    """MIB's faithfulness of each circuit: ``(m(C) - m(corrupted)) / (m(clean) - m(corrupted))``, 1 for
+    the full model, 0 for the empty circuit (TransformerLens 4.3's ``recovered``).
+
+    ``m(clean)`` and ``m(corrupted)`` are the whole model's metric on each prompt; a ValueError when
+    they are equal (the ratio is undefined).
+    """
+    clean, corrupted = _check_inputs(model, clean, corrupted, metric)
+    m_clean, m_corr = _endpoints(model, clean, corrupted, metric)
+    values = circuit_metrics(model, clean, corrupted, metric, circuits, max_tokens=max_tokens)
+    return [(v - m_corr) / (m_clean - m_corr) for v in values]
+
+
+def _endpoints(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Callable) -> tuple[float, float]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            m_clean, m_corr = (float(_scalar(metric(model(idx)))) for idx in (clean, corrupted))
+    finally:
+        model.train(was_training)
+    if m_clean == m_corr:
+        raise ValueError(
+            f"the metric is {m_clean} on both prompts, so faithfulness (a fraction of the difference) is undefined; "
+            "choose a pair the metric separates"
+        )
+    return m_clean, m_corr
+
+
+@dataclass(frozen=True)
+class FaithfulnessCurve:
+    """Faithfulness at MIB's edge budgets and its summaries.
+
+    ``budgets``: fractions of all edges; ``n_edges``: ``int(budget * total)`` (MIB's count);
+    ``faithfulness``: one value per budget; ``cpr``: the area under the curve, ``cmd``: the area
+    between it and 1 (trapezoids over the budgets' fractions, as MIB's ``evaluate_area_under_curve``).
+    """
+
+    budgets: tuple[float, ...]
+    n_edges: tuple[int, ...]
+    faithfulness: tuple[float, ...]
+    cpr: float
+    cmd: float
+    clean_metric: float
+    corrupted_metric: float
+
+
+def areas(budgets: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """``(CPR, CMD)``: trapezoid areas under ``values`` and between ``values`` and 1, over ``budgets``."""
+    cpr = cmd = 0.0
+    for i in range(len(values) - 1):
+        dx, f1, f2 = budgets[i + 1] - budgets[i], values[i], values[i + 1]
+        cpr += dx * (f1 + f2) / 2
+        cmd += dx * (abs(1 - f1) + abs(1 - f2)) / 2
+    return cpr, cmd
+
+
+def faithfulness_curve(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    scores: EdgeScores,
+    budgets: Sequence[float] = MIB_BUDGETS,
+    select: str = "top_n",
+    *,
+    max_tokens: int = 8192,
+) -> FaithfulnessCurve:
+    """The faithfulness of the circuit of ``scores``' best edges at each budget (``"top_n"`` or ``"greedy"``)."""
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be the EdgeScores of edge_attribution, got {type(scores).__name__}")
+    if select not in ("top_n", "greedy"):
+        raise ValueError(f"select must be 'top_n' or 'greedy', got {select!r}")
+    fractions = list(budgets) if isinstance(budgets, (list, tuple)) else None
+    ok = fractions and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b <= 1 for b in fractions)
+    if not ok or fractions != sorted(fractions):
+        raise ValueError(f"budgets must be increasing fractions of the edges in (0, 1], got {budgets!r}")
+    total = len(scores)
+    counts = [int(b * total) for b in fractions]
+    circuits = [getattr(scores, select)(n) for n in counts]
+    clean, corrupted = _check_inputs(model, clean, corrupted, metric)
+    m_clean, m_corr = _endpoints(model, clean, corrupted, metric)
+    values = circuit_metrics(model, clean, corrupted, metric, circuits, max_tokens=max_tokens)
+    faith = [(v - m_corr) / (m_clean - m_corr) for v in values]
+    cpr, cmd = areas(fractions, faith)
+    return FaithfulnessCurve(tuple(fractions), tuple(counts), tuple(faith), cpr, cmd, m_clean, m_corr)
