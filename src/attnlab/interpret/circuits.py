@@ -380,6 +380,7 @@ class Circuit:
 # Inputs
 # --------------------------------------------------------------------------------------------
 def _check_inputs(model: nn.Module, clean: object, corrupted: object, metric: object) -> tuple[Tensor, Tensor]:
+    _check_model(model)
     out = []
     for name, idx in (("clean", clean), ("corrupted", corrupted)):
         if not isinstance(idx, Tensor):
@@ -454,7 +455,7 @@ def head_results(att: nn.Module, z: Tensor) -> Tensor:
     """Each head's own write to the stream, ``z_h @ W_O[:, h]^T``: ``z (B, T, H * hd)`` -> ``(B, T, H, d)``
     (TransformerLens's ``hook_result``, without the output bias, which belongs to no head)."""
     B, T, _ = z.shape
-    w_o = att.out_proj.weight.view(-1, att.num_heads, att.head_dim)  # (d, H, hd)
+    w_o = att.out_proj.weight.detach().view(-1, att.num_heads, att.head_dim)  # (d, H, hd)
     return torch.einsum("bthe,dhe->bthd", z.view(B, T, att.num_heads, att.head_dim), w_o)
 
 
@@ -535,7 +536,8 @@ def _reader_grads(
         for s, w in (("q", att.W_query), ("k", att.W_key), ("v", att.W_value)):
             g = grad[f"blocks.{layer}.attn.hook_{s}"]  # (B, T, H or Hkv, hd)
             # the gradient at each head's normed input: W_h^T (d metric / d q_h), by linearity
-            per_head.append(torch.einsum("bthe,hed->bthd", g, w.weight.view(g.shape[2], att.head_dim, d)))
+            w_h = w.weight.detach().view(g.shape[2], att.head_dim, d)  # (heads, hd, d)
+            per_head.append(torch.einsum("bthe,hed->bthd", g, w_h))
         u = torch.cat(per_head, dim=2)  # (B, T, H + 2 Hkv, d)
         x = kept[f"blocks.{layer}.hook_resid_pre"].detach()  # (B, T, d): the stream the heads read
         with torch.enable_grad():
