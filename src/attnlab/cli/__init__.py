@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("attnlab.cli.serve", "the inspector as a live local web app: type, generate, ablate"),
     "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
     "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),
+    "sae": ("attnlab.cli.sae", "sparse autoencoders and transcoders: train, measure (SAELens's measures), inspect"),
 }
 
 

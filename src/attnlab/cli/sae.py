@@ -1,0 +1,150 @@
+"""``attnlab sae``: train, measure and inspect sparse autoencoders and transcoders.
+
+Examples::
+
+    attnlab sae train --model SmolLM2-135M-Instruct.Q4_1.gguf --hook blocks.15.hook_resid_post \\
+        --data input.txt --arch topk --k 32 --tokens 2000000 --out runs/sae
+    attnlab sae train --model M.gguf --hook blocks.3.hook_resid_mid --hook-out blocks.3.hook_mlp_out \\
+        --skip --out runs/transcoder                       # a transcoder: the MLP's input to its output
+    attnlab sae eval --sae runs/sae/sae --model M.gguf --data input.txt
+    attnlab sae info runs/sae/sae
+
+An SAE is read from SAELens's directory (cfg.json + sae_weights.safetensors), sparsify's (cfg.json +
+sae.safetensors), Gemma Scope's params.npz or a Hugging Face Hub id. Training resumes when --out
+holds a run; stop it with Ctrl-C (it saves first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from attnlab.cli.options import MODEL_SOURCES
+
+HELP_TRAIN = "train an SAE (or, with --hook-out, a transcoder) on a model's activations"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Sparse autoencoders and transcoders: train, measure, inspect."
+    sub = parser.add_subparsers(dest="sae_command", metavar="ACTION", required=True)
+
+    t = sub.add_parser("train", help=HELP_TRAIN, description=HELP_TRAIN)
+    t.add_argument(
+        "--model", required=True, metavar="NAME", help=f"the model whose activations to learn: {MODEL_SOURCES}"
+    )
+    t.add_argument("--hook", required=True, metavar="NAME", help="the hook point read, e.g. blocks.6.hook_resid_post")
+    t.add_argument(
+        "--hook-out",
+        metavar="NAME",
+        help="a transcoder's output hook, e.g. blocks.6.hook_mlp_out (with --hook at resid_mid)",
+    )
+    t.add_argument("--skip", action="store_true", help="a transcoder with a linear skip connection")
+    t.add_argument("--data", metavar="PATH", help="UTF-8 text to read (default: the built-in corpus)")
+    t.add_argument(
+        "--arch", default="topk", choices=("topk", "batchtopk", "jumprelu"), help="the activation (default topk)"
+    )
+    t.add_argument("--width", type=int, metavar="N", help="number of latents (default: 16 x the hook's width)")
+    t.add_argument("--k", type=int, default=32, help="latents kept per token for topk/batchtopk (default 32)")
+    t.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="activations to train on (default 1M)")
+    t.add_argument("--batch-rows", type=int, default=1024, metavar="N", help="activations per step (default 1024)")
+    t.add_argument(
+        "--buffer-rows",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="the shuffled buffer's size in activations (default 32768)",
+    )
+    t.add_argument(
+        "--context", type=int, default=128, metavar="T", help="tokens per window the model reads (default 128)"
+    )
+    t.add_argument("--lr", type=float, help="Adam's learning rate (default: 2e-4 / sqrt(width / 16384), sparsify's)")
+    t.add_argument("--dead-tokens", type=int, default=1_000_000, metavar="N", help="a latent silent this long is dead")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--save-every", type=int, default=500, metavar="STEPS", help="steps between checkpoints (default 500)"
+    )
+    t.add_argument("--out", required=True, metavar="DIR", help="the run directory (resumed when it holds a run)")
+    t.add_argument("--device", default="cpu", metavar="DEV", help="cpu (default), cuda, cuda:N or mps")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+
+    e = sub.add_parser("eval", help="measure an SAE: L0, explained variance, dead latents, CE recovered, KL")
+    e.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
+    e.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
+    e.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
+    e.add_argument("--data", metavar="PATH", help="UTF-8 text to measure on (default: the built-in corpus)")
+    e.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens to measure on (default 8192)")
+    e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
+    e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+    i = sub.add_parser("info", help="show an SAE's configuration (its files checked)")
+    i.add_argument("sae", metavar="PATH", help="an SAE directory, params.npz or Hub id")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"train": _train, "eval": _eval, "info": _info}[args.sae_command](args)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from attnlab.interpret.sae import SAE, cfg_dict
+
+    sae = SAE.load(args.sae)
+    print(json.dumps(cfg_dict(sae.cfg), indent=2))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.tools.loading import load
+    from attnlab.training.sae import SAETrainConfig, SAETrainer
+
+    cfg = SAETrainConfig(
+        hook=args.hook,
+        hook_out=args.hook_out,
+        architecture=args.arch,
+        width=args.width,
+        k=args.k,
+        skip=args.skip,
+        tokens=args.tokens,
+        batch_rows=args.batch_rows,
+        buffer_rows=args.buffer_rows,
+        context=args.context,
+        lr=args.lr,
+        dead_tokens=args.dead_tokens,
+        seed=args.seed,
+        save_every=args.save_every,
+    )  # settings checked before the model is read
+    loaded = load(model=args.model, device=torch.device(args.device))
+    tokens = tokenize_to_cache(args.data, loaded.tokenizer)
+    trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=str(args.model), progress=args.progress)
+    trainer.fit()
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.interpret.sae import SAE, evaluate_sae
+    from attnlab.tools.loading import load
+
+    sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
+    loaded = load(model=args.model)
+    sae.check_model(loaded.model)
+    ids = np.asarray(tokenize_to_cache(args.data, loaded.tokenizer))
+    n = min(len(ids) // args.context, max(1, args.tokens // args.context))
+    if n < 1:
+        raise ValueError(f"--data has {len(ids)} tokens, fewer than one window of --context {args.context}")
+    windows = torch.from_numpy(ids[: n * args.context].astype(np.int64)).view(n, args.context)
+    result = evaluate_sae(loaded.model, sae, windows)
+    figures = result.as_dict()
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        for key, value in figures.items():
+            print(f"{key:>20}: {value:.6g}" if isinstance(value, float) else f"{key:>20}: {value}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,511 @@
+"""Training sparse autoencoders and transcoders on a model's activations (``attnlab sae train``).
+
+The pipeline, one *cycle* at a time::
+
+    tokens (memory-mapped cache of --data)  ->  windows at seeded random starts  ->  model forward with
+    a hook that keeps the activation(s)  ->  a buffer of ``buffer_rows`` rows (bounded: the corpus is
+    never in memory)  ->  shuffled by a seeded permutation  ->  ``buffer_rows // batch_rows`` steps
+
+Everything a cycle does is a function of ``(seed, cycle)``, so a run stopped at step ``s`` and
+resumed rebuilds its cycle's buffer and continues at the very batch it would have trained on:
+``N`` steps straight and ``N/2 + resume + N/2`` give the same weights.
+
+The losses (Gao et al. 2024, as sparsify writes them): the reconstruction error over the batch's
+variance about its mean (the fraction of variance unexplained, ``FVU``); TopK and BatchTopK add the
+auxiliary loss ``AuxK``: the ``d_in / 2`` strongest *dead* latents (not active for
+``dead_tokens`` tokens) fit what the live ones leave, so dead latents get gradients and come back;
+JumpReLU adds an L0 penalty with straight-through gradients for its thresholds (Rajamanoharan et
+al. 2024). Decoder rows are kept at unit norm (autoencoders) and their gradient's component along
+the row removed, as sparsify does.
+
+Checkpoints are the trainer's: a step directory assembled under a temporary name, renamed, and
+``latest.json`` switched atomically (:mod:`attnlab.training.checkpoint`); the directory is locked
+while a run writes (:mod:`attnlab.training.rundir`). The finished SAE is saved in SAELens's format
+in ``DIR/sae`` (a TopK transcoder, which SAELens has no class for, in sparsify's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.files import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
+from attnlab.interpret.hooks import HookPoint, hook_names, hooks
+from attnlab.interpret.sae import SAE, SAEConfig, cfg_dict, hook_width
+from attnlab.training.checkpoint import (
+    CHECKPOINT_NAME,
+    OPTIMIZER_NAME,
+    SELF_HASH,
+    begin_save,
+    commit_save,
+    find_checkpoint,
+    has_checkpoint,
+    metadata_digest,
+)
+from attnlab.training.rundir import RunLock, check_run_directory
+from attnlab.training.trainer import _StopFlag
+
+__all__ = ["SAETrainConfig", "SAETrainResult", "SAETrainer", "train_sae"]
+
+FORMAT = "attnlab-sae-checkpoint"
+WEIGHTS = "model.safetensors"  # names the checkpoint machinery owns (it prunes only its own files)
+CONFIG = "config.json"
+
+
+@dataclass
+class SAETrainConfig:
+    """How to train. Sizes count activation rows (one per token position)."""
+
+    hook: str
+    hook_out: str | None = None  # a transcoder's output hook
+    architecture: str = "topk"  # topk, batchtopk, jumprelu
+    width: int | None = None  # latents; default 16 x the hook's width
+    k: int = 32
+    skip: bool = False  # a transcoder's skip connection
+    tokens: int = 1_000_000  # activation rows to train on
+    batch_rows: int = 1024
+    buffer_rows: int = 32768  # the shuffled buffer (bounded memory: rows x width x 4 bytes)
+    context: int = 128  # tokens per window the model reads
+    model_batch: int = 8  # windows per model forward
+    lr: float | None = None  # default: sparsify's 2e-4 / sqrt(width / 2**14)
+    auxk_alpha: float = 1 / 32
+    dead_tokens: int = 1_000_000  # a latent not active for this many rows is dead
+    l0_coefficient: float = 1e-3  # JumpReLU's sparsity penalty
+    jumprelu_bandwidth: float = 0.05
+    threshold_lr: float = 0.01  # BatchTopK's running threshold
+    seed: int = 0
+    save_every: int = 500  # steps between checkpoints
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("topk", "batchtopk", "jumprelu"):
+            raise ValueError(f"--arch must be topk, batchtopk or jumprelu, got {self.architecture!r}")
+        for name in ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.width is not None and (not isinstance(self.width, int) or self.width < self.k):
+            raise ValueError(f"width must be an int >= k={self.k}, got {self.width!r}")
+        if self.buffer_rows < self.batch_rows:
+            raise ValueError(f"buffer_rows ({self.buffer_rows}) must be at least batch_rows ({self.batch_rows})")
+        if self.context < 2:
+            raise ValueError(f"context must be at least 2 tokens, got {self.context}")
+        if self.skip and self.hook_out is None:
+            raise ValueError("a skip connection is a transcoder's: give the output hook (--hook-out)")
+
+    @property
+    def steps_per_cycle(self) -> int:
+        return self.buffer_rows // self.batch_rows
+
+    @property
+    def max_steps(self) -> int:
+        return max(1, self.tokens // self.batch_rows)
+
+
+@dataclass
+class SAETrainResult:
+    sae: SAE
+    steps: int
+    explained_variance: float
+    l0: float
+    dead_fraction: float
+    out: Path
+    history: list[dict[str, float]]
+
+
+# ---------------------------------------------------------------------------------------------
+# JumpReLU's straight-through estimators (Rajamanoharan et al. 2024, as SAELens writes them)
+# ---------------------------------------------------------------------------------------------
+def _rectangle(x: Tensor) -> Tensor:
+    return ((x > -0.5) & (x < 0.5)).to(x.dtype)
+
+
+class _JumpReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+        return x * (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        x_grad = (x > threshold).to(x.dtype) * grad
+        t_grad = (-(threshold / bw) * _rectangle((x - threshold) / bw) * grad).sum(0)
+        return x_grad, t_grad, None
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+        return (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
+        x, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        return None, (-(1.0 / bw) * _rectangle((x - threshold) / bw) * grad).sum(0), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: a bounded, shuffled buffer, rebuilt exactly from (seed, cycle)
+# ---------------------------------------------------------------------------------------------
+class ActivationBuffer:
+    """Rows of activations from ``model`` at ``hook`` (and ``hook_out``), one buffer per cycle.
+
+    Each cycle reads ``ceil(buffer_rows / (context - 1))`` windows of ``context`` tokens at
+    random starts (a generator seeded by ``(seed, cycle)``), keeps every position but the first
+    (a window's first token sees no context: an outlier the SAE should not spend latents on),
+    and shuffles the rows with the same generator.
+    """
+
+    def __init__(self, model: nn.Module, tokens: np.ndarray, cfg: SAETrainConfig) -> None:
+        if len(tokens) < cfg.context + 1:
+            raise ValueError(f"--data has {len(tokens)} tokens, fewer than one window of --context {cfg.context}")
+        self.model, self.tokens, self.cfg = model, tokens, cfg
+        self.device = next(model.parameters()).device
+        self.cycle: int | None = None
+        self.x: Tensor | None = None  # (buffer_rows, d_in)
+        self.y: Tensor | None = None  # (buffer_rows, d_out) for a transcoder
+
+    @torch.no_grad()
+    def fill(self, cycle: int) -> None:
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cycle)
+        per_window = cfg.context - 1
+        n_windows = -(-cfg.buffer_rows // per_window)
+        starts = torch.randint(0, len(self.tokens) - cfg.context + 1, (n_windows,), generator=g)
+        xs, ys = [], []
+        seen: dict[str, Tensor] = {}
+
+        def keep(x: Tensor, hook: HookPoint) -> None:
+            seen[hook.name] = x[:, 1:].reshape(-1, x.shape[-1]).float()  # (b * (T-1), d)
+
+        names = {cfg.hook: keep, **({cfg.hook_out: keep} if cfg.hook_out else {})}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with hooks(self.model, names):
+                for i in range(0, n_windows, cfg.model_batch):
+                    batch = np.stack(
+                        [self.tokens[s : s + cfg.context] for s in starts[i : i + cfg.model_batch].tolist()]
+                    )
+                    self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
+                    xs.append(seen[cfg.hook])
+                    if cfg.hook_out:
+                        ys.append(seen[cfg.hook_out])
+        finally:
+            self.model.train(was_training)
+        order = torch.randperm(n_windows * per_window, generator=g)[: cfg.buffer_rows].to(self.device)
+        self.x = torch.cat(xs)[order]
+        self.y = torch.cat(ys)[order] if cfg.hook_out else None
+        self.cycle = cycle
+
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """The rows of optimizer step ``step``: ``(x (batch_rows, d_in), target (batch_rows, d_out))``."""
+        cfg = self.cfg
+        cycle, i = divmod(step, cfg.steps_per_cycle)
+        if self.cycle != cycle:
+            self.fill(cycle)
+        rows = slice(i * cfg.batch_rows, (i + 1) * cfg.batch_rows)
+        x = self.x[rows]
+        return x, (self.y[rows] if self.y is not None else x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+class SAETrainer:
+    """Train an SAE or transcoder on ``model``'s activations over ``tokens`` into ``out``.
+
+    Resumes from ``out`` when it holds a run (the same settings are required: the run's own are
+    read back and a differing one is a ValueError).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokens: np.ndarray,
+        cfg: SAETrainConfig,
+        out: str | Path,
+        *,
+        model_name: str | None = None,
+        progress: bool = True,
+        write: Callable[[str], None] = print,
+    ) -> None:
+        self.model, self.cfg, self.out = model, cfg, Path(out)
+        self.write, self.progress = write, progress
+        known = hook_names(model)
+        for flag, name in (("--hook", cfg.hook), ("--hook-out", cfg.hook_out)):
+            if name is not None and name not in known:
+                raise ValueError(f"{flag} {name!r} is not a hook point of this model (e.g. blocks.0.hook_resid_post)")
+        d_in = hook_width(model, cfg.hook)
+        d_out = hook_width(model, cfg.hook_out) if cfg.hook_out else None
+        width = cfg.width or 16 * d_in
+        if cfg.k > width:
+            raise ValueError(f"--k {cfg.k} is more than the SAE's {width} latents")
+        device = next(model.parameters()).device
+        sae_cfg = SAEConfig(
+            d_in=d_in,
+            d_sae=width,
+            architecture=cfg.architecture,
+            k=cfg.k if cfg.architecture != "jumprelu" else None,
+            d_out=d_out,
+            hook_name=cfg.hook,
+            hook_name_out=cfg.hook_out,
+            skip=cfg.skip,
+            apply_b_dec_to_input=cfg.hook_out is None,
+            model_name=model_name,
+        )
+        torch.manual_seed(cfg.seed)
+        self.sae = SAE(sae_cfg, device=device).train()
+        if sae_cfg.transcoder:
+            with torch.no_grad():
+                self.sae.W_dec.zero_()  # a transcoder starts from no output (sparsify's initialization)
+        if cfg.architecture == "jumprelu":
+            with torch.no_grad():
+                self.sae.threshold.fill_(0.001)
+        self.lr = cfg.lr if cfg.lr is not None else 2e-4 / math.sqrt(width / 2**14)
+        self.optimizer = torch.optim.Adam(self.sae.parameters(), lr=self.lr, eps=6.25e-10)
+        self.since_fired = torch.zeros(width, dtype=torch.long, device=device)  # rows since each latent fired
+        self.step = 0
+        self.buffer = ActivationBuffer(model, tokens, cfg)
+        self.lock = RunLock(self.out)
+        self._data_note = {"tokens_in_data": len(tokens)}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _settings(self) -> dict[str, Any]:
+        # What a resumed run must share; how often it saves and how far it goes may change.
+        return {**dataclasses.asdict(self.cfg), "save_every": None, "keep": None, "tokens": None}
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint of ``out`` if there is one; True when it did."""
+        if not has_checkpoint(self.out):
+            return False
+        d = find_checkpoint(self.out)
+        meta = read_json(d / CHECKPOINT_NAME, "SAE checkpoint", max_bytes=1 << 20)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{d / CHECKPOINT_NAME} is not an attnlab SAE checkpoint (an attnlab train run?)")
+        if meta.get(SELF_HASH) != metadata_digest(meta):
+            raise ValueError(f"{d / CHECKPOINT_NAME} is damaged or edited (its own SHA-256 does not match)")
+        for name, info in meta["files"].items():
+            if sha256_file(d / name) != info["sha256"]:
+                raise ValueError(f"{d / name} does not match the SHA-256 its checkpoint recorded")
+        if meta["settings"] != json.loads(json.dumps(self._settings())):
+            theirs, ours = meta["settings"], json.loads(json.dumps(self._settings()))
+            diff = sorted(k for k in ours if theirs.get(k) != ours[k])
+            raise ValueError(f"--out {self.out} holds a run with other settings ({', '.join(diff)}); use another --out")
+        from safetensors.torch import load as st_load
+
+        state = st_load((d / WEIGHTS).read_bytes())
+        self.sae.load_state_dict({k: v.to(self.sae.W_enc.device) for k, v in state.items()})
+        saved = torch.load(io.BytesIO((d / OPTIMIZER_NAME).read_bytes()), weights_only=True, map_location="cpu")
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.since_fired.copy_(saved["since_fired"])
+        self.step = int(meta["step"])
+        return True
+
+    def save(self) -> Path:
+        final, tmp = begin_save(self.out, self.step)
+        if tmp is None:
+            return final
+        try:
+            from safetensors.torch import save as st_save
+
+            state = {k: v.detach().cpu().contiguous() for k, v in self.sae.state_dict().items()}
+            atomic_write_bytes(tmp / WEIGHTS, st_save(state))
+            atomic_write_json(tmp / CONFIG, cfg_dict(self.sae.cfg))
+            buf = io.BytesIO()
+            torch.save({"optimizer": self.optimizer.state_dict(), "since_fired": self.since_fired.cpu()}, buf)
+            atomic_write_bytes(tmp / OPTIMIZER_NAME, buf.getvalue())
+            files = [WEIGHTS, CONFIG, OPTIMIZER_NAME]
+            meta = {
+                "format": FORMAT,
+                "step": self.step,
+                "settings": self._settings(),
+                **self._data_note,
+                "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
+            }
+            meta = json.loads(json.dumps(meta))
+            meta[SELF_HASH] = metadata_digest(meta)
+            atomic_write_json(tmp / CHECKPOINT_NAME, meta)
+            fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return commit_save(self.out, tmp, final, self.step, self.cfg.keep)
+
+    # -- one step ------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, sae = self.cfg, self.sae
+        x, y = self.buffer.batch(self.step)
+        pre = sae.pre_activations(x)  # (n, d_sae)
+        if cfg.architecture == "jumprelu":
+            z = _JumpReLU.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth)
+        else:
+            z = sae.activation(pre, x)
+        out = sae.decode(z, x)  # (n, d_out)
+        err = y - out
+        total_var = (y - y.mean(0)).pow(2).sum()
+        fvu = err.pow(2).sum() / total_var
+        loss = fvu
+        dead = self.since_fired >= cfg.dead_tokens
+        n_dead = int(dead.sum())
+        if cfg.architecture != "jumprelu" and n_dead > 0 and cfg.auxk_alpha > 0:
+            # AuxK: the strongest dead latents reconstruct what the live ones missed (Gao et al. 2024, B.1).
+            k_aux = min(y.shape[-1] // 2, n_dead)
+            scale = min(n_dead / (y.shape[-1] // 2), 1.0)
+            aux_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+            values, indices = aux_pre.topk(k_aux, dim=-1, sorted=False)
+            aux_z = torch.zeros_like(pre).scatter(-1, indices, values.relu())
+            e_hat = aux_z @ sae.W_dec  # no bias: it fits the residual
+            auxk = scale * (e_hat - err.detach()).pow(2).sum() / total_var
+            loss = loss + cfg.auxk_alpha * auxk
+        if cfg.architecture == "jumprelu":
+            l0 = _Step.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth).sum(-1).mean()
+            loss = loss + cfg.l0_coefficient * l0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if not sae.cfg.transcoder:
+            sae.remove_parallel_gradient()
+        self.optimizer.step()
+        with torch.no_grad():
+            if not sae.cfg.transcoder:
+                sae.normalize_decoder()
+            fired = (z != 0).any(0)
+            self.since_fired += x.shape[0]
+            self.since_fired[fired] = 0
+            if cfg.architecture == "batchtopk" and (z > 0).any():
+                # The inference threshold: a running mean of the smallest activation BatchTopK kept (SAELens's).
+                smallest = z[z > 0].min()
+                sae.threshold.mul_(1 - cfg.threshold_lr).add_(cfg.threshold_lr * smallest)
+            if cfg.architecture == "jumprelu":
+                sae.threshold.clamp_(min=0)
+        self.step += 1
+        return {
+            "loss": float(loss.detach()),
+            "explained_variance": 1.0 - float(fvu.detach()),
+            "l0": float((z != 0).sum(-1).float().mean()),
+            "dead_fraction": float(dead.float().mean()),
+        }
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> SAETrainResult:
+        check_run_directory(self.out)
+        self.lock.acquire()
+        try:
+            resumed = self.resume()
+            cfg = self.cfg
+            if resumed:
+                self.write(f"resuming {self.out} at step {self.step} of {cfg.max_steps}")
+            bar = self._bar()
+            history: list[dict[str, float]] = []
+            window: list[dict[str, float]] = []
+            t0, rows = time.perf_counter(), 0
+            with _StopFlag() as stop:  # SIGINT / SIGTERM: finish the step, save, stop
+                while self.step < cfg.max_steps and stop.signum is None:
+                    window.append(self.train_step())
+                    rows += cfg.batch_rows
+                    if self.step % cfg.save_every == 0:
+                        self.save()
+                    if len(window) >= 10 or self.step == cfg.max_steps:
+                        history.append(self._summary(window, rows / max(time.perf_counter() - t0, 1e-9)))
+                        window = []
+                        if bar is not None:
+                            bar.set_postfix(self._postfix(history[-1]), refresh=False)
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+            if stop.signum is not None:
+                self.save()
+                self.write(f"stopped at step {self.step}: checkpoint saved; the same command resumes")
+                raise KeyboardInterrupt
+            last = history[-1] if history else None
+            self.save()
+            self.sae.eval()
+            # SAELens has no TopK transcoders; sparsify's format holds them.
+            topk_transcoder = self.sae.cfg.transcoder and cfg.architecture == "topk"
+            sae_dir = self.sae.save(self.out / "sae", format="sparsify" if topk_transcoder else "saelens")
+            final = last or self._measure_last()
+            self.write(
+                f"final: explained variance {final['explained_variance']:.4f}, L0 {final['l0']:.1f}, "
+                f"dead latents {round(final['dead_fraction'] * self.sae.cfg.d_sae)}/{self.sae.cfg.d_sae} "
+                f"({final['dead_fraction']:.1%}) after {self.step} steps; SAE in {sae_dir}"
+            )
+            return SAETrainResult(
+                self.sae, self.step, final["explained_variance"], final["l0"], final["dead_fraction"], self.out, history
+            )
+        finally:
+            self.lock.release()
+
+    @staticmethod
+    def _summary(window: list[dict[str, float]], tokens_per_s: float) -> dict[str, float]:
+        """The mean of the last steps' figures (a single batch's are noisy)."""
+        out = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+        out["tokens_per_s"] = tokens_per_s
+        return out
+
+    @staticmethod
+    def _postfix(m: dict[str, float]) -> dict[str, str]:
+        return {
+            "tok/s": f"{m['tokens_per_s']:.0f}",
+            "loss": f"{m['loss']:.4f}",
+            "EV": f"{m['explained_variance']:.3f}",
+            "L0": f"{m['l0']:.1f}",
+            "dead": f"{m['dead_fraction']:.1%}",
+        }
+
+    @torch.no_grad()
+    def _measure_last(self) -> dict[str, float]:
+        """The figures of the last batch, measured without a step (a run resumed when already done)."""
+        x, y = self.buffer.batch(max(self.step - 1, 0))
+        was = self.sae.training
+        self.sae.train()
+        z = self.sae.encode(x)
+        out = self.sae.decode(z, x)
+        self.sae.train(was)
+        fvu = float((y - out).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+        dead = float((self.since_fired >= self.cfg.dead_tokens).float().mean())
+        return {"explained_variance": 1 - fvu, "l0": float((z != 0).sum(-1).float().mean()), "dead_fraction": dead}
+
+    def _bar(self) -> Any:
+        if not self.progress or self.step >= self.cfg.max_steps:
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc="sae", unit="step", dynamic_ncols=True)
+
+
+def train_sae(
+    model: nn.Module,
+    ids: np.ndarray,
+    out: str | Path,
+    *,
+    progress: bool = False,
+    write: Callable[[str], None] = print,
+    model_name: str | None = None,
+    **settings: Any,
+) -> SAETrainResult:
+    """Train (or resume) an SAE on ``model``'s activations over the token ``ids`` (1-D) into ``out``;
+    ``settings`` are :class:`SAETrainConfig`'s fields (``tokens``: how many activations to train on)."""
+    cfg = SAETrainConfig(**settings)
+    return SAETrainer(model, ids, cfg, out, progress=progress, write=write, model_name=model_name).fit()

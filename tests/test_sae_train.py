@@ -1,0 +1,170 @@
+"""attnlab.training.sae and ``attnlab sae``: training SAEs and transcoders on a model's activations,
+exact resumption, the bounded buffer, the CLI's lines and exit statuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.interpret import SAE, SAEConfig, evaluate_sae, hooks
+from attnlab.training.sae import ActivationBuffer, SAETrainConfig, SAETrainer, train_sae
+
+HOOK = "blocks.1.hook_resid_post"
+SMALL = dict(width=48, k=4, batch_rows=32, buffer_rows=128, context=9, model_batch=4, dead_tokens=64, save_every=3)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 37, 3000).astype(np.uint16)
+
+
+def _state(sae: SAE) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in sae.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(hook=HOOK, architecture="topk"),
+        dict(hook=HOOK, architecture="batchtopk"),
+        dict(hook=HOOK, architecture="jumprelu"),
+        dict(hook="blocks.1.hook_resid_mid", hook_out="blocks.1.hook_mlp_out", skip=True, architecture="topk"),
+    ],
+    ids=["topk", "batchtopk", "jumprelu", "transcoder"],
+)
+def test_resume_gives_the_same_weights(make_gpt, corpus, tmp_path, settings):
+    model = make_gpt()
+    n = 10  # steps: two and a half buffers, checkpoints every 3 steps (the resume lands mid-buffer)
+    quiet = dict(write=lambda s: None)
+    straight = train_sae(model, corpus, tmp_path / "a", tokens=32 * n, **SMALL, **settings, **quiet)
+    train_sae(model, corpus, tmp_path / "b", tokens=32 * (n // 2), **SMALL, **settings, **quiet)
+    lines = []
+    resumed = train_sae(model, corpus, tmp_path / "b", tokens=32 * n, **SMALL, **settings, write=lines.append)
+    assert lines[0] == f"resuming {tmp_path / 'b'} at step {n // 2} of {n}"
+    assert straight.steps == resumed.steps == n
+    a, b = _state(straight.sae), _state(resumed.sae)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # What training saved is a SAELens directory that loads back to the same SAE.
+    back = SAE.load(tmp_path / "a" / "sae")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in straight.sae.state_dict().items())
+    assert not list((tmp_path / "a" / "checkpoints").glob(".tmp-*"))
+
+
+def test_training_learns_and_reports(make_gpt, corpus, tmp_path):
+    model = make_gpt()
+    lines: list[str] = []
+    cfg = {**SMALL, "save_every": 100, "buffer_rows": 512, "width": 96, "k": 8}
+    result = train_sae(model, corpus, tmp_path, hook=HOOK, tokens=32 * 120, lr=3e-3, **cfg, write=lines.append)
+    first, last = result.history[0], result.history[-1]
+    assert last["explained_variance"] > first["explained_variance"] + 0.2
+    assert last["explained_variance"] > 0.5
+    assert last["l0"] == pytest.approx(8.0)  # TopK: exactly k per row
+    assert lines[-1].startswith(f"final: explained variance {last['explained_variance']:.4f}, L0 8.0, dead latents ")
+    assert f"after 120 steps; SAE in {tmp_path / 'sae'}" in lines[-1]
+    # The reported figure is what evaluate_sae measures on fresh windows (SAELens's definition), roughly.
+    idx = torch.from_numpy(corpus[:900].astype(np.int64)).view(100, 9)
+    measured = evaluate_sae(model, result.sae, idx)
+    assert measured.explained_variance == pytest.approx(last["explained_variance"], abs=0.15)
+
+
+def test_aux_loss_revives_dead_latents(make_gpt, corpus, tmp_path):
+    """With AuxK, latents dead at the start fire again; without it more stay dead."""
+    model = make_gpt()
+    dead = {}
+    for alpha in (0.0, 1.0):
+        trainer = SAETrainer(
+            model,
+            corpus,
+            SAETrainConfig(hook=HOOK, tokens=32 * 60, auxk_alpha=alpha, lr=3e-3, **{**SMALL, "save_every": 1000}),
+            tmp_path / str(alpha),
+            progress=False,
+            write=lambda s: None,
+        )
+        with torch.no_grad():
+            trainer.sae.b_enc[:24] = -50.0  # half the latents can never win a top-k slot on their own
+        trainer.fit()
+        dead[alpha] = int((trainer.since_fired >= SMALL["dead_tokens"]).sum())
+    assert dead[1.0] < dead[0.0]
+
+
+def test_the_buffer_is_bounded_shuffled_and_exact(make_gpt, corpus):
+    model = make_gpt()
+    cfg = SAETrainConfig(hook=HOOK, **{**SMALL, "buffer_rows": 100})
+    buf = ActivationBuffer(model, corpus, cfg)
+    buf.fill(0)
+    assert buf.x.shape == (100, 24)  # never more rows than the buffer holds
+    first = buf.x.clone()
+    buf.fill(1)
+    assert not torch.equal(buf.x, first)
+    buf.fill(0)
+    assert torch.equal(buf.x, first)  # a cycle is rebuilt exactly from (seed, cycle)
+    # Rows are the model's activations at the hook, at the seeded windows' positions after the first.
+    seen = {}
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(corpus) - 9 + 1, (-(-100 // 8),), generator=g)
+    with torch.no_grad(), hooks(model, {HOOK: lambda x, h: seen.__setitem__("y", x)}):
+        model(torch.from_numpy(np.stack([corpus[s : s + 9] for s in starts.tolist()]).astype(np.int64)))
+    rows = seen["y"][:, 1:].reshape(-1, 24)
+    assert min(float((rows - r).abs().max(-1).values.min()) for r in buf.x[:5]) < 1e-5
+
+
+def test_bad_settings_and_directories(make_gpt, corpus, tmp_path):
+    model = make_gpt()
+    with pytest.raises(ValueError, match="--arch must be"):
+        SAETrainConfig(hook=HOOK, architecture="gated")
+    with pytest.raises(ValueError, match="buffer_rows"):
+        SAETrainConfig(hook=HOOK, buffer_rows=8, batch_rows=16)
+    with pytest.raises(ValueError, match="not a hook point"):
+        SAETrainer(model, corpus, SAETrainConfig(hook="blocks.7.hook_resid_post"), tmp_path)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        train_sae(model, corpus, tmp_path / "foreign", hook=HOOK, tokens=64, **SMALL, write=lambda s: None)
+    train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=64, **SMALL, write=lambda s: None)
+    with pytest.raises(ValueError, match=r"other settings \(k\)"):
+        train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=128, **{**SMALL, "k": 5}, write=lambda s: None)
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "attnlab", "sae", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_cli_bad_sae_file_is_one_line_and_exit_2(tmp_path, subprocess_env):
+    d = tmp_path / "sae"
+    SAE(SAEConfig(d_in=24, d_sae=40, architecture="topk", k=5, hook_name=HOOK)).save(d)
+    cfg = json.loads((d / "cfg.json").read_text())
+    cfg["architecture"] = "matryoshka"
+    (d / "cfg.json").write_text(json.dumps(cfg))
+    r = _cli("info", str(d), env=subprocess_env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("attnlab sae: error: ") and "matryoshka" in r.stderr
+
+
+def test_cli_trains_on_smollm2(tmp_path, smollm2_gguf, subprocess_env):
+    """The real model: a TopK SAE on SmolLM2's middle residual stream, a few steps; the saved SAE
+    loads and ``sae eval`` measures it."""
+    out = tmp_path / "run"
+    common = ["--model", str(smollm2_gguf), "--hook", "blocks.15.hook_resid_post", "--width", "1152", "--k", "16"]
+    small = ["--batch-rows", "128", "--buffer-rows", "256", "--context", "33", "--save-every", "2", "--no-progress"]
+    r = _cli("train", *common, *small, "--tokens", "512", "--out", str(out), env=subprocess_env)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("final: explained variance ") and "L0 16.0" in last and "/1152" in last
+    sae = SAE.load(out / "sae")
+    assert sae.cfg.hook_name == "blocks.15.hook_resid_post" and sae.cfg.d_in == 576
+    r = _cli(
+        "eval", "--sae", str(out / "sae"), "--model", str(smollm2_gguf), "--tokens", "256", "--json", env=subprocess_env
+    )
+    assert r.returncode == 0, r.stderr
+    figures = json.loads(r.stdout)
+    assert figures["l0"] == pytest.approx(16.0) and figures["tokens"] == 256
+    assert figures["ce_zero_ablated"] > figures["ce_clean"]
