@@ -324,3 +324,199 @@ def _write(path, arch: str, values: dict, arrays: dict, qtype: str):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# SentencePiece vocabularies (tokenizer.ggml.model "llama"), as the converter writes them
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# What the tiny vocabularies learn their pieces from: English, digits, accents, Cyrillic and CJK,
+# so that some non-ASCII text is in the vocabulary and emoji, Arabic, ... are not (byte fallback).
+SP_CORPUS = (
+    "the cat sat on the mat and the dog sat on the log\n"
+    "there is the theory of the thing that the other one thought\n"
+    "in 2024 the price was 3.14 and then 42 or 1000 times more\n"
+    "un café naïve à la crème, résumé déjà vu, über schön\n"
+    "привет мир, привет\n"
+    "日本語の本を読む。東京は日本の首都\n"
+)
+
+SP_CHAT_TEMPLATES = {
+    "llama": (
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}"
+        "{% endif %}{% endfor %}"
+    ),
+    "gemma": (
+        "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
+        "message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+    "phi3": (
+        "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    ),
+}
+
+
+def learn_pieces(text: str, merges: int, *, prefix: bool) -> tuple[list[str], list[str]]:
+    """SentencePiece-style BPE training, small and plain: each line's spaces become "▁" (one before
+    the line when ``prefix``, SentencePiece's ``add_dummy_prefix``), words start at a "▁", and the
+    most frequent adjacent pair inside a word is merged ``merges`` times (ties: the smaller pair).
+    Returns (the merged pieces in the order they were learned, the characters by frequency)."""
+    import itertools
+    from collections import Counter
+
+    words: Counter[tuple[str, ...]] = Counter()
+    for line in text.splitlines():
+        line = ("▁" if prefix else "") + line.replace(" ", "▁")
+        for word in line.replace("▁", "\0▁").split("\0"):
+            if word:
+                words[tuple(word)] += 1
+    chars: Counter[str] = Counter()
+    for word, n in words.items():
+        for c in word:
+            chars[c] += n
+    learned = []
+    for _ in range(merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, n in words.items():
+            for a, b in itertools.pairwise(word):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        learned.append(best[0] + best[1])
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, n in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    return learned, [c for c, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def byte_tokens() -> list[str]:
+    """SentencePiece's 256 byte-fallback pieces, ``<0x00>`` ... ``<0xFF>``."""
+    return [f"<0x{b:02X}>" for b in range(256)]
+
+
+def sentencepiece_vocab(family: str = "llama", merges: int = 80) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a tiny SentencePiece BPE vocabulary laid out as ``family``'s
+    (``llama``: Llama 1/2, Mistral, TinyLlama; ``gemma``; ``phi3``): the special tokens, the 256 byte
+    tokens, the learned pieces (score -rank: the earlier merge wins), then the single characters.
+
+    Gemma's files store runs of spaces as real spaces and its scores do not give the merge order
+    (the file's order does): they are written as 0 here, so that a reader trusting them shows."""
+    if family not in ("llama", "gemma", "phi3"):
+        raise ValueError(f"family must be llama, gemma or phi3, got {family!r}")
+    learned, chars = learn_pieces(SP_CORPUS, merges, prefix=family != "gemma")
+    if family == "gemma":
+        head = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", UNKNOWN), ("<mask>", CONTROL)]
+        head += [("<unused0>", UNUSED), ("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL)]
+        head += [("\n", USER_DEFINED), ("\n\n", USER_DEFINED), ("  ", USER_DEFINED), ("   ", USER_DEFINED)]
+        chars = [c for c in chars if c != "\n"]
+    else:
+        head = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)]
+    toks = [t for t, _ in head] + byte_tokens() + learned + [c for c in chars if c not in learned]
+    types = [k for _, k in head] + [BYTE] * 256 + [NORMAL] * (len(toks) - len(head) - 256)
+    scores = [0.0] * len(head) + [0.0] * 256 + [-float(i) for i in range(len(toks) - len(head) - 256)]
+    if family == "gemma":
+        scores = [0.0] * len(toks)
+    if family == "phi3":  # Phi-3's chat tokens follow the SentencePiece vocabulary
+        tail = [("<|endoftext|>", CONTROL), ("<|assistant|>", CONTROL), ("<|placeholder1|>", USER_DEFINED)]
+        tail += [("<|end|>", CONTROL), ("<|user|>", CONTROL)]
+        toks += [t for t, _ in tail]
+        types += [k for _, k in tail]
+        scores += [0.0] * len(tail)
+    return toks, scores, types
+
+
+def sentencepiece_metadata(family: str = "llama", merges: int = 80) -> dict[str, Any]:
+    """The tokenizer metadata the converter writes for a SentencePiece ``family`` (see
+    :func:`sentencepiece_vocab`), replacing every key of :func:`tokenizer_metadata` (None drops the
+    byte-level ones). Llama's files leave ``add_space_prefix`` out (llama.cpp then prepends a
+    space), Gemma's say False."""
+    toks, scores, types = sentencepiece_vocab(family, merges)
+    ids = {t: i for i, t in enumerate(toks)}
+    out: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.merges": None,
+        "tokenizer.ggml.tokens": toks,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.unknown_token_id": ids["<unk>"],
+        "tokenizer.ggml.add_bos_token": family != "phi3",
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.chat_template": SP_CHAT_TEMPLATES[family],
+    }
+    if family == "gemma":
+        out |= {"tokenizer.ggml.bos_token_id": ids["<bos>"], "tokenizer.ggml.eos_token_id": ids["<eos>"]}
+        out |= {"tokenizer.ggml.padding_token_id": ids["<pad>"], "tokenizer.ggml.add_space_prefix": False}
+        out["tokenizer.ggml.eot_token_id"] = ids["<end_of_turn>"]
+    elif family == "phi3":
+        out |= {"tokenizer.ggml.bos_token_id": ids["<s>"], "tokenizer.ggml.eos_token_id": ids["<|endoftext|>"]}
+        out |= {"tokenizer.ggml.padding_token_id": ids["<|endoftext|>"], "tokenizer.ggml.eot_token_id": ids["<|end|>"]}
+    else:
+        out |= {"tokenizer.ggml.bos_token_id": ids["<s>"], "tokenizer.ggml.eos_token_id": ids["</s>"]}
+    return out
+
+
+def trained_sentencepiece(*, prefix: bool = True, vocab_size: int = 400) -> tuple[Any, dict[str, Any]]:
+    """A real SentencePiece BPE model trained by the ``sentencepiece`` library on :data:`SP_CORPUS`
+    (byte fallback, no normalization, ``add_dummy_prefix=prefix``), and the tokenizer metadata
+    llama.cpp's converter writes for it (``_create_vocab_sentencepiece``: each piece, its score and
+    its type as the model says; ``add_space_prefix`` only where it is off, as Gemma's converter does).
+    Returns ``(SentencePieceProcessor, metadata)``: the processor is the reference encoder."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SP_CORPUS.splitlines() * 5),
+        model_writer=buf,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",  # no NFKC: the text's characters stay as they are
+        add_dummy_prefix=prefix,
+        remove_extra_whitespaces=False,  # Llama's setting: runs of spaces are kept
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    toks, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        toks.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        kind = NORMAL
+        if sp.is_unknown(i):
+            kind = UNKNOWN
+        elif sp.is_control(i):
+            kind = CONTROL
+        elif sp.is_unused(i):
+            kind = UNUSED
+        elif sp.is_byte(i):
+            kind = BYTE
+        types.append(kind)
+    meta = sentencepiece_metadata("llama") | {
+        "tokenizer.ggml.tokens": toks,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.add_space_prefix": None if prefix else False,
+    }
+    return sp, meta

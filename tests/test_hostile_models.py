@@ -154,7 +154,11 @@ GGUF_ROWS = {
         "its tokenizer has 262 tokens, its model 263",
     ),
     "token types do not match the tokens": (_write(meta={"tokenizer.ggml.token_type": [1, 1]}), "token types"),
-    "a SentencePiece tokenizer": (_write(meta={"tokenizer.ggml.model": "llama"}), "'llama' are not supported yet"),
+    "a SentencePiece tokenizer without scores": (
+        _write(meta={"tokenizer.ggml.model": "llama"}),
+        "tokenizer.ggml.scores is missing",
+    ),
+    "an unknown tokenizer kind": (_write(meta={"tokenizer.ggml.model": "t5"}), "'t5' are not supported yet"),
     "unknown pre-tokenizer": (_write(meta={"tokenizer.ggml.pre": "mystery"}), "'mystery' is not supported yet"),
     "merge of unknown tokens": (_write(meta={"tokenizer.ggml.merges": [*MERGES, "zz qq"]}), "does not build"),
     "end-of-text id out of range": (_write(meta={"tokenizer.ggml.eos_token_id": 9999}), "eos_token_id"),
@@ -167,7 +171,8 @@ GGUF_ROWS = {
 MODEL_IS_FINE = {
     "fewer tokens than the vocabulary",
     "token types do not match the tokens",
-    "a SentencePiece tokenizer",
+    "a SentencePiece tokenizer without scores",
+    "an unknown tokenizer kind",
     "unknown pre-tokenizer",
     "merge of unknown tokens",
     "end-of-text id out of range",

@@ -44,7 +44,8 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.errors import UserError
-from attnlab.files import GGUF_MAGIC, atomic_write_bytes, iter_text_chunks, open_gguf, open_regular, sha256_file
+from attnlab.files import atomic_write_bytes, iter_text_chunks, open_regular, sha256_file
+from attnlab.gguf_vocab import gguf_tokenizer, is_gguf_file
 
 __all__ = [
     "GPT2_BPE_ENV",
@@ -633,125 +634,9 @@ class HFTokenizer(Tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------
-# The tokenizer stored in a GGUF file
+# The tokenizer stored in a GGUF file: built in attnlab.gguf_vocab (byte-level BPE and SentencePiece)
 # ----------------------------------------------------------------------------------------------
-# llama.cpp's pre-tokenizers (tokenizer.ggml.pre) for byte-level BPE vocabularies, as `tokenizers`
-# pre-tokenizers: the text is cut as the vocabulary's merges were learned. "smollm" cuts digits one
-# by one before GPT-2's regex, as SmolLM's own tokenizer.json does (llama.cpp's llama-vocab.cpp).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2/2.5/3: digits one by one
-_GGUF_PRE = {
-    "gpt2": "gpt2",
-    "gpt-2": "gpt2",  # GPT-2's own name in llama.cpp
-    "olmo": "gpt2",  # GPT-NeoX's vocabulary (Pythia, OLMo 1): GPT-2's cut
-    "smollm": "digits+gpt2",
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,  # cl100k (OLMo 2): Llama 3's cut
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-
-
-def _is_gguf_file(p: Path) -> bool:
-    if p.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def gguf_tokenizer(source: str | os.PathLike[str] | Any) -> tuple[Any, int | None, int | None]:
-    """``(tokenizers.Tokenizer, eot_id, bos_id)`` of the tokenizer a GGUF file stores (``source``:
-    its path, or a ``gguf.GGUFReader`` open on it).
-
-    A byte-level BPE (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3, SmolLM, Qwen, ...): the
-    vocabulary and merges, llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``), the tokens marked
-    control (``<|im_end|>``) as special tokens and those marked user-defined as added tokens, as
-    transformers builds it. ``eot_id`` is ``tokenizer.ggml.eos_token_id``; ``bos_id`` is
-    ``tokenizer.ggml.bos_token_id`` when ``tokenizer.ggml.add_bos_token`` says prompts start with it.
-    SentencePiece vocabularies (``"llama"``) are not read yet: a ValueError says so."""
-    tokenizers = _import_hf_tokenizers()
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-
-    reader = open_gguf(source) if isinstance(source, (str, os.PathLike)) else source
-    p = Path(getattr(reader, "path", "GGUF file"))
-    try:
-        fields = reader.fields
-        value = lambda key, default=None: fields[key].contents() if key in fields else default
-        kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre", "gpt2")
-        tokens, types, merges = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type"), None
-        if kind == "gpt2":
-            merges = value("tokenizer.ggml.merges")
-        special = {k: value(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "add_bos_token")}
-    except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as e:
-        raise ValueError(f"{p}: its tokenizer metadata does not read ({type(e).__name__}: {e})") from None
-    if kind is None or tokens is None:
-        raise ValueError(f"{p} stores no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens)")
-    if kind != "gpt2":
-        raise ValueError(f"{p}: GGUF tokenizers of type {kind!r} are not supported yet (byte-level BPE, 'gpt2', is)")
-    if pre not in _GGUF_PRE:
-        raise ValueError(f"{p}: llama.cpp pre-tokenizer {pre!r} is not supported yet ({', '.join(_GGUF_PRE)} are)")
-    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
-        raise ValueError(f"{p}: tokenizer.ggml.merges must be a list of 'a b' pairs")
-    if types is not None and len(types) != len(tokens):
-        raise ValueError(f"{p}: {len(tokens)} tokens but {len(types)} token types")
-    for k in ("bos_token_id", "eos_token_id"):
-        if special[k] is not None and not (is_int(special[k]) and 0 <= special[k] < len(tokens)):
-            raise ValueError(f"{p}: tokenizer.ggml.{k} must be a token id in [0, {len(tokens)}), got {special[k]!r}")
-    # A byte-level vocabulary spells bytes with GPT-2's printable alphabet; a token with any other
-    # character is respelled byte by byte (what transformers does too).
-    alphabet = _bytes_to_unicode()
-    allowed = set(alphabet.values())
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t if set(t) <= allowed else "".join(alphabet[b] for b in t.encode("utf-8")), i)
-    try:
-        tok = tokenizers.Tokenizer(
-            models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False, dropout=None)
-        )
-    except Exception as exc:  # the library raises a bare Exception for merges of unknown tokens
-        raise ValueError(f"{p}: its tokenizer does not build ({exc})") from None
-    split = _GGUF_PRE[pre]
-    if split == "gpt2":
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    elif split == "digits+gpt2":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tok.decoder = decoders.ByteLevel()
-    types = types or [1] * len(tokens)
-    control = [t for t, k in zip(tokens, types, strict=True) if k == _CONTROL and set(t) <= allowed]
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED])
-    bos = special["bos_token_id"] if special["add_bos_token"] else None
-    return tok, special["eos_token_id"], bos
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
+_is_gguf_file = is_gguf_file
 
 
 # ----------------------------------------------------------------------------------------------
