@@ -229,7 +229,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     turns into a vectorized loop over the weight that reads it at the memory's speed, where a library's
     matrix-vector kernel called from the graph reads it slower on some CPUs. The sum runs over four
     quarters of the weight's rows side by side, which inductor fuses into one loop: four independent
-    streams of reads and chains of additions per thread, where one waits on each addition in turn."""
+    streams of reads and chains of additions per thread, where one waits on each addition in turn.
+
+    A weight whose class says ``owns_linear`` (:class:`attnlab.quantized.QuantizedTensor`: a GGUF
+    file's blocks) computes its own product, eager or compiled: ``F.linear`` hands it to the weight."""
+    if getattr(type(weight), "owns_linear", False):
+        return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
         parts = weight.chunk(_STREAMS) if weight.shape[0] >= _STREAMS else (weight,)
         y = torch.cat([(x.unsqueeze(-2) * part).sum(-1) for part in parts], dim=-1)  # (..., 1, K) * (N, K) -> (..., N)

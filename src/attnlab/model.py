@@ -54,6 +54,7 @@ from attnlab.checks import (
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
 from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
+from attnlab.quantized import is_quantized
 
 __all__ = [
     "CONFIG_NAME",
@@ -1153,16 +1154,21 @@ class GPT(nn.Module):
         cls,
         path: str | os.PathLike[str] | Any,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> GPT:
         """Load a GGUF file (llama.cpp, Ollama, LM Studio) of the architectures llama, qwen2, qwen3,
         gemma, gemma2, gemma3, phi3, olmo2 or gptneox, in any of the quantization types the ``gguf``
         package dequantizes (see :mod:`attnlab.formats.gguf`).
 
+        By default (``dtype=None``) every matrix stays as the file stores it (``Q4_K``, ``Q8_0``,
+        ``F16``, ...): an :class:`attnlab.quantized.QuantizedTensor`, frozen, that computes in float32
+        with the same numbers the dequantized model has, in about the file's size of memory.
+        ``dtype=torch.float32`` (or another floating-point dtype) gives a dense model of that dtype.
+
         ``path`` is the file, or what :func:`attnlab.formats.gguf.read_gguf` returned for it. The
-        file is memory-mapped and converted one tensor at a time, straight into ``dtype``.
-        Raises ``ValueError`` naming the file when it is truncated, corrupt or not supported."""
+        file is converted one tensor at a time. Raises ``ValueError`` naming the file when it is
+        truncated, corrupt or not supported."""
         from attnlab.formats.gguf import GGUFModel, read_gguf
 
         if not isinstance(path, (str, os.PathLike, GGUFModel)):
@@ -1177,6 +1183,9 @@ class GPT(nn.Module):
         model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
         if config.tie_embeddings:
             model.out_head.weight = model.tok_emb.weight
+        for p in model.parameters():
+            if is_quantized(p):  # a weight kept in a file's blocks is frozen (LoRA adapts it)
+                p.requires_grad_(False)
         return model.eval()
 
     @classmethod
@@ -1197,8 +1206,9 @@ class GPT(nn.Module):
                 repository id (a GPT-2, e.g. ``distilgpt2``, or a Llama-family model, e.g.
                 ``meta-llama/Llama-3.2-1B``), or a local directory with ``config.json`` and safetensors
                 weights (``model.safetensors``, or shards listed in ``model.safetensors.index.json``:
-                what ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`, in ``dtype``
-                or float32). The GPT-2 names above always mean the published models; to load a local
+                what ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`: dense in
+                ``dtype``, or its matrices kept quantized without one). The GPT-2 names above always
+                mean the published models; to load a local
                 directory with one of those names, pass a path such as ``./gpt2``. A local path is never
                 sent to the Hub: a missing one is a ``FileNotFoundError`` saying so.
             cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
@@ -1216,7 +1226,7 @@ class GPT(nn.Module):
         if isinstance(name, str) and name.lower() not in hf.PRETRAINED and is_gguf(name):
             if not Path(name).expanduser().is_file():
                 raise FileNotFoundError(f"{name}: no such file (a GGUF file)")
-            return cls.from_gguf(name, dtype=dtype or torch.float32, device=device)
+            return cls.from_gguf(name, dtype=dtype, device=device)
         hf_config, state = hf.read_pretrained(name, cache_dir=cache_dir, revision=revision)
         model_type = hf_config.get("model_type", "gpt2")
         if model_type in families.MODEL_TYPES:

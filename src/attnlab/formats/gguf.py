@@ -67,6 +67,7 @@ from torch import Tensor
 from attnlab.checks import is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 from attnlab.formats import families
+from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
 __all__ = [
     "ARCHITECTURES",
@@ -411,19 +412,22 @@ def dequantize(tensor: Any, dtype: torch.dtype = torch.float32, file: BinaryIO |
     return torch.from_numpy(array.reshape(shape)).to(dtype)
 
 
-def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
+def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> GGUFModel:
     """Read a GGUF file: its config and attnlab state dict (see the module docstring).
 
     Args:
         path: the ``.gguf`` file.
-        dtype: the floating-point dtype of the state dict (each tensor is converted as it is
-            dequantized, so a bfloat16 load never holds a float32 copy of the model).
+        dtype: None (the default) keeps every matrix stored in blocks or half precision as it is in
+            the file, an :class:`attnlab.quantized.QuantizedTensor` that computes in float32 (the
+            vectors and float32 matrices are plain float32 tensors); a floating-point dtype
+            dequantizes every tensor into a dense one of that dtype (each tensor is converted as it
+            is dequantized, so a bfloat16 load never holds a float32 copy of the model).
 
     Raises ``ValueError`` naming the file for any defect (see the module docstring), and for an
     architecture attnlab does not read yet.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be None (quantized) or a floating-point torch.dtype, got {dtype!r}")
     p = Path(path).expanduser()
     reader = open_gguf(p)
     try:
@@ -461,7 +465,7 @@ def _architecture(reader: Any) -> tuple[dict[str, Any], str, Architecture, dict[
     return meta, name, arch, _config(name, arch, meta, reader)
 
 
-def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
+def _read(p: Path, reader: Any, dtype: torch.dtype | None) -> GGUFModel:
     meta, name, arch, cfg = _architecture(reader)
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
@@ -478,7 +482,8 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
         for k, t in tensors.items():
             state[k] = _convert(t, dtype, file, arch, heads, kv_heads)
             gate = k.replace(".mlp.up_proj.", ".mlp.gate_proj.")
-            if gate != k and gate in state and state[gate].shape == state[k].shape:
+            dense = not (is_quantized(state[k]) or is_quantized(state.get(gate)))
+            if dense and gate != k and gate in state and state[gate].shape == state[k].shape:
                 # One block for the pair attnlab runs as one matmul: the mapping's concatenation
                 # then frees one block of that size, which the next layer's reuses (two freed
                 # half-size blocks would be holes the allocator cannot reuse for a whole one).
@@ -491,21 +496,46 @@ def _read(p: Path, reader: Any, dtype: torch.dtype) -> GGUFModel:
     return GGUFModel(p, name, cfg, fields, state, meta, counts, reader)
 
 
-def _convert(t: Any, dtype: torch.dtype, file: BinaryIO, arch: Architecture, heads: int, kv_heads: int) -> Tensor:
-    """One tensor of the file, dequantized, and put back as Hugging Face has it where llama.cpp's
-    converter changed it (Llama's permuted q/k rows, Gemma's shifted norms, NeoX's fused q/k/v)."""
-    w = dequantize(t, dtype, file)
+def quantized(tensor: Any, file: BinaryIO | None = None) -> QuantizedTensor | None:
+    """One of the reader's matrices as a :class:`~attnlab.quantized.QuantizedTensor` of Hugging
+    Face's shape ``(out, in)``, its blocks as the file has them (read from ``file`` as
+    :func:`dequantize` does), or None where it is not a matrix in one of the formats attnlab computes
+    with (a vector, a float32 matrix, an ``IQ`` format: those are dequantized)."""
+    name = tensor.tensor_type.name
+    if name not in FORMATS or len(tensor.shape) != 2:
+        return None
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # llama.cpp lists dimensions fastest first
+    raw = tensor.data
+    if file is not None:
+        file.seek(tensor.data_offset)
+        raw = np.fromfile(file, dtype=np.uint8, count=int(tensor.n_bytes))
+        if raw.size != tensor.n_bytes:
+            raise ValueError(f"tensor {tensor.name!r} is cut short: {raw.size} of its {tensor.n_bytes} bytes")
+    return QuantizedTensor.from_blocks(name, np.asarray(raw).view(np.uint8).reshape(shape[0], -1), shape)
+
+
+def _convert(
+    t: Any, dtype: torch.dtype | None, file: BinaryIO, arch: Architecture, heads: int, kv_heads: int
+) -> Tensor:
+    """One tensor of the file, dequantized (or kept in its blocks where ``dtype`` is None), and put back
+    as Hugging Face has it where llama.cpp's converter changed it (Llama's permuted q/k rows, Gemma's
+    shifted norms, NeoX's fused q/k/v). The permutations move whole rows, which a quantized matrix
+    does by moving its rows of blocks."""
+    w = quantized(t, file) if dtype is None else None
+    if w is None:
+        w = dequantize(t, dtype or torch.float32, file)
     kind = t.name.split(".")[2] if t.name.startswith("blk.") else t.name.split(".")[0]
     if kind in arch.permuted:
         n = heads if kind == "attn_q" else kv_heads
         if w.shape[0] % (2 * n):
             raise ValueError(f"tensor {t.name!r} has {w.shape[0]} rows, not a whole number of {n} heads")
-        w = _unpermute(w, n)
+        w = w[_unpermute(torch.arange(w.shape[0]), n)] if is_quantized(w) else _unpermute(w, n)
     if arch.norm_shift and kind.endswith("norm"):
         w = w - arch.norm_shift  # the converter stored Gemma's gains as 1 + w
     if arch.qkv_per_head and kind == "attn_qkv":
         if w.shape[0] % (3 * heads):
             raise ValueError(f"tensor {t.name!r} has {w.shape[0]} rows, not q, k and v for {heads} heads")
         # (3, H, hd, ...) -> (H, 3, hd, ...): each head's query, key and value rows in turn
-        w = w.reshape(3, heads, w.shape[0] // 3 // heads, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+        order = torch.arange(w.shape[0]).reshape(3, heads, -1).transpose(0, 1).reshape(-1)
+        w = w[order] if is_quantized(w) else w[order].contiguous()
     return w

@@ -300,7 +300,7 @@ def load_gguf(
 
 
 def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | None) -> LoadedModel:
-    read = read_gguf(p, dtype=dtype or torch.float32)
+    read = read_gguf(p, dtype=dtype)  # (None: the matrices stay quantized)
     tokenizer = HFTokenizer(p, reader=read.reader)
     vocab = read.fields["vocab_size"]
     if tokenizer.vocab_size != vocab:

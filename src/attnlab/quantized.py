@@ -1,0 +1,657 @@
+"""Quantized weights that stay quantized: a GGUF file's blocks as a weight the library's layers accept.
+
+A GGUF file stores most matrices in blocks of 32 or 256 weights, each block a few small integers per
+weight and one or two scales (llama.cpp's ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0`` and the
+"K-quants" ``Q2_K`` to ``Q6_K``), or as half-precision numbers (``F16``, ``BF16``). Dequantized to
+float32 at load, a 4-bit model takes 7 to 8 times its file in memory. :class:`QuantizedTensor` keeps
+the blocks instead and computes with them:
+
+* It is a ``torch.Tensor`` subclass of the *logical* shape ``(out_features, in_features)`` and dtype
+  (float32 by default), whose data are the file's fields, one tensor each (the scales as the file's
+  float16 numbers, the 4- and 5-bit integers still packed two to a byte, the K-quants' 6-bit
+  sub-block scales unpacked to one byte each). The repacking is lossless: :meth:`QuantizedTensor.dequantize`
+  gives exactly the numbers ``gguf.quants.dequantize`` gives, by the same float32 operations.
+* ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
+  dequantizes a tile of rows at a time and multiplies it with oneDNN/MKL's matmul, so only one tile is
+  ever dense; under ``torch.compile`` a one-row product (a decoding step) is a dequantize-multiply-sum
+  expression that inductor fuses into one loop over the packed bytes (fewer bytes read per token than
+  a float32 weight's). ``F.embedding(ids, w)`` dequantizes the rows looked up.
+* Gradients flow to the activations (``x.grad``: the transposed product, tile by tile again), never to
+  the weight: a quantized weight is frozen (LoRA adapts it through a parametrization, which computes
+  ``W + B @ A`` densely for the layer it adapts).
+* Moving rows (``torch.cat``, ``split``, slicing, ``index_select`` on dimension 0: how checkpoints fuse
+  or split projections), ``.to(device)``, ``.to(dtype)`` (the logical dtype; the blocks stay as
+  they are), ``detach`` and ``clone`` keep the blocks. Any other operation on the weight computes on
+  its dequantized values (correct, and dense for that one result).
+
+This is the design of torchao's ``AffineQuantizedTensor`` (a wrapper subclass with
+``__tensor_flatten__`` so that ``torch.compile`` sees the inner tensors) and gpt-fast's weight-only
+quantized linear layers, on GGUF's own block layouts.
+
+    w = QuantizedTensor.from_blocks("Q4_1", raw, shape=(out, in))   # raw: (out, in // 32 * 20) uint8
+    y = F.linear(x, w)                                               # (..., in) -> (..., out)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab import hardware
+
+__all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized"]
+
+QK_K = 256  # the K-quants' super-block
+# Dense weights of this many elements at most are dequantized at once by a product (one tile of rows):
+# small enough to stay in the CPU's caches between the dequantization and the matmul reading it.
+TILE_ELEMENTS = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# The block formats: how each is split into fields at load and dequantized by torch operations
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Format:
+    """One GGML block format.
+
+    Attributes:
+        name: GGML's name (``"Q4_1"``).
+        block: weights per block.
+        nbytes: bytes per block in the file.
+        split: ``split(blocks (R, nb, nbytes) uint8 numpy) -> {field: array (R, nb, ...)}``, lossless.
+        dequantize: ``dequantize(fields (R, nb, ...) each) -> (R, nb * block) float32``.
+    """
+
+    name: str
+    block: int
+    nbytes: int
+    split: Callable[[np.ndarray], dict[str, np.ndarray]]
+    dequantize: Callable[[dict[str, Tensor]], Tensor]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per entry (..., 2) uint8 as float16 (...,): the file's scale, bit for bit."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """``(..., n)`` bytes -> ``(..., 2n)``: the low nibbles of all bytes, then the high ones (GGML's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _nibbles_float(qs: Tensor, offset: int = 0) -> Tensor:
+    """:func:`_nibbles` minus ``offset`` as float32, each half written straight into the result (one
+    pass over the floats, where a concatenation and a conversion would make two)."""
+    n = qs.shape[-1]
+    out = torch.empty(*qs.shape[:-1], 2 * n, dtype=torch.float32, device=qs.device)
+    lo, hi = qs & 0x0F, qs >> 4
+    if offset:  # (on the bytes, before they are floats: exact small integers either way)
+        lo, hi = lo.to(torch.int8) - offset, hi.to(torch.int8) - offset
+    out[..., :n] = lo
+    out[..., n:] = hi
+    return out
+
+
+def _bits(b: Tensor, width: int) -> Tensor:
+    """``(..., n, m)`` bytes -> ``(..., n * 8 // width, m)``: each row of bytes becomes ``8 // width``
+    rows of its ``width``-bit groups, the lowest bits first (GGML's order)."""
+    mask = (1 << width) - 1
+    parts = [(b >> s) & mask for s in range(0, 8, width)]  # each (..., n, m)
+    return torch.stack(parts, dim=-2).flatten(-3, -2)  # (..., n, 8 // width, m) -> (..., n * 8 // width, m)
+
+
+def _unpack_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit scales and mins -> ``(sc, m)``, 8 each (uint8)."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, m_d = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _unpack_q3_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes of 16 packed 6-bit scales -> 16 signed scales (int8, ``value - 32``)."""
+    lo, hi = scales[..., :8], scales[..., 8:]
+    lo = np.concatenate([lo & 0x0F, lo >> 4], axis=-1)  # (..., 16)
+    hi = np.concatenate([(hi >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-1)  # (..., 16)
+    return ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).astype(np.int8)
+
+
+# Each is gguf's formula with the same float32 operations (a scale times an integer is exact in float32:
+# an 11-bit float16 mantissa times an integer of at most 8 bits), in as few passes over the tile as
+# eager torch allows: the integers become floats once, then the scale and offset apply in place
+# (``addcmul`` with a broadcast scale, or mixed-dtype promotion, take slower loops).
+def _col(t: Tensor) -> Tensor:
+    """A per-block (or per-sub-block) scale ``(R, nb[, s])`` as float32 ``(R, nb[, s], 1)``."""
+    return t.float().unsqueeze(-1)
+
+
+def _q8_0(f: dict[str, Tensor]) -> Tensor:
+    return f["qs"].float().mul_(_col(f["d"])).flatten(-2)  # (R, nb, 32) * (R, nb, 1)
+
+
+def _q4_0(f: dict[str, Tensor]) -> Tensor:
+    q = _nibbles_float(f["qs"], 8)  # (R, nb, 32) in [-8, 8)
+    return q.mul_(_col(f["d"])).flatten(-2)
+
+
+def _q4_1(f: dict[str, Tensor]) -> Tensor:
+    return _nibbles_float(f["qs"]).mul_(_col(f["d"])).add_(_col(f["m"])).flatten(-2)  # d * q + m
+
+
+def _q5(f: dict[str, Tensor]) -> Tensor:
+    """The five-bit values (R, nb, 32): the nibbles, and bit i of the block's 32-bit ``qh`` as bit 4."""
+    high = _bits(f["qh"].unsqueeze(-1), 1).flatten(-2)  # (R, nb, 4, 1) -> (R, nb, 32): bit i of byte i // 8
+    return _nibbles(f["qs"]) | (high << 4)
+
+
+def _q5_0(f: dict[str, Tensor]) -> Tensor:
+    return (_q5(f).to(torch.int8) - 16).float().mul_(_col(f["d"])).flatten(-2)
+
+
+def _q5_1(f: dict[str, Tensor]) -> Tensor:
+    return _q5(f).float().mul_(_col(f["d"])).add_(_col(f["m"])).flatten(-2)
+
+
+def _sub_scales(d: Tensor, sc: Tensor) -> Tensor:
+    """A super-block's scale ``d (R, nb)`` times its sub-blocks' integer scales ``sc (R, nb, s)``:
+    ``(R, nb, s, 1)`` float32 (exact: at most 11 + 8 significant bits)."""
+    return _col(d.float().unsqueeze(-1) * sc.float())
+
+
+def _q2_k(f: dict[str, Tensor]) -> Tensor:
+    sc = f["scales"]  # (R, nb, 16): a 4-bit scale and a 4-bit min per 16 weights
+    q = _bits(f["qs"].unflatten(-1, (2, 32)), 2)  # (R, nb, 2, 32) -> (R, nb, 8, 32)
+    q = q.reshape(*q.shape[:-2], 16, 16).float()
+    return q.mul_(_sub_scales(f["d"], sc & 0x0F)).sub_(_sub_scales(f["dmin"], sc >> 4)).flatten(-3)
+
+
+def _q3_k(f: dict[str, Tensor]) -> Tensor:
+    low = _bits(f["qs"].unflatten(-1, (2, 32)), 2)  # (R, nb, 8, 32): two bits of each weight
+    high = _bits(f["hmask"].unsqueeze(-2), 1) ^ 1  # (R, nb, 8, 32): the third bit, set meaning "no offset"
+    q = low.to(torch.int8) - (high << 2).to(torch.int8)
+    q = q.reshape(*q.shape[:-2], 16, 16).float()
+    return q.mul_(_sub_scales(f["d"], f["scales"])).flatten(-3)
+
+
+def _q4_k(f: dict[str, Tensor]) -> Tensor:
+    q = _bits(f["qs"].unflatten(-1, (4, 32)), 4).float()  # (R, nb, 8, 32)
+    return q.mul_(_sub_scales(f["d"], f["sc"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
+
+
+def _q5_k(f: dict[str, Tensor]) -> Tensor:
+    low = _bits(f["qs"].unflatten(-1, (4, 32)), 4)  # (R, nb, 8, 32)
+    high = _bits(f["qh"].unsqueeze(-2), 1)  # (R, nb, 8, 32)
+    q = (low | (high << 4)).float()
+    return q.mul_(_sub_scales(f["d"], f["sc"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
+
+
+def _q6_k(f: dict[str, Tensor]) -> Tensor:
+    low = _bits(f["ql"].unflatten(-1, (2, 64)), 4)  # (R, nb, 4, 64)
+    low = low.reshape(*low.shape[:-2], 8, 32)
+    high = _bits(f["qh"].unflatten(-1, (2, 32)), 2)  # (R, nb, 8, 32)
+    q = (low | (high << 4)).to(torch.int8) - 32
+    q = q.reshape(*q.shape[:-2], 16, 16).float()
+    return q.mul_(_sub_scales(f["d"], f["scales"])).flatten(-3)
+
+
+def _dense(f: dict[str, Tensor]) -> Tensor:
+    return f["w"].float().flatten(-2)
+
+
+def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """A splitter of blocks into fields ``(name, bytes, kind)``, kind ``f16``, ``u8`` or ``i8``."""
+
+    def split(blocks: np.ndarray) -> dict[str, np.ndarray]:
+        out, at = {}, 0
+        for name, n, kind in spec:
+            b = blocks[..., at : at + n]
+            at += n
+            if kind == "f16":
+                out[name] = _f16(b)
+            else:
+                out[name] = np.ascontiguousarray(b).view(np.int8 if kind == "i8" else np.uint8)
+        return out
+
+    return split
+
+
+def _split_k(qh: bool) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """Q4_K (``qh=False``) and Q5_K: d, dmin, 12 bytes of scales (unpacked), [qh,] qs."""
+    rest = _split(("qh", QK_K // 8, "u8"), ("qs", QK_K // 2, "u8")) if qh else _split(("qs", QK_K // 2, "u8"))
+
+    def split(blocks: np.ndarray) -> dict[str, np.ndarray]:
+        out = {"d": _f16(blocks[..., 0:2]), "dmin": _f16(blocks[..., 2:4])}
+        out["sc"], out["m"] = _unpack_k_scales(blocks[..., 4:16])
+        return out | rest(blocks[..., 16:])
+
+    return split
+
+
+def _split_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    out = _split(("hmask", QK_K // 8, "u8"), ("qs", QK_K // 4, "u8"))(blocks[..., : QK_K // 8 + QK_K // 4])
+    at = QK_K // 8 + QK_K // 4
+    return out | {"scales": _unpack_q3_scales(blocks[..., at : at + 12]), "d": _f16(blocks[..., at + 12 : at + 14])}
+
+
+def _split_dense(dtype: Any) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    def split(blocks: np.ndarray) -> dict[str, np.ndarray]:
+        return {"w": np.ascontiguousarray(blocks).view(dtype)}
+
+    return split
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("F16", 1, 2, _split_dense(np.float16), _dense),
+        Format("BF16", 1, 2, _split_dense(np.int16), _dense),  # (int16 in numpy, viewed as bfloat16 in torch)
+        Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0),
+        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0),
+        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1),
+        Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0),
+        Format("Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1),
+        Format(
+            "Q2_K",
+            QK_K,
+            84,
+            _split(("scales", 16, "u8"), ("qs", 64, "u8"), ("d", 2, "f16"), ("dmin", 2, "f16")),
+            _q2_k,
+        ),
+        Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k),
+        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k),
+        Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k),
+        Format(
+            "Q6_K", QK_K, 210, _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")), _q6_k
+        ),
+    )
+}
+
+
+# --------------------------------------------------------------------------------------------
+# One run of rows in one format
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """Rows of a :class:`QuantizedTensor` in one format: ``fields`` each ``(rows, blocks per row, ...)``."""
+
+    format: str
+    fields: dict[str, Tensor]
+
+    @property
+    def rows(self) -> int:
+        return next(iter(self.fields.values())).shape[0]
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Part:
+        return Part(self.format, {k: fn(v) for k, v in self.fields.items()})
+
+    def dequantize(self) -> Tensor:
+        """``(rows, in_features)`` float32, as ``gguf.quants.dequantize`` computes it."""
+        return FORMATS[self.format].dequantize(self.fields)
+
+
+def dequantize(format: str, fields: dict[str, Tensor]) -> Tensor:
+    """The float32 weights ``(rows, in_features)`` of one format's ``fields`` (see :data:`FORMATS`)."""
+    return Part(format, fields).dequantize()
+
+
+# --------------------------------------------------------------------------------------------
+# The weight type
+# --------------------------------------------------------------------------------------------
+class QuantizedTensor(Tensor):
+    """A ``(out_features, in_features)`` weight kept in GGML blocks (see the module docstring).
+
+    Build one with :meth:`from_blocks` (a file's bytes) or :meth:`from_parts`. Its ``dtype`` is the
+    dtype it computes in (float32 unless ``.to(dtype)`` said otherwise); ``storage_bytes`` is what
+    the blocks take in memory.
+    """
+
+    parts: tuple[Part, ...]
+    owns_linear = True  # attnlab.hardware.linear hands F.linear to it (see linear below)
+
+    @staticmethod
+    def __new__(
+        cls, parts: Sequence[Part], shape: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> QuantizedTensor:
+        device = next(iter(parts[0].fields.values())).device
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+
+    def __init__(self, parts: Sequence[Part], shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> None:
+        self.parts = tuple(parts)
+
+    # Building ---------------------------------------------------------------------------------
+    @classmethod
+    def from_blocks(cls, format: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+        """The weight of shape ``(out, in)`` whose rows are the bytes ``raw (out, in // block * nbytes)``
+        (one GGUF tensor's data, rows of blocks) in GGML format ``format``."""
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        fmt = FORMATS[format]
+        out, inp = (int(s) for s in shape)
+        if inp % fmt.block:
+            raise ValueError(f"in_features={inp} is not a whole number of {format} blocks of {fmt.block}")
+        nb = inp // fmt.block
+        if raw.dtype != np.uint8 or raw.size != out * nb * fmt.nbytes:
+            raise ValueError(
+                f"raw must be {out * nb * fmt.nbytes} bytes (uint8) for {shape} in {format}, got {raw.size} {raw.dtype}"
+            )
+        blocks = raw.reshape(out, nb, fmt.nbytes)
+        fields = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fmt.split(blocks).items()}
+        if format == "BF16":
+            fields["w"] = fields["w"].view(torch.bfloat16)
+        return cls([Part(format, fields)], (out, inp))
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[Part], in_features: int, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+        return cls(parts, (sum(p.rows for p in parts), in_features), dtype)
+
+    def _with(self, parts: Sequence[Part], dtype: torch.dtype | None = None) -> QuantizedTensor:
+        return QuantizedTensor.from_parts(parts, self.shape[1], self.dtype if dtype is None else dtype)
+
+    # What it is ----------------------------------------------------------------------------------
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.format for p in self.parts)
+
+    @property
+    def storage_bytes(self) -> int:
+        """The bytes its blocks take (the file's size of this matrix, give or take the unpacked scales)."""
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p.fields.values())
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"QuantizedTensor({'+'.join(self.formats)}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The dense weight ``(out, in)`` in ``dtype`` (default: its own)."""
+        return self.dequantize_rows(0, self.shape[0], dtype)
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows ``start:stop`` dense, ``(stop - start, in)`` in ``dtype`` (default: its own)."""
+        dtype = self.dtype if dtype is None else dtype
+        tiles, at = [], 0
+        for p in self.parts:
+            lo, hi = max(start - at, 0), min(stop - at, p.rows)
+            if lo < hi:
+                tiles.append(p.map(lambda t, lo=lo, hi=hi: t[lo:hi]).dequantize())
+            at += p.rows
+        w = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+        return w if w.dtype == dtype else w.to(dtype)
+
+    def rows(self, index: Tensor) -> Tensor:
+        """Rows ``index`` (any shape of ids) dense, ``(*index.shape, in)`` in its dtype: an embedding lookup."""
+        flat = index.reshape(-1)
+        if len(self.parts) == 1:
+            w = self.parts[0].map(lambda t: t.index_select(0, flat)).dequantize()
+        else:
+            w = self.dequantize(torch.float32).index_select(0, flat)
+        return w.to(self.dtype).reshape(*index.shape, self.shape[1])
+
+    # torch.compile and the subclass protocol --------------------------------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        names = []
+        for i, p in enumerate(self.parts):
+            for k, t in p.fields.items():
+                setattr(self, f"_p{i}_{k}", t)
+                names.append(f"_p{i}_{k}")
+        layout = tuple((p.format, tuple(p.fields)) for p in self.parts)
+        return names, (layout, self.shape[1], self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], ctx: Any, outer_size: Any, outer_stride: Any) -> QuantizedTensor:
+        layout, in_features, dtype = ctx
+        parts = [Part(f, {k: inner[f"_p{i}_{k}"] for k in keys}) for i, (f, keys) in enumerate(layout)]
+        return QuantizedTensor.from_parts(parts, in_features, dtype)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _FUNCTIONS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _ATEN.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        # Anything else computes on the dense values (correct; dense for this one result only).
+        args, kwargs = torch.utils._pytree.tree_map_only(QuantizedTensor, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def is_quantized(w: object) -> bool:
+    """Whether ``w`` is a :class:`QuantizedTensor` (a weight kept in blocks)."""
+    return isinstance(w, QuantizedTensor)
+
+
+# --------------------------------------------------------------------------------------------
+# The products
+# --------------------------------------------------------------------------------------------
+def _tile_rows(w: QuantizedTensor) -> int:
+    return max(1, TILE_ELEMENTS // max(1, w.shape[1]))
+
+
+def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
+    """``x (..., in) @ w.T -> (..., out)``, a tile of ``w``'s rows dense at a time."""
+    n, step = w.shape[0], _tile_rows(w)
+    if step >= n:
+        return hardware.linear(x, w.dequantize_rows(0, n, x.dtype))
+    outs = [hardware.linear(x, w.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
+    return torch.cat(outs, dim=-1)  # (..., out)
+
+
+def _product_t(g: Tensor, w: QuantizedTensor) -> Tensor:
+    """``g (..., out) @ w -> (..., in)``: the gradient of :func:`_product` with respect to ``x``."""
+    n, step = w.shape[0], _tile_rows(w)
+    total = None
+    for i in range(0, n, step):
+        part = g[..., i : i + step] @ w.dequantize_rows(i, min(i + step, n), g.dtype)  # (..., in)
+        total = part if total is None else total + part
+    return total
+
+
+class _Frozen:
+    """A quantized weight passed to an autograd Function as an opaque object (no gradient, no tracing)."""
+
+    def __init__(self, w: QuantizedTensor) -> None:
+        self.w = w
+
+
+class _Linear(torch.autograd.Function):
+    """The tiled product with a tiled backward for ``x``: autograd keeps the blocks, never a dense weight."""
+
+    @staticmethod
+    def forward(x: Tensor, frozen: _Frozen) -> Tensor:
+        return _product(x, frozen.w)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.frozen = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _product_t(grad, ctx.frozen.w), None
+
+
+def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` for a quantized ``w``: ``(..., in) -> (..., out)`` in ``x``'s dtype."""
+    if isinstance(x, QuantizedTensor):
+        raise TypeError("F.linear's input is a QuantizedTensor: only the weight may be quantized")
+    if torch.compiler.is_compiling():
+        w_dense = w.dequantize(x.dtype)  # (out, in): inductor fuses the dequantization into its consumer
+        if x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+            y = (x.unsqueeze(-2) * w_dense).sum(-1)  # (..., 1, in) * (out, in) -> (..., out): one loop, no matrix
+        else:
+            y = F.linear(x, w_dense)
+    elif torch.is_grad_enabled() and x.requires_grad:
+        y = _Linear.apply(x, _Frozen(w))
+    else:
+        y = _product(x, w)
+    return y if bias is None else y + bias
+
+
+def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if isinstance(bias, QuantizedTensor):
+        bias = bias.dequantize()
+    if not isinstance(weight, QuantizedTensor):  # (the input or bias was the quantized one)
+        with torch._C.DisableTorchFunctionSubclass():
+            return F.linear(input, weight, bias)
+    return linear(input, weight, bias)
+
+
+def _embedding(
+    input: Tensor, weight: Tensor, padding_idx: Any = None, max_norm: Any = None, *args: Any, **kwargs: Any
+) -> Tensor:
+    if max_norm is not None:
+        raise ValueError("max_norm renormalises the embedding in place: not possible on a quantized weight")
+    return weight.rows(input)
+
+
+# --------------------------------------------------------------------------------------------
+# Moving rows: what checkpoints' converters do (fuse gate and up, split q/k/v, permute rows)
+# --------------------------------------------------------------------------------------------
+def _slice_rows(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    parts, at = [], 0
+    for p in w.parts:
+        lo, hi = max(start - at, 0), min(stop - at, p.rows)
+        if lo < hi:
+            parts.append(p.map(lambda t, lo=lo, hi=hi: t[lo:hi]))
+        at += p.rows
+    return w._with(parts)
+
+
+def _cat(tensors: Sequence[Tensor], dim: int = 0, **kwargs: Any) -> Tensor:
+    rows = dim in (0, -2) and all(isinstance(t, QuantizedTensor) for t in tensors)
+    if rows and len({t.shape[1] for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1:
+        parts: list[Part] = []
+        for t in tensors:
+            for p in t.parts:  # neighbours of one format become one part (one dequantization per tile)
+                if parts and parts[-1].format == p.format:
+                    last = parts[-1].fields
+                    parts[-1] = Part(p.format, {k: torch.cat([last[k], v]) for k, v in p.fields.items()})
+                else:
+                    parts.append(p)
+        return tensors[0]._with(parts)
+    dense = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in tensors]
+    return torch.cat(dense, dim, **kwargs)
+
+
+def _split_sizes(w: QuantizedTensor, sizes: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
+    if dim not in (0, -2):
+        return torch.split(w.dequantize(), sizes, dim)
+    n = w.shape[0]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - i) for i in range(0, n, sizes)]
+    out, at = [], 0
+    for s in sizes:
+        out.append(_slice_rows(w, at, at + s))
+        at += s
+    return tuple(out)
+
+
+def _chunk(w: QuantizedTensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    if dim not in (0, -2):
+        return torch.chunk(w.dequantize(), chunks, dim)
+    return _split_sizes(w, math.ceil(w.shape[0] / chunks), 0)
+
+
+def _getitem(w: QuantizedTensor, index: Any) -> Tensor:
+    if isinstance(index, tuple) and len(index) >= 1 and all(i == slice(None) for i in index[1:]):
+        index = index[0]
+    if isinstance(index, slice) and index.step in (None, 1):
+        start, stop, _ = index.indices(w.shape[0])
+        return _slice_rows(w, start, max(start, stop))
+    if isinstance(index, Tensor) and index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool:
+        return _index_select(w, 0, index)
+    with torch._C.DisableTorchFunctionSubclass():
+        return w.dequantize()[index]
+
+
+def _index_select(w: QuantizedTensor, dim: int, index: Tensor) -> Tensor:
+    if dim not in (0, -2) or len(w.parts) != 1:
+        return torch.index_select(w.dequantize(), dim, index)
+    return w._with([w.parts[0].map(lambda t: t.index_select(0, index.to(t.device)))])
+
+
+def _to(w: QuantizedTensor, *args: Any, **kwargs: Any) -> Tensor:
+    """``.to(device)`` moves the blocks; ``.to(dtype)`` changes the dtype it computes in."""
+    kwargs.pop("non_blocking", None), kwargs.pop("copy", None), kwargs.pop("memory_format", None)
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (str, torch.device, int)) and not isinstance(a, bool):  # (a bool: non_blocking)
+            device = a
+        elif isinstance(a, Tensor):
+            device, dtype = a.device, a.dtype
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"a quantized weight computes in a floating-point dtype, got {dtype}")
+    if device is not None and torch.device(device) in (w.device, torch.device(w.device.type)):
+        device = None  # already there
+    if device is None and (dtype is None or dtype == w.dtype):
+        return w
+    parts = w.parts if device is None else [p.map(lambda t: t.to(device)) for p in w.parts]
+    return w._with(parts, dtype)
+
+
+def _detach(w: QuantizedTensor) -> QuantizedTensor:
+    return w._with(w.parts)
+
+
+def _clone(w: QuantizedTensor, *args: Any, **kwargs: Any) -> QuantizedTensor:
+    return w._with([p.map(lambda t: t.clone()) for p in w.parts])
+
+
+_FUNCTIONS: dict[Any, Callable[..., Any]] = {
+    F.linear: _linear,
+    F.embedding: _embedding,
+    torch.cat: _cat,
+    torch.concat: _cat,
+    torch.split: lambda t, s, dim=0: _split_sizes(t, s, dim),
+    Tensor.split: lambda t, s, dim=0: _split_sizes(t, s, dim),
+    torch.chunk: _chunk,
+    Tensor.chunk: _chunk,
+    Tensor.__getitem__: _getitem,
+    torch.index_select: lambda t, dim, index: _index_select(t, dim, index),
+    Tensor.index_select: lambda t, dim, index: _index_select(t, dim, index),
+    Tensor.to: _to,
+    Tensor.cpu: lambda t, *a, **k: _to(t, "cpu"),
+    Tensor.cuda: lambda t, device=None, *a, **k: _to(
+        t, torch.device("cuda", device) if isinstance(device, int) else (device or "cuda")
+    ),
+    Tensor.float: lambda t, *a, **k: _to(t, torch.float32),
+    Tensor.detach: _detach,
+    Tensor.clone: _clone,
+    Tensor.contiguous: lambda t, *a, **k: t,
+    Tensor.__repr__: lambda t, *a, **k: t.__repr__(),
+}
+
+_aten = torch.ops.aten
+_ATEN: dict[Any, Callable[..., Any]] = {
+    _aten.detach.default: _detach,
+    _aten.alias.default: _detach,
+    _aten.clone.default: _clone,
+    _aten._to_copy.default: lambda t, dtype=None, device=None, **k: _to(t, dtype=dtype, device=device),
+    _aten.slice.Tensor: lambda t, dim=0, start=None, end=None, step=1: (
+        _slice_rows(t, *slice(start, end).indices(t.shape[0])[:2])
+        if dim in (0, -2) and step == 1
+        else _aten.slice.Tensor(t.dequantize(), dim, start, end, step)
+    ),
+    _aten.cat.default: lambda tensors, dim=0: _cat(tensors, dim),
+    _aten.split_with_sizes.default: lambda t, sizes, dim=0: _split_sizes(t, sizes, dim),
+    _aten.split.Tensor: lambda t, size, dim=0: _split_sizes(t, size, dim),
+    _aten.index_select.default: _index_select,
+}
