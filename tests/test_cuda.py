@@ -64,9 +64,9 @@ def test_the_compiled_step_on_cuda_replays_a_cuda_graph(monkeypatch, steps):
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "gpt2-window"])
-def test_an_observed_compiled_generation_on_cuda_hands_over_the_eager_records(family, steps):
-    """Observers on a GPU (serve's generation stream): a generation with compile=True runs the eager
-    forward while they are set, and every observer gets the record of the eager forward, in float64."""
+def test_a_hooked_compiled_generation_on_cuda_sees_the_eager_forward(family, steps):
+    """Hooks on a GPU (serve's generation stream): a generation with compile=True runs the eager
+    forward while they are set, and every hook sees the eager forward's values, in float64."""
     model = make(FAMILIES[family]).to(DEVICE)
     idx = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     (ref, ref_logits), ref_records = observed_generation(model, idx, 10, fast=False)

@@ -9,9 +9,9 @@ the model's own forward over slot views of the caches) and ``compile=True`` (tha
 Every family's switches on a small model built from its config, in float32: the tokens of
 ``generate(fast=True)`` must equal those of ``generate(fast=False)``, its logits to float32's
 rounding, and the fast step must have run every decoding step it may (until the smallest ring of the
-generation's caches would wrap). Where it must not (hooks, forward hooks, observers, LoRA, padding
-masks, a ring that would wrap) the eager forward takes the steps, with the same tokens again, and hooks
-and observers see the eager forward's values. The compiled step (slow: each compilation takes 10-30 s
+generation's caches would wrap). Where it must not (hooks, forward hooks, LoRA, padding masks, a ring
+that would wrap) the eager forward takes the steps, with the same tokens again, and hooks see the eager
+forward's values. The compiled step (slow: each compilation takes 10-30 s
 on a small CPU) runs on the smallest models, as few compilations as the checks allow.
 """
 
@@ -25,8 +25,7 @@ from torch._dynamo.utils import counters
 
 from attnlab.decoding import DecodePlan, FastDecoder, Route, supported
 from attnlab.generation import cache_length
-from attnlab.interpret import observe_attention, observe_attention_rows, trace_generation
-from attnlab.interpret.hooks import hooks
+from attnlab.interpret import hook_names, hooks, observe_attention_rows, trace_generation
 from attnlab.model import GPT, GPTConfig
 
 BASE = dict(vocab_size=61, context_length=48, emb_dim=48, n_heads=4, n_layers=3, drop_rate=0.0)
@@ -51,7 +50,7 @@ FAMILIES = {
 }
 F32 = 1e-5  # float32 logits of the fast step against the eager forward's (attention over more, masked, slots)
 pytestmark = pytest.mark.usefixtures("one_thread")  # (small models run fastest on one thread; the machine is shared)
-FIELDS = ("q", "k", "v", "weights", "head_outputs", "q_positions", "k_positions", "mask")
+FIELDS = ("rot_q", "rot_k", "v", "pattern", "z", "q_positions", "k_positions", "mask")
 
 
 def make(overrides: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> GPT:
@@ -341,26 +340,44 @@ def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kin
 
 
 def observed_generation(model: GPT, idx: torch.Tensor, n: int, layers=None, **kw):
-    """``generate(..., temperature=0, return_logits=True, **kw)`` with ``layers``' attention observed
-    (default: all): the output and the ``(layer, record)`` pairs in call order."""
+    """``generate(..., temperature=0, return_logits=True, **kw)`` with ``layers``' attention hook points
+    read (default: all): the output and the ``(layer, record)`` pairs in call order, each record the
+    copies of what a pass's hooks saw (the tensors, and its positions and mask)."""
     records = []
     chosen = range(len(model.trf_blocks)) if layers is None else layers
+    names = set(hook_names(model))
+
+    def keep(x, hook):
+        step = hook.name.rsplit("hook_", 1)[1]
+        if not records or "z" in records[-1][1]:  # the first of them a pass reaches
+            records.append((hook.layer(), {}))
+        record = records[-1][1]
+        record[step] = x.clone()
+        if step == "pattern":  # (the positions may be views of a rolling cache)
+            call = hook.call
+            record |= {"q_positions": call.q_positions, "k_positions": call.k_positions, "mask": call.mask}
+            record |= {k: None if t is None else t.clone() for k, t in record.items() if k.endswith("positions")}
+            record["call"] = (call.is_causal, call.scale, call.softcap, call.window, call.sinks)
+
+    fns = {}
     for i in chosen:
-        model.trf_blocks[i].att.observer = lambda m, r, i=i: records.append((i, r))
-    try:
+        for step in ("rot_q", "rot_k", "v", "pattern", "z"):
+            name = f"blocks.{i}.attn.hook_{step}"
+            fns[name if name in names else name.replace("rot_", "")] = keep
+    with hooks(model, fns):
         out = model.generate(idx, n, temperature=0, return_logits=True, **kw)
-    finally:
-        for i in chosen:
-            model.trf_blocks[i].att.observer = None
+    for _, record in records:
+        record.setdefault("rot_q", record.pop("q", None))
+        record.setdefault("rot_k", record.pop("k", None))
     return out, records
 
 
 def assert_same_records(ref, got, tol):
     assert len(got) == len(ref) > 0
     for (la, a), (lb, b) in zip(ref, got, strict=True):
-        assert la == lb and a.is_causal == b.is_causal and a.scale == b.scale and a.softcap == b.softcap
+        assert la == lb and a["call"] == b["call"]
         for name in FIELDS:
-            x, y = getattr(a, name), getattr(b, name)
+            x, y = a[name], b[name]
             assert (x is None) == (y is None), name
             if x is not None:
                 assert y.dtype == x.dtype and y.shape == x.shape, name
@@ -368,10 +385,10 @@ def assert_same_records(ref, got, tol):
 
 
 @pytest.mark.parametrize("family", ["gpt2-window", "llama-gqa", "gemma3"])
-def test_observers_run_eager_and_get_the_records_of_the_eager_forward(family, steps):
-    """attnlab.interpret's observers (serve's live generation, trace_generation) see what the eager
-    forward shows them: weights, keys, values, positions, mask. With compile=True too, which then
-    compiles nothing (the observed steps are the eager forward's)."""
+def test_hooked_steps_run_eager_and_see_the_eager_forward(family, steps):
+    """Hooks on the attention steps (serve's live generation, trace_generation) see what the eager
+    forward shows them: queries, keys, values, weights, head outputs, positions, mask. With
+    compile=True too, which then compiles nothing (the hooked steps are the eager forward's)."""
     model = make(FAMILIES[family])
     idx = prompt(2, 4)
     (ref, ref_logits), ref_records = observed_generation(model, idx, 7, fast=False)
@@ -381,84 +398,10 @@ def test_observers_run_eager_and_get_the_records_of_the_eager_forward(family, st
         assert torch.equal(ids, ref)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
         assert_same_records(ref_records, records, 1e-10)
-    (ids, _), records = observed_generation(model, idx, 7, layers=[1])  # one layer observed: still eager
+    (ids, _), records = observed_generation(model, idx, 7, layers=[1])  # one layer hooked: still eager
     assert torch.equal(ids, ref) and {layer for layer, _ in records} == {1}
     assert len(ref_records) == 7 * 3 and steps[0] == 0 and graphs() == before
-    assert model.generate(idx, 7, temperature=0).equal(ref) and steps[0] > 0  # (the observers gone: fast)
-
-
-@pytest.mark.parametrize("fast", [False, True])
-def test_a_rolling_caches_records_are_copies_unless_the_observer_declines(fast, steps):
-    """A rolling cache (RoPE) writes over old slots, so observers get copies of its keys, values and key
-    positions; ``observe_attention(copy_cache=False)`` hands views of the cache instead (one buffer, step
-    after step), with the same values; an observer set before that keeps its records still gets copies."""
-    model = make(FAMILIES["llama-gqa"])
-    idx = prompt(2, 4, seed=5)
-
-    def run(copy_cache: bool, outer: bool = False) -> list:
-        seen = []  # layer 0's records: the tensors and their values at the call
-
-        def on(layer, r):
-            if layer == 0:
-                seen.append((r.k, r.v, r.k_positions, r.k.clone(), r.v.clone(), r.k_positions.clone()))
-
-        att = model.trf_blocks[0].att
-        att.observer = (lambda m, r: None) if outer else None
-        try:
-            with observe_attention(model, on, copy_cache=copy_cache):
-                model.generate(idx, 6, temperature=0, fast=fast)
-        finally:
-            att.observer = None
-        return seen
-
-    def buffers(seen) -> set:
-        return {t.untyped_storage().data_ptr() for rec in seen[1:] for t in rec[:3]}  # (the decoding steps)
-
-    copies, views, outer = run(True), run(False), run(False, outer=True)
-    assert len(copies) == len(views) == 6 and steps[0] == 0  # (observed: the eager forward)
-    for a, b in zip(copies, views, strict=True):
-        for x, y in zip(a[3:], b[3:], strict=True):
-            torch.testing.assert_close(y, x, rtol=0, atol=0)
-    assert len(buffers(views)) == 3  # the cache's keys, values and positions, step after step
-    assert len(buffers(copies)) == len(buffers(outer)) == 3 * 5  # a copy of each at each step
-    with pytest.raises(TypeError, match="copy_cache"), observe_attention(model, lambda layer, r: None, copy_cache="no"):
-        pass
-
-
-@pytest.mark.parametrize("family", ["gpt2", "gpt2-window", "llama-gqa", "gemma3", "phi3-window", "nope"])
-def test_an_observer_of_the_last_query_gets_that_row_of_the_eager_records(family):
-    """``observe_attention(last_query=True)``: each pass's records hold the last query's weights ``(b, H,
-    1, S)`` (a padded batch: masks, windows, GQA, rolling caches), equal to that row of the full records,
-    and the pass's output is the same; an observer set before that reads every row keeps its full ones."""
-    model = make(FAMILIES[family])
-    idx = prompt(2, 9, seed=6)
-    mask = torch.ones(2, 9, dtype=torch.bool)
-    mask[1, :3] = False  # left padding: the prompt's mask reaches the records
-
-    def run(last_query: bool, outer: bool = False):
-        records = []
-        att = model.trf_blocks[0].att
-        att.observer = (lambda m, r: None) if outer else None
-        try:
-            with observe_attention(model, lambda layer, r: records.append(r), last_query=last_query):
-                out = model.generate(idx, 4, temperature=0, attention_mask=mask, return_logits=True, fast=False)
-        finally:
-            att.observer = None
-        return out, records
-
-    (ids, logits), full = run(False)
-    (ids_row, logits_row), rows = run(True)
-    assert torch.equal(ids_row, ids)
-    torch.testing.assert_close(logits_row, logits, rtol=1e-12, atol=1e-12)
-    assert len(rows) == len(full) and full[0].weights.shape[2] == 9  # the prompt's pass first
-    for a, b in zip(full, rows, strict=True):
-        assert b.weights.shape[2] == 1
-        torch.testing.assert_close(b.weights, a.weights[:, :, -1:], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(b.head_outputs, a.head_outputs, rtol=1e-12, atol=1e-12)
-    _, outer = run(True, outer=True)
-    assert outer[0].weights.shape[2] == 9 and outer[1].weights.shape[2] == 1  # layer 0 keeps its rows
-    with pytest.raises(TypeError, match="last_query"), observe_attention(model, lambda layer, r: None, last_query=1):
-        pass
+    assert model.generate(idx, 7, temperature=0).equal(ref) and steps[0] > 0  # (the hooks gone: fast)
 
 
 def row_passes(model: GPT, idx: torch.Tensor, n: int, **kw):
@@ -488,12 +431,13 @@ def test_rows_of_layers_over_different_keys_are_laid_on_the_widest_layers_keys(k
     idx = prompt(2, 7 if sinks else 9, seed=8)
     records: list[list] = []
 
-    def record(layer, r):
-        if layer == 0:
+    def record(pattern, hook):
+        if hook.layer() == 0:
             records.append([])
-        records[-1].append((r.weights[:, :, -1].clone(), r.k_positions.clone(), r.q_positions.clone()))
+        call = hook.call
+        records[-1].append((pattern[:, :, -1].clone(), call.k_positions.clone(), call.q_positions.clone()))
 
-    with observe_attention(model, record, last_query=True):
+    with hooks(model, {f"blocks.{i}.attn.hook_pattern": record for i in range(3)}):
         want = model.generate(idx, 4, temperature=0, fast=False)
     before = graphs()
     (ids, _), passes = row_passes(model, idx, 4, **kw)

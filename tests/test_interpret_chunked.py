@@ -204,7 +204,7 @@ def test_trace_without_logits_records_the_same_attention():
         inspector_data(light, sections={"next"})
     with pytest.raises(ValueError, match="logits"):
         next_token_probabilities(light)
-    assert model.training is False and all(a.observer is None for a in (b.att for b in model.trf_blocks))
+    assert model.training is False and all(b.hook is None and b.att.hook is None for b in model.trf_blocks)
 
 
 def test_lens_search_falls_back_to_the_exact_lens_where_its_bound_fails(monkeypatch):

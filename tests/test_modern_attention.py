@@ -8,8 +8,10 @@ reference gives over the whole sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from attnlab.attention import KVCache, MultiHeadAttention
 from attnlab.functional import causal_mask
+from attnlab.interpret import attention_hooks
 from attnlab.positions import alibi_slopes
 
 
@@ -256,7 +259,7 @@ def test_rolling_cache_layout_and_memory():
 
 
 # =============================================================================================
-# The observer contract
+# What the hooks of the attention steps are told
 # =============================================================================================
 @pytest.mark.parametrize(
     "name,cache",
@@ -276,37 +279,69 @@ def test_rolling_cache_layout_and_memory():
     ],
 )
 def test_attention_record_holds_what_the_scores_saw(name, cache):
-    """q and k after QK-norm and rotation, the mask with everything besides plain causality: the
-    record's fields alone recompute the weights and the head outputs."""
+    """At the hook points: q and k after QK-norm and rotation (``rot_q``, ``rot_k``), and the pass's
+    mask with everything besides plain causality (``hook.call``) recompute the weights (``pattern``) and
+    the head outputs (``z``)."""
     m = make(13, **VARIANTS[name])
     x = rand(2, 7, 8, seed=14)
     key_mask = torch.tensor([[True] * 7, [False] * 2 + [True] * 5])
     records = []
-    m.observer = lambda mod, rec: records.append(rec)
     kv = None
     if cache == "plain":
         kv = m.new_kv_cache(2)
     elif cache == "rolling":
         kv = m.new_kv_cache(2, max_length=(m.window or 4) + m.sinks, rolling=True)
-    with torch.no_grad():
+
+    def keep(step):
+        def fn(t, hook):
+            if step == "v":  # (the first of them a pass reaches)
+                records.append({})
+            if step == "pattern":  # (its positions, as the keys, may be views of the cache: copies kept)
+                records[-1]["call"] = dataclasses.replace(
+                    hook.call,
+                    **{
+                        p: getattr(hook.call, p).clone()
+                        for p in ("q_positions", "k_positions")
+                        if getattr(hook.call, p) is not None
+                    },
+                )
+            records[-1][step] = (t.transpose(1, 2) if step != "pattern" else t).clone()  # (b, H, n, ·)
+            if step == "pattern" and kv is not None and not m.has_positions:  # the cached values too
+                records[-1]["v"] = kv.values[:, :, : t.shape[-1]].clone()  # (hook_v has the new tokens' only)
+
+        return fn
+
+    with torch.no_grad(), attention_hooks([m], {s: keep(s) for s in ("rot_q", "rot_k", "v", "pattern", "z")}):
         m(x[:, :4], kv_cache=kv, key_mask=key_mask[:, :4])
         if kv is not None:
             m(x[:, 4:], kv_cache=kv, key_mask=key_mask)
     for rec in records:
-        n, S = rec.q.shape[2], rec.k.shape[2]
-        k = rec.k.repeat_interleave(m.num_heads // m.num_kv_heads, 1)
-        v = rec.v.repeat_interleave(m.num_heads // m.num_kv_heads, 1)
-        scores = rec.q @ k.transpose(-1, -2) * rec.scale
-        if rec.is_causal:
-            scores = scores.masked_fill(~causal_mask(n, S), float("-inf"))
-        if rec.mask is not None:
-            scores = scores.masked_fill(~rec.mask, float("-inf")) if rec.mask.dtype == torch.bool else scores + rec.mask
+        call = rec["call"]
+        n, S = rec["rot_q"].shape[2], rec["rot_k"].shape[2]
+        k = rec["rot_k"].repeat_interleave(m.num_heads // m.num_kv_heads, 1)
+        v = rec["v"]  # (b, Hkv, S, hd)
+        if m.has_positions:  # each key's value from its token, by the key's position (left padding shifts them)
+            with torch.no_grad():
+                v_tokens = m.W_value(x).view(2, 7, m.num_kv_heads, m.head_dim).transpose(1, 2)  # (b, Hkv, 7, hd)
+            pads = (~key_mask).sum(-1, keepdim=True)  # (b, 1)
+            at = torch.where(call.k_positions >= 0, call.k_positions + pads, 0)  # (b, S): the keys' tokens
+            v = v_tokens.gather(2, at[:, None, :, None].expand(-1, m.num_kv_heads, -1, m.head_dim))
+        v = v.repeat_interleave(m.num_heads // m.num_kv_heads, 1)
+        scores = rec["rot_q"] @ k.transpose(-1, -2) * call.scale
+        if call.is_causal:
+            scores = scores.masked_fill(~causal_mask(n, S, window=call.window, sinks=call.sinks), float("-inf"))
+        elif call.window is not None:
+            raise AssertionError("a window without causality")
+        mask = call.mask
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         empty = torch.isinf(scores).all(-1, keepdim=True)
         weights = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
-        torch.testing.assert_close(weights, rec.weights)
-        torch.testing.assert_close(weights @ v, rec.head_outputs)
+        torch.testing.assert_close(weights, rec["pattern"])
+        torch.testing.assert_close(weights @ v, rec["z"])
         if m.has_positions:
-            assert rec.q_positions.shape[-1] == n and rec.k_positions.shape[-1] == S
+            assert call.q_positions.shape[-1] == n and call.k_positions.shape[-1] == S
+    records = [SimpleNamespace(q=r["rot_q"]) for r in records]
     raw = (x[:, :4] @ m.W_query.weight.T + m.W_query.bias).view(2, 4, m.num_heads, m.head_dim).transpose(1, 2)
     if m.qk_norm:  # unit RMS times the gain
         raw = raw / raw.square().mean(-1, keepdim=True).add(m.q_norm.eps).sqrt() * m.q_norm.weight

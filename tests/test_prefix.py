@@ -174,14 +174,14 @@ def test_batches_share_the_prefix_every_row_shares():
     assert shared_prefix(a, b[:1]) == 0  # another batch size shares nothing
 
 
-def test_training_mode_and_observers_are_restored():
+def test_training_mode_and_hooks_are_restored():
     model = MODELS["gpt2"]
     model.train()
     try:
         kept = retrace(model, ids(8, 11))
         retrace(model, ids(10, 12), kept)
         assert model.training
-        assert all(b.att.observer is None for b in model.trf_blocks)
+        assert all(b.hook is None and b.att.hook is None for b in model.trf_blocks)
     finally:
         model.eval()
 

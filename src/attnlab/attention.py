@@ -21,8 +21,6 @@ the right argument order, not the same model:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +43,6 @@ from attnlab.checks import (
 )
 from attnlab.functional import (
     attend,
-    causal_mask,
     check_window,
     combine_masks,
     positions_mask,
@@ -56,7 +53,6 @@ from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_s
 from attnlab.quantized import is_quantized
 
 __all__ = [
-    "AttentionRecord",
     "CausalAttention",
     "KVCache",
     "Linear",
@@ -66,8 +62,6 @@ __all__ = [
     "SelfAttention_v1",
     "SelfAttention_v2",
     "SlotCache",
-    "wants_cache_copies",
-    "wants_last_query",
 ]
 
 
@@ -527,55 +521,6 @@ class SlotCache:
         return self.keys, self.values, self.slots, False
 
 
-@dataclass
-class AttentionRecord:
-    """What one call of :meth:`MultiHeadAttention.attend` computed, for an observer to look at.
-
-    Attributes:
-        q: ``(b, H, n, hd)`` queries; k, v: ``(b, Hkv, S, hd)`` keys and values (cached ones included),
-            q and k as the scores see them: after QK-norm and the RoPE rotation.
-        mask: the mask applied besides causality (bool or float, broadcastable to ``(b, H, n, S)``), or None:
-            padding, a sliding window and its sinks (bool), ALiBi's bias (float, ``-inf`` where masked).
-        is_causal: whether the causal mask (aligned bottom-right) applied.
-        scale: the multiplier of ``q k^T``.
-        weights: ``(b, H, n, S)`` the attention weights actually applied to ``v`` (for an observer of
-            the last query only, :func:`wants_last_query`: ``(b, H, 1, S)``, that query's).
-        head_outputs: ``(b, H, n, hd)`` ``weights @ v`` per head, before the output projection.
-        q_positions: ``(1 or b, n)`` positions of the queries, for modules with positions (RoPE, ALiBi,
-            a window), else None; k_positions: ``(1 or b, S)`` of the keys (a rolling cache holds them
-            out of order; -1 = empty slot or padding).
-        softcap: soft-capping of the scaled scores, ``cap * tanh(scores / cap)`` before any mask
-            (Gemma 2), or None.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    mask: Tensor | None
-    is_causal: bool
-    scale: float
-    weights: Tensor
-    head_outputs: Tensor
-    q_positions: Tensor | None = None
-    k_positions: Tensor | None = None
-    softcap: float | None = None
-
-
-def wants_last_query(observer: Callable) -> bool:
-    """Whether an attention ``observer`` reads the weights of each pass's last query only: then a pass of
-    several queries (a prompt's) runs its fused attention and works out that row apart, and the record's
-    ``weights`` are ``(b, H, 1, S)``. An observer asks with an attribute ``last_query = True``
-    (:func:`attnlab.interpret.observe_attention`'s ``last_query``)."""
-    return getattr(observer, "last_query", False) is True
-
-
-def wants_cache_copies(observer: Callable) -> bool:
-    """Whether an attention ``observer`` may keep its records: then a rolling cache's keys, values and key
-    positions reach it as copies, not views of slots the next step overwrites. An observer declines with an
-    attribute ``copy_cache = False`` (:func:`attnlab.interpret.observe_attention`'s ``copy_cache``)."""
-    return getattr(observer, "copy_cache", True) is not False
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
     :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU other than
@@ -762,9 +707,6 @@ class MultiHeadAttention(_DropsTutorialMask):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
         self.softcap = None if softcap is None else float(softcap)
         self._score_mod = None if softcap is None else softcap_score_mod(self.softcap)
-        # Called with an AttentionRecord after every attend() when set (attnlab's inspection tools
-        # set it for the length of a traced pass); the weights are then computed explicitly.
-        self.observer: Callable[[MultiHeadAttention, AttentionRecord], None] | None = None
         # Set by attnlab.interpret.hooks for the length of a hooked pass: hook(step, tensor) -> tensor,
         # and hook.attend, attend() with each step a hook point. None (the default) costs one test.
         self.hook: Any = None
@@ -896,13 +838,9 @@ class MultiHeadAttention(_DropsTutorialMask):
             k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
-        observed = self.observer is not None
-        # An observer of the last query alone (serve's generation stream): a prompt's pass attends fused and
-        # that row's weights come apart (SmolLM2, 1,500 tokens observed in full: 4.0 s against 1.6 unobserved).
-        last_row = observed and n > 1 and not return_weights and hook is None and wants_last_query(self.observer)
-        last_row = last_row and not (self.training and self.dropout.p > 0)  # (a row apart: other dropout)
-        full = return_weights or (observed and not last_row)
-        # With hooks set, the steps (rot_q, rot_k, attn_scores, pattern, z) are computed one by one.
+        # With hooks set, the steps (rot_q, rot_k, attn_scores, pattern, z) are computed one by one, and
+        # their hooks are told how this pass attends (the positions and the soft cap besides attend's own).
+        told = {} if hook is None else {"q_positions": q_pos, "k_positions": k_pos, "softcap": self.softcap}
         result = (attend if hook is None else hook.attend)(
             q,
             k,
@@ -915,26 +853,13 @@ class MultiHeadAttention(_DropsTutorialMask):
             window=window,
             sinks=sinks,
             score_mod=self._score_mod,  # soft-capping (None: the fused kernels)
-            return_weights=full,
+            return_weights=return_weights,
             # A soft cap is not a bias a fused kernel can add: the explicit path, as transformers' eager
             # Gemma 2 (flex_attention could fuse it on CUDA; untested here at Gemma's head width of 256).
             backend="reference" if self._score_mod is not None else "auto",
+            **told,
         )
-        heads, weights = result if full else (result, None)  # (b, H, n, hd), (b, H, n, S)
-        if last_row:  # the last query's row: its mask's row, causality aligned bottom-right as for the pass
-            row_mask = mask if mask is None or mask.dim() < 2 or mask.shape[-2] == 1 else mask[..., -1:, :]
-            _, weights = attend(
-                q[:, :, -1:], k, v, attn_mask=row_mask, is_causal=is_causal, scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads, window=window, sinks=sinks,
-                score_mod=self._score_mod, return_weights=True, backend="reference",
-            )  # fmt: skip  # (b, H, 1, S)
-        if observed:
-            if window is not None:  # the record's mask holds everything besides plain causality
-                mask = combine_masks(mask, causal_mask(n, k.shape[2], window=window, sinks=sinks, device=x.device))
-            if kv_cache is not None and kv_cache.rolling and wants_cache_copies(self.observer):
-                k, v, k_pos = k.clone(), v.clone(), k_pos.clone()  # views of slots the next steps overwrite
-            record = AttentionRecord(q, k, v, mask, is_causal, self.scale, weights, heads, q_pos, k_pos, self.softcap)
-            self.observer(self, record)
+        heads, weights = result if return_weights else (result, None)  # (b, H, n, hd), (b, H, n, S)
         out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.inner_dim))  # (b, n, d_out)
         return (out, weights) if return_weights else out
 

@@ -16,8 +16,8 @@ or a new module is decoded fast as soon as the model's forward computes it.
 Eager is the reference. The fast step computes what ``model.decode_logits`` computes on the same caches
 (attention over more slots, all but the filled ones masked, so equal up to the order of sums), and
 generation uses it only where that holds (:func:`supported` once per generation,
-:meth:`FastDecoder.fits` each step): not while a hook or an attention observer is set (they see the
-eager forward's records), not with padding masks, LoRA parametrizations or in training mode, and not
+:meth:`FastDecoder.fits` each step): not while a hook is set (hooks read or replace the eager
+forward's activations), not with padding masks, LoRA parametrizations or in training mode, and not
 past a rolling cache's last slot (where the ring starts to wrap, the eager forward keeps decoding).
 """
 
@@ -59,20 +59,20 @@ def _hook_dicts(modules: Any) -> list[dict]:
 
 def _unhooked(hook_dicts: list[dict], atts: list[nn.Module], blocks: list[nn.Module]) -> bool:
     """No forward (pre-)hook, global or in ``hook_dicts``, no attnlab hook (:mod:`attnlab.interpret.hooks`)
-    on the blocks or attention layers, and no attention observer: each of them wants the eager forward's
-    values and records (a compiled step would break its graph at every call of theirs)."""
+    on the blocks or attention layers: each of them wants the eager forward's values (a compiled step
+    would break its graph at every call of theirs)."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
     if any(hook_dicts):
         return False
-    return all(m.hook is None for m in blocks) and all(a.hook is None and a.observer is None for a in atts)
+    return all(m.hook is None for m in blocks) and all(a.hook is None for a in atts)
 
 
 def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | None) -> bool:
     """Whether :class:`FastDecoder` may run ``model``'s decoding steps over these caches: an
     :class:`attnlab.GPT` in eval mode outside autocast, unmodified by parametrizations (LoRA), with one
-    cache per layer and no padding mask. Checked once per generation; hooks and observers, which may
-    come and go, are checked each step (:meth:`FastDecoder.fits`)."""
+    cache per layer and no padding mask. Checked once per generation; hooks, which may come and go,
+    are checked each step (:meth:`FastDecoder.fits`)."""
     if caches is None or key_mask is not None or model.training or not hasattr(model, "trf_blocks"):
         return False
     if len(caches) != len(model.trf_blocks) or autocast_on(model.device):
@@ -161,7 +161,7 @@ class FastDecoder:
         self.atts = [block.att for block in self.blocks]
 
     def fits(self) -> bool:
-        """Whether the next step may run fast: no hook or observer set, and a free slot in every cache
+        """Whether the next step may run fast: no hook set, and a free slot in every cache
         (past it a rolling cache wraps, and only the eager forward's ring logic places the token)."""
         return self.caches[0].seen < self.plan.slots and _unhooked(self.hook_dicts, self.atts, self.blocks)
 

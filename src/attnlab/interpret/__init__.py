@@ -53,7 +53,16 @@ from attnlab.interpret.circuits import (
     faithfulness,
     faithfulness_curve,
 )
-from attnlab.interpret.hooks import ActivationCache, HookPoint, act_name, hook_names, hooks, run_with_cache
+from attnlab.interpret.hooks import (
+    ActivationCache,
+    AttentionCall,
+    HookPoint,
+    act_name,
+    attention_hooks,
+    hook_names,
+    hooks,
+    run_with_cache,
+)
 from attnlab.interpret.inspector import inspector_data, maps_data, records_data, token_label, token_strings
 from attnlab.interpret.page import notebook_html, read_asset, read_page_data, render_page, save_page
 from attnlab.interpret.patch_view import notebook_patching_html, patching_data, patching_page, patching_section
@@ -71,9 +80,9 @@ from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
 from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, splice
 from attnlab.interpret.tracing import (
     STEP_NAMES,
+    AttentionRecord,
     Trace,
     attention_layers,
-    observe_attention,
     observe_attention_rows,
     record_module,
     trace,
@@ -87,6 +96,8 @@ __all__ = [
     "STEP_NAMES",
     "AblationEffect",
     "ActivationCache",
+    "AttentionCall",
+    "AttentionRecord",
     "Circuit",
     "EdgeGraph",
     "EdgeScores",
@@ -106,6 +117,7 @@ __all__ = [
     "act_name",
     "activation_patching",
     "all_head_scores",
+    "attention_hooks",
     "attention_layers",
     "attribution_patching",
     "circuit_metrics",
@@ -125,7 +137,6 @@ __all__ = [
     "normalized_logit_diff",
     "notebook_html",
     "notebook_patching_html",
-    "observe_attention",
     "observe_attention_rows",
     "parse_heads",
     "patching_data",

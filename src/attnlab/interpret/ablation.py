@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.tracing import attention_layers
+from attnlab.interpret.hooks import attention_layers
 
 __all__ = ["AblationEffect", "ablate", "ablation_effect", "parse_heads"]
 

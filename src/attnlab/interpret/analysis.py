@@ -15,7 +15,8 @@ from attnlab import hardware
 from attnlab.checks import position_window, positive_int
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import codec
-from attnlab.interpret.tracing import Trace, attention_layers
+from attnlab.interpret.hooks import attention_layers
+from attnlab.interpret.tracing import Trace
 from attnlab.interpret.tracing import trace as run_trace
 
 __all__ = [

@@ -16,9 +16,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import OffsetRMSNorm
-from attnlab.interpret.hooks import act_name, run_with_cache
+from attnlab.interpret.hooks import act_name, attention_layers, run_with_cache
 from attnlab.interpret.patching import check_token
-from attnlab.interpret.tracing import attention_layers
 
 __all__ = ["LogitAttribution", "direct_logit_attribution"]
 

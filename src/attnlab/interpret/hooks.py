@@ -43,10 +43,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.attention import MultiHeadAttention
 from attnlab.functional import attend, attention_scores
-from attnlab.interpret.tracing import attention_layers
 
-__all__ = ["ActivationCache", "HookPoint", "act_name", "hook_names", "hooks", "run_with_cache"]
+__all__ = [
+    "ActivationCache",
+    "AttentionCall",
+    "HookPoint",
+    "act_name",
+    "attention_hooks",
+    "attention_layers",
+    "hook_names",
+    "hooks",
+    "run_with_cache",
+]
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")
@@ -54,10 +64,38 @@ _NAME = re.compile(r"blocks\.(\d+)\.(attn\.)?hook_(\w+)$")
 
 
 @dataclass(frozen=True)
+class AttentionCall:
+    """How one pass of one attention layer attends: what the hooks of its ``rot_q``, ``rot_k``,
+    ``attn_scores``, ``pattern`` and ``z`` are told as ``hook.call`` (the tensors alone do not say it).
+
+    Attributes:
+        mask: the mask applied besides causality and the window, bool (True = may attend) or an
+            additive float bias (ALiBi's, ``-inf`` where masked), broadcastable to ``(B, H, T, S)``; or None.
+        is_causal: whether the causal mask (aligned bottom-right) applied; scale: the multiplier of ``q k^T``.
+        window, sinks: a sliding window of ``window`` keys and ``sinks`` first keys always seen, or None, 0.
+        softcap: ``cap`` of ``cap * tanh(scores / cap)`` on the scaled scores before any mask (Gemma 2), or None.
+        q_positions: ``(1 or B, T)`` the queries' positions, k_positions: ``(1 or B, S)`` the keys' (a
+            rolling cache holds them out of order; -1: an empty slot or padding), for a layer with
+            positions (RoPE, ALiBi, a window); else None. They may be views of a cache: copy to keep.
+    """
+
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    window: int | None = None
+    sinks: int = 0
+    softcap: float | None = None
+    q_positions: Tensor | None = None
+    k_positions: Tensor | None = None
+
+
+@dataclass(frozen=True)
 class HookPoint:
-    """What a hook function is told about where it runs (TransformerLens's ``hook`` argument)."""
+    """What a hook function is told about where it runs (TransformerLens's ``hook`` argument): its
+    ``name``, and at the attention steps after the projections how the pass attends (``call``)."""
 
     name: str
+    call: AttentionCall | None = None
 
     def layer(self) -> int | None:
         m = _NAME.match(self.name)
@@ -81,12 +119,38 @@ def act_name(step: str, layer: int | None = None) -> str:
     raise ValueError(f"unknown step {step!r}; steps are {', '.join(BLOCK_STEPS + ATTN_STEPS)}, embed, normalized")
 
 
+def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
+    """The attention module of each block of a GPT-style model, in order.
+
+    The model must have ``trf_blocks`` whose ``att`` is a :class:`~attnlab.attention.MultiHeadAttention`,
+    a ``final_norm`` and an ``out_head`` (what :class:`attnlab.GPT` has)."""
+    blocks = getattr(model, "trf_blocks", None)
+    if not isinstance(model, nn.Module) or blocks is None:
+        raise TypeError(
+            "model must be an attnlab GPT (a module with trf_blocks, final_norm and out_head), "
+            f"got {type(model).__name__}"
+        )
+    layers = [getattr(b, "att", None) for b in blocks]
+    if not layers or not all(isinstance(a, MultiHeadAttention) for a in layers):
+        raise TypeError("model's trf_blocks must each hold an attnlab MultiHeadAttention as .att")
+    for name in ("final_norm", "out_head"):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise TypeError(f"model must have a {name} module, as attnlab's GPT does")
+    return layers
+
+
+def _rotates(att: MultiHeadAttention) -> bool:
+    """Whether a layer's queries and keys change between their projection and the scores (RoPE, or a
+    per-head QK-norm after the projections' hooks): then ``rot_q`` and ``rot_k`` are hook points."""
+    return att.rope or att.qk_norm is True
+
+
 def hook_names(model: nn.Module) -> list[str]:
     """Every hook name of ``model``, in the order a forward pass reaches them."""
     layers = attention_layers(model)
     names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
     for i, att in enumerate(layers):
-        steps = [s for s in ATTN_STEPS if att.rope or not s.startswith("rot_")]
+        steps = [s for s in ATTN_STEPS if _rotates(att) or not s.startswith("rot_")]
         names.append(f"blocks.{i}.hook_resid_pre")
         names += [f"blocks.{i}.attn.hook_{s}" for s in steps]
         names += [f"blocks.{i}.hook_{s}" for s in BLOCK_STEPS[1:]]
@@ -100,13 +164,13 @@ class _Sites:
     def __init__(self, prefix: str, fns: dict[str, list[Callable]]) -> None:
         self.prefix, self.fns = prefix, fns
 
-    def __call__(self, step: str, x: Tensor) -> Tensor:
+    def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
         fns = self.fns.get(step)
-        return x if fns is None else _apply(fns, x, HookPoint(f"{self.prefix}hook_{step}"))
+        return x if fns is None else _apply(fns, x, HookPoint(f"{self.prefix}hook_{step}", call))
 
-    def _heads(self, step: str, x: Tensor) -> Tensor:
+    def _heads(self, step: str, x: Tensor, call: AttentionCall) -> Tensor:
         """A ``(b, H, n, hd)`` tensor through the hook of ``step``, which sees ``(b, n, H, hd)``."""
-        return x if step not in self.fns else self(step, x.transpose(1, 2)).transpose(1, 2)
+        return x if step not in self.fns else self(step, x.transpose(1, 2), call).transpose(1, 2)
 
     def attend(
         self,
@@ -125,8 +189,12 @@ class _Sites:
         mask_mod: Any = None,
         return_weights: bool = False,
         backend: str = "auto",
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+        softcap: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """:func:`attnlab.functional.attend` step by step: ``q (b, H, n, hd)``, ``k, v (b, Hkv, S, hd)``."""
+        """:func:`attnlab.functional.attend` step by step: ``q (b, H, n, hd)``, ``k, v (b, Hkv, S, hd)``;
+        the positions and the soft cap are told to the hooks (:class:`AttentionCall`)."""
         if not any(s in self.fns for s in ATTN_STEPS[3:]):  # only q, k or v hooked: the fused kernel
             return attend(
                 q,
@@ -144,7 +212,9 @@ class _Sites:
                 return_weights=return_weights,
                 backend=backend,
             )
-        q, k = self._heads("rot_q", q), self._heads("rot_k", k)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        call = AttentionCall(attn_mask, is_causal, scale, window, sinks, softcap, q_positions, k_positions)
+        q, k = self._heads("rot_q", q, call), self._heads("rot_k", k, call)
         scores = attention_scores(
             q,
             k,
@@ -157,13 +227,13 @@ class _Sites:
             score_mod=score_mod,
             mask_mod=mask_mod,
         )  # (b, H, n, S), soft-capped where the model caps, -inf where masked
-        scores = self("attn_scores", scores)
+        scores = self("attn_scores", scores, call)
         pattern = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (padding): zero weights
-        pattern = self("pattern", pattern)  # (b, H, n, S)
+        pattern = self("pattern", pattern, call)  # (b, H, n, S)
         dropped = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
         if enable_gqa:
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (b, H, S, hd)
-        z = self._heads("z", dropped @ v)  # (b, H, n, hd)
+        z = self._heads("z", dropped @ v, call)  # (b, H, n, hd)
         return (z, pattern) if return_weights else z
 
 
@@ -212,12 +282,6 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     previous = [(b.hook, a.hook) for b, a in zip(model.trf_blocks, layers, strict=True)]
     handles = []
 
-    def merged(before: _Sites | None, prefix: str, steps: dict[str, list[Callable]]) -> _Sites | None:
-        if before is None and not steps:
-            return None
-        old = {} if before is None else before.fns
-        return _Sites(prefix, {s: old.get(s, []) + steps.get(s, []) for s in {*old, *steps}})
-
     def module_hook(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             return _apply(checked[name], output, HookPoint(name))
@@ -229,8 +293,8 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
             mine = {n: f for n, f in checked.items() if n.startswith(f"blocks.{i}.")}
             block_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." not in n}
             attn_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." in n}
-            block.hook = merged(block.hook, f"blocks.{i}.", block_steps)
-            att.hook = merged(att.hook, f"blocks.{i}.attn.", attn_steps)
+            block.hook = _merged(block.hook, f"blocks.{i}.", block_steps)
+            att.hook = _merged(att.hook, f"blocks.{i}.attn.", attn_steps)
         for name, module in (
             ("hook_embed", "tok_emb"),
             ("hook_pos_embed", "pos_emb"),
@@ -244,6 +308,36 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
             h.remove()
         for (block, att), (b_hook, a_hook) in zip(zip(model.trf_blocks, layers, strict=True), previous, strict=True):
             block.hook, att.hook = b_hook, a_hook
+
+
+def _merged(before: _Sites | None, prefix: str, steps: dict[str, list[Callable]]) -> _Sites | None:
+    """The sites of a module: the functions set before, then ``steps``'s (None: nothing to call)."""
+    if before is None and not steps:
+        return None
+    old = {} if before is None else before.fns
+    return _Sites(prefix, {s: old.get(s, []) + steps.get(s, []) for s in {*old, *steps}})
+
+
+@contextlib.contextmanager
+def attention_hooks(modules: Sequence[MultiHeadAttention], fns: Mapping[str, Callable]) -> Iterator[None]:
+    """Inside the block, ``fns[step](activation, hook)`` runs at the attention steps of each of
+    ``modules`` (``"q"``, ``"k"``, ``"v"``, ``"rot_q"``, ``"rot_k"``, ``"attn_scores"``, ``"pattern"``,
+    ``"z"``; hook names ``hook_{step}``): the hook points of attention modules that are not a GPT's
+    layers, such as a tutorial's :class:`~attnlab.MultiHeadAttention` on its own. ``rot_q`` and ``rot_k``
+    are the queries and keys as the scores see them, in every module. Functions set before run first;
+    on exit the modules are as they were."""
+    unknown = sorted(set(fns) - set(ATTN_STEPS))
+    if unknown:
+        raise ValueError(f"unknown attention steps {unknown}; steps are {', '.join(ATTN_STEPS)}")
+    steps = {step: [fn] for step, fn in fns.items()}
+    previous = [m.hook for m in modules]
+    try:
+        for m in modules:
+            m.hook = _merged(m.hook, "", steps)
+        yield
+    finally:
+        for m, before in zip(modules, previous, strict=True):
+            m.hook = before
 
 
 class ActivationCache(dict):

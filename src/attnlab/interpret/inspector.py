@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.attention import AttentionRecord
 from attnlab.checks import position_window
 from attnlab.functional import attention_scores, softcap_score_mod
 from attnlab.interpret.ablation import parse_heads
@@ -27,7 +26,7 @@ from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, log
 from attnlab.interpret.analysis import rollout as attention_rollout
 from attnlab.interpret.codec import pack
 from attnlab.interpret.playback import GenerationStep, GenerationTrace
-from attnlab.interpret.tracing import STEP_NAMES, Trace
+from attnlab.interpret.tracing import STEP_NAMES, AttentionRecord, Trace
 
 __all__ = [
     "SECTIONS",
@@ -254,7 +253,7 @@ def records_data(
 ) -> dict[str, Any]:
     """A page of attention modules that are not a language model (the tutorials' six-word example):
     each row's weights and the tutorials' steps of its heads, from batch row 0 of each
-    :class:`~attnlab.attention.AttentionRecord` (see :func:`attnlab.interpret.record_module`).
+    :class:`~attnlab.interpret.AttentionRecord` (see :func:`attnlab.interpret.record_module`).
     A row may name the heads to show as a third element (default: all)."""
     data = _base(title, text, note, tokens)
     maps, steps = [], []

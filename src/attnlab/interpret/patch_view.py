@@ -34,11 +34,10 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.interpret.codec import pack, to_json
-from attnlab.interpret.hooks import act_name, run_with_cache
+from attnlab.interpret.hooks import act_name, attention_layers, run_with_cache
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script, read_asset
 from attnlab.interpret.patching import SITES, activation_patching, logit_diff
-from attnlab.interpret.tracing import attention_layers
 
 __all__ = [
     "PATTERNS_BUDGET",

@@ -28,8 +28,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import HookPoint, act_name, hooks, run_with_cache
-from attnlab.interpret.tracing import attention_layers
+from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, hooks, run_with_cache
 
 __all__ = [
     "SITES",

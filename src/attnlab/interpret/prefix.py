@@ -23,8 +23,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.attention import AttentionRecord, KVCache
-from attnlab.interpret.tracing import Trace, attention_layers, observe_attention, stop_before_head
+from attnlab.attention import KVCache
+from attnlab.interpret.hooks import HookPoint, attention_layers, hooks
+from attnlab.interpret.tracing import Trace, full_mask, stop_before_head
 
 __all__ = ["KeptTrace", "retrace", "shared_prefix"]
 
@@ -69,7 +70,7 @@ def retrace(model: nn.Module, idx: Tensor, kept: KeptTrace | None = None, *, tok
         tokenizer: kept with the trace (labels in Jupyter), as :func:`~attnlab.interpret.trace`.
     Returns:
         A :class:`KeptTrace` of ``idx`` (``reused = P``); ``kept`` is left as it was. The model's
-        training mode and observers are as they were afterwards, even after an error.
+        training mode and hooks are as they were afterwards, even after an error.
     """
     layers = attention_layers(model)
     if kept is not None and not isinstance(kept, KeptTrace):
@@ -89,25 +90,27 @@ def retrace(model: nn.Module, idx: Tensor, kept: KeptTrace | None = None, *, tok
     caches = [a.new_kv_cache(B, T) for a in layers]  # plain caches: slot j holds token j
     for cache, before in zip(caches, kept.caches if P else (), strict=False):
         cache.update(before.keys[:, :, :P], before.values[:, :, :P], before.positions[:, :P])
-    weights: list[Tensor] = []  # one (L, B, H, T, T) float32 tensor, filled as the layers report
+    weights: list[Tensor] = []  # one (L, B, H, T, T) float32 tensor, filled as the layers reach hook_pattern
     records: list[tuple | None] = [None] * L  # per layer: (mask, is_causal, scale, softcap)
 
-    def on_record(i: int, record: AttentionRecord) -> None:
+    def on_pattern(pattern: Tensor, hook: HookPoint) -> None:
+        i, call = hook.layer(), hook.call
         if records[i] is not None:
             raise RuntimeError(f"layer {i} attended twice in one forward pass; retrace expects one call per layer")
-        w = record.weights.detach()  # (B, H, T - P, T): the new queries' rows over every key
+        w = pattern.detach()  # (B, H, T - P, T): the new queries' rows over every key
         if not weights:
             weights.append(torch.empty((L, B, w.shape[1], T, T), dtype=torch.float32, device=w.device))
             if P:
                 weights[0][..., :P, :P] = old.weights[..., :P, :P]  # the shared rows, unchanged
                 weights[0][..., :P, P:] = 0.0  # causal: no earlier query sees a new key
         weights[0][i, :, :, P:].copy_(w)
-        records[i] = (record.mask, bool(record.is_causal), float(record.scale), record.softcap)
+        records[i] = (full_mask(call, T - P, T, w.device), bool(call.is_causal), float(call.scale), call.softcap)
 
     was_training = model.training
+    fns = {f"blocks.{i}.attn.hook_pattern": on_pattern for i in range(L)}
     try:
         model.eval()
-        with torch.no_grad(), observe_attention(model, on_record), stop_before_head(model):  # no logits needed
+        with torch.no_grad(), hooks(model, fns), stop_before_head(model):  # no logits needed
             model(idx[:, P:], kv_caches=caches)
     finally:
         model.train(was_training)

@@ -1,19 +1,16 @@
 """One forward pass, recorded: what every attention layer of a GPT computed.
 
-:func:`trace` sets each layer's :attr:`~attnlab.attention.MultiHeadAttention.observer`: every
-``attend()`` call reports an :class:`~attnlab.attention.AttentionRecord`, whose ``weights`` come
-from the library's own ``return_weights`` path. Nothing here computes a softmax: the weights are the
-ones the model applied to its values. The tutorials' intermediate steps (``q @ k.T``, scaled,
-masked) are recomposed from the record's own fields (``q``, ``k``, ``mask``, ``is_causal``,
-``scale``), so they describe exactly what was computed, whatever positions or biases produced them.
-
-The residual stream comes from forward pre-hooks on the blocks and on the final norm.
+:func:`trace` runs the model with functions on its hook points (:mod:`attnlab.interpret.hooks`, the
+one way attnlab reads activations): each layer's ``hook_pattern`` gives the weights the model applied
+to its values, and how it attended (``hook.call``: the mask, causality, scale, soft cap). Nothing
+here computes a softmax. The tutorials' intermediate steps (``q @ k.T``, scaled, masked) are
+recomposed from the recorded queries and keys with that mask, so they describe exactly what was
+computed, whatever positions or biases produced them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,23 +19,21 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import (
-    AttentionRecord,
     CausalAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention_v1,
     SelfAttention_v2,
-    wants_cache_copies,
-    wants_last_query,
 )
-from attnlab.checks import check_bool, check_float_tensor
-from attnlab.functional import attention_scores, simple_self_attention, softcap_score_mod
+from attnlab.checks import check_float_tensor
+from attnlab.functional import attention_scores, causal_mask, combine_masks, simple_self_attention, softcap_score_mod
+from attnlab.interpret.hooks import AttentionCall, HookPoint, attention_hooks, attention_layers, hook_names, hooks
 
 __all__ = [
     "STEP_NAMES",
+    "AttentionRecord",
     "Trace",
     "attention_layers",
-    "observe_attention",
     "observe_attention_rows",
     "record_module",
     "stop_before_head",
@@ -57,76 +52,12 @@ STEP_NAMES = {
 }
 
 
-STAGES = ("q", "k", "v", "head_outputs")  # the fields of a record trace(stages=True) keeps for every layer
-
-
-def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
-    """The attention module of each block of a GPT-style model, in order.
-
-    The model must have ``trf_blocks`` whose ``att`` is a :class:`~attnlab.attention.MultiHeadAttention`,
-    a ``final_norm`` and an ``out_head`` (what :class:`attnlab.GPT` has)."""
-    blocks = getattr(model, "trf_blocks", None)
-    if not isinstance(model, nn.Module) or blocks is None:
-        raise TypeError(
-            "model must be an attnlab GPT (a module with trf_blocks, final_norm and out_head), "
-            f"got {type(model).__name__}"
-        )
-    layers = [getattr(b, "att", None) for b in blocks]
-    if not layers or not all(isinstance(a, MultiHeadAttention) for a in layers):
-        raise TypeError("model's trf_blocks must each hold an attnlab MultiHeadAttention as .att")
-    for name in ("final_norm", "out_head"):
-        if not isinstance(getattr(model, name, None), nn.Module):
-            raise TypeError(f"model must have a {name} module, as attnlab's GPT does")
-    return layers
-
-
-@contextlib.contextmanager
-def observe_attention(
-    model: nn.Module,
-    callback: Callable[[int, AttentionRecord], None],
-    *,
-    copy_cache: bool = True,
-    last_query: bool = False,
-) -> Iterator[list[MultiHeadAttention]]:
-    """Call ``callback(layer, record)`` for every ``attend()`` of every layer inside the block.
-
-    An observer already set on a layer is kept: it is called too, and restored on exit.
-
-    A layer with a rolling KV cache (RoPE models decoding) writes each new key over an old slot, so its
-    records hold copies of the cache's keys, values and key positions, safe to keep. ``copy_cache=False``
-    is for a callback that reads those at once or not at all: the record then holds views of the cache,
-    valid until the cache is written again (the next token's step). The copies grow with the context,
-    and after a long prompt they are a noticeable part of each token's time (``attnlab serve``'s
-    generation stream reads the weights at once and needs none). Where an observer set before asks
-    for copies (any observer without ``copy_cache = False``), they are made.
-
-    ``last_query=True``: the records' ``weights`` are those of each pass's last query only, ``(b, H, 1,
-    S)``, for a callback that reads no other row: a prompt's pass then attends by the fused kernels and
-    works that row out apart, instead of every layer's whole ``(n, S)`` matrix (much faster for a long
-    prompt). Only where every observer of the layer asks for it."""
-    copy_cache, last_query = check_bool("copy_cache", copy_cache), check_bool("last_query", last_query)
-    layers = attention_layers(model)
-    previous = [a.observer for a in layers]
-
-    def make(i: int, before: Callable | None) -> Callable[[MultiHeadAttention, AttentionRecord], None]:
-        def observe(module: MultiHeadAttention, record: AttentionRecord) -> None:
-            callback(i, record)
-            if before is not None:
-                before(module, record)
-
-        observe.copy_cache = copy_cache or (before is not None and wants_cache_copies(before))  # type: ignore[attr-defined]
-        observe.last_query = last_query and (before is None or wants_last_query(before))  # type: ignore[attr-defined]
-        return observe
-
-    # (`observer` is a plain attribute, never a parameter, buffer or submodule: set past nn.Module's
-    # __setattr__, whose checks would run for every layer twice a token in serve's stream)
-    try:
-        for i, (att, before) in enumerate(zip(layers, previous, strict=True)):
-            object.__setattr__(att, "observer", make(i, before))
-        yield layers
-    finally:
-        for att, before in zip(layers, previous, strict=True):
-            object.__setattr__(att, "observer", before)
+def full_mask(call: AttentionCall, n: int, S: int, device: torch.device) -> Tensor | None:
+    """The mask of ``call`` besides plain causality: its own, with its sliding window's (if any) folded in,
+    broadcastable to ``(B, H, n, S)``."""
+    if call.window is None:
+        return call.mask
+    return combine_masks(call.mask, causal_mask(n, S, window=call.window, sinks=call.sinks, device=device))
 
 
 @contextlib.contextmanager
@@ -135,76 +66,62 @@ def observe_attention_rows(
 ) -> Iterator[list[MultiHeadAttention]]:
     """Call ``callback(weights, q_positions, k_positions)`` once per pass of ``model`` inside the block,
     after its last layer: ``weights (L, b, H, S)`` the attention weights of the pass's last query in
-    every layer (in the model's dtype), and the query's and keys' positions of layer 0's record (see
-    :class:`~attnlab.attention.AttentionRecord`; None without). What a generation's stream shows of
-    each token (``attnlab serve``), for less than :func:`observe_attention` with ``last_query=True``
-    (one call a token, not one per layer). The positions may be views of a cache, valid until the next
-    pass; ``weights`` is the callback's to keep.
+    every layer (in the model's dtype), and the query's and keys' positions of layer 0 (see
+    :class:`~attnlab.interpret.hooks.AttentionCall`; None without). What a generation's stream shows of
+    each token (``attnlab serve``, :func:`~attnlab.interpret.trace_generation`), read from each layer's
+    ``hook_pattern``. The positions may be views of a cache, valid until the next pass; ``weights`` is
+    the callback's to keep.
 
     Layers that attend over different keys (a model with windows of several sizes, such as Gemma 3's,
     once the text is longer than a window) have their rows laid on the keys of the layer with the most,
     by position: a key that layer holds and another does not (outside its window) gets weight 0 there,
-    and the positions handed are that layer's. Without positions that is a ``ValueError``.
-
-    Observers already set are kept and called too (with records of every query, if they ask for them);
-    then each layer builds its record and the rows are stacked from them."""
+    and the positions handed are that layer's. Without positions that is a ``ValueError``."""
     layers = attention_layers(model)
     L = len(layers)
     rows: list[Tensor] = []
-    records: list[AttentionRecord] = []
+    calls: list[AttentionCall] = []
     # Layers of several windows or sinks may hold their keys in other slots even where they hold as many
     # (a prompt's pass with sinks: the global layer's slots start with them): their positions decide.
     several = len({(att.window, att.sinks) for att in layers}) > 1
 
-    def keep(layer: int, record: AttentionRecord) -> None:
-        if layer == 0:  # a new pass
+    def keep(pattern: Tensor, hook: HookPoint) -> None:
+        if hook.layer() == 0:  # a new pass
             rows.clear()
-            records.clear()
-        rows.append(record.weights[:, :, -1])  # (b, H, S): the pass's last query
-        records.append(record)
-        if layer == L - 1:
-            if len(rows) != L:
-                raise ValueError(
-                    f"observe_attention_rows needs every layer to attend once a pass, got {len(rows)} of {L}"
-                )
-            first = records[0].k_positions
-            if len({r.shape[-1] for r in rows}) == 1 and (
-                not several or first is None or all(torch.equal(r.k_positions, first) for r in records[1:])
-            ):
-                callback(torch.stack(rows), records[0].q_positions, first)  # (L, b, H, S)
-                return
-            # The layer that holds the most keys (a global one: every other layer's are among them)
-            wide = max(records, key=lambda r: (r.weights.shape[-1], _held(r.k_positions)))
-            callback(_rows_on_keys(rows, records, wide.k_positions), wide.q_positions, wide.k_positions)
+            calls.clear()
+        rows.append(pattern[:, :, -1].detach())  # (b, H, S): the pass's last query
+        calls.append(hook.call)
+        if hook.layer() < L - 1:
+            return
+        if len(rows) != L:
+            raise ValueError(f"observe_attention_rows needs every layer to attend once a pass, got {len(rows)} of {L}")
+        first = calls[0].k_positions
+        if len({r.shape[-1] for r in rows}) == 1 and (
+            not several or first is None or all(torch.equal(c.k_positions, first) for c in calls[1:])
+        ):
+            callback(torch.stack(rows), calls[0].q_positions, first)  # (L, b, H, S)
+            return
+        # The layer that holds the most keys (a global one: every other layer's are among them)
+        wide = max(range(L), key=lambda i: (rows[i].shape[-1], _held(calls[i].k_positions)))
+        keys = calls[wide].k_positions
+        callback(_rows_on_keys(rows, calls, keys), calls[wide].q_positions, keys)
 
-    if any(att.observer is not None for att in layers):  # they get their records: the rows from those
-        with observe_attention(model, keep, copy_cache=False, last_query=True) as observed:
-            yield observed
-        return
-    # One small object a layer, set past nn.Module's __setattr__: serve's stream sets and removes one
-    # per layer at every token.
-    try:
-        for i, att in enumerate(layers):
-            object.__setattr__(att, "observer", _RowsObserver(i, keep))
+    with hooks(model, {f"blocks.{i}.attn.hook_pattern": keep for i in range(L)}):
         yield layers
-    finally:
-        for att in layers:
-            object.__setattr__(att, "observer", None)
 
 
 def _held(positions: Tensor | None) -> int:
-    """How many keys a record's positions ``(1 or b, S)`` name (-1: an empty slot or padding)."""
+    """How many keys a pass's positions ``(1 or b, S)`` name (-1: an empty slot or padding)."""
     return 0 if positions is None else int((positions >= 0).sum())
 
 
-def _rows_on_keys(rows: list[Tensor], records: list[AttentionRecord], keys: Tensor | None) -> Tensor:
+def _rows_on_keys(rows: list[Tensor], calls: list[AttentionCall], keys: Tensor | None) -> Tensor:
     """Each layer's row ``(b, H, S_i)`` laid on the keys at positions ``keys (1 or b, S)`` (-1: none), by its
-    record's key positions: ``(L, b, H, S)``, 0 where a layer holds no such key."""
-    if keys is None or any(r.k_positions is None for r in records):
+    call's key positions: ``(L, b, H, S)``, 0 where a layer holds no such key."""
+    if keys is None or any(c.k_positions is None for c in calls):
         sizes = [row.shape[-1] for row in rows]
         raise ValueError(
             f"observe_attention_rows: this pass's layers attended over {sizes} keys (windows of several "
-            "sizes) and record no key positions to lay them on one another: use observe_attention"
+            "sizes) and tell no key positions to lay them on one another: use hooks on hook_pattern"
         )
     b, H, S = rows[0].shape[0], rows[0].shape[1], keys.shape[-1]
     keys = keys.expand(b, S)
@@ -215,26 +132,11 @@ def _rows_on_keys(rows: list[Tensor], records: list[AttentionRecord], keys: Tens
     column_of.scatter_(1, torch.where(keys >= 0, keys, top), torch.where(keys >= 0, at, S))
     column_of[:, top] = S
     out = rows[0].new_zeros(len(rows), b, H, S + 1)  # (L, b, H, S + 1)
-    for i, (row, record) in enumerate(zip(rows, records, strict=True)):
-        pos = record.k_positions.expand(b, row.shape[-1])  # (b, S_i)
+    for i, (row, call) in enumerate(zip(rows, calls, strict=True)):
+        pos = call.k_positions.expand(b, row.shape[-1])  # (b, S_i)
         cols = column_of.gather(1, torch.where((pos >= 0) & (pos < top), pos, top))  # (b, S_i)
         out[i].scatter_(-1, cols[:, None].expand(b, H, -1), row)
     return out[..., :S]
-
-
-class _RowsObserver:
-    """Layer ``layer``'s attention observer under :func:`observe_attention_rows`: its records go to
-    ``keep(layer, record)``."""
-
-    __slots__ = ("keep", "layer")
-    copy_cache = False  # (read at once: views of a rolling cache will do)
-    last_query = True
-
-    def __init__(self, layer: int, keep: Callable[[int, AttentionRecord], None]) -> None:
-        self.layer, self.keep = layer, keep
-
-    def __call__(self, module: MultiHeadAttention, record: AttentionRecord) -> None:
-        self.keep(self.layer, record)
 
 
 @dataclass
@@ -254,7 +156,9 @@ class Trace:
     With ``stages=True`` (else None):
         q: ``(L, B, H, T, hd)``; k, v: ``(L, B, Hkv, S, hd)`` (after any rotation the layer applies);
         head_outputs: ``(L, B, H, T, hd)`` = ``weights @ v`` per head;
-        attn_output: ``(L, B, T, d)`` the output projection of the concatenated heads;
+        attn_output: ``(L, B, T, d)`` the attention output added to the stream (``hook_attn_out``:
+            the output projection of the concatenated heads, then a post-attention norm where the
+            family has one);
         residual: ``(L + 1, B, T, d)`` the stream entering each block, then the stream after the
             last block (before the final norm).
     The scores of the tutorials' steps are computed on demand from ``q``, ``k`` and the masks:
@@ -390,10 +294,10 @@ def trace(
             no unembedding: a fifth of a small model's work, for a view that shows attention only) and
             leaves ``Trace.logits`` None.
     Returns:
-        A :class:`Trace`. The pass runs in eval mode without gradients; the model's training mode,
-        observers and hooks are as they were afterwards, even after an error.
+        A :class:`Trace`. The pass runs in eval mode without gradients; the model's training mode
+        and hooks are as they were afterwards, even after an error.
     """
-    layers = attention_layers(model)
+    attention_layers(model)  # (a TypeError for anything but a GPT-style model)
     if isinstance(idx, Tensor) and idx.dim() == 1:
         idx = idx.unsqueeze(0)  # (1, T)
     if hasattr(model, "check_idx"):
@@ -402,104 +306,95 @@ def trace(
         attention_mask = model.check_attention_mask(attention_mask, *idx.shape)
     if not isinstance(stages, bool):
         raise TypeError(f"stages must be a bool, got {stages!r}")
-    rec = _TraceRecorder(len(layers), stages)
-    out_logits = _traced_forward(model, layers, idx, attention_mask, rec, logits)
-    missing = [i for i, r in enumerate(rec.records) if r is None]
+    rec = _TraceRecorder(model, stages)
+    out_logits = _traced_forward(model, idx, attention_mask, rec, logits)
+    missing = [i for i, c in enumerate(rec.calls) if c is None]
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
 
-    records = rec.records
+    calls, T = rec.calls, idx.shape[1]
+    masks = [full_mask(c, T, T, idx.device) for c in calls]
     out = Trace(
         idx=idx,
-        weights=rec.weights,  # (L, B, H, T, S) float32
+        weights=rec.buffers["weights"],  # (L, B, H, T, S) float32
         logits=None if out_logits is None else out_logits.detach(),
-        scale=[float(r.scale) for r in records],
-        is_causal=[bool(r.is_causal) for r in records],
-        masks=[None if r.mask is None else r.mask.detach() for r in records],
+        scale=[float(c.scale) for c in calls],
+        is_causal=[bool(c.is_causal) for c in calls],
+        masks=[None if m is None else m.detach() for m in masks],
         attention_mask=attention_mask,
-        softcaps=[r.softcap for r in records],
+        softcaps=[c.softcap for c in calls],
         model=model,
         tokenizer=tokenizer,
     )
     if stages:
-        out.q, out.k, out.v, out.head_outputs = (rec.buffers[name] for name in STAGES)
-        out.attn_output = torch.stack(rec.attn_out)  # (L, B, T, d)
-        out.residual = torch.stack(rec.residual)  # (L + 1, B, T, d)
+        for name in ("q", "k", "v", "head_outputs", "attn_output", "residual"):
+            setattr(out, name, rec.buffers[name])  # (L, B, H, T, hd), ..., (L, B, T, d), (L + 1, B, T, d)
     return out
 
 
 class _TraceRecorder:
-    """What :func:`trace` keeps of one pass, layer by layer: each layer's record (its big tensors
-    dropped), the weights, and with ``stages`` the stages, the attention outputs and the residual stream.
+    """What :func:`trace` keeps of one pass, layer by layer, from the hook points: how each layer
+    attended, the weights, and with ``stages`` the queries, keys, values, head outputs, the attention
+    outputs and the residual stream.
 
-    The weights go straight into one ``(L, B, H, T, S)`` float32 tensor as each layer reports them:
-    stacking them at the end would hold every layer's weights twice (the trace's largest tensor).
+    Each of them goes straight into one ``(L, ...)`` tensor as each layer reaches its hook: stacking
+    them at the end would hold them twice (the weights are the trace's largest tensor).
     """
 
-    def __init__(self, n_layers: int, stages: bool):
-        self.n_layers, self.stages = n_layers, stages
-        self.records: list[AttentionRecord | None] = [None] * n_layers
-        self.weights: Tensor | None = None
+    def __init__(self, model: nn.Module, stages: bool):
+        self.n_layers, self.stages = len(model.trf_blocks), stages
+        self.calls: list[AttentionCall | None] = [None] * self.n_layers
         self.buffers: dict[str, Tensor] = {}
-        self.residual: list[Tensor | None] = [None] * (n_layers + 1)
-        self.attn_out: list[Tensor | None] = [None] * n_layers
+        names, L = set(hook_names(model)), self.n_layers
+        self.fns: dict[str, Callable] = {}
+        for i in range(L):
+            self.fns[f"blocks.{i}.attn.hook_pattern"] = self._pattern
+        if not stages:
+            return
+        for i in range(L):
+            for step, key in (("q", "q"), ("k", "k")):  # as the scores see them: after RoPE or QK-norm
+                rot = f"blocks.{i}.attn.hook_rot_{step}"
+                self.fns[rot if rot in names else f"blocks.{i}.attn.hook_{step}"] = self._keeper(key, heads=True)
+            self.fns[f"blocks.{i}.attn.hook_v"] = self._keeper("v", heads=True)
+            self.fns[f"blocks.{i}.attn.hook_z"] = self._keeper("head_outputs", heads=True)
+            self.fns[f"blocks.{i}.hook_attn_out"] = self._keeper("attn_output")
+            self.fns[f"blocks.{i}.hook_resid_pre"] = self._keeper("residual")
+        self.fns[f"blocks.{L - 1}.hook_resid_post"] = self._keeper("residual", at=L)
 
-    def on_record(self, i: int, record: AttentionRecord) -> None:
-        if self.records[i] is not None:
+    def _put(self, name: str, i: int, x: Tensor, rows: int) -> None:
+        if name not in self.buffers:
+            dtype = torch.float32 if name == "weights" else x.dtype
+            self.buffers[name] = torch.empty((rows, *x.shape), dtype=dtype, device=x.device)
+        self.buffers[name][i].copy_(x.detach())
+
+    def _pattern(self, pattern: Tensor, hook: HookPoint) -> None:
+        i = hook.layer()
+        if self.calls[i] is not None:
             raise RuntimeError(f"layer {i} attended twice in one forward pass; trace expects one call per layer")
-        w = record.weights.detach()
-        if self.weights is None:
-            self.weights = torch.empty((self.n_layers, *w.shape), dtype=torch.float32, device=w.device)
-        self.weights[i].copy_(w)
-        kept = {"weights": None}  # the other observers keep theirs
-        if self.stages:  # likewise the stages: one (L, ...) tensor each, filled layer by layer
-            for name in STAGES:
-                t = getattr(record, name).detach()
-                if name not in self.buffers:
-                    self.buffers[name] = torch.empty((self.n_layers, *t.shape), dtype=t.dtype, device=t.device)
-                self.buffers[name][i].copy_(t)
-                kept[name] = None
-        self.records[i] = dataclasses.replace(record, **kept)
+        self.calls[i] = hook.call
+        self._put("weights", i, pattern, self.n_layers)  # (B, H, T, S)
 
-    def block_input(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
-            self.residual[i] = args[0].detach()
+    def _keeper(self, name: str, heads: bool = False, at: int | None = None) -> Callable:
+        rows = self.n_layers + 1 if name == "residual" else self.n_layers
 
-        return hook
+        def keep(x: Tensor, hook: HookPoint) -> None:
+            # The hooks see heads as TransformerLens does, (B, T, H, hd); a trace holds (B, H, T, hd).
+            self._put(name, hook.layer() if at is None else at, x.transpose(1, 2) if heads else x, rows)
 
-    def out_proj_output(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            self.attn_out[i] = output.detach()
-
-        return hook
+        return keep
 
 
-def _traced_forward(
-    model: nn.Module,
-    layers: list[MultiHeadAttention],
-    idx: Tensor,
-    attention_mask: Tensor | None,
-    rec: _TraceRecorder,
-    logits: bool,
-) -> Tensor | None:
-    """``model``'s forward in eval mode without gradients, ``rec`` observing it; the model's logits
+def _traced_forward(model: nn.Module, idx: Tensor, attention_mask: Tensor | None, rec: _TraceRecorder, logits: bool):
+    """``model``'s forward in eval mode without gradients, ``rec`` on its hook points; the model's logits
     (None with ``logits=False``). Training mode and hooks are restored afterwards, even after an error."""
-    handles = []
     was_training = model.training
     try:
-        if rec.stages:
-            for i, block in enumerate(model.trf_blocks):
-                handles.append(block.register_forward_pre_hook(rec.block_input(i)))
-                handles.append(layers[i].out_proj.register_forward_hook(rec.out_proj_output(i)))
-            handles.append(model.final_norm.register_forward_pre_hook(rec.block_input(rec.n_layers)))
         model.eval()
         stop = contextlib.nullcontext() if logits else stop_before_head(model)
-        with torch.no_grad(), observe_attention(model, rec.on_record), stop:
+        with torch.no_grad(), hooks(model, rec.fns), stop:
             return model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
     finally:
         model.train(was_training)
-        for h in handles:
-            h.remove()
 
 
 class _Stopped(Exception):
@@ -528,10 +423,58 @@ def stop_before_head(model: nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # The tutorials' modules: one record per head group, on the library's own return_weights path
 # --------------------------------------------------------------------------------------------
+@dataclass
+class AttentionRecord:
+    """What one of the tutorials' attention modules computed on one input (:func:`record_module`).
+
+    Attributes:
+        q: ``(b, H, n, hd)`` queries; k, v: ``(b, Hkv, S, hd)`` keys and values, q and k as the scores see
+            them (after QK-norm and the RoPE rotation).
+        mask: the mask applied besides causality (bool, True = may attend, or an additive float bias),
+            broadcastable to ``(b, H, n, S)``, or None; is_causal: whether the causal mask applied.
+        scale: the multiplier of ``q k^T``; weights: ``(b, H, n, S)`` the weights applied to ``v``;
+        head_outputs: ``(b, H, n, hd)`` ``weights @ v`` per head, before any output projection;
+        softcap: ``cap`` of ``cap * tanh(scores / cap)`` on the scaled scores (Gemma 2), or None.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    weights: Tensor
+    head_outputs: Tensor
+    softcap: float | None = None
+
+
+def _record_attention(module: MultiHeadAttention, x: Tensor) -> AttentionRecord:
+    """One :class:`~attnlab.MultiHeadAttention` call on ``x (b, n, d_in)``, read at its hook points."""
+    got: dict[str, tuple[Tensor, HookPoint]] = {}
+    keep = {
+        step: lambda t, hook, step=step: got.__setitem__(step, (t, hook))
+        for step in ("rot_q", "rot_k", "v", "pattern", "z")
+    }
+    training = module.training
+    module.eval()
+    try:
+        with attention_hooks([module], keep):
+            module(x)
+    finally:
+        module.train(training)
+    heads = {step: t.transpose(1, 2) for step, (t, _) in got.items() if step != "pattern"}  # (b, H or Hkv, ·, hd)
+    call = got["pattern"][1].call
+    mask = full_mask(call, x.shape[1], heads["rot_k"].shape[2], x.device)
+    return AttentionRecord(
+        heads["rot_q"], heads["rot_k"], heads["v"], mask, call.is_causal, call.scale, got["pattern"][0],
+        heads["z"], call.softcap,
+    )  # fmt: skip
+
+
 def record_module(module: nn.Module | Callable, x: Tensor) -> AttentionRecord:
     """What one of the tutorials' attention modules computes on ``x (n, d_in)`` (or ``(b, n, d_in)``).
 
-    ``module`` is a :class:`~attnlab.MultiHeadAttention` (its observer reports the record), a
+    ``module`` is a :class:`~attnlab.MultiHeadAttention` (read at its hook points), a
     :class:`~attnlab.CausalAttention`, :class:`~attnlab.SelfAttention_v2`,
     :class:`~attnlab.SelfAttention_v1`, :class:`~attnlab.MultiHeadAttentionWrapper`, or
     :func:`attnlab.functional.simple_self_attention` (queries, keys and values are ``x`` itself,
@@ -547,14 +490,7 @@ def record_module(module: nn.Module | Callable, x: Tensor) -> AttentionRecord:
             h = xb.unsqueeze(1)  # (b, 1, n, d)
             return AttentionRecord(h, h, h, None, False, 1.0, w.unsqueeze(1), out.unsqueeze(1))
         if isinstance(module, MultiHeadAttention):
-            got: list[AttentionRecord] = []
-            previous = module.observer
-            module.observer = lambda m, r: got.append(r)
-            try:
-                module(xb)
-            finally:
-                module.observer = previous
-            return got[0]
+            return _record_attention(module, xb)
         if isinstance(module, MultiHeadAttentionWrapper):
             heads = [record_module(h, xb) for h in module.heads]
             cat = [torch.cat([getattr(r, name) for r in heads], dim=1) for name in ("q", "k", "v")]

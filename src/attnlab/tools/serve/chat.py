@@ -95,7 +95,7 @@ def start_chat(
         idx = torch.tensor([ids], dtype=torch.long, device=model.device)  # (1, P)
         g = torch.Generator(device=model.device).manual_seed(int(seed))
         stop = loaded.stop_ids or None
-        compiled = engine.compiled_step(len(ids), max_new_tokens)  # (no observers)
+        compiled = engine.compiled_step(len(ids), max_new_tokens)  # (no hooks)
         settings = dataclasses.asdict(sampling) | {"eos_id": stop}
         tokens = stream(model, idx, max_new_tokens, **settings, generator=g, compile=compiled)
         engine.count("compiled_generations", int(compiled))

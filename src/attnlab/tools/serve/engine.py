@@ -2,8 +2,8 @@
 
 Every model call runs on one dedicated thread (:meth:`Engine.run`), under a lock, in
 ``torch.inference_mode()``; requests queue for it. Serialising is deliberate: what the inspector
-records is per-call state *on the model* (each attention layer's ``observer``, the forward hooks of
-:func:`attnlab.interpret.trace` and :func:`attnlab.interpret.ablate`), so two calls running at once
+records is per-call state *on the model* (the hook points' functions of :func:`attnlab.interpret.trace`
+and :func:`attnlab.interpret.ablate`), so two calls running at once
 would record each other's attention or ablate each other's heads. A copy of the model per worker
 would avoid that at the cost of its memory (500 MB per GPT-2-small) and buys nothing on a CPU whose
 cores one forward pass already keeps busy (torch's own threads). One thread, not a lock taken by
@@ -459,7 +459,7 @@ class Engine:
     def _compile(self) -> None:
         """The compiling thread: each asked-for cache size compiled by a step of the model on
         caches of its own (:meth:`attnlab.decoding.FastDecoder.precompile`), under the engine's lock: the
-        step runs the model's own forward, which must not see a request's hooks or observers."""
+        step runs the model's own forward, which must not see a request's hooks."""
         loaded = self._need_model()
         model = loaded.model
         while True:
@@ -681,7 +681,7 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     """Advance ``run`` by one token and record it as :func:`attnlab.interpret.trace_generation` does:
     the attention row of the query that produced the token (each layer's last pass), the candidates
     after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
-    Call with the engine's lock held (the observers live on the model meanwhile)."""
+    Call with the engine's lock held (the hooks live on the model meanwhile)."""
     got: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
     # Each pass's last query's weights in every layer, (L, B, H, S) (a prefill may take several passes:
     # the last one's); a compiled step hands them from its graph at once. Read below, before the next

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab import attention as _attention
-from attnlab.attention import AttentionRecord, MultiHeadAttention
-from attnlab.interpret import record_module, token_label, token_strings
+from attnlab.attention import MultiHeadAttention
+from attnlab.interpret import AttentionRecord, HookPoint, attention_hooks, record_module, token_label, token_strings
 from attnlab.tools.loading import load_demo, load_model
 
 __all__ = [
@@ -82,7 +82,7 @@ class AttentionView:
         layers: one :class:`LayerMaps` per row; all have ``T`` queries and ``T`` keys.
         text: the original text (shown verbatim in the HTML page).
         note: one line saying where the weights come from.
-        records: for the tutorials' modules, one :class:`~attnlab.attention.AttentionRecord` per
+        records: for the tutorials' modules, one :class:`~attnlab.interpret.AttentionRecord` per
             layer (queries, keys, values...): the page then shows the tutorials' steps of each head.
     """
 
@@ -156,11 +156,11 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
     """Record the attention weights of every attention module called inside the block.
 
-    A :class:`~attnlab.MultiHeadAttention` reports each call to its ``observer`` with the weights
-    it applied (computed on the library's own ``return_weights`` path). The other modules get a
+    A :class:`~attnlab.MultiHeadAttention` hands the weights it applied at its ``pattern`` hook point
+    (:func:`attnlab.interpret.attention_hooks`). The other modules get a
     forward pre-hook that turns on ``return_weights=True`` and a forward hook that takes the weights
     off again, so the model's code sees exactly the output it would without the hook. Weights are
-    appended in call order, detached. Observers and hooks are removed on exit.
+    appended in call order, detached. The hooks are removed on exit.
     """
     modules = _attention_modules(model)
     if not modules:
@@ -171,8 +171,8 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
     captured: list[Tensor] = []
     caller_wanted: dict[int, list[bool]] = {}
 
-    def observe(module: nn.Module, record: AttentionRecord) -> None:
-        captured.append(record.weights.detach())
+    def keep(pattern: Tensor, hook: HookPoint) -> None:
+        captured.append(pattern.detach())
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         caller_wanted.setdefault(id(module), []).append(bool(kwargs.get("return_weights", False)))
@@ -183,23 +183,20 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
         captured.append(weights.detach())
         return output if caller_wanted[id(module)].pop() else out
 
-    # MultiHeadAttention reports every attend() to its observer (a GPT calls attend() directly, past
-    # forward hooks); the single-head modules and the wrapper are called through forward.
-    observed = [m for m in modules if isinstance(m, MultiHeadAttention)]
+    # A MultiHeadAttention's pattern is a hook point (a GPT calls attend() directly, past forward hooks);
+    # the single-head modules and the wrapper are called through forward.
+    hooked = [m for m in modules if isinstance(m, MultiHeadAttention)]
     handles = []
     try:
-        for m in observed:
-            m.observer = observe
-        for m in modules:
-            if not isinstance(m, MultiHeadAttention):
-                handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
-        yield captured
+        with attention_hooks(hooked, {"pattern": keep}):
+            for m in modules:
+                if not isinstance(m, MultiHeadAttention):
+                    handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                    handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+            yield captured
     finally:
         for h in handles:
             h.remove()
-        for m in observed:
-            m.observer = None
 
 
 def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tensor]:
