@@ -482,9 +482,9 @@ def _reader_grads(
     objective: Callable[[Tensor], Tensor],
     replace: dict[str, Callable] | None = None,
     out_proj_replace: dict[int, Callable] | None = None,
-) -> list[Tensor]:
-    """One forward and one backward of ``objective(logits)``; per layer ``(B, T, R_l, d)`` (its readers'
-    input gradients), then the logits reader's ``(B, T, 1, d)``.
+) -> Iterator[Tensor]:
+    """One forward and one backward of ``objective(logits)``; then, layer by layer, ``(B, T, R_l, d)``
+    (its readers' input gradients) and last the logits reader's ``(B, T, 1, d)``.
 
     ``replace`` adds hook functions (interpolated activations); the embeddings start the graph, so
     no weight gets a gradient.
@@ -528,7 +528,12 @@ def _reader_grads(
         for h in handles:
             h.remove()
     grad = {n: torch.zeros_like(kept[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
-    out = []
+    return _layer_grads(model, kept, grad)
+
+
+def _layer_grads(model: nn.Module, kept: dict[str, Tensor], grad: dict[str, Tensor]) -> Iterator[Tensor]:
+    """Per reader layer, one at a time (each is ``R_l * d`` numbers per token: they are contracted and
+    dropped as they come), its readers' input gradients ``(B, T, R_l, d)``; last the logits' ``(B, T, 1, d)``."""
     for layer, block in enumerate(model.trf_blocks):
         att = block.att
         d = att.d_in
@@ -543,9 +548,8 @@ def _reader_grads(
         with torch.enable_grad():
             copies = x[:, :, None].expand_as(u).clone().requires_grad_(True)  # one input per head
             (g_attn,) = torch.autograd.grad(block.norm1(copies), copies, u)  # (B, T, H + 2 Hkv, d)
-        out.append(torch.cat([g_attn, grad[f"mlp_in.{layer}"][:, :, None]], dim=2))  # (B, T, R_l, d)
-    out.append(grad["final"][:, :, None])  # (B, T, 1, d)
-    return out
+        yield torch.cat([g_attn, grad[f"mlp_in.{layer}"][:, :, None]], dim=2)  # (B, T, R_l, d)
+    yield grad["final"][:, :, None]  # (B, T, 1, d)
 
 
 def _contract(delta: Tensor, g: Tensor, per_position: bool) -> Tensor:
@@ -556,26 +560,30 @@ def _contract(delta: Tensor, g: Tensor, per_position: bool) -> Tensor:
     return delta.permute(2, 0, 1, 3).reshape(W, -1) @ g.permute(0, 1, 3, 2).reshape(-1, R)  # (W, R)
 
 
-def _scores_from_grads(
-    graph: EdgeGraph, delta: Tensor, grads: list[Tensor], per_position: bool, out: Tensor, writers: slice | None = None
+def _add_layer(
+    graph: EdgeGraph,
+    layer: int,
+    delta: Tensor,
+    g: Tensor,
+    per_position: bool,
+    out: Tensor,
+    writers: slice | None = None,
 ) -> None:
-    """Add each reader layer's scores into ``out (W, R)`` / ``(T, W, R)``, for ``writers`` (default all)."""
-    acc = out.dtype
-    rows = slice(None) if writers is None else writers
-    for layer, g in enumerate(grads):
-        lo = graph.reader_start(layer)
-        hi = lo + g.shape[2]
-        # writers up to this layer's heads (the MLP reader may read them; the mask drops the rest)
-        top = len(graph.writers) if layer == graph.n_layers else graph.head_writer(layer) + graph.n_heads
-        w = range(len(graph.writers))[rows]
-        w_hi = min(w.stop, top)
-        if w.start >= w_hi:
-            continue
-        part = _contract(delta[:, :, w.start : w_hi].to(acc), g.to(acc), per_position)
-        if per_position:
-            out[:, w.start : w_hi, lo:hi] += part
-        else:
-            out[w.start : w_hi, lo:hi] += part
+    """Add reader layer ``layer``'s scores (``layer == n_layers``: the logits) into ``out (W, R)`` or
+    ``(T, W, R)``, for ``writers`` (default all)."""
+    lo = graph.reader_start(layer)
+    hi = lo + g.shape[2]
+    # writers up to this layer's heads (the MLP reader may read them; the mask drops the rest)
+    top = len(graph.writers) if layer == graph.n_layers else graph.head_writer(layer) + graph.n_heads
+    w = range(len(graph.writers))[slice(None) if writers is None else writers]
+    w_hi = min(w.stop, top)
+    if w.start >= w_hi:
+        return  # the writers come after every reader of this layer
+    part = _contract(delta[:, :, w.start : w_hi].to(out.dtype), g.to(out.dtype), per_position)
+    if per_position:
+        out[:, w.start : w_hi, lo:hi] += part
+    else:
+        out[w.start : w_hi, lo:hi] += part
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,7 +598,7 @@ def edge_attribution(
     ig_steps: int = 5,
     per_position: bool = False,
     *,
-    max_tokens: int = 8192,
+    max_tokens: int = 2048,
 ) -> EdgeScores:
     """Every edge's attribution score (see the module's notes for the graph, methods and sign).
 
@@ -656,7 +664,9 @@ def _eap(
         for h in handles:
             h.remove()
     corr_w = rec.stacked()
-    _scores_from_grads(graph, clean_w - corr_w, grads, per_pos, out)
+    delta = clean_w - corr_w
+    for layer, g in enumerate(grads):
+        _add_layer(graph, layer, delta, g, per_pos, out)
     return corr_w
 
 
@@ -702,7 +712,6 @@ def _ig_inputs(
     delta = clean_w - corr_w
     B = clean.shape[0]
     e0, e1 = embeds["corrupted"], embeds["clean"]
-    total: list[Tensor] | None = None
     for chunk in _step_chunks(steps, B, clean.shape[1], max_tokens):
         alphas = torch.tensor([k / steps for k in chunk], dtype=e0.dtype, device=e0.device)
         path = (e0[None] + alphas[:, None, None, None] * (e1 - e0)[None]).flatten(0, 1)  # (n B, T, d)
@@ -715,9 +724,9 @@ def _ig_inputs(
             return sum(_metric_value(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
 
         grads = _reader_grads(model, graph, corrupted.repeat(len(chunk), 1), objective, {"hook_embed": interpolate})
-        grads = [g.view(len(chunk), B, *g.shape[1:]).sum(0) for g in grads]  # (B, T, R_l, d)
-        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-    _scores_from_grads(graph, delta, total, per_pos, out)
+        for layer, g in enumerate(grads):
+            # the scores are linear in the gradient: each chunk's steps add their share
+            _add_layer(graph, layer, delta, g.view(len(chunk), B, *g.shape[1:]).sum(0), per_pos, out)
     return corr_w
 
 
@@ -783,9 +792,9 @@ def _ig_activations(
 
         idx = corrupted.repeat(len(mine), 1)
         grads = _reader_grads(model, graph, idx, objective, replace, z_replace)
-        for j, (g, _) in enumerate(mine):
-            rows = [gr[j * B : (j + 1) * B] for gr in grads]  # (B, T, R_l, d) per reader layer
-            _scores_from_grads(graph, delta, rows, per_pos, out, writers=groups[g][1])
+        for layer, g in enumerate(grads):
+            for j, (group, _) in enumerate(mine):
+                _add_layer(graph, layer, delta, g[j * B : (j + 1) * B], per_pos, out, writers=groups[group][1])
     return corr_w
 
 
