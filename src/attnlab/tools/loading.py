@@ -228,7 +228,8 @@ def load_pretrained(
     files = tok_path.parent if tok_path is not None else local if is_local else None
     template, stop_ids = chat_files(files, tokenizer, what=f"{what} {name}")
     path = local.resolve() if is_local else Path(name)
-    return LoadedModel(model, tokenizer, path, {"source": source, "name": name}, template, stop_ids)
+    shown = directory_name(local) if is_local else name
+    return LoadedModel(model, tokenizer, path, {"source": source, "name": shown}, template, stop_ids)
 
 
 CHAT_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -318,9 +319,39 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
         )
     stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
     model = GPT.from_gguf(read, device=device)
-    metadata = {"source": "gguf", "name": str(p), "architecture": read.architecture}
+    metadata = {"source": "gguf", "name": gguf_name(read.metadata, read.quantization, p)}
+    metadata["architecture"] = read.architecture
     metadata["quantization"] = read.quantization
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
+
+
+def gguf_name(meta: dict[str, Any], quantization: dict[str, int], path: Path) -> str:
+    """How pages, ``serve``'s title and the command line name a GGUF model: its ``general.name`` (else
+    the file's stem), its size label where the name lacks it, and the type of most of its matrices
+    (``"Smollm2 135M 8k Lc100K Mix1 Ep2 · Q4_1"``), never the file's path."""
+    name = str(meta.get("general.name") or path.stem).strip() or path.stem
+    parts = [name]
+    size = meta.get("general.size_label")
+    if isinstance(size, str) and size and size.lower() not in name.lower():
+        parts.append(size)
+    matrices = {t: n for t, n in quantization.items() if t not in ("F32",)}  # (norms and biases stay F32)
+    if matrices:
+        parts.append(max(matrices, key=matrices.get))
+    return " · ".join(parts)
+
+
+def directory_name(d: Path) -> str:
+    """How pages and ``serve``'s title name a Hugging Face model directory: the name its ``config.json``
+    was saved under (``_name_or_path``) or the directory's own, and its family (``model_type``)."""
+    try:
+        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    saved = config.get("_name_or_path")
+    name = saved if isinstance(saved, str) and saved.strip() and not is_local_path(saved) else d.name
+    kind = config.get("model_type")
+    return f"{name} ({kind})" if isinstance(kind, str) and kind and kind not in name.lower() else name
 
 
 def _config_keys(d: Path) -> set[str]:
