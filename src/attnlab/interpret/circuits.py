@@ -451,11 +451,20 @@ class _Writers:
         return torch.cat([self.parts[k] for k in sorted(self.parts)], dim=2)  # (B, T, W, d)
 
 
+def _dense(weight: Tensor) -> Tensor:
+    """A weight as a plain tensor, outside autograd: a GGUF matrix kept quantized is dequantized here
+    (its rows are sliced per head, which its packed blocks do not allow)."""
+    dequantize = getattr(weight, "dequantize", None)
+    if type(weight) not in (Tensor, nn.Parameter) and callable(dequantize):
+        weight = dequantize()
+    return weight.detach()
+
+
 def head_results(att: nn.Module, z: Tensor) -> Tensor:
     """Each head's own write to the stream, ``z_h @ W_O[:, h]^T``: ``z (B, T, H * hd)`` -> ``(B, T, H, d)``
     (TransformerLens's ``hook_result``, without the output bias, which belongs to no head)."""
     B, T, _ = z.shape
-    w_o = att.out_proj.weight.detach().view(-1, att.num_heads, att.head_dim)  # (d, H, hd)
+    w_o = _dense(att.out_proj.weight).view(-1, att.num_heads, att.head_dim)  # (d, H, hd)
     return torch.einsum("bthe,dhe->bthd", z.view(B, T, att.num_heads, att.head_dim), w_o)
 
 
@@ -541,7 +550,7 @@ def _layer_grads(model: nn.Module, kept: dict[str, Tensor], grad: dict[str, Tens
         for s, w in (("q", att.W_query), ("k", att.W_key), ("v", att.W_value)):
             g = grad[f"blocks.{layer}.attn.hook_{s}"]  # (B, T, H or Hkv, hd)
             # the gradient at each head's normed input: W_h^T (d metric / d q_h), by linearity
-            w_h = w.weight.detach().view(g.shape[2], att.head_dim, d)  # (heads, hd, d)
+            w_h = _dense(w.weight).view(g.shape[2], att.head_dim, d)  # (heads, hd, d)
             per_head.append(torch.einsum("bthe,hed->bthd", g, w_h))
         u = torch.cat(per_head, dim=2)  # (B, T, H + 2 Hkv, d)
         x = kept[f"blocks.{layer}.hook_resid_pre"].detach()  # (B, T, d): the stream the heads read
@@ -888,7 +897,7 @@ class _CircuitRun:
 
         def project(y: Tensor, lin: nn.Module, n: int) -> Tensor:
             """Head ``i`` of ``lin`` on its own input ``y[:, i]``: ``(C, n, B, T, d)`` -> ``(C B, T, n, hd)``."""
-            out = torch.einsum("cnbtd,ned->cbtne", y, lin.weight.view(n, hd, -1))
+            out = torch.einsum("cnbtd,ned->cbtne", y, _dense(lin.weight).view(n, hd, -1))
             if lin.bias is not None:
                 out = out + lin.bias.view(n, hd)
             return out.reshape(self.C * self.B, self.T, n, hd)
