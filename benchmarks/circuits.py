@@ -197,8 +197,8 @@ def smollm2_part(args: argparse.Namespace) -> None:
         top, *rand = faithfulness(model, clean, corrupted, metric, [scores.top_n(n), *random])
         mean = sum(rand) / len(rand)
         print(
-            f"{method:20s} top 5% ({n} edges) faithfulness {top:.3f}; 10 random circuits: mean {mean:.3f} "
-            f"-> {top / mean if mean else float('inf'):.1f}x"
+            f"{method:20s} top 5% ({n} edges) faithfulness {top:.3f}; 10 random circuits: mean {mean:.2e} "
+            f"(max {max(rand):.2e}) -> " + (f"{top / mean:.1f}x" if mean > 0 else "ratio undefined: random mean <= 0")
             if method == "EAP"
             else f"{method:20s} top 5% ({n} edges) faithfulness {top:.3f}"
         )
