@@ -287,9 +287,9 @@ def steps(monkeypatch):
     count = [0]
     step = decoding.FastDecoder.step
 
-    def spy(self, token):
+    def spy(self, token, reading=None):
         count[0] += 1
-        return step(self, token)
+        return step(self, token, reading)
 
     monkeypatch.setattr(decoding.FastDecoder, "step", spy)
     return count
@@ -304,9 +304,9 @@ def routes(monkeypatch):
     seen: list = []
     step = FastDecoder.step
 
-    def spy(self, token):
+    def spy(self, token, reading=None):
         seen.append(self.plan.route)
-        return step(self, token)
+        return step(self, token, reading)
 
     monkeypatch.setattr(FastDecoder, "step", spy)
     return seen

@@ -610,3 +610,39 @@ def test_the_compiled_step_of_a_gpt2_batch_serves_prompts_of_any_length(routes):
         assert_same(ref, got, F32)
     assert new[0] >= 1 and new[1] == 0
     assert routes == [Route.COMPILED] * 2 * 11
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [("gpt2", {}), ("llama-gqa", {}), ("gemma3", {}), ("phi3-window", {}), ("gemma3", {"compile": True})],
+)
+def test_a_reading_of_the_rows_inside_the_fast_step_equals_the_eager_forwards(family, kw, routes):
+    """``stream(..., reading=attention_rows)``: each step's rows read at the hook points inside the fast
+    step (compiled with it under ``compile=True``), laid out by ``rows_of`` (a slot cache's later slots
+    cut, layers of other windows laid on the widest layer's keys), equal the rows the eager forward
+    shows (observe_attention_rows, fast=False); the prompt's pass read on its last token alone."""
+    from attnlab.generation import stream
+    from attnlab.interpret import attention_rows, rows_of
+
+    model = make(FAMILIES[family])
+    idx = prompt(2, 9, seed=9)
+    (want, _), passes = row_passes(model, idx, 12, fast=False)
+    unread = list(stream(model, idx, 12, temperature=0, **kw))
+    fast, routes[:] = list(routes), []
+    # (laid out at once: a ring cache's positions are views, valid until the next step writes it)
+    got = [
+        (t, rows_of(model, read)) for t, _, read in stream(model, idx, 12, temperature=0, reading=attention_rows, **kw)
+    ]
+    assert torch.equal(torch.stack([t for t, _ in got], dim=1), want[:, 9:]) and torch.equal(
+        torch.stack(unread, 1), want[:, 9:]
+    )
+    assert routes == fast and set(routes) <= {
+        Route.COMPILED if kw else Route.EAGER
+    }  # the steps a plain stream runs fast
+    assert family == "gemma3" or len(routes) == 11  # (Gemma 3's rings are shorter than the text: the eager steps)
+    for (_, (got_rows, got_q, got_k)), (rows, q_pos, k_pos) in zip(got, passes, strict=True):
+        assert got_rows.shape == rows.shape
+        torch.testing.assert_close(got_rows, rows, rtol=1e-9, atol=1e-9)
+        # (a slot cache tells positions where a plain one has none; the prompt's last query read alone)
+        for a, b in ((got_q[:, -1:] if got_q is not None else None, q_pos), (got_k, k_pos)):
+            assert b is None or torch.equal(a.expand(2, -1), b[:, -a.shape[1] :].expand(2, -1))

@@ -4,8 +4,10 @@ An engine told to compile (:class:`attnlab.tools.serve.Engine` ``compile=True``,
 does) compiles the step on a thread of its own at warm-up, holding the engine's lock meanwhile (the
 step runs the model's own forward: requests wait for it). Chat answers then decode on the compiled
 step and compile nothing on the model thread: the same answers as an engine that does not compile.
-The generation stream records every layer's attention at each token, so it runs the eager forward:
-the tokens ``model.generate`` draws. Each test that compiles is slow; one engine compiles for them all.
+The generation stream reads every layer's attention at each token at the hook points, compiled with
+the step (its own compiled step, made at warm-up beside the chat's): the tokens ``model.generate``
+draws, and the attention the eager forward shows (``trace_generation``). Each test that compiles is
+slow; one engine compiles for them all.
 """
 
 from __future__ import annotations
@@ -88,25 +90,40 @@ def test_the_chat_box_runs_the_compiled_step(chat_engines, routes):
 
 
 @pytest.mark.slow
-def test_the_generation_stream_runs_the_eager_forward_with_the_tokens_of_generate(chat_engines, steps):
-    """The stream observes every layer, so no step runs on the fast path, compiled or not: the tokens
-    ``model.generate`` draws (with ``torch.Generator().manual_seed(seed)``), the same on both engines,
-    and nothing compiled or counted as a compiled generation."""
+def test_the_generation_stream_runs_the_compiled_step_with_the_tokens_and_attention_of_the_eager_forward(
+    chat_engines, routes
+):
+    """The stream reads each token's attention at the hook points inside the fast step (compiled on the
+    compiling engine): the tokens ``model.generate`` draws (with ``torch.Generator().manual_seed(seed)``)
+    and each token's attention rows as ``trace_generation`` plays them back from the eager forward, on
+    both engines; nothing compiled on the model thread."""
+    from attnlab.interpret import trace_generation
+    from attnlab.interpret.codec import to_json, unpack
+
     plain, compiled = chat_engines
     model = compiled.loaded.model
     prompt = "Jack Gisburn had always"
     idx = torch.tensor([compiled.encode(prompt)])
     before, generations = graphs(), compiled.snapshot()["compiled_generations"]
     for kw in (dict(temperature=0.0), dict(temperature=0.9, top_k=12, seed=7)):
-        g = torch.Generator().manual_seed(kw.get("seed", 0))
         sampling = {k: v for k, v in kw.items() if k != "seed"}
+        g = torch.Generator().manual_seed(kw.get("seed", 0))
         want = model.generate(idx, 14, generator=g, fast=False, **sampling)[0, idx.shape[1] :].tolist()
-        for engine in (plain, compiled):
+        g = torch.Generator().manual_seed(kw.get("seed", 0))
+        played = trace_generation(model, idx, 14, generator=g, **sampling)
+        assert played.new_tokens[0].tolist() == want
+        for engine, route in ((plain, Route.EAGER), (compiled, Route.COMPILED)):
+            routes.clear()
             got = stream_all(engine, prompt, 14, **kw)
             assert [d["token"] for d in got] == want
             assert [d["position"] for d in got] == list(range(idx.shape[1], idx.shape[1] + 14))
-    assert steps[0] == 0 and graphs() == before
-    assert compiled.snapshot()["compiled_generations"] == generations
+            assert routes == [route] * 13  # every step after the prompt's on the fast step
+            for d, step in zip(got, played.steps, strict=True):
+                assert d["key_start"] == step.key_start and d["key_index"] == step.key_index[0].tolist()
+                weights = unpack(to_json({"w": d["weights"]}))["w"]  # (L, H, S)
+                torch.testing.assert_close(weights, step.weights[:, 0].float(), rtol=1e-5, atol=1e-6)
+    assert graphs() == before  # (the stream's step was compiled at warm-up, on the compiling thread)
+    assert compiled.snapshot()["compiled_generations"] == generations + 2
 
 
 @pytest.mark.slow

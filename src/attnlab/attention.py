@@ -829,6 +829,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         elif kv_cache is not None and kv_cache.static:  # a decoding step's slots: causality from their positions
             k, v, k_pos, _ = kv_cache.update(k, v, positions)  # (b, Hkv, M, hd) x2, (1, M)
             mask, is_causal = combine_masks(mask, positions_mask(positions, k_pos)[:, None]), False  # (b, 1, n, M)
+            q_pos = positions  # (1, n): told to hooks with the slots' positions
         elif kv_cache is not None:
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v = kv_cache._write(k.to(dt), v.to(dt))  # (b, Hkv, S = past + n, hd)

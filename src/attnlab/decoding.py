@@ -24,6 +24,8 @@ past a rolling cache's last slot (where the ring starts to wrap, the eager forwa
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,7 @@ from torch.nn.utils import parametrize
 from attnlab.attention import SlotCache
 from attnlab.checks import autocast_on, check_model_logits
 
-__all__ = ["DecodePlan", "FastDecoder", "Route", "greedy_tokens", "plan", "supported"]
+__all__ = ["DecodePlan", "FastDecoder", "Reading", "Route", "greedy_tokens", "plan", "supported"]
 
 
 def greedy_tokens(logits: Tensor, checked: bool = False) -> Tensor:
@@ -80,6 +82,13 @@ def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | Non
     return not any(parametrize.is_parametrized(m) for m in model.modules())
 
 
+# What a step may read of the model as it runs: ``reading(model)`` is a context manager (one made by
+# ``contextlib.contextmanager``) under which the step's forward runs, and what it yields (a dict the
+# hook functions it sets fill, say) is handed back with the logits. attnlab.interpret's readers set
+# functions on the hook points; inside a compiled step they are compiled with it.
+Reading = Callable[[nn.Module], AbstractContextManager]
+
+
 # --------------------------------------------------------------------------------------------
 # The plan: how a generation's steps run, decided once
 # --------------------------------------------------------------------------------------------
@@ -113,9 +122,16 @@ def plan(model: nn.Module, caches: list[Any], compile: bool = False) -> DecodePl
     return DecodePlan(route, keys.shape[0], min(c.max_length for c in caches))
 
 
-def _forward_step(model: nn.Module, token: Tensor, at: Tensor, caches: list[SlotCache]) -> Tensor:
-    """The logits ``(B, V)`` after ``token (B, 1)`` at position ``at (1, 1)``: the model's own forward."""
-    return model.decode_logits(token, None, caches, position_ids=at)[:, -1]
+def _forward_step(
+    model: nn.Module, token: Tensor, at: Tensor, caches: list[SlotCache], reading: Reading | None = None
+) -> tuple[Tensor, Any]:
+    """The logits ``(B, V)`` after ``token (B, 1)`` at position ``at (1, 1)``: the model's own forward;
+    and what ``reading`` read of the step (None without)."""
+    if reading is None:
+        return model.decode_logits(token, None, caches, position_ids=at)[:, -1], None
+    with reading(model) as read:  # (inside the compiled step: its hook functions are traced with it)
+        logits = model.decode_logits(token, None, caches, position_ids=at)[:, -1]
+    return logits, read
 
 
 # One compiled function for every decoder of a route: Dynamo keeps its graphs by the models and shapes it
@@ -128,6 +144,15 @@ def _compiled_step(route: Route) -> Any:
         mode = "reduce-overhead" if route is Route.CUDA_GRAPH else None
         _COMPILED[route] = torch.compile(_forward_step, mode=mode, dynamic=False)
     return _COMPILED[route]
+
+
+def _cloned(x: Any) -> Any:
+    """``x`` with each tensor in it (in tuples, lists and dicts) cloned."""
+    if isinstance(x, Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _cloned(v) for k, v in x.items()}
+    return type(x)(_cloned(v) for v in x) if isinstance(x, (tuple, list)) else x
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,9 +190,10 @@ class FastDecoder:
         (past it a rolling cache wraps, and only the eager forward's ring logic places the token)."""
         return self.caches[0].seen < self.plan.slots and _unhooked(self.hook_dicts, self.atts, self.blocks)
 
-    def step(self, token: Tensor) -> Tensor:
+    def step(self, token: Tensor, reading: Reading | None = None) -> Tensor | tuple[Tensor, Any]:
         """The logits ``(B, V)`` after the tokens ``token (B,)`` (each row's newest), which the caches
-        take in their next slot."""
+        take in their next slot; with ``reading``, ``(logits, what it read)`` (see :data:`Reading`:
+        compiled with the step, once per reading function)."""
         at = self.caches[0].seen
         position = torch.full((1, 1), at, dtype=torch.long, device=token.device)  # (1, 1)
         # (B, 1), a fresh copy: a column of the tokens so far has that buffer's strides, which the compiled
@@ -175,16 +201,16 @@ class FastDecoder:
         token = token.reshape(-1, 1).clone(memory_format=torch.contiguous_format)
         if self.plan.route is Route.CUDA_GRAPH:  # (each step a new replay: the last one's outputs are read)
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.run(self.model, token, position, self.slot_caches)  # (B, V)
-        if self.plan.route is Route.CUDA_GRAPH:  # (the graph's output buffer is overwritten by the next replay)
-            logits = logits.clone()
+        logits, read = self.run(self.model, token, position, self.slot_caches, reading)  # (B, V)
+        if self.plan.route is Route.CUDA_GRAPH:  # (the graph's output buffers are overwritten by the next replay)
+            logits, read = _cloned((logits, read))
         for c in self.caches:  # (the slot written: what KVCache.update counts)
             c.seen = c.length = at + 1
-        return logits
+        return logits if reading is None else (logits, read)
 
-    def precompile(self) -> None:
-        """Compile the step now, on these caches (scratch ones: their first slot is overwritten), so a
-        server's first request does not wait for it."""
+    def precompile(self, reading: Reading | None = None) -> None:
+        """Compile the step now (with ``reading``), on these caches (scratch ones: their first slot is
+        overwritten), so a server's first request does not wait for it."""
         if self.plan.route is Route.EAGER:
             return
         with torch.inference_mode():
@@ -192,7 +218,7 @@ class FastDecoder:
             for c in self.caches:
                 c.seen = c.length = 0
             token = torch.zeros(self.plan.rows, dtype=torch.long, device=self.caches[0].keys.device)
-            self.step(token)
+            self.step(token, reading)
             for c, (seen, length) in zip(self.caches, saved, strict=True):
                 c.seen, c.length = seen, length
                 c.positions[:, length:].fill_(-1)

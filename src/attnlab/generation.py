@@ -31,13 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real
-from attnlab.decoding import FastDecoder, greedy_tokens, supported
+from attnlab.decoding import FastDecoder, Reading, greedy_tokens, supported
 from attnlab.speculative import check_speculative, speculative_decode
 
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
@@ -251,9 +251,11 @@ def _steps(
     fast: bool = True,
     compile: bool = False,
     seeded: tuple[list, Tensor] | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(token (B,), logits (B, V))`` per step: a prefill of the prompt, then one decoding step a
-    token (:func:`_stepper`, chosen once).
+    reading: Reading | None = None,
+) -> Iterator[tuple[Tensor, Tensor, Any]]:
+    """Yield ``(token (B,), logits (B, V), read)`` per step: a prefill of the prompt, then one decoding
+    step a token (:func:`_stepper`, chosen once); ``read``: what ``reading`` read of the pass that gave
+    the logits (:data:`attnlab.decoding.Reading`; None without).
 
     ``seeded``: ``(caches, logits (B, V))``, KV caches already holding ``idx`` and the logits after its
     last token (a trace's, :func:`attnlab.interpret.trace_generation`): the prompt is not run again.
@@ -285,7 +287,7 @@ def _steps(
         decoder = None
         if fast and supported(model, caches, mask):
             decoder = FastDecoder(model, caches, compile=compile)
-        prefill, decode = _stepper(model, caches, decoder)
+        prefill, decode = _stepper(model, caches, decoder, reading)
         for step in range(max_new_tokens):
             cur = T + step  # tokens in `out` so far
             if cur == out.shape[1]:  # full: grow by a chunk, at least doubling, never past T + max_new_tokens
@@ -296,12 +298,12 @@ def _steps(
             with torch.inference_mode():
                 m = None if full_mask is None else full_mask[:, :cur]
                 if step == 0:
-                    logits = first if first is not None else prefill(out[:, :cur], m)  # (B, V)
+                    logits, read = (first, None) if first is not None else prefill(out[:, :cur], m)  # (B, V)
                 else:
-                    logits = decode(out[:, :cur], m)  # (B, V)
+                    logits, read = decode(out[:, :cur], m)  # (B, V)
                 nxt = next_tokens(logits, sampling, generator, stop, finished)  # (B,)
                 out[:, cur] = nxt
-            yield nxt.clone(), logits
+            yield nxt.clone(), logits, read
             if stop is not None and bool(finished.all()):
                 return
     finally:
@@ -309,10 +311,10 @@ def _steps(
             m.training = True
 
 
-def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None):
+def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, reading: Reading | None = None):
     """``(prefill, decode)``: each maps the tokens so far ``seq (B, t)`` and their mask ``(B, t)`` (or
-    None) to the logits after the last one, ``(B, V)``; ``prefill`` reads the prompt, ``decode`` the
-    newest token of each later step.
+    None) to the logits after the last one, ``(B, V)``, and what ``reading`` read of the pass that gave
+    them (None without); ``prefill`` reads the prompt, ``decode`` the newest token of each later step.
 
     * No cache: every step runs the window (a model with relative positions slides it inside the
       forward; GPT-2 runs the last ``context_length`` tokens).
@@ -320,32 +322,46 @@ def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None):
       on the fast decoder where it fits (:meth:`FastDecoder.fits`), else the eager forward.
     * GPT-2 (absolute positions): the window's tokens, again each time the context is full (the cached
       keys hold the old positions); else the newest token, fast where it fits.
+
+    With ``reading``, a prompt's last token runs as a pass of its own, read, after the other tokens
+    (unread): what a reading of the last query wants, without every query of the prompt read.
     """
     C, relative = model.config.context_length, model.config.relative
-    forward = model.decode_logits
+
+    def forward(seq: Tensor, m: Tensor | None, kv: list | None, last_only: bool = False, read: bool = True):
+        if reading is None or not read:
+            return model.decode_logits(seq, m, kv, last_only=last_only)[:, -1], None
+        with reading(model) as got:
+            logits = model.decode_logits(seq, m, kv, last_only=last_only)[:, -1]
+        return logits, got
+
     if caches is None:
         if relative:
-            return (lambda seq, m: forward(seq, m, None, last_only=True)[:, -1],) * 2
-        return (lambda seq, m: forward(seq[:, -C:], None if m is None else m[:, -C:], None, last_only=True)[:, -1],) * 2
+            return (lambda seq, m: forward(seq, m, None, last_only=True),) * 2
+        return (lambda seq, m: forward(seq[:, -C:], None if m is None else m[:, -C:], None, last_only=True),) * 2
 
-    def refill(seq: Tensor, m: Tensor | None) -> Tensor:  # (the window anew: caches emptied first)
+    def refill(seq: Tensor, m: Tensor | None) -> tuple[Tensor, Any]:  # (the window anew: caches emptied first)
         for c in caches:
             c.reset()
         start = 0 if relative else max(0, seq.shape[1] - C)
-        logits = None
+        out = None
         for s in range(start, seq.shape[1], C):  # (relative: chunks of the context; GPT-2: one window)
             e = min(seq.shape[1], s + C)
-            logits = forward(seq[:, s:e], None if m is None else m[:, start:e], caches, last_only=True)[:, -1]
-        return logits  # (B, V)
+            if reading is not None and m is None and e == seq.shape[1] and e - s > 1:  # the last token apart
+                forward(seq[:, s : e - 1], None, caches, last_only=True, read=False)
+                s = e - 1
+            out = forward(seq[:, s:e], None if m is None else m[:, start:e], caches, last_only=True)
+        return out  # (B, V), read
 
-    def newest(seq: Tensor, m: Tensor | None) -> Tensor:
+    def newest(seq: Tensor, m: Tensor | None) -> tuple[Tensor, Any]:
         if not relative and caches[0].seen >= C:  # GPT-2's context is full: the window anew
             return refill(seq, m)
         if decoder is not None and decoder.fits():
-            return decoder.step(seq[:, -1])  # (B, V)
+            got = decoder.step(seq[:, -1], reading)  # (B, V), or with what reading read
+            return (got, None) if reading is None else got
         if m is not None and not relative:  # (GPT-2: the mask's columns are the window's, the cached tokens')
             m = m[:, seq.shape[1] - 1 - caches[0].seen :]
-        return forward(seq[:, -1:], m, caches)[:, -1]  # (B, V)
+        return forward(seq[:, -1:], m, caches)  # (B, V), read
 
     return refill, newest
 
@@ -365,7 +381,8 @@ def stream(
     fast: bool = True,
     compile: bool = False,
     with_logits: bool = False,
-) -> Iterator[Tensor] | Iterator[tuple[Tensor, Tensor]]:
+    reading: Reading | None = None,
+) -> Iterator[Tensor] | Iterator[tuple[Tensor, Tensor]] | Iterator[tuple[Tensor, Tensor, Any]]:
     """Like :func:`generate`, but yields each new token batch ``(B,)`` (int64) as soon as it is sampled::
 
         dec = attnlab.tokenizers.StreamDecoder(tokenizer)  # whole characters, even across tokens
@@ -376,6 +393,9 @@ def stream(
     Arguments as :func:`generate`; ``with_logits``: yield ``(token (B,), logits (B, V))``, the logits
     each token was drawn from (what a live view shows beside it). They are checked when ``stream`` is
     called, not at the first ``next()``. A hook set between two tokens applies from the next one.
+    ``reading``: yield ``(token, logits, read)``, ``read`` what ``reading`` read of the pass that gave
+    the logits (:data:`attnlab.decoding.Reading`; a compiled step compiles it with the step: serve's
+    stream reads each token's attention so, :func:`attnlab.interpret.attention_rows`).
     The model is in eval mode while the iterator runs: its training mode comes back
     when the iterator is exhausted or closed (``it.close()``, or the iterator is garbage-collected),
     so close one you stop reading early before training again.
@@ -384,8 +404,10 @@ def stream(
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
     with_logits = check_bool("with_logits", with_logits)
-    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
-    return steps if with_logits else (tok for tok, _ in steps)
+    steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, reading=reading)
+    if reading is not None:
+        return steps
+    return ((tok, logits) for tok, logits, _ in steps) if with_logits else (tok for tok, _, _ in steps)
 
 
 def generate(
@@ -492,7 +514,7 @@ def _collect(steps: Iterator[tuple[Tensor, Tensor]], model: GPT, idx: Tensor, re
     """The tokens ``(B, T + new)`` of a generation's ``steps`` after the prompt ``idx``, and with
     ``return_logits`` the logits ``(B, new, V)`` (float32)."""
     new_tokens, all_logits = [], []
-    for token, logits in steps:
+    for token, logits, _ in steps:
         new_tokens.append(token)  # (B,)
         if return_logits:
             all_logits.append(logits.float())

@@ -83,8 +83,10 @@ from attnlab.interpret.tracing import (
     AttentionRecord,
     Trace,
     attention_layers,
+    attention_rows,
     observe_attention_rows,
     record_module,
+    rows_of,
     trace,
 )
 
@@ -119,6 +121,7 @@ __all__ = [
     "all_head_scores",
     "attention_hooks",
     "attention_layers",
+    "attention_rows",
     "attribution_patching",
     "circuit_metrics",
     "direct_logit_attribution",
@@ -150,6 +153,7 @@ __all__ = [
     "render_page",
     "repeated_tokens",
     "retrace",
+    "rows_of",
     "rollout",
     "run_with_cache",
     "save_page",

@@ -11,6 +11,7 @@ computed, whatever positions or biases produced them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,8 +35,10 @@ __all__ = [
     "AttentionRecord",
     "Trace",
     "attention_layers",
+    "attention_rows",
     "observe_attention_rows",
     "record_module",
+    "rows_of",
     "stop_before_head",
     "trace",
 ]
@@ -61,51 +64,76 @@ def full_mask(call: AttentionCall, n: int, S: int, device: torch.device) -> Tens
 
 
 @contextlib.contextmanager
-def observe_attention_rows(
-    model: nn.Module, callback: Callable[[Tensor, Tensor | None, Tensor | None], None]
-) -> Iterator[list[MultiHeadAttention]]:
-    """Call ``callback(weights, q_positions, k_positions)`` once per pass of ``model`` inside the block,
-    after its last layer: ``weights (L, b, H, S)`` the attention weights of the pass's last query in
-    every layer (in the model's dtype), and the query's and keys' positions of layer 0 (see
-    :class:`~attnlab.interpret.hooks.AttentionCall`; None without). What a generation's stream shows of
-    each token (``attnlab serve``, :func:`~attnlab.interpret.trace_generation`), read from each layer's
-    ``hook_pattern``. The positions may be views of a cache, valid until the next pass; ``weights`` is
-    the callback's to keep.
+def attention_rows(model: nn.Module) -> Iterator[dict[int, tuple[Tensor, Tensor | None, Tensor | None]]]:
+    """A reading of one pass's last query (:data:`attnlab.decoding.Reading`): inside it, a pass of
+    ``model`` fills the dict it yields with ``{layer: (row (b, H, S), q_positions, k_positions)}`` from
+    each layer's ``hook_pattern`` (the positions as :class:`~attnlab.interpret.hooks.AttentionCall` tells
+    them). :func:`rows_of` lays them out. Serve's generation stream reads each token so, and a compiled
+    decoding step compiles these hook functions with it (``stream(..., reading=attention_rows)``)."""
+    got: dict[int, tuple] = {}
+    fns = {f"blocks.{i}.attn.hook_pattern": functools.partial(_keep_row, got, i) for i in range(len(model.trf_blocks))}
+    with hooks(model, fns):
+        yield got
+
+
+def _keep_row(got: dict, layer: int, pattern: Tensor, hook: HookPoint) -> None:
+    got[layer] = (pattern[:, :, -1], hook.call.q_positions, hook.call.k_positions)  # (b, H, S), (1|b, n), (1|b, S)
+
+
+def rows_of(
+    model: nn.Module, read: dict[int, tuple[Tensor, Tensor | None, Tensor | None]]
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(weights (L, b, H, S), q_positions, k_positions)``: the rows :func:`attention_rows` read of a pass,
+    in the model's dtype, with the query's and keys' positions of layer 0 (None without). A decoding
+    step over cache slots (:class:`~attnlab.attention.SlotCache`) attends over every slot, the later ones
+    masked: its rows end at the query's own slot.
 
     Layers that attend over different keys (a model with windows of several sizes, such as Gemma 3's,
     once the text is longer than a window) have their rows laid on the keys of the layer with the most,
     by position: a key that layer holds and another does not (outside its window) gets weight 0 there,
     and the positions handed are that layer's. Without positions that is a ``ValueError``."""
     layers = attention_layers(model)
-    L = len(layers)
-    rows: list[Tensor] = []
-    calls: list[AttentionCall] = []
+    if sorted(read) != list(range(len(layers))):
+        raise ValueError(f"rows_of needs every layer to attend once a pass, got layers {sorted(read)} of {len(layers)}")
+    rows, q_pos, k_pos = ([read[i][j] for i in range(len(layers))] for j in range(3))
+    for i, (row, q, k) in enumerate(zip(rows, q_pos, k_pos, strict=True)):
+        if q is not None and k is not None and k.shape[0] == 1 and row.shape[-1] > int(q[0, -1]) + 1:
+            S = int(q[0, -1]) + 1  # slots after the query's: empty (a slot cache's slot j holds position j)
+            if torch.equal(k[0, :S], torch.arange(S, device=k.device)):
+                rows[i], k_pos[i] = row[..., :S], k[:, :S]
     # Layers of several windows or sinks may hold their keys in other slots even where they hold as many
     # (a prompt's pass with sinks: the global layer's slots start with them): their positions decide.
     several = len({(att.window, att.sinks) for att in layers}) > 1
+    first = k_pos[0]
+    if len({r.shape[-1] for r in rows}) == 1 and (
+        not several or first is None or all(torch.equal(k, first) for k in k_pos[1:])
+    ):
+        return torch.stack(rows), q_pos[0], first  # (L, b, H, S)
+    # The layer that holds the most keys (a global one: every other layer's are among them)
+    wide = max(range(len(rows)), key=lambda i: (rows[i].shape[-1], _held(k_pos[i])))
+    return _rows_on_keys(rows, k_pos, k_pos[wide]), q_pos[wide], k_pos[wide]
+
+
+@contextlib.contextmanager
+def observe_attention_rows(
+    model: nn.Module, callback: Callable[[Tensor, Tensor | None, Tensor | None], None]
+) -> Iterator[list[MultiHeadAttention]]:
+    """Call ``callback(weights, q_positions, k_positions)`` once per pass of ``model`` inside the block,
+    after its last layer: :func:`rows_of` what :func:`attention_rows` reads of each pass (what
+    :func:`~attnlab.interpret.trace_generation` shows of each token). The positions may be views of a
+    cache, valid until the next pass; ``weights`` is the callback's to keep."""
+    layers = attention_layers(model)
+    got: dict[int, tuple] = {}
 
     def keep(pattern: Tensor, hook: HookPoint) -> None:
-        if hook.layer() == 0:  # a new pass
-            rows.clear()
-            calls.clear()
-        rows.append(pattern[:, :, -1].detach())  # (b, H, S): the pass's last query
-        calls.append(hook.call)
-        if hook.layer() < L - 1:
-            return
-        if len(rows) != L:
-            raise ValueError(f"observe_attention_rows needs every layer to attend once a pass, got {len(rows)} of {L}")
-        first = calls[0].k_positions
-        if len({r.shape[-1] for r in rows}) == 1 and (
-            not several or first is None or all(torch.equal(c.k_positions, first) for c in calls[1:])
-        ):
-            callback(torch.stack(rows), calls[0].q_positions, first)  # (L, b, H, S)
-            return
-        # The layer that holds the most keys (a global one: every other layer's are among them)
-        wide = max(range(L), key=lambda i: (rows[i].shape[-1], _held(calls[i].k_positions)))
-        keys = calls[wide].k_positions
-        callback(_rows_on_keys(rows, calls, keys), calls[wide].q_positions, keys)
+        layer = hook.layer()
+        if layer == 0:  # a new pass
+            got.clear()
+        _keep_row(got, layer, pattern.detach(), hook)
+        if layer == len(layers) - 1:
+            callback(*rows_of(model, got))
 
-    with hooks(model, {f"blocks.{i}.attn.hook_pattern": keep for i in range(L)}):
+    with hooks(model, {f"blocks.{i}.attn.hook_pattern": keep for i in range(len(layers))}):
         yield layers
 
 
@@ -114,10 +142,10 @@ def _held(positions: Tensor | None) -> int:
     return 0 if positions is None else int((positions >= 0).sum())
 
 
-def _rows_on_keys(rows: list[Tensor], calls: list[AttentionCall], keys: Tensor | None) -> Tensor:
+def _rows_on_keys(rows: list[Tensor], positions: list[Tensor | None], keys: Tensor | None) -> Tensor:
     """Each layer's row ``(b, H, S_i)`` laid on the keys at positions ``keys (1 or b, S)`` (-1: none), by its
-    call's key positions: ``(L, b, H, S)``, 0 where a layer holds no such key."""
-    if keys is None or any(c.k_positions is None for c in calls):
+    keys' ``positions``: ``(L, b, H, S)``, 0 where a layer holds no such key."""
+    if keys is None or any(p is None for p in positions):
         sizes = [row.shape[-1] for row in rows]
         raise ValueError(
             f"observe_attention_rows: this pass's layers attended over {sizes} keys (windows of several "
@@ -132,8 +160,8 @@ def _rows_on_keys(rows: list[Tensor], calls: list[AttentionCall], keys: Tensor |
     column_of.scatter_(1, torch.where(keys >= 0, keys, top), torch.where(keys >= 0, at, S))
     column_of[:, top] = S
     out = rows[0].new_zeros(len(rows), b, H, S + 1)  # (L, b, H, S + 1)
-    for i, (row, call) in enumerate(zip(rows, calls, strict=True)):
-        pos = call.k_positions.expand(b, row.shape[-1])  # (b, S_i)
+    for i, (row, at) in enumerate(zip(rows, positions, strict=True)):
+        pos = at.expand(b, row.shape[-1])  # (b, S_i)
         cols = column_of.gather(1, torch.where((pos >= 0) & (pos < top), pos, top))  # (b, S_i)
         out[i].scatter_(-1, cols[:, None].expand(b, H, -1), row)
     return out[..., :S]

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor
 
 from attnlab import hardware
 from attnlab.checks import check_bool
@@ -57,11 +56,12 @@ from attnlab.generation import SamplingConfig, cache_length, stream
 from attnlab.interpret import (
     KeptTrace,
     ablation_effect,
+    attention_rows,
     inspector_data,
     next_token_probabilities,
-    observe_attention_rows,
     parse_heads,
     retrace,
+    rows_of,
     shared_prefix,
     token_label,
     token_strings,
@@ -467,7 +467,8 @@ class Engine:
             try:
                 with self.lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
-                    decoder.precompile()
+                    decoder.precompile()  # a chat answer's step
+                    decoder.precompile(attention_rows)  # the generation stream's: each token's attention too
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
@@ -597,11 +598,14 @@ class Engine:
         def work() -> GenerationRun:
             idx = torch.tensor([ids], dtype=torch.long, device=model.device)
             g = torch.Generator(device=model.device).manual_seed(int(seed))
-            # (each token's attention recorded: the eager forward's records, no compiled step)
+            # Each token's attention read at the hook points (attention_rows), by the compiled step where
+            # this size is compiled (the hook functions compiled with it), else by the eager one.
+            compiled = self.compiled_step(len(ids), max_new_tokens)
             tokens = stream(
                 model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
-                with_logits=True,
+                reading=attention_rows, compile=compiled,
             )  # fmt: skip
+            self.count("compiled_generations", int(compiled))
             return GenerationRun(list(ids), len(ids), sampling, max_new_tokens, candidates, tokens)
 
         run = self.run(work)
@@ -682,16 +686,13 @@ def step_of_stream(model: torch.nn.Module, run: GenerationRun) -> GenerationStep
     the attention row of the query that produced the token (each layer's last pass), the candidates
     after temperature/top-k/top-p from the logits it was drawn from, and the token of each key.
     Call with the engine's lock held (the hooks live on the model meanwhile)."""
-    got: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
-    # Each pass's last query's weights in every layer, (L, B, H, S) (a prefill may take several passes:
-    # the last one's); a compiled step hands them from its graph at once. Read below, before the next
-    # step writes the caches again (the positions may be views of them).
-    with observe_attention_rows(model, lambda *rows: got.append(rows)):
-        step = next(run.tokens, None)  # (token (B,), the logits it was drawn from (B, V))
+    step = next(run.tokens, None)  # (token (B,), the logits it was drawn from (B, V), what attention_rows read)
     if step is None:
         return None
-    token, logits = step
-    weights, q_positions, k_positions = got[-1]
+    token, logits, read = step
+    # The pass's last query's weights in every layer, (L, B, H, S), read before the next step writes the
+    # caches again (the positions may be views of them).
+    weights, q_positions, k_positions = rows_of(model, read)
     weights = weights.float()  # (L, B, H, S)
     logits = logits.float()  # (B, V), as trace_generation's (ties among bfloat16 logits in one order)
     if run.sampling.greedy:  # one-hot on the token drawn, the argmax: no (B, V) distribution to build
