@@ -56,7 +56,7 @@ from attnlab.training.checkpoint import (
     metadata_digest,
 )
 from attnlab.training.rundir import RunLock, check_run_directory
-from attnlab.training.trainer import _StopFlag
+from attnlab.training.trainer import StopFlag
 
 __all__ = ["SAETrainConfig", "SAETrainResult", "SAETrainer", "train_sae"]
 
@@ -418,7 +418,7 @@ class SAETrainer:
             history: list[dict[str, float]] = []
             window: list[dict[str, float]] = []
             t0, rows = time.perf_counter(), 0
-            with _StopFlag() as stop:  # SIGINT / SIGTERM: finish the step, save, stop
+            with StopFlag() as stop:  # SIGINT / SIGTERM: finish the step, save, stop
                 while self.step < cfg.max_steps and stop.signum is None:
                     window.append(self.train_step())
                     rows += cfg.batch_rows

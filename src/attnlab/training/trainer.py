@@ -88,7 +88,7 @@ from attnlab.training.memory import GiB, available_memory, estimate_training_mem
 from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
 
-__all__ = ["SAMPLE_SETTINGS", "TrainResult", "Trainer", "train"]
+__all__ = ["SAMPLE_SETTINGS", "StopFlag", "TrainResult", "Trainer", "train"]
 
 METRICS_NAME = "metrics.jsonl"
 # The shortest windows a fine-tuning run without --context-length shrinks to, to fit a short text.
@@ -149,7 +149,7 @@ class _MetricsLog:
         self._f.close()
 
 
-class _StopFlag:
+class StopFlag:
     """SIGINT / SIGTERM ask training to stop after the current step (and save); a second SIGINT
     aborts at once (the previous checkpoint stays valid: saves are atomic)."""
 
@@ -162,7 +162,7 @@ class _StopFlag:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def __enter__(self) -> _StopFlag:
+    def __enter__(self) -> StopFlag:
         if _is_main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handler)
@@ -764,7 +764,7 @@ class Trainer:
             loss_sum /= self.dist.world_size
         return loss_sum.item(), lr, float(grad_norm)
 
-    def _should_stop(self, flag: _StopFlag) -> int | None:
+    def _should_stop(self, flag: StopFlag) -> int | None:
         """The signal that asked to stop, agreed on by all ranks (max over them), or None."""
         signum = flag.signum or 0
         if self.dist.enabled:
@@ -817,7 +817,7 @@ class Trainer:
         history: list[dict[str, Any]] = []
         self.raw_model.train()
         try:
-            with _StopFlag() as flag:
+            with StopFlag() as flag:
                 while self.step < cfg.max_steps:
                     rec = self._step(write)
                     history.append(rec)
