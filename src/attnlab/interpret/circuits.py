@@ -62,7 +62,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.interpret.hooks import HookPoint, hooks
-from attnlab.interpret.patching import _scalar
+from attnlab.interpret.patching import metric_scalar
 
 __all__ = [
     "MIB_BUDGETS",
@@ -402,7 +402,7 @@ def _check_inputs(model: nn.Module, clean: object, corrupted: object, metric: ob
 
 def _metric_value(metric: Callable, logits: Tensor) -> Tensor:
     value = metric(logits)
-    _scalar(value)  # a clear ValueError for anything but one float
+    metric_scalar(value)  # a clear ValueError for anything but one float
     if not isinstance(value, Tensor) or not value.requires_grad:
         raise ValueError("metric must return a tensor computed from the logits (edge attribution needs its gradient)")
     return value.reshape(())
@@ -1017,7 +1017,7 @@ def circuit_metrics(
             finally:
                 for h in handles:
                     h.remove()
-            values += [float(_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
+            values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
     finally:
         model.train(was_training)
     return values
@@ -1049,7 +1049,7 @@ def _endpoints(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Calla
     model.eval()
     try:
         with torch.no_grad():
-            m_clean, m_corr = (float(_scalar(metric(model(idx)))) for idx in (clean, corrupted))
+            m_clean, m_corr = (float(metric_scalar(metric(model(idx)))) for idx in (clean, corrupted))
     finally:
         model.train(was_training)
     if m_clean == m_corr:

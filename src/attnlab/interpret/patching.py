@@ -111,10 +111,12 @@ def _metric_rows(metric: Callable, logits: Tensor) -> Tensor:
         if not isinstance(out, Tensor) or out.shape != logits.shape[:1]:
             raise ValueError(f"metric.rows must return one value per row, shape ({logits.shape[0]},)")
         return out.detach().double()
-    return torch.stack([_scalar(metric(logits[i : i + 1])) for i in range(logits.shape[0])])
+    return torch.stack([metric_scalar(metric(logits[i : i + 1])) for i in range(logits.shape[0])])
 
 
-def _scalar(value: object) -> Tensor:
+def metric_scalar(value: object) -> Tensor:
+    """A metric's value as a float64 scalar tensor, detached (a float or a one-element float tensor);
+    a ValueError naming what came for anything else. Shared by patching and circuits."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     if not isinstance(value, Tensor) or value.numel() != 1 or not (value.is_floating_point() or value.is_complex()):
@@ -285,7 +287,7 @@ def activation_patching(
         with torch.no_grad():
             _, clean_cache = run_with_cache(model, clean, names)
             logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
-            _scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+            metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
             _check_tail(model, logits, corr_cache[starts[0]], last_only)
             sources = [clean_cache[n] for n in names]
             resid = [corr_cache[n] for n in starts]
@@ -385,7 +387,7 @@ def path_patching(
                 return x
 
             with hooks(model, dict.fromkeys(wanted, receive)):
-                value = _scalar(metric(model(corrupted)))
+                value = metric_scalar(metric(model(corrupted)))
     finally:
         model.train(was_training)
     return float(value)
@@ -437,7 +439,7 @@ def attribution_patching(
             _, clean_cache = run_with_cache(model, clean, names)
         with torch.enable_grad(), hooks(model, {"hook_embed": leaf, **dict.fromkeys(names, keep)}):
             value = metric(model(corrupted))
-            _scalar(value)
+            metric_scalar(value)
             grads = torch.autograd.grad(value.reshape(()), [acts[n] for n in names], allow_unused=True)
     finally:
         model.train(was_training)
