@@ -38,11 +38,14 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
     want = activation_patching(model, *ids, metric, "head_out")
     with torch.no_grad():
         lc, lx = (float(metric(model(i[None]))) for i in ids)
-    best = int(((want - lx) / (lc - lx)).flatten().argmax())
-    L, H = divmod(best, want.shape[1])
+    restored = ((want - lx) / (lc - lx)).flatten()
     lines = text.split("head_out:")[1].strip().splitlines()
-    assert lines[1].split()[0] == f"{L}.{H}"
-    assert float(lines[1].split()[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
+    # listed by the size of the effect, either way, with its sign
+    for line, i in zip(lines[1:4], restored.abs().argsort(descending=True)[:3].tolist(), strict=True):
+        L, H = divmod(i, want.shape[1])
+        assert line.split()[0] == f"{L}.{H}"
+        assert float(line.split()[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
+        assert float(line.split()[2]) == pytest.approx(float(restored[i]), abs=2e-3)
     assert f"clean run {lc:+.4f}" in text
     page = out.read_text()
     assert "data:image/png;base64," in page and "head_out" in page
@@ -131,7 +134,7 @@ def test_gemma_models_are_patched(gemma_checkpoints, family, capsys):
     want = activation_patching(model, *ids, metric, "head_out")
     with torch.no_grad():
         lc, lx = (float(metric(model(i[None]))) for i in ids)
-    best = int(((want - lx) / (lc - lx)).flatten().argmax())
+    best = int(((want - lx) / (lc - lx)).flatten().abs().argmax())  # the largest effect, either way
     L, H = divmod(best, want.shape[1])
     line = text.split("head_out:")[1].strip().splitlines()[1].split()
     assert line[0] == f"{L}.{H}" and float(line[1]) == pytest.approx(float(want[L, H]), abs=1e-4)
@@ -163,3 +166,22 @@ def test_a_model_patching_cannot_rerun_is_one_line(checkpoint, tmp_path, monkeyp
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "not supported by activation_patching" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_patch_that_moves_the_metric_the_other_way_is_listed_with_its_sign():
+    """Issue 55: a head whose patch pushes the logit difference away from the clean run (IOI's negative
+    name movers) must be listed, ranked by the size of its effect, with a minus sign."""
+    from attnlab.tools.patch import PatchReport
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.rand(4, 5, generator=g, dtype=torch.float64) * 2.0  # raw logit differences, (L, H)
+    values[2, 3] = -6.0  # the corrupted run is 1.0, the clean one 3.0: this patch moves it by -3.5 clean runs
+    report = PatchReport(["a"], ("a", "b"), 3.0, 1.0, results={"head_out": values})
+    top = report.top("head_out", 3)
+    restored = (values - 1.0) / (3.0 - 1.0)
+    assert top[0][0] == "2.3" and top[0][2] == pytest.approx(-3.5)
+    # the rest: the next largest |effect|, whatever its sign, from a reference ranking written here
+    ranked = sorted(((abs(float(restored[i, j])), f"{i}.{j}") for i in range(4) for j in range(5)), reverse=True)
+    assert [label for label, _, _ in top] == [label for _, label in ranked[:3]]
+    text = report.format(top=3)
+    assert "2.3" in text and "-3.500" in text and "either way" in text

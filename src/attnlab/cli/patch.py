@@ -7,8 +7,9 @@ Example::
         --out patch.html
 
 The corrupted prompt runs with one clean activation at a time (a head's output, or the residual
-stream at one position); printed are the patches that restore the most of the clean run's logit
-difference, and ``--out`` writes the heatmaps (an HTML page, or a PNG of the first site).
+stream at one position); printed are the patches of largest effect on the logit difference, either
+way, with its sign (a patch that moves it away from the clean run's matters too), and ``--out``
+writes the heatmaps (an HTML page, or a PNG of the first site).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from attnlab.tools.patch import patch_report, save_patch_picture
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Activation patching: run the corrupted prompt with one activation of the clean prompt at a time and "
-        "print the heads (L.H) and positions that restore the most of logit(A) - logit(B)."
+        "print the heads (L.H) and positions whose patch moves logit(A) - logit(B) the most, either way, with its sign."
     )
     add_model_arguments(parser, what="(unused by patch: give --clean and --corrupted)")
     parser.add_argument("--clean", metavar="TEXT", required=True, help="the prompt whose answer is A")

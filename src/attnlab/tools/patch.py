@@ -1,7 +1,8 @@
 """``attnlab patch``: which heads and positions carry the answer, by activation patching.
 
 The corrupted prompt is run with one clean activation at a time; the report lists the patches that
-move the logit difference of the two answers the most toward the clean run's, and a picture shows
+move the logit difference of the two answers the most, either way (toward the clean run's, or away
+from it, as IOI's negative name movers do), with the sign of the move, and a picture shows
 each site as a heatmap (layer x head, layer x position).
 """
 
@@ -55,9 +56,16 @@ class PatchReport:
         return (self.results[site] - self.corrupted_value) / (self.clean_value - self.corrupted_value)
 
     def top(self, site: str, k: int) -> list[tuple[str, float, float]]:
-        """The ``k`` patches that restore the most: ``(label, raw value, restored fraction)``."""
+        """The ``k`` patches of largest effect either way: ``(label, raw value, restored fraction)``.
+
+        The effect of a patch is how far it moves the metric from the corrupted run's, as a fraction
+        of the clean run's distance: ``restored``. They are ranked by ``|restored|`` so that a patch
+        moving the metric strongly the *other* way (IOI's negative name movers) is listed too; the
+        sign of ``restored`` tells the two apart. Ties keep the order of the results (layer first).
+        """
         restored = self.restored(site)
-        order = restored.flatten().argsort(descending=True)[:k]
+        flat = restored.flatten()
+        order = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
         out = []
         for i in order.tolist():
             index = torch.unravel_index(torch.tensor(i), restored.shape)
@@ -65,7 +73,7 @@ class PatchReport:
                 (
                     self.label(site, [int(j) for j in index]),
                     float(self.results[site].flatten()[i]),
-                    float(restored.flatten()[i]),
+                    float(flat[i]),
                 )
             )
         return out
@@ -108,7 +116,10 @@ class PatchReport:
             f"clean run {self.clean_value:+.4f}, corrupted run {self.corrupted_value:+.4f}",
         ]
         for site in self.results:
-            lines.append(f"\n{site}: the {top} patches that restore the most (value, fraction restored)")
+            lines.append(
+                f"\n{site}: the {top} patches of largest effect, either way (value, fraction restored: "
+                "+ toward the clean run, - away from it)"
+            )
             for label, value, frac in self.top(site, top):
                 lines.append(f"  {label:40} {value:+.4f}  {frac:+.3f}")
         return "\n".join(lines)
