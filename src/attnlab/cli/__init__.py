@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "viz": ("attnlab.cli.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
     "inspect": ("attnlab.cli.inspect", "look inside a model on a prompt: head roles, logit lens, rollout, ablation"),
     "patch": ("attnlab.cli.patch", "activation patching: which heads and positions carry the answer"),
+    "circuit": (
+        "attnlab.cli.circuit",
+        "edge attribution (EAP, EAP-IG): a circuit of heads and MLPs, its faithfulness",
+    ),
     "serve": ("attnlab.cli.serve", "the inspector as a live local web app: type, generate, ablate"),
     "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
     "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),

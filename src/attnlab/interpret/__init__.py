@@ -19,7 +19,8 @@ From looking to explaining: hook points with TransformerLens's names (:func:`hoo
 :func:`faithfulness_curve`).
 
 The inspector's patching view (:func:`patching_data`; :func:`notebook_patching_html` in Jupyter) draws
-activation patching as heatmaps.
+activation patching as heatmaps; the circuit view (:func:`circuit_result`; :func:`notebook_circuit_html`
+in Jupyter) draws the edges :func:`edge_attribution` finds as a graph.
 
 :func:`inspector_data` gathers all of it for the inspector page (:func:`render_page`, the file
 ``attnlab viz --out page.html`` writes); in Jupyter a :class:`Trace` shows that page inline::
@@ -42,6 +43,7 @@ from attnlab.interpret.analysis import (
     rollout,
 )
 from attnlab.interpret.attribution import LogitAttribution, direct_logit_attribution
+from attnlab.interpret.circuit_view import CircuitResult, circuit_page, circuit_result, notebook_circuit_html
 from attnlab.interpret.circuits import (
     MIB_BUDGETS,
     Circuit,
@@ -101,6 +103,7 @@ __all__ = [
     "AttentionCall",
     "AttentionRecord",
     "Circuit",
+    "CircuitResult",
     "EdgeGraph",
     "EdgeScores",
     "FaithfulnessCurve",
@@ -124,6 +127,8 @@ __all__ = [
     "attention_rows",
     "attribution_patching",
     "circuit_metrics",
+    "circuit_page",
+    "circuit_result",
     "direct_logit_attribution",
     "edge_attribution",
     "evaluate_sae",
@@ -138,6 +143,7 @@ __all__ = [
     "maps_data",
     "next_token_probabilities",
     "normalized_logit_diff",
+    "notebook_circuit_html",
     "notebook_html",
     "notebook_patching_html",
     "observe_attention_rows",

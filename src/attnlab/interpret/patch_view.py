@@ -69,7 +69,10 @@ def answer_token(tokenizer: Any, answer: object, vocab_size: int, name: str = "a
     ids = [int(i) for i in tokenizer.encode(answer)]
     if len(ids) != 1:
         parts = " + ".join(repr(t) for t in token_strings(tokenizer, ids)) if ids else "nothing"
-        spaced = None if answer.startswith(" ") else [int(i) for i in tokenizer.encode(" " + answer)]
+        try:  # a hint only: a tokenizer without a space (a char tokenizer) cannot offer it
+            spaced = None if answer.startswith(" ") else [int(i) for i in tokenizer.encode(" " + answer)]
+        except ValueError:
+            spaced = None
         hint = f" ({' ' + answer!r}, with a leading space, is one)" if spaced and len(spaced) == 1 else ""
         raise ValueError(f"{name} {answer!r} is {len(ids)} tokens ({parts}); an answer must be exactly one token{hint}")
     if not 0 <= ids[0] < vocab_size:

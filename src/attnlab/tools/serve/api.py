@@ -20,6 +20,7 @@ __all__ = [
     "AblateRequest",
     "ChatMessage",
     "ChatRequest",
+    "CircuitRequest",
     "GenerateRequest",
     "InfoAnswer",
     "InspectRequest",
@@ -244,3 +245,28 @@ class PatchRequest(Strict):
         "position, (L, T); [] for one head's pattern only",
     )
     head: HeadName | None = Field(default=None, description="also this head's attention pattern on both prompts")
+
+
+# -- the circuit view (attnlab.tools.circuit.serve_circuit) ---------------------------------------
+CircuitMethod = Literal["EAP", "EAP-IG-inputs", "EAP-IG-activations"]
+
+
+class CircuitRequest(Strict):
+    """Edge attribution of two prompts (:func:`attnlab.interpret.edge_attribution`), metric
+    ``logit(A) - logit(B)`` at the last token, and the faithfulness of its top edges' circuits."""
+
+    clean: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt whose answer is A")
+    corrupted: str = Field(
+        min_length=1, max_length=MAX_PROMPT_CHARS, description="a prompt of as many tokens whose answer is B"
+    )
+    answers: list[Answer] = Field(
+        min_length=2,
+        max_length=2,
+        description="A and B: token ids, or texts that are exactly one token each (e.g. ' Paris')",
+        examples=[[" Mary", " John"]],
+    )
+    method: CircuitMethod = Field(default="EAP", description="EAP, or EAP-IG on the inputs or on the activations")
+    ig_steps: int = Field(default=5, ge=1, le=32, description="integrated-gradient steps of EAP-IG")
+    budget: str | float = Field(
+        default="5%", description="the circuit drawn: its share of all edges, as '5%' or 0.05, in (0, 1]"
+    )

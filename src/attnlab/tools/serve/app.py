@@ -16,6 +16,8 @@ source that asks the API for what the page shows. The API (OpenAPI schema at ``/
   and the text the inspector opens); see :mod:`attnlab.tools.serve.chat`.
 * ``POST /api/patch``: activation patching of the page's prompt and a corrupted one, the patching view
   (:mod:`attnlab.tools.serve.patching`).
+* ``POST /api/circuit``: edge attribution (EAP, EAP-IG) of the page's prompt and a corrupted one and the
+  faithfulness of its circuits, the circuit view (:func:`attnlab.tools.circuit.serve_circuit`).
 * ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
 * ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
 
@@ -45,12 +47,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab import __version__
+from attnlab.interpret.circuit_view import CIRCUIT_ASSETS, read_circuit_asset
 from attnlab.interpret.codec import Packed
 from attnlab.interpret.page import ASSETS, json_for_script, read_asset
+from attnlab.tools.circuit import serve_circuit
 from attnlab.tools.serve.api import (
     AblateAnswer,
     AblateRequest,
     ChatRequest,
+    CircuitRequest,
     GenerateRequest,
     InfoAnswer,
     InspectRequest,
@@ -86,9 +91,10 @@ def live_page(engine: Engine) -> str:
         csp=LIVE_CSP,
         title=html.escape(engine.name),
         styles='<link rel="icon" href="data:,">\n<link rel="stylesheet" href="assets/viewer.css">'
-        '\n<link rel="stylesheet" href="assets/patching.css">',
+        '\n<link rel="stylesheet" href="assets/patching.css">\n<link rel="stylesheet" href="assets/circuit.css">',
         data=f'<script type="application/json" id="attn-live">{json_for_script(config)}</script>',
-        scripts='<script src="assets/patching.js"></script>\n<script src="assets/viewer.js"></script>',
+        scripts='<script src="assets/patching.js"></script>\n<script src="assets/circuit.js"></script>'
+        '\n<script src="assets/viewer.js"></script>',
     )
 
 
@@ -305,6 +311,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_page_routes(app: FastAPI, engine: Engine) -> None:
     """``/``, the inspector page, and ``/assets/{name}``, its files."""
     assets = {name: read_asset(name) for name in ASSETS}
+    assets |= {name: read_circuit_asset(name) for name in CIRCUIT_ASSETS if not name.endswith(".html")}
     page = live_page(engine)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -505,6 +512,27 @@ def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
         if results is None:  # the reader pressed stop, or patched again
             return _json({"detail": "the client left"}, 400)
         return await _call(_packed_response, patch_answer(engine, job, values, results, pattern))
+
+    @app.post(
+        "/api/circuit",
+        summary="edge attribution of a clean and a corrupted prompt: the circuit view",
+        description="Every edge's score by EAP or EAP-IG (attnlab.interpret.edge_attribution) for logit(A) - logit(B) "
+        "at the last token, the faithfulness of the top edges' circuits at MIB's budgets (CPR, CMD), the circuit of "
+        "`budget`'s top edges (its strongest drawn) and the attention of its heads on both prompts. Plain JSON; see "
+        "attnlab.interpret.circuit_view.",
+    )
+    async def circuit(req: CircuitRequest) -> Response:
+        section = await _call(
+            serve_circuit,
+            engine,
+            req.clean,
+            req.corrupted,
+            req.answers,
+            method=req.method,
+            ig_steps=req.ig_steps,
+            budget=req.budget,
+        )
+        return _json(section, 200)
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:

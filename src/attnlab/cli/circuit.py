@@ -1,0 +1,82 @@
+"""``attnlab circuit``: which edges between heads and MLPs carry the answer, by edge attribution.
+
+Example::
+
+    attnlab circuit --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --clean "When Mary and John went to the store, John gave a drink to" \
+        --corrupted "When Mary and John went to the store, Mary gave a drink to" \
+        --answers " Mary" " John" --method EAP-IG-inputs --budget 5% --out circuit.html
+
+Every edge (a writer's output read by a later head's query, key or value, an MLP or the logits) is
+scored by EAP or EAP-IG (:func:`attnlab.interpret.edge_attribution`); printed are the strongest
+edges with their sign, and the faithfulness of the circuit of the top edges at MIB's budgets with
+its summaries (CPR, CMD); ``--out`` writes an offline page drawing the circuit of ``--budget``'s
+top edges, a clicked head's attention on both prompts beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from attnlab.checks import resolve_device
+from attnlab.cli.options import add_model_arguments
+from attnlab.interpret.circuit_view import parse_budget
+from attnlab.tools.circuit import METHODS, circuit_report, save_circuit_page
+from attnlab.tools.loading import load
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Edge attribution patching (EAP, EAP-IG): score every edge between the embeddings, heads, MLPs and the "
+        "logits for logit(A) - logit(B), print the strongest edges and the faithfulness of the top edges' "
+        "circuits at MIB's budgets (CPR, CMD), and draw the circuit as a page."
+    )
+    add_model_arguments(parser, what="(unused by circuit: give --clean and --corrupted)")
+    parser.add_argument("--clean", metavar="TEXT", required=True, help="the prompt whose answer is A")
+    parser.add_argument("--corrupted", metavar="TEXT", required=True, help="a prompt of as many tokens, answer B")
+    parser.add_argument("--answers", nargs=2, metavar=("A", "B"), required=True, help="two one-token answers")
+    parser.add_argument("--method", default="EAP", metavar="M", help=f"{', '.join(METHODS)} (default: EAP)")
+    parser.add_argument(
+        "--ig-steps", type=int, default=5, metavar="N", help="integrated-gradient steps of EAP-IG (default 5)"
+    )
+    parser.add_argument(
+        "--budget",
+        default="5%",
+        metavar="B",
+        help="the circuit drawn: its share of all edges, as 5%% or 0.05 (default 5%%)",
+    )
+    parser.add_argument("--top", type=int, default=20, metavar="K", help="edges listed (default 20)")
+    parser.add_argument("--out", metavar="FILE", help="write the circuit's page (.html, offline)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.checkpoint is None and args.model is None:
+        raise ValueError("give --checkpoint DIR or --model NAME")
+    if args.prompt is not None:
+        raise ValueError("attnlab circuit takes --clean and --corrupted, not --prompt")
+    if args.method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
+    if args.ig_steps < 1:
+        raise ValueError(f"--ig-steps must be >= 1, got {args.ig_steps}")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.out is not None and not args.out.lower().endswith((".html", ".htm")):
+        raise ValueError(f"--out must end in .html, got {args.out!r}")
+    try:
+        parse_budget(args.budget)  # before the model loads: a bad budget is known at once
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
+    loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    report = circuit_report(
+        loaded,
+        args.clean,
+        args.corrupted,
+        tuple(args.answers),
+        method=args.method,
+        ig_steps=args.ig_steps,
+        budget=args.budget,
+    )
+    print(report.format(top=args.top))
+    if args.out:
+        print(f"wrote {save_circuit_page(report, args.out)}")
+    return 0

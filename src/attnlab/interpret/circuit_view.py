@@ -1,0 +1,251 @@
+"""The circuit view: the edges :func:`~attnlab.interpret.edge_attribution` finds, drawn as a graph.
+
+One section of page data, :func:`circuit_section`, drawn by ``assets/circuit.js`` in three places:
+the offline page of ``attnlab circuit --out page.html`` (:func:`circuit_page`), a tab of ``attnlab
+serve`` (``POST /api/circuit``: the reader types the corrupted prompt and picks the answers) and
+Jupyter (:func:`notebook_circuit_html`). The graph has the layers top to bottom: the embeddings,
+then per layer its heads and its MLP, the logits last. An edge's width grows with ``|score|``, its
+colour is its sign (red: patching it moves the metric toward the clean run, blue: away from it);
+an edge into a head's query, key or value input is drawn solid, dashed or dotted. Clicking a head
+shows its attention on both prompts (:func:`attnlab.interpret.trace`).
+
+The section (plain JSON: it is small; no packed arrays)::
+
+    clean, corrupted      {text, tokens}              tokens as printable labels
+    answers               [label A, label B]
+    metric, method, ig_steps
+    n_layers, n_heads, n_kv_heads, n_edges            n_edges: every edge of the graph
+    clean_value, corrupted_value                      the metric of each whole run
+    budget                {fraction, n_edges, faithfulness}   the circuit drawn
+    edges                 [[writer, reader, score], ...]       its strongest (at most max_drawn),
+                                                               nodes [kind, layer, head]
+    curve                 {budgets, n_edges, faithfulness, cpr, cmd}   MIB's edge budgets
+    patterns              {"l.h": {clean, corrupted: (T, T) lists}} the drawn heads' attention
+    static                True: nothing can be recomputed (an offline page)
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from string import Template
+from typing import Any
+
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.interpret.circuits import (
+    MIB_BUDGETS,
+    EdgeGraph,
+    EdgeScores,
+    FaithfulnessCurve,
+    edge_attribution,
+    faithfulness,
+    faithfulness_curve,
+)
+from attnlab.interpret.inspector import token_label, token_strings
+from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
+from attnlab.interpret.patch_view import answer_token
+from attnlab.interpret.patching import logit_diff
+from attnlab.interpret.tracing import trace
+
+__all__ = [
+    "CIRCUIT_ASSETS",
+    "MAX_DRAWN",
+    "CircuitResult",
+    "circuit_page",
+    "circuit_result",
+    "circuit_section",
+    "notebook_circuit_html",
+    "parse_budget",
+    "read_circuit_asset",
+]
+
+CIRCUIT_ASSETS = ("circuit.html", "circuit.css", "circuit.js")
+# The most edges the graph draws: past a few hundred lines a page is a blur (the counts say how many
+# the circuit holds; the printed list and the curve use them all).
+MAX_DRAWN = 300
+METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
+
+
+def read_circuit_asset(name: str) -> str:
+    """The text of one of the circuit view's files (:data:`CIRCUIT_ASSETS`), from the installed package."""
+    if name not in CIRCUIT_ASSETS:
+        raise ValueError(f"name must be one of {', '.join(CIRCUIT_ASSETS)}, got {name!r}")
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def parse_budget(budget: object) -> float:
+    """A circuit's size as a fraction of all edges: ``0.05``, ``"5%"`` or ``"0.05"``, in (0, 1]."""
+    value: object = budget
+    if isinstance(budget, str):
+        text = budget.strip()
+        try:
+            value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ValueError(f"budget must be a percentage like 5% or a fraction like 0.05, got {budget!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"budget must be a share of the edges in (0%, 100%], got {budget!r}")
+    return float(value)
+
+
+@dataclass
+class CircuitResult:
+    """What :func:`circuit_result` computed: every edge's score, the faithfulness curve over MIB's
+    budgets and the circuit of the chosen budget, with what the view needs to draw them."""
+
+    scores: EdgeScores
+    curve: FaithfulnessCurve
+    budget: float
+    budget_edges: int
+    budget_faithfulness: float
+    clean_ids: list[int]
+    corrupted_ids: list[int]
+    answers: tuple[int, int]
+    tokenizer: Any = None
+    texts: tuple[str | None, str | None] = (None, None)
+    patterns: tuple[Tensor, Tensor] | None = None  # (L, H, T, T) on each prompt
+
+    def section(self, *, max_drawn: int = MAX_DRAWN, static: bool = True) -> dict[str, Any]:
+        """The view's page data (see the module's notes)."""
+        return circuit_section(self, max_drawn=max_drawn, static=static)
+
+    def _repr_html_(self) -> str:
+        return notebook_circuit_html(self.section())
+
+
+def circuit_result(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    answers: tuple[object, object],
+    *,
+    tokenizer: Any = None,
+    texts: tuple[str | None, str | None] = (None, None),
+    method: str = "EAP",
+    ig_steps: int = 5,
+    budget: object = 0.05,
+    budgets: Sequence[float] = MIB_BUDGETS,
+    patterns: bool = True,
+) -> CircuitResult:
+    """Edge attribution of ``clean`` against ``corrupted`` for ``logit(A) - logit(B)`` at the last
+    token, MIB's faithfulness curve of its top edges, and the circuit of the ``budget`` strongest.
+
+    Args:
+        clean, corrupted: ``(T,)`` or ``(1, T)`` token ids of the same length.
+        answers: A and B, token ids or texts of one token each (texts need ``tokenizer``).
+        method, ig_steps: as :func:`~attnlab.interpret.edge_attribution`.
+        budget: the drawn circuit's share of the edges (:func:`parse_budget`: ``0.05`` or ``"5%"``).
+        patterns: also trace both prompts for every head's attention (the view shows a clicked head's).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    fraction = parse_budget(budget)
+    vocab = model.config.vocab_size
+    a, b = (answer_token(tokenizer, t, vocab, f"answers[{i}]") for i, t in enumerate(answers))
+    if a == b:
+        raise ValueError(f"answers must be two different tokens, both are token {a}")
+    metric = logit_diff(a, b)
+    scores = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=ig_steps)  # checks the pair
+    curve = faithfulness_curve(model, clean, corrupted, metric, scores, budgets)
+    n = int(fraction * len(scores))
+    (faith,) = faithfulness(model, clean, corrupted, metric, scores.top_n(n))
+    ids = [(x[0] if x.dim() == 2 else x).tolist() for x in (clean, corrupted)]
+    pats = None
+    if patterns:
+        pats = tuple(trace(model, x, logits=False).weights[:, 0].float().cpu() for x in (clean, corrupted))
+    return CircuitResult(scores, curve, fraction, n, faith, ids[0], ids[1], (a, b), tokenizer, texts, pats)
+
+
+def _node(node: tuple) -> list:
+    return [node[0], node[1], node[2]]
+
+
+def _heads_of(graph: EdgeGraph, edges: list[tuple[tuple, tuple, float]]) -> set[tuple[int, int]]:
+    """The query heads the drawn edges touch: a writer head, a query input, or a key/value input's group."""
+    group = graph.n_heads // graph.n_kv_heads
+    heads = set()
+    for w, r, _ in edges:
+        if w[0] == "attn_head_out":
+            heads.add((w[1], w[2]))
+        if r[0] == "q_input":
+            heads.add((r[1], r[2]))
+        elif r[0] in ("k_input", "v_input"):
+            heads.update((r[1], r[2] * group + i) for i in range(group))
+    return heads
+
+
+def _prompt(tokenizer: Any, ids: list[int], text: str | None) -> dict[str, Any]:
+    tokens = [token_label(t) for t in token_strings(tokenizer, ids)]
+    return {"text": text if text is not None else "".join(token_strings(tokenizer, ids)), "tokens": tokens}
+
+
+def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static: bool = True) -> dict[str, Any]:
+    """The view's page data of ``result``: the circuit's ``max_drawn`` strongest edges, the curve, and
+    the attention of the heads they touch on both prompts (see the module's notes)."""
+    if isinstance(max_drawn, bool) or not isinstance(max_drawn, int) or max_drawn < 1:
+        raise ValueError(f"max_drawn must be a positive int, got {max_drawn!r}")
+    scores, curve, g = result.scores, result.curve, result.scores.graph
+    drawn = scores.top(min(result.budget_edges, max_drawn))
+    tok = result.tokenizer
+    section: dict[str, Any] = {
+        "clean": _prompt(tok, result.clean_ids, result.texts[0]),
+        "corrupted": _prompt(tok, result.corrupted_ids, result.texts[1]),
+        "answers": [token_label(token_strings(tok, [int(t)])[0]) for t in result.answers],
+        "metric": "logit(A) - logit(B) at the last token",
+        "method": scores.method,
+        "ig_steps": scores.ig_steps,
+        "n_layers": g.n_layers,
+        "n_heads": g.n_heads,
+        "n_kv_heads": g.n_kv_heads,
+        "n_edges": len(scores),
+        "clean_value": curve.clean_metric,
+        "corrupted_value": curve.corrupted_metric,
+        "budget": {
+            "fraction": result.budget,
+            "n_edges": result.budget_edges,
+            "faithfulness": result.budget_faithfulness,
+        },
+        "edges": [[_node(w), _node(r), score] for w, r, score in drawn],
+        "curve": {
+            "budgets": list(curve.budgets),
+            "n_edges": list(curve.n_edges),
+            "faithfulness": list(curve.faithfulness),
+            "cpr": curve.cpr,
+            "cmd": curve.cmd,
+        },
+        "patterns": {},
+        "static": bool(static),
+    }
+    if result.patterns is not None:
+        for layer, head in sorted(_heads_of(g, drawn)):
+            section["patterns"][f"{layer}.{head}"] = {
+                # 5 decimals: the heatmap's colours and readout need no more, and the page stays small
+                which: [[round(v, 5) for v in row] for row in p[layer, head].tolist()]
+                for which, p in zip(("clean", "corrupted"), result.patterns, strict=True)
+            }
+    return section
+
+
+def circuit_page(section: dict[str, Any], *, title: str = "circuit") -> str:
+    """A self-contained offline page of the circuit view (``assets/circuit.html``): no network at all."""
+    return Template(read_circuit_asset("circuit.html")).substitute(
+        csp=OFFLINE_CSP,
+        title=html.escape(title),
+        styles=inline("style", read_circuit_asset("circuit.css")),
+        data=f'<script type="application/json" id="attn-circuit">{json_for_script(section)}</script>',
+        scripts=inline("script", read_circuit_asset("circuit.js")),
+    )
+
+
+def notebook_circuit_html(section: dict[str, Any], *, height: int = 900) -> str:
+    """:func:`circuit_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (its own document: its
+    policy, ids and styles cannot clash with the notebook's; scripts only, no network)."""
+    page = circuit_page(section)
+    return (
+        f'<iframe class="attnlab-circuit" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
+        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
+    )

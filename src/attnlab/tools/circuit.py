@@ -1,0 +1,231 @@
+"""``attnlab circuit``: which edges between heads and MLPs carry the answer, and how faithful a circuit is.
+
+Edge attribution (:func:`attnlab.interpret.edge_attribution`: EAP or EAP-IG) of a clean and a
+corrupted prompt for the metric ``logit(A) - logit(B)`` at the last token; the report lists the
+strongest edges (by ``|score|``, with the sign: positive moves the metric toward the clean run) and
+the faithfulness of the circuit of the top edges at MIB's budgets (CPR, CMD), and the page draws the
+circuit of the chosen budget (:mod:`attnlab.interpret.circuit_view`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.files import atomic_write_text
+from attnlab.interpret.circuit_view import (
+    CircuitResult,
+    circuit_page,
+    circuit_result,
+    notebook_circuit_html,
+    parse_budget,
+)
+from attnlab.interpret.patch_view import answer_token
+from attnlab.tools.loading import LoadedModel
+
+__all__ = [
+    "MAX_CIRCUIT_TOKENS",
+    "METHODS",
+    "CircuitReport",
+    "circuit_report",
+    "format_node",
+    "save_circuit_page",
+    "serve_circuit",
+]
+
+METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
+# The longest prompts a server scores: the edges' scores and the faithfulness runs grow with T (the
+# circuits run as the rows of batches of T tokens each); past this a small model keeps the page waiting.
+MAX_CIRCUIT_TOKENS = 64
+
+
+def format_node(node: tuple) -> str:
+    """``("attn_head_out", 3, 1)`` -> ``a3.1``, ``("q_input", 5, 0)`` -> ``a5.0<q``, ``("mlp_out", 2, None)``
+    -> ``m2`` (TransformerLens's short names)."""
+    kind, layer, head = node[:3]
+    return {
+        "embed": "input",
+        "logits": "logits",
+        "attn_head_out": f"a{layer}.{head}",
+        "mlp_out": f"m{layer}",
+        "mlp_in": f"m{layer}",
+        "q_input": f"a{layer}.{head}<q",
+        "k_input": f"a{layer}.kv{head}<k",
+        "v_input": f"a{layer}.kv{head}<v",
+    }[kind]
+
+
+@dataclass
+class CircuitReport:
+    """:func:`circuit_report`'s result: the library's :class:`~attnlab.interpret.circuit_view.CircuitResult`
+    and the answers as typed."""
+
+    result: CircuitResult
+    answers: tuple[str, str]
+    name: str = "model"
+
+    def format(self, top: int = 20) -> str:
+        r, curve = self.result, self.result.curve
+        a, b = self.answers
+        steps = f", {r.scores.ig_steps} steps" if r.scores.method != "EAP" else ""
+        lines = [
+            f"metric: logit({a!r}) - logit({b!r}) at the last token",
+            f"clean run {curve.clean_metric:+.4f}, corrupted run {curve.corrupted_metric:+.4f}",
+            f"method: {r.scores.method}{steps}; {len(r.scores)} edges",
+            f"\nthe {top} strongest edges (score: + moves the metric toward the clean run, - away from it)",
+        ]
+        for w, rd, score in r.scores.top(top):
+            lines.append(f"  {format_node(w):>14} -> {format_node(rd):<14} {score:+.5f}")
+        lines.append("\nfaithfulness of the top edges at MIB's budgets (1 = the whole model, 0 = the corrupted run)")
+        for budget, n, f in zip(curve.budgets, curve.n_edges, curve.faithfulness, strict=True):
+            lines.append(f"  {budget * 100:6.1f}%  {n:7d} edges  {f:+.4f}")
+        lines.append(f"CPR (area under the curve) {curve.cpr:.5f}   CMD (area between it and 1) {curve.cmd:.5f}")
+        lines.append(
+            f"the circuit drawn: top {r.budget * 100:g}% = {r.budget_edges} edges, "
+            f"faithfulness {r.budget_faithfulness:+.4f}"
+        )
+        return "\n".join(lines)
+
+    def page(self) -> str:
+        """The offline page: the circuit as a graph, a clicked head's attention on both prompts."""
+        return circuit_page(self.result.section(), title=f"circuit · {self.name}")
+
+    def _repr_html_(self) -> str:
+        """In Jupyter: the same view, inline."""
+        return notebook_circuit_html(self.result.section())
+
+
+def _one_token(tokenizer: Any, text: str, what: str) -> int:
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(
+            f"--answers: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)"
+        )
+    return int(ids[0])
+
+
+def circuit_report(
+    loaded: LoadedModel,
+    clean: str,
+    corrupted: str,
+    answers: tuple[str, str],
+    *,
+    method: str = "EAP",
+    ig_steps: int = 5,
+    budget: object = 0.05,
+) -> CircuitReport:
+    """Edge attribution and faithfulness of two prompts of the same number of tokens (the command
+    line's checks: each error names its flag)."""
+    model, tok = loaded.model, loaded.tokenizer
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if isinstance(ig_steps, bool) or not isinstance(ig_steps, int) or ig_steps < 1:
+        raise ValueError(f"--ig-steps must be a positive int, got {ig_steps!r}")
+    a, b = (_one_token(tok, t, w) for t, w in zip(answers, ("the first answer", "the second answer"), strict=True))
+    if a == b:
+        raise ValueError(f"--answers must be two different tokens, both are {answers[0]!r}")
+    device = next(model.parameters()).device
+    ids = [torch.tensor(tok.encode(t), dtype=torch.long, device=device) for t in (clean, corrupted)]
+    ctx = model.config.context_length
+    for flag, i in zip(("--clean", "--corrupted"), ids, strict=True):
+        if i.numel() == 0:
+            raise ValueError(f"{flag} encodes to no tokens: give a prompt of at least one token")
+        if i.numel() > ctx:
+            raise ValueError(f"{flag} is {i.numel()} tokens long, more than the model's context_length={ctx}")
+    if ids[0].numel() != ids[1].numel():
+        raise ValueError(
+            f"--clean and --corrupted must have the same number of tokens (edges pair positions), "
+            f"got {ids[0].numel()} and {ids[1].numel()}"
+        )
+    try:
+        parse_budget(budget)
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
+    result = circuit_result(
+        model,
+        ids[0],
+        ids[1],
+        (a, b),
+        tokenizer=tok,
+        texts=(clean, corrupted),
+        method=method,
+        ig_steps=ig_steps,
+        budget=budget,
+    )
+    return CircuitReport(result, tuple(answers), str(loaded.metadata.get("name") or loaded.path.name))
+
+
+def save_circuit_page(report: CircuitReport, path: str | os.PathLike[str]) -> Path:
+    """Write the page atomically (a reader never sees half a page)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"--out must end in .html, got {str(path)!r}")
+    atomic_write_text(path, report.page())
+    return path
+
+
+def serve_circuit(
+    engine: Any,
+    clean: str,
+    corrupted: str,
+    answers: list[int | str],
+    *,
+    method: str = "EAP",
+    ig_steps: int = 5,
+    budget: object = 0.05,
+) -> dict[str, Any]:
+    """``POST /api/circuit`` of ``attnlab serve``: the view's section (plain JSON) for ``engine``'s model.
+
+    The request is checked first (prompts of the same number of tokens, at most
+    :data:`MAX_CIRCUIT_TOKENS`; two different one-token answers; a known method; a budget in (0, 1]),
+    each error a ValueError naming the field; then one model call (``engine.run``) does the work.
+    """
+    ids = []
+    for name, text in (("clean", clean), ("corrupted", corrupted)):
+        try:
+            got = engine.encode(text)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if len(got) > MAX_CIRCUIT_TOKENS:
+            raise ValueError(
+                f"{name} is {len(got)} tokens long; a circuit takes at most {MAX_CIRCUIT_TOKENS}: shorten it"
+            )
+        ids.append(got)
+    if len(ids[0]) != len(ids[1]):
+        raise ValueError(
+            f"clean and corrupted must have the same number of tokens (edges pair positions): the clean prompt has "
+            f"{len(ids[0])}, the corrupted one {len(ids[1])}"
+        )
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    parse_budget(budget)
+    loaded = engine.loaded
+    model = loaded.model
+    vocab = model.config.vocab_size
+    pair = tuple(answer_token(loaded.tokenizer, t, vocab, f"answers[{i}]") for i, t in enumerate(answers))
+    if len(pair) != 2 or pair[0] == pair[1]:
+        raise ValueError(f"answers must be two different tokens, got {list(answers)!r}")
+    device = next(model.parameters()).device
+    x = [torch.tensor(i, dtype=torch.long, device=device) for i in ids]
+
+    def work() -> dict[str, Any]:
+        # the engine runs in inference mode; edge attribution needs the metric's gradient
+        with torch.inference_mode(False), torch.enable_grad():
+            result = circuit_result(
+                model,
+                x[0],
+                x[1],
+                pair,
+                tokenizer=loaded.tokenizer,
+                texts=(clean, corrupted),
+                method=method,
+                ig_steps=ig_steps,
+                budget=budget,
+            )
+        return result.section(static=False)
+
+    return engine.run(work)

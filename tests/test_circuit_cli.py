@@ -1,0 +1,249 @@
+"""``attnlab circuit``, the circuit view and ``POST /api/circuit``: the library's numbers printed, the
+page written atomically with them, bad input in one line (exit 2 / a 4xx with a message), Jupyter's HTML.
+
+The library's own numbers (edge_attribution against float64 references, faithfulness against a
+hand-patched model) are held by tests/test_circuits.py; here the command line, the page, the server
+and Jupyter must show exactly them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.interpret import edge_attribution, faithfulness, faithfulness_curve, logit_diff, trace
+from attnlab.interpret.circuit_view import MAX_DRAWN, parse_budget
+from attnlab.model import GPT, GPTConfig
+from attnlab.tokenizers import CharTokenizer
+from attnlab.tools.circuit import format_node
+
+LETTERS = "abcdefghijklmnop"
+CLEAN, CORRUPTED = "abcabcd", "abcabce"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny model with grouped queries (4 heads, 2 key/value heads): the graph keeps them grouped."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=16, context_length=80, emb_dim=24, n_heads=4, n_kv_heads=2, n_layers=2, drop_rate=0.0)
+    model = GPT(cfg)
+    with torch.no_grad():  # sharper attention than the 0.02 init, so heads differ
+        for block in model.trf_blocks:
+            block.att.W_query.weight.normal_(0, 0.5)
+            block.att.W_key.weight.normal_(0, 0.5)
+    d = model.save(tmp_path_factory.mktemp("circuit") / "ckpt")
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS).to_dict()))
+    return d, model.eval()
+
+
+def _ids(texts=(CLEAN, CORRUPTED)):
+    tok = CharTokenizer(LETTERS)
+    return [torch.tensor(tok.encode(t)) for t in texts]
+
+
+def _argv(d, *extra):
+    return ["circuit", "--checkpoint", str(d), "--clean", CLEAN, "--corrupted", CORRUPTED, "--answers", "a", "b", *extra]
+
+
+def _page_data(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="attn-circuit">(.*?)</script>', page, re.S)
+    assert m is not None
+    return json.loads(m.group(1))
+
+
+class _Strict(HTMLParser):
+    """Counts open and closed elements: a page whose data broke out of its script would not balance."""
+
+    VOID = {"meta", "link", "br", "img", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack[-1] == tag, (self.stack[-5:], tag)
+        self.stack.pop()
+
+
+@pytest.mark.parametrize(("method", "steps"), [("EAP", 5), ("EAP-IG-inputs", 3)])
+def test_prints_the_librarys_edges_and_curve_and_writes_the_page(checkpoint, tmp_path, capsys, method, steps):
+    d, model = checkpoint
+    out = tmp_path / "circuit.html"
+    argv = _argv(d, "--method", method, "--ig-steps", str(steps), "--top", "6", "--budget", "10%", "--out", str(out))
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    clean, corrupted = _ids()
+    metric = logit_diff(0, 1)
+    scores = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps)
+    curve = faithfulness_curve(model, clean, corrupted, metric, scores)
+    # the top edges, strongest |score| first, with their sign
+    listed = text.split("the 6 strongest edges")[1].split("\n\n")[0].strip().splitlines()[1:]
+    assert len(listed) == 6
+    for line, (w, r, s) in zip(listed, scores.top(6), strict=True):
+        writer, arrow, reader, score = line.split()
+        assert (writer, arrow, reader) == (format_node(w), "->", format_node(r))
+        assert float(score) == pytest.approx(s, abs=1e-5)
+    # the faithfulness at each of MIB's budgets, CPR and CMD
+    rows = re.findall(r"^\s+([\d.]+)%\s+(\d+) edges\s+([-+][\d.]+)$", text, re.M)
+    assert [int(n) for _, n, _ in rows] == list(curve.n_edges)
+    for (_, _, f), want in zip(rows, curve.faithfulness, strict=True):
+        assert float(f) == pytest.approx(want, abs=1e-4)
+    assert f"CPR (area under the curve) {curve.cpr:.5f}" in text and f"CMD (area between it and 1) {curve.cmd:.5f}" in text
+
+    # the page: parseable, offline, its data the library's
+    page = out.read_text(encoding="utf-8")
+    parser = _Strict()
+    parser.feed(page)
+    parser.close()
+    assert parser.stack == []
+    assert "default-src 'none'" in page and "src=\"http" not in page
+    data = _page_data(page)
+    n = int(0.1 * len(scores))
+    assert data["budget"]["n_edges"] == n and data["n_edges"] == len(scores)
+    (faith,) = faithfulness(model, clean, corrupted, metric, scores.top_n(n))
+    assert data["budget"]["faithfulness"] == pytest.approx(faith, abs=1e-6)
+    assert len(data["edges"]) == min(n, MAX_DRAWN)
+    for (w, r, s), (w2, r2, s2) in zip(data["edges"], scores.top(n), strict=True):
+        assert (tuple(w), tuple(r)) == (w2, r2) and s == pytest.approx(s2, rel=1e-6, abs=1e-9)
+    assert data["curve"]["faithfulness"] == pytest.approx(list(curve.faithfulness), abs=1e-6)
+    assert data["n_kv_heads"] == 2 and data["method"] == method
+    # every head the drawn edges touch has its attention on both prompts: trace's weights
+    assert data["patterns"]
+    weights = [trace(model, x).weights[:, 0] for x in (clean, corrupted)]  # (L, H, T, T)
+    for key, pats in data["patterns"].items():
+        layer, head = map(int, key.split("."))
+        for which, w in zip(("clean", "corrupted"), weights, strict=True):
+            torch.testing.assert_close(torch.tensor(pats[which]), w[layer, head].float(), atol=1e-5, rtol=0)
+
+
+def test_the_page_is_written_atomically(checkpoint, tmp_path, monkeypatch, capsys):
+    """A write that fails at the rename leaves the old page whole, and no half-written file behind."""
+    import attnlab.files
+
+    d, _ = checkpoint
+    out = tmp_path / "circuit.html"
+    out.write_text("the old page")
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(attnlab.files.os, "replace", fail)
+    assert main(_argv(d, "--out", str(out))) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert out.read_text() == "the old page"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["circuit.html"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--answers", "ab", "b"], "--answers: the first answer 'ab' is 2 tokens"),
+        (["--corrupted", "abcabcde"], "--clean and --corrupted must have the same number of tokens"),
+        (["--method", "EAP-IG"], "--method must be one of EAP, EAP-IG-inputs, EAP-IG-activations"),
+        (["--budget", "0%"], "--budget: budget must be a share of the edges in (0%, 100%]"),
+        (["--budget", "150%"], "--budget: budget must be a share of the edges in (0%, 100%]"),
+        (["--budget", "five"], "--budget: budget must be a percentage like 5% or a fraction like 0.05"),
+        (["--ig-steps", "0"], "--ig-steps must be >= 1"),
+        (["--out", "c.png"], "--out must end in .html"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(checkpoint, capsys, extra, message):
+    d, _ = checkpoint
+    assert main(_argv(d, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err and "Traceback" not in err
+
+
+def test_parse_budget_reads_percentages_and_fractions():
+    assert parse_budget("5%") == pytest.approx(0.05) and parse_budget(0.2) == 0.2 and parse_budget("1") == 1.0
+    for bad in (0, -0.1, 1.01, float("nan"), True, "x%", None):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(bad)
+
+
+def test_jupyter_shows_the_same_view_inline(checkpoint):
+    from attnlab.tools.circuit import circuit_report
+    from attnlab.tools.loading import load_model
+
+    d, model = checkpoint
+    report = circuit_report(load_model(d), CLEAN, CORRUPTED, ("a", "b"), budget="20%")
+    for shown in (report._repr_html_(), report.result._repr_html_()):
+        assert shown.startswith('<iframe class="attnlab-circuit" sandbox="allow-scripts"')
+        page = html.unescape(re.search(r'srcdoc="(.*)"></iframe>', shown, re.S).group(1))
+        data = _page_data(page)
+        want = edge_attribution(model, *_ids(), logit_diff(0, 1))
+        n = int(0.2 * len(want))
+        assert [(tuple(w), tuple(r)) for w, r, _ in data["edges"]] == [(w, r) for w, r, _ in want.top(n)]
+        assert "function" in page and "attn-circuit" in page  # the view's code is inline: no network
+
+
+# --------------------------------------------------------------------------------------------
+# attnlab serve: POST /api/circuit and the tab's files
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(checkpoint, tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from attnlab.tools.loading import load_model
+    from attnlab.tools.serve.app import create_app
+    from attnlab.tools.serve.engine import Engine
+
+    d, _ = checkpoint
+    app = create_app(Engine(load_model(d)), allowed_hosts={"testserver"})
+    with TestClient(app) as c:
+        yield c
+
+
+def test_serve_answers_the_circuit_view(checkpoint, client):
+    _, model = checkpoint
+    body = {"clean": CLEAN, "corrupted": CORRUPTED, "answers": ["a", 1], "method": "EAP-IG-activations",
+            "ig_steps": 2, "budget": "25%"}  # fmt: skip
+    r = client.post("/api/circuit", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    clean, corrupted = _ids()
+    metric = logit_diff(0, 1)
+    want = edge_attribution(model, clean, corrupted, metric, method="EAP-IG-activations", ig_steps=2)
+    n = int(0.25 * len(want))
+    assert data["static"] is False and data["budget"]["n_edges"] == n
+    for (w, r_, s), (w2, r2, s2) in zip(data["edges"], want.top(n), strict=True):
+        assert (tuple(w), tuple(r_)) == (w2, r2) and s == pytest.approx(s2, rel=1e-5, abs=1e-8)
+    curve = faithfulness_curve(model, clean, corrupted, metric, want)
+    assert data["curve"]["cpr"] == pytest.approx(curve.cpr, abs=1e-6)
+    # the page links the tab's files, and the server serves them
+    page = client.get("/").text
+    assert 'src="assets/circuit.js"' in page and 'data-view="circuit"' in page
+    assert page.index("assets/patching.js") < page.index("assets/circuit.js") < page.index("assets/viewer.js")
+    js = client.get("/assets/circuit.js")
+    assert js.status_code == 200 and "CircuitView" in js.text
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "message"),
+    [
+        ({"corrupted": "abcabcde"}, 422, "same number of tokens"),
+        ({"answers": ["ab", "b"]}, 422, "answers[0] 'ab' is 2 tokens"),
+        ({"answers": ["a", "a"]}, 422, "two different tokens"),
+        ({"method": "ACDC"}, 422, "method"),
+        ({"budget": "0%"}, 422, "budget must be a share of the edges"),
+        ({"budget": 2.0}, 422, "budget must be a share of the edges"),
+        ({"ig_steps": 0}, 422, "ig_steps"),
+        ({"clean": "a" * 65, "corrupted": "b" * 65}, 422, "at most 64"),
+    ],
+)
+def test_serve_answers_a_bad_circuit_request_with_a_4xx_and_a_message(client, change, status, message):
+    body = {"clean": CLEAN, "corrupted": CORRUPTED, "answers": ["a", "b"]} | change
+    r = client.post("/api/circuit", json=body)
+    assert r.status_code == status, r.text
+    detail = r.json()["detail"]
+    assert message in detail and "\n" not in detail
