@@ -57,9 +57,11 @@ from attnlab.interpret.circuits import (
 )
 from attnlab.interpret.hooks import (
     ActivationCache,
+    AddedPoints,
     AttentionCall,
     HookPoint,
     act_name,
+    added_points,
     attention_hooks,
     hook_names,
     hooks,
@@ -79,7 +81,7 @@ from attnlab.interpret.patching import (
 )
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
 from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
-from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, splice
+from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, sae_point, splice
 from attnlab.interpret.tracing import (
     STEP_NAMES,
     AttentionRecord,
@@ -100,6 +102,7 @@ __all__ = [
     "STEP_NAMES",
     "AblationEffect",
     "ActivationCache",
+    "AddedPoints",
     "AttentionCall",
     "AttentionRecord",
     "Circuit",
@@ -121,6 +124,7 @@ __all__ = [
     "ablation_effect",
     "act_name",
     "activation_patching",
+    "added_points",
     "all_head_scores",
     "attention_hooks",
     "attention_layers",
@@ -159,9 +163,10 @@ __all__ = [
     "render_page",
     "repeated_tokens",
     "retrace",
-    "rows_of",
     "rollout",
+    "rows_of",
     "run_with_cache",
+    "sae_point",
     "save_page",
     "shared_prefix",
     "splice",

@@ -27,6 +27,20 @@ attention-level name of a layer is hooked, that layer computes its softmax expli
 kernel never forms the pattern), which agrees with the fused path to rounding. With a KV cache
 (generation), ``k``/``v`` hold only the new tokens' keys and values, while ``rot_k``,
 ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
+
+Points of a spliced module: while an SAE or transcoder is spliced at a hook point
+(:func:`attnlab.interpret.splice`), its own points follow that point, named as SAELens names them::
+
+    {hook}.hook_sae_input        (B, T, d_in)   what the SAE reads
+    {hook}.hook_sae_acts_pre     (B, T, d_sae)  pre-activations
+    {hook}.hook_sae_acts_post    (B, T, d_sae)  the latents
+    {hook}.hook_sae_recons       (B, T, d_out)  the reconstruction
+    {hook}.hook_sae_error        (B, T, d_out)  the error term x - x^
+    {hook}.hook_sae_output       (B, T, d_out)  what replaces the activation (recons + error)
+
+:func:`hook_names`, :func:`hooks` and :func:`run_with_cache` take them like any other point for as
+long as the splice lasts (:func:`added_points` is the mechanism: the module that owns the points
+runs the functions set on them).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +63,11 @@ from attnlab.functional import attend, attention_scores
 
 __all__ = [
     "ActivationCache",
+    "AddedPoints",
     "AttentionCall",
     "HookPoint",
     "act_name",
+    "added_points",
     "attention_hooks",
     "attention_layers",
     "hook_names",
@@ -60,7 +77,8 @@ __all__ = [
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")
-_NAME = re.compile(r"blocks\.(\d+)\.(attn\.)?hook_(\w+)$")
+# (a spliced SAE's points carry a suffix after the point they follow: ".hook_sae_acts_post")
+_NAME = re.compile(r"blocks\.(\d+)\.(attn\.)?hook_(\w+)(\.hook_\w+)?$")
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,8 @@ def _rotates(att: MultiHeadAttention) -> bool:
 
 
 def hook_names(model: nn.Module) -> list[str]:
-    """Every hook name of ``model``, in the order a forward pass reaches them."""
+    """Every hook name of ``model``, in the order a forward pass reaches them (a spliced SAE's
+    points right after the point they replace)."""
     layers = attention_layers(model)
     names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
     for i, att in enumerate(layers):
@@ -154,7 +173,56 @@ def hook_names(model: nn.Module) -> list[str]:
         names.append(f"blocks.{i}.hook_resid_pre")
         names += [f"blocks.{i}.attn.hook_{s}" for s in steps]
         names += [f"blocks.{i}.hook_{s}" for s in BLOCK_STEPS[1:]]
-    return [*names, "ln_final.hook_normalized"]
+    names.append("ln_final.hook_normalized")
+    for group in _ADDED.get(model, []):
+        at = names.index(group.after) + 1
+        names[at:at] = list(group.names)
+    return names
+
+
+class AddedPoints:
+    """Hook points that a module spliced into ``model`` runs itself (an SAE's latents, say): their
+    ``names`` follow the point ``after`` in :func:`hook_names`, and ``fns[name]`` lists the functions
+    :func:`hooks` has set on each, which the owner applies with :meth:`run` as it computes the value."""
+
+    def __init__(self, after: str, names: Sequence[str]) -> None:
+        self.after, self.names = after, tuple(names)
+        self.fns: dict[str, list[Callable]] = {n: [] for n in self.names}
+
+    def run(self, name: str, x: Tensor) -> Tensor:
+        """``x`` through the functions set on ``name`` (each may keep it or return a same-shaped tensor)."""
+        fns = self.fns[name]
+        return x if not fns else _apply(fns, x, HookPoint(name))
+
+
+# model -> the points spliced into it now (weak: a model that is dropped takes its entry with it)
+_ADDED: weakref.WeakKeyDictionary[nn.Module, list[AddedPoints]] = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def added_points(model: nn.Module, after: str, names: Sequence[str]) -> Iterator[AddedPoints]:
+    """Inside the block, ``names`` are hook points of ``model`` (after ``after``, an existing point),
+    which :func:`hook_names`, :func:`hooks` and :func:`run_with_cache` accept; the caller computes
+    their values and calls ``points.run(name, x)`` at each. A ValueError if a name is taken."""
+    known = hook_names(model)
+    if after not in known:
+        raise ValueError(f"added_points: {after!r} is not a hook point of this model (see hook_names(model))")
+    taken = sorted(set(names) & set(known))
+    if taken or len(set(names)) != len(names):
+        raise ValueError(
+            f"added_points: {', '.join(taken) or 'a repeated name'} is already a hook point "
+            "(one SAE spliced at a point at a time)"
+        )
+    group = AddedPoints(after, names)
+    _ADDED.setdefault(model, []).append(group)
+    try:
+        yield group
+    finally:
+        groups = _ADDED.get(model, [])
+        if group in groups:
+            groups.remove(group)
+        if not groups:
+            _ADDED.pop(model, None)
 
 
 class _Sites:
@@ -281,6 +349,10 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     layers = attention_layers(model)
     previous = [(b.hook, a.hook) for b, a in zip(model.trf_blocks, layers, strict=True)]
     handles = []
+    # A spliced module's points: their functions go on its own lists (it runs them), put back on exit.
+    added = {n: g for g in _ADDED.get(model, []) for n in g.names if n in checked}
+    before_added = {n: g.fns[n] for n, g in added.items()}
+    checked_here = {n: f for n, f in checked.items() if n not in added}
 
     def module_hook(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
@@ -289,8 +361,10 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
         return hook
 
     try:
+        for n, g in added.items():
+            g.fns[n] = before_added[n] + checked[n]  # a new list: the one put back on exit stays as it was
         for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
-            mine = {n: f for n, f in checked.items() if n.startswith(f"blocks.{i}.")}
+            mine = {n: f for n, f in checked_here.items() if n.startswith(f"blocks.{i}.")}
             block_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." not in n}
             attn_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." in n}
             block.hook = _merged(block.hook, f"blocks.{i}.", block_steps)
@@ -306,6 +380,8 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     finally:
         for h in handles:
             h.remove()
+        for n, g in added.items():
+            g.fns[n] = before_added[n]
         for (block, att), (b_hook, a_hook) in zip(zip(model.trf_blocks, layers, strict=True), previous, strict=True):
             block.hook, att.hook = b_hook, a_hook
 

@@ -15,6 +15,10 @@ as the rows of one batch that grows block by block: a row patched at layer ``l``
 A metric that reads only the last position (``metric.last_only``, as :func:`logit_diff`
 does) gets ``(R, 1, V)`` logits: the vocabulary matmul of the other positions is skipped.
 
+A spliced SAE's point (:func:`attnlab.interpret.splice`) is a site too, by its full hook name: its
+latents (``...hook_sae_acts_post``, ``...hook_sae_acts_pre``) are patched one latent at one position
+(result ``(T, d_sae)``), its input, reconstruction, error and output one position at a time (``(T,)``).
+
 A metric is a callable on logits ``(1, T, V)`` returning a scalar. It may also have ``rows(logits
 (R, T, V)) -> (R,)``, one value per row (then it is called once per batch).
 """
@@ -28,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, hooks, run_with_cache
+from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, hook_names, hooks, run_with_cache
 
 __all__ = [
     "SITES",
@@ -151,6 +155,24 @@ def _check_site(site: object) -> tuple[str, str]:
     return SITES[site]
 
 
+# The points of a spliced SAE whose patches are one latent at one position (the others: one position).
+_LATENT_POINTS = (".hook_sae_acts_pre", ".hook_sae_acts_post")
+
+
+def _spliced_site(model: nn.Module, site: object) -> tuple[str, int, str] | None:
+    """A spliced SAE's hook point as a site: ``(name, the layer whose block computes it, kind)``,
+    kind ``"pos_head"`` (one latent at one position) or ``"pos"``; None for the named sites."""
+    if not isinstance(site, str) or site in SITES or ".hook_sae_" not in site:
+        return None
+    layer = HookPoint(site).layer()
+    if site not in hook_names(model) or layer is None:
+        raise ValueError(
+            f"site {site!r} is not a point of an SAE spliced into this model in a block "
+            "(splice(model, sae) first; see hook_names(model))"
+        )
+    return site, layer, "pos_head" if site.endswith(_LATENT_POINTS) else "pos"
+
+
 def _ropes(model: nn.Module, T: int, dtype: torch.dtype, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
     """RoPE's angles at positions ``0..T-1`` for every block, keyed by ``block.local_rope``, as
     :meth:`attnlab.GPT.decode_logits` computes them (Gemma 3's window layers have a base of their own:
@@ -263,7 +285,8 @@ def activation_patching(
     Args:
         model: an attnlab GPT. clean, corrupted: ``(T,)`` or ``(1, T)`` token ids of equal length.
         metric: logits ``(1, T, V)`` -> scalar (see the module's notes for ``rows``/``last_only``).
-        site: see :data:`SITES`; the result's shape is the site's (``(L, T)``, ``(L, H)``, ...).
+        site: see :data:`SITES`; the result's shape is the site's (``(L, T)``, ``(L, H)``, ...). Or a
+            spliced SAE's point by its full name: ``(T, d_sae)`` at its latents, else ``(T,)`` (``layers`` unused).
         max_tokens: at most this many tokens (rows x T) in one batched pass (memory).
         layers: patch these layers only (distinct, any order; default all): the result has one row
             per layer, in increasing order, equal to those rows of the whole result. A server runs
@@ -272,8 +295,11 @@ def activation_patching(
         float32 tensor of raw metric values (on the CPU).
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
-    step, kind = _check_site(site)
     L, T = len(attention_layers(model)), clean.shape[1]
+    spliced = _spliced_site(model, site)
+    if spliced is not None:
+        return _patch_spliced(model, clean, corrupted, metric, *spliced, max_tokens)
+    step, kind = _check_site(site)
     chosen = _check_layers(layers, L)
     names = [act_name(step, i) for i in range(L)]
     starts = [act_name("resid_pre", i) for i in range(L)]
@@ -298,6 +324,48 @@ def activation_patching(
     finally:
         model.train(was_training)
     return out.reshape(len(chosen), *shape).float()
+
+
+def _patch_spliced(
+    model: nn.Module,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable[[Tensor], Tensor],
+    name: str,
+    layer: int,
+    kind: str,
+    max_tokens: int,
+) -> Tensor:
+    """:func:`activation_patching` at a spliced SAE's point ``name`` (computed in block ``layer``): every
+    patched run starts from the corrupted stream entering that block. ``(T,)`` or ``(T, d_sae)``."""
+    L, T = len(attention_layers(model)), clean.shape[1]
+    start = act_name("resid_pre", layer)
+    last_only = bool(getattr(metric, "last_only", False))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, clean_cache = run_with_cache(model, clean, [name])
+            logits, corr_cache = run_with_cache(model, corrupted, sorted({name, start, act_name("resid_pre", 0)}))
+            metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+            _check_tail(model, logits, corr_cache[act_name("resid_pre", 0)], last_only)
+            source = clean_cache[name]  # (1, T, width)
+            if kind == "pos":
+                indices, shape = [(p,) for p in range(T)], (T,)
+            else:  # one latent at one position
+                width = source.shape[-1]
+                indices, shape = [(p, j) for p in range(T) for j in range(width)], (T, width)
+            out = torch.empty(len(indices), dtype=torch.float64)
+            per_pass = max(1, int(max_tokens) // T)
+            for lo in range(0, len(indices), per_pass):
+                index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
+                patched = _staggered(
+                    model, [corr_cache[start]] * L, [name] * L, [source] * L, name, kind, index, last_only, [layer]
+                )
+                out[lo : lo + index.shape[0]] = _metric_rows(metric, patched)
+    finally:
+        model.train(was_training)
+    return out.reshape(shape).float()
 
 
 def _check_layers(layers: object, L: int) -> list[int]:
@@ -421,9 +489,13 @@ def attribution_patching(
     value minus the corrupted run's metric); exact where the metric is linear in the activation.
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
-    step, kind = _check_site(site)
-    L = len(attention_layers(model))
-    names = [act_name(step, i) for i in range(L)]
+    spliced = _spliced_site(model, site)
+    if spliced is None:
+        step, kind = _check_site(site)
+        L = len(attention_layers(model))
+        names = [act_name(step, i) for i in range(L)]
+    else:
+        names, step, kind = [spliced[0]], spliced[0], spliced[2]
     acts: dict[str, Tensor] = {}
 
     def leaf(x: Tensor, hook: HookPoint) -> Tensor:
@@ -455,5 +527,5 @@ def attribution_patching(
         elif kind == "head":
             out.append(prod.sum((0, 2)))  # (H,)
         else:
-            out.append(prod.sum(2))  # (T, H)
-    return torch.stack(out).float()
+            out.append(prod if spliced is not None else prod.sum(2))  # (T, d_sae) at an SAE's latents, else (T, H)
+    return (out[0] if spliced is not None else torch.stack(out)).float()

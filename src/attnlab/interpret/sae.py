@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, open_regular, read_json
-from attnlab.interpret.hooks import HookPoint, hook_names, hooks
+from attnlab.interpret.hooks import HookPoint, added_points, hook_names, hooks
 
 __all__ = [
     "ARCHITECTURES",
@@ -60,6 +60,7 @@ __all__ = [
     "batchtopk",
     "evaluate_sae",
     "jumprelu",
+    "sae_point",
     "splice",
     "topk",
 ]
@@ -732,7 +733,24 @@ def _to_sparsify(sae: SAE) -> tuple[dict[str, Any], dict[str, Tensor], str]:
 # ---------------------------------------------------------------------------------------------
 # Splicing into a model
 # ---------------------------------------------------------------------------------------------
-SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error")
+SAE_POINTS = (
+    "hook_sae_input",
+    "hook_sae_acts_pre",
+    "hook_sae_acts_post",
+    "hook_sae_recons",
+    "hook_sae_error",
+    "hook_sae_output",
+)
+
+
+def sae_point(sae: SAE, point: str) -> str:
+    """The full hook name of one of ``sae``'s points while spliced: ``sae_point(sae, "acts_post")`` is
+    ``"blocks.3.hook_resid_post.hook_sae_acts_post"`` for an SAE on ``blocks.3.hook_resid_post``
+    (a transcoder's points follow its output hook)."""
+    short = point if point.startswith("hook_sae_") else f"hook_sae_{point}"
+    if short not in SAE_POINTS:
+        raise ValueError(f"sae_point: point must be one of {', '.join(SAE_POINTS)}, got {point!r}")
+    return f"{sae.cfg.hook_name_out or sae.cfg.hook_name}.{short}"
 
 
 @contextlib.contextmanager
@@ -748,70 +766,82 @@ def splice(
     replaced by the SAE's reconstruction plus (``keep_error``) the error term ``x - x^``.
 
     With the error kept, the model computes what it did (to rounding) until a latent is edited,
-    which is what makes the latents usable as a circuit's nodes. The SAE's own points take hook
-    functions ``fn(activation, hook)`` as :func:`attnlab.interpret.hooks` does, named by their
-    full name or their last part::
+    which is what makes the latents usable as a circuit's nodes. While the splice lasts, the SAE's
+    points are hook points of the model, named as SAELens names them (see
+    :mod:`attnlab.interpret.hooks`): :func:`~attnlab.interpret.hook_names` lists them, and
+    :func:`~attnlab.interpret.hooks`, :func:`~attnlab.interpret.run_with_cache` and the patching
+    functions take them::
 
         {hook}.hook_sae_input       (B, T, d_in)   what the SAE reads
         {hook}.hook_sae_acts_pre    (B, T, d_sae)  pre-activations
         {hook}.hook_sae_acts_post   (B, T, d_sae)  latents (edit them to steer or ablate features)
         {hook}.hook_sae_recons      (B, T, d_out)  the reconstruction from the (edited) latents
-        {hook}.hook_sae_error       (B, T, d_out)  x - x^ of the unedited SAE
+        {hook}.hook_sae_error       (B, T, d_out)  x - x^ of the unedited SAE (keep_error only)
+        {hook}.hook_sae_output      (B, T, d_out)  what replaces the activation
 
-    For a transcoder, the input hook is read and the output hook (``hook_name_out``) replaced.
-    Yields a dict that holds, after each forward pass, those five tensors by full name (detached),
-    or fills ``cache`` if given.
+    ``fns`` sets functions on them for the whole splice (by full name or by the last part). The
+    error is computed without gradient, as SAELens does: it is a node of its own, so gradients reach
+    what lies before the SAE only through its latents. For a transcoder, the input hook is read and
+    the output hook (``hook_name_out``) replaced. Yields a dict that holds, after each forward pass,
+    those tensors by full name (detached), or fills ``cache`` if given.
     """
     if not isinstance(sae, SAE):
         raise TypeError(f"splice: sae must be an attnlab SAE, got {type(sae).__name__}")
     sae.check_model(model)
     base = sae.cfg.hook_name_out or sae.cfg.hook_name
-    points = {p: [] for p in SAE_POINTS}
+    shorts = [p for p in SAE_POINTS if keep_error or p != "hook_sae_error"]
+    given: dict[str, list[Callable]] = {}
     for name, fn in (fns or {}).items():
         short = name.removeprefix(f"{base}.")
-        if short not in points:
+        if short not in shorts:
             raise ValueError(
-                f"splice: unknown SAE hook {name!r}; the SAE's points are "
-                f"{', '.join(f'{base}.{p}' for p in SAE_POINTS)}"
+                f"splice: unknown SAE hook {name!r}; the SAE's points are {', '.join(f'{base}.{p}' for p in shorts)}"
             )
         listed = list(fn) if isinstance(fn, Sequence) else [fn]
         if not all(callable(f) for f in listed):
             raise TypeError(f"splice: the hook on {name} must be a function fn(activation, hook) or a list of them")
-        points[short] += listed
+        given[f"{base}.{short}"] = given.get(f"{base}.{short}", []) + listed
     out = {} if cache is None else cache
     seen: dict[str, Tensor] = {}
-
-    def run(point: str, x: Tensor) -> Tensor:
-        hp = HookPoint(f"{base}.{point}")
-        for fn in points[point]:
-            y = fn(x, hp)
-            if y is not None:
-                if not isinstance(y, Tensor) or y.shape != x.shape:
-                    raise ValueError(f"the hook on {hp.name} must return None or a tensor of shape {tuple(x.shape)}")
-                x = y
-        out[hp.name] = x.detach()
-        return x
 
     def read_input(x: Tensor, hook: HookPoint) -> None:
         seen["input"] = x
 
-    def replace_output(x: Tensor, hook: HookPoint) -> Tensor:
-        x_in = run("hook_sae_input", seen.pop("input") if sae.cfg.transcoder else x)
-        pre = run("hook_sae_acts_pre", sae.pre_activations(x_in))
-        z = run("hook_sae_acts_post", sae.activation(pre, x_in))
-        recons = run("hook_sae_recons", sae.decode(z, x_in).to(x.dtype))
-        if not keep_error:
-            return recons
-        with torch.no_grad():  # the error of the SAE as it is, not as the hooks edited it (SAELens's)
-            clean = sae(x_in).to(x.dtype)
-        error = run("hook_sae_error", (x - clean).detach())
-        return recons + error
+    with added_points(model, base, [f"{base}.{p}" for p in shorts]) as points:
+        points.fns.update(given)
 
-    table: dict[str, list[Callable]] = {base: [replace_output]}
-    if sae.cfg.transcoder:
-        table.setdefault(sae.cfg.hook_name, []).insert(0, read_input)
-    with hooks(model, table):
-        yield out
+        def run(point: str, x: Tensor) -> Tensor:
+            y = points.run(f"{base}.{point}", x)
+            out[f"{base}.{point}"] = y.detach()
+            return y
+
+        def replace_output(x: Tensor, hook: HookPoint) -> Tensor:
+            x_read = seen.pop("input") if sae.cfg.transcoder else x
+            x_in = run("hook_sae_input", x_read)
+            pre0 = sae.pre_activations(x_in)  # (B, T, d_sae)
+            pre = run("hook_sae_acts_pre", pre0)
+            z0 = sae.activation(pre, x_in)
+            z = run("hook_sae_acts_post", z0)
+            recons0 = sae.decode(z, x_in).to(x.dtype)  # (B, T, d_out)
+            recons = run("hook_sae_recons", recons0)
+            if not keep_error:
+                return run("hook_sae_output", recons)
+            # The error of the SAE as it is, not as the hooks edited it (SAELens's): recomputed only
+            # when a hook changed something on the way.
+            with torch.no_grad():
+                unedited = x_in is x_read and pre is pre0 and z is z0 and recons is recons0
+                clean = recons0 if unedited else sae(x_read).to(x.dtype)
+                error = (x - clean).detach()  # (B, T, d_out)
+            if torch.is_grad_enabled() and x.requires_grad:
+                error.requires_grad_(True)  # a leaf: attribution reads the metric's gradient at the error node
+            error = run("hook_sae_error", error)
+            return run("hook_sae_output", recons + error)
+
+        table: dict[str, list[Callable]] = {base: [replace_output]}
+        if sae.cfg.transcoder:
+            table.setdefault(sae.cfg.hook_name, []).insert(0, read_input)
+        with hooks(model, table):
+            yield out
 
 
 # ---------------------------------------------------------------------------------------------
