@@ -23,13 +23,22 @@ template (with the opening of the assistant's turn), and prints the answer, whic
 model's end-of-turn token (see ``attnlab chat`` for a conversation)::
 
     attnlab generate --model SmolLM2-135M-Instruct --chat --prompt "What is the capital of France?" --temperature 0
+
+``--steer SAE_DIR:LATENT:STRENGTH`` (repeatable) adds ``STRENGTH`` times the SAE's decoder direction of
+latent ``LATENT`` to the activation at the SAE's hook point, at every position, while generating
+(:func:`attnlab.interpret.steer`)::
+
+    attnlab generate --model M.gguf --prompt "I think" --steer runs/sae/sae:123:8 --temperature 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import math
 import sys
+from typing import Any
 
 import torch
 
@@ -67,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
     )
     add_generation_arguments(parser, max_new_tokens=200)
+    parser.add_argument(
+        "--steer",
+        action="append",
+        default=[],
+        metavar="SAE_DIR:LATENT:STRENGTH",
+        help="add STRENGTH x the decoder direction of an SAE's latent at its hook point while generating "
+        "(repeatable; the SAE's directory, params.npz or Hub id)",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -144,8 +161,45 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         raise ValueError(f"{_FLAGS.get(field, field)} {rest}") from None
 
 
+def parse_steer(spec: str) -> tuple[str, int, float]:
+    """``SAE_DIR:LATENT:STRENGTH`` -> (path, latent, strength); the path may hold colons of its own."""
+    path, latent, strength = ([None, None, *spec.rsplit(":", 2)])[-3:]
+    try:
+        if not path:
+            raise ValueError
+        return path, int(latent), float(strength)
+    except (TypeError, ValueError):
+        raise ValueError(f"--steer must be SAE_DIR:LATENT:STRENGTH (an int latent, a number), got {spec!r}") from None
+
+
+def load_steering(specs: list[str]) -> list[tuple[Any, int, float]]:
+    """Each ``--steer`` spec's SAE (on the CPU), latent and strength, checked before the model is read."""
+    from attnlab.interpret.sae import SAE  # (only a steered run pays for importing the interpret package)
+
+    out = []
+    for spec in specs:
+        path, latent, strength = parse_steer(spec)
+        sae = SAE.load(path)
+        if not 0 <= latent < sae.cfg.d_sae:
+            raise ValueError(f"--steer {spec}: latent must be in [0, {sae.cfg.d_sae}), got {latent}")
+        if not math.isfinite(strength):
+            raise ValueError(f"--steer {spec}: strength must be a finite number, got {strength}")
+        out.append((sae, latent, strength))
+    return out
+
+
+def to_model(steering: list[tuple[Any, int, float]], model: torch.nn.Module) -> list[tuple[Any, int, float]]:
+    """The SAEs on the model's device, in its dtype, their hook points checked against it."""
+    param = next(model.parameters())
+    dtype = param.dtype if param.is_floating_point() else None
+    for sae, _, _ in steering:
+        sae.to(device=param.device, dtype=dtype or sae.dtype).check_model(model)
+    return steering
+
+
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
+    steering = load_steering(args.steer)  # a bad spec or SAE is refused before the model is read
     device = resolve_device(args.device)
     if args.model is not None:
         loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
@@ -158,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         if loaded.stop_ids:  # a model fine-tuned from an instruct model stops where its base does
             sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids)
     tok, model = loaded.tokenizer, loaded.model
+    steering = to_model(steering, model)
     if args.chat:  # the message in the model's conversation format, the assistant's turn opened
         if args.checkpoint is not None:
             require_chat_template(loaded, args.checkpoint)
@@ -181,16 +236,21 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
     dec = StreamDecoder(tok)
     settings = dataclasses.asdict(sampling)
-    stream = model.stream(
-        idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen, compile=args.compile
-    )
-    for token in stream:
-        if int(token[0]) in sampling.stop_ids:
-            break  # the end-of-text token is not text
-        piece = dec.push(int(token[0]))  # token: (1,)
-        if piece:
-            safe_write(out, piece)
-            out.flush()
+    with contextlib.ExitStack() as stack:
+        if steering:
+            from attnlab.interpret.sae import steer
+        for sae, latent, strength in steering:  # hooks for the whole stream (it runs lazily, token by token)
+            stack.enter_context(steer(model, sae, latent, strength))
+        stream = model.stream(
+            idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen, compile=args.compile
+        )
+        for token in stream:
+            if int(token[0]) in sampling.stop_ids:
+                break  # the end-of-text token is not text
+            piece = dec.push(int(token[0]))  # token: (1,)
+            if piece:
+                safe_write(out, piece)
+                out.flush()
     safe_write(out, dec.flush() + "\n")
     out.flush()
     return 0

@@ -81,7 +81,7 @@ from attnlab.interpret.patching import (
 )
 from attnlab.interpret.playback import GenerationStep, GenerationTrace, trace_generation
 from attnlab.interpret.prefix import KeptTrace, retrace, shared_prefix
-from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, sae_point, splice
+from attnlab.interpret.sae import SAE, SAEConfig, SAEEvaluation, evaluate_sae, sae_point, splice, steer
 from attnlab.interpret.tracing import (
     STEP_NAMES,
     AttentionRecord,
@@ -170,6 +170,7 @@ __all__ = [
     "save_page",
     "shared_prefix",
     "splice",
+    "steer",
     "token_label",
     "token_strings",
     "trace",

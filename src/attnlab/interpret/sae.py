@@ -62,6 +62,7 @@ __all__ = [
     "jumprelu",
     "sae_point",
     "splice",
+    "steer",
     "topk",
 ]
 
@@ -842,6 +843,30 @@ def splice(
             table.setdefault(sae.cfg.hook_name, []).insert(0, read_input)
         with hooks(model, table):
             yield out
+
+
+@contextlib.contextmanager
+def steer(model: nn.Module, sae: SAE, latent: int, strength: float) -> Iterator[Tensor]:
+    """Inside the block, ``strength * W_dec[latent]`` is added to the activation at the SAE's hook
+    point (a transcoder's output hook) at every position, generated tokens included: a latent's
+    direction pushed into the model while it runs (steering). Built on :func:`attnlab.interpret.hooks`;
+    blocks nest, so several latents may be steered at once. Yields the added direction ``(d_out,)``,
+    in the SAE's dtype."""
+    if not isinstance(sae, SAE):
+        raise TypeError(f"steer: sae must be an attnlab SAE, got {type(sae).__name__}")
+    if not _is_int(latent) or not 0 <= latent < sae.cfg.d_sae:
+        raise ValueError(f"steer: latent must be an int in [0, {sae.cfg.d_sae}), got {latent!r}")
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise ValueError(f"steer: strength must be a finite number, got {strength!r}")
+    sae.check_model(model)
+    with torch.no_grad():
+        direction = float(strength) * sae.W_dec[latent].detach()  # (d_out,)
+
+    def add(x: Tensor, hook: HookPoint) -> Tensor:
+        return x + direction.to(device=x.device, dtype=x.dtype)  # (B, T, d_out)
+
+    with hooks(model, {sae.cfg.hook_name_out or sae.cfg.hook_name: add}):
+        yield direction
 
 
 # ---------------------------------------------------------------------------------------------
