@@ -200,10 +200,12 @@ class CircuitView {
     const order = Array.from(rows).sort((a, b) => a - b), rowY = new Map();
     const DX = 44, DY = 46, X0 = 60, Y0 = 24;
     order.forEach((row, i) => rowY.set(row, Y0 + i * DY));
-    const width = X0 + (H + 1) * DX + 40, height = Y0 + order.length * DY;
+    const width = X0 + (H + 2) * DX + 40, height = Y0 + order.length * DY;
     const pos = new Map();  // node key -> [x, y]
-    pos.set("input", [X0 + (H / 2) * DX, rowY.get(0)]);
-    pos.set("logits", [X0 + (H / 2) * DX, rowY.get(lastRow)]);
+    // the input and the logits in a column of their own, right of the MLPs: the direct path between them
+    // (often the strongest edge) then crosses no head
+    pos.set("input", [X0 + (H + 1.7) * DX, rowY.get(0)]);
+    pos.set("logits", [X0 + (H + 1.7) * DX, rowY.get(lastRow)]);
     for (const k of heads) {
       const [l, h] = k.split(".").map(Number);
       pos.set("a" + k, [X0 + h * DX, rowY.get(2 * l + 1)]);

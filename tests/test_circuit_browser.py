@@ -1,0 +1,77 @@
+"""The circuit page in a real browser: it draws the graph without errors or requests, and clicking a
+head opens its attention on both prompts (the weights the page holds, which tests/test_circuit_cli.py
+holds to attnlab.interpret.trace)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.model import GPT, GPTConfig
+from attnlab.tokenizers import CharTokenizer
+from browser import By, WebDriverWait, start_chromium  # skips this module when there is no browser
+
+pytestmark = pytest.mark.slow  # a browser: the fast suite (-m 'not slow') leaves it to CI
+
+LETTERS = "abcdefghijklmnop"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=16, context_length=16, emb_dim=24, n_heads=4, n_kv_heads=2, n_layers=2, drop_rate=0.0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for block in model.trf_blocks:
+            block.att.W_query.weight.normal_(0, 0.5)
+            block.att.W_key.weight.normal_(0, 0.5)
+    d = model.save(tmp_path_factory.mktemp("circuit") / "ckpt")
+    (d / "tokenizer.json").write_text(json.dumps(CharTokenizer(LETTERS).to_dict()))
+    out = tmp_path_factory.mktemp("page") / "circuit.html"
+    argv = ["circuit", "--checkpoint", str(d), "--clean", "abcabcd", "--corrupted", "abcabce", "--answers", "a", "b"]
+    assert main([*argv, "--budget", "30%", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    d = start_chromium(tmp_path_factory.mktemp("chromium-profile"))
+    yield d
+    d.quit()
+
+
+def test_clicking_a_head_opens_its_attention_on_both_prompts(driver, page):
+    text = page.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'id="attn-circuit">(.*?)</script>', text, re.S).group(1))
+    driver.get_log("browser")
+    driver.get(page.resolve().as_uri())
+    WebDriverWait(driver, 20).until(lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    assert [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
+    assert driver.execute_script("return performance.getEntriesByType('resource').length") == 0
+    # one path per drawn edge (a key/value edge goes to each drawn head of its group: at least one)
+    paths = driver.find_elements(By.CSS_SELECTOR, "#circuit-graph path.edge")
+    assert len(paths) >= len(data["edges"]) > 0
+    heads = driver.find_elements(By.CSS_SELECTOR, "#circuit-graph .node.head")
+    assert heads, "the circuit has no head"
+    key = heads[0].get_attribute("data-node")[1:]  # "a0.1" -> "0.1"
+    assert driver.execute_script("return document.body.dataset.circuitHead") is None
+    heads[0].click()
+    WebDriverWait(driver, 5).until(lambda d: d.execute_script("return document.body.dataset.circuitHead") == key)
+    panes = driver.find_elements(By.CSS_SELECTOR, "#circuit-attn section.pane")
+    assert [p.get_attribute("data-prompt") for p in panes] == ["clean", "corrupted"]
+    T = len(data["clean"]["tokens"])
+    for pane in panes:
+        assert len(pane.find_elements(By.CSS_SELECTOR, "rect.cell")) == T * T
+    # the cells' weights are the page's: the first row of the clean prompt's pattern
+    titles = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#circuit-attn section.pane')[0]"
+        ".querySelectorAll('rect.cell title')).slice(0, arguments[0]).map(t => t.textContent)",
+        T,
+    )
+    want = data["patterns"][key]["clean"][0]
+    assert [float(t.rsplit(": ", 1)[1]) for t in titles] == pytest.approx(want, abs=1e-4)
+    assert "Layer " + key.split(".")[0] in driver.find_element(By.ID, "circuit-attn-title").text
