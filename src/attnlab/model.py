@@ -587,6 +587,22 @@ def _norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.emb_dim, eps=cfg.ln_eps, bias=cfg.bias)
 
 
+class _ParametersOnMeta(torch.overrides.TorchFunctionMode):
+    """Modules made inside take no memory for their parameters: ``torch.empty`` (how ``nn.Linear``,
+    ``nn.Embedding`` and the norms make theirs) gives meta tensors and ``torch.nn.init``'s functions do
+    nothing, for a model whose state dict is then assigned. Everything else runs as it would (where
+    ``with torch.device("meta")`` would make every operation a meta one, whose first use imports
+    torch's compiler: some 60 MB of modules in a process that only loads a model)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        if func is torch.empty:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm transformer block: ``x + att(norm1(x))`` then ``x + ff(norm2(x))``.
 
@@ -1173,12 +1189,12 @@ class GPT(nn.Module):
 
         if not isinstance(path, (str, os.PathLike, GGUFModel)):
             raise TypeError(f"path must be a GGUF file's path (str or os.PathLike), got {type(path).__name__}")
-        read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype)
+        read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype, keep_reader=False)
         return cls._from_state(GPTConfig(**read.fields), read.state).to(device=device)
 
     @classmethod
     def _from_state(cls, config: GPTConfig, state: dict[str, Tensor]) -> GPT:
-        with torch.device("meta"):
+        with _ParametersOnMeta():
             model = cls(config)
         model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
         if config.tie_embeddings:

@@ -449,8 +449,10 @@ def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
     n, step = w.shape[0], _tile_rows(w)
     if step >= n:
         return hardware.linear(x, w.dequantize_rows(0, n, x.dtype))
-    outs = [hardware.linear(x, w.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
-    return torch.cat(outs, dim=-1)  # (..., out)
+    out = x.new_empty(*x.shape[:-1], n)  # (..., out): each tile's columns written in place (no concatenation)
+    for i in range(0, n, step):
+        out[..., i : i + step] = hardware.linear(x, w.dequantize_rows(i, min(i + step, n), x.dtype))
+    return out
 
 
 def _product_t(g: Tensor, w: QuantizedTensor) -> Tensor:

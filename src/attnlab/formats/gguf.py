@@ -412,7 +412,7 @@ def dequantize(tensor: Any, dtype: torch.dtype = torch.float32, file: BinaryIO |
     return torch.from_numpy(array.reshape(shape)).to(dtype)
 
 
-def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> GGUFModel:
+def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, keep_reader: bool = True) -> GGUFModel:
     """Read a GGUF file: its config and attnlab state dict (see the module docstring).
 
     Args:
@@ -422,6 +422,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None)
             vectors and float32 matrices are plain float32 tensors); a floating-point dtype
             dequantizes every tensor into a dense one of that dtype (each tensor is converted as it
             is dequantized, so a bfloat16 load never holds a float32 copy of the model).
+        keep_reader: keep the ``gguf.GGUFReader`` in the result (its tokenizer metadata); False
+            releases it before the tensors are read (``reader`` is then None), which spares the
+            memory of its parsed header while the weights load.
 
     Raises ``ValueError`` naming the file for any defect (see the module docstring), and for an
     architecture attnlab does not read yet.
@@ -429,9 +432,8 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be None (quantized) or a floating-point torch.dtype, got {dtype!r}")
     p = Path(path).expanduser()
-    reader = open_gguf(p)
     try:
-        return _read(p, reader, dtype)
+        return _read(p, open_gguf(p), dtype, keep_reader)  # (no reference here: _read may let it go)
     except ValueError as e:
         if str(e).startswith(str(p)):
             raise
@@ -465,7 +467,7 @@ def _architecture(reader: Any) -> tuple[dict[str, Any], str, Architecture, dict[
     return meta, name, arch, _config(name, arch, meta, reader)
 
 
-def _read(p: Path, reader: Any, dtype: torch.dtype | None) -> GGUFModel:
+def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = True) -> GGUFModel:
     meta, name, arch, cfg = _architecture(reader)
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
@@ -475,7 +477,14 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None) -> GGUFModel:
         hf_name = _hf_name(name, t.name, n_layers)
         if hf_name is None:
             raise ValueError(f"unexpected tensor {t.name!r} for a {name} model of {n_layers} layers")
-        tensors[hf_name] = t
+        tensors[hf_name] = t if keep_reader else t._replace(field=None)
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    if not keep_reader:
+        # The reader's parse of the header (a Python object per token of the tokenizer: tens of MB
+        # for a 50,000-token vocabulary) is not needed for the weights: let it go before they load.
+        reader = None
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {}
     with open(p, "rb") as file:
@@ -490,9 +499,6 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None) -> GGUFModel:
                 fused = torch.cat([state[gate], state[k]])
                 state[gate], state[k] = fused.chunk(2)
     fields, state = families.to_attnlab(state, hf_config=cfg, copy=False)
-    counts: dict[str, int] = {}
-    for t in reader.tensors:
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return GGUFModel(p, name, cfg, fields, state, meta, counts, reader)
 
 
