@@ -8,6 +8,7 @@ Examples::
         --skip --out runs/transcoder                       # a transcoder: the MLP's input to its output
     attnlab sae eval --sae runs/sae/sae --model M.gguf --data input.txt
     attnlab sae info runs/sae/sae
+    attnlab sae dashboard --model M.gguf --sae runs/sae/sae --data input.txt --latents 1000 --out latents.html
 
 An SAE is read from SAELens's directory (cfg.json + sae_weights.safetensors), sparsify's (cfg.json +
 sae.safetensors), Gemma Scope's params.npz or a Hugging Face Hub id. Training resumes when --out
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from attnlab.cli.options import MODEL_SOURCES
 
@@ -77,12 +79,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
+    d = sub.add_parser(
+        "dashboard",
+        help="write an offline page of latent dashboards: top contexts, histogram, density, promoted tokens",
+    )
+    d.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
+    d.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
+    d.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
+    d.add_argument("--data", metavar="PATH", help="UTF-8 text to read (default: the built-in corpus)")
+    d.add_argument("--latents", type=int, default=100, metavar="N", help="the first N latents (default 100)")
+    d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
+    d.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
+    d.add_argument("--top", type=int, default=10, metavar="K", help="top-activating contexts per latent (default 10)")
+    d.add_argument("--out", required=True, metavar="PAGE", help="the HTML page to write")
+    d.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+
     i = sub.add_parser("info", help="show an SAE's configuration (its files checked)")
     i.add_argument("sae", metavar="PATH", help="an SAE directory, params.npz or Hub id")
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"train": _train, "eval": _eval, "info": _info}[args.sae_command](args)
+    return {"train": _train, "eval": _eval, "info": _info, "dashboard": _dashboard}[args.sae_command](args)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -148,3 +165,59 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"{key:>20}: {value:.6g}" if isinstance(value, float) else f"{key:>20}: {value}")
     sys.stdout.flush()
     return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from attnlab.data import tokenize_to_cache
+    from attnlab.interpret.sae import SAE
+    from attnlab.interpret.sae_view import dashboard_data, save_dashboard
+    from attnlab.tools.loading import load
+
+    for flag, v in (("--latents", args.latents), ("--tokens", args.tokens), ("--context", args.context)):
+        if v < 1:
+            raise ValueError(f"{flag} must be a positive int, got {v}")
+    if args.top < 1:
+        raise ValueError(f"--top must be a positive int, got {args.top}")
+    sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
+    if args.latents > sae.cfg.d_sae:
+        raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
+    loaded = load(model=args.model)
+    sae.check_model(loaded.model)
+    ids = tokenize_to_cache(args.data, loaded.tokenizer)
+    if len(ids) < args.context:
+        raise ValueError(f"--data has {len(ids)} tokens, fewer than one window of --context {args.context}")
+    total = min(len(ids), args.tokens) // args.context * args.context
+    bar = _bar(total) if args.progress else None
+    done = [0]
+
+    def progress(tokens: int) -> None:
+        if bar is not None:
+            bar.update(tokens - done[0])
+        done[0] = tokens
+
+    try:
+        data = dashboard_data(
+            loaded.model,
+            sae,
+            ids,
+            loaded.tokenizer,
+            args.latents,
+            max_tokens=args.tokens,
+            context=args.context,
+            top_k=args.top,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    path = save_dashboard(data, args.out)
+    print(f"wrote {path}: {args.latents} latents over {data['tokens']:,} tokens")
+    return 0
+
+
+def _bar(total: int) -> Any:  # a tqdm bar, or None where tqdm is not installed
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="tok", unit_scale=True, file=sys.stderr, desc="dashboards")

@@ -1,0 +1,328 @@
+"""Dashboards of an SAE's latents: what each one reads and what it writes, streamed over a corpus.
+
+For each chosen latent: its top-activating contexts (the tokens around each of its strongest
+activations, with the latent's activation on every one of them, for shading), a histogram of its
+nonzero activations, its density (the fraction of tokens on which it fires), and the tokens it
+promotes and suppresses through the unembedding (``W_dec[latent] @ W_U``, the final norm's gain not
+folded in).
+
+The corpus is read in windows of ``context`` tokens, ``batch`` windows at a time; memory stays
+bounded whatever its length: a running top-k per latent (with its contexts), fixed histogram bins
+(log-spaced, so one set of bins fits latents of any scale) and counts. The model runs only up to the
+SAE's hook point (the pass is stopped there), so a latent of an early layer costs less.
+
+:func:`dashboard_data` gathers the figures; :func:`dashboard_page` renders the offline page (the files
+``assets/sae_dashboard.{html,css,js}``, everything inline, no network).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from attnlab.files import atomic_write_text
+from attnlab.interpret.hooks import HookPoint, hooks
+from attnlab.interpret.inspector import token_label, token_strings
+from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
+from attnlab.interpret.sae import SAE
+
+__all__ = [
+    "DASHBOARD_ASSETS",
+    "LatentStats",
+    "collect",
+    "dashboard_data",
+    "dashboard_page",
+    "latent_logits",
+    "read_dashboard_data",
+    "save_dashboard",
+]
+
+DASHBOARD_ASSETS = ("sae_dashboard.html", "sae_dashboard.css", "sae_dashboard.js")
+# Histogram bins of log10(activation): 1e-4 .. 1e4, 64 bins (values outside go to the end bins).
+LOG_LO, LOG_HI, BINS = -4.0, 4.0, 64
+
+
+class _Reached(Exception):
+    """Raised by the hook at the SAE's point: the rest of the forward pass is not needed."""
+
+
+def _input_of(model: nn.Module, hook_name: str, idx: Tensor) -> Tensor:
+    """The activation at ``hook_name`` for ``idx (B, T)``: ``(B, T, d)``, the layers after it not run."""
+    seen: dict[str, Tensor] = {}
+
+    def stop(x: Tensor, hook: HookPoint) -> None:
+        seen["x"] = x
+        raise _Reached
+
+    try:
+        with hooks(model, {hook_name: stop}):
+            model(idx)
+    except _Reached:
+        pass
+    return seen["x"]
+
+
+@dataclass
+class LatentStats:
+    """What streaming the corpus gathered, for ``n`` chosen latents.
+
+    Attributes:
+        latents: ``(n,)`` the latents' indices in the SAE.
+        top_values: ``(n, k)`` each latent's strongest activations, descending (0 where fewer fired).
+        top_positions: ``(n, k)`` the token index in the corpus of each (-1 where none).
+        context_acts: ``(n, k, 2w+1)`` the latent's activation on the tokens around each, ``w`` each side.
+        context_ids: ``(n, k, 2w+1)`` those tokens' ids (-1 outside the window they were read in).
+        histogram: ``(n, BINS)`` counts of nonzero activations by log10 bin (``LOG_LO`` .. ``LOG_HI``).
+        fired: ``(n,)`` on how many tokens each latent was nonzero; tokens: tokens read.
+    """
+
+    latents: Tensor
+    top_values: Tensor
+    top_positions: Tensor
+    context_acts: Tensor
+    context_ids: Tensor
+    histogram: Tensor
+    fired: Tensor
+    tokens: int = 0
+
+    @classmethod
+    def empty(cls, latents: Tensor, k: int, window: int) -> LatentStats:
+        n, span = latents.numel(), 2 * window + 1
+        return cls(
+            latents=latents,
+            top_values=torch.zeros(n, k),
+            top_positions=torch.full((n, k), -1, dtype=torch.long),
+            context_acts=torch.zeros(n, k, span),
+            context_ids=torch.full((n, k, span), -1, dtype=torch.long),
+            histogram=torch.zeros(n, BINS, dtype=torch.long),
+            fired=torch.zeros(n, dtype=torch.long),
+        )
+
+    @property
+    def density(self) -> Tensor:
+        """``(n,)`` the fraction of tokens on which each latent fired."""
+        return self.fired.double() / max(self.tokens, 1)
+
+    def update(self, acts: Tensor, idx: Tensor, first: int) -> None:
+        """Fold in one batch: ``acts (B, T, n)`` the chosen latents on ``idx (B, T)``, whose first token
+        is token ``first`` of the corpus (the windows follow each other)."""
+        B, T, n = acts.shape
+        k, span = self.top_values.shape[1], self.context_acts.shape[2]
+        w = span // 2
+        acts = acts.float()
+        flat = acts.reshape(B * T, n)  # (N, n)
+        nonzero = flat != 0
+        self.fired += nonzero.sum(0)
+        self.tokens += B * T
+        # Histogram: every nonzero activation into its log10 bin, per latent.
+        rows, cols = nonzero.nonzero(as_tuple=True)
+        if rows.numel():
+            logs = flat[rows, cols].abs().clamp_min(1e-30).log10()
+            bins = ((logs - LOG_LO) / (LOG_HI - LOG_LO) * BINS).long().clamp(0, BINS - 1)
+            self.histogram.view(-1).index_add_(0, cols * BINS + bins, torch.ones_like(bins))
+        # This batch's top k of each latent, with the activations and ids around each (same window only).
+        kk = min(k, B * T)
+        values, where = flat.topk(kk, dim=0)  # (kk, n) each
+        values, where = values.T, where.T  # (n, kk)
+        b, t = where // T, where % T  # (n, kk)
+        offsets = torch.arange(-w, w + 1)  # (span,)
+        tt = t[..., None] + offsets  # (n, kk, span)
+        inside = (tt >= 0) & (tt < T)
+        ttc = tt.clamp(0, T - 1)
+        bb = b[..., None].expand_as(ttc)
+        lat = torch.arange(n)[:, None, None].expand_as(ttc)
+        ctx_acts = torch.where(inside, acts[bb, ttc, lat], torch.zeros(()))  # (n, kk, span)
+        ctx_ids = torch.where(inside, idx[bb, ttc].cpu(), torch.full((), -1))  # (n, kk, span)
+        positions = first + b * T + t  # (n, kk)
+        # Merge with what was kept: the k largest of both, values descending.
+        all_values = torch.cat([self.top_values, values.cpu()], dim=1)  # (n, k + kk)
+        keep = all_values.topk(k, dim=1).indices  # (n, k)
+        self.top_values = all_values.gather(1, keep)
+        self.top_positions = torch.cat([self.top_positions, positions.cpu()], 1).gather(1, keep)
+        keep3 = keep[..., None].expand(-1, -1, span)
+        self.context_acts = torch.cat([self.context_acts, ctx_acts.cpu()], 1).gather(1, keep3)
+        self.context_ids = torch.cat([self.context_ids, ctx_ids], 1).gather(1, keep3)
+        dead = self.top_values <= 0  # a latent that fired fewer than k times: no example there
+        self.top_positions[dead] = -1
+        self.context_ids[dead] = -1
+
+
+def _check_latents(latents: object, d_sae: int) -> Tensor:
+    if isinstance(latents, int) and not isinstance(latents, bool):
+        if not 1 <= latents <= d_sae:
+            raise ValueError(f"latents: a count must be in [1, d_sae={d_sae}], got {latents}")
+        return torch.arange(latents)
+    chosen = list(latents) if isinstance(latents, (list, tuple, range, Tensor)) else None
+    ok = chosen is not None and all(0 <= int(i) < d_sae for i in chosen) and len(set(map(int, chosen))) == len(chosen)
+    if not ok or not chosen:
+        raise ValueError(f"latents must be a count or distinct indices in [0, {d_sae}), got {latents!r}")
+    return torch.tensor([int(i) for i in chosen], dtype=torch.long)
+
+
+@torch.no_grad()
+def collect(
+    model: nn.Module,
+    sae: SAE,
+    tokens: np.ndarray | Tensor,
+    latents: int | Sequence[int] = 100,
+    *,
+    max_tokens: int = 1_000_000,
+    context: int = 128,
+    batch: int = 16,
+    top_k: int = 10,
+    window: int = 10,
+    progress: Callable[[int], None] | None = None,
+) -> LatentStats:
+    """Stream ``tokens`` (a 1-D array of ids, e.g. :func:`attnlab.data.tokenize_to_cache`'s memmap) through
+    ``model`` up to the SAE's hook and fold each batch's latents into :class:`LatentStats`: at most
+    ``max_tokens`` tokens, in windows of ``context``, ``batch`` windows at a time. ``progress(tokens)``
+    is called after each batch."""
+    chosen = _check_latents(latents, sae.cfg.d_sae)
+    for name, v in (("max_tokens", max_tokens), ("context", context), ("batch", batch), ("top_k", top_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative int, got {window!r}")
+    sae.check_model(model)
+    ids = tokens if isinstance(tokens, Tensor) else torch.from_numpy(np.asarray(tokens).astype(np.int64, copy=False))
+    if ids.dim() != 1:
+        raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tuple(ids.shape)}")
+    n_windows = min(ids.numel(), max_tokens) // context
+    if n_windows < 1:
+        raise ValueError(f"tokens: {ids.numel()} tokens, fewer than one window of context={context}")
+    device = next(model.parameters()).device
+    was_training, sae_training = model.training, sae.training
+    model.eval()
+    sae.eval()
+    stats = LatentStats.empty(chosen, top_k, window)
+    lat = chosen.to(device)
+    try:
+        for w0 in range(0, n_windows, batch):
+            w1 = min(w0 + batch, n_windows)
+            idx = ids[w0 * context : w1 * context].view(w1 - w0, context).to(device)  # (B, T)
+            x = _input_of(model, sae.cfg.hook_name, idx)  # (B, T, d_in)
+            z = sae.encode(x)[..., lat]  # (B, T, n) the chosen latents
+            stats.update(z, idx, w0 * context)
+            if progress is not None:
+                progress(stats.tokens)
+    finally:
+        model.train(was_training)
+        sae.train(sae_training)
+    return stats
+
+
+@torch.no_grad()
+def latent_logits(model: nn.Module, sae: SAE, latents: Tensor) -> Tensor:
+    """``(n, V)``: each latent's decoder row through the output head, ``W_dec[latents] @ W_U`` (the
+    head applied as a module, so a quantized one works as it is)."""
+    head = model.out_head
+    param = next(head.parameters())
+    rows = sae.W_dec[latents.to(sae.W_dec.device)].to(device=param.device)  # (n, d)
+    if param.is_floating_point():
+        rows = rows.to(param.dtype)
+    return head(rows).float().cpu()  # (n, V)
+
+
+def dashboard_data(
+    model: nn.Module,
+    sae: SAE,
+    tokens: np.ndarray | Tensor,
+    tokenizer: Any = None,
+    latents: int | Sequence[int] = 100,
+    *,
+    n_logits: int = 10,
+    title: str | None = None,
+    **collect_kw: Any,
+) -> dict[str, Any]:
+    """The dashboards' data (plain JSON): :func:`collect` over ``tokens``, then each latent's promoted and
+    suppressed tokens (``n_logits`` each). ``tokenizer`` names the tokens (else ``#id``)."""
+    stats = collect(model, sae, tokens, latents, **collect_kw)
+    logits = latent_logits(model, sae, stats.latents)  # (n, V)
+    up = logits.topk(n_logits, dim=1)
+    down = (-logits).topk(n_logits, dim=1)
+    used = torch.cat([stats.context_ids.flatten(), up.indices.flatten(), down.indices.flatten()])
+    vocab = sorted({int(i) for i in used.unique().tolist() if i >= 0})
+    strings = dict(zip(vocab, (token_label(s) for s in token_strings(tokenizer, vocab)), strict=True))
+    edges = [10 ** (LOG_LO + (LOG_HI - LOG_LO) * i / BINS) for i in range(BINS + 1)]
+    out = []
+    for r, latent in enumerate(stats.latents.tolist()):
+        examples = []
+        for e in range(stats.top_values.shape[1]):
+            if int(stats.top_positions[r, e]) < 0:
+                continue
+            ids = stats.context_ids[r, e].tolist()
+            examples.append(
+                {
+                    "value": round(float(stats.top_values[r, e]), 5),
+                    "position": int(stats.top_positions[r, e]),
+                    "tokens": [strings[i] if i >= 0 else None for i in ids],
+                    "acts": [round(float(a), 4) for a in stats.context_acts[r, e].tolist()],
+                }
+            )
+        hist = stats.histogram[r]
+        nz = hist.nonzero().flatten()
+        lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.numel() else (0, 0)
+        out.append(
+            {
+                "latent": latent,
+                "density": float(stats.density[r]),
+                "max": round(float(stats.top_values[r, 0]), 5),
+                "examples": examples,
+                "hist": {"lo": edges[lo], "hi": edges[hi], "counts": hist[lo:hi].tolist()},
+                "promotes": [
+                    [strings[int(i)], round(float(v), 4)] for v, i in zip(up.values[r], up.indices[r], strict=True)
+                ],
+                "suppresses": [
+                    [strings[int(i)], round(float(-v), 4)] for v, i in zip(down.values[r], down.indices[r], strict=True)
+                ],
+            }
+        )
+    return {
+        "title": title or f"SAE latents at {sae.cfg.hook_name}",
+        "hook": sae.cfg.hook_name,
+        "d_sae": sae.cfg.d_sae,
+        "tokens": stats.tokens,
+        "latents": out,
+    }
+
+
+def read_dashboard_asset(name: str) -> str:
+    """The text of one of the dashboard's files (:data:`DASHBOARD_ASSETS`), from the installed package."""
+    if name not in DASHBOARD_ASSETS:
+        raise ValueError(f"name must be one of {', '.join(DASHBOARD_ASSETS)}, got {name!r}")
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def dashboard_page(data: dict[str, Any]) -> str:
+    """The offline page of :func:`dashboard_data`'s ``data``: inline CSS, JS and JSON, no network."""
+    return Template(read_dashboard_asset("sae_dashboard.html")).substitute(
+        csp=OFFLINE_CSP,
+        title=html.escape(data.get("title") or "SAE latents"),
+        styles=inline("style", read_dashboard_asset("sae_dashboard.css")),
+        data=f'<script type="application/json" id="sae-data">{json_for_script(data)}</script>',
+        scripts=inline("script", read_dashboard_asset("sae_dashboard.js")),
+    )
+
+
+def save_dashboard(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write :func:`dashboard_page` atomically to ``path``."""
+    atomic_write_text(path, dashboard_page(data))
+    return Path(path)
+
+
+def read_dashboard_data(page: str) -> dict[str, Any]:
+    """The data embedded in a page written by :func:`dashboard_page`."""
+    start = page.index('id="sae-data">') + len('id="sae-data">')
+    return json.loads(page[start : page.index("</script>", start)])
