@@ -349,11 +349,21 @@ def _no_bytes(toks, meta):
     return [f"b{i}" if k == BYTE else t for i, (t, k) in enumerate(zip(toks, types, strict=True))]
 
 
+N = len(_tokens(sentencepiece_metadata("llama")))
 BAD = {
-    "scores one short": (_edit("tokenizer.ggml.scores", lambda s, _: s[:-1]), "tokenizer.ggml.scores must hold"),
+    "scores one short": (
+        _edit("tokenizer.ggml.scores", lambda s, _: s[:-1]),
+        f"tokenizer.ggml.scores must hold {N} numbers (one score per token), got {N - 1}",
+    ),
     "no scores": (_edit("tokenizer.ggml.scores", lambda s, _: None), "tokenizer.ggml.scores is missing"),
-    "a NaN score": (_edit("tokenizer.ggml.scores", lambda s, _: [math.nan, *s[1:]]), "tokenizer.ggml.scores"),
-    "types one long": (_edit("tokenizer.ggml.token_type", lambda k, _: [*k, 1]), "tokenizer.ggml.token_type must"),
+    "a NaN score": (
+        _edit("tokenizer.ggml.scores", lambda s, _: [math.nan, *s[1:]]),
+        f"tokenizer.ggml.scores must hold {N} numbers (one score per token), got {N}, not all of them numbers",
+    ),
+    "types one long": (
+        _edit("tokenizer.ggml.token_type", lambda k, _: [*k, 1]),
+        f"tokenizer.ggml.token_type must hold {N} token types (one per token), got {N + 1}",
+    ),
     "no newline byte": (_rename("<0x0A>", "<newline>"), "<0x0A> missing"),
     "no byte tokens": (_edit("tokenizer.ggml.tokens", _no_bytes), "must hold the 256 byte tokens"),
     "a token twice": (_rename("▁the", "▁th"), "'▁th' twice"),
@@ -373,8 +383,7 @@ BAD = {
 @pytest.mark.parametrize("row", list(BAD))
 def test_bad_sentencepiece_metadata(row, tmp_path, capsys):
     make, fragment = BAD[row]
-    good = sentencepiece_metadata("llama")
-    path = write_gguf(tmp_path / "bad.gguf", tiny_llama(seed=7, vocab=len(_tokens(good))), meta=make(good))
+    path = write_gguf(tmp_path / "bad.gguf", tiny_llama(seed=7, vocab=N), meta=make(sentencepiece_metadata("llama")))
     with pytest.raises(ValueError) as info:
         load_pretrained(str(path))
     message = str(info.value)

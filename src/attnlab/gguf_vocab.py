@@ -26,12 +26,13 @@ names the key, what it should hold and what it holds.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
-from attnlab.checks import is_bool, is_int, is_real
+import numpy as np
+
+from attnlab.checks import is_bool, is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 
 __all__ = ["gguf_tokenizer", "is_gguf_file"]
@@ -116,8 +117,8 @@ def gguf_tokenizer(source: str | os.PathLike[str] | Any) -> tuple[Any, int | Non
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"{p}: tokenizer.ggml.tokens must be a list of strings")
     types = meta["token_type"]
-    if types is not None and (len(types) != len(tokens) or not all(is_int(k) for k in types)):
-        got = f"{len(types)}" if isinstance(types, list) else repr(types)[:40]
+    if types is not None and _disagrees(types, len(tokens), "iu"):
+        got = _what(types, len(tokens), "integers")
         raise ValueError(
             f"{p}: tokenizer.ggml.token_type must hold {len(tokens)} token types (one per token), got {got}"
         )
@@ -127,6 +128,26 @@ def gguf_tokenizer(source: str | os.PathLike[str] | Any) -> tuple[Any, int | Non
     if kind == "gpt2":
         return _byte_level(p, tokens, types or [1] * len(tokens), meta)
     return _sentencepiece(p, tokens, types or [1] * len(tokens), meta)
+
+
+def _disagrees(values: Any, n: int, kinds: str) -> bool:
+    """Whether ``values`` (a list read from the metadata) is not ``n`` numbers of the NumPy kinds
+    ``kinds`` ("iu": integers, "iuf": numbers), NaN included: checked as one array rather than item
+    by item (a vocabulary has up to 262,144 entries)."""
+    if not isinstance(values, list) or len(values) != n:
+        return True
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError):
+        return True
+    return array.dtype.kind not in kinds or (array.dtype.kind == "f" and bool(np.isnan(array).any()))
+
+
+def _what(values: Any, n: int, kind: str) -> str:
+    """What a list that :func:`_disagrees` holds, for the message."""
+    if not isinstance(values, list):
+        return repr(values)[:40]
+    return f"{len(values)}" if len(values) != n else f"{n}, not all of them {kind}"
 
 
 def _check_ids(p: Path, meta: dict[str, Any], keys: tuple[str, ...], n: int) -> None:
@@ -206,8 +227,8 @@ def _sentencepiece(p: Path, tokens: list[str], types: list[int], meta: dict[str,
     scores = meta["scores"]
     if scores is None and not gemma:
         raise ValueError(f"{p}: tokenizer.ggml.scores is missing: a SentencePiece vocabulary merges in score order")
-    if scores is not None and (len(scores) != n or not all(is_real(s) and not math.isnan(s) for s in scores)):
-        got = f"{len(scores)} entries" if isinstance(scores, list) else repr(scores)[:40]
+    if scores is not None and _disagrees(scores, n, "iuf"):
+        got = _what(scores, n, "numbers (NaN is not)")
         raise ValueError(f"{p}: tokenizer.ggml.scores must hold {n} numbers (one score per token), got {got}")
     _check_ids(p, meta, _SP_SPECIAL, n)
     # Text outside the vocabulary is spelled with the byte tokens (llama.cpp looks them up by name):
