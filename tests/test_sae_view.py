@@ -34,13 +34,18 @@ def make_sae(d_in: int = 24, d_sae: int = 48, seed: int = 0, hook: str = HOOK) -
     return sae.eval()
 
 
-def all_latents(model, sae, ids, context):
-    """Every token's latents, the whole corpus at once: ``(N, d_sae)`` float64."""
-    windows = ids[: len(ids) // context * context].view(-1, context)
+def grab(model, windows):
     seen = {}
     with torch.no_grad(), hooks(model, {HOOK: lambda x, h: seen.setdefault("x", x)}):
         model(windows)
-        z = copy.deepcopy(sae).double().encode(seen["x"].double())  # (B, T, d_sae)
+    return seen["x"]  # (B, T, d)
+
+
+def all_latents(model, sae, ids, context):
+    """Every token's latents, the whole corpus at once: ``(N, d_sae)`` float64."""
+    windows = ids[: len(ids) // context * context].view(-1, context)
+    with torch.no_grad():
+        z = copy.deepcopy(sae).double().encode(grab(model, windows).double())  # (B, T, d_sae)
     return z.reshape(-1, sae.cfg.d_sae), windows
 
 
@@ -49,12 +54,20 @@ def test_streamed_statistics_equal_the_whole_corpus_at_once(make_gpt, batch):
     model, sae = make_gpt(seed=1), make_sae(seed=1)
     context, k, w = 8, 4, 2
     ids = torch.randint(0, 37, (7 * context + 3,), generator=torch.Generator().manual_seed(0))
-    chosen = [0, 5, 17, 30, 47]
-    stats = collect(model, sae, ids.numpy(), chosen, context=context, batch=batch, top_k=k, window=w)
+    x = grab(model, ids[: 7 * context].view(7, context))
+    with torch.no_grad():  # centred input: the stream's common part would pick the same latents everywhere
+        sae.b_dec.copy_(x.mean((0, 1)))
+        sae.W_enc.copy_(torch.randn_like(sae.W_enc) / x.std())
     z, windows = all_latents(model, sae, ids, context)  # (N, d_sae)
+    fires = (z != 0).sum(0)  # (d_sae,)
+    by_count = fires.argsort(descending=True).tolist()
+    rare = [i for i in by_count if 0 < fires[i] <= k]  # fewer firings than the top k holds
+    chosen = list(dict.fromkeys(by_count[:2] + rare[:2] + by_count[-1:]))  # often, rarely, least
+    assert len(chosen) == 5 and len(rare) >= 2
+    stats = collect(model, sae, ids.numpy(), chosen, context=context, batch=batch, top_k=k, window=w)
     z = z[:, chosen]  # (N, n)
     N = z.shape[0]
-    assert stats.tokens == N == 56 and (stats.top_values[:, 0] > 0).sum() >= 3  # most chosen latents fire
+    assert stats.tokens == N == 56 and (stats.top_values[:, 0] > 0).sum() >= 4
     np.testing.assert_allclose(stats.density.numpy(), (z != 0).double().mean(0).numpy())
     for r in range(len(chosen)):
         col = z[:, r]
