@@ -48,7 +48,19 @@ def _ids(texts=(CLEAN, CORRUPTED)):
 
 
 def _argv(d, *extra):
-    return ["circuit", "--checkpoint", str(d), "--clean", CLEAN, "--corrupted", CORRUPTED, "--answers", "a", "b", *extra]
+    return [
+        "circuit",
+        "--checkpoint",
+        str(d),
+        "--clean",
+        CLEAN,
+        "--corrupted",
+        CORRUPTED,
+        "--answers",
+        "a",
+        "b",
+        *extra,
+    ]
 
 
 def _page_data(page: str) -> dict:
@@ -60,7 +72,7 @@ def _page_data(page: str) -> dict:
 class _Strict(HTMLParser):
     """Counts open and closed elements: a page whose data broke out of its script would not balance."""
 
-    VOID = {"meta", "link", "br", "img", "input"}
+    VOID = frozenset({"meta", "link", "br", "img", "input"})
 
     def __init__(self):
         super().__init__()
@@ -98,7 +110,9 @@ def test_prints_the_librarys_edges_and_curve_and_writes_the_page(checkpoint, tmp
     assert [int(n) for _, n, _ in rows] == list(curve.n_edges)
     for (_, _, f), want in zip(rows, curve.faithfulness, strict=True):
         assert float(f) == pytest.approx(want, abs=1e-4)
-    assert f"CPR (area under the curve) {curve.cpr:.5f}" in text and f"CMD (area between it and 1) {curve.cmd:.5f}" in text
+    assert (
+        f"CPR (area under the curve) {curve.cpr:.5f}" in text and f"CMD (area between it and 1) {curve.cmd:.5f}" in text
+    )
 
     # the page: parseable, offline, its data the library's
     page = out.read_text(encoding="utf-8")
@@ -106,7 +120,7 @@ def test_prints_the_librarys_edges_and_curve_and_writes_the_page(checkpoint, tmp
     parser.feed(page)
     parser.close()
     assert parser.stack == []
-    assert "default-src 'none'" in page and "src=\"http" not in page
+    assert "default-src 'none'" in page and 'src="http' not in page
     data = _page_data(page)
     n = int(0.1 * len(scores))
     assert data["budget"]["n_edges"] == n and data["n_edges"] == len(scores)
@@ -247,3 +261,79 @@ def test_serve_answers_a_bad_circuit_request_with_a_4xx_and_a_message(client, ch
     assert r.status_code == status, r.text
     detail = r.json()["detail"]
     assert message in detail and "\n" not in detail
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts in bulk: --pairs FILE.jsonl, the mean over pairs
+# --------------------------------------------------------------------------------------------
+PAIRS = [  # two lengths: the pairs of each length run as one batch, the mean is over all three
+    ("abcabcd", "abcabce", "a", "b"),
+    ("bcdbcda", "bcdbcdf", "c", "d"),
+    ("abcab", "abcae", "c", "a"),
+]
+
+
+def _write_pairs(path, pairs):
+    path.write_text("".join(json.dumps({"clean": c, "corrupted": x, "answers": [a, b]}) + "\n" for c, x, a, b in pairs))
+    return path
+
+
+def test_pairs_are_scored_together_as_the_mean_over_pairs(checkpoint, tmp_path, capsys):
+    from attnlab.interpret import circuit_metrics
+    from attnlab.interpret.circuits import MIB_BUDGETS
+
+    d, model = checkpoint
+    path = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    out = tmp_path / "pairs.html"
+    argv = ["circuit", "--checkpoint", str(d), "--pairs", str(path), "--top", "5", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "the mean over 3 pairs" in text
+    # the reference: each pair alone, then the mean (the scores are linear in the metric)
+    tok = CharTokenizer(LETTERS)
+    runs = [
+        (*(torch.tensor(tok.encode(t)) for t in (c, x)), logit_diff(*tok.encode(a), *tok.encode(b)))
+        for c, x, a, b in PAIRS
+    ]
+    per_pair = [edge_attribution(model, c, x, m) for c, x, m in runs]
+    mean = per_pair[0]
+    mean = type(mean)(mean.graph, sum(s.scores for s in per_pair) / len(per_pair), "EAP", 1, False)
+    listed = text.split("the 5 strongest edges")[1].split("\n\n")[0].strip().splitlines()[1:]
+    for line, (w, r, s) in zip(listed, mean.top(5), strict=True):
+        writer, _, reader, score = line.split()
+        assert (writer, reader) == (format_node(w), format_node(r)) and float(score) == pytest.approx(s, abs=1e-5)
+    circuits = [mean.top_n(int(b * len(mean))) for b in MIB_BUDGETS]
+    values = torch.tensor([circuit_metrics(model, c, x, m, circuits) for c, x, m in runs]).mean(0)
+    with torch.no_grad():
+        m_clean = sum(float(m(model(c[None]))) for c, _, m in runs) / 3
+        m_corr = sum(float(m(model(x[None]))) for _, x, m in runs) / 3
+    want = (values - m_corr) / (m_clean - m_corr)
+    rows = re.findall(r"^\s+([\d.]+)%\s+(\d+) edges\s+([-+][\d.]+)$", text, re.M)
+    assert [float(f) for _, _, f in rows] == pytest.approx(want.tolist(), abs=1e-4)
+    data = _page_data(out.read_text(encoding="utf-8"))
+    assert data["pairs"] == 3 and data["clean"]["text"] == PAIRS[0][0]
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([PAIRS[0], ("abcab", "abcabe", "a", "b")], "line 2: clean and corrupted must have the same number of tokens"),
+        ([PAIRS[0], PAIRS[1], ("abc", "abd", "ab", "b")], "line 3: the first answer 'ab' is 2 tokens"),
+    ],
+)
+def test_a_bad_pair_is_refused_with_its_line_number(checkpoint, tmp_path, capsys, lines, message):
+    d, _ = checkpoint
+    path = _write_pairs(tmp_path / "pairs.jsonl", lines)
+    assert main(["circuit", "--checkpoint", str(d), "--pairs", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
+
+
+def test_a_pairs_line_that_is_not_json_is_refused_with_its_number(checkpoint, tmp_path, capsys):
+    d, _ = checkpoint
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"clean": "abc", "corrupted": "abd", "answers": ["a", "b"]}) + "\n\n{not json\n")
+    assert main(["circuit", "--checkpoint", str(d), "--pairs", str(path)]) == 2
+    assert "line 3: not valid JSON" in capsys.readouterr().err
+    assert main(["circuit", "--checkpoint", str(d), "--pairs", str(path), "--clean", "abc"]) == 2
+    assert "not both" in capsys.readouterr().err

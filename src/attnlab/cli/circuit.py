@@ -11,7 +11,9 @@ Every edge (a writer's output read by a later head's query, key or value, an MLP
 scored by EAP or EAP-IG (:func:`attnlab.interpret.edge_attribution`); printed are the strongest
 edges with their sign, and the faithfulness of the circuit of the top edges at MIB's budgets with
 its summaries (CPR, CMD); ``--out`` writes an offline page drawing the circuit of ``--budget``'s
-top edges, a clicked head's attention on both prompts beside it.
+top edges, a clicked head's attention on both prompts beside it. ``--pairs FILE`` scores a JSONL of
+pairs together and reports the mean over pairs, as the papers do (a pair whose prompts differ in
+token length is refused with its line number).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import argparse
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
-from attnlab.tools.circuit import METHODS, circuit_report, save_circuit_page
+from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, save_circuit_page
 from attnlab.tools.loading import load
 
 
@@ -32,9 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "circuits at MIB's budgets (CPR, CMD), and draw the circuit as a page."
     )
     add_model_arguments(parser, what="(unused by circuit: give --clean and --corrupted)")
-    parser.add_argument("--clean", metavar="TEXT", required=True, help="the prompt whose answer is A")
-    parser.add_argument("--corrupted", metavar="TEXT", required=True, help="a prompt of as many tokens, answer B")
-    parser.add_argument("--answers", nargs=2, metavar=("A", "B"), required=True, help="two one-token answers")
+    parser.add_argument("--clean", metavar="TEXT", help="the prompt whose answer is A")
+    parser.add_argument("--corrupted", metavar="TEXT", help="a prompt of as many tokens, answer B")
+    parser.add_argument("--answers", nargs=2, metavar=("A", "B"), help="two one-token answers")
+    parser.add_argument(
+        "--pairs",
+        metavar="FILE",
+        help='instead of --clean/--corrupted/--answers: a JSONL of pairs, {"clean": ..., "corrupted": ..., '
+        '"answers": [A, B]} a line, scored together (the mean over pairs)',
+    )
     parser.add_argument("--method", default="EAP", metavar="M", help=f"{', '.join(METHODS)} (default: EAP)")
     parser.add_argument(
         "--ig-steps", type=int, default=5, metavar="N", help="integrated-gradient steps of EAP-IG (default 5)"
@@ -54,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --checkpoint DIR or --model NAME")
     if args.prompt is not None:
         raise ValueError("attnlab circuit takes --clean and --corrupted, not --prompt")
+    one = [args.clean is not None, args.corrupted is not None, args.answers is not None]
+    if args.pairs is not None and any(one):
+        raise ValueError("give either --pairs FILE or --clean, --corrupted and --answers, not both")
+    if args.pairs is None and not all(one):
+        raise ValueError("give --clean TEXT, --corrupted TEXT and --answers A B (or --pairs FILE)")
     if args.method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
     if args.ig_steps < 1:
@@ -67,15 +80,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
     loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
-    report = circuit_report(
-        loaded,
-        args.clean,
-        args.corrupted,
-        tuple(args.answers),
-        method=args.method,
-        ig_steps=args.ig_steps,
-        budget=args.budget,
-    )
+    if args.pairs is not None:
+        report = circuit_report_pairs(
+            loaded, args.pairs, method=args.method, ig_steps=args.ig_steps, budget=args.budget
+        )
+    else:
+        report = circuit_report(
+            loaded,
+            args.clean,
+            args.corrupted,
+            tuple(args.answers),
+            method=args.method,
+            ig_steps=args.ig_steps,
+            budget=args.budget,
+        )
     print(report.format(top=args.top))
     if args.out:
         print(f"wrote {save_circuit_page(report, args.out)}")

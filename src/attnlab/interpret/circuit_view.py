@@ -34,6 +34,7 @@ from importlib import resources
 from string import Template
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -42,6 +43,8 @@ from attnlab.interpret.circuits import (
     EdgeGraph,
     EdgeScores,
     FaithfulnessCurve,
+    areas,
+    circuit_metrics,
     edge_attribution,
     faithfulness,
     faithfulness_curve,
@@ -56,8 +59,10 @@ __all__ = [
     "CIRCUIT_ASSETS",
     "MAX_DRAWN",
     "CircuitResult",
+    "PairLogitDiff",
     "circuit_page",
     "circuit_result",
+    "circuit_result_pairs",
     "circuit_section",
     "notebook_circuit_html",
     "parse_budget",
@@ -108,6 +113,7 @@ class CircuitResult:
     tokenizer: Any = None
     texts: tuple[str | None, str | None] = (None, None)
     patterns: tuple[Tensor, Tensor] | None = None  # (L, H, T, T) on each prompt
+    n_pairs: int = 1  # the scores and faithfulness are the mean over this many pairs (the ids: the first's)
 
     def section(self, *, max_drawn: int = MAX_DRAWN, static: bool = True) -> dict[str, Any]:
         """The view's page data (see the module's notes)."""
@@ -158,6 +164,120 @@ def circuit_result(
     if patterns:
         pats = tuple(trace(model, x, logits=False).weights[:, 0].float().cpu() for x in (clean, corrupted))
     return CircuitResult(scores, curve, fraction, n, faith, ids[0], ids[1], (a, b), tokenizer, texts, pats)
+
+
+@dataclass(frozen=True)
+class PairLogitDiff:
+    """``logits[i, -1, a[i]] - logits[i, -1, b[i]]`` averaged over the rows: each pair has its own
+    answers (a batch of IOI prompts names different people). ``a``, ``b``: ``(B,)`` token ids."""
+
+    a: Tensor
+    b: Tensor
+
+    def rows(self, logits: Tensor) -> Tensor:
+        """``(B,)``: the metric of each row of ``logits (B, T, V)``."""
+        i = torch.arange(logits.shape[0], device=logits.device)
+        return logits[i, -1, self.a.to(logits.device)] - logits[i, -1, self.b.to(logits.device)]
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        return self.rows(logits).mean()
+
+
+def circuit_result_pairs(
+    model: nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int], int, int]],
+    *,
+    tokenizer: Any = None,
+    texts: tuple[str | None, str | None] = (None, None),
+    method: str = "EAP",
+    ig_steps: int = 5,
+    budget: object = 0.05,
+    budgets: Sequence[float] = MIB_BUDGETS,
+    patterns: bool = True,
+) -> CircuitResult:
+    """:func:`circuit_result` of many pairs at once, the mean over pairs as the papers report it.
+
+    ``pairs``: ``(clean ids, corrupted ids, A, B)`` each, clean and corrupted of one length (pairs may
+    differ in length). Pairs of one length run together as the rows of one batch; the scores are the
+    mean over all pairs (each length's batch weighted by its count: the scores are linear in the
+    metric, so that is the score of the mean metric). A circuit's metric, the clean and the corrupted
+    run's are means over all pairs too, and faithfulness and the curve are computed from those means
+    (MIB's normalisation of the batch mean). The page's prompts and attention are the first pair's.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    fraction = parse_budget(budget)
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError("pairs must be a non-empty list of (clean ids, corrupted ids, A, B)")
+    device = next(model.parameters()).device
+    groups: dict[int, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 4:
+            raise ValueError(f"pairs[{i}] must be (clean ids, corrupted ids, A, B), got {pair!r}")
+        if len(pair[0]) != len(pair[1]) or not pair[0]:
+            raise ValueError(
+                f"pairs[{i}]: clean and corrupted must have the same number of tokens, at least one "
+                f"(edges pair positions), got {len(pair[0])} and {len(pair[1])}"
+            )
+        if pair[2] == pair[3]:
+            raise ValueError(f"pairs[{i}]: the answers must be two different tokens, both are {pair[2]!r}")
+        groups.setdefault(len(pair[0]), []).append(i)
+    N = len(pairs)
+    batches = []  # (weight, clean (B, T), corrupted (B, T), metric)
+    for rows in groups.values():
+        ids = lambda k, rows=rows: torch.tensor([list(pairs[r][k]) for r in rows], dtype=torch.long, device=device)
+        answers = [torch.tensor([int(pairs[r][k]) for r in rows], device=device) for k in (2, 3)]
+        batches.append((len(rows) / N, ids(0), ids(1), PairLogitDiff(*answers)))
+    total = None
+    for weight, clean, corrupted, metric in batches:
+        s = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=ig_steps)
+        total = s.scores * weight if total is None else total + s.scores * weight
+    scores = EdgeScores(s.graph, total, s.method, s.ig_steps, False)
+    fractions = list(budgets)
+    counts = [int(b * len(scores)) for b in fractions]
+    n = int(fraction * len(scores))
+    circuits = [scores.top_n(k) for k in [*counts, n]]
+    values = torch.zeros(len(circuits), dtype=torch.float64)
+    m_clean = m_corr = 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        for weight, clean, corrupted, metric in batches:
+            values += weight * torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits))
+            with torch.no_grad():
+                m_clean += weight * float(metric(model(clean)))
+                m_corr += weight * float(metric(model(corrupted)))
+    finally:
+        model.train(was_training)
+    if m_clean == m_corr:
+        raise ValueError(f"the mean metric is {m_clean} on both prompts of the pairs: faithfulness is undefined")
+    faith = ((values - m_corr) / (m_clean - m_corr)).tolist()
+    cpr, cmd = areas(fractions, faith[:-1])
+    curve = FaithfulnessCurve(tuple(fractions), tuple(counts), tuple(faith[:-1]), cpr, cmd, m_clean, m_corr)
+    first = pairs[0]
+    pats = None
+    if patterns:
+        pats = tuple(
+            trace(model, torch.tensor(list(x), dtype=torch.long, device=device), logits=False)
+            .weights[:, 0]
+            .float()
+            .cpu()
+            for x in first[:2]
+        )
+    return CircuitResult(
+        scores,
+        curve,
+        fraction,
+        n,
+        faith[-1],
+        list(first[0]),
+        list(first[1]),
+        (int(first[2]), int(first[3])),
+        tokenizer,
+        texts,
+        pats,
+        n_pairs=N,
+    )
 
 
 def _node(node: tuple) -> list:
@@ -219,6 +339,7 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
         },
         "patterns": {},
         "static": bool(static),
+        "pairs": result.n_pairs,
     }
     if result.patterns is not None:
         for layer, head in sorted(_heads_of(g, drawn)):

@@ -9,6 +9,7 @@ circuit of the chosen budget (:mod:`attnlab.interpret.circuit_view`).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,12 @@ from typing import Any
 
 import torch
 
-from attnlab.files import atomic_write_text
+from attnlab.files import atomic_write_text, open_regular
 from attnlab.interpret.circuit_view import (
     CircuitResult,
     circuit_page,
     circuit_result,
+    circuit_result_pairs,
     notebook_circuit_html,
     parse_budget,
 )
@@ -32,7 +34,9 @@ __all__ = [
     "METHODS",
     "CircuitReport",
     "circuit_report",
+    "circuit_report_pairs",
     "format_node",
+    "read_pairs",
     "save_circuit_page",
     "serve_circuit",
 ]
@@ -41,6 +45,7 @@ METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
 # The longest prompts a server scores: the edges' scores and the faithfulness runs grow with T (the
 # circuits run as the rows of batches of T tokens each); past this a small model keeps the page waiting.
 MAX_CIRCUIT_TOKENS = 64
+PAIRS_MAX_BYTES = 64 << 20  # a JSONL of prompt pairs: thousands of lines are a few megabytes
 
 
 def format_node(node: tuple) -> str:
@@ -72,8 +77,11 @@ class CircuitReport:
         r, curve = self.result, self.result.curve
         a, b = self.answers
         steps = f", {r.scores.ig_steps} steps" if r.scores.method != "EAP" else ""
+        pairs = r.n_pairs
         lines = [
-            f"metric: logit({a!r}) - logit({b!r}) at the last token",
+            f"metric: logit({a!r}) - logit({b!r}) at the last token"
+            if pairs == 1
+            else f"metric: logit(A) - logit(B) at the last token, the mean over {pairs} pairs",
             f"clean run {curve.clean_metric:+.4f}, corrupted run {curve.corrupted_metric:+.4f}",
             f"method: {r.scores.method}{steps}; {len(r.scores)} edges",
             f"\nthe {top} strongest edges (score: + moves the metric toward the clean run, - away from it)",
@@ -99,12 +107,10 @@ class CircuitReport:
         return notebook_circuit_html(self.result.section())
 
 
-def _one_token(tokenizer: Any, text: str, what: str) -> int:
+def _one_token(tokenizer: Any, text: str, what: str, where: str = "--answers") -> int:
     ids = tokenizer.encode(text)
     if len(ids) != 1:
-        raise ValueError(
-            f"--answers: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)"
-        )
+        raise ValueError(f"{where}: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)")
     return int(ids[0])
 
 
@@ -157,6 +163,88 @@ def circuit_report(
         budget=budget,
     )
     return CircuitReport(result, tuple(answers), str(loaded.metadata.get("name") or loaded.path.name))
+
+
+def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int) -> list[tuple]:
+    """A JSONL of prompt pairs, one ``{"clean": TEXT, "corrupted": TEXT, "answers": [A, B]}`` a line
+    (blank lines skipped), as ``(clean ids, corrupted ids, A id, B id)``; every error names its line."""
+    path = Path(path)
+    with open_regular(path, "--pairs file") as f:
+        raw = f.read(PAIRS_MAX_BYTES + 1)
+    if len(raw) > PAIRS_MAX_BYTES:
+        raise ValueError(f"--pairs {path} is larger than {PAIRS_MAX_BYTES:,} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--pairs {path} is not UTF-8 text: {e}") from None
+    pairs = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"--pairs {path.name} line {n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not {"clean", "corrupted", "answers"} <= obj.keys():
+            raise ValueError(
+                f'{where}: expected {{"clean": TEXT, "corrupted": TEXT, "answers": [A, B]}}, got {line[:80]!r}'
+            )
+        clean, corrupted, answers = obj["clean"], obj["corrupted"], obj["answers"]
+        if not isinstance(clean, str) or not isinstance(corrupted, str):
+            raise ValueError(f"{where}: clean and corrupted must be texts")
+        if not isinstance(answers, list) or len(answers) != 2 or not all(isinstance(x, str) for x in answers):
+            raise ValueError(f"{where}: answers must be two texts, A and B, got {answers!r}")
+        ids = [[int(i) for i in tokenizer.encode(t)] for t in (clean, corrupted)]
+        if not ids[0] or len(ids[0]) > context_length:
+            raise ValueError(f"{where}: clean is {len(ids[0])} tokens, it must be 1 to context_length={context_length}")
+        if len(ids[0]) != len(ids[1]):
+            raise ValueError(
+                f"{where}: clean and corrupted must have the same number of tokens (edges pair positions), "
+                f"got {len(ids[0])} and {len(ids[1])}"
+            )
+        a, b = (
+            _one_token(tokenizer, t, w, where)
+            for t, w in zip(answers, ("the first answer", "the second answer"), strict=True)
+        )
+        if a == b:
+            raise ValueError(f"{where}: the answers must be two different tokens, both are {answers[0]!r}")
+        pairs.append((ids[0], ids[1], a, b, clean, corrupted, tuple(answers)))
+    if not pairs:
+        raise ValueError(f"--pairs {path} holds no pairs (one JSON object a line)")
+    return pairs
+
+
+def circuit_report_pairs(
+    loaded: LoadedModel,
+    path: str | os.PathLike[str],
+    *,
+    method: str = "EAP",
+    ig_steps: int = 5,
+    budget: object = 0.05,
+) -> CircuitReport:
+    """Edge attribution and faithfulness of every pair of a JSONL file, the mean over pairs
+    (:func:`attnlab.interpret.circuit_view.circuit_result_pairs`)."""
+    model, tok = loaded.model, loaded.tokenizer
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if isinstance(ig_steps, bool) or not isinstance(ig_steps, int) or ig_steps < 1:
+        raise ValueError(f"--ig-steps must be a positive int, got {ig_steps!r}")
+    try:
+        parse_budget(budget)
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
+    rows = read_pairs(path, tok, model.config.context_length)
+    result = circuit_result_pairs(
+        model,
+        [r[:4] for r in rows],
+        tokenizer=tok,
+        texts=(rows[0][4], rows[0][5]),
+        method=method,
+        ig_steps=ig_steps,
+        budget=budget,
+    )
+    return CircuitReport(result, rows[0][6], str(loaded.metadata.get("name") or loaded.path.name))
 
 
 def save_circuit_page(report: CircuitReport, path: str | os.PathLike[str]) -> Path:

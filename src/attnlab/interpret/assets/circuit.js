@@ -165,7 +165,9 @@ class CircuitView {
       + ": clean run " + d.clean_value.toFixed(4) + ", corrupted run " + d.corrupted_value.toFixed(4) + ". "
       + d.method + (d.method !== "EAP" ? " (" + d.ig_steps + " steps)" : "") + " over " + d.n_edges + " edges; the "
       + "circuit of the top " + +(b.fraction * 100).toFixed(3) + "% (" + b.n_edges + " edges) has faithfulness "
-      + b.faithfulness.toFixed(4) + (d.edges.length < b.n_edges ? "; its " + d.edges.length + " strongest are drawn." : ".");
+      + b.faithfulness.toFixed(4) + (d.edges.length < b.n_edges ? "; its " + d.edges.length + " strongest are drawn." : ".")
+      + (d.pairs > 1 ? " The numbers are the mean over " + d.pairs + " pairs; the prompts and the attention shown are "
+        + "the first pair's." : "");
     this.drawGraph(d);
     this.drawCurve(d.curve);
     this.drawTable(d.edges.slice(0, 20));
