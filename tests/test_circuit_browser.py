@@ -75,3 +75,70 @@ def test_clicking_a_head_opens_its_attention_on_both_prompts(driver, page):
     want = data["patterns"][key]["clean"][0]
     assert [float(t.rsplit(": ", 1)[1]) for t in titles] == pytest.approx(want, abs=1e-4)
     assert "Layer " + key.split(".")[0] in driver.find_element(By.ID, "circuit-attn-title").text
+
+
+# --------------------------------------------------------------------------------------------
+# The Circuit tab of attnlab serve
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, subprocess_env):
+    from attnlab.tools.loading import load_model
+    from test_serve import Server, save_checkpoint, sharp_gpt
+
+    d = save_checkpoint(sharp_gpt(), tmp_path_factory.mktemp("serve") / "sharp")
+    s = Server("--checkpoint", str(d), env=subprocess_env)
+    yield s, load_model(d)
+    code, err = s.stop()
+    assert code == 130 and "Traceback" not in err, (code, err)
+
+
+def test_the_circuit_tab_finds_the_circuit_and_opens_a_heads_attention(driver, server):
+    from attnlab.interpret import edge_attribution, logit_diff
+    from attnlab.tools.circuit import format_node
+
+    s, loaded = server
+    model, tok = loaded.model, loaded.tokenizer
+    clean, corrupted = "the cat sat on the mat", "the dog sat on the mat"
+    driver.get_log("browser")
+    driver.get(s.url + "/")
+    wait = lambda script, t=60: WebDriverWait(driver, t).until(lambda d: d.execute_script(script))
+    wait("return document.body.dataset.ready || document.body.dataset.error")
+    box = driver.find_element(By.ID, "prompt")
+    box.clear()
+    box.send_keys(clean)
+    wait(f"return document.body.dataset.livePrompt === {clean!r}")
+    driver.find_element(By.CSS_SELECTOR, '#tabs .tab[data-view="circuit"]').click()
+    assert driver.find_element(By.ID, "view-circuit").is_displayed()
+    text = driver.find_element(By.ID, "circuit-corrupted")
+    assert text.get_attribute("value") == clean  # prefilled with the page's prompt
+    text.clear()
+    text.send_keys(corrupted)
+    driver.find_element(By.ID, "circuit-a").send_keys("zq")  # two tokens: the server says so
+    driver.find_element(By.ID, "circuit-b").send_keys("x")
+    driver.find_element(By.ID, "circuit-run").click()
+    wait("return document.body.dataset.circuitError")
+    assert "answers[0] 'zq' is 2 tokens" in driver.find_element(By.ID, "circuit-status").text
+    driver.find_element(By.ID, "circuit-a").clear()
+    driver.find_element(By.ID, "circuit-a").send_keys("s")
+    driver.find_element(By.ID, "circuit-run").click()
+    wait("return document.body.dataset.circuitEdges && !document.body.dataset.circuitRunning"
+         " && !document.body.dataset.circuitError")  # fmt: skip
+    # the table of the strongest edges is the library's
+    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
+    drawn = int(driver.execute_script("return document.body.dataset.circuitEdges"))  # the 5% circuit's
+    want = edge_attribution(model, *ids, logit_diff(tok.encode("s")[0], tok.encode("x")[0])).top(min(20, drawn))
+    rows = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#circuit-edges tr')).slice(1)"
+        ".map(r => Array.from(r.cells, c => c.textContent))"
+    )
+    assert [(w, r) for w, r, _ in rows] == [(format_node(w), format_node(r)) for w, r, _ in want]
+    assert [float(v) for _, _, v in rows] == pytest.approx([v for _, _, v in want], rel=1e-3, abs=1e-6)
+    head = driver.find_elements(By.CSS_SELECTOR, "#circuit-graph .node.head")[0]
+    key = head.get_attribute("data-node")[1:]
+    head.click()
+    wait(f"return document.body.dataset.circuitHead === {key!r}", 10)
+    T = len(ids[0])
+    panes = driver.find_elements(By.CSS_SELECTOR, "#circuit-attn section.pane")
+    assert [len(p.find_elements(By.CSS_SELECTOR, "rect.cell")) for p in panes] == [T * T, T * T]
+    others = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING") and "422" not in e["message"]]
+    assert others == []
