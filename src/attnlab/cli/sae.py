@@ -168,10 +168,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _dashboard(args: argparse.Namespace) -> int:
+    import torch
+
     from attnlab.data import tokenize_to_cache
     from attnlab.interpret.sae import SAE
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
-    from attnlab.tools.loading import load
+    from attnlab.tools.loading import load_pretrained
 
     for flag, v in (("--latents", args.latents), ("--tokens", args.tokens), ("--context", args.context)):
         if v < 1:
@@ -181,7 +183,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
-    loaded = load(model=args.model)
+    # Dense float32 weights: a matrix kept in a file's blocks would be dequantized again for every batch.
+    loaded = load_pretrained(args.model, dtype=torch.float32)
     sae.check_model(loaded.model)
     ids = tokenize_to_cache(args.data, loaded.tokenizer)
     if len(ids) < args.context:
