@@ -222,6 +222,21 @@ def test_examples_and_prompts_equal_transformers(pair, family):
     assert (ours.bos_id is None) == (family == "phi3")  # Phi-3's file says add_bos_token false
 
 
+@pytest.mark.parametrize(("add_bos", "add_eos"), [(None, False), (False, True), (True, True)])
+def test_bos_and_eos_flags_as_transformers(tmp_path, add_bos, add_eos):
+    """``add_bos_token`` (absent: yes, for SentencePiece) and ``add_eos_token`` as transformers'
+    ``tokenizer(text)`` applies them; attnlab's prompt starts with BOS alone (a prompt goes on)."""
+    meta = sentencepiece_metadata("llama") | {"tokenizer.ggml.add_bos_token": add_bos}
+    meta["tokenizer.ggml.add_eos_token"] = add_eos
+    path = write_gguf(tmp_path / "flags.gguf", tiny_llama(seed=8, vocab=len(_tokens(meta))), meta=meta)
+    ours = HFTokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the cat", "x 😀"]:
+        assert ours._tok.encode(text).ids == theirs.encode(text)
+        bos = [] if add_bos is False else [meta["tokenizer.ggml.bos_token_id"]]
+        assert ours.encode_prompt(text) == bos + ours.encode(text)
+
+
 def test_gemma_layout(pair):
     """Gemma's file: its runs of spaces (stored as spaces) are single tokens, "\\n\\n" is matched
     whole, no space before the text."""
