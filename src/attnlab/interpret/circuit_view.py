@@ -46,13 +46,10 @@ from attnlab.interpret.circuits import (
     areas,
     circuit_metrics,
     edge_attribution,
-    faithfulness,
-    faithfulness_curve,
 )
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
 from attnlab.interpret.patch_view import answer_token
-from attnlab.interpret.patching import logit_diff
 from attnlab.interpret.tracing import trace
 
 __all__ = [
@@ -154,16 +151,26 @@ def circuit_result(
     a, b = (answer_token(tokenizer, t, vocab, f"answers[{i}]") for i, t in enumerate(answers))
     if a == b:
         raise ValueError(f"answers must be two different tokens, both are token {a}")
-    metric = logit_diff(a, b)
-    scores = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=ig_steps)  # checks the pair
-    curve = faithfulness_curve(model, clean, corrupted, metric, scores, budgets)
-    n = int(fraction * len(scores))
-    (faith,) = faithfulness(model, clean, corrupted, metric, scores.top_n(n))
-    ids = [(x[0] if x.dim() == 2 else x).tolist() for x in (clean, corrupted)]
-    pats = None
-    if patterns:
-        pats = tuple(trace(model, x, logits=False).weights[:, 0].float().cpu() for x in (clean, corrupted))
-    return CircuitResult(scores, curve, fraction, n, faith, ids[0], ids[1], (a, b), tokenizer, texts, pats)
+    if not isinstance(clean, Tensor) or not isinstance(corrupted, Tensor):
+        raise TypeError(f"clean and corrupted must be tensors of token ids, got {type(clean).__name__}")
+    x = [(t[0] if t.dim() == 2 and t.shape[0] == 1 else t) for t in (clean, corrupted)]
+    if x[0].dim() != 1 or x[0].shape != x[1].shape:
+        raise ValueError(
+            f"clean and corrupted must be token ids (T,) or (1, T) of the same length, got shapes "
+            f"{tuple(clean.shape)} and {tuple(corrupted.shape)}"
+        )
+    # one pair: the mean over one pair (the curve's circuits and the budget's run in one batch)
+    return circuit_result_pairs(
+        model,
+        [(x[0].tolist(), x[1].tolist(), a, b)],
+        tokenizer=tokenizer,
+        texts=texts,
+        method=method,
+        ig_steps=ig_steps,
+        budget=fraction,
+        budgets=budgets,
+        patterns=patterns,
+    )
 
 
 @dataclass(frozen=True)
