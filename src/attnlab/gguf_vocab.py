@@ -270,21 +270,28 @@ def _sentencepiece(p: Path, tokens: list[str], types: list[int], meta: dict[str,
     # decoding undoes it: "▁" back to spaces, byte tokens back to bytes, the first space dropped
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    # Special tokens: the control and unknown ones, and those the metadata names (BOS, EOS, ...).
     named = {meta[k] for k in _SP_SPECIAL if meta[k] is not None}
-    special = [i for i, k in enumerate(types) if k in (_UNKNOWN, _CONTROL) or i in named]
-    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in special])
-    # user-defined tokens (Phi-3's <|placeholder1|>, Gemma's "\n\n") are matched whole, as llama.cpp
+    special = {tokens[i] for i, k in enumerate(types) if k in (_UNKNOWN, _CONTROL) or i in named}
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in tokens if t in special])
+    # User-defined tokens (Phi-3's <|placeholder1|>, Gemma's "\n\n") are matched whole, as llama.cpp
     # does; Gemma's respelled runs of spaces are reached by merges instead.
-    user = [t for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k == _USER_DEFINED and spelled[i] == t]
+    user = [t for t, s, k in zip(tokens, spelled, types, strict=True) if k == _USER_DEFINED and s == t]
     tok.add_tokens([AddedToken(t, normalized=False) for t in user if t not in special])
     bos, eos = meta["bos_token_id"], meta["eos_token_id"]
-    add_bos = meta["add_bos_token"] if meta["add_bos_token"] is not None else True
-    add_bos, add_eos = add_bos and bos is not None, bool(meta["add_eos_token"]) and eos is not None
+    said_bos = meta["add_bos_token"]
+    add_bos = bos is not None and (said_bos is None or bool(said_bos))  # unsaid: yes, as llama.cpp assumes
+    add_eos = eos is not None and bool(meta["add_eos_token"])
     if add_bos or add_eos:
-        first, last = (f"{tokens[bos]}:0 " if add_bos else ""), (f" {tokens[eos]}:0" if add_eos else "")
-        ids = [(tokens[i], i) for i in dict.fromkeys([bos] * add_bos + [eos] * add_eos)]
+        # What encode(text, add_special_tokens=True) adds (transformers' tokenizer(text) does the same);
+        # ":0"/":1" is the segment, written out so that a token holding a colon still parses.
+        first = lambda segment: [f"{tokens[bos]}:{segment}"] if add_bos else []
+        last = lambda segment: [f"{tokens[eos]}:{segment}"] if add_eos else []
+        ids = {tokens[i]: i for i in (bos if add_bos else None, eos if add_eos else None) if i is not None}
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{first}$A:0{last}", pair=f"{first}$A:0{last} {first}$B:1{last}", special_tokens=ids
+            single=[*first(0), "$A:0", *last(0)],
+            pair=[*first(0), "$A:0", *last(0), *first(1), "$B:1", *last(1)],
+            special_tokens=list(ids.items()),
         )
     return tok, eos, bos if add_bos else None
 
