@@ -505,7 +505,8 @@ class HFTokenizer(Tokenizer):
 
     Args:
         path: the ``tokenizer.json`` file, or a model directory holding it, or a GGUF file (its
-            stored tokenizer, built by :func:`gguf_tokenizer`).
+            stored tokenizer, byte-level BPE or SentencePiece, built by
+            :func:`attnlab.gguf_vocab.gguf_tokenizer`).
         reader: for a GGUF file, its open ``gguf.GGUFReader`` if there is one (the header is then
             not parsed again).
         eot_id / bos_id: the end-of-text and beginning-of-text ids. Default: ``bos_id`` is the token
@@ -535,7 +536,7 @@ class HFTokenizer(Tokenizer):
             p = p / "tokenizer.json"
         if not p.is_file():
             raise FileNotFoundError(f"{p} not found: the hf tokenizer reads a tokenizer.json or a GGUF file")
-        if _is_gguf_file(p):
+        if is_gguf_file(p):
             self._tok, found_eot, found_bos = gguf_tokenizer(p if reader is None else reader)
             # the tokenizer's own serialization: what it does, not the model weights around it
             self._json_bytes = self._tok.to_str().encode()
@@ -552,7 +553,7 @@ class HFTokenizer(Tokenizer):
         # Byte-fallback tokens (<0x41>): a run of them decodes as a whole (invalid UTF-8 turns every
         # byte of the run into U+FFFD), so streamed text must wait for the run to end.
         self.byte_tokens = frozenset(i for t, i in self._tok.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
-        if not _is_gguf_file(p):
+        if not is_gguf_file(p):
             found_eot, found_bos = self._read_special_ids(p.parent) if find_special else (None, None)
         self.eot_id = found_eot if eot_id is None else self._check_id("eot_id", eot_id)
         self.bos_id = found_bos if bos_id is None else self._check_id("bos_id", bos_id)
@@ -631,12 +632,6 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
-# ----------------------------------------------------------------------------------------------
-# The tokenizer stored in a GGUF file: built in attnlab.gguf_vocab (byte-level BPE and SentencePiece)
-# ----------------------------------------------------------------------------------------------
-_is_gguf_file = is_gguf_file
 
 
 # ----------------------------------------------------------------------------------------------
