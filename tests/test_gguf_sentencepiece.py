@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -39,6 +40,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attnlab.cli import main  # noqa: E402
 from attnlab.tokenizers import HFTokenizer, StreamDecoder, tokenizer_from_dict, tokenizer_to_dict  # noqa: E402
+from attnlab.tools.chat import prompt_ids  # noqa: E402
 from attnlab.tools.loading import load_pretrained  # noqa: E402
 from gguf_files import (  # noqa: E402
     BYTE,
@@ -321,7 +323,12 @@ def test_generate_cli(llama_file, capsys):
     argv = ["generate", "--model", str(llama_file), "--prompt", "the cat", "--max-new-tokens", "4"]
     code, out, err = _run(capsys, [*argv, "--temperature", "0"])
     assert code == 0, err
-    assert out.startswith("the cat") and len(out.strip()) > len("the cat")
+    loaded = load_pretrained(str(llama_file))
+    tok = loaded.tokenizer
+    ids = tok.encode_prompt("the cat")
+    assert ids[0] == tok.bos_id  # the file's add_bos_token
+    new = loaded.model.generate(torch.tensor([ids]), 4, temperature=0)[0, len(ids) :].tolist()
+    assert out.rstrip("\n") == tok.decode(tok.encode("the cat") + new)
 
 
 def test_inspect_cli(llama_file, capsys):
@@ -331,9 +338,15 @@ def test_inspect_cli(llama_file, capsys):
 
 
 def test_chat_cli(llama_file, capsys, monkeypatch):
+    """The answer printed is the greedy continuation of the file's template, "<s>" written by it."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
-    code, _, err = _run(capsys, ["chat", "--model", str(llama_file), "--max-new-tokens", "3", "--temperature", "0"])
+    code, out, err = _run(capsys, ["chat", "--model", str(llama_file), "--max-new-tokens", "3", "--temperature", "0"])
     assert code == 0, err
+    loaded = load_pretrained(str(llama_file))
+    ids = prompt_ids(loaded, [{"role": "user", "content": "hi"}])
+    assert ids[0] == loaded.tokenizer.bos_id and ids.count(loaded.tokenizer.bos_id) == 1
+    new = loaded.model.generate(torch.tensor([ids]), 3, temperature=0)[0, len(ids) :].tolist()
+    assert out.strip() == loaded.tokenizer.decode(new).strip() != ""
 
 
 def test_eval_cli(llama_file, capsys, tmp_path):
