@@ -334,7 +334,9 @@ def test_generate_cli(llama_file, capsys):
 def test_inspect_cli(llama_file, capsys):
     code, out, err = _run(capsys, ["inspect", "--model", str(llama_file), "--prompt", "the cat sat", "--top", "2"])
     assert code == 0, err
-    assert "▁sat" in out or "sat" in out
+    line = next(line for line in out.splitlines() if line.startswith("tokens:"))
+    n = len(load_pretrained(str(llama_file)).tokenizer.encode("the cat sat"))
+    assert [entry.split(":")[0] for entry in line.split()[1:]] == [str(i) for i in range(n)], line
 
 
 def test_chat_cli(llama_file, capsys, monkeypatch):
