@@ -223,9 +223,13 @@ def test_serve_answers_the_circuit_view(checkpoint, client):
     _, model = checkpoint
     body = {"clean": CLEAN, "corrupted": CORRUPTED, "answers": ["a", 1], "method": "EAP-IG-activations",
             "ig_steps": 2, "budget": "25%"}  # fmt: skip
+    calls = client.get("/api/stats").json()["model_calls"]
     r = client.post("/api/circuit", json=body)
     assert r.status_code == 200, r.text
     data = r.json()
+    # in stages, each its own model call (the scores, the circuits, the attention): the requests that
+    # come in meanwhile run between them
+    assert client.get("/api/stats").json()["model_calls"] - calls == 3
     clean, corrupted = _ids()
     metric = logit_diff(0, 1)
     want = edge_attribution(model, clean, corrupted, metric, method="EAP-IG-activations", ig_steps=2)

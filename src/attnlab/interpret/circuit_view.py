@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from string import Template
@@ -201,6 +201,7 @@ def circuit_result_pairs(
     budget: object = 0.05,
     budgets: Sequence[float] = MIB_BUDGETS,
     patterns: bool = True,
+    run: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> CircuitResult:
     """:func:`circuit_result` of many pairs at once, the mean over pairs as the papers report it.
 
@@ -210,10 +211,19 @@ def circuit_result_pairs(
     metric, so that is the score of the mean metric). A circuit's metric, the clean and the corrupted
     run's are means over all pairs too, and faithfulness and the curve are computed from those means
     (MIB's normalisation of the batch mean). The page's prompts and attention are the first pair's.
+
+    ``run(stage)`` calls each stage of model work (each length's scores, its circuits, the attention):
+    a server passes its model thread's runner, so that the requests waiting meanwhile run between two
+    stages instead of after the whole; None calls them here.
     """
+    run = (lambda stage: stage()) if run is None else run
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     fraction = parse_budget(budget)
+    fractions = list(budgets) if isinstance(budgets, (list, tuple)) else None
+    ok = fractions and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b <= 1 for b in fractions)
+    if not ok or fractions != sorted(fractions):
+        raise ValueError(f"budgets must be increasing fractions of the edges in (0, 1], got {budgets!r}")
     if not isinstance(pairs, (list, tuple)) or not pairs:
         raise ValueError("pairs must be a non-empty list of (clean ids, corrupted ids, A, B)")
     device = next(model.parameters()).device
@@ -237,25 +247,31 @@ def circuit_result_pairs(
         batches.append((len(rows) / N, ids(0), ids(1), PairLogitDiff(*answers)))
     total = None
     for weight, clean, corrupted, metric in batches:
-        s = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=ig_steps)
+        s = run(
+            lambda c=clean, x=corrupted, m=metric: edge_attribution(model, c, x, m, method=method, ig_steps=ig_steps)
+        )
         total = s.scores * weight if total is None else total + s.scores * weight
     scores = EdgeScores(s.graph, total, s.method, s.ig_steps, False)
-    fractions = list(budgets)
     counts = [int(b * len(scores)) for b in fractions]
     n = int(fraction * len(scores))
     circuits = [scores.top_n(k) for k in [*counts, n]]
+
+    def measure(clean: Tensor, corrupted: Tensor, metric: PairLogitDiff) -> tuple[Tensor, float, float]:
+        """Every circuit's metric, and the clean and corrupted run's, on one length's batch."""
+        values = torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits), dtype=torch.float64)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return values, float(metric(model(clean))), float(metric(model(corrupted)))
+        finally:
+            model.train(was_training)
+
     values = torch.zeros(len(circuits), dtype=torch.float64)
     m_clean = m_corr = 0.0
-    was_training = model.training
-    model.eval()
-    try:
-        for weight, clean, corrupted, metric in batches:
-            values += weight * torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits))
-            with torch.no_grad():
-                m_clean += weight * float(metric(model(clean)))
-                m_corr += weight * float(metric(model(corrupted)))
-    finally:
-        model.train(was_training)
+    for weight, clean, corrupted, metric in batches:
+        v, c, x = run(lambda c=clean, x=corrupted, m=metric: measure(c, x, m))
+        values, m_clean, m_corr = values + weight * v, m_clean + weight * c, m_corr + weight * x
     if m_clean == m_corr:
         raise ValueError(f"the mean metric is {m_clean} on both prompts of the pairs: faithfulness is undefined")
     faith = ((values - m_corr) / (m_clean - m_corr)).tolist()
@@ -264,12 +280,14 @@ def circuit_result_pairs(
     first = pairs[0]
     pats = None
     if patterns:
-        pats = tuple(
-            trace(model, torch.tensor(list(x), dtype=torch.long, device=device), logits=False)
-            .weights[:, 0]
-            .float()
-            .cpu()
-            for x in first[:2]
+        pats = run(
+            lambda: tuple(
+                trace(model, torch.tensor(list(x), dtype=torch.long, device=device), logits=False)
+                .weights[:, 0]
+                .float()
+                .cpu()
+                for x in first[:2]
+            )
         )
     return CircuitResult(
         scores,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,7 +271,7 @@ def serve_circuit(
 
     The request is checked first (prompts of the same number of tokens, at most
     :data:`MAX_CIRCUIT_TOKENS`; two different one-token answers; a known method; a budget in (0, 1]),
-    each error a ValueError naming the field; then one model call (``engine.run``) does the work.
+    each error a ValueError naming the field; then the work runs as a few model calls (``engine.run``).
     """
     ids = []
     for name, text in (("clean", clean), ("corrupted", corrupted)):
@@ -297,23 +298,25 @@ def serve_circuit(
     pair = tuple(answer_token(loaded.tokenizer, t, vocab, f"answers[{i}]") for i, t in enumerate(answers))
     if len(pair) != 2 or pair[0] == pair[1]:
         raise ValueError(f"answers must be two different tokens, got {list(answers)!r}")
-    device = next(model.parameters()).device
-    x = [torch.tensor(i, dtype=torch.long, device=device) for i in ids]
 
-    def work() -> dict[str, Any]:
-        # the engine runs in inference mode; edge attribution needs the metric's gradient
-        with torch.inference_mode(False), torch.enable_grad():
-            result = circuit_result(
-                model,
-                x[0],
-                x[1],
-                pair,
-                tokenizer=loaded.tokenizer,
-                texts=(clean, corrupted),
-                method=method,
-                ig_steps=ig_steps,
-                budget=budget,
-            )
-        return result.section(static=False)
+    def run(stage: Callable[[], Any]) -> Any:
+        def grads_on() -> Any:
+            # the engine runs in inference mode; edge attribution needs the metric's gradient
+            with torch.inference_mode(False), torch.enable_grad():
+                return stage()
 
-    return engine.run(work)
+        return engine.run(grads_on)
+
+    # each stage is one model call: the requests that came in meanwhile (the page's other views
+    # following the typing) run between two of them, not after the whole circuit
+    result = circuit_result_pairs(
+        model,
+        [(ids[0], ids[1], pair[0], pair[1])],
+        tokenizer=loaded.tokenizer,
+        texts=(clean, corrupted),
+        method=method,
+        ig_steps=ig_steps,
+        budget=budget,
+        run=run,
+    )
+    return result.section(static=False)
