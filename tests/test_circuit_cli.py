@@ -15,6 +15,8 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.cli import main
 from attnlab.interpret import edge_attribution, faithfulness, faithfulness_curve, logit_diff, trace
@@ -342,3 +344,10 @@ def test_a_pairs_line_that_is_not_json_is_refused_with_its_number(checkpoint, tm
     assert "line 3: not valid JSON" in capsys.readouterr().err
     assert main(["circuit", "--checkpoint", str(d), "--pairs", str(path), "--clean", "abc"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@settings(max_examples=50, deadline=None)
+@given(fraction=st.floats(1e-4, 1.0, allow_nan=False))
+def test_a_budget_reads_the_same_as_a_percentage_or_a_fraction(fraction):
+    assert parse_budget(f"{fraction * 100!r}%") == pytest.approx(fraction, rel=1e-12)
+    assert parse_budget(repr(fraction)) == fraction == parse_budget(fraction)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.cli import main
 from attnlab.interpret import activation_patching, logit_diff
@@ -185,3 +187,28 @@ def test_a_patch_that_moves_the_metric_the_other_way_is_listed_with_its_sign():
     assert [label for label, _, _ in top] == [label for _, label in ranked[:3]]
     text = report.format(top=3)
     assert "2.3" in text and "-3.500" in text and "either way" in text
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=24),
+    k=st.integers(1, 30),
+)
+def test_the_listed_patches_are_the_largest_effects_either_way(values, k):
+    """Whatever the results: the k listed are k of largest |restored| (no unlisted one is larger), in
+    non-increasing |restored|, each with its own signed value."""
+    from attnlab.tools.patch import PatchReport
+
+    results = torch.tensor(values, dtype=torch.float64).view(1, -1)  # (L=1, H)
+    report = PatchReport(["a"], ("a", "b"), 2.0, -1.0, results={"head_out": results})
+    top = report.top("head_out", k)
+    restored = [(v + 1.0) / 3.0 for v in values]
+    assert len(top) == min(k, len(values))
+    sizes = [abs(frac) for _, _, frac in top]
+    assert sizes == sorted(sizes, reverse=True)
+    listed = {int(label.split(".")[1]) for label, _, _ in top}
+    for label, value, frac in top:
+        h = int(label.split(".")[1])
+        assert value == values[h] and frac == pytest.approx(restored[h])
+    unlisted = [abs(restored[h]) for h in range(len(values)) if h not in listed]
+    assert not unlisted or max(unlisted) <= min(sizes) + 1e-12
