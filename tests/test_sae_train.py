@@ -168,3 +168,16 @@ def test_cli_trains_on_smollm2(tmp_path, smollm2_gguf, subprocess_env):
     figures = json.loads(r.stdout)
     assert figures["l0"] == pytest.approx(16.0) and figures["tokens"] == 256
     assert figures["ce_zero_ablated"] > figures["ce_clean"]
+
+
+def test_the_buffer_stops_the_pass_at_its_last_hook(make_gpt, corpus):
+    model = make_gpt()
+    for hook, hook_out, later in (
+        ("blocks.0.hook_resid_post", None, "blocks.1.hook_resid_pre"),
+        ("blocks.0.hook_resid_mid", "blocks.0.hook_mlp_out", "blocks.0.hook_resid_post"),
+    ):
+        cfg = SAETrainConfig(hook=hook, hook_out=hook_out, **SMALL)
+        calls = []
+        with hooks(model, {later: lambda x, h: calls.append(h.name), "hook_embed": lambda x, h: calls.append(h.name)}):
+            ActivationBuffer(model, corpus, cfg).fill(0)
+        assert calls and set(calls) == {"hook_embed"}  # the pass ran, and nothing after the hook did

@@ -26,6 +26,7 @@ in ``DIR/sae`` (a TopK transcoder, which SAELens has no class for, in sparsify's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -166,6 +167,10 @@ class _Step(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # Activations: a bounded, shuffled buffer, rebuilt exactly from (seed, cycle)
 # ---------------------------------------------------------------------------------------------
+class _Reached(Exception):
+    """Raised at the last hook point the buffer reads: the rest of the forward pass is skipped."""
+
+
 class ActivationBuffer:
     """Rows of activations from ``model`` at ``hook`` (and ``hook_out``), one buffer per cycle.
 
@@ -194,8 +199,13 @@ class ActivationBuffer:
         xs, ys = [], []
         seen: dict[str, Tensor] = {}
 
+        order = hook_names(self.model)
+        last = max((cfg.hook, cfg.hook_out or cfg.hook), key=order.index)  # the pass stops after it
+
         def keep(x: Tensor, hook: HookPoint) -> None:
             seen[hook.name] = x[:, 1:].reshape(-1, x.shape[-1]).float()  # (b * (T-1), d)
+            if hook.name == last:
+                raise _Reached  # the layers after the hook (and the vocabulary's matmul) are not needed
 
         names = {cfg.hook: keep, **({cfg.hook_out: keep} if cfg.hook_out else {})}
         was_training = self.model.training
@@ -206,7 +216,8 @@ class ActivationBuffer:
                     batch = np.stack(
                         [self.tokens[s : s + cfg.context] for s in starts[i : i + cfg.model_batch].tolist()]
                     )
-                    self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
+                    with contextlib.suppress(_Reached):
+                        self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
                     xs.append(seen[cfg.hook])
                     if cfg.hook_out:
                         ys.append(seen[cfg.hook_out])
