@@ -177,7 +177,11 @@ def test_the_buffer_stops_the_pass_at_its_last_hook(make_gpt, corpus):
         ("blocks.0.hook_resid_mid", "blocks.0.hook_mlp_out", "blocks.0.hook_resid_post"),
     ):
         cfg = SAETrainConfig(hook=hook, hook_out=hook_out, **SMALL)
-        calls = []
-        with hooks(model, {later: lambda x, h: calls.append(h.name), "hook_embed": lambda x, h: calls.append(h.name)}):
+        calls: list[str] = []
+
+        def note(x, h, calls=calls):
+            calls.append(h.name)
+
+        with hooks(model, {later: note, "hook_embed": note}):
             ActivationBuffer(model, corpus, cfg).fill(0)
         assert calls and set(calls) == {"hook_embed"}  # the pass ran, and nothing after the hook did
