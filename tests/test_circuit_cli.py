@@ -351,3 +351,29 @@ def test_a_pairs_line_that_is_not_json_is_refused_with_its_number(checkpoint, tm
 def test_a_budget_reads_the_same_as_a_percentage_or_a_fraction(fraction):
     assert parse_budget(f"{fraction * 100!r}%") == pytest.approx(fraction, rel=1e-12)
     assert parse_budget(repr(fraction)) == fraction == parse_budget(fraction)
+
+
+def test_a_page_keeps_the_attention_of_the_strongest_edges_heads_when_all_would_not_fit(checkpoint, monkeypatch):
+    import attnlab.interpret.circuit_view as view
+    from attnlab.interpret import circuit_result
+
+    _, model = checkpoint
+    result = circuit_result(model, *_ids(), (0, 1), budget="50%")
+    full = result.section()
+    T = len(_ids()[0])
+    assert len(full["patterns"]) > 2 and full["patterns_note"] == ""
+    monkeypatch.setattr(view, "MAX_PATTERN_VALUES", 2 * 2 * T * T)  # two heads' worth
+    small = result.section()
+    # the two heads kept are the first the strongest edges touch (a reference walk written here)
+    group = model.config.n_heads // model.config.kv_heads
+    order = []
+    for w, r, _ in full["edges"]:
+        touched = [(w[1], w[2])] if w[0] == "attn_head_out" else []
+        if r[0] == "q_input":
+            touched.append((r[1], r[2]))
+        elif r[0] in ("k_input", "v_input"):
+            touched += [(r[1], r[2] * group + i) for i in range(group)]
+        order += [f"{layer}.{head}" for layer, head in touched if f"{layer}.{head}" not in order]
+    assert list(small["patterns"]) == order[:2]
+    assert all(small["patterns"][k] == full["patterns"][k] for k in order[:2])
+    assert f"2 of the circuit's {len(order)} heads" in small["patterns_note"]

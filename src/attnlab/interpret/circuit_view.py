@@ -55,6 +55,7 @@ from attnlab.interpret.tracing import trace
 __all__ = [
     "CIRCUIT_ASSETS",
     "MAX_DRAWN",
+    "MAX_PATTERN_VALUES",
     "CircuitResult",
     "PairLogitDiff",
     "circuit_page",
@@ -70,6 +71,8 @@ CIRCUIT_ASSETS = ("circuit.html", "circuit.css", "circuit.js")
 # The most edges the graph draws: past a few hundred lines a page is a blur (the counts say how many
 # the circuit holds; the printed list and the curve use them all).
 MAX_DRAWN = 300
+# The most attention weights (both prompts) a section holds as text: the page stays tens of MB at most.
+MAX_PATTERN_VALUES = 2_000_000
 METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
 
 
@@ -309,18 +312,19 @@ def _node(node: tuple) -> list:
     return [node[0], node[1], node[2]]
 
 
-def _heads_of(graph: EdgeGraph, edges: list[tuple[tuple, tuple, float]]) -> set[tuple[int, int]]:
-    """The query heads the drawn edges touch: a writer head, a query input, or a key/value input's group."""
+def _heads_of(graph: EdgeGraph, edges: list[tuple[tuple, tuple, float]]) -> list[tuple[int, int]]:
+    """The query heads the drawn edges touch (a writer head, a query input, or a key/value input's
+    group), in the order of their strongest edge (``edges`` come strongest first)."""
     group = graph.n_heads // graph.n_kv_heads
-    heads = set()
+    heads: dict[tuple[int, int], None] = {}
     for w, r, _ in edges:
         if w[0] == "attn_head_out":
-            heads.add((w[1], w[2]))
+            heads[(w[1], w[2])] = None
         if r[0] == "q_input":
-            heads.add((r[1], r[2]))
+            heads[(r[1], r[2])] = None
         elif r[0] in ("k_input", "v_input"):
-            heads.update((r[1], r[2] * group + i) for i in range(group))
-    return heads
+            heads.update(dict.fromkeys((r[1], r[2] * group + i) for i in range(group)))
+    return list(heads)
 
 
 def _prompt(tokenizer: Any, ids: list[int], text: str | None) -> dict[str, Any]:
@@ -363,11 +367,20 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
             "cmd": curve.cmd,
         },
         "patterns": {},
+        "patterns_note": "",
         "static": bool(static),
         "pairs": result.n_pairs,
     }
     if result.patterns is not None:
-        for layer, head in sorted(_heads_of(g, drawn)):
+        heads = _heads_of(g, drawn)
+        T = len(result.clean_ids)
+        kept = heads[: max(0, MAX_PATTERN_VALUES // (2 * T * T))]  # the strongest edges' heads first
+        if len(kept) < len(heads):
+            section["patterns_note"] = (
+                f"the attention of {len(kept)} of the circuit's {len(heads)} heads (those of its strongest edges): "
+                f"all of them on {T} tokens would make the page too big"
+            )
+        for layer, head in kept:
             section["patterns"][f"{layer}.{head}"] = {
                 # 5 decimals: the heatmap's colours and readout need no more, and the page stays small
                 which: [[round(v, 5) for v in row] for row in p[layer, head].tolist()]

@@ -316,7 +316,8 @@ class CircuitView {
     const pats = d.patterns && d.patterns[key];
     if (!pats) {
       $["circuit-attn"].textContent = "";
-      $["circuit-attn-readout"].textContent = "This page does not hold that head's attention.";
+      $["circuit-attn-readout"].textContent = "This page does not hold that head's attention"
+        + (d.patterns_note ? ": " + d.patterns_note : "") + ".";
       return;
     }
     const panes = [];
