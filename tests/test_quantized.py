@@ -207,6 +207,14 @@ def test_quantized_weights_are_frozen_and_dtype_gives_a_dense_model(q4k, tmp_pat
     assert half.dtype == torch.bfloat16 and not any(is_quantized(p) for p in half.parameters())
 
 
+def test_a_quantized_model_saves_as_its_dequantized_numbers(q4k, tmp_path):
+    quant, dense = q4k
+    loaded = GPT.load(quant.save(tmp_path / "ck"))
+    assert not any(is_quantized(p) for p in loaded.parameters())
+    for (name, p), (_, want) in zip(loaded.state_dict().items(), dense.state_dict().items(), strict=True):
+        assert torch.equal(p, want), name
+
+
 def test_generation_eager_and_fast_gives_the_dense_models_tokens(q4k):
     quant, dense = q4k
     idx = prompt(8)

@@ -1262,13 +1262,17 @@ class GPT(nn.Module):
 
         Each file is written to a temporary file in the same directory, fsynced and renamed over
         the old one, so a crash leaves either the old or the new file, never a torn one. Tied
-        weights are stored once. Returns the directory.
+        weights are stored once. Quantized weights (a GGUF file's blocks) are written dequantized,
+        the same numbers in their dtype: a checkpoint is dense safetensors. Returns the directory.
         """
         st_save = import_safetensors().torch.save
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {
+            k: (v.dequantize() if is_quantized(v) else v).detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+        }
         if self.config.tie_embeddings:
             state.pop("out_head.weight", None)
         atomic_write_bytes(d / WEIGHTS_NAME, st_save(state, metadata={"format": "pt", "attnlab": "GPT"}))
