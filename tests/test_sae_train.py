@@ -185,3 +185,49 @@ def test_the_buffer_stops_the_pass_at_its_last_hook(make_gpt, corpus):
         with hooks(model, {later: note, "hook_embed": note}):
             ActivationBuffer(model, corpus, cfg).fill(0)
         assert calls and set(calls) == {"hook_embed"}  # the pass ran, and nothing after the hook did
+
+
+def test_a_topk_step_has_the_dense_formulas_gradient(make_gpt, corpus, tmp_path):
+    """The step decodes the k kept latents as a sum of rows (an embedding bag); its gradients, AuxK
+    included, are those of the dense formula written here in float64."""
+    import copy
+
+    model = make_gpt()
+    for skip, hook_out in ((False, None), (True, "blocks.1.hook_mlp_out")):
+        hook = "blocks.1.hook_resid_mid" if hook_out else HOOK
+        cfg = SAETrainConfig(hook=hook, hook_out=hook_out, skip=skip, architecture="topk", **SMALL)
+        trainer = SAETrainer(model, corpus, cfg, tmp_path / f"run{skip}", progress=False)
+        with torch.no_grad():  # a transcoder starts with W_dec = 0: give every parameter a value
+            for p in trainer.sae.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        trainer.since_fired[:20] = cfg.dead_tokens  # 20 dead latents: the AuxK term is on
+        before = copy.deepcopy(trainer.sae).double()
+        x, y = (t.double() for t in trainer.buffer.batch(0))
+        grads = {}
+
+        def record(grads=grads, sae=trainer.sae, step=trainer.optimizer.step):
+            grads.update({n: p.grad.clone() for n, p in sae.named_parameters()})  # before Adam moves them
+            step()
+
+        trainer.optimizer.step = record
+        trainer.train_step()
+        # Reference: dense latents, dense decoding, in float64.
+        pre = before.pre_activations(x)
+        vals, idx = pre.topk(cfg.k, dim=-1)
+        z = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
+        out = z @ before.W_dec + before.b_dec + (x @ before.W_skip.T if skip else 0)
+        err = y - out
+        total = (y - y.mean(0)).pow(2).sum()
+        dead = torch.zeros(pre.shape[-1], dtype=torch.bool)
+        dead[:20] = True
+        k_aux = min(y.shape[-1] // 2, 20)
+        aux_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+        av, ai = aux_pre.topk(k_aux, dim=-1)
+        e_hat = torch.zeros_like(pre).scatter(-1, ai, av.relu()) @ before.W_dec
+        aux = min(20 / (y.shape[-1] // 2), 1.0) * (e_hat - err.detach()).pow(2).sum() / total
+        (err.pow(2).sum() / total + cfg.auxk_alpha * aux).backward()
+        if not skip:
+            before.remove_parallel_gradient()
+        for name, p in before.named_parameters():
+            torch.testing.assert_close(grads[name].double(), p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert before.W_dec.grad.abs().max() > 1e-4

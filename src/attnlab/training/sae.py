@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.files import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
@@ -167,6 +168,18 @@ class _Step(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # Activations: a bounded, shuffled buffer, rebuilt exactly from (seed, cycle)
 # ---------------------------------------------------------------------------------------------
+def _decode_rows(sae: SAE, values: Tensor, indices: Tensor, x: Tensor) -> Tensor:
+    """A TopK SAE's reconstruction from its ``k`` kept latents of each row, ``values, indices (n, k)``:
+    the sum of ``values * W_dec[indices]`` (an embedding bag: ``k`` rows of ``W_dec`` per row rather
+    than a matmul with ``d_sae`` mostly zero latents, forward and backward), plus ``b_dec`` and a
+    transcoder's skip connection. The same as ``sae.decode(z, x)`` for the SAEs training makes (no
+    run-time normalization, no decoder-norm rescaling)."""
+    out = F.embedding_bag(indices, sae.W_dec, per_sample_weights=values, mode="sum") + sae.b_dec  # (n, d_out)
+    if sae.cfg.skip:
+        out = out + x @ sae.W_skip.T
+    return out
+
+
 class _Reached(Exception):
     """Raised at the last hook point the buffer reads: the rest of the forward pass is skipped."""
 
@@ -367,11 +380,17 @@ class SAETrainer:
         cfg, sae = self.cfg, self.sae
         x, y = self.buffer.batch(self.step)
         pre = sae.pre_activations(x)  # (n, d_sae)
-        if cfg.architecture == "jumprelu":
-            z = _JumpReLU.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth)
+        sparse = cfg.architecture == "topk"  # k latents per row: decoded as a sum of k rows, not a matmul
+        if sparse:
+            values, indices = pre.topk(cfg.k, dim=-1, sorted=False)  # (n, k) each
+            values = values.relu()
+            out = _decode_rows(sae, values, indices, x)  # (n, d_out)
         else:
-            z = sae.activation(pre, x)
-        out = sae.decode(z, x)  # (n, d_out)
+            if cfg.architecture == "jumprelu":
+                z = _JumpReLU.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth)
+            else:
+                z = sae.activation(pre, x)
+            out = sae.decode(z, x)  # (n, d_out)
         err = y - out
         total_var = (y - y.mean(0)).pow(2).sum()
         fvu = err.pow(2).sum() / total_var
@@ -383,9 +402,9 @@ class SAETrainer:
             k_aux = min(y.shape[-1] // 2, n_dead)
             scale = min(n_dead / (y.shape[-1] // 2), 1.0)
             aux_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
-            values, indices = aux_pre.topk(k_aux, dim=-1, sorted=False)
-            aux_z = torch.zeros_like(pre).scatter(-1, indices, values.relu())
-            e_hat = aux_z @ sae.W_dec  # no bias: it fits the residual
+            aux_values, aux_indices = aux_pre.topk(k_aux, dim=-1, sorted=False)
+            # no bias: it fits the residual
+            e_hat = F.embedding_bag(aux_indices, sae.W_dec, per_sample_weights=aux_values.relu(), mode="sum")
             auxk = scale * (e_hat - err.detach()).pow(2).sum() / total_var
             loss = loss + cfg.auxk_alpha * auxk
         if cfg.architecture == "jumprelu":
@@ -399,7 +418,11 @@ class SAETrainer:
         with torch.no_grad():
             if not sae.cfg.transcoder:
                 sae.normalize_decoder()
-            fired = (z != 0).any(0)
+            if sparse:
+                fired = torch.zeros(sae.cfg.d_sae, dtype=torch.bool, device=x.device)
+                fired[indices[values > 0]] = True
+            else:
+                fired = (z != 0).any(0)
             self.since_fired += x.shape[0]
             self.since_fired[fired] = 0
             if cfg.architecture == "batchtopk" and (z > 0).any():
@@ -412,7 +435,7 @@ class SAETrainer:
         return {
             "loss": float(loss.detach()),
             "explained_variance": 1.0 - float(fvu.detach()),
-            "l0": float((z != 0).sum(-1).float().mean()),
+            "l0": float(((values if sparse else z) != 0).sum(-1).float().mean()),
             "dead_fraction": float(dead.float().mean()),
         }
 
