@@ -314,7 +314,7 @@ def extra_rss(path: Path) -> int:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="1.70x measured: 167 MB beyond the imports for the 98 MB file, of which some 45 MB do not grow with "
+    reason="about 1.7x measured: 168 MB beyond the imports for the 98 MB file, some 45 MB of which do not grow with "
     "the model (the gguf reader's parse of a 49,152-token header, kernels' code pages, a 64 x 49,152 logits tensor)",
 )
 def test_memory_of_the_real_q4_1_model_is_at_most_1_5x_its_file(smollm2_gguf):
