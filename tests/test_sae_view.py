@@ -134,3 +134,22 @@ def test_cli_dashboard_on_smollm2(smollm2_gguf, tmp_path, capsys, one_thread):
     assert main([*args, "--latents", "65", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--latents must be at most the SAE's d_sae=64" in err and err.count("\n") == 1
+
+
+def test_a_tokens_strongest_latents(make_gpt):
+    from attnlab.interpret.sae_view import strongest_latents
+
+    model, sae = make_gpt(seed=4), make_sae(seed=4)
+    idx = torch.randint(0, 37, (9,), generator=torch.Generator().manual_seed(2))
+    values, latents = strongest_latents(model, sae, idx, n=3)
+    with torch.no_grad():
+        z = copy.deepcopy(sae).double().encode(grab(model, idx[None]).double())[0]  # (T, d_sae) float64
+    assert values.shape == latents.shape == (9, 3) and (values[:, 0] > 0).all()
+    for t in range(9):
+        ref = sorted(range(48), key=lambda j: -float(z[t, j]))[:3]
+        np.testing.assert_allclose(values[t].numpy(), z[t, ref].numpy(), rtol=1e-5, atol=1e-7)
+        assert torch.allclose(z[t, latents[t]], z[t, ref])  # (ties may list either latent)
+    with pytest.raises(ValueError, match="n must be an int"):
+        strongest_latents(model, sae, idx, n=0)
+    with pytest.raises(ValueError, match="one prompt"):
+        strongest_latents(model, sae, idx.view(3, 3))

@@ -47,6 +47,7 @@ __all__ = [
     "latent_logits",
     "read_dashboard_data",
     "save_dashboard",
+    "strongest_latents",
 ]
 
 DASHBOARD_ASSETS = ("sae_dashboard.html", "sae_dashboard.css", "sae_dashboard.js")
@@ -157,6 +158,26 @@ class LatentStats:
         dead = self.top_values <= 0  # a latent that fired fewer than k times: no example there
         self.top_positions[dead] = -1
         self.context_ids[dead] = -1
+
+
+@torch.no_grad()
+def strongest_latents(model: nn.Module, sae: SAE, idx: Tensor, n: int = 5) -> tuple[Tensor, Tensor]:
+    """Each token's ``n`` strongest latents (what the inspector shows for a token): ``idx (T,)`` or
+    ``(1, T)`` -> ``(values (T, n), latents (T, n))``, values descending (0 where fewer fired)."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= sae.cfg.d_sae:
+        raise ValueError(f"n must be an int in [1, d_sae={sae.cfg.d_sae}], got {n!r}")
+    if not isinstance(idx, Tensor) or idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[0] != 1):
+        got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
+        raise ValueError(f"idx must be the token ids of one prompt, (T,) or (1, T), got {got}")
+    sae.check_model(model)
+    was_training = model.training
+    model.eval()
+    try:
+        x = _input_of(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
+    finally:
+        model.train(was_training)
+    values, latents = sae.encode(x)[0].topk(n, dim=-1)  # (T, n) each, descending
+    return values.float().cpu(), latents.cpu()
 
 
 def _check_latents(latents: object, d_sae: int) -> Tensor:
