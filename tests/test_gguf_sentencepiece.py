@@ -423,3 +423,16 @@ def test_bad_sentencepiece_metadata(row, tmp_path, capsys):
     code, _, err = _run(capsys, ["generate", "--model", str(path), "--prompt", "the", "--max-new-tokens", "1"])
     assert code == 2 and err.count("\n") == 1 and err.startswith("attnlab generate: error: --model "), err
     assert fragment in err
+
+
+def test_token_labels_keep_word_boundaries(trained):
+    """The inspector's labels: each token's own text with its word boundary (``▁`` as a space, which a
+    SentencePiece decoder strips from the first token of a text), the pieces the library itself names."""
+    from attnlab.interpret import token_strings
+
+    sp, ours, _ = trained
+    text = "the cat sat on the mat"
+    ids = ours.encode(text)
+    want = [sp.id_to_piece(i).replace("▁", " ") for i in ids]
+    assert token_strings(ours, ids) == want
+    assert "".join(token_strings(ours, ids)).strip() == text

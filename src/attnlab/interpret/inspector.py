@@ -89,7 +89,10 @@ def token_label(token: str) -> str:
 
 def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each id decoded on its own; a byte that is only part of a UTF-8 character shows as ``\\xNN``.
-    Without a tokenizer, ``#id``."""
+    Without a tokenizer, ``#id``. A token is decoded after a plain one and that one's text cut off: a
+    SentencePiece decoder drops the word boundary (``▁``) of the text's first token, which a label
+    must show (``" cat"``, not ``"cat"``)."""
+    anchor = _anchor(tokenizer)
     out = []
     for i in ids:
         i = int(i)
@@ -97,12 +100,26 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
             out.append(f"#{i}")
             continue
         s = tokenizer.decode([i])
+        if anchor is not None and not s.startswith(" "):
+            joined = tokenizer.decode([anchor[0], i])
+            if joined.startswith(anchor[1]) and joined[len(anchor[1]) :] not in ("", "\ufffd"):
+                s = joined[len(anchor[1]) :]
         if s == "\ufffd" and hasattr(tokenizer, "decode_bytes"):
             raw = tokenizer.decode_bytes([i])
             if raw != "\ufffd".encode():
                 s = "".join(f"\\x{b:02x}" for b in raw)
         out.append(s)
     return out
+
+
+def _anchor(tokenizer: Any) -> tuple[int, str] | None:
+    """``(id, text)`` of a token that decodes to a plain letter alone, to decode others after, or None."""
+    try:
+        ids = tokenizer.encode("a")
+        text = tokenizer.decode(ids[-1:])
+    except (ValueError, KeyError, TypeError):  # (a tokenizer without the letter: labels as decoded alone)
+        return None
+    return (int(ids[-1]), text) if text == "a" else None
 
 
 # --------------------------------------------------------------------------------------------
