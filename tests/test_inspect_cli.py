@@ -175,7 +175,7 @@ def test_local_hugging_face_directory(tmp_path, capsys, gpt2):
     hf.save_pretrained(tmp_path / "hfdir", safe_serialization=True)
     assert (tmp_path / "hfdir" / "model.safetensors").is_file()
     loaded = load_pretrained(str(tmp_path / "hfdir"), bpe_dir=GPT2_BPE_DIR)
-    assert loaded.metadata == {"source": "local", "name": str(tmp_path / "hfdir")}
+    assert loaded.metadata == {"source": "local", "name": "hfdir (gpt2)"}  # its name and family, not its path
     prompt = "The cat sat on the mat"
     idx = torch.tensor([gpt2.encode(prompt)])
     with torch.no_grad():

@@ -114,6 +114,8 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 def _anchor(tokenizer: Any) -> tuple[int, str] | None:
     """``(id, text)`` of a token that decodes to a plain letter alone, to decode others after, or None."""
+    if tokenizer is None:
+        return None
     try:
         ids = tokenizer.encode("a")
         text = tokenizer.decode(ids[-1:])
