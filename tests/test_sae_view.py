@@ -153,3 +153,25 @@ def test_a_tokens_strongest_latents(make_gpt):
         strongest_latents(model, sae, idx, n=0)
     with pytest.raises(ValueError, match="one prompt"):
         strongest_latents(model, sae, idx.view(3, 3))
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_figures_are_the_cpus(make_gpt):
+    """Device-agnostic: the dashboards, a splice's latents and steering on a CUDA model and SAE equal
+    the CPU's (to float32 rounding)."""
+    from attnlab.interpret import run_with_cache, sae_point, splice, steer
+
+    model, sae = make_gpt(seed=1), make_sae(seed=1)
+    ids = torch.randint(0, 37, (40,), generator=torch.Generator().manual_seed(0))
+    cpu = collect(model, sae, ids, 6, context=8, top_k=3, window=1)
+    gpu_model, gpu_sae = copy.deepcopy(model).cuda(), copy.deepcopy(sae).cuda()
+    gpu = collect(gpu_model, gpu_sae, ids.cuda(), 6, context=8, top_k=3, window=1)
+    torch.testing.assert_close(gpu.top_values, cpu.top_values, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu.density, cpu.density)
+    idx = ids[:8][None]
+    for m, s in ((model, sae), (gpu_model, gpu_sae)):
+        with splice(m, s), steer(m, s, 2, 3.0):
+            _, cache = run_with_cache(m, idx.to(next(m.parameters()).device))
+        if m is model:
+            ref = cache[sae_point(sae, "acts_post")]
+    torch.testing.assert_close(cache[sae_point(gpu_sae, "acts_post")].cpu(), ref, atol=1e-4, rtol=1e-4)

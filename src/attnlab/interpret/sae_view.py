@@ -122,7 +122,7 @@ class LatentStats:
         B, T, n = acts.shape
         k, span = self.top_values.shape[1], self.context_acts.shape[2]
         w = span // 2
-        acts = acts.float()
+        acts, idx = acts.float().cpu(), idx.cpu()  # the statistics live on the CPU, whatever the model's device
         flat = acts.reshape(B * T, n)  # (N, n)
         nonzero = flat != 0
         self.fired += nonzero.sum(0)
@@ -145,15 +145,15 @@ class LatentStats:
         bb = b[..., None].expand_as(ttc)
         lat = torch.arange(n)[:, None, None].expand_as(ttc)
         ctx_acts = torch.where(inside, acts[bb, ttc, lat], torch.zeros(()))  # (n, kk, span)
-        ctx_ids = torch.where(inside, idx[bb, ttc].cpu(), torch.full((), -1))  # (n, kk, span)
+        ctx_ids = torch.where(inside, idx[bb, ttc], torch.full((), -1))  # (n, kk, span)
         positions = first + b * T + t  # (n, kk)
         # Merge with what was kept: the k largest of both, values descending.
-        all_values = torch.cat([self.top_values, values.cpu()], dim=1)  # (n, k + kk)
+        all_values = torch.cat([self.top_values, values], dim=1)  # (n, k + kk)
         keep = all_values.topk(k, dim=1).indices  # (n, k)
         self.top_values = all_values.gather(1, keep)
-        self.top_positions = torch.cat([self.top_positions, positions.cpu()], 1).gather(1, keep)
+        self.top_positions = torch.cat([self.top_positions, positions], 1).gather(1, keep)
         keep3 = keep[..., None].expand(-1, -1, span)
-        self.context_acts = torch.cat([self.context_acts, ctx_acts.cpu()], 1).gather(1, keep3)
+        self.context_acts = torch.cat([self.context_acts, ctx_acts], 1).gather(1, keep3)
         self.context_ids = torch.cat([self.context_ids, ctx_ids], 1).gather(1, keep3)
         dead = self.top_values <= 0  # a latent that fired fewer than k times: no example there
         self.top_positions[dead] = -1
