@@ -59,8 +59,9 @@ on its model thread; each token's JSON as the server makes it, ``packed_json``, 
 ``--tokens`` (default 32) prompt tokens cut from the text and ``--new`` (default 128) new tokens, in
 ``--dtype`` (float32: how serve loads a GGUF; bfloat16: an HF checkpoint stored so, on a CPU with
 native bf16). Rows, interleaved round by round on the same weights and prompt: the stream through an
-engine that compiles (its chat answers' step compiled at its warm-up, that time printed apart; the
-stream itself records every layer's attention at each token, so it runs the eager forward); the same
+engine that compiles (its chat answers' step and its stream's step compiled at its warm-up, that time
+printed apart; the stream reads every layer's attention at each token at the hook points, inside the
+compiled step: ``stream(..., reading=attention_rows)``); the same
 read over HTTP from the server's application on that engine (uvicorn on 127.0.0.1 in this process, the
 response's bytes kept as they come and each token event's id read off them at the end); the stream on
 an engine that does not compile (``Engine(compile=False)``); ``attnlab.generation.generate(...,
@@ -610,7 +611,7 @@ def server_prompts(c: httpx.Client, text: str, n_tokens: int, count: int, with_r
 STREAM, STREAM_HTTP, STREAM_FAST, GENERATE, HF = (
     "serve stream (each token's attention)",
     "serve stream over HTTP",
-    "serve stream, fast path (before)",
+    "serve stream, not compiled",
     "attnlab generate(compile=True)",
     "transformers generate",
 )
@@ -748,7 +749,7 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"  the engine's warm-up (head roles, then the chat's compiled step) "
+        f"  the engine's warm-up (head roles, then the chat's and the stream's compiled steps) "
         f"{warm_s:.1f} s; generate(compile=True)'s first call {generate_first_s:.1f} s; graphs compiled while "
         f"timing: {recompiled}"
     )
