@@ -193,6 +193,25 @@ class PairLogitDiff:
         return self.rows(logits).mean()
 
 
+def _pairs_by_length(pairs: object) -> dict[int, list[int]]:
+    """``{length: indices of the pairs of that length}`` of ``(clean ids, corrupted ids, A, B)`` pairs, checked."""
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError("pairs must be a non-empty list of (clean ids, corrupted ids, A, B)")
+    groups: dict[int, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 4:
+            raise ValueError(f"pairs[{i}] must be (clean ids, corrupted ids, A, B), got {pair!r}")
+        if len(pair[0]) != len(pair[1]) or not pair[0]:
+            raise ValueError(
+                f"pairs[{i}]: clean and corrupted must have the same number of tokens, at least one "
+                f"(edges pair positions), got {len(pair[0])} and {len(pair[1])}"
+            )
+        if pair[2] == pair[3]:
+            raise ValueError(f"pairs[{i}]: the answers must be two different tokens, both are {pair[2]!r}")
+        groups.setdefault(len(pair[0]), []).append(i)
+    return groups
+
+
 def circuit_result_pairs(
     model: nn.Module,
     pairs: Sequence[tuple[Sequence[int], Sequence[int], int, int]],
@@ -227,21 +246,8 @@ def circuit_result_pairs(
     ok = fractions and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b <= 1 for b in fractions)
     if not ok or fractions != sorted(fractions):
         raise ValueError(f"budgets must be increasing fractions of the edges in (0, 1], got {budgets!r}")
-    if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise ValueError("pairs must be a non-empty list of (clean ids, corrupted ids, A, B)")
     device = next(model.parameters()).device
-    groups: dict[int, list[int]] = {}
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 4:
-            raise ValueError(f"pairs[{i}] must be (clean ids, corrupted ids, A, B), got {pair!r}")
-        if len(pair[0]) != len(pair[1]) or not pair[0]:
-            raise ValueError(
-                f"pairs[{i}]: clean and corrupted must have the same number of tokens, at least one "
-                f"(edges pair positions), got {len(pair[0])} and {len(pair[1])}"
-            )
-        if pair[2] == pair[3]:
-            raise ValueError(f"pairs[{i}]: the answers must be two different tokens, both are {pair[2]!r}")
-        groups.setdefault(len(pair[0]), []).append(i)
+    groups = _pairs_by_length(pairs)
     N = len(pairs)
     batches = []  # (weight, clean (B, T), corrupted (B, T), metric)
     for rows in groups.values():

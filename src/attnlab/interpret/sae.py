@@ -924,6 +924,24 @@ def _ce_per_token(logits: Tensor, idx: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+def _eval_tokens(tokens: object, batch_size: object) -> Tensor:
+    """``tokens`` as ``(N, T)`` after :func:`evaluate_sae`'s checks of them and of ``batch_size``."""
+    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() not in (1, 2):
+        got = (
+            f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}"
+            if isinstance(tokens, Tensor)
+            else type(tokens).__name__
+        )
+        raise ValueError(f"evaluate_sae: tokens must be an integer tensor (N, T) or (T,), got {got}")
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.shape[1] < 2:
+        raise ValueError(f"evaluate_sae: tokens need at least 2 positions (a next-token loss), got {tokens.shape[1]}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"evaluate_sae: batch_size must be a positive int, got {batch_size!r}")
+    return tokens
+
+
 def evaluate_sae(
     model: nn.Module,
     sae: SAE,
@@ -940,19 +958,7 @@ def evaluate_sae(
     ``T``. The clean, spliced and zero-ablated runs see the same batches; the splice replaces only
     kept positions. Runs in eval mode and no_grad; ``model`` is left in its own mode.
     """
-    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() not in (1, 2):
-        got = (
-            f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}"
-            if isinstance(tokens, Tensor)
-            else type(tokens).__name__
-        )
-        raise ValueError(f"evaluate_sae: tokens must be an integer tensor (N, T) or (T,), got {got}")
-    if tokens.dim() == 1:
-        tokens = tokens.unsqueeze(0)
-    if tokens.shape[1] < 2:
-        raise ValueError(f"evaluate_sae: tokens need at least 2 positions (a next-token loss), got {tokens.shape[1]}")
-    if not _is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"evaluate_sae: batch_size must be a positive int, got {batch_size!r}")
+    tokens = _eval_tokens(tokens, batch_size)  # (N, T)
     sae.check_model(model)
     hook_in = sae.cfg.hook_name
     hook_out = sae.cfg.hook_name_out or hook_in
