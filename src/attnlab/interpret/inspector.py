@@ -114,7 +114,7 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 def _anchor(tokenizer: Any) -> tuple[int, str] | None:
     """``(id, text)`` of a token that decodes to a plain letter alone, to decode others after, or None."""
-    if tokenizer is None:
+    if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
         return None
     try:
         ids = tokenizer.encode("a")
