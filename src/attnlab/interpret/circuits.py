@@ -710,14 +710,7 @@ def _ig_inputs(
             model(clean)
         with hooks(model, {"hook_embed": grab("corrupted")}):
             model(corrupted)
-    rec, fns, handles = _recording(model, graph)
-    try:
-        with torch.no_grad(), hooks(model, fns):
-            model(corrupted)
-    finally:
-        for h in handles:
-            h.remove()
-    corr_w = rec.stacked()
+    corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
     delta = clean_w - corr_w
     B = clean.shape[0]
     e0, e1 = embeds["corrupted"], embeds["clean"]
@@ -754,14 +747,7 @@ def _ig_activations(
     """EAP-IG on the activations: one writer layer at a time at ``alpha = k / steps`` on the corrupted
     run; the edges out of that layer read the mean gradient of its own runs. Every (layer, step) run
     is ``B`` rows of a batch, a few batches in all."""
-    rec, fns, handles = _recording(model, graph)
-    try:
-        with torch.no_grad(), hooks(model, fns):
-            model(corrupted)
-    finally:
-        for h in handles:
-            h.remove()
-    corr_w = rec.stacked()
+    corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
     delta = clean_w - corr_w
     # Each layer's own activations on both prompts: the embeddings, z before out_proj (a head's
     # output is linear in its z) and the MLP's output.
