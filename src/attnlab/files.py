@@ -32,6 +32,7 @@ __all__ = [
     "atomic_write_text",
     "check_text_file",
     "current_umask",
+    "first_line",
     "fsync_dir",
     "import_safetensors",
     "iter_decoded",
@@ -173,12 +174,13 @@ def read_json(path: str | os.PathLike[str], what: str = "file", *, max_bytes: in
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, or an integer too long to convert
-        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {_first_line(e)})") from None
+        raise ValueError(f"{what} {path} is truncated or corrupt (not valid JSON: {first_line(e)})") from None
     except RecursionError:  # [[[[...]]]] nested deeper than the parser's stack
         raise ValueError(f"{what} {path} is corrupt (JSON nested too deeply)") from None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when it has none), for a one-line error."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

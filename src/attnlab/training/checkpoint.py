@@ -17,21 +17,15 @@ renamed into ``checkpoints/``; only then is ``latest.json`` replaced (atomically
 only after that are older step directories removed. A SIGKILL or power cut at any instant therefore
 leaves ``latest.json`` naming a complete checkpoint: the previous one or the new one, never a mix.
 
-How a load stays honest. Nothing is trusted before it is checked, and every check failure is a
-``ValueError`` / ``FileNotFoundError`` naming the file and the entry:
-
-* ``checkpoint.json`` carries ``metadata_sha256``, the SHA-256 of its own canonical JSON (every other
-  entry, keys sorted), so a flipped bit or a hand edit anywhere in it (``"step": 30`` -> ``31``) is
-  refused; every entry is also checked for type and range (format version 1, written before the
-  self-hash existed, gets the same schema check without the hash);
-* every file is checked against the size and SHA-256 that ``checkpoint.json`` records, before it is
-  parsed; only the files a reader needs (generate and viz never touch ``optimizer.pt``);
-* ``config.json`` must equal the recorded model configuration and stay within sane sizes
-  (:data:`attnlab.checks.MODEL_LIMITS`), and its layer count must match the weights file's, before a
-  module is built;
-* the optimizer state is checked against the model's parameters (:func:`check_optimizer_state`:
-  param groups, shapes, dtypes, step counters, finite values) before ``load_state_dict``, so a
-  crafted state is an error and never reaches a kernel that would read out of bounds.
+How a load stays honest. Nothing is trusted before it is checked; a failure is a ``ValueError`` /
+``FileNotFoundError`` naming the file and the entry. ``checkpoint.json`` carries ``metadata_sha256``,
+the SHA-256 of its own canonical JSON, so a flipped bit or a hand edit (``"step": 30`` -> ``31``) is
+refused, and every entry is checked for type and range (format version 1, from before the self-hash,
+without the hash). Every file a reader needs is checked against its recorded size and SHA-256 before
+it is parsed (generate and viz never touch ``optimizer.pt``); ``config.json`` is checked against the
+recorded configuration, :data:`attnlab.checks.MODEL_LIMITS` and the weights' layer count before a
+module is built; the optimizer state against the model (:func:`check_optimizer_state`) before
+``load_state_dict``, so a crafted state never reaches a kernel that would read out of bounds.
 
 Nothing here unpickles: weights are safetensors, metadata is JSON, and the optimizer state goes
 through ``torch.load(..., weights_only=True)``.
@@ -41,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import json
@@ -50,6 +45,7 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +59,7 @@ from attnlab.files import (
     atomic_write_bytes,
     atomic_write_json,
     current_umask,
+    first_line,
     fsync_dir,
     open_regular,
     read_json,
@@ -178,19 +175,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     available). A state that is not one (checked by :func:`check_rng_state`, then by the
     generators themselves) is a ValueError naming the generator."""
     check_rng_state(state, "rng state")
-    for name, apply in (("torch", _set_torch), ("numpy", _set_numpy), ("python", _set_python)):
+    setters = {"torch": _set_torch, "numpy": _set_numpy, "python": _set_python}
+    if state.get("cuda") and torch.cuda.is_available():
+        setters["cuda"] = _set_cuda
+    if state.get("mps") and _mps_available():
+        setters["mps"] = lambda s: torch.mps.set_rng_state(_unb64(s))
+    for name, apply in setters.items():
         try:
             apply(state[name])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-            raise ValueError(f"rng state: the {name!r} generator refused its saved state ({_one_line(exc)})") from None
-    for name, available in (("cuda", torch.cuda.is_available), ("mps", _mps_available)):
-        if state.get(name) and available():
-            try:
-                _set_device_rng(name, state[name])
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise ValueError(
-                    f"rng state: the {name!r} generator refused its saved state ({_one_line(exc)})"
-                ) from None
+            raise ValueError(f"rng state: the {name!r} generator refused its saved state ({first_line(exc)})") from None
 
 
 def _set_torch(s: str) -> None:
@@ -207,28 +201,15 @@ def _set_python(s: list[Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def _set_device_rng(name: str, s: Any) -> None:
-    if name == "cuda":
-        cuda_states = [_unb64(x) for x in s]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-    else:
-        torch.mps.set_rng_state(_unb64(s))
+def _set_cuda(s: list[str]) -> None:
+    cuda_states = [_unb64(x) for x in s]
+    if len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-_TORCH_STATE_BYTES: int | None = None
-
-
+@functools.cache
 def _torch_state_bytes() -> int:
-    global _TORCH_STATE_BYTES
-    if _TORCH_STATE_BYTES is None:
-        _TORCH_STATE_BYTES = torch.get_rng_state().numel()  # 5056 bytes: mt19937 and its extras
-    return _TORCH_STATE_BYTES
+    return torch.get_rng_state().numel()  # 5056 bytes: mt19937 and its extras
 
 
 def _b64_bytes(value: Any) -> int | None:
@@ -603,7 +584,7 @@ def _check_metadata(meta: Any, where: Path, *, latest_step: int | None = None) -
             try:
                 check(meta[name], meta)
             except (ValueError, TypeError) as exc:
-                raise ValueError(f"{where}: {name!r}: {_one_line(exc)}") from None
+                raise ValueError(f"{where}: {name!r}: {first_line(exc)}") from None
     digest = meta.get(SELF_HASH)
     if version >= 2 or digest is not None:
         if not _sha256_hex(digest):
@@ -688,7 +669,7 @@ def model_config_from(d: Any, what: str) -> GPTConfig:
     try:
         config = GPTConfig.from_dict(d)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}: {_one_line(exc)}") from None
+        raise ValueError(f"{what}: {first_line(exc)}") from None
     check_model_size(
         vocab_size=config.vocab_size,
         context_length=config.context_length,
@@ -716,11 +697,6 @@ def _check_train_config(d: Any, meta: dict[str, Any]) -> None:
     # A pretrained model (init_from) trains on windows shorter than its context.
     if isinstance(model, dict) and T is not None and model.get("context_length") != T and not d.get("init_from"):
         raise ValueError(f"context_length {T!r} differs from model_config's {model.get('context_length')!r}")
-
-
-def _check_world_size(n: Any, meta: dict[str, Any]) -> None:
-    if not is_int(n) or not 1 <= n <= 1 << 20:
-        raise ValueError(f"must be a positive number of processes, got {_describe(n)}")
 
 
 def _check_rng(states: Any, meta: dict[str, Any]) -> None:
@@ -761,28 +737,14 @@ def _check_data(d: Any, meta: dict[str, Any]) -> None:
             raise ValueError(f"{key!r} is {d[key]!r} but the checkpoint's {other_key} is {other[other_key]!r}")
 
 
-def _check_val_loss(v: Any, meta: dict[str, Any]) -> None:
-    if v is not None and not finite_real(v):
-        raise ValueError(f"must be a finite number or null, got {_describe(v)}")
+def _expect(ok: Callable[[Any], bool], want: str) -> Callable[[Any, dict[str, Any]], None]:
+    """The check of an entry that needs nothing but ``ok(value)``; ``want`` says what it must be."""
 
+    def check(v: Any, meta: dict[str, Any]) -> None:
+        if not ok(v):
+            raise ValueError(f"must be {want}, got {_describe(v)}")
 
-def _check_torch_version(v: Any, meta: dict[str, Any]) -> None:
-    if not isinstance(v, str) or len(v) > 200:
-        raise ValueError(f"must be a version string, got {_describe(v)}")
-
-
-_ENTRY_CHECKS = {
-    "tokenizer": _check_tokenizer,
-    "model_config": _check_model_config,
-    "train_config": _check_train_config,
-    "world_size": _check_world_size,
-    "rng": _check_rng,
-    "data": _check_data,
-    "val_loss": _check_val_loss,
-    "torch_version": _check_torch_version,
-    "lora": lambda v, meta: _check_lora(v),
-    "stop_ids": lambda v, meta: _check_stop_ids(v, meta),
-}
+    return check
 
 
 def _check_stop_ids(v: Any, meta: dict[str, Any]) -> None:
@@ -794,19 +756,38 @@ def _check_stop_ids(v: Any, meta: dict[str, Any]) -> None:
         raise ValueError(f"must be a list of token ids in [0, {limit}), got {_describe(v)}")
 
 
-def _check_lora(v: Any) -> None:
+def _check_lora(v: Any, meta: dict[str, Any]) -> None:
     if not isinstance(v, dict) or set(v) != {"rank", "alpha", "targets"}:
         raise ValueError(f"must be an object of rank, alpha and targets, got {_describe(v)}")
     LoRASettings.make(**v)
+
+
+_ENTRY_CHECKS = {
+    "tokenizer": _check_tokenizer,
+    "model_config": _check_model_config,
+    "train_config": _check_train_config,
+    "world_size": _expect(lambda n: is_int(n) and 1 <= n <= 1 << 20, "a positive number of processes"),
+    "rng": _check_rng,
+    "data": _check_data,
+    "val_loss": _expect(lambda v: v is None or finite_real(v), "a finite number or null"),
+    "torch_version": _expect(lambda v: isinstance(v, str) and len(v) <= 200, "a version string"),
+    "lora": _check_lora,
+    "stop_ids": _check_stop_ids,
+}
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`);
     its whole schema (and its own SHA-256) is checked, the files it lists are not (see
     :func:`load_checkpoint`)."""
+    return _read_checked(path)[1]
+
+
+def _read_checked(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """(the step directory meant by ``path``, its ``checkpoint.json`` checked whole)."""
     d = find_checkpoint(path)
     meta = read_json(d / CHECKPOINT_NAME, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
-    return _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=_latest_step(path))
+    return d, _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=_latest_step(path))
 
 
 def _verify_file(d: Path, name: str, info: dict[str, Any]) -> Path:
@@ -847,25 +828,17 @@ def load_checkpoint(
     load_optimizer: bool = True,
     merge_adapters: bool = False,
 ) -> Checkpoint:
-    """Read and verify a checkpoint: ``path`` is a training directory or a step directory.
-
-    ``checkpoint.json`` is checked whole (schema and, from format version 2, its own SHA-256), then
-    every file needed is checked against the size and SHA-256 recorded in it before it is parsed,
-    so a truncated or corrupt file is reported by name (``ValueError``) rather than half-loaded.
-    ``config.json`` must be the recorded model configuration, within sane sizes, with the weights'
-    layer count, before the model is built and put on ``device``. With ``load_optimizer=False``
-    (generation, visualisation) ``optimizer.pt`` is neither read nor hashed; otherwise it is loaded
-    with ``weights_only=True`` and must be a plain dict of tensors (see :func:`check_optimizer_state`
-    for its check against a model).
+    """Read and verify a checkpoint (see the module docstring): ``path`` is a training directory or a
+    step directory; the model is put on ``device``. With ``load_optimizer=False`` (generation,
+    visualisation) ``optimizer.pt`` is neither read nor hashed; otherwise it is loaded with
+    ``weights_only=True`` (:func:`check_optimizer_state` checks it against a model).
 
     A LoRA run's checkpoint (a ``lora`` entry, ``adapters.safetensors``) gives the base model with
     its adapters (:mod:`attnlab.training.lora`), or with ``merge_adapters`` a plain model with them
     merged into its weights (what generation and the inspector read).
     """
-    d = find_checkpoint(path)
+    d, meta = _read_checked(path)
     where = d / CHECKPOINT_NAME
-    meta = read_json(where, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
-    meta = _check_metadata(meta, where, latest_step=_latest_step(path))
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         _verify_file(d, name, meta["files"][name])
     config = model_config_from(read_json(d / CONFIG_NAME, "model config", max_bytes=1 << 20), f"{d / CONFIG_NAME}")
@@ -934,18 +907,13 @@ def check_optimizer_state(
     the form to pass to ``optimizer.load_state_dict``; ValueError naming ``where`` on any mismatch.
 
     ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads and then
-    the fused kernel reads past its end (a segfault), and a state from another model loads silently.
-    So, before it is called: the param groups must have this optimizer's layout (as many groups, as
-    many parameters in each, distinct ids, settings of the same kinds); there must be one state per
-    parameter (none before the first step), each with exactly Adam's entries: ``exp_avg`` and
-    ``exp_avg_sq`` (and ``max_exp_avg_sq``), or Muon's ``momentum_buffer``, of the parameter's
-    shape and dtype, finite (the second moments non-negative), and a scalar ``step`` counter equal
-    to the checkpoint's ``step`` (every parameter of a GPT gets a gradient at every step, so
-    AdamW counts every step for each).
-
-    The groups' settings (lr, betas, weight decay, fused, ...) of the result are ``optimizer``'s
-    own: a resumed run uses its configuration's (the trainer sets the lr every step anyway), not
-    whatever the file says.
+    the fused kernel reads past its end (a segfault). So: the param groups must have this optimizer's
+    layout (group and parameter counts, distinct ids, settings of the same kinds); one state per
+    parameter (none before the first step) with exactly Adam's entries (``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq`` with amsgrad) or Muon's ``momentum_buffer``, of the parameter's shape and
+    dtype, finite (second moments non-negative), and a float ``step`` counter equal to ``step``
+    (every parameter of a GPT gets a gradient every step). The result's group settings (lr, betas,
+    ...) are ``optimizer``'s own: a resumed run uses its configuration's, not the file's.
     """
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, MuonAdamW)):
         raise TypeError(f"optimizer must be torch.optim.Adam, AdamW or MuonAdamW, got {type(optimizer).__name__}")
