@@ -8,11 +8,10 @@ One optimizer step, nanoGPT-style::
         x, y = batches.batch(step, micro)              # (b, T) each: this rank's rows of the global batch
         loss = cross_entropy(model(x), y) * n_micro * world_size / n  # bf16 autocast where available
         loss.backward()                                # DDP all-reduces (averages) on the last micro-step only
-
-The loss is the mean over every counted target of the global batch: on text that is every target
-(the weight is 1 / grad_accum); on chat data, only the assistant's, whose number differs between
-micro-batches, so neither grad_accum nor the number of processes changes the objective.
     clip_grad_norm_(params, grad_clip); opt.step()     # Muon + AdamW (MuonAdamW), or AdamW alone
+
+The loss is the mean over every counted target of the global batch (on chat data only the
+assistant's count), so neither grad_accum nor the number of processes changes the objective.
 
 Exact resume. Batch ``step`` is a pure function of ``(seed, step)`` (see
 :class:`~attnlab.data.RandomWindowBatches`), and a checkpoint carries the weights, the optimizer
@@ -42,6 +41,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -53,7 +53,7 @@ import torch
 from attnlab import data, hardware  # data: the module: its functions are looked up when called (tests replace some)
 from attnlab.checks import is_int, is_real, resolve_device
 from attnlab.errors import UserError
-from attnlab.files import atomic_open, open_regular, sha256_file
+from attnlab.files import atomic_open, first_line, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
@@ -112,9 +112,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------------------------
-# Pieces
-# --------------------------------------------------------------------------------------------
+# -- Pieces ----------------------------------------------------------------------------------
 class _MetricsLog:
     """``metrics.jsonl``, one JSON line per step; every line flushed and fsynced as written.
 
@@ -163,7 +161,7 @@ class StopFlag:
         self.signum = signum
 
     def __enter__(self) -> StopFlag:
-        if _is_main_thread():
+        if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handler)
         return self
@@ -214,15 +212,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-# --------------------------------------------------------------------------------------------
-# The trainer
-# --------------------------------------------------------------------------------------------
+# -- The trainer -----------------------------------------------------------------------------
 class Trainer:
     """Builds data, model and optimizer from a :class:`TrainConfig` (or a checkpoint) and trains.
 
@@ -285,9 +275,7 @@ class Trainer:
             missing = [k for k in ("tokenizer", "model_config", "train_config", "rng", "data") if k not in meta]
             if missing:
                 raise ValueError(f"{where} cannot be resumed: its checkpoint.json has no {', '.join(missing)} entry")
-            if OPTIMIZER_NAME not in meta["files"] and not any(
-                f.startswith(OPTIMIZER_DIR + "/") for f in meta["files"]
-            ):
+            if not any(f == OPTIMIZER_NAME or f.startswith(OPTIMIZER_DIR + "/") for f in meta["files"]):
                 raise ValueError(
                     f"{where} records no optimizer state ({OPTIMIZER_NAME}); resuming would restart AdamW "
                     "from zero, which is not the run it continues: start a new --out from its weights instead"
@@ -321,10 +309,9 @@ class Trainer:
 
     def _memory_error(self, exc: BaseException) -> UserError:
         """The allocator's refusal as one line naming the flags that size a run."""
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return UserError(
-            f"ran out of memory on {getattr(self, 'device', 'the device')} ({first[:200]}); lower --batch-size "
-            "(or raise --grad-accum), --context-length, or choose a smaller --preset"
+            f"ran out of memory on {getattr(self, 'device', 'the device')} ({first_line(exc)[:200]}); lower "
+            "--batch-size (or raise --grad-accum), --context-length, or choose a smaller --preset"
         )
 
     # -- logging -------------------------------------------------------------------------------
@@ -551,22 +538,16 @@ class Trainer:
                     "use a longer text or a smaller --context-length"
                 )
         common = dict(batch_size=per_rank, context_length=T, rank=d.rank, world_size=d.world_size)
-        if self._chat_masks is not None:  # the loss on the assistant's tokens only
-            masks = self._chat_masks
-            self.train_batches = chat_data.MaskedWindowBatches(
-                train_tokens, masks[0], seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
-            )
-            self.val_batches = chat_data.MaskedWindowBatches(
-                val_tokens, masks[1], seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common
-            )
-            self.tokens_per_step = cfg.batch_size * T
-            return
-        self.train_batches = data.RandomWindowBatches(
-            train_tokens, seed=cfg.seed, grad_accum_steps=cfg.grad_accum, **common
-        )
-        self.val_batches = data.RandomWindowBatches(
-            val_tokens, seed=cfg.seed + 1, grad_accum_steps=cfg.grad_accum, **common
-        )
+        common.update(grad_accum_steps=cfg.grad_accum)
+
+        def make(tokens: torch.Tensor, mask: Any, seed: int) -> data.RandomWindowBatches:
+            if mask is None:
+                return data.RandomWindowBatches(tokens, seed=seed, **common)
+            return chat_data.MaskedWindowBatches(tokens, mask, seed=seed, **common)  # loss on the assistant's tokens
+
+        masks = self._chat_masks or (None, None)
+        self.train_batches = make(train_tokens, masks[0], cfg.seed)
+        self.val_batches = make(val_tokens, masks[1], cfg.seed + 1)
         self.tokens_per_step = cfg.batch_size * T
 
     def _restore_state(self, ckpt: Checkpoint | None) -> None:
@@ -581,15 +562,15 @@ class Trainer:
             return
         # Checked against this model's parameters first: load_state_dict would take a crafted
         # state whose tensors the fused kernel then reads out of bounds.
-        where = ckpt.path / OPTIMIZER_NAME
         if ckpt.optimizer_dir is not None:  # a sharded run's, resharded for this run (see attnlab.training.fsdp)
             fsdp.load_optimizer(self.raw_model, self.optimizer, ckpt.optimizer_dir)
-        elif self.cfg.fsdp:
-            state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
-            fsdp.load_full_optimizer_state(self.raw_model, self.optimizer, state)
         else:
+            where = ckpt.path / OPTIMIZER_NAME
             state = check_optimizer_state(ckpt.optimizer_state, self.optimizer, step=ckpt.step, where=where)
-            self.optimizer.load_state_dict(state)
+            if self.cfg.fsdp:
+                fsdp.load_full_optimizer_state(self.raw_model, self.optimizer, state)
+            else:
+                self.optimizer.load_state_dict(state)
         self.step = ckpt.step
         self._restore_rng(ckpt.metadata)
         saved_val = ckpt.metadata.get("val_loss")
@@ -661,20 +642,9 @@ class Trainer:
             "torch_version": torch.__version__,
         }
         meta.update(self.chat_metadata())
-        if self.cfg.fsdp:  # every process writes its shards of the optimizer state
-            kw = dict(
-                step=self.step, model=self.raw_model, optimizer=self.optimizer, metadata=meta, tokenizer=self.tokenizer
-            )
-            return fsdp.save_sharded(self.out, keep=self.cfg.keep_checkpoints, **kw)
-        return save_checkpoint(
-            self.out,
-            step=self.step,
-            model=self.raw_model,
-            optimizer=self.optimizer,
-            metadata=meta,
-            keep=self.cfg.keep_checkpoints,
-            tokenizer=self.tokenizer,
-        )
+        write = fsdp.save_sharded if self.cfg.fsdp else save_checkpoint  # fsdp: every process writes its shards
+        kw = dict(model=self.raw_model, optimizer=self.optimizer, metadata=meta, tokenizer=self.tokenizer)
+        return write(self.out, step=self.step, keep=self.cfg.keep_checkpoints, **kw)
 
     def chat_metadata(self) -> dict[str, Any]:
         """What a chat needs of this run: ``chat_template`` (the run's, else the resumed checkpoint's, else
@@ -731,11 +701,8 @@ class Trainer:
             group["lr"] = group.get("initial_lr", cfg.lr) * scale
         loss_sum = torch.zeros((), device=self.device)
         batches = [self.train_batches.batch(self.step, m, device=self.device) for m in range(cfg.grad_accum)]
-        # The objective is the mean over every counted target of the global batch (all micro-steps, all
-        # processes): micro-batches of chat data count different numbers of assistant tokens, so each
-        # micro-batch's mean weighs its count over the global count. The gradient all-reduce (DDP,
-        # FSDP) averages over the processes, hence the factor world_size. On plain text every count is
-        # b * T and the weight is 1 / grad_accum, as before.
+        # Each micro-batch's mean weighs its count of targets over the global count (chat data counts
+        # differ); the gradient all-reduce averages over the processes, hence the factor world_size.
         counts = [_counted(y) for _, y in batches]
         total = torch.stack(counts).sum()
         if self.dist.enabled:
@@ -766,12 +733,15 @@ class Trainer:
 
     def _should_stop(self, flag: StopFlag) -> int | None:
         """The signal that asked to stop, agreed on by all ranks (max over them), or None."""
-        signum = flag.signum or 0
-        if self.dist.enabled:
-            t = torch.tensor([signum], device=self.device if self.device.type == "cuda" else "cpu")
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            signum = int(t.item())
-        return signum or None
+        return self._agreed(flag.signum or 0, "MAX") or None
+
+    def _agreed(self, value: int, op: str) -> int:
+        """``value`` all-reduced with ``ReduceOp.<op>`` over the processes (itself without torchrun)."""
+        if not self.dist.enabled:
+            return value
+        t = torch.tensor([value], device=self.device if self.device.type == "cuda" else "cpu")
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
+        return int(t.item())
 
     def fit(self, *, sample: bool = True) -> TrainResult:
         """Train to ``max_steps`` (or until SIGINT/SIGTERM); checkpoint, evaluate, and (with
@@ -793,16 +763,7 @@ class Trainer:
             text = self.sample(prompt, cfg.sample_tokens)
         if d.enabled:
             settle(self.device)
-        return TrainResult(
-            step=self.step,
-            val_loss=self.last_val_loss,
-            out=self.out,
-            checkpoint=ckpt_path,
-            interrupted=interrupted,
-            sample=text,
-            sample_prompt=prompt,
-            history=history,
-        )
+        return TrainResult(self.step, self.last_val_loss, self.out, ckpt_path, interrupted, text, prompt, history)
 
     def _fit_loop(self) -> tuple[int | None, Path | None, list[dict[str, Any]]]:
         """The training loop of :meth:`fit`: (the signal that stopped it, the last checkpoint, the metrics)."""
@@ -876,11 +837,7 @@ class Trainer:
         seconds = [self.tokens_per_step / r["tokens_per_s"] for r in history]  # each step's own time
         per_step = sorted(seconds[2:])[(len(seconds) - 2) // 2]
         spent = sum(seconds)
-        fit = self.step + max(1, int((cfg.max_time - spent) / per_step))
-        if self.dist.enabled:
-            t = torch.tensor([fit], device=self.device if self.device.type == "cuda" else "cpu")
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-            fit = int(t.item())
+        fit = self._agreed(self.step + max(1, int((cfg.max_time - spent) / per_step)), "MIN")
         if fit < cfg.max_steps:
             write(
                 f"planned {fit} steps: {cfg.max_steps} do not fit in --max-time {cfg.max_time:g} s at "
