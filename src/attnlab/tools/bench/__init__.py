@@ -1,23 +1,16 @@
 """``attnlab bench`` and ``benchmarks/``: measure attention implementations, one harness for all.
 
-What is measured (CPU, float32, dropout 0, every competitor in the same run):
+What is measured (CPU, float32, dropout 0): the machine's matmul rate (every other figure is also
+a fraction of it); one causal attention layer, forward+backward, against sequence length, for the
+tutorials' forms (per-token loop, ``CausalAttention``, stacked heads, weight split), attnlab's
+``MultiHeadAttention`` and ``torch.nn.MultiheadAttention``, their outputs checked to agree first;
+peak memory of one forward; generation with and without the KV cache; a GPT training step; and, for
+``benchmarks/attention.py``, the project's goals at GPT-2's attention shape.
 
-* **the machine's matmul rate** (GFLOP/s of an ``n x n`` float32 ``torch.mm``), so every other
-  figure is also read as a fraction of what the hardware can do;
-* **one causal attention layer, forward+backward, against sequence length**, for the tutorials'
-  per-token loop, their matrix form (``CausalAttention``), their stacked-heads wrapper, their
-  weight-split ``MultiHeadAttention``, attnlab's ``MultiHeadAttention`` and
-  ``torch.nn.MultiheadAttention``; competitors are interleaved (A, B, C, A, B, C, ...) so load from
-  other processes hits all alike, and their outputs are checked to agree before they are timed;
-* **peak memory of one forward against sequence length**, each point in a fresh process;
-* **generation with and without the KV cache** (ms per new token against total length);
-* **a GPT training step** (forward, loss, backward, AdamW) against sequence length;
-* and, for ``benchmarks/attention.py``, the project's goals at GPT-2's attention shape.
-
-The modules: :mod:`.registry` (the competitors, one set of names), :mod:`.harness` (the timing
-driver, the memory probe, page faults, the matmul rate), :mod:`.suites` (the sweeps and the goal
-benchmark), :mod:`.report` (``report.md``, ``results.json``, PNG plots; the goal benchmark's tables).
-``attnlab bench --quick`` uses small sizes and finishes in a few minutes even on a small CPU.
+The modules: :mod:`.registry` (the competitors), :mod:`.harness` (timing, the memory probe, the
+matmul rate), :mod:`.suites` (the sweeps and the goal benchmark), :mod:`.report` (``report.md``,
+``results.json``, PNG plots, the goal benchmark's tables). ``attnlab bench --quick`` finishes in a
+few minutes even on a small CPU.
 """
 
 from __future__ import annotations

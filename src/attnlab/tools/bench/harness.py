@@ -2,17 +2,13 @@
 
 Two rules keep the figures honest on a busy machine:
 
-* **Competitors are timed in the same run, interleaved** (A, B, C, A, B, C, ...) by
-  :func:`interleave`: a burst of load from another process hits every competitor alike, and the
-  median over rounds ignores it. Ratios are reported both as ratios of medians and as the median
-  of per-round ratios (:func:`paired_ratio`: each round times every competitor back to back, so
-  its ratio is the least disturbed figure). Each step's minor page faults are counted too.
-* **Peak memory is read from a fresh subprocess** (:func:`peak_memory_mb`): the allocator's caches
-  and the high-water mark of earlier work cannot leak into the figure. The child builds the module
-  (by its :mod:`~attnlab.tools.bench.registry` name) and input, runs a tiny warm-up forward (so
-  one-off costs of a first call, kernel libraries paged in and thread pools, are in the baseline),
-  records its resident set, resets the kernel's high-water mark, runs one forward and reports the
-  new high-water mark. The difference is what the forward itself needed.
+* **Competitors are timed in the same run, interleaved** (A, B, C, A, B, C, ...: :func:`interleave`),
+  so a burst of load hits them alike and the median over rounds ignores it; ratios are given as
+  ratios of medians and as the median of per-round ratios (:func:`paired_ratio`).
+* **Peak memory is read in a fresh subprocess** (:func:`peak_memory_mb`), so earlier work cannot leak
+  into it: the child builds the module, runs a tiny warm-up forward (one-off costs go into the
+  baseline), records its resident set, resets the high-water mark, runs one forward and reports the
+  new mark.
 """
 
 from __future__ import annotations
@@ -53,9 +49,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# The machine
-# --------------------------------------------------------------------------------------------
+# -- The machine -----------------------------------------------------------------------------
 def minor_page_faults() -> int | None:
     """The process's minor page faults so far, or None where the OS does not count them."""
     try:
@@ -115,19 +109,15 @@ def _sync(device: torch.device | None) -> None:
         torch.mps.synchronize()
 
 
-# --------------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------------
+# -- Timing ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Timing:
     """Times of one competitor, in milliseconds, one per (interleaved) round.
 
-    ``times_ms`` is wall-clock time, the figure the goals are about. ``cpu_ms`` is the process's
-    CPU time over the same steps (all threads together): on an idle machine about
-    ``threads x wall``; it grows less than wall time when other processes take the cores, so a
-    ratio of CPU times is a second, load-resistant view of the same comparison. ``page_faults``:
-    the process's minor page faults during each step (where the OS counts them): memory the step
-    had the kernel map in afresh, a cost that depends on the machine (see :mod:`attnlab.training.allocator`).
+    ``times_ms`` is wall-clock time, the figure the goals are about. ``cpu_ms`` is the process's CPU
+    time over the same steps (all threads): it grows less than wall time when other processes take
+    the cores, a second, load-resistant view. ``page_faults``: the minor page faults of each step
+    (memory mapped in afresh: see :mod:`attnlab.training.allocator`), where the OS counts them.
     """
 
     name: str
@@ -314,9 +304,7 @@ def matmul_rate(n: int = 2048, repeats: int = 5, device: str | torch.device = "c
     return {"n": n, "gflops_median": 2 * n**3 / t.median_ms / 1e6, "gflops_best": 2 * n**3 / t.min_ms / 1e6}
 
 
-# --------------------------------------------------------------------------------------------
-# Peak memory of a forward, in a fresh subprocess
-# --------------------------------------------------------------------------------------------
+# -- Peak memory of a forward, in a fresh subprocess -----------------------------------------
 @dataclass(frozen=True)
 class MemoryResult:
     """Resident memory of one forward, measured in a fresh process (megabytes, 2**20 bytes).

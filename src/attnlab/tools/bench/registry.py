@@ -1,12 +1,8 @@
 """The competitors: every attention implementation the benchmarks time, under one set of names.
 
-:data:`IMPLEMENTATIONS` maps a name to an :class:`Impl`: how to build the module (from ``d_model``,
-``num_heads``, ``context_length`` and ``dropout``), what it computes (for the FLOP count and the
-memory estimate) and which other competitor computes the same function (its ``reference``: with
-the reference's weights copied in by :func:`share_weights`, the two must agree before either is
-timed). The same names serve ``attnlab bench``, ``benchmarks/attention.py`` and the memory probe's
-subprocess (:func:`attnlab.tools.bench.harness.peak_memory_mb`), which builds through
-:func:`build_module`; that also accepts any importable ``"package.module:callable"``.
+:data:`IMPLEMENTATIONS` maps a name to an :class:`Impl` (how to build it, what it computes, which
+competitor it must agree with); the same names serve ``attnlab bench``, ``benchmarks/attention.py``
+and the memory probe's subprocess, which builds through :func:`build_module`.
 
 Layers map ``x (b, T, d_model) -> (b, T, d_model)`` (the wrappers: ``(b, T, num_heads * head_dim)``,
 the same width); the ``*-core`` entries take packed ``q, k, v (b, T, 3 * d_model)`` and return the
@@ -40,11 +36,10 @@ __all__ = [
 class TutorialLoopAttention(nn.Module):
     """The tutorials' first attention, as loops: one head of width ``d``, causal.
 
-    "A simple self-attention mechanism" computes each score as ``torch.dot(x_i, query)`` in a
-    Python loop, normalises it with a softmax, then sums ``weight_j * value_j`` in another loop.
-    This module does exactly that for every query token (with trainable ``W_query``/``W_key``/
-    ``W_value`` and the ``1/sqrt(d)`` scaling of the later sections), so it computes the same
-    function as the tutorial's ``CausalAttention`` in matrix form: ``O(T^2)`` interpreter steps.
+    "A simple self-attention mechanism" computes each score as ``torch.dot(x_i, query)`` in a Python
+    loop, a softmax, then sums ``weight_j * value_j`` in another loop; this does that for every query
+    (with trainable ``W_query``/``W_key``/``W_value`` and the ``1/sqrt(d)`` scaling), so it computes
+    the tutorial's ``CausalAttention`` in ``O(T^2)`` interpreter steps.
 
     Shapes: ``x (b, T, d_in)`` -> ``(b, T, d_out)``.
     """
@@ -75,9 +70,8 @@ class TutorialLoopAttention(nn.Module):
 class TorchCausalMHA(nn.Module):
     """``torch.nn.MultiheadAttention`` as a causal self-attention layer ``x -> y``.
 
-    ``need_weights=False`` and ``is_causal=True`` with the matching ``attn_mask`` let torch route to
-    its fused kernel (the hint needs the mask to be given too). ``batch_first=True``; torch's
-    ``bias`` covers both the packed input projection and ``out_proj``.
+    ``need_weights=False`` and ``is_causal=True`` with the matching ``attn_mask`` (the hint needs the
+    mask too) let torch route to its fused kernel; ``bias`` covers the input and output projections.
 
     Shapes: ``x (b, n, d_model)`` -> ``(b, n, d_model)``.
     """
@@ -134,9 +128,7 @@ class AttentionCore(nn.Module):
         return attn_weights @ v  # (b, H, n, hd)
 
 
-# --------------------------------------------------------------------------------------------
-# The registry
-# --------------------------------------------------------------------------------------------
+# -- The registry ----------------------------------------------------------------------------
 # Builders: (d_model, num_heads, context_length, dropout) -> module. The library's modules are
 # imported on first use, so listing the competitors costs nothing.
 def _multi_head(module: str, wrapper: bool = False) -> Callable[..., nn.Module]:
@@ -196,9 +188,8 @@ class Impl:
     def flops(self, batch: int, seq_len: int, d_model: int) -> float:
         """Floating-point operations of one forward, counting every matmul densely.
 
-        Each projection ``2*B*T*d*d``; scores and weighted sum ``2 * 2*B*T^2*d`` (the causal half is
-        not subtracted: no implementation here skips it). A backward costs about twice a forward,
-        so forward+backward is ``3x`` this.
+        Each projection ``2*B*T*d*d``; scores and weighted sum ``2 * 2*B*T^2*d`` (no implementation
+        here skips the causal half); forward+backward is about ``3x`` this.
         """
         B, T, d = batch, seq_len, d_model
         return 2.0 * B * T * d * d * self.projections + 4.0 * B * T * T * d

@@ -53,9 +53,7 @@ def _label(name: str) -> str:
     return IMPLEMENTATIONS[name].label
 
 
-# --------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------
+# -- Plots -----------------------------------------------------------------------------------
 class Panel(NamedTuple):
     """One set of axes: log-2 x (the measured lengths), log y, one line per series."""
 
@@ -161,9 +159,7 @@ def _plots(result: Mapping, out: Path) -> list[str]:
     return list(panels)
 
 
-# --------------------------------------------------------------------------------------------
-# attnlab bench: report.md
-# --------------------------------------------------------------------------------------------
+# -- attnlab bench: report.md ----------------------------------------------------------------
 def _section(title: str, intro: str, header: list[str], rows: list[list[str]], notes: list[str], plot: str | None):
     lines = [f"## {title}", "", intro, "", *table(header, rows, markdown=True), ""]
     lines += [*notes, ""] if notes else []
@@ -325,9 +321,7 @@ def write_report(result: Mapping, out: str | os.PathLike) -> Path:
     return out / "report.md"
 
 
-# --------------------------------------------------------------------------------------------
-# benchmarks/attention.py: the goal benchmark's tables
-# --------------------------------------------------------------------------------------------
+# -- benchmarks/attention.py: the goal benchmark's tables ------------------------------------
 def format_attention_report(result: Mapping) -> str:
     """The tables of :func:`~attnlab.tools.bench.suites.attention_benchmark`'s result, as the script prints them."""
     lines = [*_attention_timings(result), "", *_attention_ratios(result)]
@@ -352,16 +346,10 @@ def _attention_timings(result: Mapping) -> list[str]:
         + ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_diff"].items()),
         "",
     ]
+    faults = lambda t: "-" if t["median_page_faults"] is None else f"{t['median_page_faults']:.0f}"
+    ms = ("median_ms", "iqr_ms", "min_ms", "max_ms")
     rows = [
-        [
-            t["label"],
-            f"{t['median_ms']:.1f}",
-            f"{t['iqr_ms']:.1f}",
-            f"{t['min_ms']:.1f}",
-            f"{t['max_ms']:.1f}",
-            f"{t['median_cpu_ms'] or 0.0:.0f}",
-            "-" if t["median_page_faults"] is None else f"{t['median_page_faults']:.0f}",
-        ]
+        [t["label"], *(f"{t[k]:.1f}" for k in ms), f"{t['median_cpu_ms'] or 0.0:.0f}", faults(t)]
         for t in timings.values()
     ]
     text = table(["competitor", "median ms", "IQR ms", "min ms", "max ms", "CPU ms", "faults"], rows)
@@ -388,16 +376,8 @@ def _attention_ratios(result: Mapping) -> list[str]:
             verdict = "" if goal is None else time_goal
         else:
             verdict = "met" if r["of_medians"] <= goal else "MISSED"
-        rows.append(
-            [
-                key,
-                f"{r['of_medians']:.2f}",
-                f"{r['paired']:.2f}",
-                f"{r['cpu']:.2f}",
-                "-" if goal is None else f"<= {goal:.2f}",
-                verdict,
-            ]
-        )
+        ratios = [f"{r[k]:.2f}" for k in ("of_medians", "paired", "cpu")]
+        rows.append([key, *ratios, "-" if goal is None else f"<= {goal:.2f}", verdict])
     return table(["ratio (lower = attnlab faster)", "medians", "paired", "CPU", "goal", ""], rows, align="lrrrrl")
 
 
@@ -409,15 +389,9 @@ def _attention_memory(result: Mapping) -> list[str]:
         f"peak memory of one forward (torch.no_grad), batch {mem['batch']} x {mem['seq_len']} tokens, "
         "each in a fresh process",
     ]
+    mb = ("forward_mb", "baseline_mb", "peak_mb")
     rows = [
-        [
-            _label(name),
-            f"{r['forward_mb']:.0f}",
-            f"{r['baseline_mb']:.0f}",
-            f"{r['peak_mb']:.0f}",
-            f"{r['seconds']:.1f}",
-            "" if r["exact"] else "(upper bound)",
-        ]
+        [_label(name), *(f"{r[k]:.0f}" for k in mb), f"{r['seconds']:.1f}", "" if r["exact"] else "(upper bound)"]
         for name, pts in mem["results"].items()
         for r in pts.values()
     ]

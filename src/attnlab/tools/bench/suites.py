@@ -103,9 +103,7 @@ class BenchConfig:
         return base
 
 
-# --------------------------------------------------------------------------------------------
-# Attention: time and memory
-# --------------------------------------------------------------------------------------------
+# -- Attention: time and memory --------------------------------------------------------------
 def time_attention(
     names: Iterable[str],
     *,
@@ -210,9 +208,7 @@ def bench_memory(cfg: BenchConfig, log: Log) -> dict[str, object]:
     return {"batch": cfg.batch, "d_model": d, "num_heads": H, "results": results, "skipped": skipped}
 
 
-# --------------------------------------------------------------------------------------------
-# A GPT: generation and training
-# --------------------------------------------------------------------------------------------
+# -- A GPT: generation and training ----------------------------------------------------------
 def model_flops_per_step(n_params: int, n_layers: int, context_length: int, emb_dim: int, tokens: int) -> dict:
     """Model FLOPs of one training step (forward + backward), the PaLM / nanoGPT count.
 
@@ -347,9 +343,7 @@ def run_all(cfg: BenchConfig, log: Log = lambda msg: None) -> dict[str, object]:
     return result
 
 
-# --------------------------------------------------------------------------------------------
-# The goal benchmark: GPT-2's attention layer against torch and the tutorial path
-# --------------------------------------------------------------------------------------------
+# -- The goal benchmark: GPT-2's attention layer against torch and the tutorial path ---------
 # Goals of the project (ratios; lower is better), set at GPT-2's attention shape.
 GOALS = {"attnlab/torch": 1.0, "attnlab/tutorial": 0.35, "memory attnlab/tutorial": 0.2}
 GOAL_SHAPE = {"batch": 2, "seq_len": 1024, "d_model": 768, "num_heads": 12, "memory_seq_len": 8192}
