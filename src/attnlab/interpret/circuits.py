@@ -52,8 +52,10 @@ are refused (TransformerLens refuses the first too).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +65,7 @@ from torch import Tensor
 
 from attnlab.interpret.hooks import HookPoint, hooks
 from attnlab.interpret.patching import metric_scalar
+from attnlab.interpret.sae import SAE, sae_point, splice
 
 __all__ = [
     "MIB_BUDGETS",
@@ -70,10 +73,12 @@ __all__ = [
     "EdgeGraph",
     "EdgeScores",
     "FaithfulnessCurve",
+    "SAENodes",
     "circuit_metrics",
     "edge_attribution",
     "faithfulness",
     "faithfulness_curve",
+    "sae_graph",
 ]
 
 METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
@@ -87,6 +92,33 @@ Node = tuple  # (kind, layer, head), or (kind, layer, head, position) for positi
 # The graph
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
+class SAENodes:
+    """One spliced SAE's nodes (see :func:`sae_graph`): writers ``("sae_latent", hook, j)`` for each
+    of ``latents`` and ``("sae_error", hook, None)``; a residual SAE also reads ``("sae_input", hook, None)``.
+
+    ``hook`` is the point the SAE replaces (a transcoder's output hook), ``place`` one of ``resid_pre``,
+    ``resid_mid``, ``resid_post`` (its latents replace the stream), ``mlp_out`` (they replace the MLP's
+    output, which the SAE reads) or ``transcoder`` (they replace the MLP and read its input).
+    """
+
+    sae: nn.Module
+    hook: str
+    layer: int
+    place: str
+    latents: tuple[int, ...]
+
+    @property
+    def has_input(self) -> bool:
+        return self.place.startswith("resid")
+
+    @property
+    def stage(self) -> float:
+        """Where it sits among the writers' and readers' stages (EdgeGraph: 2l+1 heads, 2l+2 the MLP)."""
+        offset = {"resid_pre": 0.5, "resid_mid": 1.5, "mlp_out": 2.0, "transcoder": 2.0, "resid_post": 2.4}
+        return 2 * self.layer + offset[self.place]
+
+
+@dataclass(frozen=True, eq=False)
 class EdgeGraph:
     """Writers and readers of a model's residual stream, and which writer feeds which reader.
 
@@ -99,16 +131,19 @@ class EdgeGraph:
     n_heads: int
     n_kv_heads: int
     parallel: bool
+    saes: tuple[SAENodes, ...] = ()
     writers: tuple[Node, ...] = field(init=False)
     readers: tuple[Node, ...] = field(init=False)
     valid: Tensor = field(init=False)
+    n_base_writers: int = field(init=False)
+    n_base_readers: int = field(init=False)
 
     def __post_init__(self) -> None:
         L, H, G = self.n_layers, self.n_heads, self.n_kv_heads
         writers: list[Node] = [("embed", None, None)]
-        w_stage = [0]
+        w_stage: list[float] = [0]
         readers: list[Node] = []
-        r_stage: list[int] = []
+        r_stage: list[float] = []
         for layer in range(L):
             writers += [("attn_head_out", layer, h) for h in range(H)] + [("mlp_out", layer, None)]
             w_stage += [2 * layer + 1] * H + [2 * layer + 2]
@@ -119,7 +154,21 @@ class EdgeGraph:
             r_stage += [2 * layer + 1] * (H + 2 * G) + [2 * layer + 1 if self.parallel else 2 * layer + 2]
         readers.append(("logits", L - 1, None))
         r_stage.append(2 * L + 1)
-        valid = torch.tensor(w_stage)[:, None] < torch.tensor(r_stage)[None, :]  # (W, R)
+        object.__setattr__(self, "n_base_writers", len(writers))
+        object.__setattr__(self, "n_base_readers", len(readers))
+        for s in self.saes:  # after the model's nodes: the index helpers below stay the model's
+            writers += [("sae_latent", s.hook, j) for j in s.latents] + [("sae_error", s.hook, None)]
+            w_stage += [s.stage] * (len(s.latents) + 1)
+            if s.has_input:
+                readers.append(("sae_input", s.hook, None))
+                r_stage.append(s.stage)
+        ws, rs = torch.tensor(w_stage)[:, None], torch.tensor(r_stage)[None, :]
+        valid = ws < rs  # (W, R)
+        for s in self.saes:
+            if s.has_input:  # the stream is the SAE's output: what came before reaches later readers through it
+                valid &= ~((ws < s.stage) & (rs > s.stage))
+            else:  # the MLP's output is the SAE's latents and error: its own node writes nothing
+                valid[self.head_writer(s.layer) + H] = False
         object.__setattr__(self, "writers", tuple(writers))
         object.__setattr__(self, "readers", tuple(readers))
         object.__setattr__(self, "valid", valid)
@@ -145,6 +194,25 @@ class EdgeGraph:
     @property
     def readers_per_layer(self) -> int:
         return self.n_heads + 2 * self.n_kv_heads + 1
+
+    @property
+    def logits_reader(self) -> int:
+        return self.n_base_readers - 1
+
+    def sae_writers(self, i: int) -> slice:
+        """The writers of SAE ``i``: its latents, then its error node."""
+        start = self.n_base_writers + sum(len(s.latents) + 1 for s in self.saes[:i])
+        return slice(start, start + len(self.saes[i].latents) + 1)
+
+    def sae_reader(self, i: int) -> int:
+        """The reader SAE ``i``'s latents read: its own input (a residual SAE), else its layer's MLP input."""
+        s = self.saes[i]
+        if not s.has_input:
+            return self.reader_start(s.layer) + self.readers_per_layer - 1
+        return self.n_base_readers + sum(t.has_input for t in self.saes[:i])
+
+    def same_nodes(self, other: EdgeGraph) -> bool:
+        return (self.writers, self.readers, self.parallel) == (other.writers, other.readers, other.parallel)
 
     def writer_index(self, node: Node) -> int:
         return _index(self.writers, node, "writer")
@@ -179,6 +247,126 @@ def _check_model(model: object) -> object:
             "together, so a head's query depends on the others' inputs"
         )
     return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# SAEs and transcoders as nodes
+# --------------------------------------------------------------------------------------------
+_STREAM_HOOK = re.compile(r"blocks\.(\d+)\.hook_(resid_pre|resid_mid|resid_post|mlp_out)")
+
+
+def _sae_place(sae: SAE, parallel: bool, where: str) -> tuple[str, int, str]:
+    """``(hook, layer, place)`` of an SAE in the graph (see :class:`SAENodes`); a ValueError naming ``where``."""
+    c = sae.cfg
+    out = _STREAM_HOOK.fullmatch(str(c.hook_name_out or c.hook_name))
+    if c.transcoder:
+        want = "resid_pre" if parallel else "resid_mid"
+        m = _STREAM_HOOK.fullmatch(str(c.hook_name))
+        if out is None or out[2] != "mlp_out" or m is None or m[2] != want or m[1] != out[1]:
+            raise ValueError(
+                f"{where}: a transcoder node reads an MLP's input (blocks.L.hook_{want}) and writes its output "
+                f"(blocks.L.hook_mlp_out); this one maps {c.hook_name!r} to {c.hook_name_out!r}"
+            )
+        return str(c.hook_name_out), int(out[1]), "transcoder"
+    if out is None or (parallel and out[2] == "resid_mid"):
+        raise ValueError(
+            f"{where}: an SAE node sits on the residual stream (blocks.L.hook_resid_pre, hook_resid_post"
+            f"{'' if parallel else ', hook_resid_mid'}) or on an MLP's output (hook_mlp_out), not on {c.hook_name!r}"
+        )
+    return str(c.hook_name), int(out[1]), out[2]
+
+
+def _check_saes(model: nn.Module, saes: object, parallel: bool) -> list[tuple[SAE, str, int, str]]:
+    """``saes`` checked against ``model``: ``(sae, hook, layer, place)`` each; errors name ``saes[i]``."""
+    if isinstance(saes, SAE) or not isinstance(saes, (list, tuple)):
+        raise TypeError(f"saes must be a list of SAEs (attnlab.interpret.SAE), got {type(saes).__name__}")
+    device = next(model.parameters()).device
+    listed, seen = [], {}
+    for i, sae in enumerate(saes):
+        if not isinstance(sae, SAE):
+            raise TypeError(f"saes[{i}] must be an attnlab SAE, got {type(sae).__name__}")
+        try:
+            sae.check_model(model)
+        except ValueError as e:
+            raise ValueError(f"saes[{i}]: {e}") from None
+        if sae.W_enc.device != device:
+            raise ValueError(f"saes[{i}] is on {sae.W_enc.device}, the model on {device}: move it with sae.to()")
+        hook, layer, place = _sae_place(sae, parallel, f"saes[{i}]")
+        if hook in seen:
+            raise ValueError(f"saes[{seen[hook]}] and saes[{i}] both replace {hook}: one SAE per hook point")
+        seen[hook] = i
+        listed.append((sae, hook, layer, place))
+    return listed
+
+
+@contextlib.contextmanager
+def _spliced(model: nn.Module, saes: Sequence[SAE]) -> Iterator[None]:
+    """The model with each SAE spliced in (error kept), the SAEs in eval mode meanwhile."""
+    modes = [s.training for s in saes]
+    try:
+        with contextlib.ExitStack() as stack:
+            for s in saes:
+                s.eval()
+                stack.enter_context(splice(model, s))
+            yield
+    finally:
+        for s, mode in zip(saes, modes, strict=True):
+            s.train(mode)
+
+
+def sae_graph(
+    model: nn.Module,
+    saes: Sequence[SAE],
+    prompts: Sequence[tuple[Tensor, Tensor]],
+    max_latents: int = 64,
+) -> EdgeGraph:
+    """The graph of ``model`` with each of ``saes`` spliced in at its hook, its error term kept, and
+    its latents nodes of their own (:class:`SAENodes`): a circuit read in features.
+
+    Each latent ``j`` is a writer whose output is ``z_j W_dec[j]`` (times a run-time normalization's
+    scale); later nodes read it through the residual stream. A residual SAE (``hook_resid_*``) replaces
+    the stream: what was written before it reaches later readers only through its input node
+    ``("sae_input", hook, None)``. An SAE on ``hook_mlp_out`` or a transcoder replaces the MLP's node (a
+    transcoder's latents read the MLP's input). The error node holds all of the SAE's output that no
+    listed latent writes (``x - x^``, the decoder's bias, a skip connection, the latents left out), so
+    the stream stays the sum of the writers, exactly.
+
+    Latents: those active (nonzero) at some position of ``prompts`` (``(clean, corrupted)`` token ids
+    ``(B, T)`` each); past ``max_latents`` per SAE, the ones whose output changes most between the clean
+    and corrupted prompts (``sum |z_clean - z_corrupted| * |W_dec[j]|``) are kept: memory stays bounded.
+    """
+    cfg = _check_model(model)
+    listed = _check_saes(model, saes, bool(cfg.parallel_residual))
+    if isinstance(max_latents, bool) or not isinstance(max_latents, int) or max_latents < 0:
+        raise ValueError(f"max_latents must be a non-negative int, got {max_latents!r}")
+    pairs = [_check_pair(model, c, x) for c, x in prompts]
+    base = EdgeGraph.of(model)
+    names = [sae_point(sae, "acts_post") for sae, *_ in listed]
+    active = [torch.zeros(sae.cfg.d_sae, dtype=torch.bool) for sae, *_ in listed]
+    change = [torch.zeros(sae.cfg.d_sae, dtype=torch.float64) for sae, *_ in listed]
+    cache: dict[str, Tensor] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with _spliced(model, [sae for sae, *_ in listed]), torch.no_grad():
+            for clean, corrupted in pairs:
+                z = []
+                for idx in (clean, corrupted):
+                    with hooks(model, {n: lambda x, hook: cache.__setitem__(hook.name, x) for n in names}):
+                        model(idx)
+                    z.append([cache[n].flatten(0, -2) for n in names])  # (B T, d_sae) each
+                for i, (sae, *_) in enumerate(listed):
+                    active[i] |= ((z[0][i] != 0) | (z[1][i] != 0)).any(0).cpu()
+                    norms = sae.W_dec.detach().norm(dim=-1).double()
+                    change[i] += ((z[0][i] - z[1][i]).abs().double().sum(0) * norms).cpu()
+    finally:
+        model.train(was_training)
+    nodes = []
+    for i, (sae, hook, layer, place) in enumerate(listed):
+        cand = active[i].nonzero()[:, 0]
+        best = torch.sort(change[i][cand], descending=True, stable=True).indices[:max_latents]
+        nodes.append(SAENodes(sae, hook, layer, place, tuple(sorted(cand[best].tolist()))))
+    return EdgeGraph(base.n_layers, base.n_heads, base.n_kv_heads, base.parallel, tuple(nodes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,22 +468,25 @@ class EdgeScores:
 
         open_readers: set[int] = set()
 
+        sae_of = {w: i for i in range(len(g.saes)) for w in range(g.sae_writers(i).start, g.sae_writers(i).stop)}
+
         def open_node(w: int) -> None:  # a writer joined: its own inputs become candidates
             kind, layer, head = g.writers[w]
             if kind == "embed":
                 return
-            base = g.reader_start(layer)
-            if kind == "mlp_out":
-                wanted = [base + g.readers_per_layer - 1]
+            if w in sae_of:  # a latent or error node reads the SAE's input (an MLP SAE's: the MLP's)
+                wanted = [g.sae_reader(sae_of[w])]
+            elif kind == "mlp_out":
+                wanted = [g.reader_start(layer) + g.readers_per_layer - 1]
             else:
-                kv = head // group
+                kv, base = head // group, g.reader_start(layer)
                 wanted = [base + head, base + g.n_heads + kv, base + g.n_heads + g.n_kv_heads + kv]
             for r in wanted:
                 if r not in open_readers:
                     open_readers.add(r)
                     open_reader(r)
 
-        logits = len(g.readers) - 1
+        logits = g.logits_reader
         open_readers.add(logits)
         open_reader(logits)
         mask = torch.zeros_like(g.valid)
@@ -381,6 +572,13 @@ class Circuit:
 # --------------------------------------------------------------------------------------------
 def _check_inputs(model: nn.Module, clean: object, corrupted: object, metric: object) -> tuple[Tensor, Tensor]:
     _check_model(model)
+    out = _check_pair(model, clean, corrupted)
+    if not callable(metric):
+        raise TypeError(f"metric must be a function logits (B, T, V) -> scalar, got {type(metric).__name__}")
+    return out
+
+
+def _check_pair(model: nn.Module, clean: object, corrupted: object) -> tuple[Tensor, Tensor]:
     out = []
     for name, idx in (("clean", clean), ("corrupted", corrupted)):
         if not isinstance(idx, Tensor):
@@ -395,8 +593,6 @@ def _check_inputs(model: nn.Module, clean: object, corrupted: object, metric: ob
             f"clean and corrupted must have the same shape (edges pair positions), got {tuple(out[0].shape)} "
             f"and {tuple(out[1].shape)}"
         )
-    if not callable(metric):
-        raise TypeError(f"metric must be a function logits (B, T, V) -> scalar, got {type(metric).__name__}")
     return out[0], out[1]
 
 
@@ -417,12 +613,26 @@ class _Writers:
     def __init__(self, model: nn.Module, graph: EdgeGraph) -> None:
         self.model, self.graph = model, graph
         self.parts: dict[int, Tensor] = {}
+        self.seen: dict[str, Tensor] = {}
 
     def fns(self) -> dict[str, Callable]:
         fns: dict[str, Callable] = {"blocks.0.hook_resid_pre": self._embed}
         for layer in range(self.graph.n_layers):
             fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
+        for i, s in enumerate(self.graph.saes):  # hook points while the SAEs are spliced in
+            for point in ("input", "acts_post"):
+                fns[sae_point(s.sae, point)] = lambda x, hook: self.seen.__setitem__(hook.name, x.detach())
+            fns[sae_point(s.sae, "output")] = self._sae(i)
         return fns
+
+    def _sae(self, i: int) -> Callable:
+        s, start = self.graph.saes[i], self.graph.sae_writers(i).start
+
+        def fn(y: Tensor, hook: HookPoint) -> None:
+            x, z = (self.seen[sae_point(s.sae, p)] for p in ("input", "acts_post"))
+            self.parts[start] = sae_parts(s, x, z, y.detach())  # (B, T, n + 1, d)
+
+        return fn
 
     def torch_hooks(self) -> list:
         handles = []
@@ -449,6 +659,14 @@ class _Writers:
 
     def stacked(self) -> Tensor:
         return torch.cat([self.parts[k] for k in sorted(self.parts)], dim=2)  # (B, T, W, d)
+
+
+def sae_parts(s: SAENodes, x: Tensor, z: Tensor, y: Tensor) -> Tensor:
+    """An SAE's writers' outputs ``(B, T, n + 1, d)``: each listed latent's write, then the error node's
+    (the SAE's output ``y (B, T, d)`` less those writes), from its input ``x`` and latents ``z (B, T, d_sae)``."""
+    with torch.no_grad():
+        writes = s.sae.latent_writes(z, s.latents, x).to(y.dtype)  # (B, T, n, d)
+        return torch.cat([writes, (y - writes.sum(2))[:, :, None]], dim=2)
 
 
 def _dense(weight: Tensor) -> Tensor:
@@ -514,6 +732,13 @@ def _reader_grads(
 
         return pre
 
+    def clone_point(name: str) -> Callable:
+        def fn(x: Tensor, hook: HookPoint) -> Tensor:
+            kept[name] = x.clone()  # what the SAE reads: its latents' gradient alone (the error has none)
+            return kept[name]
+
+        return fn
+
     fns: dict[str, list[Callable]] = {}
     for name, fn in (replace or {}).items():
         fns.setdefault(name, []).append(fn)
@@ -522,6 +747,9 @@ def _reader_grads(
         for step in ("q", "k", "v"):
             fns.setdefault(f"blocks.{layer}.attn.hook_{step}", []).append(keep)
         fns.setdefault(f"blocks.{layer}.hook_resid_pre", []).append(keep)
+    sae_in = [i for i, s in enumerate(graph.saes) if s.place != "mlp_out"]
+    for i in sae_in:
+        fns.setdefault(sae_point(graph.saes[i].sae, "input"), []).append(clone_point(f"sae_in.{i}"))
     handles = [model.final_norm.register_forward_pre_hook(clone_input("final"))]
     for layer, block in enumerate(model.trf_blocks):
         handles.append(block.norm2.register_forward_pre_hook(clone_input(f"mlp_in.{layer}")))
@@ -532,17 +760,23 @@ def _reader_grads(
             value = objective(model(idx))
             names = [f"blocks.{layer}.attn.hook_{s}" for layer in range(graph.n_layers) for s in "qkv"]
             names += [f"mlp_in.{layer}" for layer in range(graph.n_layers)] + ["final"]
+            names += [f"sae_in.{i}" for i in sae_in]
             grads = torch.autograd.grad(value, [kept[n] for n in names], allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     grad = {n: torch.zeros_like(kept[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
+    for i in sae_in:
+        if graph.saes[i].place == "transcoder":  # its latents read the MLP's input (the MLP's own output is gone)
+            layer = graph.saes[i].layer
+            grad[f"mlp_in.{layer}"] = grad[f"mlp_in.{layer}"] + grad.pop(f"sae_in.{i}")
     return _layer_grads(model, kept, grad)
 
 
 def _layer_grads(model: nn.Module, kept: dict[str, Tensor], grad: dict[str, Tensor]) -> Iterator[Tensor]:
     """Per reader layer, one at a time (each is ``R_l * d`` numbers per token: they are contracted and
-    dropped as they come), its readers' input gradients ``(B, T, R_l, d)``; last the logits' ``(B, T, 1, d)``."""
+    dropped as they come), its readers' input gradients ``(B, T, R_l, d)``; then the logits' ``(B, T, 1, d)``
+    and, if there are any, the residual SAEs' inputs' ``(B, T, n, d)``."""
     for layer, block in enumerate(model.trf_blocks):
         att = block.att
         d = att.d_in
@@ -559,6 +793,9 @@ def _layer_grads(model: nn.Module, kept: dict[str, Tensor], grad: dict[str, Tens
             (g_attn,) = torch.autograd.grad(block.norm1(copies), copies, u)  # (B, T, H + 2 Hkv, d)
         yield torch.cat([g_attn, grad[f"mlp_in.{layer}"][:, :, None]], dim=2)  # (B, T, R_l, d)
     yield grad["final"][:, :, None]  # (B, T, 1, d)
+    sae_in = sorted((n for n in grad if n.startswith("sae_in.")), key=lambda n: int(n[7:]))
+    if sae_in:
+        yield torch.stack([grad[n] for n in sae_in], dim=2)  # (B, T, n, d), in the SAEs' order
 
 
 def _contract(delta: Tensor, g: Tensor, per_position: bool) -> Tensor:
@@ -578,21 +815,25 @@ def _add_layer(
     out: Tensor,
     writers: slice | None = None,
 ) -> None:
-    """Add reader layer ``layer``'s scores (``layer == n_layers``: the logits) into ``out (W, R)`` or
-    ``(T, W, R)``, for ``writers`` (default all)."""
-    lo = graph.reader_start(layer)
+    """Add reader layer ``layer``'s scores (``layer == n_layers``: the logits, ``n_layers + 1``: the
+    residual SAEs' inputs) into ``out (W, R)`` or ``(T, W, R)``, for ``writers`` (default all)."""
+    lo = graph.reader_start(layer) if layer <= graph.n_layers else graph.n_base_readers
     hi = lo + g.shape[2]
     # writers up to this layer's heads (the MLP reader may read them; the mask drops the rest)
-    top = len(graph.writers) if layer == graph.n_layers else graph.head_writer(layer) + graph.n_heads
-    w = range(len(graph.writers))[slice(None) if writers is None else writers]
-    w_hi = min(w.stop, top)
-    if w.start >= w_hi:
-        return  # the writers come after every reader of this layer
-    part = _contract(delta[:, :, w.start : w_hi].to(out.dtype), g.to(out.dtype), per_position)
-    if per_position:
-        out[:, w.start : w_hi, lo:hi] += part
-    else:
-        out[w.start : w_hi, lo:hi] += part
+    W = len(graph.writers)
+    top = W if layer >= graph.n_layers else graph.head_writer(layer) + graph.n_heads
+    w = range(W)[slice(None) if writers is None else writers]
+    spans = [(w.start, min(w.stop, top))]
+    if top < W and writers is None and graph.saes:
+        spans.append((graph.n_base_writers, W))  # the SAEs' writers, listed after the model's
+    for w_lo, w_hi in spans:
+        if w_lo >= w_hi:
+            continue  # the writers come after every reader of this layer
+        part = _contract(delta[:, :, w_lo:w_hi].to(out.dtype), g.to(out.dtype), per_position)
+        if per_position:
+            out[:, w_lo:w_hi, lo:hi] += part
+        else:
+            out[w_lo:w_hi, lo:hi] += part
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,6 +849,9 @@ def edge_attribution(
     per_position: bool = False,
     *,
     max_tokens: int = 2048,
+    saes: Sequence[SAE] = (),
+    max_latents: int = 64,
+    graph: EdgeGraph | None = None,
 ) -> EdgeScores:
     """Every edge's attribution score (see the module's notes for the graph, methods and sign).
 
@@ -620,6 +864,10 @@ def edge_attribution(
         ig_steps: points on the integration path (EAP-IG only; 1 gives EAP).
         per_position: keep each position's edges apart: scores ``(T, W, R)``.
         max_tokens: at most this many tokens (rows x T) through the model in one pass of EAP-IG.
+        saes: SAEs or transcoders spliced in at their hooks (error kept), their latents and errors
+            nodes of the graph (:func:`sae_graph`, which picks at most ``max_latents`` latents of each
+            from these prompts). EAP and EAP-IG-inputs.
+        graph: a graph from :func:`sae_graph` (the same latents for several calls), instead of ``saes``.
     Returns:
         :class:`EdgeScores` (float32, or float64 for a float64 model; on the model's device).
     """
@@ -632,7 +880,9 @@ def edge_attribution(
         raise TypeError(f"per_position must be a bool, got {per_position!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    graph = EdgeGraph.of(model)
+    graph = _graph_for(model, clean, corrupted, saes, max_latents, graph)
+    if graph.saes and method == "EAP-IG-activations":
+        raise ValueError("method='EAP-IG-activations' interpolates the model's own writers; with SAE nodes use EAP")
     steps = 1 if method == "EAP" else ig_steps
     T = clean.shape[1]
     acc = torch.promote_types(model.dtype, torch.float32)
@@ -641,20 +891,40 @@ def edge_attribution(
     was_training = model.training
     model.eval()
     try:
-        clean_w, _ = _run_writers(model, graph, clean)
-        if method == "EAP":
-            corr_w = _eap(model, graph, corrupted, metric, clean_w, per_position, out)
-        elif method == "EAP-IG-inputs":
-            corr_w = _ig_inputs(model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
-        else:
-            corr_w = _ig_activations(
-                model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens
-            )
-        del corr_w
+        with _spliced(model, [s.sae for s in graph.saes]):
+            clean_w, _ = _run_writers(model, graph, clean)
+            args = (model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
+            if method == "EAP":
+                _eap(model, graph, corrupted, metric, clean_w, per_position, out)
+            elif method == "EAP-IG-inputs":
+                _ig_inputs(*args)
+            else:
+                _ig_activations(*args)
     finally:
         model.train(was_training)
     out *= graph.valid.to(out.device)
     return EdgeScores(graph, out, method, steps, per_position)
+
+
+def _graph_for(
+    model: nn.Module, clean: Tensor, corrupted: Tensor, saes: object, max_latents: int, graph: object
+) -> EdgeGraph:
+    """The graph edge_attribution scores: the model's, :func:`sae_graph`'s of ``saes``, or ``graph`` checked."""
+    if graph is None:
+        return sae_graph(model, saes, [(clean, corrupted)], max_latents) if saes else EdgeGraph.of(model)
+    if saes:
+        raise ValueError("give saes or graph, not both (a graph from sae_graph holds its SAEs)")
+    if not isinstance(graph, EdgeGraph):
+        raise TypeError(f"graph must be an EdgeGraph (from sae_graph), got {type(graph).__name__}")
+    base = EdgeGraph.of(model)
+    if (graph.n_layers, graph.n_heads, graph.n_kv_heads, graph.parallel) != (
+        base.n_layers,
+        base.n_heads,
+        base.n_kv_heads,
+        base.parallel,
+    ):
+        raise ValueError("graph belongs to another model (its layers or heads differ)")
+    return graph
 
 
 def _recording(model: nn.Module, graph: EdgeGraph) -> tuple[_Writers, dict[str, Callable], list]:
@@ -840,10 +1110,12 @@ class _CircuitRun:
         return x.view(self.C, self.B, self.T, -1)  # (C, B, T, ...)
 
     def _patched(self, lo: int, hi: int, w_hi: int) -> bool:
+        w_hi = len(self.graph.writers) if self.graph.saes else w_hi  # the SAEs' writers come last
         return bool(self.E[..., lo:hi, :w_hi].any())
 
     def _corrections(self, lo: int, hi: int, w_hi: int) -> Tensor:
         """``(C, hi - lo, B, T, d)``: what readers ``lo:hi`` take off their live input."""
+        w_hi = len(self.graph.writers) if self.graph.saes else w_hi
         D = self.D[:, :w_hi]  # (C, w, B, T, d)
         if self.per_pos:
             return torch.einsum("ctrw,cwbtd->crbtd", self.E[:, :, lo:hi, :w_hi], D)
@@ -852,20 +1124,69 @@ class _CircuitRun:
 
     def fns(self) -> dict[str, Callable]:
         fns: dict[str, Callable] = {}
+        replaced = {s.layer for s in self.graph.saes if not s.has_input}  # MLPs whose output an SAE replaces
         for layer in range(self.graph.n_layers):
             fns[f"blocks.{layer}.hook_resid_pre"] = self._resid_pre(layer)
             fns[f"blocks.{layer}.attn.hook_q"] = self._q(layer)
             fns[f"blocks.{layer}.attn.hook_k"] = self._kv("k")
             fns[f"blocks.{layer}.attn.hook_v"] = self._kv("v")
             fns[f"blocks.{layer}.hook_resid_mid"] = self._mid
-            fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
+            if layer not in replaced:
+                fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
+        for i, s in enumerate(self.graph.saes):  # hook points while the SAEs are spliced in
+            if s.place != "mlp_out":
+                fns[sae_point(s.sae, "input")] = self._sae_input(i)
+            else:
+                fns[sae_point(s.sae, "input")] = lambda x, hook: self.state.__setitem__(hook.name, x)
+            fns[sae_point(s.sae, "acts_post")] = lambda x, hook: self.state.__setitem__(hook.name, x)
+            fns[sae_point(s.sae, "output")] = self._sae_output(i)
         return fns
 
     def torch_hooks(self) -> list:
         handles = [self.model.final_norm.register_forward_pre_hook(self._final)]
         for layer, block in enumerate(self.model.trf_blocks):
             handles.append(block.att.out_proj.register_forward_pre_hook(self._heads(layer)))
+        for s in self.graph.saes:
+            if s.place == "mlp_out":  # the MLP reads its patched input; the SAE then reads the MLP's output
+                handles.append(self.model.trf_blocks[s.layer].norm2.register_forward_pre_hook(self._mlp_in(s.layer)))
         return handles
+
+    def _mlp_in(self, layer: int) -> Callable:
+        r = self.graph.reader_start(layer) + self.graph.readers_per_layer - 1
+
+        def pre(module: nn.Module, args: tuple) -> tuple | None:
+            if not self._patched(r, r + 1, 0):
+                return None
+            x = self._rows(args[0]) - self._corrections(r, r + 1, 0)[:, 0]  # (C, B, T, d)
+            return (x.reshape(args[0].shape), *args[1:])
+
+        return pre
+
+    def _sae_input(self, i: int) -> Callable:
+        """What a residual SAE or a transcoder reads: its live input less its patched edges (its error
+        stays the live run's: an edge into the SAE changes its latents)."""
+        g, s = self.graph, self.graph.saes[i]
+        r = g.sae_reader(i)
+
+        def fn(x: Tensor, hook: HookPoint) -> Tensor:
+            if s.place == "resid_pre" and s.layer == 0:
+                self.D[:, 0] = self._rows(x) - self.corr[0]  # the embeddings: what this SAE reads
+            if self._patched(r, r + 1, 0):
+                x = (self._rows(x) - self._corrections(r, r + 1, 0)[:, 0]).reshape(x.shape)
+            self.state[hook.name] = x
+            return x
+
+        return fn
+
+    def _sae_output(self, i: int) -> Callable:
+        s, sl = self.graph.saes[i], self.graph.sae_writers(i)
+
+        def fn(y: Tensor, hook: HookPoint) -> None:
+            x, z = (self.state[sae_point(s.sae, p)] for p in ("input", "acts_post"))
+            live = sae_parts(s, x, z, y).view(self.C, self.B, self.T, -1, self.d).permute(0, 3, 1, 2, 4)
+            self.D[:, sl] = live - self.corr[sl]
+
+        return fn
 
     def _resid_pre(self, layer: int) -> Callable:
         def fn(x: Tensor, hook: HookPoint) -> None:
@@ -937,18 +1258,20 @@ class _CircuitRun:
         return fn
 
     def _final(self, module: nn.Module, args: tuple) -> tuple | None:
-        r, W = len(self.graph.readers) - 1, len(self.graph.writers)
+        r, W = self.graph.logits_reader, len(self.graph.writers)
         if not self._patched(r, r + 1, W):
             return None
         x = self._rows(args[0]) - self._corrections(r, r + 1, W)[:, 0]  # (C, B, T, d)
         return (x.reshape(args[0].shape), *args[1:])
 
 
-def _as_masks(graph: EdgeGraph, circuits: object, T: int) -> Tensor:
-    """``circuits`` (one :class:`Circuit` or a sequence) as ``(C, W, R)`` or ``(C, T, W, R)`` kept-masks."""
+def _as_masks(model_graph: EdgeGraph, circuits: object, T: int) -> tuple[EdgeGraph, Tensor]:
+    """``circuits`` (one :class:`Circuit` or a sequence) as ``(C, W, R)`` or ``(C, T, W, R)`` kept-masks,
+    and their graph (the model's, with the SAE nodes of :func:`sae_graph` if they have them)."""
     listed = [circuits] if isinstance(circuits, Circuit) else circuits
     if not isinstance(listed, (list, tuple)) or not listed or not all(isinstance(c, Circuit) for c in listed):
         raise TypeError(f"circuits must be a Circuit or a non-empty list of them, got {type(circuits).__name__}")
+    graph = listed[0].graph if listed[0].graph.saes else model_graph
     shapes = {tuple(c.mask.shape) for c in listed}
     if len(shapes) != 1:
         raise ValueError(f"circuits must all be position-summed or all per position, got mask shapes {sorted(shapes)}")
@@ -963,7 +1286,9 @@ def _as_masks(graph: EdgeGraph, circuits: object, T: int) -> Tensor:
             raise ValueError("a circuit belongs to another model's graph (its layers or heads differ)")
         if c.mask.dim() == 3 and c.mask.shape[0] != T:
             raise ValueError(f"a per-position circuit has {c.mask.shape[0]} positions, the prompts have {T}")
-    return torch.stack([c.mask for c in listed])
+    if not all(c.graph.same_nodes(graph) for c in listed):
+        raise ValueError("the circuits must all belong to one graph (the same SAE latents)")
+    return graph, torch.stack([c.mask for c in listed])
 
 
 def circuit_metrics(
@@ -979,10 +1304,14 @@ def circuit_metrics(
 
     The circuits run together as the rows of a few batches (``max_tokens`` rows x T at a time). The
     full circuit gives ``metric(model(clean))`` and the empty one ``metric(model(corrupted))``.
+
+    Circuits of a graph with SAE nodes (:func:`sae_graph`) run with those SAEs spliced in: an edge
+    left out of a latent or error node carries its corrupted output; an edge left out into a residual
+    SAE's input or a transcoder changes its latents (its error term stays the live run's).
     """
     clean, corrupted = _check_inputs(model, clean, corrupted, metric)
-    graph = EdgeGraph.of(model)
-    masks = _as_masks(graph, circuits, clean.shape[1]).to(clean.device)
+    graph, masks = _as_masks(EdgeGraph.of(model), circuits, clean.shape[1])
+    masks = masks.to(clean.device)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     B, T = clean.shape
@@ -991,19 +1320,20 @@ def circuit_metrics(
     was_training = model.training
     model.eval()
     try:
-        corr_w, _ = _run_writers(model, graph, corrupted)
-        for lo in range(0, masks.shape[0], per):
-            kept = masks[lo : lo + per]
-            excluded = graph.valid.to(kept.device) & ~kept
-            run = _CircuitRun(model, graph, corr_w, excluded)
-            handles = run.torch_hooks()
-            try:
-                with torch.no_grad(), hooks(model, run.fns()):
-                    logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
-            finally:
-                for h in handles:
-                    h.remove()
-            values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
+        with _spliced(model, [s.sae for s in graph.saes]):
+            corr_w, _ = _run_writers(model, graph, corrupted)
+            for lo in range(0, masks.shape[0], per):
+                kept = masks[lo : lo + per]
+                excluded = graph.valid.to(kept.device) & ~kept
+                run = _CircuitRun(model, graph, corr_w, excluded)
+                handles = run.torch_hooks()
+                try:
+                    with torch.no_grad(), hooks(model, run.fns()):
+                        logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
+                finally:
+                    for h in handles:
+                        h.remove()
+                values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
     finally:
         model.train(was_training)
     return values

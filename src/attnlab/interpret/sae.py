@@ -311,6 +311,22 @@ class SAE(nn.Module):
                 out = out + xin @ self.W_skip.T  # (..., d_out)
         return out
 
+    def latent_writes(self, z: Tensor, latents: Sequence[int], x: Tensor | None = None) -> Tensor:
+        """Each of ``latents``' own term of :meth:`decode`'s output, ``(..., n, d_out)`` from ``z (...,
+        d_sae)``: ``z_j W_dec[j]`` (unit-norm rows under ``rescale_acts_by_decoder_norm``; times the
+        scale a run-time normalization of ``x`` undoes). ``decode(z, x)`` is their sum over all latents
+        plus what no latent writes (the bias, the normalization's shift, a skip connection)."""
+        idx = torch.as_tensor(list(latents), dtype=torch.long, device=self.W_dec.device)
+        w = self.W_dec[idx]  # (n, d_out)
+        if self.cfg.rescale_acts_by_decoder_norm:
+            w = w / w.norm(dim=-1, keepdim=True)
+        out = z.to(self.dtype)[..., idx, None] * w  # (..., n, d_out)
+        if x is not None and not self.cfg.transcoder:
+            _, undo = self._normalize_in(x.to(self.dtype))
+            if undo is not None:
+                out = out * undo[0][..., None]  # (..., 1, 1)
+        return out
+
     def forward(self, x: Tensor) -> Tensor:
         """The reconstruction ``(..., d_out)`` of ``x (..., d_in)``, in ``x``'s dtype."""
         return self.decode(self.encode(x), x).to(x.dtype)
