@@ -377,3 +377,76 @@ def test_a_page_keeps_the_attention_of_the_strongest_edges_heads_when_all_would_
     assert list(small["patterns"]) == order[:2]
     assert all(small["patterns"][k] == full["patterns"][k] for k in order[:2])
     assert f"2 of the circuit's {len(order)} heads" in small["patterns_note"]
+
+
+# ---------------------------------------------------------------------------------------------
+# --sae: SAE latents as nodes
+# ---------------------------------------------------------------------------------------------
+def _saved_sae(directory, hook="blocks.0.hook_resid_post", d_in=24, seed=0):
+    """A random TopK SAE (40 latents, k=6) saved as SAELens's files; returns it and its directory."""
+    from attnlab.interpret import SAE, SAEConfig
+
+    torch.manual_seed(seed)
+    sae = SAE(SAEConfig(d_in=d_in, d_sae=40, architecture="topk", k=6, hook_name=hook))
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 1 / p.shape[0] ** 0.5))
+    return sae.eval(), sae.save(directory)
+
+
+def test_sae_latents_are_named_in_the_printed_edges_and_on_the_page(checkpoint, tmp_path, capsys):
+    d, model = checkpoint
+    _, sae_dir = _saved_sae(tmp_path / "sae")
+    mlp_dir = tmp_path / "mlp"
+    _saved_sae(mlp_dir, hook="blocks.1.hook_mlp_out", seed=1)
+    out = tmp_path / "circuit.html"
+    argv = _argv(d, "--sae", str(sae_dir), "--sae", str(mlp_dir), "--top", "30", "--budget", "30%", "--out", str(out))
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    from attnlab.interpret import SAE
+
+    saes = [SAE.load(sae_dir), SAE.load(mlp_dir)]
+    scores = edge_attribution(model, *_ids(), logit_diff(0, 1), saes=saes)
+    for s in scores.graph.saes:
+        assert f"SAE at {s.hook}: {len(s.latents)} of its 40 latents are nodes" in text
+    listed = text.split("the 30 strongest edges")[1].split("\n\n")[0].strip().splitlines()[1:]
+    assert len(listed) == 30
+    for line, (w, r, s) in zip(listed, scores.top(30), strict=True):
+        writer, rest = line.strip().split(" -> ")
+        reader, score = rest.rsplit(None, 1)
+        assert (writer, reader.strip()) == (format_node(w), format_node(r))
+        assert float(score) == pytest.approx(s, abs=1e-5)
+    assert re.search(r"sae 0\.hook_resid_post latent \d+ ->", text)
+    assert format_node(("sae_latent", "blocks.0.hook_resid_post", 7)) == "sae 0.hook_resid_post latent 7"
+    assert format_node(("sae_error", "blocks.1.hook_mlp_out", None)) == "sae 1.hook_mlp_out error"
+    page = out.read_text()
+    parser = _Strict()
+    parser.feed(page)
+    assert parser.stack == []
+    data = _page_data(page)
+    drawn = scores.top(min(int(0.3 * len(scores)), MAX_DRAWN))
+    with_sae = [(w, r, s) for w, r, s in drawn if w[0].startswith("sae") or r[0].startswith("sae")]
+    assert with_sae and len(data["sae_edges"]) == len(with_sae)
+    for (w, r, s), row in zip(with_sae, data["sae_edges"], strict=True):
+        assert row[:2] == [format_node(w), format_node(r)] and row[2] == pytest.approx(s, rel=1e-6)
+        assert html.escape(format_node(w)) in page.split('id="circuit-sae-edges"')[1]
+    assert not any(str(n[0]).startswith("sae") for e in data["edges"] for n in e[:2])  # the graph draws the model's
+
+
+@pytest.mark.parametrize(
+    ("which", "message"),
+    [("wide", "d_in=32 does not match"), ("missing", "no SAE in"), ("attn", "hook_attn_out")],
+)
+def test_a_bad_sae_is_one_line_naming_its_flag(checkpoint, tmp_path, capsys, which, message):
+    d, _ = checkpoint
+    path = tmp_path / which
+    if which == "wide":
+        _saved_sae(path, d_in=32)
+    elif which == "attn":
+        _saved_sae(path, hook="blocks.0.hook_attn_out")
+    else:
+        path.mkdir()
+    assert main(_argv(d, "--sae", str(path))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err and "Traceback" not in err
+    assert f"--sae {path}: " in err

@@ -19,7 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab.interpret import SAE, SAEConfig, hooks
-from attnlab.interpret.circuits import Circuit, EdgeGraph, circuit_metrics, edge_attribution, sae_graph
+from attnlab.interpret.circuits import (
+    Circuit,
+    EdgeGraph,
+    SAENodes,
+    circuit_metrics,
+    edge_attribution,
+    sae_graph,
+)
 from test_circuits import METRIC, STYLES, _rotate, pair
 
 D = 24  # make_gpt's width
@@ -319,7 +326,10 @@ def test_bad_saes_are_refused_naming_the_argument(make_gpt):
     graph = sae_graph(model, saes_at("mlp_out"), [(clean, corrupted)])
     with pytest.raises(ValueError, match="not both"):
         edge_attribution(model, clean, corrupted, METRIC, saes=saes_at("mlp_out"), graph=graph)
+    s = graph.saes[0]
+    others = tuple(j for j in range(40) if j not in s.latents)[: len(s.latents)]  # as many, other latents
+    other = EdgeGraph(2, 4, 4, False, (SAENodes(s.sae, s.hook, s.layer, s.place, others),))
     with pytest.raises(ValueError, match="one graph"):
-        circuit_metrics(model, clean, corrupted, METRIC, [Circuit.full(graph), Circuit.full(EdgeGraph.of(model))])
+        circuit_metrics(model, clean, corrupted, METRIC, [Circuit.full(graph), Circuit.full(other)])
     with pytest.raises(ValueError, match="max_latents"):
         sae_graph(model, saes_at("mlp_out"), [(clean, corrupted)], max_latents=-1)

@@ -13,7 +13,10 @@ edges with their sign, and the faithfulness of the circuit of the top edges at M
 its summaries (CPR, CMD); ``--out`` writes an offline page drawing the circuit of ``--budget``'s
 top edges, a clicked head's attention on both prompts beside it. ``--pairs FILE`` scores a JSONL of
 pairs together and reports the mean over pairs, as the papers do (a pair whose prompts differ in
-token length is refused with its line number).
+token length is refused with its line number). ``--sae DIR`` (repeatable) splices an SAE or
+transcoder in at its hook, its error term kept: its active latents become nodes of the graph, named
+``sae 3.hook_resid_post latent 123`` in the printed edges and on the page (at most ``--max-latents``
+of each; what the others write is counted in its error node).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import argparse
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
-from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, save_circuit_page
+from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, load_saes, save_circuit_page
 from attnlab.tools.loading import load
 
 
@@ -54,6 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the circuit drawn: its share of all edges, as 5%% or 0.05 (default 5%%)",
     )
     parser.add_argument("--top", type=int, default=20, metavar="K", help="edges listed (default 20)")
+    parser.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an SAE or transcoder (SAELens, sparsify or Gemma Scope files) spliced in at its hook, its "
+        "latents nodes of the graph; repeat for several",
+    )
+    parser.add_argument(
+        "--max-latents",
+        type=int,
+        default=64,
+        metavar="N",
+        help="the most latents of one SAE that are nodes (default 64): those active on the prompts, the "
+        "largest change between them first",
+    )
     parser.add_argument("--out", metavar="FILE", help="write the circuit's page (.html, offline)")
 
 
@@ -73,6 +92,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ig-steps must be >= 1, got {args.ig_steps}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.max_latents < 0:
+        raise ValueError(f"--max-latents must be >= 0, got {args.max_latents}")
+    if args.sae and args.method == "EAP-IG-activations":
+        raise ValueError(
+            "--sae works with --method EAP or EAP-IG-inputs (EAP-IG-activations interpolates the model's own writers)"
+        )
     if args.out is not None and not args.out.lower().endswith((".html", ".htm")):
         raise ValueError(f"--out must end in .html, got {args.out!r}")
     try:
@@ -80,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
     loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    saes = {"saes": load_saes(loaded, args.sae), "max_latents": args.max_latents}
     if args.pairs is not None:
         report = circuit_report_pairs(
-            loaded, args.pairs, method=args.method, ig_steps=args.ig_steps, budget=args.budget
+            loaded, args.pairs, method=args.method, ig_steps=args.ig_steps, budget=args.budget, **saes
         )
     else:
         report = circuit_report(
@@ -93,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             method=args.method,
             ig_steps=args.ig_steps,
             budget=args.budget,
+            **saes,
         )
     print(report.format(top=args.top))
     if args.out:

@@ -22,6 +22,9 @@ The section (plain JSON: it is small; no packed arrays)::
     curve                 {budgets, n_edges, faithfulness, cpr, cmd}   MIB's edge budgets
     patterns              {"l.h": {clean, corrupted: (T, T) lists}} the drawn heads' attention
     static                True: nothing can be recomputed (an offline page)
+    sae_edges             (with SAE nodes only) [[writer name, reader name, score], ...]: the drawn
+                          edges that touch an SAE's latent, error or input (``sae 3.hook_resid_post
+                          latent 123``), listed on the page in a table of their own; ``edges`` holds the rest
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from attnlab.interpret.circuits import (
     areas,
     circuit_metrics,
     edge_attribution,
+    sae_graph,
 )
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
@@ -65,6 +69,7 @@ __all__ = [
     "notebook_circuit_html",
     "parse_budget",
     "read_circuit_asset",
+    "sae_node_name",
 ]
 
 CIRCUIT_ASSETS = ("circuit.html", "circuit.css", "circuit.js")
@@ -81,6 +86,19 @@ def read_circuit_asset(name: str) -> str:
     if name not in CIRCUIT_ASSETS:
         raise ValueError(f"name must be one of {', '.join(CIRCUIT_ASSETS)}, got {name!r}")
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def sae_node_name(node: tuple) -> str:
+    """An SAE node's name: ``("sae_latent", "blocks.3.hook_resid_post", 123)`` -> ``sae 3.hook_resid_post
+    latent 123``; its error node ``... error``, a residual SAE's input ``... input``."""
+    kind, hook, latent = node[:3]
+    where = f"sae {str(hook).removeprefix('blocks.')}"
+    names = {"sae_latent": f"{where} latent {latent}", "sae_error": f"{where} error", "sae_input": f"{where} input"}
+    return names[kind]
+
+
+def _is_sae(node: tuple) -> bool:
+    return str(node[0]).startswith("sae_")
 
 
 def parse_budget(budget: object) -> float:
@@ -136,6 +154,8 @@ def circuit_result(
     budget: object = 0.05,
     budgets: Sequence[float] = MIB_BUDGETS,
     patterns: bool = True,
+    saes: Sequence[Any] = (),
+    max_latents: int = 64,
 ) -> CircuitResult:
     """Edge attribution of ``clean`` against ``corrupted`` for ``logit(A) - logit(B)`` at the last
     token, MIB's faithfulness curve of its top edges, and the circuit of the ``budget`` strongest.
@@ -146,6 +166,8 @@ def circuit_result(
         method, ig_steps: as :func:`~attnlab.interpret.edge_attribution`.
         budget: the drawn circuit's share of the edges (:func:`parse_budget`: ``0.05`` or ``"5%"``).
         patterns: also trace both prompts for every head's attention (the view shows a clicked head's).
+        saes, max_latents: SAEs or transcoders spliced in, their latents nodes of the graph
+            (:func:`~attnlab.interpret.circuits.sae_graph`).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -173,6 +195,8 @@ def circuit_result(
         budget=fraction,
         budgets=budgets,
         patterns=patterns,
+        saes=saes,
+        max_latents=max_latents,
     )
 
 
@@ -224,6 +248,8 @@ def circuit_result_pairs(
     budgets: Sequence[float] = MIB_BUDGETS,
     patterns: bool = True,
     run: Callable[[Callable[[], Any]], Any] | None = None,
+    saes: Sequence[Any] = (),
+    max_latents: int = 64,
 ) -> CircuitResult:
     """:func:`circuit_result` of many pairs at once, the mean over pairs as the papers report it.
 
@@ -237,6 +263,9 @@ def circuit_result_pairs(
     ``run(stage)`` calls each stage of model work (each length's scores, its circuits, the attention):
     a server passes its model thread's runner, so that the requests waiting meanwhile run between two
     stages instead of after the whole; None calls them here.
+
+    ``saes`` are spliced in, their latents nodes (:func:`~attnlab.interpret.circuits.sae_graph`: at
+    most ``max_latents`` of each, chosen on all the pairs, so every length's scores share one graph).
     """
     run = (lambda stage: stage()) if run is None else run
     if method not in METHODS:
@@ -254,10 +283,15 @@ def circuit_result_pairs(
         ids = lambda k, rows=rows: torch.tensor([list(pairs[r][k]) for r in rows], dtype=torch.long, device=device)
         answers = [torch.tensor([int(pairs[r][k]) for r in rows], device=device) for k in (2, 3)]
         batches.append((len(rows) / N, ids(0), ids(1), PairLogitDiff(*answers)))
+    graph = None
+    if saes:
+        graph = run(lambda: sae_graph(model, list(saes), [(c, x) for _, c, x, _ in batches], max_latents))
     total = None
     for weight, clean, corrupted, metric in batches:
         s = run(
-            lambda c=clean, x=corrupted, m=metric: edge_attribution(model, c, x, m, method=method, ig_steps=ig_steps)
+            lambda c=clean, x=corrupted, m=metric: edge_attribution(
+                model, c, x, m, method=method, ig_steps=ig_steps, graph=graph
+            )
         )
         total = s.scores * weight if total is None else total + s.scores * weight
     scores = EdgeScores(s.graph, total, s.method, s.ig_steps, False)
@@ -344,7 +378,8 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
     if isinstance(max_drawn, bool) or not isinstance(max_drawn, int) or max_drawn < 1:
         raise ValueError(f"max_drawn must be a positive int, got {max_drawn!r}")
     scores, curve, g = result.scores, result.curve, result.scores.graph
-    drawn = scores.top(min(result.budget_edges, max_drawn))
+    top = scores.top(min(result.budget_edges, max_drawn))
+    drawn = [e for e in top if not (_is_sae(e[0]) or _is_sae(e[1]))]  # the graph draws the model's nodes
     tok = result.tokenizer
     section: dict[str, Any] = {
         "clean": _prompt(tok, result.clean_ids, result.texts[0]),
@@ -377,6 +412,9 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
         "static": bool(static),
         "pairs": result.n_pairs,
     }
+    if g.saes:
+        name = lambda n: sae_node_name(n) if _is_sae(n) else _plain_name(n)
+        section["sae_edges"] = [[name(w), name(r), score] for w, r, score in top if _is_sae(w) or _is_sae(r)]
     if result.patterns is not None:
         heads = _heads_of(g, drawn)
         T = len(result.clean_ids)
@@ -395,13 +433,47 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
     return section
 
 
+def _plain_name(node: tuple) -> str:
+    """A model node's short name, as the page writes it: ``a3.1``, ``m2``, ``a5.0<q``, ``input``, ``logits``."""
+    kind, layer, head = node[:3]
+    return {
+        "embed": "input",
+        "logits": "logits",
+        "attn_head_out": f"a{layer}.{head}",
+        "mlp_out": f"m{layer}",
+        "mlp_in": f"m{layer}",
+        "q_input": f"a{layer}.{head}<q",
+        "k_input": f"a{layer}.kv{head}<k",
+        "v_input": f"a{layer}.kv{head}<v",
+    }[kind]
+
+
+def _sae_table(section: dict[str, Any]) -> str:
+    """The drawn edges that touch SAE nodes, as a plain table (the graph draws the model's nodes)."""
+    rows = section.get("sae_edges")
+    if rows is None:
+        return ""
+    cells = "".join(
+        f'<tr><td class="name">{html.escape(w)}</td><td class="name">{html.escape(r)}</td><td>{s:+.4g}</td></tr>'
+        for w, r, s in rows
+    )
+    note = "" if rows else "<p>None of the drawn edges touches an SAE's latents, error or input.</p>"
+    return (
+        '<section id="circuit-sae-edges" class="circuit-sae"><h2>Edges of SAE latents</h2>'
+        "<p>The circuit's drawn edges into or out of a spliced SAE's latents, error term or input "
+        "(the graph above draws the model's heads and MLPs).</p>"
+        f"{note}<table><tr><th>writer</th><th>reader</th><th>score</th></tr>{cells}</table></section>"
+    )
+
+
 def circuit_page(section: dict[str, Any], *, title: str = "circuit") -> str:
     """A self-contained offline page of the circuit view (``assets/circuit.html``): no network at all."""
     return Template(read_circuit_asset("circuit.html")).substitute(
         csp=OFFLINE_CSP,
         title=html.escape(title),
         styles=inline("style", read_circuit_asset("circuit.css")),
-        data=f'<script type="application/json" id="attn-circuit">{json_for_script(section)}</script>',
+        data=f'<script type="application/json" id="attn-circuit">{json_for_script(section)}</script>'
+        + _sae_table(section),
         scripts=inline("script", read_circuit_asset("circuit.js")),
     )
 

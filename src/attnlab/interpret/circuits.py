@@ -79,6 +79,7 @@ __all__ = [
     "faithfulness",
     "faithfulness_curve",
     "sae_graph",
+    "sae_place",
 ]
 
 METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations")
@@ -257,20 +258,20 @@ _STREAM_HOOK = re.compile(r"blocks\.(\d+)\.hook_(resid_pre|resid_mid|resid_post|
 
 def _sae_place(sae: SAE, parallel: bool, where: str) -> tuple[str, int, str]:
     """``(hook, layer, place)`` of an SAE in the graph (see :class:`SAENodes`); a ValueError naming ``where``."""
-    c = sae.cfg
+    c, where = sae.cfg, f"{where}: " if where else ""
     out = _STREAM_HOOK.fullmatch(str(c.hook_name_out or c.hook_name))
     if c.transcoder:
         want = "resid_pre" if parallel else "resid_mid"
         m = _STREAM_HOOK.fullmatch(str(c.hook_name))
         if out is None or out[2] != "mlp_out" or m is None or m[2] != want or m[1] != out[1]:
             raise ValueError(
-                f"{where}: a transcoder node reads an MLP's input (blocks.L.hook_{want}) and writes its output "
+                f"{where}a transcoder node reads an MLP's input (blocks.L.hook_{want}) and writes its output "
                 f"(blocks.L.hook_mlp_out); this one maps {c.hook_name!r} to {c.hook_name_out!r}"
             )
         return str(c.hook_name_out), int(out[1]), "transcoder"
     if out is None or (parallel and out[2] == "resid_mid"):
         raise ValueError(
-            f"{where}: an SAE node sits on the residual stream (blocks.L.hook_resid_pre, hook_resid_post"
+            f"{where}an SAE node sits on the residual stream (blocks.L.hook_resid_pre, hook_resid_post"
             f"{'' if parallel else ', hook_resid_mid'}) or on an MLP's output (hook_mlp_out), not on {c.hook_name!r}"
         )
     return str(c.hook_name), int(out[1]), out[2]
@@ -297,6 +298,13 @@ def _check_saes(model: nn.Module, saes: object, parallel: bool) -> list[tuple[SA
         seen[hook] = i
         listed.append((sae, hook, layer, place))
     return listed
+
+
+def sae_place(model: nn.Module, sae: SAE) -> tuple[str, int, str]:
+    """``(hook, layer, place)`` of ``sae``'s nodes in ``model``'s graph (:class:`SAENodes`), or a
+    ValueError saying why it cannot be a node (a hook that is neither the stream nor an MLP's output)."""
+    cfg = _check_model(model)
+    return _sae_place(sae, bool(cfg.parallel_residual), "")
 
 
 @contextlib.contextmanager

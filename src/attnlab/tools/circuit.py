@@ -4,14 +4,15 @@ Edge attribution (:func:`attnlab.interpret.edge_attribution`: EAP or EAP-IG) of 
 corrupted prompt for the metric ``logit(A) - logit(B)`` at the last token; the report lists the
 strongest edges (by ``|score|``, with the sign: positive moves the metric toward the clean run) and
 the faithfulness of the circuit of the top edges at MIB's budgets (CPR, CMD), and the page draws the
-circuit of the chosen budget (:mod:`attnlab.interpret.circuit_view`).
+circuit of the chosen budget (:mod:`attnlab.interpret.circuit_view`). With SAEs or transcoders
+(``--sae DIR``) spliced in, their latents are nodes too, named ``sae 3.hook_resid_post latent 123``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,11 @@ from attnlab.interpret.circuit_view import (
     circuit_result_pairs,
     notebook_circuit_html,
     parse_budget,
+    sae_node_name,
 )
+from attnlab.interpret.circuits import sae_place
 from attnlab.interpret.patch_view import answer_token
+from attnlab.interpret.sae import SAE
 from attnlab.tools.loading import LoadedModel
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "circuit_report",
     "circuit_report_pairs",
     "format_node",
+    "load_saes",
     "read_pairs",
     "save_circuit_page",
     "serve_circuit",
@@ -51,8 +56,10 @@ PAIRS_MAX_BYTES = 64 << 20  # a JSONL of prompt pairs: thousands of lines are a 
 
 def format_node(node: tuple) -> str:
     """``("attn_head_out", 3, 1)`` -> ``a3.1``, ``("q_input", 5, 0)`` -> ``a5.0<q``, ``("mlp_out", 2, None)``
-    -> ``m2`` (TransformerLens's short names)."""
+    -> ``m2`` (TransformerLens's short names); an SAE's latent ``sae 3.hook_resid_post latent 123``."""
     kind, layer, head = node[:3]
+    if str(kind).startswith("sae_"):
+        return sae_node_name(node)
     return {
         "embed": "input",
         "logits": "logits",
@@ -85,10 +92,16 @@ class CircuitReport:
             else f"metric: logit(A) - logit(B) at the last token, the mean over {pairs} pairs",
             f"clean run {curve.clean_metric:+.4f}, corrupted run {curve.corrupted_metric:+.4f}",
             f"method: {r.scores.method}{steps}; {len(r.scores)} edges",
+            *(
+                f"SAE at {s.hook}: {len(s.latents)} of its {s.sae.cfg.d_sae} latents are nodes (those active "
+                "on the prompts, the largest change first), the rest is in its error node"
+                for s in r.scores.graph.saes
+            ),
             f"\nthe {top} strongest edges (score: + moves the metric toward the clean run, - away from it)",
         ]
+        width = 34 if r.scores.graph.saes else 14
         for w, rd, score in r.scores.top(top):
-            lines.append(f"  {format_node(w):>14} -> {format_node(rd):<14} {score:+.5f}")
+            lines.append(f"  {format_node(w):>{width}} -> {format_node(rd):<{width}} {score:+.5f}")
         lines.append("\nfaithfulness of the top edges at MIB's budgets (1 = the whole model, 0 = the corrupted run)")
         for budget, n, f in zip(curve.budgets, curve.n_edges, curve.faithfulness, strict=True):
             lines.append(f"  {budget * 100:6.1f}%  {n:7d} edges  {f:+.4f}")
@@ -108,6 +121,22 @@ class CircuitReport:
         return notebook_circuit_html(self.result.section())
 
 
+def load_saes(loaded: LoadedModel, paths: Sequence[str | os.PathLike[str]]) -> list[SAE]:
+    """The SAEs or transcoders of ``--sae DIR`` (each SAELens's, sparsify's or Gemma Scope's files),
+    on the model's device, checked against the model: each error names its ``--sae``."""
+    device = next(loaded.model.parameters()).device
+    saes = []
+    for path in paths:
+        try:
+            sae = SAE.load(path, device=device)
+            sae.check_model(loaded.model)
+            sae_place(loaded.model, sae)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"--sae {path}: {e}") from None
+        saes.append(sae)
+    return saes
+
+
 def _one_token(tokenizer: Any, text: str, what: str, where: str = "--answers") -> int:
     ids = tokenizer.encode(text)
     if len(ids) != 1:
@@ -124,9 +153,11 @@ def circuit_report(
     method: str = "EAP",
     ig_steps: int = 5,
     budget: object = 0.05,
+    saes: Sequence[SAE] = (),
+    max_latents: int = 64,
 ) -> CircuitReport:
     """Edge attribution and faithfulness of two prompts of the same number of tokens (the command
-    line's checks: each error names its flag)."""
+    line's checks: each error names its flag); ``saes`` (:func:`load_saes`) spliced in, their latents nodes."""
     model, tok = loaded.model, loaded.tokenizer
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -162,6 +193,8 @@ def circuit_report(
         method=method,
         ig_steps=ig_steps,
         budget=budget,
+        saes=saes,
+        max_latents=max_latents,
     )
     return CircuitReport(result, tuple(answers), str(loaded.metadata.get("name") or loaded.path.name))
 
@@ -223,9 +256,11 @@ def circuit_report_pairs(
     method: str = "EAP",
     ig_steps: int = 5,
     budget: object = 0.05,
+    saes: Sequence[SAE] = (),
+    max_latents: int = 64,
 ) -> CircuitReport:
     """Edge attribution and faithfulness of every pair of a JSONL file, the mean over pairs
-    (:func:`attnlab.interpret.circuit_view.circuit_result_pairs`)."""
+    (:func:`attnlab.interpret.circuit_view.circuit_result_pairs`), ``saes`` spliced in."""
     model, tok = loaded.model, loaded.tokenizer
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -244,6 +279,8 @@ def circuit_report_pairs(
         method=method,
         ig_steps=ig_steps,
         budget=budget,
+        saes=saes,
+        max_latents=max_latents,
     )
     return CircuitReport(result, rows[0][6], str(loaded.metadata.get("name") or loaded.path.name))
 
