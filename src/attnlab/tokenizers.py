@@ -1,21 +1,14 @@
 """Tokenizers for training and generation: ``byte`` (the default), ``char``, ``gpt2`` and ``hf``.
 
 All of them share one small interface (:class:`Tokenizer`): ``encode(text) -> list[int]``,
-``decode(ids) -> str``, ``vocab_size``, ``eot_id`` and ``to_dict()``. ``to_dict()`` is plain JSON
-that :func:`tokenizer_from_dict` turns back into the same tokenizer, so a checkpoint can carry its
-tokenizer and generation decodes exactly the way training encoded.
+``decode(ids) -> str``, ``vocab_size``, ``eot_id`` and ``to_dict()``, plain JSON that
+:func:`tokenizer_from_dict` turns back into the same tokenizer, so a checkpoint carries its tokenizer.
 
-* ``byte``: the 256 byte values of the UTF-8 encoding. Lossless for any text, needs no files and no
-  vocabulary, which makes it the default of ``attnlab train``.
-* ``char``: one id per distinct character of the training text (sorted), as in character-level
-  models such as nanoGPT's Shakespeare example. Unknown characters are an error, never silently
-  dropped.
-* ``gpt2``: GPT-2's byte-pair encoding through ``tiktoken``, the tokenizer the tutorials use
-  (``tiktoken.get_encoding("gpt2")``). Offline, point it at a directory holding GPT-2's
-  ``encoder.json`` and ``vocab.bpe`` (``bpe_dir=...``, ``--bpe-dir`` or the environment variable
-  ``ATTNLAB_GPT2_BPE_DIR``); the encoding is then built locally with tiktoken's own loader.
-* ``hf``: any Hugging Face ``tokenizer.json`` (Llama, Mistral, ...) through the ``tokenizers``
-  library: the tokenizer of a model loaded with :meth:`attnlab.GPT.from_pretrained`.
+* ``byte``: the 256 byte values of UTF-8; lossless, no files: the default of ``attnlab train``.
+* ``char``: one id per distinct character of the training text (nanoGPT's Shakespeare example).
+* ``gpt2``: GPT-2's byte-pair encoding through ``tiktoken``, as the tutorials use it; offline, from a
+  directory holding ``encoder.json`` and ``vocab.bpe`` (``bpe_dir``, ``--bpe-dir``, ``$ATTNLAB_GPT2_BPE_DIR``).
+* ``hf``: any Hugging Face ``tokenizer.json`` (Llama, Mistral, ...) through the ``tokenizers`` library.
 
 Example::
 
@@ -137,17 +130,11 @@ def _json_fingerprint(obj: dict[str, Any]) -> str:
 
 
 class Tokenizer:
-    """Common interface of attnlab's tokenizers.
+    """Common interface of attnlab's tokenizers."""
 
-    Attributes:
-        name: ``"byte"``, ``"char"`` or ``"gpt2"``.
-        vocab_size: number of ids; every id is in ``[0, vocab_size)``.
-        eot_id: id of an end-of-text token, or ``None`` when the tokenizer has none.
-    """
-
-    name: str = ""
-    vocab_size: int = 0
-    eot_id: int | None = None
+    name: str = ""  # one of TOKENIZER_NAMES
+    vocab_size: int = 0  # every id is in [0, vocab_size)
+    eot_id: int | None = None  # the end-of-text token's id, if the tokenizer has one
 
     def encode(self, text: str) -> list[int]:
         """Text -> list of ids."""
@@ -179,17 +166,15 @@ class Tokenizer:
     def split_point(self, text: str) -> int:
         """An index ``i`` such that ``encode(text[:i]) + encode(text[i:] + more) ==
         encode(text + more)`` for every continuation ``more``: where a stream of text may be cut
-        into independently encoded chunks. ``0`` means no safe cut is known yet (read more text).
-
-        Context-free tokenizers (byte, char) can cut anywhere.
+        into independently encoded chunks; ``0``: no safe cut is known yet. Byte and char cut anywhere.
         """
         return len(text)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Tokenizer) and self.to_dict() == other.to_dict()
+    def __eq__(self, other: object) -> bool:  # the same mapping text -> ids
+        return isinstance(other, Tokenizer) and self.fingerprint() == other.fingerprint()
 
     def __hash__(self) -> int:
         return hash(self.fingerprint())
@@ -258,9 +243,7 @@ class CharTokenizer(Tokenizer):
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
         """Vocabulary = the sorted distinct characters of ``text``."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return cls(set(text))
+        return cls(set(_check_text(text)))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> CharTokenizer:
@@ -306,9 +289,7 @@ class CharTokenizer(Tokenizer):
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-# ----------------------------------------------------------------------------------------------
-# GPT-2 BPE
-# ----------------------------------------------------------------------------------------------
+# -- GPT-2 BPE ---------------------------------------------------------------------------------
 _GPT2_CACHE: dict[tuple[str, str, str], Any] = {}
 
 # Where a GPT-2 text stream may be cut: after a non-space character and before whitespace. No
@@ -373,18 +354,11 @@ def _load_gpt2_from_dir(bpe_dir: Path) -> tuple[Any, str, str]:
 class GPT2Tokenizer(Tokenizer):
     """GPT-2's byte-pair encoding (50257 ids, ``<|endoftext|>`` = 50256) through tiktoken.
 
-    Args:
-        bpe_dir: directory with GPT-2's ``encoder.json`` and ``vocab.bpe``. Default: the
-            environment variable ``ATTNLAB_GPT2_BPE_DIR`` if set, else
-            ``tiktoken.get_encoding("gpt2")`` (which downloads the files once, then caches them).
-
-    ``encode`` treats the literal text ``<|endoftext|>`` as the end-of-text token (a document
-    separator in many corpora) instead of refusing it as ``tiktoken`` does by default; ``decode``
-    maps it back to the same text, so round trips still hold.
-
-    Raises:
-        TokenizerLoadError: no ``bpe_dir`` and the download failed (one sentence saying what to do).
-        FileNotFoundError: ``bpe_dir`` or one of its two files does not exist.
+    ``bpe_dir``: a directory with GPT-2's ``encoder.json`` and ``vocab.bpe``; default
+    ``$ATTNLAB_GPT2_BPE_DIR``, else ``tiktoken.get_encoding("gpt2")`` (downloaded once; when that
+    fails, a :class:`TokenizerLoadError` saying what to do). ``encode`` takes the literal text
+    ``<|endoftext|>`` for the end-of-text token (a document separator in many corpora) instead of
+    refusing it as ``tiktoken`` does; ``decode`` maps it back, so round trips hold.
     """
 
     name = "gpt2"
@@ -467,20 +441,12 @@ class GPT2Tokenizer(Tokenizer):
         # Where the files live does not change the encoding; their content does.
         return _json_fingerprint({"name": "gpt2", "vocab_bpe": self._bpe_hash, "encoder_json": self._enc_hash})
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, GPT2Tokenizer) and self.fingerprint() == other.fingerprint()
-
-    def __hash__(self) -> int:
-        return hash(self.fingerprint())
-
     def __repr__(self) -> str:
         where = f"bpe_dir={str(self.bpe_dir)!r}" if self.bpe_dir is not None else "tiktoken"
         return f"GPT2Tokenizer({where})"
 
 
-# ----------------------------------------------------------------------------------------------
-# Hugging Face tokenizer.json
-# ----------------------------------------------------------------------------------------------
+# -- Hugging Face tokenizer.json ---------------------------------------------------------------
 def _import_hf_tokenizers() -> Any:
     try:
         import tokenizers
@@ -509,10 +475,8 @@ class HFTokenizer(Tokenizer):
             :func:`attnlab.gguf_vocab.gguf_tokenizer`).
         reader: for a GGUF file, its open ``gguf.GGUFReader`` if there is one (the header is then
             not parsed again).
-        eot_id / bos_id: the end-of-text and beginning-of-text ids. Default: ``bos_id`` is the token
-            the file's post-processor puts before every text (what Hugging Face's ``tokenizer(text)``
-            adds), ``eot_id`` the ``eos_token`` of the ``tokenizer_config.json`` beside the file, else
-            the ``eos_token_id`` of ``generation_config.json`` or ``config.json``; else none.
+        eot_id / bos_id: the end-of-text and beginning-of-text ids; default: as the model's files
+            say (:meth:`_read_special_ids`).
 
     ``encode`` turns text into ids and nothing else (no beginning-of-text token, so that chunks of a
     corpus encode independently); a prompt for a model trained with one starts with ``bos_id``
@@ -624,19 +588,11 @@ class HFTokenizer(Tokenizer):
     def fingerprint(self) -> str:
         return _json_fingerprint({"name": "hf", "sha256": self.sha256})
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HFTokenizer) and self.fingerprint() == other.fingerprint()
-
-    def __hash__(self) -> int:
-        return hash(self.fingerprint())
-
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-# ----------------------------------------------------------------------------------------------
-# Factory and (de)serialisation
-# ----------------------------------------------------------------------------------------------
+# -- Factory and (de)serialisation -------------------------------------------------------------
 def get_tokenizer(
     name: str,
     *,
@@ -646,12 +602,8 @@ def get_tokenizer(
 ) -> Tokenizer:
     """Tokenizer by name: ``"byte"``, ``"char"``, ``"gpt2"`` or ``"hf"``.
 
-    Args:
-        name: one of :data:`TOKENIZER_NAMES`.
-        text: the training text; ``char`` builds its vocabulary from it (or from ``path``).
-        bpe_dir: for ``gpt2``, a directory with ``encoder.json`` and ``vocab.bpe``.
-        path: for ``char``, a UTF-8 file to build the vocabulary from, read in chunks; for ``hf``,
-            a ``tokenizer.json`` (or the model directory holding it).
+    ``char`` builds its vocabulary from ``text`` or from the UTF-8 file ``path``; ``gpt2`` reads
+    ``bpe_dir`` (see :class:`GPT2Tokenizer`), ``hf`` the ``tokenizer.json`` ``path`` (or its directory).
     """
     if not isinstance(name, str) or name not in TOKENIZER_NAMES:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZER_NAMES)}")
@@ -675,10 +627,9 @@ def get_tokenizer(
 class StreamDecoder:
     """Turns tokens into text increments that join to exactly ``tokenizer.decode(all tokens)``.
 
-    A multi-byte character may arrive as several byte tokens (``byte`` tokenizer) or BPE pieces;
-    decoded alone its first part would print as U+FFFD. So the tokens' bytes go through an
-    incremental UTF-8 decoder, which holds back an incomplete character until its last byte
-    comes (and replaces invalid bytes exactly as a one-shot decode does)::
+    A multi-byte character may arrive as several tokens, whose first part decoded alone would print
+    as U+FFFD: so the tokens' bytes go through an incremental UTF-8 decoder, which holds back an
+    incomplete character until its last byte comes (invalid bytes are replaced as in one decode)::
 
         dec = StreamDecoder(tokenizer)
         for tok in model.stream(idx, 100):
@@ -702,20 +653,22 @@ class StreamDecoder:
             self._ids.append(token)
             if token in self.tok.byte_tokens:
                 return ""  # a byte run is decoded whole: wait for its end
-            text = self.tok.decode(self._ids)
-            if text.endswith("\ufffd"):
-                return ""
-            new, self._done = text[self._done :], len(text)
-            return new
+            return self._new_text(final=False)
         return self._utf8.decode(self.tok.decode_bytes([token]))
 
     def flush(self) -> str:
         """The text of the bytes still held back (at the end of a stream)."""
         if isinstance(self.tok, HFTokenizer):
-            text = self.tok.decode(self._ids)
-            new, self._done = text[self._done :], len(text)
-            return new
+            return self._new_text(final=True)
         return self._utf8.decode(b"", final=True)
+
+    def _new_text(self, final: bool) -> str:
+        """(hf) The text of all tokens so far past what was returned; '' while it ends mid-character."""
+        text = self.tok.decode(self._ids)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        new, self._done = text[self._done :], len(text)
+        return new
 
 
 def tokenizer_to_dict(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -729,19 +682,13 @@ def tokenizer_to_dict(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -
 
 
 def tokenizer_from_dict(
-    d: dict[str, Any],
-    *,
-    bpe_dir: str | os.PathLike[str] | None = None,
-    base_dir: str | os.PathLike[str] | None = None,
+    d: dict[str, Any], *, bpe_dir: str | os.PathLike[str] | None = None, base_dir: str | os.PathLike[str] | None = None
 ) -> Tokenizer:
     """Rebuild a tokenizer from :meth:`Tokenizer.to_dict` output (e.g. read from a checkpoint).
 
-    An ``hf`` tokenizer's relative ``path`` (written by :func:`tokenizer_to_dict`) is relative to
-    ``base_dir``, the directory the description was read from; an absolute one is read where it is.
-
-    For ``gpt2`` the BPE files are looked up in ``bpe_dir`` (if given), else in the recorded
-    directory if it still exists, else as :class:`GPT2Tokenizer` does by default; the files found
-    must have the recorded content (checked by hash), so generation decodes as training encoded.
+    An ``hf`` tokenizer's relative ``path`` (:func:`tokenizer_to_dict`) is relative to ``base_dir``.
+    ``gpt2``'s BPE files are looked up in ``bpe_dir``, else the recorded directory, else as
+    :class:`GPT2Tokenizer` does; the files found must have the recorded content (by hash).
     """
     if not isinstance(d, dict) or "name" not in d:
         raise ValueError(f"tokenizer description must be a dict with a 'name' key, got {d!r:.80}")
