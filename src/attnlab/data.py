@@ -1,19 +1,11 @@
 """Training data: the built-in corpus, text loading, token caches, windows and batches.
 
-The pieces, from text to batches:
-
-* :func:`builtin_corpus` - the Python documentation that ships with every CPython
-  (``pydoc_data.topics``), the default training text: ``attnlab train`` works offline everywhere.
-* :func:`load_text` - a UTF-8 file (or the built-in corpus) as one string.
-* :func:`tokenize_to_cache` - a file tokenized once, in chunks, into a memory-mapped token file that
-  is reused while the file's content is unchanged: a multi-GB corpus never sits in RAM as Python ints.
-* :class:`TokenWindowDataset` / :func:`create_dataloader` - the sliding windows of the tutorials'
-  attention-review notebook (``MyData`` / ``my_batch``: inputs and targets shifted by one,
-  ``context_length``, ``stride``), as views over one token array instead of a list of tensors.
-* :func:`train_val_split` - a contiguous train/validation split.
-* :class:`RandomWindowBatches` - what the trainer uses: batch ``step`` is a pure function of
-  ``(seed, step)``, so resuming is exact, and each distributed rank takes its own rows of every
-  global batch.
+From text to batches: :func:`builtin_corpus` (the Python documentation every CPython ships, so
+``attnlab train`` works offline), :func:`load_text`, :func:`tokenize_to_cache` (a file tokenized once
+into a memory-mapped token file: a multi-GB corpus never sits in RAM as Python ints),
+:class:`TokenWindowDataset` / :func:`create_dataloader` (the tutorials' ``MyData`` / ``my_batch``
+windows, as views over one token array), :func:`train_val_split` and :class:`RandomWindowBatches`
+(the trainer's: batch ``step`` is a pure function of ``(seed, step)``, so resuming is exact).
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from attnlab.checks import is_int, is_real, positive_int
+from attnlab.checks import is_int, is_real, non_negative_int, positive_int
 from attnlab.files import atomic_open, atomic_write_json, check_text_file, iter_decoded, iter_text_chunks, sha256_file
 from attnlab.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, as_tokenizer, encode_to_tensor
 
@@ -57,9 +49,7 @@ CACHE_ENV = "ATTNLAB_CACHE_DIR"
 _CACHE_FORMAT = 1  # bump when the cache file layout or the chunking rules change
 
 
-# ----------------------------------------------------------------------------------------------
-# Text
-# ----------------------------------------------------------------------------------------------
+# -- Text --------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def builtin_corpus() -> str:
     """The Python documentation topics shipped with CPython, as one text (about 0.5 MB).
@@ -80,11 +70,8 @@ def builtin_corpus() -> str:
 def load_text(path: str | os.PathLike[str] | None) -> str:
     """The text of a UTF-8 file, or the built-in corpus when ``path`` is None.
 
-    The file is decoded as-is (no newline translation), so the text matches the token cache.
-
-    Raises:
-        FileNotFoundError: the file does not exist (the message names it).
-        ValueError: the path is a directory, or the file is not valid UTF-8 (names file and offset).
+    Decoded as-is (no newline translation), so the text matches the token cache. FileNotFoundError
+    or ValueError (a directory, not UTF-8: names the file and the offset) otherwise.
     """
     if path is None:
         return builtin_corpus()
@@ -96,9 +83,7 @@ def load_text(path: str | os.PathLike[str] | None) -> str:
         raise ValueError(f"{p} is not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# Token cache
-# ----------------------------------------------------------------------------------------------
+# -- Token cache -------------------------------------------------------------------------------
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype holding ids ``< vocab_size``: uint16 up to 65536 ids, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
@@ -133,10 +118,9 @@ def _file_lock(lock_path: Path) -> Iterator[bool]:
     Yields whether the lock is real: without fcntl (Windows) each process builds its own copy,
     which os.replace keeps correct.
 
-    The lock file is removed when the holder is done (lock files used to pile up in the cache, one
-    per entry). That is safe because a process that gets the lock checks that the file it locked
-    is still the one at ``lock_path`` (same inode) and otherwise locks the new one, so two processes
-    can never both hold "the" lock; and whoever gets it looks for the finished entry first.
+    The holder removes the lock file when done (else they pile up, one per cache entry): safe, since a
+    process that gets the lock checks that its file is still the one at ``lock_path`` (same inode) and
+    otherwise locks the new one, and whoever gets it looks for the finished entry first.
     """
     try:
         import fcntl
@@ -236,31 +220,22 @@ def tokenize_to_cache(
 ) -> np.ndarray:
     """All tokens of a UTF-8 file as a read-only 1-D memory-mapped array, built once and reused.
 
-    The cache file is named by a hash of the file's full content (SHA-256, read at disk speed,
-    so edits are always seen, whatever the timestamps say) and of the tokenizer's fingerprint.
-    It is written in chunks to a temporary file, fsynced and renamed into place, so an interrupted
-    run never leaves a half-written cache that a later run would trust; concurrent processes (the
-    ranks of one ``torchrun``) take a file lock and tokenize once.
+    The cache file is named by the SHA-256 of the file's content (edits are always seen, whatever the
+    timestamps say) and the tokenizer's fingerprint; it is written atomically (:func:`atomic_open`),
+    and concurrent processes (the ranks of one ``torchrun``) take a file lock and tokenize once.
 
     Args:
-        path: UTF-8 text file; ``None`` encodes the built-in corpus in memory (it is small) and
-            returns a plain array.
-        tokenizer: an attnlab :class:`~attnlab.tokenizers.Tokenizer`.
+        path: UTF-8 text file; ``None`` encodes the built-in corpus in memory (a plain array).
         cache_dir: where cache files go (default :func:`default_cache_dir`).
-        chunk_bytes: bytes of text read and tokenized at a time.
-        progress: show a tqdm bar while tokenizing (when tqdm is installed).
-        workers: threads encoding pieces of a chunk in parallel (GPT-2 BPE only; default: the
-            CPUs this process may use).
-        content_hash: the file's SHA-256 (hex) when the caller already has it (spares reading the
-            file twice); computed here otherwise.
+        chunk_bytes: bytes of text read and tokenized at a time; ``progress``: a tqdm bar meanwhile.
+        workers: threads encoding pieces of a chunk (GPT-2 BPE only; default: this process's CPUs).
+        content_hash: the file's SHA-256 (hex) when the caller already has it (read once, not twice).
 
-    Returns:
-        ``np.memmap`` (``np.ndarray`` for the built-in corpus) of dtype :func:`token_dtype`.
+    Returns ``np.memmap`` (``np.ndarray`` for the built-in corpus) of dtype :func:`token_dtype`.
     """
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an attnlab Tokenizer, got {type(tokenizer).__name__}")
-    if not is_int(chunk_bytes) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    positive_int("chunk_bytes", chunk_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
     if path is None:
         return np.asarray(tokenizer.encode_array(builtin_corpus()), dtype=dtype)
@@ -347,9 +322,7 @@ def _write_token_file(
     return n
 
 
-# ----------------------------------------------------------------------------------------------
-# Windows and batches
-# ----------------------------------------------------------------------------------------------
+# -- Windows and batches -----------------------------------------------------------------------
 def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
     """Accept a 1-D integer tensor / ndarray (incl. memmap) or a list of ints; keep arrays as-is
     (no copy) so memory-mapped tokens stay on disk."""
@@ -384,16 +357,10 @@ class TokenWindowDataset(Dataset):
     """The sliding windows of the tutorials' ``MyData``, as views over one token sequence.
 
     Item ``i`` is ``(tokens[s : s + context_length], tokens[s + 1 : s + context_length + 1])`` with
-    ``s = i * stride``, for ``s`` in ``range(0, len(tokens) - context_length, stride)`` - exactly
-    ``MyData``'s windows, but nothing is copied up front: an int64 tensor yields views, a numpy
-    array or memmap is read window by window.
-
-    Args:
-        tokens: 1-D integer tensor, numpy array / memmap, or list of ints.
-        context_length: tokens per window.
-        stride: step between window starts (``stride < context_length`` overlaps windows).
-
-    Items: two int64 tensors of shape ``(context_length,)``.
+    ``s = i * stride``, for ``s`` in ``range(0, len(tokens) - context_length, stride)``: ``MyData``'s
+    windows, but nothing is copied up front (an int64 tensor yields views, a memmap is read window by
+    window). ``tokens``: a 1-D integer tensor, numpy array / memmap, or list of ints; ``stride <
+    context_length`` overlaps windows. Items: two int64 tensors of shape ``(context_length,)``.
     """
 
     def __init__(self, tokens: Tokens | Sequence[int], context_length: int, stride: int = 1):
@@ -430,16 +397,10 @@ def create_dataloader(
 ) -> DataLoader:
     """The tutorials' ``my_batch``: a DataLoader of ``(inputs, targets)`` sliding windows.
 
-    Same arguments as ``my_batch(text, batch_size, context_length, stride, shuffle, drop_last,
-    num_workers)``, plus:
-
-    Args:
-        text_or_tokens: a ``str`` (tokenized here) or already-tokenized ids.
-        tokenizer: for text: an attnlab Tokenizer, a name (``"byte"``, ``"gpt2"``) or any object
-            with ``encode`` (e.g. ``tiktoken.get_encoding("gpt2")``). Default ``"byte"``, not the
-            tutorial's GPT-2, so it works offline; pass ``tokenizer="gpt2"`` to get the
-            tutorial's ids.
-        generator: ``torch.Generator`` for the shuffle order (reproducible epochs).
+    ``my_batch``'s arguments, where ``text_or_tokens`` may also be token ids, plus ``tokenizer`` for
+    text: an attnlab Tokenizer, a name or any object with ``encode`` (``tiktoken.get_encoding("gpt2")``);
+    default ``"byte"``, which works offline (``"gpt2"`` gives the tutorial's ids), and ``generator``
+    for the shuffle order.
 
     Batches: two int64 tensors of shape ``(batch_size, context_length)``.
     """
@@ -465,14 +426,8 @@ def create_dataloader(
         )
     if not is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        generator=generator,
-    )
+    kw = dict(shuffle=shuffle, drop_last=drop_last, num_workers=num_workers, generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, **kw)
 
 
 def train_val_split(tokens: Tokens | Sequence[int], val_fraction: float = 0.1) -> tuple[Tokens, Tokens]:
@@ -497,17 +452,10 @@ class RandomWindowBatches:
     (nanoGPT-style sampling with replacement). Rank ``r`` in micro-step ``m`` takes rows
     ``[(m * world_size + r) * batch_size, ... + batch_size)``. Consequences:
 
-    * resuming at ``step`` reproduces the batches of an uninterrupted run exactly (no sampler state);
-    * the union of all ranks' (and micro-steps') rows is the same global batch for any split into
-      processes with the same global size, so a checkpoint from N processes resumes with any M.
-
-    Args:
-        tokens: 1-D token tensor / numpy array / memmap (read only at the sampled windows).
-        batch_size: rows per rank per micro-step.
-        context_length: tokens per row.
-        seed: non-negative int.
-        rank, world_size: this process's place among the data-parallel processes.
-        grad_accum_steps: micro-steps per optimizer step.
+    resuming at ``step`` reproduces the batches of an uninterrupted run exactly (no sampler state),
+    and N processes see the same global batch as M, so a checkpoint from N resumes with any M.
+    ``tokens`` (a 1-D tensor, array or memmap) is read only at the sampled windows; ``batch_size``
+    is the rows per rank per micro-step.
     """
 
     def __init__(
@@ -528,9 +476,7 @@ class RandomWindowBatches:
         if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, world_size={self.world_size}), got {rank!r}")
         self.rank = int(rank)
-        if not is_int(seed) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        self.seed = int(seed)
+        self.seed = non_negative_int("seed", seed)
         if len(self.tokens) < self.context_length + 1:
             raise ValueError(
                 f"need at least context_length + 1 = {self.context_length + 1} tokens, got {len(self.tokens)}"
@@ -544,8 +490,7 @@ class RandomWindowBatches:
 
     def global_starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch of ``step``: int64 array ``(global_batch_size,)``."""
-        if not is_int(step) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        non_negative_int("step", step)
         # SeedSequence mixes (seed, step) into an independent stream per step; same on every platform.
         rng = np.random.default_rng([self.seed, int(step)])
         high = len(self.tokens) - self.context_length  # exclusive: start + T + 1 <= len(tokens)
