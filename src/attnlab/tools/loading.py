@@ -1,22 +1,13 @@
 """The one loader: a trained run, a GPT-2, or the tutorials' example -> model, tokenizer, metadata.
 
-Every command that reads a model (``attnlab generate``, ``attnlab viz``, ``attnlab inspect``, ...)
-goes through this module, so they all accept the same things and say the same thing when one is
-wrong. :func:`load_model` reads a directory of attnlab's:
-
-* a training directory written by ``attnlab train --out DIR`` (follows ``latest.json``);
-* one step directory inside it (``checkpoints/step-N``, holding ``checkpoint.json``);
-* a :meth:`attnlab.GPT.save` directory with a ``tokenizer.json`` beside the weights (a
-  :meth:`attnlab.tokenizers.Tokenizer.to_dict` description).
-
-:func:`load_pretrained` reads published models: OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...) or a
-model of another family ``GPT.from_hf`` reads (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2,
-GPT-NeoX/Pythia), from the Hugging Face cache (downloading once when online) or a
-local Hugging Face directory (``config.json`` + safetensors weights, as ``save_pretrained`` writes),
-with the model's own ``tokenizer.json`` or, for a GPT-2 without one, GPT-2's byte-pair tokenizer. :func:`load` picks one
-of the two from command-line style arguments. :func:`load_demo` gives the tutorials' six-word
-example: "Your journey starts with one step" and the modules of "A simple self-attention mechanism"
-under the tutorial's seeds.
+Every command that reads a model (``attnlab generate``, ``viz``, ``inspect``, ...) goes through this
+module, so they all accept the same things and say the same thing when one is wrong.
+:func:`load_model` reads attnlab's directories: a training directory (``attnlab train --out DIR``),
+one of its step directories, or a :meth:`attnlab.GPT.save` directory with a ``tokenizer.json``
+(a :meth:`~attnlab.tokenizers.Tokenizer.to_dict` description) beside the weights.
+:func:`load_pretrained` reads published models (GPT-2 and the families ``GPT.from_hf`` reads), from
+the Hugging Face cache or a local directory, or a GGUF file. :func:`load` picks one of the two from
+command-line style arguments; :func:`load_demo` gives the tutorials' six-word example.
 
 Weights are safetensors and metadata JSON: nothing is ever unpickled, and the optimizer state a
 training checkpoint carries is neither read nor hashed here.
@@ -61,24 +52,14 @@ CHAT_NAME = "chat.json"  # beside GPT.save()'s files (--merge): chat_template an
 
 @dataclass
 class LoadedModel:
-    """What :func:`load_model` returns.
+    """What :func:`load_model`, :func:`load_pretrained` and :func:`load_gguf` return."""
 
-    Attributes:
-        model: the :class:`~attnlab.GPT`, in eval mode.
-        tokenizer: the tokenizer it was trained with.
-        path: the directory its weights came from (a step directory for a training run).
-        metadata: ``checkpoint.json`` of a training run (step, settings, ...); empty otherwise.
-        chat_template: an instruct model's conversation format (with its bos/eos token strings), or
-            None when its files carry none.
-        stop_ids: the end-of-turn / end-of-text token ids generation stops at (may be empty).
-    """
-
-    model: GPT
+    model: GPT  # in eval mode
     tokenizer: Tokenizer
-    path: Path
-    metadata: dict[str, Any] = field(default_factory=dict)
-    chat_template: ChatTemplate | None = None
-    stop_ids: tuple[int, ...] = ()
+    path: Path  # the directory its weights came from (a step directory for a training run)
+    metadata: dict[str, Any] = field(default_factory=dict)  # a training run's checkpoint.json; else the source
+    chat_template: ChatTemplate | None = None  # an instruct model's conversation format
+    stop_ids: tuple[int, ...] = ()  # the end-of-turn / end-of-text ids generation stops at
 
 
 def load_model(
@@ -90,14 +71,9 @@ def load_model(
 ) -> LoadedModel:
     """Load the model and tokenizer in ``directory`` (see the module docstring for what it accepts).
 
-    Args:
-        directory: a training ``--out`` directory, one of its step directories, or a ``GPT.save()``
-            directory with a ``tokenizer.json``.
-        device: where to put the model (default: the CPU).
-        bpe_dir: where GPT-2's BPE files are, if not where training found them.
-        what: how error messages name ``directory`` (the CLI flag that gave it).
-
-    Raises ``FileNotFoundError`` / ``ValueError`` naming the directory and what is wrong with it.
+    ``device``: where to put the model (default: the CPU); ``bpe_dir``: where GPT-2's BPE files are,
+    if not where training found them; ``what``: how errors (``FileNotFoundError`` / ``ValueError``)
+    name ``directory`` (the CLI flag that gave it).
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"{what} must be a directory's path (str or os.PathLike), got {type(directory).__name__}")
@@ -151,10 +127,13 @@ def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple
     stops = saved.get("stop_ids") or []
     if not isinstance(stops, list) or not all(is_int(i) and 0 <= i < tokenizer.vocab_size for i in stops):
         raise ValueError(f"{what}: its stop_ids must be a list of token ids in [0, {tokenizer.vocab_size})")
-    stop = [int(i) for i in stops]
-    if tokenizer.eot_id is not None:
-        stop.append(int(tokenizer.eot_id))
-    return template, tuple(dict.fromkeys(stop))
+    return template, _with_eot(stops, tokenizer)
+
+
+def _with_eot(ids: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """``ids`` and the tokenizer's end-of-text id, each once."""
+    eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    return tuple(dict.fromkeys(int(i) for i in [*ids, *eot]))
 
 
 def load_pretrained(
@@ -168,20 +147,14 @@ def load_pretrained(
 ) -> LoadedModel:
     """A published model and its tokenizer, through :meth:`GPT.from_pretrained`.
 
-    ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``), another Hub
-    repository of a GPT-2 or of another family :meth:`GPT.from_hf` reads, or a local Hugging Face
-    directory, or a GGUF file (``*.gguf``, or any file starting with ``GGUF``: :func:`load_gguf`).
-    The weights come from the Hugging Face cache (``$HF_HOME``; downloaded once when online;
-    set ``HF_HUB_OFFLINE=1`` to never try the network). The tokenizer is, in this order: GPT-2's
-    byte-pair tokenizer when ``bpe_dir`` is given; the model's ``tokenizer.json`` through the
-    ``tokenizers`` library (end-of-text from ``tokenizer_config.json``, ``generation_config.json`` or
-    ``config.json``); for a GPT-2 without one, GPT-2's byte-pair tokenizer from the model's directory
-    (when it holds ``encoder.json`` and ``vocab.bpe``), ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache.
-
-    ``dtype`` defaults to :func:`attnlab.hardware.inference_dtype`: the weights' own half precision
-    where the device computes it natively (bf16 on CUDA and on CPUs with AVX512-BF16 or AMX), else
-    float32 (an AVX2 CPU emulates bf16, 20x slower). An instruct model's chat
-    template and stop ids fill ``chat_template`` and ``stop_ids`` (:func:`chat_files`).
+    ``name`` is OpenAI's GPT-2 (``gpt2``, ``gpt2-medium``, ...), another Hub repository of a family
+    :meth:`GPT.from_hf` reads, a local Hugging Face directory, or a GGUF file (:func:`load_gguf`).
+    The weights come from the Hugging Face cache (downloaded once when online; ``HF_HUB_OFFLINE=1``
+    never tries the network). The tokenizer: GPT-2's byte-pair tokenizer when ``bpe_dir`` is given,
+    else the model's ``tokenizer.json``, else (a GPT-2) GPT-2's from the model's directory,
+    ``$ATTNLAB_GPT2_BPE_DIR`` or tiktoken's cache. ``dtype`` defaults to
+    :func:`attnlab.hardware.inference_dtype` (half precision where the device computes it natively).
+    An instruct model's chat template and stop ids fill ``chat_template`` and ``stop_ids``.
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(
@@ -243,7 +216,7 @@ def chat_files(
     ``eos_token_id`` (an int or a list) and the tokenizer's end-of-text. A template that does not
     compile is a ValueError naming the model ``what``. No directory: no template, the tokenizer's eos."""
     if directory is None:
-        return None, () if tokenizer.eot_id is None else (int(tokenizer.eot_id),)
+        return None, _with_eot([], tokenizer)
     configs = [_json_or_empty(directory / n) for n in ("tokenizer_config.json", "special_tokens_map.json")]
 
     def special(key: str) -> str:
@@ -267,10 +240,7 @@ def chat_files(
             f"{what}: generation_config.json's eos_token_id must be a token id in [0, {V}) or a list of them, "
             f"got {ids!r:.80}"
         )
-    stop = [int(i) for i in ids]
-    if tokenizer.eot_id is not None:
-        stop.append(int(tokenizer.eot_id))
-    return template, tuple(dict.fromkeys(stop))
+    return template, _with_eot(ids, tokenizer)
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
@@ -343,30 +313,26 @@ def gguf_name(meta: dict[str, Any], quantization: dict[str, int], path: Path) ->
 def directory_name(d: Path) -> str:
     """How pages and ``serve``'s title name a Hugging Face model directory: the name its ``config.json``
     was saved under (``_name_or_path``) or the directory's own, and its family (``model_type``)."""
-    try:
-        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    config = config if isinstance(config, dict) else {}
+    config = _config(d)
     saved = config.get("_name_or_path")
     name = saved if isinstance(saved, str) and saved.strip() and not is_local_path(saved) else d.name
     kind = config.get("model_type")
     return f"{name} ({kind})" if isinstance(kind, str) and kind and kind not in name.lower() else name
 
 
-def _config_keys(d: Path) -> set[str]:
-    """The keys of ``d``'s ``config.json`` (none where it is missing or not a JSON object): a Hugging Face
-    model's names a ``model_type``, ``GPT.save``'s holds GPTConfig fields (``emb_dim``)."""
+def _config(d: Path) -> dict[str, Any]:
+    """``d``'s ``config.json`` ({} where it is missing or not a JSON object): a Hugging Face model's
+    names a ``model_type``, ``GPT.save``'s holds GPTConfig fields (``emb_dim``)."""
     try:
         config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return set()
-    return set(config) if isinstance(config, dict) else set()
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _hf_directory(d: Path) -> bool:
     """Whether ``d``'s ``config.json`` is a Hugging Face model's."""
-    return "model_type" in _config_keys(d)
+    return "model_type" in _config(d)
 
 
 def _attnlab_directory(d: Path) -> bool:
@@ -374,8 +340,8 @@ def _attnlab_directory(d: Path) -> bool:
     ``GPT.save``'s ``config.json`` of GPTConfig fields) rather than a Hugging Face one."""
     if (d / CHECKPOINT_NAME).is_file() or (d / LATEST_NAME).is_file():
         return True
-    keys = _config_keys(d)
-    return "model_type" not in keys and "emb_dim" in keys
+    config = _config(d)
+    return "model_type" not in config and "emb_dim" in config
 
 
 def load(
@@ -395,20 +361,11 @@ def load(
 
 @dataclass
 class Demo:
-    """The tutorials' six-word example (:func:`load_demo`).
+    """The tutorials' six-word example (:func:`load_demo`)."""
 
-    Attributes:
-        words: "Your journey starts with one step", one word per token.
-        inputs: ``(6, 3)`` their embeddings, as printed in "A simple self-attention mechanism".
-        modules: ``(name, module)`` rows: parameter-free attention (``simple_self_attention``),
-            ``SelfAttention_v2`` (seed 789), ``CausalAttention`` with the same weights (seed 789), the
-            stacked-heads wrapper and the weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``,
-            two heads), each in eval mode.
-    """
-
-    words: list[str]
-    inputs: torch.Tensor
-    modules: list[tuple[str, Any]]
+    words: list[str]  # "Your journey starts with one step", one word per token
+    inputs: torch.Tensor  # (6, 3): their embeddings, as printed in "A simple self-attention mechanism"
+    modules: list[tuple[str, Any]]  # (name, module) rows, each in eval mode
 
 
 def load_demo() -> Demo:
