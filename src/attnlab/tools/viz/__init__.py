@@ -1,17 +1,9 @@
 """``attnlab viz``: look at attention. Heatmaps (PNG) and a self-contained HTML viewer.
 
-Every weight shown comes out of the model through the library's own ``return_weights=True`` path
-(:func:`attnlab.functional.scaled_dot_product_attention`): there is no second implementation of
-attention here, so what you see is what the model computed.
-
-Two sources of attention:
-
-* no ``--checkpoint``: the tutorials' six-word example, "Your journey starts with one step"
-  (:data:`attnlab.tutorial_code.INPUTS`), through the modules of "A simple self-attention
-  mechanism" under the tutorial's seeds;
-* ``--checkpoint DIR`` or ``--model NAME`` with ``--prompt TEXT``: a GPT, one heatmap per layer and
-  head; as HTML, the full inspector of :mod:`attnlab.interpret` (the tutorials' steps on real heads,
-  next-token probabilities, rollout, the logit lens, head roles, generation).
+Two sources of attention: without ``--checkpoint``, the tutorials' six-word example through the
+modules of "A simple self-attention mechanism" under its seeds; with ``--checkpoint DIR`` or
+``--model NAME`` and ``--prompt TEXT``, a GPT, one heatmap per layer and head (as HTML, the full
+inspector of :mod:`attnlab.interpret`). The weights are the model's own (see :mod:`.view`).
 
 The modules: :mod:`~attnlab.tools.viz.view` (capturing the weights: :class:`AttentionView`),
 :mod:`~attnlab.tools.viz.png` (matplotlib heatmaps), :mod:`~attnlab.tools.viz.page` (the HTML page,

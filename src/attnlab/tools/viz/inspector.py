@@ -49,14 +49,5 @@ def model_inspector(
             loaded.model, idx, generate, temperature=temperature, top_k=top_k, top_p=top_p, generator=g, prefix=tr
         )
     name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
-    return inspector_data(
-        tr,
-        generation=gen,
-        steps=steps,
-        title=prompt,
-        text=prompt,
-        layers=layers,
-        heads=heads,
-        precision=precision,
-        model_name=name,
-    )
+    shown = dict(steps=steps, layers=layers, heads=heads, precision=precision)
+    return inspector_data(tr, generation=gen, title=prompt, text=prompt, model_name=name, **shown)

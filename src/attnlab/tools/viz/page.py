@@ -1,11 +1,7 @@
-"""The HTML page of ``attnlab viz``: the inspector of :mod:`attnlab.interpret`, one self-contained
-offline file.
-
-The viewer's markup, style and code are package data of :mod:`attnlab.interpret` (``viewer.html``,
-``viewer.css``, ``viewer.js``): a :class:`~attnlab.interpret.Trace` shows the same page in Jupyter,
-and ``attnlab serve`` can serve the same files. This module turns an :class:`AttentionView` (the
-tutorials' six-word example, or bare weights) into the page's data; a GPT's full inspector comes
-from :func:`attnlab.tools.viz.inspector.model_inspector`.
+"""The HTML page of ``attnlab viz``: the inspector of :mod:`attnlab.interpret` (its package data, the
+page Jupyter and ``attnlab serve`` show too), one self-contained offline file. This module turns an
+:class:`AttentionView` into the page's data; a GPT's full inspector comes from
+:func:`attnlab.tools.viz.inspector.model_inspector`.
 """
 
 from __future__ import annotations

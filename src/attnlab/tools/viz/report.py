@@ -93,16 +93,9 @@ class InspectReport:
             else:
                 lines.append(f"  next-token KL(before || after) {float(e.kl[0]):.4f} (one token: no loss)")
             before, after = self.ablation_labels
-            lines.append(
-                "  top next tokens before: "
-                + "  ".join(f"{token_label(s)} {p:.3f}" for s, (_, p) in zip(before, e.top(top), strict=True))
-            )
-            lines.append(
-                "  top next tokens after:  "
-                + "  ".join(
-                    f"{token_label(s)} {p:.3f}" for s, (_, p) in zip(after, e.top(top, after=True), strict=True)
-                )
-            )
+            for when, names, best in (("before:", before, e.top(top)), ("after: ", after, e.top(top, after=True))):
+                cells = [f"{token_label(s)} {p:.3f}" for s, (_, p) in zip(names, best, strict=True)]
+                lines.append(f"  top next tokens {when} " + "  ".join(cells))
         return "\n".join(lines)
 
 
@@ -133,16 +126,8 @@ def inspect_report(
     roles = all_head_scores(model, seed=role_seed)
     position, token = position % T, token % T
     lens = logit_lens(model, tr, k=top)
-    lens_rows = [
-        list(
-            zip(
-                token_strings(tok, lens.tokens[i, 0, position].tolist()),
-                lens.probs[i, 0, position].tolist(),
-                strict=True,
-            )
-        )
-        for i in range(lens.tokens.shape[0])
-    ]
+    top_ids, top_probs = lens.tokens[:, 0, position].tolist(), lens.probs[:, 0, position].tolist()  # (L + 1, k)
+    lens_rows = [list(zip(token_strings(tok, i), p, strict=True)) for i, p in zip(top_ids, top_probs, strict=True)]
     effect, labels = None, None
     if heads is not None:
         effect = ablation_effect(model, idx, heads, mode=ablate_mode)

@@ -43,22 +43,14 @@ ATTENTION_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
-# --------------------------------------------------------------------------------------------
-# Data: what is drawn
-# --------------------------------------------------------------------------------------------
+# -- Data: what is drawn ---------------------------------------------------------------------
 @dataclass
 class LayerMaps:
-    """One row of the grid: the attention weights of one attention module.
+    """One row of the grid: the attention weights of one attention module."""
 
-    Attributes:
-        name: row title ("layer 3", "MultiHeadAttention (seed 123)").
-        weights: ``(H, T, S)`` weights, row ``i`` = where query token ``i`` attends.
-        heads: the original index of each of the ``H`` heads (they survive ``--head`` selection).
-    """
-
-    name: str
-    weights: Tensor
-    heads: list[int] = field(default_factory=list)
+    name: str  # row title ("layer 3", "MultiHeadAttention (seed 123)")
+    weights: Tensor  # (H, T, S): row i = where query token i attends
+    heads: list[int] = field(default_factory=list)  # each head's original index (after --head selection)
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, Tensor) or self.weights.dim() != 3:
@@ -74,23 +66,14 @@ class LayerMaps:
 
 @dataclass
 class AttentionView:
-    """Everything a picture needs: a title, the token labels and the weights per layer.
-
-    Attributes:
-        title: the figure/page title.
-        tokens: ``T`` token strings as the model saw them (labels are made with :func:`token_label`).
-        layers: one :class:`LayerMaps` per row; all have ``T`` queries and ``T`` keys.
-        text: the original text (shown verbatim in the HTML page).
-        note: one line saying where the weights come from.
-        records: for the tutorials' modules, one :class:`~attnlab.interpret.AttentionRecord` per
-            layer (queries, keys, values...): the page then shows the tutorials' steps of each head.
-    """
+    """Everything a picture needs: a title, the token labels and the weights per layer."""
 
     title: str
-    tokens: list[str]
-    layers: list[LayerMaps]
-    text: str = ""
-    note: str = ""
+    tokens: list[str]  # T token strings as the model saw them (labelled by token_label)
+    layers: list[LayerMaps]  # one per row, each with T queries and T keys
+    text: str = ""  # the original text (shown verbatim in the HTML page)
+    note: str = ""  # one line saying where the weights come from
+    # The tutorials' modules: one record per layer (queries, keys, values...), so the page shows their steps.
     records: list[AttentionRecord] | None = None
 
     def __post_init__(self) -> None:
@@ -138,9 +121,7 @@ def _resolve_index(arg: str, i: int, n: int) -> int:
     return i % n
 
 
-# --------------------------------------------------------------------------------------------
-# Capturing attention from a model
-# --------------------------------------------------------------------------------------------
+# -- Capturing attention from a model --------------------------------------------------------
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """The outermost attention modules of ``model`` (a wrapper's inner heads are not called)."""
     found: list[tuple[str, nn.Module]] = []
@@ -157,10 +138,9 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
     """Record the attention weights of every attention module called inside the block.
 
     A :class:`~attnlab.MultiHeadAttention` hands the weights it applied at its ``pattern`` hook point
-    (:func:`attnlab.interpret.attention_hooks`). The other modules get a
-    forward pre-hook that turns on ``return_weights=True`` and a forward hook that takes the weights
-    off again, so the model's code sees exactly the output it would without the hook. Weights are
-    appended in call order, detached. The hooks are removed on exit.
+    (:func:`attnlab.interpret.attention_hooks`); the other modules get a pre-hook that turns on
+    ``return_weights=True`` and a hook that takes the weights off again, so the model sees the output
+    it would without them. Weights are appended in call order, detached; the hooks go on exit.
     """
     modules = _attention_modules(model)
     if not modules:
@@ -202,17 +182,10 @@ def capture_attention(model: nn.Module) -> Iterator[list[Tensor]]:
 def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tensor]:
     """Run ``model(idx)`` once in eval mode and return each attention module's weights.
 
-    Args:
-        model: any module containing attnlab attention modules (a GPT, a single
-            :class:`~attnlab.MultiHeadAttention`, ...).
-        idx: the model's input; for a GPT, token ids ``(T,)`` or ``(B, T)``.
-        forward_kwargs: passed on to ``model``.
-    Returns:
-        one tensor per attention call, in call order (= layer order). With 1-D integer ``idx`` (one
-        sequence, fed as a batch of one): ``(H, T, S)``, single-head modules giving ``H = 1``.
-        Otherwise the weights as the modules return them: ``(B, H, T, S)`` for multi-head modules.
-
-    Dropout is off (eval mode) while capturing; the model's training flag is restored afterwards.
+    ``model``: any module containing attnlab attention modules; ``idx``: its input (for a GPT, token
+    ids ``(T,)`` or ``(B, T)``). Returns one tensor per attention call, in call order (= layer order):
+    ``(H, T, S)`` for 1-D integer ``idx`` (single-head modules: ``H = 1``), else as the modules return
+    them (``(B, H, T, S)`` for multi-head ones). The model's training flag is restored afterwards.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -239,16 +212,11 @@ def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tens
     return maps
 
 
-# --------------------------------------------------------------------------------------------
-# The two views: the tutorials' example and a trained GPT
-# --------------------------------------------------------------------------------------------
+# -- The two views: the tutorials' example and a trained GPT ---------------------------------
 def demo_view() -> AttentionView:
     """The six words of "A simple self-attention mechanism" through its modules, under its seeds.
 
-    Rows: parameter-free attention (``softmax(x x^T)``), ``SelfAttention_v2`` (seed 789),
-    ``CausalAttention`` with the same weights (seed 789), the stacked-heads wrapper and the
-    weight-split ``MultiHeadAttention`` (seed 123, ``d_out=2``, two heads): see
-    :func:`attnlab.tools.loading.load_demo`. The global RNG is left as it was.
+    One row per module of :func:`attnlab.tools.loading.load_demo`. The global RNG is left as it was.
     """
     demo = load_demo()
     records = [record_module(module, demo.inputs) for _, module in demo.modules]
