@@ -154,18 +154,11 @@ class Timing:
         return q[2] - q[0]
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "median_ms": self.median_ms,
-            "min_ms": self.min_ms,
-            "max_ms": self.max_ms,
-            "iqr_ms": self.iqr_ms,
-            "median_cpu_ms": self.median_cpu_ms,
-            "median_page_faults": self.median_page_faults,
-            "times_ms": list(self.times_ms),
-            "cpu_ms": list(self.cpu_ms),
-            "page_faults": list(self.page_faults),
-        }
+        stats = ("median_ms", "min_ms", "max_ms", "iqr_ms", "median_cpu_ms", "median_page_faults")
+        per_round = ("times_ms", "cpu_ms", "page_faults")
+        return (
+            {"name": self.name} | {k: getattr(self, k) for k in stats} | {k: list(getattr(self, k)) for k in per_round}
+        )
 
 
 def paired_ratio(a: Timing, b: Timing) -> float:
@@ -237,10 +230,7 @@ def interleave(
             gc.enable()
     return {
         name: Timing(
-            name,
-            tuple(w for w, _, _ in rs),
-            tuple(c for _, c, _ in rs),
-            tuple(f for _, _, f in rs if f is not None),
+            name, tuple(w for w, _, _ in rs), tuple(c for _, c, _ in rs), tuple(f for _, _, f in rs if f is not None)
         )
         for name, rs in runs.items()
     }
@@ -256,18 +246,10 @@ def compare_forward_backward(
 ) -> dict[str, Timing]:
     """Time forward+backward of several modules on the same input, interleaved (:func:`interleave`).
 
-    A step is ``y = m(x); y.backward(dy)`` with a fixed random ``dy`` (so no loss reduction is
-    timed) and ``x.requires_grad`` (as for a layer inside a model, the input gradient is computed
-    too); gradients are cleared, not accumulated, between steps.
-
-    Args:
-        modules: name -> module, or a zero-argument factory returning one.
-        x: ``(b, n, d_in)`` input; a detached copy requiring grad is used.
-        repeats: timed rounds (>= 1).
-        warmup: untimed rounds first.
-        seed: seed of ``dy``.
-    Returns:
-        name -> :class:`Timing`, in the order given.
+    ``modules``: name -> module, or a zero-argument factory returning one. A step is
+    ``y = m(x); y.backward(dy)`` on ``x (b, n, d_in)`` requiring grad (as for a layer inside a model),
+    with a fixed random ``dy`` (seeded by ``seed``: no loss reduction is timed); gradients are
+    cleared between steps. Returns name -> :class:`Timing`, in the order given.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -307,19 +289,13 @@ def matmul_rate(n: int = 2048, repeats: int = 5, device: str | torch.device = "c
 # -- Peak memory of a forward, in a fresh subprocess -----------------------------------------
 @dataclass(frozen=True)
 class MemoryResult:
-    """Resident memory of one forward, measured in a fresh process (megabytes, 2**20 bytes).
-
-    ``baseline_mb``: resident set after importing torch, building the module and input and a tiny
-    warm-up forward. ``peak_mb``: the process's high-water mark after the forward.
-    ``forward_mb = peak - baseline``: what the forward itself needed. ``exact`` is False where the
-    high-water mark could not be reset after building (then ``peak_mb`` may include the build's own
-    transient peak, an upper bound).
-    """
+    """Resident memory of one forward, measured in a fresh process (megabytes, 2**20 bytes);
+    ``forward_mb = peak - baseline`` is what the forward itself needed."""
 
     spec: str
-    baseline_mb: float
-    peak_mb: float
-    exact: bool
+    baseline_mb: float  # after importing torch, building the module and input, a tiny warm-up forward
+    peak_mb: float  # the high-water mark after the forward
+    exact: bool  # False: the mark could not be reset after building (peak_mb is an upper bound)
     seconds: float
 
     @property
@@ -389,10 +365,8 @@ def peak_memory_mb(
         no_grad: run the forward under ``torch.no_grad()``; False also runs a backward.
         dtype: name of a torch dtype (``"float32"``).
         threads: torch threads of the child (``OMP_NUM_THREADS``, read at its start-up); None: its default.
-    Returns:
-        A :class:`MemoryResult`; ``forward_mb`` is the figure to compare.
-    Raises:
-        RuntimeError: the subprocess failed (out of memory, an error in the module).
+    Returns a :class:`MemoryResult` (``forward_mb`` is the figure to compare); RuntimeError when the
+    subprocess failed (out of memory, an error in the module).
     """
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"dtype must name a torch dtype such as 'float32', got {dtype!r}")
@@ -404,15 +378,8 @@ def peak_memory_mb(
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(positive_int("threads", threads))
-    code = "import sys, attnlab.tools.bench.harness as b; b._memory_child(sys.argv[1])"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(payload)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    argv = [sys.executable, "-c", "import sys, attnlab.tools.bench.harness as b; b._memory_child(sys.argv[1])"]
+    proc = subprocess.run([*argv, json.dumps(payload)], capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         why = "killed (likely out of memory)" if proc.returncode in (-9, 137) else f"exit status {proc.returncode}"
         tail = proc.stderr.strip().splitlines()[-1:] or [""]

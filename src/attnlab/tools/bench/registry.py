@@ -96,10 +96,9 @@ class TorchCausalMHA(nn.Module):
 class AttentionCore(nn.Module):
     """Causal multi-head attention without projections: packed ``q, k, v`` in, context out.
 
-    Isolates what the implementations differ in (the projections are the same matmuls in all of
-    them). ``impl``: ``"attnlab"`` (:func:`attnlab.functional.scaled_dot_product_attention`),
-    ``"torch"`` (``F.scaled_dot_product_attention``) or ``"tutorial"`` (the tutorials' explicit
-    scores, ``masked_fill_`` with their ``triu`` mask buffer, softmax of scaled scores, ``@ V``).
+    Isolates what the implementations differ in. ``impl``: ``"attnlab"`` (its functional core),
+    ``"torch"`` (``F.scaled_dot_product_attention``) or ``"tutorial"`` (explicit scores, their
+    ``triu`` mask buffer, softmax of scaled scores, ``@ V``).
 
     Shapes: ``qkv (b, n, 3 * d_model)`` -> ``(b, num_heads, n, d_model // num_heads)``.
     """
@@ -169,21 +168,14 @@ def _core(impl: str) -> Callable[..., nn.Module]:
 
 @dataclass(frozen=True)
 class Impl:
-    """One competitor: how to build it, what it computes, and what it must agree with.
-
-    ``projections``: how many ``d x d`` matmuls it applies to the tokens (Q, K, V and, where there
-    is one, the output projection; 0 for the attention cores). ``one_head``: a single head of width
-    ``d`` instead of ``num_heads`` heads. ``explicit_scores``: the forward materialises the
-    ``(T, T)`` scores of every head (what limits the tutorials' forms at long sequences).
-    ``reference``: the competitor computing the same function (None: it is the reference).
-    """
+    """One competitor: how to build it, what it computes, and what it must agree with."""
 
     label: str
     build: Callable[..., nn.Module]
-    projections: int
-    one_head: bool = False
-    explicit_scores: bool = False
-    reference: str | None = None
+    projections: int  # d x d matmuls applied to the tokens (Q, K, V, any output projection; 0: a core)
+    one_head: bool = False  # a single head of width d instead of num_heads heads
+    explicit_scores: bool = False  # materialises every head's (T, T) scores (the tutorials' limit)
+    reference: str | None = None  # the competitor computing the same function (None: it is one)
 
     def flops(self, batch: int, seq_len: int, d_model: int) -> float:
         """Floating-point operations of one forward, counting every matmul densely.
@@ -261,11 +253,10 @@ def build_module(spec: str, /, **kwargs: object) -> nn.Module:
 def share_weights(source: nn.Module, target: nn.Module) -> None:
     """Copy an attention layer's weights into another implementation of the same function.
 
-    Knows the attnlab/tutorial layout (``W_query``/``W_key``/``W_value``, and ``out_proj`` where
-    there is one), the wrapper layout (``heads[i].W_*``) and :class:`TorchCausalMHA` (packed
-    ``in_proj_weight``), so the benchmark can check that every competitor computes the same outputs
-    before timing them. A bias the source lacks is zeroed in the target; a non-zero bias or an
-    output projection the target lacks is a ValueError (they could not compute the same function).
+    Knows the attnlab/tutorial layout (``W_query``/``W_key``/``W_value``, ``out_proj``), the wrapper's
+    (``heads[i].W_*``) and :class:`TorchCausalMHA`'s (packed ``in_proj_weight``). A bias the source
+    lacks is zeroed in the target; a non-zero bias or output projection the target lacks is a
+    ValueError (they could not compute the same function).
     """
     names = ("W_query", "W_key", "W_value")
 
@@ -338,10 +329,9 @@ def build_competitors(
 ) -> tuple[dict[str, nn.Module], dict[str, float]]:
     """Build ``names`` from ``kwargs``, give each its reference's weights and check they agree on ``x``.
 
-    A reference that is not among ``names`` is built for the check only (it is not returned).
-    Returns ``(modules, diffs)``: name -> module in the given order, and for each competitor
-    with a reference the largest ``|y - y_reference|`` on ``x`` (``(b, T, d_model)``, or packed
-    ``(b, T, 3 * d_model)`` for the cores).
+    A reference not among ``names`` is built for the check only. Returns ``(modules, diffs)``: name ->
+    module in the given order, and each one's largest ``|y - y_reference|`` on ``x`` (``(b, T, d_model)``,
+    packed ``(b, T, 3 * d_model)`` for the cores).
     """
     modules = {name: build_module(name, **kwargs) for name in names}
     diffs = {}

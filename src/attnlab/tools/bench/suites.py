@@ -12,7 +12,7 @@ import gc
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -98,9 +98,7 @@ class BenchConfig:
             train_repeats=3,
             is_quick=True,
         )
-        for k, v in overrides.items():
-            setattr(base, k, v)
-        return base
+        return replace(base, **overrides)
 
 
 # -- Attention: time and memory --------------------------------------------------------------
@@ -368,15 +366,11 @@ def attention_benchmark(
 ) -> dict[str, object]:
     """Time attnlab's multi-head attention against torch's and the tutorial's, and measure memory.
 
-    Timing: forward+backward of a causal layer (dropout 0, float32, CPU, torch's default threads) on
-    ``(batch, seq_len, d_model)``, every competitor sharing the same weights (their outputs are
-    checked to agree first), interleaved over ``repeats`` rounds. With ``core``, a second interleaved
-    block times the attention alone (packed ``q, k, v`` in, no projections). Memory: peak of one
-    ``torch.no_grad()`` forward on ``(memory_batch, memory_seq_len, d_model)``, each competitor in
-    a fresh subprocess; the tutorial path is skipped (and said so) when the machine lacks the
-    memory for its ``num_heads x seq_len^2`` score tensors. ``malloc_tuning`` first applies
-    :func:`attnlab.training.allocator.tune_cpu_allocator` to this process (for good: it cannot be undone),
-    as ``attnlab train`` does; the default measures the process as a library user gets it.
+    Timing: forward+backward of a causal layer (dropout 0, float32, CPU) on ``(batch, seq_len,
+    d_model)``, the competitors sharing weights, interleaved over ``repeats`` rounds; with ``core``, a
+    second block times the attention alone. Memory: one ``no_grad`` forward on ``(memory_batch,
+    memory_seq_len, d_model)`` per competitor (:func:`measure_memory`). ``malloc_tuning`` first tunes
+    this process's allocator for good, as ``attnlab train`` does (default: as a library user gets it).
 
     Returns a JSON-serialisable dict; :func:`attnlab.tools.bench.report.format_attention_report`
     prints it as tables, :func:`goals_met` judges it.
