@@ -46,9 +46,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# Python values
-# --------------------------------------------------------------------------------------------
+# -- Python values ---------------------------------------------------------------------------
 def is_bool(value: object) -> bool:
     """A Python or NumPy bool."""
     return isinstance(value, (bool, np.bool_))
@@ -122,9 +120,7 @@ def finite_real(value: object) -> bool:
     return is_real(value) and math.isfinite(value)
 
 
-# --------------------------------------------------------------------------------------------
-# Tensors
-# --------------------------------------------------------------------------------------------
+# -- Tensors ---------------------------------------------------------------------------------
 def check_float_tensor(name: str, t: object, min_rank: int) -> Tensor:
     """``t`` must be a floating-point tensor with at least ``min_rank`` dimensions."""
     if not isinstance(t, Tensor):
@@ -242,9 +238,7 @@ def check_length(n: int, context_length: int) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Model sizes
-# --------------------------------------------------------------------------------------------
+# -- Model sizes -----------------------------------------------------------------------------
 # Sane upper limits of a GPT configuration, checked before anything is built: a hand-edited or
 # hostile config.json (n_layers: 1000000) must be a clear error, not minutes of building modules or
 # an allocation of terabytes. Each is far past any model attnlab can train or run (the largest
@@ -274,14 +268,8 @@ def check_model_size(
     parameter count ``V*d + T*d + n_layers * (4*d*d + 2*d*ff_dim)`` (embeddings, attention and MLP
     matrices; biases and norms are negligible). ``ff_dim``: the MLP's hidden width actually used.
     Arguments must already be positive ints (this checks only how large they are)."""
-    sizes = dict(
-        vocab_size=vocab_size,
-        context_length=context_length,
-        emb_dim=emb_dim,
-        n_heads=n_heads,
-        n_layers=n_layers,
-        ff_dim=ff_dim,
-    )
+    sizes = dict(vocab_size=vocab_size, context_length=context_length, emb_dim=emb_dim, n_heads=n_heads)
+    sizes.update(n_layers=n_layers, ff_dim=ff_dim)
     for name, value in sizes.items():
         if value > MODEL_LIMITS[name]:
             raise ValueError(
@@ -298,9 +286,7 @@ def check_model_size(
     return n
 
 
-# --------------------------------------------------------------------------------------------
-# Devices
-# --------------------------------------------------------------------------------------------
+# -- Devices ---------------------------------------------------------------------------------
 def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return mps is not None and mps.is_available()

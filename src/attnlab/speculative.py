@@ -1,28 +1,23 @@
 """Speculative decoding, exact: guess several tokens cheaply, check them all with one forward.
 
-A decoding step of a small model on a CPU costs about the same for one new token as for five: the
-time goes to reading the weights and to per-operation overhead, not to the arithmetic of the extra
-rows. So guess ``k`` tokens, feed the last chosen token and the ``k`` guesses through the model in one
-forward over the KV cache, and keep the guesses up to the first one greedy decoding would not have
-chosen; the model's own choice at that position comes with them for free. Every round adds between
-1 and ``k + 1`` tokens, and they are exactly the tokens greedy decoding chooses: each kept guess
-equals the argmax of the model's logits at its position, which depend only on the tokens before it.
+A decoding step of a small model on a CPU costs about the same for one new token as for five (the
+time goes to reading the weights and per-operation overhead). So feed the last chosen token and ``k``
+guesses through the model in one forward over the KV cache, and keep the guesses up to the first one
+greedy decoding would not have chosen, plus the model's own choice there: 1 to ``k + 1`` tokens a
+round, exactly greedy decoding's (each kept guess is the argmax of the logits at its position).
 
 The guesses (drafts) come from
 
-* **prompt lookup** (``prompt_lookup=k``): the text itself. The last few tokens (up to 3) are looked
-  up earlier in the context, and the ``k`` tokens that followed their latest occurrence are the
-  guess. It costs nothing and pays where the output repeats its input: summaries, quotes, edits of a
-  given text, code. Free text that repeats nothing gets no guesses: plain steps.
+* **prompt lookup** (``prompt_lookup=k``): the last few tokens (up to 3) are looked up earlier in the
+  context, and the ``k`` tokens that followed their latest occurrence are the guess. It pays where
+  the output repeats its input (summaries, quotes, edits, code); on free text it finds few guesses
+  and costs more than plain decoding.
 * **a draft model** (``draft_model=m``): a smaller :class:`attnlab.GPT` of the same vocabulary,
-  decoding ``k`` tokens greedily on its own KV cache. It pays when it is much faster than the model
-  and often agrees with it.
+  decoding ``k`` tokens greedily on its own KV cache. It pays only when it is much faster than the
+  model and often agrees with it (a model's own first layers, untrained as a draft, rarely do).
 
-Prompt lookup pays where the text repeats its prompt and the verification forward of ``k + 1`` tokens
-costs about a plain step; on free text it finds few guesses and costs more than plain decoding. A
-draft model pays only when it is much faster than the model and often agrees with it (a model's own
-first layers, untrained as a draft, rarely do). ``python benchmarks/generate.py --model smollm2
---speculative K`` measures both against plain greedy decoding and transformers' prompt lookup.
+``python benchmarks/generate.py --model smollm2 --speculative K`` measures both against plain greedy
+decoding and transformers' prompt lookup.
 
 A rejected guess's keys and values were written into the caches: rolling back is setting the caches'
 length back (the next forward overwrites the slots). Rounds without a guess run the fast decoding
@@ -170,12 +165,9 @@ def speculative_decode(
     """Greedy continuation of ``idx (1, T)`` by up to ``max_new_tokens`` tokens, ``k`` guessed a round by
     prompt lookup or by ``draft_model``; the same tokens as greedy :func:`attnlab.generation.generate`.
 
-    Arguments are checked by :func:`check_speculative` (through ``generate``). ``stop_ids``: a token
-    among them ends the text (it is kept). ``fast``: single-token rounds on the fast decoding step.
-
-    Returns:
-        ``(ids (1, T + new), logits (1, new, V) float32 or None, stats)``: the logits each token was
-        chosen from with ``return_logits``.
+    Arguments are checked by :func:`check_speculative` (through ``generate``). A token of ``stop_ids``
+    ends the text (it is kept); ``fast``: single-token rounds on the fast decoding step. Returns
+    ``(ids (1, T + new), logits (1, new, V) float32 (with return_logits) or None, stats)``.
     """
     T = idx.shape[1]
     seq = idx[0].tolist()

@@ -68,9 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("model")
     g.add_argument(
-        "--preset",
-        metavar="NAME",
-        help=f"model size: {', '.join(GPTConfig.presets())} (default: {_D.preset})",
+        "--preset", metavar="NAME", help=f"model size: {', '.join(GPTConfig.presets())} (default: {_D.preset})"
     )
     g.add_argument(
         "--context-length",
@@ -231,10 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in again page by page (a few %% faster CPU steps; see attnlab.training.allocator; default: on)",
     )
     g.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="show the progress bar (default: on)",
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="show the progress bar (default: on)"
     )
     g.add_argument(
         "--fsdp",

@@ -13,9 +13,8 @@ end-of-text tokens (:attr:`LoadedModel.stop_ids`) or ``max_new_tokens`` is reach
     session.messages  # [..., {"role": "user", ...}, {"role": "assistant", "content": answer.text}]
 
 The window. The rendered conversation plus ``max_new_tokens`` must fit the model's context: when it
-does not, the oldest turns are dropped (a user message with the answers after it; a system message
-is always kept) and :attr:`Answer.dropped` says how many messages went. Each turn is re-encoded from
-scratch (no cache kept between turns): simple, and the prompt's prefill is a small part of a turn.
+does not, the oldest turns are dropped (:func:`fit_history`; :attr:`Answer.dropped` says how many
+messages went). Each turn is re-encoded from scratch: simple, and the prefill is a small part of a turn.
 
 :func:`chat_loop` is the terminal conversation of ``attnlab chat``: a prompt and streamed answers on
 a terminal, one answer per input line through a pipe, ``/reset`` and ``/exit``.
@@ -149,13 +148,10 @@ class Answer:
 class ChatSession:
     """A conversation with ``loaded`` (which must carry a chat template).
 
-    Args:
-        loaded: from :func:`attnlab.tools.loading.load_pretrained` (``chat_template`` and ``stop_ids`` set).
-        system: a system message kept at the start of the history (None: the template's default, if any).
-        sampling: temperature, top-k, top-p (its ``eos_id`` is ignored: the model's stop ids are used).
-        max_new_tokens: the longest answer; the history is kept within ``context_length - max_new_tokens``.
-        seed: seeds the sampling generator (again at :meth:`reset`); None draws from torch's global one.
-        use_cache: KV-cache generation (same tokens, faster).
+    ``system``: a system message kept at the start of the history (None: the template's default);
+    ``sampling``'s ``eos_id`` is ignored (the model's stop ids are used); ``max_new_tokens``: the
+    longest answer, the history kept within the rest of the context; ``seed``: seeds the sampling
+    generator (again at :meth:`reset`; None: torch's global one).
     """
 
     def __init__(
@@ -208,19 +204,12 @@ class ChatSession:
         return Answer(self, user, kept, dropped, encoded[len(kept)])
 
 
-# ------------------------------------------------------------------------------------------------
-# The terminal conversation
-# ------------------------------------------------------------------------------------------------
+# -- The terminal conversation -------------------------------------------------------------------
 HELP = "/reset clears the history, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer"
 
 
 def chat_loop(
-    session: ChatSession,
-    read_line: Callable[[str], str],
-    out: IO[str],
-    err: IO[str],
-    *,
-    interactive: bool,
+    session: ChatSession, read_line: Callable[[str], str], out: IO[str], err: IO[str], *, interactive: bool
 ) -> int:
     """The conversation of ``attnlab chat``; returns the exit status.
 
@@ -231,6 +220,11 @@ def chat_loop(
     its answer one paragraph on ``out`` (then a newline); the first failing message ends the loop
     with status 2. Notices (turns dropped, history cleared) go to ``err``.
     """
+
+    def note(text: str) -> None:
+        err.write(text + "\n")
+        err.flush()
+
     while True:
         try:
             line = read_line(">>> " if interactive else "")
@@ -250,27 +244,21 @@ def chat_loop(
             return 0
         if text == "/reset":
             session.reset()
-            err.write("(history cleared)\n")
-            err.flush()
+            note("(history cleared)")
             continue
         if text in ("/help", "/?"):
-            err.write(HELP + "\n")
-            err.flush()
+            note(HELP)
             continue
         try:
             answer = session.ask(line)
         except ValueError as exc:
-            err.write(f"attnlab chat: error: {exc}\n")
-            err.flush()
+            note(f"attnlab chat: error: {exc}")
             if interactive:
                 continue
             return 2
         if answer.dropped:
-            err.write(
-                f"(dropped the {answer.dropped} oldest message{'s' if answer.dropped != 1 else ''} "
-                "to keep the conversation within the context window)\n"
-            )
-            err.flush()
+            s = "s" if answer.dropped != 1 else ""
+            note(f"(dropped the {answer.dropped} oldest message{s} to keep the conversation within the context window)")
         pieces = iter(answer)
         try:
             for piece in pieces:
@@ -280,7 +268,6 @@ def chat_loop(
             if not interactive:
                 raise
             pieces.close()
-            err.write("\n(interrupted)\n")
-            err.flush()
+            note("\n(interrupted)")
         out.write("\n\n" if interactive else "\n")
         out.flush()

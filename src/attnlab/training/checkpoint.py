@@ -107,13 +107,7 @@ FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
 VERSION = 2
 SELF_HASH = "metadata_sha256"
-FILE_NAMES = (
-    WEIGHTS_NAME,
-    CONFIG_NAME,
-    OPTIMIZER_NAME,
-    ADAPTERS_NAME,
-    HF_TOKENIZER_FILE,
-)  # what a step directory may list
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, OPTIMIZER_NAME, ADAPTERS_NAME, HF_TOKENIZER_FILE)  # what a step dir may list
 METADATA_MAX_BYTES = 16 << 20  # checkpoint.json is ~40 KB per process (its RNG states)
 INT64_MAX = 2**63 - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -133,9 +127,7 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# --------------------------------------------------------------------------------------------
-# RNG states as JSON
-# --------------------------------------------------------------------------------------------
+# -- RNG states as JSON ----------------------------------------------------------------------
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
 
@@ -278,9 +270,7 @@ def check_rng_state(state: Any, where: str) -> None:
         raise ValueError(f"{where}: 'mps' must be null or a base64 state, got {_describe(mps)}")
 
 
-# --------------------------------------------------------------------------------------------
-# Saving
-# --------------------------------------------------------------------------------------------
+# -- Saving ----------------------------------------------------------------------------------
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -344,22 +334,14 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint for ``step`` into ``out_dir`` and point ``latest.json`` at it.
 
-    Args:
-        out_dir: the training directory (created if needed).
-        step: number of optimizer steps taken so far.
-        model: an :class:`attnlab.GPT` (not wrapped in DDP / torch.compile: pass the inner module).
-        optimizer: its optimizer (state saved with ``torch.save``; only tensors and numbers).
-        metadata: JSON-serialisable extras recorded in ``checkpoint.json`` (tokenizer, training
-            settings, RNG states, data position, ...). ``step``, the file list and the metadata's
-            own SHA-256 are added.
-        keep: how many step directories to keep (the newest; at least 1).
-        tokenizer: if given, recorded as ``metadata["tokenizer"]`` by :func:`tokenizer_to_dict`: a
-            Hugging Face tokenizer's JSON is copied into the step directory (listed and hashed with
-            the other files), so the checkpoint does not depend on where the base model was.
+    ``model`` is an :class:`attnlab.GPT` (the inner module, not its DDP / torch.compile wrapper);
+    ``metadata``: JSON-serialisable extras for ``checkpoint.json`` (settings, RNG states, data
+    position, ...), to which the step, the file list and the SHA-256s are added; ``keep``: how many
+    step directories to keep (the newest); ``tokenizer``: recorded by :func:`tokenizer_to_dict` (a
+    Hugging Face tokenizer's JSON is copied in, so the checkpoint stands alone).
 
-    Returns the new step directory. Saving a step that ``latest.json`` already names is a no-op
-    (the state at a given step is the same state). Only step directories that hold nothing but
-    attnlab's own files are ever removed or replaced.
+    Returns the new step directory. Saving the step ``latest.json`` names is a no-op; only step
+    directories holding nothing but attnlab's own files are ever removed or replaced.
     """
     if not is_int(keep) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
@@ -464,14 +446,9 @@ def write_step_dir(
 
 def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     """Remove from ``ckpts`` every step directory but ``final`` and the newest ``keep - 1`` before
-    it, and the debris of interrupted saves; a directory holding anything attnlab did not write
-    there is left alone.
-
-    A step directory at or past ``step`` that ``latest.json`` does not name was renamed into place
-    by a run killed before its pointer switch (or a run this one resumed before): it is not part of
-    this run's history. The older ones are ordered by step number (not by name: names may be wider
-    than 8 digits or hand-made).
-    """
+    it (by step number: names may be hand-made), and the debris of interrupted saves, unless it holds
+    anything attnlab did not write. One at or past ``step`` is not this run's history (a run killed
+    before its pointer switch left it)."""
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
         s = _step_of(p)
@@ -489,9 +466,7 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
             shutil.rmtree(debris, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
+# -- Loading ---------------------------------------------------------------------------------
 @dataclass
 class Checkpoint:
     """A checkpoint read back by :func:`load_checkpoint`."""

@@ -254,9 +254,7 @@ def absolute_path(path: str | None) -> str | None:
     return str(Path(path).expanduser().resolve()) if path else path
 
 
-# --------------------------------------------------------------------------------------------
-# Learning rate
-# --------------------------------------------------------------------------------------------
+# -- Learning rate ---------------------------------------------------------------------------
 def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warm-up from ``lr / warmup_steps``
     to ``lr`` over ``warmup_steps`` steps, then a half cosine down to ``lr * min_lr_ratio`` at

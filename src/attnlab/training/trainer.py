@@ -19,16 +19,14 @@ state and every RNG state (dropout draws from torch's CPU, CUDA or MPS generator
 device a run resumed from step ``k`` computes bit-for-bit the losses of a run that never stopped.
 Which settings a resumed run takes from its checkpoint: see :mod:`attnlab.training.config`.
 
-Distributed. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the
-model is wrapped in ``DistributedDataParallel`` (NCCL on CUDA, Gloo on CPU). ``batch_size`` is the
-*global* batch: each of the ``N`` processes computes ``batch_size / (N * grad_accum)`` rows per
-micro-step, its own share of the same global batch, so N processes follow the trajectory of one
-process (up to float rounding) and a checkpoint written by N processes resumes on any M. Rank 0
-alone prints, writes ``metrics.jsonl`` and writes checkpoints.
+Distributed. Under ``torchrun`` the model is wrapped in ``DistributedDataParallel`` (NCCL on CUDA,
+Gloo on CPU). ``batch_size`` is the *global* batch: each of the ``N`` processes computes its share,
+``batch_size / (N * grad_accum)`` rows per micro-step, so N processes follow the trajectory of one
+(up to float rounding) and a checkpoint written by N resumes on any M. Rank 0 alone prints and writes.
 
-Files in the output directory: see :mod:`attnlab.training.checkpoint`; ``metrics.jsonl`` has one JSON object
-per optimizer step: ``step`` (steps done), ``loss`` (training loss of that step, averaged over the
-global batch), ``lr``, ``tokens_per_s``, ``grad_norm``, and ``val_loss`` on evaluation steps.
+Files: see :mod:`attnlab.training.checkpoint`; ``metrics.jsonl`` has one JSON object per step:
+``step`` (steps done), ``loss`` (averaged over the global batch), ``lr``, ``tokens_per_s``,
+``grad_norm``, and ``val_loss`` on evaluation steps.
 """
 
 from __future__ import annotations

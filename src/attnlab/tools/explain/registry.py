@@ -1,14 +1,10 @@
 """The lessons of ``attnlab explain``, by name, and running them.
 
-A lesson is a function ``(walk) -> {name: tensor}`` registered with :func:`lesson`, which records
-its name on the command line, a one-line summary, the headline of its title and the tutorial (and,
-optionally, the section) it follows. Lessons run in the order they were registered: the order of
-the modules that define them (imported by :mod:`attnlab.tools.explain`), then the order inside
-each module. A new set of lessons is a new module of ``@lesson`` functions, imported there.
-
-:data:`TUTORIALS` lists the five tutorials with their sections in the tutorials' own order;
-:func:`run_tutorial` runs one tutorial's lessons in that order, each under its section's title
-(``attnlab explain --tutorial NAME``).
+A lesson is a function ``(walk) -> {name: tensor}`` registered with :func:`lesson`; lessons run in
+the order they were registered (the modules imported by :mod:`attnlab.tools.explain`, then the order
+inside each), so a new set of lessons is a new module of ``@lesson`` functions, imported there.
+:data:`TUTORIALS` lists the five tutorials and their sections, in which order :func:`run_tutorial`
+runs a tutorial's lessons (``attnlab explain --tutorial NAME``).
 """
 
 from __future__ import annotations
@@ -222,14 +218,10 @@ def run_lesson(
 ) -> dict[str, Tensor]:
     """Print lesson ``name`` to ``file`` (default stdout) and return its key tensors.
 
-    Args:
-        bpe_dir: a directory with GPT-2's ``encoder.json`` and ``vocab.bpe``, for the lessons that
-            tokenize as the tutorials do (default: ``$ATTNLAB_GPT2_BPE_DIR``, else tiktoken's download).
-        interactive: whether a lesson may wait for the learner (the quiz asks, waits, then
-            answers); default: when printing to stdout with both stdin and stdout terminals.
-
-    The random-number state, torch's print options and autograd mode are restored afterwards.
-    Raises ValueError for an unknown name, listing the valid ones.
+    ``bpe_dir``: GPT-2's BPE files, for the lessons that tokenize as the tutorials do (see
+    :class:`~attnlab.tokenizers.GPT2Tokenizer`); ``interactive``: whether a lesson may wait for the
+    learner (default: printing to stdout, stdin and stdout terminals). The random state, torch's print
+    options and autograd mode are restored afterwards; an unknown name is a ValueError listing them.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
