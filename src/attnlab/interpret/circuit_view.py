@@ -217,6 +217,20 @@ class PairLogitDiff:
         return self.rows(logits).mean()
 
 
+def _mean_scores(model: nn.Module, batches: list, run: Callable, **kw: Any) -> EdgeScores:
+    """The edges' scores of ``batches`` (``(weight, clean (B, T), corrupted (B, T), metric)``), their
+    weighted mean; with ``kw["saes"]``, one :func:`sae_graph` chosen on all of them."""
+    saes, max_latents = kw.pop("saes"), kw.pop("max_latents")
+    graph = None
+    if saes:
+        graph = run(lambda: sae_graph(model, list(saes), [(c, x) for _, c, x, _ in batches], max_latents))
+    total = None
+    for weight, clean, corrupted, metric in batches:
+        s = run(lambda c=clean, x=corrupted, m=metric: edge_attribution(model, c, x, m, graph=graph, **kw))
+        total = s.scores * weight if total is None else total + s.scores * weight
+    return EdgeScores(s.graph, total, s.method, s.ig_steps, False)
+
+
 def _pairs_by_length(pairs: object) -> dict[int, list[int]]:
     """``{length: indices of the pairs of that length}`` of ``(clean ids, corrupted ids, A, B)`` pairs, checked."""
     if not isinstance(pairs, (list, tuple)) or not pairs:
@@ -283,18 +297,7 @@ def circuit_result_pairs(
         ids = lambda k, rows=rows: torch.tensor([list(pairs[r][k]) for r in rows], dtype=torch.long, device=device)
         answers = [torch.tensor([int(pairs[r][k]) for r in rows], device=device) for k in (2, 3)]
         batches.append((len(rows) / N, ids(0), ids(1), PairLogitDiff(*answers)))
-    graph = None
-    if saes:
-        graph = run(lambda: sae_graph(model, list(saes), [(c, x) for _, c, x, _ in batches], max_latents))
-    total = None
-    for weight, clean, corrupted, metric in batches:
-        s = run(
-            lambda c=clean, x=corrupted, m=metric: edge_attribution(
-                model, c, x, m, method=method, ig_steps=ig_steps, graph=graph
-            )
-        )
-        total = s.scores * weight if total is None else total + s.scores * weight
-    scores = EdgeScores(s.graph, total, s.method, s.ig_steps, False)
+    scores = _mean_scores(model, batches, run, method=method, ig_steps=ig_steps, saes=saes, max_latents=max_latents)
     counts = [int(b * len(scores)) for b in fractions]
     n = int(fraction * len(scores))
     circuits = [scores.top_n(k) for k in [*counts, n]]
