@@ -223,3 +223,79 @@ def test_patching_refuses_an_sae_point_that_is_not_spliced(make_gpt):
         activation_patching(model, clean, corrupted, logit_diff(1, 2), sae_point(sae, "acts_post"))
     with pytest.raises(ValueError, match="point must be one of"):
         sae_point(sae, "latents")
+
+
+@pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu", "gated", "transcoder"])
+def test_float32_spliced_output_equals_the_model_and_the_cache_holds_latents_and_error(make_gpt, arch):
+    """In the model's own float32, to rounding: the error term makes the splice exact."""
+    model = make_gpt(seed=3)
+    if arch == "transcoder":
+        sae = make_sae("standard", d_out=24, hook_name="blocks.1.hook_resid_mid", hook_name_out="blocks.1.hook_mlp_out")
+        x_name, out_name = "blocks.1.hook_resid_mid", "blocks.1.hook_mlp_out"
+    else:
+        sae = make_sae(arch, seed=4)
+        x_name = out_name = HOOK
+    idx = torch.randint(0, 37, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain, cache = run_with_cache(model, idx)
+        with splice(model, sae):
+            spliced, sp_cache = run_with_cache(model, idx)
+    torch.testing.assert_close(spliced, plain, atol=2e-5, rtol=1e-5)
+    z, err = sp_cache[sae_point(sae, "acts_post")], sp_cache[sae_point(sae, "error")]
+    assert z.shape == (3, 11, 40) and err.shape == (3, 11, 24)
+    torch.testing.assert_close(z, sae.encode(cache[x_name]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(err, cache[out_name] - sae.decode(z, cache[x_name]), atol=1e-5, rtol=1e-5)
+    assert (z != 0).any() and err.abs().max() > 1e-3  # neither is trivially zero
+
+
+def test_activation_patching_the_error_node_against_plain_hooks(make_gpt):
+    model, sae = make_gpt(seed=1).double(), make_sae("jumprelu", seed=3).double()
+    clean, corrupted = _pair(2)
+    metric = logit_diff(4, 8)
+    with splice(model, sae):
+        got = activation_patching(model, clean, corrupted, metric, sae_point(sae, "error"))
+    assert got.shape == (6,)
+    # Reference: the error at p taken from the clean run moves the stream at p by the errors' difference.
+    x_clean, x_corr = grab(model, clean, HOOK), grab(model, corrupted, HOOK)
+    with torch.no_grad():
+        derr = ((x_clean - sae(x_clean)) - (x_corr - sae(x_corr)))[0]  # (T, d)
+        shifts = torch.zeros(6, 6, 24, dtype=torch.float64)
+        for p in range(6):
+            shifts[p, p] = derr[p]
+        with hooks(model, {HOOK: lambda s, h: s + shifts}):
+            ref = metric.rows(model(corrupted.expand(6, -1)))
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    assert (ref != ref[0]).any()
+
+
+def test_patching_a_transcoders_latents_against_plain_hooks(make_gpt):
+    model = make_gpt(seed=2).double()
+    tc = make_sae("standard", d_out=24, hook_name="blocks.0.hook_resid_mid", hook_name_out="blocks.0.hook_mlp_out")
+    tc = tc.double()
+    clean, corrupted = _pair(3)
+    metric = logit_diff(2, 6)
+    out = "blocks.0.hook_mlp_out"
+    with splice(model, tc):
+        effect = activation_patching(model, clean, corrupted, metric, sae_point(tc, "acts_post"))
+        estimate = attribution_patching(model, clean, corrupted, metric, sae_point(tc, "acts_post"))
+    # Reference: the MLP's output at p moves by dz[p, j] * W_dec[j]; the gradient there, by autograd.
+    x_clean, x_corr = grab(model, clean, "blocks.0.hook_resid_mid"), grab(model, corrupted, "blocks.0.hook_resid_mid")
+    with torch.no_grad():
+        dz = (tc.encode(x_clean) - tc.encode(x_corr))[0]  # (T, d_sae)
+        shifts = torch.zeros(6, 40, 6, 24, dtype=torch.float64)
+        for p in range(6):
+            shifts[p, :, p] = dz[p, :, None] * tc.W_dec
+        shifts = shifts.reshape(-1, 6, 24)
+        with hooks(model, {out: lambda m, h: m + shifts}):
+            ref = metric.rows(model(corrupted.expand(shifts.shape[0], -1))).reshape(6, 40)
+    leaf = {}
+
+    def start(m, h):
+        leaf["m"] = m.detach().requires_grad_(True)
+        return leaf["m"]
+
+    with hooks(model, {out: start}):
+        (g,) = torch.autograd.grad(metric(model(corrupted)), [leaf["m"]])  # (1, T, d)
+    torch.testing.assert_close(effect.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(estimate.double(), dz * (g[0] @ tc.W_dec.detach().T), atol=1e-6, rtol=1e-5)
+    assert ref.sub(ref[0, 0]).abs().max() > 1e-4
