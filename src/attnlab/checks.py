@@ -239,10 +239,9 @@ def check_length(n: int, context_length: int) -> None:
 
 
 # -- Model sizes -----------------------------------------------------------------------------
-# Sane upper limits of a GPT configuration, checked before anything is built: a hand-edited or
-# hostile config.json (n_layers: 1000000) must be a clear error, not minutes of building modules or
-# an allocation of terabytes. Each is far past any model attnlab can train or run (the largest
-# published dense models have ~130 layers, width 16-20k, vocabularies of 256k and contexts of 128k).
+# Sane upper limits of a GPT configuration, checked before anything is built: a hostile config.json
+# (n_layers: 1000000) is a clear error, not minutes of building or terabytes allocated. Each is far past
+# any published dense model (~130 layers, width 16-20k, vocabularies of 256k, contexts of 128k).
 MODEL_LIMITS: dict[str, int] = {
     "vocab_size": 1 << 22,  # 4,194,304 token ids
     "context_length": 1 << 20,  # 1,048,576 positions

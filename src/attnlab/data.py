@@ -347,12 +347,6 @@ def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
     raise TypeError(f"{name} must be a 1-D tensor, numpy array or list of ints, got {type(tokens).__name__}")
 
 
-def _to_long_tensor(a: Tokens) -> Tensor:
-    if isinstance(a, Tensor):
-        return a.long()  # no copy when already int64: a view of the token tensor
-    return torch.from_numpy(np.asarray(a, dtype=np.int64))
-
-
 class TokenWindowDataset(Dataset):
     """The sliding windows of the tutorials' ``MyData``, as views over one token sequence.
 
@@ -374,7 +368,9 @@ class TokenWindowDataset(Dataset):
 
     def __getitem__(self, idx: int) -> tuple[Tensor, Tensor]:
         s = self._starts[idx]  # range indexing: negative indices and IndexError for free
-        chunk = _to_long_tensor(self.tokens[s : s + self.context_length + 1])  # (T+1,)
+        chunk = self.tokens[s : s + self.context_length + 1]  # (T+1,)
+        # An int64 tensor's window is a view of it (long() copies nothing); an array's is read here.
+        chunk = chunk.long() if isinstance(chunk, Tensor) else torch.from_numpy(np.asarray(chunk, dtype=np.int64))
         return chunk[:-1], chunk[1:]  # (T,), (T,) shifted by one
 
     def __repr__(self) -> str:
@@ -424,8 +420,7 @@ def create_dataloader(
             f"text_or_tokens gives {len(dataset)} windows, fewer than batch_size={batch_size}, and drop_last=True "
             "drops that partial batch, leaving none; lower batch_size or stride, or pass drop_last=False"
         )
-    if not is_int(num_workers) or num_workers < 0:
-        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    num_workers = non_negative_int("num_workers", num_workers)
     kw = dict(shuffle=shuffle, drop_last=drop_last, num_workers=num_workers, generator=generator)
     return DataLoader(dataset, batch_size=batch_size, **kw)
 
@@ -515,11 +510,8 @@ class RandomWindowBatches:
         x, y = self._gather(self.global_starts(step)[first : first + self.batch_size])
         if device is not None:
             device = torch.device(device)
-            if device.type == "cuda" and x.device.type == "cpu":
-                # Pinned memory lets the copy overlap with compute.
-                x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-            else:
-                x, y = x.to(device), y.to(device)
+            pin = device.type == "cuda" and x.device.type == "cpu"  # pinned memory: the copy overlaps with compute
+            x, y = ((t.pin_memory() if pin else t).to(device, non_blocking=pin) for t in (x, y))
         return x, y
 
     def global_batch(self, step: int) -> tuple[Tensor, Tensor]:

@@ -67,11 +67,8 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary file that replaces ``path`` when the ``with`` block ends without error.
-
-    If the block raises (or the process dies), ``path`` keeps its previous content and the
-    temporary file is removed. ``mode`` is ``"wb"`` or ``"w"`` (text is UTF-8).
-    """
+    """Open a temporary file that replaces ``path`` when the ``with`` block ends without error; if it
+    raises, ``path`` keeps its content and the temporary file goes. ``mode``: ``"wb"`` or ``"w"`` (UTF-8)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
     path = Path(path)
@@ -110,12 +107,9 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
 
 
 def remove_temp_files(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary files that :func:`atomic_open` left for ``path`` when its process was
-    killed mid-write (``.NAME.*.tmp`` beside it); returns those removed.
-
-    Only call it while no other process may be writing ``path`` (e.g. holding a lock on its directory):
-    a temporary file being written looks the same as an abandoned one.
-    """
+    """Remove the temporary files (``.NAME.*.tmp``) :func:`atomic_open` left for ``path`` when its process
+    was killed mid-write; returns those removed. Only while no other process may be writing ``path``
+    (e.g. holding a lock on its directory): a file being written looks the same as an abandoned one."""
     path = Path(path)
     removed = []
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
@@ -269,9 +263,8 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         raise ImportError("reading GGUF files needs the 'gguf' package: pip install 'attnlab[gguf]'") from None
 
     class Reader(gguf.GGUFReader):
-        # The reader slices its np.memmap once per string of the header (one per token of a
-        # tokenizer), and memmap's per-slice bookkeeping costs more than the reading: a plain ndarray
-        # view of the same mapping reads the same bytes without it.
+        # The reader slices its np.memmap once per string of the header (one per token of a tokenizer):
+        # a plain ndarray view of the same mapping reads the same bytes without memmap's bookkeeping.
         @property
         def data(self) -> Any:
             return self._data

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_model_logits
+from attnlab.checks import check_model_logits, positive_int
 from attnlab.decoding import FastDecoder, greedy_tokens, supported
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
@@ -74,8 +74,7 @@ def check_speculative(model: Any, idx: Tensor, max_new_tokens: int, k: object, d
     ``k`` guesses a round applies: greedy, batch 1, a cache, no padding, a text that fits the caches
     without wrapping, a draft model (if any) of the same vocabulary on the same device.
     ``settings``: the other arguments of :func:`attnlab.generation.generate` that matter here."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"the number of tokens drafted a round must be a positive int, got {k!r}")
+    positive_int("the number of tokens drafted a round", k)
     if settings.get("temperature") != 0:
         raise ValueError(
             f"speculative decoding here is greedy only (exact output without rejection sampling): pass "

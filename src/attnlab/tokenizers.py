@@ -82,17 +82,13 @@ class TokenizerLoadError(UserError, ValueError):
 
 def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> list[int]:
     """Flatten-free conversion of a 1-D id sequence to Python ints, with a range check."""
-    if isinstance(ids, Tensor):
-        if ids.dim() != 1:
-            raise ValueError(f"ids must be 1-D, got a tensor of shape {tuple(ids.shape)}")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        out = ids.tolist()
-    elif isinstance(ids, np.ndarray):
+    if isinstance(ids, (Tensor, np.ndarray)):
         if ids.ndim != 1:
-            raise ValueError(f"ids must be 1-D, got an array of shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
+            raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+        if isinstance(ids, Tensor) and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise TypeError(f"ids must hold integers, got dtype {ids.dtype}")
+        if isinstance(ids, np.ndarray) and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must hold integers, got dtype {ids.dtype}")
         out = ids.tolist()
     elif isinstance(ids, (str, bytes)):
         raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
@@ -189,7 +185,6 @@ class ByteTokenizer(Tokenizer):
 
     name = "byte"
     vocab_size = 256
-    eot_id = None
 
     def encode_array(self, text: str) -> np.ndarray:
         # surrogatepass would smuggle lone surrogates through; strict makes them a clear error.
@@ -222,7 +217,6 @@ class CharTokenizer(Tokenizer):
     """
 
     name = "char"
-    eot_id = None
 
     def __init__(self, chars: Iterable[str]):
         chars = list(chars)
@@ -284,9 +278,6 @@ class CharTokenizer(Tokenizer):
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": "char", "chars": self.chars}
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
 # -- GPT-2 BPE ---------------------------------------------------------------------------------
@@ -447,23 +438,7 @@ class GPT2Tokenizer(Tokenizer):
 
 
 # -- Hugging Face tokenizer.json ---------------------------------------------------------------
-def _import_hf_tokenizers() -> Any:
-    try:
-        import tokenizers
-    except ImportError:
-        raise TokenizerLoadError("the hf tokenizer needs the 'tokenizers' package: pip install 'attnlab[hf]'") from None
-    return tokenizers
-
-
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-
-def _special_token(config: dict[str, Any], key: str) -> str | None:
-    """A special token's text from tokenizer_config.json (a string or an AddedToken dict)."""
-    value = config.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 class HFTokenizer(Tokenizer):
@@ -494,7 +469,12 @@ class HFTokenizer(Tokenizer):
         reader: Any = None,
         find_special: bool = True,
     ) -> None:
-        tokenizers = _import_hf_tokenizers()
+        try:
+            import tokenizers
+        except ImportError:
+            raise TokenizerLoadError(
+                "the hf tokenizer needs the 'tokenizers' package: pip install 'attnlab[hf]'"
+            ) from None
         p = Path(path).expanduser()
         if p.is_dir():
             p = p / "tokenizer.json"
@@ -535,8 +515,9 @@ class HFTokenizer(Tokenizer):
         full = self._tok.encode("a", add_special_tokens=True).ids
         bos = full[0] if len(full) == len(plain) + 1 and full[1:] == plain else None
         # EOS: tokenizer_config.json's eos_token, else config.json's / generation_config.json's eos_token_id.
-        text = _special_token(self._json(directory / "tokenizer_config.json"), "eos_token")
-        eot = None if text is None else self._tok.token_to_id(text)
+        text = self._json(directory / "tokenizer_config.json").get("eos_token")
+        text = text.get("content") if isinstance(text, dict) else text  # a string or an AddedToken dict
+        eot = self._tok.token_to_id(text) if isinstance(text, str) else None
         for name in ("generation_config.json", "config.json"):
             ids = self._json(directory / name).get("eos_token_id")
             ids = ids[0] if isinstance(ids, list) and ids else ids

@@ -10,9 +10,7 @@ The command-line face of :mod:`attnlab.training`. Examples::
     attnlab train --init-from ./SmolLM2-135M --data chats.jsonl --out runs/chat              # chat fine-tune
     torchrun --nproc_per_node=8 -m attnlab train --fsdp --preset gpt2-xl --tokenizer gpt2 --data big.txt
 
-Exit status: 0 when training finished; 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when it was
-stopped by a signal, *after* saving a checkpoint of the last completed step; 2 for a user error
-(one line on stderr: a missing file, a bad value, a corrupt checkpoint).
+Exit status: 0 done; 130 / 143 stopped by SIGINT / SIGTERM *after* saving a checkpoint; 2 a user error.
 """
 
 from __future__ import annotations
@@ -240,18 +238,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _explicit(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
-
-
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
     """The settings given as flags over TrainConfig's defaults, and the names of those given.
 
     On --resume the Trainer takes every setting not given from the checkpoint (and refuses a given
     one that a resumed run cannot change), exactly as for the Python API.
     """
-    given = _explicit(args)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     defaults = {}
     if (args.init_from or args.fsdp) and args.optimizer is None:
         defaults["optimizer"] = "adamw"  # fine-tuning, sharding: AdamW (see attnlab.training.finetune, .fsdp)

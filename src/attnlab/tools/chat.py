@@ -1,10 +1,9 @@
 """Chat with an instruct model: its own template, a history kept within the context window, answers streamed.
 
 An instruct model answers well only in the conversation format it was fine-tuned on. So every turn
-the whole conversation is rendered with the model's chat template (:class:`attnlab.formats.chat.ChatTemplate`,
-from :attr:`LoadedModel.chat_template <attnlab.tools.loading.LoadedModel>`), with the opening of the
-assistant's turn appended, tokenized, and continued until the model emits one of its end-of-turn /
-end-of-text tokens (:attr:`LoadedModel.stop_ids`) or ``max_new_tokens`` is reached::
+the whole conversation is rendered with the model's chat template (:attr:`LoadedModel.chat_template
+<attnlab.tools.loading.LoadedModel>`), the assistant's turn opened, and continued until one of the
+model's stop ids (:attr:`LoadedModel.stop_ids`) or ``max_new_tokens``::
 
     session = ChatSession(load_pretrained("SmolLM2-dir"), sampling=SamplingConfig(temperature=0))
     answer = session.ask("What is the capital of France?")
@@ -126,11 +125,9 @@ class Answer:
                     self.stopped = True
                     break
                 self.ids.append(t)
-                piece = dec.push(t)
-                if piece:
+                if piece := dec.push(t):
                     yield piece
-            rest = dec.flush()
-            if rest:
+            if rest := dec.flush():
                 yield rest
         finally:
             tokens.close()

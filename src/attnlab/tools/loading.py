@@ -90,7 +90,7 @@ def load_model(
         template, stops = _saved_chat(ckpt.metadata, tokenizer, f"{what} {d}")
         return LoadedModel(ckpt.model.eval(), tokenizer, ckpt.path, ckpt.metadata, template, stops)
     tok_path = d / TOKENIZER_NAME
-    if _hf_directory(d):  # (its tokenizer.json is Hugging Face's, not attnlab's description of one)
+    if "model_type" in _config(d):  # Hugging Face's (its tokenizer.json is not attnlab's description of one)
         raise ValueError(
             f"{what} {d}: a Hugging Face model directory (its {CONFIG_NAME} names a model_type): use --model"
         )
@@ -328,11 +328,6 @@ def _config(d: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def _hf_directory(d: Path) -> bool:
-    """Whether ``d``'s ``config.json`` is a Hugging Face model's."""
-    return "model_type" in _config(d)
 
 
 def _attnlab_directory(d: Path) -> bool:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_model_size, finite_real, is_bool, is_int, is_real
+from attnlab.checks import check_model_size, finite_real, is_bool, is_int, is_real, positive_int
 from attnlab.files import (
     atomic_write_bytes,
     atomic_write_json,
@@ -142,10 +142,8 @@ def _mps_available() -> bool:
 
 
 def get_rng_state() -> dict[str, Any]:
-    """Every random state a training step may touch, as plain JSON: torch's CPU generator
-    (base64 of its byte state), the CUDA generators (one per visible device, if CUDA is up),
-    the Apple-GPU (MPS) generator where there is one, NumPy's legacy global generator and
-    Python's ``random``."""
+    """Every random state a training step may touch, as plain JSON: torch's CPU, CUDA (one per device,
+    if CUDA is up) and MPS generators (base64 of their bytes), NumPy's global one and ``random``'s."""
     np_state = np.random.get_state()
     py_state = random.getstate()
     state: dict[str, Any] = {
@@ -164,10 +162,9 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned (CUDA / MPS states only where that device is
-    available). A state that is not one (checked by :func:`check_rng_state`, then by the
-    generators themselves) is a ValueError naming the generator."""
+    available); a bad state (:func:`check_rng_state`) is a ValueError naming the generator."""
     check_rng_state(state, "rng state")
-    setters = {"torch": _set_torch, "numpy": _set_numpy, "python": _set_python}
+    setters = {"torch": lambda s: torch.set_rng_state(_unb64(s)), "numpy": _set_numpy, "python": _set_python}
     if state.get("cuda") and torch.cuda.is_available():
         setters["cuda"] = _set_cuda
     if state.get("mps") and _mps_available():
@@ -177,10 +174,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
             apply(state[name])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             raise ValueError(f"rng state: the {name!r} generator refused its saved state ({first_line(exc)})") from None
-
-
-def _set_torch(s: str) -> None:
-    torch.set_rng_state(_unb64(s))
 
 
 def _set_numpy(s: list[Any]) -> None:
@@ -343,11 +336,10 @@ def save_checkpoint(
     Returns the new step directory. Saving the step ``latest.json`` names is a no-op; only step
     directories holding nothing but attnlab's own files are ever removed or replaced.
     """
-    if not is_int(keep) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    keep = positive_int("keep", keep)
     if not is_int(step) or step < 0 or step > INT64_MAX:  # as load_checkpoint demands
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    step, keep = int(step), int(keep)  # e.g. numpy integers
+    step = int(step)  # e.g. a numpy integer
     out = Path(out_dir)
     final, tmp = begin_save(out, step)
     if tmp is None:
@@ -515,9 +507,8 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     if has_checkpoint(p):
         latest = read_latest(p)
         pointer = latest["path"]
-        # attnlab only ever writes a relative "checkpoints/step-N" here; an absolute path or ".."
-        # is a hand-edited or tampered pointer. (The string is checked, not the resolved path:
-        # checkpoints/ may well be a symlink to another disk.)
+        # attnlab only writes a relative "checkpoints/step-N": an absolute path or ".." is tampering.
+        # (The string is checked, not the resolved path: checkpoints/ may be a link to another disk.)
         if Path(pointer).is_absolute() or ".." in Path(pointer).parts:
             raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {pointer!r}, outside {p}")
         target = (p / pointer).resolve()
@@ -527,22 +518,11 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"no checkpoint in {p} (expected {LATEST_NAME} or {CHECKPOINT_NAME})")
 
 
-def _latest_step(path: str | os.PathLike[str]) -> int | None:
-    """The step ``latest.json`` names when ``path`` is a training directory (None for a step directory)."""
-    p = Path(path).expanduser()
-    if os.path.lexists(p / CHECKPOINT_NAME) or not has_checkpoint(p):
-        return None
-    return int(read_latest(p)["step"])
-
-
 # -- the schema of checkpoint.json ----------------------------------------------------------------
 def _check_metadata(meta: Any, where: Path, *, latest_step: int | None = None) -> dict[str, Any]:
     """The whole of ``checkpoint.json``, checked: a hand-edited, damaged or foreign file gives a
-    ValueError naming it and the bad entry, never a TypeError from deep inside the loader.
-
-    First every entry's type and range (the entries the trainer writes, where present: a checkpoint
-    saved through the Python API may carry other metadata), then, for format version 2, the file's
-    own SHA-256 (an edit that keeps every entry plausible is still refused)."""
+    ValueError naming it and the bad entry. First every entry the trainer writes (where present),
+    then, from format version 2, the file's own SHA-256 (an edit that keeps entries plausible)."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{where} is not an attnlab checkpoint (format entry missing)")
     version = meta.get("version")
@@ -657,10 +637,6 @@ def model_config_from(d: Any, what: str) -> GPTConfig:
     return config
 
 
-def _check_model_config(d: Any, meta: dict[str, Any]) -> None:
-    model_config_from(d, "the model configuration")
-
-
 def _check_train_config(d: Any, meta: dict[str, Any]) -> None:
     from attnlab.training.config import TrainConfig  # config imports the model, as this module does
 
@@ -739,7 +715,7 @@ def _check_lora(v: Any, meta: dict[str, Any]) -> None:
 
 _ENTRY_CHECKS = {
     "tokenizer": _check_tokenizer,
-    "model_config": _check_model_config,
+    "model_config": lambda d, meta: model_config_from(d, "the model configuration"),
     "train_config": _check_train_config,
     "world_size": _expect(lambda n: is_int(n) and 1 <= n <= 1 << 20, "a positive number of processes"),
     "rng": _check_rng,
@@ -752,17 +728,18 @@ _ENTRY_CHECKS = {
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``checkpoint.json`` of the checkpoint meant by ``path`` (see :func:`find_checkpoint`);
-    its whole schema (and its own SHA-256) is checked, the files it lists are not (see
-    :func:`load_checkpoint`)."""
+    """``checkpoint.json`` of the checkpoint meant by ``path`` (:func:`find_checkpoint`), its schema
+    and its own SHA-256 checked (not the files it lists: :func:`load_checkpoint`)."""
     return _read_checked(path)[1]
 
 
 def _read_checked(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
-    """(the step directory meant by ``path``, its ``checkpoint.json`` checked whole)."""
-    d = find_checkpoint(path)
+    """(the step directory meant by ``path``, its ``checkpoint.json`` checked whole; for a training
+    directory, against the step ``latest.json`` names)."""
+    d, p = find_checkpoint(path), Path(path).expanduser()
+    latest = None if os.path.lexists(p / CHECKPOINT_NAME) else int(read_latest(p)["step"])
     meta = read_json(d / CHECKPOINT_NAME, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
-    return d, _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=_latest_step(path))
+    return d, _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=latest)
 
 
 def _verify_file(d: Path, name: str, info: dict[str, Any]) -> Path:

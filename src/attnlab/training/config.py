@@ -269,17 +269,11 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_rat
 
 # Peak lr of the tiny preset, tuned on the built-in corpus (swept 1e-3 to 6e-3 at 800 steps: 2e-3 best).
 TINY_LR = 2e-3
-
-
 OPTIMIZERS = ("adamw", "muon")
-
-# The bare `attnlab train`: its 800 steps, or as many as fit in this many seconds of steps (its
-# evaluations, start and sample come on top, so the whole run stays a few minutes even on the slowest
-# class of CPU, one without native bf16).
+# The bare `attnlab train`: its 800 steps, or as many as fit in this many seconds of steps, so the
+# whole run stays a few minutes even on the slowest class of CPU (one without native bf16).
 DEFAULT_MAX_TIME = 180.0
-# --max-time plans after this many steps: inside the warm-up, whose learning rates do not depend
-# on max_steps, so the schedule is the one a run of the planned length would have had.
-PLAN_STEPS = 20
+PLAN_STEPS = 20  # --max-time plans after this many steps, inside the warm-up (see Trainer._plan_steps)
 
 
 def default_lr(emb_dim: int) -> float:

@@ -114,16 +114,13 @@ class TrainResult:
 class _MetricsLog:
     """``metrics.jsonl``, one JSON line per step; every line flushed and fsynced as written.
 
-    On resume from step ``k`` the lines past ``k`` (written after the checkpoint by the run that
-    was interrupted) and any torn last line are dropped, so the file reads like one run. The old
-    file is streamed (it may be long), read only if it is a regular file, and lines longer than
-    :attr:`MAX_LINE` (no line attnlab writes) are dropped unread.
-    """
+    On resume from step ``k`` the lines past ``k`` (written after the checkpoint) and any torn last
+    line are dropped, so the file reads like one run; the old file is streamed, lines longer than
+    :attr:`MAX_LINE` (no line attnlab writes) dropped unread."""
 
     MAX_LINE = 1 << 16
 
     def __init__(self, path: Path, keep_up_to: int | None) -> None:
-        self.path = path
         with atomic_open(path, "w") as new:
             if keep_up_to is not None and os.path.lexists(path):
                 with open_regular(path, "metrics log") as old:
@@ -202,10 +199,8 @@ def _counted(y: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype the forward pass autocasts to (None: float32 throughout): ``--precision``'s
-    dtype (:func:`attnlab.hardware.training_dtype`; ``auto`` is bf16 where the device has native
-    bf16 matmuls, where the step is faster at the same loss per step, see benchmarks/recipe.py;
-    elsewhere bf16 is emulated, 20x slower)."""
+    """The dtype the forward pass autocasts to (None: float32 throughout): ``--precision``'s dtype
+    (:func:`attnlab.hardware.training_dtype`: ``auto`` is bf16 where the device has native bf16)."""
     dtype = hardware.training_dtype(precision, device)
     return None if dtype == torch.float32 else dtype
 
@@ -464,20 +459,18 @@ class Trainer:
         """Refuse, with the estimate and the flags, a run that cannot fit in the device's memory (see
         :mod:`attnlab.training.memory`: a lower bound, so a run that might fit always starts)."""
         b = self._per_rank_batch()
-        bf16 = autocast_dtype(self.cfg.precision, self.device) is not None
+        act_bytes = 2 if autocast_dtype(self.cfg.precision, self.device) is not None else 4  # bf16 activations
         if self.cfg.init_from:  # a pretrained model trains on windows of --context-length tokens
             config = dataclasses.replace(config, context_length=self.cfg.context_length)
         shards = self.dist.world_size if self.cfg.fsdp else 1
-        need = estimate_training_memory(
-            config, b, act_bytes=2 if bf16 else 4, lora=self.cfg.lora_rank > 0, shards=shards
-        )
+        need = estimate_training_memory(config, b, act_bytes=act_bytes, lora=self.cfg.lora_rank > 0, shards=shards)
         have = available_memory(self.device)
         if have is None or need.total <= have:
             return
         per = "4 bytes (frozen weights)" if self.cfg.lora_rank else "16 bytes (weights, gradients, AdamW)"
         per += f" / {shards} processes" if shards > 1 else ""
         fix = "lower --batch-size (or raise --grad-accum), --context-length, or choose a smaller --preset"
-        n = None if self.cfg.lora_rank else fsdp_processes_needed(config, b, have, act_bytes=2 if bf16 else 4)
+        n = None if self.cfg.lora_rank else fsdp_processes_needed(config, b, have, act_bytes=act_bytes)
         if n is not None and n > shards:  # the weights and optimizer state are what does not fit: shard them
             fix += (
                 f"; or shard it over {n} devices like this one: torchrun --nproc_per_node={n} -m attnlab train --fsdp"
@@ -604,8 +597,7 @@ class Trainer:
             self.model = DDP(self.raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.cfg.compile:
             self.model = torch.compile(self.model)
-        dtype = autocast_dtype(self.cfg.precision, self.device)
-        device_type = self.device.type
+        dtype, device_type = autocast_dtype(self.cfg.precision, self.device), self.device.type
         self.autocast = (
             (lambda: torch.autocast(device_type=device_type, dtype=dtype)) if dtype else contextlib.nullcontext
         )
@@ -645,9 +637,8 @@ class Trainer:
         return write(self.out, step=self.step, keep=self.cfg.keep_checkpoints, **kw)
 
     def chat_metadata(self) -> dict[str, Any]:
-        """What a chat needs of this run: ``chat_template`` (the run's, else the resumed checkpoint's, else
-        the ``--init-from`` model's) and ``stop_ids`` (the init model's end-of-turn / end-of-text ids, else the
-        resumed checkpoint's); each only where known. A resumed run renders its conversations the same way."""
+        """What a chat needs of this run, where known: ``chat_template`` (the run's, else the resumed
+        checkpoint's, else the ``--init-from`` model's) and ``stop_ids`` (the init model's, else the checkpoint's)."""
         saved = self._saved_meta or {}
         out: dict[str, Any] = {}
         init_template = getattr(self._init, "chat_template", None)
@@ -827,10 +818,9 @@ class Trainer:
         return rec
 
     def _plan_steps(self, history: list[dict[str, Any]], write: Callable[[str], None]) -> None:
-        """``--max-time``: lower ``max_steps`` to the steps that fit the budget at the median step
-        time so far (the first two steps, slower, left out), agreed on by all ranks. It runs inside
-        the warm-up, so the learning rates already taken are the planned run's; the checkpoints
-        record the planned ``max_steps``, and a resumed run keeps it."""
+        """``--max-time``: lower ``max_steps`` to the steps that fit the budget at the median step time
+        so far (the first two steps left out), agreed on by all ranks. It runs inside the warm-up, so
+        the learning rates taken are the planned run's; checkpoints record the planned ``max_steps``."""
         cfg = self.cfg
         seconds = [self.tokens_per_step / r["tokens_per_s"] for r in history]  # each step's own time
         per_step = sorted(seconds[2:])[(len(seconds) - 2) // 2]

@@ -187,14 +187,10 @@ def interleave(
 ) -> dict[str, Timing]:
     """Time zero-argument callables in interleaved rounds: A, B, C, A, B, C, ...
 
-    Args:
-        steps: name -> the step to time (its return value is ignored).
-        repeats: timed rounds (>= 1); each runs every step once, in the given order.
-        warmup: untimed rounds first (>= 0): first-call allocations, kernel selection.
-        device: synchronised before and after each step (CUDA/MPS run asynchronously).
-        alternate: reverse the order every other round, so no step always goes first.
-    Returns:
-        name -> :class:`Timing` (wall and CPU ms, minor page faults per step), in the order given.
+    ``steps``: name -> the step to time; each of the ``repeats`` rounds (after ``warmup`` untimed ones:
+    first-call allocations, kernel selection) runs every step once, in the given order (reversed every
+    other round with ``alternate``). ``device`` is synchronised around each step (CUDA/MPS run
+    asynchronously). Returns name -> :class:`Timing`, in the order given.
     """
     positive_int("repeats", repeats)
     non_negative_int("warmup", warmup)
@@ -357,16 +353,11 @@ def peak_memory_mb(
 ) -> MemoryResult:
     """Peak resident memory of one forward (or forward+backward) of a module, in a fresh process.
 
-    Args:
-        spec: a registry name or ``"package.module:callable"`` (see :func:`~attnlab.tools.bench.registry.build_module`).
-        input_shape: shape of the random input, e.g. ``(1, 8192, 768)``.
-        kwargs: keyword arguments of the builder (for the registry: ``d_model``, ``num_heads``,
-            ``context_length``, optionally ``dropout``); JSON-serialisable.
-        no_grad: run the forward under ``torch.no_grad()``; False also runs a backward.
-        dtype: name of a torch dtype (``"float32"``).
-        threads: torch threads of the child (``OMP_NUM_THREADS``, read at its start-up); None: its default.
-    Returns a :class:`MemoryResult` (``forward_mb`` is the figure to compare); RuntimeError when the
-    subprocess failed (out of memory, an error in the module).
+    ``spec``: a registry name or ``"package.module:callable"``, built from ``kwargs`` (JSON-serialisable:
+    :func:`~attnlab.tools.bench.registry.build_module`) and run on a random input of ``input_shape``
+    (``no_grad=False`` also runs a backward); ``threads``: the child's ``OMP_NUM_THREADS``. Returns a
+    :class:`MemoryResult` (``forward_mb`` is the figure to compare); RuntimeError when the subprocess
+    failed (out of memory, an error in the module).
     """
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"dtype must name a torch dtype such as 'float32', got {dtype!r}")

@@ -110,19 +110,11 @@ def _plots(result: Mapping, out: Path) -> list[str]:
         return s
 
     tokens = "sequence length (tokens)"
-    panels["attention_time.png"] = (
-        [
-            Panel("time of forward+backward", tokens, "ms (median)", series("median_ms")),
-            Panel(
-                f"fraction of the matmul rate ({result['peak_gflops']:.0f} GFLOP/s)",
-                tokens,
-                "% of measured matmul rate",
-                series("fraction_of_matmul", 100.0),
-                legend=False,
-            ),
-        ],
-        f"one causal attention layer: d={att['d_model']}, {att['num_heads']} heads, batch {att['batch']}",
-    )
+    timing = Panel("time of forward+backward", tokens, "ms (median)", series("median_ms"))
+    rate = f"fraction of the matmul rate ({result['peak_gflops']:.0f} GFLOP/s)"
+    fraction = Panel(rate, tokens, "% of measured matmul rate", series("fraction_of_matmul", 100.0), legend=False)
+    title = f"one causal attention layer: d={att['d_model']}, {att['num_heads']} heads, batch {att['batch']}"
+    panels["attention_time.png"] = ([timing, fraction], title)
     mem = result.get("memory")
     if mem:
         # A log axis cannot show 0: anything under 0.1 MB is drawn at 0.1 (the table has the figure).
@@ -147,13 +139,9 @@ def _plots(result: Mapping, out: Path) -> list[str]:
         xs = [r["seq_len"] for r in tr["rows"]]
         ms = {None: (xs, [r["median_ms"] for r in tr["rows"]])}
         pct = {None: (xs, [100 * r["fraction_of_matmul"] for r in tr["rows"]])}
-        panels["training.png"] = (
-            [
-                Panel(f"training step, batch {tr['rows'][0]['batch']}", tokens, "ms per step", ms),
-                Panel("model FLOP/s as a fraction of matmul rate", tokens, "% of measured matmul rate", pct),
-            ],
-            f"GPT '{tr['preset']}': forward, loss, backward, AdamW step",
-        )
+        step = Panel(f"training step, batch {tr['rows'][0]['batch']}", tokens, "ms per step", ms)
+        flops = Panel("model FLOP/s as a fraction of matmul rate", tokens, "% of measured matmul rate", pct)
+        panels["training.png"] = ([step, flops], f"GPT '{tr['preset']}': forward, loss, backward, AdamW step")
     for name, (ps, title) in panels.items():
         _figure(out / name, ps, title)
     return list(panels)

@@ -381,7 +381,11 @@ def attention_benchmark(
     if d_model % num_heads:
         raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model} and num_heads={num_heads}")
     log = log or (lambda msg: None)
-    allocator = _allocator(malloc_tuning)
+    allocator = "as the process found it (not tuned)"
+    if malloc_tuning:  # as `attnlab train` tunes it, for good
+        from attnlab.training.allocator import tune_cpu_allocator
+
+        allocator = tune_cpu_allocator().reason
     blocks = [["attnlab", "torch", "tutorial"] + (["attnlab-wrapper", "tutorial-wrapper"] if wrappers else [])]
     if core:
         blocks.append(["attnlab-core", "torch-core", "tutorial-core"])
@@ -421,15 +425,6 @@ def attention_benchmark(
         if ratio is not None:
             ratios["memory attnlab/tutorial"] = ratio
     return result
-
-
-def _allocator(malloc_tuning: bool) -> str:
-    """What the benchmark says of malloc: tuned as ``attnlab train`` tunes it (for good), or as found."""
-    if not malloc_tuning:
-        return "as the process found it (not tuned)"
-    from attnlab.training.allocator import tune_cpu_allocator
-
-    return tune_cpu_allocator().reason
 
 
 def _time_blocks(

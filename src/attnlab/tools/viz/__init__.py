@@ -5,10 +5,8 @@ modules of "A simple self-attention mechanism" under its seeds; with ``--checkpo
 ``--model NAME`` and ``--prompt TEXT``, a GPT, one heatmap per layer and head (as HTML, the full
 inspector of :mod:`attnlab.interpret`). The weights are the model's own (see :mod:`.view`).
 
-The modules: :mod:`~attnlab.tools.viz.view` (capturing the weights: :class:`AttentionView`),
-:mod:`~attnlab.tools.viz.png` (matplotlib heatmaps), :mod:`~attnlab.tools.viz.page` (the HTML page,
-from the viewer's files in :mod:`attnlab.interpret`), :mod:`~attnlab.tools.viz.inspector` (a
-model's inspector page) and :mod:`~attnlab.tools.viz.text` (numbers in the terminal).
+The modules: :mod:`.view` (capturing the weights), :mod:`.png` (heatmaps), :mod:`.page` (the HTML
+page), :mod:`.inspector` (a model's inspector page), :mod:`.text` (numbers in the terminal).
 
 Library use::
 

@@ -16,11 +16,6 @@ from attnlab.tools.viz.view import AttentionView, token_label
 __all__ = ["save_png"]
 
 
-def _mpl_label(token: str) -> str:
-    """A matplotlib-safe label: ``$`` would otherwise start mathtext."""
-    return token_label(token).replace("$", r"\$")
-
-
 def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) -> Path:
     """Draw a grid of heatmaps (rows = layers, columns = heads) and write it atomically.
 
@@ -46,7 +41,7 @@ def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) ->
     every = max(1, math.ceil(3.5 / fontsize))
     fontsize = max(fontsize, 3.5)
     title_size = 8.0 if not many else 7.0
-    labels = [_mpl_label(t) for t in view.tokens]
+    labels = [token_label(t).replace("$", r"\$") for t in view.tokens]  # "$" would start mathtext
     ticks = list(range(0, T, every))
 
     fig = Figure(figsize=(n_cols * cell + 2.2, n_rows * (cell + 0.5) + 0.6), layout="constrained")
@@ -65,9 +60,8 @@ def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) ->
                 continue
             image = ax.imshow(w[c], cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest", aspect="equal")
             ax.set_title(f"head {layer.heads[c]}", fontsize=title_size)
-            # Key labels on every panel, or only where no panel sits below (the grid can be ragged).
-            # Unlabelled axes get no ticks at all: thousands of tick artists are what make a
-            # large grid slow to draw.
+            # Key labels on every panel, or only where no panel sits below (the grid can be ragged);
+            # unlabelled axes get no ticks at all (thousands of tick artists make a large grid slow).
             below = view.layers[r + 1].weights.shape[0] if r + 1 < n_rows else 0
             show_x = label_all or c >= below
             show_y = label_all or c == 0

@@ -20,6 +20,7 @@ from attnlab import attention as _attention
 from attnlab.attention import MultiHeadAttention
 from attnlab.interpret import AttentionRecord, HookPoint, attention_hooks, record_module, token_label, token_strings
 from attnlab.tools.loading import load_demo, load_model
+from attnlab.tools.viz.inspector import encode_prompt
 
 __all__ = [
     "ATTENTION_TYPES",
@@ -221,15 +222,10 @@ def demo_view() -> AttentionView:
     demo = load_demo()
     records = [record_module(module, demo.inputs) for _, module in demo.modules]
     layers = [LayerMaps(name, rec.weights[0]) for (name, _), rec in zip(demo.modules, records, strict=True)]
-    return AttentionView(
-        title="Your journey starts with one step",
-        tokens=list(demo.words),
-        layers=layers,
-        text=" ".join(demo.words),
-        note='The six 3-d word embeddings of "A simple self-attention mechanism", through its modules '
-        "under the tutorial's seeds (row = query word, column = the word it attends to).",
-        records=records,
-    )
+    note = 'The six 3-d word embeddings of "A simple self-attention mechanism", through its modules '
+    note += "under the tutorial's seeds (row = query word, column = the word it attends to)."
+    text = " ".join(demo.words)
+    return AttentionView("Your journey starts with one step", list(demo.words), layers, text, note, records)
 
 
 def model_view(
@@ -244,22 +240,13 @@ def model_view(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     maps = attention_maps(model, torch.tensor(ids, dtype=torch.long, device=device))
     layers = [LayerMaps(f"layer {i}", w) for i, w in enumerate(maps)]
-    return AttentionView(
-        title=title or text,
-        tokens=list(tokens),
-        layers=layers,
-        text=text,
-        note=f"{type(model).__name__}: {len(layers)} layers x {layers[0].weights.shape[0]} heads, {len(ids)} tokens "
-        f"(row = query token, column = the token it attends to).",
-    )
+    note = f"{type(model).__name__}: {len(layers)} layers x {layers[0].weights.shape[0]} heads, {len(ids)} tokens "
+    note += "(row = query token, column = the token it attends to)."
+    return AttentionView(title=title or text, tokens=list(tokens), layers=layers, text=text, note=note)
 
 
 def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str | None = None) -> AttentionView:
     """Load a checkpoint directory and view its attention on ``prompt``."""
     loaded = load_model(checkpoint, bpe_dir=bpe_dir)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    ids = list(tokenizer.encode(prompt))
-    ctx = getattr(getattr(model, "config", None), "context_length", None)
-    if ctx is not None and len(ids) > ctx:
-        raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
-    return model_view(model, ids, token_strings(tokenizer, ids), title=prompt, text=prompt)
+    ids = encode_prompt(loaded, prompt)[0].tolist()
+    return model_view(loaded.model, ids, token_strings(loaded.tokenizer, ids), title=prompt, text=prompt)
