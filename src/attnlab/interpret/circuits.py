@@ -1117,18 +1117,27 @@ class _CircuitRun:
     def _rows(self, x: Tensor) -> Tensor:
         return x.view(self.C, self.B, self.T, -1)  # (C, B, T, ...)
 
+    def _spans(self, w_hi: int) -> list[tuple[int, int]]:
+        """The writers a reader may read: the model's up to ``w_hi``, and the SAEs' (listed after them)."""
+        g = self.graph
+        if not g.saes:
+            return [(0, w_hi)]
+        return [(0, min(w_hi, g.n_base_writers)), (g.n_base_writers, len(g.writers))]
+
     def _patched(self, lo: int, hi: int, w_hi: int) -> bool:
-        w_hi = len(self.graph.writers) if self.graph.saes else w_hi  # the SAEs' writers come last
-        return bool(self.E[..., lo:hi, :w_hi].any())
+        return any(bool(self.E[..., lo:hi, a:b].any()) for a, b in self._spans(w_hi))
 
     def _corrections(self, lo: int, hi: int, w_hi: int) -> Tensor:
         """``(C, hi - lo, B, T, d)``: what readers ``lo:hi`` take off their live input."""
-        w_hi = len(self.graph.writers) if self.graph.saes else w_hi
-        D = self.D[:, :w_hi]  # (C, w, B, T, d)
-        if self.per_pos:
-            return torch.einsum("ctrw,cwbtd->crbtd", self.E[:, :, lo:hi, :w_hi], D)
-        e = self.E[:, lo:hi, :w_hi]  # (C, r, w)
-        return (e @ D.reshape(self.C, w_hi, -1)).view(self.C, hi - lo, self.B, self.T, self.d)
+        out = 0
+        for a, b in self._spans(w_hi):
+            D = self.D[:, a:b]  # (C, w, B, T, d)
+            if self.per_pos:
+                out = out + torch.einsum("ctrw,cwbtd->crbtd", self.E[:, :, lo:hi, a:b], D)
+            else:
+                e = self.E[:, lo:hi, a:b]  # (C, r, w)
+                out = out + (e @ D.reshape(self.C, b - a, -1)).view(self.C, hi - lo, self.B, self.T, self.d)
+        return out
 
     def fns(self) -> dict[str, Callable]:
         fns: dict[str, Callable] = {}
@@ -1160,12 +1169,14 @@ class _CircuitRun:
         return handles
 
     def _mlp_in(self, layer: int) -> Callable:
-        r = self.graph.reader_start(layer) + self.graph.readers_per_layer - 1
+        g = self.graph
+        r = g.reader_start(layer) + g.readers_per_layer - 1
+        w_hi = g.head_writer(layer) + (0 if g.parallel else g.n_heads)  # up to its own layer's heads
 
         def pre(module: nn.Module, args: tuple) -> tuple | None:
-            if not self._patched(r, r + 1, 0):
+            if not self._patched(r, r + 1, w_hi):
                 return None
-            x = self._rows(args[0]) - self._corrections(r, r + 1, 0)[:, 0]  # (C, B, T, d)
+            x = self._rows(args[0]) - self._corrections(r, r + 1, w_hi)[:, 0]  # (C, B, T, d)
             return (x.reshape(args[0].shape), *args[1:])
 
         return pre
@@ -1179,8 +1190,8 @@ class _CircuitRun:
         def fn(x: Tensor, hook: HookPoint) -> Tensor:
             if s.place == "resid_pre" and s.layer == 0:
                 self.D[:, 0] = self._rows(x) - self.corr[0]  # the embeddings: what this SAE reads
-            if self._patched(r, r + 1, 0):
-                x = (self._rows(x) - self._corrections(r, r + 1, 0)[:, 0]).reshape(x.shape)
+            if self._patched(r, r + 1, g.n_base_writers):
+                x = (self._rows(x) - self._corrections(r, r + 1, g.n_base_writers)[:, 0]).reshape(x.shape)
             self.state[hook.name] = x
             return x
 
