@@ -142,3 +142,35 @@ def test_the_circuit_tab_finds_the_circuit_and_opens_a_heads_attention(driver, s
     assert [len(p.find_elements(By.CSS_SELECTOR, "rect.cell")) for p in panes] == [T * T, T * T]
     others = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING") and "422" not in e["message"]]
     assert others == []
+
+
+@pytest.fixture(scope="module")
+def sae_page(page):
+    """The same model's page with an SAE spliced in at blocks.0.hook_resid_post (``--sae``)."""
+    from attnlab.interpret import SAE, SAEConfig
+
+    torch.manual_seed(1)
+    sae = SAE(SAEConfig(d_in=24, d_sae=40, architecture="topk", k=6, hook_name="blocks.0.hook_resid_post"))
+    sae_dir = sae.save(page.parent / "sae")
+    ckpt = next(page.parent.parent.glob("circuit*/ckpt"))
+    out = page.parent / "circuit-sae.html"
+    argv = ["circuit", "--checkpoint", str(ckpt), "--clean", "abcabcd", "--corrupted", "abcabce", "--answers", "a", "b"]
+    assert main([*argv, "--budget", "30%", "--sae", str(sae_dir), "--out", str(out)]) == 0
+    return out
+
+
+def test_a_page_with_sae_latents_draws_and_lists_them_by_name(driver, sae_page):
+    text = sae_page.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'id="attn-circuit">(.*?)</script>', text, re.S).group(1))
+    assert data["sae_edges"], "no drawn edge touches the SAE"
+    driver.get_log("browser")
+    driver.get(sae_page.resolve().as_uri())
+    WebDriverWait(driver, 20).until(lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    assert [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
+    assert driver.execute_script("return performance.getEntriesByType('resource').length") == 0
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#circuit-graph path.edge")) >= len(data["edges"])
+    table = driver.find_element(By.ID, "circuit-sae-edges")
+    assert table.is_displayed()
+    rows = [[c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in table.find_elements(By.TAG_NAME, "tr")[1:]]
+    assert [r[:2] for r in rows] == [e[:2] for e in data["sae_edges"]]
+    assert any(r[0].startswith("sae 0.hook_resid_post latent ") for r in rows)
