@@ -69,11 +69,12 @@ def saes_at(place: str, seed: int = 0) -> list[SAE]:
 # ---------------------------------------------------------------------------------------------
 # The reference: a head-by-head forward in float64 with the SAEs in it
 # ---------------------------------------------------------------------------------------------
-def ref_run(model, idx, graph, add=None, patched=(), corrupted_writers=None):
+def ref_run(model, idx, graph, add=None, patched=(), corrupted_writers=None, embed=None):
     """``(logits, writers)`` of ``model`` with ``graph``'s SAEs spliced in; ``writers[node] (B, T, d)``.
 
     add: ``{reader: (B, T, d)}`` added to that reader's input alone. patched: ``(writer, reader)`` edges
     whose writer reaches the reader with its output in ``corrupted_writers`` instead of its live one.
+    embed: token embeddings ``(B, T, d)`` in place of ``idx``'s (EAP-IG-inputs' path).
     """
     add = add or {}
     by_reader: dict = {}
@@ -111,7 +112,7 @@ def ref_run(model, idx, graph, add=None, patched=(), corrupted_writers=None):
 
     cfg = model.config
     n = idx.shape[1]
-    e = model.tok_emb(idx)
+    e = model.tok_emb(idx) if embed is None else embed
     x = e + model.pos_emb(torch.arange(n)) if model.pos_emb is not None else e
     live[("embed", None, None)] = x
     for layer, block in enumerate(model.trf_blocks):
@@ -154,12 +155,19 @@ def ref_run(model, idx, graph, add=None, patched=(), corrupted_writers=None):
     return model.out_head(model.final_norm(final)), live
 
 
-def reference_scores(model, graph, clean, corrupted, metric=METRIC):
-    """``{(writer, reader): (delta writer) . (d metric / d reader's own input)}`` for every edge."""
-    leaves = {r: torch.zeros(*corrupted.shape, D, dtype=torch.float64, requires_grad=True) for r in graph.readers}
-    logits, _ = ref_run(model, corrupted, graph, add=leaves)
-    grads = torch.autograd.grad(metric(logits), list(leaves.values()), allow_unused=True)
-    grad = {r: torch.zeros_like(leaves[r]) if g is None else g for r, g in zip(leaves, grads, strict=True)}
+def reference_scores(model, graph, clean, corrupted, metric=METRIC, ig_steps=None):
+    """``{(writer, reader): (delta writer) . (d metric / d reader's own input)}`` for every edge; with
+    ``ig_steps``, the mean gradient over the embeddings' path from corrupted to clean (EAP-IG-inputs)."""
+    e0, e1 = model.tok_emb(corrupted).detach(), model.tok_emb(clean).detach()
+    grad: dict = {}
+    for k in range(ig_steps or 1):
+        leaves = {r: torch.zeros(*corrupted.shape, D, dtype=torch.float64, requires_grad=True) for r in graph.readers}
+        embed = e0 + k / (ig_steps or 1) * (e1 - e0)
+        logits, _ = ref_run(model, corrupted, graph, add=leaves, embed=embed)
+        grads = torch.autograd.grad(metric(logits), list(leaves.values()), allow_unused=True)
+        for r, g in zip(leaves, grads, strict=True):
+            g = torch.zeros_like(leaves[r]) if g is None else g
+            grad[r] = grad.get(r, 0) + g / (ig_steps or 1)
     with torch.no_grad():
         _, a = ref_run(model, clean, graph)
         _, b = ref_run(model, corrupted, graph)
@@ -188,6 +196,20 @@ def test_eap_with_sae_nodes_is_each_edges_derivative(make_gpt, style, place, one
     assert {"sae_latent", "sae_error"} <= kinds
     big = max(abs(s) for w, _, s in items if w[0] == "sae_latent")
     assert big > 1e-6  # the latents' edges carry something: a test that can fail
+
+
+@pytest.mark.parametrize("place", ["resid_pre+mid", "transcoder"])
+def test_eap_ig_inputs_with_sae_nodes_is_the_mean_gradient_along_the_embeddings(make_gpt, place, one_thread):
+    model = make_gpt(seed=2).double()
+    clean, corrupted = pair(5)
+    scores = edge_attribution(
+        model, clean, corrupted, METRIC, method="EAP-IG-inputs", ig_steps=3, saes=saes_at(place), max_tokens=20
+    )
+    expected = reference_scores(model, scores.graph, clean, corrupted, ig_steps=3)
+    for writer, reader, score in scores.items():
+        assert score == pytest.approx(expected[(writer, reader)], rel=1e-9, abs=1e-12), (writer, reader)
+    eap = edge_attribution(model, clean, corrupted, METRIC, graph=scores.graph)
+    assert not torch.allclose(scores.scores, eap.scores)
 
 
 def test_a_residual_sae_is_the_only_way_across_it(make_gpt):
