@@ -224,9 +224,8 @@ PatchSite = Literal["head_out", "resid_pre"]
 Answer = Annotated[int, Field(ge=0, le=(1 << 31) - 1)] | Annotated[str, Field(min_length=1, max_length=200)]
 
 
-class PatchRequest(Strict):
-    """Activation patching of two prompts (:func:`attnlab.interpret.activation_patching`), metric
-    ``logit(A) - logit(B)`` at the last token."""
+class PairRequest(Strict):
+    """Two prompts of as many tokens and the two answers whose logit difference is the metric."""
 
     clean: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt whose answer is A")
     corrupted: str = Field(
@@ -238,6 +237,12 @@ class PatchRequest(Strict):
         description="A and B: token ids, or texts that are exactly one token each (e.g. ' Paris')",
         examples=[[" Mary", " John"]],
     )
+
+
+class PatchRequest(PairRequest):
+    """Activation patching of two prompts (:func:`attnlab.interpret.activation_patching`), metric
+    ``logit(A) - logit(B)`` at the last token."""
+
     sites: list[PatchSite] = Field(
         default=["head_out", "resid_pre"],
         max_length=2,
@@ -251,20 +256,10 @@ class PatchRequest(Strict):
 CircuitMethod = Literal["EAP", "EAP-IG-inputs", "EAP-IG-activations"]
 
 
-class CircuitRequest(Strict):
+class CircuitRequest(PairRequest):
     """Edge attribution of two prompts (:func:`attnlab.interpret.edge_attribution`), metric
     ``logit(A) - logit(B)`` at the last token, and the faithfulness of its top edges' circuits."""
 
-    clean: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt whose answer is A")
-    corrupted: str = Field(
-        min_length=1, max_length=MAX_PROMPT_CHARS, description="a prompt of as many tokens whose answer is B"
-    )
-    answers: list[Answer] = Field(
-        min_length=2,
-        max_length=2,
-        description="A and B: token ids, or texts that are exactly one token each (e.g. ' Paris')",
-        examples=[[" Mary", " John"]],
-    )
     method: CircuitMethod = Field(default="EAP", description="EAP, or EAP-IG on the inputs or on the activations")
     ig_steps: int = Field(default=5, ge=1, le=32, description="integrated-gradient steps of EAP-IG")
     budget: str | float = Field(
