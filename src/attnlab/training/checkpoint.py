@@ -521,8 +521,8 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
 # -- the schema of checkpoint.json ----------------------------------------------------------------
 def _check_metadata(meta: Any, where: Path, *, latest_step: int | None = None) -> dict[str, Any]:
     """The whole of ``checkpoint.json``, checked: a hand-edited, damaged or foreign file gives a
-    ValueError naming it and the bad entry. First every entry the trainer writes (where present),
-    then, from format version 2, the file's own SHA-256 (an edit that keeps entries plausible)."""
+    ValueError naming it and the bad entry. First every entry the trainer writes (where present), then,
+    from format version 2, the file's own SHA-256 (which refuses an edit that keeps entries plausible)."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{where} is not an attnlab checkpoint (format entry missing)")
     version = meta.get("version")
