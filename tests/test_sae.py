@@ -445,3 +445,32 @@ def test_evaluate_sae_rejects_bad_tokens(make_gpt):
         evaluate_sae(make_gpt(), make_sae("topk"), torch.zeros(2, 5))
     with pytest.raises(ValueError, match="at least 2 positions"):
         evaluate_sae(make_gpt(), make_sae("topk"), torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("norm", ["none", "constant_norm_rescale", "layer_norm"])
+@pytest.mark.parametrize("rescale", [False, True])
+@pytest.mark.parametrize("transcoder", [False, True])
+def test_latent_writes_are_the_decoders_terms(norm, rescale, transcoder):
+    """decode(z, x) = decode(0, x) + the sum of every latent's write: what makes each latent a node."""
+    torch.manual_seed(0)
+    kw = dict(d_out=12, apply_b_dec_to_input=False, skip=True) if transcoder else {}
+    cfg = SAEConfig(
+        d_in=12,
+        d_sae=30,
+        architecture="topk",
+        k=4,
+        normalize_activations=norm,
+        rescale_acts_by_decoder_norm=rescale,
+        **kw,
+    )
+    sae = SAE(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    x = torch.randn(3, 5, 12, dtype=torch.float64) * 3 + 1
+    z = sae.encode(x)
+    writes = sae.latent_writes(z, range(30), x)  # (3, 5, 30, 12)
+    assert writes.shape == (3, 5, 30, 12)
+    torch.testing.assert_close(sae.decode(torch.zeros_like(z), x) + writes.sum(-2), sae.decode(z, x))
+    some = sae.latent_writes(z, [7, 2], x)
+    torch.testing.assert_close(some, writes[..., [7, 2], :])
