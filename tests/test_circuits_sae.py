@@ -212,6 +212,36 @@ def test_eap_ig_inputs_with_sae_nodes_is_the_mean_gradient_along_the_embeddings(
     assert not torch.allclose(scores.scores, eap.scores)
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        [("blocks.1.hook_resid_post", None, "topk")],
+        [("blocks.1.hook_resid_pre", "blocks.1.hook_mlp_out", "standard"), ("blocks.2.hook_mlp_out", None, "topk")],
+    ],
+)
+def test_eap_with_sae_nodes_in_parallel_blocks(make_gpt, where, one_thread):
+    """A parallel block's MLP reads the block's input: a transcoder there reads hook_resid_pre."""
+    model = make_gpt(seed=1, **STYLES["parallel"]).double()
+    clean, corrupted = pair(6)
+    saes = [make_sae(h, o, a, seed=i) for i, (h, o, a) in enumerate(where)]
+    scores = edge_attribution(model, clean, corrupted, METRIC, saes=saes)
+    expected = reference_scores(model, scores.graph, clean, corrupted)
+    assert len(expected) == len(scores)
+    for writer, reader, score in scores.items():
+        assert score == pytest.approx(expected[(writer, reader)], rel=1e-9, abs=1e-12), (writer, reader)
+    with torch.no_grad():
+        _, corr_w = ref_run(model, corrupted, scores.graph)
+    circuit = scores.top_n(len(scores) // 3)
+    kept = set(circuit.edges())
+    patched = [e for e in Circuit.full(scores.graph).edges() if e not in kept]
+    with torch.no_grad():
+        logits, _ = ref_run(model, clean, scores.graph, patched=patched, corrupted_writers=corr_w)
+    got = circuit_metrics(model, clean, corrupted, METRIC, circuit)
+    assert got == pytest.approx([float(METRIC(logits))], rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError, match=r"saes\[0\].*hook_resid_mid"):
+        edge_attribution(model, clean, corrupted, METRIC, saes=[make_sae("blocks.0.hook_resid_mid")])
+
+
 def test_a_residual_sae_is_the_only_way_across_it(make_gpt):
     """Nodes before a residual SAE reach those after it only through its input node; an MLP SAE's
     or a transcoder's latents replace the MLP's node."""
