@@ -44,6 +44,12 @@ normalized faithfulness ``(m(C) - m(corrupted)) / (m(clean) - m(corrupted))`` an
 :func:`faithfulness_curve` MIB's summaries over edge budgets: CPR, the area under the faithfulness
 curve, and CMD, the area between it and 1, both by the trapezoid rule over the budgets' fractions.
 
+SAEs and transcoders (``edge_attribution(..., saes=[...])``, :func:`sae_graph`) are spliced in with
+their error terms kept and add nodes at their hooks: each active latent ``j`` a writer of ``z_j
+W_dec[j]``, an error node writing the rest of the SAE's output, and for a residual SAE an input reader
+through which alone what came before reaches what comes after; an MLP-output SAE's or a transcoder's
+latents replace the MLP's node. The stream stays a sum of writers, so all of the above holds.
+
 Models: attnlab GPTs with pre-norm blocks (GPT-2, Llama and their kin, parallel residual included).
 Post-norms (Gemma 2/3's sandwich, OLMo 2) normalise a sublayer's output before it joins the stream,
 so a head's output is no longer its contribution; ``qk_norm="full"`` mixes all heads' queries. Both
