@@ -18,6 +18,7 @@ from attnlab.interpret import codec
 from attnlab.interpret.hooks import attention_layers
 from attnlab.interpret.tracing import Trace
 from attnlab.interpret.tracing import trace as run_trace
+from attnlab.quantized import is_quantized
 
 __all__ = [
     "HEAD_KINDS",
@@ -436,11 +437,15 @@ def _weight_key(W: Tensor) -> tuple | None:
     (``W.data[...] = 0``) bumps none. A CRC catches every change to one element (a burst of at most 32
     bits), and a change to many with probability ``1 - 2^-32`` per piece. None (nothing cached) off the
     CPU or for a strided weight: a GPU makes the copy in about the time it would take to check it."""
-    if W.device.type != "cpu" or not W.is_contiguous():
+    if W.device.type != "cpu" or not (is_quantized(W) or W.is_contiguous()):
         return None
-    raw = W.detach().reshape(-1).view(torch.uint8).numpy()  # the bytes, whatever the dtype
-    pieces = codec.split(raw, torch.get_num_threads())
-    return (W.data_ptr(), tuple(W.shape), W.dtype, len(pieces[0]), *codec.on_threads(zlib.crc32, pieces))
+    # A quantized weight's bytes are its blocks' (read as they are: dequantizing would make the copy)
+    tensors = [t for p in W.parts for t in p.fields.values()] if is_quantized(W) else [W.detach()]
+    key = [tensors[0].data_ptr(), tuple(W.shape), W.dtype]
+    for t in tensors:
+        pieces = codec.split(t.contiguous().reshape(-1).view(torch.uint8).numpy(), torch.get_num_threads())
+        key += [len(pieces[0]), *codec.on_threads(zlib.crc32, pieces)]
+    return tuple(key)
 
 
 def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tensor, Tensor, float]:
@@ -458,8 +463,9 @@ def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tens
             with _CENTRED_LOCK:
                 _CENTRED[head] = hit
         return hit.weight, hit.mean, hit.row_norm
-    mean = W.mean(0)  # (d,)
     (V, d), m = W.shape, len(dims)
+    # (by blocks of rows, as below: a quantized weight's blocks are dequantized a slice at a time)
+    mean = (sum(W[s : s + 8192].sum(0, dtype=torch.float64) for s in range(0, V, 8192)) / V).to(W.dtype)  # (d,)
     weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
     row_norm = 0.0
     for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
