@@ -6,8 +6,8 @@ directory. A block that cannot run here is marked on the line before it with
 ``<!-- not-run: why -->``; such blocks are few, and each says why.
 
 The tour (docs/tour.md) is written by docs/hooks/attnlab_tour.py when the site builds; here its
-Markdown source is checked to hold none of the model's numbers, and what the hook writes is checked
-against the model itself.
+Markdown source is checked to hold none of the model's numbers, and what the hook wrote in the
+session's strict build of the guide (conftest.py's ``guide_site``) is checked against the model itself.
 """
 
 from __future__ import annotations
@@ -125,18 +125,22 @@ def tour_hooks():
 
 
 @pytest.mark.slow
-def test_the_tour_names_what_the_model_computes(tour_hooks):
+def test_the_tour_names_what_the_model_computes(tour_hooks, guide_site):
+    """What the tour says, read from the guide as the strict build wrote it (conftest.py's
+    ``guide_site``, built once per session: the hook ran there), checked against the model itself."""
     hooks = tour_hooks
-    page = hooks.render((DOCS / "tour.md").read_text(encoding="utf-8"))
+    result, site = guide_site.result, guide_site.site
+    assert result.returncode == 0, result.stdout + result.stderr
+    page = (site / "tour" / "index.html").read_text(encoding="utf-8")
     for name in hooks.FIGURES:
-        assert f"](img/tour/{name}.png)" in page
-        assert hooks.computed()[name].png.startswith(b"\x89PNG")
+        assert f'src="../img/tour/{name}.png"' in page
+        assert (site / "img" / "tour" / f"{name}.png").read_bytes().startswith(b"\x89PNG")
     t = hooks.tour()
     model, tok = t.model, t.tokenizer
 
     # The top induction head named on the page attends, in the second copy of a repeated sequence,
     # to the token after the earlier copy: checked on a fresh sequence, from its weights.
-    layer, head = map(int, re.search(r"strongest induction heads: \*\*(\d+)\.(\d+)\*\*", page).groups())
+    layer, head = map(int, re.search(r"strongest induction heads: <strong>(\d+)\.(\d+)</strong>", page).groups())
     n = 20
     g = torch.Generator().manual_seed(1)
     half = torch.randperm(model.config.vocab_size, generator=g)[:n]
@@ -152,7 +156,7 @@ def test_the_tour_names_what_the_model_computes(tour_hooks):
     idx = torch.tensor([tok.encode(hooks.FACT_PROMPT)])
     with torch.no_grad():
         p = torch.softmax(model(idx)[0, -1].double(), dim=-1)[tok.encode(hooks.FACT_ANSWER)[0]]
-    assert f"{float(p):.0%}" in re.search(r"it gives `[^`]*` (\d+%)", page).group(0)
+    assert f"{float(p):.0%}" in re.search(r"it gives <code>[^<]*</code> (\d+%)", page).group(0)
 
     # The sink: the share of attention on the first token, recomputed from the weights of one pass.
     idx = torch.tensor([tok.encode(hooks.NAMES_PROMPT)])
