@@ -50,7 +50,6 @@ from attnlab.functional import (
     softcap_score_mod,
 )
 from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
-from attnlab.quantized import is_quantized
 
 __all__ = [
     "CausalAttention",
@@ -747,11 +746,12 @@ class MultiHeadAttention(_DropsTutorialMask):
 
     def _project_qkv(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from ``x``; keys and values from ``context`` (cross) or ``x`` (self)."""
-        if context is None and x.shape[:-1].numel() >= 16 and not is_quantized(self.W_query.weight):
+        if context is None and x.shape[:-1].numel() >= 16 and not hardware.owns_linear(self.W_query.weight):
             # One matmul for Q, K and V: the weights are concatenated, the parameters stay separate.
             # Concatenating copies the weights, which only pays off over enough tokens; a decoding
             # step (one token) runs the three small matmuls below instead. (Quantized weights are
-            # dequantized tile by tile in each product anyway: nothing to gain from a copy.)
+            # dequantized tile by tile in each product anyway, LoRA's update of them a product of its own:
+            # nothing to gain from a copy.)
             w = torch.cat([self.W_query.weight, self.W_key.weight, self.W_value.weight])  # (d_out + 2kv, d_in)
             b = None
             if self.W_query.bias is not None:

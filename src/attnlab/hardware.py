@@ -233,7 +233,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     A weight whose class says ``owns_linear`` (:class:`attnlab.quantized.QuantizedTensor`: a GGUF
     file's blocks) computes its own product, eager or compiled: ``F.linear`` hands it to the weight."""
-    if getattr(type(weight), "owns_linear", False):
+    if owns_linear(weight):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
         parts = weight.chunk(_STREAMS) if weight.shape[0] >= _STREAMS else (weight,)
@@ -257,6 +257,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def owns_linear(weight: Tensor) -> bool:
+    """Whether ``weight``'s class computes its own ``F.linear`` (a quantized weight, LoRA's update of one)."""
+    return getattr(type(weight), "owns_linear", False)
 
 
 def _onednn_for_float32() -> bool:

@@ -1,0 +1,64 @@
+"""LoRA on a frozen quantized base: the dense model's loss and adapter gradients, while autograd keeps
+no dense copy of an adapted weight (an 8B model's q, k, v and o would be 5 GB in float32)."""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from attnlab import GPT, GPTConfig
+from attnlab.quantized import QuantizedTensor
+from attnlab.training.lora import LoRASettings, LowRankUpdated, apply_lora
+
+Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+def twins(seed: int = 0) -> tuple[GPT, GPT]:
+    """A tiny Llama-like GPT with its matrices in Q8_0 blocks, and its dense twin of the same values."""
+    cfg = GPTConfig.preset("tiny", drop_rate=0.0, vocab_size=512)
+    torch.manual_seed(seed)
+    dense = GPT(cfg)
+    quant = GPT(cfg)
+    quant.load_state_dict(dense.state_dict())
+    for name, p in dense.named_parameters():
+        if p.dim() == 2 and "emb" not in name and p.shape[1] % 32 == 0:
+            raw = gguf.quants.quantize(p.detach().numpy(), Q8)
+            values = gguf.quants.dequantize(raw, Q8).reshape(p.shape)
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(values))
+            module_name, _, attr = name.rpartition(".")
+            setattr(quant.get_submodule(module_name), attr, torch.nn.Parameter(
+                QuantizedTensor.from_blocks("Q8_0", raw, tuple(p.shape)), requires_grad=False))  # fmt: skip
+    return dense, quant
+
+
+def test_lora_on_quantized_weights_is_the_dense_models_and_keeps_no_dense_weight():
+    dense, quant = twins()
+    settings = LoRASettings.make(4, targets="q,k,v,o,up,down")
+    apply_lora(dense, settings)
+    apply_lora(quant, settings)
+    mine = [p for p in dense.parameters() if p.requires_grad]
+    theirs = [p for p in quant.parameters() if p.requires_grad]
+    with torch.no_grad():  # the same adapters; B made nonzero, so the update counts in the forward
+        for a, b in zip(mine, theirs, strict=True):
+            b.copy_(torch.nn.init.normal_(a, std=0.1))
+    idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    adapted = [m.weight for m in quant.modules() if hasattr(m, "parametrizations")]
+    assert adapted and all(isinstance(w, LowRankUpdated) for w in adapted)
+    big = {tuple(w.shape) for w in adapted}
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_q = quant.loss(idx[:, :-1], idx[:, 1:])
+    loss_d = dense.loss(idx[:, :-1], idx[:, 1:])
+    loss_q.backward()
+    loss_d.backward()
+    torch.testing.assert_close(loss_q, loss_d, rtol=1e-5, atol=1e-6)
+    assert mine and all(b.grad is not None for b in theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
+    assert not big & set(saved), f"autograd kept a dense adapted weight: {sorted(big & set(saved))}"
