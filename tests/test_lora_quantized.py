@@ -8,7 +8,7 @@ import torch
 
 from attnlab import GPT, GPTConfig
 from attnlab.quantized import QuantizedTensor
-from attnlab.training.lora import LoRASettings, LowRankUpdated, apply_lora
+from attnlab.training.lora import LoRASettings, LowRankUpdated, apply_lora, merge_lora
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
@@ -62,3 +62,20 @@ def test_lora_on_quantized_weights_is_the_dense_models_and_keeps_no_dense_weight
     for a, b in zip(mine, theirs, strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
     assert not big & set(saved), f"autograd kept a dense adapted weight: {sorted(big & set(saved))}"
+
+
+def test_merging_adapters_of_a_quantized_base_gives_the_dense_merge():
+    dense, quant = twins(1)
+    settings = LoRASettings.make(2, targets="q,o,down")
+    apply_lora(dense, settings)
+    apply_lora(quant, settings)
+    with torch.no_grad():
+        for a, b in zip(*([p for p in m.parameters() if p.requires_grad] for m in (dense, quant)), strict=True):
+            b.copy_(torch.nn.init.normal_(a, std=0.1))
+    idx = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    merge_lora(dense.eval())
+    merge_lora(quant.eval())
+    merged = [quant.trf_blocks[0].att.W_query.weight, quant.trf_blocks[0].att.out_proj.weight]
+    assert all(type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor for w in merged)
+    with torch.no_grad():
+        torch.testing.assert_close(quant(idx), dense(idx), rtol=1e-5, atol=1e-5)

@@ -226,8 +226,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Write ``W + scale * B A`` into each adapted layer's plain weight (in place) and drop the
     adapters: a plain model computing the adapted function. Every parameter trains again."""
     if has_lora(model):
-        for _, module, _ in list(_adapted(model)):
-            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        for _, module, lora in list(_adapted(model)):
+            W = module.parametrizations.weight.original
+            if not is_quantized(W):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+                continue
+            merged = lora(W).dense().detach()  # (out, in): a quantized base merges into a dense weight
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            module.weight = nn.Parameter(merged)
         model.lora_settings = None
     for p in model.parameters():
         p.requires_grad_(True)
