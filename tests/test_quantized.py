@@ -20,6 +20,7 @@ gguf = pytest.importorskip("gguf")
 
 import gguf_files  # noqa: E402
 from attnlab import GPT  # noqa: E402
+from attnlab import quantized as q  # noqa: E402
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized  # noqa: E402
 
 QTYPES = list(FORMATS)
@@ -118,6 +119,89 @@ def test_bad_blocks_are_refused_by_name():
     w = QuantizedTensor.from_blocks("Q4_0", blocks("Q4_0", 2, 32), (2, 32))
     with pytest.raises(TypeError, match="floating-point dtype"):
         w.to(torch.int8)
+
+
+# --------------------------------------------------------------------------------------------
+# The 4-bit formats on torch's int4 kernel (_weight_int4pack_mm_for_cpu)
+# --------------------------------------------------------------------------------------------
+INT4 = ["Q4_0", "Q4_1", "Q4_K"]
+
+
+def kernel_dequantized(pack, in_features: int) -> torch.Tensor:
+    """The weight ``(N, K)`` as the int4 kernel computes it: its product with the identity (each output
+    one weight times 1, plus zeros: exact)."""
+    eye = torch.eye(in_features, dtype=pack.dtype)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, pack.weight, q.INT4_GROUP, pack.scales_and_zeros).T
+
+
+@pytest.mark.parametrize("qtype", INT4)
+def test_int4_repacking_is_the_gguf_packages_dequantization_bit_for_bit(qtype):
+    """The repacking is lossless: with float32 scales and zeros, the kernel's weights are gguf's."""
+    raw = blocks(qtype, 48, 512, seed=3)
+    w = QuantizedTensor.from_blocks(qtype, raw, (48, 512))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]))
+    codes, scale, zero, exact = q.int4_affine(w.parts[0])
+    assert codes.shape == (48, 512) and int(codes.max()) <= 15 and scale.shape == zero.shape == (48, 16)
+    assert bool(exact.all())
+    assert torch.equal(
+        (codes.float() - 8).unflatten(-1, (16, 32)).mul(scale[..., None]).add(zero[..., None]).flatten(-2), want
+    )
+    assert torch.equal(kernel_dequantized(q.int4_pack(w.parts, torch.float32), 512), want)
+
+
+def test_int4_repacking_of_the_real_q4_1_file_is_exact(smollm2_gguf):
+    """Every Q4_1 matrix of SmolLM2's file: zeros ``m + 8d`` exact in float32, so the kernel's weights are
+    the file's numbers (checked on the kernel for one layer's matrices)."""
+    model = GPT.from_gguf(smollm2_gguf)
+    matrices = {n: w for n, w in model.named_parameters() if is_quantized(w) and w.formats == ("Q4_1",)}
+    assert len(matrices) >= 30 * 5
+    assert all(bool(q.int4_affine(w.parts[0])[3].all()) for w in matrices.values())
+    for name in (n for n in matrices if n.startswith("trf_blocks.0.")):
+        w = matrices[name]
+        assert torch.equal(kernel_dequantized(q.int4_pack(w.parts, torch.float32), w.shape[1]), w.dequantize()), name
+
+
+@pytest.mark.parametrize("qtype", INT4)
+def test_bfloat16_weights_compute_with_the_int4_kernel(qtype):
+    """``.to(torch.bfloat16)`` packs a 4-bit weight for the kernel (bfloat16 scales: a bfloat16 product's
+    accuracy); float32 keeps the exact tiled product; moving rows repacks; other formats have no pack."""
+    raw = blocks(qtype, 72, 512, seed=5)  # (72 rows: the pack's last block of 16 half rows of zeros)
+    w = QuantizedTensor.from_blocks(qtype, raw, (72, 512))
+    assert w.int4 is None  # float32: torch's kernel is scalar there (see quantized.INT4_DTYPES)
+    wb = w.to(torch.bfloat16)
+    assert wb.int4 is not None and wb.int4.scales_and_zeros.shape == (16, 80, 2) and "int4 kernel" in repr(wb)
+    assert wb.storage_bytes <= 2.5 * raw.nbytes  # the blocks and the pack (its scales and zeros: 4 bytes a group)
+    x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = x.double() @ reference(raw, qtype).T
+    y = F.linear(x, wb)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 72)
+    assert torch.equal(y, q.int4_mm(x, wb.int4, 72))
+    assert float((y.double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    top = wb[:32]  # rows move with their blocks and are packed again
+    assert top.int4 is not None and torch.equal(F.linear(x, top), y[..., :32])
+    assert wb.detach().int4 is wb.int4 and wb.clone().int4 is not None
+    assert wb.to(torch.float32).int4 is None
+    assert QuantizedTensor.from_blocks("Q8_0", blocks("Q8_0", 16, 64), (16, 64)).to(torch.bfloat16).int4 is None
+
+
+def test_a_bfloat16_quantized_model_runs_on_the_int4_kernel(tmp_path):
+    """The tiny model in Q4_1 as ``.to(torch.bfloat16)``: every matrix packed, logits a bfloat16 model's
+    distance from the dense float32 ones, and the float32 model still within 1e-5 of them."""
+    path = write_quantized_gguf(tmp_path / "tiny.Q4_1.gguf", "Q4_1")
+    quant, dense = GPT.from_gguf(path), GPT.from_gguf(path, dtype=torch.float32)
+    bf16 = GPT.from_gguf(path).to(torch.bfloat16)
+    matrices = [p for p in bf16.parameters() if is_quantized(p)]
+    assert matrices and all(p.int4 is not None for p in matrices)
+    assert not any(p.int4 is not None for p in quant.parameters() if is_quantized(p))
+    idx = prompt(20)
+    with torch.no_grad():
+        want = dense(idx)
+        assert float((quant(idx) - want).abs().max()) <= 1e-5 * float(want.abs().max())
+        got = bf16(idx)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) <= 5e-2 * float(want.abs().max())
+    out = bf16.generate(idx[:1, :8], 6, temperature=0)
+    assert out.shape == (1, 14)
 
 
 # --------------------------------------------------------------------------------------------

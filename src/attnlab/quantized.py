@@ -303,6 +303,96 @@ def dequantize(format: str, fields: dict[str, Tensor]) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# torch's int4 weight-only kernel: the 4-bit formats repacked, losslessly
+# --------------------------------------------------------------------------------------------
+# ``torch.ops.aten._weight_int4pack_mm_for_cpu(x (M, K), packed, group, scales_and_zeros (K // group, N, 2))``
+# computes ``x @ w.T`` with ``w = (q - 8) * scale + zero`` per group of ``group`` weights of a row
+# (``q`` in 0..15, each weight dequantized by one fused multiply-add in float32). GGML's 4-bit formats are
+# that with groups of 32: Q4_0 is ``d * (q - 8)`` (scale d, zero 0), Q4_1 ``d * q + m`` (scale d, zero
+# m + 8d), Q4_K's sub-block of 32 ``(d * sc) * q - dmin * m`` (scale d * sc, zero 8 * d * sc - dmin * m).
+# A float16 scale times an integer below 2**6 is exact in float32, and so is the zero wherever the
+# sum fits in float32's 24 bits (Q4_0 and Q4_1 always in practice; :func:`int4_affine` says where):
+# then ``(q - 8) * scale + zero`` is gguf's number bit for bit, whatever the order of its roundings.
+#
+# In torch 2.13 on x86 the kernel is vectorized (AVX512/AVX2) for bfloat16 only: float32 activations with
+# float32 scales take its scalar loop, some 50x slower than the dense float32 matmul (a decoding step's
+# 1536 x 576 product: 4.2 ms against 0.08 ms), and bfloat16 wants bfloat16 scales (8 significant bits
+# for the file's 11: not lossless) and rounds its outputs to bfloat16. So a weight carries the pack
+# (:attr:`QuantizedTensor.int4`) where it computes in one of :data:`INT4_DTYPES` -- ``model.to(torch.bfloat16)``,
+# a generation path of its own -- and the default float32 weights keep the exact tiled products below.
+INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+INT4_GROUP = 32
+INT4_DTYPES = (torch.bfloat16,)
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """A weight ``(N, K)`` in the layout of torch's int4 kernel: ``weight`` from
+    ``_convert_weight_to_int4pack_for_cpu`` (uint8), ``scales_and_zeros (K // 32, N, 2)`` in the dtype the
+    kernel computes in."""
+
+    weight: Tensor
+    scales_and_zeros: Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+
+def int4_affine(p: Part) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A 4-bit part's weights as ``w = (q - 8) * scale + zero`` per group of 32: ``q (R, K)`` uint8 in
+    0..15, ``scale`` and ``zero`` ``(R, K // 32)`` float32, and ``exact (R, K // 32)`` bool: whether the
+    float32 ``zero`` is the exact sum (then the group's weights are gguf's numbers bit for bit)."""
+    f = p.fields
+    if p.format == "Q4_K":
+        q = _bits(f["qs"].unflatten(-1, (4, 32)), 4)  # (R, nb, 8, 32)
+        scale = f["d"].float().unsqueeze(-1) * f["sc"].float()  # (R, nb, 8): exact
+        low = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # exact
+        zero = scale * 8 - low
+        exact = zero.double() == scale.double() * 8 - low.double()
+    elif p.format in ("Q4_0", "Q4_1"):
+        q = _nibbles(f["qs"])  # (R, nb, 32)
+        scale = f["d"].float()
+        if p.format == "Q4_0":
+            zero, exact = torch.zeros_like(scale), torch.ones_like(scale, dtype=torch.bool)
+        else:
+            zero = f["m"].float() + scale * 8
+            exact = zero.double() == f["m"].double() + scale.double() * 8
+    else:
+        raise ValueError(f"{p.format} is not one of the 4-bit formats {INT4_FORMATS}")
+    rows = q.shape[0]
+    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), exact.reshape(rows, -1)
+
+
+def int4_pack(parts: Sequence[Part], dtype: torch.dtype = torch.bfloat16) -> Int4Pack:
+    """``parts`` (all in :data:`INT4_FORMATS`, on the CPU) in torch's int4 layout, scales and zeros in ``dtype``."""
+    affine = [int4_affine(p) for p in parts]
+    q, scale, zero = (torch.cat([a[i] for a in affine]) for i in range(3))  # (N, K), (N, K // 32) twice
+    pad = -q.shape[0] % 16  # the kernel's blocks of rows are 16 to 64: rows of zeros up to a multiple of 16
+    if pad:
+        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # (N, K // 2) uint8
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return Int4Pack(weight, scales_and_zeros)
+
+
+def int4_mm(x: Tensor, pack: Int4Pack, out_features: int) -> Tensor:
+    """``x (..., K) @ w.T -> (..., N)`` by torch's int4 kernel (``x`` in the pack's dtype)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), pack.weight, INT4_GROUP, pack.scales_and_zeros)
+    if y.shape[-1] != out_features:  # (the pack's rows of zeros)
+        y = y[:, :out_features]
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def _int4_fits(parts: Sequence[Part], shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a weight of these parts computes with the int4 kernel: 4-bit formats on the CPU, a
+    dtype of :data:`INT4_DTYPES`."""
+    device = next(iter(parts[0].fields.values())).device
+    return dtype in INT4_DTYPES and device.type == "cpu" and all(p.format in INT4_FORMATS for p in parts)
+
+
+# --------------------------------------------------------------------------------------------
 # The weight type
 # --------------------------------------------------------------------------------------------
 class QuantizedTensor(Tensor):
@@ -314,17 +404,29 @@ class QuantizedTensor(Tensor):
     """
 
     parts: tuple[Part, ...]
+    int4: Int4Pack | None  # torch's int4 layout of the same weights, where the int4 kernel computes its products
     owns_linear = True  # attnlab.hardware.linear hands F.linear to it (see linear below)
 
     @staticmethod
     def __new__(
-        cls, parts: Sequence[Part], shape: tuple[int, int], dtype: torch.dtype = torch.float32
+        cls,
+        parts: Sequence[Part],
+        shape: tuple[int, int],
+        dtype: torch.dtype = torch.float32,
+        int4: Int4Pack | None = None,
     ) -> QuantizedTensor:
         device = next(iter(parts[0].fields.values())).device
         return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
 
-    def __init__(self, parts: Sequence[Part], shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        shape: tuple[int, int],
+        dtype: torch.dtype = torch.float32,
+        int4: Int4Pack | None = None,
+    ) -> None:
         self.parts = tuple(parts)
+        self.int4 = int4
 
     # Building ---------------------------------------------------------------------------------
     @classmethod
@@ -349,11 +451,20 @@ class QuantizedTensor(Tensor):
         return cls([Part(format, fields)], (out, inp))
 
     @classmethod
-    def from_parts(cls, parts: Sequence[Part], in_features: int, dtype: torch.dtype = torch.float32) -> QuantizedTensor:
-        return cls(parts, (sum(p.rows for p in parts), in_features), dtype)
+    def from_parts(
+        cls,
+        parts: Sequence[Part],
+        in_features: int,
+        dtype: torch.dtype = torch.float32,
+        int4: Int4Pack | None = None,
+    ) -> QuantizedTensor:
+        return cls(parts, (sum(p.rows for p in parts), in_features), dtype, int4)
 
-    def _with(self, parts: Sequence[Part], dtype: torch.dtype | None = None) -> QuantizedTensor:
-        return QuantizedTensor.from_parts(parts, self.shape[1], self.dtype if dtype is None else dtype)
+    def _with(
+        self, parts: Sequence[Part], dtype: torch.dtype | None = None, int4: Int4Pack | None = None
+    ) -> QuantizedTensor:
+        """The same kind of weight on ``parts`` (its int4 pack only where ``int4`` hands one over)."""
+        return QuantizedTensor.from_parts(parts, self.shape[1], self.dtype if dtype is None else dtype, int4)
 
     # What it is ----------------------------------------------------------------------------------
     @property
@@ -362,13 +473,17 @@ class QuantizedTensor(Tensor):
 
     @property
     def storage_bytes(self) -> int:
-        """The bytes its blocks take (the file's size of this matrix, give or take the unpacked scales)."""
-        return sum(t.numel() * t.element_size() for p in self.parts for t in p.fields.values())
+        """The bytes its blocks take (the file's size of this matrix, give or take the unpacked scales),
+        and its int4 pack's where it has one (about as many again)."""
+        pack = [] if self.int4 is None else [self.int4.weight, self.int4.scales_and_zeros]
+        tensors = [t for p in self.parts for t in p.fields.values()] + pack
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
+        int4 = "" if self.int4 is None else ", int4 kernel"
         return (
             f"QuantizedTensor({'+'.join(self.formats)}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"device={self.device}{int4})"
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -404,17 +519,22 @@ class QuantizedTensor(Tensor):
                 setattr(self, f"_p{i}_{k}", t)
                 names.append(f"_p{i}_{k}")
         layout = tuple((p.format, tuple(p.fields)) for p in self.parts)
-        return names, (layout, self.shape[1], self.dtype)
+        if self.int4 is not None:
+            self._int4_weight, self._int4_scales_and_zeros = self.int4.weight, self.int4.scales_and_zeros
+            names += ["_int4_weight", "_int4_scales_and_zeros"]
+        return names, (layout, self.shape[1], self.dtype, self.int4 is not None)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], ctx: Any, outer_size: Any, outer_stride: Any) -> QuantizedTensor:
-        layout, in_features, dtype = ctx
+        layout, in_features, dtype, has_int4 = ctx
         parts = [Part(f, {k: inner[f"_p{i}_{k}"] for k in keys}) for i, (f, keys) in enumerate(layout)]
-        return QuantizedTensor.from_parts(parts, in_features, dtype)
+        int4 = Int4Pack(inner["_int4_weight"], inner["_int4_scales_and_zeros"]) if has_int4 else None
+        return QuantizedTensor.from_parts(parts, in_features, dtype, int4)
 
     def _stable_hash_for_caching(self) -> str:
         """What torch.compile's caches key this weight by: its layout, never its values."""
-        return repr((self.formats, tuple(self.shape), str(self.dtype), [tuple(p.fields) for p in self.parts]))
+        layout = [tuple(p.fields) for p in self.parts]
+        return repr((self.formats, tuple(self.shape), str(self.dtype), layout, self.int4 is not None))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -434,6 +554,13 @@ class QuantizedTensor(Tensor):
         # Anything else computes on the dense values (correct; dense for this one result only).
         args, kwargs = torch.utils._pytree.tree_map_only(QuantizedTensor, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _packed(w: QuantizedTensor) -> QuantizedTensor:
+    """``w`` with its int4 pack where the int4 kernel computes its products (see :data:`INT4_DTYPES`)."""
+    if w.int4 is None and _int4_fits(w.parts, w.shape, w.dtype):
+        w.int4 = int4_pack(w.parts, w.dtype)
+    return w
 
 
 def is_quantized(w: object) -> bool:
@@ -496,7 +623,9 @@ def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for a quantized ``w``: ``(..., in) -> (..., out)`` in ``x``'s dtype."""
     if isinstance(x, QuantizedTensor):
         raise TypeError("F.linear's input is a QuantizedTensor: only the weight may be quantized")
-    if torch.compiler.is_compiling():
+    if w.int4 is not None and x.dtype == w.int4.dtype and not (torch.is_grad_enabled() and x.requires_grad):
+        y = int4_mm(x, w.int4, w.shape[0])  # eager and compiled alike (inductor calls the kernel)
+    elif torch.compiler.is_compiling():
         w_dense = w.dequantize(x.dtype)  # (out, in): inductor fuses the dequantization into its consumer
         if x.device.type == "cpu" and x.shape[:-1].numel() == 1:
             y = (x.unsqueeze(-2) * w_dense).sum(-1)  # (..., 1, in) * (out, in) -> (..., out): one loop, no matrix
@@ -536,7 +665,7 @@ def _slice_rows(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
         if lo < hi:
             parts.append(p.map(lambda t, lo=lo, hi=hi: t[lo:hi]))
         at += p.rows
-    return w._with(parts)
+    return _packed(w._with(parts))
 
 
 def _cat(tensors: Sequence[Tensor], dim: int = 0, **kwargs: Any) -> Tensor:
@@ -550,7 +679,7 @@ def _cat(tensors: Sequence[Tensor], dim: int = 0, **kwargs: Any) -> Tensor:
                     parts[-1] = Part(p.format, {k: torch.cat([last[k], v]) for k, v in p.fields.items()})
                 else:
                     parts.append(p)
-        return tensors[0]._with(parts)
+        return _packed(tensors[0]._with(parts))
     dense = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in tensors]
     return torch.cat(dense, dim, **kwargs)
 
@@ -589,7 +718,7 @@ def _getitem(w: QuantizedTensor, index: Any) -> Tensor:
 def _index_select(w: QuantizedTensor, dim: int, index: Tensor) -> Tensor:
     if dim not in (0, -2) or len(w.parts) != 1:
         return torch.index_select(w.dequantize(), dim, index)
-    return w._with([w.parts[0].map(lambda t: t.index_select(0, index.to(t.device)))])
+    return _packed(w._with([w.parts[0].map(lambda t: t.index_select(0, index.to(t.device)))]))
 
 
 def _to(w: QuantizedTensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -610,15 +739,16 @@ def _to(w: QuantizedTensor, *args: Any, **kwargs: Any) -> Tensor:
     if device is None and (dtype is None or dtype == w.dtype):
         return w
     parts = w.parts if device is None else [p.map(lambda t: t.to(device)) for p in w.parts]
-    return w._with(parts, dtype)
+    return _packed(w._with(parts, dtype))  # (into a dtype of INT4_DTYPES: repacked for the int4 kernel)
 
 
 def _detach(w: QuantizedTensor) -> QuantizedTensor:
-    return w._with(w.parts)
+    return w._with(w.parts, int4=w.int4)
 
 
 def _clone(w: QuantizedTensor, *args: Any, **kwargs: Any) -> QuantizedTensor:
-    return w._with([p.map(lambda t: t.clone()) for p in w.parts])
+    int4 = None if w.int4 is None else Int4Pack(w.int4.weight.clone(), w.int4.scales_and_zeros.clone())
+    return w._with([p.map(lambda t: t.clone()) for p in w.parts], int4=int4)
 
 
 _FUNCTIONS: dict[Any, Callable[..., Any]] = {
