@@ -199,17 +199,47 @@ def make_gpt() -> Callable[..., object]:
     return make
 
 
+_GUIDE_BUILD = pytest.StashKey[object]()
+
+
+def _guide_build_can_run() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("mkdocs", "mkdocstrings"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the guide's strict build in the background when a test to run reads it (``guide_site``),
+    so it runs while the tests before it do."""
+    if session.config.option.collectonly or not _guide_build_can_run():
+        return
+    if any("guide_site" in getattr(item, "fixturenames", ()) for item in session.items):
+        from guide_build import start_build
+
+        folder = session.config._tmp_path_factory.mktemp("guide")  # (pytest's own tmp_path_factory)
+        session.config.stash[_GUIDE_BUILD] = start_build(folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    build = session.config.stash.get(_GUIDE_BUILD, None)
+    if build is not None:
+        build.stop()
+
+
 @pytest.fixture(scope="session")
-def guide_site(tmp_path_factory):
+def guide_site(request, tmp_path_factory):
     """The learners' guide built once per session with ``mkdocs build --strict`` (tests/guide_build.py):
-    ``Built(site, result)``, the site folder and the finished build process. The tests that read it
-    check its exit status and warnings themselves (tests/test_docs.py)."""
+    ``Built(site, result)``, the site folder and the finished build process. The build starts in the
+    background once the tests are collected (``pytest_collection_finish``); this waits for it. The
+    tests that read it check its exit status and warnings themselves (tests/test_docs.py)."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
-    from guide_build import ROOT, Built, mkdocs_build
+    from guide_build import start_build
 
-    site = tmp_path_factory.mktemp("guide") / "site"
-    return Built(site, mkdocs_build(ROOT / "mkdocs.yml", site))
+    build = request.config.stash.get(_GUIDE_BUILD, None)
+    if build is None:  # (not started at collection)
+        build = request.config.stash[_GUIDE_BUILD] = start_build(tmp_path_factory.mktemp("guide"))
+    return build.wait()
 
 
 @pytest.fixture(scope="session")
