@@ -180,6 +180,55 @@ def _decode_rows(sae: SAE, values: Tensor, indices: Tensor, x: Tensor) -> Tensor
     return out
 
 
+def _encoder_input(sae: SAE, x: Tensor) -> Tensor:
+    """What the encoder multiplies: ``x`` less ``b_dec`` where the SAE subtracts it (as
+    ``sae.pre_activations`` does for the SAEs training makes: no run-time normalization)."""
+    x = x.to(sae.dtype)
+    return x - sae.b_dec if sae.cfg.apply_b_dec_to_input else x
+
+
+class _EncodeRows(torch.autograd.Function):
+    """``values (n, k)``, the pre-activations of the latents ``indices (n, k)`` (computed without
+    gradients from the dense ``x @ W_enc``), given the gradients of ``xin . W_enc[:, j] + b_enc[j]``
+    for those ``k`` latents alone: ``W_enc``'s is a sparse ``(d_sae, n) @ (n, d_in)`` product with
+    ``n k`` entries rather than a dense ``(d_in, n) @ (n, d_sae)`` matmul of mostly zero gradients,
+    and the input's (``b_dec``'s, through the encoder) a sum of ``k`` encoder columns per row rather
+    than an ``(n, d_sae) @ (d_sae, d_in)`` matmul."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, xin: Tensor, w_enc: Tensor, b_enc: Tensor, indices: Tensor) -> Tensor:
+        ctx.save_for_backward(xin, w_enc, indices)
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor | None, Tensor | None, Tensor | None, None]:
+        xin, w_enc, indices = ctx.saved_tensors
+        (n, k), d_sae = indices.shape, w_enc.shape[1]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:  # sum_i grad[r, i] * W_enc[:, indices[r, i]]
+            grad_x = F.embedding_bag(indices, w_enc.T.contiguous(), per_sample_weights=grad, mode="sum")
+        if ctx.needs_input_grad[2]:
+            rows = torch.arange(n, device=indices.device).repeat_interleave(k)
+            g = torch.sparse_coo_tensor(torch.stack([indices.reshape(-1), rows]), grad.reshape(-1), (d_sae, n))
+            grad_w = torch.sparse.mm(g, xin).T.contiguous()  # (d_in, d_sae)
+        if ctx.needs_input_grad[3]:
+            grad_b = torch.zeros(d_sae, dtype=grad.dtype, device=grad.device).index_add_(
+                0, indices.reshape(-1), grad.reshape(-1)
+            )
+        return None, grad_x, grad_w, grad_b, None
+
+
+def _encode_rows(sae: SAE, x: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+    """``values``, the pre-activations of the latents ``indices`` (the dense matmul's, bit for bit),
+    with the gradients of the encoder restricted to them (:class:`_EncodeRows`)."""
+    return _EncodeRows.apply(values, _encoder_input(sae, x), sae.W_enc, sae.b_enc, indices)
+
+
+def _dead_pre_activations(sae: SAE, x: Tensor, dead_idx: Tensor) -> Tensor:
+    """The pre-activations ``(n, n_dead)`` of the latents ``dead_idx`` alone, with gradients (AuxK's)."""
+    return _encoder_input(sae, x) @ sae.W_enc[:, dead_idx] + sae.b_enc[dead_idx]
+
+
 class _Reached(Exception):
     """Raised at the last hook point the buffer reads: the rest of the forward pass is skipped."""
 
@@ -306,7 +355,7 @@ class SAETrainer:
             with torch.no_grad():
                 self.sae.threshold.fill_(0.001)
         self.lr = cfg.lr if cfg.lr is not None else 2e-4 / math.sqrt(width / 2**14)
-        self.optimizer = torch.optim.Adam(self.sae.parameters(), lr=self.lr, eps=6.25e-10)
+        self.optimizer = torch.optim.Adam(self.sae.parameters(), lr=self.lr, eps=6.25e-10, fused=True)
         self.since_fired = torch.zeros(width, dtype=torch.long, device=device)  # rows since each latent fired
         self.step = 0
         self.buffer = ActivationBuffer(model, tokens, cfg)
@@ -379,13 +428,17 @@ class SAETrainer:
     def train_step(self) -> dict[str, float]:
         cfg, sae = self.cfg, self.sae
         x, y = self.buffer.batch(self.step)
-        pre = sae.pre_activations(x)  # (n, d_sae)
         sparse = cfg.architecture == "topk"  # k latents per row: decoded as a sum of k rows, not a matmul
+        dead = self.since_fired >= cfg.dead_tokens
+        n_dead = int(dead.sum())
         if sparse:
-            values, indices = pre.topk(cfg.k, dim=-1, sorted=False)  # (n, k) each
-            values = values.relu()
+            with torch.no_grad():
+                pre = sae.pre_activations(x)  # (n, d_sae): only to choose the latents
+                values, indices = pre.topk(cfg.k, dim=-1, sorted=False)  # (n, k) each
+            values = _encode_rows(sae, x, indices, values).relu()  # the same values, with gradients
             out = _decode_rows(sae, values, indices, x)  # (n, d_out)
         else:
+            pre = sae.pre_activations(x)  # (n, d_sae)
             if cfg.architecture == "jumprelu":
                 z = _JumpReLU.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth)
             else:
@@ -395,14 +448,18 @@ class SAETrainer:
         total_var = (y - y.mean(0)).pow(2).sum()
         fvu = err.pow(2).sum() / total_var
         loss = fvu
-        dead = self.since_fired >= cfg.dead_tokens
-        n_dead = int(dead.sum())
         if cfg.architecture != "jumprelu" and n_dead > 0 and cfg.auxk_alpha > 0:
             # AuxK: the strongest dead latents reconstruct what the live ones missed (Gao et al. 2024, B.1).
             k_aux = min(y.shape[-1] // 2, n_dead)
             scale = min(n_dead / (y.shape[-1] // 2), 1.0)
-            aux_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
-            aux_values, aux_indices = aux_pre.topk(k_aux, dim=-1, sorted=False)
+            if sparse:  # the dead latents' pre-activations alone, with gradients: (n, n_dead)
+                dead_idx = dead.nonzero().squeeze(-1)
+                aux_pre = _dead_pre_activations(sae, x, dead_idx)
+                aux_values, aux_local = aux_pre.topk(k_aux, dim=-1, sorted=False)
+                aux_indices = dead_idx[aux_local]
+            else:
+                aux_pre = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+                aux_values, aux_indices = aux_pre.topk(k_aux, dim=-1, sorted=False)
             # no bias: it fits the residual
             e_hat = F.embedding_bag(aux_indices, sae.W_dec, per_sample_weights=aux_values.relu(), mode="sum")
             auxk = scale * (e_hat - err.detach()).pow(2).sum() / total_var
