@@ -209,7 +209,8 @@ class _EncodeRows(torch.autograd.Function):
             grad_x = F.embedding_bag(indices, w_enc.T.contiguous(), per_sample_weights=grad, mode="sum")
         if ctx.needs_input_grad[2]:
             rows = torch.arange(n, device=indices.device).repeat_interleave(k)
-            g = torch.sparse_coo_tensor(torch.stack([indices.reshape(-1), rows]), grad.reshape(-1), (d_sae, n))
+            where = torch.stack([indices.reshape(-1), rows])  # in range by construction: no checks
+            g = torch.sparse_coo_tensor(where, grad.reshape(-1), (d_sae, n), check_invariants=False)
             grad_w = torch.sparse.mm(g, xin).T.contiguous()  # (d_in, d_sae)
         if ctx.needs_input_grad[3]:
             grad_b = torch.zeros(d_sae, dtype=grad.dtype, device=grad.device).index_add_(
