@@ -204,6 +204,16 @@ def test_a_bfloat16_quantized_model_runs_on_the_int4_kernel(tmp_path):
     assert out.shape == (1, 14)
 
 
+@pytest.mark.slow
+def test_compiled_decoding_of_a_bfloat16_quantized_model_calls_the_int4_kernel(tmp_path):
+    """The compiled step of the bfloat16 model: the int4 kernel inside inductor's graph, the eager tokens."""
+    path = write_quantized_gguf(tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    bf16 = GPT.from_gguf(path).to(torch.bfloat16)
+    idx = prompt(8)[:1]
+    want = bf16.generate(idx, 6, temperature=0, fast=False)
+    assert torch.equal(bf16.generate(idx, 6, temperature=0, compile=True), want)
+
+
 # --------------------------------------------------------------------------------------------
 # A tiny Llama in a GGUF file, quantized vs dequantized
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ the blocks instead and computes with them:
   ever dense; under ``torch.compile`` a one-row product (a decoding step) is a dequantize-multiply-sum
   expression that inductor fuses into one loop over the packed bytes (fewer bytes read per token than
   a float32 weight's). ``F.embedding(ids, w)`` dequantizes the rows looked up.
+* In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
+  Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
+  and compiled: their blocks repacked losslessly into torch's layout (see :func:`int4_pack`; the
+  kernel's float32 dequantization of the pack is gguf's, bit for bit), its scales then rounded to
+  bfloat16. Float32 weights keep the tiled products (torch's float32 int4 kernel is a scalar loop).
 * Gradients flow to the activations (``x.grad``: the transposed product, tile by tile again), never to
   the weight: a quantized weight is frozen (LoRA adapts it through a parametrization, which computes
   ``W + B @ A`` densely for the layer it adapts).
