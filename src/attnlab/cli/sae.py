@@ -12,7 +12,7 @@ Examples::
 
 An SAE is read from SAELens's directory (cfg.json + sae_weights.safetensors), sparsify's (cfg.json +
 sae.safetensors), Gemma Scope's params.npz or a Hugging Face Hub id. Training resumes when --out
-holds a run; stop it with Ctrl-C (it saves first).
+holds a run; stop it with Ctrl-C or SIGTERM (it saves first; exit status 130 / 143).
 """
 
 from __future__ import annotations
@@ -136,7 +136,12 @@ def _train(args: argparse.Namespace) -> int:
     loaded = load(model=args.model, device=torch.device(args.device))
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=str(args.model), progress=args.progress)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except KeyboardInterrupt:
+        if trainer.stopped is None:  # a second Ctrl-C: aborted at once
+            raise
+        return 128 + trainer.stopped  # 130 / 143, as attnlab train
     return 0
 
 

@@ -32,6 +32,8 @@ import io
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,6 +232,34 @@ def _dead_pre_activations(sae: SAE, x: Tensor, dead_idx: Tensor) -> Tensor:
     return _encoder_input(sae, x) @ sae.W_enc[:, dead_idx] + sae.b_enc[dead_idx]
 
 
+class _Interrupted(BaseException):
+    """SIGINT / SIGTERM during a buffer fill: the fill is abandoned (a cycle's buffer is rebuilt from
+    ``(seed, cycle)`` anyway). A BaseException, like KeyboardInterrupt, so no ``except Exception`` keeps it."""
+
+
+@contextlib.contextmanager
+def _signals_stop_at_once(stop: StopFlag | None) -> Any:
+    """While the buffer fills (minutes of model forwards on a big buffer), SIGINT / SIGTERM stop it
+    at once rather than after the fill and a step: noted in ``stop`` (as its handler would), then
+    :class:`_Interrupted` raised. Nothing without a ``stop`` (a fill outside :meth:`SAETrainer.fit`)."""
+    if stop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if stop.signum is not None:
+        raise _Interrupted
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.signum = signum
+        raise _Interrupted
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 class _Reached(Exception):
     """Raised at the last hook point the buffer reads: the rest of the forward pass is skipped."""
 
@@ -251,6 +281,7 @@ class ActivationBuffer:
         self.cycle: int | None = None
         self.x: Tensor | None = None  # (buffer_rows, d_in)
         self.y: Tensor | None = None  # (buffer_rows, d_out) for a transcoder
+        self.stop: StopFlag | None = None  # set by SAETrainer.fit: a signal stops a fill at once
 
     @torch.no_grad()
     def fill(self, cycle: int) -> None:
@@ -274,7 +305,7 @@ class ActivationBuffer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with hooks(self.model, names):
+            with hooks(self.model, names), _signals_stop_at_once(self.stop):
                 for i in range(0, n_windows, cfg.model_batch):
                     batch = np.stack(
                         [self.tokens[s : s + cfg.context] for s in starts[i : i + cfg.model_batch].tolist()]
@@ -361,6 +392,7 @@ class SAETrainer:
         self.step = 0
         self.buffer = ActivationBuffer(model, tokens, cfg)
         self.lock = RunLock(self.out)
+        self.stopped: int | None = None  # the signal that stopped fit() (it then raises KeyboardInterrupt)
         self._data_note = {"tokens_in_data": len(tokens)}
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -510,9 +542,13 @@ class SAETrainer:
             history: list[dict[str, float]] = []
             window: list[dict[str, float]] = []
             t0, rows = time.perf_counter(), 0
-            with StopFlag() as stop:  # SIGINT / SIGTERM: finish the step, save, stop
+            with StopFlag() as stop:  # SIGINT / SIGTERM: finish the step (a buffer fill: stop it), save, stop
+                self.buffer.stop = stop
                 while self.step < cfg.max_steps and stop.signum is None:
-                    window.append(self.train_step())
+                    try:
+                        window.append(self.train_step())
+                    except _Interrupted:  # in the fill, before the step changed anything
+                        break
                     rows += cfg.batch_rows
                     if self.step % cfg.save_every == 0:
                         self.save()
@@ -526,8 +562,12 @@ class SAETrainer:
             if bar is not None:
                 bar.close()
             if stop.signum is not None:
-                self.save()
-                self.write(f"stopped at step {self.step}: checkpoint saved; the same command resumes")
+                self.stopped = stop.signum
+                if self.step == 0:
+                    self.write("stopped before the first step: nothing to save")
+                else:
+                    self.save()
+                    self.write(f"stopped at step {self.step}: checkpoint saved; the same command resumes")
                 raise KeyboardInterrupt
             last = history[-1] if history else None
             self.save()
@@ -545,6 +585,7 @@ class SAETrainer:
                 self.sae, self.step, final["explained_variance"], final["l0"], final["dead_fraction"], self.out, history
             )
         finally:
+            self.buffer.stop = None
             self.lock.release()
 
     @staticmethod
