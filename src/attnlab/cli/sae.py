@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab.data import tokenize_to_cache
-    from attnlab.tools.loading import load
+    from attnlab.tools.loading import load_pretrained
     from attnlab.training.sae import SAETrainConfig, SAETrainer
 
     cfg = SAETrainConfig(
@@ -133,7 +133,9 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.seed,
         save_every=args.save_every,
     )  # settings checked before the model is read
-    loaded = load(model=args.model, device=torch.device(args.device))
+    # Dense float32 weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
+    # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
+    loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=torch.float32)
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=str(args.model), progress=args.progress)
     try:
