@@ -210,10 +210,14 @@ class _EncodeRows(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # sum_i grad[r, i] * W_enc[:, indices[r, i]]
             grad_x = F.embedding_bag(indices, w_enc.T.contiguous(), per_sample_weights=grad, mode="sum")
         if ctx.needs_input_grad[2]:
-            rows = torch.arange(n, device=indices.device).repeat_interleave(k)
-            where = torch.stack([indices.reshape(-1), rows])  # in range by construction: no checks
-            g = torch.sparse_coo_tensor(where, grad.reshape(-1), (d_sae, n), check_invariants=False)
-            grad_w = torch.sparse.mm(g, xin).T.contiguous()  # (d_in, d_sae)
+            if xin.device.type in ("cpu", "cuda"):
+                rows = torch.arange(n, device=indices.device).repeat_interleave(k)
+                where = torch.stack([indices.reshape(-1), rows])  # in range by construction: no checks
+                g = torch.sparse_coo_tensor(where, grad.reshape(-1), (d_sae, n), check_invariants=False)
+                grad_w = torch.sparse.mm(g, xin).T.contiguous()  # (d_in, d_sae)
+            else:  # (no sparse matmul elsewhere) the same sum, its n k terms written out
+                terms = (grad.unsqueeze(-1) * xin.unsqueeze(1)).reshape(n * k, -1)  # (n k, d_in)
+                grad_w = xin.new_zeros(d_sae, xin.shape[-1]).index_add_(0, indices.reshape(-1), terms).T.contiguous()
         if ctx.needs_input_grad[3]:
             grad_b = torch.zeros(d_sae, dtype=grad.dtype, device=grad.device).index_add_(
                 0, indices.reshape(-1), grad.reshape(-1)
