@@ -1,10 +1,12 @@
 """Fast decoding: each new token through the model's own modules, on caches written at fixed slots.
 
 A decoding step feeds one token per row. :class:`FastDecoder` runs it as the model's own forward
-(:meth:`attnlab.GPT.decode_logits`, without the argument checks of ``model(idx)``) over
-:class:`attnlab.attention.SlotCache` views of the generation's KV caches: the new key and value go to
-the slot of their token's index, and attention reads every slot under a mask made from the slots'
-positions. Every step then has the same shapes, so ``torch.compile`` traces the forward once and each
+(:meth:`attnlab.GPT.decode_logits`, without the argument checks of ``model(idx)``). Uncompiled (the
+default) that is the eager forward on the generation's KV caches. Compiled, it runs over
+:class:`attnlab.attention.SlotCache` views of them: the new key and value go to the slot of their
+token's index, and attention reads every slot under a mask made from the slots' positions (an eager
+step so is slower than the plain forward: it attends over every slot). Every step then has the same
+shapes, so ``torch.compile`` traces the forward once and each
 later token runs inductor's code (gpt-fast's design): one graph for the whole step, the norms, RoPE
 and the cache writes fused into loops around the matmuls of torch's own kernels (oneDNN, MKL, cuBLAS).
 On CUDA the compiled step is also captured in a CUDA graph (``mode="reduce-overhead"``): a small
@@ -13,8 +15,8 @@ model's step is hundreds of short kernels whose launches, not the reads of the w
 Nothing here is a second copy of a transformer block: a family switch of :class:`attnlab.GPTConfig`
 or a new module is decoded fast as soon as the model's forward computes it.
 
-Eager is the reference. The fast step computes what ``model.decode_logits`` computes on the same caches
-(attention over more slots, all but the filled ones masked, so equal up to the order of sums), and
+Eager is the reference. The compiled step computes what ``model.decode_logits`` computes on the same
+caches (attention over more slots, all but the filled ones masked, so equal up to the order of sums), and
 generation uses it only where that holds (:func:`supported` once per generation,
 :meth:`FastDecoder.fits` each step): not while a hook is set (hooks read or replace the eager
 forward's activations), not with padding masks, LoRA parametrizations or in training mode, and not
@@ -123,10 +125,10 @@ def plan(model: nn.Module, caches: list[Any], compile: bool = False) -> DecodePl
 
 
 def _forward_step(
-    model: nn.Module, token: Tensor, at: Tensor, caches: list[SlotCache], reading: Reading | None = None
+    model: nn.Module, token: Tensor, at: Tensor | None, caches: list[Any], reading: Reading | None = None
 ) -> tuple[Tensor, Any]:
-    """The logits ``(B, V)`` after ``token (B, 1)`` at position ``at (1, 1)``: the model's own forward;
-    and what ``reading`` read of the step (None without)."""
+    """The logits ``(B, V)`` after ``token (B, 1)`` at position ``at (1, 1)`` (None: after the cached
+    tokens): the model's own forward; and what ``reading`` read of the step (None without)."""
     if reading is None:
         return model.decode_logits(token, None, caches, position_ids=at)[:, -1], None
     with reading(model) as read:  # (inside the compiled step: its hook functions are traced with it)
@@ -174,8 +176,11 @@ class FastDecoder:
     def __init__(self, model: nn.Module, caches: list[Any], *, compile: bool = False) -> None:
         self.model, self.caches = model, caches
         self.plan = plan(model, caches, compile)
-        self.slot_caches = [SlotCache(c) for c in caches]
-        self.run = _forward_step if self.plan.route is Route.EAGER else _compiled_step(self.plan.route)
+        # Uncompiled, the step is the eager forward on the caches as they are (attention over the filled
+        # slots, no mask); compiled, the slot views give every step the same shapes.
+        eager = self.plan.route is Route.EAGER
+        self.slot_caches = caches if eager else [SlotCache(c) for c in caches]
+        self.run = _forward_step if eager else _compiled_step(self.plan.route)
         if self.plan.route is Route.CUDA_GRAPH:  # (a CUDA graph writes the caches in place: fixed addresses)
             for c in caches:
                 for t in (c.keys, c.values, c.positions):
@@ -195,7 +200,9 @@ class FastDecoder:
         take in their next slot; with ``reading``, ``(logits, what it read)`` (see :data:`Reading`:
         compiled with the step, once per reading function)."""
         at = self.caches[0].seen
-        position = torch.full((1, 1), at, dtype=torch.long, device=token.device)  # (1, 1)
+        position = None  # (eager: the caches count the position)
+        if self.plan.route is not Route.EAGER:
+            position = torch.full((1, 1), at, dtype=torch.long, device=token.device)  # (1, 1)
         # (B, 1), a fresh copy: a column of the tokens so far has that buffer's strides, which the compiled
         # step's guards would see change with the prompt's length
         token = token.reshape(-1, 1).clone(memory_format=torch.contiguous_format)
