@@ -66,6 +66,7 @@ __all__ = [
     "circuit_result",
     "circuit_result_pairs",
     "circuit_section",
+    "node_name",
     "notebook_circuit_html",
     "parse_budget",
     "read_circuit_asset",
@@ -416,8 +417,7 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
         "pairs": result.n_pairs,
     }
     if g.saes:
-        name = lambda n: sae_node_name(n) if _is_sae(n) else _plain_name(n)
-        section["sae_edges"] = [[name(w), name(r), score] for w, r, score in top if _is_sae(w) or _is_sae(r)]
+        section["sae_edges"] = [[node_name(w), node_name(r), score] for w, r, score in top if _is_sae(w) or _is_sae(r)]
     if result.patterns is not None:
         heads = _heads_of(g, drawn)
         T = len(result.clean_ids)
@@ -436,9 +436,12 @@ def circuit_section(result: CircuitResult, *, max_drawn: int = MAX_DRAWN, static
     return section
 
 
-def _plain_name(node: tuple) -> str:
-    """A model node's short name, as the page writes it: ``a3.1``, ``m2``, ``a5.0<q``, ``input``, ``logits``."""
+def node_name(node: tuple) -> str:
+    """A node's short name, as the page and ``attnlab circuit`` write it (TransformerLens's): ``a3.1``,
+    ``m2``, ``a5.0<q``, ``a5.kv0<k``, ``input``, ``logits``; an SAE's node by :func:`sae_node_name`."""
     kind, layer, head = node[:3]
+    if _is_sae(node):
+        return sae_node_name(node)
     return {
         "embed": "input",
         "logits": "logits",

@@ -145,6 +145,11 @@ class EdgeGraph:
     n_base_writers: int = field(init=False)
     n_base_readers: int = field(init=False)
 
+    @property
+    def shape(self) -> tuple[int, int, int, bool]:
+        """``(layers, heads, key/value heads, parallel)``: the model the graph is of."""
+        return self.n_layers, self.n_heads, self.n_kv_heads, self.parallel
+
     def __post_init__(self) -> None:
         L, H, G = self.n_layers, self.n_heads, self.n_kv_heads
         writers: list[Node] = [("embed", None, None)]
@@ -930,13 +935,7 @@ def _graph_for(
         raise ValueError("give saes or graph, not both (a graph from sae_graph holds its SAEs)")
     if not isinstance(graph, EdgeGraph):
         raise TypeError(f"graph must be an EdgeGraph (from sae_graph), got {type(graph).__name__}")
-    base = EdgeGraph.of(model)
-    if (graph.n_layers, graph.n_heads, graph.n_kv_heads, graph.parallel) != (
-        base.n_layers,
-        base.n_heads,
-        base.n_kv_heads,
-        base.parallel,
-    ):
+    if graph.shape != EdgeGraph.of(model).shape:
         raise ValueError("graph belongs to another model (its layers or heads differ)")
     return graph
 
@@ -1301,13 +1300,7 @@ def _as_masks(model_graph: EdgeGraph, circuits: object, T: int) -> tuple[EdgeGra
     if len(shapes) != 1:
         raise ValueError(f"circuits must all be position-summed or all per position, got mask shapes {sorted(shapes)}")
     for c in listed:
-        g = c.graph
-        if (g.n_layers, g.n_heads, g.n_kv_heads, g.parallel) != (
-            graph.n_layers,
-            graph.n_heads,
-            graph.n_kv_heads,
-            graph.parallel,
-        ):
+        if c.graph.shape != graph.shape:
             raise ValueError("a circuit belongs to another model's graph (its layers or heads differ)")
         if c.mask.dim() == 3 and c.mask.shape[0] != T:
             raise ValueError(f"a per-position circuit has {c.mask.shape[0]} positions, the prompts have {T}")

@@ -25,9 +25,9 @@ from attnlab.interpret.circuit_view import (
     circuit_page,
     circuit_result,
     circuit_result_pairs,
+    node_name,
     notebook_circuit_html,
     parse_budget,
-    sae_node_name,
 )
 from attnlab.interpret.circuits import sae_place
 from attnlab.interpret.patch_view import answer_token
@@ -54,22 +54,7 @@ MAX_CIRCUIT_TOKENS = 64
 PAIRS_MAX_BYTES = 64 << 20  # a JSONL of prompt pairs: thousands of lines are a few megabytes
 
 
-def format_node(node: tuple) -> str:
-    """``("attn_head_out", 3, 1)`` -> ``a3.1``, ``("q_input", 5, 0)`` -> ``a5.0<q``, ``("mlp_out", 2, None)``
-    -> ``m2`` (TransformerLens's short names); an SAE's latent ``sae 3.hook_resid_post latent 123``."""
-    kind, layer, head = node[:3]
-    if str(kind).startswith("sae_"):
-        return sae_node_name(node)
-    return {
-        "embed": "input",
-        "logits": "logits",
-        "attn_head_out": f"a{layer}.{head}",
-        "mlp_out": f"m{layer}",
-        "mlp_in": f"m{layer}",
-        "q_input": f"a{layer}.{head}<q",
-        "k_input": f"a{layer}.kv{head}<k",
-        "v_input": f"a{layer}.kv{head}<v",
-    }[kind]
+format_node = node_name  # ("attn_head_out", 3, 1) -> "a3.1": the printed edges name nodes as the page does
 
 
 @dataclass
