@@ -22,8 +22,8 @@ the blocks instead and computes with them:
   kernel's float32 dequantization of the pack is gguf's, bit for bit), its scales then rounded to
   bfloat16. Float32 weights keep the tiled products (torch's float32 int4 kernel is a scalar loop).
 * Gradients flow to the activations (``x.grad``: the transposed product, tile by tile again), never to
-  the weight: a quantized weight is frozen (LoRA adapts it through a parametrization, which computes
-  ``W + B @ A`` densely for the layer it adapts).
+  the weight: a quantized weight is frozen (LoRA adapts it through a parametrization whose update is
+  a product of its own beside the blocks: :class:`attnlab.training.lora.LowRankUpdated`).
 * Moving rows (``torch.cat``, ``split``, slicing, ``index_select`` on dimension 0: how checkpoints fuse
   or split projections), ``.to(device)``, ``.to(dtype)`` (the logical dtype; the blocks stay as
   they are), ``detach`` and ``clone`` keep the blocks. Any other operation on the weight computes on
@@ -320,9 +320,9 @@ def dequantize(format: str, fields: dict[str, Tensor]) -> Tensor:
 # then ``(q - 8) * scale + zero`` is gguf's number bit for bit, whatever the order of its roundings.
 #
 # In torch 2.13 on x86 the kernel is vectorized (AVX512/AVX2) for bfloat16 only: float32 activations with
-# float32 scales take its scalar loop, some 50x slower than the dense float32 matmul (a decoding step's
-# 1536 x 576 product: 4.2 ms against 0.08 ms), and bfloat16 wants bfloat16 scales (8 significant bits
-# for the file's 11: not lossless) and rounds its outputs to bfloat16. So a weight carries the pack
+# float32 scales take its scalar loop, far slower than the dense float32 matmul (docs/performance.md),
+# and bfloat16 wants bfloat16 scales (8 significant bits for the file's 11: not lossless) and rounds
+# its outputs to bfloat16. So a weight carries the pack
 # (:attr:`QuantizedTensor.int4`) where it computes in one of :data:`INT4_DTYPES` -- ``model.to(torch.bfloat16)``,
 # a generation path of its own -- and the default float32 weights keep the exact tiled products below.
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
