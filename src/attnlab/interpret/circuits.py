@@ -967,6 +967,10 @@ def _step_chunks(n: int, rows_per_step: int, T: int, max_tokens: int) -> list[ra
     return [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
 
+class _Embedded(Exception):
+    """Raised at ``hook_embed`` once the embeddings are read: the rest of the forward pass is skipped."""
+
+
 def _ig_inputs(
     model: nn.Module,
     graph: EdgeGraph,
@@ -985,14 +989,14 @@ def _ig_inputs(
     def grab(name: str) -> Callable:
         def fn(x: Tensor, hook: HookPoint) -> None:
             embeds[name] = x.detach()
+            raise _Embedded  # (the blocks after the embedding are not needed)
 
         return fn
 
     with torch.no_grad():
-        with hooks(model, {"hook_embed": grab("clean")}):
-            model(clean)
-        with hooks(model, {"hook_embed": grab("corrupted")}):
-            model(corrupted)
+        for name, idx in (("clean", clean), ("corrupted", corrupted)):
+            with contextlib.suppress(_Embedded), hooks(model, {"hook_embed": grab(name)}):
+                model(idx)
     corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
     delta = clean_w - corr_w
     B = clean.shape[0]

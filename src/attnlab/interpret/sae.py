@@ -958,6 +958,7 @@ def _eval_tokens(tokens: object, batch_size: object) -> Tensor:
     return tokens
 
 
+@torch.no_grad()
 def evaluate_sae(
     model: nn.Module,
     sae: SAE,
