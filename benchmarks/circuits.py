@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from attnlab.interpret.circuits import METHODS
+
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 ANSWERS = (" Mary", " John")
@@ -185,11 +187,12 @@ def smollm2_part(args: argparse.Namespace) -> None:
     one = min(pass_time() for _ in range(args.repeats + 1))
     print(f"one forward + backward pass: {one * 1000:.0f} ms")
     results = {}
-    for method, steps in (("EAP", 1), ("EAP-IG-inputs", 5), ("EAP-IG-activations", 5)):
+    for method in args.methods:
+        steps = 1 if method == "EAP" else 5
         seconds, scores = best(lambda m=method, s=steps: edge_attribution(model, clean, corrupted, metric, m, s))
         results[method] = scores
         print(f"{method:20s} ({steps} steps) {seconds:7.2f} s = {seconds / one:6.1f} passes   edges {len(scores)}")
-    graph = results["EAP"].graph
+    graph = next(iter(results.values())).graph
     n = int(0.05 * graph.n_edges)
     gen = torch.Generator().manual_seed(0)
     random = [Circuit.random(graph, n, gen) for _ in range(10)]
@@ -214,6 +217,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tl-python", default="/work/venvs/tl/bin/python")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="smollm2's methods")
     p.add_argument("--dtype", default="float32", choices=["float32", "quantized"], help="SmolLM2's matrices")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
