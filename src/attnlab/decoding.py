@@ -4,11 +4,11 @@ A decoding step feeds one token per row. :class:`FastDecoder` runs it as the mod
 (:meth:`attnlab.GPT.decode_logits`, without the argument checks of ``model(idx)``). Uncompiled (the
 default) that is the eager forward on the generation's KV caches. Compiled, it runs over
 :class:`attnlab.attention.SlotCache` views of them: the new key and value go to the slot of their
-token's index, and attention reads every slot under a mask made from the slots' positions (an eager
-step so is slower than the plain forward: it attends over every slot). Every step then has the same
-shapes, so ``torch.compile`` traces the forward once and each
-later token runs inductor's code (gpt-fast's design): one graph for the whole step, the norms, RoPE
-and the cache writes fused into loops around the matmuls of torch's own kernels (oneDNN, MKL, cuBLAS).
+token's index, and attention reads every slot under a mask made from the slots' positions (uncompiled,
+that is slower than the plain forward: it attends over every slot). Every step then has the same shapes,
+so ``torch.compile`` traces the forward once and each later token runs inductor's code (gpt-fast's
+design): one graph for the whole step, the norms, RoPE and the cache writes fused into loops around the
+matmuls of torch's own kernels (oneDNN, MKL, cuBLAS).
 On CUDA the compiled step is also captured in a CUDA graph (``mode="reduce-overhead"``): a small
 model's step is hundreds of short kernels whose launches, not the reads of the weights, take its time.
 
