@@ -69,7 +69,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import HookPoint, hooks
+from attnlab.interpret.hooks import HookPoint, activation_at, hooks
 from attnlab.interpret.patching import metric_scalar
 from attnlab.interpret.sae import SAE, sae_point, splice
 
@@ -967,10 +967,6 @@ def _step_chunks(n: int, rows_per_step: int, T: int, max_tokens: int) -> list[ra
     return [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
 
-class _Embedded(Exception):
-    """Raised at ``hook_embed`` once the embeddings are read: the rest of the forward pass is skipped."""
-
-
 def _ig_inputs(
     model: nn.Module,
     graph: EdgeGraph,
@@ -984,23 +980,11 @@ def _ig_inputs(
     max_tokens: int,
 ) -> Tensor:
     """EAP-IG on the inputs: the token embeddings at ``alpha = k / steps``, the steps as rows of a batch."""
-    embeds: dict[str, Tensor] = {}
-
-    def grab(name: str) -> Callable:
-        def fn(x: Tensor, hook: HookPoint) -> None:
-            embeds[name] = x.detach()
-            raise _Embedded  # (the blocks after the embedding are not needed)
-
-        return fn
-
-    with torch.no_grad():
-        for name, idx in (("clean", clean), ("corrupted", corrupted)):
-            with contextlib.suppress(_Embedded), hooks(model, {"hook_embed": grab(name)}):
-                model(idx)
+    with torch.no_grad():  # (the blocks after the embedding are not run)
+        e1, e0 = (activation_at(model, "hook_embed", idx) for idx in (clean, corrupted))
     corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
     delta = clean_w - corr_w
     B = clean.shape[0]
-    e0, e1 = embeds["corrupted"], embeds["clean"]
     for chunk in _step_chunks(steps, B, clean.shape[1], max_tokens):
         alphas = torch.tensor([k / steps for k in chunk], dtype=e0.dtype, device=e0.device)
         path = (e0[None] + alphas[:, None, None, None] * (e1 - e0)[None]).flatten(0, 1)  # (n B, T, d)

@@ -67,6 +67,7 @@ __all__ = [
     "AttentionCall",
     "HookPoint",
     "act_name",
+    "activation_at",
     "added_points",
     "attention_hooks",
     "attention_layers",
@@ -429,6 +430,23 @@ class ActivationCache(dict):
             return super().__getitem__(key)
         except KeyError:
             raise KeyError(f"{key!r} was not cached; cached: {', '.join(list(self)[:6])}...") from None
+
+
+class _Reached(Exception):
+    """Raised by :func:`activation_at`'s hook: the rest of the forward pass is not needed."""
+
+
+def activation_at(model: nn.Module, name: str, idx: Tensor) -> Tensor:
+    """The activation at hook point ``name`` for ``idx (B, T)``, the layers after it not run."""
+    seen: dict[str, Tensor] = {}
+
+    def stop(x: Tensor, hook: HookPoint) -> None:
+        seen["x"] = x
+        raise _Reached
+
+    with contextlib.suppress(_Reached), hooks(model, {name: stop}):
+        model(idx)
+    return seen["x"]
 
 
 def run_with_cache(

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.files import atomic_write_text
-from attnlab.interpret.hooks import HookPoint, hooks
+from attnlab.interpret.hooks import activation_at
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
 from attnlab.interpret.sae import SAE
@@ -53,26 +53,6 @@ __all__ = [
 DASHBOARD_ASSETS = ("sae_dashboard.html", "sae_dashboard.css", "sae_dashboard.js")
 # Histogram bins of log10(activation): 1e-4 .. 1e4, 64 bins (values outside go to the end bins).
 LOG_LO, LOG_HI, BINS = -4.0, 4.0, 64
-
-
-class _Reached(Exception):
-    """Raised by the hook at the SAE's point: the rest of the forward pass is not needed."""
-
-
-def _input_of(model: nn.Module, hook_name: str, idx: Tensor) -> Tensor:
-    """The activation at ``hook_name`` for ``idx (B, T)``: ``(B, T, d)``, the layers after it not run."""
-    seen: dict[str, Tensor] = {}
-
-    def stop(x: Tensor, hook: HookPoint) -> None:
-        seen["x"] = x
-        raise _Reached
-
-    try:
-        with hooks(model, {hook_name: stop}):
-            model(idx)
-    except _Reached:
-        pass
-    return seen["x"]
 
 
 @dataclass
@@ -173,7 +153,7 @@ def strongest_latents(model: nn.Module, sae: SAE, idx: Tensor, n: int = 5) -> tu
     was_training = model.training
     model.eval()
     try:
-        x = _input_of(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
+        x = activation_at(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
     finally:
         model.train(was_training)
     values, latents = sae.encode(x)[0].topk(n, dim=-1)  # (T, n) each, descending
@@ -233,7 +213,7 @@ def collect(
         for w0 in range(0, n_windows, batch):
             w1 = min(w0 + batch, n_windows)
             idx = ids[w0 * context : w1 * context].view(w1 - w0, context).to(device)  # (B, T)
-            x = _input_of(model, sae.cfg.hook_name, idx)  # (B, T, d_in)
+            x = activation_at(model, sae.cfg.hook_name, idx)  # (B, T, d_in)
             z = sae.encode(x)[..., lat]  # (B, T, n) the chosen latents
             stats.update(z, idx, w0 * context)
             if progress is not None:
