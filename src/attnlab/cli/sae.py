@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--out", required=True, metavar="DIR", help="the run directory (resumed when it holds a run)")
     t.add_argument("--device", default="cpu", metavar="DEV", help="cpu (default), cuda, cuda:N or mps")
+    t.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the model's weights while it computes the activations (the SAE trains in float32); default "
+        "float32, bfloat16 is faster where the CPU computes it natively",
+    )
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
 
     e = sub.add_parser("eval", help="measure an SAE: L0, explained variance, dead latents, CE recovered, KL")
@@ -92,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
     d.add_argument("--top", type=int, default=10, metavar="K", help="top-activating contexts per latent (default 10)")
     d.add_argument("--out", required=True, metavar="PAGE", help="the HTML page to write")
+    d.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the model's weights (the SAE runs in float32); default float32, bfloat16 is faster where the CPU "
+        "computes it natively",
+    )
     d.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
 
     i = sub.add_parser("info", help="show an SAE's configuration (its files checked)")
@@ -133,9 +147,9 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.seed,
         save_every=args.save_every,
     )  # settings checked before the model is read
-    # Dense float32 weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
+    # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
-    loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=torch.float32)
+    loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=str(args.model), progress=args.progress)
     try:
@@ -190,8 +204,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
-    # Dense float32 weights: a matrix kept in a file's blocks would be dequantized again for every batch.
-    loaded = load_pretrained(args.model, dtype=torch.float32)
+    # Dense weights: a matrix kept in a file's blocks would be dequantized again for every batch.
+    loaded = load_pretrained(args.model, dtype=getattr(torch, args.dtype))
     sae.check_model(loaded.model)
     ids = tokenize_to_cache(args.data, loaded.tokenizer)
     if len(ids) < args.context:

@@ -21,7 +21,9 @@ the row removed, as sparsify does.
 Checkpoints are the trainer's: a step directory assembled under a temporary name, renamed, and
 ``latest.json`` switched atomically (:mod:`attnlab.training.checkpoint`); the directory is locked
 while a run writes (:mod:`attnlab.training.rundir`). The finished SAE is saved in SAELens's format
-in ``DIR/sae`` (a TopK transcoder, which SAELens has no class for, in sparsify's).
+in ``DIR/sae`` (a TopK transcoder, which SAELens has no class for, in sparsify's). ``DIR/metrics.jsonl``
+holds the training curve: every 10 steps, the mean of their loss, explained variance, L0 and dead
+fraction, with the step, the tokens trained on and the seconds since the run (re)started.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from attnlab.training.checkpoint import (
     metadata_digest,
 )
 from attnlab.training.rundir import RunLock, check_run_directory
-from attnlab.training.trainer import StopFlag
+from attnlab.training.trainer import METRICS_NAME, MetricsLog, StopFlag
 
 __all__ = ["SAETrainConfig", "SAETrainResult", "SAETrainer", "train_sae"]
 
@@ -402,7 +404,9 @@ class SAETrainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
         # What a resumed run must share; how often it saves and how far it goes may change.
-        return {**dataclasses.asdict(self.cfg), "save_every": None, "keep": None, "tokens": None}
+        # The model's dtype too: activations of a bfloat16 model differ from a float32 model's.
+        dtype = next((str(p.dtype) for p in self.model.parameters() if p.is_floating_point()), None)
+        return {**dataclasses.asdict(self.cfg), "save_every": None, "keep": None, "tokens": None, "model_dtype": dtype}
 
     def resume(self) -> bool:
         """Load the latest checkpoint of ``out`` if there is one; True when it did."""
@@ -537,6 +541,7 @@ class SAETrainer:
     def fit(self) -> SAETrainResult:
         check_run_directory(self.out)
         self.lock.acquire()
+        metrics: MetricsLog | None = None
         try:
             resumed = self.resume()
             cfg = self.cfg
@@ -546,6 +551,8 @@ class SAETrainer:
             history: list[dict[str, float]] = []
             window: list[dict[str, float]] = []
             t0, rows = time.perf_counter(), 0
+            # One line per summary (every 10 steps): the training curve, kept across a resume up to its step.
+            metrics = MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
             with StopFlag() as stop:  # SIGINT / SIGTERM: finish the step (a buffer fill: stop it), save, stop
                 self.buffer.stop = stop
                 while self.step < cfg.max_steps and stop.signum is None:
@@ -557,8 +564,11 @@ class SAETrainer:
                     if self.step % cfg.save_every == 0:
                         self.save()
                     if len(window) >= 10 or self.step == cfg.max_steps:
-                        history.append(self._summary(window, rows / max(time.perf_counter() - t0, 1e-9)))
+                        seconds = time.perf_counter() - t0
+                        history.append(self._summary(window, rows / max(seconds, 1e-9)))
                         window = []
+                        tokens = self.step * cfg.batch_rows
+                        metrics.append({"step": self.step, "tokens": tokens, "seconds": seconds, **history[-1]})
                         if bar is not None:
                             bar.set_postfix(self._postfix(history[-1]), refresh=False)
                     if bar is not None:
@@ -589,6 +599,8 @@ class SAETrainer:
                 self.sae, self.step, final["explained_variance"], final["l0"], final["dead_fraction"], self.out, history
             )
         finally:
+            if metrics is not None:
+                metrics.close()
             self.buffer.stop = None
             self.lock.release()
 

@@ -111,7 +111,7 @@ class TrainResult:
 
 
 # -- Pieces ----------------------------------------------------------------------------------
-class _MetricsLog:
+class MetricsLog:
     """``metrics.jsonl``, one JSON line per step; every line flushed and fsynced as written.
 
     On resume from step ``k`` the lines past ``k`` (written after the checkpoint) and any torn last
@@ -758,7 +758,7 @@ class Trainer:
         """The training loop of :meth:`fit`: (the signal that stopped it, the last checkpoint, the metrics)."""
         cfg, d = self.cfg, self.dist
         if d.is_main:
-            self.metrics = _MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
+            self.metrics = MetricsLog(self.out / METRICS_NAME, keep_up_to=self.step)
         self._log_start()
         bar = self._progress_bar()
         write = bar.write if bar is not None else self.log
