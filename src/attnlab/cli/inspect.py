@@ -6,7 +6,9 @@ Example::
 
 Per layer and head the role scores (previous-token, first-token, self, duplicate-token, induction),
 the strongest heads of each role, the logit lens at one position, the rollout row of one token and,
-with ``--ablate``, the change in loss and in the next-token distribution when those heads are removed.
+with ``--ablate``, the change in loss and in the next-token distribution when those heads are removed;
+with ``--sae DIR``, each token's strongest latents of that SAE (``attnlab viz --sae`` draws them, with
+each latent's dashboard, in the inspector page's Features view).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import argparse
 
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
+from attnlab.cli.viz import add_sae_arguments
 from attnlab.tools.loading import load
+from attnlab.tools.viz.inspector import attach_saes, load_saes
 from attnlab.tools.viz.report import inspect_report
 
 
@@ -49,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replace a removed head's output by zeros or by its mean over the prompt (default: zero)",
     )
     parser.add_argument("--role-seed", type=int, default=0, metavar="S", help="seed of the role-score sequence")
+    add_sae_arguments(parser, page=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.ablate is not None and not args.ablate.strip():
         raise ValueError("--ablate needs heads as layer.head, e.g. --ablate 0.1,3.2")
+    saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
     loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    attach_saes(saes, loaded.model)  # its hook point and width, before any work
     report = inspect_report(
         loaded,
         args.prompt,
@@ -74,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         ablate=args.ablate,
         ablate_mode=args.ablate_mode,
         role_seed=args.role_seed,
+        saes=saes,
     )
     print(report.format(top=args.top))
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
+from attnlab.cli.viz import add_sae_arguments
 from attnlab.errors import UserError
 
 
@@ -16,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "next-token probabilities (temperature/top-k/top-p), rollout, the logit lens and head roles follow; "
         "stream a generation token by token with its attention; ablate heads from the grid; patch activations "
         "(type a corrupted prompt, pick two answers: which heads and positions restore the answer); chat with an "
-        "instruct model (its chat template) and open an answer in the inspector. Binds 127.0.0.1 "
+        "instruct model (its chat template) and open an answer in the inspector; with --sae, a token's strongest "
+        "SAE latents, a latent's dashboard and steering. Binds 127.0.0.1 "
         "(this machine only) unless --host says otherwise. Needs: pip install 'attnlab[serve]'."
     )
     source = add_model_arguments(parser, what="the page opens with (default: 'Your journey starts with one step')")
@@ -49,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode generations with the eager fast path only (default: the compiled step, compiled in the "
         "background once the server listens: tens of seconds of CPU; generations run the fast path until then)",
     )
+    add_sae_arguments(parser)
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -70,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the model to serve: --checkpoint DIR, --model NAME, or --demo")
     if args.demo and args.prompt is not None:
         raise ValueError("--prompt needs a language model (--checkpoint DIR or --model NAME), not --demo")
+    if args.demo and args.sae:
+        raise ValueError("--sae needs a language model (--checkpoint DIR or --model NAME), not --demo")
+    if args.sae_data is not None and not args.sae:
+        raise ValueError("--sae-data needs --sae DIR (the SAE whose latents' dashboards read it)")
+    if args.sae_tokens < 1:
+        raise ValueError(f"--sae-tokens must be a positive int, got {args.sae_tokens}")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -80,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
+    from attnlab.tools.viz.inspector import attach_saes, load_saes, sae_corpus
+
+    saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
 
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     limits = Limits(max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body)
@@ -90,8 +102,13 @@ def run(args: argparse.Namespace) -> int:
         # A training run by its directory's name (not its latest step's), a GPT-2 by its name.
         given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
         name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
+        attach_saes(saes, loaded.model)  # each SAE's hook point and width checked before serving
+        corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)
+        features = dict(saes=saes, sae_corpus=corpus, sae_corpus_name=Path(args.sae_data or "").name)
         try:
-            engine = Engine(loaded, name=name, limits=limits, prompt=args.prompt, compile=not args.no_compile)
+            engine = Engine(
+                loaded, name=name, limits=limits, prompt=args.prompt, compile=not args.no_compile, **features
+            )
         except ValueError as exc:
             raise ValueError(f"--prompt: {exc}") from None
     serve(engine, host=args.host, port=args.port, log_level=args.log_level)

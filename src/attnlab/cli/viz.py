@@ -9,6 +9,7 @@ from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
 from attnlab.tools.loading import load
 from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
+from attnlab.tools.viz.inspector import attach_saes, load_saes, sae_corpus
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
@@ -51,6 +52,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "head and every position, computed now (the page is static); needs --answers",
     )
     page.add_argument("--answers", nargs=2, metavar=("A", "B"), help="the patching view's answers: one token each")
+    add_sae_arguments(page)
+
+
+def add_sae_arguments(parser: argparse.ArgumentParser, *, page: bool = True) -> None:
+    """``--sae DIR`` (repeatable), and for a page ``--sae-data FILE``, ``--sae-tokens N`` (viz, serve)."""
+    parser.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an SAE (or transcoder) of the model: its directory, params.npz or Hub id (repeatable)"
+        + (
+            "; adds the Features view: each token's strongest latents, a latent's dashboard (its top contexts, "
+            "activation histogram, density, promoted and suppressed tokens)"
+            if page
+            else "; the report lists each token's strongest latents"
+        ),
+    )
+    if not page:
+        return
+    parser.add_argument(
+        "--sae-data",
+        metavar="FILE",
+        help="UTF-8 text whose first --sae-tokens tokens the latents' dashboards also read (default: the prompt's)",
+    )
+    parser.add_argument(
+        "--sae-tokens",
+        type=int,
+        default=65_536,
+        metavar="N",
+        help="tokens of --sae-data the dashboards read (default: 65536)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,11 +103,22 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     html = out is not None and out.suffix.lower() in (".html", ".htm")
     check_patching(args, html, has_model)
+    if (args.sae or args.sae_data is not None) and not (html and has_model):
+        raise ValueError(
+            "--sae adds the Features view to a model's page: give --model or --checkpoint, --prompt and --out FILE.html"
+        )
+    if args.sae_data is not None and not args.sae:
+        raise ValueError("--sae-data needs --sae DIR (the SAE whose latents' dashboards read it)")
+    if args.sae_tokens < 1:
+        raise ValueError(f"--sae-tokens must be a positive int, got {args.sae_tokens}")
+    saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
     if not has_model:
         view = demo_view().select(args.layer, args.head)
     else:
         loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
         if html:
+            attach_saes(saes, loaded.model)  # its hook point and width checked before any work
+            corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)
             data = model_inspector(
                 loaded,
                 args.prompt,
@@ -86,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 layers=args.layer,
                 heads=args.head,
+                saes=saes,
+                sae_corpus=corpus,
+                sae_options=None if args.sae_data is None else {"corpus_name": Path(args.sae_data).name},
             )
             if args.corrupted is not None:
                 from attnlab.tools.patch import patching_view
@@ -99,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(data['steps']['heads'])} heads, next-token probabilities, rollout, logit lens, head roles"
                 + (f", {len(data['generation']['steps'])} generated tokens" if data["generation"] else "")
                 + (", activation patching (the Patching tab)" if data.get("patching") else "")
+                + (f", the latents of {len(saes)} SAE{'s' * (len(saes) != 1)} (the Features tab)" if saes else "")
             )
             return 0
         from attnlab.tools.viz.inspector import encode_prompt

@@ -8,7 +8,8 @@ makes them JSON (inline base64 for an API answer, one compressed blob for an off
 
 Sections (each None when it does not apply): ``layers`` (attention per row and head), ``steps``
 (the tutorials' steps for some heads), ``next`` (next-token probabilities per position),
-``rollout``, ``lens``, ``roles``, ``generation``; ``vocab`` labels every token id they mention.
+``rollout``, ``lens``, ``roles``, ``generation``, ``features`` (SAE latents, filled by
+:func:`attnlab.interpret.sae_view.features_sections`); ``vocab`` labels every token id they mention.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, 
         "lens": None,
         "roles": None,
         "generation": None,
+        "features": None,
         "vocab": {},
     }
 

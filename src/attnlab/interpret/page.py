@@ -15,6 +15,8 @@ Template slots: ``$csp`` (the policy), ``$title`` (escaped text), ``$styles``, `
 The patching view has files of its own (``patching.js``, ``patching.css``; ``patching.html`` holds
 the view alone, for Jupyter: :mod:`attnlab.interpret.patch_view`): a page with a ``patching``
 section inlines them too, ``patching.js`` first (it registers the view that ``showInspector`` adds).
+So does a page with a ``features`` section (SAE latents): ``features.{js,css}`` and the latent
+dashboard's drawing, ``sae_dashboard.js``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ from attnlab.interpret.codec import to_json, unpack
 
 __all__ = ["ASSETS", "OFFLINE_CSP", "notebook_html", "read_asset", "read_page_data", "render_page", "save_page"]
 
-ASSETS = ("viewer.html", "viewer.css", "viewer.js", "patching.html", "patching.css", "patching.js")
+ASSETS = (
+    "viewer.html",
+    "viewer.css",
+    "viewer.js",
+    "patching.html",
+    "patching.css",
+    "patching.js",
+    "features.css",
+    "features.js",
+    "sae_dashboard.js",
+)
 
 # The offline page loads nothing: inline styles and scripts, canvases as data: images, no requests.
 OFFLINE_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
@@ -71,6 +83,10 @@ def render_page(data: dict[str, Any], *, read: Any = None) -> str:
     if data.get("patching") is not None:  # the patching view (attnlab.interpret.patch_view): its own files
         styles += "\n" + inline("style", read("patching.css"))
         scripts = inline("script", read("patching.js")) + "\n" + scripts
+    if data.get("features"):  # the Features view (SAE latents: attnlab.interpret.sae_view.features_section)
+        styles += "\n" + inline("style", read("features.css"))
+        features = [inline("script", read(name)) for name in ("sae_dashboard.js", "features.js")]
+        scripts = "\n".join([*features, scripts])
     return Template(read("viewer.html")).substitute(
         csp=OFFLINE_CSP,
         title=html.escape(data.get("title") or "attention"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import html
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -44,7 +44,10 @@ __all__ = [
     "collect",
     "dashboard_data",
     "dashboard_page",
+    "features_section",
+    "features_sections",
     "latent_logits",
+    "prompt_latents",
     "read_dashboard_data",
     "save_dashboard",
     "strongest_latents",
@@ -144,8 +147,20 @@ class LatentStats:
 def strongest_latents(model: nn.Module, sae: SAE, idx: Tensor, n: int = 5) -> tuple[Tensor, Tensor]:
     """Each token's ``n`` strongest latents (what the inspector shows for a token): ``idx (T,)`` or
     ``(1, T)`` -> ``(values (T, n), latents (T, n))``, values descending (0 where fewer fired)."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= sae.cfg.d_sae:
-        raise ValueError(f"n must be an int in [1, d_sae={sae.cfg.d_sae}], got {n!r}")
+    _check_n(n, sae.cfg.d_sae)
+    values, latents = prompt_latents(model, sae, idx).topk(n, dim=-1)  # (T, n) each, descending
+    return values.float().cpu(), latents.cpu()
+
+
+def _check_n(n: object, d_sae: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= d_sae:
+        raise ValueError(f"n must be an int in [1, d_sae={d_sae}], got {n!r}")
+
+
+@torch.no_grad()
+def prompt_latents(model: nn.Module, sae: SAE, idx: Tensor) -> Tensor:
+    """Every latent on every token of one prompt: ``idx (T,)`` or ``(1, T)`` -> ``(T, d_sae)``, on the
+    SAE's device (the model run up to the SAE's hook only)."""
     if not isinstance(idx, Tensor) or idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[0] != 1):
         got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
         raise ValueError(f"idx must be the token ids of one prompt, (T,) or (1, T), got {got}")
@@ -156,8 +171,7 @@ def strongest_latents(model: nn.Module, sae: SAE, idx: Tensor, n: int = 5) -> tu
         x = activation_at(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
     finally:
         model.train(was_training)
-    values, latents = sae.encode(x)[0].topk(n, dim=-1)  # (T, n) each, descending
-    return values.float().cpu(), latents.cpu()
+    return sae.encode(x)[0]  # (T, d_sae)
 
 
 def _check_latents(latents: object, d_sae: int) -> Tensor:
@@ -297,6 +311,100 @@ def dashboard_data(
         "tokens": stats.tokens,
         "latents": out,
     }
+
+
+# The Features view's one line on steering: an offline page holds numbers, it cannot run the model.
+STEERING_OFFLINE = (
+    "Steering runs the model: attnlab generate --steer SAE_DIR:LATENT:STRENGTH, or the Features tab of "
+    "attnlab serve --sae DIR."
+)
+
+
+def features_section(
+    model: nn.Module,
+    sae: SAE,
+    idx: Tensor,
+    tokenizer: Any = None,
+    *,
+    name: str | None = None,
+    n: int = 5,
+    max_latents: int = 256,
+    top_k: int = 5,
+    window: int = 8,
+    n_logits: int = 8,
+    corpus: np.ndarray | Tensor | None = None,
+    corpus_name: str | None = None,
+    corpus_tokens: int = 65_536,
+    context: int = 128,
+) -> dict[str, Any]:
+    """The inspector's Features view of one SAE on one prompt ``idx (T,)`` or ``(1, T)`` (plain JSON).
+
+    ``values``, ``latents`` ``(T, n)``: each token's ``n`` strongest latents (:func:`strongest_latents`'s
+    figures). The latents that appear there (at most ``max_latents``, the strongest first) get a
+    dashboard (:func:`dashboard_data`'s entries, in the order of ``shown``): over the prompt's own tokens,
+    and with ``corpus`` (1-D token ids) over its first ``corpus_tokens`` tokens in windows of
+    ``context``; ``acts`` ``(len(shown), T)``: each one's activation on every token of the prompt (the
+    page shades the tokens by it).
+    """
+    _check_n(n, sae.cfg.d_sae)
+    if not isinstance(max_latents, int) or isinstance(max_latents, bool) or max_latents < 1:
+        raise ValueError(f"max_latents must be a positive int, got {max_latents!r}")
+    z = prompt_latents(model, sae, idx).float().cpu()  # (T, d_sae)
+    ids = idx.reshape(-1).cpu()
+    values, latents = z.topk(n, dim=-1)  # (T, n) each, as strongest_latents
+    # The latents a token lists (fired), each once, by its largest activation on the prompt.
+    listed = latents[values > 0].unique()
+    shown = listed[z[:, listed].amax(0).argsort(descending=True)][:max_latents].tolist()
+    dashboards: dict[str, Any] = {"prompt": [], "corpus": None}
+    corpus_info = None
+    if shown:
+        common = dict(top_k=top_k, window=window, n_logits=n_logits)
+        dashboards["prompt"] = dashboard_data(model, sae, ids, tokenizer, shown, context=len(ids), **common)["latents"]
+        if corpus is not None:
+            longest = getattr(getattr(model, "config", None), "context_length", context)  # windows the model reads
+            ctx = min(context, longest, len(corpus), corpus_tokens)
+            data = dashboard_data(
+                model, sae, corpus, tokenizer, shown, context=ctx, max_tokens=corpus_tokens, **common
+            )  # fmt: skip
+            dashboards["corpus"] = data["latents"]
+            corpus_info = {"name": corpus_name or "the corpus", "tokens": data["tokens"]}
+    return {
+        "name": name or sae.cfg.hook_name,
+        "hook": sae.cfg.hook_name,
+        "d_sae": sae.cfg.d_sae,
+        "architecture": sae.cfg.architecture,
+        "transcoder": sae.cfg.transcoder,
+        "n": n,
+        "values": values.tolist(),
+        "latents": latents.tolist(),
+        "shown": shown,
+        "acts": [[round(float(a), 5) for a in row] for row in z[:, shown].T.tolist()],
+        "dashboards": dashboards,
+        "corpus": corpus_info,
+        "steering": STEERING_OFFLINE,
+    }
+
+
+def features_sections(
+    model: nn.Module,
+    saes: Mapping[str, SAE] | Sequence[SAE],
+    idx: Tensor,
+    tokenizer: Any = None,
+    *,
+    corpus: np.ndarray | Tensor | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """The inspector page's ``features`` (its Features view): one :func:`features_section` per SAE
+    (``saes`` by name, or a list), on the prompt ``idx (T,)``; ``options``: its keywords. A page's data::
+
+        data = inspector_data(tr)
+        data["features"] = features_sections(model, {"L6 resid": sae}, tr.idx[0], tokenizer)
+    """
+    named = list(saes.items()) if isinstance(saes, Mapping) else [(None, sae) for sae in saes]
+    for _, sae in named:
+        if not isinstance(sae, SAE):
+            raise TypeError(f"saes must hold attnlab SAEs, got {type(sae).__name__}")
+    return [features_section(model, sae, idx, tokenizer, name=name, corpus=corpus, **options) for name, sae in named]
 
 
 def read_dashboard_asset(name: str) -> str:

@@ -1,15 +1,9 @@
 // The SAE dashboards: a list of latents and, for the chosen one, its density, activation histogram,
 // promoted and suppressed tokens and top-activating contexts (tokens shaded by the latent's activation).
+// SAE_DASHBOARD.latentView(L) draws one latent's dashboard (an entry of sae_view.dashboard_data's
+// "latents"); the inspector's Features view (features.js) draws its dashboards with it too.
 "use strict";
-(function () {
-  const data = JSON.parse(document.getElementById("sae-data").textContent);
-  const items = document.getElementById("sae-items");
-  const view = document.getElementById("sae-latent");
-  const filter = document.getElementById("sae-filter");
-  const sortBy = document.getElementById("sae-sort");
-  document.getElementById("sae-summary").textContent =
-    `${data.latents.length} of ${data.d_sae} latents at ${data.hook}, over ${data.tokens.toLocaleString()} tokens`;
-
+const SAE_DASHBOARD = (function () {
   function el(tag, attrs, text) {
     const e = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
@@ -67,10 +61,12 @@
     return table;
   }
 
-  function show(L) {
-    for (const li of items.children) li.classList.toggle("on", +li.dataset.latent === L.latent);
-    view.replaceChildren();
-    view.appendChild(el("h2", {}, `latent ${L.latent}`));
+  // One latent's dashboard: a fragment of its heading, its figures and its top contexts. opts.title
+  // replaces the heading ("latent N"), opts.empty the line shown when it never fired.
+  function latentView(L, opts) {
+    opts = opts || {};
+    const view = document.createDocumentFragment();
+    view.appendChild(el("h2", {}, opts.title || `latent ${L.latent}`));
     const stats = el("div", { class: "box" });
     stats.appendChild(el("h3", {}, "activations"));
     stats.appendChild(el("p", {}, `density ${pct(L.density)} · max ${L.max.toPrecision(4)}`));
@@ -86,7 +82,7 @@
     view.appendChild(cols);
     const ctx = el("div", { class: "box" });
     ctx.appendChild(el("h3", {}, "top activations"));
-    if (!L.examples.length) ctx.appendChild(el("p", {}, "never active on these tokens"));
+    if (!L.examples.length) ctx.appendChild(el("p", {}, opts.empty || "never active on these tokens"));
     for (const ex of L.examples) {
       const line = el("div", { class: "ctx" });
       line.appendChild(el("span", { class: "val" }, ex.value.toPrecision(4)));
@@ -101,6 +97,28 @@
       ctx.appendChild(line);
     }
     view.appendChild(ctx);
+    return view;
+  }
+
+  return { el: el, pct: pct, shade: shade, latentView: latentView };
+})();
+
+// The dashboards page (sae_dashboard.html): its data embedded in the element "sae-data".
+(function () {
+  const node = document.getElementById("sae-data");
+  if (!node) return;
+  const { el, pct } = SAE_DASHBOARD;
+  const data = JSON.parse(node.textContent);
+  const items = document.getElementById("sae-items");
+  const view = document.getElementById("sae-latent");
+  const filter = document.getElementById("sae-filter");
+  const sortBy = document.getElementById("sae-sort");
+  document.getElementById("sae-summary").textContent =
+    `${data.latents.length} of ${data.d_sae} latents at ${data.hook}, over ${data.tokens.toLocaleString()} tokens`;
+
+  function show(L) {
+    for (const li of items.children) li.classList.toggle("on", +li.dataset.latent === L.latent);
+    view.replaceChildren(SAE_DASHBOARD.latentView(L));
   }
 
   function list() {

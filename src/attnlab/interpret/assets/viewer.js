@@ -905,13 +905,16 @@ async function showInspector(source, opts) {
     },
   };
 
-  // Views in files of their own (patching.js, loaded before this file, registers in ATTNLAB_VIEWS):
-  // each says whether this page has its data.
-  if (typeof ATTNLAB_VIEWS !== "undefined")
-    for (const [name, make] of Object.entries(ATTNLAB_VIEWS)) {
-      views[name] = make({ source: source, info: info, on: on, signal: opts.signal, paintStrip: paintStrip });
-      info.has[name] = views[name].available;
-    }
+  // Views in files of their own (patching.js, loaded before this file, registers in ATTNLAB_VIEWS;
+  // features.js, loaded alone on an offline page, declares FeaturesView): each says whether this page
+  // has its data.
+  const more = Object.assign({}, typeof ATTNLAB_VIEWS !== "undefined" ? ATTNLAB_VIEWS : {});
+  if (typeof FeaturesView !== "undefined") more.features = (ctx) => new FeaturesView(ctx);
+  for (const [name, make] of Object.entries(more)) {
+    views[name] = make({ source: source, info: info, on: on, signal: opts.signal, paintStrip: paintStrip,
+                         state: state, redraw: (what) => redraw(what) });
+    info.has[name] = views[name].available;
+  }
 
   // ---- tabs, selection, redraws ------------------------------------------------------------------
   const tabs = Array.from(document.querySelectorAll("#tabs .tab"));
@@ -1137,6 +1140,7 @@ class LiveApp {
   async start() {
     const $ = (id) => document.getElementById(id);
     this.info = await this.api.get("info");
+    this.shared.info = this.info;  // (what the views of every prompt may need: the Features tab's SAEs)
     $("live").hidden = false;
     const box = $("prompt");
     if (!this.info.language_model) {  // the tutorials' six-word example: fixed embeddings, nothing to type

@@ -21,13 +21,16 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CircuitRequest",
+    "FeaturesRequest",
     "GenerateRequest",
     "InfoAnswer",
     "InspectRequest",
+    "LatentRequest",
     "NextAnswer",
     "NextRequest",
     "PromptRequest",
     "StatsAnswer",
+    "SteerRequest",
     "TokenizeAnswer",
 ]
 
@@ -191,6 +194,20 @@ class Limits(BaseModel):
     max_prompt_tokens: int | None
 
 
+class SAEInfo(BaseModel):
+    index: int
+    name: str = Field(description="as given to attnlab serve --sae")
+    hook: str
+    d_sae: int
+    architecture: str
+    transcoder: bool
+
+
+class CorpusInfo(BaseModel):
+    name: str
+    tokens: int
+
+
 class InfoAnswer(BaseModel):
     name: str
     language_model: bool = Field(description="false for the tutorials' six-word example (attnlab serve --demo)")
@@ -199,6 +216,10 @@ class InfoAnswer(BaseModel):
     default_prompt: str
     torch_threads: int = Field(description="the threads torch runs the model on (attnlab serve --threads)")
     limits: Limits
+    saes: list[SAEInfo] = Field(default=[], description="the SAEs of the Features tab (attnlab serve --sae DIR)")
+    sae_corpus: CorpusInfo | None = Field(
+        default=None, description="the corpus latents' dashboards may read (attnlab serve --sae-data FILE)"
+    )
 
 
 class StatsAnswer(BaseModel):
@@ -265,3 +286,51 @@ class CircuitRequest(PairRequest):
     budget: str | float = Field(
         default="5%", description="the circuit drawn: its share of all edges, as '5%' or 0.05, in (0, 1]"
     )
+
+
+# -- the Features tab (attnlab.tools.serve.features) ----------------------------------------------------
+SAEIndex = Annotated[int, Field(ge=0, le=1023, description="which SAE of the server (the order of --sae)")]
+LatentIndex = Annotated[int, Field(ge=0, le=(1 << 31) - 1, description="a latent of the SAE, in [0, d_sae)")]
+
+
+class FeaturesRequest(PromptRequest):
+    """Each token's strongest latents (:func:`attnlab.interpret.sae_view.strongest_latents`)."""
+
+    sae: SAEIndex = 0
+    n: int = Field(default=8, ge=1, le=64, description="latents per token")
+
+
+class LatentRequest(PromptRequest):
+    """One latent's activation on each token of the prompt and its dashboard
+    (:func:`attnlab.interpret.sae_view.dashboard_data`)."""
+
+    sae: SAEIndex = 0
+    latent: LatentIndex
+    over: Literal["prompt", "corpus"] = Field(
+        default="prompt", description="the dashboard's tokens: the prompt's, or the corpus given at start-up"
+    )
+    top_k: int = Field(default=5, ge=1, le=50, description="top-activating contexts shown")
+    window: int = Field(default=8, ge=0, le=64, description="tokens each side of a context's peak")
+    n_logits: int = Field(default=10, ge=1, le=50, description="promoted and suppressed tokens shown")
+
+
+class SteerLatent(Strict):
+    latent: LatentIndex
+    strength: float = Field(
+        ge=-1e6, le=1e6, allow_inf_nan=False, description="the multiple of the latent's decoder direction added"
+    )
+
+
+class SteerRequest(PromptRequest):
+    """A generation steered by latents (:func:`attnlab.interpret.steer`), and the same one unsteered."""
+
+    sae: SAEIndex = 0
+    steer: list[SteerLatent] = Field(min_length=1, max_length=16, description="latents and their strengths")
+    max_new_tokens: int = Field(
+        default=16, ge=1, le=HARD_MAX_NEW_TOKENS, description="tokens to generate (at most the server's cap)"
+    )
+    temperature: Temperature = 0.0
+    top_k: TopK = None
+    top_p: TopP = None
+    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+    compare: bool = Field(default=True, description="also generate without steering (the same seed)")

@@ -18,6 +18,9 @@ source that asks the API for what the page shows. The API (OpenAPI schema at ``/
   (:mod:`attnlab.tools.serve.patching`).
 * ``POST /api/circuit``: edge attribution (EAP, EAP-IG) of the page's prompt and a corrupted one and the
   faithfulness of its circuits, the circuit view (:func:`attnlab.tools.circuit.serve_circuit`).
+* ``POST /api/features``, ``POST /api/latent``, ``POST /api/steer``: the Features tab of a server started
+  with ``--sae DIR``: each token's strongest latents, a latent's dashboard, a steered generation
+  (:mod:`attnlab.tools.serve.features`).
 * ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
 * ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
 
@@ -56,18 +59,22 @@ from attnlab.tools.serve.api import (
     AblateRequest,
     ChatRequest,
     CircuitRequest,
+    FeaturesRequest,
     GenerateRequest,
     InfoAnswer,
     InspectRequest,
+    LatentRequest,
     NextAnswer,
     NextRequest,
     PatchRequest,
     PromptRequest,
     StatsAnswer,
+    SteerRequest,
     TokenizeAnswer,
 )
 from attnlab.tools.serve.chat import NoChatTemplate, advance_chat, start_chat
 from attnlab.tools.serve.engine import Engine, NotALanguageModel
+from attnlab.tools.serve.features import NoSAE, features_answer, latent_answer, steer_answer
 from attnlab.tools.serve.patching import patch_answer, patch_sites, prepare_patch, unpatched_runs
 
 __all__ = ["LIVE_CSP", "LOOPBACK_NAMES", "PAGE_CSP", "create_app", "live_page", "packed_json"]
@@ -91,9 +98,11 @@ def live_page(engine: Engine) -> str:
         csp=LIVE_CSP,
         title=html.escape(engine.name),
         styles='<link rel="icon" href="data:,">\n<link rel="stylesheet" href="assets/viewer.css">'
-        '\n<link rel="stylesheet" href="assets/patching.css">\n<link rel="stylesheet" href="assets/circuit.css">',
+        '\n<link rel="stylesheet" href="assets/patching.css">\n<link rel="stylesheet" href="assets/circuit.css">'
+        '\n<link rel="stylesheet" href="assets/features.css">',
         data=f'<script type="application/json" id="attn-live">{json_for_script(config)}</script>',
         scripts='<script src="assets/patching.js"></script>\n<script src="assets/circuit.js"></script>'
+        '\n<script src="assets/sae_dashboard.js"></script>\n<script src="assets/features.js"></script>'
         '\n<script src="assets/viewer.js"></script>',
     )
 
@@ -268,6 +277,7 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
     _add_generate_route(app, engine)
     _add_chat_route(app, engine)
     _add_patch_and_demo_routes(app, engine)
+    _add_features_routes(app, engine)
     return app
 
 
@@ -287,6 +297,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NotALanguageModel)
     @app.exception_handler(NoChatTemplate)
+    @app.exception_handler(NoSAE)
     async def not_a_language_model(request: Request, exc: Exception) -> Response:
         return _json({"detail": str(exc)}, 409)
 
@@ -537,3 +548,54 @@ def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
         return _packed_response(engine.demo_data())
+
+
+def _add_features_routes(app: FastAPI, engine: Engine) -> None:
+    """``/api/features``, ``/api/latent``, ``/api/steer``: the Features tab (``attnlab serve --sae DIR``)."""
+
+    @app.post("/api/features", summary="each token's strongest SAE latents")
+    async def features(req: FeaturesRequest) -> Response:
+        return _json(await _call(features_answer, engine, req.prompt, sae=req.sae, n=req.n))
+
+    @app.post(
+        "/api/latent",
+        summary="one latent: its activation on each token of the prompt and its dashboard",
+        description="The dashboard (attnlab.interpret.sae_view.dashboard_data): top-activating contexts, a histogram "
+        "of its nonzero activations (log10 bins), its density, and the tokens it promotes and suppresses through "
+        "the unembedding; over the prompt, or over the corpus given at start-up (--sae-data).",
+    )
+    async def latent(req: LatentRequest) -> Response:
+        answer = await _call(
+            latent_answer,
+            engine,
+            req.prompt,
+            req.latent,
+            sae=req.sae,
+            over=req.over,
+            top_k=req.top_k,
+            window=req.window,
+            n_logits=req.n_logits,
+        )
+        return _json(answer)
+
+    @app.post(
+        "/api/steer",
+        summary="a generation with latents' directions added at the SAE's hook point, and without them",
+        description="attnlab.interpret.steer for each latent (strength x its decoder direction, at every position), "
+        "the tokens drawn with torch.Generator().manual_seed(seed); with compare, the same generation unsteered.",
+    )
+    async def steered(req: SteerRequest) -> Response:
+        answer = await _call(
+            steer_answer,
+            engine,
+            req.prompt,
+            [(s.latent, s.strength) for s in req.steer],
+            req.max_new_tokens,
+            sae=req.sae,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            compare=req.compare,
+        )
+        return _json(answer)

@@ -130,6 +130,9 @@ class Engine:
             them (16 typists each find theirs); the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
+        saes: SAEs of the model by name (on its device, in its dtype): the Features tab
+            (:mod:`~attnlab.tools.serve.features`); each is checked against the model here.
+        sae_corpus: 1-D token ids the latents' dashboards may also read (``sae_corpus_name``: what to call it).
         compile: decode generations and chat answers with the compiled step once it is compiled for
             their cache size, on a thread of its own (see the module's docstring); CPU and CUDA only.
     """
@@ -145,6 +148,9 @@ class Engine:
         kept_bytes: int = 512 << 20,
         prompt: str | None = None,
         compile: bool = False,
+        saes: dict[str, Any] | None = None,
+        sae_corpus: Any = None,
+        sae_corpus_name: str = "the corpus",
     ):
         if (loaded is None) == (demo is None):
             raise ValueError("Engine needs a loaded model or the demo's page data, exactly one")
@@ -161,6 +167,13 @@ class Engine:
         self._stats_lock = threading.Lock()
         self.closing = False  # set when the server shuts down: generations end at their next token
         self.default_prompt = self._first_prompt(prompt)
+        self.saes = dict(saes or {})
+        if self.saes and loaded is None:
+            raise ValueError("saes= needs a language model (the SAEs read its activations)")
+        for sae in self.saes.values():
+            sae.check_model(loaded.model)
+        self.sae_corpus, self.sae_corpus_name = sae_corpus, sae_corpus_name
+        self.dashboards: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()  # (sae, latent) -> corpus's
         device = None if loaded is None else loaded.model.device
         self.compile = check_bool("compile", compile) and device is not None and device.type in ("cpu", "cuda")
         self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)
@@ -245,6 +258,10 @@ class Engine:
             "chat": self.loaded is not None and self.loaded.chat_template is not None,
             "model": model,
             "default_prompt": self.default_prompt,
+            "saes": self._sae_info(),
+            "sae_corpus": None
+            if self.sae_corpus is None
+            else {"name": self.sae_corpus_name, "tokens": len(self.sae_corpus)},
             "torch_threads": torch.get_num_threads(),
             "limits": {
                 "max_new_tokens": self.limits.max_new_tokens,
@@ -253,6 +270,17 @@ class Engine:
                 "max_prompt_tokens": None if model is None else model["context_length"],
             },
         }
+
+    def _sae_info(self) -> list[dict[str, Any]]:
+        """The SAEs of the Features tab, in the order of ``attnlab serve --sae``."""
+        out = []
+        for i, (name, sae) in enumerate(self.saes.items()):
+            c = sae.cfg
+            out.append(
+                {"index": i, "name": name, "hook": c.hook_name, "d_sae": c.d_sae, "architecture": c.architecture}
+                | {"transcoder": c.transcoder}
+            )
+        return out
 
     def _first_prompt(self, prompt: str | None) -> str:
         """The prompt the page opens with: ``prompt`` (checked), else the tutorials' sentence if the

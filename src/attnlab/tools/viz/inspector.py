@@ -10,7 +10,7 @@ import torch
 from attnlab.interpret import inspector_data, trace, trace_generation
 from attnlab.tools.loading import LoadedModel
 
-__all__ = ["encode_prompt", "model_inspector"]
+__all__ = ["attach_saes", "encode_prompt", "load_saes", "model_inspector", "sae_corpus"]
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
@@ -22,6 +22,46 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
     if len(ids) > ctx:
         raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
     return torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
+
+
+def load_saes(paths: Sequence[str], flag: str = "--sae") -> dict[str, Any]:
+    """Each ``--sae`` path's SAE (on the CPU), by its path: read before the model is (a missing or bad
+    file costs no model load); every error is one line naming the flag and the path."""
+    from attnlab.interpret.sae import SAE
+
+    saes: dict[str, Any] = {}
+    for path in paths:
+        try:
+            saes[path] = SAE.load(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{flag} {path}: {str(exc).splitlines()[0]}") from None
+    return saes
+
+
+def attach_saes(saes: dict[str, Any], model: torch.nn.Module, flag: str = "--sae") -> dict[str, Any]:
+    """The SAEs on the model's device, in its dtype, each checked against the model (its hook point and
+    width) before any work: ValueError naming the flag and the path."""
+    param = next(model.parameters())
+    dtype = param.dtype if param.is_floating_point() else None
+    for path, sae in saes.items():
+        try:
+            sae.check_model(model)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {path}: {exc}") from None
+        sae.to(device=param.device, dtype=dtype or sae.dtype)
+    return saes
+
+
+def sae_corpus(loaded: LoadedModel, path: str, tokens: int, flag: str = "--sae-data") -> Any:
+    """The first ``tokens`` token ids of the text file ``path`` (1-D), for the latents' dashboards."""
+    from attnlab.data import tokenize_to_cache
+
+    if tokens < 1:
+        raise ValueError(f"--sae-tokens must be a positive int, got {tokens}")
+    ids = tokenize_to_cache(path, loaded.tokenizer)
+    if len(ids) == 0:
+        raise ValueError(f"{flag} {path} holds no tokens")
+    return ids[:tokens]
 
 
 def model_inspector(
@@ -37,9 +77,14 @@ def model_inspector(
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     precision: str = "auto",
+    saes: dict[str, Any] | None = None,
+    sae_corpus: Any = None,
+    sae_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trace ``prompt`` through the model (with the stages), generate ``generate`` tokens after it
-    (sampled with ``seed``), and gather the page's data (:func:`attnlab.interpret.inspector_data`)."""
+    (sampled with ``seed``), and gather the page's data (:func:`attnlab.interpret.inspector_data`); with
+    ``saes`` (name -> SAE, on the model's device) the Features view, its dashboards also over
+    ``sae_corpus`` (1-D token ids) when given."""
     idx = encode_prompt(loaded, prompt)
     tr = trace(loaded.model, idx, stages=True, tokenizer=loaded.tokenizer)
     gen = None
@@ -50,4 +95,11 @@ def model_inspector(
         )
     name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
     shown = dict(steps=steps, layers=layers, heads=heads, precision=precision)
-    return inspector_data(tr, generation=gen, title=prompt, text=prompt, model_name=name, **shown)
+    data = inspector_data(tr, generation=gen, title=prompt, text=prompt, model_name=name, **shown)
+    if saes:
+        from attnlab.interpret.sae_view import features_sections
+
+        data["features"] = features_sections(
+            loaded.model, saes, idx[0], loaded.tokenizer, corpus=sae_corpus, **(sae_options or {})
+        )
+    return data

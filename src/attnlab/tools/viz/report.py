@@ -39,6 +39,8 @@ class InspectReport:
     rollout_row: torch.Tensor  # (T,)
     ablation: Any = None  # AblationEffect or None
     ablation_labels: tuple[list[str], list[str]] | None = None
+    # Per SAE: (its name, its hook, values (T, n), latents (T, n)): each token's strongest latents.
+    latents: list[tuple[str, str, torch.Tensor, torch.Tensor]] | None = None
 
     def format(self, top: int = 5) -> str:
         L, H = self.roles[HEAD_KINDS[0]].shape
@@ -96,6 +98,11 @@ class InspectReport:
             for when, names, best in (("before:", before, e.top(top)), ("after: ", after, e.top(top, after=True))):
                 cells = [f"{token_label(s)} {p:.3f}" for s, (_, p) in zip(names, best, strict=True)]
                 lines.append(f"  top next tokens {when} " + "  ".join(cells))
+        for name, hook, values, latents in self.latents or []:
+            lines += ["", f"Strongest latents of the SAE {name} at {hook} (latent #index: activation), token by token"]
+            for t, label in enumerate(labels):
+                cells = [f"#{int(i)}: {float(v):.3f}" for v, i in zip(values[t], latents[t], strict=True) if v > 0]
+                lines.append(f"  {t:>3} {label[:14]:<14}  " + ("  ".join(cells) or "(none active)"))
         return "\n".join(lines)
 
 
@@ -110,9 +117,11 @@ def inspect_report(
     ablate: str | None = None,
     ablate_mode: str = "zero",
     role_seed: int = 0,
+    saes: dict[str, Any] | None = None,
 ) -> InspectReport:
     """Trace ``prompt`` and read it: head roles, the logit lens at ``position``, the rollout row of
-    ``token``; with ``ablate`` (``"L.H[,L.H...]"``) the effect of removing those heads."""
+    ``token``; with ``ablate`` (``"L.H[,L.H...]"``) the effect of removing those heads; with ``saes``
+    (name -> SAE, on the model's device) each token's ``top`` strongest latents of each."""
     model, tok = loaded.model, loaded.tokenizer
     idx = encode_prompt(loaded, prompt)
     T = idx.shape[1]
@@ -135,6 +144,14 @@ def inspect_report(
             [token_strings(tok, [i])[0] for i, _ in effect.top(top)],
             [token_strings(tok, [i])[0] for i, _ in effect.top(top, after=True)],
         )
+    latents = None
+    if saes:
+        from attnlab.interpret.sae_view import strongest_latents
+
+        latents = []
+        for sae_name, sae in saes.items():
+            n = min(top, sae.cfg.d_sae)
+            latents.append((sae_name, sae.cfg.hook_name, *strongest_latents(model, sae, idx, n)))
     name = str(loaded.metadata.get("name") or loaded.path.name or type(model).__name__)
     return InspectReport(
         name=name,
@@ -148,4 +165,5 @@ def inspect_report(
         rollout_row=rollout(tr, head_fusion=fusion)[0, token],
         ablation=effect,
         ablation_labels=labels,
+        latents=latents,
     )

@@ -1,0 +1,194 @@
+"""The Features tab of ``attnlab serve --sae DIR``: SAE latents of the page's prompt, and steering.
+
+Three answers, each computed by :mod:`attnlab.interpret` on the engine's model thread:
+
+* ``POST /api/features``: each token's strongest latents (:func:`~attnlab.interpret.sae_view.strongest_latents`).
+* ``POST /api/latent``: one latent's activation on every token of the prompt and its dashboard
+  (:func:`~attnlab.interpret.sae_view.dashboard_data`: top contexts, histogram, density, promoted and
+  suppressed tokens), over the prompt or over the corpus given at start-up (``--sae-data``; those are
+  kept, a latent's corpus dashboard is computed once).
+* ``POST /api/steer``: a generation with latents' directions added at the SAE's hook point
+  (:func:`~attnlab.interpret.steer`, nested for several latents), and the same generation without
+  them (same seed), to compare.
+
+The steering hooks live on the shared model only while one request's tokens are drawn, under the
+engine's lock (:meth:`Engine.run`): no other request sees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from attnlab.errors import UserError
+from attnlab.generation import SamplingConfig, stream
+from attnlab.interpret import steer
+from attnlab.interpret.sae_view import dashboard_data, prompt_latents, strongest_latents
+from attnlab.tools.serve.engine import Engine, _remember
+
+__all__ = ["CORPUS_DASHBOARDS", "NoSAE", "features_answer", "latent_answer", "steer_answer"]
+
+CORPUS_DASHBOARDS = 256  # corpus dashboards kept (each is one pass over the corpus: worth keeping)
+
+
+class NoSAE(UserError):
+    """A Features request to a server started without ``--sae``."""
+
+
+def _sae(engine: Engine, index: int) -> Any:
+    """The ``index``-th SAE of the server, or an error naming the ``sae`` field."""
+    engine._need_model()
+    if not engine.saes:
+        raise NoSAE("sae: this server has no SAE loaded (start it with attnlab serve --sae DIR)")
+    if not 0 <= index < len(engine.saes):
+        raise ValueError(f"sae: {index} is out of range: {len(engine.saes)} SAE(s) loaded (0..{len(engine.saes) - 1})")
+    return list(engine.saes.values())[index]
+
+
+def _latent(sae: Any, latent: int, field: str = "latent") -> int:
+    if not 0 <= latent < sae.cfg.d_sae:
+        raise ValueError(
+            f"{field}: {latent} is out of range: the SAE has d_sae={sae.cfg.d_sae} (0..{sae.cfg.d_sae - 1})"
+        )
+    return latent
+
+
+def features_answer(engine: Engine, prompt: str, *, sae: int = 0, n: int = 8) -> dict[str, Any]:
+    """Each token's ``n`` strongest latents: ``values``, ``latents`` ``(T, n)`` (values descending, 0
+    where fewer fired), with the prompt's tokens."""
+    model_sae = _sae(engine, sae)
+    if not 1 <= n <= model_sae.cfg.d_sae:
+        raise ValueError(f"n: must be in [1, d_sae={model_sae.cfg.d_sae}], got {n}")
+    ids = engine.encode(prompt)
+    model = engine._need_model().model
+
+    def work() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(ids, dtype=torch.long, device=model.device)
+        return strongest_latents(model, model_sae, idx, n)
+
+    values, latents = engine.run(work)
+    labels = engine.labels(ids)
+    return {
+        "sae": sae,
+        "hook": model_sae.cfg.hook_name,
+        "d_sae": model_sae.cfg.d_sae,
+        "ids": ids,
+        "labels": [labels[str(i)] for i in ids],
+        "values": values.tolist(),
+        "latents": latents.tolist(),
+    }
+
+
+def latent_answer(
+    engine: Engine,
+    prompt: str,
+    latent: int,
+    *,
+    sae: int = 0,
+    over: str = "prompt",
+    top_k: int = 5,
+    window: int = 8,
+    n_logits: int = 10,
+) -> dict[str, Any]:
+    """One latent on the prompt: ``acts`` ``(T,)`` its activation on each token, and ``dashboard`` (one
+    entry of :func:`dashboard_data`) over the prompt (``over="prompt"``) or the start-up corpus."""
+    model_sae = _sae(engine, sae)
+    latent = _latent(model_sae, latent)
+    if over == "corpus" and engine.sae_corpus is None:
+        raise ValueError("over: this server was started without a corpus (attnlab serve --sae-data FILE)")
+    ids = engine.encode(prompt)
+    loaded = engine._need_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    settings = dict(top_k=top_k, window=window, n_logits=n_logits)
+
+    def work() -> tuple[list[float], dict[str, Any], int]:
+        idx = torch.tensor(ids, dtype=torch.long, device=model.device)
+        acts = prompt_latents(model, model_sae, idx)[:, latent].float().cpu().tolist()  # (T,)
+        if over == "prompt":
+            data = dashboard_data(model, model_sae, idx, tokenizer, [latent], context=len(ids), **settings)
+            return acts, data["latents"][0], data["tokens"]
+        key = (sae, latent, top_k, window, n_logits)
+        kept = engine.dashboards.get(key)
+        if kept is None:  # one pass over the corpus up to the hook, in windows the model reads
+            corpus = engine.sae_corpus
+            context = min(128, model.config.context_length, len(corpus))
+            kept = dashboard_data(model, model_sae, corpus, tokenizer, [latent], context=context, **settings)
+            _remember(engine.dashboards, key, kept, CORPUS_DASHBOARDS)
+        return acts, kept["latents"][0], kept["tokens"]
+
+    acts, dashboard, tokens = engine.run(work)
+    return {
+        "sae": sae,
+        "latent": latent,
+        "over": over,
+        "corpus": engine.sae_corpus_name if over == "corpus" else None,
+        "tokens": tokens,
+        "acts": acts,
+        "dashboard": dashboard,
+    }
+
+
+def steer_answer(
+    engine: Engine,
+    prompt: str,
+    steering: Sequence[tuple[int, float]],
+    max_new_tokens: int,
+    *,
+    sae: int = 0,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    compare: bool = True,
+) -> dict[str, Any]:
+    """``max_new_tokens`` tokens after the prompt with each ``(latent, strength)`` of ``steering`` added
+    (:func:`attnlab.interpret.steer`), sampled with ``seed`` (the tokens ``model.stream`` draws with
+    ``torch.Generator().manual_seed(seed)`` inside those ``steer`` blocks); with ``compare`` also the
+    same generation unsteered."""
+    model_sae = _sae(engine, sae)
+    for i, (latent, strength) in enumerate(steering):
+        _latent(model_sae, latent, f"steer.{i}.latent")
+        if not math.isfinite(strength):
+            raise ValueError(f"steer.{i}.strength: must be a finite number, got {strength}")
+    if max_new_tokens > engine.limits.max_new_tokens:
+        raise ValueError(
+            f"max_new_tokens: {max_new_tokens} is more than this server allows ({engine.limits.max_new_tokens}; "
+            "attnlab serve --max-new-tokens N)"
+        )
+    SamplingConfig(temperature, top_k, top_p)  # the settings checked as generation checks them
+    ids = engine.encode(prompt)
+    loaded = engine._need_model()
+    model = loaded.model
+
+    def generate(pushes: Sequence[tuple[int, float]]) -> list[int]:
+        idx = torch.tensor([ids], dtype=torch.long, device=model.device)
+        g = torch.Generator(device=model.device).manual_seed(int(seed))
+        with contextlib.ExitStack() as stack:
+            for latent, strength in pushes:  # nested blocks: the directions add up
+                stack.enter_context(steer(model, model_sae, latent, strength))
+            tokens = stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+            return [int(t[0]) for t in tokens]  # every token drawn inside the blocks
+
+    def work() -> tuple[list[int], list[int] | None]:
+        steered = generate(steering)
+        return steered, generate([]) if compare else None
+
+    steered, plain = engine.run(work)
+    decode = loaded.tokenizer.decode
+
+    def run(tokens: list[int]) -> dict[str, Any]:
+        labels = engine.labels(tokens)
+        return {"tokens": tokens, "text": decode(tokens), "labels": [labels[str(t)] for t in tokens]}
+
+    return {
+        "sae": sae,
+        "hook": model_sae.cfg.hook_name_out or model_sae.cfg.hook_name,
+        "steering": [{"latent": int(latent), "strength": float(strength)} for latent, strength in steering],
+        "prompt_length": len(ids),
+        "steered": run(steered),
+        "plain": None if plain is None else run(plain),
+    }
