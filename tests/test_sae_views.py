@@ -280,6 +280,12 @@ def test_a_latents_activations_and_dashboards(client, model, sae):
     want = dashboard_data(model, sae, CORPUS, TOKENIZER, [latent], context=48, top_k=3, window=8)
     assert got["tokens"] == want["tokens"] == 144 and got["corpus"] == "corpus.txt"
     assert got["dashboard"] == json.loads(json.dumps(want["latents"][0]))
+    # The corpus was read once for every latent: another latent's dashboard is its row of those statistics.
+    other = int(z.amax(0).argsort()[-2])
+    got = client.post("/api/latent", json={"prompt": "x", "latent": other, "over": "corpus", "top_k": 3}).json()
+    want = dashboard_data(model, sae, CORPUS, TOKENIZER, [other], context=48, top_k=3, window=8)
+    assert got["dashboard"] == json.loads(json.dumps(want["latents"][0]))
+    np.testing.assert_allclose(got["acts"], encode_all(model, sae, ids("x"))[:, other].numpy(), atol=1e-6)
 
 
 def _stream(model, sae, prompt, n, seed, temperature, pushes=()):

@@ -50,6 +50,7 @@ __all__ = [
     "prompt_latents",
     "read_dashboard_data",
     "save_dashboard",
+    "stats_dashboard",
     "strongest_latents",
 ]
 
@@ -92,6 +93,20 @@ class LatentStats:
             context_ids=torch.full((n, k, span), -1, dtype=torch.long),
             histogram=torch.zeros(n, BINS, dtype=torch.long),
             fired=torch.zeros(n, dtype=torch.long),
+        )
+
+    def select(self, rows: Sequence[int]) -> LatentStats:
+        """The statistics of the latents at ``rows`` (positions in :attr:`latents`, not latent indices)."""
+        r = torch.as_tensor(list(rows), dtype=torch.long)
+        return LatentStats(
+            latents=self.latents[r],
+            top_values=self.top_values[r],
+            top_positions=self.top_positions[r],
+            context_acts=self.context_acts[r],
+            context_ids=self.context_ids[r],
+            histogram=self.histogram[r],
+            fired=self.fired[r],
+            tokens=self.tokens,
         )
 
     @property
@@ -264,6 +279,20 @@ def dashboard_data(
     """The dashboards' data (plain JSON): :func:`collect` over ``tokens``, then each latent's promoted and
     suppressed tokens (``n_logits`` each). ``tokenizer`` names the tokens (else ``#id``)."""
     stats = collect(model, sae, tokens, latents, **collect_kw)
+    return stats_dashboard(model, sae, stats, tokenizer, n_logits=n_logits, title=title)
+
+
+def stats_dashboard(
+    model: nn.Module,
+    sae: SAE,
+    stats: LatentStats,
+    tokenizer: Any = None,
+    *,
+    n_logits: int = 10,
+    title: str | None = None,
+) -> dict[str, Any]:
+    """:func:`dashboard_data` of statistics already gathered (:func:`collect`; a few of its latents:
+    :meth:`LatentStats.select`)."""
     logits = latent_logits(model, sae, stats.latents)  # (n, V)
     up = logits.topk(n_logits, dim=1)
     down = (-logits).topk(n_logits, dim=1)

@@ -921,8 +921,8 @@ async function showInspector(source, opts) {
   for (const tab of tabs) {
     const name = tab.dataset.view, ok = name === "heads" || info.has[name];
     tab.disabled = !ok;
-    if (!ok) tab.title = "not available for this page" + (name !== "steps" ? " (the model is not a language model, "
-      + "or this part was not computed)" : "");
+    if (!ok) tab.title = "not available for this page" + (name === "features" ? " (no SAE: attnlab viz or serve --sae DIR)"
+      : name !== "steps" ? " (the model is not a language model, or this part was not computed)" : "");
     on(tab, "click", () => show(name));
   }
   async function show(name) {

@@ -173,7 +173,7 @@ class Engine:
         for sae in self.saes.values():
             sae.check_model(loaded.model)
         self.sae_corpus, self.sae_corpus_name = sae_corpus, sae_corpus_name
-        self.dashboards: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()  # (sae, latent) -> corpus's
+        self.corpus_stats: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # (sae, settings) -> every latent's
         device = None if loaded is None else loaded.model.device
         self.compile = check_bool("compile", compile) and device is not None and device.type in ("cpu", "cuda")
         self.compile_error: str | None = None  # why compiling failed (then generations stay on the fast path)

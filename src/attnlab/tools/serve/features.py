@@ -5,8 +5,9 @@ Three answers, each computed by :mod:`attnlab.interpret` on the engine's model t
 * ``POST /api/features``: each token's strongest latents (:func:`~attnlab.interpret.sae_view.strongest_latents`).
 * ``POST /api/latent``: one latent's activation on every token of the prompt and its dashboard
   (:func:`~attnlab.interpret.sae_view.dashboard_data`: top contexts, histogram, density, promoted and
-  suppressed tokens), over the prompt or over the corpus given at start-up (``--sae-data``; those are
-  kept, a latent's corpus dashboard is computed once).
+  suppressed tokens), over the prompt or over the corpus given at start-up (``--sae-data``: the first
+  such request reads the corpus once for every latent of the SAE, :func:`~attnlab.interpret.sae_view.collect`;
+  its statistics are kept, and each latent's dashboard is then formatted from them).
 * ``POST /api/steer``: a generation with latents' directions added at the SAE's hook point
   (:func:`~attnlab.interpret.steer`, nested for several latents), and the same generation without
   them (same seed), to compare.
@@ -27,12 +28,20 @@ import torch
 from attnlab.errors import UserError
 from attnlab.generation import SamplingConfig, stream
 from attnlab.interpret import steer
-from attnlab.interpret.sae_view import dashboard_data, prompt_latents, strongest_latents
+from attnlab.interpret.sae_view import (
+    LatentStats,
+    collect,
+    dashboard_data,
+    prompt_latents,
+    stats_dashboard,
+    strongest_latents,
+)
 from attnlab.tools.serve.engine import Engine, _remember
 
-__all__ = ["CORPUS_DASHBOARDS", "NoSAE", "features_answer", "latent_answer", "steer_answer"]
+__all__ = ["NoSAE", "corpus_stats", "features_answer", "latent_answer", "steer_answer"]
 
-CORPUS_DASHBOARDS = 256  # corpus dashboards kept (each is one pass over the corpus: worth keeping)
+CORPUS_STATS = 4  # the corpus's statistics kept, by SAE and settings (each: a pass over the corpus)
+LATENTS_BYTES = 64 << 20  # the latents of one batch of windows, (batch, context, d_sae) float32, at most
 
 
 class NoSAE(UserError):
@@ -55,6 +64,21 @@ def _latent(sae: Any, latent: int, field: str = "latent") -> int:
             f"{field}: {latent} is out of range: the SAE has d_sae={sae.cfg.d_sae} (0..{sae.cfg.d_sae - 1})"
         )
     return latent
+
+
+def corpus_stats(engine: Engine, sae: int, top_k: int, window: int) -> LatentStats:
+    """Every latent of SAE ``sae`` over the start-up corpus (:func:`~attnlab.interpret.sae_view.collect`),
+    read once and kept. Call on the model's thread, with the lock held (:meth:`Engine.run`)."""
+    key = (sae, top_k, window)
+    stats = engine.corpus_stats.get(key)
+    if stats is None:  # one pass over the corpus up to the hook, in windows the model reads
+        model, model_sae, corpus = engine._need_model().model, _sae(engine, sae), engine.sae_corpus
+        context = min(128, model.config.context_length, len(corpus))
+        batch = max(1, min(16, LATENTS_BYTES // (4 * context * model_sae.cfg.d_sae)))
+        d_sae = model_sae.cfg.d_sae
+        stats = collect(model, model_sae, corpus, d_sae, context=context, batch=batch, top_k=top_k, window=window)
+    _remember(engine.corpus_stats, key, stats, CORPUS_STATS)
+    return stats
 
 
 def features_answer(engine: Engine, prompt: str, *, sae: int = 0, n: int = 8) -> dict[str, Any]:
@@ -111,14 +135,8 @@ def latent_answer(
         if over == "prompt":
             data = dashboard_data(model, model_sae, idx, tokenizer, [latent], context=len(ids), **settings)
             return acts, data["latents"][0], data["tokens"]
-        key = (sae, latent, top_k, window, n_logits)
-        kept = engine.dashboards.get(key)
-        if kept is None:  # one pass over the corpus up to the hook, in windows the model reads
-            corpus = engine.sae_corpus
-            context = min(128, model.config.context_length, len(corpus))
-            kept = dashboard_data(model, model_sae, corpus, tokenizer, [latent], context=context, **settings)
-            _remember(engine.dashboards, key, kept, CORPUS_DASHBOARDS)
-        return acts, kept["latents"][0], kept["tokens"]
+        stats = corpus_stats(engine, sae, top_k, window).select([latent])
+        return acts, stats_dashboard(model, model_sae, stats, tokenizer, n_logits=n_logits)["latents"][0], stats.tokens
 
     acts, dashboard, tokens = engine.run(work)
     return {
