@@ -222,6 +222,24 @@ def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch
     assert err.count("\n") == 1 and err.startswith(f"attnlab {command}: error: --sae {path}: ") and message in err, err
 
 
+@pytest.mark.parametrize("command", ["viz", "serve"])
+def test_a_missing_sae_data_file_is_one_line_before_the_model(checkpoint, monkeypatch, capsys, command, tmp_path):
+    import attnlab.cli.viz
+
+    d, sae_dir, _ = checkpoint
+
+    def never(*args, **kwargs):
+        pytest.fail("the model was read despite a missing --sae-data")
+
+    monkeypatch.setattr(attnlab.cli.viz, "load", never)
+    monkeypatch.setattr("attnlab.tools.loading.load", never)
+    argv = [command, "--checkpoint", str(d), "--prompt", "the cat", "--sae", str(sae_dir)]
+    argv += ["--sae-data", str(tmp_path / "none.txt")] + (["--out", "never.html"] if command == "viz" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: --sae-data: data file not found: {tmp_path / 'none.txt'}" in err, err
+
+
 # --------------------------------------------------------------------------------------------
 # attnlab serve --sae: the Features tab's routes
 # --------------------------------------------------------------------------------------------

@@ -89,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
-    from attnlab.tools.viz.inspector import attach_saes, load_saes, sae_corpus
+    from attnlab.tools.viz.inspector import attach_saes, check_sae_data, load_saes, sae_corpus
 
     saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
+    check_sae_data(args.sae_data)
 
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     limits = Limits(max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body)

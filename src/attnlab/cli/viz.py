@@ -9,7 +9,7 @@ from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
 from attnlab.tools.loading import load
 from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
-from attnlab.tools.viz.inspector import attach_saes, load_saes, sae_corpus
+from attnlab.tools.viz.inspector import attach_saes, check_sae_data, load_saes, sae_corpus
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sae_tokens < 1:
         raise ValueError(f"--sae-tokens must be a positive int, got {args.sae_tokens}")
     saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
+    check_sae_data(args.sae_data)
     if not has_model:
         view = demo_view().select(args.layer, args.head)
     else:

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from attnlab.files import check_text_file
 from attnlab.interpret import inspector_data, trace, trace_generation
 from attnlab.tools.loading import LoadedModel
 
-__all__ = ["attach_saes", "encode_prompt", "load_saes", "model_inspector", "sae_corpus"]
+__all__ = ["attach_saes", "check_sae_data", "encode_prompt", "load_saes", "model_inspector", "sae_corpus"]
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
@@ -52,13 +53,26 @@ def attach_saes(saes: dict[str, Any], model: torch.nn.Module, flag: str = "--sae
     return saes
 
 
+def check_sae_data(path: str | None, flag: str = "--sae-data") -> None:
+    """A text file is there to read (checked before the model is read), or one line naming the flag."""
+    if path is None:
+        return
+    try:
+        check_text_file(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def sae_corpus(loaded: LoadedModel, path: str, tokens: int, flag: str = "--sae-data") -> Any:
     """The first ``tokens`` token ids of the text file ``path`` (1-D), for the latents' dashboards."""
     from attnlab.data import tokenize_to_cache
 
     if tokens < 1:
         raise ValueError(f"--sae-tokens must be a positive int, got {tokens}")
-    ids = tokenize_to_cache(path, loaded.tokenizer)
+    try:
+        ids = tokenize_to_cache(path, loaded.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag}: {str(exc).splitlines()[0]}") from None
     if len(ids) == 0:
         raise ValueError(f"{flag} {path} holds no tokens")
     return ids[:tokens]
