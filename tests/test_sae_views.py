@@ -149,6 +149,21 @@ def test_the_corpus_dashboards_are_dashboard_data_over_it(model, sae):
     assert f["dashboards"]["corpus"] == want["latents"] and f["dashboards"]["corpus"] != f["dashboards"]["prompt"]
 
 
+def test_at_most_max_latents_dashboards_the_strongest(model, sae):
+    idx = ids(PROMPT)
+    (f,) = features_sections(model, [sae], idx[0], max_latents=3)
+    z = encode_all(model, sae, idx)
+    latents, values = torch.tensor(f["latents"]), torch.tensor(f["values"])
+    listed = {int(i) for i in latents[values > 0]}
+    want = sorted(listed, key=lambda i: -float(z[:, i].max()))[:3]
+    assert f["shown"] == want and len(f["acts"]) == len(f["dashboards"]["prompt"]) == 3
+    assert [d["latent"] for d in f["dashboards"]["prompt"]] == want
+    with pytest.raises(ValueError, match="max_latents must be a positive int"):
+        features_sections(model, [sae], idx[0], max_latents=0)
+    with pytest.raises(TypeError, match="saes must hold attnlab SAEs"):
+        features_sections(model, [model], idx[0])
+
+
 def test_viz_sae_writes_the_features_view(checkpoint, tmp_path, capsys):
     d, sae_dir, text = checkpoint
     out = tmp_path / "page.html"

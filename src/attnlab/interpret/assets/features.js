@@ -230,8 +230,9 @@ class FeaturesView {
     if (ticket !== this.ticket) return;  // a newer latent was chosen meanwhile
     if (d === null) {
       this.acts = null; this.painted = true; this.paint();
-      box.replaceChildren(SAE_DASHBOARD.el("p", { class: "note" }, "This page holds the dashboards of the latents "
-        + "its tokens list only."));
+      box.replaceChildren(SAE_DASHBOARD.el("p", { class: "note" }, "This page holds no dashboard of latent #" + latent
+        + ": it keeps those of the " + this.section().shown.length + " strongest latents its tokens list "
+        + "(attnlab.interpret.sae_view.features_section's max_latents)."));
       return;
     }
     this.acts = d.acts; this.painted = true;
