@@ -13,6 +13,11 @@ SAE's hook point (the pass is stopped there), so a latent of an early layer cost
 
 :func:`dashboard_data` gathers the figures; :func:`dashboard_page` renders the offline page (the files
 ``assets/sae_dashboard.{html,css,js}``, everything inline, no network).
+
+The inspector page shows an SAE too, in its Features view (``assets/features.{js,css}``, which draws a
+dashboard with ``sae_dashboard.js``): :func:`features_section` gathers, for one prompt, each token's
+strongest latents (:func:`strongest_latents`) and the dashboards of the latents they list, over the
+prompt and over a corpus; ``attnlab viz --sae`` and ``attnlab serve --sae`` show them.
 """
 
 from __future__ import annotations

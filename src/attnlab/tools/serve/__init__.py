@@ -5,7 +5,9 @@ steps of a chosen head, next-token probabilities under temperature/top-k/top-p, 
 lens, head roles; "generate" streams tokens one by one with each token's attention; clicking heads
 in "ablate" mode shows how the next-token distribution changes without them; the Patching tab runs
 activation patching of the prompt and a corrupted one (:mod:`~attnlab.tools.serve.patching`); an instruct model gets a
-chat box whose answers open in the inspector (:mod:`~attnlab.tools.serve.chat`). One front end with the
+chat box whose answers open in the inspector (:mod:`~attnlab.tools.serve.chat`); with ``--sae DIR`` the Features tab
+shows a token's strongest SAE latents and a latent's dashboard, and steers generations
+(:mod:`~attnlab.tools.serve.features`). One front end with the
 offline page (the same package-data files of :mod:`attnlab.interpret`), only its data source
 differs: here a JSON API that returns what :mod:`attnlab.interpret` computes.
 
