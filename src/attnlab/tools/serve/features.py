@@ -36,7 +36,7 @@ from attnlab.interpret.sae_view import (
     stats_dashboard,
     strongest_latents,
 )
-from attnlab.tools.serve.engine import Engine, _remember
+from attnlab.tools.serve.engine import Engine
 
 __all__ = ["NoSAE", "corpus_stats", "features_answer", "latent_answer", "steer_answer"]
 
@@ -49,8 +49,8 @@ class NoSAE(UserError):
 
 
 def _sae(engine: Engine, index: int) -> Any:
-    """The ``index``-th SAE of the server, or an error naming the ``sae`` field."""
-    engine._need_model()
+    """The ``index``-th SAE of the server, or an error naming the ``sae`` field (a server with SAEs has a
+    language model: :class:`Engine` refuses them without one)."""
     if not engine.saes:
         raise NoSAE("sae: this server has no SAE loaded (start it with attnlab serve --sae DIR)")
     if not 0 <= index < len(engine.saes):
@@ -72,12 +72,15 @@ def corpus_stats(engine: Engine, sae: int, top_k: int, window: int) -> LatentSta
     key = (sae, top_k, window)
     stats = engine.corpus_stats.get(key)
     if stats is None:  # one pass over the corpus up to the hook, in windows the model reads
-        model, model_sae, corpus = engine._need_model().model, _sae(engine, sae), engine.sae_corpus
+        model, model_sae, corpus = engine.loaded.model, _sae(engine, sae), engine.sae_corpus
         context = min(128, model.config.context_length, len(corpus))
         batch = max(1, min(16, LATENTS_BYTES // (4 * context * model_sae.cfg.d_sae)))
         d_sae = model_sae.cfg.d_sae
         stats = collect(model, model_sae, corpus, d_sae, context=context, batch=batch, top_k=top_k, window=window)
-    _remember(engine.corpus_stats, key, stats, CORPUS_STATS)
+    engine.corpus_stats[key] = stats
+    engine.corpus_stats.move_to_end(key)  # the least recently used goes first
+    while len(engine.corpus_stats) > CORPUS_STATS:
+        engine.corpus_stats.popitem(last=False)
     return stats
 
 
@@ -88,7 +91,7 @@ def features_answer(engine: Engine, prompt: str, *, sae: int = 0, n: int = 8) ->
     if not 1 <= n <= model_sae.cfg.d_sae:
         raise ValueError(f"n: must be in [1, d_sae={model_sae.cfg.d_sae}], got {n}")
     ids = engine.encode(prompt)
-    model = engine._need_model().model
+    model = engine.loaded.model
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(ids, dtype=torch.long, device=model.device)
@@ -125,7 +128,7 @@ def latent_answer(
     if over == "corpus" and engine.sae_corpus is None:
         raise ValueError("over: this server was started without a corpus (attnlab serve --sae-data FILE)")
     ids = engine.encode(prompt)
-    loaded = engine._need_model()
+    loaded = engine.loaded
     model, tokenizer = loaded.model, loaded.tokenizer
     settings = dict(top_k=top_k, window=window, n_logits=n_logits)
 
@@ -179,7 +182,7 @@ def steer_answer(
         )
     SamplingConfig(temperature, top_k, top_p)  # the settings checked as generation checks them
     ids = engine.encode(prompt)
-    loaded = engine._need_model()
+    loaded = engine.loaded
     model = loaded.model
 
     def generate(pushes: Sequence[tuple[int, float]]) -> list[int]:
