@@ -16,7 +16,7 @@
 
 // What the reader chose; a live page draws the views anew for every prompt typed, this stays.
 const FEATURES_STATE = { sae: 0, latent: null, over: "prompt", steer: [{ latent: "", strength: 8 }], tokens: 16,
-                         temperature: 0 };
+                         temperature: 0, corpusRead: {} };
 
 class FeaturesView {
   // ctx: showInspector's {source, info, on(target, type, fn), paintStrip, state, redraw}
@@ -219,7 +219,11 @@ class FeaturesView {
       box.replaceChildren(SAE_DASHBOARD.el("p", { class: "note" }, "Click a latent for its dashboard."));
       return;
     }
-    if (this.live) box.replaceChildren(SAE_DASHBOARD.el("p", { class: "status" }, "Reading latent #" + latent + "\u2026"));
+    if (this.live) {
+      const first = over === "corpus" && !FEATURES_STATE.corpusRead[FEATURES_STATE.sae] ? " over the corpus (the first time, every latent: one pass over "
+        + "its tokens)" : "";
+      box.replaceChildren(SAE_DASHBOARD.el("p", { class: "status" }, "Reading latent #" + latent + first + "\u2026"));
+    }
     let d;
     try {
       d = await this.latent(latent, over);
@@ -227,6 +231,7 @@ class FeaturesView {
       if (ticket === this.ticket) box.replaceChildren(SAE_DASHBOARD.el("p", { class: "status error" }, err.message));
       return;
     }
+    if (over === "corpus") FEATURES_STATE.corpusRead[FEATURES_STATE.sae] = true;
     if (ticket !== this.ticket) return;  // a newer latent was chosen meanwhile
     if (d === null) {
       this.acts = null; this.painted = true; this.paint();
@@ -252,7 +257,7 @@ class FeaturesView {
   paint() {  // the tokens above, shaded by the chosen latent's activation
     if (!this.acts) { this.paintStrip(null); return; }
     const top = Math.max(1e-12, ...this.acts);
-    this.paintStrip(this.acts, top, 2);
+    this.paintStrip(this.acts, top, 1);
   }
 
   // ---- steering (live) ----------------------------------------------------------------------------------
