@@ -165,7 +165,9 @@ class FeaturesView {
     if (what !== "query") {
       over.textContent = "";
       over.appendChild(new Option("this prompt", "prompt"));
-      if (corpus) over.appendChild(new Option(corpus.name + " (" + corpus.tokens.toLocaleString() + " tokens)", "corpus"));
+      if (corpus) {
+        over.appendChild(new Option(corpus.name + " (" + corpus.tokens.toLocaleString() + " tokens)", "corpus"));
+      }
       if (FEATURES_STATE.over === "corpus" && !corpus) FEATURES_STATE.over = "prompt";
       over.value = FEATURES_STATE.over;
       if (!this.live) this.$["features-steer-note"].textContent = this.section().steering;
@@ -220,8 +222,8 @@ class FeaturesView {
       return;
     }
     if (this.live) {
-      const first = over === "corpus" && !FEATURES_STATE.corpusRead[FEATURES_STATE.sae] ? " over the corpus (the first time, every latent: one pass over "
-        + "its tokens)" : "";
+      const once = over === "corpus" && !FEATURES_STATE.corpusRead[FEATURES_STATE.sae];
+      const first = once ? " over the corpus (the first time, every latent: one pass over its tokens)" : "";
       box.replaceChildren(SAE_DASHBOARD.el("p", { class: "status" }, "Reading latent #" + latent + first + "\u2026"));
     }
     let d;
@@ -269,7 +271,8 @@ class FeaturesView {
     }
     if (!steer.length) { this.status("features-steer-status", "Choose a latent to steer with.", true); return; }
     const seedBox = document.getElementById("seed");
-    const body = { sae: FEATURES_STATE.sae, steer: steer, max_new_tokens: Math.max(1, Math.floor(FEATURES_STATE.tokens) || 1),
+    const body = { sae: FEATURES_STATE.sae, steer: steer,
+                   max_new_tokens: Math.max(1, Math.floor(FEATURES_STATE.tokens) || 1),
                    temperature: Math.max(0, FEATURES_STATE.temperature || 0),
                    seed: Math.max(0, Math.floor(Number(seedBox && seedBox.value) || 0)) };
     $["features-steer-run"].disabled = true;
