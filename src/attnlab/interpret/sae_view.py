@@ -383,9 +383,10 @@ def features_section(
     _check_n(n, sae.cfg.d_sae)
     if not isinstance(max_latents, int) or isinstance(max_latents, bool) or max_latents < 1:
         raise ValueError(f"max_latents must be a positive int, got {max_latents!r}")
-    z = prompt_latents(model, sae, idx).float().cpu()  # (T, d_sae)
+    z = prompt_latents(model, sae, idx)  # (T, d_sae)
+    values, latents = z.topk(n, dim=-1)  # (T, n) each: strongest_latents's figures, from the same pass
+    values, latents, z = values.float().cpu(), latents.cpu(), z.float().cpu()
     ids = idx.reshape(-1).cpu()
-    values, latents = z.topk(n, dim=-1)  # (T, n) each, as strongest_latents
     # The latents a token lists (fired), each once, by its largest activation on the prompt.
     listed = latents[values > 0].unique()
     shown = listed[z[:, listed].amax(0).argsort(descending=True)][:max_latents].tolist()
