@@ -214,7 +214,6 @@ def bad_saes(tmp_path_factory, model) -> dict[str, tuple[Path, str]]:
 def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch, capsys, command, which):
     import attnlab.cli.inspect
     import attnlab.cli.viz
-    import attnlab.tools.serve
 
     d, _, _ = checkpoint
     path, message = bad_saes[which]
@@ -224,7 +223,9 @@ def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch
 
     monkeypatch.setattr(attnlab.cli.viz, "model_inspector", never)
     monkeypatch.setattr(attnlab.cli.inspect, "inspect_report", never)
-    monkeypatch.setattr(attnlab.tools.serve, "serve", never)
+    if command == "serve":
+        serving()
+        monkeypatch.setattr("attnlab.tools.serve.serve", never)
     if which == "missing":  # nothing read: not even the model
         for module in (attnlab.cli.viz, attnlab.cli.inspect):
             monkeypatch.setattr(module, "load", never)
@@ -240,6 +241,9 @@ def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch
 @pytest.mark.parametrize("command", ["viz", "serve"])
 def test_a_missing_sae_data_file_is_one_line_before_the_model(checkpoint, monkeypatch, capsys, command, tmp_path):
     import attnlab.cli.viz
+
+    if command == "serve":
+        serving()
 
     d, sae_dir, _ = checkpoint
 
@@ -258,17 +262,23 @@ def test_a_missing_sae_data_file_is_one_line_before_the_model(checkpoint, monkey
 # --------------------------------------------------------------------------------------------
 # attnlab serve --sae: the Features tab's routes
 # --------------------------------------------------------------------------------------------
-fastapi = pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+def serving():
+    """The serve extra's test client and attnlab's app (the tests above need neither: they skip alone)."""
+    pytest.importorskip("fastapi", reason="attnlab serve needs the serve extra (pip install 'attnlab[serve]')")
+    pytest.importorskip("httpx", reason="the serve tests need httpx (pip install 'attnlab[dev]')")
+    from fastapi.testclient import TestClient
 
-from fastapi.testclient import TestClient  # noqa: E402
+    from attnlab.tools.serve import Engine, Limits, create_app
 
-from attnlab.tools.serve import Engine, Limits, create_app  # noqa: E402
+    return TestClient, Engine, Limits, create_app
+
 
 CORPUS = np.array(TOKENIZER.encode(TEXT), dtype=np.int64)[:150]
 
 
 @pytest.fixture(scope="module")
 def client(model, sae, tmp_path_factory):
+    TestClient, Engine, Limits, create_app = serving()
     loaded = LoadedModel(model, TOKENIZER, tmp_path_factory.mktemp("served"))
     engine = Engine(loaded, limits=Limits(max_new_tokens=24), saes={"mine": sae}, sae_corpus=CORPUS,
                     sae_corpus_name="corpus.txt")  # fmt: skip
@@ -386,6 +396,7 @@ def test_bad_requests_name_the_field(client, route, body, status, message):
 
 
 def test_without_an_sae_the_routes_say_so(model, tmp_path):
+    TestClient, Engine, _, create_app = serving()
     engine = Engine(LoadedModel(model, TOKENIZER, tmp_path))
     with TestClient(create_app(engine, allowed_hosts={"testserver"})) as c:
         assert c.get("/api/info").json()["saes"] == []
