@@ -142,7 +142,8 @@ def test_bad_settings_and_directories(make_gpt, corpus, tmp_path):
         train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=128, **{**SMALL, "k": 5}, write=lambda s: None)
     # A bfloat16 model's activations are not the float32 model's: no resuming across them.
     with pytest.raises(ValueError, match=r"other settings \(model_dtype\)"):
-        train_sae(model.to(torch.bfloat16), corpus, tmp_path / "run", hook=HOOK, tokens=128, **SMALL, write=lambda s: None)
+        bf16 = model.to(torch.bfloat16)
+        train_sae(bf16, corpus, tmp_path / "run", hook=HOOK, tokens=128, **SMALL, write=lambda s: None)
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -247,3 +248,30 @@ def test_a_topk_step_has_the_dense_formulas_gradient(make_gpt, corpus, tmp_path)
         for name, p in before.named_parameters():
             torch.testing.assert_close(grads[name].double(), p.grad, atol=1e-5, rtol=1e-4, msg=name)
         assert before.W_dec.grad.abs().max() > 1e-4
+
+
+def test_a_signal_mid_run_saves_a_checkpoint_and_the_sae_so_far(make_gpt, corpus, tmp_path):
+    """SIGTERM while the second buffer fills (after the first buffer's steps): the run stops with a
+    checkpoint and ``DIR/sae`` holding the SAE as it stands; the same call resumes to the straight weights."""
+    import os
+    import signal
+
+    model = make_gpt()
+    cfg = SAETrainConfig(hook=HOOK, tokens=32 * 8, **SMALL)  # 4 steps a buffer, 8 steps in all
+    trainer = SAETrainer(model, corpus, cfg, tmp_path / "run", write=lambda s: None, progress=False)
+    fill = trainer.buffer.fill
+
+    def fill_then_signal(cycle: int) -> None:
+        if cycle == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the fill: it stops before any step of it
+        fill(cycle)
+
+    trainer.buffer.fill = fill_then_signal
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert trainer.stopped == signal.SIGTERM and trainer.step == 4
+    so_far = SAE.load(tmp_path / "run" / "sae")
+    assert all(torch.equal(so_far.state_dict()[k], v) for k, v in trainer.sae.state_dict().items())
+    straight = train_sae(model, corpus, tmp_path / "straight", hook=HOOK, tokens=32 * 8, **SMALL, write=lambda s: None)
+    resumed = train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=32 * 8, **SMALL, write=lambda s: None)
+    assert all(torch.equal(resumed.sae.state_dict()[k], v) for k, v in straight.sae.state_dict().items())

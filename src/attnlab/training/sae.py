@@ -581,14 +581,15 @@ class SAETrainer:
                     self.write("stopped before the first step: nothing to save")
                 else:
                     self.save()
-                    self.write(f"stopped at step {self.step}: checkpoint saved; the same command resumes")
+                    sae_dir = self._save_sae()  # usable as it stands: a run stopped early is still an SAE
+                    self.write(
+                        f"stopped at step {self.step}: checkpoint saved, the SAE so far in {sae_dir}; "
+                        "the same command resumes"
+                    )
                 raise KeyboardInterrupt
             last = history[-1] if history else None
             self.save()
-            self.sae.eval()
-            # SAELens has no TopK transcoders; sparsify's format holds them.
-            topk_transcoder = self.sae.cfg.transcoder and cfg.architecture == "topk"
-            sae_dir = self.sae.save(self.out / "sae", format="sparsify" if topk_transcoder else "saelens")
+            sae_dir = self._save_sae()
             final = last or self._measure_last()
             self.write(
                 f"final: explained variance {final['explained_variance']:.4f}, L0 {final['l0']:.1f}, "
@@ -603,6 +604,13 @@ class SAETrainer:
                 metrics.close()
             self.buffer.stop = None
             self.lock.release()
+
+    def _save_sae(self) -> Path:
+        """The SAE as it stands, in ``DIR/sae`` (SAELens's format; a TopK transcoder, which SAELens has no
+        class for, in sparsify's); the module is left in eval mode."""
+        self.sae.eval()
+        topk_transcoder = self.sae.cfg.transcoder and self.cfg.architecture == "topk"
+        return self.sae.save(self.out / "sae", format="sparsify" if topk_transcoder else "saelens")
 
     @staticmethod
     def _summary(window: list[dict[str, float]], tokens_per_s: float) -> dict[str, float]:
