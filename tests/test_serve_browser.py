@@ -312,7 +312,7 @@ def test_the_demo_page_shows_the_six_words(driver, subprocess_env):
         assert driver.find_element(By.ID, "prompt").get_attribute("disabled") == "true"
         assert "language model" in driver.find_element(By.ID, "live-status").text
         disabled = [t.get_attribute("data-view") for t in driver.find_elements(By.CSS_SELECTOR, "#tabs .tab:disabled")]
-        assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching", "circuit"]
+        assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching", "circuit", "features"]
         _show(driver, "steps")
         assert "attn_scores = inputs @ inputs.T" in driver.find_element(By.ID, "steps").text
         assert _errors(driver) == []

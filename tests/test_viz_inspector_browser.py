@@ -155,7 +155,7 @@ def test_every_view_renders_without_errors_or_network(driver, gpt_page, demo_pag
     # The tutorials' example has only the views of attention modules: the others are disabled.
     _open(driver, demo_page)
     disabled = [t.get_attribute("data-view") for t in driver.find_elements(By.CSS_SELECTOR, "#tabs .tab:disabled")]
-    assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching", "circuit"]
+    assert disabled == ["next", "rollout", "lens", "roles", "generation", "patching", "circuit", "features"]
     _show(driver, "steps")
     assert _errors(driver) == []
 
