@@ -160,7 +160,7 @@ class Server:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
             stats = c.get("/api/stats").json()
-            if (stats["steps_compiled"] >= 2 and stats["steps_compiling"] == 0) or stats["compile_failed"]:
+            if (stats["steps_compiled"] >= 1 and stats["steps_compiling"] == 0) or stats["compile_failed"]:
                 break
             time.sleep(1.0)
         return time.perf_counter() - t0
