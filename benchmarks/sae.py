@@ -451,12 +451,37 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
         held = json.loads(ev.stdout) if ev.returncode == 0 else None
         if held:
             print(f"the saved SAE on the-verdict.txt (never trained on), `attnlab sae eval`: {held}")
+            ev_rest = held["explained_variance_without_first"] = _held_out_ev(gguf, out / "sae", held_out, hook)
+            print(
+                "  its explained variance without each window's first position (as it was trained; that "
+                f"position's stream is an outlier that dominates the variance): {ev_rest:.4f}"
+            )
         else:
             print(f"attnlab sae eval failed: {ev.stderr.strip()[-500:]}")
         if json_out:
             Path(json_out).write_text(json.dumps({"curve": lines, "held_out": held, "exit": rc}, indent=1))
         print()
         return rc in (0, 130) and held is not None
+
+
+def _held_out_ev(gguf: Path, sae_dir: Path, text: Path, hook: str, windows: int = 64, context: int = 128) -> float:
+    """Explained variance (about the mean) of the SAE in ``sae_dir`` on ``windows`` windows of ``text``,
+    each window's first position left out, as the trainer's buffer leaves it out."""
+    import numpy as np
+
+    from attnlab.data import tokenize_to_cache
+    from attnlab.interpret.hooks import activation_at
+    from attnlab.tools.loading import load_gguf
+
+    loaded = load_gguf(gguf, dtype=torch.float32)
+    ids = np.asarray(tokenize_to_cache(text, loaded.tokenizer)).astype(np.int64)
+    n = min(windows, len(ids) // context)
+    sae = SAE.load(sae_dir).eval()
+    with torch.no_grad():
+        x = activation_at(loaded.model.eval(), hook, torch.from_numpy(ids[: n * context]).view(n, context))
+        x = x[:, 1:].reshape(-1, x.shape[-1]).double()  # (n * (context - 1), d)
+        recons = sae.encode_decode(x.float())[1].double()
+    return 1.0 - float((x - recons).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
 
 
 # Runs in SAELens's environment with attnlab on its path: SAELens's evaluation functions on an attnlab
