@@ -40,7 +40,9 @@ Section ``curve``: the quality a user gets in a given time: ``attnlab sae train`
 (k = 32) on SmolLM2's ``--curve-hook`` over tinyshakespeare, stopped after ``--minutes`` as Ctrl-C stops
 it; printed: its ``metrics.jsonl`` every 5 minutes (tokens, explained variance, L0, dead latents), when
 the explained variance first reached 0.8, and the saved SAE's ``attnlab sae eval`` on the-verdict.txt,
-text it never saw (``--dtype bfloat16``: the model's activations computed in bfloat16)::
+text it never saw, and its explained variance there without each window's first position and without
+the few rows of massive activations (``--dtype bfloat16``: the model's activations computed in
+bfloat16; ``--curve-out DIR`` keeps the run)::
 
     python benchmarks/sae.py --sections curve --minutes 60 --threads 2
 """
@@ -201,11 +203,13 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60, help="curve: how long to train")
     parser.add_argument("--curve-hook", default="blocks.15.hook_resid_post", help="curve: the SAE's hook")
     parser.add_argument("--curve-json", help="curve: also write the curve to this JSON file")
+    parser.add_argument("--curve-out", help="curve: the run directory to keep (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.sections in ("dashboard", "curve"):  # need no SAELens
         if args.sections == "curve":
-            return 0 if curve(args.minutes, args.curve_hook, args.dtype, args.threads, args.curve_json) else 1
+            ok = curve(args.minutes, args.curve_hook, args.dtype, args.threads, args.curve_json, args.curve_out)
+            return 0 if ok else 1
         return 0 if dashboard(args.latents, args.dashboard_tokens, args.dashboard_hook, args.dtype) else 1
     if not os.path.exists(args.saelens_python):
         raise SystemExit(f"no SAELens environment at {args.saelens_python} (see this file's docstring)")
@@ -382,7 +386,7 @@ def dashboard(latents: int, n_tokens: int, hook: str, dtype: str, context: int =
     return True
 
 
-def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | None) -> bool:
+def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | None, keep: str | None) -> bool:
     """``attnlab sae train`` as a user runs it, stopped by SIGINT after ``minutes`` (it saves first); its
     ``metrics.jsonl`` printed as the curve, then the saved SAE measured by ``attnlab sae eval`` on text
     it never saw (the-verdict.txt)."""
@@ -399,7 +403,7 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
         return True
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
+        out = Path(keep) if keep else Path(tmp) / "run"
         cmd = [sys.executable, "-m", "attnlab", "sae", "train", "--model", str(gguf), "--hook", hook]
         cmd += ["--data", str(data), "--arch", "topk", "--k", "32", "--tokens", str(10**10), "--dtype", dtype]
         cmd += ["--out", str(out), "--no-progress"]
@@ -451,10 +455,12 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
         held = json.loads(ev.stdout) if ev.returncode == 0 else None
         if held:
             print(f"the saved SAE on the-verdict.txt (never trained on), `attnlab sae eval`: {held}")
-            ev_rest = held["explained_variance_without_first"] = _held_out_ev(gguf, out / "sae", held_out, hook)
+            ev_rest, ev_typical, n_massive = _held_out_ev(gguf, out / "sae", held_out, hook)
+            held |= {"explained_variance_without_first": ev_rest, "explained_variance_typical_rows": ev_typical}
             print(
                 "  its explained variance without each window's first position (as it was trained; that "
-                f"position's stream is an outlier that dominates the variance): {ev_rest:.4f}"
+                f"position's stream is an outlier that dominates the variance): {ev_rest:.4f}; without the "
+                f"{n_massive} rows of a norm over 5x the median too (massive activations): {ev_typical:.4f}"
             )
         else:
             print(f"attnlab sae eval failed: {ev.stderr.strip()[-500:]}")
@@ -464,9 +470,13 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
         return rc in (0, 130) and held is not None
 
 
-def _held_out_ev(gguf: Path, sae_dir: Path, text: Path, hook: str, windows: int = 64, context: int = 128) -> float:
-    """Explained variance (about the mean) of the SAE in ``sae_dir`` on ``windows`` windows of ``text``,
-    each window's first position left out, as the trainer's buffer leaves it out."""
+def _held_out_ev(
+    gguf: Path, sae_dir: Path, text: Path, hook: str, windows: int = 64, context: int = 128
+) -> tuple[float, float, int]:
+    """Explained variance (about the mean) of the SAE in ``sae_dir`` on up to ``windows`` windows of
+    ``text``, each window's first position left out, as the trainer's buffer leaves it out; and the same
+    over the rows whose norm is at most 5x the median (a few tokens' streams are some 100x the rest's:
+    they would dominate the variance), with how many rows that leaves out."""
     import numpy as np
 
     from attnlab.data import tokenize_to_cache
@@ -481,7 +491,13 @@ def _held_out_ev(gguf: Path, sae_dir: Path, text: Path, hook: str, windows: int 
         x = activation_at(loaded.model.eval(), hook, torch.from_numpy(ids[: n * context]).view(n, context))
         x = x[:, 1:].reshape(-1, x.shape[-1]).double()  # (n * (context - 1), d)
         recons = sae.encode_decode(x.float())[1].double()
-    return 1.0 - float((x - recons).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+
+    def ev(rows: torch.Tensor) -> float:
+        return 1.0 - float((x[rows] - recons[rows]).pow(2).sum() / (x[rows] - x[rows].mean(0)).pow(2).sum())
+
+    norm = x.norm(dim=-1)
+    typical = norm <= 5 * norm.median()
+    return ev(torch.ones_like(typical)), ev(typical), int((~typical).sum())
 
 
 # Runs in SAELens's environment with attnlab on its path: SAELens's evaluation functions on an attnlab
