@@ -417,13 +417,13 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
             proc.send_signal(signal.SIGINT)  # the trainer finishes its step, saves and exits 130
         rc = proc.wait()
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        print(f"\n{'minutes':>8} {'tokens':>12} {'EV':>7} {'L0':>6} {'dead':>7} {'tok/s':>8}")
+        print(f"\n{'minutes':>8} {'tokens':>12} {'EV':>7} {'L0':>6} {'dead':>7} {'tok/s':>8} {'left out':>9}")
         mark = 0.0
         for i, m in enumerate(lines):
             if m["seconds"] >= mark or i == len(lines) - 1:
                 print(
                     f"{m['seconds'] / 60:8.1f} {m['tokens']:12,} {m['explained_variance']:7.3f} {m['l0']:6.1f} "
-                    f"{m['dead_fraction']:7.1%} {m['tokens_per_s']:8.0f}"
+                    f"{m['dead_fraction']:7.1%} {m['tokens_per_s']:8.0f} {m.get('rows_left_out', 0):9,}"
                 )
                 mark = (m["seconds"] // 300 + 1) * 300  # a row every 5 minutes
         reached = next((m for m in lines if m["explained_variance"] >= 0.8), None)
@@ -460,7 +460,7 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
             print(
                 "  its explained variance without each window's first position (as it was trained; that "
                 f"position's stream is an outlier that dominates the variance): {ev_rest:.4f}; without the "
-                f"{n_massive} rows of a norm over 5x the median too (massive activations): {ev_typical:.4f}"
+                f"{n_massive} rows of a norm over 10x the median too (massive activations): {ev_typical:.4f}"
             )
         else:
             print(f"attnlab sae eval failed: {ev.stderr.strip()[-500:]}")
@@ -471,12 +471,19 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
 
 
 def _held_out_ev(
-    gguf: Path, sae_dir: Path, text: Path, hook: str, windows: int = 64, context: int = 128
+    gguf: Path,
+    sae_dir: Path,
+    text: Path,
+    hook: str,
+    windows: int = 64,
+    context: int = 128,
+    outlier_ratio: float = 10.0,
 ) -> tuple[float, float, int]:
     """Explained variance (about the mean) of the SAE in ``sae_dir`` on up to ``windows`` windows of
     ``text``, each window's first position left out, as the trainer's buffer leaves it out; and the same
-    over the rows whose norm is at most 5x the median (a few tokens' streams are some 100x the rest's:
-    they would dominate the variance), with how many rows that leaves out."""
+    over the rows whose norm is at most ``outlier_ratio`` x the median, as the trainer's default keeps
+    (a few tokens' streams are some 100x the rest's: they would dominate the variance), with how many
+    rows that leaves out."""
     import numpy as np
 
     from attnlab.data import tokenize_to_cache
@@ -496,7 +503,7 @@ def _held_out_ev(
         return 1.0 - float((x[rows] - recons[rows]).pow(2).sum() / (x[rows] - x[rows].mean(0)).pow(2).sum())
 
     norm = x.norm(dim=-1)
-    typical = norm <= 5 * norm.median()
+    typical = norm <= outlier_ratio * norm.median()
     return ev(torch.ones_like(typical)), ev(typical), int((~typical).sum())
 
 

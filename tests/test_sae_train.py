@@ -125,6 +125,39 @@ def test_the_buffer_is_bounded_shuffled_and_exact(make_gpt, corpus):
     assert min(float((rows - r).abs().max(-1).values.min()) for r in buf.x[:5]) < 1e-5
 
 
+def test_the_buffer_leaves_out_massive_activations(make_gpt, corpus):
+    """Rows made 1000x longer at one token (a stand-in for a model's massive activations) are left
+    out at the default ratio, more windows are read to fill the buffer, and ratio 0 keeps them."""
+    model = make_gpt()
+    big = 7  # the corpus's token whose residual stream is made massive
+
+    def inflate(x, hook, ids):
+        return torch.where((ids == big)[..., None], x * 1000, x)
+
+    seen: dict[str, torch.Tensor] = {}
+    original = model.forward
+
+    def forward(idx, *a, **kw):  # the hook below needs the token ids
+        seen["ids"] = idx
+        return original(idx, *a, **kw)
+
+    model.forward = forward
+    with hooks(model, {"blocks.0.hook_resid_post": lambda x, h: inflate(x, h, seen["ids"])}):
+        kept = ActivationBuffer(model, corpus, SAETrainConfig(hook=HOOK, **SMALL))
+        kept.fill(0)
+        every = ActivationBuffer(model, corpus, SAETrainConfig(hook=HOOK, **{**SMALL, "outlier_ratio": 0}))
+        every.fill(0)
+    norms, median = kept.x.norm(dim=-1), every.x.norm(dim=-1).median()
+    assert kept.x.shape == every.x.shape == (SMALL["buffer_rows"], 24)  # filled all the same
+    assert kept.left_out > 0 and every.left_out == 0
+    assert float(norms.max()) < 10 * float(median)
+    assert float(every.x.norm(dim=-1).max()) > 100 * float(median)  # ratio 0: the massive rows are there
+    with pytest.raises(ValueError, match="outlier_ratio must be 0"):
+        SAETrainConfig(hook=HOOK, outlier_ratio=0.5)
+    with pytest.raises(TypeError, match="outlier_ratio must be a number"):
+        SAETrainConfig(hook=HOOK, outlier_ratio="10")
+
+
 def test_bad_settings_and_directories(make_gpt, corpus, tmp_path):
     model = make_gpt()
     with pytest.raises(ValueError, match="--arch must be"):

@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--context", type=int, default=128, metavar="T", help="tokens per window the model reads (default 128)"
     )
+    t.add_argument(
+        "--outlier-ratio",
+        type=float,
+        default=10.0,
+        metavar="R",
+        help="leave out activations whose norm is above R x the median (massive activations); 0 keeps all (default 10)",
+    )
     t.add_argument("--lr", type=float, help="Adam's learning rate (default: 2e-4 / sqrt(width / 16384), sparsify's)")
     t.add_argument("--dead-tokens", type=int, default=1_000_000, metavar="N", help="a latent silent this long is dead")
     t.add_argument("--seed", type=int, default=0)
@@ -142,6 +149,7 @@ def _train(args: argparse.Namespace) -> int:
         batch_rows=args.batch_rows,
         buffer_rows=args.buffer_rows,
         context=args.context,
+        outlier_ratio=args.outlier_ratio,
         lr=args.lr,
         dead_tokens=args.dead_tokens,
         seed=args.seed,

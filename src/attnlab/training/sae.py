@@ -86,6 +86,11 @@ class SAETrainConfig:
     buffer_rows: int = 32768  # the shuffled buffer (bounded memory: rows x width x 4 bytes)
     context: int = 128  # tokens per window the model reads
     model_batch: int = 8  # windows per model forward
+    # Rows whose norm is above this many times their forward's median are left out (0 keeps them
+    # all): some models' residual streams hold rare "massive activations" (Sun et al. 2024), a few
+    # rows of norm ~100x the rest; under a squared error they would hold most of the variance and
+    # take the SAE's capacity from the typical tokens a user wants explained.
+    outlier_ratio: float = 10.0
     lr: float | None = None  # default: sparsify's 2e-4 / sqrt(width / 2**14)
     auxk_alpha: float = 1 / 32
     dead_tokens: int = 1_000_000  # a latent not active for this many rows is dead
@@ -109,6 +114,12 @@ class SAETrainConfig:
             raise ValueError(f"buffer_rows ({self.buffer_rows}) must be at least batch_rows ({self.batch_rows})")
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
+        if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)):
+            raise TypeError(f"outlier_ratio must be a number, got {type(self.outlier_ratio).__name__}")
+        if not (self.outlier_ratio == 0 or 1 < self.outlier_ratio < math.inf):
+            raise ValueError(
+                f"outlier_ratio must be 0 (keep every row) or a finite number above 1, got {self.outlier_ratio}"
+            )
         if self.skip and self.hook_out is None:
             raise ValueError("a skip connection is a transcoder's: give the output hook (--hook-out)")
 
@@ -273,10 +284,11 @@ class _Reached(Exception):
 class ActivationBuffer:
     """Rows of activations from ``model`` at ``hook`` (and ``hook_out``), one buffer per cycle.
 
-    Each cycle reads ``ceil(buffer_rows / (context - 1))`` windows of ``context`` tokens at
-    random starts (a generator seeded by ``(seed, cycle)``), keeps every position but the first
-    (a window's first token sees no context: an outlier the SAE should not spend latents on),
-    and shuffles the rows with the same generator.
+    Each cycle reads windows of ``context`` tokens at random starts (a generator seeded by
+    ``(seed, cycle)``), keeps every position but the first (a window's first token sees no context:
+    an outlier the SAE should not spend latents on) and every row within ``outlier_ratio`` times its
+    forward's median norm, reads more windows while rows are short, and shuffles the rows with the
+    same generator.
     """
 
     def __init__(self, model: nn.Module, tokens: np.ndarray, cfg: SAETrainConfig) -> None:
@@ -288,16 +300,24 @@ class ActivationBuffer:
         self.x: Tensor | None = None  # (buffer_rows, d_in)
         self.y: Tensor | None = None  # (buffer_rows, d_out) for a transcoder
         self.stop: StopFlag | None = None  # set by SAETrainer.fit: a signal stops a fill at once
+        self.left_out = 0  # rows over the outlier ratio in the last fill
+
+    def _typical(self, x: Tensor) -> Tensor:
+        """(rows, d) -> (rows,) bool: True where the row's norm is within the outlier ratio."""
+        norms = x.norm(dim=-1)
+        if not self.cfg.outlier_ratio:
+            return torch.ones_like(norms, dtype=torch.bool)
+        return norms <= self.cfg.outlier_ratio * norms.median()
 
     @torch.no_grad()
     def fill(self, cycle: int) -> None:
         cfg = self.cfg
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cycle)
-        per_window = cfg.context - 1
-        n_windows = -(-cfg.buffer_rows // per_window)
-        starts = torch.randint(0, len(self.tokens) - cfg.context + 1, (n_windows,), generator=g)
+        last_start = len(self.tokens) - cfg.context + 1
+        starts = torch.randint(0, last_start, (-(-cfg.buffer_rows // (cfg.context - 1)),), generator=g).tolist()
         xs, ys = [], []
         seen: dict[str, Tensor] = {}
+        kept = read = 0
 
         order = hook_names(self.model)
         last = max((cfg.hook, cfg.hook_out or cfg.hook), key=order.index)  # the pass stops after it
@@ -312,18 +332,23 @@ class ActivationBuffer:
         self.model.eval()
         try:
             with hooks(self.model, names), _signals_stop_at_once(self.stop):
-                for i in range(0, n_windows, cfg.model_batch):
-                    batch = np.stack(
-                        [self.tokens[s : s + cfg.context] for s in starts[i : i + cfg.model_batch].tolist()]
-                    )
+                while kept < cfg.buffer_rows:
+                    if read == len(starts):  # rows were left out: read more windows
+                        starts += torch.randint(0, last_start, (cfg.model_batch,), generator=g).tolist()
+                    batch = np.stack([self.tokens[s : s + cfg.context] for s in starts[read : read + cfg.model_batch]])
+                    read += len(batch)
                     with contextlib.suppress(_Reached):
                         self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
-                    xs.append(seen[cfg.hook])
+                    typical = self._typical(seen[cfg.hook])
                     if cfg.hook_out:
-                        ys.append(seen[cfg.hook_out])
+                        typical &= self._typical(seen[cfg.hook_out])
+                        ys.append(seen[cfg.hook_out][typical])
+                    xs.append(seen[cfg.hook][typical])
+                    kept += int(typical.sum())
         finally:
             self.model.train(was_training)
-        order = torch.randperm(n_windows * per_window, generator=g)[: cfg.buffer_rows].to(self.device)
+        self.left_out = read * (cfg.context - 1) - kept
+        order = torch.randperm(kept, generator=g)[: cfg.buffer_rows].to(self.device)
         self.x = torch.cat(xs)[order]
         self.y = torch.cat(ys)[order] if cfg.hook_out else None
         self.cycle = cycle
@@ -568,7 +593,15 @@ class SAETrainer:
                         history.append(self._summary(window, rows / max(seconds, 1e-9)))
                         window = []
                         tokens = self.step * cfg.batch_rows
-                        metrics.append({"step": self.step, "tokens": tokens, "seconds": seconds, **history[-1]})
+                        metrics.append(
+                            {
+                                "step": self.step,
+                                "tokens": tokens,
+                                "seconds": seconds,
+                                **history[-1],
+                                "rows_left_out": self.buffer.left_out,  # by the outlier ratio, this buffer
+                            }
+                        )
                         if bar is not None:
                             bar.set_postfix(self._postfix(history[-1]), refresh=False)
                     if bar is not None:
