@@ -55,8 +55,9 @@ __all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized"]
 
 QK_K = 256  # the K-quants' super-block
 # Dense weights of this many elements at most are dequantized at once by a product (one tile of rows):
-# small enough to stay in the CPU's caches between the dequantization and the matmul reading it.
-TILE_ELEMENTS = 1 << 20
+# small enough to stay in the CPU's caches between the dequantization and the matmul reading it, and
+# a small part of the model's memory (a tile is the one dense piece of a quantized weight at a time).
+TILE_ELEMENTS = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,6 +73,8 @@ class Format:
         nbytes: bytes per block in the file.
         split: ``split(blocks (R, nb, nbytes) uint8 numpy) -> {field: array (R, nb, ...)}``, lossless.
         dequantize: ``dequantize(fields (R, nb, ...) each) -> (R, nb * block) float32``.
+        matvec: ``matvec(fields, x (nb, block) float32) -> (R,)``: the one-row product ``w @ x`` as a
+            sum over the packed fields, for ``torch.compile`` (None: the dequantized weight's product).
     """
 
     name: str
@@ -79,6 +82,7 @@ class Format:
     nbytes: int
     split: Callable[[np.ndarray], dict[str, np.ndarray]]
     dequantize: Callable[[dict[str, Tensor]], Tensor]
+    matvec: Callable[[dict[str, Tensor], Tensor], Tensor] | None = None
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -211,6 +215,40 @@ def _dense(f: dict[str, Tensor]) -> Tensor:
     return f["w"].float().flatten(-2)
 
 
+# The one-row products (a decoding step under torch.compile): the sum over blocks written on the packed
+# fields, each field multiplied by the slice of ``x`` its integers stand for, so that inductor makes one
+# vectorized loop over the bytes. The dequantized weight's order (a block's low nibbles, then its high
+# ones) would make every weight a gather, which inductor's CPU code does not vectorize.
+def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor | float = 1.0, hi_scale: Tensor | float = 1.0) -> Tensor:
+    """``qs (..., n)`` bytes, ``x (..., 2n)`` -> ``(...)``: ``lo_scale * (low nibbles . x[:n]) + hi_scale *
+    (high nibbles . x[n:])``, one reduction (scales ``(...)``, broadcast over the ``n``)."""
+    n = qs.shape[-1]
+    if isinstance(lo_scale, Tensor):
+        lo_scale, hi_scale = lo_scale.unsqueeze(-1), hi_scale.unsqueeze(-1)
+    return ((qs & 0x0F).float() * (x[..., :n] * lo_scale) + (qs >> 4).float() * (x[..., n:] * hi_scale)).sum(-1)
+
+
+def _mv_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (f["d"].float() * (f["qs"].float() * x).sum(-1)).sum(-1)  # sum over blocks of d * (q . x)
+
+
+def _mv_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (f["d"].float() * (_nibble_dot(f["qs"], x) - 8 * x.sum(-1))).sum(-1)  # d * ((q - 8) . x)
+
+
+def _mv_q4_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (f["d"].float() * _nibble_dot(f["qs"], x) + f["m"].float() * x.sum(-1)).sum(-1)  # d * (q . x) + m * sum(x)
+
+
+def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Sub-blocks 2g and 2g + 1 of 32 weights are the low and high nibbles of the same 32 bytes.
+    sc = f["sc"].float().unflatten(-1, (4, 2))  # (R, nb, 4, 2)
+    q = f["qs"].unflatten(-1, (4, 32))  # (R, nb, 4, 32)
+    scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), sc[..., 0], sc[..., 1]).sum(-1)  # (R, nb)
+    mins = (f["m"].float() * x.unflatten(-1, (8, 32)).sum(-1)).sum(-1)  # (R, nb)
+    return (f["d"].float() * scaled - f["dmin"].float() * mins).sum(-1)  # d * sc * q - dmin * m, summed
+
+
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """A splitter of blocks into fields ``(name, bytes, kind)``, kind ``f16``, ``u8`` or ``i8``."""
 
@@ -258,9 +296,9 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format("F16", 1, 2, _split_dense(np.float16), _dense),
         Format("BF16", 1, 2, _split_dense(np.int16), _dense),  # (int16 in numpy, viewed as bfloat16 in torch)
-        Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0),
-        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0),
-        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1),
+        Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
+        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0),
+        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1),
         Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0),
         Format("Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1),
         Format(
@@ -271,7 +309,7 @@ FORMATS: dict[str, Format] = {
             _q2_k,
         ),
         Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k),
-        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k),
+        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k),
         Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k),
         Format(
             "Q6_K", QK_K, 210, _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")), _q6_k
@@ -624,6 +662,20 @@ class _Linear(torch.autograd.Function):
         return _product_t(grad, ctx.frozen.w), None
 
 
+def _matvec(x: Tensor, w: QuantizedTensor) -> Tensor:
+    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec``."""
+    row = x.reshape(-1).float()  # (in,)
+    outs = []
+    for p in w.parts:
+        fmt = FORMATS[p.format]
+        if fmt.matvec is not None:
+            outs.append(fmt.matvec(p.fields, row.view(-1, fmt.block)))  # (rows,)
+        else:
+            outs.append((row * p.dequantize()).sum(-1))  # (rows, in) -> (rows,): fused by inductor
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
 def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for a quantized ``w``: ``(..., in) -> (..., out)`` in ``x``'s dtype."""
     if isinstance(x, QuantizedTensor):
@@ -631,11 +683,10 @@ def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
     if w.int4 is not None and x.dtype == w.int4.dtype and not (torch.is_grad_enabled() and x.requires_grad):
         y = int4_mm(x, w.int4, w.shape[0])  # eager and compiled alike (inductor calls the kernel)
     elif torch.compiler.is_compiling():
-        w_dense = w.dequantize(x.dtype)  # (out, in): inductor fuses the dequantization into its consumer
         if x.device.type == "cpu" and x.shape[:-1].numel() == 1:
-            y = (x.unsqueeze(-2) * w_dense).sum(-1)  # (..., 1, in) * (out, in) -> (..., out): one loop, no matrix
+            y = _matvec(x, w)  # one loop over the blocks, no matrix
         else:
-            y = F.linear(x, w_dense)
+            y = F.linear(x, w.dequantize(x.dtype))  # inductor fuses the dequantization into its consumer
     elif torch.is_grad_enabled() and x.requires_grad:
         y = _Linear.apply(x, _Frozen(w))
     else:

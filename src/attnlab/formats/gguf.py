@@ -499,7 +499,23 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
                 fused = torch.cat([state[gate], state[k]])
                 state[gate], state[k] = fused.chunk(2)
     fields, state = families.to_attnlab(state, hf_config=cfg, copy=False)
+    # The header's parse and the read buffers are freed, but the heap keeps their pages for later
+    # allocations: give them back, so that the model's memory is about its weights.
+    _release_freed_memory()
     return GGUFModel(p, name, cfg, fields, state, meta, counts, reader)
+
+
+def _release_freed_memory() -> None:
+    """glibc's ``malloc_trim(0)``: the heap's free pages returned to the system (a no-op elsewhere)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
 
 
 def quantized(tensor: Any, file: BinaryIO | None = None) -> QuantizedTensor | None:
