@@ -26,8 +26,8 @@ import argparse
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
-from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, load_saes, save_circuit_page
-from attnlab.tools.loading import load
+from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, circuit_saes, save_circuit_page
+from attnlab.tools.loading import load, load_saes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         parse_budget(args.budget)  # before the model loads: a bad budget is known at once
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
+    read = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
     loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
-    saes = {"saes": load_saes(loaded, args.sae), "max_latents": args.max_latents}
+    saes = {"saes": circuit_saes(loaded, read), "max_latents": args.max_latents}
     if args.pairs is not None:
         report = circuit_report_pairs(
             loaded, args.pairs, method=args.method, ig_steps=args.ig_steps, budget=args.budget, **saes

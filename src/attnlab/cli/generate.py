@@ -48,7 +48,7 @@ from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import HFTokenizer, StreamDecoder
 from attnlab.tools.chat import prompt_ids
-from attnlab.tools.loading import LoadedModel, load_model, load_pretrained
+from attnlab.tools.loading import LoadedModel, attach_saes, load_model, load_pretrained, load_saes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -172,34 +172,25 @@ def parse_steer(spec: str) -> tuple[str, int, float]:
         raise ValueError(f"--steer must be SAE_DIR:LATENT:STRENGTH (an int latent, a number), got {spec!r}") from None
 
 
-def load_steering(specs: list[str]) -> list[tuple[Any, int, float]]:
-    """Each ``--steer`` spec's SAE (on the CPU), latent and strength, checked before the model is read."""
-    from attnlab.interpret.sae import SAE  # (only a steered run pays for importing the interpret package)
-
+def load_steering(specs: list[str]) -> tuple[list[tuple[Any, int, float]], dict[str, Any]]:
+    """Each ``--steer`` spec's SAE (on the CPU), latent and strength, checked before the model is read;
+    and the SAEs by path (for :func:`attach_saes`)."""
+    parsed = [(spec, *parse_steer(spec)) for spec in specs]
+    saes = load_saes([path for _, path, _, _ in parsed], flag="--steer")  # (a path given twice is read once)
     out = []
-    for spec in specs:
-        path, latent, strength = parse_steer(spec)
-        sae = SAE.load(path)
+    for spec, path, latent, strength in parsed:
+        sae = saes[path]
         if not 0 <= latent < sae.cfg.d_sae:
             raise ValueError(f"--steer {spec}: latent must be in [0, {sae.cfg.d_sae}), got {latent}")
         if not math.isfinite(strength):
             raise ValueError(f"--steer {spec}: strength must be a finite number, got {strength}")
         out.append((sae, latent, strength))
-    return out
-
-
-def to_model(steering: list[tuple[Any, int, float]], model: torch.nn.Module) -> list[tuple[Any, int, float]]:
-    """The SAEs on the model's device, in its dtype, their hook points checked against it."""
-    param = next(model.parameters())
-    dtype = param.dtype if param.is_floating_point() else None
-    for sae, _, _ in steering:
-        sae.to(device=param.device, dtype=dtype or sae.dtype).check_model(model)
-    return steering
+    return out, saes
 
 
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    steering = load_steering(args.steer)  # a bad spec or SAE is refused before the model is read
+    steering, saes = load_steering(args.steer)  # a bad spec or SAE is refused before the model is read
     device = resolve_device(args.device)
     if args.model is not None:
         loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
@@ -212,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         if loaded.stop_ids:  # a model fine-tuned from an instruct model stops where its base does
             sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids)
     tok, model = loaded.tokenizer, loaded.model
-    steering = to_model(steering, model)
+    attach_saes(saes, model, flag="--steer")  # each hook point checked, on the model's device and dtype
     if args.chat:  # the message in the model's conversation format, the assistant's turn opened
         if args.checkpoint is not None:
             require_chat_template(loaded, args.checkpoint)

@@ -18,8 +18,7 @@ import argparse
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
 from attnlab.cli.viz import add_sae_arguments
-from attnlab.tools.loading import load
-from attnlab.tools.viz.inspector import attach_saes, load_saes
+from attnlab.tools.loading import attach_saes, load, load_saes
 from attnlab.tools.viz.report import inspect_report
 
 

@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("attnlab serve needs FastAPI and uvicorn: pip install 'attnlab[serve]'") from None
     import torch
 
-    from attnlab.tools.loading import load
+    from attnlab.tools.loading import attach_saes, load, load_saes
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
-    from attnlab.tools.viz.inspector import attach_saes, check_sae_data, load_saes, sae_corpus
+    from attnlab.tools.viz.inspector import check_sae_data, sae_corpus
 
     saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
     check_sae_data(args.sae_data)

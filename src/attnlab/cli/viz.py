@@ -7,9 +7,9 @@ from pathlib import Path
 
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
-from attnlab.tools.loading import load
+from attnlab.tools.loading import attach_saes, load, load_saes
 from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
-from attnlab.tools.viz.inspector import attach_saes, check_sae_data, load_saes, sae_corpus
+from attnlab.tools.viz.inspector import check_sae_data, sae_corpus
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 

@@ -32,7 +32,7 @@ from attnlab.interpret.circuit_view import (
 from attnlab.interpret.circuits import sae_place
 from attnlab.interpret.patch_view import answer_token
 from attnlab.interpret.sae import SAE
-from attnlab.tools.loading import LoadedModel
+from attnlab.tools.loading import LoadedModel, attach_saes
 
 __all__ = [
     "MAX_CIRCUIT_TOKENS",
@@ -40,8 +40,8 @@ __all__ = [
     "CircuitReport",
     "circuit_report",
     "circuit_report_pairs",
+    "circuit_saes",
     "format_node",
-    "load_saes",
     "read_pairs",
     "save_circuit_page",
     "serve_circuit",
@@ -106,20 +106,16 @@ class CircuitReport:
         return notebook_circuit_html(self.result.section())
 
 
-def load_saes(loaded: LoadedModel, paths: Sequence[str | os.PathLike[str]]) -> list[SAE]:
-    """The SAEs or transcoders of ``--sae DIR`` (each SAELens's, sparsify's or Gemma Scope's files),
-    on the model's device, checked against the model: each error names its ``--sae``."""
-    device = next(loaded.model.parameters()).device
-    saes = []
-    for path in paths:
+def circuit_saes(loaded: LoadedModel, saes: dict[str, SAE]) -> list[SAE]:
+    """The SAEs of ``--sae`` (read by :func:`attnlab.tools.loading.load_saes`) on the model, each
+    checked against it and to be a node of its graph: each error names its ``--sae``."""
+    attach_saes(saes, loaded.model)
+    for path, sae in saes.items():
         try:
-            sae = SAE.load(path, device=device)
-            sae.check_model(loaded.model)
             sae_place(loaded.model, sae)
-        except (ValueError, FileNotFoundError) as e:
+        except ValueError as e:
             raise ValueError(f"--sae {path}: {e}") from None
-        saes.append(sae)
-    return saes
+    return list(saes.values())
 
 
 def _one_token(tokenizer: Any, text: str, what: str, where: str = "--answers") -> int:
@@ -142,7 +138,7 @@ def circuit_report(
     max_latents: int = 64,
 ) -> CircuitReport:
     """Edge attribution and faithfulness of two prompts of the same number of tokens (the command
-    line's checks: each error names its flag); ``saes`` (:func:`load_saes`) spliced in, their latents nodes."""
+    line's checks: each error names its flag); ``saes`` (:func:`circuit_saes`) spliced in, their latents nodes."""
     model, tok = loaded.model, loaded.tokenizer
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")

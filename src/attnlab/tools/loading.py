@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,13 @@ __all__ = [
     "TOKENIZER_NAME",
     "Demo",
     "LoadedModel",
+    "attach_saes",
     "load",
     "load_demo",
     "load_gguf",
     "load_model",
     "load_pretrained",
+    "load_saes",
 ]
 
 TOKENIZER_NAME = "tokenizer.json"  # beside GPT.save()'s files: how its token ids are read
@@ -387,3 +390,31 @@ def load_demo() -> Demo:
         ("MultiHeadAttention (seed 123)", mha),
     ]
     return Demo(list(WORDS), INPUTS.clone(), modules)
+
+
+def load_saes(paths: Sequence[str], flag: str = "--sae") -> dict[str, Any]:
+    """Each ``--sae`` path's SAE (on the CPU), by its path: read before the model is (a missing or bad
+    file costs no model load); every error is one line naming the flag and the path."""
+    from attnlab.interpret.sae import SAE
+
+    saes: dict[str, Any] = {}
+    for path in paths:
+        try:
+            saes[path] = SAE.load(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{flag} {path}: {str(exc).splitlines()[0]}") from None
+    return saes
+
+
+def attach_saes(saes: dict[str, Any], model: torch.nn.Module, flag: str = "--sae") -> dict[str, Any]:
+    """The SAEs on the model's device, in its dtype, each checked against the model (its hook point and
+    width) before any work: ValueError naming the flag and the path."""
+    param = next(model.parameters())
+    dtype = param.dtype if param.is_floating_point() else None
+    for path, sae in saes.items():
+        try:
+            sae.check_model(model)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {path}: {exc}") from None
+        sae.to(device=param.device, dtype=dtype or sae.dtype)
+    return saes

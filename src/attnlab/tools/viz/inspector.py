@@ -11,7 +11,7 @@ from attnlab.files import check_text_file
 from attnlab.interpret import inspector_data, trace, trace_generation
 from attnlab.tools.loading import LoadedModel
 
-__all__ = ["attach_saes", "check_sae_data", "encode_prompt", "load_saes", "model_inspector", "sae_corpus"]
+__all__ = ["check_sae_data", "encode_prompt", "model_inspector", "sae_corpus"]
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
@@ -23,34 +23,6 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
     if len(ids) > ctx:
         raise ValueError(f"--prompt is {len(ids)} tokens long, more than the model's context_length={ctx}; shorten it")
     return torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
-
-
-def load_saes(paths: Sequence[str], flag: str = "--sae") -> dict[str, Any]:
-    """Each ``--sae`` path's SAE (on the CPU), by its path: read before the model is (a missing or bad
-    file costs no model load); every error is one line naming the flag and the path."""
-    from attnlab.interpret.sae import SAE
-
-    saes: dict[str, Any] = {}
-    for path in paths:
-        try:
-            saes[path] = SAE.load(path)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{flag} {path}: {str(exc).splitlines()[0]}") from None
-    return saes
-
-
-def attach_saes(saes: dict[str, Any], model: torch.nn.Module, flag: str = "--sae") -> dict[str, Any]:
-    """The SAEs on the model's device, in its dtype, each checked against the model (its hook point and
-    width) before any work: ValueError naming the flag and the path."""
-    param = next(model.parameters())
-    dtype = param.dtype if param.is_floating_point() else None
-    for path, sae in saes.items():
-        try:
-            sae.check_model(model)
-        except ValueError as exc:
-            raise ValueError(f"{flag} {path}: {exc}") from None
-        sae.to(device=param.device, dtype=dtype or sae.dtype)
-    return saes
 
 
 def check_sae_data(path: str | None, flag: str = "--sae-data") -> None:
