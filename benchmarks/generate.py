@@ -181,6 +181,7 @@ def write_q4k(path: Path, width: int = 1024, hidden: int = 2816, layers: int = 8
     import gguf
     import numpy as np
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     kind = gguf.GGMLQuantizationType.Q4_K
     writer = gguf.GGUFWriter(str(path.with_suffix(".tmp")), "llama")

@@ -39,9 +39,11 @@ quantized linear layers, on GGUF's own block layouts.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,7 @@ from attnlab import hardware
 __all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized"]
 
 QK_K = 256  # the K-quants' super-block
+_CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # (see _stable_hash_for_caching)
 # Dense weights of this many elements at most are dequantized at once by a product (one tile of rows):
 # small enough to stay in the CPU's caches between the dequantization and the matmul reading it, and
 # a small part of the model's memory (a tile is the one dense piece of a quantized weight at a time).
@@ -575,9 +578,11 @@ class QuantizedTensor(Tensor):
         return QuantizedTensor.from_parts(parts, in_features, dtype, int4)
 
     def _stable_hash_for_caching(self) -> str:
-        """What torch.compile's caches key this weight by: its layout, never its values."""
+        """What torch.compile's caches key this weight by: its layout, never its values, and this
+        module's code (the graph a product compiles to is written here: a cache filled by an older
+        version of it would otherwise be reused)."""
         layout = [tuple(p.fields) for p in self.parts]
-        return repr((self.formats, tuple(self.shape), str(self.dtype), layout, self.int4 is not None))
+        return repr((self.formats, tuple(self.shape), str(self.dtype), layout, self.int4 is not None, _CODE))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -662,9 +667,21 @@ class _Linear(torch.autograd.Function):
         return _product_t(grad, ctx.frozen.w), None
 
 
+@torch.library.custom_op("attnlab::realized", mutates_args=())
+def _realized(x: Tensor) -> Tensor:
+    """``x`` computed once into a buffer of its own. Inductor would otherwise inline what made ``x``
+    (a norm, a gate) into the product's loop and compute it again for every row of the weight."""
+    return x.clone()
+
+
+@_realized.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
 def _matvec(x: Tensor, w: QuantizedTensor) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec``."""
-    row = x.reshape(-1).float()  # (in,)
+    row = _realized(x.reshape(-1).float())  # (in,)
     outs = []
     for p in w.parts:
         fmt = FORMATS[p.format]
