@@ -81,6 +81,10 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
         x = torch.randn(rows, 256)
         want = x.double() @ dense.T
         torch.testing.assert_close(step(x, w).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    x = torch.randn(1, 256, requires_grad=True)  # one row with gradients: the product's backward
+    step(x, w).sum().backward()
+    want = dense.sum(0, keepdim=True)  # d(sum(x @ w.T)) / dx, (1, 256)
+    torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

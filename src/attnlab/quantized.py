@@ -681,7 +681,9 @@ def _(x: Tensor) -> Tensor:
 
 def _matvec(x: Tensor, w: QuantizedTensor) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec``."""
-    row = _realized(x.reshape(-1).float())  # (in,)
+    row = x.reshape(-1).float()  # (in,)
+    if not row.requires_grad:  # (the op has no backward: a compiled product with gradients keeps the inlining)
+        row = _realized(row)
     outs = []
     for p in w.parts:
         fmt = FORMATS[p.format]
