@@ -221,35 +221,39 @@ def _dense(f: dict[str, Tensor]) -> Tensor:
 # The one-row products (a decoding step under torch.compile): the sum over blocks written on the packed
 # fields, each field multiplied by the slice of ``x`` its integers stand for, so that inductor makes one
 # vectorized loop over the bytes. The dequantized weight's order (a block's low nibbles, then its high
-# ones) would make every weight a gather, which inductor's CPU code does not vectorize.
-def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor | float = 1.0, hi_scale: Tensor | float = 1.0) -> Tensor:
-    """``qs (..., n)`` bytes, ``x (..., 2n)`` -> ``(...)``: ``lo_scale * (low nibbles . x[:n]) + hi_scale *
-    (high nibbles . x[n:])``, one reduction (scales ``(...)``, broadcast over the ``n``)."""
+# ones) would make every weight a gather, which inductor's CPU code does not vectorize. Each scale goes
+# onto ``x``'s slice before the product, so that a row's whole sum is one reduction (a reduction per
+# block of 16 or 32 would end every block in a horizontal sum).
+def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor, hi_scale: Tensor) -> Tensor:
+    """``qs (R, ..., n)`` bytes, ``x (..., 2n)``, scales ``(R, ...)`` -> ``(R,)``: the sum over every block
+    of ``lo_scale * (low nibbles . x[:n]) + hi_scale * (high nibbles . x[n:])``."""
     n = qs.shape[-1]
-    if isinstance(lo_scale, Tensor):
-        lo_scale, hi_scale = lo_scale.unsqueeze(-1), hi_scale.unsqueeze(-1)
-    return ((qs & 0x0F).float() * (x[..., :n] * lo_scale) + (qs >> 4).float() * (x[..., n:] * hi_scale)).sum(-1)
+    lo = (qs & 0x0F).float() * (lo_scale.unsqueeze(-1) * x[..., :n])
+    hi = (qs >> 4).float() * (hi_scale.unsqueeze(-1) * x[..., n:])
+    return (lo + hi).sum(tuple(range(1, lo.dim())))  # (a flattened view would make inductor gather)
 
 
 def _mv_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return (f["d"].float() * (f["qs"].float() * x).sum(-1)).sum(-1)  # sum over blocks of d * (q . x)
+    return (f["qs"].float() * (f["d"].float().unsqueeze(-1) * x)).sum((-2, -1))  # sum of q * (d x)
 
 
 def _mv_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return (f["d"].float() * (_nibble_dot(f["qs"], x) - 8 * x.sum(-1))).sum(-1)  # d * ((q - 8) . x)
+    d = f["d"].float()  # (R, nb)
+    return _nibble_dot(f["qs"], x, d, d) - 8 * (d * x.sum(-1)).sum(-1)  # d * ((q - 8) . x)
 
 
 def _mv_q4_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return (f["d"].float() * _nibble_dot(f["qs"], x) + f["m"].float() * x.sum(-1)).sum(-1)  # d * (q . x) + m * sum(x)
+    d = f["d"].float()  # (R, nb)
+    return _nibble_dot(f["qs"], x, d, d) + (f["m"].float() * x.sum(-1)).sum(-1)  # d * (q . x) + m * sum(x)
 
 
 def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Sub-blocks 2g and 2g + 1 of 32 weights are the low and high nibbles of the same 32 bytes.
-    sc = f["sc"].float().unflatten(-1, (4, 2))  # (R, nb, 4, 2)
+    scale = (f["d"].float().unsqueeze(-1) * f["sc"].float()).unflatten(-1, (4, 2))  # (R, nb, 4, 2)
     q = f["qs"].unflatten(-1, (4, 32))  # (R, nb, 4, 32)
-    scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), sc[..., 0], sc[..., 1]).sum(-1)  # (R, nb)
-    mins = (f["m"].float() * x.unflatten(-1, (8, 32)).sum(-1)).sum(-1)  # (R, nb)
-    return (f["d"].float() * scaled - f["dmin"].float() * mins).sum(-1)  # d * sc * q - dmin * m, summed
+    scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), scale[..., 0], scale[..., 1])  # (R,)
+    mins = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # (R, nb, 8)
+    return scaled - (mins * x.unflatten(-1, (8, 32)).sum(-1)).sum((-2, -1))  # d * sc * q - dmin * m
 
 
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
