@@ -460,7 +460,8 @@ def curve(minutes: float, hook: str, dtype: str, threads: int, json_out: str | N
             print(
                 "  its explained variance without each window's first position (as it was trained; that "
                 f"position's stream is an outlier that dominates the variance): {ev_rest:.4f}; without the "
-                f"{n_massive} rows of a norm over 10x the median too (massive activations): {ev_typical:.4f}"
+                f"{n_massive} rows of a norm over the trainer's --outlier-ratio x the median too (massive "
+                f"activations): {ev_typical:.4f}"
             )
         else:
             print(f"attnlab sae eval failed: {ev.stderr.strip()[-500:]}")
@@ -477,16 +478,19 @@ def _held_out_ev(
     hook: str,
     windows: int = 64,
     context: int = 128,
-    outlier_ratio: float = 10.0,
+    outlier_ratio: float | None = None,
 ) -> tuple[float, float, int]:
     """Explained variance (about the mean) of the SAE in ``sae_dir`` on up to ``windows`` windows of
     ``text``, each window's first position left out, as the trainer's buffer leaves it out; and the same
-    over the rows whose norm is at most ``outlier_ratio`` x the median, as the trainer's default keeps
-    (a few tokens' streams are some 100x the rest's: they would dominate the variance), with how many
-    rows that leaves out."""
+    over the rows whose norm is at most ``outlier_ratio`` x the median (default: the trainer's, as
+    ``attnlab sae train`` keeps them; a few tokens' streams are some 100x the rest's: they would dominate
+    the variance), with how many rows that leaves out."""
     import numpy as np
 
     from attnlab.data import tokenize_to_cache
+    from attnlab.training.sae import SAETrainConfig
+
+    ratio = SAETrainConfig.outlier_ratio if outlier_ratio is None else outlier_ratio
     from attnlab.interpret.hooks import activation_at
     from attnlab.tools.loading import load_gguf
 
@@ -503,7 +507,7 @@ def _held_out_ev(
         return 1.0 - float((x[rows] - recons[rows]).pow(2).sum() / (x[rows] - x[rows].mean(0)).pow(2).sum())
 
     norm = x.norm(dim=-1)
-    typical = norm <= outlier_ratio * norm.median()
+    typical = norm <= ratio * norm.median()
     return ev(torch.ones_like(typical)), ev(typical), int((~typical).sum())
 
 

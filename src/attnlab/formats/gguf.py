@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -507,13 +508,16 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
 
 def _release_freed_memory() -> None:
     """glibc's ``malloc_trim(0)``: the heap's free pages returned to the system (a no-op elsewhere)."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    # The process's own symbols (libc is loaded already): ctypes.util.find_library would run ldconfig
+    # in a subprocess on every load.
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # (None with a libc other than glibc)
     if trim is not None:
         trim(0)
 
