@@ -87,6 +87,29 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
     torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
+def test_an_eager_one_row_product_of_a_large_weight_runs_compiled_and_exact():
+    """Uncompiled, one row of a weight of MATVEC_COMPILE_ELEMENTS or more goes through inductor's one-row
+    products (Q4_1 written on its packed fields, Q6_K on its dequantized expression), and their compile
+    must not fail (it would warn and leave the tiles to do it): against float64, for one row of each
+    leading shape; two rows still take the tiles."""
+    import attnlab.quantized as q
+
+    raws = blocks("Q4_1", 160, 512), blocks("Q6_K", 96, 512, seed=1)
+    w = torch.cat(
+        [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(("Q4_1", "Q6_K"), raws, strict=True)]
+    )
+    assert w.numel() >= q.MATVEC_COMPILE_ELEMENTS
+    dense = torch.cat([reference(raws[0], "Q4_1"), reference(raws[1], "Q6_K")])  # (256, 512) float64
+    for shape in ((512,), (1, 512), (1, 1, 512), (2, 512)):
+        x = torch.randn(shape)
+        want = x.double() @ dense.T
+        with torch.no_grad():
+            got = F.linear(x, w)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_is_the_gguf_packages_bit_for_bit(qtype):
     raw = blocks(qtype, 24, 512)

@@ -39,8 +39,10 @@ quantized linear layers, on GGUF's own block layouts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -683,20 +685,50 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
-def _matvec(x: Tensor, w: QuantizedTensor) -> Tensor:
-    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec``."""
+def _part_matvec(format: str, fields: dict[str, Tensor], row: Tensor) -> Tensor:
+    """``fields`` (one format's rows) ``@ row (in,) -> (rows,)`` float32, written for inductor."""
+    fmt = FORMATS[format]
+    if fmt.matvec is not None:
+        return fmt.matvec(fields, row.view(-1, fmt.block))
+    return (row * fmt.dequantize(fields)).sum(-1)  # (rows, in) -> (rows,): fused by inductor
+
+
+def _matvec(x: Tensor, w: QuantizedTensor, part_matvec: Callable[..., Tensor] = _part_matvec) -> Tensor:
+    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's one-row product."""
     row = x.reshape(-1).float()  # (in,)
-    if not row.requires_grad:  # (the op has no backward: a compiled product with gradients keeps the inlining)
+    if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
-    outs = []
-    for p in w.parts:
-        fmt = FORMATS[p.format]
-        if fmt.matvec is not None:
-            outs.append(fmt.matvec(p.fields, row.view(-1, fmt.block)))  # (rows,)
-        else:
-            outs.append((row * p.dequantize()).sum(-1))  # (rows, in) -> (rows,): fused by inductor
+    outs = [part_matvec(p.format, p.fields, row) for p in w.parts]
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+# A decoding step outside torch.compile runs the same one-row products compiled, each on its own: torch
+# has no eager kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it
+# several times, where inductor's loop reads the packed bytes once. The shapes are dynamic, so a format
+# compiles once per process (seconds the first time; inductor's cache keeps the code between processes).
+# Weights under MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and
+# wrapper) is more than their whole product. Without a working compiler the tiles do it all.
+MATVEC_COMPILE_ELEMENTS = 1 << 16
+_compiled_matvec_works = True  # False once a compile failed
+
+
+@functools.cache
+def _compiled_part_matvec() -> Callable[..., Tensor]:
+    return torch.compile(_part_matvec, fullgraph=True, dynamic=True)  # (made at first use: dynamo takes 1 s to import)
+
+
+def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
+    """:func:`_matvec` by the compiled one-row products, or None where they do not run."""
+    global _compiled_matvec_works
+    if not _compiled_matvec_works:
+        return None
+    try:
+        return _matvec(x, w, _compiled_part_matvec())
+    except Exception as e:  # (no C++ compiler, or inductor failing on this platform: the tiles are exact too)
+        warnings.warn(f"quantized one-row products run without torch.compile ({type(e).__name__}: {e})", stacklevel=2)
+        _compiled_matvec_works = False
+        return None
 
 
 def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
@@ -712,6 +744,14 @@ def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
             y = F.linear(x, w.dequantize(x.dtype))  # inductor fuses the dequantization into its consumer
     elif torch.is_grad_enabled() and x.requires_grad:
         y = _Linear.apply(x, _Frozen(w))
+    elif (
+        x.device.type == "cpu"
+        and x.shape[:-1].numel() == 1
+        and x.shape[-1] == w.shape[1]
+        and w.numel() >= MATVEC_COMPILE_ELEMENTS
+    ):
+        y = _eager_matvec(x, w)
+        y = _product(x, w) if y is None else y
     else:
         y = _product(x, w)
     return y if bias is None else y + bias
