@@ -90,7 +90,7 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
 def test_an_eager_one_row_product_of_a_large_weight_runs_compiled_and_exact():
     """Uncompiled, one row of a weight of MATVEC_COMPILE_ELEMENTS or more goes through inductor's one-row
-    products (Q4_1 written on its packed fields, Q6_K on its dequantized expression), and their compile
+    products (each format's sum over its packed fields, here Q4_1's and Q6_K's), and their compile
     must not fail (it would warn and leave the tiles to do it): against float64, for one row of each
     leading shape; two rows still take the tiles."""
     import attnlab.quantized as q

@@ -258,6 +258,48 @@ def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return scaled - (mins * x.unflatten(-1, (8, 32)).sum(-1)).sum((-2, -1))  # d * sc * q - dmin * m
 
 
+def _mv_q5(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    """``d * (q . x)`` of Q5_0's and Q5_1's five-bit ``q``: the nibbles, and bit i of ``qh`` times 16."""
+    d = f["d"].float()  # (R, nb)
+    bits = (f["qh"].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=x.device)) & 1  # (R, nb, 4, 8)
+    high = (bits.float() * (d[..., None, None] * x.unflatten(-1, (4, 8)))).sum((1, 2, 3))
+    return _nibble_dot(f["qs"], x, d, d) + 16 * high
+
+
+def _mv_q5_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _mv_q5(f, x) - 16 * (f["d"].float() * x.sum(-1)).sum(-1)  # d * ((q - 16) . x)
+
+
+def _mv_q5_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _mv_q5(f, x) + (f["m"].float() * x.sum(-1)).sum(-1)  # d * (q . x) + m * sum(x)
+
+
+def _mv_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Q4_K's nibbles and mins, and bit k of qh[i] as the fifth bit of sub-block k's weight i.
+    scale = f["d"].float().unsqueeze(-1) * f["sc"].float()  # (R, nb, 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device).unsqueeze(-1)  # (8, 1)
+    bits = (f["qh"].unsqueeze(-2) >> shifts) & 1  # (R, nb, 8, 32)
+    high = (bits.float() * (scale.unsqueeze(-1) * x.unflatten(-1, (8, 32)))).sum((1, 2, 3))
+    return _mv_q4_k(f, x) + 16 * high
+
+
+def _mv_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Weight 128h + 32j + i of a super-block (half h, quarter j, i < 32): the low four bits are the
+    # nibble (j // 2) of ql[64h + 32(j % 2) + i], the high two are bits 2j, 2j + 1 of qh[32h + i]; its
+    # scale is that of sub-block 8h + 2j + i // 16. One term per quarter, each read straight from the bytes.
+    ql = f["ql"].unflatten(-1, (2, 2, 2, 16))  # (R, nb, h, j % 2, i // 16, i % 16)
+    qh = f["qh"].unflatten(-1, (2, 2, 16))  # (R, nb, h, i // 16, i % 16)
+    scale = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 4, 2))  # (R, nb, h, j, i // 16)
+    xs = x.unflatten(-1, (2, 4, 2, 16))  # (nb, h, j, i // 16, i % 16)
+    total = None
+    for j in range(4):
+        q = ((ql[..., j % 2, :, :] >> (4 * (j // 2))) & 0x0F) | (((qh >> (2 * j)) & 0x03) << 4)  # (R, nb, h, 2, 16)
+        term = (q.float() - 32) * (scale[..., j, :].unsqueeze(-1) * xs[:, :, j])
+        term = term.sum((1, 2, 3, 4))  # (R,)
+        total = term if total is None else total + term
+    return total
+
+
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """A splitter of blocks into fields ``(name, bytes, kind)``, kind ``f16``, ``u8`` or ``i8``."""
 
@@ -308,8 +350,10 @@ FORMATS: dict[str, Format] = {
         Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
         Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0),
         Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1),
-        Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0),
-        Format("Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1),
+        Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0, _mv_q5_0),
+        Format(
+            "Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1, _mv_q5_1
+        ),
         Format(
             "Q2_K",
             QK_K,
@@ -319,9 +363,14 @@ FORMATS: dict[str, Format] = {
         ),
         Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k),
         Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k),
-        Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k),
+        Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k),
         Format(
-            "Q6_K", QK_K, 210, _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")), _q6_k
+            "Q6_K",
+            QK_K,
+            210,
+            _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")),
+            _q6_k,
+            _mv_q6_k,
         ),
     )
 }
@@ -708,7 +757,9 @@ def _matvec(x: Tensor, w: QuantizedTensor, part_matvec: Callable[..., Tensor] = 
 # several times, where inductor's loop reads the packed bytes once. The shapes are dynamic, so a format
 # compiles once per process (seconds the first time; inductor's cache keeps the code between processes).
 # Weights under MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and
-# wrapper) is more than their whole product. Without a working compiler the tiles do it all.
+# wrapper) is more than their whole product. So do formats with no ``matvec`` (Q2_K, Q3_K): inductor's
+# loop over their dequantized expression gathers, slower than the tiles. Without a working compiler the
+# tiles do it all.
 MATVEC_COMPILE_ELEMENTS = 1 << 16
 _compiled_matvec_works = True  # False once a compile failed
 
@@ -719,9 +770,16 @@ def _compiled_part_matvec() -> Callable[..., Tensor]:
 
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
-    """:func:`_matvec` by the compiled one-row products, or None where they do not run."""
+    """:func:`_matvec` by the compiled one-row products, or None where they do not run (see above)."""
     global _compiled_matvec_works
-    if not _compiled_matvec_works:
+    if not (
+        _compiled_matvec_works
+        and x.device.type == "cpu"
+        and x.shape[:-1].numel() == 1
+        and x.shape[-1] == w.shape[1]
+        and w.numel() >= MATVEC_COMPILE_ELEMENTS
+        and all(FORMATS[p.format].matvec is not None for p in w.parts)
+    ):
         return None
     try:
         return _matvec(x, w, _compiled_part_matvec())
@@ -744,16 +802,9 @@ def linear(x: Tensor, w: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
             y = F.linear(x, w.dequantize(x.dtype))  # inductor fuses the dequantization into its consumer
     elif torch.is_grad_enabled() and x.requires_grad:
         y = _Linear.apply(x, _Frozen(w))
-    elif (
-        x.device.type == "cpu"
-        and x.shape[:-1].numel() == 1
-        and x.shape[-1] == w.shape[1]
-        and w.numel() >= MATVEC_COMPILE_ELEMENTS
-    ):
+    else:
         y = _eager_matvec(x, w)
         y = _product(x, w) if y is None else y
-    else:
-        y = _product(x, w)
     return y if bias is None else y + bias
 
 
