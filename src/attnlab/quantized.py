@@ -734,20 +734,20 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
-def _part_matvec(format: str, fields: dict[str, Tensor], row: Tensor) -> Tensor:
-    """``fields`` (one format's rows) ``@ row (in,) -> (rows,)`` float32, written for inductor."""
-    fmt = FORMATS[format]
-    if fmt.matvec is not None:
-        return fmt.matvec(fields, row.view(-1, fmt.block))
-    return (row * fmt.dequantize(fields)).sum(-1)  # (rows, in) -> (rows,): fused by inductor
-
-
-def _matvec(x: Tensor, w: QuantizedTensor, part_matvec: Callable[..., Tensor] = _part_matvec) -> Tensor:
-    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's one-row product."""
+def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
+    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (each
+    compiled on its own with ``compiled``: see below), or the sum of its dequantized expression."""
     row = x.reshape(-1).float()  # (in,)
     if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
-    outs = [part_matvec(p.format, p.fields, row) for p in w.parts]
+    outs = []
+    for p in w.parts:
+        fmt = FORMATS[p.format]
+        if fmt.matvec is None:
+            outs.append((row * p.dequantize()).sum(-1))  # (rows, in) -> (rows,): fused by inductor
+        else:
+            matvec = _compiled_matvec(p.format) if compiled else fmt.matvec
+            outs.append(matvec(p.fields, row.view(-1, fmt.block)))  # (rows,)
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
@@ -765,8 +765,9 @@ _compiled_matvec_works = True  # False once a compile failed
 
 
 @functools.cache
-def _compiled_part_matvec() -> Callable[..., Tensor]:
-    return torch.compile(_part_matvec, fullgraph=True, dynamic=True)  # (made at first use: dynamo takes 1 s to import)
+def _compiled_matvec(format: str) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+    # A function of each format's own, so that each has its own graphs (and dynamo's limit of them).
+    return torch.compile(FORMATS[format].matvec, fullgraph=True, dynamic=True)
 
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
@@ -782,7 +783,7 @@ def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
     ):
         return None
     try:
-        return _matvec(x, w, _compiled_part_matvec())
+        return _matvec(x, w, compiled=True)
     except Exception as e:  # (no C++ compiler, or inductor failing on this platform: the tiles are exact too)
         warnings.warn(f"quantized one-row products run without torch.compile ({type(e).__name__}: {e})", stacklevel=2)
         _compiled_matvec_works = False
