@@ -13,9 +13,10 @@ the blocks instead and computes with them:
   gives exactly the numbers ``gguf.quants.dequantize`` gives, by the same float32 operations.
 * ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
   dequantizes a tile of rows at a time and multiplies it with oneDNN/MKL's matmul, so only one tile is
-  ever dense; under ``torch.compile`` a one-row product (a decoding step) is a dequantize-multiply-sum
-  expression that inductor fuses into one loop over the packed bytes (fewer bytes read per token than
-  a float32 weight's). ``F.embedding(ids, w)`` dequantizes the rows looked up.
+  ever dense; a one-row product (a decoding step) is each format's sum over its packed fields, which
+  inductor turns into one loop over the bytes (fewer bytes read per token than a float32 weight's):
+  inside a compiled step, and uncompiled as a compiled function of its own. ``F.embedding(ids, w)``
+  dequantizes the rows looked up.
 * In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
   Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
   and compiled: their blocks repacked losslessly into torch's layout (see :func:`int4_pack`; the
@@ -79,7 +80,7 @@ class Format:
         split: ``split(blocks (R, nb, nbytes) uint8 numpy) -> {field: array (R, nb, ...)}``, lossless.
         dequantize: ``dequantize(fields (R, nb, ...) each) -> (R, nb * block) float32``.
         matvec: ``matvec(fields, x (nb, block) float32) -> (R,)``: the one-row product ``w @ x`` as a
-            sum over the packed fields, for ``torch.compile`` (None: the dequantized weight's product).
+            sum over the packed fields, for ``torch.compile``.
     """
 
     name: str
@@ -87,7 +88,7 @@ class Format:
     nbytes: int
     split: Callable[[np.ndarray], dict[str, np.ndarray]]
     dequantize: Callable[[dict[str, Tensor]], Tensor]
-    matvec: Callable[[dict[str, Tensor], Tensor], Tensor] | None = None
+    matvec: Callable[[dict[str, Tensor], Tensor], Tensor]
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -235,6 +236,10 @@ def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor, hi_scale: Tensor) -> Te
     return (lo + hi).sum(tuple(range(1, lo.dim())))  # (a flattened view would make inductor gather)
 
 
+def _mv_dense(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (f["w"].float() * x).sum((-2, -1))  # (R, in, 1) * (in, 1)
+
+
 def _mv_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return (f["qs"].float() * (f["d"].float().unsqueeze(-1) * x)).sum((-2, -1))  # sum of q * (d x)
 
@@ -247,6 +252,37 @@ def _mv_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
 def _mv_q4_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
     d = f["d"].float()  # (R, nb)
     return _nibble_dot(f["qs"], x, d, d) + (f["m"].float() * x.sum(-1)).sum(-1)  # d * (q . x) + m * sum(x)
+
+
+def _mv_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Weight 128h + 32s + i of a super-block: bits 2s, 2s + 1 of qs[32h + i], in sub-block 8h + 2s + i // 16,
+    # whose scale and min are the low and high nibble of its byte of ``scales``. One term per s.
+    sc = f["scales"]  # (R, nb, 16)
+    scale = (f["d"].float().unsqueeze(-1) * (sc & 0x0F).float()).unflatten(-1, (2, 4, 2))  # (R, nb, h, s, i // 16)
+    mins = f["dmin"].float().unsqueeze(-1) * (sc >> 4).float()  # (R, nb, 16)
+    qs = f["qs"].unflatten(-1, (2, 2, 16))  # (R, nb, h, i // 16, i % 16)
+    xs = x.unflatten(-1, (2, 4, 2, 16))  # (nb, h, s, i // 16, i % 16)
+    total = -(mins * x.unflatten(-1, (16, 16)).sum(-1)).sum((-2, -1))
+    for s in range(4):
+        q = ((qs >> (2 * s)) & 0x03).float()  # (R, nb, h, 2, 16)
+        total = total + (q * (scale[..., s, :].unsqueeze(-1) * xs[:, :, s])).sum((1, 2, 3, 4))
+    return total
+
+
+def _mv_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # As Q2_K's two bits, less 4 where bit 4h + s of hmask[i] is clear; one signed scale per sub-block.
+    scale = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 4, 2))  # (R, nb, h, s, i // 16)
+    qs = f["qs"].unflatten(-1, (2, 2, 16))  # (R, nb, h, i // 16, i % 16)
+    hmask = f["hmask"].unflatten(-1, (2, 16))  # (R, nb, i // 16, i % 16)
+    xs = x.unflatten(-1, (2, 4, 2, 16))  # (nb, h, s, i // 16, i % 16)
+    total = None
+    for h in range(2):
+        for s in range(4):
+            high = (hmask >> (4 * h + s)) & 1  # (R, nb, 2, 16)
+            q = ((qs[:, :, h] >> (2 * s)) & 0x03).float() + 4 * high.float() - 4
+            term = (q * (scale[:, :, h, s].unsqueeze(-1) * xs[:, h, s])).sum((1, 2, 3))
+            total = term if total is None else total + term
+    return total
 
 
 def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -345,8 +381,10 @@ def _split_dense(dtype: Any) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("F16", 1, 2, _split_dense(np.float16), _dense),
-        Format("BF16", 1, 2, _split_dense(np.int16), _dense),  # (int16 in numpy, viewed as bfloat16 in torch)
+        Format("F16", 1, 2, _split_dense(np.float16), _dense, _mv_dense),
+        Format(
+            "BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense
+        ),  # (int16 in numpy, viewed as bfloat16 in torch)
         Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
         Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0),
         Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1),
@@ -360,8 +398,9 @@ FORMATS: dict[str, Format] = {
             84,
             _split(("scales", 16, "u8"), ("qs", 64, "u8"), ("d", 2, "f16"), ("dmin", 2, "f16")),
             _q2_k,
+            _mv_q2_k,
         ),
-        Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k),
+        Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k),
         Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k),
         Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k),
         Format(
@@ -736,18 +775,14 @@ def _(x: Tensor) -> Tensor:
 
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (each
-    compiled on its own with ``compiled``: see below), or the sum of its dequantized expression."""
+    compiled on its own with ``compiled``: see below)."""
     row = x.reshape(-1).float()  # (in,)
     if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
     outs = []
     for p in w.parts:
-        fmt = FORMATS[p.format]
-        if fmt.matvec is None:
-            outs.append((row * p.dequantize()).sum(-1))  # (rows, in) -> (rows,): fused by inductor
-        else:
-            matvec = _compiled_matvec(p.format) if compiled else fmt.matvec
-            outs.append(matvec(p.fields, row.view(-1, fmt.block)))  # (rows,)
+        matvec = _compiled_matvec(p.format) if compiled else FORMATS[p.format].matvec
+        outs.append(matvec(p.fields, row.view(-1, FORMATS[p.format].block)))  # (rows,)
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
@@ -757,9 +792,7 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # several times, where inductor's loop reads the packed bytes once. The shapes are dynamic, so a format
 # compiles once per process (seconds the first time; inductor's cache keeps the code between processes).
 # Weights under MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and
-# wrapper) is more than their whole product. So do formats with no ``matvec`` (Q2_K, Q3_K): inductor's
-# loop over their dequantized expression gathers, slower than the tiles. Without a working compiler the
-# tiles do it all.
+# wrapper) is more than their whole product. Without a working compiler the tiles do it all.
 MATVEC_COMPILE_ELEMENTS = 1 << 16
 _compiled_matvec_works = True  # False once a compile failed
 
@@ -779,7 +812,6 @@ def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
         and x.shape[:-1].numel() == 1
         and x.shape[-1] == w.shape[1]
         and w.numel() >= MATVEC_COMPILE_ELEMENTS
-        and all(FORMATS[p.format].matvec is not None for p in w.parts)
     ):
         return None
     try:
