@@ -67,6 +67,7 @@ from attnlab.files import (
 )
 from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
 from attnlab.tokenizers import HF_TOKENIZER_FILE, Tokenizer, tokenizer_to_dict
+from attnlab.training.fsdp import DCP_FILE, OPTIMIZER_DIR
 from attnlab.training.lora import (
     ADAPTERS_NAME,
     LoRASettings,
@@ -99,9 +100,6 @@ __all__ = [
 LATEST_NAME = "latest.json"
 CHECKPOINT_NAME = "checkpoint.json"
 OPTIMIZER_NAME = "optimizer.pt"
-OPTIMIZER_DIR = "optimizer"  # a sharded run's optimizer state (attnlab.training.fsdp)
-# What torch.distributed.checkpoint writes in a directory: one file per process (and writer), the metadata.
-_DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(?:\.tmp)?")
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
@@ -283,7 +281,7 @@ def _step_of(p: Path) -> int | None:
 def _sharded_optimizer_file(name: str) -> bool:
     """``optimizer/<file>``: a file torch.distributed.checkpoint wrote for a sharded run."""
     head, _, tail = name.partition("/")
-    return head == OPTIMIZER_DIR and _DCP_FILE.fullmatch(tail) is not None
+    return head == OPTIMIZER_DIR and DCP_FILE.fullmatch(tail) is not None
 
 
 def _written_by_attnlab(d: Path) -> bool:
@@ -302,7 +300,7 @@ def _written_by_attnlab(d: Path) -> bool:
 
 def _all_dcp_files(d: Path) -> bool:
     try:
-        return all(e.is_file() and not e.is_symlink() and _DCP_FILE.fullmatch(e.name) for e in d.iterdir())
+        return all(e.is_file() and not e.is_symlink() and DCP_FILE.fullmatch(e.name) for e in d.iterdir())
     except OSError:
         return False
 
