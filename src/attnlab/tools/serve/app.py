@@ -398,11 +398,28 @@ def _add_prompt_routes(app: FastAPI, engine: Engine) -> None:
         )
 
 
-def _event_stream(events: AsyncIterator[bytes], engine: Engine, run: Any) -> StreamingResponse:
-    """``events`` as server-sent events; ``engine.finish(run)`` also runs after the response, in case
-    the stream was cancelled before it started."""
+def _event_stream(
+    engine: Engine, run: Any, start: dict, step: Callable[[], Any], done: Callable[[], dict], what: str
+) -> StreamingResponse:
+    """``start``, a ``token`` event per ``step()`` until it gives None, then ``done()`` (or ``error``
+    if ``what`` failed midway), as server-sent events; ``engine.finish(run)`` runs when the stream ends
+    and also after the response, in case the stream was cancelled before it started."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield _sse("start", start)
+            while (token := await run_in_threadpool(step)) is not None:
+                yield _sse("token", token)
+            yield _sse("done", done())
+        except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            yield _sse("error", {"detail": f"{what} failed: {type(exc).__name__}: {first}"})
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
+                await run_in_threadpool(engine.finish, run)
+
     return StreamingResponse(
-        events,
+        events(),
         media_type="text/event-stream",
         headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         background=BackgroundTask(run_in_threadpool, engine.finish, run),
@@ -440,23 +457,10 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
             "max_new_tokens": req.max_new_tokens,
         }
 
-        async def events():
-            try:
-                yield _sse("start", start)
-                while True:
-                    step = await run_in_threadpool(engine.advance, run)
-                    if step is None:
-                        break
-                    yield _sse("token", step)
-                yield _sse("done", {"generated": run.produced, "reason": run.end_reason})
-            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                yield _sse("error", {"detail": f"generation failed: {type(exc).__name__}: {first}"})
-            finally:
-                with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
-                    await run_in_threadpool(engine.finish, run)
+        def done() -> dict:
+            return {"generated": run.produced, "reason": run.end_reason}
 
-        return _event_stream(events(), engine, run)
+        return _event_stream(engine, run, start, lambda: engine.advance(run), done, "generation")
 
 
 def _add_chat_route(app: FastAPI, engine: Engine) -> None:
@@ -486,24 +490,15 @@ def _add_chat_route(app: FastAPI, engine: Engine) -> None:
         )
         start = {"prompt": run.prompt_text, "prompt_length": run.prompt_length, "dropped": run.dropped}
 
-        async def events():
-            try:
-                yield _sse("start", start)
-                while True:
-                    step = await run_in_threadpool(advance_chat, engine, run)
-                    if step is None:
-                        break
-                    yield _sse("token", step)
-                done = {"answer": run.answer, "generated": run.produced, "reason": run.end_reason}
-                yield _sse("done", done | {"inspect": run.inspect_text})
-            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                yield _sse("error", {"detail": f"chat failed: {type(exc).__name__}: {first}"})
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await run_in_threadpool(engine.finish, run)
+        def done() -> dict:
+            return {
+                "answer": run.answer,
+                "generated": run.produced,
+                "reason": run.end_reason,
+                "inspect": run.inspect_text,
+            }
 
-        return _event_stream(events(), engine, run)
+        return _event_stream(engine, run, start, lambda: advance_chat(engine, run), done, "chat")
 
 
 def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
