@@ -51,6 +51,7 @@ from attnlab.interpret.circuits import (
     edge_attribution,
     sae_graph,
 )
+from attnlab.interpret.hooks import eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
 from attnlab.interpret.patch_view import answer_token
@@ -306,13 +307,8 @@ def circuit_result_pairs(
     def measure(clean: Tensor, corrupted: Tensor, metric: PairLogitDiff) -> tuple[Tensor, float, float]:
         """Every circuit's metric, and the clean and corrupted run's, on one length's batch."""
         values = torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits), dtype=torch.float64)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                return values, float(metric(model(clean))), float(metric(model(corrupted)))
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.no_grad():
+            return values, float(metric(model(clean))), float(metric(model(corrupted)))
 
     values = torch.zeros(len(circuits), dtype=torch.float64)
     m_clean = m_corr = 0.0

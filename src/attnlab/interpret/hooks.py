@@ -71,6 +71,7 @@ __all__ = [
     "added_points",
     "attention_hooks",
     "attention_layers",
+    "eval_mode",
     "hook_names",
     "hooks",
     "run_with_cache",
@@ -449,6 +450,17 @@ def activation_at(model: nn.Module, name: str, idx: Tensor) -> Tensor:
     return seen["x"]
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block; its own mode back after it, even after an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def run_with_cache(
     model: nn.Module,
     idx: Tensor,
@@ -482,11 +494,7 @@ def run_with_cache(
     def keep(x: Tensor, hook: HookPoint) -> None:
         cache[hook.name] = x if grad else x.detach()
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), hooks(model, dict.fromkeys(wanted, keep)):
-            logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
-    finally:
-        model.train(was_training)
+    grad_mode = torch.set_grad_enabled(grad and torch.is_grad_enabled())
+    with eval_mode(model), grad_mode, hooks(model, dict.fromkeys(wanted, keep)):
+        logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
     return logits, ActivationCache({n: cache[n] for n in known if n in cache})

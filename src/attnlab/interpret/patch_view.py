@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.interpret.codec import pack, to_json
-from attnlab.interpret.hooks import act_name, attention_layers, run_with_cache
+from attnlab.interpret.hooks import act_name, attention_layers, eval_mode, run_with_cache
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script, read_asset
 from attnlab.interpret.patching import SITES, activation_patching, logit_diff
@@ -85,13 +85,8 @@ def head_patterns(model: nn.Module, idx: Tensor) -> tuple[Tensor, Tensor]:
     ``(L, H, T, T)`` (``blocks.{l}.attn.hook_pattern``), from one forward pass."""
     idx = idx[None] if idx.dim() == 1 else idx
     names = [act_name("pattern", i) for i in range(len(attention_layers(model)))]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits, cache = run_with_cache(model, idx, names)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        logits, cache = run_with_cache(model, idx, names)
     return logits, torch.stack([cache[n][0] for n in names])  # (L, H, T, T)
 
 

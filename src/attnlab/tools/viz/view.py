@@ -19,6 +19,7 @@ from torch import Tensor
 from attnlab import attention as _attention
 from attnlab.attention import MultiHeadAttention
 from attnlab.interpret import AttentionRecord, HookPoint, attention_hooks, record_module, token_label, token_strings
+from attnlab.interpret.hooks import eval_mode
 from attnlab.tools.loading import load_demo, load_model
 from attnlab.tools.viz.inspector import encode_prompt
 
@@ -194,13 +195,8 @@ def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tens
         raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
     single = idx.dim() == 1 and not idx.is_floating_point()
     x = idx.unsqueeze(0) if single else idx
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture_attention(model) as captured:
-            model(x, **forward_kwargs)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), capture_attention(model) as captured:
+        model(x, **forward_kwargs)
     if not captured:
         raise ValueError("the model ran but called none of its attention modules")
     maps = []
