@@ -68,24 +68,16 @@ PARAMETER_FREE_NAMES = {
 # --------------------------------------------------------------------------------------------
 # Token text
 # --------------------------------------------------------------------------------------------
+# Spaces, newlines and tabs as symbols, the other control characters as \xNN escapes.
+_LABELS = {c: f"\\x{c:02x}" for c in [*range(32), 127]} | {ord(" "): "␣", ord("\n"): "↵", ord("\t"): "⇥"}
+
+
 def token_label(token: str) -> str:
     """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
 
     Byte-level tokens are often pure whitespace; without this they would be invisible.
     """
-    out = []
-    for ch in token:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("↵")
-        elif ch == "\t":
-            out.append("⇥")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out) or "∅"
+    return token.translate(_LABELS) or "∅"
 
 
 def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
