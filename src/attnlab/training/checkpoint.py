@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_model_size, finite_real, is_bool, is_int, is_real, positive_int
+from attnlab.checks import finite_real, is_bool, is_int, is_real, positive_int
 from attnlab.files import (
     atomic_write_bytes,
     atomic_write_json,
@@ -67,7 +67,6 @@ from attnlab.files import (
 )
 from attnlab.model import CONFIG_NAME, GPT, WEIGHTS_NAME, GPTConfig
 from attnlab.tokenizers import HF_TOKENIZER_FILE, Tokenizer, tokenizer_to_dict
-from attnlab.training.fsdp import DCP_FILE, OPTIMIZER_DIR
 from attnlab.training.lora import (
     ADAPTERS_NAME,
     LoRASettings,
@@ -100,6 +99,9 @@ __all__ = [
 LATEST_NAME = "latest.json"
 CHECKPOINT_NAME = "checkpoint.json"
 OPTIMIZER_NAME = "optimizer.pt"
+OPTIMIZER_DIR = "optimizer"  # a sharded run's optimizer state (attnlab.training.fsdp)
+# What torch.distributed.checkpoint writes in a directory: one file per process (and writer), the metadata.
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(?:\.tmp)?")
 CHECKPOINTS_DIR = "checkpoints"
 FORMAT = "attnlab-checkpoint"
 # 1: the first format; 2: checkpoint.json carries its own SHA-256 (SELF_HASH). Both are read.
@@ -281,7 +283,7 @@ def _step_of(p: Path) -> int | None:
 def _sharded_optimizer_file(name: str) -> bool:
     """``optimizer/<file>``: a file torch.distributed.checkpoint wrote for a sharded run."""
     head, _, tail = name.partition("/")
-    return head == OPTIMIZER_DIR and DCP_FILE.fullmatch(tail) is not None
+    return head == OPTIMIZER_DIR and _DCP_FILE.fullmatch(tail) is not None
 
 
 def _written_by_attnlab(d: Path) -> bool:
@@ -300,7 +302,7 @@ def _written_by_attnlab(d: Path) -> bool:
 
 def _all_dcp_files(d: Path) -> bool:
     try:
-        return all(e.is_file() and not e.is_symlink() and DCP_FILE.fullmatch(e.name) for e in d.iterdir())
+        return all(e.is_file() and not e.is_symlink() and _DCP_FILE.fullmatch(e.name) for e in d.iterdir())
     except OSError:
         return False
 
@@ -616,23 +618,14 @@ def _check_tokenizer(tok: Any, meta: dict[str, Any]) -> None:
 
 def model_config_from(d: Any, what: str) -> GPTConfig:
     """A :class:`GPTConfig` from a JSON object, its sizes checked against
-    :data:`~attnlab.checks.MODEL_LIMITS` before anything would be built; ValueError naming ``what``."""
+    :data:`~attnlab.checks.MODEL_LIMITS` (by ``GPTConfig`` itself) before anything would be built;
+    ValueError naming ``what``."""
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be an object of GPTConfig fields, got {_describe(d)}")
     try:
-        config = GPTConfig.from_dict(d)
+        return GPTConfig.from_dict(d)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what}: {first_line(exc)}") from None
-    check_model_size(
-        vocab_size=config.vocab_size,
-        context_length=config.context_length,
-        emb_dim=config.emb_dim,
-        n_heads=config.n_heads,
-        n_layers=config.n_layers,
-        ff_dim=config.hidden_dim,
-        source=what,
-    )
-    return config
 
 
 def _check_train_config(d: Any, meta: dict[str, Any]) -> None:
