@@ -2,27 +2,10 @@
 
 ``GET /`` is the inspector page: the same ``viewer.html``, ``viewer.css`` and ``viewer.js`` as the
 offline page (package data of :mod:`attnlab.interpret`), linked instead of inlined, with a live data
-source that asks the API for what the page shows. The API (OpenAPI schema at ``/openapi.json``):
-
-* ``GET /api/info``: the model, the limits, whether prompts can be typed.
-* ``POST /api/tokenize``: the prompt's tokens.
-* ``POST /api/inspect``: :func:`attnlab.interpret.inspector_data` of a prompt, the sections asked for.
-* ``POST /api/next``: next-token probabilities after a position under temperature/top-k/top-p.
-* ``POST /api/ablate``: :func:`attnlab.interpret.ablation_effect` of removing heads.
-* ``POST /api/generate``: a generation as server-sent events (``start``, one ``token`` per new token
-  with its attention and candidates, ``done``); a client that disconnects stops it.
-* ``POST /api/chat``: one assistant turn of a conversation (the model's chat template), as server-sent
-  events (``start``, one ``token`` per new token with the text it completes, ``done`` with the answer
-  and the text the inspector opens); see :mod:`attnlab.tools.serve.chat`.
-* ``POST /api/patch``: activation patching of the page's prompt and a corrupted one, the patching view
-  (:mod:`attnlab.tools.serve.patching`).
-* ``POST /api/circuit``: edge attribution (EAP, EAP-IG) of the page's prompt and a corrupted one and the
-  faithfulness of its circuits, the circuit view (:func:`attnlab.tools.circuit.serve_circuit`).
-* ``POST /api/features``, ``POST /api/latent``, ``POST /api/steer``: the Features tab of a server started
-  with ``--sae DIR``: each token's strongest latents, a latent's dashboard, a steered generation
-  (:mod:`attnlab.tools.serve.features`).
-* ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
-* ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
+source that asks the API for what the page shows. The API's routes are below, each with its summary
+(the schema at ``/openapi.json``; docs/inspect.md lists them): info and stats, a prompt's tokens,
+inspection, next tokens and ablation, generation and chat as server-sent events, patching, circuits,
+the Features tab's routes and the six-word demo.
 
 Safe by default: request bodies are limited (Content-Length and the bytes actually streamed), POSTs
 must be JSON, the Host header must name the loopback address the server is bound to (no DNS
