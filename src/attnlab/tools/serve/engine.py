@@ -608,11 +608,7 @@ class Engine:
     ) -> GenerationRun:
         """A generation of up to ``max_new_tokens`` after the prompt, sampled with ``seed``: the tokens
         ``model.generate`` draws with ``torch.Generator().manual_seed(seed)``."""
-        if max_new_tokens > self.limits.max_new_tokens:
-            raise ValueError(
-                f"max_new_tokens is {max_new_tokens}, more than this server allows ({self.limits.max_new_tokens}; "
-                "attnlab serve --max-new-tokens N)"
-            )
+        self.check_new_tokens(max_new_tokens)
         ids = self.encode(prompt)
         model = self._need_model().model
         sampling = SamplingConfig(temperature, top_k, top_p)
@@ -634,6 +630,14 @@ class Engine:
         self.count("generations_started")
         self.count("generations_active")
         return run
+
+    def check_new_tokens(self, max_new_tokens: int) -> None:
+        """ValueError when a generation asks for more tokens than :attr:`limits` allow."""
+        if max_new_tokens > self.limits.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens: {max_new_tokens} is more than this server allows ({self.limits.max_new_tokens}; "
+                "attnlab serve --max-new-tokens N)"
+            )
 
     def ended(self, run: Any) -> bool:
         """Whether ``run`` (a generation or a chat answer) takes no more tokens: finished already,
