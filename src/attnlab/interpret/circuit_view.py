@@ -53,7 +53,7 @@ from attnlab.interpret.circuits import (
 )
 from attnlab.interpret.hooks import eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
-from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
+from attnlab.interpret.page import OFFLINE_CSP, iframe, inline, json_for_script
 from attnlab.interpret.patch_view import answer_token
 from attnlab.interpret.tracing import trace
 
@@ -481,10 +481,5 @@ def circuit_page(section: dict[str, Any], *, title: str = "circuit") -> str:
 
 
 def notebook_circuit_html(section: dict[str, Any], *, height: int = 900) -> str:
-    """:func:`circuit_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (its own document: its
-    policy, ids and styles cannot clash with the notebook's; scripts only, no network)."""
-    page = circuit_page(section)
-    return (
-        f'<iframe class="attnlab-circuit" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
-        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
-    )
+    """:func:`circuit_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (:func:`attnlab.interpret.page.iframe`)."""
+    return iframe(circuit_page(section), "circuit", height)

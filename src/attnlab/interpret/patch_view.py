@@ -36,7 +36,7 @@ from torch import Tensor
 from attnlab.interpret.codec import pack, to_json
 from attnlab.interpret.hooks import act_name, attention_layers, eval_mode, run_with_cache
 from attnlab.interpret.inspector import token_label, token_strings
-from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script, read_asset
+from attnlab.interpret.page import OFFLINE_CSP, iframe, inline, json_for_script, read_asset
 from attnlab.interpret.patching import SITES, activation_patching, logit_diff
 
 __all__ = [
@@ -233,8 +233,4 @@ def patching_page(section: dict[str, Any], *, title: str = "activation patching"
 
 def notebook_patching_html(section: dict[str, Any], *, height: int = 1000) -> str:
     """:func:`patching_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (as :func:`notebook_html`)."""
-    page = patching_page(section)
-    return (
-        f'<iframe class="attnlab-patching" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
-        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
-    )
+    return iframe(patching_page(section), "patching", height)
