@@ -839,10 +839,11 @@ class MultiHeadAttention(_DropsTutorialMask):
             k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
-        # With hooks set, the steps (rot_q, rot_k, attn_scores, pattern, z) are computed one by one, and
-        # their hooks are told how this pass attends (the positions and the soft cap besides attend's own).
-        told = {} if hook is None else {"q_positions": q_pos, "k_positions": k_pos, "softcap": self.softcap}
-        result = (attend if hook is None else hook.attend)(
+        # With hooks set on them, the steps (rot_q, rot_k, attn_scores, pattern, z) are computed one by one,
+        # and their hooks are told how this pass attends (the positions and the soft cap besides attend's own).
+        stepwise = hook is not None and hook.stepwise
+        told = {"q_positions": q_pos, "k_positions": k_pos, "softcap": self.softcap} if stepwise else {}
+        result = (hook.attend if stepwise else attend)(
             q,
             k,
             v,

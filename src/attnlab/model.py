@@ -132,10 +132,7 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         raise TypeError(
             f"logits must be a float tensor (..., V), got {getattr(logits, 'dtype', type(logits).__name__)}"
         )
-    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(
-            f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets).__name__)}"
-        )
+    _check_targets_type(targets, ignore_index)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
@@ -144,6 +141,13 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         raise ValueError(f"targets is on {targets.device} but logits are on {logits.device}")
     if targets.numel() == 0:
         raise ValueError(f"targets is empty (shape {tuple(targets.shape)}): the mean loss of no tokens is 0/0 = NaN")
+
+
+def _check_targets_type(targets: object, ignore_index: object) -> None:
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets).__name__)}"
+        )
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
 
@@ -283,7 +287,7 @@ class GPTConfig:
         if not is_real(d) or not 0.0 <= d < 1.0:
             raise ValueError(f"drop_rate must be a float in [0, 1), got {d!r}")
         self.drop_rate = float(d)
-        for name in ("qkv_bias", "tie_embeddings", "bias"):
+        for name in ("qkv_bias", "tie_embeddings", "bias", "pre_norms", "post_norms", "parallel_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         eps = self.ln_eps
@@ -357,9 +361,6 @@ class GPTConfig:
         self.norm_offset = float(self.norm_offset)
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError(f"norm_offset={self.norm_offset:g} offsets RMSNorm gains: it needs norm='rmsnorm'")
-        for name in ("pre_norms", "post_norms", "parallel_residual"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (self.pre_norms or self.post_norms):
             raise ValueError("pre_norms and post_norms are both False: a block needs one of them")
         if self.parallel_residual and self.post_norms:
@@ -1024,13 +1025,7 @@ class GPT(nn.Module):
         ``[0, vocab_size)`` and at least one must count (checked, so a bad id is a ValueError, not
         a CUDA device assert, and nothing to score is a ValueError, not a NaN loss).
         """
-        if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
-                "targets must be an integer tensor of token ids, got "
-                f"{getattr(targets, 'dtype', type(targets).__name__)}"
-            )
-        if not is_int(ignore_index):
-            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        _check_targets_type(targets, ignore_index)
         idx = self.check_idx(idx, values=False)  # type, shape, device
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")

@@ -8,18 +8,8 @@ from pathlib import Path
 
 import torch
 
+from attnlab.cli.options import positive_int  # (benchmarks/ import it from here)
 from attnlab.tools.bench import BenchConfig, require_plotting, run_all, write_report
-
-
-def positive_int(text: str) -> int:
-    """argparse type of ``attnlab bench``'s and the benchmark scripts' counts and sizes."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _int_list(text: str) -> list[int]:

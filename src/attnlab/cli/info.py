@@ -14,18 +14,9 @@ import platform
 import torch
 
 from attnlab import hardware
+from attnlab.cli.options import positive_int
 from attnlab.model import GPTConfig
 from attnlab.tools.info import DTYPE_BYTES, available_sdpa_kernels, config_of, format_kv_memory, kv_memory_rows
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,17 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a GGUF file, a model directory (attnlab's or Hugging Face's config.json, a training run) or a Hub "
         "repository",
     )
-    g.add_argument("--context", type=_positive, metavar="N", help="tokens per sequence (default: the context length)")
-    g.add_argument("--batch", type=_positive, default=1, metavar="B", help="sequences (default 1)")
+    g.add_argument(
+        "--context", type=positive_int, metavar="N", help="tokens per sequence (default: the context length)"
+    )
+    g.add_argument("--batch", type=positive_int, default=1, metavar="B", help="sequences (default 1)")
     g.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of the cached numbers (default bf16)")
     g.add_argument(
         "--kv-heads",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="key/value heads of the GQA line (default: the model's, or groups of 4 query heads)",
     )
     g.add_argument(
-        "--window", type=_positive, metavar="W", help="window of the window lines (default: the model's, or 4096)"
+        "--window", type=positive_int, metavar="W", help="window of the window lines (default: the model's, or 4096)"
     )
 
 

@@ -19,6 +19,17 @@ def index_list(text: str) -> list[int]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes (``attnlab bench``, ``attnlab info``, the benchmark scripts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 # What --model reads (generate, chat, inspect, viz, serve): one line for every command's help.
 MODEL_SOURCES = (
     "a GGUF file (llama.cpp: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, gptneox), or a Hugging Face "

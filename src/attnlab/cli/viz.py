@@ -7,9 +7,10 @@ from pathlib import Path
 
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
+from attnlab.interpret import token_strings
 from attnlab.tools.loading import attach_saes, load, load_saes
 from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
-from attnlab.tools.viz.inspector import check_sae_data, sae_corpus
+from attnlab.tools.viz.inspector import check_sae_data, encode_prompt, sae_corpus
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
@@ -150,9 +151,6 @@ def run(args: argparse.Namespace) -> int:
                 + (f", the latents of {len(saes)} SAE{'s' * (len(saes) != 1)} (the Features tab)" if saes else "")
             )
             return 0
-        from attnlab.tools.viz.inspector import encode_prompt
-        from attnlab.tools.viz.view import token_strings
-
         ids = encode_prompt(loaded, args.prompt)[0].tolist()
         tokens = token_strings(loaded.tokenizer, ids)
         view = model_view(loaded.model, ids, tokens, title=args.prompt, text=args.prompt).select(args.layer, args.head)

@@ -316,7 +316,6 @@ def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"attnlab's GPT-NeoX MLP is a GELU one; the config's hidden_act is {act!r}")
     if not cfg.get("attention_bias", True):
         raise ValueError("attention_bias=False in a GPT-NeoX config: attnlab has one bias switch for it and the MLP")
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     params = cfg.get("rope_parameters")
     if params is None:  # older config.json: rotary_pct, rotary_emb_base, rope_scaling
         params = {
@@ -324,23 +323,13 @@ def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
             "rope_theta": cfg.get("rotary_emb_base", 10000.0),
             "partial_rotary_factor": cfg.get("rotary_pct", 0.25),
         }
-    theta, scaling, fraction = _rope(params, 10000.0)
-    return dict(
-        vocab_size=cfg["vocab_size"],
-        context_length=cfg.get("max_position_embeddings", 2048),
-        emb_dim=hidden,
-        n_heads=heads,
-        n_layers=cfg["num_hidden_layers"],
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    # Llama's sizes and rotary positions, with Pythia's biases, LayerNorms, GELU MLP and parallel residual.
+    return _llama_like({**cfg, "rope_parameters": params}, act=act) | dict(
+        n_kv_heads=None,
         qkv_bias=True,
         bias=True,
-        ff_dim=cfg["intermediate_size"],
         ln_eps=float(cfg.get("layer_norm_eps", 1e-5)),
         activation=_GELUS[act],
-        pos="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rotary_fraction=fraction,
         norm="layernorm",
         mlp="gelu",
         parallel_residual=bool(cfg.get("use_parallel_residual", True)),

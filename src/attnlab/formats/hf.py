@@ -42,7 +42,6 @@ __all__ = [
     "read_pretrained",
     "read_pretrained_config",
     "read_pretrained_file",
-    "read_pretrained_gpt2",
     "to_hf_gpt2",
     "to_hf_gpt2_config",
     "to_hf_gpt2_state_dict",
@@ -236,17 +235,3 @@ def import_transformers() -> Any:
             "this needs the 'transformers' package: pip install 'attnlab[hf]' (or pip install transformers)"
         ) from None
     return transformers
-
-
-def read_pretrained_gpt2(
-    name: str = "gpt2",
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    revision: str | None = None,
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(config.json as a dict, state dict)`` of a published GPT-2 (see :meth:`attnlab.GPT.from_pretrained`
-    for ``name``), a Hub repository or a local directory; safetensors only, nothing is unpickled."""
-    hf_cfg, state = read_pretrained(name, cache_dir=cache_dir, revision=revision)
-    if hf_cfg.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{name!r} is not a GPT-2 model (model_type={hf_cfg.get('model_type')!r})")
-    return hf_cfg, state

@@ -30,16 +30,13 @@ from torch import Tensor
 from attnlab.formats import families
 from attnlab.formats.families import LLAMA_FAMILY
 from attnlab.formats.hf import import_transformers
-from attnlab.formats.hub import read_pretrained
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT
 
 __all__ = [
     "LLAMA_FAMILY",
-    "config_fields",
     "llama_to_attnlab",
-    "read_pretrained_llama",
     "to_hf_llama",
     "to_hf_llama_config",
     "to_hf_llama_state_dict",
@@ -59,11 +56,6 @@ def _llama_config(hf_config: Any) -> dict[str, Any]:
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"expected a Llama-family model ({', '.join(LLAMA_FAMILY)}), got model_type={model_type!r}")
     return cfg
-
-
-def config_fields(cfg: dict[str, Any], drop_rate: float = 0.0) -> dict[str, Any]:
-    """:class:`~attnlab.GPTConfig` fields of a Llama-family ``config.json`` (as a dict)."""
-    return families.config_fields(_llama_config(cfg), drop_rate)
 
 
 def llama_to_attnlab(
@@ -127,14 +119,3 @@ def to_hf_llama(model: GPT) -> Any:
     if model.config.tie_embeddings:
         hf.tie_weights()
     return hf.to(device=model.device, dtype=model.dtype).eval()
-
-
-def read_pretrained_llama(
-    name: str, *, cache_dir: Any = None, revision: str | None = None
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(config.json, state dict)`` of a Llama-family model: a local directory or a Hub repository
-    (the Hugging Face cache when offline), single or sharded safetensors."""
-    cfg, state = read_pretrained(name, cache_dir=cache_dir, revision=revision)
-    if cfg.get("model_type") not in LLAMA_FAMILY:
-        raise ValueError(f"{name!r} is not a Llama-family model (model_type={cfg.get('model_type')!r})")
-    return cfg, state

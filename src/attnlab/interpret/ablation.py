@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import attention_layers
+from attnlab.interpret.hooks import attention_layers, eval_mode
 
 __all__ = ["AblationEffect", "ablate", "ablation_effect", "parse_heads"]
 
@@ -115,13 +115,10 @@ def _head_output_means(
             sums[i] = x.reshape(-1, x.shape[-1]).mean(dim=0)
 
         handles.append(layers[i].out_proj.register_forward_pre_hook(hook))
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             model(reference if reference.dim() == 2 else reference.unsqueeze(0))
     finally:
-        model.train(was_training)
         for h in handles:
             h.remove()
     return sums
@@ -173,15 +170,10 @@ def ablation_effect(model: nn.Module, idx: Tensor, heads: object, *, mode: str =
             loss = float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten()))
         return loss, logits[:, -1]
 
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            loss_before, before = run()
-            with ablate(model, heads, mode=mode, reference=idx) as pairs:
-                loss_after, after = run()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        loss_before, before = run()
+        with ablate(model, heads, mode=mode, reference=idx) as pairs:
+            loss_after, after = run()
     logp, logq = torch.log_softmax(before, -1), torch.log_softmax(after, -1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # (B,)
     return AblationEffect(pairs, mode, loss_before, loss_after, before, after, kl)

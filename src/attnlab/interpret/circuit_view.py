@@ -51,8 +51,9 @@ from attnlab.interpret.circuits import (
     edge_attribution,
     sae_graph,
 )
+from attnlab.interpret.hooks import eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
-from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
+from attnlab.interpret.page import OFFLINE_CSP, iframe, inline, json_for_script
 from attnlab.interpret.patch_view import answer_token
 from attnlab.interpret.tracing import trace
 
@@ -306,13 +307,8 @@ def circuit_result_pairs(
     def measure(clean: Tensor, corrupted: Tensor, metric: PairLogitDiff) -> tuple[Tensor, float, float]:
         """Every circuit's metric, and the clean and corrupted run's, on one length's batch."""
         values = torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits), dtype=torch.float64)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                return values, float(metric(model(clean))), float(metric(model(corrupted)))
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.no_grad():
+            return values, float(metric(model(clean))), float(metric(model(corrupted)))
 
     values = torch.zeros(len(circuits), dtype=torch.float64)
     m_clean = m_corr = 0.0
@@ -485,10 +481,5 @@ def circuit_page(section: dict[str, Any], *, title: str = "circuit") -> str:
 
 
 def notebook_circuit_html(section: dict[str, Any], *, height: int = 900) -> str:
-    """:func:`circuit_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (its own document: its
-    policy, ids and styles cannot clash with the notebook's; scripts only, no network)."""
-    page = circuit_page(section)
-    return (
-        f'<iframe class="attnlab-circuit" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
-        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
-    )
+    """:func:`circuit_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (:func:`attnlab.interpret.page.iframe`)."""
+    return iframe(circuit_page(section), "circuit", height)

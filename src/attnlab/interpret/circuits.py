@@ -69,7 +69,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import HookPoint, activation_at, hooks
+from attnlab.interpret.hooks import HookPoint, activation_at, eval_mode, hooks
 from attnlab.interpret.patching import metric_scalar
 from attnlab.interpret.sae import SAE, sae_point, splice
 
@@ -364,22 +364,17 @@ def sae_graph(
     active = [torch.zeros(sae.cfg.d_sae, dtype=torch.bool) for sae, *_ in listed]
     change = [torch.zeros(sae.cfg.d_sae, dtype=torch.float64) for sae, *_ in listed]
     cache: dict[str, Tensor] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with _spliced(model, [sae for sae, *_ in listed]), torch.no_grad():
-            for clean, corrupted in pairs:
-                z = []
-                for idx in (clean, corrupted):
-                    with hooks(model, {n: lambda x, hook: cache.__setitem__(hook.name, x) for n in names}):
-                        model(idx)
-                    z.append([cache[n].flatten(0, -2) for n in names])  # (B T, d_sae) each
-                for i, (sae, *_) in enumerate(listed):
-                    active[i] |= ((z[0][i] != 0) | (z[1][i] != 0)).any(0).cpu()
-                    norms = sae.W_dec.detach().norm(dim=-1).double()
-                    change[i] += ((z[0][i] - z[1][i]).abs().double().sum(0) * norms).cpu()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), _spliced(model, [sae for sae, *_ in listed]), torch.no_grad():
+        for clean, corrupted in pairs:
+            z = []
+            for idx in (clean, corrupted):
+                with hooks(model, {n: lambda x, hook: cache.__setitem__(hook.name, x) for n in names}):
+                    model(idx)
+                z.append([cache[n].flatten(0, -2) for n in names])  # (B T, d_sae) each
+            for i, (sae, *_) in enumerate(listed):
+                active[i] |= ((z[0][i] != 0) | (z[1][i] != 0)).any(0).cpu()
+                norms = sae.W_dec.detach().norm(dim=-1).double()
+                change[i] += ((z[0][i] - z[1][i]).abs().double().sum(0) * norms).cpu()
     nodes = []
     for i, (sae, hook, layer, place) in enumerate(listed):
         cand = active[i].nonzero()[:, 0]
@@ -907,20 +902,15 @@ def edge_attribution(
     acc = torch.promote_types(model.dtype, torch.float32)
     W, R = len(graph.writers), len(graph.readers)
     out = torch.zeros((T, W, R) if per_position else (W, R), dtype=acc, device=clean.device)
-    was_training = model.training
-    model.eval()
-    try:
-        with _spliced(model, [s.sae for s in graph.saes]):
-            clean_w, _ = _run_writers(model, graph, clean)
-            args = (model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
-            if method == "EAP":
-                _eap(model, graph, corrupted, metric, clean_w, per_position, out)
-            elif method == "EAP-IG-inputs":
-                _ig_inputs(*args)
-            else:
-                _ig_activations(*args)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), _spliced(model, [s.sae for s in graph.saes]):
+        clean_w, _ = _run_writers(model, graph, clean)
+        args = (model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
+        if method == "EAP":
+            _eap(model, graph, corrupted, metric, clean_w, per_position, out)
+        elif method == "EAP-IG-inputs":
+            _ig_inputs(*args)
+        else:
+            _ig_activations(*args)
     out *= graph.valid.to(out.device)
     return EdgeScores(graph, out, method, steps, per_position)
 
@@ -1323,25 +1313,20 @@ def circuit_metrics(
     B, T = clean.shape
     per = max(1, max_tokens // (B * T))
     values: list[float] = []
-    was_training = model.training
-    model.eval()
-    try:
-        with _spliced(model, [s.sae for s in graph.saes]):
-            corr_w, _ = _run_writers(model, graph, corrupted)
-            for lo in range(0, masks.shape[0], per):
-                kept = masks[lo : lo + per]
-                excluded = graph.valid.to(kept.device) & ~kept
-                run = _CircuitRun(model, graph, corr_w, excluded)
-                handles = run.torch_hooks()
-                try:
-                    with torch.no_grad(), hooks(model, run.fns()):
-                        logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
-                finally:
-                    for h in handles:
-                        h.remove()
-                values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
-    finally:
-        model.train(was_training)
+    with eval_mode(model), _spliced(model, [s.sae for s in graph.saes]):
+        corr_w, _ = _run_writers(model, graph, corrupted)
+        for lo in range(0, masks.shape[0], per):
+            kept = masks[lo : lo + per]
+            excluded = graph.valid.to(kept.device) & ~kept
+            run = _CircuitRun(model, graph, corr_w, excluded)
+            handles = run.torch_hooks()
+            try:
+                with torch.no_grad(), hooks(model, run.fns()):
+                    logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
+            finally:
+                for h in handles:
+                    h.remove()
+            values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
     return values
 
 
@@ -1367,13 +1352,8 @@ def faithfulness(
 
 
 def _endpoints(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Callable) -> tuple[float, float]:
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            m_clean, m_corr = (float(metric_scalar(metric(model(idx)))) for idx in (clean, corrupted))
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        m_clean, m_corr = (float(metric_scalar(metric(model(idx)))) for idx in (clean, corrupted))
     if m_clean == m_corr:
         raise ValueError(
             f"the metric is {m_clean} on both prompts, so faithfulness (a fraction of the difference) is undefined; "

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.functional import attend, attention_scores
+from attnlab.functional import attention_scores
 
 __all__ = [
     "ActivationCache",
@@ -71,6 +71,7 @@ __all__ = [
     "added_points",
     "attention_hooks",
     "attention_layers",
+    "eval_mode",
     "hook_names",
     "hooks",
     "run_with_cache",
@@ -232,6 +233,9 @@ class _Sites:
 
     def __init__(self, prefix: str, fns: dict[str, list[Callable]]) -> None:
         self.prefix, self.fns = prefix, fns
+        # A step after q, k and v hooked: the attention computes its steps in :meth:`attend`, one by one
+        # (with q, k or v alone hooked it keeps the fused kernel).
+        self.stepwise = any(s in fns for s in ATTN_STEPS[3:])
 
     def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
         fns = self.fns.get(step)
@@ -262,25 +266,8 @@ class _Sites:
         k_positions: Tensor | None = None,
         softcap: float | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """:func:`attnlab.functional.attend` step by step: ``q (b, H, n, hd)``, ``k, v (b, Hkv, S, hd)``;
-        the positions and the soft cap are told to the hooks (:class:`AttentionCall`)."""
-        if not any(s in self.fns for s in ATTN_STEPS[3:]):  # only q, k or v hooked: the fused kernel
-            return attend(
-                q,
-                k,
-                v,
-                attn_mask,
-                dropout_p,
-                is_causal,
-                scale,
-                enable_gqa=enable_gqa,
-                window=window,
-                sinks=sinks,
-                score_mod=score_mod,
-                mask_mod=mask_mod,
-                return_weights=return_weights,
-                backend=backend,
-            )
+        """:func:`attnlab.functional.attend` step by step (for :attr:`stepwise` sites): ``q (b, H, n, hd)``,
+        ``k, v (b, Hkv, S, hd)``; the positions and the soft cap are told to the hooks (:class:`AttentionCall`)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         call = AttentionCall(attn_mask, is_causal, scale, window, sinks, softcap, q_positions, k_positions)
         q, k = self._heads("rot_q", q, call), self._heads("rot_k", k, call)
@@ -449,6 +436,17 @@ def activation_at(model: nn.Module, name: str, idx: Tensor) -> Tensor:
     return seen["x"]
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block; its own mode back after it, even after an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def run_with_cache(
     model: nn.Module,
     idx: Tensor,
@@ -482,11 +480,7 @@ def run_with_cache(
     def keep(x: Tensor, hook: HookPoint) -> None:
         cache[hook.name] = x if grad else x.detach()
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), hooks(model, dict.fromkeys(wanted, keep)):
-            logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
-    finally:
-        model.train(was_training)
+    grad_mode = torch.set_grad_enabled(grad and torch.is_grad_enabled())
+    with eval_mode(model), grad_mode, hooks(model, dict.fromkeys(wanted, keep)):
+        logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
     return logits, ActivationCache({n: cache[n] for n in known if n in cache})

@@ -68,24 +68,16 @@ PARAMETER_FREE_NAMES = {
 # --------------------------------------------------------------------------------------------
 # Token text
 # --------------------------------------------------------------------------------------------
+# Spaces, newlines and tabs as symbols, the other control characters as \xNN escapes.
+_LABELS = {c: f"\\x{c:02x}" for c in [*range(32), 127]} | {ord(" "): "␣", ord("\n"): "↵", ord("\t"): "⇥"}
+
+
 def token_label(token: str) -> str:
     """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
 
     Byte-level tokens are often pure whitespace; without this they would be invisible.
     """
-    out = []
-    for ch in token:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("↵")
-        elif ch == "\t":
-            out.append("⇥")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out) or "∅"
+    return token.translate(_LABELS) or "∅"
 
 
 def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -307,7 +299,8 @@ def records_data(
     return data
 
 
-def _resolve(arg: str, i: object, n: int) -> int:
+def resolve_index(arg: str, i: object, n: int) -> int:
+    """Index ``i`` of ``n`` (negative: from the end), or a ValueError naming the flag ``arg``."""
     if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
         raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
     return i % n
@@ -406,8 +399,8 @@ def inspector_data(
     data = _page_top(trace, ids, tokenizer, model_name, title, text, note)
     vocab: set[int] = set(ids)
 
-    shown_layers = list(range(L)) if layers is None else [_resolve("--layer", i, L) for i in layers]
-    shown_heads = list(range(H)) if heads is None else [_resolve("--head", h, H) for h in heads]
+    shown_layers = list(range(L)) if layers is None else [resolve_index("--layer", i, L) for i in layers]
+    shown_heads = list(range(H)) if heads is None else [resolve_index("--head", h, H) for h in heads]
     dtype = None
     if "layers" in wanted:
         data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)

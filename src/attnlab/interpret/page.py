@@ -114,11 +114,15 @@ def save_page(data: dict[str, Any], path: str | os.PathLike) -> Path:
 
 
 def notebook_html(data: dict[str, Any], *, height: int = 900) -> str:
-    """The page for a Jupyter cell: an ``<iframe srcdoc>`` holding the whole offline page (its own
-    document, so its CSP, ids and styles cannot clash with the notebook's; scripts only, no network)."""
-    page = render_page(data)
+    """The page for a Jupyter cell: an ``<iframe srcdoc>`` holding the whole offline page."""
+    return iframe(render_page(data), "inspector", height)
+
+
+def iframe(page: str, name: str, height: int) -> str:
+    """``page`` in an ``<iframe srcdoc>`` of class ``attnlab-{name}`` for a Jupyter cell: its own document,
+    so its CSP, ids and styles cannot clash with the notebook's; scripts only, no network."""
     return (
-        f'<iframe class="attnlab-inspector" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
+        f'<iframe class="attnlab-{name}" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
         f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
     )
 

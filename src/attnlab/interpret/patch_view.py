@@ -34,9 +34,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.interpret.codec import pack, to_json
-from attnlab.interpret.hooks import act_name, attention_layers, run_with_cache
+from attnlab.interpret.hooks import act_name, attention_layers, eval_mode, run_with_cache
 from attnlab.interpret.inspector import token_label, token_strings
-from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script, read_asset
+from attnlab.interpret.page import OFFLINE_CSP, iframe, inline, json_for_script, read_asset
 from attnlab.interpret.patching import SITES, activation_patching, logit_diff
 
 __all__ = [
@@ -85,13 +85,8 @@ def head_patterns(model: nn.Module, idx: Tensor) -> tuple[Tensor, Tensor]:
     ``(L, H, T, T)`` (``blocks.{l}.attn.hook_pattern``), from one forward pass."""
     idx = idx[None] if idx.dim() == 1 else idx
     names = [act_name("pattern", i) for i in range(len(attention_layers(model)))]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits, cache = run_with_cache(model, idx, names)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        logits, cache = run_with_cache(model, idx, names)
     return logits, torch.stack([cache[n][0] for n in names])  # (L, H, T, T)
 
 
@@ -238,8 +233,4 @@ def patching_page(section: dict[str, Any], *, title: str = "activation patching"
 
 def notebook_patching_html(section: dict[str, Any], *, height: int = 1000) -> str:
     """:func:`patching_page` for a Jupyter cell, in an ``<iframe srcdoc>`` (as :func:`notebook_html`)."""
-    page = patching_page(section)
-    return (
-        f'<iframe class="attnlab-patching" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
-        f'border: 1px solid #d9dee5;" srcdoc="{html.escape(page, quote=True)}"></iframe>'
-    )
+    return iframe(patching_page(section), "patching", height)

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, hook_names, hooks, run_with_cache
+from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, eval_mode, hook_names, hooks, run_with_cache
 
 __all__ = [
     "SITES",
@@ -307,22 +307,17 @@ def activation_patching(
     indices, shape = _layout(model, step, kind, T)
     out = torch.empty((len(chosen), len(indices)), dtype=torch.float64)
     per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            _, clean_cache = run_with_cache(model, clean, names)
-            logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
-            metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
-            _check_tail(model, logits, corr_cache[starts[0]], last_only)
-            sources = [clean_cache[n] for n in names]
-            resid = [corr_cache[n] for n in starts]
-            for lo in range(0, len(indices), per_pass):
-                index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
-                patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
-                out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        _, clean_cache = run_with_cache(model, clean, names)
+        logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
+        metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+        _check_tail(model, logits, corr_cache[starts[0]], last_only)
+        sources = [clean_cache[n] for n in names]
+        resid = [corr_cache[n] for n in starts]
+        for lo in range(0, len(indices), per_pass):
+            index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
+            patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
+            out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
     return out.reshape(len(chosen), *shape).float()
 
 
@@ -341,30 +336,25 @@ def _patch_spliced(
     L, T = len(attention_layers(model)), clean.shape[1]
     start = act_name("resid_pre", layer)
     last_only = bool(getattr(metric, "last_only", False))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            _, clean_cache = run_with_cache(model, clean, [name])
-            logits, corr_cache = run_with_cache(model, corrupted, sorted({name, start, act_name("resid_pre", 0)}))
-            metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
-            _check_tail(model, logits, corr_cache[act_name("resid_pre", 0)], last_only)
-            source = clean_cache[name]  # (1, T, width)
-            if kind == "pos":
-                indices, shape = [(p,) for p in range(T)], (T,)
-            else:  # one latent at one position
-                width = source.shape[-1]
-                indices, shape = [(p, j) for p in range(T) for j in range(width)], (T, width)
-            out = torch.empty(len(indices), dtype=torch.float64)
-            per_pass = max(1, int(max_tokens) // T)
-            for lo in range(0, len(indices), per_pass):
-                index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
-                patched = _staggered(
-                    model, [corr_cache[start]] * L, [name] * L, [source] * L, name, kind, index, last_only, [layer]
-                )
-                out[lo : lo + index.shape[0]] = _metric_rows(metric, patched)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        _, clean_cache = run_with_cache(model, clean, [name])
+        logits, corr_cache = run_with_cache(model, corrupted, sorted({name, start, act_name("resid_pre", 0)}))
+        metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+        _check_tail(model, logits, corr_cache[act_name("resid_pre", 0)], last_only)
+        source = clean_cache[name]  # (1, T, width)
+        if kind == "pos":
+            indices, shape = [(p,) for p in range(T)], (T,)
+        else:  # one latent at one position
+            width = source.shape[-1]
+            indices, shape = [(p, j) for p in range(T) for j in range(width)], (T, width)
+        out = torch.empty(len(indices), dtype=torch.float64)
+        per_pass = max(1, int(max_tokens) // T)
+        for lo in range(0, len(indices), per_pass):
+            index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
+            patched = _staggered(
+                model, [corr_cache[start]] * L, [name] * L, [source] * L, name, kind, index, last_only, [layer]
+            )
+            out[lo : lo + index.shape[0]] = _metric_rows(metric, patched)
     return out.reshape(shape).float()
 
 
@@ -420,44 +410,39 @@ def path_patching(
     if not checked:
         raise ValueError("receivers must name at least one (layer, head, 'q' | 'k' | 'v')")
     z_names = [act_name("z", i) for i in range(L)]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            _, clean_cache = run_with_cache(model, clean, z_names)
-            _, corr_cache = run_with_cache(model, corrupted, z_names)
+    with eval_mode(model), torch.no_grad():
+        _, clean_cache = run_with_cache(model, clean, z_names)
+        _, corr_cache = run_with_cache(model, corrupted, z_names)
 
-            def freeze(layer: int) -> Callable:
-                def fn(z: Tensor, hook: HookPoint) -> Tensor:
-                    z = corr_cache[z_names[layer]].clone()  # (1, T, H, hd): every head as corrupted...
-                    for sl, sh in senders:
-                        if sl == layer:
-                            z[:, :, sh] = clean_cache[z_names[layer]][:, :, sh]  # ...but the senders, clean
-                    return z
+        def freeze(layer: int) -> Callable:
+            def fn(z: Tensor, hook: HookPoint) -> Tensor:
+                z = corr_cache[z_names[layer]].clone()  # (1, T, H, hd): every head as corrupted...
+                for sl, sh in senders:
+                    if sl == layer:
+                        z[:, :, sh] = clean_cache[z_names[layer]][:, :, sh]  # ...but the senders, clean
+                return z
 
-                return fn
+            return fn
 
-            recorded: dict[str, Tensor] = {}
+        recorded: dict[str, Tensor] = {}
 
-            def record(x: Tensor, hook: HookPoint) -> None:
-                recorded[hook.name] = x
+        def record(x: Tensor, hook: HookPoint) -> None:
+            recorded[hook.name] = x
 
-            wanted = {act_name(kind, layer) for layer, _, kind in checked}
-            step1 = {**{z_names[i]: freeze(i) for i in range(L)}, **dict.fromkeys(wanted, record)}
-            with hooks(model, step1):
-                model(corrupted)
+        wanted = {act_name(kind, layer) for layer, _, kind in checked}
+        step1 = {**{z_names[i]: freeze(i) for i in range(L)}, **dict.fromkeys(wanted, record)}
+        with hooks(model, step1):
+            model(corrupted)
 
-            def receive(x: Tensor, hook: HookPoint) -> Tensor:
-                x = x.clone()
-                for layer, head, kind in checked:
-                    if hook.name == act_name(kind, layer):
-                        x[:, :, head] = recorded[hook.name][:, :, head]
-                return x
+        def receive(x: Tensor, hook: HookPoint) -> Tensor:
+            x = x.clone()
+            for layer, head, kind in checked:
+                if hook.name == act_name(kind, layer):
+                    x[:, :, head] = recorded[hook.name][:, :, head]
+            return x
 
-            with hooks(model, dict.fromkeys(wanted, receive)):
-                value = metric_scalar(metric(model(corrupted)))
-    finally:
-        model.train(was_training)
+        with hooks(model, dict.fromkeys(wanted, receive)):
+            value = metric_scalar(metric(model(corrupted)))
     return float(value)
 
 
@@ -504,17 +489,13 @@ def attribution_patching(
     def keep(x: Tensor, hook: HookPoint) -> None:
         acts[hook.name] = x
 
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             _, clean_cache = run_with_cache(model, clean, names)
         with torch.enable_grad(), hooks(model, {"hook_embed": leaf, **dict.fromkeys(names, keep)}):
             value = metric(model(corrupted))
             metric_scalar(value)
             grads = torch.autograd.grad(value.reshape(()), [acts[n] for n in names], allow_unused=True)
-    finally:
-        model.train(was_training)
     out = []
     for n, g in zip(names, grads, strict=True):
         a = acts[n].detach()

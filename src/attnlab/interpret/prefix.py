@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import KVCache
-from attnlab.interpret.hooks import HookPoint, attention_layers, hooks
+from attnlab.interpret.hooks import HookPoint, attention_layers, eval_mode, hooks
 from attnlab.interpret.tracing import Trace, full_mask, stop_before_head
 
 __all__ = ["KeptTrace", "retrace", "shared_prefix"]
@@ -106,14 +106,9 @@ def retrace(model: nn.Module, idx: Tensor, kept: KeptTrace | None = None, *, tok
         weights[0][i, :, :, P:].copy_(w)
         records[i] = (full_mask(call, T - P, T, w.device), bool(call.is_causal), float(call.scale), call.softcap)
 
-    was_training = model.training
     fns = {f"blocks.{i}.attn.hook_pattern": on_pattern for i in range(L)}
-    try:
-        model.eval()
-        with torch.no_grad(), hooks(model, fns), stop_before_head(model):  # no logits needed
-            model(idx[:, P:], kv_caches=caches)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), hooks(model, fns), stop_before_head(model):  # no logits needed
+        model(idx[:, P:], kv_caches=caches)
     missing = [i for i, r in enumerate(records) if r is None]
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.files import atomic_write_text
-from attnlab.interpret.hooks import activation_at
+from attnlab.interpret.hooks import activation_at, eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
 from attnlab.interpret.sae import SAE
@@ -185,12 +185,8 @@ def prompt_latents(model: nn.Module, sae: SAE, idx: Tensor) -> Tensor:
         got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
         raise ValueError(f"idx must be the token ids of one prompt, (T,) or (1, T), got {got}")
     sae.check_model(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         x = activation_at(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
-    finally:
-        model.train(was_training)
     return sae.encode(x)[0]  # (T, d_sae)
 
 

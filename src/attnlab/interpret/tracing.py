@@ -28,7 +28,15 @@ from attnlab.attention import (
 )
 from attnlab.checks import check_float_tensor
 from attnlab.functional import attention_scores, causal_mask, combine_masks, simple_self_attention, softcap_score_mod
-from attnlab.interpret.hooks import AttentionCall, HookPoint, attention_hooks, attention_layers, hook_names, hooks
+from attnlab.interpret.hooks import (
+    AttentionCall,
+    HookPoint,
+    attention_hooks,
+    attention_layers,
+    eval_mode,
+    hook_names,
+    hooks,
+)
 
 __all__ = [
     "STEP_NAMES",
@@ -415,14 +423,10 @@ class _TraceRecorder:
 def _traced_forward(model: nn.Module, idx: Tensor, attention_mask: Tensor | None, rec: _TraceRecorder, logits: bool):
     """``model``'s forward in eval mode without gradients, ``rec`` on its hook points; the model's logits
     (None with ``logits=False``). Training mode and hooks are restored afterwards, even after an error."""
-    was_training = model.training
-    try:
-        model.eval()
+    with eval_mode(model):
         stop = contextlib.nullcontext() if logits else stop_before_head(model)
         with torch.no_grad(), hooks(model, rec.fns), stop:
             return model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
-    finally:
-        model.train(was_training)
 
 
 class _Stopped(Exception):

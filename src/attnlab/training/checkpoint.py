@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_model_size, finite_real, is_bool, is_int, is_real, positive_int
+from attnlab.checks import finite_real, is_bool, is_int, is_real, positive_int
 from attnlab.files import (
     atomic_write_bytes,
     atomic_write_json,
@@ -618,23 +618,14 @@ def _check_tokenizer(tok: Any, meta: dict[str, Any]) -> None:
 
 def model_config_from(d: Any, what: str) -> GPTConfig:
     """A :class:`GPTConfig` from a JSON object, its sizes checked against
-    :data:`~attnlab.checks.MODEL_LIMITS` before anything would be built; ValueError naming ``what``."""
+    :data:`~attnlab.checks.MODEL_LIMITS` (by ``GPTConfig`` itself) before anything would be built;
+    ValueError naming ``what``."""
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be an object of GPTConfig fields, got {_describe(d)}")
     try:
-        config = GPTConfig.from_dict(d)
+        return GPTConfig.from_dict(d)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what}: {first_line(exc)}") from None
-    check_model_size(
-        vocab_size=config.vocab_size,
-        context_length=config.context_length,
-        emb_dim=config.emb_dim,
-        n_heads=config.n_heads,
-        n_layers=config.n_layers,
-        ff_dim=config.hidden_dim,
-        source=what,
-    )
-    return config
 
 
 def _check_train_config(d: Any, meta: dict[str, Any]) -> None:

@@ -36,19 +36,15 @@ import dataclasses
 import enum
 import io
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["OPTIMIZER_DIR", "SafeReader", "load_full_optimizer_state", "load_optimizer", "save_sharded", "shard"]
+from attnlab.training.checkpoint import OPTIMIZER_DIR, begin_save, commit_save, write_step_dir
 
-OPTIMIZER_DIR = "optimizer"
-# What torch.distributed.checkpoint writes in a directory: one data file per process (and per
-# writer thread), the global metadata, and that metadata's temporary name.
-DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(?:\.tmp)?")
+__all__ = ["OPTIMIZER_DIR", "SafeReader", "load_full_optimizer_state", "load_optimizer", "save_sharded", "shard"]
 
 
 def shard(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -86,7 +82,6 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from attnlab.model import GPT
-    from attnlab.training.checkpoint import begin_save, commit_save, write_step_dir
 
     rank = dist.get_rank()
     # Collectives, on every process: the full weights gathered to rank 0's CPU, the sharded optimizer.

@@ -35,7 +35,7 @@ def _inputs() -> Tensor:
     return tc.INPUTS.clone()  # (6, 3): "Your journey starts with one step"
 
 
-def _words() -> str:
+def words_text() -> str:
     return " ".join(tc.WORDS)
 
 
@@ -48,7 +48,7 @@ def _words() -> str:
 )
 def dot_products(w: Walk) -> dict[str, Tensor]:
     inputs = _inputs()
-    w.show("inputs", inputs, f"six words, one 3-d embedding per row: {_words()}")
+    w.show("inputs", inputs, f"six words, one 3-d embedding per row: {words_text()}")
 
     w.step("query = inputs[1]")
     query = inputs[1]
@@ -234,7 +234,7 @@ def trainable(w: Walk) -> dict[str, Tensor]:
     return {"context_v1": context_v1, "weights_v1": weights, "weights_v2": weights_v2, "context_v2": context_v2}
 
 
-def _implement_setup() -> dict[str, object]:
+def implement_tensors() -> dict[str, object]:
     """The seed-42 setup of "Implement the Self-Attention Mechanism in PyTorch", step for step."""
     torch.manual_seed(42)
     dim_word_embedding = 16
@@ -272,7 +272,7 @@ def _implement_setup() -> dict[str, object]:
     section="Unnormalized attention scores",
 )
 def softmax_dim(w: Walk) -> dict[str, Tensor]:
-    s = _implement_setup()
+    s = implement_tensors()
     sentence, dict_words = s["sentence"], s["dict_words"]
     w.say(f"torch.manual_seed(42); the sentence: {' '.join(sentence)}")  # type: ignore[arg-type]
     w.value("dict_words", str(dict_words))
@@ -850,7 +850,7 @@ def encoder_decoder(w: Walk) -> dict[str, Tensor]:
     decoder.load_state_dict(encoder.state_dict())
     _, enc_w = encoder(x, return_weights=True)  # (1, 6, 6)
     _, dec_w = decoder(x, return_weights=True)  # (1, 6, 6)
-    w.show("encoder weights (causal=False)", enc_w[0], f"full rows: {_words()}")
+    w.show("encoder weights (causal=False)", enc_w[0], f"full rows: {words_text()}")
     w.show("decoder weights (causal=True)", dec_w[0], "lower triangle: token t sees tokens 0..t")
     w.check("the last row is the same (the last token sees everything)", enc_w[0, -1], dec_w[0, -1])
     w.say(
@@ -874,7 +874,7 @@ GPT2_SIZES = {
 GPT2_VOCAB, GPT2_CONTEXT = 50257, 1024
 
 
-def _count(*modules: nn.Module) -> int:
+def count_parameters(*modules: nn.Module) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
@@ -895,12 +895,12 @@ def gpt2_parameter_counts(n_layer: int, d_model: int, n_head: int, *, tied: bool
     with torch.device("meta"):
         attn = MultiHeadAttention(d_model, d_model, GPT2_CONTEXT, 0.0, n_head, qkv_bias=True)
         mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-        block = _count(nn.LayerNorm(d_model), attn, nn.LayerNorm(d_model), mlp)
-        embeddings = _count(_meta_embedding(GPT2_VOCAB, d_model), _meta_embedding(GPT2_CONTEXT, d_model))
-        final_norm = _count(nn.LayerNorm(d_model))
-        head = 0 if tied else _count(nn.Linear(d_model, GPT2_VOCAB, bias=False))
+        block = count_parameters(nn.LayerNorm(d_model), attn, nn.LayerNorm(d_model), mlp)
+        embeddings = count_parameters(_meta_embedding(GPT2_VOCAB, d_model), _meta_embedding(GPT2_CONTEXT, d_model))
+        final_norm = count_parameters(nn.LayerNorm(d_model))
+        head = 0 if tied else count_parameters(nn.Linear(d_model, GPT2_VOCAB, bias=False))
     return {
-        "attention": _count(attn),
+        "attention": count_parameters(attn),
         "block": block,
         "total": embeddings + n_layer * block + final_norm + head,
     }
@@ -958,10 +958,10 @@ def gpt2_sizes(w: Walk) -> dict[str, Tensor]:
     with torch.device("meta"):  # shapes only: no memory, no random init cost
         mha = MultiHeadAttention(d_in=768, d_out=768, num_heads=12, context_length=1024, dropout=0.0)
         mha_biased = MultiHeadAttention(768, 768, 1024, 0.0, num_heads=12, qkv_bias=True)
-    w.value("parameters", _count(mha), "4 x 768 x 768 + 768: attnlab's default qkv_bias=False")
+    w.value("parameters", count_parameters(mha), "4 x 768 x 768 + 768: attnlab's default qkv_bias=False")
     w.say(
         "The guide's class builds nn.Linear(d_in, d_out) with the default bias=True for queries, "
-        f"keys and values as well: that is qkv_bias=True, {_count(mha_biased):,} parameters (GPT-2's "
+        f"keys and values as well: that is qkv_bias=True, {count_parameters(mha_biased):,} parameters (GPT-2's "
         "attention also has these biases)."
     )
     w.say(

@@ -20,19 +20,12 @@ from attnlab.attention import CausalAttention, MultiHeadAttention, MultiHeadAtte
 from attnlab.data import TokenWindowDataset, create_dataloader
 from attnlab.functional import causal_mask, scaled_dot_product_attention, simple_self_attention
 from attnlab.tokenizers import ByteTokenizer, GPT2Tokenizer, TokenizerLoadError
+from attnlab.tools.explain.lessons import count_parameters, implement_tensors, words_text
 from attnlab.tools.explain.registry import GPT_GUIDE, IMPLEMENT, ONE_HEAD, REVIEW, SIMPLE, lesson
 from attnlab.tools.explain.walk import Walk
 from attnlab.tutorials import attention_review, gpt_style, implement, one_head
 
 __all__ = ["CONCEPT_QUESTIONS", "REVIEW_TEXT"]
-
-
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _words() -> str:
-    return " ".join(tc.WORDS)
 
 
 # ============================================================================================
@@ -94,13 +87,6 @@ def implement_setup() -> dict[str, object]:
     }
 
 
-def _tutorial_weights() -> tuple[Tensor, ...]:
-    """The tutorial's own ``torch.rand`` calls after its embedding: W_q, W_k, W_v and the stacks."""
-    torch.manual_seed(42)
-    nn.Embedding(8, 16)
-    return tuple(torch.rand(*shape) for shape in [(24, 16), (24, 16), (28, 16), (3, 24, 16), (3, 24, 16), (3, 28, 16)])
-
-
 @lesson(
     "implement-qkv",
     "word ids, embeddings and separate 24/24/28-wide queries, keys, values",
@@ -127,11 +113,11 @@ def implement_qkv(w: Walk) -> dict[str, Tensor]:
     w.step("attention = attnlab.tutorials.implement.SelfAttention(d_in=16, d_q=24, d_k=24, d_v=28)")
     W_q, W_k, W_v = attention.W_q, attention.W_k, attention.W_v
     w.value("W_q, W_k, W_v shapes", f"{tuple(W_q.shape)}, {tuple(W_k.shape)}, {tuple(W_v.shape)}")
-    theirs = _tutorial_weights()
+    theirs = implement_tensors()  # the tutorial's own torch.rand calls
     w.check(
         "W_q, W_k, W_v == the tutorial's torch.rand (same seed, same order)",
         torch.cat([W_q, W_k, W_v]),
-        torch.cat(theirs[:3]),
+        torch.cat([theirs["W_q"], theirs["W_k"], theirs["W_v"]]),
     )
 
     found: dict[str, Tensor] = {}
@@ -220,8 +206,8 @@ def implement_multi_head(w: Walk) -> dict[str, Tensor]:
     w.step("heads = attnlab.tutorials.implement.MultiHeadSelfAttention(d_in=16, d_q=24, d_k=24, d_v=28, num_heads=3)")
     mh_W_q, mh_W_k, mh_W_v = heads.W_q, heads.W_k, heads.W_v  # (3, 24, 16), (3, 24, 16), (3, 28, 16)
     w.value("W_q, W_k, W_v shapes", f"{tuple(mh_W_q.shape)}, {tuple(mh_W_k.shape)}, {tuple(mh_W_v.shape)}")
-    theirs = _tutorial_weights()
-    w.check("== the tutorial's multihead_W_query, _key, _value", torch.cat([mh_W_q, mh_W_k]), torch.cat(theirs[3:5]))
+    theirs = implement_tensors()["mh"]  # the tutorial's own torch.rand calls
+    w.check("== the tutorial's multihead_W_query, _key, _value", torch.cat([mh_W_q, mh_W_k]), torch.cat(theirs[:2]))
 
     x_1 = embedded[0]  # (16,)
     query_1, key_1, value_1 = mh_W_q @ x_1, mh_W_k @ x_1, mh_W_v @ x_1  # (3, 24), (3, 24), (3, 28)
@@ -302,7 +288,7 @@ _GUIDE_SEED = 123  # the guide seeds nothing; this makes its steps repeatable
 )
 def gpt_simplified(w: Walk) -> dict[str, Tensor]:
     inputs = tc.INPUTS.clone()  # (6, 3)
-    w.say(f"The guide's inputs are those of {SIMPLE} ({_words()}); it prints no numbers.")
+    w.say(f"The guide's inputs are those of {SIMPLE} ({words_text()}); it prints no numbers.")
     scores = inputs @ inputs.T  # (6, 6)
     w.show("attn_scores = inputs @ inputs.T", scores, "attn_scores[i][j]: dot product of tokens i and j")
     weights = torch.softmax(scores, dim=-1)  # (6, 6)
@@ -582,7 +568,7 @@ def review_self_attention(w: Walk) -> dict[str, Tensor]:
     w.step("self_attention = attnlab.tutorials.attention_review.SelfAttentionV2(768, 1024)")
     self_attention = attention_review.SelfAttentionV2(768, 1024)
     w.value("print(self_attention.W_query)", repr(self_attention.W_query), "nn.Linear(d_in, d_out): bias=True")
-    w.value("parameters", _count(self_attention), "3 x (768 x 1024 + 1024): weights and biases")
+    w.value("parameters", count_parameters(self_attention), "3 x (768 x 1024 + 1024): weights and biases")
     context_batch = self_attention(X_batch)  # (40, 50, 1024)
     w.show("context_batch[0, :2, :4]", context_batch[0, :2, :4], "a corner of the result")
     w.value("context_batch.shape", str(tuple(context_batch.shape)), "B x N x d_out")
@@ -700,7 +686,7 @@ def review_multi_head(w: Walk) -> dict[str, Tensor]:
         keyword = MultiHeadAttention(d_in=512, d_out=768, num_heads=3, context_length=100)
         small_exercise = attention_review.MultiHeadAttention(12, 24, 3, 6)
         small_keyword = MultiHeadAttention(d_in=12, d_out=24, num_heads=3, context_length=6)
-    counts = [_count(m) for m in (exercise, keyword, small_exercise, small_keyword)]
+    counts = [count_parameters(m) for m in (exercise, keyword, small_exercise, small_keyword)]
     w.line()
     w.line(f"{'parameters':<42}{'d_in=512, d_out=768':>19}{'d_in=12, d_out=24':>18}")
     w.line(f"{'the exercise (3 heads, no out_proj)':<42}{counts[0]:>19,}{counts[2]:>18,}")

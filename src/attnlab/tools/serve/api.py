@@ -46,6 +46,10 @@ TopK = Annotated[int | None, Field(ge=1, description="keep the top_k likeliest t
 TopP = Annotated[
     float | None, Field(gt=0.0, le=1.0, allow_inf_nan=False, description="keep the top-p nucleus (null: off)")
 ]
+Seed = Annotated[int, Field(ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")]
+NewTokens = Annotated[
+    int, Field(ge=1, le=HARD_MAX_NEW_TOKENS, description="tokens to generate (at most the server's cap)")
+]
 
 
 class Strict(BaseModel):
@@ -116,13 +120,11 @@ class AblateRequest(PromptRequest):
 class GenerateRequest(PromptRequest):
     """A generation streamed token by token (server-sent events)."""
 
-    max_new_tokens: int = Field(
-        default=16, ge=1, le=HARD_MAX_NEW_TOKENS, description="tokens to generate (at most the server's cap)"
-    )
+    max_new_tokens: NewTokens = 16
     temperature: Temperature = 1.0
     top_k: TopK = None
     top_p: TopP = None
-    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+    seed: Seed = 0
     candidates: int = Field(default=10, ge=1, le=100, description="candidates reported per token")
 
 
@@ -149,7 +151,7 @@ class ChatRequest(Strict):
     temperature: Temperature = 0.7
     top_k: TopK = None
     top_p: TopP = None
-    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+    seed: Seed = 0
 
 
 # -- answers (for the documentation; the server fills them from attnlab.interpret) ------------------
@@ -326,11 +328,9 @@ class SteerRequest(PromptRequest):
 
     sae: SAEIndex = 0
     steer: list[SteerLatent] = Field(min_length=1, max_length=16, description="latents and their strengths")
-    max_new_tokens: int = Field(
-        default=16, ge=1, le=HARD_MAX_NEW_TOKENS, description="tokens to generate (at most the server's cap)"
-    )
+    max_new_tokens: NewTokens = 16
     temperature: Temperature = 0.0
     top_k: TopK = None
     top_p: TopP = None
-    seed: int = Field(default=0, ge=0, le=(1 << 63) - 1, description="the sampling generator's seed")
+    seed: Seed = 0
     compare: bool = Field(default=True, description="also generate without steering (the same seed)")

@@ -2,27 +2,10 @@
 
 ``GET /`` is the inspector page: the same ``viewer.html``, ``viewer.css`` and ``viewer.js`` as the
 offline page (package data of :mod:`attnlab.interpret`), linked instead of inlined, with a live data
-source that asks the API for what the page shows. The API (OpenAPI schema at ``/openapi.json``):
-
-* ``GET /api/info``: the model, the limits, whether prompts can be typed.
-* ``POST /api/tokenize``: the prompt's tokens.
-* ``POST /api/inspect``: :func:`attnlab.interpret.inspector_data` of a prompt, the sections asked for.
-* ``POST /api/next``: next-token probabilities after a position under temperature/top-k/top-p.
-* ``POST /api/ablate``: :func:`attnlab.interpret.ablation_effect` of removing heads.
-* ``POST /api/generate``: a generation as server-sent events (``start``, one ``token`` per new token
-  with its attention and candidates, ``done``); a client that disconnects stops it.
-* ``POST /api/chat``: one assistant turn of a conversation (the model's chat template), as server-sent
-  events (``start``, one ``token`` per new token with the text it completes, ``done`` with the answer
-  and the text the inspector opens); see :mod:`attnlab.tools.serve.chat`.
-* ``POST /api/patch``: activation patching of the page's prompt and a corrupted one, the patching view
-  (:mod:`attnlab.tools.serve.patching`).
-* ``POST /api/circuit``: edge attribution (EAP, EAP-IG) of the page's prompt and a corrupted one and the
-  faithfulness of its circuits, the circuit view (:func:`attnlab.tools.circuit.serve_circuit`).
-* ``POST /api/features``, ``POST /api/latent``, ``POST /api/steer``: the Features tab of a server started
-  with ``--sae DIR``: each token's strongest latents, a latent's dashboard, a steered generation
-  (:mod:`attnlab.tools.serve.features`).
-* ``GET /api/demo``: the page data of the tutorials' six-word example (``attnlab serve --demo``).
-* ``GET /api/stats``: counters (model calls, traces, generation steps, generations stopped).
+source that asks the API for what the page shows. The API's routes are below, each with its summary
+(the schema at ``/openapi.json``; docs/inspect.md lists them): info and stats, a prompt's tokens,
+inspection, next tokens and ablation, generation and chat as server-sent events, patching, circuits,
+the Features tab's routes and the six-word demo.
 
 Safe by default: request bodies are limited (Content-Length and the bytes actually streamed), POSTs
 must be JSON, the Host header must name the loopback address the server is bound to (no DNS
@@ -398,11 +381,28 @@ def _add_prompt_routes(app: FastAPI, engine: Engine) -> None:
         )
 
 
-def _event_stream(events: AsyncIterator[bytes], engine: Engine, run: Any) -> StreamingResponse:
-    """``events`` as server-sent events; ``engine.finish(run)`` also runs after the response, in case
-    the stream was cancelled before it started."""
+def _event_stream(
+    engine: Engine, run: Any, start: dict, step: Callable[[], Any], done: Callable[[], dict], what: str
+) -> StreamingResponse:
+    """``start``, a ``token`` event per ``step()`` until it gives None, then ``done()`` (or ``error``
+    if ``what`` failed midway), as server-sent events; ``engine.finish(run)`` runs when the stream ends
+    and also after the response, in case the stream was cancelled before it started."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield _sse("start", start)
+            while (token := await run_in_threadpool(step)) is not None:
+                yield _sse("token", token)
+            yield _sse("done", done())
+        except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            yield _sse("error", {"detail": f"{what} failed: {type(exc).__name__}: {first}"})
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
+                await run_in_threadpool(engine.finish, run)
+
     return StreamingResponse(
-        events,
+        events(),
         media_type="text/event-stream",
         headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         background=BackgroundTask(run_in_threadpool, engine.finish, run),
@@ -440,23 +440,10 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
             "max_new_tokens": req.max_new_tokens,
         }
 
-        async def events():
-            try:
-                yield _sse("start", start)
-                while True:
-                    step = await run_in_threadpool(engine.advance, run)
-                    if step is None:
-                        break
-                    yield _sse("token", step)
-                yield _sse("done", {"generated": run.produced, "reason": run.end_reason})
-            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                yield _sse("error", {"detail": f"generation failed: {type(exc).__name__}: {first}"})
-            finally:
-                with anyio.CancelScope(shield=True):  # also when the client left (the stream is cancelled)
-                    await run_in_threadpool(engine.finish, run)
+        def done() -> dict:
+            return {"generated": run.produced, "reason": run.end_reason}
 
-        return _event_stream(events(), engine, run)
+        return _event_stream(engine, run, start, lambda: engine.advance(run), done, "generation")
 
 
 def _add_chat_route(app: FastAPI, engine: Engine) -> None:
@@ -486,24 +473,15 @@ def _add_chat_route(app: FastAPI, engine: Engine) -> None:
         )
         start = {"prompt": run.prompt_text, "prompt_length": run.prompt_length, "dropped": run.dropped}
 
-        async def events():
-            try:
-                yield _sse("start", start)
-                while True:
-                    step = await run_in_threadpool(advance_chat, engine, run)
-                    if step is None:
-                        break
-                    yield _sse("token", step)
-                done = {"answer": run.answer, "generated": run.produced, "reason": run.end_reason}
-                yield _sse("done", done | {"inspect": run.inspect_text})
-            except Exception as exc:  # the answer has begun (200): a failure is the stream's last event
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                yield _sse("error", {"detail": f"chat failed: {type(exc).__name__}: {first}"})
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await run_in_threadpool(engine.finish, run)
+        def done() -> dict:
+            return {
+                "answer": run.answer,
+                "generated": run.produced,
+                "reason": run.end_reason,
+                "inspect": run.inspect_text,
+            }
 
-        return _event_stream(events(), engine, run)
+        return _event_stream(engine, run, start, lambda: advance_chat(engine, run), done, "chat")
 
 
 def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:

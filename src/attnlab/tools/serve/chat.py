@@ -69,11 +69,7 @@ def start_chat(
         )
     if max_new_tokens is None:
         max_new_tokens = min(engine.limits.max_new_tokens, loaded.model.config.context_length // 2)
-    if max_new_tokens > engine.limits.max_new_tokens:
-        raise ValueError(
-            f"max_new_tokens is {max_new_tokens}, more than this server allows ({engine.limits.max_new_tokens}; "
-            "attnlab serve --max-new-tokens N)"
-        )
+    engine.check_new_tokens(max_new_tokens)
     if not messages or messages[-1].get("role") != "user":
         raise ValueError("messages must end with the user's message (the one to answer)")
     ctx = loaded.model.config.context_length

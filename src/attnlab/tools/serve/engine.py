@@ -52,13 +52,13 @@ from attnlab import hardware
 from attnlab.checks import check_bool
 from attnlab.decoding import FastDecoder, supported
 from attnlab.errors import UserError
+from attnlab.files import first_line
 from attnlab.generation import SamplingConfig, cache_length, stream
 from attnlab.interpret import (
     KeptTrace,
     ablation_effect,
     attention_rows,
     inspector_data,
-    next_token_probabilities,
     parse_heads,
     retrace,
     rows_of,
@@ -498,9 +498,8 @@ class Engine:
                     decoder.precompile()  # a chat answer's step
                     decoder.precompile(attention_rows)  # the generation stream's: each token's attention too
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
-                first = str(exc).splitlines()[0] if str(exc) else ""
                 with self._compile_lock:  # every size asked for until now is no longer compiling
-                    self.compile_error = f"{type(exc).__name__}: {first}"
+                    self.compile_error = f"{type(exc).__name__}: {first_line(exc)}"
                     self.count("steps_compiling", -sum(not done.is_set() for done in list(self._compiles.values())))
                 print(
                     f"attnlab serve: warning: the compiled decoding step failed ({self.compile_error}); "
@@ -527,7 +526,7 @@ class Engine:
     ) -> dict[str, Any]:
         """The ``k`` likeliest next tokens after ``position`` (-1: the last token) and their
         probabilities under temperature/top-k/top-p, from
-        :func:`attnlab.interpret.next_token_probabilities` over the whole vocabulary."""
+        :meth:`attnlab.generation.SamplingConfig.probabilities` over the whole vocabulary."""
         ids = self.encode(prompt)
         T_ = len(ids)
         if not -T_ <= position < T_:
@@ -536,11 +535,8 @@ class Engine:
         sampling = SamplingConfig(temperature, top_k, top_p)  # checks the settings, as generation does
 
         def work() -> tuple[list[int], list[float]]:
-            logits = self._trace(ids).logits[0, pos]  # (V,)
-            probs = next_token_probabilities(
-                logits[None], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
-            )[0]
-            top, top_probs = top_candidates(logits[None].float(), probs[None], k)  # (1, k) x2
+            logits = self._trace(ids).logits[0, pos : pos + 1]  # (1, V)
+            top, top_probs = top_candidates(logits.float(), sampling.probabilities(logits), k)  # (1, k) x2
             return top[0].tolist(), top_probs[0].tolist()
 
         top_ids, probs = self.run(work)
@@ -575,10 +571,8 @@ class Engine:
         def work():
             idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
             effect = ablation_effect(loaded.model, idx, pairs, mode=mode)
-            settings = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-            before = next_token_probabilities(effect.logits_before, **settings)[0]  # (V,)
-            after = next_token_probabilities(effect.logits_after, **settings)[0]
-            return effect, before, after
+            before = sampling.probabilities(effect.logits_before)[0]  # (V,)
+            return effect, before, sampling.probabilities(effect.logits_after)[0]
 
         effect, before, after = self.run(work)
         n = min(k, before.shape[-1])
@@ -614,11 +608,7 @@ class Engine:
     ) -> GenerationRun:
         """A generation of up to ``max_new_tokens`` after the prompt, sampled with ``seed``: the tokens
         ``model.generate`` draws with ``torch.Generator().manual_seed(seed)``."""
-        if max_new_tokens > self.limits.max_new_tokens:
-            raise ValueError(
-                f"max_new_tokens is {max_new_tokens}, more than this server allows ({self.limits.max_new_tokens}; "
-                "attnlab serve --max-new-tokens N)"
-            )
+        self.check_new_tokens(max_new_tokens)
         ids = self.encode(prompt)
         model = self._need_model().model
         sampling = SamplingConfig(temperature, top_k, top_p)
@@ -640,6 +630,14 @@ class Engine:
         self.count("generations_started")
         self.count("generations_active")
         return run
+
+    def check_new_tokens(self, max_new_tokens: int) -> None:
+        """ValueError when a generation asks for more tokens than :attr:`limits` allow."""
+        if max_new_tokens > self.limits.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens: {max_new_tokens} is more than this server allows ({self.limits.max_new_tokens}; "
+                "attnlab serve --max-new-tokens N)"
+            )
 
     def ended(self, run: Any) -> bool:
         """Whether ``run`` (a generation or a chat answer) takes no more tokens: finished already,

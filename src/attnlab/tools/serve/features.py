@@ -175,11 +175,7 @@ def steer_answer(
         _latent(model_sae, latent, f"steer.{i}.latent")
         if not math.isfinite(strength):
             raise ValueError(f"steer.{i}.strength: must be a finite number, got {strength}")
-    if max_new_tokens > engine.limits.max_new_tokens:
-        raise ValueError(
-            f"max_new_tokens: {max_new_tokens} is more than this server allows ({engine.limits.max_new_tokens}; "
-            "attnlab serve --max-new-tokens N)"
-        )
+    engine.check_new_tokens(max_new_tokens)
     SamplingConfig(temperature, top_k, top_p)  # the settings checked as generation checks them
     ids = engine.encode(prompt)
     loaded = engine.loaded

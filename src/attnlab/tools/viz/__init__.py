@@ -25,7 +25,6 @@ from attnlab.tools.viz.view import (
     attention_maps,
     capture_attention,
     demo_view,
-    load_model_view,
     model_view,
     token_label,
 )
@@ -40,7 +39,6 @@ __all__ = [
     "demo_view",
     "encode_prompt",
     "format_text",
-    "load_model_view",
     "model_inspector",
     "model_view",
     "read_asset",

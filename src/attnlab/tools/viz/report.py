@@ -140,10 +140,7 @@ def inspect_report(
     effect, labels = None, None
     if heads is not None:
         effect = ablation_effect(model, idx, heads, mode=ablate_mode)
-        labels = (
-            [token_strings(tok, [i])[0] for i, _ in effect.top(top)],
-            [token_strings(tok, [i])[0] for i, _ in effect.top(top, after=True)],
-        )
+        labels = tuple(token_strings(tok, [i for i, _ in effect.top(top, after=after)]) for after in (False, True))
     latents = None
     if saes:
         from attnlab.interpret.sae_view import strongest_latents

@@ -8,7 +8,6 @@ attention here, so what is shown is what the model computed.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -18,9 +17,10 @@ from torch import Tensor
 
 from attnlab import attention as _attention
 from attnlab.attention import MultiHeadAttention
-from attnlab.interpret import AttentionRecord, HookPoint, attention_hooks, record_module, token_label, token_strings
-from attnlab.tools.loading import load_demo, load_model
-from attnlab.tools.viz.inspector import encode_prompt
+from attnlab.interpret import AttentionRecord, HookPoint, attention_hooks, record_module, token_label
+from attnlab.interpret.hooks import eval_mode
+from attnlab.interpret.inspector import resolve_index
+from attnlab.tools.loading import load_demo
 
 __all__ = [
     "ATTENTION_TYPES",
@@ -29,7 +29,6 @@ __all__ = [
     "attention_maps",
     "capture_attention",
     "demo_view",
-    "load_model_view",
     "model_view",
     "token_label",
 ]
@@ -94,7 +93,7 @@ class AttentionView:
         """A view restricted to some layers (row indices) and heads (head indices); negatives count back."""
         rows = list(range(len(self.layers)))
         if layers is not None:
-            rows = [_resolve_index("--layer", i, len(self.layers)) for i in layers]
+            rows = [resolve_index("--layer", i, len(self.layers)) for i in layers]
         out, kept = [], []
         for r in rows:
             layer = self.layers[r]
@@ -105,7 +104,7 @@ class AttentionView:
             n = layer.weights.shape[0]
             if len(rows) > 1 and any(not -n <= h < n for h in heads):
                 continue  # rows with fewer heads (the tutorial view mixes 1- and 2-head modules)
-            idx = [_resolve_index("--head", h, n) for h in heads]
+            idx = [resolve_index("--head", h, n) for h in heads]
             out.append(LayerMaps(layer.name, layer.weights[idx], [layer.heads[i] for i in idx]))
             kept.append(r)
         if not out:
@@ -114,12 +113,6 @@ class AttentionView:
         # A record per kept row; its heads are picked by the row's LayerMaps.heads.
         records = None if self.records is None else [self.records[r] for r in kept]
         return AttentionView(self.title, self.tokens, out, self.text, self.note, records)
-
-
-def _resolve_index(arg: str, i: int, n: int) -> int:
-    if not -n <= i < n:
-        raise ValueError(f"{arg} {i} is out of range: there are {n} (valid: 0..{n - 1}, or -1 for the last)")
-    return i % n
 
 
 # -- Capturing attention from a model --------------------------------------------------------
@@ -194,13 +187,8 @@ def attention_maps(model: nn.Module, idx: Tensor, **forward_kwargs) -> list[Tens
         raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
     single = idx.dim() == 1 and not idx.is_floating_point()
     x = idx.unsqueeze(0) if single else idx
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture_attention(model) as captured:
-            model(x, **forward_kwargs)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), capture_attention(model) as captured:
+        model(x, **forward_kwargs)
     if not captured:
         raise ValueError("the model ran but called none of its attention modules")
     maps = []
@@ -243,10 +231,3 @@ def model_view(
     note = f"{type(model).__name__}: {len(layers)} layers x {layers[0].weights.shape[0]} heads, {len(ids)} tokens "
     note += "(row = query token, column = the token it attends to)."
     return AttentionView(title=title or text, tokens=list(tokens), layers=layers, text=text, note=note)
-
-
-def load_model_view(checkpoint: str | os.PathLike, prompt: str, *, bpe_dir: str | None = None) -> AttentionView:
-    """Load a checkpoint directory and view its attention on ``prompt``."""
-    loaded = load_model(checkpoint, bpe_dir=bpe_dir)
-    ids = encode_prompt(loaded, prompt)[0].tolist()
-    return model_view(loaded.model, ids, token_strings(loaded.tokenizer, ids), title=prompt, text=prompt)
