@@ -147,14 +147,9 @@ def _layers(
     """The heads view's rows; ``causal`` (per row) when known, else read from the weights."""
     out = []
     for r, (name, heads, w) in enumerate(rows):  # w: (H, T, S)
-        causal_row = _is_causal(w) if causal is None else causal[r]
+        tri = _is_causal(w) if causal is None else causal[r]
         out.append(
-            {
-                "name": name,
-                "heads": [int(h) for h in heads],
-                "causal": causal_row,
-                "weights": pack(w.float(), dtype, tri=causal_row),
-            }
+            {"name": name, "heads": [int(h) for h in heads], "causal": tri, "weights": pack(w.float(), dtype, tri=tri)}
         )
     return out
 

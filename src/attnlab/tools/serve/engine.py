@@ -273,14 +273,11 @@ class Engine:
 
     def _sae_info(self) -> list[dict[str, Any]]:
         """The SAEs of the Features tab, in the order of ``attnlab serve --sae``."""
-        out = []
-        for i, (name, sae) in enumerate(self.saes.items()):
-            c = sae.cfg
-            out.append(
-                {"index": i, "name": name, "hook": c.hook_name, "d_sae": c.d_sae, "architecture": c.architecture}
-                | {"transcoder": c.transcoder}
-            )
-        return out
+        return [
+            {"index": i, "name": name, "hook": sae.cfg.hook_name, "d_sae": sae.cfg.d_sae}
+            | {"architecture": sae.cfg.architecture, "transcoder": sae.cfg.transcoder}
+            for i, (name, sae) in enumerate(self.saes.items())
+        ]
 
     def _first_prompt(self, prompt: str | None) -> str:
         """The prompt the page opens with: ``prompt`` (checked), else the tutorials' sentence if the

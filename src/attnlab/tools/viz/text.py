@@ -19,8 +19,7 @@ def format_text(view: AttentionView, width: int = 80) -> str:
             lines.append(f"{layer.name} · head {h}  (rows: queries, columns: keys)")
             if fits:
                 lines.append(" " * (lw + 1) + "".join(f"{s[:6]:>7}" for s in labels))
-                for i in range(T):
-                    lines.append(f"{labels[i][:lw]:>{lw}} " + "".join(f"{float(v):7.4f}" for v in w[i]))
+                lines += [f"{labels[i][:lw]:>{lw}} " + "".join(f"{float(v):7.4f}" for v in w[i]) for i in range(T)]
             else:
                 for i in range(T):
                     j = int(w[i].argmax())
