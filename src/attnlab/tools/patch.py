@@ -66,16 +66,11 @@ class PatchReport:
         restored = self.restored(site)
         flat = restored.flatten()
         order = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
+        values = self.results[site].flatten()
         out = []
         for i in order.tolist():
             index = torch.unravel_index(torch.tensor(i), restored.shape)
-            out.append(
-                (
-                    self.label(site, [int(j) for j in index]),
-                    float(self.results[site].flatten()[i]),
-                    float(flat[i]),
-                )
-            )
+            out.append((self.label(site, [int(j) for j in index]), float(values[i]), float(flat[i])))
         return out
 
     def label(self, site: str, index: list[int]) -> str:
