@@ -655,6 +655,11 @@ class QuantizedTensor(Tensor):
 
     # torch.compile and the subclass protocol --------------------------------------------------
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        # Dynamo's guards call this for every quantized weight at every compiled step: made once (again
+        # only if an int4 pack was added since).
+        made = self.__dict__.get("_flattened")
+        if made is not None and made[0] is self.int4:
+            return list(made[1]), made[2]
         names = []
         for i, p in enumerate(self.parts):
             for k, t in p.fields.items():
@@ -664,7 +669,9 @@ class QuantizedTensor(Tensor):
         if self.int4 is not None:
             self._int4_weight, self._int4_scales_and_zeros = self.int4.weight, self.int4.scales_and_zeros
             names += ["_int4_weight", "_int4_scales_and_zeros"]
-        return names, (layout, self.shape[1], self.dtype, self.int4 is not None)
+        ctx = (layout, self.shape[1], self.dtype, self.int4 is not None)
+        self._flattened = (self.int4, names, ctx)
+        return list(names), ctx
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], ctx: Any, outer_size: Any, outer_stride: Any) -> QuantizedTensor:
