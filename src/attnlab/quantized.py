@@ -569,6 +569,7 @@ class QuantizedTensor(Tensor):
     ) -> None:
         self.parts = tuple(parts)
         self.int4 = int4
+        self.rows_and_columns = (int(shape[0]), int(shape[1]))  # plain ints: a subclass's .shape costs 1 us
 
     # Building ---------------------------------------------------------------------------------
     @classmethod
@@ -784,16 +785,18 @@ def _(x: Tensor) -> Tensor:
 
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (each
-    compiled on its own with ``compiled``: see below)."""
-    row = x.reshape(-1).float()  # (in,)
-    if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
+    compiled on its own with ``compiled``: see below). Lean: uncompiled, it runs 181 times a token."""
+    row = x.reshape(-1)  # (in,)
+    row = row if row.dtype == torch.float32 else row.float()
+    if not compiled and torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
     outs = []
     for p in w.parts:
-        matvec = _compiled_matvec(p.format) if compiled else FORMATS[p.format].matvec
-        outs.append(matvec(p.fields, row.view(-1, FORMATS[p.format].block)))  # (rows,)
-    y = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return y.view(*x.shape[:-1], -1).to(x.dtype)
+        fmt = FORMATS[p.format]
+        outs.append((_compiled_matvec(p.format) if compiled else fmt.matvec)(p.fields, row.view(-1, fmt.block)))
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)  # (out,)
+    y = y.view(*x.shape[:-1], y.shape[0])
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # A decoding step outside torch.compile runs the same one-row products compiled, each on its own: torch
@@ -815,12 +818,12 @@ def _compiled_matvec(format: str) -> Callable[[dict[str, Tensor], Tensor], Tenso
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
     """:func:`_matvec` by the compiled one-row products, or None where they do not run (see above)."""
     global _compiled_matvec_works
+    rows, n = w.rows_and_columns
     if not (
         _compiled_matvec_works
+        and x.numel() == n == x.shape[-1]
         and x.device.type == "cpu"
-        and x.shape[:-1].numel() == 1
-        and x.shape[-1] == w.shape[1]
-        and w.numel() >= MATVEC_COMPILE_ELEMENTS
+        and rows * n >= MATVEC_COMPILE_ELEMENTS
     ):
         return None
     try:
