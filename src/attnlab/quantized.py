@@ -384,9 +384,8 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("F16", 1, 2, _split_dense(np.float16), _dense, _mv_dense),
-        Format(
-            "BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense
-        ),  # (int16 in numpy, viewed as bfloat16 in torch)
+        # (BF16: int16 in numpy, viewed as bfloat16 in torch)
+        Format("BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense),
         Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
         Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0),
         Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1),
@@ -569,7 +568,8 @@ class QuantizedTensor(Tensor):
     ) -> None:
         self.parts = tuple(parts)
         self.int4 = int4
-        self.rows_and_columns = (int(shape[0]), int(shape[1]))  # plain ints: a subclass's .shape costs 1 us
+        # Plain ints for the hot path (a subclass's .shape goes through __torch_function__).
+        self.rows_and_columns = (int(shape[0]), int(shape[1]))
 
     # Building ---------------------------------------------------------------------------------
     @classmethod
@@ -785,7 +785,8 @@ def _(x: Tensor) -> Tensor:
 
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (each
-    compiled on its own with ``compiled``: see below). Lean: uncompiled, it runs 181 times a token."""
+    compiled on its own with ``compiled``: see below). Kept lean: uncompiled, it runs for every product of
+    a decoding step."""
     row = x.reshape(-1)  # (in,)
     row = row if row.dtype == torch.float32 else row.float()
     if not compiled and torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
