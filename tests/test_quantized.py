@@ -93,8 +93,6 @@ def test_an_eager_one_row_product_of_a_large_weight_runs_compiled_and_exact():
     products (each format's sum over its packed fields, here Q4_1's and Q6_K's), and their compile
     must not fail (it would warn and leave the tiles to do it): against float64, for one row of each
     leading shape; two rows still take the tiles."""
-    import attnlab.quantized as q
-
     raws = blocks("Q4_1", 160, 512), blocks("Q6_K", 96, 512, seed=1)
     w = torch.cat(
         [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(("Q4_1", "Q6_K"), raws, strict=True)]

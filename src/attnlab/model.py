@@ -132,7 +132,7 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         raise TypeError(
             f"logits must be a float tensor (..., V), got {getattr(logits, 'dtype', type(logits).__name__)}"
         )
-    _check_targets_type(targets, ignore_index)
+    _check_targets_and_ignore_index(targets, ignore_index)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
@@ -143,7 +143,8 @@ def _check_loss_args(logits: object, targets: object, ignore_index: object) -> N
         raise ValueError(f"targets is empty (shape {tuple(targets.shape)}): the mean loss of no tokens is 0/0 = NaN")
 
 
-def _check_targets_type(targets: object, ignore_index: object) -> None:
+def _check_targets_and_ignore_index(targets: object, ignore_index: object) -> None:
+    """TypeError unless ``targets`` is an integer tensor and ``ignore_index`` an int."""
     if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(
             f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets).__name__)}"
@@ -1025,7 +1026,7 @@ class GPT(nn.Module):
         ``[0, vocab_size)`` and at least one must count (checked, so a bad id is a ValueError, not
         a CUDA device assert, and nothing to score is a ValueError, not a NaN loss).
         """
-        _check_targets_type(targets, ignore_index)
+        _check_targets_and_ignore_index(targets, ignore_index)
         idx = self.check_idx(idx, values=False)  # type, shape, device
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")

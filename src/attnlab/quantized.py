@@ -789,7 +789,7 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     a decoding step."""
     row = x.reshape(-1)  # (in,)
     row = row if row.dtype == torch.float32 else row.float()
-    if not compiled and torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
+    if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
     outs = []
     for p in w.parts:

@@ -147,9 +147,14 @@ def _layers(
     """The heads view's rows; ``causal`` (per row) when known, else read from the weights."""
     out = []
     for r, (name, heads, w) in enumerate(rows):  # w: (H, T, S)
-        tri = _is_causal(w) if causal is None else causal[r]
+        causal_row = _is_causal(w) if causal is None else causal[r]
         out.append(
-            {"name": name, "heads": [int(h) for h in heads], "causal": tri, "weights": pack(w.float(), dtype, tri=tri)}
+            {
+                "name": name,
+                "heads": [int(h) for h in heads],
+                "causal": causal_row,
+                "weights": pack(w.float(), dtype, tri=causal_row),
+            }
         )
     return out
 

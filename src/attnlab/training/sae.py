@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.files import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
-from attnlab.interpret.hooks import HookPoint, hook_names, hooks
+from attnlab.interpret.hooks import HookPoint, eval_mode, hook_names, hooks
 from attnlab.interpret.sae import SAE, SAEConfig, cfg_dict, hook_width
 from attnlab.training.checkpoint import (
     CHECKPOINT_NAME,
@@ -328,25 +328,20 @@ class ActivationBuffer:
                 raise _Reached  # the layers after the hook (and the vocabulary's matmul) are not needed
 
         names = {cfg.hook: keep, **({cfg.hook_out: keep} if cfg.hook_out else {})}
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with hooks(self.model, names), _signals_stop_at_once(self.stop):
-                while kept < cfg.buffer_rows:
-                    if read == len(starts):  # rows were left out: read more windows
-                        starts += torch.randint(0, last_start, (cfg.model_batch,), generator=g).tolist()
-                    batch = np.stack([self.tokens[s : s + cfg.context] for s in starts[read : read + cfg.model_batch]])
-                    read += len(batch)
-                    with contextlib.suppress(_Reached):
-                        self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
-                    typical = self._typical(seen[cfg.hook])
-                    if cfg.hook_out:
-                        typical &= self._typical(seen[cfg.hook_out])
-                        ys.append(seen[cfg.hook_out][typical])
-                    xs.append(seen[cfg.hook][typical])
-                    kept += int(typical.sum())
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), hooks(self.model, names), _signals_stop_at_once(self.stop):
+            while kept < cfg.buffer_rows:
+                if read == len(starts):  # rows were left out: read more windows
+                    starts += torch.randint(0, last_start, (cfg.model_batch,), generator=g).tolist()
+                batch = np.stack([self.tokens[s : s + cfg.context] for s in starts[read : read + cfg.model_batch]])
+                read += len(batch)
+                with contextlib.suppress(_Reached):
+                    self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
+                typical = self._typical(seen[cfg.hook])
+                if cfg.hook_out:
+                    typical &= self._typical(seen[cfg.hook_out])
+                    ys.append(seen[cfg.hook_out][typical])
+                xs.append(seen[cfg.hook][typical])
+                kept += int(typical.sum())
         self.left_out = read * (cfg.context - 1) - kept
         order = torch.randperm(kept, generator=g)[: cfg.buffer_rows].to(self.device)
         self.x = torch.cat(xs)[order]

@@ -274,8 +274,14 @@ class Engine:
     def _sae_info(self) -> list[dict[str, Any]]:
         """The SAEs of the Features tab, in the order of ``attnlab serve --sae``."""
         return [
-            {"index": i, "name": name, "hook": sae.cfg.hook_name, "d_sae": sae.cfg.d_sae}
-            | {"architecture": sae.cfg.architecture, "transcoder": sae.cfg.transcoder}
+            {
+                "index": i,
+                "name": name,
+                "hook": sae.cfg.hook_name,
+                "d_sae": sae.cfg.d_sae,
+                "architecture": sae.cfg.architecture,
+                "transcoder": sae.cfg.transcoder,
+            }
             for i, (name, sae) in enumerate(self.saes.items())
         ]
 
