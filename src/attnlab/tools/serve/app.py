@@ -265,7 +265,8 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
 
 
 async def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers."""
+    """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers. (A request's
+    fields are named as the arguments of the function it goes to: the routes pass ``**req.model_dump()``.)"""
     return await run_in_threadpool(fn, *args, **kwargs)
 
 
@@ -341,44 +342,16 @@ def _add_prompt_routes(app: FastAPI, engine: Engine) -> None:
         responses={200: {"description": "the page data: tokens, labels, model, and each section asked for"}},
     )
     async def inspect(req: InspectRequest) -> Response:
-        data = await _call(
-            engine.inspect,
-            req.prompt,
-            req.sections,
-            steps=req.steps,
-            layers=req.layers,
-            heads=req.heads,
-            precision=req.precision,
-            lens_k=req.lens_k,
-            lens_window=req.lens_window,
-            next_k=req.next_k,
-        )
+        data = await _call(engine.inspect, **req.model_dump())
         return await _call(_packed_response, data)  # a worker thread: megabytes to encode, the event loop free
 
     @app.post("/api/next", response_model=NextAnswer, summary="next-token probabilities after a position")
     async def next_tokens(req: NextRequest) -> dict:
-        return await _call(
-            engine.next_tokens,
-            req.prompt,
-            position=req.position,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            k=req.k,
-        )
+        return await _call(engine.next_tokens, **req.model_dump())
 
     @app.post("/api/ablate", response_model=AblateAnswer, summary="the effect of removing heads")
     async def ablate(req: AblateRequest) -> dict:
-        return await _call(
-            engine.ablate,
-            req.prompt,
-            req.heads,
-            mode=req.mode,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            k=req.k,
-        )
+        return await _call(engine.ablate, **req.model_dump())
 
 
 def _event_stream(
@@ -422,16 +395,7 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
         responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
     )
     async def generate(req: GenerateRequest) -> Response:
-        run = await _call(
-            engine.start_generation,
-            req.prompt,
-            req.max_new_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            candidates=req.candidates,
-        )
+        run = await _call(engine.start_generation, **req.model_dump())
         start = {
             "prompt_length": run.prompt_length,
             "tokens": list(run.ids),
@@ -460,17 +424,7 @@ def _add_chat_route(app: FastAPI, engine: Engine) -> None:
         responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
     )
     async def chat(req: ChatRequest) -> Response:
-        messages = [m.model_dump() for m in req.messages]
-        run = await _call(
-            start_chat,
-            engine,
-            messages,
-            req.max_new_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-        )
+        run = await _call(start_chat, engine, **req.model_dump())  # (the messages as dicts)
         start = {"prompt": run.prompt_text, "prompt_length": run.prompt_length, "dropped": run.dropped}
 
         def done() -> dict:
@@ -511,17 +465,7 @@ def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
         "attnlab.interpret.circuit_view.",
     )
     async def circuit(req: CircuitRequest) -> Response:
-        section = await _call(
-            serve_circuit,
-            engine,
-            req.clean,
-            req.corrupted,
-            req.answers,
-            method=req.method,
-            ig_steps=req.ig_steps,
-            budget=req.budget,
-        )
-        return _json(section, 200)
+        return _json(await _call(serve_circuit, engine, **req.model_dump()))
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
@@ -533,7 +477,7 @@ def _add_features_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/api/features", summary="each token's strongest SAE latents")
     async def features(req: FeaturesRequest) -> Response:
-        return _json(await _call(features_answer, engine, req.prompt, sae=req.sae, n=req.n))
+        return _json(await _call(features_answer, engine, **req.model_dump()))
 
     @app.post(
         "/api/latent",
@@ -543,18 +487,7 @@ def _add_features_routes(app: FastAPI, engine: Engine) -> None:
         "the unembedding; over the prompt, or over the corpus given at start-up (--sae-data).",
     )
     async def latent(req: LatentRequest) -> Response:
-        answer = await _call(
-            latent_answer,
-            engine,
-            req.prompt,
-            req.latent,
-            sae=req.sae,
-            over=req.over,
-            top_k=req.top_k,
-            window=req.window,
-            n_logits=req.n_logits,
-        )
-        return _json(answer)
+        return _json(await _call(latent_answer, engine, **req.model_dump()))
 
     @app.post(
         "/api/steer",
@@ -563,17 +496,5 @@ def _add_features_routes(app: FastAPI, engine: Engine) -> None:
         "the tokens drawn with torch.Generator().manual_seed(seed); with compare, the same generation unsteered.",
     )
     async def steered(req: SteerRequest) -> Response:
-        answer = await _call(
-            steer_answer,
-            engine,
-            req.prompt,
-            [(s.latent, s.strength) for s in req.steer],
-            req.max_new_tokens,
-            sae=req.sae,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            compare=req.compare,
-        )
-        return _json(answer)
+        steering = [(s.latent, s.strength) for s in req.steer]
+        return _json(await _call(steer_answer, engine, steering=steering, **req.model_dump(exclude={"steer"})))
