@@ -68,6 +68,7 @@ from torch import Tensor
 from attnlab.checks import is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 from attnlab.formats import families
+from attnlab.gguf_vocab import is_gguf_file
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
 __all__ = [
@@ -256,17 +257,7 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` names a GGUF file: ends in ``.gguf`` or starts with the bytes ``GGUF``. A directory
     never does, however it is named (a Hugging Face model's folder called ``*.gguf`` is read as a folder)."""
     p = Path(path).expanduser()
-    if p.is_dir():
-        return False
-    if p.suffix.lower() == ".gguf":
-        return True
-    if not p.is_file():
-        return False
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
+    return not p.is_dir() and (p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf_file(p)))
 
 
 def _import_gguf() -> Any:
