@@ -321,16 +321,11 @@ def sae_place(model: nn.Module, sae: SAE) -> tuple[str, int, str]:
 @contextlib.contextmanager
 def _spliced(model: nn.Module, saes: Sequence[SAE]) -> Iterator[None]:
     """The model with each SAE spliced in (error kept), the SAEs in eval mode meanwhile."""
-    modes = [s.training for s in saes]
-    try:
-        with contextlib.ExitStack() as stack:
-            for s in saes:
-                s.eval()
-                stack.enter_context(splice(model, s))
-            yield
-    finally:
-        for s, mode in zip(saes, modes, strict=True):
-            s.train(mode)
+    with contextlib.ExitStack() as stack:
+        for s in saes:
+            stack.enter_context(eval_mode(s))
+            stack.enter_context(splice(model, s))
+        yield
 
 
 def sae_graph(

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, open_regular, read_json
-from attnlab.interpret.hooks import HookPoint, added_points, hook_names, hooks
+from attnlab.interpret.hooks import HookPoint, added_points, eval_mode, hook_names, hooks
 
 __all__ = [
     "ARCHITECTURES",
@@ -979,15 +979,12 @@ def evaluate_sae(
     sae.check_model(model)
     hook_in = sae.cfg.hook_name
     hook_out = sae.cfg.hook_name_out or hook_in
-    was_training, sae_training = model.training, sae.training
-    model.eval()
-    sae.eval()
     device = next(model.parameters()).device
     sums = {"l0": 0.0, "sq_res": 0.0, "sq_norm": 0.0, "n": 0, "ce": [], "kl": []}
     sum_x: Tensor | None = None
     active = torch.zeros(sae.cfg.d_sae, dtype=torch.float64)
     ignore = torch.tensor(list(ignore_tokens), dtype=torch.long)
-    try:
+    with eval_mode(model), eval_mode(sae):
         for start in range(0, tokens.shape[0], batch_size):
             idx = tokens[start : start + batch_size].to(device=device, dtype=torch.long)  # (b, T)
             keep = ~torch.isin(idx, ignore.to(device))  # (b, T) positions measured
@@ -1023,9 +1020,6 @@ def evaluate_sae(
             sums["kl"].append(
                 torch.stack([_kl_per_token(clean, lg)[keep].double().cpu() for lg in (with_sae, ablated)])
             )
-    finally:
-        model.train(was_training)
-        sae.train(sae_training)
     n = sums["n"]
     if n == 0:
         raise ValueError("evaluate_sae: every position was an ignored token; nothing to measure")

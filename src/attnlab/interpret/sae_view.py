@@ -234,12 +234,9 @@ def collect(
     if n_windows < 1:
         raise ValueError(f"tokens: {ids.numel()} tokens, fewer than one window of context={context}")
     device = next(model.parameters()).device
-    was_training, sae_training = model.training, sae.training
-    model.eval()
-    sae.eval()
     stats = LatentStats.empty(chosen, top_k, window)
     lat = chosen.to(device)
-    try:
+    with eval_mode(model), eval_mode(sae):
         for w0 in range(0, n_windows, batch):
             w1 = min(w0 + batch, n_windows)
             idx = ids[w0 * context : w1 * context].view(w1 - w0, context).to(device)  # (B, T)
@@ -248,9 +245,6 @@ def collect(
             stats.update(z, idx, w0 * context)
             if progress is not None:
                 progress(stats.tokens)
-    finally:
-        model.train(was_training)
-        sae.train(sae_training)
     return stats
 
 

@@ -487,13 +487,8 @@ def _record_attention(module: MultiHeadAttention, x: Tensor) -> AttentionRecord:
         step: lambda t, hook, step=step: got.__setitem__(step, (t, hook))
         for step in ("rot_q", "rot_k", "v", "pattern", "z")
     }
-    training = module.training
-    module.eval()
-    try:
-        with attention_hooks([module], keep):
-            module(x)
-    finally:
-        module.train(training)
+    with eval_mode(module), attention_hooks([module], keep):
+        module(x)
     heads = {step: t.transpose(1, 2) for step, (t, _) in got.items() if step != "pattern"}  # (b, H or Hkv, ·, hd)
     call = got["pattern"][1].call
     mask = full_mask(call, x.shape[1], heads["rot_k"].shape[2], x.device)
@@ -539,12 +534,8 @@ def record_module(module: nn.Module | Callable, x: Tensor) -> AttentionRecord:
                 "MultiHeadAttentionWrapper, CausalAttention, SelfAttention_v2, SelfAttention_v1) or "
                 f"simple_self_attention, got {type(module).__name__}"
             )
-        training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             out, w = module(xb, return_weights=True)  # (b, n, d_out), (b, n, n)
-        finally:
-            module.train(training)
         causal = isinstance(module, CausalAttention)
         scale = 1.0 / k.shape[-1] ** 0.5
         one = lambda t: t.unsqueeze(1)  # (b, n, e) -> (b, 1, n, e): one head
