@@ -755,15 +755,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, OffsetRMSNorm):
-                module.reset_parameters()
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm)):
+                module.reset_parameters()  # unit gains, zero biases
         std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for block in self.trf_blocks:
             nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=std)
