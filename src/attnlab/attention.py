@@ -426,17 +426,13 @@ class KVCache:
             and the new keys are returned side by side (a copy) and written afterwards.
         """
         T = k.shape[2]
-        self._check_room(T)
-        self._check_no_grad(k, v)
         t0, n, cap = self.seen, self.sinks, self.max_length
         if not self.rolling or (t0 + T <= cap and (n == 0 or positions.shape[0] == 1)):
-            # Every token gets the slot of its index (no padding moves a sink): a plain write.
-            self.keys[:, :, t0 : t0 + T] = k
-            self.values[:, :, t0 : t0 + T] = v
+            # Every token gets the slot of its index (no padding moves a sink): a plain write (length = t0).
+            keys, values = self._write(k, v)
             self.positions[:, t0 : t0 + T] = positions
-            self.length = self.seen = t0 + T
-            S = self.length
-            return self.keys[:, :, :S], self.values[:, :, :S], self.positions[:, :S], True
+            return keys, values, self.positions[:, : t0 + T], True
+        self._check_no_grad(k, v)  # (a rolling cache has always room)
         if T == 1 or t0 + T <= cap:  # nothing this chunk still needs is overwritten
             self._write_rolling(k, v, positions, t0)
             S = self.length
