@@ -410,11 +410,9 @@ class GPT2Tokenizer(Tokenizer):
             window = 1 << 12
             while True:
                 start = max(0, len(text) - window)
-                last = None
-                for last in pattern.finditer(text, start):  # noqa: B007 - keep the last match
-                    pass
-                if last is not None:
-                    return last.end()
+                ends = [m.end() for m in pattern.finditer(text, start)]
+                if ends:
+                    return ends[-1]
                 if start == 0:
                     break
                 window *= 16
