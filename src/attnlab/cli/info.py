@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"attnlab {__version__}, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"CPU threads: {torch.get_num_threads()}")
     cuda = torch.cuda.is_available()
-    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    mps = torch.backends.mps.is_available()
     print(f"CUDA: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
     print(f"MPS: {mps}")
     devices = [device for device, present in (("cpu", True), ("cuda", cuda), ("mps", mps)) if present]
