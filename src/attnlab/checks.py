@@ -286,11 +286,6 @@ def check_model_size(
 
 
 # -- Devices ---------------------------------------------------------------------------------
-def _mps_available() -> bool:
-    mps = getattr(torch.backends, "mps", None)
-    return mps is not None and mps.is_available()
-
-
 def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
     """A ``--device`` value as a device: ``auto`` -> ``cuda`` (this process's GPU under torchrun),
     else ``mps``, else ``cpu``; ``cuda`` / ``cuda:1`` / ``mps`` / ``cpu`` only where they exist."""
@@ -299,7 +294,7 @@ def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
-        if _mps_available():
+        if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
     try:
@@ -311,7 +306,7 @@ def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
             raise ValueError(f"--device {name}: CUDA is not available in this torch build / machine")
         if dev.index is None:
             dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    if dev.type == "mps" and not _mps_available():
+    if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device {name}: MPS is not available on this machine")
     if dev.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {name}: attnlab runs on cpu, cuda or mps, got {dev.type!r}")

@@ -82,8 +82,7 @@ def bf16_native(device: torch.device | str = "cpu") -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        return bool(mps and mps.is_available() and mps.is_macos_or_newer(14, 0))
+        return torch.backends.mps.is_available() and torch.backends.mps.is_macos_or_newer(14, 0)
     if device.type == "cpu":
         native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # no public query exists
         return bool(native is not None and native())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-lens", type=_int_list, metavar="T,T,...", help="total lengths of the generation test")
     parser.add_argument("--train-lens", type=_int_list, metavar="T,T,...", help="sequence lengths of the training test")
     parser.add_argument("--d-model", type=positive_int, metavar="D", help="attention width (default 768; quick 256)")
-    parser.add_argument("--heads", type=positive_int, metavar="H", help="attention heads (default 12; quick 4)")
+    parser.add_argument(
+        "--heads", dest="num_heads", type=positive_int, metavar="H", help="attention heads (default 12; quick 4)"
+    )
     parser.add_argument("--batch", type=positive_int, metavar="B", help="attention batch size (default 1)")
     parser.add_argument(
         "--repeats", type=positive_int, metavar="N", help="interleaved timing rounds (default 7; quick 5)"
@@ -65,21 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
-    for attr, key in (
-        ("seq_lens", "seq_lens"),
-        ("memory_seq_lens", "memory_seq_lens"),
-        ("gen_lens", "gen_lens"),
-        ("train_lens", "train_lens"),
-        ("d_model", "d_model"),
-        ("heads", "num_heads"),
-        ("batch", "batch"),
-        ("repeats", "repeats"),
-        ("loop_max_len", "loop_max_len"),
-        ("threads", "threads"),
-    ):
-        value = getattr(args, attr, None)
+    for f in dataclasses.fields(cfg):  # each size flag is named as the setting it overrides
+        value = getattr(args, f.name, None)
         if value is not None:
-            setattr(cfg, key, value)
+            setattr(cfg, f.name, value)
     cfg.memory, cfg.generation, cfg.training = not args.skip_memory, not args.skip_generation, not args.skip_training
     if cfg.d_model % cfg.num_heads:
         raise ValueError(f"--d-model must be divisible by --heads, got {cfg.d_model} and {cfg.num_heads}")

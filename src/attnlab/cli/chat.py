@@ -26,10 +26,9 @@ import argparse
 import sys
 
 from attnlab.checks import resolve_device
-from attnlab.cli.generate import DTYPES, add_generation_arguments, require_chat_template, sampling_from_args
+from attnlab.cli.generate import add_generation_arguments, load_from_args, require_chat_template, sampling_from_args
 from attnlab.cli.options import MODEL_SOURCES
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
-from attnlab.tools.loading import load_model, load_pretrained
 
 MAX_ANSWER = 512  # the default longest answer, in tokens
 
@@ -61,17 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    device = resolve_device(args.device)
-    if args.model is not None:
-        dtype = None if args.dtype is None else DTYPES[args.dtype]
-        loaded = load_pretrained(args.model, device=device, dtype=dtype)
-        what = f"--model {args.model}"
-    elif args.dtype is not None:
-        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
-    else:
-        loaded = load_model(args.checkpoint, device=device)
+    loaded = load_from_args(args, resolve_device(args.device))
+    if args.checkpoint is not None:
         require_chat_template(loaded, args.checkpoint)
-        what = f"--checkpoint {args.checkpoint}"
+    what = f"--model {args.model}" if args.model is not None else f"--checkpoint {args.checkpoint}"
     ctx = loaded.model.config.context_length
     max_new_tokens = min(MAX_ANSWER, ctx // 2) if args.max_new_tokens is None else args.max_new_tokens
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -119,19 +118,12 @@ def run(args: argparse.Namespace) -> int:
     if args.lesson and not names:  # --lesson "" must not mean "every lesson"
         raise ValueError(f"--lesson needs a lesson name (see --list), got {args.lesson[0]!r}")
     names = check_lesson_names(names or lesson_names())  # every name checked before anything prints
-    try:
-        if tutorial is not None:
-            run_tutorial(tutorial, bpe_dir=bpe_dir)
-        else:
-            for i, name in enumerate(names):
-                if i:
-                    print()
-                run_lesson(name, bpe_dir=bpe_dir)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # `attnlab explain | head`: the reader left. Point stdout at devnull so that Python's
-        # final flush does not raise again, and end quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    if tutorial is not None:
+        run_tutorial(tutorial, bpe_dir=bpe_dir)
+    else:
+        for i, name in enumerate(names):
+            if i:
+                print()
+            run_lesson(name, bpe_dir=bpe_dir)
+    sys.stdout.flush()  # `attnlab explain | head`: a closed pipe raises here, and main() ends quietly
     return 0

@@ -132,6 +132,15 @@ def add_generation_arguments(
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole window per token (no KV cache)")
 
 
+def load_from_args(args: argparse.Namespace, device: torch.device) -> LoadedModel:
+    """``--model`` (in ``--dtype``, where given) or ``--checkpoint`` (``attnlab generate`` and ``attnlab chat``)."""
+    if args.model is not None:
+        return load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
+    if args.dtype is not None:
+        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
+    return load_model(args.checkpoint, device=device, bpe_dir=getattr(args, "bpe_dir", None))
+
+
 def require_chat_template(loaded: LoadedModel, checkpoint: str) -> None:
     """A checkpoint to chat with must keep a chat template (one fine-tuned from an instruct model)."""
     if loaded.chat_template is None:
@@ -192,16 +201,11 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     steering, saes = load_steering(args.steer)  # a bad spec or SAE is refused before the model is read
     device = resolve_device(args.device)
-    if args.model is not None:
-        loaded = load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
-        # Stop where the model ends a text (and, for an instruct model, a turn).
+    loaded = load_from_args(args, device)
+    # Stop where the model ends a text (an instruct model: a turn); a checkpoint fine-tuned from one
+    # stops where its base does.
+    if args.model is not None or loaded.stop_ids:
         sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids or loaded.tokenizer.eot_id)
-    elif args.dtype is not None:
-        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
-    else:
-        loaded = load_model(args.checkpoint, device=device, bpe_dir=args.bpe_dir)
-        if loaded.stop_ids:  # a model fine-tuned from an instruct model stops where its base does
-            sampling = dataclasses.replace(sampling, eos_id=loaded.stop_ids)
     tok, model = loaded.tokenizer, loaded.model
     attach_saes(saes, model, flag="--steer")  # each hook point checked, on the model's device and dtype
     if args.chat:  # the message in the model's conversation format, the assistant's turn opened

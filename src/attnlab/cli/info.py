@@ -59,29 +59,22 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"attnlab {__version__}, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"CPU threads: {torch.get_num_threads()}")
-    print(
-        f"CUDA: {torch.cuda.is_available()}"
-        + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
-    )
-    mps = getattr(torch.backends, "mps", None)
-    print(f"MPS: {bool(mps and mps.is_available())}")
-    for device in (
-        ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["mps"] if mps and mps.is_available() else [])
-    ):
+    cuda = torch.cuda.is_available()
+    mps = torch.backends.mps.is_available()
+    print(f"CUDA: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
+    print(f"MPS: {mps}")
+    devices = [device for device, present in (("cpu", True), ("cuda", cuda), ("mps", mps)) if present]
+    for device in devices:
         hw = hardware.describe(device)
         print(
             f"{device}: {hw.name}, {hw.capability}, native bf16: {'yes' if hw.bf16_native else 'no'} -> automatic "
             f"choices: training --precision auto = {_name(hardware.training_dtype('auto', device))} (autocast and "
             f"Muon's Newton-Schulz), bf16 weights run in {_name(hardware.inference_dtype(device, torch.bfloat16))}"
         )
-    devices = [("cpu", torch.float32)]
-    if torch.cuda.is_available():
-        devices += [("cuda", torch.float32), ("cuda", torch.bfloat16)]
-    if mps and mps.is_available():
-        devices += [("mps", torch.float32)]
-    for device, dtype in devices:
-        kernels = available_sdpa_kernels(device, dtype)
-        print(f"SDPA kernels on {device} ({str(dtype).removeprefix('torch.')}): {', '.join(kernels) or 'none'}")
+    for device in devices:
+        for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+            kernels = available_sdpa_kernels(device, dtype)
+            print(f"SDPA kernels on {device} ({_name(dtype)}): {', '.join(kernels) or 'none'}")
     return 0
 
 

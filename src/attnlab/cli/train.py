@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from attnlab.files import safe_write
 from attnlab.model import GPTConfig
 from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.chat_data import template_from_hf_dir
-from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, has_checkpoint
+from attnlab.training.checkpoint import has_checkpoint
 from attnlab.training.config import DEFAULT_MAX_TIME, OPTIMIZERS, PLAN_STEPS, PRECISIONS, TINY_LR, TrainConfig
 from attnlab.training.finetune import FINETUNE_CONTEXT, FINETUNE_LR, LORA_LR
 from attnlab.training.lora import TARGETS, merge_lora
@@ -255,27 +253,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
 def load_init(name: str, device: Any = None) -> Any:
     """``--init-from``: an attnlab model (a training directory, a step directory, a GPT.save()
     directory) or else a published one (a Hugging Face directory or name, a GGUF file)."""
-    from attnlab.tools.loading import load_model, load_pretrained
+    from attnlab.tools.loading import is_attnlab_directory, load_model, load_pretrained
 
     p = Path(name).expanduser()
-    attnlab_dir = p.is_dir() and (
-        any(os.path.lexists(p / n) for n in (LATEST_NAME, CHECKPOINT_NAME)) or _gpt_config(p / "config.json")
-    )
-    if attnlab_dir:
+    if is_attnlab_directory(p):
         loaded = load_model(p, device=device, what="--init-from")
     else:
         loaded = load_pretrained(name, device=device, what="--init-from")
     if getattr(loaded, "chat_template", None) is None and loaded.path.is_dir():  # an instruct model's format
         loaded.chat_template = template_from_hf_dir(loaded.path)
     return loaded
-
-
-def _gpt_config(path: Path) -> bool:
-    """Whether ``path`` is GPT.save()'s config.json (a Hugging Face one has no ``emb_dim``)."""
-    try:
-        return "emb_dim" in json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
 
 
 def run(args: argparse.Namespace) -> int:

@@ -88,11 +88,9 @@ def add_sae_arguments(parser: argparse.ArgumentParser, *, page: bool = True) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out is not None and not args.out.strip():  # "" must not quietly mean "print the text"
-        raise ValueError(f"--out must name a file ending in one of {', '.join(SUFFIXES)}, got {args.out!r}")
-    out = Path(args.out) if args.out else None
+    out = None if args.out is None else Path(args.out)  # "" has no suffix: refused, not "print the text"
     if out is not None and out.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {str(out)!r}")
+        raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {args.out!r}")
     has_model = args.checkpoint is not None or args.model is not None
     flag = "--checkpoint" if args.checkpoint is not None else "--model"
     if not has_model and args.prompt is not None:

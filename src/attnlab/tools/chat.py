@@ -225,14 +225,11 @@ def chat_loop(
     while True:
         try:
             line = read_line(">>> " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt) as exc:
+            if not interactive and isinstance(exc, KeyboardInterrupt):
+                raise
             if interactive:
                 out.write("\n")
-            return 0
-        except KeyboardInterrupt:
-            if not interactive:
-                raise
-            out.write("\n")
             return 0
         text = line.strip()
         if not text:

@@ -171,7 +171,7 @@ def load_pretrained(
         raise ValueError(f"{what} {name}: a file that is not a GGUF file; give a GGUF file or a model's directory")
     if not is_local and is_local_path(name):  # a path (never a Hub id such as owner/name): not sent to the Hub
         raise FileNotFoundError(f"{what} {name}: no such directory")
-    if is_local and _attnlab_directory(local):  # (its config.json has no model_type: not a GPT-2's either)
+    if is_local and is_attnlab_directory(local):  # (its config.json has no model_type: not a GPT-2's either)
         raise ValueError(
             f"{what} {name}: an attnlab model directory (a checkpoint, GPT.save, --merge): use --checkpoint"
         )
@@ -333,10 +333,11 @@ def _config(d: Path) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _attnlab_directory(d: Path) -> bool:
+def is_attnlab_directory(d: Path) -> bool:
     """Whether ``d`` holds an attnlab model (``checkpoint.json``/``latest`` as ``attnlab train`` writes, or
-    ``GPT.save``'s ``config.json`` of GPTConfig fields) rather than a Hugging Face one."""
-    if (d / CHECKPOINT_NAME).is_file() or (d / LATEST_NAME).is_file():
+    ``GPT.save``'s ``config.json`` of GPTConfig fields) rather than a Hugging Face one (False for a file).
+    lexists: a damaged pointer is load_model's to report, not taken for a Hugging Face directory."""
+    if os.path.lexists(d / CHECKPOINT_NAME) or os.path.lexists(d / LATEST_NAME):
         return True
     config = _config(d)
     return "model_type" not in config and "emb_dim" in config

@@ -64,14 +64,10 @@ class PatchReport:
         sign of ``restored`` tells the two apart. Ties keep the order of the results (layer first).
         """
         restored = self.restored(site)
-        flat = restored.flatten()
+        flat, values = restored.flatten(), self.results[site].flatten()
         order = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
-        values = self.results[site].flatten()
-        out = []
-        for i in order.tolist():
-            index = torch.unravel_index(torch.tensor(i), restored.shape)
-            out.append((self.label(site, [int(j) for j in index]), float(values[i]), float(flat[i])))
-        return out
+        where = torch.stack(torch.unravel_index(order, restored.shape), dim=-1).tolist()  # (k, restored.dim())
+        return [(self.label(site, w), float(values[i]), float(flat[i])) for w, i in zip(where, order, strict=True)]
 
     def label(self, site: str, index: list[int]) -> str:
         kind = SITES[site][1]

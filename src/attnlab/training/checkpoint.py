@@ -137,8 +137,7 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 def _mps_available() -> bool:
-    mps = getattr(torch.backends, "mps", None)
-    return mps is not None and mps.is_available() and hasattr(torch, "mps")
+    return torch.backends.mps.is_available()
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -212,8 +212,7 @@ class TrainConfig:
                     "to change it)"
                 )
         keep = given | {"out", "resume", "fsdp"}  # sharded or not: how this run is started
-        names = {f.name for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{k: getattr(old, k) for k in names if k in saved and k not in keep})
+        return dataclasses.replace(self, **{k: v for k, v in vars(old).items() if k in saved and k not in keep})
 
 
 def canonical_preset(name: Any) -> str:

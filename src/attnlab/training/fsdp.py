@@ -170,10 +170,8 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     names = {id(p): n for n, p in model.named_parameters()}
-    fqn = {}  # position in the param groups -> parameter name, as torch numbers them
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            fqn[len(fqn)] = names[id(p)]
+    # position in the param groups (as torch numbers them) -> parameter name
+    fqn = dict(enumerate(names[id(p)] for group in optimizer.param_groups for p in group["params"]))
     by_name = {
         "state": {fqn[int(i)]: s for i, s in state["state"].items()},
         "param_groups": [{**g, "params": [fqn[int(i)] for i in g["params"]]} for g in state["param_groups"]],

@@ -81,11 +81,9 @@ def fsdp_processes_needed(config: GPTConfig, micro_batch: int, have: int, *, act
     """The fewest processes (a power of two, at most 1024) over which ``--fsdp`` shards a run that
     fits ``have`` bytes per device by :func:`estimate_training_memory`; None when even 1024 shards
     do not (the activations alone are too large: lower the batch or the context instead)."""
-    n = 1
-    while n <= 1024:
+    for n in (1 << k for k in range(11)):  # 1, 2, 4, ..., 1024
         if estimate_training_memory(config, micro_batch, act_bytes=act_bytes, shards=n).total <= have:
             return n
-        n *= 2
     return None
 
 

@@ -45,9 +45,7 @@ def check_run_directory(out: Path) -> None:
     holding an attnlab run (its ``latest.json`` or its lock file)."""
     if os.path.lexists(out) and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    if not out.exists():
-        return
-    if os.path.lexists(out / LATEST_NAME):
+    if not out.exists() or os.path.lexists(out / LATEST_NAME):
         return
     steps = sorted(p.name for p in (out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
     if steps:

@@ -720,10 +720,6 @@ class Trainer:
             loss_sum /= self.dist.world_size
         return loss_sum.item(), lr, float(grad_norm)
 
-    def _should_stop(self, flag: StopFlag) -> int | None:
-        """The signal that asked to stop, agreed on by all ranks (max over them), or None."""
-        return self._agreed(flag.signum or 0, "MAX") or None
-
     def _agreed(self, value: int, op: str) -> int:
         """``value`` all-reduced with ``ReduceOp.<op>`` over the processes (itself without torchrun)."""
         if not self.dist.enabled:
@@ -781,7 +777,7 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-                    interrupted = self._should_stop(flag)
+                    interrupted = self._agreed(flag.signum or 0, "MAX") or None  # the signal, agreed by all ranks
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps or interrupted:
                         ckpt_path = self.save() or ckpt_path
                     if interrupted:
@@ -942,10 +938,8 @@ def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     given = None if config is not None else set(overrides)
-    trainer = None
+    trainer = Trainer(cfg, given=given)  # one that fails closes itself
     try:
-        trainer = Trainer(cfg, given=given)
         return trainer.fit()
     finally:
-        if trainer is not None:
-            trainer.close()
+        trainer.close()

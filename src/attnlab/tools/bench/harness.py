@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -262,15 +263,12 @@ def compare_forward_backward(
     with torch.no_grad():  # output widths differ (the wrappers), so one dy per module
         dys = {name: torch.randn(m(x).shape, generator=gen, dtype=x.dtype).to(x.device) for name, m in built.items()}
 
-    def step(name: str) -> Callable[[], None]:
-        def fn() -> None:
-            built[name].zero_grad(set_to_none=True)
-            x.grad = None
-            built[name](x).backward(dys[name])
+    def step(name: str) -> None:
+        built[name].zero_grad(set_to_none=True)
+        x.grad = None
+        built[name](x).backward(dys[name])
 
-        return fn
-
-    return interleave({name: step(name) for name in built}, repeats, warmup, device=x.device)
+    return interleave({name: partial(step, name) for name in built}, repeats, warmup, device=x.device)
 
 
 def matmul_rate(n: int = 2048, repeats: int = 5, device: str | torch.device = "cpu") -> dict[str, float]:

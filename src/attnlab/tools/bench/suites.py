@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -236,11 +237,8 @@ def bench_generation(cfg: BenchConfig, log: Log) -> dict[str, object]:
     prompt = torch.randint(0, model.config.vocab_size, (1, cfg.gen_prompt), generator=torch.Generator().manual_seed(0))
     outs: dict[bool, torch.Tensor] = {}
 
-    def step(new: int, cache: bool) -> Callable[[], None]:
-        def fn() -> None:
-            outs[cache] = generate(model, prompt, new, temperature=0.0, use_cache=cache)  # (1, prompt + new)
-
-        return fn
+    def step(new: int, cache: bool) -> None:
+        outs[cache] = generate(model, prompt, new, temperature=0.0, use_cache=cache)  # (1, prompt + new)
 
     rows = []
     for L in cfg.gen_lens:
@@ -249,7 +247,7 @@ def bench_generation(cfg: BenchConfig, log: Log) -> dict[str, object]:
             continue
         log(f"  generation to {L} tokens ({new} new), with and without the cache")
         generate(model, prompt, 2, temperature=0.0, use_cache=True)  # warm-up
-        t = interleave({"cache": step(new, True), "no cache": step(new, False)}, cfg.gen_repeats)
+        t = interleave({"cache": partial(step, new, True), "no cache": partial(step, new, False)}, cfg.gen_repeats)
         cached, uncached = t["cache"].median_ms, t["no cache"].median_ms
         rows.append(
             {

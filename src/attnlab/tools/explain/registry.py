@@ -244,8 +244,7 @@ def run_tutorial(
     """Print the lessons of tutorial ``name`` in the tutorial's order, each section's lessons under
     the section's title; return ``{lesson name: its tensors}``. Arguments as :func:`run_lesson`."""
     t = check_tutorial_name(name)
-    out = sys.stdout if file is None else file
-    walk = Walk(out)
+    walk = Walk(sys.stdout if file is None else file)
     entries = tutorial_lessons(t.key)
     walk.banner(f"Following {t.title}: {len(entries)} lessons, in its order (attnlab explain --tutorial {t.key})")
     results, section = {}, None

@@ -97,15 +97,13 @@ class AttentionView:
         out, kept = [], []
         for r in rows:
             layer = self.layers[r]
-            if heads is None:
-                out.append(layer)
-                kept.append(r)
-                continue
-            n = layer.weights.shape[0]
-            if len(rows) > 1 and any(not -n <= h < n for h in heads):
-                continue  # rows with fewer heads (the tutorial view mixes 1- and 2-head modules)
-            idx = [resolve_index("--head", h, n) for h in heads]
-            out.append(LayerMaps(layer.name, layer.weights[idx], [layer.heads[i] for i in idx]))
+            if heads is not None:
+                n = layer.weights.shape[0]
+                if len(rows) > 1 and any(not -n <= h < n for h in heads):
+                    continue  # rows with fewer heads (the tutorial view mixes 1- and 2-head modules)
+                idx = [resolve_index("--head", h, n) for h in heads]
+                layer = LayerMaps(layer.name, layer.weights[idx], [layer.heads[i] for i in idx])
+            out.append(layer)
             kept.append(r)
         if not out:
             most = max(layer.weights.shape[0] for layer in self.layers)
