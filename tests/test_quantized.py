@@ -108,6 +108,28 @@ def test_an_eager_one_row_product_of_a_large_weight_runs_compiled_and_exact():
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
+def test_joined_rows_are_the_weights_rows_on_their_own_blocks():
+    """A decoding step's q, k and v as one weight (Q4_K, Q4_K, Q6_K, as a Q4_K_M file has them): its
+    one-row product is each weight's, against float64; its blocks are theirs (no copy). Weights of
+    other widths, a dense one or one with an int4 pack are not joined."""
+    kinds = ("Q4_K", "Q4_K", "Q6_K")
+    raws = [blocks(t, r, 512, seed=i) for i, (t, r) in enumerate(zip(kinds, (128, 64, 64), strict=True))]
+    ws = [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(kinds, raws, strict=True)]
+    joined = q.joined_rows(ws)
+    assert joined.shape == (256, 512) and joined.formats == kinds
+    assert all(j is w.parts[0] for j, w in zip(joined.parts, ws, strict=True))  # the same blocks
+    x = torch.randn(1, 1, 512)
+    want = x.double() @ torch.cat([reference(r, t) for t, r in zip(kinds, raws, strict=True)]).T
+    with torch.no_grad():
+        got = F.linear(x, joined)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    narrow = QuantizedTensor.from_blocks("Q4_K", blocks("Q4_K", 8, 256), (8, 256))
+    assert q.joined_rows([ws[0], narrow]) is None
+    assert q.joined_rows([ws[0], ws[1].dequantize()]) is None
+    assert q.joined_rows([ws[0], ws[1].to(torch.bfloat16)]) is None
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_is_the_gguf_packages_bit_for_bit(qtype):
     raw = blocks(qtype, 24, 512)

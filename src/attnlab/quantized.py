@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -720,6 +722,19 @@ def is_quantized(w: object) -> bool:
     return isinstance(w, QuantizedTensor)
 
 
+def joined_rows(weights: Sequence[Tensor]) -> QuantizedTensor | None:
+    """One weight whose rows are the rows of ``weights``, one after another, on their own blocks (no
+    copy), where all are quantized, of one width and dtype and without an int4 pack; else None. A
+    one-row product with it runs one compiled call per format where each weight would run its own
+    (see :func:`_matvec`): a model's query, key and value projections in one."""
+    if not all(isinstance(w, QuantizedTensor) and w.int4 is None for w in weights):
+        return None
+    width, dtype = weights[0].rows_and_columns[1], weights[0].dtype
+    if any(w.rows_and_columns[1] != width or w.dtype != dtype for w in weights):
+        return None
+    return QuantizedTensor.from_parts([p for w in weights for p in w.parts], width, dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # The products
 # --------------------------------------------------------------------------------------------
@@ -792,9 +807,9 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
     outs = []
-    for p in w.parts:
-        fmt = FORMATS[p.format]
-        outs.append((_compiled_matvec(p.format) if compiled else fmt.matvec)(p.fields, row.view(-1, fmt.block)))
+    for format, run in itertools.groupby(w.parts, key=lambda p: p.format):  # neighbours of one format
+        fields, x_blocks = [p.fields for p in run], row.view(-1, FORMATS[format].block)
+        outs.append(_compiled_matvec(format)(fields, x_blocks) if compiled else _matvec_parts(fields, x_blocks, format))
     y = outs[0] if len(outs) == 1 else torch.cat(outs)  # (out,)
     y = y.view(*x.shape[:-1], y.shape[0])
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -810,10 +825,19 @@ MATVEC_COMPILE_ELEMENTS = 1 << 16
 _compiled_matvec_works = True  # False once a compile failed
 
 
+def _matvec_parts(fields: list[dict[str, Tensor]], x: Tensor, format: str) -> Tensor:
+    """The one-row products of parts in one format, one after another: ``(sum of their rows,)``."""
+    outs = [FORMATS[format].matvec(f, x) for f in fields]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 @functools.cache
-def _compiled_matvec(format: str) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
-    # A function of each format's own, so that each has its own graphs (and dynamo's limit of them).
-    return torch.compile(FORMATS[format].matvec, fullgraph=True, dynamic=True)
+def _compiled_matvec(format: str) -> Callable[[list[dict[str, Tensor]], Tensor], Tensor]:
+    # Dynamo keeps at most 8 graphs per code object (one per number of parts and grad mode here, per
+    # format): each format compiles a copy of the code of its own, its name the default of ``format``.
+    code = _matvec_parts.__code__.replace(co_name=f"_matvec_parts_{format}")
+    fn = types.FunctionType(code, _matvec_parts.__globals__, code.co_name, (format,))
+    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
