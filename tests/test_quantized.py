@@ -479,8 +479,8 @@ def extra_rss(path: Path) -> int:
         pytest.skip("VmHWM is Linux's (/proc/self/status)")
     # The lower of two fresh processes: the same load and forward peak a few MB apart from one process to
     # the next (where the allocator's arenas and the kernels' pages land), as timings are taken at their best.
-    runs = [subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, check=True)]
-    runs.append(subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, check=True))
+    command = [sys.executable, "-c", MEASURE, str(path)]
+    runs = [subprocess.run(command, capture_output=True, text=True, check=True) for _ in range(2)]
     return min(json.loads(out.stdout.strip().splitlines()[-1])["extra"] for out in runs)
 
 

@@ -759,8 +759,8 @@ class MultiHeadAttention(_DropsTutorialMask):
             # A quantized model's decoding step: q, k and v as one weight's rows (no copy), one product
             # (one compiled call) where three would each pay a call's own cost (see joined_rows).
             joined = joined_rows([self.W_query.weight, self.W_key.weight, self.W_value.weight])
-            biases = [m.bias for m in (self.W_query, self.W_key, self.W_value)]
-            if joined is not None and len({b is None for b in biases}) == 1:  # (all biased, or none)
+            biases = [] if joined is None else [m.bias for m in (self.W_query, self.W_key, self.W_value)]
+            if biases and len({b is None for b in biases}) == 1:  # (all biased, or none)
                 b = None if biases[0] is None else torch.cat(biases)
                 kv_out = self.num_kv_heads * self.head_dim
                 return F.linear(x, joined, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
