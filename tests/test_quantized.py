@@ -5,6 +5,7 @@ package's own dequantization, a tiny Llama GGUF quantized vs dequantized through
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -88,31 +89,39 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
 
 
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
-def test_an_eager_one_row_product_of_a_large_weight_runs_compiled_and_exact():
+@pytest.mark.parametrize("compile_after_s", [0.0, math.inf])
+def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(monkeypatch, compile_after_s):
     """Uncompiled, one row of a weight of MATVEC_COMPILE_ELEMENTS or more goes through inductor's one-row
-    products (each format's sum over its packed fields, here Q4_1's and Q6_K's), and their compile
-    must not fail (it would warn and leave the tiles to do it): against float64, for one row of each
-    leading shape; two rows still take the tiles."""
+    products (each format's sum over its packed fields, here Q4_1's and Q6_K's) once the process's tiles
+    have spent MATVEC_COMPILE_AFTER_S seconds on one-row products, through the tiles before; the compile
+    must not fail (it would warn and leave the tiles to do it). Against float64, for one row of each
+    leading shape; two rows always take the tiles."""
+    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", compile_after_s)
+    tiled = []
+    monkeypatch.setattr(q, "_product", lambda x, w, product=q._product: tiled.append(x.shape) or product(x, w))
     raws = blocks("Q4_1", 160, 512), blocks("Q6_K", 96, 512, seed=1)
     w = torch.cat(
         [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(("Q4_1", "Q6_K"), raws, strict=True)]
     )
     assert w.numel() >= q.MATVEC_COMPILE_ELEMENTS
     dense = torch.cat([reference(raws[0], "Q4_1"), reference(raws[1], "Q6_K")])  # (256, 512) float64
-    for shape in ((512,), (1, 512), (1, 1, 512), (2, 512)):
+    shapes = [(512,), (1, 512), (1, 1, 512), (2, 512)]
+    for shape in shapes:
         x = torch.randn(shape)
         want = x.double() @ dense.T
         with torch.no_grad():
             got = F.linear(x, w)
         assert got.shape == want.shape and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert tiled == [torch.Size(s) for s in (shapes if compile_after_s else shapes[-1:])]
 
 
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
-def test_joined_rows_are_the_weights_rows_on_their_own_blocks():
+def test_joined_rows_are_the_weights_rows_on_their_own_blocks(monkeypatch):
     """A decoding step's q, k and v as one weight (Q4_K, Q4_K, Q6_K, as a Q4_K_M file has them): its
-    one-row product is each weight's, against float64; its blocks are theirs (no copy). Weights of
-    other widths, a dense one or one with an int4 pack are not joined."""
+    one-row product (compiled) is each weight's, against float64; its blocks are theirs (no copy).
+    Weights of other widths, a dense one or one with an int4 pack are not joined."""
+    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", 0.0)
     kinds = ("Q4_K", "Q4_K", "Q6_K")
     raws = [blocks(t, r, 512, seed=i) for i, (t, r) in enumerate(zip(kinds, (128, 64, 64), strict=True))]
     ws = [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(kinds, raws, strict=True)]
@@ -384,7 +393,9 @@ def test_a_quantized_model_saves_as_its_dequantized_numbers(q4k, tmp_path):
         assert torch.equal(p, want), name
 
 
-def test_generation_eager_and_fast_gives_the_dense_models_tokens(q4k):
+@pytest.mark.parametrize("compile_after_s", [0.0, math.inf])  # one-row products compiled, or tiles
+def test_generation_eager_and_fast_gives_the_dense_models_tokens(q4k, monkeypatch, compile_after_s):
+    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", compile_after_s)
     quant, dense = q4k
     idx = prompt(8)
     want = dense.generate(idx, 12, temperature=0, fast=False)

@@ -15,8 +15,9 @@ the blocks instead and computes with them:
   dequantizes a tile of rows at a time and multiplies it with oneDNN/MKL's matmul, so only one tile is
   ever dense; a one-row product (a decoding step) is each format's sum over its packed fields, which
   inductor turns into one loop over the bytes (fewer bytes read per token than a float32 weight's):
-  inside a compiled step, and uncompiled as a compiled function of its own. ``F.embedding(ids, w)``
-  dequantizes the rows looked up.
+  inside a compiled step, and uncompiled as a compiled function of its own, once the process has
+  decoded long enough to pay for compiling it (see :data:`MATVEC_COMPILE_AFTER_S`; the tiles until
+  then). ``F.embedding(ids, w)`` dequantizes the rows looked up.
 * In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
   Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
   and compiled: their blocks repacked losslessly into torch's layout (see :func:`int4_pack`; the
@@ -44,6 +45,7 @@ import functools
 import hashlib
 import itertools
 import math
+import time
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -818,11 +820,20 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # A decoding step outside torch.compile runs the same one-row products compiled, each on its own: torch
 # has no eager kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it
 # several times, where inductor's loop reads the packed bytes once. The shapes are dynamic, so a format
-# compiles once per process (seconds the first time; inductor's cache keeps the code between processes).
-# Weights under MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and
-# wrapper) is more than their whole product. Without a working compiler the tiles do it all.
+# compiles once per process (inductor's cache keeps the code between processes). Weights under
+# MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and wrapper) is more
+# than their whole product. Without a working compiler the tiles do it all.
+#
+# Compiling costs seconds once per process (importing the compiler and loading its cached code: about
+# 3 s on a 2-core machine, more with an empty cache), which a short generation never wins back (a page's
+# 8 tokens). So a process's first one-row products take the tiles, and the compiled ones start once the
+# tiles have spent MATVEC_COMPILE_AFTER_S seconds in all: the ski-rental rule (rent until the rent paid
+# equals the price), never more than twice the time of the better choice made in hindsight. A small model
+# compiles after some tens of tokens, an 8B model after its first.
 MATVEC_COMPILE_ELEMENTS = 1 << 16
+MATVEC_COMPILE_AFTER_S = 3.0
 _compiled_matvec_works = True  # False once a compile failed
+_uncompiled_matvec_s = 0.0  # the seconds this process's one-row products have spent on tiles
 
 
 def _matvec_parts(fields: list[dict[str, Tensor]], x: Tensor, format: str) -> Tensor:
@@ -842,7 +853,7 @@ def _compiled_matvec(format: str) -> Callable[[list[dict[str, Tensor]], Tensor],
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
     """:func:`_matvec` by the compiled one-row products, or None where they do not run (see above)."""
-    global _compiled_matvec_works
+    global _compiled_matvec_works, _uncompiled_matvec_s
     rows, n = w.rows_and_columns
     if not (
         _compiled_matvec_works
@@ -851,6 +862,11 @@ def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
         and rows * n >= MATVEC_COMPILE_ELEMENTS
     ):
         return None
+    if _uncompiled_matvec_s < MATVEC_COMPILE_AFTER_S:  # (see above: the rent not yet paid)
+        start = time.perf_counter()
+        y = _product(x, w)
+        _uncompiled_matvec_s += time.perf_counter() - start
+        return y
     try:
         return _matvec(x, w, compiled=True)
     except Exception as e:  # (no C++ compiler, or inductor failing on this platform: the tiles are exact too)
