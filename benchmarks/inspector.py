@@ -313,7 +313,8 @@ def smollm2_main(args: argparse.Namespace) -> int:
     load_after = os.getloadavg()
     print(hardware.header("cpu"))
     print(
-        f"SmolLM2-135M-Instruct (float32 from {path.name}), {len(ids)} tokens of {source}; {args.generate} generated; "
+        f"SmolLM2-135M-Instruct ({path.name} kept quantized, as `attnlab viz` loads it, in float32), "
+        f"{len(ids)} tokens of {source}; {args.generate} generated; "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
     print(
