@@ -92,11 +92,11 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
 @pytest.mark.parametrize("compile_after_s", [0.0, math.inf])
 def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(monkeypatch, compile_after_s):
     """Uncompiled, one row of a weight of MATVEC_COMPILE_ELEMENTS or more goes through inductor's one-row
-    products (each format's sum over its packed fields, here Q4_1's and Q6_K's) once the process's tiles
-    have spent MATVEC_COMPILE_AFTER_S seconds on one-row products, through the tiles before; the compile
-    must not fail (it would warn and leave the tiles to do it). Against float64, for one row of each
-    leading shape; two rows always take the tiles."""
-    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", compile_after_s)
+    products (each format's sum over its packed fields, here Q4_1's and Q6_K's) once the process's eager
+    tiles have spent COMPILE_AFTER_S seconds, through the tiles before; the compile must not fail (it
+    would warn and leave the tiles to do it). Against float64, for one row of each leading shape; two
+    rows always take the tiles."""
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", compile_after_s)
     tiled = []
     monkeypatch.setattr(q, "_product", lambda x, w, product=q._product: tiled.append(x.shape) or product(x, w))
     raws = blocks("Q4_1", 160, 512), blocks("Q6_K", 96, 512, seed=1)
@@ -116,12 +116,34 @@ def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(mon
     assert tiled == [torch.Size(s) for s in (shapes if compile_after_s else shapes[-1:])]
 
 
+@pytest.mark.filterwarnings("error:quantized tiles are dequantized without torch.compile")
+@pytest.mark.parametrize("kind", [name for name, f in FORMATS.items() if f.tile is not None])
+def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, kind):
+    """A 4-bit format's ``tile`` (its dequantization written for torch.compile) compiled gives gguf's
+    numbers bit for bit; once compiling pays (COMPILE_AFTER_S), a product of more than one row
+    dequantizes its tiles so, against float64."""
+    raw = blocks(kind, 96, 512)
+    fields = QuantizedTensor.from_blocks(kind, raw, (96, 512)).parts[0].fields
+    compiled = torch.compile(FORMATS[kind].tile, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(fields), q.dequantize(kind, fields))
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
+    used = []
+    monkeypatch.setattr(q, "_compiled_tile", lambda name, tile=q._compiled_tile: used.append(name) or tile(name))
+    w = QuantizedTensor.from_blocks(kind, raw, (96, 512))
+    x = torch.randn(3, 512)
+    want = x.double() @ reference(raw, kind).T
+    with torch.no_grad():
+        got = F.linear(x, w)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert used == [kind]
+
+
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
 def test_joined_rows_are_the_weights_rows_on_their_own_blocks(monkeypatch):
     """A decoding step's q, k and v as one weight (Q4_K, Q4_K, Q6_K, as a Q4_K_M file has them): its
     one-row product (compiled) is each weight's, against float64; its blocks are theirs (no copy).
     Weights of other widths, a dense one or one with an int4 pack are not joined."""
-    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", 0.0)
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     kinds = ("Q4_K", "Q4_K", "Q6_K")
     raws = [blocks(t, r, 512, seed=i) for i, (t, r) in enumerate(zip(kinds, (128, 64, 64), strict=True))]
     ws = [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(kinds, raws, strict=True)]
@@ -395,7 +417,7 @@ def test_a_quantized_model_saves_as_its_dequantized_numbers(q4k, tmp_path):
 
 @pytest.mark.parametrize("compile_after_s", [0.0, math.inf])  # one-row products compiled, or tiles
 def test_generation_eager_and_fast_gives_the_dense_models_tokens(q4k, monkeypatch, compile_after_s):
-    monkeypatch.setattr(q, "MATVEC_COMPILE_AFTER_S", compile_after_s)
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", compile_after_s)
     quant, dense = q4k
     idx = prompt(8)
     want = dense.generate(idx, 12, temperature=0, fast=False)

@@ -12,11 +12,12 @@ the blocks instead and computes with them:
   sub-block scales unpacked to one byte each). The repacking is lossless: :meth:`QuantizedTensor.dequantize`
   gives exactly the numbers ``gguf.quants.dequantize`` gives, by the same float32 operations.
 * ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
-  dequantizes a tile of rows at a time and multiplies it with oneDNN/MKL's matmul, so only one tile is
-  ever dense; a one-row product (a decoding step) is each format's sum over its packed fields, which
+  dequantizes a tile of rows at a time (by torch operations, or for the 4-bit formats by one compiled
+  loop once compiling pays: see :data:`COMPILE_AFTER_S`) and multiplies it with oneDNN/MKL's matmul,
+  so only one tile is ever dense; a one-row product (a decoding step) is each format's sum over its packed fields, which
   inductor turns into one loop over the bytes (fewer bytes read per token than a float32 weight's):
   inside a compiled step, and uncompiled as a compiled function of its own, once the process has
-  decoded long enough to pay for compiling it (see :data:`MATVEC_COMPILE_AFTER_S`; the tiles until
+  decoded long enough to pay for compiling it (see :data:`COMPILE_AFTER_S`; the tiles until
   then). ``F.embedding(ids, w)`` dequantizes the rows looked up.
 * In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
   Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
@@ -48,7 +49,7 @@ import math
 import time
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,8 @@ class Format:
         dequantize: ``dequantize(fields (R, nb, ...) each) -> (R, nb * block) float32``.
         matvec: ``matvec(fields, x (nb, block) float32) -> (R,)``: the one-row product ``w @ x`` as a
             sum over the packed fields, for ``torch.compile``.
+        tile: ``dequantize`` written for ``torch.compile``, the same numbers (None: the format's tiles
+            stay eager).
     """
 
     name: str
@@ -93,6 +96,7 @@ class Format:
     split: Callable[[np.ndarray], dict[str, np.ndarray]]
     dequantize: Callable[[dict[str, Tensor]], Tensor]
     matvec: Callable[[dict[str, Tensor], Tensor], Tensor]
+    tile: Callable[[dict[str, Tensor]], Tensor] | None = None
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -223,6 +227,30 @@ def _q6_k(f: dict[str, Tensor]) -> Tensor:
 
 def _dense(f: dict[str, Tensor]) -> Tensor:
     return f["w"].float().flatten(-2)
+
+
+# The dequantizations of the 4-bit formats written for torch.compile (a tile, see _dense_tile): eager, the
+# functions above are the fast ones (in place, a pass per operation); compiled, their in-place writes into
+# slices of a buffer become scatters, while these pure expressions become one loop over the tile.
+def _bit_groups(b: Tensor, width: int) -> Tensor:
+    """``(..., m)`` bytes -> ``(..., 8 // width, m)``: :func:`_bits` as one broadcast shift (no stack)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=b.device)
+    return (b.unsqueeze(-2) >> shifts[:, None]) & ((1 << width) - 1)
+
+
+def _tile_q4_0(f: dict[str, Tensor]) -> Tensor:
+    q = _bit_groups(f["qs"], 4).float() - 8  # (R, nb, 2, 16): the low nibbles, then the high ones
+    return (q * f["d"].float()[..., None, None]).flatten(-3)
+
+
+def _tile_q4_1(f: dict[str, Tensor]) -> Tensor:
+    q = _bit_groups(f["qs"], 4).float()  # (R, nb, 2, 16)
+    return (q * f["d"].float()[..., None, None] + f["m"].float()[..., None, None]).flatten(-3)
+
+
+def _tile_q4_k(f: dict[str, Tensor]) -> Tensor:
+    q = _bit_groups(f["qs"].unflatten(-1, (4, 32)), 4).flatten(-3, -2).float()  # (R, nb, 4, 2, 32) -> (R, nb, 8, 32)
+    return (q * _sub_scales(f["d"], f["sc"]) - _sub_scales(f["dmin"], f["m"])).flatten(-3)
 
 
 # The one-row products (a decoding step under torch.compile): the sum over blocks written on the packed
@@ -391,8 +419,8 @@ FORMATS: dict[str, Format] = {
         # (BF16: int16 in numpy, viewed as bfloat16 in torch)
         Format("BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense),
         Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
-        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0),
-        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1),
+        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0, _tile_q4_0),
+        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1, _tile_q4_1),
         Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0, _mv_q5_0),
         Format(
             "Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1, _mv_q5_1
@@ -406,7 +434,7 @@ FORMATS: dict[str, Format] = {
             _mv_q2_k,
         ),
         Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k),
-        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k),
+        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k, _tile_q4_k),
         Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k),
         Format(
             "Q6_K",
@@ -740,27 +768,38 @@ def joined_rows(weights: Sequence[Tensor]) -> QuantizedTensor | None:
 # --------------------------------------------------------------------------------------------
 # The products
 # --------------------------------------------------------------------------------------------
-def _tile_rows(w: QuantizedTensor) -> int:
-    return max(1, TILE_ELEMENTS // max(1, w.shape[1]))
+def _tiles(w: QuantizedTensor, compiled: bool) -> Iterator[tuple[int, int, Part]]:
+    """``w``'s rows as tiles ``(start, stop, part)`` within one part each, of :data:`TILE_ELEMENTS`
+    (``compiled``: :data:`COMPILED_TILE_ELEMENTS`) at most."""
+    step, at = max(1, (COMPILED_TILE_ELEMENTS if compiled else TILE_ELEMENTS) // max(1, w.shape[1])), 0
+    for p in w.parts:
+        for i in range(0, p.rows, step):
+            j = min(i + step, p.rows)
+            yield at + i, at + j, p.map(lambda t, i=i, j=j: t[i:j])
+        at += p.rows
 
 
 def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
     """``x (..., in) @ w.T -> (..., out)``, a tile of ``w``'s rows dense at a time."""
-    n, step = w.shape[0], _tile_rows(w)
-    if step >= n:
-        return hardware.linear(x, w.dequantize_rows(0, n, x.dtype))
-    out = x.new_empty(*x.shape[:-1], n)  # (..., out): each tile's columns written in place (no concatenation)
-    for i in range(0, n, step):
-        out[..., i : i + step] = hardware.linear(x, w.dequantize_rows(i, min(i + step, n), x.dtype))
+    compiled = _compiling_pays(x)
+    start = time.perf_counter()
+    tiles = list(_tiles(w, compiled))
+    if len(tiles) == 1:
+        out = hardware.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
+    else:
+        out = x.new_empty(*x.shape[:-1], w.shape[0])  # (..., out): each tile's columns written in place
+        for i, j, tile in tiles:
+            out[..., i:j] = hardware.linear(x, _dense_tile(tile, x.dtype, compiled))
+    if not compiled:
+        _pay_rent(time.perf_counter() - start)
     return out
 
 
 def _product_t(g: Tensor, w: QuantizedTensor) -> Tensor:
     """``g (..., out) @ w -> (..., in)``: the gradient of :func:`_product` with respect to ``x``."""
-    n, step = w.shape[0], _tile_rows(w)
-    total = None
-    for i in range(0, n, step):
-        part = g[..., i : i + step] @ w.dequantize_rows(i, min(i + step, n), g.dtype)  # (..., in)
+    compiled, total = _compiling_pays(g), None
+    for i, j, tile in _tiles(w, compiled):
+        part = g[..., i:j] @ _dense_tile(tile, g.dtype, compiled)  # (..., in)
         total = part if total is None else total + part
     return total
 
@@ -817,23 +856,61 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-# A decoding step outside torch.compile runs the same one-row products compiled, each on its own: torch
-# has no eager kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it
-# several times, where inductor's loop reads the packed bytes once. The shapes are dynamic, so a format
-# compiles once per process (inductor's cache keeps the code between processes). Weights under
-# MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and wrapper) is more
-# than their whole product. Without a working compiler the tiles do it all.
-#
+# Uncompiled, the products are compiled functions of their own where compiling pays: torch has no eager
+# kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it a pass per
+# operation, where inductor's loop reads the packed bytes once:
+# * a decoding step's one-row products, each format's sum over its packed fields (shapes dynamic: a
+#   format compiles once per process; inductor's cache keeps the code between processes). Weights under
+#   MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and wrapper) is
+#   more than their whole product;
+# * a product of more rows dequantizes each tile by its format's ``tile`` compiled (the 4-bit formats),
+#   in tiles of COMPILED_TILE_ELEMENTS: with no temporaries beside it, a larger tile takes fewer calls.
 # Compiling costs seconds once per process (importing the compiler and loading its cached code: about
-# 3 s on a 2-core machine, more with an empty cache), which a short generation never wins back (a page's
-# 8 tokens). So a process's first one-row products take the tiles, and the compiled ones start once the
-# tiles have spent MATVEC_COMPILE_AFTER_S seconds in all: the ski-rental rule (rent until the rent paid
-# equals the price), never more than twice the time of the better choice made in hindsight. A small model
-# compiles after some tens of tokens, an 8B model after its first.
+# 3 s on a 2-core machine, more with an empty cache) and holds the compiler's memory (about 150 MB), which
+# a short job never wins back: a page's 8 generated tokens, a model loaded for one forward. So a process's
+# products take the eager tiles until these have spent COMPILE_AFTER_S seconds in all, then compile from
+# then on: the ski-rental rule (rent until the rent paid equals the price), never more than twice the
+# time of the better choice made in hindsight. A small model compiles after some tens of tokens or
+# forwards, an 8B model in its first. Without a working compiler the eager tiles do it all.
 MATVEC_COMPILE_ELEMENTS = 1 << 16
-MATVEC_COMPILE_AFTER_S = 3.0
-_compiled_matvec_works = True  # False once a compile failed
-_uncompiled_matvec_s = 0.0  # the seconds this process's one-row products have spent on tiles
+COMPILE_AFTER_S = 3.0
+COMPILED_TILE_ELEMENTS = 1 << 20
+_compiler_works = True  # False once a compile failed
+_rent_paid_s = 0.0  # the seconds this process's eager tiles have taken
+
+
+def _compiling_pays(x: Tensor) -> bool:
+    """Whether this product of ``x`` runs compiled (see above)."""
+    return _compiler_works and x.device.type == "cpu" and _rent_paid_s >= COMPILE_AFTER_S
+
+
+def _pay_rent(seconds: float) -> None:
+    global _rent_paid_s
+    _rent_paid_s += seconds
+
+
+def _compile_failed(e: Exception, what: str) -> None:
+    global _compiler_works
+    warnings.warn(f"quantized {what} without torch.compile ({type(e).__name__}: {e})", stacklevel=3)
+    _compiler_works = False
+
+
+@functools.cache
+def _compiled_tile(format: str) -> Callable[[dict[str, Tensor]], Tensor]:
+    return torch.compile(FORMATS[format].tile, fullgraph=True, dynamic=True)
+
+
+def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
+    """A tile's rows dense ``(rows, in)`` in ``dtype``, by its format's ``tile`` compiled where
+    ``compiled`` and the format has one, else eager (the same numbers)."""
+    w = None
+    if compiled and FORMATS[tile.format].tile is not None and tile.rows > 1:
+        try:
+            w = _compiled_tile(tile.format)(tile.fields)
+        except Exception as e:  # (no C++ compiler, or inductor failing on this platform: eager is exact too)
+            _compile_failed(e, "tiles are dequantized")
+    w = tile.dequantize() if w is None else w
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def _matvec_parts(fields: list[dict[str, Tensor]], x: Tensor, format: str) -> Tensor:
@@ -853,25 +930,13 @@ def _compiled_matvec(format: str) -> Callable[[list[dict[str, Tensor]], Tensor],
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
     """:func:`_matvec` by the compiled one-row products, or None where they do not run (see above)."""
-    global _compiled_matvec_works, _uncompiled_matvec_s
     rows, n = w.rows_and_columns
-    if not (
-        _compiled_matvec_works
-        and x.numel() == n == x.shape[-1]
-        and x.device.type == "cpu"
-        and rows * n >= MATVEC_COMPILE_ELEMENTS
-    ):
+    if not (x.numel() == n == x.shape[-1] and rows * n >= MATVEC_COMPILE_ELEMENTS and _compiling_pays(x)):
         return None
-    if _uncompiled_matvec_s < MATVEC_COMPILE_AFTER_S:  # (see above: the rent not yet paid)
-        start = time.perf_counter()
-        y = _product(x, w)
-        _uncompiled_matvec_s += time.perf_counter() - start
-        return y
     try:
         return _matvec(x, w, compiled=True)
     except Exception as e:  # (no C++ compiler, or inductor failing on this platform: the tiles are exact too)
-        warnings.warn(f"quantized one-row products run without torch.compile ({type(e).__name__}: {e})", stacklevel=2)
-        _compiled_matvec_works = False
+        _compile_failed(e, "one-row products run")
         return None
 
 
