@@ -91,7 +91,7 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
 @pytest.mark.parametrize("compile_after_s", [0.0, math.inf])
 def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(monkeypatch, compile_after_s):
-    """Uncompiled, one row of a weight of MATVEC_COMPILE_ELEMENTS or more goes through inductor's one-row
+    """Uncompiled, one row of a weight of COMPILE_MIN_ELEMENTS or more goes through inductor's one-row
     products (each format's sum over its packed fields, here Q4_1's and Q6_K's) once the process's eager
     tiles have spent COMPILE_AFTER_S seconds, through the tiles before; the compile must not fail (it
     would warn and leave the tiles to do it). Against float64, for one row of each leading shape; two
@@ -103,7 +103,7 @@ def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(mon
     w = torch.cat(
         [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(("Q4_1", "Q6_K"), raws, strict=True)]
     )
-    assert w.numel() >= q.MATVEC_COMPILE_ELEMENTS
+    assert w.numel() >= q.COMPILE_MIN_ELEMENTS
     dense = torch.cat([reference(raws[0], "Q4_1"), reference(raws[1], "Q6_K")])  # (256, 512) float64
     shapes = [(512,), (1, 512), (1, 1, 512), (2, 512)]
     for shape in shapes:
@@ -122,14 +122,14 @@ def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, ki
     """A 4-bit format's ``tile`` (its dequantization written for torch.compile) compiled gives gguf's
     numbers bit for bit; once compiling pays (COMPILE_AFTER_S), a product of more than one row
     dequantizes its tiles so, against float64."""
-    raw = blocks(kind, 96, 512)
-    fields = QuantizedTensor.from_blocks(kind, raw, (96, 512)).parts[0].fields
+    raw = blocks(kind, 160, 512)  # (COMPILE_MIN_ELEMENTS or more)
+    fields = QuantizedTensor.from_blocks(kind, raw, (160, 512)).parts[0].fields
     compiled = torch.compile(FORMATS[kind].tile, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(fields), q.dequantize(kind, fields))
     monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     used = []
     monkeypatch.setattr(q, "_compiled_tile", lambda name, tile=q._compiled_tile: used.append(name) or tile(name))
-    w = QuantizedTensor.from_blocks(kind, raw, (96, 512))
+    w = QuantizedTensor.from_blocks(kind, raw, (160, 512))
     x = torch.randn(3, 512)
     want = x.double() @ reference(raw, kind).T
     with torch.no_grad():

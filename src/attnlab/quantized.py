@@ -860,11 +860,11 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it a pass per
 # operation, where inductor's loop reads the packed bytes once:
 # * a decoding step's one-row products, each format's sum over its packed fields (shapes dynamic: a
-#   format compiles once per process; inductor's cache keeps the code between processes). Weights under
-#   MATVEC_COMPILE_ELEMENTS stay with the tiles: a compiled call's own cost (its guards and wrapper) is
-#   more than their whole product;
+#   format compiles once per process; inductor's cache keeps the code between processes);
 # * a product of more rows dequantizes each tile by its format's ``tile`` compiled (the 4-bit formats),
 #   in tiles of COMPILED_TILE_ELEMENTS: with no temporaries beside it, a larger tile takes fewer calls.
+# Weights (and tiles) under COMPILE_MIN_ELEMENTS stay eager: a compiled call's own cost (its guards and
+# wrapper) is more than their whole dequantization.
 # Compiling costs seconds once per process (importing the compiler and loading its cached code: about
 # 3 s on a 2-core machine, more with an empty cache) and holds the compiler's memory (about 150 MB), which
 # a short job never wins back: a page's 8 generated tokens, a model loaded for one forward. So a process's
@@ -872,7 +872,7 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # then on: the ski-rental rule (rent until the rent paid equals the price), never more than twice the
 # time of the better choice made in hindsight. A small model compiles after some tens of tokens or
 # forwards, an 8B model in its first. Without a working compiler the eager tiles do it all.
-MATVEC_COMPILE_ELEMENTS = 1 << 16
+COMPILE_MIN_ELEMENTS = 1 << 16
 COMPILE_AFTER_S = 3.0
 COMPILED_TILE_ELEMENTS = 1 << 20
 _compiler_works = True  # False once a compile failed
@@ -903,8 +903,9 @@ def _compiled_tile(format: str) -> Callable[[dict[str, Tensor]], Tensor]:
 def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
     """A tile's rows dense ``(rows, in)`` in ``dtype``, by its format's ``tile`` compiled where
     ``compiled`` and the format has one, else eager (the same numbers)."""
-    w = None
-    if compiled and FORMATS[tile.format].tile is not None and tile.rows > 1:
+    w, format = None, FORMATS[tile.format]
+    elements = tile.rows * next(iter(tile.fields.values())).shape[1] * format.block  # (fields: (rows, blocks, ...))
+    if compiled and format.tile is not None and tile.rows > 1 and elements >= COMPILE_MIN_ELEMENTS:
         try:
             w = _compiled_tile(tile.format)(tile.fields)
         except Exception as e:  # (no C++ compiler, or inductor failing on this platform: eager is exact too)
@@ -931,7 +932,7 @@ def _compiled_matvec(format: str) -> Callable[[list[dict[str, Tensor]], Tensor],
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
     """:func:`_matvec` by the compiled one-row products, or None where they do not run (see above)."""
     rows, n = w.rows_and_columns
-    if not (x.numel() == n == x.shape[-1] and rows * n >= MATVEC_COMPILE_ELEMENTS and _compiling_pays(x)):
+    if not (x.numel() == n == x.shape[-1] and rows * n >= COMPILE_MIN_ELEMENTS and _compiling_pays(x)):
         return None
     try:
         return _matvec(x, w, compiled=True)
