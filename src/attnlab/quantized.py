@@ -782,16 +782,12 @@ def _tiles(w: QuantizedTensor, compiled: bool) -> Iterator[tuple[int, int, Part]
 def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
     """``x (..., in) @ w.T -> (..., out)``, a tile of ``w``'s rows dense at a time."""
     compiled = _compiling_pays(x)
-    start = time.perf_counter()
     tiles = list(_tiles(w, compiled))
     if len(tiles) == 1:
-        out = hardware.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
-    else:
-        out = x.new_empty(*x.shape[:-1], w.shape[0])  # (..., out): each tile's columns written in place
-        for i, j, tile in tiles:
-            out[..., i:j] = hardware.linear(x, _dense_tile(tile, x.dtype, compiled))
-    if not compiled:
-        _pay_rent(time.perf_counter() - start)
+        return hardware.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
+    out = x.new_empty(*x.shape[:-1], w.shape[0])  # (..., out): each tile's columns written in place
+    for i, j, tile in tiles:
+        out[..., i:j] = hardware.linear(x, _dense_tile(tile, x.dtype, compiled))
     return out
 
 
@@ -868,15 +864,16 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # Compiling costs seconds once per process (importing the compiler and loading its cached code: about
 # 3 s on a 2-core machine, more with an empty cache) and holds the compiler's memory (about 150 MB), which
 # a short job never wins back: a page's 8 generated tokens, a model loaded for one forward. So a process's
-# products take the eager tiles until these have spent COMPILE_AFTER_S seconds in all, then compile from
-# then on: the ski-rental rule (rent until the rent paid equals the price), never more than twice the
-# time of the better choice made in hindsight. A small model compiles after some tens of tokens or
-# forwards, an 8B model in its first. Without a working compiler the eager tiles do it all.
+# products take the eager tiles until their dequantizations have taken COMPILE_AFTER_S seconds in all (the
+# time compiling would save), then compile from then on: the ski-rental rule (rent until the rent paid
+# equals the price), never more than twice the time of the better choice made in hindsight. A small model
+# compiles after some tens of tokens or forwards, an 8B model in its first. Without a working compiler
+# the eager tiles do it all.
 COMPILE_MIN_ELEMENTS = 1 << 16
 COMPILE_AFTER_S = 3.0
 COMPILED_TILE_ELEMENTS = 1 << 20
 _compiler_works = True  # False once a compile failed
-_rent_paid_s = 0.0  # the seconds this process's eager tiles have taken
+_rent_paid_s = 0.0  # the seconds this process's eager dequantizations of tiles have taken
 
 
 def _compiling_pays(x: Tensor) -> bool:
@@ -910,7 +907,11 @@ def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
             w = _compiled_tile(tile.format)(tile.fields)
         except Exception as e:  # (no C++ compiler, or inductor failing on this platform: eager is exact too)
             _compile_failed(e, "tiles are dequantized")
-    w = tile.dequantize() if w is None else w
+    if w is None:
+        start = time.perf_counter()
+        w = tile.dequantize()
+        if not compiled:
+            _pay_rent(time.perf_counter() - start)
     return w if w.dtype == dtype else w.to(dtype)
 
 
