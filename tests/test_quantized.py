@@ -93,9 +93,9 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
 def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(monkeypatch, compile_after_s):
     """Uncompiled, one row of a weight of COMPILE_MIN_ELEMENTS or more goes through inductor's one-row
     products (each format's sum over its packed fields, here Q4_1's and Q6_K's) once the process's eager
-    tiles have spent COMPILE_AFTER_S seconds, through the tiles before; the compile must not fail (it
-    would warn and leave the tiles to do it). Against float64, for one row of each leading shape; two
-    rows always take the tiles."""
+    dequantizations of tiles have taken COMPILE_AFTER_S seconds, through the tiles before; the compile
+    must not fail (it would warn and leave the tiles to do it). Against float64, for one row of each
+    leading shape; two rows always take the tiles."""
     monkeypatch.setattr(q, "COMPILE_AFTER_S", compile_after_s)
     tiled = []
     monkeypatch.setattr(q, "_product", lambda x, w, product=q._product: tiled.append(x.shape) or product(x, w))
@@ -114,6 +114,21 @@ def test_an_eager_one_row_product_of_a_large_weight_is_exact_compiled_or_not(mon
         assert got.shape == want.shape and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     assert tiled == [torch.Size(s) for s in (shapes if compile_after_s else shapes[-1:])]
+
+
+def test_products_compile_once_the_eager_dequantizations_have_taken_compile_after_s(monkeypatch):
+    """The ski-rental rule: a process's one-row products take the eager tiles until their
+    dequantizations have taken COMPILE_AFTER_S seconds in all, and are compiled from then on."""
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", 1e-9)  # (paid by any one dequantization)
+    monkeypatch.setattr(q, "_rent_paid_s", 0.0)
+    tiled = []
+    monkeypatch.setattr(q, "_product", lambda x, w, product=q._product: tiled.append(x.shape) or product(x, w))
+    w = QuantizedTensor.from_blocks("Q4_1", blocks("Q4_1", 160, 512), (160, 512))
+    x = torch.randn(1, 512)
+    with torch.no_grad():
+        first, second = F.linear(x, w), F.linear(x, w)
+    assert tiled == [x.shape]  # the first by the tiles, the second compiled
+    torch.testing.assert_close(first, second, rtol=0, atol=1e-5 * float(first.abs().max()))
 
 
 @pytest.mark.filterwarnings("error:quantized tiles are dequantized without torch.compile")
