@@ -864,11 +864,10 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # Compiling costs seconds once per process (importing the compiler and loading its cached code: about
 # 3 s on a 2-core machine, more with an empty cache) and holds the compiler's memory (about 150 MB), which
 # a short job never wins back: a page's 8 generated tokens, a model loaded for one forward. So a process's
-# products take the eager tiles until their dequantizations have taken COMPILE_AFTER_S seconds in all (the
-# time compiling would save), then compile from then on: the ski-rental rule (rent until the rent paid
-# equals the price), never more than twice the time of the better choice made in hindsight. A small model
-# compiles after some tens of tokens or forwards, an 8B model in its first. Without a working compiler
-# the eager tiles do it all.
+# products take the eager tiles until their dequantizations have taken COMPILE_AFTER_S seconds in all (at
+# most what compiling would have saved), then compile from then on: the ski-rental rule, rent until the
+# rent paid equals the price of buying. A small model compiles after some tens of tokens or forwards, an
+# 8B model in its first. Without a working compiler the eager tiles do it all.
 COMPILE_MIN_ELEMENTS = 1 << 16
 COMPILE_AFTER_S = 3.0
 COMPILED_TILE_ELEMENTS = 1 << 20
