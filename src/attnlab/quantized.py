@@ -861,15 +861,15 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 #   in tiles of COMPILED_TILE_ELEMENTS: with no temporaries beside it, a larger tile takes fewer calls.
 # Weights (and tiles) under COMPILE_MIN_ELEMENTS stay eager: a compiled call's own cost (its guards and
 # wrapper) is more than their whole dequantization.
-# Compiling costs seconds once per process (importing the compiler and loading its cached code: about
-# 3 s on a 2-core machine, more with an empty cache) and holds the compiler's memory (about 150 MB), which
-# a short job never wins back: a page's 8 generated tokens, a model loaded for one forward. So a process's
+# Compiling costs seconds once per process (importing the compiler and loading its cached code; more with
+# an empty cache) and holds the compiler's own memory, more than a small model's file: a short job never
+# wins that back (a page's 8 generated tokens, a model loaded for one forward). So a process's
 # products take the eager tiles until their dequantizations have taken COMPILE_AFTER_S seconds in all (at
 # most what compiling would have saved), then compile from then on: the ski-rental rule, rent until the
 # rent paid equals the price of buying. A small model compiles after some tens of tokens or forwards, an
 # 8B model in its first. Without a working compiler the eager tiles do it all.
 COMPILE_MIN_ELEMENTS = 1 << 16
-COMPILE_AFTER_S = 3.0
+COMPILE_AFTER_S = 3.0  # the price: about what compiling takes, warm cache (docs/performance.md)
 COMPILED_TILE_ELEMENTS = 1 << 20
 _compiler_works = True  # False once a compile failed
 _rent_paid_s = 0.0  # the seconds this process's eager dequantizations of tiles have taken
