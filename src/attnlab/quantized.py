@@ -14,11 +14,11 @@ the blocks instead and computes with them:
 * ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
   dequantizes a tile of rows at a time (by torch operations, or for the 4-bit formats by one compiled
   loop once compiling pays: see :data:`COMPILE_AFTER_S`) and multiplies it with oneDNN/MKL's matmul,
-  so only one tile is ever dense; a one-row product (a decoding step) is each format's sum over its packed fields, which
-  inductor turns into one loop over the bytes (fewer bytes read per token than a float32 weight's):
-  inside a compiled step, and uncompiled as a compiled function of its own, once the process has
-  decoded long enough to pay for compiling it (see :data:`COMPILE_AFTER_S`; the tiles until
-  then). ``F.embedding(ids, w)`` dequantizes the rows looked up.
+  so only one tile is ever dense; a one-row product (a decoding step) is each format's sum over its
+  packed fields, which inductor turns into one loop over the bytes (fewer bytes read per token than a
+  float32 weight's): inside a compiled step, and uncompiled as a compiled function of its own once the
+  process has decoded long enough to pay for compiling it (the tiles until then). ``F.embedding(ids, w)``
+  dequantizes the rows looked up.
 * In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
   Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
   and compiled: their blocks repacked losslessly into torch's layout (see :func:`int4_pack`; the
@@ -65,9 +65,10 @@ __all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized"]
 
 QK_K = 256  # the K-quants' super-block
 _CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # (see _stable_hash_for_caching)
-# Dense weights of this many elements at most are dequantized at once by a product (one tile of rows):
-# small enough to stay in the CPU's caches between the dequantization and the matmul reading it, and
-# a small part of the model's memory (a tile is the one dense piece of a quantized weight at a time).
+# Dense weights of this many elements at most are dequantized at once by an eager product (one tile of
+# rows; compiled tiles: COMPILED_TILE_ELEMENTS): small enough to stay in the CPU's caches between the
+# dequantization and the matmul reading it, and a small part of the model's memory (a tile is the one
+# dense piece of a quantized weight at a time).
 TILE_ELEMENTS = 1 << 18
 
 
@@ -663,18 +664,9 @@ class QuantizedTensor(Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The dense weight ``(out, in)`` in ``dtype`` (default: its own)."""
-        return self.dequantize_rows(0, self.shape[0], dtype)
-
-    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
-        """Rows ``start:stop`` dense, ``(stop - start, in)`` in ``dtype`` (default: its own)."""
         dtype = self.dtype if dtype is None else dtype
-        tiles, at = [], 0
-        for p in self.parts:
-            lo, hi = max(start - at, 0), min(stop - at, p.rows)
-            if lo < hi:
-                tiles.append(p.map(lambda t, lo=lo, hi=hi: t[lo:hi]).dequantize())
-            at += p.rows
-        w = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+        dense = [p.dequantize() for p in self.parts]
+        w = dense[0] if len(dense) == 1 else torch.cat(dense)
         return w if w.dtype == dtype else w.to(dtype)
 
     def rows(self, index: Tensor) -> Tensor:
