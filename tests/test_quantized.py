@@ -70,6 +70,29 @@ def test_the_one_row_product_is_the_gguf_packages_weights_times_the_row(qtype):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, qtype):
+    """Each format's one-row product is compiled once (``quantized._compile_ahead``) for any number of
+    rows and blocks: weights of two shapes through the same code, against float64; a weight of one row
+    (which that code does not take) by the uncompiled sum, exact too."""
+    monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
+    monkeypatch.setattr(q, "COMPILE_MIN_ELEMENTS", 0)
+    compiled = []
+    monkeypatch.setattr(q, "_ahead", lambda what, part, ahead=q._ahead: compiled.append(part.rows) or ahead(what, part))
+    for rows, cols in ((40, 512), (7, 1024), (1, 512)):
+        raw = blocks(qtype, rows, cols, seed=rows)
+        w = QuantizedTensor.from_blocks(qtype, raw, (rows, cols))
+        x = torch.randn(1, cols)
+        want = x.double() @ reference(raw, qtype).T  # (1, rows)
+        with torch.no_grad():
+            got = F.linear(x, w)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert compiled == [40, 7]
+    assert ("matvec", qtype) in q._AHEAD
+
+
+@pytest.mark.slow
 def test_the_compiled_one_row_product_of_rows_in_two_formats():
     """F.linear compiled on one row of a weight whose rows are Q4_1 then Q8_0 (as a fused projection
     can be): each part's sum, concatenated, against float64; two rows take the dense product."""
@@ -139,18 +162,19 @@ def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, ki
     dequantizes its tiles so, against float64."""
     raw = blocks(kind, 160, 512)  # (COMPILE_MIN_ELEMENTS or more)
     fields = QuantizedTensor.from_blocks(kind, raw, (160, 512)).parts[0].fields
-    compiled = torch.compile(FORMATS[kind].tile, fullgraph=True, dynamic=True)
+    compiled = q._compile_ahead(FORMATS[kind].tile, fields, None)
     assert torch.equal(compiled(fields), q.dequantize(kind, fields))
     monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     used = []
-    monkeypatch.setattr(q, "_compiled_tile", lambda name, tile=q._compiled_tile: used.append(name) or tile(name))
+    ahead = q._ahead
+    monkeypatch.setattr(q, "_ahead", lambda what, part: used.append((what, part.format)) or ahead(what, part))
     w = QuantizedTensor.from_blocks(kind, raw, (160, 512))
     x = torch.randn(3, 512)
     want = x.double() @ reference(raw, kind).T
     with torch.no_grad():
         got = F.linear(x, w)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
-    assert used == [kind]
+    assert used == [("tile", kind)]
 
 
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")

@@ -42,12 +42,10 @@ quantized linear layers, on GGUF's own block layouts.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
 import math
+import threading
 import time
-import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -747,8 +745,8 @@ def is_quantized(w: object) -> bool:
 def joined_rows(weights: Sequence[Tensor]) -> QuantizedTensor | None:
     """One weight whose rows are the rows of ``weights``, one after another, on their own blocks (no
     copy), where all are quantized, of one width and dtype and without an int4 pack; else None. A
-    one-row product with it runs one compiled call per format where each weight would run its own
-    (see :func:`_matvec`): a model's query, key and value projections in one."""
+    one-row product with it is one ``F.linear`` call where each weight would pay a call's own cost (the
+    subclass's dispatch, see :func:`linear`): a model's query, key and value projections in one."""
     if not all(isinstance(w, QuantizedTensor) and w.int4 is None for w in weights):
         return None
     width, dtype = weights[0].rows_and_columns[1], weights[0].dtype
@@ -828,17 +826,17 @@ def _(x: Tensor) -> Tensor:
 
 
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
-    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (each
-    compiled on its own with ``compiled``: see below). Kept lean: uncompiled, it runs for every product of
-    a decoding step."""
+    """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (compiled
+    ahead with ``compiled``: see below). Kept lean: uncompiled, it runs for every product of a decoding step."""
     row = x.reshape(-1)  # (in,)
     row = row if row.dtype == torch.float32 else row.float()
     if torch.compiler.is_compiling() and not row.requires_grad:  # (the op has no backward)
         row = _realized(row)
     outs = []
-    for format, run in itertools.groupby(w.parts, key=lambda p: p.format):  # neighbours of one format
-        fields, x_blocks = [p.fields for p in run], row.view(-1, FORMATS[format].block)
-        outs.append(_compiled_matvec(format)(fields, x_blocks) if compiled else _matvec_parts(fields, x_blocks, format))
+    for p in w.parts:
+        x_blocks = row.view(-1, FORMATS[p.format].block)  # (blocks, block)
+        run = _ahead("matvec", p) if compiled and _fits(p.fields) else FORMATS[p.format].matvec
+        outs.append(run(p.fields, x_blocks))
     y = outs[0] if len(outs) == 1 else torch.cat(outs)  # (out,)
     y = y.view(*x.shape[:-1], y.shape[0])
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -848,11 +846,11 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
 # kernel for GGML's blocks, and dequantizing a tile with torch operations reads and writes it a pass per
 # operation, where inductor's loop reads the packed bytes once:
 # * a decoding step's one-row products, each format's sum over its packed fields (shapes dynamic: a
-#   format compiles once per process; inductor's cache keeps the code between processes);
+#   format compiles once per process, see _compile_ahead; inductor's cache keeps the code between processes);
 # * a product of more rows dequantizes each tile by its format's ``tile`` compiled (the 4-bit formats),
 #   in tiles of COMPILED_TILE_ELEMENTS: with no temporaries beside it, a larger tile takes fewer calls.
-# Weights (and tiles) under COMPILE_MIN_ELEMENTS stay eager: a compiled call's own cost (its guards and
-# wrapper) is more than their whole dequantization.
+# Weights (and tiles) under COMPILE_MIN_ELEMENTS stay eager: a compiled call's own cost is more than their
+# whole dequantization.
 # Compiling costs seconds once per process (importing the compiler and loading its cached code; more with
 # an empty cache) and holds the compiler's own memory, more than a small model's file: a short job never
 # wins that back (a page's 8 generated tokens, a model loaded for one forward). So a process's
@@ -883,9 +881,63 @@ def _compile_failed(e: Exception, what: str) -> None:
     _compiler_works = False
 
 
-@functools.cache
-def _compiled_tile(format: str) -> Callable[[dict[str, Tensor]], Tensor]:
-    return torch.compile(FORMATS[format].tile, fullgraph=True, dynamic=True)
+def _compile_ahead(fn: Callable[..., Tensor], fields: dict[str, Tensor], x_width: int | None) -> Callable[..., Tensor]:
+    """``fn(fields)`` (``x_width``: ``fn(fields, x (blocks, x_width))``) compiled once by inductor for every
+    number of rows and blocks (the fields' first two dims, ``x``'s first; ``fields`` gives their dtypes
+    and other dims, not their values), and called without guards.
+
+    Not ``torch.compile``: each of its calls first checks its guards on every input, some 20 us, as long
+    as a small matrix's one-row product itself, and a decoding step makes over a hundred of them. Here
+    ``torch.export`` traces ``fn`` and inductor compiles the graph (``standalone_compile``: the code
+    ``torch.compile`` would make, its inputs' sizes and strides asserted instead of guarded); :func:`_fits`
+    says which inputs it takes."""
+    names = tuple(fields)
+    rows, blocks = torch.export.Dim("rows", min=2), torch.export.Dim("blocks", min=2)
+    # The example's sizes are inductor's hints (tiny ones make slower loops) and must differ from every
+    # fixed size of the fields (16, 32, 256, ...): torch.export would take an equal size for that one.
+    example = [torch.zeros(1009, 19, *t.shape[2:], dtype=t.dtype) for t in fields.values()]
+    dims: list[dict[int, Any]] = [{0: rows, 1: blocks}] * len(names)
+    if x_width is not None:
+        example.append(torch.zeros(19, x_width))
+        dims.append({0: blocks})
+
+    class Program(torch.nn.Module):  # (what torch.export traces)
+        def forward(self, *args: Tensor) -> Tensor:
+            return fn(dict(zip(names, args[: len(names)], strict=True)), *args[len(names) :])
+
+    from torch._inductor import standalone_compile  # (the compiler, imported once compiling pays)
+
+    program = torch.export.export(Program(), tuple(example), dynamic_shapes=(tuple(dims),))  # (one entry: *args)
+    compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph")
+
+    def call(fields: dict[str, Tensor], *x: Tensor) -> Tensor:
+        return compiled(*(fields[n] for n in names), *x)[0]
+
+    return call
+
+
+def _fits(fields: dict[str, Tensor]) -> bool:
+    """Whether :func:`_compile_ahead`'s code takes these fields: contiguous, two rows and blocks or more."""
+    first = next(iter(fields.values()))
+    return first.shape[0] > 1 and first.shape[1] > 1 and all(t.is_contiguous() for t in fields.values())
+
+
+_AHEAD: dict[tuple[str, str], Callable[..., Tensor]] = {}  # (what, format) -> its compiled code
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
+    """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process)."""
+    key = (what, part.format)
+    code = _AHEAD.get(key)
+    if code is None:
+        with _AHEAD_LOCK:
+            if key not in _AHEAD:
+                format = FORMATS[part.format]
+                x_width = format.block if what == "matvec" else None
+                _AHEAD[key] = _compile_ahead(getattr(format, what), part.fields, x_width)
+            code = _AHEAD[key]
+    return code
 
 
 def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
@@ -893,9 +945,9 @@ def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
     ``compiled`` and the format has one, else eager (the same numbers)."""
     w, format = None, FORMATS[tile.format]
     elements = tile.rows * next(iter(tile.fields.values())).shape[1] * format.block  # (fields: (rows, blocks, ...))
-    if compiled and format.tile is not None and tile.rows > 1 and elements >= COMPILE_MIN_ELEMENTS:
+    if compiled and format.tile is not None and elements >= COMPILE_MIN_ELEMENTS and _fits(tile.fields):
         try:
-            w = _compiled_tile(tile.format)(tile.fields)
+            w = _ahead("tile", tile)(tile.fields)
         except Exception as e:  # (no C++ compiler, or inductor failing on this platform: eager is exact too)
             _compile_failed(e, "tiles are dequantized")
     if w is None:
@@ -904,21 +956,6 @@ def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
         if not compiled:
             _pay_rent(time.perf_counter() - start)
     return w if w.dtype == dtype else w.to(dtype)
-
-
-def _matvec_parts(fields: list[dict[str, Tensor]], x: Tensor, format: str) -> Tensor:
-    """The one-row products of parts in one format, one after another: ``(sum of their rows,)``."""
-    outs = [FORMATS[format].matvec(f, x) for f in fields]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-@functools.cache
-def _compiled_matvec(format: str) -> Callable[[list[dict[str, Tensor]], Tensor], Tensor]:
-    # Dynamo keeps at most 8 graphs per code object (one per number of parts and grad mode here, per
-    # format): each format compiles a copy of the code of its own, its name the default of ``format``.
-    code = _matvec_parts.__code__.replace(co_name=f"_matvec_parts_{format}")
-    fn = types.FunctionType(code, _matvec_parts.__globals__, code.co_name, (format,))
-    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def _eager_matvec(x: Tensor, w: QuantizedTensor) -> Tensor | None:
