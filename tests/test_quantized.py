@@ -83,11 +83,15 @@ def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, 
     for rows, cols in ((40, 512), (7, 1024), (1, 512)):
         raw = blocks(qtype, rows, cols, seed=rows)
         w = QuantizedTensor.from_blocks(qtype, raw, (rows, cols))
-        x = torch.randn(1, cols)
-        want = x.double() @ reference(raw, qtype).T  # (1, rows)
+        x = torch.randn(1, cols, generator=torch.Generator().manual_seed(rows))
+        dense = reference(raw, qtype)  # (rows, cols) float64
+        want = x.double() @ dense.T  # (1, rows)
         with torch.no_grad():
             got = F.linear(x, w)
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+        # (float32 sums in another order: their error scales with the sum of the terms' sizes, which one
+        # row's single output can exceed many times)
+        scale = float((x.double().abs() @ dense.abs().T).max())
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * scale)
     assert compiled == [40, 7]
     assert ("matvec", qtype) in q._AHEAD
 
@@ -175,29 +179,6 @@ def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, ki
         got = F.linear(x, w)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     assert used == [("tile", kind)]
-
-
-@pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
-def test_joined_rows_are_the_weights_rows_on_their_own_blocks(monkeypatch):
-    """A decoding step's q, k and v as one weight (Q4_K, Q4_K, Q6_K, as a Q4_K_M file has them): its
-    one-row product (compiled) is each weight's, against float64; its blocks are theirs (no copy).
-    Weights of other widths, a dense one or one with an int4 pack are not joined."""
-    monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
-    kinds = ("Q4_K", "Q4_K", "Q6_K")
-    raws = [blocks(t, r, 512, seed=i) for i, (t, r) in enumerate(zip(kinds, (128, 64, 64), strict=True))]
-    ws = [QuantizedTensor.from_blocks(t, r, (len(r), 512)) for t, r in zip(kinds, raws, strict=True)]
-    joined = q.joined_rows(ws)
-    assert joined.shape == (256, 512) and joined.formats == kinds
-    assert all(j is w.parts[0] for j, w in zip(joined.parts, ws, strict=True))  # the same blocks
-    x = torch.randn(1, 1, 512)
-    want = x.double() @ torch.cat([reference(r, t) for t, r in zip(kinds, raws, strict=True)]).T
-    with torch.no_grad():
-        got = F.linear(x, joined)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
-    narrow = QuantizedTensor.from_blocks("Q4_K", blocks("Q4_K", 8, 256), (8, 256))
-    assert q.joined_rows([ws[0], narrow]) is None
-    assert q.joined_rows([ws[0], ws[1].dequantize()]) is None
-    assert q.joined_rows([ws[0], ws[1].to(torch.bfloat16)]) is None
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

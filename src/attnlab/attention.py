@@ -50,7 +50,6 @@ from attnlab.functional import (
     softcap_score_mod,
 )
 from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
-from attnlab.quantized import joined_rows
 
 __all__ = [
     "CausalAttention",
@@ -755,15 +754,6 @@ class MultiHeadAttention(_DropsTutorialMask):
                 b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
             kv_out = self.num_kv_heads * self.head_dim
             return hardware.linear(x, w, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
-        if context is None and x.shape[:-1].numel() == 1 and not torch.compiler.is_compiling():
-            # A quantized model's decoding step: q, k and v as one weight's rows (no copy), one product
-            # (one compiled call) where three would each pay a call's own cost (see joined_rows).
-            joined = joined_rows([self.W_query.weight, self.W_key.weight, self.W_value.weight])
-            biases = [] if joined is None else [m.bias for m in (self.W_query, self.W_key, self.W_value)]
-            if biases and len({b is None for b in biases}) == 1:  # (all biased, or none)
-                b = None if biases[0] is None else torch.cat(biases)
-                kv_out = self.num_kv_heads * self.head_dim
-                return F.linear(x, joined, b).split([self.inner_dim, kv_out, kv_out], dim=-1)
         source = x if context is None else context
         return self.W_query(x), self.W_key(source), self.W_value(source)
 

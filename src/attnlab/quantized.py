@@ -742,19 +742,6 @@ def is_quantized(w: object) -> bool:
     return isinstance(w, QuantizedTensor)
 
 
-def joined_rows(weights: Sequence[Tensor]) -> QuantizedTensor | None:
-    """One weight whose rows are the rows of ``weights``, one after another, on their own blocks (no
-    copy), where all are quantized, of one width and dtype and without an int4 pack; else None. A
-    one-row product with it is one ``F.linear`` call where each weight would pay a call's own cost (the
-    subclass's dispatch, see :func:`linear`): a model's query, key and value projections in one."""
-    if not all(isinstance(w, QuantizedTensor) and w.int4 is None for w in weights):
-        return None
-    width, dtype = weights[0].rows_and_columns[1], weights[0].dtype
-    if any(w.rows_and_columns[1] != width or w.dtype != dtype for w in weights):
-        return None
-    return QuantizedTensor.from_parts([p for w in weights for p in w.parts], width, dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # The products
 # --------------------------------------------------------------------------------------------
