@@ -284,7 +284,7 @@ class _Sites:
             mask_mod=mask_mod,
         )  # (b, H, n, S), soft-capped where the model caps, -inf where masked
         scores = self("attn_scores", scores, call)
-        pattern = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (padding): zero weights
+        pattern = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no key (padding): zero weights
         pattern = self("pattern", pattern, call)  # (b, H, n, S)
         dropped = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
         if enable_gqa:
