@@ -284,7 +284,9 @@ class _Sites:
             mask_mod=mask_mod,
         )  # (b, H, n, S), soft-capped where the model caps, -inf where masked
         scores = self("attn_scores", scores, call)
-        pattern = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no key (padding): zero weights
+        pattern = torch.softmax(scores, dim=-1)  # (b, H, n, S)
+        # A row with no key (padding): zero weights; in place unless the softmax's backward needs its output.
+        pattern = pattern.nan_to_num(0.0) if pattern.requires_grad else pattern.nan_to_num_(0.0)
         pattern = self("pattern", pattern, call)  # (b, H, n, S)
         dropped = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
         if enable_gqa:
