@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.interpret import activation_patching, logit_diff, logit_lens, trace
+from attnlab.interpret import activation_patching, attribution_patching, logit_diff, logit_lens, trace
 from attnlab.model import GPT, GPTConfig
+from attnlab.quantized import is_quantized
 from test_fast_decode import BASE, FAMILIES, assert_same_records, make, observed_generation
+from test_quantized import prompt, write_quantized_gguf
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
@@ -194,3 +196,30 @@ def test_the_config_presets_train_a_step_on_cuda_in_bfloat16_autocast():
         opt.zero_grad()
         losses.append(float(loss))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
+def test_a_quantized_model_on_cuda_computes_the_dequantized_models_numbers(tmp_path, qtype):
+    """A GGUF model's weights moved to the GPU keep their blocks and compute there: the forward, greedy
+    decoding (eager and compiled: inside the compiled step the dequantization is inductor's, fused into
+    its consumer) and attribution patching (gradients to the activations) against the dequantized float32
+    model on the CPU."""
+    path = write_quantized_gguf(tmp_path / f"tiny.{qtype}.gguf", qtype)
+    quant, dense = GPT.from_gguf(path).to(DEVICE), GPT.from_gguf(path, dtype=torch.float32)
+    matrices = [p for p in quant.parameters() if p.dim() == 2]
+    assert all(is_quantized(p) and p.device.type == DEVICE for p in matrices)
+    idx = prompt(20)
+    with torch.no_grad():
+        got, want = quant(idx.to(DEVICE)).cpu(), dense(idx)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())  # (the GPU sums in other orders)
+    tokens, logits = dense.generate(idx[:, :8], 8, temperature=0, return_logits=True, fast=False)
+    for compile in (False, True):
+        got_tokens, got_logits = quant.generate(
+            idx[:, :8].to(DEVICE), 8, temperature=0, return_logits=True, compile=compile
+        )
+        assert torch.equal(got_tokens.cpu(), tokens)
+        torch.testing.assert_close(got_logits.cpu(), logits, rtol=1e-4, atol=1e-4 * float(logits.abs().max()))
+    clean, corrupted, metric = idx[0, :10], prompt(10, seed=1)[0], logit_diff(5, 7)
+    want = attribution_patching(dense, clean, corrupted, metric, "resid_pre")
+    got = attribution_patching(quant, clean.to(DEVICE), corrupted.to(DEVICE), metric, "resid_pre").cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
