@@ -3,6 +3,7 @@ choices that follow it: every op of a training step recorded in its dtype (a Tor
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -250,3 +251,41 @@ def test_attnlab_linear_is_nn_linear_with_the_same_state_and_output() -> None:
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x))
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)  # with gradients: the same kernel
+
+
+# Run twice on one fresh inductor cache: compiled products (a torch.compile with attnlab's options, and a
+# quantized format's one-row product compiled ahead) against the same sums uncompiled.
+_ISA_PROBE = """
+import sys, torch
+from attnlab import hardware, quantized
+g = torch.Generator().manual_seed(0)
+fields = {"d": (torch.rand(300, 18, generator=g) / 8).half(), "m": (-torch.rand(300, 18, generator=g) / 8).half(),
+          "qs": torch.randint(0, 256, (300, 18, 16), dtype=torch.uint8, generator=g)}
+x = torch.randn(18, 32, generator=g)
+matvec = quantized.FORMATS["Q4_1"].matvec
+want = matvec(fields, x)
+compiled = torch.compile(matvec, dynamic=False, options=hardware.compile_options())
+ahead = quantized._compile_ahead(matvec, fields, 32)
+scale = float(want.abs().max())
+print(hardware.compile_options()["cpp.simdlen"], float((compiled(fields, x) - want).abs().max()) / scale,
+      float((ahead(fields, x) - want).abs().max()) / scale)
+"""
+
+
+@pytest.mark.slow
+def test_compiled_code_is_right_when_the_cache_was_filled_on_another_vector_unit(tmp_path):
+    """Inductor's on-disk cache does not key CPU code by the vector unit: without
+    :func:`hardware.compile_options` a process told ``ATEN_CPU_CAPABILITY=default`` (scalar) would be handed
+    the code a process with AVX-512 cached (written for 16 floats a vector) and fail to build it (told AVX2,
+    it builds it and sums wrongly). (On an AVX2-only CPU the code cached first is 8 floats wide, as the
+    scalar build's vectors: the test can fail only where the first process has a wider unit.)"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = []
+    for told in ({}, {"ATEN_CPU_CAPABILITY": "default"}):
+        out = subprocess.run(
+            [sys.executable, "-c", _ISA_PROBE], env={**env, **told}, capture_output=True, text=True, check=True
+        )
+        width, *errors = out.stdout.split()
+        runs.append(int(width))
+        assert all(float(e) <= 1e-5 for e in errors), (told, out.stdout)
+    assert runs[1] == 1 and runs[0] in (1, 128, 256, 512)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from attnlab import hardware
 from attnlab.attention import SlotCache
 from attnlab.checks import autocast_on, check_model_logits
 
@@ -143,8 +144,11 @@ _COMPILED: dict[Route, Any] = {}
 
 def _compiled_step(route: Route) -> Any:
     if route not in _COMPILED:
-        mode = "reduce-overhead" if route is Route.CUDA_GRAPH else None
-        _COMPILED[route] = torch.compile(_forward_step, mode=mode, dynamic=False)
+        # (torch.compile takes a mode or options: the CUDA graphs' mode, or the options of the CPU's code)
+        if route is Route.CUDA_GRAPH:
+            _COMPILED[route] = torch.compile(_forward_step, mode="reduce-overhead", dynamic=False)
+        else:
+            _COMPILED[route] = torch.compile(_forward_step, dynamic=False, options=hardware.compile_options())
     return _COMPILED[route]
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab import sliding
+from attnlab import hardware, sliding
 from attnlab.checks import (
     broadcast_shape,
     check_attn_mask,
@@ -720,7 +720,7 @@ def _check_flex(query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> 
 def _compiled_flex() -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, options=hardware.compile_options())
 
 
 @functools.lru_cache(maxsize=32)

@@ -28,6 +28,7 @@ import ctypes
 import functools
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,21 @@ def cpu_capability() -> str:
         if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
             return "AVX512-BF16"
     return cap
+
+
+def compile_options() -> dict[str, Any]:
+    """Inductor options for every ``torch.compile`` of attnlab's (and ``standalone_compile``'s
+    ``config_patches``): the CPU's vector width, named (``cpp.simdlen``: 512 for AVX-512, 256 for AVX2).
+
+    Inductor's on-disk cache of compiled graphs does not key its CPU code by the vector unit: a cache
+    filled by a process with AVX-512 (code written for 16 floats a vector) hands that code to a process
+    on AVX2, which builds it for 8, and its sums come out wrong (a machine told
+    ``ATEN_CPU_CAPABILITY=avx2``, a cache shared by two machines; told ``default``, the build fails). A
+    named width is part of the key.
+    Imports the compiler: call it where compiling starts."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": pick_vec_isa().bit_width() or 1}  # (1: scalar code, where inductor uses no vector unit)
 
 
 @functools.cache

@@ -895,7 +895,8 @@ def _compile_ahead(fn: Callable[..., Tensor], fields: dict[str, Tensor], x_width
     from torch._inductor import standalone_compile  # (the compiler, imported once compiling pays)
 
     program = torch.export.export(Program(), tuple(example), dynamic_shapes=(tuple(dims),))  # (one entry: *args)
-    compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph")
+    options = {"config_patches": hardware.compile_options()}
+    compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph", options=options)
 
     def call(fields: dict[str, Tensor], *x: Tensor) -> Tensor:
         return compiled(*(fields[n] for n in names), *x)[0]

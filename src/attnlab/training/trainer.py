@@ -596,7 +596,7 @@ class Trainer:
 
             self.model = DDP(self.raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.cfg.compile:
-            self.model = torch.compile(self.model)
+            self.model = torch.compile(self.model, options=hardware.compile_options())
         dtype, device_type = autocast_dtype(self.cfg.precision, self.device), self.device.type
         self.autocast = (
             (lambda: torch.autocast(device_type=device_type, dtype=dtype)) if dtype else contextlib.nullcontext
