@@ -18,8 +18,10 @@ the trainer's first line and the benchmarks' headers.
 
 One fact of the CPU runtime too: several threads that each ran torch keep a team of OpenMP workers
 each, which slows every thread's parallel loops where they outnumber the CPUs;
-:func:`release_openmp_threads` lets a thread's team go. And one choice of kernel: :func:`linear`, a
+:func:`release_openmp_threads` lets a thread's team go. One choice of kernel: :func:`linear`, a
 float32 matmul by oneDNN rather than MKL where nothing needs its gradient and the CPU is not Intel's.
+And what every compile names, the CPU's vector width (:func:`compile_options`): inductor's cache would
+otherwise hand code built for one vector unit to another.
 """
 
 from __future__ import annotations
