@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 
 import gguf_files  # noqa: E402
-from attnlab import GPT  # noqa: E402
+from attnlab import GPT, hardware  # noqa: E402
 from attnlab import quantized as q  # noqa: E402
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats():
     parts = [QuantizedTensor.from_blocks(t, r, (len(r), 256)) for t, r in zip(("Q4_1", "Q8_0"), raws, strict=True)]
     w = torch.cat(parts)
     dense = torch.cat([reference(raws[0], "Q4_1"), reference(raws[1], "Q8_0")])  # (40, 256)
-    step = torch.compile(F.linear, fullgraph=True, dynamic=False)
+    step = torch.compile(F.linear, fullgraph=True, dynamic=False, options=hardware.compile_options())
     for rows in (1, 2):
         x = torch.randn(rows, 256)
         want = x.double() @ dense.T
@@ -470,7 +470,9 @@ def test_run_with_cache_and_attribution_patching_on_the_quantized_model(q4k):
     metric = logit_diff(5, 7)
     est_q = attribution_patching(quant, clean, corrupted, metric, "resid_pre")
     est_d = attribution_patching(dense, clean, corrupted, metric, "resid_pre")
-    assert torch.allclose(est_q, est_d, rtol=1e-4, atol=1e-4 * float(est_d.abs().max()))
+    # (gradients of a logit difference: float32's rounding, in the order oneDNN's tiles sum on CPUs other
+    # than Intel's, reaches 2.4e-4 of the largest estimate; a wrong gradient is off by its whole size)
+    assert torch.allclose(est_q, est_d, rtol=1e-3, atol=1e-3 * float(est_d.abs().max()))
     act_q = activation_patching(quant, clean, corrupted, metric, "resid_pre")
     act_d = activation_patching(dense, clean, corrupted, metric, "resid_pre")
     assert torch.allclose(act_q, act_d, rtol=1e-4, atol=1e-4 * float(act_d.abs().max()))
