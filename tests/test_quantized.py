@@ -69,13 +69,39 @@ def test_the_one_row_product_is_the_gguf_packages_weights_times_the_row(qtype):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+EIGHT_LANES = [t for t in QTYPES if FORMATS[t].matvec8 is not None]
+
+
+@pytest.mark.parametrize("qtype", EIGHT_LANES)
+def test_the_one_row_product_for_eight_lanes_is_the_gguf_packages_weights_times_the_row(qtype):
+    """The one-row product written for 8-lane vector units (AVX2: the packed bytes read as int32
+    words, ``x`` reordered to match), run eagerly, against float64."""
+    raw = blocks(qtype, 40, 512)
+    part = QuantizedTensor.from_blocks(qtype, raw, (40, 512)).parts[0]
+    x = torch.randn(512)
+    want = reference(raw, qtype) @ x.double()  # (40,)
+    fmt = FORMATS[qtype]
+    got = fmt.matvec8(q._as_words(part.fields, fmt.words), x.view(-1, fmt.block))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def written_for(monkeypatch, lanes: str) -> None:
+    """Make the compiled one-row products those written for ``lanes`` ("eight": AVX2's, read as words;
+    "any": the other vector units'), whatever this CPU's vector unit (the code is compiled for it)."""
+    if lanes == "eight":
+        monkeypatch.setattr(hardware, "compiled_vector_bits", lambda: 256)
+    monkeypatch.setattr(q, "_AHEAD", {})  # (nothing compiled for the other formulation is reused)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, qtype):
+@pytest.mark.parametrize(("qtype", "lanes"), [(t, "any") for t in QTYPES] + [(t, "eight") for t in EIGHT_LANES])
+def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, qtype, lanes):
     """Each format's one-row product is compiled once (``quantized._compile_ahead``) for any number of
     rows and blocks: weights of two shapes through the same code, against float64; a weight of one row
-    (which that code does not take) by the uncompiled sum, exact too."""
+    (which that code does not take) by the uncompiled sum, exact too. Both formulations: the one for
+    8-lane vector units (where the format has one) and the others'."""
+    written_for(monkeypatch, lanes)
     monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     monkeypatch.setattr(q, "COMPILE_MIN_ELEMENTS", 0)
     compiled = []
@@ -97,9 +123,12 @@ def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, 
 
 
 @pytest.mark.slow
-def test_the_compiled_one_row_product_of_rows_in_two_formats():
+@pytest.mark.parametrize("lanes", ["any", "eight"])
+def test_the_compiled_one_row_product_of_rows_in_two_formats(monkeypatch, lanes):
     """F.linear compiled on one row of a weight whose rows are Q4_1 then Q8_0 (as a fused projection
-    can be): each part's sum, concatenated, against float64; two rows take the dense product."""
+    can be): each part's sum, concatenated, against float64; two rows take the dense product. Both
+    formulations of the sums (see above)."""
+    written_for(monkeypatch, lanes)
     raws = blocks("Q4_1", 24, 256), blocks("Q8_0", 16, 256, seed=1)
     parts = [QuantizedTensor.from_blocks(t, r, (len(r), 256)) for t, r in zip(("Q4_1", "Q8_0"), raws, strict=True)]
     w = torch.cat(parts)

@@ -166,9 +166,21 @@ def compile_options() -> dict[str, Any]:
     ``ATEN_CPU_CAPABILITY=avx2``, a cache shared by two machines; told ``default``, the build fails). A
     named width is part of the key.
     Imports the compiler: call it where compiling starts."""
+    global _simdlen
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    return {"cpp.simdlen": pick_vec_isa().bit_width() or 1}  # (1: scalar code, where inductor uses no vector unit)
+    _simdlen = pick_vec_isa().bit_width() or 1  # (1: scalar code, where inductor uses no vector unit)
+    return {"cpp.simdlen": _simdlen}
+
+
+_simdlen: int | None = None
+
+
+def compiled_vector_bits() -> int | None:
+    """The vector width in bits that :func:`compile_options` named (the code attnlab's compiles make),
+    None before it was first called: what code written for one vector unit checks, cheaply, even while
+    ``torch.compile`` traces it."""
+    return _simdlen
 
 
 @functools.cache

@@ -16,8 +16,9 @@ the blocks instead and computes with them:
   loop once compiling pays: see :data:`COMPILE_AFTER_S`) and multiplies it with oneDNN/MKL's matmul,
   so only one tile is ever dense; a one-row product (a decoding step) is each format's sum over its
   packed fields, which inductor turns into one loop over the bytes (fewer bytes read per token than a
-  float32 weight's): inside a compiled step, and uncompiled as a compiled function of its own once the
-  process has decoded long enough to pay for compiling it (the tiles until then). ``F.embedding(ids, w)``
+  float32 weight's; for AVX2's 8 float lanes, the bytes read as 32-bit words: ``Format.matvec8``):
+  inside a compiled step, and uncompiled as a compiled function of its own once the process has
+  decoded long enough to pay for compiling it (the tiles until then). ``F.embedding(ids, w)``
   dequantizes the rows looked up.
 * In bfloat16 (``model.to(torch.bfloat16)``: a generation path of its own) the 4-bit formats (Q4_0,
   Q4_1, Q4_K) compute with torch's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), eager
@@ -87,6 +88,8 @@ class Format:
             sum over the packed fields, for ``torch.compile``.
         tile: ``dequantize`` written for ``torch.compile``, the same numbers (None: the format's tiles
             stay eager).
+        matvec8: ``matvec`` for vector units of 8 float lanes (AVX2), its fields named in ``words`` read
+            as int32 words (None: ``matvec`` there too).
     """
 
     name: str
@@ -96,6 +99,8 @@ class Format:
     dequantize: Callable[[dict[str, Tensor]], Tensor]
     matvec: Callable[[dict[str, Tensor], Tensor], Tensor]
     tile: Callable[[dict[str, Tensor]], Tensor] | None = None
+    matvec8: Callable[[dict[str, Tensor], Tensor], Tensor] | None = None
+    words: tuple[str, ...] = ()
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -369,6 +374,107 @@ def _mv_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return total
 
 
+# The one-row products for vector units of 8 float lanes (AVX2). There inductor loads a block's 16 or 32
+# bytes into 8 lanes by a partial vector load (a copy through memory), which costs several times the
+# product's arithmetic. These read the packed bytes as 32-bit words instead (the fields in ``Format.words``,
+# viewed as int32): 8 words of a block a vector load, or one word broadcast and shifted by 8 amounts at once.
+# ``x`` is reordered once to the order the words' bits come out in.
+def _iota(n: int, like: Tensor) -> Tensor:
+    return torch.arange(n, dtype=torch.int32, device=like.device)
+
+
+def _reordered(x: Tensor, index: Tensor) -> Tensor:
+    """``x (nb, block)`` as ``(nb, *index.shape)``: ``x[:, index]``, computed into a buffer of its own under
+    the compiler (inlined, it would be a gather inside the product's loop, element by element)."""
+    x = x[:, index.long()]
+    return _realized(x) if torch.compiler.is_compiling() and not x.requires_grad else x
+
+
+def _nibble_words(w: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """A block's 16 bytes of nibbles as ``w (R, nb, 4)`` int32 words: ``(nibbles (R, nb, 4, 8) float32,
+    x (nb, 4, 8))``, nibble ``j`` of word ``k`` being weight ``16 (j % 2) + 4k + j // 2`` (low nibbles first)."""
+    k, j = _iota(4, x)[:, None], _iota(8, x)
+    return ((w.unsqueeze(-1) >> 4 * j) & 15).float(), _reordered(x, 16 * (j % 2) + 4 * k + j // 2)
+
+
+def _mv8_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    b, k = _iota(4, x)[:, None], _iota(8, x)
+    xs = _reordered(x, 4 * k + b)  # (nb, 4, 8): byte b of word k is weight 4k + b
+    q = ((f["qs"].unsqueeze(-2) << 24 - 8 * b) >> 24).float()  # (R, nb, 4, 8): byte b to the top, then back, signed
+    return (q * (f["d"].float()[..., None, None] * xs)).sum((1, 2, 3))
+
+
+def _mv8_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    d = f["d"].float()  # (R, nb)
+    q, xs = _nibble_words(f["qs"], x)
+    return (q * (d[..., None, None] * xs)).sum((1, 2, 3)) - 8 * (d * x.sum(-1)).sum(-1)
+
+
+def _mv8_q4_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    q, xs = _nibble_words(f["qs"], x)
+    scaled = (q * (f["d"].float()[..., None, None] * xs)).sum((1, 2, 3))
+    return scaled + (f["m"].float() * x.sum(-1)).sum(-1)
+
+
+def _mv8_q5(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    """``d * (q . x)`` of Q5_0's and Q5_1's five-bit ``q``: the nibbles, and bit i of the word ``qh`` times 16."""
+    d = f["d"].float()  # (R, nb)
+    q, xs = _nibble_words(f["qs"], x)
+    k, j = _iota(4, x)[:, None], _iota(8, x)
+    high = (f["qh"].unsqueeze(-1) >> 16 * (j % 2) + 4 * k + j // 2) & 1  # (R, nb, 4, 8): qh (R, nb, 1)
+    return ((q + 16 * high.float()) * (d[..., None, None] * xs)).sum((1, 2, 3))
+
+
+def _mv8_q5_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _mv8_q5(f, x) - 16 * (f["d"].float() * x.sum(-1)).sum(-1)
+
+
+def _mv8_q5_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _mv8_q5(f, x) + (f["m"].float() * x.sum(-1)).sum(-1)
+
+
+def _k_nibbles(f: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q4_K's and Q5_K's ``qs (R, nb, 32)`` words: ``(nibbles (R, nb, g, b, h, k), x (nb, g, b, h, k), the
+    sub-blocks' scales and mins (R, nb, g, 1, h, 1))``. Group g is 32 bytes (8 words k), byte b of word k
+    holds weight 4k + b of sub-block 2g (its low nibble, h = 0) and of 2g + 1 (high, h = 1)."""
+    g, b, h, k = _iota(4, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(2, x)[:, None], _iota(8, x)
+    xs = _reordered(x, 64 * g + 32 * h + 4 * k + b)  # (nb, 4, 4, 2, 8)
+    w = f["qs"].unflatten(-1, (4, 8))[:, :, :, None, None, :]  # (R, nb, g, 1, 1, k)
+    q = ((w >> 8 * b + 4 * h) & 15).float()  # (R, nb, g, b, h, k)
+    scale = (f["d"].float().unsqueeze(-1) * f["sc"].float()).unflatten(-1, (4, 2))  # (R, nb, g, h)
+    mins = (f["dmin"].float().unsqueeze(-1) * f["m"].float()).unflatten(-1, (4, 2))  # (R, nb, g, h)
+    return q, xs, scale[:, :, :, None, :, None], mins[:, :, :, None, :, None]
+
+
+# (Each weight dequantized inside the loop, ``q * scale - min``: the mins' sum as a pass of its own
+# would read their bytes 8 to a vector, a partial load again.)
+def _mv8_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    q, xs, scale, mins = _k_nibbles(f, x)
+    return ((q * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+
+
+def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # The fifth bit of sub-block s's weight i is bit s of byte i of qh: of word k, bit 8b + s.
+    q, xs, scale, mins = _k_nibbles(f, x)
+    g, b, h = _iota(4, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(2, x)[:, None]
+    high = (f["qh"][:, :, None, None, None, :] >> 8 * b + 2 * g + h) & 1  # (R, nb, g, b, h, k)
+    return (((q + 16 * high.float()) * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+
+
+def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Weight 128h + 32j + 4k + b (j = 2 jh + jm): low four bits from bits 8b + 4 jh of ql's word (h, jm, k),
+    # high two from bits 8b + 2j of qh's word (h, k); its sub-block 8h + 2j + k // 4.
+    jh, jm = _iota(2, x)[:, None, None, None], _iota(2, x)[:, None, None]
+    b, k = _iota(4, x)[:, None], _iota(8, x)
+    xs = _reordered(x, 128 * _iota(2, x)[:, None, None, None, None] + 32 * (2 * jh + jm) + 4 * k + b)
+    ql = f["ql"].unflatten(-1, (2, 2, 8))[:, :, :, None, :, None, :]  # (R, nb, h, 1, jm, 1, k)
+    qh = f["qh"].unflatten(-1, (2, 8))[:, :, :, None, None, None, :]  # (R, nb, h, 1, 1, 1, k)
+    q = ((ql >> 8 * b + 4 * jh) & 15) | (((qh >> 8 * b + 4 * jh + 2 * jm) & 3) << 4)  # (R, nb, h, jh, jm, b, k)
+    s = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 2, 2, 2))  # (R, nb, h, jh, jm, k // 4)
+    scale = torch.where(k < 4, s[..., :1], s[..., 1:]).unsqueeze(-2)  # (R, nb, h, jh, jm, 1, k)
+    return ((q.float() - 32) * (scale * xs)).sum((1, 2, 3, 4, 5, 6))
+
+
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """A splitter of blocks into fields ``(name, bytes, kind)``, kind ``f16``, ``u8`` or ``i8``."""
 
@@ -417,12 +523,42 @@ FORMATS: dict[str, Format] = {
         Format("F16", 1, 2, _split_dense(np.float16), _dense, _mv_dense),
         # (BF16: int16 in numpy, viewed as bfloat16 in torch)
         Format("BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense),
-        Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0),
-        Format("Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0, _tile_q4_0),
-        Format("Q4_1", 32, 20, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")), _q4_1, _mv_q4_1, _tile_q4_1),
-        Format("Q5_0", 32, 22, _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_0, _mv_q5_0),
+        Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0, None, _mv8_q8_0, ("qs",)),
         Format(
-            "Q5_1", 32, 24, _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")), _q5_1, _mv_q5_1
+            "Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0, _tile_q4_0, _mv8_q4_0, ("qs",)
+        ),
+        Format(
+            "Q4_1",
+            32,
+            20,
+            _split(("d", 2, "f16"), ("m", 2, "f16"), ("qs", 16, "u8")),
+            _q4_1,
+            _mv_q4_1,
+            _tile_q4_1,
+            _mv8_q4_1,
+            ("qs",),
+        ),
+        Format(
+            "Q5_0",
+            32,
+            22,
+            _split(("d", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")),
+            _q5_0,
+            _mv_q5_0,
+            None,
+            _mv8_q5_0,
+            ("qs", "qh"),
+        ),
+        Format(
+            "Q5_1",
+            32,
+            24,
+            _split(("d", 2, "f16"), ("m", 2, "f16"), ("qh", 4, "u8"), ("qs", 16, "u8")),
+            _q5_1,
+            _mv_q5_1,
+            None,
+            _mv8_q5_1,
+            ("qs", "qh"),
         ),
         Format(
             "Q2_K",
@@ -433,8 +569,8 @@ FORMATS: dict[str, Format] = {
             _mv_q2_k,
         ),
         Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k),
-        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k, _tile_q4_k),
-        Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k),
+        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k, _tile_q4_k, _mv8_q4_k, ("qs",)),
+        Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k, None, _mv8_q5_k, ("qs", "qh")),
         Format(
             "Q6_K",
             QK_K,
@@ -442,6 +578,9 @@ FORMATS: dict[str, Format] = {
             _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")),
             _q6_k,
             _mv_q6_k,
+            None,
+            _mv8_q6_k,
+            ("ql", "qh"),
         ),
     )
 }
@@ -812,6 +951,19 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
+def _one_row(format: Format, compiling: bool) -> tuple[Callable[..., Tensor], tuple[str, ...]]:
+    """``format``'s one-row product and the fields it reads as words: ``matvec8`` for code compiled for 8
+    float lanes (AVX2; ``compiling``: code made now), else ``matvec``."""
+    if compiling and format.matvec8 is not None and hardware.compiled_vector_bits() == 256:
+        return format.matvec8, format.words
+    return format.matvec, ()
+
+
+def _as_words(fields: dict[str, Tensor], words: tuple[str, ...]) -> dict[str, Tensor]:
+    """``fields`` with those named in ``words`` viewed as int32 (their last dim a quarter as long)."""
+    return {n: t.view(torch.int32) if n in words else t for n, t in fields.items()} if words else fields
+
+
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     """``x (..., in)`` holding one row ``@ w.T -> (..., out)``, each part by its format's ``matvec`` (compiled
     ahead with ``compiled``: see below). Kept lean: uncompiled, it runs for every product of a decoding step."""
@@ -822,8 +974,11 @@ def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
     outs = []
     for p in w.parts:
         x_blocks = row.view(-1, FORMATS[p.format].block)  # (blocks, block)
-        run = _ahead("matvec", p) if compiled and _fits(p.fields) else FORMATS[p.format].matvec
-        outs.append(run(p.fields, x_blocks))
+        if compiled and _fits(p.fields):
+            outs.append(_ahead("matvec", p)(p.fields, x_blocks))
+        else:
+            matvec, words = _one_row(FORMATS[p.format], torch.compiler.is_compiling())
+            outs.append(matvec(_as_words(p.fields, words), x_blocks))
     y = outs[0] if len(outs) == 1 else torch.cat(outs)  # (out,)
     y = y.view(*x.shape[:-1], y.shape[0])
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -868,24 +1023,34 @@ def _compile_failed(e: Exception, what: str) -> None:
     _compiler_works = False
 
 
-def _compile_ahead(fn: Callable[..., Tensor], fields: dict[str, Tensor], x_width: int | None) -> Callable[..., Tensor]:
+def _compile_ahead(
+    fn: Callable[..., Tensor],
+    fields: dict[str, Tensor],
+    x_width: int | None,
+    words: tuple[str, ...] = (),
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Tensor]:
     """``fn(fields)`` (``x_width``: ``fn(fields, x (blocks, x_width))``) compiled once by inductor for every
     number of rows and blocks (the fields' first two dims, ``x``'s first; ``fields`` gives their dtypes
-    and other dims, not their values), and called without guards.
+    and other dims, not their values), and called without guards; the fields named in ``words`` reach
+    ``fn`` as int32 words (:func:`_as_words`).
 
     Not ``torch.compile``: each of its calls first checks its guards on every input, some 20 us, as long
     as a small matrix's one-row product itself, and a decoding step makes over a hundred of them. Here
     ``torch.export`` traces ``fn`` and inductor compiles the graph (``standalone_compile``: the code
     ``torch.compile`` would make, its inputs' sizes and strides asserted instead of guarded); :func:`_fits`
     says which inputs it takes."""
-    names = tuple(fields)
+    names, fields = tuple(fields), _as_words(fields, words)
     rows, blocks = torch.export.Dim("rows", min=2), torch.export.Dim("blocks", min=2)
     # The example's sizes are inductor's hints (tiny ones make slower loops) and must differ from every
     # fixed size of the fields (16, 32, 256, ...): torch.export would take an equal size for that one.
-    example = [torch.zeros(1009, 19, *t.shape[2:], dtype=t.dtype) for t in fields.values()]
+    # A row's sum of more than 4096 terms at the hint would be a cascade summation, a few times slower per
+    # term, and not needed here (each vector lane sums a few thousand terms at most): 15 super-blocks.
+    n_blocks = 19 if x_width is None or 19 * x_width <= 4096 else 15
+    example = [torch.zeros(1009, n_blocks, *t.shape[2:], dtype=t.dtype) for t in fields.values()]
     dims: list[dict[int, Any]] = [{0: rows, 1: blocks}] * len(names)
     if x_width is not None:
-        example.append(torch.zeros(19, x_width))
+        example.append(torch.zeros(n_blocks, x_width))
         dims.append({0: blocks})
 
     class Program(torch.nn.Module):  # (what torch.export traces)
@@ -895,11 +1060,11 @@ def _compile_ahead(fn: Callable[..., Tensor], fields: dict[str, Tensor], x_width
     from torch._inductor import standalone_compile  # (the compiler, imported once compiling pays)
 
     program = torch.export.export(Program(), tuple(example), dynamic_shapes=(tuple(dims),))  # (one entry: *args)
-    options = {"config_patches": hardware.compile_options()}
+    options = {"config_patches": options or hardware.compile_options()}
     compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph", options=options)
 
     def call(fields: dict[str, Tensor], *x: Tensor) -> Tensor:
-        return compiled(*(fields[n] for n in names), *x)[0]
+        return compiled(*(fields[n].view(torch.int32) if n in words else fields[n] for n in names), *x)[0]
 
     return call
 
@@ -922,8 +1087,12 @@ def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
         with _AHEAD_LOCK:
             if key not in _AHEAD:
                 format = FORMATS[part.format]
-                x_width = format.block if what == "matvec" else None
-                _AHEAD[key] = _compile_ahead(getattr(format, what), part.fields, x_width)
+                options = hardware.compile_options()  # (before _one_row: it reads the vector width named)
+                if what == "matvec":
+                    fn, words = _one_row(format, compiling=True)
+                    _AHEAD[key] = _compile_ahead(fn, part.fields, format.block, words, options)
+                else:
+                    _AHEAD[key] = _compile_ahead(format.tile, part.fields, None, options=options)
             code = _AHEAD[key]
     return code
 
