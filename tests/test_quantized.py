@@ -98,15 +98,17 @@ def written_for(monkeypatch, lanes: str) -> None:
 @pytest.mark.parametrize(("qtype", "lanes"), [(t, "any") for t in QTYPES] + [(t, "eight") for t in EIGHT_LANES])
 def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, qtype, lanes):
     """Each format's one-row product is compiled once (``quantized._compile_ahead``) for any number of
-    rows and blocks: weights of two shapes through the same code, against float64; a weight of one row
-    (which that code does not take) by the uncompiled sum, exact too. Both formulations: the one for
-    8-lane vector units (where the format has one) and the others'."""
+    rows and blocks (once more for an odd number: the 32-weight formats sum an even one in two halves):
+    weights of three shapes through the compiled code, against float64; a weight of one row (which that
+    code does not take) by the uncompiled sum, exact too. Both formulations: the one for 8-lane vector
+    units (where the format has one) and the others'."""
     written_for(monkeypatch, lanes)
     monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     monkeypatch.setattr(q, "COMPILE_MIN_ELEMENTS", 0)
     compiled = []
     monkeypatch.setattr(q, "_ahead", lambda what, part, ahead=q._ahead: compiled.append(part.rows) or ahead(what, part))
-    for rows, cols in ((40, 512), (7, 1024), (1, 512)):
+    odd = 3 * max(FORMATS[qtype].block, 32)  # an odd number of blocks (the others' code: see quantized._row_sums)
+    for rows, cols in ((40, 512), (7, 1024), (5, odd), (1, 512)):
         raw = blocks(qtype, rows, cols, seed=rows)
         w = QuantizedTensor.from_blocks(qtype, raw, (rows, cols))
         x = torch.randn(1, cols, generator=torch.Generator().manual_seed(rows))
@@ -118,8 +120,8 @@ def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, 
         # row's single output can exceed many times)
         scale = float((x.double().abs() @ dense.abs().T).max())
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * scale)
-    assert compiled == [40, 7]
-    assert ("matvec", qtype) in q._AHEAD
+    assert compiled == [40, 7, 5]
+    assert {key[:2] for key in q._AHEAD} == {("matvec", qtype)}
 
 
 @pytest.mark.slow

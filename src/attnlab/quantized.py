@@ -263,13 +263,30 @@ def _tile_q4_k(f: dict[str, Tensor]) -> Tensor:
 # ones) would make every weight a gather, which inductor's CPU code does not vectorize. Each scale goes
 # onto ``x``'s slice before the product, so that a row's whole sum is one reduction (a reduction per
 # block of 16 or 32 would end every block in a horizontal sum).
-def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor, hi_scale: Tensor) -> Tensor:
+def _row_sums(t: Tensor) -> Tensor:
+    """``t (R, nb, ...)`` summed over all but its first dim; compiled, the terms of the blocks' first and
+    second halves are added first, so that each iteration of inductor's loop reads two places of a row
+    at once. The loops do much arithmetic per byte, so few of their reads from memory are in flight at
+    a time: two streams a row read it about twice as fast from memory (and as fast from the caches)."""
+    dims, n = tuple(range(1, t.dim())), t.shape[1]
+    # (paired for an even count of 4 or more: a fixed one, or where _compile_ahead traces for such counts;
+    # only the formats of 32 weights a block use it: the K-quants' loops, longer, came out slower paired)
+    paired = n % 2 == 0 and n >= 4 if isinstance(n, int) else _tracing_even_blocks
+    if not (torch.compiler.is_compiling() and paired):
+        return t.sum(dims)
+    return (t[:, : n // 2] + t[:, n // 2 :]).sum(dims)
+
+
+_tracing_even_blocks = False  # set while _compile_ahead traces code for even counts of blocks (under _AHEAD_LOCK)
+
+
+def _nibble_dot(qs: Tensor, x: Tensor, lo_scale: Tensor, hi_scale: Tensor, pair: bool = True) -> Tensor:
     """``qs (R, ..., n)`` bytes, ``x (..., 2n)``, scales ``(R, ...)`` -> ``(R,)``: the sum over every block
     of ``lo_scale * (low nibbles . x[:n]) + hi_scale * (high nibbles . x[n:])``."""
     n = qs.shape[-1]
     lo = (qs & 0x0F).float() * (lo_scale.unsqueeze(-1) * x[..., :n])
     hi = (qs >> 4).float() * (hi_scale.unsqueeze(-1) * x[..., n:])
-    return (lo + hi).sum(tuple(range(1, lo.dim())))  # (a flattened view would make inductor gather)
+    return _row_sums(lo + hi) if pair else (lo + hi).sum(tuple(range(1, lo.dim())))  # (flattened: a gather)
 
 
 def _mv_dense(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -279,7 +296,7 @@ def _mv_dense(f: dict[str, Tensor], x: Tensor) -> Tensor:
 def _mv_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Each block as two halves of 16: inductor loads 16 bytes at once into a vector of 16 floats' width.
     qs, x = f["qs"].unflatten(-1, (2, 16)), x.unflatten(-1, (2, 16))  # (R, nb, 2, 16), (nb, 2, 16)
-    return (qs.float() * (f["d"].float()[..., None, None] * x)).sum((-3, -2, -1))  # sum of q * (d x)
+    return _row_sums(qs.float() * (f["d"].float()[..., None, None] * x))  # sum of q * (d x)
 
 
 def _mv_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -327,7 +344,7 @@ def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Sub-blocks 2g and 2g + 1 of 32 weights are the low and high nibbles of the same 32 bytes.
     scale = (f["d"].float().unsqueeze(-1) * f["sc"].float()).unflatten(-1, (4, 2))  # (R, nb, 4, 2)
     q = f["qs"].unflatten(-1, (4, 32))  # (R, nb, 4, 32)
-    scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), scale[..., 0], scale[..., 1])  # (R,)
+    scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), scale[..., 0], scale[..., 1], pair=False)  # (R,)
     mins = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # (R, nb, 8)
     return scaled - (mins * x.unflatten(-1, (8, 32)).sum(-1)).sum((-2, -1))  # d * sc * q - dmin * m
 
@@ -336,7 +353,7 @@ def _mv_q5(f: dict[str, Tensor], x: Tensor) -> Tensor:
     """``d * (q . x)`` of Q5_0's and Q5_1's five-bit ``q``: the nibbles, and bit i of ``qh`` times 16."""
     d = f["d"].float()  # (R, nb)
     bits = (f["qh"].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=x.device)) & 1  # (R, nb, 4, 8)
-    high = (bits.float() * (d[..., None, None] * x.unflatten(-1, (4, 8)))).sum((1, 2, 3))
+    high = _row_sums(bits.float() * (d[..., None, None] * x.unflatten(-1, (4, 8))))
     return _nibble_dot(f["qs"], x, d, d) + 16 * high
 
 
@@ -401,18 +418,18 @@ def _mv8_q8_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
     b, k = _iota(4, x)[:, None], _iota(8, x)
     xs = _reordered(x, 4 * k + b)  # (nb, 4, 8): byte b of word k is weight 4k + b
     q = ((f["qs"].unsqueeze(-2) << 24 - 8 * b) >> 24).float()  # (R, nb, 4, 8): byte b to the top, then back, signed
-    return (q * (f["d"].float()[..., None, None] * xs)).sum((1, 2, 3))
+    return _row_sums(q * (f["d"].float()[..., None, None] * xs))
 
 
 def _mv8_q4_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
     d = f["d"].float()  # (R, nb)
     q, xs = _nibble_words(f["qs"], x)
-    return (q * (d[..., None, None] * xs)).sum((1, 2, 3)) - 8 * (d * x.sum(-1)).sum(-1)
+    return _row_sums(q * (d[..., None, None] * xs)) - 8 * (d * x.sum(-1)).sum(-1)
 
 
 def _mv8_q4_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
     q, xs = _nibble_words(f["qs"], x)
-    scaled = (q * (f["d"].float()[..., None, None] * xs)).sum((1, 2, 3))
+    scaled = _row_sums(q * (f["d"].float()[..., None, None] * xs))
     return scaled + (f["m"].float() * x.sum(-1)).sum(-1)
 
 
@@ -422,7 +439,7 @@ def _mv8_q5(f: dict[str, Tensor], x: Tensor) -> Tensor:
     q, xs = _nibble_words(f["qs"], x)
     k, j = _iota(4, x)[:, None], _iota(8, x)
     high = (f["qh"].unsqueeze(-1) >> 16 * (j % 2) + 4 * k + j // 2) & 1  # (R, nb, 4, 8): qh (R, nb, 1)
-    return ((q + 16 * high.float()) * (d[..., None, None] * xs)).sum((1, 2, 3))
+    return _row_sums((q + 16 * high.float()) * (d[..., None, None] * xs))
 
 
 def _mv8_q5_0(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -461,6 +478,37 @@ def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return (((q + 16 * high.float()) * scale - mins) * xs).sum((1, 2, 3, 4, 5))
 
 
+def _by_half(s: Tensor, k: Tensor) -> Tensor:
+    """Per-sub-block values ``s (..., 2)`` of the two halves of 16 weights, spread over the 8 words
+    ``k (8,)`` of 32 bytes (words 0-3: the first half): ``(..., 8)``."""
+    return torch.where(k < 4, s[..., :1], s[..., 1:])
+
+
+def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # Weight 128h + 32s + 4k + b: bits 8b + 2s of qs's word (h, k), in sub-block 8h + 2s + k // 4, whose
+    # scale and min are the low and high nibble of its byte of ``scales``.
+    h, s, b, k = _iota(2, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(4, x)[:, None], _iota(8, x)
+    xs = _reordered(x, 128 * h + 32 * s + 4 * k + b)  # (nb, h, s, b, k)
+    w = f["qs"].unflatten(-1, (2, 8))[:, :, :, None, None, :]  # (R, nb, h, 1, 1, k)
+    q = ((w >> 8 * b + 2 * s) & 3).float()  # (R, nb, h, s, b, k)
+    sc = f["scales"].unflatten(-1, (2, 4, 2))  # (R, nb, h, s, k // 4)
+    scale = f["d"].float()[..., None, None, None] * (sc & 0x0F).float()
+    mins = f["dmin"].float()[..., None, None, None] * (sc >> 4).float()
+    scale, mins = _by_half(scale, k).unsqueeze(-2), _by_half(mins, k).unsqueeze(-2)  # (R, nb, h, s, 1, k)
+    return ((q * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+
+
+def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    # As Q2_K's two bits, less 4 where bit 8b + 4h + s of hmask's word k is clear; a signed scale per sub-block.
+    h, s, b, k = _iota(2, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(4, x)[:, None], _iota(8, x)
+    xs = _reordered(x, 128 * h + 32 * s + 4 * k + b)  # (nb, h, s, b, k)
+    w = f["qs"].unflatten(-1, (2, 8))[:, :, :, None, None, :]  # (R, nb, h, 1, 1, k)
+    high = (f["hmask"][:, :, None, None, None, :] >> 8 * b + 4 * h + s) & 1  # (R, nb, h, s, b, k)
+    q = (((w >> 8 * b + 2 * s) & 3) + 4 * high - 4).float()
+    scale = f["d"].float()[..., None, None, None] * f["scales"].float().unflatten(-1, (2, 4, 2))  # (R, nb, h, s, 2)
+    return (q * (_by_half(scale, k).unsqueeze(-2) * xs)).sum((1, 2, 3, 4, 5))
+
+
 def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Weight 128h + 32j + 4k + b (j = 2 jh + jm): low four bits from bits 8b + 4 jh of ql's word (h, jm, k),
     # high two from bits 8b + 2j of qh's word (h, k); its sub-block 8h + 2j + k // 4.
@@ -471,7 +519,7 @@ def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     qh = f["qh"].unflatten(-1, (2, 8))[:, :, :, None, None, None, :]  # (R, nb, h, 1, 1, 1, k)
     q = ((ql >> 8 * b + 4 * jh) & 15) | (((qh >> 8 * b + 4 * jh + 2 * jm) & 3) << 4)  # (R, nb, h, jh, jm, b, k)
     s = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 2, 2, 2))  # (R, nb, h, jh, jm, k // 4)
-    scale = torch.where(k < 4, s[..., :1], s[..., 1:]).unsqueeze(-2)  # (R, nb, h, jh, jm, 1, k)
+    scale = _by_half(s, k).unsqueeze(-2)  # (R, nb, h, jh, jm, 1, k)
     return ((q.float() - 32) * (scale * xs)).sum((1, 2, 3, 4, 5, 6))
 
 
@@ -567,8 +615,11 @@ FORMATS: dict[str, Format] = {
             _split(("scales", 16, "u8"), ("qs", 64, "u8"), ("d", 2, "f16"), ("dmin", 2, "f16")),
             _q2_k,
             _mv_q2_k,
+            None,
+            _mv8_q2_k,
+            ("qs",),
         ),
-        Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k),
+        Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k, None, _mv8_q3_k, ("qs", "hmask")),
         Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k, _tile_q4_k, _mv8_q4_k, ("qs",)),
         Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k, None, _mv8_q5_k, ("qs", "qh")),
         Format(
@@ -1029,6 +1080,7 @@ def _compile_ahead(
     x_width: int | None,
     words: tuple[str, ...] = (),
     options: dict[str, Any] | None = None,
+    paired: bool = False,
 ) -> Callable[..., Tensor]:
     """``fn(fields)`` (``x_width``: ``fn(fields, x (blocks, x_width))``) compiled once by inductor for every
     number of rows and blocks (the fields' first two dims, ``x``'s first; ``fields`` gives their dtypes
@@ -1041,12 +1093,14 @@ def _compile_ahead(
     ``torch.compile`` would make, its inputs' sizes and strides asserted instead of guarded); :func:`_fits`
     says which inputs it takes."""
     names, fields = tuple(fields), _as_words(fields, words)
-    rows, blocks = torch.export.Dim("rows", min=2), torch.export.Dim("blocks", min=2)
+    rows = torch.export.Dim("rows", min=2)
+    # ``paired``: for an even number of blocks, 4 or more, which :func:`_row_sums` reads in two halves.
+    blocks = 2 * torch.export.Dim("half", min=2) if paired else torch.export.Dim("blocks", min=2)
     # The example's sizes are inductor's hints (tiny ones make slower loops) and must differ from every
     # fixed size of the fields (16, 32, 256, ...): torch.export would take an equal size for that one.
     # A row's sum of more than 4096 terms at the hint would be a cascade summation, a few times slower per
-    # term, and not needed here (each vector lane sums a few thousand terms at most): 15 super-blocks.
-    n_blocks = 19 if x_width is None or 19 * x_width <= 4096 else 15
+    # term, and not needed here (each vector lane sums a few thousand terms at most): 14 or 15 super-blocks.
+    n_blocks = (18 if paired else 19) if x_width is None or 19 * x_width <= 4096 else (14 if paired else 15)
     example = [torch.zeros(1009, n_blocks, *t.shape[2:], dtype=t.dtype) for t in fields.values()]
     dims: list[dict[int, Any]] = [{0: rows, 1: blocks}] * len(names)
     if x_width is not None:
@@ -1059,7 +1113,12 @@ def _compile_ahead(
 
     from torch._inductor import standalone_compile  # (the compiler, imported once compiling pays)
 
-    program = torch.export.export(Program(), tuple(example), dynamic_shapes=(tuple(dims),))  # (one entry: *args)
+    global _tracing_even_blocks
+    _tracing_even_blocks = paired
+    try:
+        program = torch.export.export(Program(), tuple(example), dynamic_shapes=(tuple(dims),))  # (one entry: *args)
+    finally:
+        _tracing_even_blocks = False
     options = {"config_patches": options or hardware.compile_options()}
     compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph", options=options)
 
@@ -1080,8 +1139,10 @@ _AHEAD_LOCK = threading.Lock()
 
 
 def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
-    """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process)."""
-    key = (what, part.format)
+    """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process; a
+    ``matvec`` once for an even number of blocks, 4 or more, and once for the others: see :func:`_row_sums`)."""
+    blocks = next(iter(part.fields.values())).shape[1]
+    key = (what, part.format, what == "matvec" and FORMATS[part.format].block == 32 and blocks % 2 == 0 and blocks >= 4)
     code = _AHEAD.get(key)
     if code is None:
         with _AHEAD_LOCK:
@@ -1090,7 +1151,7 @@ def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
                 options = hardware.compile_options()  # (before _one_row: it reads the vector width named)
                 if what == "matvec":
                     fn, words = _one_row(format, compiling=True)
-                    _AHEAD[key] = _compile_ahead(fn, part.fields, format.block, words, options)
+                    _AHEAD[key] = _compile_ahead(fn, part.fields, format.block, words, options, paired=key[2])
                 else:
                     _AHEAD[key] = _compile_ahead(format.tile, part.fields, None, options=options)
             code = _AHEAD[key]
