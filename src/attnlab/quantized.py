@@ -267,7 +267,7 @@ def _row_sums(t: Tensor) -> Tensor:
     """``t (R, nb, ...)`` summed over all but its first dim; compiled, the terms of the blocks' first and
     second halves are added first, so that each iteration of inductor's loop reads two places of a row
     at once. The loops do much arithmetic per byte, so few of their reads from memory are in flight at
-    a time: two streams a row read it about twice as fast from memory (and as fast from the caches)."""
+    a time; two streams a row keep twice as many in flight (see docs/performance.md)."""
     dims, n = tuple(range(1, t.dim())), t.shape[1]
     # (paired for an even count of 4 or more: a fixed one, or where _compile_ahead traces for such counts;
     # only the formats of 32 weights a block use it: the K-quants' loops, longer, came out slower paired)
