@@ -271,10 +271,15 @@ def _row_sums(t: Tensor) -> Tensor:
     dims, n = tuple(range(1, t.dim())), t.shape[1]
     # (paired for an even count of 4 or more: a fixed one, or where _compile_ahead traces for such counts;
     # only the formats of 32 weights a block use it: the K-quants' loops, longer, came out slower paired)
-    paired = n % 2 == 0 and n >= 4 if isinstance(n, int) else _tracing_even_blocks
+    paired = _in_halves(n) if isinstance(n, int) else _tracing_even_blocks
     if not (torch.compiler.is_compiling() and paired):
         return t.sum(dims)
     return (t[:, : n // 2] + t[:, n // 2 :]).sum(dims)
+
+
+def _in_halves(blocks: int) -> bool:
+    """Whether a row of ``blocks`` blocks is summed in two halves (:func:`_row_sums`): an even count, 4 or more."""
+    return blocks % 2 == 0 and blocks >= 4
 
 
 _tracing_even_blocks = False  # set while _compile_ahead traces code for even counts of blocks (under _AHEAD_LOCK)
@@ -1142,7 +1147,7 @@ def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
     """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process; a
     ``matvec`` once for an even number of blocks, 4 or more, and once for the others: see :func:`_row_sums`)."""
     blocks = next(iter(part.fields.values())).shape[1]
-    key = (what, part.format, what == "matvec" and FORMATS[part.format].block == 32 and blocks % 2 == 0 and blocks >= 4)
+    key = (what, part.format, what == "matvec" and FORMATS[part.format].block == 32 and _in_halves(blocks))
     code = _AHEAD.get(key)
     if code is None:
         with _AHEAD_LOCK:
