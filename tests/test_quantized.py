@@ -435,6 +435,36 @@ def prompt(n: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, gguf_files.VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
+class LinearShapes(torch.overrides.TorchFunctionMode):
+    """Records ``(input shape, weight shape)`` of each ``F.linear`` a model calls (not the calls inside
+    another's handling: a quantized weight's tiles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_quantized_model_makes_the_dense_models_products(q4k):
+    """Shape for shape, a prompt's queries, keys and values one product as the dense model's: a matmul
+    library may choose its order of sums by the shape (MKL's AVX2 code does), so three products where the
+    dense model makes one would round differently."""
+    quant, dense = q4k
+    seen = {}
+    for name, model in (("quantized", quant), ("dense", dense)):
+        with torch.no_grad(), LinearShapes() as mode:
+            model(prompt(20))
+        seen[name] = mode.shapes
+    assert seen["quantized"] == seen["dense"]
+    config = dense.config
+    fused = (config.n_heads + 2 * config.n_kv_heads) * (config.emb_dim // config.n_heads)
+    assert ((2, 20, config.emb_dim), (fused, config.emb_dim)) in seen["quantized"]
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "F16"])
 def test_quantized_model_computes_the_dequantized_models_logits(tmp_path, qtype):
     path = write_quantized_gguf(tmp_path / f"tiny.{qtype}.gguf", qtype)

@@ -50,6 +50,7 @@ from attnlab.functional import (
     softcap_score_mod,
 )
 from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
+from attnlab.quantized import QuantizedTensor
 
 __all__ = [
     "CausalAttention",
@@ -742,13 +743,19 @@ class MultiHeadAttention(_DropsTutorialMask):
 
     def _project_qkv(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from ``x``; keys and values from ``context`` (cross) or ``x`` (self)."""
-        if context is None and x.shape[:-1].numel() >= 16 and not hardware.owns_linear(self.W_query.weight):
+        weights = (self.W_query.weight, self.W_key.weight, self.W_value.weight)
+        fusable = not any(hardware.owns_linear(w) for w in weights) or (
+            all(type(w) is QuantizedTensor for w in weights) and not torch.compiler.is_compiling()
+        )
+        if context is None and x.shape[:-1].numel() >= 16 and fusable:
             # One matmul for Q, K and V: the weights are concatenated, the parameters stay separate.
             # Concatenating copies the weights, which only pays off over enough tokens; a decoding
-            # step (one token) runs the three small matmuls below instead. (Quantized weights are
-            # dequantized tile by tile in each product anyway, LoRA's update of them a product of its own:
-            # nothing to gain from a copy.)
-            w = torch.cat([self.W_query.weight, self.W_key.weight, self.W_value.weight])  # (d_out + 2kv, d_in)
+            # step (one token) runs the three small matmuls below instead. Quantized weights
+            # concatenate their blocks (a copy of the packed bytes) and make the same one product as the
+            # dense model's, whose order of sums the matmul's library may choose by the shape. (LoRA's
+            # update of a weight is a product of its own: nothing to gain from a copy. Compiled, inductor
+            # fuses each dequantization into its product.)
+            w = torch.cat(weights)  # (d_out + 2kv, d_in)
             b = None
             if self.W_query.bias is not None:
                 b = torch.cat([self.W_query.bias, self.W_key.bias, self.W_value.bias])
