@@ -98,7 +98,8 @@ def written_for(monkeypatch, lanes: str) -> None:
 @pytest.mark.parametrize(("qtype", "lanes"), [(t, "any") for t in QTYPES] + [(t, "eight") for t in EIGHT_LANES])
 def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, qtype, lanes):
     """Each format's one-row product is compiled once (``quantized._compile_ahead``) for any number of
-    rows and blocks (once more for an odd number: the 32-weight formats sum an even one in two halves):
+    rows and blocks (once more for an odd number: the 32-weight formats, and the K-quants' code for
+    8 lanes, sum an even number of 4 or more in two halves):
     weights of three shapes through the compiled code, against float64; a weight of one row (which that
     code does not take) by the uncompiled sum, exact too. Both formulations: the one for 8-lane vector
     units (where the format has one) and the others'."""
@@ -144,6 +145,25 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats(monkeypatch, lanes)
     step(x, w).sum().backward()
     want = dense.sum(0, keepdim=True)  # d(sum(x @ w.T)) / dx, (1, 256)
     torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", [t for t in EIGHT_LANES if FORMATS[t].block == 256])
+def test_a_k_quants_row_read_in_two_halves_inside_a_compiled_graph(monkeypatch, qtype):
+    """Inside a graph compiled with fixed shapes (a compiled decoding step), a K-quant's one-row product
+    for 8 lanes reads a row of an even number of super-blocks, 4 or more, in two halves (six here), and
+    of an odd number whole (five): against float64."""
+    written_for(monkeypatch, "eight")
+    torch.compiler.reset()  # (each format's graphs would count towards Dynamo's limit of graphs for F.linear)
+    step = torch.compile(F.linear, fullgraph=True, dynamic=False, options=hardware.compile_options())
+    for cols in (6 * 256, 5 * 256):
+        raw = blocks(qtype, 24, cols, seed=cols)
+        w = QuantizedTensor.from_blocks(qtype, raw, (24, cols))
+        x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols))
+        want = x.double() @ reference(raw, qtype).T
+        scale = float((x.double().abs() @ reference(raw, qtype).abs().T).max())
+        with torch.no_grad():
+            torch.testing.assert_close(step(x, w).double(), want, rtol=0, atol=1e-6 * scale)
 
 
 @pytest.mark.filterwarnings("error:quantized one-row products run without torch.compile")

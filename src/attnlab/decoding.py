@@ -137,19 +137,27 @@ def _forward_step(
     return logits, read
 
 
-# One compiled function for every decoder of a route: Dynamo keeps its graphs by the models and shapes it
-# has seen (its guards), so a second generation of the same model and shapes compiles nothing.
-_COMPILED: dict[Route, Any] = {}
+# One compiled function for every decoder of a route (and device kind): Dynamo keeps its graphs by the
+# models and shapes it has seen (its guards), so a second generation of the same model and shapes
+# compiles nothing.
+_COMPILED: dict[tuple[Route, str], Any] = {}
 
 
-def _compiled_step(route: Route) -> Any:
-    if route not in _COMPILED:
+def _compiled_step(route: Route, device: torch.device) -> Any:
+    key = (route, device.type)
+    if key not in _COMPILED:
         # (torch.compile takes a mode or options: the CUDA graphs' mode, or the options of the CPU's code)
         if route is Route.CUDA_GRAPH:
-            _COMPILED[route] = torch.compile(_forward_step, mode="reduce-overhead", dynamic=False)
+            _COMPILED[key] = torch.compile(_forward_step, mode="reduce-overhead", dynamic=False)
         else:
-            _COMPILED[route] = torch.compile(_forward_step, dynamic=False, options=hardware.compile_options())
-    return _COMPILED[route]
+            # On the CPU, the code that calls the step's kernels is C++ too (inductor's ``cpp_wrapper``):
+            # its Python wrapper makes a Python object of each of the step's hundreds of buffers and
+            # views and a frame of a thousand locals, whose memory CPython maps in afresh (page faults)
+            # on the steps where they cross the boundary of its arenas or frame stack, by how deep the
+            # caller's stack is: up to a third of a step's time where page faults are dear (a VM).
+            options = hardware.compile_options() | ({"cpp_wrapper": True} if device.type == "cpu" else {})
+            _COMPILED[key] = torch.compile(_forward_step, dynamic=False, options=options)
+    return _COMPILED[key]
 
 
 def _cloned(x: Any) -> Any:
@@ -184,7 +192,7 @@ class FastDecoder:
         # slots, no mask); compiled, the slot views give every step the same shapes.
         eager = self.plan.route is Route.EAGER
         self.slot_caches = caches if eager else [SlotCache(c) for c in caches]
-        self.run = _forward_step if eager else _compiled_step(self.plan.route)
+        self.run = _forward_step if eager else _compiled_step(self.plan.route, caches[0].keys.device)
         if self.plan.route is Route.CUDA_GRAPH:  # (a CUDA graph writes the caches in place: fixed addresses)
             for c in caches:
                 for t in (c.keys, c.values, c.positions):

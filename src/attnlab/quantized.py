@@ -468,19 +468,42 @@ def _k_nibbles(f: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor,
     return q, xs, scale[:, :, :, None, :, None], mins[:, :, :, None, :, None]
 
 
+def _block_sums(terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor) -> Tensor:
+    """``terms(f, x) (R, nb, ...)`` summed over all but the rows, read in two halves where
+    :func:`_row_sums` reads them so: the terms of the first and second halves of the blocks computed from
+    their halves of the fields and of ``x`` and added. (For the K-quants' long terms inductor's code for
+    :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices of the inputs are.)"""
+    n = x.shape[0]
+    paired = _in_halves(n) if isinstance(n, int) else _tracing_even_blocks
+    if torch.compiler.is_compiling() and paired:
+        h = n // 2
+        t = terms({k: v[:, :h] for k, v in f.items()}, x[:h]) + terms({k: v[:, h:] for k, v in f.items()}, x[h:])
+    else:
+        t = terms(f, x)
+    return t.sum(tuple(range(1, t.dim())))
+
+
 # (Each weight dequantized inside the loop, ``q * scale - min``: the mins' sum as a pass of its own
 # would read their bytes 8 to a vector, a partial load again.)
-def _mv8_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+def _q4_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     q, xs, scale, mins = _k_nibbles(f, x)
-    return ((q * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+    return (q * scale - mins) * xs
 
 
-def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+def _mv8_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _block_sums(_q4_k_terms, f, x)
+
+
+def _q5_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # The fifth bit of sub-block s's weight i is bit s of byte i of qh: of word k, bit 8b + s.
     q, xs, scale, mins = _k_nibbles(f, x)
     g, b, h = _iota(4, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(2, x)[:, None]
     high = (f["qh"][:, :, None, None, None, :] >> 8 * b + 2 * g + h) & 1  # (R, nb, g, b, h, k)
-    return (((q + 16 * high.float()) * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+    return ((q + 16 * high.float()) * scale - mins) * xs
+
+
+def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _block_sums(_q5_k_terms, f, x)
 
 
 def _by_half(s: Tensor, k: Tensor) -> Tensor:
@@ -489,7 +512,7 @@ def _by_half(s: Tensor, k: Tensor) -> Tensor:
     return torch.where(k < 4, s[..., :1], s[..., 1:])
 
 
-def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+def _q2_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Weight 128h + 32s + 4k + b: bits 8b + 2s of qs's word (h, k), in sub-block 8h + 2s + k // 4, whose
     # scale and min are the low and high nibble of its byte of ``scales``.
     h, s, b, k = _iota(2, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(4, x)[:, None], _iota(8, x)
@@ -500,10 +523,14 @@ def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     scale = f["d"].float()[..., None, None, None] * (sc & 0x0F).float()
     mins = f["dmin"].float()[..., None, None, None] * (sc >> 4).float()
     scale, mins = _by_half(scale, k).unsqueeze(-2), _by_half(mins, k).unsqueeze(-2)  # (R, nb, h, s, 1, k)
-    return ((q * scale - mins) * xs).sum((1, 2, 3, 4, 5))
+    return (q * scale - mins) * xs
 
 
-def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _block_sums(_q2_k_terms, f, x)
+
+
+def _q3_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # As Q2_K's two bits, less 4 where bit 8b + 4h + s of hmask's word k is clear; a signed scale per sub-block.
     h, s, b, k = _iota(2, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(4, x)[:, None], _iota(8, x)
     xs = _reordered(x, 128 * h + 32 * s + 4 * k + b)  # (nb, h, s, b, k)
@@ -511,10 +538,14 @@ def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     high = (f["hmask"][:, :, None, None, None, :] >> 8 * b + 4 * h + s) & 1  # (R, nb, h, s, b, k)
     q = (((w >> 8 * b + 2 * s) & 3) + 4 * high - 4).float()
     scale = f["d"].float()[..., None, None, None] * f["scales"].float().unflatten(-1, (2, 4, 2))  # (R, nb, h, s, 2)
-    return (q * (_by_half(scale, k).unsqueeze(-2) * xs)).sum((1, 2, 3, 4, 5))
+    return q * (_by_half(scale, k).unsqueeze(-2) * xs)
 
 
-def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _block_sums(_q3_k_terms, f, x)
+
+
+def _q6_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Weight 128h + 32j + 4k + b (j = 2 jh + jm): low four bits from bits 8b + 4 jh of ql's word (h, jm, k),
     # high two from bits 8b + 2j of qh's word (h, k); its sub-block 8h + 2j + k // 4.
     jh, jm = _iota(2, x)[:, None, None, None], _iota(2, x)[:, None, None]
@@ -525,7 +556,11 @@ def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     q = ((ql >> 8 * b + 4 * jh) & 15) | (((qh >> 8 * b + 4 * jh + 2 * jm) & 3) << 4)  # (R, nb, h, jh, jm, b, k)
     s = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 2, 2, 2))  # (R, nb, h, jh, jm, k // 4)
     scale = _by_half(s, k).unsqueeze(-2)  # (R, nb, h, jh, jm, 1, k)
-    return ((q.float() - 32) * (scale * xs)).sum((1, 2, 3, 4, 5, 6))
+    return (q.float() - 32) * (scale * xs)
+
+
+def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    return _block_sums(_q6_k_terms, f, x)
 
 
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
@@ -1143,11 +1178,19 @@ _AHEAD: dict[tuple[str, str], Callable[..., Tensor]] = {}  # (what, format) -> i
 _AHEAD_LOCK = threading.Lock()
 
 
+def _pairs(format: Format, blocks: int) -> bool:
+    """Whether ``format``'s compiled one-row product reads a row of ``blocks`` blocks in two halves (the
+    32-weight formats' :func:`_row_sums`, the K-quants' code for 8 lanes' :func:`_block_sums`)."""
+    if hardware.compiled_vector_bits() is None:  # (once a process: the vector width the code is made for)
+        hardware.compile_options()
+    return _in_halves(blocks) and (format.block == 32 or _one_row(format, compiling=True)[0] is format.matvec8)
+
+
 def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
     """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process; a
     ``matvec`` once for an even number of blocks, 4 or more, and once for the others: see :func:`_row_sums`)."""
     blocks = next(iter(part.fields.values())).shape[1]
-    key = (what, part.format, what == "matvec" and FORMATS[part.format].block == 32 and _in_halves(blocks))
+    key = (what, part.format, what == "matvec" and _pairs(FORMATS[part.format], blocks))
     code = _AHEAD.get(key)
     if code is None:
         with _AHEAD_LOCK:
