@@ -154,8 +154,11 @@ def _compiled_step(route: Route, device: torch.device) -> Any:
             # its Python wrapper makes a Python object of each of the step's hundreds of buffers and
             # views and a frame of a thousand locals, whose memory CPython maps in afresh (page faults)
             # on the steps where they cross the boundary of its arenas or frame stack, by how deep the
-            # caller's stack is: up to a third of a step's time where page faults are dear (a VM).
-            options = hardware.compile_options() | ({"cpp_wrapper": True} if device.type == "cpu" else {})
+            # caller's stack is: up to a third of a step's time where page faults are dear (a VM). The
+            # wrapper is built apart from the kernels, at gcc's -O1: a deep model's wrapper is one
+            # function of thousands of lines, which -O3 takes minutes over.
+            cpp = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if device.type == "cpu" else {}
+            options = hardware.compile_options() | cpp
             _COMPILED[key] = torch.compile(_forward_step, dynamic=False, options=options)
     return _COMPILED[key]
 
