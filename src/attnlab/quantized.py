@@ -1188,7 +1188,7 @@ def _pairs(format: Format, blocks: int) -> bool:
 
 def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
     """``FORMATS[part.format]``'s ``matvec`` or ``tile`` compiled ahead (once per format and process; a
-    ``matvec`` once for an even number of blocks, 4 or more, and once for the others: see :func:`_row_sums`)."""
+    ``matvec`` once for an even number of blocks, 4 or more, and once for the others: see :func:`_pairs`)."""
     blocks = next(iter(part.fields.values())).shape[1]
     key = (what, part.format, what == "matvec" and _pairs(FORMATS[part.format], blocks))
     code = _AHEAD.get(key)
