@@ -11,6 +11,8 @@ design): one graph for the whole step, the norms, RoPE and the cache writes fuse
 matmuls of torch's own kernels (oneDNN, MKL, cuBLAS).
 On CUDA the compiled step is also captured in a CUDA graph (``mode="reduce-overhead"``): a small
 model's step is hundreds of short kernels whose launches, not the reads of the weights, take its time.
+On the CPU the code that calls the step's kernels is C++ as well (inductor's ``cpp_wrapper``), for
+the same reason and one more (see :func:`_compiled_step`).
 
 Nothing here is a second copy of a transformer block: a family switch of :class:`attnlab.GPTConfig`
 or a new module is decoded fast as soon as the model's forward computes it.
