@@ -268,11 +268,9 @@ def _row_sums(t: Tensor) -> Tensor:
     second halves are added first, so that each iteration of inductor's loop reads two places of a row
     at once. The loops do much arithmetic per byte, so few of their reads from memory are in flight at
     a time; two streams a row keep twice as many in flight (see docs/performance.md)."""
+    # (the formats of 32 weights a block; the K-quants' loops, longer, came out slower so: _block_sums)
     dims, n = tuple(range(1, t.dim())), t.shape[1]
-    # (paired for an even count of 4 or more: a fixed one, or where _compile_ahead traces for such counts;
-    # only the formats of 32 weights a block use it: the K-quants' loops, longer, came out slower paired)
-    paired = _in_halves(n) if isinstance(n, int) else _tracing_even_blocks
-    if not (torch.compiler.is_compiling() and paired):
+    if not _read_in_halves(n):
         return t.sum(dims)
     return (t[:, : n // 2] + t[:, n // 2 :]).sum(dims)
 
@@ -280,6 +278,13 @@ def _row_sums(t: Tensor) -> Tensor:
 def _in_halves(blocks: int) -> bool:
     """Whether a row of ``blocks`` blocks is summed in two halves (:func:`_row_sums`): an even count, 4 or more."""
     return blocks % 2 == 0 and blocks >= 4
+
+
+def _read_in_halves(blocks: int | torch.SymInt) -> bool:
+    """Whether the code being compiled now reads a row of ``blocks`` blocks in two halves: a fixed count
+    that :func:`_in_halves` takes, or a symbolic one where :func:`_compile_ahead` traces for such counts."""
+    paired = _in_halves(blocks) if isinstance(blocks, int) else _tracing_even_blocks
+    return paired and torch.compiler.is_compiling()
 
 
 _tracing_even_blocks = False  # set while _compile_ahead traces code for even counts of blocks (under _AHEAD_LOCK)
@@ -474,8 +479,7 @@ def _block_sums(terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[st
     their halves of the fields and of ``x`` and added. (For the K-quants' long terms inductor's code for
     :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices of the inputs are.)"""
     n = x.shape[0]
-    paired = _in_halves(n) if isinstance(n, int) else _tracing_even_blocks
-    if torch.compiler.is_compiling() and paired:
+    if _read_in_halves(n):
         h = n // 2
         t = terms({k: v[:, :h] for k, v in f.items()}, x[:h]) + terms({k: v[:, h:] for k, v in f.items()}, x[h:])
     else:
@@ -1174,7 +1178,7 @@ def _fits(fields: dict[str, Tensor]) -> bool:
     return first.shape[0] > 1 and first.shape[1] > 1 and all(t.is_contiguous() for t in fields.values())
 
 
-_AHEAD: dict[tuple[str, str], Callable[..., Tensor]] = {}  # (what, format) -> its compiled code
+_AHEAD: dict[tuple[str, str, bool], Callable[..., Tensor]] = {}  # (what, format, paired) -> its compiled code
 _AHEAD_LOCK = threading.Lock()
 
 
