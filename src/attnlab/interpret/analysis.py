@@ -464,12 +464,16 @@ def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tens
                 _CENTRED[head] = hit
         return hit.weight, hit.mean, hit.row_norm
     (V, d), m = W.shape, len(dims)
-    # (by blocks of rows, as below: a quantized weight's blocks are dequantized a slice at a time)
-    mean = (sum(W[s : s + 8192].sum(0, dtype=torch.float64) for s in range(0, V, 8192)) / V).to(W.dtype)  # (d,)
+
+    def rows(s: int) -> Tensor:  # (8192, d) dense: a quantized weight's blocks dequantized a slice at a time
+        # (by its own method: a generic op on the weight type would import torch's DTensor, a second)
+        return W[s : s + 8192].dequantize() if is_quantized(W) else W[s : s + 8192]
+
+    mean = (sum(rows(s).sum(0, dtype=torch.float64) for s in range(0, V, 8192)) / V).to(W.dtype)  # (d,)
     weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
     row_norm = 0.0
     for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
-        centred = W[s : s + 8192] - mean  # (8192, d)
+        centred = rows(s) - mean  # (8192, d)
         weight[s : s + 8192, :d] = centred
         weight[s : s + 8192, d:] = centred[:, dims]
         row_norm = max(row_norm, float(centred.norm(dim=-1).amax()))

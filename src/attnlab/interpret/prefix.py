@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import KVCache
+from attnlab.checks import broadcast_shape
 from attnlab.interpret.hooks import HookPoint, attention_layers, eval_mode, hooks
 from attnlab.interpret.tracing import Trace, full_mask, stop_before_head
 
@@ -163,7 +164,9 @@ def _joined(before: Tensor | None, new: Tensor | None, P: int, T: int) -> Tensor
     new = allow if new is None else new
     if before.dtype != new.dtype:  # (the same layer gives the same kind of mask on every pass)
         raise RuntimeError(f"a layer's mask changed kind between passes: {before.dtype} then {new.dtype}")
-    lead = torch.broadcast_shapes(before.shape[:-2], new.shape[:-2])
+    lead = broadcast_shape(tuple(before.shape[:-2]), tuple(new.shape[:-2]))
+    if lead is None:
+        raise RuntimeError(f"a layer's masks do not broadcast: {tuple(before.shape)} and {tuple(new.shape)}")
     before = before.expand(*lead, P, P)
     new = new.expand(*lead, T - P, T)
     fill = False if new.dtype == torch.bool else float("-inf")
