@@ -216,7 +216,11 @@ def release_openmp_threads() -> bool:
     OpenMP threads outnumber its CPUs libgomp waits at a barrier by 100 spins instead of 300,000, so
     every barrier becomes a sleep and a wake-up. A compiled decoding step has hundreds, so a team that
     another live thread keeps (even from a single earlier matmul) slows every token until it is let go
-    (``attnlab serve`` decodes on its model thread, after loading on the main one)."""
+    (``attnlab serve`` decodes on its model thread, after loading on the main one).
+
+    Not always enough: once a thread has run a model's forward (torch's matmuls), the other threads'
+    barriers stay throttled after its pause, and only the thread's exit brings them back
+    (docs/performance.md, the generation stream)."""
     pause = _omp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 

@@ -216,7 +216,12 @@ class Engine:
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` alone on the model: on the model's thread, under the lock, in inference mode.
-        Blocks the calling thread until it is done (the server calls it from worker threads)."""
+        Blocks the calling thread until it is done (the server calls it from worker threads).
+
+        A request's torch work runs here, its small after-work too (a step's arrays packed, a top-k):
+        torch's parallel operations give the thread that runs them a team of OpenMP workers, kept while
+        the thread lives, and while a second team lives beside the model thread's, every barrier of
+        the model's steps waits throttled (see :func:`attnlab.hardware.release_openmp_threads`)."""
 
         def alone() -> T:
             with self.lock, torch.inference_mode():
@@ -575,12 +580,11 @@ class Engine:
             idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
             effect = ablation_effect(loaded.model, idx, pairs, mode=mode)
             before = sampling.probabilities(effect.logits_before)[0]  # (V,)
-            return effect, before, sampling.probabilities(effect.logits_after)[0]
+            after = sampling.probabilities(effect.logits_after)[0]
+            n = min(k, before.shape[-1])
+            return effect, before, after, torch.topk(before, n).indices.tolist(), torch.topk(after, n).indices.tolist()
 
-        effect, before, after = self.run(work)
-        n = min(k, before.shape[-1])
-        top_before = torch.topk(before, n).indices.tolist()
-        top_after = torch.topk(after, n).indices.tolist()
+        effect, before, after, top_before, top_after = self.run(work)
         union = list(dict.fromkeys(top_before + top_after))
         union.sort(key=lambda i: (-float(before[i]), -float(after[i])))
         return {
@@ -662,19 +666,20 @@ class Engine:
             return None
         model = self._need_model().model
 
-        def work() -> GenerationStep | None:
+        def work() -> dict[str, Any] | None:
             step = step_of_stream(model, run)
-            if step is not None:
-                run.produced += 1
-                run.ids.append(int(step.token[0]))
-                self.count("generation_steps")
-            return step
+            if step is None:
+                return None
+            run.produced += 1
+            run.ids.append(int(step.token[0]))
+            self.count("generation_steps")
+            # (packed here, on the model thread: see run)
+            return generation_step_data(step, 0, "f32")
 
-        step = self.run(work)
-        if step is None:
+        data = self.run(work)
+        if data is None:
             run.end_reason = run.end_reason or "length"
             return None
-        data = generation_step_data(step, 0, "f32")
         data["labels"] = self.labels([data["token"], *data["candidates"]])
         return data
 
