@@ -655,7 +655,12 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
     from attnlab.tools.serve.app import create_app, packed_json
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-    loaded = load_pretrained(str(path), dtype=dtype)
+    # One thread with OpenMP workers at a time, as in `attnlab serve`: each thread that runs torch's
+    # parallel operations keeps a team of workers while it lives, and two live teams put every barrier of
+    # both to sleep (docs/performance.md). So this thread runs no torch work of its own: the loading and
+    # the generate rows each run on a thread that ends (hardware.on_own_thread), the streams on the
+    # engines' model threads, which end after each row (Engine.rest).
+    loaded = hardware.on_own_thread(lambda: load_pretrained(str(path), dtype=dtype))
     limits = Limits(max_new_tokens=N)
     compiled, fast = Engine(loaded, limits=limits, compile=True), Engine(loaded, limits=limits)
     t0 = time.perf_counter()
@@ -666,7 +671,9 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
         raise SystemExit(f"the compiled step failed: {compiled.compile_error}")
     prompt = prompts_of(loaded.tokenizer, text, T, 1)[0]
     idx = torch.tensor([compiled.encode(prompt)])  # (1, T)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    hf = hardware.on_own_thread(
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    ).eval()
     json_ms: dict[str, list[float]] = {STREAM: [], STREAM_FAST: []}
     tokens: dict[str, torch.Tensor] = {}
 
@@ -705,26 +712,25 @@ def stream_benchmark(path: Path, name: str, text: str, T: int, N: int, rounds: i
         tokens[STREAM_HTTP] = torch.tensor(ids)
 
     def attnlab_generate() -> None:
-        tokens[GENERATE] = generate(loaded.model, idx, N, temperature=0, compile=True)[0, T:]
+        out = hardware.on_own_thread(lambda: generate(loaded.model, idx, N, temperature=0, compile=True))
+        tokens[GENERATE] = out[0, T:]
 
     def hf_generate() -> None:
-        with torch.inference_mode():
-            out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=N, min_new_tokens=N,
-                              do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
-        tokens[HF] = out[0, T:]
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=N, min_new_tokens=N,
+                                   do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
+
+        tokens[HF] = hardware.on_own_thread(run)[0, T:]
 
     t0 = time.perf_counter()
     attnlab_generate()  # its first call: generate's caches are made outside inference mode (another graph)
     generate_first_s = time.perf_counter() - t0
 
-    # One thread with OpenMP workers at a time, as in a server (see hardware.release_openmp_threads): the
-    # streams decode on the engines' model threads, the generate rows on this one. Each row starts with
-    # every other thread's workers let go, the other engine's too: a stream's row run right after the
-    # other stream's waited throttled (float32: the compiled stream 29.0 tokens/s, 46.0 with this).
+    # Each row starts with the engines' model threads ended (see above).
     def alone(fn):
         def run() -> None:
-            hardware.release_openmp_threads()
-            compiled.run(hardware.release_openmp_threads), fast.run(hardware.release_openmp_threads)
+            compiled.rest(), fast.rest()
             fn()
 
         return run

@@ -18,6 +18,7 @@ the trainer's first line and the benchmarks' headers.
 
 One fact of the CPU runtime too: several threads that each ran torch keep a team of OpenMP workers
 each, which slows every thread's parallel loops where they outnumber the CPUs;
+:func:`on_own_thread` runs a piece of work on a thread whose team ends with it, and
 :func:`release_openmp_threads` lets a thread's team go. One choice of kernel: :func:`linear`, a
 float32 matmul by oneDNN rather than MKL where nothing needs its gradient and the CPU is not Intel's.
 And what every compile names, the CPU's vector width (:func:`compile_options`): inductor's cache would
@@ -29,8 +30,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,7 @@ __all__ = [
     "header",
     "inference_dtype",
     "linear",
+    "on_own_thread",
     "release_openmp_threads",
     "training_dtype",
 ]
@@ -223,6 +227,33 @@ def release_openmp_threads() -> bool:
     (docs/performance.md, the generation stream)."""
     pause = _omp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
+
+
+_T = TypeVar("_T")
+
+
+def on_own_thread(fn: Callable[[], _T]) -> _T:
+    """``fn()`` on a new thread, waited for: its result, or its exception raised again here.
+
+    For torch work done once in a process that does its other torch work on another, long-lived thread
+    (``attnlab serve`` loads its model so, then decodes on its model thread): the OpenMP team that the
+    work's parallel operations give the thread ends with the thread, where the calling thread would
+    keep one for good, and two live teams put every barrier of the other thread's loops to sleep (see
+    :func:`release_openmp_threads`, which does not always undo it)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # (raised again on the calling thread)
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="attnlab-once", daemon=True)  # (Ctrl-C ends the process)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 @functools.cache

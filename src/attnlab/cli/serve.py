@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from attnlab.checks import resolve_device
 from attnlab.cli.options import add_model_arguments
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("attnlab serve needs FastAPI and uvicorn: pip install 'attnlab[serve]'") from None
     import torch
 
+    from attnlab import hardware
     from attnlab.tools.loading import attach_saes, load, load_saes
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
@@ -99,12 +101,18 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         engine = Engine(demo=view_to_dict(demo_view()), limits=limits)
     else:
-        loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+
+        def prepare() -> tuple[Any, Any]:
+            loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+            attach_saes(saes, loaded.model)  # each SAE's hook point and width checked before serving
+            corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)
+            return loaded, corpus
+
+        # (on a thread that ends: the engine's model thread is then the one thread keeping OpenMP workers)
+        loaded, corpus = hardware.on_own_thread(prepare)
         # A training run by its directory's name (not its latest step's), a GPT-2 by its name.
         given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
         name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
-        attach_saes(saes, loaded.model)  # each SAE's hook point and width checked before serving
-        corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)
         features = dict(saes=saes, sae_corpus=corpus, sae_corpus_name=Path(args.sae_data or "").name)
         try:
             engine = Engine(

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -159,6 +159,7 @@ class Engine:
         self.name = name or ("the tutorials' six-word example" if demo is not None else type(loaded.model).__name__)
         self.lock = threading.Lock()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
+        self._model_thread_lock = threading.Lock()  # held while work is handed to the model thread (see rest)
         self.cache_size, self.kept_bytes = cache_size, kept_bytes
         self._traces: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._kept: OrderedDict[tuple[int, ...], KeptTrace] = OrderedDict()  # attention traces, keys and values
@@ -228,7 +229,20 @@ class Engine:
                 self.count("model_calls")
                 return fn()
 
-        return self._model_thread.submit(alone).result()
+        return self._submit(alone).result()
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        with self._model_thread_lock:
+            return self._model_thread.submit(fn)
+
+    def rest(self) -> None:
+        """Let the model thread end once its work is done (the next call starts another), and its OpenMP
+        workers with it: for a process that runs torch on another thread for a while (a benchmark's other
+        rows), whose loops would otherwise wait throttled beside the model thread's team (see :meth:`run`)."""
+        with self._model_thread_lock:
+            old = self._model_thread
+            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
+        old.shutdown(wait=True)
 
     @property
     def is_language_model(self) -> bool:
@@ -447,7 +461,7 @@ class Engine:
                 if self.compile:
                     self.compiled_step(1, 1)
 
-        self._model_thread.submit(roles)  # (an error here surfaces again when a request asks for roles)
+        self._submit(roles)  # (an error here surfaces again when a request asks for roles)
 
     # -- the compiled decoding step ---------------------------------------------------------------
     def compiled_step(self, prompt_length: int, max_new_tokens: int) -> bool:
@@ -472,17 +486,19 @@ class Engine:
                 return False
             self._compiles[slots] = threading.Event()
             self.count("steps_compiling")
-        self._compile_jobs.put(slots)
-        if self._compiler is None:  # a daemon: a server that stops does not wait for a compilation
-            self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
-            self._compiler.start()
+            self._compile_jobs.put(slots)
+            # A daemon (a server that stops does not wait for a compilation), which ends when no size is
+            # left to compile: its OpenMP workers with it (see run).
+            if self._compiler is None:
+                self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
+                self._compiler.start()
         return False
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait until every compilation asked for so far is done (or failed: :attr:`compile_error`);
         False if ``timeout`` seconds passed first. (Not on the model thread: it waits for the model
         thread's queue first, where :meth:`warm_up` asks for its compilations.)"""
-        self._model_thread.submit(lambda: None).result()
+        self._submit(lambda: None).result()
         deadline = None if timeout is None else time.monotonic() + timeout
         for event in list(self._compiles.values()):
             while not event.is_set() and self.compile_error is None:
@@ -499,7 +515,12 @@ class Engine:
         loaded = self._need_model()
         model = loaded.model
         while True:
-            slots = self._compile_jobs.get()
+            with self._compile_lock:
+                try:
+                    slots = self._compile_jobs.get_nowait()
+                except queue.Empty:
+                    self._compiler = None  # (the next size asked for starts a thread anew)
+                    return
             try:
                 with self.lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
                     decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
@@ -520,7 +541,6 @@ class Engine:
             self._compiles[slots].set()
             self.count("steps_compiling", -1)
             self.count("steps_compiled")
-            hardware.release_openmp_threads()  # (the compiling thread ran a step: its workers go until the next)
 
     def next_tokens(
         self,
