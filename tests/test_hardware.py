@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,38 @@ def test_compiled_code_is_right_when_the_cache_was_filled_on_another_vector_unit
         runs.append(int(width))
         assert all(float(e) <= 1e-5 for e in errors), (told, out.stdout)
     assert runs[1] == 1 and runs[0] in (1, 128, 256, 512)
+
+
+def test_on_own_thread_returns_the_result_and_raises_the_error_of_a_thread_that_has_ended():
+    seen = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 41 + int(torch.ones(3).sum() == 3)
+
+    assert hardware.on_own_thread(work) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="from the thread"):
+        hardware.on_own_thread(lambda: (_ for _ in ()).throw(ValueError("from the thread")))
+
+
+OWN_THREAD = """
+import os, time, torch
+from attnlab.hardware import on_own_thread
+torch.set_num_threads(2)
+def threads(): return len(os.listdir("/proc/self/task"))
+before = threads()
+on_own_thread(lambda: torch.ones(1 << 22).exp_())  # a parallel region: that thread's own team of workers
+deadline = time.monotonic() + 5
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(before, threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the threads in Linux's /proc")
+def test_on_own_thread_leaves_no_openmp_workers_behind():
+    r = subprocess.run([sys.executable, "-c", OWN_THREAD], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    before, after = r.stdout.split()
+    assert int(after) == int(before), r.stdout

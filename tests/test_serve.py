@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.cli import main
 from attnlab.interpret import (
@@ -476,6 +477,46 @@ def test_every_model_call_runs_on_one_thread_in_inference_mode(tmp_path):
     assert len(seen) == 1 and next(iter(seen))[1] is True, seen
     assert next(iter(seen))[0].startswith("attnlab-model")
     assert engine.snapshot()["generations_finished"] == 8
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators the thread that enters it runs (the mode is the thread's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_requests_torch_work_all_runs_on_the_model_thread(tmp_path):
+    # A torch operation on a request's thread could give that thread a team of OpenMP workers, which
+    # would slow the model thread's steps for as long as the thread lives (Engine.run).
+    engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path))
+    prompt = PROMPTS[0]
+    with _Ops() as ops:
+        engine.inspect(prompt, ["layers", "lens", "next", "roles"])
+        engine.next_tokens(prompt, temperature=0.5)
+        engine.ablate(prompt, ["0.1"])
+        run = engine.start_generation(prompt, 3, temperature=0.7)
+        while engine.advance(run) is not None:
+            pass
+        engine.finish(run)
+    assert ops.names == [], sorted(set(ops.names))
+    assert engine.snapshot()["generations_finished"] == 1
+
+
+def test_rest_ends_the_model_thread_and_the_next_call_runs_on_a_new_one(tmp_path):
+    engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path))
+    first = engine.run(threading.current_thread)
+    want = engine.next_tokens(PROMPTS[0], temperature=0.5)
+    engine.rest()
+    assert not first.is_alive()  # ended, its OpenMP workers with it
+    second = engine.run(threading.current_thread)
+    assert second is not first and second.name.startswith("attnlab-model")
+    assert engine.next_tokens(PROMPTS[0], temperature=0.5) == want
 
 
 def test_the_page_opens_with_a_prompt_the_tokenizer_reads(tmp_path):

@@ -75,6 +75,14 @@ def chat_answer(engine: Engine, messages: list[dict], n: int) -> tuple[list[int]
 
 
 @pytest.mark.slow
+def test_the_compiling_thread_ends_when_no_size_is_left(chat_engines):
+    # (with it its OpenMP workers, which would otherwise slow the model thread's steps: Engine.run)
+    deadline = time.monotonic() + 10
+    while any(t.name == "attnlab-compile" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "attnlab-compile"]
+
+
 def test_the_chat_box_runs_the_compiled_step(chat_engines, routes):
     plain, compiled = chat_engines
     messages = [{"role": "user", "content": "Jack Gisburn?"}]

@@ -596,29 +596,31 @@ class Engine:
         pairs = parse_heads(list(heads), cfg.n_layers, cfg.n_heads)
         sampling = SamplingConfig(temperature, top_k, top_p)
 
-        def work():
+        def work():  # (all of it on the model thread: see run)
             idx = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
             effect = ablation_effect(loaded.model, idx, pairs, mode=mode)
             before = sampling.probabilities(effect.logits_before)[0]  # (V,)
             after = sampling.probabilities(effect.logits_after)[0]
             n = min(k, before.shape[-1])
-            return effect, before, after, torch.topk(before, n).indices.tolist(), torch.topk(after, n).indices.tolist()
+            top_before, top_after = torch.topk(before, n).indices.tolist(), torch.topk(after, n).indices.tolist()
+            union = list(dict.fromkeys(top_before + top_after))
+            rows = [{"id": i, "before": float(before[i]), "after": float(after[i])} for i in union]
+            rows.sort(key=lambda r: (-r["before"], -r["after"]))
+            return effect, float(effect.kl[0]), top_before, top_after, rows
 
-        effect, before, after, top_before, top_after = self.run(work)
-        union = list(dict.fromkeys(top_before + top_after))
-        union.sort(key=lambda i: (-float(before[i]), -float(after[i])))
+        effect, kl, top_before, top_after, rows = self.run(work)
         return {
             "heads": [f"{layer}.{h}" for layer, h in effect.heads],
             "mode": effect.mode,
             "loss_before": effect.loss_before,
             "loss_after": effect.loss_after,
             "loss_change": effect.loss_change,
-            "kl": float(effect.kl[0]),
+            "kl": kl,
             "greedy": sampling.greedy,
             "top_before": top_before,
             "top_after": top_after,
-            "rows": [{"id": i, "before": float(before[i]), "after": float(after[i])} for i in union],
-            "labels": self.labels(union),
+            "rows": rows,
+            "labels": self.labels([r["id"] for r in rows]),
         }
 
     # -- generation, a token at a time ------------------------------------------------------------
