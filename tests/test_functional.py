@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from attnlab.functional import (
     attention_scores,
     causal_mask,
+    heads_matmul,
     padding_mask,
     scaled_dot_product_attention,
     simple_self_attention,
@@ -361,6 +362,26 @@ def test_gqa_equals_repeated_kv_heads(Hq, L, S, seed, backend):
     g = Hq // Hkv
     expected = sdpa(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True, backend="reference")
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    Hkv=st.integers(1, 3),
+    g=st.integers(1, 4),
+    n=st.integers(1, 5),
+    k=st.integers(1, 6),
+    m=st.integers(1, 5),
+    batch=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_heads_matmul_pairs_each_query_head_with_its_groups_head(Hkv, g, n, k, m, batch, seed):
+    lead = (2,) * batch
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(*lead, Hkv * g, n, k, generator=gen, dtype=torch.float64)  # (..., H, n, k)
+    b = torch.randn(*lead, Hkv, k, m, generator=gen, dtype=torch.float64)  # (..., Hkv, k, m)
+    want = a @ b.repeat_interleave(g, dim=-3)  # head h with head h // g
+    torch.testing.assert_close(heads_matmul(a, b), want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(heads_matmul(a.transpose(-2, -1).transpose(-2, -1), b), want)  # (a view)
 
 
 # =============================================================================================

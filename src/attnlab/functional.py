@@ -60,6 +60,7 @@ __all__ = [
     "causal_mask",
     "check_window",
     "combine_masks",
+    "heads_matmul",
     "padding_mask",
     "positions_mask",
     "scaled_dot_product_attention",
@@ -345,6 +346,19 @@ def _row_has_key(mask: Tensor) -> Tensor:
     return (mask != float("-inf")).any(dim=-1, keepdim=True)
 
 
+def heads_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a (..., H, n, k) @ b (..., Hkv, k, m) -> (..., H, n, m)``, query head ``h`` against key/value head
+    ``h // (H // Hkv)`` (grouped-query attention's heads, as ``b.repeat_interleave`` would pair them):
+    each group's ``H // Hkv`` heads are the rows of one product, so ``b`` is never copied per query head.
+    ``Hkv`` of ``H`` or 1 (or fewer than 3 dims) is a plain ``a @ b``."""
+    if a.dim() < 3 or b.dim() < 3 or b.shape[-3] in (a.shape[-3], 1):
+        return a @ b
+    *lead, H, n, k = a.shape
+    Hkv = b.shape[-3]
+    grouped = a.reshape(*lead, Hkv, (H // Hkv) * n, k) @ b  # (..., Hkv, g * n, m): heads kv * g + j, rows j * n + i
+    return grouped.view(*lead, H, n, b.shape[-1])
+
+
 def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
     """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path.
 
@@ -435,7 +449,7 @@ def _masked_scores(
     output its backward may keep): neither the product's backward nor the scaling's or the fill's
     needs the values overwritten, and each ``(B, H, L, S)`` temporary not made is a pass over memory
     and its page faults (a large share of a traced pass's time goes to them)."""
-    scores = (query @ key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
+    scores = heads_matmul(query, key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
     if score_mod is not None:
         scores = _modded_scores(scores, score_mod)  # (B, H, L, S)
     if mask is None:
@@ -512,8 +526,7 @@ def attention_scores(
     """
     _validate(query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, window, sinks, score_mod, mask_mod)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    key, _ = _expand_kv(query, key, key, enable_gqa)
-    L, S = query.shape[-2], key.shape[-2]
+    L, S = query.shape[-2], key.shape[-2]  # (grouped key heads stay as they are: _masked_scores pairs them)
     mask = _merge_masks(attn_mask, bool(is_causal), L, S, query.device, window, int(sinks))
     if mask_mod is not None:
         mask = combine_masks(mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))

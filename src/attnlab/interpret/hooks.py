@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.functional import attention_scores
+from attnlab.functional import attention_scores, heads_matmul
 
 __all__ = [
     "ActivationCache",
@@ -292,9 +292,7 @@ class _Sites:
             pattern = pattern.nan_to_num(0.0) if pattern.requires_grad else pattern.nan_to_num_(0.0)
         pattern = self("pattern", pattern, call)  # (b, H, n, S)
         dropped = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
-        if enable_gqa:
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (b, H, S, hd)
-        z = self._heads("z", dropped @ v, call)  # (b, H, n, hd)
+        z = self._heads("z", heads_matmul(dropped, v), call)  # (b, H, n, hd), each group's heads on its v
         return (z, pattern) if return_weights else z
 
 
