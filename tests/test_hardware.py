@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from aten_ops import AtenOps
 from attnlab import hardware
 from attnlab.training import TrainConfig, Trainer
 
@@ -163,18 +164,6 @@ def test_release_openmp_threads_lets_the_calling_threads_workers_go():
     assert int(after) == int(team) - 1, r.stdout  # the helper's one worker (2 threads: itself and one more)
 
 
-class _Ops(TorchDispatchMode):
-    """The aten operators a block of code runs (by name)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     shape=st.sampled_from([(5,), (3, 5), (2, 4, 5), (0, 5), (2, 1, 5)]),
@@ -213,18 +202,18 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted_on_a_cpu_not_intel
     cpu_maker(vendor)
     layer = torch.nn.Linear(6, 4)
     x = torch.randn(3, 6)
-    with _Ops() as ops:
+    with AtenOps() as ops:
         y = hardware.linear(x, layer.weight, layer.bias)
     assert "_linear_pointwise.default" not in ops.names and y.requires_grad
     y.sum().backward()
     torch.testing.assert_close(layer.weight.grad, torch.ones(3, 4).t() @ x)
     intel_mkl = vendor == "GenuineIntel" and torch.backends.mkl.is_available()
     onednn = torch.backends.mkldnn.enabled and not intel_mkl and hardware._onednn_linear_works()
-    with torch.no_grad(), _Ops() as ops:
+    with torch.no_grad(), AtenOps() as ops:
         got = hardware.linear(x, layer.weight, layer.bias)
     assert ("_linear_pointwise.default" in ops.names) == onednn
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
-    with torch.no_grad(), _Ops() as ops:
+    with torch.no_grad(), AtenOps() as ops:
         hardware.linear(x.double(), layer.weight.double(), None)
         hardware.linear(x.bfloat16(), layer.weight.bfloat16(), None)
     assert "_linear_pointwise.default" not in ops.names
@@ -234,7 +223,7 @@ def test_linear_takes_onednn_only_where_no_gradient_is_wanted_on_a_cpu_not_intel
     # option and warns on a build without Intel GPU support)
     enabled, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
-        with torch.no_grad(), _Ops() as ops:
+        with torch.no_grad(), AtenOps() as ops:
             hardware.linear(x, layer.weight, layer.bias)
     finally:
         torch.backends.mkldnn.enabled = enabled

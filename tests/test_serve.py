@@ -26,8 +26,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from aten_ops import AtenOps
 from attnlab.cli import main
 from attnlab.interpret import (
     ablation_effect,
@@ -479,24 +479,12 @@ def test_every_model_call_runs_on_one_thread_in_inference_mode(tmp_path):
     assert engine.snapshot()["generations_finished"] == 8
 
 
-class _Ops(TorchDispatchMode):
-    """The aten operators the thread that enters it runs (the mode is the thread's own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_requests_torch_work_all_runs_on_the_model_thread(tmp_path):
     # A torch operation on a request's thread could give that thread a team of OpenMP workers, which
     # would slow the model thread's steps for as long as the thread lives (Engine.run).
     engine = Engine(LoadedModel(sharp_gpt(), CharTokenizer(CHARS), tmp_path))
     prompt = PROMPTS[0]
-    with _Ops() as ops:
+    with AtenOps() as ops:
         engine.inspect(prompt, ["layers", "lens", "next", "roles"])
         engine.next_tokens(prompt, temperature=0.5)
         engine.ablate(prompt, ["0.1"])
