@@ -224,7 +224,7 @@ def release_openmp_threads() -> bool:
 
     Not always enough: once a thread has run a model's forward (torch's matmuls), the other threads'
     barriers stay throttled after its pause, and only the thread's exit brings them back
-    (docs/performance.md, the generation stream)."""
+    (docs/performance.md, *Serve*): :func:`on_own_thread`."""
     pause = _omp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 

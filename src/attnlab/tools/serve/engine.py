@@ -201,9 +201,9 @@ class Engine:
             "steps_compiling": 0,
             "compile_failed": 0,
         }
-        # The model is the model thread's from here: the thread that loaded it (the server's main one)
-        # lets its OpenMP workers go, or the model thread's barriers wait throttled (2 cores: its
-        # compiled steps 40% slower; see hardware.release_openmp_threads).
+        # The model is the model thread's from here: a thread that loaded it and lives on (a script's main
+        # one; attnlab serve loads on a thread that ends) lets its OpenMP workers go as far as the runtime
+        # allows, or the model thread's barriers wait throttled (see run).
         hardware.release_openmp_threads()
 
     # -- bookkeeping ------------------------------------------------------------------------------
