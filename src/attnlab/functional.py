@@ -491,7 +491,7 @@ def _reference(
     if dropout_p > 0.0:
         # The same call as nn.Dropout: under the same seed, the same mask as the tutorials' dropout.
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ value, weights  # (..., L, Ev), (..., L, S)
+    return heads_matmul(weights, value), weights  # (..., L, Ev), (..., L, S)
 
 
 def attention_scores(
@@ -664,8 +664,7 @@ def attend(
     if mask_mod is not None:
         attn_mask = combine_masks(attn_mask, _mask_from_mod(mask_mod, (*query.shape[:-2], L, S), query.device))
 
-    if backend == "reference" or return_weights:
-        key, value = _expand_kv(query, key, value, enable_gqa)
+    if backend == "reference" or return_weights:  # (grouped heads paired by heads_matmul, never copied)
         mask = _merge_masks(attn_mask, is_causal, L, S, query.device, window, sinks)
         key, value = _drop_unattended(key, value, mask)
         out, weights = _reference(query, key, value, mask, dropout_p, scale, score_mod)

@@ -212,19 +212,14 @@ def _cpuinfo(field: str) -> str:
 
 
 def release_openmp_threads() -> bool:
-    """Let the OpenMP worker threads of the calling thread go (OpenMP's ``omp_pause_resource_all``, soft),
-    where torch's OpenMP runtime is loaded and has the call (GCC's libgomp, LLVM's libomp: Linux); True
-    if it did. Call it on a thread done with torch for a while (one that loaded a model, compiled a step).
+    """Let the calling thread's OpenMP workers go (``omp_pause_resource_all``, soft), where torch's OpenMP
+    runtime has the call (GCC's libgomp, LLVM's libomp: Linux); True if it did.
 
-    Each thread that ever ran a parallel region keeps its own team of workers, and while the process's
-    OpenMP threads outnumber its CPUs libgomp waits at a barrier by 100 spins instead of 300,000, so
-    every barrier becomes a sleep and a wake-up. A compiled decoding step has hundreds, so a team that
-    another live thread keeps (even from a single earlier matmul) slows every token until it is let go
-    (``attnlab serve`` decodes on its model thread, after loading on the main one).
-
-    Not always enough: once a thread has run a model's forward (torch's matmuls), the other threads'
-    barriers stay throttled after its pause, and only the thread's exit brings them back
-    (docs/performance.md, *Serve*): :func:`on_own_thread`."""
+    Each thread that ran a parallel region keeps a team of workers, and while a process's OpenMP threads
+    outnumber its CPUs libgomp's barriers sleep instead of spinning: a team that another live thread
+    keeps slows every step of a decoding loop. The pause lets it go after plain elementwise work, not
+    after a model's forward (docs/performance.md, *Serve*); there only the thread's end does
+    (:func:`on_own_thread`)."""
     pause = _omp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 
@@ -233,13 +228,9 @@ _T = TypeVar("_T")
 
 
 def on_own_thread(fn: Callable[[], _T]) -> _T:
-    """``fn()`` on a new thread, waited for: its result, or its exception raised again here.
-
-    For torch work done once in a process that does its other torch work on another, long-lived thread
-    (``attnlab serve`` loads its model so, then decodes on its model thread): the OpenMP team that the
-    work's parallel operations give the thread ends with the thread, where the calling thread would
-    keep one for good, and two live teams put every barrier of the other thread's loops to sleep (see
-    :func:`release_openmp_threads`, which does not always undo it)."""
+    """``fn()`` on a new thread, waited for: its result, or its exception raised again here. The OpenMP
+    team that its parallel operations give that thread ends with it (see :func:`release_openmp_threads`):
+    for work done once beside a long-lived torch thread (``attnlab serve`` loads its model so)."""
     out: dict[str, Any] = {}
 
     def run() -> None:

@@ -219,10 +219,9 @@ class Engine:
         """``fn()`` alone on the model: on the model's thread, under the lock, in inference mode.
         Blocks the calling thread until it is done (the server calls it from worker threads).
 
-        A request's torch work runs here, its small after-work too (a step's arrays packed, a top-k):
-        torch's parallel operations give the thread that runs them a team of OpenMP workers, kept while
-        the thread lives, and while a second team lives beside the model thread's, every barrier of
-        the model's steps waits throttled (see :func:`attnlab.hardware.release_openmp_threads`)."""
+        A request's torch work all runs here, its small after-work too: a parallel operation on another
+        live thread would give it a team of OpenMP workers, and the model thread's barriers would wait
+        throttled beside it (see :func:`attnlab.hardware.release_openmp_threads`)."""
 
         def alone() -> T:
             with self.lock, torch.inference_mode():
@@ -236,9 +235,8 @@ class Engine:
             return self._model_thread.submit(fn)
 
     def rest(self) -> None:
-        """Let the model thread end once its work is done (the next call starts another), and its OpenMP
-        workers with it: for a process that runs torch on another thread for a while (a benchmark's other
-        rows), whose loops would otherwise wait throttled beside the model thread's team (see :meth:`run`)."""
+        """End the model thread once its work is done, its OpenMP workers with it (see :meth:`run`); the next
+        call starts another. For a process that runs torch on another thread meanwhile (a benchmark)."""
         with self._model_thread_lock:
             old = self._model_thread
             self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnlab-model")
@@ -487,8 +485,7 @@ class Engine:
             self._compiles[slots] = threading.Event()
             self.count("steps_compiling")
             self._compile_jobs.put(slots)
-            # A daemon (a server that stops does not wait for a compilation), which ends when no size is
-            # left to compile: its OpenMP workers with it (see run).
+            # (a daemon: a server that stops does not wait; it ends, with its OpenMP workers, when idle: see run)
             if self._compiler is None:
                 self._compiler = threading.Thread(target=self._compile, name="attnlab-compile", daemon=True)
                 self._compiler.start()
