@@ -454,10 +454,8 @@ def _masked_scores(
         scores = _modded_scores(scores, score_mod)  # (B, H, L, S)
     if mask is None:
         return scores
-    # (the mask broadcasts to the scores' own shape; torch.broadcast_shapes would import sympy here)
-    trailing = zip(mask.shape[::-1], scores.shape[::-1], strict=False)  # (the mask may have fewer dims)
-    fits = mask.dim() <= scores.dim() and all(m in (1, s) for m, s in trailing)
-    own = score_mod is None and fits
+    shape = tuple(scores.shape)
+    own = score_mod is None and broadcast_shape(tuple(mask.shape), shape) == shape  # (the mask fits the scores)
     if mask.dtype == torch.bool:
         return scores.masked_fill_(~mask, float("-inf")) if own else scores.masked_fill(~mask, float("-inf"))
     return scores.add_(mask) if own and mask.dtype == scores.dtype else scores + mask
