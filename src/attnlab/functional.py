@@ -133,12 +133,7 @@ def causal_mask(
 
 
 def positions_mask(
-    q_positions: Tensor,
-    k_positions: Tensor,
-    *,
-    causal: bool = True,
-    window: int | None = None,
-    sinks: int = 0,
+    q_positions: Tensor, k_positions: Tensor, *, causal: bool = True, window: int | None = None, sinks: int = 0
 ) -> Tensor:
     """Which keys each query may attend, from explicit positions: bool ``(..., L, S)``, True = may attend.
 
@@ -294,13 +289,7 @@ def _validate(
 
     if attn_mask is not None:
         target = (*batch, query.shape[-2], key.shape[-2])
-        check_attn_mask(
-            attn_mask,
-            device=query.device,
-            dtype=query.dtype,
-            target=target,
-            input_name="query",
-        )
+        check_attn_mask(attn_mask, device=query.device, dtype=query.dtype, target=target, input_name="query")
     return tuple(batch)
 
 
@@ -357,22 +346,6 @@ def heads_matmul(a: Tensor, b: Tensor) -> Tensor:
     Hkv = b.shape[-3]
     grouped = a.reshape(*lead, Hkv, (H // Hkv) * n, k) @ b  # (..., Hkv, g * n, m): heads kv * g + j, rows j * n + i
     return grouped.view(*lead, H, n, b.shape[-1])
-
-
-def _expand_kv(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
-    """Repeat grouped key/value heads (dim -3) up to the query heads, for the explicit path.
-
-    A heads dimension of 1 is left to broadcast."""
-    if not (enable_gqa and query.dim() >= 3):
-        return key, value
-    hq = query.shape[-3]
-
-    def expand(t: Tensor) -> Tensor:
-        if t.dim() < 3 or t.shape[-3] in (hq, 1):
-            return t
-        return t.repeat_interleave(hq // t.shape[-3], dim=-3)  # (..., Hq, S, E)
-
-    return expand(key), expand(value)
 
 
 def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -669,9 +642,11 @@ def attend(
         return (out, weights) if return_weights else out
 
     if window is not None and attn_mask is None and _sliding_runs(query, key, value, dropout_p, window):
-        key, value = _expand_kv(query, key, value, enable_gqa)
-        H = query.shape[1]  # the band kernel takes one key/value head per query head (a view for one shared head)
-        key, value = (t.expand(-1, H, -1, -1) if t.shape[1] == 1 else t for t in (key, value))
+        H = query.shape[1]  # the band kernel takes one key/value head per query head (grouped ones repeated)
+        key, value = (
+            t.repeat_interleave(H // t.shape[1], 1) if 1 < t.shape[1] < H else t.expand(-1, H, -1, -1)
+            for t in (key, value)
+        )
         return sliding.sliding_window_attention(query, key, value, window, sinks, scale)  # (B, H, T, Ev)
 
     if attn_mask is None and window is None and (not is_causal or L == S):

@@ -56,15 +56,7 @@ from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
 from attnlab.quantized import is_quantized
 
-__all__ = [
-    "CONFIG_NAME",
-    "GPT",
-    "WEIGHTS_NAME",
-    "FeedForward",
-    "GPTConfig",
-    "TransformerBlock",
-    "lm_loss",
-]
+__all__ = ["CONFIG_NAME", "GPT", "WEIGHTS_NAME", "FeedForward", "GPTConfig", "TransformerBlock", "lm_loss"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -873,11 +865,7 @@ class GPT(nn.Module):
         return self.decode_logits(idx, key_mask, kv_caches, position_ids=position_ids)
 
     def _check_forward(
-        self,
-        idx: object,
-        attention_mask: object,
-        position_ids: object,
-        kv_caches: object,
+        self, idx: object, attention_mask: object, position_ids: object, kv_caches: object
     ) -> tuple[Tensor, Tensor | None]:
         """:meth:`forward`'s arguments checked: ``(idx, key_mask (B, S) bool or None)``."""
         past = 0
@@ -1005,12 +993,7 @@ class GPT(nn.Module):
         return mask
 
     def loss(
-        self,
-        idx: Tensor,
-        targets: Tensor,
-        *,
-        ignore_index: int = -100,
-        attention_mask: Tensor | None = None,
+        self, idx: Tensor, targets: Tensor, *, ignore_index: int = -100, attention_mask: Tensor | None = None
     ) -> Tensor:
         """Mean next-token cross-entropy (nats per token) of ``targets (B, T)`` given ``idx (B, T)``.
 
@@ -1036,10 +1019,7 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        return [
-            {"params": decay, "weight_decay": float(weight_decay)},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        return [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
 
     def configure_optimizer(
         self,

@@ -27,10 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "viz": ("attnlab.cli.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
     "inspect": ("attnlab.cli.inspect", "look inside a model on a prompt: head roles, logit lens, rollout, ablation"),
     "patch": ("attnlab.cli.patch", "activation patching: which heads and positions carry the answer"),
-    "circuit": (
-        "attnlab.cli.circuit",
-        "edge attribution (EAP, EAP-IG): a circuit of heads and MLPs, its faithfulness",
-    ),
+    "circuit": ("attnlab.cli.circuit", "edge attribution (EAP, EAP-IG): a circuit of heads and MLPs, its faithfulness"),
     "serve": ("attnlab.cli.serve", "the inspector as a live local web app: type, generate, ablate"),
     "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
     "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),
@@ -43,8 +40,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from attnlab import __version__
 
     parser = argparse.ArgumentParser(
-        prog="attnlab",
-        description="Self-attention to learn from, measure and build real models on.",
+        prog="attnlab", description="Self-attention to learn from, measure and build real models on."
     )
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

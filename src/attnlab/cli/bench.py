@@ -49,10 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=positive_int, metavar="N", help="interleaved timing rounds (default 7; quick 5)"
     )
     parser.add_argument(
-        "--loop-max-len",
-        type=positive_int,
-        metavar="T",
-        help="longest sequence given to the Python loop (default 64)",
+        "--loop-max-len", type=positive_int, metavar="T", help="longest sequence given to the Python loop (default 64)"
     )
     parser.add_argument(
         "--threads",

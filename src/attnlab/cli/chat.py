@@ -39,11 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"window. {HELP}. Through a pipe, each input line is one message."
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--model",
-        metavar="MODEL",
-        help=f"an instruct model with a chat template: {MODEL_SOURCES}",
-    )
+    source.add_argument("--model", metavar="MODEL", help=f"an instruct model with a chat template: {MODEL_SOURCES}")
     source.add_argument(
         "--checkpoint",
         metavar="DIR",

@@ -33,11 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--checkpoint", metavar="DIR", help="an attnlab model: a training --out directory or a step directory"
     )
-    source.add_argument(
-        "--model",
-        metavar="NAME",
-        help=f"a published model: {MODEL_SOURCES}",
-    )
+    source.add_argument("--model", metavar="NAME", help=f"a published model: {MODEL_SOURCES}")
     parser.add_argument("--data", metavar="PATH", required=True, help="UTF-8 text file to score")
     parser.add_argument(
         "--context-length",

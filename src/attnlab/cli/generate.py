@@ -60,11 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a training --out directory (uses its latest checkpoint) or a step directory inside it",
     )
-    source.add_argument(
-        "--model",
-        metavar="MODEL",
-        help=f"a published model: {MODEL_SOURCES}",
-    )
+    source.add_argument("--model", metavar="MODEL", help=f"a published model: {MODEL_SOURCES}")
     parser.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
     parser.add_argument(
         "--chat",

@@ -71,15 +71,7 @@ from attnlab.formats import families
 from attnlab.gguf_vocab import is_gguf_file
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
-__all__ = [
-    "ARCHITECTURES",
-    "GGUF_MAGIC",
-    "GGUFModel",
-    "is_gguf",
-    "read_gguf",
-    "read_gguf_config",
-    "read_gguf_metadata",
-]
+__all__ = ["ARCHITECTURES", "GGUF_MAGIC", "GGUFModel", "is_gguf", "read_gguf", "read_gguf_config", "read_gguf_metadata"]
 
 
 @dataclass(frozen=True)

@@ -164,11 +164,7 @@ def _config_from_hf(
 
 
 def gpt2_to_attnlab(
-    model_or_state_dict: Any,
-    *,
-    n_heads: int | None = None,
-    drop_rate: float | None = None,
-    hf_config: Any = None,
+    model_or_state_dict: Any, *, n_heads: int | None = None, drop_rate: float | None = None, hf_config: Any = None
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(GPTConfig fields, attnlab state dict)`` of a Hugging Face GPT-2; the arguments are those of
     :meth:`attnlab.GPT.from_hf_gpt2`, which builds the model from what this returns.

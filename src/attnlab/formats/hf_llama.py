@@ -34,13 +34,7 @@ from attnlab.formats.hf import import_transformers
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT
 
-__all__ = [
-    "LLAMA_FAMILY",
-    "llama_to_attnlab",
-    "to_hf_llama",
-    "to_hf_llama_config",
-    "to_hf_llama_state_dict",
-]
+__all__ = ["LLAMA_FAMILY", "llama_to_attnlab", "to_hf_llama", "to_hf_llama_config", "to_hf_llama_state_dict"]
 
 
 def _llama_config(hf_config: Any) -> dict[str, Any]:

@@ -488,11 +488,7 @@ def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tens
 # Next-token probabilities
 # --------------------------------------------------------------------------------------------
 def next_token_probabilities(
-    logits: Tensor | Trace,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    logits: Tensor | Trace, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
 ) -> Tensor:
     """The distribution generation would draw the next token from, at every position.
 

@@ -432,13 +432,7 @@ def inspector_data(
 
 
 def _page_top(
-    trace: Trace,
-    ids: list[int],
-    tokenizer: Any,
-    model_name: str,
-    title: str | None,
-    text: str | None,
-    note: str | None,
+    trace: Trace, ids: list[int], tokenizer: Any, model_name: str, title: str | None, text: str | None, note: str | None
 ) -> dict[str, Any]:
     """The page's title, text, note, tokens and model section, before the sections of the views."""
     model, T, L, H = trace.model, len(ids), trace.n_layers, trace.n_heads

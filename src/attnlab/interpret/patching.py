@@ -461,11 +461,7 @@ def _head(name: str, pair: object, L: int, H: int) -> tuple[int, int]:
 # Attribution patching
 # --------------------------------------------------------------------------------------------
 def attribution_patching(
-    model: nn.Module,
-    clean: Tensor,
-    corrupted: Tensor,
-    metric: Callable[[Tensor], Tensor],
-    site: str = "resid_pre",
+    model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Callable[[Tensor], Tensor], site: str = "resid_pre"
 ) -> Tensor:
     """The first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` of each patch's effect.
 
