@@ -456,7 +456,8 @@ def prompt(n: int = 12, seed: int = 0) -> torch.Tensor:
 
 
 class LinearShapes(torch.overrides.TorchFunctionMode):
-    """Records ``(input shape, weight shape)`` of each ``F.linear`` a model calls (not the calls inside
+    """Records ``(input shape, weight shape)`` of each ``F.linear`` a model calls, or oneDNN's linear that
+    :func:`attnlab.hardware.linear` calls for float32 on CPUs other than Intel's (not the calls inside
     another's handling: a quantized weight's tiles)."""
 
     def __init__(self) -> None:
@@ -464,7 +465,7 @@ class LinearShapes(torch.overrides.TorchFunctionMode):
         self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.linear:
+        if func is F.linear or str(getattr(func, "overloadpacket", func)) == "mkldnn._linear_pointwise":
             self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return func(*args, **(kwargs or {}))
 
@@ -476,6 +477,8 @@ def test_a_quantized_model_makes_the_dense_models_products(q4k):
     quant, dense = q4k
     seen = {}
     for name, model in (("quantized", quant), ("dense", dense)):
+        with torch.no_grad():
+            model(prompt(20))  # (once before: attnlab.hardware's one-off check of oneDNN is not the model's)
         with torch.no_grad(), LinearShapes() as mode:
             model(prompt(20))
         seen[name] = mode.shapes
@@ -487,12 +490,26 @@ def test_a_quantized_model_makes_the_dense_models_products(q4k):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "F16"])
 def test_quantized_model_computes_the_dequantized_models_logits(tmp_path, qtype):
+    """The same weights, multiplied by the same library: oneDNN off, the dense model's products are
+    ``F.linear``'s as the tiles' are (with it on, CPUs other than Intel's multiply the dense weights by
+    oneDNN, whose order of sums differs from MKL's: a random tiny model's logits, unlike a trained one's,
+    magnify that past 1e-5; the real file's test below holds the two libraries to it)."""
     path = write_quantized_gguf(tmp_path / f"tiny.{qtype}.gguf", qtype)
     quant, dense = GPT.from_gguf(path), GPT.from_gguf(path, dtype=torch.float32)
     matrices = [p for n, p in quant.named_parameters() if p.dim() == 2]
     assert matrices and all(is_quantized(p) and p.formats == (qtype,) for p in matrices)
     assert not any(is_quantized(p) for p in dense.parameters())
     idx = prompt(20)
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        got, want = quant(idx), dense(idx)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_the_real_q4_1_model_computes_its_dequantized_models_logits(smollm2_gguf):
+    """SmolLM2 kept quantized against its dense float32 model, each with the products it takes by default
+    on this CPU: within 1e-5 of the largest logit."""
+    quant, dense = GPT.from_gguf(smollm2_gguf), GPT.from_gguf(smollm2_gguf, dtype=torch.float32)
+    idx = torch.randint(0, quant.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = quant(idx), dense(idx)
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())

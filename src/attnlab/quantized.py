@@ -991,14 +991,19 @@ def _tiles(w: QuantizedTensor, compiled: bool) -> Iterator[tuple[int, int, Part]
 
 
 def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
-    """``x (..., in) @ w.T -> (..., out)``, a tile of ``w``'s rows dense at a time."""
+    """``x (..., in) @ w.T -> (..., out)``, a tile of ``w``'s rows dense at a time.
+
+    By ``F.linear`` (MKL in torch's x86 builds) on every CPU, not :func:`attnlab.hardware.linear`'s oneDNN:
+    a tile is multiplied once, from the caches it was just dequantized into, where oneDNN's setup per call
+    is the slower part; and a process that computes with quantized weights alone never pays the memory of
+    oneDNN's kernels."""
     compiled = _compiling_pays(x)
     tiles = list(_tiles(w, compiled))
     if len(tiles) == 1:
-        return hardware.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
+        return F.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
     out = x.new_empty(*x.shape[:-1], w.shape[0])  # (..., out): each tile's columns written in place
     for i, j, tile in tiles:
-        out[..., i:j] = hardware.linear(x, _dense_tile(tile, x.dtype, compiled))
+        out[..., i:j] = F.linear(x, _dense_tile(tile, x.dtype, compiled))
     return out
 
 
