@@ -630,10 +630,10 @@ def extra_rss(path: Path) -> int:
     a child of a large process such as pytest it starts at the parent's size and hides the load.)"""
     if not Path("/proc/self/status").is_file():
         pytest.skip("VmHWM is Linux's (/proc/self/status)")
-    # The lower of two fresh processes: the same load and forward peak a few MB apart from one process to
+    # The lowest of three fresh processes: the same load and forward peak a few MB apart from one process to
     # the next (where the allocator's arenas and the kernels' pages land), as timings are taken at their best.
     command = [sys.executable, "-c", MEASURE, str(path)]
-    runs = [subprocess.run(command, capture_output=True, text=True, check=True) for _ in range(2)]
+    runs = [subprocess.run(command, capture_output=True, text=True, check=True) for _ in range(3)]
     return min(json.loads(out.stdout.strip().splitlines()[-1])["extra"] for out in runs)
 
 
