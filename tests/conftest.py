@@ -11,7 +11,8 @@
   ``ATTNLAB_NO_SKIPS=1`` (CI sets it) every skip is reported as a failure instead, so CI can never
   pass by quietly running less. The one exception is hardware: a test marked ``@pytest.mark.cuda``
   runs only where CUDA is (``pytest -m cuda`` on a GPU machine runs exactly those).
-* ``pytest -m "not slow"`` runs the fast part (under a minute); CI runs everything.
+* ``pytest -m "not slow"`` runs the fast part (a few minutes in one process); CI runs everything, on
+  pytest-xdist's workers (the README's command: ``-n auto --maxprocesses 4 --dist loadfile``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ NO_CUDA_REASON = "needs a CUDA device (marked cuda)"
 def _missing_hardware(item: pytest.Item) -> bool:
     """Whether ``item`` needs hardware this machine lacks (the skips ATTNLAB_NO_SKIPS allows)."""
     return "cuda" in item.keywords and not torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker gets its share of the cores for torch's threads: two workers of
+    two threads each on two cores would wait on each other's spinning threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

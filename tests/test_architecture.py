@@ -96,6 +96,7 @@ def test_no_module_imports_a_private_name_of_another():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.slow
 def test_only_the_command_line_parses_arguments():
     found = [f for m, tree, _ in _sources() if not m.startswith("attnlab.cli") for f in argparse_imports(m, tree)]
     assert not found, "\n".join(found)

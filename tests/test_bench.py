@@ -116,6 +116,7 @@ TINY = ["--quick", "--seq-lens", "8,16", "--d-model", "32", "--heads", "2", "--l
 TINY += ["--gen-lens", "12,16", "--train-lens", "8", "--threads", "1"]  # 1 thread: fast on a busy machine
 
 
+@pytest.mark.slow
 def test_cli_writes_a_complete_report(tmp_path, capsys):
     out = tmp_path / "report"
     threads = torch.get_num_threads()
@@ -187,6 +188,7 @@ def test_cli_rejects_bad_lists(capsys):
     assert "comma-separated positive integers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_goal_report_formats_a_quick_run():
     result = attention_benchmark(batch=1, seq_len=16, d_model=24, num_heads=4, repeats=2, warmup=0, memory=False)
     text = format_attention_report(result)

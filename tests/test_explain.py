@@ -623,6 +623,7 @@ def test_quiz_waits_for_enter_when_interactive(monkeypatch):
         assert prose(out.getvalue()).index(answer) > len(prose(stdin.reads[i])) - 1
 
 
+@pytest.mark.slow
 def test_explain_quiz_through_a_pipe_does_not_wait(subprocess_env):
     """stdin not a terminal (CI, a pipe): no prompt, no read; question then answer."""
     proc = subprocess.run(

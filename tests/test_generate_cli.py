@@ -62,6 +62,7 @@ def generate(monkeypatch, *args: str) -> Recorder:
     return rec
 
 
+@pytest.mark.slow
 def test_greedy_output_is_the_models_greedy_continuation(checkpoint: Path, monkeypatch) -> None:
     rec = generate(
         monkeypatch, "--checkpoint", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24", "--temperature", "0"

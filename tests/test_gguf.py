@@ -368,6 +368,7 @@ def no_hub(monkeypatch):
     return asked
 
 
+@pytest.mark.slow
 def test_from_pretrained_reads_a_gguf_file(tmp_path, no_hub):
     """docs/models.md: GPT.from_pretrained takes the names load_pretrained takes, a GGUF file included."""
     path = write_gguf(tmp_path / "tiny.gguf")

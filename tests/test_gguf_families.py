@@ -74,6 +74,7 @@ def written(request, tmp_path_factory):
     return name, hf, path, GPT.from_gguf(path)
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_match_transformers(written):
     name, hf, path, ours = written
     assert read_gguf(path).architecture == LLAMA_CPP_ARCH[hf.config.model_type]

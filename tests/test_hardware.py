@@ -59,6 +59,7 @@ def test_precision_fp32_makes_no_bfloat16_tensor_in_a_step(tmp_path: Path, optim
     assert torch.float32 in seen and torch.bfloat16 not in seen, seen.get(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_auto_is_float32_throughout_without_native_bf16_and_bf16_with_it(tmp_path: Path, monkeypatch) -> None:
     """The same run: no bfloat16 op when the hardware says it has none; with native bf16 both the
     forward (autocast) and Muon's Newton-Schulz run in bf16 (so the recording can fail)."""
@@ -72,6 +73,7 @@ def test_auto_is_float32_throughout_without_native_bf16_and_bf16_with_it(tmp_pat
     assert torch.bfloat16 in _dtypes_of_a_step(tmp_path / "native", optimizer="muon", precision="auto")
 
 
+@pytest.mark.slow
 def test_the_first_line_names_the_recipe_and_why(tmp_path: Path, monkeypatch) -> None:
     lines: list[str] = []
     _native(monkeypatch, False)
@@ -125,6 +127,7 @@ def test_describe_reports_what_the_kernels_see() -> None:
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86 CPU class")
+@pytest.mark.slow
 def test_a_cpu_told_to_behave_as_avx2_says_it_has_no_native_bf16(subprocess_env) -> None:
     """oneDNN honours ONEDNN_MAX_CPU_ISA: the machine then answers as an AVX2-only CPU would (this
     is how the benchmarks measure that class on a newer CPU)."""
@@ -155,6 +158,7 @@ print(out["released"], out["team"], out["after"])
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the threads in Linux's /proc")
+@pytest.mark.slow
 def test_release_openmp_threads_lets_the_calling_threads_workers_go():
     r = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

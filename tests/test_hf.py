@@ -182,6 +182,7 @@ def test_from_pretrained_reads_hub_files_through_huggingface_hub(tmp_path, monke
     torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), ours(idx))
 
 
+@pytest.mark.slow
 def test_from_pretrained_offline_gives_one_clear_sentence(tmp_path):
     code = (
         "from attnlab.model import GPT\n"

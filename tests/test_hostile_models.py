@@ -181,6 +181,7 @@ MODEL_IS_FINE = {
 }
 
 
+@pytest.mark.slow
 def test_the_good_gguf_loads_and_generates(good_gguf, capsys):
     code, out = run_cli(capsys, "--model", str(good_gguf))
     assert code == 0 and out.startswith("the a")
@@ -188,6 +189,7 @@ def test_the_good_gguf_loads_and_generates(good_gguf, capsys):
 
 
 @pytest.mark.parametrize("row", GGUF_ROWS, ids=list(GGUF_ROWS))
+@pytest.mark.slow
 def test_hostile_gguf(row, good_gguf, tmp_path, capsys):
     make, fragment = GGUF_ROWS[row]
     path = tmp_path / "model.gguf"

@@ -40,6 +40,7 @@ def test_a_gguf_model_is_named_by_its_metadata(tmp_path, meta, want, qtype):
     assert str(tmp_path) not in name and os.sep not in name
 
 
+@pytest.mark.slow
 def test_the_real_models_name(smollm2_gguf):
     reader = gguf.GGUFReader(smollm2_gguf)
     general = reader.fields["general.name"]
@@ -49,6 +50,7 @@ def test_the_real_models_name(smollm2_gguf):
     assert str(smollm2_gguf.parent) not in name
 
 
+@pytest.mark.slow
 def test_a_hugging_face_directory_is_named_by_its_config(smollm2_hf_dir):
     config = json.loads((smollm2_hf_dir / "config.json").read_text())
     name = load_pretrained(str(smollm2_hf_dir)).metadata["name"]

@@ -386,6 +386,7 @@ def test_soft_capping_is_not_additive_and_runs_exactly_where_it_can(backend, ref
     seed=st.integers(0, 2**16),
     gqa=st.booleans(),
 )
+@pytest.mark.slow
 def test_every_backend_agrees_on_mods_windows_and_masks(L, S, window, seed, gqa):
     """reference (exact mods), fused (mods as masks), flex (torch's flex_attention): same numbers,
     fully masked rows included."""

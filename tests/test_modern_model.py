@@ -205,6 +205,7 @@ def naive(model: GPT, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     B=st.integers(1, 2),
     seed=st.integers(0, 2**10),
 )
+@pytest.mark.slow
 def test_cached_and_uncached_generation_equal_the_whole_sequence(name, T, n, B, seed):
     """Prompts longer than the context, generation past it: cached (rolling) == uncached == the
     model's forward over everything (every key at its original position)."""

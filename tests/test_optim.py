@@ -143,6 +143,7 @@ def test_trainer_with_muon_steps_as_the_optimizer_alone(tmp_path: Path) -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_muon_run_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses(tmp_path: Path) -> None:
     base = dict(SMALL, optimizer="muon", max_steps=6, eval_every=3, checkpoint_every=3, keep_checkpoints=3)
     ref = tmp_path / "ref"

@@ -211,6 +211,7 @@ def test_products_compile_once_the_eager_dequantizations_have_taken_compile_afte
 
 @pytest.mark.filterwarnings("error:quantized tiles are dequantized without torch.compile")
 @pytest.mark.parametrize("kind", [name for name, f in FORMATS.items() if f.tile is not None])
+@pytest.mark.slow
 def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, kind):
     """A 4-bit format's ``tile`` (its dequantization written for torch.compile) compiled gives gguf's
     numbers bit for bit; once compiling pays (COMPILE_AFTER_S), a product of more than one row
@@ -326,6 +327,7 @@ def test_int4_repacking_is_the_gguf_packages_dequantization_bit_for_bit(qtype):
     assert torch.equal(kernel_dequantized(q.int4_pack(w.parts, torch.float32), 512), want)
 
 
+@pytest.mark.slow
 def test_int4_repacking_of_the_real_q4_1_file_is_exact(smollm2_gguf):
     """Every Q4_1 matrix of SmolLM2's file: zeros ``m + 8d`` exact in float32, so the kernel's weights are
     the file's numbers (checked on the kernel for one layer's matrices)."""
@@ -361,6 +363,7 @@ def test_bfloat16_weights_compute_with_the_int4_kernel(qtype):
     assert QuantizedTensor.from_blocks("Q8_0", blocks("Q8_0", 16, 64), (16, 64)).to(torch.bfloat16).int4 is None
 
 
+@pytest.mark.slow
 def test_a_bfloat16_quantized_model_runs_on_the_int4_kernel(tmp_path):
     """The tiny model in Q4_1 as ``.to(torch.bfloat16)``: every matrix packed, logits a bfloat16 model's
     distance from the dense float32 ones, and the float32 model still within 1e-5 of them."""
@@ -470,6 +473,7 @@ class LinearShapes(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_a_quantized_model_makes_the_dense_models_products(q4k):
     """Shape for shape, a prompt's queries, keys and values one product as the dense model's: a matmul
     library may choose its order of sums by the shape (MKL's AVX2 code does), so three products where the
@@ -489,6 +493,7 @@ def test_a_quantized_model_makes_the_dense_models_products(q4k):
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "F16"])
+@pytest.mark.slow
 def test_quantized_model_computes_the_dequantized_models_logits(tmp_path, qtype):
     """The same weights, multiplied by the same library: oneDNN off, the dense model's products are
     ``F.linear``'s as the tiles' are (with it on, CPUs other than Intel's multiply the dense weights by
@@ -505,6 +510,7 @@ def test_quantized_model_computes_the_dequantized_models_logits(tmp_path, qtype)
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.slow
 def test_the_real_q4_1_model_computes_its_dequantized_models_logits(smollm2_gguf):
     """SmolLM2 kept quantized against its dense float32 model, each with the products it takes by default
     on this CPU: within 1e-5 of the largest logit."""
@@ -637,6 +643,7 @@ def extra_rss(path: Path) -> int:
     return min(json.loads(out.stdout.strip().splitlines()[-1])["extra"] for out in runs)
 
 
+@pytest.mark.slow
 def test_memory_of_the_real_q4_1_model_is_at_most_1_5x_its_file(smollm2_gguf):
     """SmolLM2's 98 MB file: its weights, plus what does not grow with the model (the gguf reader's
     parse of a 49,152-token header, kernels' code pages, the 64 x 49,152 logits, a tile of rows)."""
@@ -644,6 +651,7 @@ def test_memory_of_the_real_q4_1_model_is_at_most_1_5x_its_file(smollm2_gguf):
     assert extra <= 1.5 * smollm2_gguf.stat().st_size, (extra, smollm2_gguf.stat().st_size)
 
 
+@pytest.mark.slow
 def test_memory_of_a_q4_k_model_is_at_most_1_5x_its_file(tmp_path):
     """A 170 MB Q4_K file (width 2048, 6 layers, random blocks): its weights and the fixed costs of a
     process that loads and runs a model (imports, kernels, the reader's parse of the header)."""

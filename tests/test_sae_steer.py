@@ -80,6 +80,7 @@ def _generate(monkeypatch, *args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.slow
 def test_generate_steer_on_smollm2(smollm2_gguf, tmp_path, monkeypatch, capsys, one_thread):
     sae = make_sae(d_in=576, d_sae=64, hook="blocks.6.hook_resid_post")
     sae.save(tmp_path / "sae")

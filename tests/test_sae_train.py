@@ -196,6 +196,7 @@ def test_cli_bad_sae_file_is_one_line_and_exit_2(tmp_path, subprocess_env):
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("attnlab sae: error: ") and "matryoshka" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_trains_on_smollm2(tmp_path, smollm2_gguf, subprocess_env):
     """The real model: a TopK SAE on SmolLM2's middle residual stream, a few steps; the saved SAE
     loads and ``sae eval`` measures it."""

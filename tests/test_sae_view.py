@@ -120,6 +120,7 @@ def test_bad_arguments(make_gpt):
         collect(model, sae, ids, 4, context=0)
 
 
+@pytest.mark.slow
 def test_cli_dashboard_on_smollm2(smollm2_gguf, tmp_path, capsys, one_thread):
     sae = make_sae(d_in=576, d_sae=64, hook="blocks.2.hook_resid_post")
     sae.save(tmp_path / "sae")

@@ -181,6 +181,7 @@ def test_the_api_sections_are_the_inspectors():
     assert set(get_args(Section)) == set(SECTIONS)
 
 
+@pytest.mark.slow
 def test_info_and_tokens(client, checkpoint):
     _, loaded = checkpoint
     cfg = loaded.model.config

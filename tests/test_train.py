@@ -164,6 +164,7 @@ def test_training_learns_and_logs_what_it_did(tmp_path: Path, one_thread) -> Non
     assert sum(losses) / len(losses) == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, one_thread) -> None:
     runs, norms = {}, {}
     for accum in (1, 2, 4):
@@ -208,6 +209,7 @@ def test_one_step_equals_a_hand_written_clipped_adamw_step(tmp_path: Path, one_t
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_resume_in_process_after_max_steps_grows(tmp_path: Path, one_thread) -> None:
     """A finished run continued with a larger --max-steps picks up at its last step."""
     base = dict(out=str(tmp_path), eval_every=5, checkpoint_every=5, warmup_steps=0, lr=1e-3, **SMALL)
@@ -349,6 +351,7 @@ def test_user_errors_are_one_line(tmp_path: Path, finished_run: Path) -> None:
         assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_max_time_plans_the_steps_that_fit_and_the_run_keeps_them(tmp_path: Path, one_thread) -> None:
     """A budget the first PLAN_STEPS steps already spent: the run plans one more step, ends there
     with a final evaluation, its learning rate at the schedule's end, and its checkpoint records the
@@ -388,6 +391,7 @@ def test_only_a_bare_run_gets_the_default_time_budget(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Regressions
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_python_api_resume_takes_seed_data_and_split_from_the_checkpoint(
     tmp_path: Path, monkeypatch, one_thread
 ) -> None:

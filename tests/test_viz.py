@@ -397,6 +397,7 @@ def test_cli_refuses_a_directory_that_is_no_checkpoint(tmp_path, capsys):
     assert "not a checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_only_drawing_a_picture_imports_matplotlib(tmp_path):
     import subprocess
     import sys
