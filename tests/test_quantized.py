@@ -622,7 +622,13 @@ from attnlab import GPT
 def high_water():  # VmHWM: the peak RSS of this process since its exec, in KiB
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
 
+# The eager tiles throughout: compiling them is chosen by the seconds spent dequantizing (sooner on a slow
+# or busy machine: beside another test worker this forward crosses it) and then holds the compiler's own
+# memory, which does not grow with the model; this measures the weights and the fixed costs of a process
+# that has not compiled.
 base = high_water()
+import attnlab.quantized
+attnlab.quantized.COMPILE_AFTER_S = float("inf")
 model = GPT.from_gguf(sys.argv[1])
 with torch.no_grad():
     model(torch.zeros(1, 64, dtype=torch.long))
