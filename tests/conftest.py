@@ -219,8 +219,9 @@ def _guide_build_can_run() -> bool:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the guide's strict build in the background when a test to run reads it (``guide_site``),
-    so it runs while the tests before it do."""
-    if session.config.option.collectonly or not _guide_build_can_run():
+    so it runs while the tests before it do. (Not on pytest-xdist's workers: each collects every test,
+    while only the one given the guide's tests needs it, and builds it when they ask.)"""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER") or not _guide_build_can_run():
         return
     if any("guide_site" in getattr(item, "fixturenames", ()) for item in session.items):
         from guide_build import start_build
