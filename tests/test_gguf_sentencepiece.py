@@ -410,8 +410,8 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("row", list(BAD))
 @pytest.mark.slow
+@pytest.mark.parametrize("row", list(BAD))
 def test_bad_sentencepiece_metadata(row, tmp_path, capsys):
     make, fragment = BAD[row]
     path = write_gguf(tmp_path / "bad.gguf", tiny_llama(seed=7, vocab=N), meta=make(sentencepiece_metadata("llama")))

@@ -126,8 +126,8 @@ def test_describe_reports_what_the_kernels_see() -> None:
     assert hw.why == f"this CPU {'has' if native else 'has no'} native bf16 ({hw.capability})"
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86 CPU class")
 @pytest.mark.slow
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86 CPU class")
 def test_a_cpu_told_to_behave_as_avx2_says_it_has_no_native_bf16(subprocess_env) -> None:
     """oneDNN honours ONEDNN_MAX_CPU_ISA: the machine then answers as an AVX2-only CPU would (this
     is how the benchmarks measure that class on a newer CPU)."""
@@ -157,8 +157,8 @@ print(out["released"], out["team"], out["after"])
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the threads in Linux's /proc")
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the threads in Linux's /proc")
 def test_release_openmp_threads_lets_the_calling_threads_workers_go():
     r = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -524,9 +524,9 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.slow
 def test_hostile_edit(case: str, base: Path, expected: dict[str, Any], tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # where a pickle's payload would write pwned.txt
     edit, outcomes = CASES[case]

@@ -188,8 +188,8 @@ def test_the_good_gguf_loads_and_generates(good_gguf, capsys):
     assert load_pretrained(str(good_gguf)).tokenizer.encode("".join(SPECIALS)) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("row", GGUF_ROWS, ids=list(GGUF_ROWS))
 @pytest.mark.slow
+@pytest.mark.parametrize("row", GGUF_ROWS, ids=list(GGUF_ROWS))
 def test_hostile_gguf(row, good_gguf, tmp_path, capsys):
     make, fragment = GGUF_ROWS[row]
     path = tmp_path / "model.gguf"

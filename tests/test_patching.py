@@ -232,8 +232,8 @@ def hooked_patching(model, clean, corrupted, site):
     return torch.tensor(out, dtype=torch.float64).reshape(L, *shape)
 
 
-@pytest.mark.parametrize("family", list(REFERENCE_FAMILIES))
 @pytest.mark.slow
+@pytest.mark.parametrize("family", list(REFERENCE_FAMILIES))
 def test_activation_patching_matches_hooked_forwards_of_each_family(family, long_pair):
     """Patching reruns the blocks from a cached residual: each layer must get its own RoPE angles
     (Gemma 3) and the logits the model's soft cap (Gemma 2), as ``model(idx)`` does."""

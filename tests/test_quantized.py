@@ -209,9 +209,9 @@ def test_products_compile_once_the_eager_dequantizations_have_taken_compile_afte
     torch.testing.assert_close(first, second, rtol=0, atol=1e-5 * float(first.abs().max()))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error:quantized tiles are dequantized without torch.compile")
 @pytest.mark.parametrize("kind", [name for name, f in FORMATS.items() if f.tile is not None])
-@pytest.mark.slow
 def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, kind):
     """A 4-bit format's ``tile`` (its dequantization written for torch.compile) compiled gives gguf's
     numbers bit for bit; once compiling pays (COMPILE_AFTER_S), a product of more than one row
@@ -492,8 +492,8 @@ def test_a_quantized_model_makes_the_dense_models_products(q4k):
     assert ((2, 20, config.emb_dim), (fused, config.emb_dim)) in seen["quantized"]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "F16"])
 @pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "F16"])
 def test_quantized_model_computes_the_dequantized_models_logits(tmp_path, qtype):
     """The same weights, multiplied by the same library: oneDNN off, the dense model's products are
     ``F.linear``'s as the tiles' are (with it on, CPUs other than Intel's multiply the dense weights by

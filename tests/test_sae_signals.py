@@ -13,8 +13,8 @@ import pytest
 from attnlab.training.rundir import LOCK_NAME
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_during_the_first_fill_stops_at_once(tmp_path, smollm2_gguf, subprocess_env, sig):
     out = tmp_path / "run"
     flags = ["--hook", "blocks.15.hook_resid_post", "--width", "1152", "--k", "16", "--no-progress"]
