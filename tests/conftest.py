@@ -50,6 +50,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _missing_hardware(item):
             item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist hands whole files to its workers in this order (--dist loadfile): the files of
+        # the most slow tests first, so that no long file starts last while the other workers idle.
+        slow: dict[str, int] = {}
+        for item in items:
+            slow[item.location[0]] = slow.get(item.location[0], 0) + (item.get_closest_marker("slow") is not None)
+        items.sort(key=lambda item: -slow[item.location[0]])  # (stable: a file's tests keep their order)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -241,11 +248,14 @@ def guide_site(request, tmp_path_factory):
     """The learners' guide built once per session with ``mkdocs build --strict`` (tests/guide_build.py):
     ``Built(site, result)``, the site folder and the finished build process. The build starts in the
     background once the tests are collected (``pytest_collection_finish``); this waits for it. The
-    tests that read it check its exit status and warnings themselves (tests/test_docs.py)."""
+    tests that read it check its exit status and warnings themselves (tests/test_docs.py). On
+    pytest-xdist's workers the first that asks builds it, and the others read that build."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
-    from guide_build import start_build
+    from guide_build import built_once, start_build
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (one build for all the workers, in the run's shared folder)
+        return built_once(tmp_path_factory.getbasetemp().parent / "guide")
     build = request.config.stash.get(_GUIDE_BUILD, None)
     if build is None:  # (not started at collection)
         build = request.config.stash[_GUIDE_BUILD] = start_build(tmp_path_factory.mktemp("guide"))
@@ -280,16 +290,34 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers(smollm2_gguf):
+def smollm2_transformers(smollm2_gguf, tmp_path_factory):
     """``(model, tokenizer)``: transformers' own loading of the same GGUF file (float32, eval), once
-    per session; the reference the real-model tests compare with."""
+    per session; the reference the real-model tests compare with.
+
+    Under pytest-xdist the first worker to ask reads the GGUF file (half a minute: gguf's reader walks
+    the vocabulary in Python) and writes transformers' reading as a Hugging Face directory in the run's
+    shared temporary folder; the other workers load that directory, the same tensors and tokenizer."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    with _quiet_transformers(transformers):
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _smollm2_from_gguf(transformers, smollm2_gguf)
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "smollm2-transformers"  # (one folder per run, all workers)
+    with FileLock(f"{shared}.lock"):
+        if (shared / "model.safetensors").is_file():
+            with _quiet_transformers(transformers):
+                model = transformers.AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32).eval()
+                return model, transformers.AutoTokenizer.from_pretrained(shared)
+        model, tokenizer = _smollm2_from_gguf(transformers, smollm2_gguf)
+        _write_hf_dir(model, tokenizer, shared)
     return model, tokenizer
+
+
+def _smollm2_from_gguf(transformers, path):
+    with _quiet_transformers(transformers):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        return model.eval(), transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _quiet_transformers(transformers):
@@ -310,26 +338,31 @@ def _quiet_transformers(transformers):
     return quiet()
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
-    """SmolLM2-135M-Instruct as a Hugging Face directory (model + tokenizer): transformers' reading of
-    the GGUF file, written once per session. transformers refuses ``save_pretrained`` on a model read
-    from GGUF ("quantized"); its weights are dequantized float32 tensors, written here as a plain
-    model (tied weights once)."""
+def _write_hf_dir(model, tokenizer, out) -> None:
+    """transformers' reading of a GGUF file as a Hugging Face directory (model + tokenizer). transformers
+    refuses ``save_pretrained`` on a model read from GGUF ("quantized"); its weights are dequantized
+    float32 tensors, written here as a plain model (tied weights once), the safetensors file last."""
     from safetensors.torch import save_file
 
-    model, tokenizer = smollm2_transformers
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_transformers, tmp_path_factory):
+    """SmolLM2-135M-Instruct as a Hugging Face directory (model + tokenizer): transformers' reading of
+    the GGUF file, written once per session (see :func:`_write_hf_dir`)."""
+    model, tokenizer = smollm2_transformers
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    _write_hf_dir(model, tokenizer, out)
     return out
 
 

@@ -110,3 +110,22 @@ class Build:
 def start_build(folder: Path) -> Build:
     """Start the strict build of this checkout's guide into ``folder / "site"``, in the background."""
     return Build(folder)
+
+
+def built_once(folder: Path) -> Built:
+    """The strict build in ``folder`` made by the first process that asks (a lock beside the folder)
+    and read back by the others: pytest-xdist's workers share one build of the guide."""
+    from filelock import FileLock
+
+    code = folder / "returncode.txt"  # (written last: the build is whole once it is there)
+    with FileLock(f"{folder}.lock"):
+        if not code.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            built = start_build(folder).wait()
+            code.write_text(str(built.result.returncode))
+            return built
+    out, err = ((folder / name).read_text(encoding="utf-8", errors="replace") for name in ("stdout.txt", "stderr.txt"))
+    return Built(
+        folder / "site",
+        subprocess.CompletedProcess(_command(ROOT / "mkdocs.yml", folder / "site"), int(code.read_text()), out, err),
+    )

@@ -87,9 +87,9 @@ def test_the_one_row_product_for_eight_lanes_is_the_gguf_packages_weights_times_
 
 def written_for(monkeypatch, lanes: str) -> None:
     """Make the compiled one-row products those written for ``lanes`` ("eight": AVX2's, read as words;
-    "any": the other vector units'), whatever this CPU's vector unit (the code is compiled for it)."""
-    if lanes == "eight":
-        monkeypatch.setattr(hardware, "compiled_vector_bits", lambda: 256)
+    "any": the other vector units'), whatever this CPU's vector unit (the code is compiled for it: on
+    an AVX2 machine "any" is the formulation its users never compile, tested here all the same)."""
+    monkeypatch.setattr(hardware, "compiled_vector_bits", lambda: 256 if lanes == "eight" else 512)
     monkeypatch.setattr(q, "_AHEAD", {})  # (nothing compiled for the other formulation is reused)
 
 
@@ -123,6 +123,8 @@ def test_a_formats_one_row_product_compiled_once_takes_every_shape(monkeypatch, 
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * scale)
     assert compiled == [40, 7, 5]
     assert {key[:2] for key in q._AHEAD} == {("matvec", qtype)}
+    eight = lanes == "eight" and FORMATS[qtype].matvec8 is not None
+    assert q._one_row(FORMATS[qtype], compiling=True)[0] is (FORMATS[qtype].matvec8 if eight else FORMATS[qtype].matvec)
 
 
 @pytest.mark.slow
@@ -132,6 +134,7 @@ def test_the_compiled_one_row_product_of_rows_in_two_formats(monkeypatch, lanes)
     can be): each part's sum, concatenated, against float64; two rows take the dense product. Both
     formulations of the sums (see above)."""
     written_for(monkeypatch, lanes)
+    torch.compiler.reset()  # (Dynamo's guards do not see the formulation: the other case's graph would be reused)
     raws = blocks("Q4_1", 24, 256), blocks("Q8_0", 16, 256, seed=1)
     parts = [QuantizedTensor.from_blocks(t, r, (len(r), 256)) for t, r in zip(("Q4_1", "Q8_0"), raws, strict=True)]
     w = torch.cat(parts)
