@@ -1060,8 +1060,17 @@ def _one_row(format: Format, compiling: bool) -> tuple[Callable[..., Tensor], tu
 
 
 def _as_words(fields: dict[str, Tensor], words: tuple[str, ...]) -> dict[str, Tensor]:
-    """``fields`` with those named in ``words`` viewed as int32 (their last dim a quarter as long)."""
-    return {n: t.view(torch.int32) if n in words else t for n, t in fields.items()} if words else fields
+    """``fields`` with those named in ``words`` viewed as int32 (their last dim a quarter as long).
+
+    Through float32: compiled, the bytes come in as float32 and become int32 inside the loop (a
+    bitcast, the same bits), because torch's AVX2 code loads a whole vector of floats at once but a
+    vector of int32 by a copy through memory, which stalled the loop on every load."""
+    return {n: _words(t) if n in words else t for n, t in fields.items()} if words else fields
+
+
+def _words(t: Tensor) -> Tensor:
+    """``t``'s bytes as int32 words, viewed through float32 (see :func:`_as_words`)."""
+    return t.view(torch.float32).view(torch.int32)
 
 
 def _matvec(x: Tensor, w: QuantizedTensor, compiled: bool = False) -> Tensor:
@@ -1141,7 +1150,9 @@ def _compile_ahead(
     ``torch.export`` traces ``fn`` and inductor compiles the graph (``standalone_compile``: the code
     ``torch.compile`` would make, its inputs' sizes and strides asserted instead of guarded); :func:`_fits`
     says which inputs it takes."""
-    names, fields = tuple(fields), _as_words(fields, words)
+    # (the words come in as float32 and become int32 inside the graph: see _as_words)
+    names = tuple(fields)
+    fields = {n: t.view(torch.float32) if n in words else t for n, t in fields.items()}
     rows = torch.export.Dim("rows", min=2)
     # ``paired``: for an even number of blocks, 4 or more, which :func:`_row_sums` reads in two halves.
     blocks = 2 * torch.export.Dim("half", min=2) if paired else torch.export.Dim("blocks", min=2)
@@ -1158,7 +1169,8 @@ def _compile_ahead(
 
     class Program(torch.nn.Module):  # (what torch.export traces)
         def forward(self, *args: Tensor) -> Tensor:
-            return fn(dict(zip(names, args[: len(names)], strict=True)), *args[len(names) :])
+            f = {n: t.view(torch.int32) if n in words else t for n, t in zip(names, args[: len(names)], strict=True)}
+            return fn(f, *args[len(names) :])
 
     from torch._inductor import standalone_compile  # (the compiler, imported once compiling pays)
 
@@ -1172,7 +1184,7 @@ def _compile_ahead(
     compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph", options=options)
 
     def call(fields: dict[str, Tensor], *x: Tensor) -> Tensor:
-        return compiled(*(fields[n].view(torch.int32) if n in words else fields[n] for n in names), *x)[0]
+        return compiled(*(fields[n].view(torch.float32) if n in words else fields[n] for n in names), *x)[0]
 
     return call
 
