@@ -214,15 +214,27 @@ def test_products_compile_once_the_eager_dequantizations_have_taken_compile_afte
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("error:quantized tiles are dequantized without torch.compile")
-@pytest.mark.parametrize("kind", [name for name, f in FORMATS.items() if f.tile is not None])
-def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, kind):
+@pytest.mark.parametrize(
+    ("kind", "lanes"),
+    [(name, lanes) for name, f in FORMATS.items() if f.tile is not None for lanes in ("any", "eight")],
+)
+def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, kind, lanes):
     """A 4-bit format's ``tile`` (its dequantization written for torch.compile) compiled gives gguf's
-    numbers bit for bit; once compiling pays (COMPILE_AFTER_S), a product of more than one row
-    dequantizes its tiles so, against float64."""
+    numbers bit for bit, and its ``tile8`` (for 8 float lanes: the packed bytes read as words) the same
+    numbers in its columns' order; once compiling pays (COMPILE_AFTER_S), a product of more than one row
+    dequantizes its tiles so (``tile8`` where the code is made for 8 lanes), against float64."""
+    written_for(monkeypatch, lanes)
+    fmt = FORMATS[kind]
     raw = blocks(kind, 160, 512)  # (COMPILE_MIN_ELEMENTS or more)
     fields = QuantizedTensor.from_blocks(kind, raw, (160, 512)).parts[0].fields
-    compiled = q._compile_ahead(FORMATS[kind].tile, fields, None)
-    assert torch.equal(compiled(fields), q.dequantize(kind, fields))
+    if lanes == "eight":
+        columns = (torch.arange(0, 512, fmt.block)[:, None] + fmt.tile8[1]).flatten()  # (512,)
+        assert sorted(columns.tolist()) == list(range(512))  # (a permutation of each block's weights)
+        compiled = q._compile_ahead(fmt.tile8[0], fields, None, fmt.words)
+        assert torch.equal(compiled(fields), q.dequantize(kind, fields)[:, columns])
+    else:
+        compiled = q._compile_ahead(fmt.tile, fields, None)
+        assert torch.equal(compiled(fields), q.dequantize(kind, fields))
     monkeypatch.setattr(q, "COMPILE_AFTER_S", 0.0)
     used = []
     ahead = q._ahead
@@ -233,7 +245,7 @@ def test_a_compiled_tile_is_the_eager_dequantization_bit_for_bit(monkeypatch, ki
     with torch.no_grad():
         got = F.linear(x, w)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
-    assert used == [("tile", kind)]
+    assert used == [("tile8" if lanes == "eight" else "tile", kind)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

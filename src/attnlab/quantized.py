@@ -90,6 +90,8 @@ class Format:
             stay eager).
         matvec8: ``matvec`` for vector units of 8 float lanes (AVX2), its fields named in ``words`` read
             as int32 words (None: ``matvec`` there too).
+        tile8: ``tile`` for 8 float lanes, from the same words: ``(tile8(fields) -> (R, nb * block), order
+            (block,))``, its column ``i`` of a block being the block's weight ``order[i]`` (None: ``tile``).
     """
 
     name: str
@@ -101,6 +103,7 @@ class Format:
     tile: Callable[[dict[str, Tensor]], Tensor] | None = None
     matvec8: Callable[[dict[str, Tensor], Tensor], Tensor] | None = None
     words: tuple[str, ...] = ()
+    tile8: tuple[Callable[[dict[str, Tensor]], Tensor], Tensor] | None = None
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -255,6 +258,44 @@ def _tile_q4_1(f: dict[str, Tensor]) -> Tensor:
 def _tile_q4_k(f: dict[str, Tensor]) -> Tensor:
     q = _bit_groups(f["qs"].unflatten(-1, (4, 32)), 4).flatten(-3, -2).float()  # (R, nb, 4, 2, 32) -> (R, nb, 8, 32)
     return (q * _sub_scales(f["d"], f["sc"]) - _sub_scales(f["dmin"], f["m"])).flatten(-3)
+
+
+# The tiles for 8 float lanes read the bytes as words (whole vector loads, see _as_words): Q4_0's and
+# Q4_1's each word broadcast and shifted by 8 amounts (as _nibble_words), Q4_K's 8 words at once, one
+# nibble of each. Their columns come out in the words' order, so the product takes x's columns in
+# that order too (_product).
+def _nibble_order() -> Tensor:
+    """The weight at each column of a block of :func:`_tile8_q4_0`: nibble j of word k, ``16 (j % 2) + 4k + j // 2``."""
+    k, j = torch.meshgrid(torch.arange(4), torch.arange(8), indexing="ij")
+    return (16 * (j % 2) + 4 * k + j // 2).flatten()
+
+
+def _tile8_q4_0(f: dict[str, Tensor]) -> Tensor:
+    q = ((f["qs"].unsqueeze(-1) >> 4 * _iota(8, f["qs"])) & 15).float()  # (R, nb, 4, 8): nibble j of word k
+    return ((q - 8) * f["d"].float()[..., None, None]).flatten(1)
+
+
+def _tile8_q4_1(f: dict[str, Tensor]) -> Tensor:
+    q = ((f["qs"].unsqueeze(-1) >> 4 * _iota(8, f["qs"])) & 15).float()  # (R, nb, 4, 8)
+    return (q * f["d"].float()[..., None, None] + f["m"].float()[..., None, None]).flatten(1)
+
+
+# Q4_K's tile for 8 float lanes: the bytes read as words (whole vector loads, see _as_words), each
+# column of 8 the same nibble of 8 words, so the columns come out in the words' order: the product
+# takes x's columns in that order too (_product).
+def _tile8_q4_k(f: dict[str, Tensor]) -> Tensor:
+    w = f["qs"].unflatten(-1, (4, 8))[:, :, :, None, None, :]  # (R, nb, g, 1, 1, k) words
+    h, b = _iota(2, w)[:, None, None], _iota(4, w)[:, None]
+    q = ((w >> 8 * b + 4 * h) & 15).float()  # (R, nb, g, h, b, k): byte b of word k, its nibble h
+    scale = _sub_scales(f["d"], f["sc"]).view(*f["d"].shape, 4, 2, 1, 1)  # sub-block 2g + h
+    low = _sub_scales(f["dmin"], f["m"]).view(*f["d"].shape, 4, 2, 1, 1)
+    return (q * scale - low).flatten(1)
+
+
+def _word_order() -> Tensor:
+    """Q4_K's weight at each column of :func:`_tile8_q4_k`'s block: ``64 g + 32 h + 4 k + b``."""
+    g, h, b, k = torch.meshgrid(*(torch.arange(n) for n in (4, 2, 4, 8)), indexing="ij")
+    return (64 * g + 32 * h + 4 * k + b).flatten()
 
 
 # The one-row products (a decoding step under torch.compile): the sum over blocks written on the packed
@@ -617,7 +658,16 @@ FORMATS: dict[str, Format] = {
         Format("BF16", 1, 2, _split_dense(np.int16), _dense, _mv_dense),
         Format("Q8_0", 32, 34, _split(("d", 2, "f16"), ("qs", 32, "i8")), _q8_0, _mv_q8_0, None, _mv8_q8_0, ("qs",)),
         Format(
-            "Q4_0", 32, 18, _split(("d", 2, "f16"), ("qs", 16, "u8")), _q4_0, _mv_q4_0, _tile_q4_0, _mv8_q4_0, ("qs",)
+            "Q4_0",
+            32,
+            18,
+            _split(("d", 2, "f16"), ("qs", 16, "u8")),
+            _q4_0,
+            _mv_q4_0,
+            _tile_q4_0,
+            _mv8_q4_0,
+            ("qs",),
+            (_tile8_q4_0, _nibble_order()),
         ),
         Format(
             "Q4_1",
@@ -629,6 +679,7 @@ FORMATS: dict[str, Format] = {
             _tile_q4_1,
             _mv8_q4_1,
             ("qs",),
+            (_tile8_q4_1, _nibble_order()),
         ),
         Format(
             "Q5_0",
@@ -664,7 +715,18 @@ FORMATS: dict[str, Format] = {
             ("qs",),
         ),
         Format("Q3_K", QK_K, 110, _split_q3_k, _q3_k, _mv_q3_k, None, _mv8_q3_k, ("qs", "hmask")),
-        Format("Q4_K", QK_K, 144, _split_k(qh=False), _q4_k, _mv_q4_k, _tile_q4_k, _mv8_q4_k, ("qs",)),
+        Format(
+            "Q4_K",
+            QK_K,
+            144,
+            _split_k(qh=False),
+            _q4_k,
+            _mv_q4_k,
+            _tile_q4_k,
+            _mv8_q4_k,
+            ("qs",),
+            (_tile8_q4_k, _word_order()),
+        ),
         Format("Q5_K", QK_K, 176, _split_k(qh=True), _q5_k, _mv_q5_k, None, _mv8_q5_k, ("qs", "qh")),
         Format(
             "Q6_K",
@@ -998,13 +1060,44 @@ def _product(x: Tensor, w: QuantizedTensor) -> Tensor:
     is the slower part; and a process that computes with quantized weights alone never pays the memory of
     oneDNN's kernels."""
     compiled = _compiling_pays(x)
-    tiles = list(_tiles(w, compiled))
+    tiles, reordered = list(_tiles(w, compiled)), {}
     if len(tiles) == 1:
-        return F.linear(x, _dense_tile(tiles[0][2], x.dtype, compiled))
+        return _tile_linear(x, tiles[0][2], compiled, reordered)
     out = x.new_empty(*x.shape[:-1], w.shape[0])  # (..., out): each tile's columns written in place
     for i, j, tile in tiles:
-        out[..., i:j] = F.linear(x, _dense_tile(tile, x.dtype, compiled))
+        out[..., i:j] = _tile_linear(x, tile, compiled, reordered)
     return out
+
+
+def _tile_linear(x: Tensor, tile: Part, compiled: bool, reordered: dict[str, Tensor]) -> Tensor:
+    """``F.linear(x, tile dense)``: by the format's ``tile8`` where it runs (compiled for 8 float lanes),
+    with ``x``'s columns in its words' order (made once a product: ``reordered``), else :func:`_dense_tile`."""
+    format = FORMATS[tile.format]
+    w = _tile8(tile, compiled) if format.tile8 is not None else None
+    if w is None:
+        return F.linear(x, _dense_tile(tile, x.dtype, compiled))
+    if tile.format not in reordered:
+        n, order = x.shape[-1], format.tile8[1]
+        columns = (torch.arange(0, n, format.block)[:, None] + order).flatten()  # (n,)
+        reordered[tile.format] = x[..., columns.to(x.device)]
+    return F.linear(reordered[tile.format], w if w.dtype == x.dtype else w.to(x.dtype))
+
+
+def _tile8(tile: Part, compiled: bool) -> Tensor | None:
+    """The tile dense by its format's ``tile8`` (columns in the words' order), or None where that does
+    not run: uncompiled, too small, or code for other than 8 float lanes."""
+    elements = tile.rows * next(iter(tile.fields.values())).shape[1] * FORMATS[tile.format].block
+    if not (compiled and elements >= COMPILE_MIN_ELEMENTS and _fits(tile.fields)):
+        return None
+    if hardware.compiled_vector_bits() is None:  # (once a process: the vector width the code is made for)
+        hardware.compile_options()
+    if hardware.compiled_vector_bits() != 256:
+        return None
+    try:
+        return _ahead("tile8", tile)(tile.fields)
+    except Exception as e:  # (no C++ compiler, or inductor failing on this platform: the eager tiles are exact too)
+        _compile_failed(e, "tiles are dequantized")
+        return None
 
 
 def _product_t(g: Tensor, w: QuantizedTensor) -> Tensor:
@@ -1221,6 +1314,8 @@ def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
                 if what == "matvec":
                     fn, words = _one_row(format, compiling=True)
                     _AHEAD[key] = _compile_ahead(fn, part.fields, format.block, words, options, paired=key[2])
+                elif what == "tile8":
+                    _AHEAD[key] = _compile_ahead(format.tile8[0], part.fields, None, format.words, options)
                 else:
                     _AHEAD[key] = _compile_ahead(format.tile, part.fields, None, options=options)
             code = _AHEAD[key]
