@@ -280,9 +280,6 @@ def _tile8_q4_1(f: dict[str, Tensor]) -> Tensor:
     return (q * f["d"].float()[..., None, None] + f["m"].float()[..., None, None]).flatten(1)
 
 
-# Q4_K's tile for 8 float lanes: the bytes read as words (whole vector loads, see _as_words), each
-# column of 8 the same nibble of 8 words, so the columns come out in the words' order: the product
-# takes x's columns in that order too (_product).
 def _tile8_q4_k(f: dict[str, Tensor]) -> Tensor:
     w = f["qs"].unflatten(-1, (4, 8))[:, :, :, None, None, :]  # (R, nb, g, 1, 1, k) words
     h, b = _iota(2, w)[:, None, None], _iota(4, w)[:, None]
