@@ -1083,12 +1083,7 @@ def _tile_linear(x: Tensor, tile: Part, compiled: bool, reordered: dict[str, Ten
 def _tile8(tile: Part, compiled: bool) -> Tensor | None:
     """The tile dense by its format's ``tile8`` (columns in the words' order), or None where that does
     not run: uncompiled, too small, or code for other than 8 float lanes."""
-    elements = tile.rows * next(iter(tile.fields.values())).shape[1] * FORMATS[tile.format].block
-    if not (compiled and elements >= COMPILE_MIN_ELEMENTS and _fits(tile.fields)):
-        return None
-    if hardware.compiled_vector_bits() is None:  # (once a process: the vector width the code is made for)
-        hardware.compile_options()
-    if hardware.compiled_vector_bits() != 256:
+    if not (_compiles(tile, compiled) and _eight_lanes()):
         return None
     try:
         return _ahead("tile8", tile)(tile.fields)
@@ -1292,9 +1287,22 @@ _AHEAD_LOCK = threading.Lock()
 def _pairs(format: Format, blocks: int) -> bool:
     """Whether ``format``'s compiled one-row product reads a row of ``blocks`` blocks in two halves (the
     32-weight formats' :func:`_row_sums`, the K-quants' code for 8 lanes' :func:`_block_sums`)."""
+    return _in_halves(blocks) and (format.block == 32 or (format.matvec8 is not None and _eight_lanes()))
+
+
+def _eight_lanes() -> bool:
+    """Whether the code compiled now is made for vector units of 8 float lanes (AVX2)."""
     if hardware.compiled_vector_bits() is None:  # (once a process: the vector width the code is made for)
         hardware.compile_options()
-    return _in_halves(blocks) and (format.block == 32 or _one_row(format, compiling=True)[0] is format.matvec8)
+    return hardware.compiled_vector_bits() == 256
+
+
+def _compiles(tile: Part, compiled: bool) -> bool:
+    """Whether a tile is dequantized by compiled code where ``compiled``: large enough to pay for a
+    call (COMPILE_MIN_ELEMENTS) and of fields the code takes (:func:`_fits`)."""
+    blocks = next(iter(tile.fields.values())).shape[1]  # (fields: (rows, blocks, ...))
+    elements = tile.rows * blocks * FORMATS[tile.format].block
+    return compiled and elements >= COMPILE_MIN_ELEMENTS and _fits(tile.fields)
 
 
 def _ahead(what: str, part: Part) -> Callable[..., Tensor]:
@@ -1323,8 +1331,7 @@ def _dense_tile(tile: Part, dtype: torch.dtype, compiled: bool) -> Tensor:
     """A tile's rows dense ``(rows, in)`` in ``dtype``, by its format's ``tile`` compiled where
     ``compiled`` and the format has one, else eager (the same numbers)."""
     w, format = None, FORMATS[tile.format]
-    elements = tile.rows * next(iter(tile.fields.values())).shape[1] * format.block  # (fields: (rows, blocks, ...))
-    if compiled and format.tile is not None and elements >= COMPILE_MIN_ELEMENTS and _fits(tile.fields):
+    if format.tile is not None and _compiles(tile, compiled):
         try:
             w = _ahead("tile", tile)(tile.fields)
         except Exception as e:  # (no C++ compiler, or inductor failing on this platform: eager is exact too)
