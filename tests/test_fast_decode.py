@@ -300,13 +300,16 @@ def test_hooks_and_forward_hooks_run_eager_and_see_the_eager_values(steps):
 
 def add_hook(stack: contextlib.ExitStack, model: GPT, kind: str) -> None:
     """A hook that zeroes the MLP's output of the last layer: a forward pre-hook or hook on its last
-    module, or an attnlab hook, removed when ``stack`` closes."""
+    module, or an attnlab hook (on the block's ``mlp_out``, or on the MLP's neurons, ``mlp.hook_post``),
+    removed when ``stack`` closes."""
     last = len(model.trf_blocks) - 1
     module = model.trf_blocks[last].ff.layers[2]
     if kind == "pre_hook":
         stack.callback(module.register_forward_pre_hook(lambda m, a: (a[0] * 0,)).remove)
     elif kind == "hook":
         stack.callback(module.register_forward_hook(lambda m, a, out: out * 0).remove)
+    elif kind == "attnlab_mlp_hook":
+        stack.enter_context(hooks(model, {f"blocks.{last}.mlp.hook_post": lambda x, hook: 0 * x}))
     else:
         stack.enter_context(hooks(model, {f"blocks.{last}.hook_mlp_out": lambda x, hook: 0 * x}))
 
@@ -324,7 +327,7 @@ def hooked_at_the_third_token(model: GPT, idx: torch.Tensor, kind: str, **kw) ->
     return out, torch.stack(logits)
 
 
-@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook"])
+@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook", "attnlab_mlp_hook"])
 def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, steps):
     """FastDecoder.fits checks each step for hooks set since the generation started (on any module,
     torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook."""

@@ -22,6 +22,8 @@ def expected_shape(name: str, B: int, T: int, model) -> tuple[int, ...]:
     att = model.trf_blocks[0].att
     H, Hkv, hd, d = att.num_heads, att.num_kv_heads, att.head_dim, model.config.emb_dim
     step = name.rsplit("hook_", 1)[1]
+    if ".mlp." in name:  # pre, pre_linear, post: the MLP's hidden width
+        return (B, T, model.config.hidden_dim)
     return {
         "pos_embed": (T, d),
         "q": (B, T, H, hd),
@@ -41,13 +43,17 @@ def test_names_and_shapes(model):
     names = hook_names(model)
     assert list(cache) == names
     L = model.config.n_layers
-    rope = model.config.pos == "rope"
+    rope, gated = model.config.pos == "rope", model.config.mlp == "swiglu"
     for i in range(L):
         for s in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
             assert f"blocks.{i}.hook_{s}" in names
         for s in ("q", "k", "v", "attn_scores", "pattern", "z"):
             assert f"blocks.{i}.attn.hook_{s}" in names
         assert (f"blocks.{i}.attn.hook_rot_q" in names) == rope
+        mlp = [n for n in names if n.startswith(f"blocks.{i}.mlp.")]  # TransformerLens's order
+        assert mlp == [f"blocks.{i}.mlp.hook_{s}" for s in ("pre", "pre_linear", "post") if gated or s != "pre_linear"]
+        at = names.index(f"blocks.{i}.hook_resid_mid")
+        assert names[at + 1 : at + 1 + len(mlp)] == mlp and names[at + 1 + len(mlp)] == f"blocks.{i}.hook_mlp_out"
     assert "hook_embed" in names and "ln_final.hook_normalized" in names
     for name, t in cache.items():
         assert tuple(t.shape) == expected_shape(name, 3, 7, model), name

@@ -35,8 +35,9 @@ def _state(sae: SAE) -> dict[str, torch.Tensor]:
         dict(hook=HOOK, architecture="batchtopk"),
         dict(hook=HOOK, architecture="jumprelu"),
         dict(hook="blocks.1.hook_resid_mid", hook_out="blocks.1.hook_mlp_out", skip=True, architecture="topk"),
+        dict(hook="blocks.1.mlp.hook_post", architecture="topk"),  # (the MLP's neurons: their width, not d)
     ],
-    ids=["topk", "batchtopk", "jumprelu", "transcoder"],
+    ids=["topk", "batchtopk", "jumprelu", "transcoder", "neurons"],
 )
 def test_resume_gives_the_same_weights(make_gpt, corpus, tmp_path, settings):
     model = make_gpt()

@@ -64,15 +64,15 @@ def _hook_dicts(modules: Any) -> list[dict]:
     return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
-def _unhooked(hook_dicts: list[dict], atts: list[nn.Module], blocks: list[nn.Module]) -> bool:
+def _unhooked(hook_dicts: list[dict], sites: list[nn.Module]) -> bool:
     """No forward (pre-)hook, global or in ``hook_dicts``, no attnlab hook (:mod:`attnlab.interpret.hooks`)
-    on the blocks or attention layers: each of them wants the eager forward's values (a compiled step
-    would break its graph at every call of theirs)."""
+    on the ``sites`` (the blocks, their attention layers and MLPs): each of them wants the eager
+    forward's values (a compiled step would break its graph at every call of theirs)."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
     if any(hook_dicts):
         return False
-    return all(m.hook is None for m in blocks) and all(a.hook is None for a in atts)
+    return all(m.hook is None for m in sites)
 
 
 def supported(model: nn.Module, caches: list[Any] | None, key_mask: Tensor | None) -> bool:
@@ -204,13 +204,12 @@ class FastDecoder:
                     torch._dynamo.mark_static_address(t)
         # Hooks may come and go: checked each step, as C-level scans of lists made here.
         self.hook_dicts = _hook_dicts(model.modules())
-        self.blocks = list(model.trf_blocks)
-        self.atts = [block.att for block in self.blocks]
+        self.sites = [m for block in model.trf_blocks for m in (block, block.att, block.ff)]
 
     def fits(self) -> bool:
         """Whether the next step may run fast: no hook set, and a free slot in every cache
         (past it a rolling cache wraps, and only the eager forward's ring logic places the token)."""
-        return self.caches[0].seen < self.plan.slots and _unhooked(self.hook_dicts, self.atts, self.blocks)
+        return self.caches[0].seen < self.plan.slots and _unhooked(self.hook_dicts, self.sites)
 
     def step(self, token: Tensor, reading: Reading | None = None) -> Tensor | tuple[Tensor, Any]:
         """The logits ``(B, V)`` after the tokens ``token (B,)`` (each row's newest), which the caches

@@ -524,7 +524,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        gated = cfg.mlp in ("swiglu", "geglu")
+        self.gated = gated = cfg.mlp in ("swiglu", "geglu")
         if cfg.mlp == "gelu":
             act: nn.Module = nn.GELU(approximate=_ACTIVATIONS[cfg.activation])
         elif cfg.mlp == "geglu":
@@ -536,9 +536,20 @@ class FeedForward(nn.Module):
             act,
             Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.bias),
         )
+        self.hook: Any = None  # set by attnlab.interpret.hooks for the length of a hooked pass
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layers(x)
+        hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
+        if hook is None:
+            return self.layers(x)
+        w_in, act, w_out = self.layers
+        h = w_in(x)  # (..., hidden), gated: (..., 2 * hidden) = [gate | up]
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)  # (..., hidden) each
+            post = act.combine(hook("pre", gate), hook("pre_linear", up))
+        else:
+            post = act(hook("pre", h))
+        return w_out(hook("post", post))  # (..., hidden) -> (..., emb_dim)
 
 
 class ReLUSquared(nn.Module):
@@ -552,7 +563,9 @@ class SwiGLU(nn.Module):
     """``silu(gate) * up`` for ``x = [gate | up]`` (the last dimension split in two halves)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = x.chunk(2, dim=-1)
+        return self.combine(*x.chunk(2, dim=-1))
+
+    def combine(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.silu(gate) * up
 
 
@@ -564,7 +577,9 @@ class GeGLU(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = x.chunk(2, dim=-1)
+        return self.combine(*x.chunk(2, dim=-1))
+
+    def combine(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.gelu(gate, approximate=self.approximate) * up
 
 
@@ -663,14 +678,15 @@ class TransformerBlock(nn.Module):
         ``positions``/``rope``: see :meth:`MultiHeadAttention.attend`. ``last_only``: the last position's
         output alone, ``(B, 1, C)`` (a prefill's last block: its other positions' outputs are read by no
         one, while their keys and values still go to ``kv_cache``); the MLP then runs on that position
-        only. Ignored while a hook is set, attnlab's or a torch forward (pre-)hook on the block or a
-        module inside it (a hook reads every position, as it would without the flag)."""
+        only. Ignored while a hook is set, attnlab's on the block or its MLP, or a torch forward
+        (pre-)hook on the block or a module inside it (a hook reads every position, as it would
+        without the flag)."""
         hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
         if hook is not None:
             x = hook("resid_pre", x)
         h = x if self.norm1 is None else self.norm1(x)
         att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
-        if last_only and hook is None and not _torch_hooked(self):
+        if last_only and hook is None and self.ff.hook is None and not _torch_hooked(self):
             x, att = x[:, -1:], att[:, -1:]  # (B, 1, C)
         if self.post_norm1 is not None:
             att = self.post_norm1(att)

@@ -3,7 +3,8 @@
 Every block and every attention layer of an attnlab GPT has a ``hook`` attribute, ``None`` unless
 :func:`hooks` is active (then the model runs its named steps through it; otherwise nothing is
 called, so generation costs what it did). The names and shapes are TransformerLens's (``B`` batch,
-``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width)::
+``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width,
+``dm`` the MLP's hidden width)::
 
     hook_embed                       (B, T, d)     the token embedding
     hook_pos_embed                   (T, d)        the learned position embedding (GPT-2 only)
@@ -17,6 +18,9 @@ called, so generation costs what it did). The names and shapes are TransformerLe
     blocks.{l}.attn.hook_z           (B, T, H, hd) pattern @ v: each head's output before out_proj
     blocks.{l}.hook_attn_out         (B, T, d)     the attention output added to the stream
     blocks.{l}.hook_resid_mid        (B, T, d)
+    blocks.{l}.mlp.hook_pre          (B, T, dm)    the MLP's pre-activation (a gated MLP's gate, x W_gate)
+    blocks.{l}.mlp.hook_pre_linear   (B, T, dm)    a gated MLP's other half, x W_up (gated MLPs only)
+    blocks.{l}.mlp.hook_post         (B, T, dm)    its neurons: what the output projection reads
     blocks.{l}.hook_mlp_out          (B, T, d)
     blocks.{l}.hook_resid_post       (B, T, d)
     ln_final.hook_normalized         (B, T, d)     the final norm's output (its gain applied)
@@ -79,8 +83,9 @@ __all__ = [
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")
+MLP_STEPS = ("pre", "pre_linear", "post")
 # (a spliced SAE's points carry a suffix after the point they follow: ".hook_sae_acts_post")
-_NAME = re.compile(r"blocks\.(\d+)\.(attn\.)?hook_(\w+)(\.hook_\w+)?$")
+_NAME = re.compile(r"blocks\.(\d+)\.(attn\.|mlp\.)?hook_(\w+)(\.hook_\w+)?$")
 
 
 @dataclass(frozen=True)
@@ -134,9 +139,12 @@ def act_name(step: str, layer: int | None = None) -> str:
         raise ValueError(f"act_name({step!r}) needs an int layer, got {layer!r}")
     if step in ATTN_STEPS:
         return f"blocks.{layer}.attn.hook_{step}"
+    if step in MLP_STEPS:
+        return f"blocks.{layer}.mlp.hook_{step}"
     if step in BLOCK_STEPS:
         return f"blocks.{layer}.hook_{step}"
-    raise ValueError(f"unknown step {step!r}; steps are {', '.join(BLOCK_STEPS + ATTN_STEPS)}, embed, normalized")
+    steps = ", ".join(BLOCK_STEPS + ATTN_STEPS + MLP_STEPS)
+    raise ValueError(f"unknown step {step!r}; steps are {steps}, embed, normalized")
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -170,11 +178,14 @@ def hook_names(model: nn.Module) -> list[str]:
     points right after the point they replace)."""
     layers = attention_layers(model)
     names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
-    for i, att in enumerate(layers):
+    for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
         steps = [s for s in ATTN_STEPS if _rotates(att) or not s.startswith("rot_")]
+        mlp_steps = [s for s in MLP_STEPS if block.ff.gated or s != "pre_linear"]
         names.append(f"blocks.{i}.hook_resid_pre")
         names += [f"blocks.{i}.attn.hook_{s}" for s in steps]
-        names += [f"blocks.{i}.hook_{s}" for s in BLOCK_STEPS[1:]]
+        names += [f"blocks.{i}.hook_{s}" for s in ("attn_out", "resid_mid")]
+        names += [f"blocks.{i}.mlp.hook_{s}" for s in mlp_steps]
+        names += [f"blocks.{i}.hook_{s}" for s in ("mlp_out", "resid_post")]
     names.append("ln_final.hook_normalized")
     for group in _ADDED.get(model, []):
         at = names.index(group.after) + 1
@@ -338,7 +349,8 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     """
     checked = _check_fns(model, fns)
     layers = attention_layers(model)
-    previous = [(b.hook, a.hook) for b, a in zip(model.trf_blocks, layers, strict=True)]
+    sites = [(b, a, b.ff) for b, a in zip(model.trf_blocks, layers, strict=True)]  # each block's three owners
+    previous = [tuple(m.hook for m in owners) for owners in sites]
     handles = []
     # A spliced module's points: their functions go on its own lists (it runs them), put back on exit.
     added = {n: g for g in _ADDED.get(model, []) for n in g.names if n in checked}
@@ -354,12 +366,12 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     try:
         for n, g in added.items():
             g.fns[n] = before_added[n] + checked[n]  # a new list: the one put back on exit stays as it was
-        for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
+        for i, owners in enumerate(sites):
             mine = {n: f for n, f in checked_here.items() if n.startswith(f"blocks.{i}.")}
-            block_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." not in n}
-            attn_steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if ".attn." in n}
-            block.hook = _merged(block.hook, f"blocks.{i}.", block_steps)
-            att.hook = _merged(att.hook, f"blocks.{i}.attn.", attn_steps)
+            for owner, prefix in zip(owners, (f"blocks.{i}.", f"blocks.{i}.attn.", f"blocks.{i}.mlp."), strict=True):
+                # (a point's name is its owner's prefix, then hook_{step})
+                steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if n.rsplit("hook_", 1)[0] == prefix}
+                owner.hook = _merged(owner.hook, prefix, steps)
         for name, module in (
             ("hook_embed", "tok_emb"),
             ("hook_pos_embed", "pos_emb"),
@@ -373,8 +385,9 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
             h.remove()
         for n, g in added.items():
             g.fns[n] = before_added[n]
-        for (block, att), (b_hook, a_hook) in zip(zip(model.trf_blocks, layers, strict=True), previous, strict=True):
-            block.hook, att.hook = b_hook, a_hook
+        for owners, before in zip(sites, previous, strict=True):
+            for owner, hook in zip(owners, before, strict=True):
+                owner.hook = hook
 
 
 def _merged(before: _Sites | None, prefix: str, steps: dict[str, list[Callable]]) -> _Sites | None:

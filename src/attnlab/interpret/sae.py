@@ -447,13 +447,18 @@ class SAE(nn.Module):
 
 def hook_width(model: nn.Module, name: str) -> int:
     """The last dimension of the activation at hook ``name``: the residual width for every
-    ``(B, T, d)`` hook point. Per-head hook points (``attn.hook_q`` ...) are refused: an SAE there
-    would need SAELens's reshaping of heads, which attnlab does not do."""
+    ``(B, T, d)`` hook point, the MLP's hidden width for its ``(B, T, dm)`` ones (``mlp.hook_post``).
+    Per-head hook points (``attn.hook_q`` ...) are refused: an SAE there would need SAELens's
+    reshaping of heads, which attnlab does not do."""
     cfg = getattr(model, "config", None)
     step = name.rsplit("hook_", 1)[-1]
+    if cfg is not None and ".mlp." in name:
+        return int(cfg.hidden_dim)
     if step in (*_RESIDUAL_STEPS, "embed", "normalized") and ".attn." not in name and cfg is not None:
         return int(cfg.emb_dim)
-    raise ValueError(f"SAEs attach to hook points of width d_model ((B, T, d) activations), not {name!r}")
+    raise ValueError(
+        f"SAEs attach to hook points of (B, T, d) or the MLP's (B, T, dm) activations, not per-head ones: {name!r}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
