@@ -29,6 +29,7 @@ def expected_shape(name: str, B: int, T: int, model) -> tuple[int, ...]:
         "q": (B, T, H, hd),
         "rot_q": (B, T, H, hd),
         "z": (B, T, H, hd),
+        "result": (B, T, H, d),
         "k": (B, T, Hkv, hd),
         "v": (B, T, Hkv, hd),
         "rot_k": (B, T, Hkv, hd),
@@ -47,7 +48,7 @@ def test_names_and_shapes(model):
     for i in range(L):
         for s in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
             assert f"blocks.{i}.hook_{s}" in names
-        for s in ("q", "k", "v", "attn_scores", "pattern", "z"):
+        for s in ("q", "k", "v", "attn_scores", "pattern", "z", "result"):
             assert f"blocks.{i}.attn.hook_{s}" in names
         assert (f"blocks.{i}.attn.hook_rot_q" in names) == rope
         mlp = [n for n in names if n.startswith(f"blocks.{i}.mlp.")]  # TransformerLens's order
@@ -109,6 +110,33 @@ def test_replacing_changes_what_follows(model):
         assert torch.all(patched["z", 1][:, :, 2] == 0)
 
 
+def test_each_heads_result_is_its_share_of_the_output_projection(model):
+    """``attn.hook_result`` (TransformerLens's): head h's ``z`` times its columns of ``out_proj``, in
+    float64; the heads' sum plus the bias is ``attn_out``; zeroing a head's result is zeroing its ``z``."""
+    idx = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(7))
+    att = model.trf_blocks[1].att
+    H, hd = att.num_heads, att.head_dim
+    _, cache = run_with_cache(model, idx)
+    w = att.out_proj.weight.double()  # (d, H * hd)
+    want = torch.stack([cache["z", 1][:, :, h].double() @ w[:, h * hd : (h + 1) * hd].T for h in range(H)], 2)
+    torch.testing.assert_close(cache["result", 1].double(), want, rtol=1e-5, atol=1e-6)  # (B, T, H, d)
+    bias = 0 if att.out_proj.bias is None else att.out_proj.bias
+    torch.testing.assert_close(cache["result", 1].sum(2) + bias, cache["attn_out", 1], rtol=1e-5, atol=1e-6)
+
+    def zero_head(x, hook):
+        x = x.clone()
+        x[:, :, 2] = 0
+        return x
+
+    with torch.no_grad():
+        with hooks(model, {"blocks.1.attn.hook_result": zero_head}):
+            by_result = model(idx)
+        with hooks(model, {"blocks.1.attn.hook_z": zero_head}):
+            by_z = model(idx)
+        torch.testing.assert_close(by_result, by_z, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(by_result, model(idx), atol=1e-4)
+
+
 def test_gradients_through_hooks(model):
     idx = torch.randint(0, 37, (1, 6))
     kept = {}
@@ -130,7 +158,7 @@ def test_restored_on_exit_and_on_error(model):
     fns = {"blocks.0.attn.hook_q": lambda x, h: x * 2, "hook_embed": lambda x, h: x * 0}
     with pytest.raises(RuntimeError, match="boom"), hooks(model, fns):
         raise RuntimeError("boom")
-    assert all(b.hook is None and b.att.hook is None for b in model.trf_blocks)
+    assert all(b.hook is None and b.att.hook is None and b.ff.hook is None for b in model.trf_blocks)
     assert not model.tok_emb._forward_hooks
     assert torch.equal(model(idx), ref)
 

@@ -79,3 +79,26 @@ def test_merging_adapters_of_a_quantized_base_gives_the_dense_merge():
     assert all(type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor for w in merged)
     with torch.no_grad():
         torch.testing.assert_close(quant(idx), dense(idx), rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_and_neuron_hook_points_of_an_adapted_quantized_model_are_the_dense_models():
+    """``attn.hook_result`` splits the output projection's weight by head and ``mlp.hook_post`` reads the
+    neurons: on quantized weights with adapters, the same values as the dense twin's."""
+    from attnlab.interpret import run_with_cache
+
+    dense, quant = twins(seed=1)
+    settings = LoRASettings.make(4, targets="o,down")
+    apply_lora(dense, settings)
+    apply_lora(quant, settings)
+    with torch.no_grad():
+        for a, b in zip(
+            [p for p in dense.parameters() if p.requires_grad], [p for p in quant.parameters() if p.requires_grad],
+            strict=True,
+        ):
+            b.copy_(torch.nn.init.normal_(a, std=0.1))
+    idx = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    names = ["blocks.0.attn.hook_result", "blocks.1.mlp.hook_post", "blocks.1.hook_mlp_out"]
+    (logits_q, cache_q), (logits_d, cache_d) = run_with_cache(quant, idx, names), run_with_cache(dense, idx, names)
+    for name in names:
+        torch.testing.assert_close(cache_q[name], cache_d[name], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_q, logits_d, rtol=1e-5, atol=1e-5)

@@ -865,8 +865,23 @@ class MultiHeadAttention(_DropsTutorialMask):
             **told,
         )
         heads, weights = result if return_weights else (result, None)  # (b, H, n, hd), (b, H, n, S)
-        out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.inner_dim))  # (b, n, d_out)
+        if hook is not None and "result" in hook.fns:
+            out = self._project_heads_apart(heads, hook)  # (b, n, d_out)
+        else:
+            out = self.out_proj(heads.transpose(1, 2).reshape(b, n, self.inner_dim))  # (b, n, d_out)
         return (out, weights) if return_weights else out
+
+    def _project_heads_apart(self, heads: Tensor, hook: Any) -> Tensor:
+        """The output projection of ``heads (b, H, n, hd)`` as the sum of each head's share, the shares
+        ``(b, n, H, d_out)`` (without the bias) through the ``result`` hook (TransformerLens's
+        ``hook_result``): ``(b, n, d_out)``. Only while that point is hooked: the shares are H times
+        the output's size."""
+        w = self.out_proj.weight  # (d_out, H * hd)
+        w = w.dequantize(heads.dtype) if isinstance(w, QuantizedTensor) else w.to(heads.dtype)
+        per_head = w.view(self.d_out, self.num_heads, self.head_dim)  # (d_out, H, hd)
+        result = hook("result", torch.einsum("bhne,dhe->bnhd", heads, per_head))  # (b, n, H, d_out)
+        out = result.sum(2)  # (b, n, d_out)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
 
     def _at_positions(
         self,

@@ -16,6 +16,7 @@ called, so generation costs what it did). The names and shapes are TransformerLe
     blocks.{l}.attn.hook_attn_scores (B, H, T, S)  scaled, masked (-inf) scores
     blocks.{l}.attn.hook_pattern     (B, H, T, S)  the softmax of the scores
     blocks.{l}.attn.hook_z           (B, T, H, hd) pattern @ v: each head's output before out_proj
+    blocks.{l}.attn.hook_result      (B, T, H, d)  each head's share of out_proj's output (no bias)
     blocks.{l}.hook_attn_out         (B, T, d)     the attention output added to the stream
     blocks.{l}.hook_resid_mid        (B, T, d)
     blocks.{l}.mlp.hook_pre          (B, T, dm)    the MLP's pre-activation (a gated MLP's gate, x W_gate)
@@ -26,9 +27,10 @@ called, so generation costs what it did). The names and shapes are TransformerLe
     ln_final.hook_normalized         (B, T, d)     the final norm's output (its gain applied)
 
 A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.layer()``, as in
-TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any
-attention-level name of a layer is hooked, that layer computes its softmax explicitly (the fused
-kernel never forms the pattern), which agrees with the fused path to rounding. With a KV cache
+TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any of a
+layer's ``rot_q`` to ``z`` is hooked, that layer computes its softmax explicitly (the fused kernel
+never forms the pattern), and while its ``result`` is, its output projection head by head; each
+agrees with the fused path to rounding. With a KV cache
 (generation), ``k``/``v`` hold only the new tokens' keys and values, while ``rot_k``,
 ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
 
@@ -82,7 +84,9 @@ __all__ = [
 ]
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")
+ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
+# The steps the fused kernel never forms: hooked, the attention is computed step by step (_Sites.attend).
+_STEPWISE = ("rot_q", "rot_k", "attn_scores", "pattern", "z")
 MLP_STEPS = ("pre", "pre_linear", "post")
 # (a spliced SAE's points carry a suffix after the point they follow: ".hook_sae_acts_post")
 _NAME = re.compile(r"blocks\.(\d+)\.(attn\.|mlp\.)?hook_(\w+)(\.hook_\w+)?$")
@@ -246,7 +250,7 @@ class _Sites:
         self.prefix, self.fns = prefix, fns
         # A step after q, k and v hooked: the attention computes its steps in :meth:`attend`, one by one
         # (with q, k or v alone hooked it keeps the fused kernel).
-        self.stepwise = any(s in fns for s in ATTN_STEPS[3:])
+        self.stepwise = any(s in fns for s in _STEPWISE)
 
     def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
         fns = self.fns.get(step)
