@@ -92,7 +92,8 @@ def test_the_head_and_neuron_hook_points_of_an_adapted_quantized_model_are_the_d
     apply_lora(quant, settings)
     with torch.no_grad():
         for a, b in zip(
-            [p for p in dense.parameters() if p.requires_grad], [p for p in quant.parameters() if p.requires_grad],
+            [p for p in dense.parameters() if p.requires_grad],
+            [p for p in quant.parameters() if p.requires_grad],
             strict=True,
         ):
             b.copy_(torch.nn.init.normal_(a, std=0.1))
