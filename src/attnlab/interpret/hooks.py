@@ -1,6 +1,6 @@
 """Hook points with TransformerLens's names: read or replace any activation of a forward pass.
 
-Every block and every attention layer of an attnlab GPT has a ``hook`` attribute, ``None`` unless
+Every block, attention layer and MLP of an attnlab GPT has a ``hook`` attribute, ``None`` unless
 :func:`hooks` is active (then the model runs its named steps through it; otherwise nothing is
 called, so generation costs what it did). The names and shapes are TransformerLens's (``B`` batch,
 ``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width,
@@ -30,9 +30,9 @@ A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.lay
 TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any of a
 layer's ``rot_q`` to ``z`` is hooked, that layer computes its softmax explicitly (the fused kernel
 never forms the pattern), and while its ``result`` is, its output projection head by head; each
-agrees with the fused path to rounding. With a KV cache
-(generation), ``k``/``v`` hold only the new tokens' keys and values, while ``rot_k``,
-``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
+agrees with the fused path to rounding. With a KV cache (generation), ``k``/``v`` hold only the new
+tokens' keys and values, while ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the
+cached ones included.
 
 Points of a spliced module: while an SAE or transcoder is spliced at a hook point
 (:func:`attnlab.interpret.splice`), its own points follow that point, named as SAELens names them::
@@ -248,8 +248,8 @@ class _Sites:
 
     def __init__(self, prefix: str, fns: dict[str, list[Callable]]) -> None:
         self.prefix, self.fns = prefix, fns
-        # A step after q, k and v hooked: the attention computes its steps in :meth:`attend`, one by one
-        # (with q, k or v alone hooked it keeps the fused kernel).
+        # A step of _STEPWISE hooked: the attention computes its steps in :meth:`attend`, one by one
+        # (with q, k, v or result alone hooked it keeps the fused kernel).
         self.stepwise = any(s in fns for s in _STEPWISE)
 
     def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
