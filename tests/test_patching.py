@@ -95,7 +95,9 @@ def naive_patching(model, clean, corrupted, site):
                     return None
                 t = t.clone()
                 src = cache[s, i]
-                if kind == "pos" or step == "pattern":
+                if step == "pattern" and kind == "pos_head":  # (p, h): head h's weights of query p
+                    t[0, index[1], index[0]] = src[0, index[1], index[0]]
+                elif kind == "pos" or step == "pattern":
                     t[0, index[0]] = src[0, index[0]]
                 elif kind == "head":
                     t[0, :, index[0]] = src[0, :, index[0]]
@@ -218,7 +220,9 @@ def hooked_patching(model, clean, corrupted, site):
 
             def patch(t, hook, src=cache[name], index=index):
                 t = t.clone()
-                if kind == "pos" or step == "pattern":
+                if step == "pattern" and kind == "pos_head":  # (p, h): head h's weights of query p, (S,)
+                    t[0, index[1], index[0]] = src[0, index[1], index[0]]
+                elif kind == "pos" or step == "pattern":
                     t[0, index[0]] = src[0, index[0]]  # (T, d) at one position, or one head's (T, S) pattern
                 elif kind == "head":
                     t[0, :, index[0]] = src[0, :, index[0]]  # (T, hd): one head at every position

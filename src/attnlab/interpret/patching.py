@@ -8,6 +8,8 @@ metric becomes (TransformerLens's ``patching`` module: raw metric values, not no
     head_out_by_pos                                       (L, T, H)
     pattern, q                                            (L, H)     one head, every position
     k, v                                                  (L, Hkv)   one key/value head (GQA: fewer)
+    pattern_by_pos, q_by_pos                              (L, T, H)  one head at one (query) position
+    k_by_pos, v_by_pos                                    (L, T, Hkv)
 
 Patching layer ``l`` leaves everything below it as in the corrupted run, so each patched run starts
 from the corrupted residual at layer ``l`` (cached once), and all patched runs go through the model
@@ -58,6 +60,10 @@ SITES = {
     "q": ("q", "head"),
     "k": ("k", "head"),
     "v": ("v", "head"),
+    "pattern_by_pos": ("pattern", "pos_head"),  # one head's row of weights at one query position
+    "q_by_pos": ("q", "pos_head"),
+    "k_by_pos": ("k", "pos_head"),
+    "v_by_pos": ("v", "pos_head"),
 }
 
 
@@ -226,6 +232,8 @@ def _patch_rows(act: Tensor, clean: Tensor, step: str, kind: str, index: Tensor)
         act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, T, S): one head's pattern
     elif kind == "head":
         act[rows, :, index[:, 0]] = clean[0][:, index[:, 0]].transpose(0, 1)  # (R, T, hd): every position
+    elif step == "pattern":  # (position p, head h): head h's weights of query p, (R, S)
+        act[rows, index[:, 1], index[:, 0]] = clean[0, index[:, 1], index[:, 0]]
     else:
         act[rows, index[:, 0], index[:, 1]] = clean[0, index[:, 0], index[:, 1]]  # (R, hd)
     return act
