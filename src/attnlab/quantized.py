@@ -1235,9 +1235,12 @@ def _compile_ahead(
     ``torch.export`` traces ``fn`` and inductor compiles the graph (``standalone_compile``: the code
     ``torch.compile`` would make, its inputs' sizes and strides asserted instead of guarded); :func:`_fits`
     says which inputs it takes."""
-    # (the words come in as float32 and become int32 inside the graph: see _as_words)
     names = tuple(fields)
-    fields = {n: t.view(torch.float32) if n in words else t for n, t in fields.items()}
+
+    def as_floats(f: dict[str, Tensor]) -> dict[str, Tensor]:  # the words come in as float32 (see _as_words)
+        return {n: t.view(torch.float32) if n in words else t for n, t in f.items()}
+
+    fields = as_floats(fields)
     rows = torch.export.Dim("rows", min=2)
     # ``paired``: for an even number of blocks, 4 or more, which :func:`_row_sums` reads in two halves.
     blocks = 2 * torch.export.Dim("half", min=2) if paired else torch.export.Dim("blocks", min=2)
@@ -1269,7 +1272,8 @@ def _compile_ahead(
     compiled = standalone_compile(program.graph_module, example, dynamic_shapes="from_graph", options=options)
 
     def call(fields: dict[str, Tensor], *x: Tensor) -> Tensor:
-        return compiled(*(fields[n].view(torch.float32) if n in words else fields[n] for n in names), *x)[0]
+        f = as_floats(fields)
+        return compiled(*(f[n] for n in names), *x)[0]
 
     return call
 
