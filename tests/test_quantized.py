@@ -255,7 +255,9 @@ def test_dequantize_is_the_gguf_packages_bit_for_bit(qtype):
     want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]))
     assert w.shape == (24, 512) and w.dtype == torch.float32 and w.formats == (qtype,)
     assert torch.equal(w.dequantize(), want)
-    assert w.storage_bytes <= raw.nbytes * 1.04  # the file's bytes (K-quants: their 6-bit scales a byte each)
+    # The file's bytes (the K-quants' 6-bit scales a byte each; Q4_K's and Q5_K's sub-block scales as
+    # float32 products: 22 more bytes a block, the 18% of Q4_K's 144, that buy their products' speed).
+    assert w.storage_bytes <= raw.nbytes * (1.19 if qtype in ("Q4_K", "Q5_K") else 1.04)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -9,8 +9,10 @@ the blocks instead and computes with them:
 * It is a ``torch.Tensor`` subclass of the *logical* shape ``(out_features, in_features)`` and dtype
   (float32 by default), whose data are the file's fields, one tensor each (the scales as the file's
   float16 numbers, the 4- and 5-bit integers still packed two to a byte, the K-quants' 6-bit
-  sub-block scales unpacked to one byte each). The repacking is lossless: :meth:`QuantizedTensor.dequantize`
-  gives exactly the numbers ``gguf.quants.dequantize`` gives, by the same float32 operations.
+  sub-block scales unpacked to one byte each; Q4_K's and Q5_K's sub-block scales as the float32
+  products their weights are multiplied by, see :func:`_split_k`). The repacking is lossless:
+  :meth:`QuantizedTensor.dequantize` gives exactly the numbers ``gguf.quants.dequantize`` gives, by
+  the same float32 operations.
 * ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
   dequantizes a tile of rows at a time (by torch operations, or for the 4-bit formats by one compiled
   loop once compiling pays: see :data:`COMPILE_AFTER_S`) and multiplies it with oneDNN/MKL's matmul,
@@ -213,14 +215,14 @@ def _q3_k(f: dict[str, Tensor]) -> Tensor:
 
 def _q4_k(f: dict[str, Tensor]) -> Tensor:
     q = _bits(f["qs"].unflatten(-1, (4, 32)), 4).float()  # (R, nb, 8, 32)
-    return q.mul_(_sub_scales(f["d"], f["sc"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
+    return q.mul_(_col(f["scale"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
 
 
 def _q5_k(f: dict[str, Tensor]) -> Tensor:
     low = _bits(f["qs"].unflatten(-1, (4, 32)), 4)  # (R, nb, 8, 32)
     high = _bits(f["qh"].unsqueeze(-2), 1)  # (R, nb, 8, 32)
     q = (low | (high << 4)).float()
-    return q.mul_(_sub_scales(f["d"], f["sc"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
+    return q.mul_(_col(f["scale"])).sub_(_sub_scales(f["dmin"], f["m"])).flatten(-3)
 
 
 def _q6_k(f: dict[str, Tensor]) -> Tensor:
@@ -257,7 +259,7 @@ def _tile_q4_1(f: dict[str, Tensor]) -> Tensor:
 
 def _tile_q4_k(f: dict[str, Tensor]) -> Tensor:
     q = _bit_groups(f["qs"].unflatten(-1, (4, 32)), 4).flatten(-3, -2).float()  # (R, nb, 4, 2, 32) -> (R, nb, 8, 32)
-    return (q * _sub_scales(f["d"], f["sc"]) - _sub_scales(f["dmin"], f["m"])).flatten(-3)
+    return (q * _col(f["scale"]) - _sub_scales(f["dmin"], f["m"])).flatten(-3)
 
 
 # The tiles for 8 float lanes read the bytes as words (whole vector loads, see _as_words): Q4_0's and
@@ -284,8 +286,8 @@ def _tile8_q4_k(f: dict[str, Tensor]) -> Tensor:
     w = f["qs"].unflatten(-1, (4, 8))[:, :, :, None, None, :]  # (R, nb, g, 1, 1, k) words
     h, b = _iota(2, w)[:, None, None], _iota(4, w)[:, None]
     q = ((w >> 8 * b + 4 * h) & 15).float()  # (R, nb, g, h, b, k): byte b of word k, its nibble h
-    scale = _sub_scales(f["d"], f["sc"]).view(*f["d"].shape, 4, 2, 1, 1)  # sub-block 2g + h
-    low = _sub_scales(f["dmin"], f["m"]).view(*f["d"].shape, 4, 2, 1, 1)
+    scale = f["scale"].view(*f["dmin"].shape, 4, 2, 1, 1)  # sub-block 2g + h
+    low = _sub_scales(f["dmin"], f["m"]).view(*f["dmin"].shape, 4, 2, 1, 1)
     return (q * scale - low).flatten(1)
 
 
@@ -390,7 +392,7 @@ def _mv_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Sub-blocks 2g and 2g + 1 of 32 weights are the low and high nibbles of the same 32 bytes.
-    scale = (f["d"].float().unsqueeze(-1) * f["sc"].float()).unflatten(-1, (4, 2))  # (R, nb, 4, 2)
+    scale = f["scale"].unflatten(-1, (4, 2))  # (R, nb, 4, 2)
     q = f["qs"].unflatten(-1, (4, 32))  # (R, nb, 4, 32)
     scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), scale[..., 0], scale[..., 1], pair=False)  # (R,)
     mins = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # (R, nb, 8)
@@ -415,7 +417,7 @@ def _mv_q5_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 def _mv_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # Q4_K's nibbles and mins, and bit k of qh[i] as the fifth bit of sub-block k's weight i.
-    scale = f["d"].float().unsqueeze(-1) * f["sc"].float()  # (R, nb, 8)
+    scale = f["scale"]  # (R, nb, 8)
     shifts = torch.arange(8, dtype=torch.uint8, device=x.device).unsqueeze(-1)  # (8, 1)
     bits = (f["qh"].unsqueeze(-2) >> shifts) & 1  # (R, nb, 8, 32)
     high = (bits.float() * (scale.unsqueeze(-1) * x.unflatten(-1, (8, 32)))).sum((1, 2, 3))
@@ -498,17 +500,21 @@ def _mv8_q5_1(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return _mv8_q5(f, x) + (f["m"].float() * x.sum(-1)).sum(-1)
 
 
-def _k_nibbles(f: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _k_nibbles(f: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q4_K's and Q5_K's ``qs (R, nb, 32)`` words: ``(nibbles (R, nb, g, b, h, k), x (nb, g, b, h, k), the
-    sub-blocks' scales and mins (R, nb, g, 1, h, 1))``. Group g is 32 bytes (8 words k), byte b of word k
-    holds weight 4k + b of sub-block 2g (its low nibble, h = 0) and of 2g + 1 (high, h = 1)."""
+    sub-blocks' scales (R, nb, g, 1, h, 1))``. Group g is 32 bytes (8 words k), byte b of word k holds
+    weight 4k + b of sub-block 2g (its low nibble, h = 0) and of 2g + 1 (high, h = 1)."""
     g, b, h, k = _iota(4, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(2, x)[:, None], _iota(8, x)
     xs = _reordered(x, 64 * g + 32 * h + 4 * k + b)  # (nb, 4, 4, 2, 8)
     w = f["qs"].unflatten(-1, (4, 8))[:, :, :, None, None, :]  # (R, nb, g, 1, 1, k)
     q = ((w >> 8 * b + 4 * h) & 15).float()  # (R, nb, g, b, h, k)
-    scale = (f["d"].float().unsqueeze(-1) * f["sc"].float()).unflatten(-1, (4, 2))  # (R, nb, g, h)
-    mins = (f["dmin"].float().unsqueeze(-1) * f["m"].float()).unflatten(-1, (4, 2))  # (R, nb, g, h)
-    return q, xs, scale[:, :, :, None, :, None], mins[:, :, :, None, :, None]
+    return q, xs, f["scale"].unflatten(-1, (4, 2))[:, :, :, None, :, None]
+
+
+def _k_mins(f: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Q4_K's and Q5_K's ``sum(dmin * m * x)`` over each row's sub-blocks ``(R,)``: a short pass of its own,
+    a vector of the 8 sub-blocks' mins a super-block."""
+    return ((f["dmin"].float().unsqueeze(-1) * f["m"].float()) * x.unflatten(-1, (8, 32)).sum(-1)).sum((1, 2))
 
 
 def _block_sums(terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -525,27 +531,27 @@ def _block_sums(terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[st
     return t.sum(tuple(range(1, t.dim())))
 
 
-# (Each weight dequantized inside the loop, ``q * scale - min``: the mins' sum as a pass of its own
-# would read their bytes 8 to a vector, a partial load again.)
+# The loop over the nibbles reads one float32 scale per 8 weights; the mins, one byte each beside a
+# float16 factor, are summed by a pass of their own (converted in the loop, they slowed every vector).
 def _q4_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    q, xs, scale, mins = _k_nibbles(f, x)
-    return (q * scale - mins) * xs
+    q, xs, scale = _k_nibbles(f, x)
+    return q * (scale * xs)
 
 
 def _mv8_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q4_k_terms, f, x)
+    return _block_sums(_q4_k_terms, f, x) - _k_mins(f, x)
 
 
 def _q5_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # The fifth bit of sub-block s's weight i is bit s of byte i of qh: of word k, bit 8b + s.
-    q, xs, scale, mins = _k_nibbles(f, x)
+    q, xs, scale = _k_nibbles(f, x)
     g, b, h = _iota(4, x)[:, None, None, None], _iota(4, x)[:, None, None], _iota(2, x)[:, None]
     high = (f["qh"][:, :, None, None, None, :] >> 8 * b + 2 * g + h) & 1  # (R, nb, g, b, h, k)
-    return ((q + 16 * high.float()) * scale - mins) * xs
+    return (q + 16 * high.float()) * (scale * xs)
 
 
 def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q5_k_terms, f, x)
+    return _block_sums(_q5_k_terms, f, x) - _k_mins(f, x)
 
 
 def _by_half(s: Tensor, k: Tensor) -> Tensor:
@@ -623,13 +629,19 @@ def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.n
 
 
 def _split_k(qh: bool) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
-    """Q4_K (``qh=False``) and Q5_K: d, dmin, 12 bytes of scales (unpacked), [qh,] qs."""
+    """Q4_K (``qh=False``) and Q5_K: ``scale`` (the 8 sub-blocks' ``d * sc``, float32), dmin, ``m`` (the
+    sub-blocks' 6-bit mins, one byte each), [qh,] qs.
+
+    The scales are kept as the products, not as ``d`` and the 6-bit ``sc``: a float16 times an integer of
+    6 bits is exact in float32, so these are the numbers gguf multiplies by, and the products' loops
+    read one float a sub-block instead of converting two numbers for every 8 weights (22 more bytes a
+    block of 144: the mins stay packed, summed apart, see :func:`_k_mins`)."""
     rest = _split(("qh", QK_K // 8, "u8"), ("qs", QK_K // 2, "u8")) if qh else _split(("qs", QK_K // 2, "u8"))
 
     def split(blocks: np.ndarray) -> dict[str, np.ndarray]:
-        out = {"d": _f16(blocks[..., 0:2]), "dmin": _f16(blocks[..., 2:4])}
-        out["sc"], out["m"] = _unpack_k_scales(blocks[..., 4:16])
-        return out | rest(blocks[..., 16:])
+        sc, m = _unpack_k_scales(blocks[..., 4:16])
+        scale = _f16(blocks[..., 0:2]).astype(np.float32)[..., None] * sc.astype(np.float32)
+        return {"scale": scale, "dmin": _f16(blocks[..., 2:4]), "m": m} | rest(blocks[..., 16:])
 
     return split
 
@@ -811,7 +823,7 @@ def int4_affine(p: Part) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     f = p.fields
     if p.format == "Q4_K":
         q = _bits(f["qs"].unflatten(-1, (4, 32)), 4)  # (R, nb, 8, 32)
-        scale = f["d"].float().unsqueeze(-1) * f["sc"].float()  # (R, nb, 8): exact
+        scale = f["scale"]  # (R, nb, 8): d * sc, exact
         low = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # exact
         zero = scale * 8 - low
         exact = zero.double() == scale.double() * 8 - low.double()
