@@ -653,25 +653,32 @@ print(json.dumps({"extra": (high_water() - base) * 1024}))
 """
 
 
-def extra_rss(path: Path) -> int:
+def extra_rss(path: Path, limit: float) -> int:
     """Bytes of peak RSS beyond ``import torch, attnlab``, in a fresh process. (VmHWM rather than
     ``getrusage``'s ``ru_maxrss``, which Linux carries over from the parent process across ``exec``: in
     a child of a large process such as pytest it starts at the parent's size and hides the load.)"""
     if not Path("/proc/self/status").is_file():
         pytest.skip("VmHWM is Linux's (/proc/self/status)")
-    # The lowest of three fresh processes: the same load and forward peak a few MB apart from one process to
-    # the next (where the allocator's arenas and the kernels' pages land), as timings are taken at their best.
+    # The lowest of up to three fresh processes (the first at most ``limit`` ends the search): the same
+    # load and forward peak a few MB apart from one process to the next (where the allocator's arenas and
+    # the kernels' pages land), as timings are taken at their best.
     command = [sys.executable, "-c", MEASURE, str(path)]
-    runs = [subprocess.run(command, capture_output=True, text=True, check=True) for _ in range(3)]
-    return min(json.loads(out.stdout.strip().splitlines()[-1])["extra"] for out in runs)
+    best = math.inf
+    for _ in range(3):
+        out = subprocess.run(command, capture_output=True, text=True, check=True)
+        best = min(best, json.loads(out.stdout.strip().splitlines()[-1])["extra"])
+        if best <= limit:
+            break
+    return best
 
 
 @pytest.mark.slow
 def test_memory_of_the_real_q4_1_model_is_at_most_1_5x_its_file(smollm2_gguf):
     """SmolLM2's 98 MB file: its weights, plus what does not grow with the model (the gguf reader's
     parse of a 49,152-token header, kernels' code pages, the 64 x 49,152 logits, a tile of rows)."""
-    extra = extra_rss(smollm2_gguf)
-    assert extra <= 1.5 * smollm2_gguf.stat().st_size, (extra, smollm2_gguf.stat().st_size)
+    size = smollm2_gguf.stat().st_size
+    extra = extra_rss(smollm2_gguf, limit=1.5 * size)
+    assert extra <= 1.5 * size, (extra, size)
 
 
 @pytest.mark.slow
@@ -693,5 +700,5 @@ def test_memory_of_a_q4_k_model_is_at_most_1_5x_its_file(tmp_path):
     path = write_quantized_gguf(tmp_path / "mid.Q4_K.gguf", "Q4_K", shapes=shapes, meta=meta)
     size = path.stat().st_size
     assert size > 150e6
-    extra = extra_rss(path)
+    extra = extra_rss(path, limit=1.5 * size)
     assert extra <= 1.5 * size, (extra, size)
