@@ -310,6 +310,8 @@ def add_hook(stack: contextlib.ExitStack, model: GPT, kind: str) -> None:
         stack.callback(module.register_forward_hook(lambda m, a, out: out * 0).remove)
     elif kind == "attnlab_mlp_hook":
         stack.enter_context(hooks(model, {f"blocks.{last}.mlp.hook_post": lambda x, hook: 0 * x}))
+    elif kind == "attnlab_norm_hook":  # (a torch forward hook on the norm, under attnlab's name)
+        stack.enter_context(hooks(model, {f"blocks.{last}.ln2.hook_scale": lambda x, hook: 4 * x}))
     else:
         stack.enter_context(hooks(model, {f"blocks.{last}.hook_mlp_out": lambda x, hook: 0 * x}))
 
@@ -327,7 +329,7 @@ def hooked_at_the_third_token(model: GPT, idx: torch.Tensor, kind: str, **kw) ->
     return out, torch.stack(logits)
 
 
-@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook", "attnlab_mlp_hook"])
+@pytest.mark.parametrize("kind", ["pre_hook", "hook", "attnlab_hook", "attnlab_mlp_hook", "attnlab_norm_hook"])
 def test_a_hook_set_during_a_generation_hands_its_steps_to_the_eager_forward(kind, steps):
     """FastDecoder.fits checks each step for hooks set since the generation started (on any module,
     torch's or attnlab's): the steps after one is set run the eager forward, which runs the hook."""

@@ -531,8 +531,9 @@ class Linear(nn.Linear):
 class OffsetRMSNorm(nn.Module):
     """RMSNorm whose gain is ``offset + weight`` (Gemma: ``offset=1``, so a zero weight is the identity).
 
-    Computed in float32 and cast back afterwards, as Gemma does (Llama casts before the gain). The
-    weight starts at ``1 - offset``: a gain of 1, as ``nn.RMSNorm``'s. Shapes: ``(..., dim) -> (..., dim)``.
+    Computed in float32 (float64 stays float64) and cast back afterwards, as Gemma does (Llama casts
+    before the gain). The weight starts at ``1 - offset``: a gain of 1, as ``nn.RMSNorm``'s. Shapes:
+    ``(..., dim) -> (..., dim)``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 1.0) -> None:
@@ -545,8 +546,9 @@ class OffsetRMSNorm(nn.Module):
         nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # (..., dim) float32
-        return (y * (self.offset + self.weight.float())).type_as(x)
+        h = x if x.dtype == torch.float64 else x.float()
+        y = F.rms_norm(h, (x.shape[-1],), eps=self.eps)  # (..., dim) float32 or float64
+        return (y * (self.offset + self.weight.to(h.dtype))).type_as(x)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"

@@ -9,6 +9,8 @@ called, so generation costs what it did). The names and shapes are TransformerLe
     hook_embed                       (B, T, d)     the token embedding
     hook_pos_embed                   (T, d)        the learned position embedding (GPT-2 only)
     blocks.{l}.hook_resid_pre        (B, T, d)     the stream entering block l
+    blocks.{l}.ln1.hook_scale        (B, T, 1)     the attention's norm: sqrt(var + eps) (RMSNorm: of x^2)
+    blocks.{l}.ln1.hook_normalized   (B, T, d)     the norm's output (its gain, and bias, applied)
     blocks.{l}.attn.hook_q           (B, T, H, hd) queries, before QK-norm and RoPE
     blocks.{l}.attn.hook_k, hook_v   (B, S, Hkv, hd)
     blocks.{l}.attn.hook_rot_q       (B, T, H, hd) after RoPE (RoPE models only)
@@ -17,20 +19,30 @@ called, so generation costs what it did). The names and shapes are TransformerLe
     blocks.{l}.attn.hook_pattern     (B, H, T, S)  the softmax of the scores
     blocks.{l}.attn.hook_z           (B, T, H, hd) pattern @ v: each head's output before out_proj
     blocks.{l}.attn.hook_result      (B, T, H, d)  each head's share of out_proj's output (no bias)
+    blocks.{l}.ln1_post.hook_*       (B, T, 1), (B, T, d)  the norm after attention (Gemma 2/3, OLMo 2)
     blocks.{l}.hook_attn_out         (B, T, d)     the attention output added to the stream
     blocks.{l}.hook_resid_mid        (B, T, d)
+    blocks.{l}.ln2.hook_scale        (B, T, 1)     the MLP's norm (with a parallel residual: of resid_pre)
+    blocks.{l}.ln2.hook_normalized   (B, T, d)
     blocks.{l}.mlp.hook_pre          (B, T, dm)    the MLP's pre-activation (a gated MLP's gate, x W_gate)
     blocks.{l}.mlp.hook_pre_linear   (B, T, dm)    a gated MLP's other half, x W_up (gated MLPs only)
     blocks.{l}.mlp.hook_post         (B, T, dm)    its neurons: what the output projection reads
+    blocks.{l}.ln2_post.hook_*       (B, T, 1), (B, T, d)  the norm after the MLP (Gemma 2/3, OLMo 2)
     blocks.{l}.hook_mlp_out          (B, T, d)
     blocks.{l}.hook_resid_post       (B, T, d)
+    ln_final.hook_scale              (B, T, 1)
     ln_final.hook_normalized         (B, T, d)     the final norm's output (its gain applied)
 
 A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.layer()``, as in
 TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any of a
 layer's ``rot_q`` to ``z`` is hooked, that layer computes its softmax explicitly (the fused kernel
 never forms the pattern), and while its ``result`` is, its output projection head by head; each
-agrees with the fused path to rounding. With a KV cache (generation), ``k``/``v`` hold only the new
+agrees with the fused path to rounding. A norm's ``hook_scale`` is its divisor, one number a position;
+while it is hooked the norm is computed step by step, ``(x - mean) / scale * weight + bias`` (LayerNorm)
+or ``x / scale * gain`` (RMSNorm), so that a replaced scale (TransformerLens's "frozen LayerNorm scale")
+is what divides; a function that returns None or the tensor it was given leaves the norm's own output.
+``hook_normalized`` is the output with the gain applied, as TransformerLens's LayerNorm has it (its
+RMSNorm hooks the output before the gain). With a KV cache (generation), ``k``/``v`` hold only the new
 tokens' keys and values, while ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the
 cached ones included.
 
@@ -64,7 +76,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.attention import MultiHeadAttention
+from attnlab.attention import MultiHeadAttention, OffsetRMSNorm
 from attnlab.functional import attention_scores, heads_matmul
 
 __all__ = [
@@ -88,8 +100,11 @@ ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "r
 # The steps the fused kernel never forms: hooked, the attention is computed step by step (_Sites.attend).
 _STEPWISE = ("rot_q", "rot_k", "attn_scores", "pattern", "z")
 MLP_STEPS = ("pre", "pre_linear", "post")
+NORM_STEPS = ("scale", "normalized")
+# A block's norms by TransformerLens's names, in the order a pass reaches them, and the block's attributes.
+BLOCK_NORMS = (("ln1", "norm1"), ("ln1_post", "post_norm1"), ("ln2", "norm2"), ("ln2_post", "post_norm2"))
 # (a spliced SAE's points carry a suffix after the point they follow: ".hook_sae_acts_post")
-_NAME = re.compile(r"blocks\.(\d+)\.(attn\.|mlp\.)?hook_(\w+)(\.hook_\w+)?$")
+_NAME = re.compile(r"blocks\.(\d+)\.(attn\.|mlp\.|ln1\.|ln1_post\.|ln2\.|ln2_post\.)?hook_(\w+)(\.hook_\w+)?$")
 
 
 @dataclass(frozen=True)
@@ -131,24 +146,33 @@ class HookPoint:
         return int(m.group(1)) if m else None
 
 
-def act_name(step: str, layer: int | None = None) -> str:
+def act_name(step: str, layer: int | None = None, layer_type: str | None = None) -> str:
     """The full hook name of a step: ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``
-    (TransformerLens's ``utils.get_act_name``); ``"embed"``, ``"pos_embed"``, ``"normalized"`` need no layer."""
+    (TransformerLens's ``utils.get_act_name``); ``"embed"``, ``"pos_embed"`` need no layer, nor do
+    ``"scale"`` and ``"normalized"`` of the final norm; a block's norm is named by ``layer_type``
+    (``act_name("scale", 3, "ln2") == "blocks.3.ln2.hook_scale"``)."""
     step = step.removeprefix("hook_")
     if step in ("embed", "pos_embed"):
         return f"hook_{step}"
-    if step in ("normalized", "ln_final"):
-        return "ln_final.hook_normalized"
+    if step == "ln_final" or (step in NORM_STEPS and layer is None):
+        return f"ln_final.hook_{'normalized' if step == 'ln_final' else step}"
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise ValueError(f"act_name({step!r}) needs an int layer, got {layer!r}")
+    if step in NORM_STEPS:
+        norms = [n for n, _ in BLOCK_NORMS]
+        if layer_type not in norms:
+            raise ValueError(
+                f"act_name({step!r}, {layer}) needs a layer_type, one of {', '.join(norms)}; got {layer_type!r}"
+            )
+        return f"blocks.{layer}.{layer_type}.hook_{step}"
     if step in ATTN_STEPS:
         return f"blocks.{layer}.attn.hook_{step}"
     if step in MLP_STEPS:
         return f"blocks.{layer}.mlp.hook_{step}"
     if step in BLOCK_STEPS:
         return f"blocks.{layer}.hook_{step}"
-    steps = ", ".join(BLOCK_STEPS + ATTN_STEPS + MLP_STEPS)
-    raise ValueError(f"unknown step {step!r}; steps are {steps}, embed, normalized")
+    steps = ", ".join(BLOCK_STEPS + ATTN_STEPS + MLP_STEPS + NORM_STEPS)
+    raise ValueError(f"unknown step {step!r}; steps are {steps}, embed, pos_embed")
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -185,12 +209,14 @@ def hook_names(model: nn.Module) -> list[str]:
     for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
         steps = [s for s in ATTN_STEPS if _rotates(att) or not s.startswith("rot_")]
         mlp_steps = [s for s in MLP_STEPS if block.ff.gated or s != "pre_linear"]
+        norm = {n: [f"blocks.{i}.{n}.hook_{s}" for s in NORM_STEPS] if getattr(block, a) is not None else []
+                for n, a in BLOCK_NORMS}  # fmt: skip
         names.append(f"blocks.{i}.hook_resid_pre")
-        names += [f"blocks.{i}.attn.hook_{s}" for s in steps]
+        names += norm["ln1"] + [f"blocks.{i}.attn.hook_{s}" for s in steps] + norm["ln1_post"]
         names += [f"blocks.{i}.hook_{s}" for s in ("attn_out", "resid_mid")]
-        names += [f"blocks.{i}.mlp.hook_{s}" for s in mlp_steps]
+        names += norm["ln2"] + [f"blocks.{i}.mlp.hook_{s}" for s in mlp_steps] + norm["ln2_post"]
         names += [f"blocks.{i}.hook_{s}" for s in ("mlp_out", "resid_post")]
-    names.append("ln_final.hook_normalized")
+    names += [f"ln_final.hook_{s}" for s in NORM_STEPS]
     for group in _ADDED.get(model, []):
         at = names.index(group.after) + 1
         names[at:at] = list(group.names)
@@ -376,13 +402,14 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
                 # (a point's name is its owner's prefix, then hook_{step})
                 steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if n.rsplit("hook_", 1)[0] == prefix}
                 owner.hook = _merged(owner.hook, prefix, steps)
-        for name, module in (
-            ("hook_embed", "tok_emb"),
-            ("hook_pos_embed", "pos_emb"),
-            ("ln_final.hook_normalized", "final_norm"),
-        ):
+        for name, module in (("hook_embed", "tok_emb"), ("hook_pos_embed", "pos_emb")):
             if name in checked:
                 handles.append(getattr(model, module).register_forward_hook(module_hook(name)))
+        norms = [(f"blocks.{i}.{n}.", getattr(b, a)) for i, b in enumerate(model.trf_blocks) for n, a in BLOCK_NORMS]
+        for prefix, norm in [*norms, ("ln_final.", model.final_norm)]:
+            scale, normalized = (checked.get(f"{prefix}hook_{s}", []) for s in NORM_STEPS)
+            if scale or normalized:
+                handles.append(norm.register_forward_hook(_norm_hook(prefix, scale, normalized)))
         yield model
     finally:
         for h in handles:
@@ -392,6 +419,47 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
         for owners, before in zip(sites, previous, strict=True):
             for owner, hook in zip(owners, before, strict=True):
                 owner.hook = hook
+
+
+def _norm_hook(prefix: str, scale: list[Callable], normalized: list[Callable]) -> Callable:
+    """A norm module's forward hook running the functions set on its ``hook_scale`` and ``hook_normalized``."""
+
+    def hook(norm: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        if scale:
+            output = _norm_steps(norm, args[0], lambda s: _apply(scale, s, HookPoint(f"{prefix}hook_scale")), output)
+        return _apply(normalized, output, HookPoint(f"{prefix}hook_normalized")) if normalized else output
+
+    return hook
+
+
+def _norm_steps(
+    norm: nn.Module, x: Tensor, on_scale: Callable[[Tensor], Tensor], output: Tensor | None = None
+) -> Tensor:
+    """``norm(x)`` with its scale through ``on_scale``: ``x (..., d)``, the scale ``(..., 1)``, for
+    ``nn.LayerNorm`` (``sqrt(var + eps)``, then ``(x - mean) / scale * weight + bias``), ``nn.RMSNorm`` and
+    :class:`~attnlab.attention.OffsetRMSNorm` (``sqrt(mean(x^2) + eps)``, then ``x / scale * gain``), in
+    float32 for lower precisions. Where ``on_scale`` returns the tensor it was given, ``output`` (the
+    module's own result, if given) is returned as it is."""
+    h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    layer_norm = isinstance(norm, nn.LayerNorm)
+    if layer_norm:
+        h = h - h.mean(-1, keepdim=True)
+    elif not isinstance(norm, (nn.RMSNorm, OffsetRMSNorm)):
+        kinds = "nn.LayerNorm, nn.RMSNorm or OffsetRMSNorm"
+        raise TypeError(f"a norm's scale is hooked on {kinds}, got {type(norm).__name__}")
+    eps = torch.finfo(h.dtype).eps if norm.eps is None else norm.eps
+    given = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (..., 1)
+    scale = on_scale(given)
+    if scale is given and output is not None:
+        return output
+    y = h / scale.to(h.dtype)  # (..., d)
+    if isinstance(norm, OffsetRMSNorm):
+        y = y * (norm.offset + norm.weight.to(y.dtype))
+    elif norm.weight is not None:
+        y = y * norm.weight.to(y.dtype)
+    if layer_norm and norm.bias is not None:
+        y = y + norm.bias.to(y.dtype)
+    return y.to(x.dtype)
 
 
 def _merged(before: _Sites | None, prefix: str, steps: dict[str, list[Callable]]) -> _Sites | None:
