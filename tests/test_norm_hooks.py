@@ -190,3 +190,23 @@ def test_act_name_and_the_caches_keys():
     _, cache = run_with_cache(model, prompt(1, 5))
     assert cache["scale", 1, "ln2"] is cache["blocks.1.ln2.hook_scale"]
     assert cache["scale"] is cache["ln_final.hook_scale"]
+
+
+def test_nested_blocks_chain_a_norms_functions_and_each_exit_puts_them_back():
+    """An inner block's function on a scale sees the outer block's replacement and replaces it in turn
+    (one norm divides by both factors); leaving the inner block keeps the outer one's; leaving both,
+    the norm has no hook left."""
+    model = make(FAMILIES["llama-gqa"])
+    idx = prompt(1, 6)
+    point, seen = "blocks.1.ln2.", []
+    norm = norms(model)[point]
+    _, clean = run_with_cache(model, idx, [f"{point}hook_normalized", f"{point}hook_scale"])
+    with hooks(model, {f"{point}hook_scale": lambda x, hook: 2 * x}):
+        with hooks(model, {f"{point}hook_scale": lambda x, hook: seen.append(x) or 3 * x}):
+            _, inner = run_with_cache(model, idx, [f"{point}hook_normalized"])
+        _, outer = run_with_cache(model, idx, [f"{point}hook_normalized"])
+        assert len(norm._forward_hooks) == 1  # (one hook runs the functions of both blocks)
+    torch.testing.assert_close(seen[0], 2 * clean[f"{point}hook_scale"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(inner[f"{point}hook_normalized"], clean[f"{point}hook_normalized"] / 6)
+    torch.testing.assert_close(outer[f"{point}hook_normalized"], clean[f"{point}hook_normalized"] / 2)
+    assert not norm._forward_hooks

@@ -382,6 +382,7 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     sites = [(b, a, b.ff) for b, a in zip(model.trf_blocks, layers, strict=True)]  # each block's three owners
     previous = [tuple(m.hook for m in owners) for owners in sites]
     handles = []
+    norm_fns: list[tuple[nn.Module, dict[str, list[Callable]], dict[str, list[Callable]]]] = []
     # A spliced module's points: their functions go on its own lists (it runs them), put back on exit.
     added = {n: g for g in _ADDED.get(model, []) for n in g.names if n in checked}
     before_added = {n: g.fns[n] for n, g in added.items()}
@@ -405,15 +406,22 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
         for name, module in (("hook_embed", "tok_emb"), ("hook_pos_embed", "pos_emb")):
             if name in checked:
                 handles.append(getattr(model, module).register_forward_hook(module_hook(name)))
-        norms = [(f"blocks.{i}.{n}.", getattr(b, a)) for i, b in enumerate(model.trf_blocks) for n, a in BLOCK_NORMS]
-        for prefix, norm in [*norms, ("ln_final.", model.final_norm)]:
-            scale, normalized = (checked.get(f"{prefix}hook_{s}", []) for s in NORM_STEPS)
-            if scale or normalized:
-                handles.append(norm.register_forward_hook(_norm_hook(prefix, scale, normalized)))
+        for prefix, norm in _norms(model):
+            steps = {s: checked.get(f"{prefix}hook_{s}", []) for s in NORM_STEPS}
+            if any(steps.values()):
+                fns = _norm_fns(norm, prefix)
+                for step, listed in steps.items():  # (new lists: a running pass keeps the ones it read)
+                    fns[step] = fns[step] + listed
+                norm_fns.append((norm, fns, steps))
         yield model
     finally:
         for h in handles:
             h.remove()
+        for norm, fns, steps in reversed(norm_fns):
+            for step, listed in steps.items():
+                fns[step] = fns[step][: len(fns[step]) - len(listed)]
+            if not any(fns.values()):  # (no block sets functions on this norm any more)
+                _NORM_HOOKS.pop(norm)[1].remove()
         for n, g in added.items():
             g.fns[n] = before_added[n]
         for owners, before in zip(sites, previous, strict=True):
@@ -421,15 +429,32 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
                 owner.hook = hook
 
 
-def _norm_hook(prefix: str, scale: list[Callable], normalized: list[Callable]) -> Callable:
-    """A norm module's forward hook running the functions set on its ``hook_scale`` and ``hook_normalized``."""
+def _norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(point prefix, norm module)`` of each block's norms (TransformerLens's names), then the final norm."""
+    blocks = [(f"blocks.{i}.{n}.", getattr(b, a)) for i, b in enumerate(model.trf_blocks) for n, a in BLOCK_NORMS]
+    return [(p, m) for p, m in blocks if m is not None] + [("ln_final.", model.final_norm)]
 
-    def hook(norm: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        if scale:
-            output = _norm_steps(norm, args[0], lambda s: _apply(scale, s, HookPoint(f"{prefix}hook_scale")), output)
-        return _apply(normalized, output, HookPoint(f"{prefix}hook_normalized")) if normalized else output
 
-    return hook
+# norm module -> (the functions set on its points, {step: [fn]}; the handle of the one forward hook that
+# runs them). One hook a norm, however many blocks of :func:`hooks` nest: a second forward hook would
+# recompute the norm from its input, undoing a replaced scale of the first.
+_NORM_HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, list[Callable]], Any]] = weakref.WeakKeyDictionary()
+
+
+def _norm_fns(norm: nn.Module, prefix: str) -> dict[str, list[Callable]]:
+    """The lists of functions ``norm``'s forward hook runs, the hook registered if it was not."""
+    if norm not in _NORM_HOOKS:
+        fns: dict[str, list[Callable]] = {s: [] for s in NORM_STEPS}
+
+        def hook(norm: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            scale, normalized = fns["scale"], fns["normalized"]
+            if scale:
+                on_scale = lambda s: _apply(scale, s, HookPoint(f"{prefix}hook_scale"))
+                output = _norm_steps(norm, args[0], on_scale, output)
+            return _apply(normalized, output, HookPoint(f"{prefix}hook_normalized")) if normalized else output
+
+        _NORM_HOOKS[norm] = (fns, norm.register_forward_hook(hook))
+    return _NORM_HOOKS[norm][0]
 
 
 def _norm_steps(
