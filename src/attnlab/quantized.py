@@ -9,8 +9,8 @@ the blocks instead and computes with them:
 * It is a ``torch.Tensor`` subclass of the *logical* shape ``(out_features, in_features)`` and dtype
   (float32 by default), whose data are the file's fields, one tensor each (the scales as the file's
   float16 numbers, the 4- and 5-bit integers still packed two to a byte, the K-quants' 6-bit
-  sub-block scales unpacked to one byte each; Q4_K's and Q5_K's sub-block scales as the float32
-  products their weights are multiplied by, see :func:`_split_k`). The repacking is lossless:
+  sub-block scales unpacked to one byte each; Q4_K's, Q5_K's and Q6_K's sub-block scales as the
+  float32 products their weights are multiplied by, see :func:`_split_k`). The repacking is lossless:
   :meth:`QuantizedTensor.dequantize` gives exactly the numbers ``gguf.quants.dequantize`` gives, by
   the same float32 operations.
 * ``F.linear(x, w)`` (so :class:`attnlab.attention.Linear`, which calls it for such a weight)
@@ -231,7 +231,7 @@ def _q6_k(f: dict[str, Tensor]) -> Tensor:
     high = _bits(f["qh"].unflatten(-1, (2, 32)), 2)  # (R, nb, 8, 32)
     q = (low | (high << 4)).to(torch.int8) - 32
     q = q.reshape(*q.shape[:-2], 16, 16).float()
-    return q.mul_(_sub_scales(f["d"], f["scales"])).flatten(-3)
+    return q.mul_(_col(f["scale"])).flatten(-3)
 
 
 def _dense(f: dict[str, Tensor]) -> Tensor:
@@ -430,7 +430,7 @@ def _mv_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     # scale is that of sub-block 8h + 2j + i // 16. One term per quarter, each read straight from the bytes.
     ql = f["ql"].unflatten(-1, (2, 2, 2, 16))  # (R, nb, h, j % 2, i // 16, i % 16)
     qh = f["qh"].unflatten(-1, (2, 2, 16))  # (R, nb, h, i // 16, i % 16)
-    scale = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 4, 2))  # (R, nb, h, j, i // 16)
+    scale = f["scale"].unflatten(-1, (2, 4, 2))  # (R, nb, h, j, i // 16)
     xs = x.unflatten(-1, (2, 4, 2, 16))  # (nb, h, j, i // 16, i % 16)
     total = None
     for j in range(4):
@@ -517,13 +517,21 @@ def _k_mins(f: dict[str, Tensor], x: Tensor) -> Tensor:
     return ((f["dmin"].float().unsqueeze(-1) * f["m"].float()) * x.unflatten(-1, (8, 32)).sum(-1)).sum((1, 2))
 
 
-def _block_sums(terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor) -> Tensor:
+HALVED_K_QUANTS = ("Q4_K", "Q5_K")  # the K-quants whose 8-lane products read a row in two halves (_block_sums)
+
+
+def _block_sums(
+    terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor, halves: bool = True
+) -> Tensor:
     """``terms(f, x) (R, nb, ...)`` summed over all but the rows, read in two halves where
-    :func:`_row_sums` reads them so: the terms of the first and second halves of the blocks computed from
-    their halves of the fields and of ``x`` and added. (For the K-quants' long terms inductor's code for
-    :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices of the inputs are.)"""
+    :func:`_row_sums` reads them so (and ``halves``): the terms of the first and second halves of the
+    blocks computed from their halves of the fields and of ``x`` and added. (For the K-quants' long terms
+    inductor's code for :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices
+    of the inputs are.) Q2_K's, Q3_K's and Q6_K's products are not read so (``halves=False``: their
+    loops in halves ran 1.4-2.5x slower on a few thousand rows and 4-9x slower on 32,000, where Q4_K's
+    and Q5_K's ran as fast or faster; see :data:`HALVED_K_QUANTS`)."""
     n = x.shape[0]
-    if _read_in_halves(n):
+    if halves and _read_in_halves(n):
         h = n // 2
         t = terms({k: v[:, :h] for k, v in f.items()}, x[:h]) + terms({k: v[:, h:] for k, v in f.items()}, x[h:])
     else:
@@ -575,7 +583,7 @@ def _q2_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q2_k_terms, f, x)
+    return _block_sums(_q2_k_terms, f, x, halves=False)
 
 
 def _q3_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -590,7 +598,7 @@ def _q3_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q3_k_terms, f, x)
+    return _block_sums(_q3_k_terms, f, x, halves=False)
 
 
 def _q6_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -602,13 +610,13 @@ def _q6_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
     ql = f["ql"].unflatten(-1, (2, 2, 8))[:, :, :, None, :, None, :]  # (R, nb, h, 1, jm, 1, k)
     qh = f["qh"].unflatten(-1, (2, 8))[:, :, :, None, None, None, :]  # (R, nb, h, 1, 1, 1, k)
     q = ((ql >> 8 * b + 4 * jh) & 15) | (((qh >> 8 * b + 4 * jh + 2 * jm) & 3) << 4)  # (R, nb, h, jh, jm, b, k)
-    s = (f["d"].float().unsqueeze(-1) * f["scales"].float()).unflatten(-1, (2, 2, 2, 2))  # (R, nb, h, jh, jm, k // 4)
+    s = f["scale"].unflatten(-1, (2, 2, 2, 2))  # (R, nb, h, jh, jm, k // 4)
     scale = _by_half(s, k).unsqueeze(-2)  # (R, nb, h, jh, jm, 1, k)
     return (q.float() - 32) * (scale * xs)
 
 
 def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q6_k_terms, f, x)
+    return _block_sums(_q6_k_terms, f, x, halves=False)
 
 
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
@@ -650,6 +658,14 @@ def _split_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     out = _split(("hmask", QK_K // 8, "u8"), ("qs", QK_K // 4, "u8"))(blocks[..., : QK_K // 8 + QK_K // 4])
     at = QK_K // 8 + QK_K // 4
     return out | {"scales": _unpack_q3_scales(blocks[..., at : at + 12]), "d": _f16(blocks[..., at + 12 : at + 14])}
+
+
+def _split_q6_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q6_K: ql, qh, ``scale`` (the 16 sub-blocks' ``d * scales``, float32: exact, and one float a sub-block
+    for the products' loops to read, as :func:`_split_k` keeps Q4_K's; 46 more bytes a block of 210)."""
+    out = _split(("ql", 128, "u8"), ("qh", 64, "u8"))(blocks[..., :192])
+    scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    return out | {"scale": _f16(blocks[..., 208:210]).astype(np.float32)[..., None] * scales}
 
 
 def _split_dense(dtype: Any) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
@@ -741,7 +757,7 @@ FORMATS: dict[str, Format] = {
             "Q6_K",
             QK_K,
             210,
-            _split(("ql", 128, "u8"), ("qh", 64, "u8"), ("scales", 16, "i8"), ("d", 2, "f16")),
+            _split_q6_k,
             _q6_k,
             _mv_q6_k,
             None,
@@ -1302,8 +1318,8 @@ _AHEAD_LOCK = threading.Lock()
 
 def _pairs(format: Format, blocks: int) -> bool:
     """Whether ``format``'s compiled one-row product reads a row of ``blocks`` blocks in two halves (the
-    32-weight formats' :func:`_row_sums`, the K-quants' code for 8 lanes' :func:`_block_sums`)."""
-    return _in_halves(blocks) and (format.block == 32 or (format.matvec8 is not None and _eight_lanes()))
+    32-weight formats' :func:`_row_sums`, Q4_K's and Q5_K's code for 8 lanes' :func:`_block_sums`)."""
+    return _in_halves(blocks) and (format.block == 32 or (format.name in HALVED_K_QUANTS and _eight_lanes()))
 
 
 def _eight_lanes() -> bool:
