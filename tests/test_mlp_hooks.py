@@ -58,13 +58,18 @@ def hf_mlp_activations(hf: torch.nn.Module, idx: torch.Tensor) -> dict[str, torc
                 mlp.c_fc.register_forward_hook(output(f"blocks.{i}.mlp.hook_pre")),
                 mlp.c_proj.register_forward_pre_hook(input(f"blocks.{i}.mlp.hook_post")),
             ]
+    forward_then_remove(hf, idx, handles)
+    return seen
+
+
+def forward_then_remove(hf: torch.nn.Module, idx: torch.Tensor, handles: list) -> None:
+    """``hf(idx)`` without gradients, then the torch hooks ``handles`` removed (also after an error)."""
     try:
         with torch.no_grad():
             hf(idx)
     finally:
         for h in handles:
             h.remove()
-    return seen
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -17,7 +17,7 @@ from attnlab.interpret import act_name, hook_names, hooks, run_with_cache
 from attnlab.interpret.hooks import BLOCK_NORMS
 from attnlab.model import GPT
 from test_fast_decode import FAMILIES, make, prompt
-from test_mlp_hooks import hf_model
+from test_mlp_hooks import forward_then_remove, hf_model
 
 # LayerNorm with a bias; RMSNorm; Gemma's offset gain; the sandwich norms; OLMo 2's norms after the
 # sublayers only; a parallel residual (the MLP's norm reads the block's input).
@@ -106,13 +106,7 @@ def test_the_norm_points_are_the_norms_inside_transformers(kind):
     modules["ln_final."] = final
     seen = {}
     record = [lambda m, a, out, p=p: seen.__setitem__(p, (a[0], out)) for p in modules]
-    handles = [m.register_forward_hook(r) for m, r in zip(modules.values(), record, strict=True)]
-    try:
-        with torch.no_grad():
-            hf(idx)
-    finally:
-        for h in handles:
-            h.remove()
+    forward_then_remove(hf, idx, [m.register_forward_hook(r) for m, r in zip(modules.values(), record, strict=True)])
     _, cache = run_with_cache(ours, idx, lambda name: name.endswith(("hook_scale", "hook_normalized")))
     assert len(cache) == 2 * len(modules)
     for prefix, (x, out) in seen.items():
