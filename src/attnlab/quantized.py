@@ -528,8 +528,8 @@ def _block_sums(
     blocks computed from their halves of the fields and of ``x`` and added. (For the K-quants' long terms
     inductor's code for :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices
     of the inputs are.) Q2_K's, Q3_K's and Q6_K's products are not read so (``halves=False``: their
-    loops in halves ran 1.4-2.5x slower on a few thousand rows and 4-9x slower on 32,000, where Q4_K's
-    and Q5_K's ran as fast or faster; see :data:`HALVED_K_QUANTS`)."""
+    loops in halves came out slower at every size, many times so on a vocabulary's rows, where Q4_K's and
+    Q5_K's came out as fast or faster; see :data:`HALVED_K_QUANTS` and docs/performance.md)."""
     n = x.shape[0]
     if halves and _read_in_halves(n):
         h = n // 2
