@@ -395,8 +395,7 @@ def _mv_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
     scale = f["scale"].unflatten(-1, (4, 2))  # (R, nb, 4, 2)
     q = f["qs"].unflatten(-1, (4, 32))  # (R, nb, 4, 32)
     scaled = _nibble_dot(q, x.unflatten(-1, (4, 64)), scale[..., 0], scale[..., 1], pair=False)  # (R,)
-    mins = f["dmin"].float().unsqueeze(-1) * f["m"].float()  # (R, nb, 8)
-    return scaled - (mins * x.unflatten(-1, (8, 32)).sum(-1)).sum((-2, -1))  # d * sc * q - dmin * m
+    return scaled - _k_mins(f, x)  # d * sc * q - dmin * m
 
 
 def _mv_q5(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -521,17 +520,17 @@ HALVED_K_QUANTS = ("Q4_K", "Q5_K")  # the K-quants whose 8-lane products read a 
 
 
 def _block_sums(
-    terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor, halves: bool = True
+    format: str, terms: Callable[[dict[str, Tensor], Tensor], Tensor], f: dict[str, Tensor], x: Tensor
 ) -> Tensor:
     """``terms(f, x) (R, nb, ...)`` summed over all but the rows, read in two halves where
-    :func:`_row_sums` reads them so (and ``halves``): the terms of the first and second halves of the
-    blocks computed from their halves of the fields and of ``x`` and added. (For the K-quants' long terms
-    inductor's code for :func:`_row_sums`' slices of one tensor of terms is not vectorized; these slices
-    of the inputs are.) Q2_K's, Q3_K's and Q6_K's products are not read so (``halves=False``: their
-    loops in halves came out slower at every size, many times so on a vocabulary's rows, where Q4_K's and
-    Q5_K's came out as fast or faster; see :data:`HALVED_K_QUANTS` and docs/performance.md)."""
+    :func:`_row_sums` reads them so and ``format`` is one of :data:`HALVED_K_QUANTS`: the terms of the
+    first and second halves of the blocks computed from their halves of the fields and of ``x`` and
+    added. (For the K-quants' long terms inductor's code for :func:`_row_sums`' slices of one tensor of
+    terms is not vectorized; these slices of the inputs are.) Q2_K's, Q3_K's and Q6_K's products are not
+    read so: their loops in halves came out slower at every size, many times so on a vocabulary's rows,
+    where Q4_K's and Q5_K's came out as fast or faster (docs/performance.md)."""
     n = x.shape[0]
-    if halves and _read_in_halves(n):
+    if format in HALVED_K_QUANTS and _read_in_halves(n):
         h = n // 2
         t = terms({k: v[:, :h] for k, v in f.items()}, x[:h]) + terms({k: v[:, h:] for k, v in f.items()}, x[h:])
     else:
@@ -547,7 +546,7 @@ def _q4_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q4_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q4_k_terms, f, x) - _k_mins(f, x)
+    return _block_sums("Q4_K", _q4_k_terms, f, x) - _k_mins(f, x)
 
 
 def _q5_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -559,7 +558,7 @@ def _q5_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q5_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q5_k_terms, f, x) - _k_mins(f, x)
+    return _block_sums("Q5_K", _q5_k_terms, f, x) - _k_mins(f, x)
 
 
 def _by_half(s: Tensor, k: Tensor) -> Tensor:
@@ -583,7 +582,7 @@ def _q2_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q2_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q2_k_terms, f, x, halves=False)
+    return _block_sums("Q2_K", _q2_k_terms, f, x)
 
 
 def _q3_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -598,7 +597,7 @@ def _q3_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q3_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q3_k_terms, f, x, halves=False)
+    return _block_sums("Q3_K", _q3_k_terms, f, x)
 
 
 def _q6_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -616,7 +615,7 @@ def _q6_k_terms(f: dict[str, Tensor], x: Tensor) -> Tensor:
 
 
 def _mv8_q6_k(f: dict[str, Tensor], x: Tensor) -> Tensor:
-    return _block_sums(_q6_k_terms, f, x, halves=False)
+    return _block_sums("Q6_K", _q6_k_terms, f, x)
 
 
 def _split(*spec: tuple[str, int, str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
