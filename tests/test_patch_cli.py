@@ -63,6 +63,23 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_patterns_single_weights_are_listed_by_head_query_and_key(checkpoint, tmp_path, capsys):
+    d, model = checkpoint
+    clean, corrupted = "abcabcd", "abcabce"
+    out = tmp_path / "weights.png"
+    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "a", "b"]
+    assert main([*argv, "--site", "pattern_dest_src", "--top", "2", "--out", str(out)]) == 0
+    want = activation_patching(model, *(torch.tensor(CharTokenizer(LETTERS).encode(t)) for t in (clean, corrupted)),
+                               logit_diff(0, 1), "pattern_dest_src")  # fmt: skip
+    assert want.shape == (2, 4, 7, 7)  # (L, H, query, key), TransformerLens's
+    base = float(want[0, 0, 0, 6])  # a key after its query: the corrupted run
+    first = capsys.readouterr().out.split("pattern_dest_src:")[1].strip().splitlines()[1].split()
+    layer, head, query, key = torch.unravel_index((want - base).abs().argmax(), want.shape)
+    assert first[:5] == [f"{layer}.{head}", repr(clean[query]), f"({query})", "on", repr(clean[key])]  # (clean tokens)
+    assert float(first[6]) == pytest.approx(float(want[layer, head, query, key]), abs=1e-4)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

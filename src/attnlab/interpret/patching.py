@@ -10,6 +10,7 @@ metric becomes (TransformerLens's ``patching`` module: raw metric values, not no
     k, v                                                  (L, Hkv)   one key/value head (GQA: fewer)
     pattern_by_pos, q_by_pos                              (L, T, H)  one head at one (query) position
     k_by_pos, v_by_pos                                    (L, T, Hkv)
+    pattern_dest_src                                      (L, H, T, T)  one weight: head, query, key
 
 Patching layer ``l`` leaves everything below it as in the corrupted run, so each patched run starts
 from the corrupted residual at layer ``l`` (cached once), and all patched runs go through the model
@@ -27,6 +28,7 @@ A metric is a callable on logits ``(1, T, V)`` returning a scalar. It may also h
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 # site -> (hook step, what one patch covers): "pos" one position, "head" one head at every
-# position, "pos_head" one head at one position.
+# position, "pos_head" one head at one position, "dest_src" one head's weight of one query on one key.
 SITES = {
     "resid_pre": ("resid_pre", "pos"),
     "resid_mid": ("resid_mid", "pos"),
@@ -64,6 +66,7 @@ SITES = {
     "q_by_pos": ("q", "pos_head"),
     "k_by_pos": ("k", "pos_head"),
     "v_by_pos": ("v", "pos_head"),
+    "pattern_dest_src": ("pattern", "dest_src"),  # TransformerLens's ..._pattern_dest_src_pos, (L, H, T, S)
 }
 
 
@@ -212,13 +215,17 @@ def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: boo
 
 
 def _layout(model: nn.Module, step: str, kind: str, T: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """The patch indices of one layer and the shape of one layer's results."""
+    """The patch indices of one layer (in the order of its results, C order) and the shape of one
+    layer's results. A pattern's weights above the diagonal are 0 in both runs (a key after its
+    query): patching one changes nothing, so they are not indices (their results are the corrupted run's)."""
     att = attention_layers(model)[0]
     H = att.num_kv_heads if step in ("k", "v") else att.num_heads
     if kind == "pos":
         return [(p,) for p in range(T)], (T,)
     if kind == "head":
         return [(h,) for h in range(H)], (H,)
+    if kind == "dest_src":
+        return [(h, p, s) for h in range(H) for p in range(T) for s in range(p + 1)], (H, T, T)
     return [(p, h) for p in range(T) for h in range(H)], (T, H)
 
 
@@ -232,6 +239,9 @@ def _patch_rows(act: Tensor, clean: Tensor, step: str, kind: str, index: Tensor)
         act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, T, S): one head's pattern
     elif kind == "head":
         act[rows, :, index[:, 0]] = clean[0][:, index[:, 0]].transpose(0, 1)  # (R, T, hd): every position
+    elif kind == "dest_src":  # (head h, query p, key s): one weight
+        h, p, s = index.unbind(1)
+        act[rows, h, p, s] = clean[0, h, p, s]
     elif step == "pattern":  # (position p, head h): head h's weights of query p, (R, S)
         act[rows, index[:, 1], index[:, 0]] = clean[0, index[:, 1], index[:, 0]]
     else:
@@ -313,19 +323,21 @@ def activation_patching(
     starts = [act_name("resid_pre", i) for i in range(L)]
     last_only = bool(getattr(metric, "last_only", False))
     indices, shape = _layout(model, step, kind, T)
-    out = torch.empty((len(chosen), len(indices)), dtype=torch.float64)
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    where = torch.tensor([sum(i * n for i, n in zip(index, strides, strict=True)) for index in indices])
+    out = torch.empty((len(chosen), math.prod(shape)), dtype=torch.float64)
     per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
     with eval_mode(model), torch.no_grad():
         _, clean_cache = run_with_cache(model, clean, names)
         logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
-        metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
+        out[:] = metric_scalar(metric(logits))  # (fails here, before the long part, if no scalar); unpatched indices
         _check_tail(model, logits, corr_cache[starts[0]], last_only)
         sources = [clean_cache[n] for n in names]
         resid = [corr_cache[n] for n in starts]
         for lo in range(0, len(indices), per_pass):
-            index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
+            index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1, 2 or 3)
             patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
-            out[:, lo : lo + index.shape[0]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
+            out[:, where[lo : lo + index.shape[0]]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
     return out.reshape(len(chosen), *shape).float()
 
 
@@ -505,7 +517,9 @@ def attribution_patching(
         a = acts[n].detach()
         g = torch.zeros_like(a) if g is None else g
         prod = ((clean_cache[n] - a) * g)[0].double()  # (T, d) | (T, H, hd) | (H, T, S)
-        if kind == "pos":
+        if kind == "dest_src":
+            out.append(prod)  # (H, T, S): one weight each
+        elif kind == "pos":
             out.append(prod.flatten(1).sum(1))  # (T,)
         elif kind == "head" and step == "pattern":
             out.append(prod.sum((1, 2)))  # (H,)

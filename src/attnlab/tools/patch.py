@@ -75,6 +75,9 @@ class PatchReport:
             return f"layer {index[0]} position {index[1]} {self.tokens[index[1]]!r}"
         if kind == "head":
             return f"{index[0]}.{index[1]}"
+        if kind == "dest_src":  # (layer, head, query, key)
+            query, key = (f"{self.tokens[i]!r} ({i})" for i in index[2:])
+            return f"{index[0]}.{index[1]} {query} on {key}"
         return f"{index[0]}.{index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
 
     def view_data(self) -> dict[str, Any]:
@@ -190,6 +193,8 @@ def _figure(report: PatchReport, site: str) -> object:
     kind = SITES[site][1]
     if kind == "pos_head":
         data = data.abs().amax(-1)  # (L, T): the strongest head at each layer and position
+    elif kind == "dest_src":
+        data = data.abs().amax((1, 3))  # (L, T): the strongest weight of any head at each layer and query
     L, n = data.shape
     fig = Figure(figsize=(max(4.0, 0.45 * n + 2), max(3.0, 0.22 * L + 1.5)), dpi=110)
     ax = fig.add_subplot()
