@@ -4,6 +4,7 @@ pass written here (explicit attention, no hooks), on small GPTs."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -151,6 +152,22 @@ def test_patching_small_batches_and_a_plain_metric(make_gpt, pair):
     want = activation_patching(model, *pair, logit_diff(A, B), "head_out_by_pos")
     got = activation_patching(model, *pair, lambda lg: lg[0, -1, A] - lg[0, -1, B], "head_out_by_pos", max_tokens=10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("site", "per_layer"), [("pattern_dest_src", 4 * 28), ("resid_pre", 7)])
+def test_progress_counts_the_patched_runs_up_to_their_total(make_gpt, pair, site, per_layer):
+    """``progress(done, total)`` before the first batched pass and after each: ``done`` grows from 0 to
+    ``total``, the patched runs (a pattern's weights on or below the diagonal: 4 heads x 28 of 7 x 7),
+    and the results are the same."""
+    model = make_gpt()
+    calls = []
+    got = activation_patching(
+        model, *pair, logit_diff(A, B), site, max_tokens=21, layers=[1], progress=lambda *c: calls.append(c)
+    )
+    assert len(calls) > 2 and calls[0] == (0, per_layer) and calls[-1] == (per_layer, per_layer)
+    assert [t for _, t in calls] == [per_layer] * len(calls)
+    assert all(a < b for (a, _), (b, _) in itertools.pairwise(calls))
+    torch.testing.assert_close(got, activation_patching(model, *pair, logit_diff(A, B), site)[1:])
 
 
 @pytest.mark.slow

@@ -162,10 +162,13 @@ def test_activation_patching_a_latent_against_plain_hooks(make_gpt):
     model, sae = make_gpt(seed=1).double(), make_sae("topk", seed=1).double()
     clean, corrupted = _pair()
     metric = logit_diff(3, 7)
+    calls = []
     with splice(model, sae):
         got = activation_patching(model, clean, corrupted, metric, sae_point(sae, "acts_post"))
-        by_pos = activation_patching(model, clean, corrupted, metric, sae_point(sae, "recons"))
+        recons, keep = sae_point(sae, "recons"), lambda *c: calls.append(c)
+        by_pos = activation_patching(model, clean, corrupted, metric, recons, max_tokens=12, progress=keep)
     assert got.shape == (6, 40) and by_pos.shape == (6,)
+    assert calls == [(0, 6), (2, 6), (4, 6), (6, 6)]  # (two patched runs of 6 tokens a pass)
     # Reference: decoding is linear in the latents, so patching latent j at position p moves the
     # stream at p by (z_clean - z_corrupted)[p, j] * W_dec[j]; run that on the plain model in float64.
     x_clean, x_corr = grab(model, clean, HOOK), grab(model, corrupted, HOOK)

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must end in .html or .png, got {args.out!r}")
     loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
     sites = args.site or ["head_out", "resid_pre"]
-    report = patch_report(loaded, args.clean, args.corrupted, tuple(args.answers), sites)
+    report = patch_report(loaded, args.clean, args.corrupted, tuple(args.answers), sites, progress=True)
     print(report.format(top=args.top))
     if args.out:
         print(f"wrote {save_patch_picture(report, args.out, top=args.top)}")

@@ -206,11 +206,12 @@ def hook_names(model: nn.Module) -> list[str]:
     points right after the point they replace)."""
     layers = attention_layers(model)
     names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
+    present = {prefix for prefix, _ in _norms(model)}  # a block's norms that exist ("blocks.0.ln1.", ...)
     for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
         steps = [s for s in ATTN_STEPS if _rotates(att) or not s.startswith("rot_")]
         mlp_steps = [s for s in MLP_STEPS if block.ff.gated or s != "pre_linear"]
-        norm = {n: [f"blocks.{i}.{n}.hook_{s}" for s in NORM_STEPS] if getattr(block, a) is not None else []
-                for n, a in BLOCK_NORMS}  # fmt: skip
+        prefixes = {n: f"blocks.{i}.{n}." for n, _ in BLOCK_NORMS}
+        norm = {n: [f"{p}hook_{s}" for s in NORM_STEPS] if p in present else [] for n, p in prefixes.items()}
         names.append(f"blocks.{i}.hook_resid_pre")
         names += norm["ln1"] + [f"blocks.{i}.attn.hook_{s}" for s in steps] + norm["ln1_post"]
         names += [f"blocks.{i}.hook_{s}" for s in ("attn_out", "resid_mid")]

@@ -297,6 +297,7 @@ def activation_patching(
     *,
     max_tokens: int = 16384,
     layers: Sequence[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Tensor:
     """The metric of the corrupted run with one clean activation patched in, for every index of ``site``.
 
@@ -309,6 +310,8 @@ def activation_patching(
         layers: patch these layers only (distinct, any order; default all): the result has one row
             per layer, in increasing order, equal to those rows of the whole result. A server runs
             a site in a few such calls, to take other requests in between.
+        progress: called as ``progress(done, total)`` with the patched runs done so far and their total,
+            before the first batched pass and after each (a pattern's single weights take minutes: a bar).
     Returns:
         float32 tensor of raw metric values (on the CPU).
     """
@@ -316,28 +319,33 @@ def activation_patching(
     L, T = len(attention_layers(model)), clean.shape[1]
     spliced = _spliced_site(model, site)
     if spliced is not None:
-        return _patch_spliced(model, clean, corrupted, metric, *spliced, max_tokens)
+        return _patch_spliced(model, clean, corrupted, metric, *spliced, max_tokens, progress)
     step, kind = _check_site(site)
     chosen = _check_layers(layers, L)
     names = [act_name(step, i) for i in range(L)]
     starts = [act_name("resid_pre", i) for i in range(L)]
     last_only = bool(getattr(metric, "last_only", False))
     indices, shape = _layout(model, step, kind, T)
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    where = torch.tensor([sum(i * n for i, n in zip(index, strides, strict=True)) for index in indices])
+    where = torch.arange(math.prod(shape)).reshape(shape)[tuple(torch.tensor(indices).T)]  # (N,): each index's place
     out = torch.empty((len(chosen), math.prod(shape)), dtype=torch.float64)
     per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
     with eval_mode(model), torch.no_grad():
         _, clean_cache = run_with_cache(model, clean, names)
         logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
-        out[:] = metric_scalar(metric(logits))  # (fails here, before the long part, if no scalar); unpatched indices
+        # The corrupted run's metric: the value of an index not patched (and a metric that returns no
+        # scalar fails here, before the long part).
+        out[:] = metric_scalar(metric(logits))
         _check_tail(model, logits, corr_cache[starts[0]], last_only)
         sources = [clean_cache[n] for n in names]
         resid = [corr_cache[n] for n in starts]
+        if progress is not None:
+            progress(0, len(chosen) * len(indices))
         for lo in range(0, len(indices), per_pass):
             index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1, 2 or 3)
             patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
             out[:, where[lo : lo + index.shape[0]]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
+            if progress is not None:
+                progress(len(chosen) * (lo + index.shape[0]), len(chosen) * len(indices))
     return out.reshape(len(chosen), *shape).float()
 
 
@@ -350,6 +358,7 @@ def _patch_spliced(
     layer: int,
     kind: str,
     max_tokens: int,
+    progress: Callable[[int, int], None] | None,
 ) -> Tensor:
     """:func:`activation_patching` at a spliced SAE's point ``name`` (computed in block ``layer``): every
     patched run starts from the corrupted stream entering that block. ``(T,)`` or ``(T, d_sae)``."""
@@ -369,12 +378,16 @@ def _patch_spliced(
             indices, shape = [(p, j) for p in range(T) for j in range(width)], (T, width)
         out = torch.empty(len(indices), dtype=torch.float64)
         per_pass = max(1, int(max_tokens) // T)
+        if progress is not None:
+            progress(0, len(indices))
         for lo in range(0, len(indices), per_pass):
             index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
             patched = _staggered(
                 model, [corr_cache[start]] * L, [name] * L, [source] * L, name, kind, index, last_only, [layer]
             )
             out[lo : lo + index.shape[0]] = _metric_rows(metric, patched)
+            if progress is not None:
+                progress(lo + index.shape[0], len(indices))
     return out.reshape(shape).float()
 
 

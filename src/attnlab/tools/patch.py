@@ -9,9 +9,12 @@ each site as a heatmap (layer x head, layer x position).
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,12 +140,14 @@ def patch_report(
     *,
     patterns: bool | None = None,
     clean_flag: str = "--clean",
+    progress: bool = False,
 ) -> PatchReport:
     """Activation patching of ``sites`` (see :data:`attnlab.interpret.SITES`) for two prompts of the
     same number of tokens, with the metric logit(answers[0]) - logit(answers[1]).
 
     ``patterns``: also keep every head's attention pattern on both prompts (the view shows a clicked
-    head's); None: when they fit :data:`attnlab.interpret.patch_view.PATTERNS_BUDGET` as bytes."""
+    head's); None: when they fit :data:`attnlab.interpret.patch_view.PATTERNS_BUDGET` as bytes.
+    ``progress``: a bar of each site's patched runs on stderr, where stderr is a terminal (tqdm)."""
     model, tok = loaded.model, loaded.tokenizer
     for site in sites:
         if site not in SITES:
@@ -182,8 +187,29 @@ def patch_report(
     if patterns or (patterns is None and L * H * T * (T + 1) <= PATTERNS_BUDGET):
         report.patterns = (head_patterns(model, ids[0])[1].cpu(), head_patterns(model, ids[1])[1].cpu())
     for site in sites:
-        report.results[site] = activation_patching(model, ids[0], ids[1], metric, site)
+        with _bar(site, progress) as bar:
+            report.results[site] = activation_patching(model, ids[0], ids[1], metric, site, progress=bar)
     return report
+
+
+@contextlib.contextmanager
+def _bar(site: str, shown: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` that moves a tqdm bar on stderr (shown only on a terminal: tqdm's
+    ``disable=None``), or None where not ``shown`` or tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        shown = False
+    if not shown:
+        yield None
+        return
+    with tqdm(desc=site, unit="run", file=sys.stderr, disable=None, dynamic_ncols=True, leave=False) as bar:
+
+        def move(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield move
 
 
 def _figure(report: PatchReport, site: str) -> object:
