@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import add_model_arguments
+from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
 from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, circuit_saes, save_circuit_page
-from attnlab.tools.loading import load, load_saes
+from attnlab.tools.loading import load_saes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
     read = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
-    loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    loaded = load_from_model_arguments(args)
     saes = {"saes": circuit_saes(loaded, read), "max_latents": args.max_latents}
     if args.pairs is not None:
         report = circuit_report_pairs(

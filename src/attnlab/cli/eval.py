@@ -17,11 +17,9 @@ import argparse
 import json
 import sys
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import MODEL_SOURCES
+from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, load_from_model_arguments
 from attnlab.data import load_text
 from attnlab.tokenizers import HFTokenizer
-from attnlab.tools.loading import load
 from attnlab.training.eval import evaluate_tokens, windows
 
 DEFAULT_CONTEXT = 1024  # at most the model's own context
@@ -48,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens between window starts; smaller gives each token more context (default: T, disjoint windows)",
     )
     parser.add_argument("--device", default="auto", metavar="DEV", help="auto, cpu, cuda, cuda:N or mps")
+    add_dtype_argument(parser)
     parser.add_argument(
         "--bpe-dir", metavar="DIR", help="where GPT-2's BPE files are, if not where training found them"
     )
@@ -58,9 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
     text = load_text(args.data)
-    loaded = load(args.checkpoint, args.model, device=device, bpe_dir=args.bpe_dir)
+    loaded = load_from_model_arguments(args)
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode_prompt(text) if isinstance(tok, HFTokenizer) else tok.encode(text)
     T = args.context_length if args.context_length is not None else min(model.config.context_length, DEFAULT_CONTEXT)

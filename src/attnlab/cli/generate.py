@@ -43,14 +43,12 @@ from typing import Any
 import torch
 
 from attnlab.checks import resolve_device
-from attnlab.cli.options import MODEL_SOURCES
+from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, model_dtype
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import HFTokenizer, StreamDecoder
 from attnlab.tools.chat import prompt_ids
-from attnlab.tools.loading import LoadedModel, attach_saes, load_model, load_pretrained, load_saes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from attnlab.tools.loading import LoadedModel, attach_saes, load, load_saes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,13 +91,7 @@ def add_generation_arguments(
 ) -> None:
     """``--dtype``, ``--max-new-tokens``, the sampling flags, ``--seed``, ``--device``, ``--no-cache``
     (``attnlab generate`` and ``attnlab chat``)."""
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="with --model: the weights' dtype (default: the weights' own half precision where the device has it "
-        "natively, else float32; `attnlab info` says which)",
-    )
+    add_dtype_argument(parser)
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -130,11 +122,8 @@ def add_generation_arguments(
 
 def load_from_args(args: argparse.Namespace, device: torch.device) -> LoadedModel:
     """``--model`` (in ``--dtype``, where given) or ``--checkpoint`` (``attnlab generate`` and ``attnlab chat``)."""
-    if args.model is not None:
-        return load_pretrained(args.model, device=device, dtype=None if args.dtype is None else DTYPES[args.dtype])
-    if args.dtype is not None:
-        raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
-    return load_model(args.checkpoint, device=device, bpe_dir=getattr(args, "bpe_dir", None))
+    bpe_dir = getattr(args, "bpe_dir", None)
+    return load(args.checkpoint, args.model, device=device, bpe_dir=bpe_dir, dtype=model_dtype(args))
 
 
 def require_chat_template(loaded: LoadedModel, checkpoint: str) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import add_model_arguments
+from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.cli.viz import add_sae_arguments
-from attnlab.tools.loading import attach_saes, load, load_saes
+from attnlab.tools.loading import attach_saes, load_saes
 from attnlab.tools.viz.report import inspect_report
 
 
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ablate is not None and not args.ablate.strip():
         raise ValueError("--ablate needs heads as layer.head, e.g. --ablate 0.1,3.2")
     saes = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
-    loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    loaded = load_from_model_arguments(args)
     attach_saes(saes, loaded.model)  # its hook point and width, before any work
     report = inspect_report(
         loaded,

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnlab.tools.loading import LoadedModel
 
 
 def index_list(text: str) -> list[int]:
@@ -60,7 +65,40 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
         "$ATTNLAB_GPT2_BPE_DIR, or tiktoken's cache)",
     )
     parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda, mps or auto (default: cpu)")
+    add_dtype_argument(parser)
     return source
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: the dtype ``--model``'s weights are read in (:func:`model_dtype`)."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="with --model: the weights' dtype; float32 makes a GGUF file's quantized matrices dense (default: a GGUF "
+        "file's matrices stay in its blocks; other models: their own half precision where the device has it "
+        "natively, else float32; `attnlab info` says which)",
+    )
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """``--dtype`` as a torch dtype, None where not given."""
+    import torch
+
+    return None if args.dtype is None else getattr(torch, args.dtype)
+
+
+def load_from_model_arguments(args: argparse.Namespace) -> LoadedModel:
+    """The model :func:`add_model_arguments`' flags name: ``--checkpoint`` or ``--model`` (in ``--dtype``),
+    on ``--device``."""
+    from attnlab.checks import resolve_device
+    from attnlab.tools.loading import load
+
+    device = resolve_device(args.device)
+    return load(args.checkpoint, args.model, device=device, bpe_dir=args.bpe_dir, dtype=model_dtype(args))
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import add_model_arguments
+from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.interpret import SITES
-from attnlab.tools.loading import load
 from attnlab.tools.patch import patch_report, save_patch_picture
 
 
@@ -51,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.out is not None and not args.out.lower().endswith((".html", ".htm", ".png")):
         raise ValueError(f"--out must end in .html or .png, got {args.out!r}")
-    loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+    loaded = load_from_model_arguments(args)
     sites = args.site or ["head_out", "resid_pre"]
     report = patch_report(loaded, args.clean, args.corrupted, tuple(args.answers), sites, progress=True)
     print(report.format(top=args.top))

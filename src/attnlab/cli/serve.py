@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import add_model_arguments
+from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.cli.viz import add_sae_arguments
 from attnlab.errors import UserError
 
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab import hardware
-    from attnlab.tools.loading import attach_saes, load, load_saes
+    from attnlab.tools.loading import attach_saes, load_saes
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
     from attnlab.tools.viz.inspector import check_sae_data, sae_corpus
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
 
         def prepare() -> tuple[Any, Any]:
-            loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+            loaded = load_from_model_arguments(args)
             attach_saes(saes, loaded.model)  # each SAE's hook point and width checked before serving
             corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)
             return loaded, corpus

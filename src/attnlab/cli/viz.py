@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab.checks import resolve_device
-from attnlab.cli.options import add_model_arguments, add_sampling_arguments, check_sampling, index_list
+from attnlab.cli.options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    check_sampling,
+    index_list,
+    load_from_model_arguments,
+)
 from attnlab.interpret import token_strings
-from attnlab.tools.loading import attach_saes, load, load_saes
+from attnlab.tools.loading import attach_saes, load_saes
 from attnlab.tools.viz import demo_view, format_text, model_inspector, model_view, save_html, save_png
 from attnlab.tools.viz.inspector import check_sae_data, encode_prompt, sae_corpus
 
@@ -115,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if not has_model:
         view = demo_view().select(args.layer, args.head)
     else:
-        loaded = load(args.checkpoint, args.model, device=resolve_device(args.device), bpe_dir=args.bpe_dir)
+        loaded = load_from_model_arguments(args)
         if html:
             attach_saes(saes, loaded.model)  # its hook point and width checked before any work
             corpus = None if args.sae_data is None else sae_corpus(loaded, args.sae_data, args.sae_tokens)

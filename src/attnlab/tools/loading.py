@@ -349,13 +349,17 @@ def load(
     *,
     device: torch.device | str | None = None,
     bpe_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """``--checkpoint DIR`` (:func:`load_model`) or ``--model NAME`` (:func:`load_pretrained`): exactly one."""
+    """``--checkpoint DIR`` (:func:`load_model`) or ``--model NAME`` (:func:`load_pretrained`, in ``dtype``
+    where given: ``torch.float32`` makes a GGUF file's quantized matrices dense): exactly one."""
     if (checkpoint is None) == (model is None):
         raise ValueError("give one of --checkpoint DIR (an attnlab model) or --model NAME (gpt2, or a directory)")
     if checkpoint is not None:
+        if dtype is not None:
+            raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
         return load_model(checkpoint, device=device, bpe_dir=bpe_dir)
-    return load_pretrained(model, device=device, bpe_dir=bpe_dir)
+    return load_pretrained(model, device=device, dtype=dtype, bpe_dir=bpe_dir)
 
 
 @dataclass
