@@ -16,6 +16,16 @@ from attnlab.tokenizers import CharTokenizer
 from test_fast_decode import BASE, FAMILIES
 
 LETTERS = "abcdefghijklmnop"
+CLEAN, CORRUPTED = "abcabcd", "abcabce"  # the pair most tests patch, answers "a" and "b"
+
+
+def patch_argv(d) -> list[str]:
+    """``attnlab patch`` of the checkpoint ``d`` on CLEAN and CORRUPTED."""
+    return ["patch", "--checkpoint", str(d), "--clean", CLEAN, "--corrupted", CORRUPTED, "--answers", "a", "b"]
+
+
+def char_ids(*texts: str) -> list[torch.Tensor]:
+    return [torch.tensor(CharTokenizer(LETTERS).encode(t)) for t in texts]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +39,12 @@ def checkpoint(tmp_path_factory):
 
 def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, capsys):
     d, model = checkpoint
-    clean, corrupted = "abcabcd", "abcabce"
+    clean, corrupted = CLEAN, CORRUPTED
     out = tmp_path / "page.html"
-    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "a", "b"]
+    argv = patch_argv(d)
     assert main([*argv, "--site", "head_out", "--top", "3", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    tok = CharTokenizer(LETTERS)
-    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
+    ids = char_ids(clean, corrupted)
     metric = logit_diff(0, 1)
     want = activation_patching(model, *ids, metric, "head_out")
     with torch.no_grad():
@@ -65,17 +74,14 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
 
 def test_a_patterns_single_weights_are_listed_by_head_query_and_key(checkpoint, tmp_path, capsys):
     d, model = checkpoint
-    clean, corrupted = "abcabcd", "abcabce"
     out = tmp_path / "weights.png"
-    argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "a", "b"]
-    assert main([*argv, "--site", "pattern_dest_src", "--top", "2", "--out", str(out)]) == 0
-    want = activation_patching(model, *(torch.tensor(CharTokenizer(LETTERS).encode(t)) for t in (clean, corrupted)),
-                               logit_diff(0, 1), "pattern_dest_src")  # fmt: skip
+    assert main([*patch_argv(d), "--site", "pattern_dest_src", "--top", "2", "--out", str(out)]) == 0
+    want = activation_patching(model, *char_ids(CLEAN, CORRUPTED), logit_diff(0, 1), "pattern_dest_src")
     assert want.shape == (2, 4, 7, 7)  # (L, H, query, key), TransformerLens's
     base = float(want[0, 0, 0, 6])  # a key after its query: the corrupted run
     first = capsys.readouterr().out.split("pattern_dest_src:")[1].strip().splitlines()[1].split()
     layer, head, query, key = torch.unravel_index((want - base).abs().argmax(), want.shape)
-    assert first[:5] == [f"{layer}.{head}", repr(clean[query]), f"({query})", "on", repr(clean[key])]  # (clean tokens)
+    assert first[:5] == [f"{layer}.{head}", repr(CLEAN[query]), f"({query})", "on", repr(CLEAN[key])]  # (clean tokens)
     assert float(first[6]) == pytest.approx(float(want[layer, head, query, key]), abs=1e-4)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -94,7 +100,7 @@ def test_a_patterns_single_weights_are_listed_by_head_query_and_key(checkpoint, 
 )
 def test_bad_input_is_one_line(checkpoint, extra, message, capsys):
     d, _ = checkpoint
-    argv = ["patch", "--checkpoint", str(d), "--clean", "abcabcd", "--corrupted", "abcabce", "--answers", "a", "b"]
+    argv = patch_argv(d)
     assert main(argv + extra) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
@@ -111,7 +117,7 @@ def test_a_rope_model_patches_a_prompt_longer_than_its_context(tmp_path, capsys)
     clean, corrupted = "abcabcdabcab", "abcabcdabcae"  # 12 tokens
     argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "b", "c"]
     assert main(argv) == 0, capsys.readouterr().err
-    ids = [torch.tensor(CharTokenizer(LETTERS).encode(t)) for t in (clean, corrupted)]
+    ids = char_ids(clean, corrupted)
     want = activation_patching(model, *ids, logit_diff(1, 2), "resid_pre")  # (L, T)
     assert want.shape[-1] == 12 and f"{float(want.abs().max()):.3f}" in capsys.readouterr().out
 
@@ -147,9 +153,8 @@ def test_gemma_models_are_patched(gemma_checkpoints, family, capsys):
     argv = ["patch", "--checkpoint", str(d), "--clean", clean, "--corrupted", corrupted, "--answers", "c", "d"]
     assert main([*argv, "--site", "head_out", "--top", "3"]) == 0
     text = capsys.readouterr().out
-    tok = CharTokenizer(LETTERS)
-    ids = [torch.tensor(tok.encode(t)) for t in (clean, corrupted)]
-    metric = logit_diff(*tok.encode("cd"))
+    ids = char_ids(clean, corrupted)
+    metric = logit_diff(*CharTokenizer(LETTERS).encode("cd"))
     want = activation_patching(model, *ids, metric, "head_out")
     with torch.no_grad():
         lc, lx = (float(metric(model(i[None]))) for i in ids)
