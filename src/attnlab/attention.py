@@ -766,6 +766,17 @@ class MultiHeadAttention(_DropsTutorialMask):
         source = x if context is None else context
         return self.W_query(x), self.W_key(source), self.W_value(source)
 
+    def _project_heads(self, xq: Tensor, xk: Tensor, xv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Each head's projection of its own input: ``xq (b, n, H, d_in)``, ``xk, xv (b, n, Hkv, d_in)`` ->
+        ``(b, n, H * hd)``, ``(b, n, Hkv * hd)`` x2. Each input goes through the whole projection (the
+        module as it is: biases, LoRA, quantized weights) and keeps its head's slice: H times the work."""
+
+        def own(linear: nn.Module, x: Tensor) -> Tensor:
+            out = linear(x).unflatten(-1, (x.shape[2], self.head_dim))  # (b, n, heads in, heads out, hd)
+            return out.diagonal(dim1=2, dim2=3).transpose(-1, -2).flatten(-2)  # (b, n, heads * hd)
+
+        return own(self.W_query, xq), own(self.W_key, xk), own(self.W_value, xv)
+
     def forward(
         self,
         x: Tensor,
@@ -790,7 +801,7 @@ class MultiHeadAttention(_DropsTutorialMask):
 
     def attend(
         self,
-        x: Tensor,
+        x: Tensor | None,
         context: Tensor | None = None,
         *,
         mask: Tensor | None = None,
@@ -798,6 +809,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         return_weights: bool = False,
         positions: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
+        heads: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The computation of :meth:`forward`, on inputs already checked (a GPT calls this directly).
 
@@ -809,11 +821,13 @@ class MultiHeadAttention(_DropsTutorialMask):
                 tokens (-1 = padding); None: ``seen, seen + 1, ...`` after the cached tokens.
             rope: ``(cos, sin)`` of those positions, ``(1 or b, 1, n, head_dim)`` (a GPT computes them
                 once for all its layers); None: computed here.
+            heads: in place of ``x`` (None), each head's own input (TransformerLens's split inputs):
+                ``(b, n, H, d_in)`` for the queries, ``(b, n, Hkv, d_in)`` for the keys and the values.
         Returns:
             ``(b, n, d_out)``, and the ``(b, H, n, S)`` weights with ``return_weights``.
         """
-        b, n, _ = x.shape
-        q, k, v = self._project_qkv(x, context)
+        q, k, v = self._project_qkv(x, context) if heads is None else self._project_heads(*heads)
+        b, n = q.shape[:2]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)  # all heads' queries (keys) together to unit RMS (OLMo 2)
         q = q.view(b, n, self.num_heads, self.head_dim)  # (b, n, H, hd)
@@ -838,7 +852,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         elif kv_cache is not None:
             dt = kv_cache.keys.dtype  # differs from k's only under autocast
             k, v = kv_cache._write(k.to(dt), v.to(dt))  # (b, Hkv, S = past + n, hd)
-        if autocast_on(x.device):
+        if autocast_on(q.device):
             # Under autocast the projections come out in the autocast dtype while a cache or a
             # float mask keeps its own: attend in the queries' dtype.
             k, v = k.to(q.dtype), v.to(q.dtype)  # (b, Hkv, S, hd)

@@ -684,8 +684,12 @@ class TransformerBlock(nn.Module):
         hook = self.hook  # attnlab.interpret.hooks: hook(name, x) reads or replaces x (None: no cost)
         if hook is not None:
             x = hook("resid_pre", x)
-        h = x if self.norm1 is None else self.norm1(x)
-        att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
+        if getattr(hook, "split", False):  # a head's own input hooked (interpret.hooks): each head projects its copy
+            heads = self._split_inputs(x, hook)
+            att = self.att.attend(None, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope, heads=heads)
+        else:
+            h = x if self.norm1 is None else self.norm1(x)
+            att = self.att.attend(h, mask=mask, kv_cache=kv_cache, positions=positions, rope=rope)  # (B, T, C)
         if last_only and hook is None and self.ff.hook is None and not _torch_hooked(self):
             x, att = x[:, -1:], att[:, -1:]  # (B, 1, C)
         if self.post_norm1 is not None:
@@ -712,6 +716,20 @@ class TransformerBlock(nn.Module):
         if hook is not None:
             x = hook("resid_post", x)
         return x
+
+    def _split_inputs(self, x: Tensor, hook: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """TransformerLens's split inputs: a copy of ``x (B, T, C)`` per head through the hooks of
+        ``attn_in`` (where keys and values have as many heads as queries), then ``q_input`` ``(B, T, H, C)``,
+        ``k_input`` and ``v_input`` ``(B, T, Hkv, C)``; each normalized by ``norm1``."""
+        H, Hkv = self.att.num_heads, self.att.num_kv_heads
+
+        def copies(n: int) -> Tensor:
+            return x.unsqueeze(2).repeat(1, 1, n, 1)  # (B, T, n, C): a tensor of its own, for in-place hooks
+
+        a = hook("attn_in", copies(H)) if Hkv == H else None
+        q, k, v = (copies(H), copies(Hkv), copies(Hkv)) if a is None else (a, a.clone(), a.clone())
+        q, k, v = hook("q_input", q), hook("k_input", k), hook("v_input", v)
+        return (q, k, v) if self.norm1 is None else (self.norm1(q), self.norm1(k), self.norm1(v))
 
 
 # --------------------------------------------------------------------------------------------

@@ -96,6 +96,11 @@ __all__ = [
 ]
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# TransformerLens's split inputs of the attention: a copy of the residual per head, (B, T, H, d) (keys' and
+# values' (B, T, Hkv, d)), each head's queries, keys and values projected from its own (H times the
+# projections' work, while one is hooked). attn_in: every head's one copy, where keys and values have as
+# many heads as queries.
+SPLIT_STEPS = ("attn_in", "q_input", "k_input", "v_input")
 ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
 # The steps the fused kernel never forms: hooked, the attention is computed step by step (_Sites.attend).
 _STEPWISE = ("rot_q", "rot_k", "attn_scores", "pattern", "z")
@@ -169,9 +174,9 @@ def act_name(step: str, layer: int | None = None, layer_type: str | None = None)
         return f"blocks.{layer}.attn.hook_{step}"
     if step in MLP_STEPS:
         return f"blocks.{layer}.mlp.hook_{step}"
-    if step in BLOCK_STEPS:
+    if step in BLOCK_STEPS + SPLIT_STEPS:
         return f"blocks.{layer}.hook_{step}"
-    steps = ", ".join(BLOCK_STEPS + ATTN_STEPS + MLP_STEPS + NORM_STEPS)
+    steps = ", ".join(BLOCK_STEPS + SPLIT_STEPS + ATTN_STEPS + MLP_STEPS + NORM_STEPS)
     raise ValueError(f"unknown step {step!r}; steps are {steps}, embed, pos_embed")
 
 
@@ -213,6 +218,7 @@ def hook_names(model: nn.Module) -> list[str]:
         prefixes = {n: f"blocks.{i}.{n}." for n, _ in BLOCK_NORMS}
         norm = {n: [f"{p}hook_{s}" for s in NORM_STEPS] if p in present else [] for n, p in prefixes.items()}
         names.append(f"blocks.{i}.hook_resid_pre")
+        names += [f"blocks.{i}.hook_{s}" for s in SPLIT_STEPS if s != "attn_in" or att.num_kv_heads == att.num_heads]
         names += norm["ln1"] + [f"blocks.{i}.attn.hook_{s}" for s in steps] + norm["ln1_post"]
         names += [f"blocks.{i}.hook_{s}" for s in ("attn_out", "resid_mid")]
         names += norm["ln2"] + [f"blocks.{i}.mlp.hook_{s}" for s in mlp_steps] + norm["ln2_post"]
@@ -278,6 +284,7 @@ class _Sites:
         # A step of _STEPWISE hooked: the attention computes its steps in :meth:`attend`, one by one
         # (with q, k, v or result alone hooked it keeps the fused kernel).
         self.stepwise = any(s in fns for s in _STEPWISE)
+        self.split = any(s in fns for s in SPLIT_STEPS)  # (a block's: the heads' split inputs)
 
     def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
         fns = self.fns.get(step)
@@ -572,7 +579,9 @@ def run_with_cache(
     """Run ``model`` on ``idx (B, T)`` (or ``(T,)``) and keep the activations at ``names``.
 
     Args:
-        names: hook names, a filter ``name -> bool`` (TransformerLens's ``names_filter``), or None: all.
+        names: hook names, a filter ``name -> bool`` (TransformerLens's ``names_filter``), or None: all
+            but the heads' split inputs (``hook_attn_in``, ``hook_q_input``, ...: a copy of the residual
+            per head, and H times the projections' work; name them, or let a filter take them).
         attention_mask: ``(B, T)`` True = real token, as :meth:`attnlab.GPT.forward` takes it.
         grad: run with gradients (the cached tensors then stay in the graph); default: no_grad, detached.
     Returns:
@@ -580,7 +589,7 @@ def run_with_cache(
     """
     known = hook_names(model)
     if names is None:
-        wanted = known
+        wanted = [n for n in known if not n.endswith(tuple(f"hook_{s}" for s in SPLIT_STEPS))]
     elif callable(names):
         wanted = [n for n in known if names(n)]
     elif isinstance(names, str):
