@@ -226,9 +226,7 @@ def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch
     if command == "serve":
         serving()
         monkeypatch.setattr("attnlab.tools.serve.serve", never)
-    if which == "missing":  # nothing read: not even the model
-        for module in (attnlab.cli.viz, attnlab.cli.inspect):
-            monkeypatch.setattr(module, "load", never)
+    if which == "missing":  # nothing read: not even the model (every command reads it through this load)
         monkeypatch.setattr("attnlab.tools.loading.load", never)
     argv = [command, "--checkpoint", str(d), "--prompt", "the cat", "--sae", str(path)]
     if command == "viz":
@@ -240,8 +238,6 @@ def test_a_bad_sae_is_one_line_before_the_work(checkpoint, bad_saes, monkeypatch
 
 @pytest.mark.parametrize("command", ["viz", "serve"])
 def test_a_missing_sae_data_file_is_one_line_before_the_model(checkpoint, monkeypatch, capsys, command, tmp_path):
-    import attnlab.cli.viz
-
     if command == "serve":
         serving()
 
@@ -250,8 +246,7 @@ def test_a_missing_sae_data_file_is_one_line_before_the_model(checkpoint, monkey
     def never(*args, **kwargs):
         pytest.fail("the model was read despite a missing --sae-data")
 
-    monkeypatch.setattr(attnlab.cli.viz, "load", never)
-    monkeypatch.setattr("attnlab.tools.loading.load", never)
+    monkeypatch.setattr("attnlab.tools.loading.load", never)  # (every command reads its model through it)
     argv = [command, "--checkpoint", str(d), "--prompt", "the cat", "--sae", str(sae_dir)]
     argv += ["--sae-data", str(tmp_path / "none.txt")] + (["--out", "never.html"] if command == "viz" else [])
     assert main(argv) == 2
