@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from attnlab.interpret import activation_patching, attribution_patching, logit_diff, logit_lens, trace
+from attnlab.interpret.circuits import edge_attribution, faithfulness
+from attnlab.interpret.patching import SITES
 from attnlab.model import GPT, GPTConfig
 from attnlab.quantized import is_quantized
 from test_fast_decode import BASE, FAMILIES, assert_same_records, make, observed_generation
@@ -172,15 +174,47 @@ def test_a_wrapped_ring_on_cuda_hands_its_steps_to_the_eager_forward(compile, st
     torch.testing.assert_close(got[1], ref[1], rtol=2e-3, atol=2e-3)
 
 
-def test_activation_patching_on_cuda_equals_the_cpu():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_activation_patching_on_cuda_equals_the_cpu(site):
+    """Every site: the results come back on the CPU as the CPU's are (the patched runs on the GPU)."""
     cpu = make(FAMILIES["gpt2"])
     gpu = on(make(FAMILIES["gpt2"]))
     g = torch.Generator().manual_seed(6)
     clean, corrupted = (torch.randint(0, BASE["vocab_size"], (1, 8), generator=g) for _ in range(2))
     metric = logit_diff(3, 7)
-    ref = activation_patching(cpu, clean, corrupted, metric, "resid_pre")
-    got = activation_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, "resid_pre")
+    ref = activation_patching(cpu, clean, corrupted, metric, site)
+    got = activation_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, site)
+    assert got.device.type == "cpu" and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref.double(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "head_out", "pattern_dest_src"])
+def test_attribution_patching_on_cuda_equals_the_cpu(site):
+    cpu = make(FAMILIES["gpt2"])
+    gpu = on(make(FAMILIES["gpt2"]))
+    g = torch.Generator().manual_seed(6)
+    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (1, 8), generator=g) for _ in range(2))
+    metric = logit_diff(3, 7)
+    ref = attribution_patching(cpu, clean, corrupted, metric, site)
+    got = attribution_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, site)
+    assert got.shape == ref.shape
     torch.testing.assert_close(got.cpu().double(), ref.double(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["EAP", "EAP-IG-inputs", "EAP-IG-activations"])
+def test_edge_attribution_and_faithfulness_on_cuda_equal_the_cpu(method):
+    cpu = make(FAMILIES["llama-gqa"])
+    gpu = on(make(FAMILIES["llama-gqa"]))
+    g = torch.Generator().manual_seed(6)
+    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (2, 8), generator=g) for _ in range(2))
+    metric = logit_diff(3, 7)
+    ref = edge_attribution(cpu, clean, corrupted, metric, method=method, ig_steps=3)
+    got = edge_attribution(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, method=method, ig_steps=3)
+    torch.testing.assert_close(got.scores.cpu().double(), ref.scores.double(), rtol=1e-3, atol=1e-4)
+    circuit = ref.top_n(20)  # (the same edges on both devices: the CPU's ranking)
+    want = faithfulness(cpu, clean, corrupted, metric, circuit)
+    have = faithfulness(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, circuit)
+    assert have == pytest.approx(want, rel=1e-3, abs=1e-4)
 
 
 def test_the_config_presets_train_a_step_on_cuda_in_bfloat16_autocast():

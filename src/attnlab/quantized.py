@@ -71,6 +71,10 @@ _CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # (see _st
 # dequantization and the matmul reading it, and a small part of the model's memory (a tile is the one
 # dense piece of a quantized weight at a time).
 TILE_ELEMENTS = 1 << 18
+# On an accelerator (CUDA, MPS) a tile's time is in launching its dozen kernels, not in a cache: a product
+# there dequantizes a matrix at once, up to this many elements (256 MB in float32; an 8B model's head in
+# eight tiles).
+ACCELERATOR_TILE_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------------------------
@@ -1067,8 +1071,10 @@ def is_quantized(w: object) -> bool:
 # --------------------------------------------------------------------------------------------
 def _tiles(w: QuantizedTensor, compiled: bool) -> Iterator[tuple[int, int, Part]]:
     """``w``'s rows as tiles ``(start, stop, part)`` within one part each, of :data:`TILE_ELEMENTS`
-    (``compiled``: :data:`COMPILED_TILE_ELEMENTS`) at most."""
-    step, at = max(1, (COMPILED_TILE_ELEMENTS if compiled else TILE_ELEMENTS) // max(1, w.shape[1])), 0
+    (``compiled``: :data:`COMPILED_TILE_ELEMENTS`; off the CPU: :data:`ACCELERATOR_TILE_ELEMENTS`) at most."""
+    elements = COMPILED_TILE_ELEMENTS if compiled else TILE_ELEMENTS
+    elements = elements if w.device.type == "cpu" else ACCELERATOR_TILE_ELEMENTS
+    step, at = max(1, elements // max(1, w.shape[1])), 0
     for p in w.parts:
         for i in range(0, p.rows, step):
             j = min(i + step, p.rows)

@@ -343,7 +343,8 @@ def activation_patching(
         for lo in range(0, len(indices), per_pass):
             index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1, 2 or 3)
             patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
-            out[:, where[lo : lo + index.shape[0]]] = _metric_rows(metric, patched).reshape(len(chosen), -1)
+            values = _metric_rows(metric, patched).cpu()  # (indices write into a CPU tensor from the CPU only)
+            out[:, where[lo : lo + index.shape[0]]] = values.reshape(len(chosen), -1)
             if progress is not None:
                 progress(len(chosen) * (lo + index.shape[0]), len(chosen) * len(indices))
     return out.reshape(len(chosen), *shape).float()
