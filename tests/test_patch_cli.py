@@ -86,6 +86,26 @@ def test_a_patterns_single_weights_are_listed_by_head_query_and_key(checkpoint, 
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("site", ["neuron", "neuron_by_pos"])
+def test_the_mlps_neurons_are_listed_by_layer_and_neuron(checkpoint, tmp_path, capsys, site):
+    d, model = checkpoint
+    out = tmp_path / "neurons.png"
+    assert main([*patch_argv(d), "--site", site, "--top", "2", "--out", str(out)]) == 0
+    want = activation_patching(model, *char_ids(CLEAN, CORRUPTED), logit_diff(0, 1), site)
+    D = model.config.hidden_dim
+    assert want.shape == ((2, D) if site == "neuron" else (2, 7, D))
+    first = capsys.readouterr().out.split(f"{site}:")[1].strip().splitlines()[1].strip()
+    corrupted_value = logit_diff(0, 1)(model(char_ids(CLEAN, CORRUPTED)[1][None])).item()
+    where = torch.unravel_index((want - corrupted_value).abs().argmax(), want.shape)
+    layer, neuron = int(where[0]), int(where[-1])
+    label = f"layer {layer} neuron {neuron}"
+    if site == "neuron_by_pos":
+        label += f" at position {int(where[1])} {CLEAN[int(where[1])]!r}"
+    assert first.startswith(label)
+    assert float(first[len(label) :].split()[0]) == pytest.approx(float(want[where]), abs=1e-4)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -56,7 +56,9 @@ def reference(model, idx, edit=None):
         z = at("z", i, torch.einsum("bhqk,bkhd->bqhd", pattern, v))  # (1, T, H, hd)
         attn_out = at("attn_out", i, att.out_proj(z.reshape(1, T, H * hd)))
         x = at("resid_mid", i, x + attn_out)
-        mlp = at("mlp_out", i, blk.ff(blk.norm2(x)))
+        w_in, act, w_out = blk.ff.layers  # (GELU's MLP)
+        post = at("post", i, act(w_in(blk.norm2(x))))  # (1, T, d_mlp): the neurons
+        mlp = at("mlp_out", i, w_out(post))
         x = at("resid_post", i, x + mlp)
     return m.out_head(m.final_norm(x))
 
@@ -75,14 +77,15 @@ def ref_cache(model, idx):
     return cache
 
 
-def patch_shape(kind, T, H):
-    """One layer's results of a site of ``kind``, TransformerLens's shapes."""
-    return {"pos": (T,), "head": (H,), "pos_head": (T, H), "dest_src": (H, T, T)}[kind]
+def patch_shape(kind, T, H, D):
+    """One layer's results of a site of ``kind``, TransformerLens's shapes (``D``: the MLP's neurons)."""
+    shapes = {"pos": (T,), "head": (H,), "pos_head": (T, H), "dest_src": (H, T, T), "neuron": (D,)}
+    return {**shapes, "pos_neuron": (T, D)}[kind]
 
 
-def patch_indices(kind, T, H):
+def patch_indices(kind, T, H, D):
     """Every index of one layer's results, in C order (a pattern's every weight, above its diagonal too)."""
-    return [tuple(int(i) for i in index) for index in torch.ones(patch_shape(kind, T, H)).nonzero()]
+    return [tuple(int(i) for i in index) for index in torch.ones(patch_shape(kind, T, H, D)).nonzero()]
 
 
 def naive_patching(model, clean, corrupted, site):
@@ -92,8 +95,8 @@ def naive_patching(model, clean, corrupted, site):
     cache = ref_cache(model, clean)
     L = model.config.n_layers
     T = clean.shape[1]
-    H = model.trf_blocks[0].att.num_heads
-    indices = patch_indices(kind, T, H)
+    H, D = model.trf_blocks[0].att.num_heads, model.config.hidden_dim
+    indices = patch_indices(kind, T, H, D)
     out = []
     for layer in range(L):
         row = []
@@ -110,7 +113,7 @@ def naive_patching(model, clean, corrupted, site):
                     t[0, index[1], index[0]] = src[0, index[1], index[0]]
                 elif kind == "pos" or step == "pattern":
                     t[0, index[0]] = src[0, index[0]]
-                elif kind == "head":
+                elif kind in ("head", "neuron"):
                     t[0, :, index[0]] = src[0, :, index[0]]
                 else:
                     t[0, index[0], index[1]] = src[0, index[0], index[1]]
@@ -118,7 +121,7 @@ def naive_patching(model, clean, corrupted, site):
 
             row.append(ref_metric(reference(model, corrupted, edit)))
         out.append(row)
-    return torch.tensor(out, dtype=torch.float64).reshape(L, *patch_shape(kind, T, H))
+    return torch.tensor(out, dtype=torch.float64).reshape(L, *patch_shape(kind, T, H, D))
 
 
 @pytest.fixture
@@ -234,7 +237,8 @@ def hooked_patching(model, clean, corrupted, site, every=1):
     L, T = model.config.n_layers, clean.shape[1]
     att = model.trf_blocks[0].att
     H = att.num_kv_heads if step in ("k", "v") else att.num_heads
-    indices = patch_indices(kind, T, H)
+    D = model.config.hidden_dim
+    indices = patch_indices(kind, T, H, D)
     names = [act_name(step, i) for i in range(L)]
     with torch.no_grad():
         _, cache = run_with_cache(model, clean, names)
@@ -253,15 +257,15 @@ def hooked_patching(model, clean, corrupted, site, every=1):
                     t[0, index[1], index[0]] = src[0, index[1], index[0]]
                 elif kind == "pos" or step == "pattern":
                     t[0, index[0]] = src[0, index[0]]  # (T, d) at one position, or one head's (T, S) pattern
-                elif kind == "head":
-                    t[0, :, index[0]] = src[0, :, index[0]]  # (T, hd): one head at every position
+                elif kind in ("head", "neuron"):
+                    t[0, :, index[0]] = src[0, :, index[0]]  # (T, hd) or (T,): one head (neuron), every position
                 else:
                     t[0, index[0], index[1]] = src[0, index[0], index[1]]
                 return t
 
             with torch.no_grad(), hooks(model, {name: patch}):
                 out.append(ref_metric(model(corrupted)))
-    return torch.tensor(out, dtype=torch.float64).reshape(L, *patch_shape(kind, T, H))
+    return torch.tensor(out, dtype=torch.float64).reshape(L, *patch_shape(kind, T, H, D))
 
 
 @pytest.mark.slow
@@ -275,7 +279,9 @@ def test_activation_patching_matches_hooked_forwards_of_each_family(family, long
         if site == "pattern_dest_src" and family != "gemma3":
             continue
         got = activation_patching(model, *long_pair, logit_diff(A, B), site)
-        want = hooked_patching(model, *long_pair, site, every=5 if site == "pattern_dest_src" else 1)
+        # (a neuron at each position: 5,760 patches; every 13th, a stride prime to the neurons' count)
+        every = {"pattern_dest_src": 5, "neuron_by_pos": 13}.get(site, 1)
+        want = hooked_patching(model, *long_pair, site, every=every)
         assert got.shape == want.shape, site
         got = got.double().where(~want.isnan(), math.nan)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True, msg=site)
@@ -379,6 +385,20 @@ def test_attribution_is_exact_where_the_metric_is_linear(make_gpt, pair):
         act = activation_patching(model, clean, corrupted, logit_diff(A, B), site)[-1] - base
         est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)[-1]
         torch.testing.assert_close(est, act, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("site", ["neuron", "neuron_by_pos"])
+def test_attribution_of_the_last_layers_neurons_is_exact(make_gpt, pair, site):
+    """The same for the MLP's neurons, whose effects are small in the test model (about 1e-5): in
+    float64, to a tolerance relative to them."""
+    model = make_gpt().double()
+    model.final_norm = nn.Identity()
+    clean, corrupted = pair
+    base = logit_diff(A, B)(model(corrupted)).item()
+    act = activation_patching(model, clean, corrupted, logit_diff(A, B), site)[-1].double() - base
+    est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)[-1].double()
+    assert est.shape == act.shape and act.abs().max() > 0
+    torch.testing.assert_close(est, act, rtol=0, atol=2e-3 * float(act.abs().max()))
 
 
 def correlation(a, b):

@@ -67,6 +67,8 @@ SITES = {
     "k_by_pos": ("k", "pos_head"),
     "v_by_pos": ("v", "pos_head"),
     "pattern_dest_src": ("pattern", "dest_src"),  # TransformerLens's ..._pattern_dest_src_pos, (L, H, T, S)
+    "neuron": ("post", "neuron"),  # one MLP neuron (mlp.hook_post) at every position, (L, d_mlp)
+    "neuron_by_pos": ("post", "pos_neuron"),  # one neuron at one position, (L, T, d_mlp)
 }
 
 
@@ -222,6 +224,9 @@ def _layout(model: nn.Module, step: str, kind: str, T: int) -> tuple[list[tuple[
     H = att.num_kv_heads if step in ("k", "v") else att.num_heads
     if kind == "pos":
         return [(p,) for p in range(T)], (T,)
+    if kind in ("neuron", "pos_neuron"):
+        H = model.config.hidden_dim  # (the neurons take the heads' place)
+        kind = "head" if kind == "neuron" else "pos_head"
     if kind == "head":
         return [(h,) for h in range(H)], (H,)
     if kind == "dest_src":
@@ -237,8 +242,8 @@ def _patch_rows(act: Tensor, clean: Tensor, step: str, kind: str, index: Tensor)
         act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, ...) at one position each
     elif kind == "head" and step == "pattern":
         act[rows, index[:, 0]] = clean[0, index[:, 0]]  # (R, T, S): one head's pattern
-    elif kind == "head":
-        act[rows, :, index[:, 0]] = clean[0][:, index[:, 0]].transpose(0, 1)  # (R, T, hd): every position
+    elif kind in ("head", "neuron"):  # (R, T, hd) or a neuron's (R, T): every position
+        act[rows, :, index[:, 0]] = clean[0][:, index[:, 0]].transpose(0, 1)
     elif kind == "dest_src":  # (head h, query p, key s): one weight
         h, p, s = index.unbind(1)
         act[rows, h, p, s] = clean[0, h, p, s]
@@ -530,7 +535,7 @@ def attribution_patching(
     for n, g in zip(names, grads, strict=True):
         a = acts[n].detach()
         g = torch.zeros_like(a) if g is None else g
-        prod = ((clean_cache[n] - a) * g)[0].double()  # (T, d) | (T, H, hd) | (H, T, S)
+        prod = ((clean_cache[n] - a) * g)[0].double()  # (T, d) | (T, H, hd) | (H, T, S) | (T, d_mlp)
         if kind == "dest_src":
             out.append(prod)  # (H, T, S): one weight each
         elif kind == "pos":
@@ -539,6 +544,10 @@ def attribution_patching(
             out.append(prod.sum((1, 2)))  # (H,)
         elif kind == "head":
             out.append(prod.sum((0, 2)))  # (H,)
+        elif kind == "neuron":
+            out.append(prod.sum(0))  # (d_mlp,)
+        elif kind == "pos_neuron":
+            out.append(prod)  # (T, d_mlp)
         else:
             out.append(prod if spliced is not None else prod.sum(2))  # (T, d_sae) at an SAE's latents, else (T, H)
     return (out[0] if spliced is not None else torch.stack(out)).float()

@@ -81,6 +81,10 @@ class PatchReport:
         if kind == "dest_src":  # (layer, head, query, key)
             query, key = (f"{self.tokens[i]!r} ({i})" for i in index[2:])
             return f"{index[0]}.{index[1]} {query} on {key}"
+        if kind == "neuron":
+            return f"layer {index[0]} neuron {index[1]}"
+        if kind == "pos_neuron":
+            return f"layer {index[0]} neuron {index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
         return f"{index[0]}.{index[2]} at position {index[1]} {self.tokens[index[1]]!r}"
 
     def view_data(self) -> dict[str, Any]:
@@ -217,19 +221,20 @@ def _figure(report: PatchReport, site: str) -> object:
 
     data = report.restored(site)
     kind = SITES[site][1]
-    if kind == "pos_head":
-        data = data.abs().amax(-1)  # (L, T): the strongest head at each layer and position
+    if kind in ("pos_head", "pos_neuron"):
+        data = data.abs().amax(-1)  # (L, T): the strongest head (neuron) at each layer and position
     elif kind == "dest_src":
         data = data.abs().amax((1, 3))  # (L, T): the strongest weight of any head at each layer and query
     L, n = data.shape
-    fig = Figure(figsize=(max(4.0, 0.45 * n + 2), max(3.0, 0.22 * L + 1.5)), dpi=110)
+    width = 10.0 if kind == "neuron" else max(4.0, 0.45 * n + 2)  # (thousands of neurons: a strip each layer)
+    fig = Figure(figsize=(width, max(3.0, 0.22 * L + 1.5)), dpi=110)
     ax = fig.add_subplot()
     lim = max(float(data.abs().max()), 1e-6)
     im = ax.imshow(data.numpy(), cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
     fig.colorbar(im, ax=ax, label="fraction restored (0 corrupted, 1 clean)")
     ax.set_ylabel("layer")
-    if kind == "head":
-        ax.set_xlabel("head")
+    if kind in ("head", "neuron"):
+        ax.set_xlabel(kind)
     else:
         ax.set_xticks(range(n), [t.replace("$", r"\$") for t in report.tokens], rotation=60, ha="right", fontsize=7)
     ax.set_title(f"activation patching: {site}", fontsize=10)
