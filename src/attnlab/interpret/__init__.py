@@ -34,8 +34,10 @@ in Jupyter) draws the edges :func:`edge_attribution` finds as a graph.
 from attnlab.interpret.ablation import AblationEffect, ablate, ablation_effect, parse_heads
 from attnlab.interpret.analysis import (
     HEAD_KINDS,
+    AnswerRank,
     LogitLens,
     all_head_scores,
+    answer_ranks,
     head_scores,
     logit_lens,
     next_token_probabilities,
@@ -103,6 +105,7 @@ __all__ = [
     "AblationEffect",
     "ActivationCache",
     "AddedPoints",
+    "AnswerRank",
     "AttentionCall",
     "AttentionRecord",
     "Circuit",
@@ -126,6 +129,7 @@ __all__ = [
     "activation_patching",
     "added_points",
     "all_head_scores",
+    "answer_ranks",
     "attention_hooks",
     "attention_layers",
     "attention_rows",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,9 @@ from attnlab.quantized import is_quantized
 
 __all__ = [
     "HEAD_KINDS",
+    "AnswerRank",
     "LogitLens",
+    "answer_ranks",
     "head_scores",
     "logit_lens",
     "next_token_probabilities",
@@ -505,6 +508,62 @@ def next_token_probabilities(
     sampling = SamplingConfig(temperature, top_k, top_p)
     flat = logits.reshape(-1, logits.shape[-1])  # (N, V)
     return sampling.probabilities(flat).reshape(logits.shape)
+
+
+@dataclass(frozen=True)
+class AnswerRank:
+    """How a model ranks one token of an answer after the prompt and the answer's tokens before it.
+
+    ``position`` is the prompt-and-answer position whose logits predict ``token``; ``rank`` counts the
+    tokens with a larger logit (0: the model's first choice); ``top``: ``(token, logit, probability)``
+    of the model's ``top_k`` first choices there, best first."""
+
+    token: int
+    position: int
+    rank: int
+    logit: float
+    probability: float
+    top: tuple[tuple[int, float, float], ...]
+
+    def describe(self, decode: Callable[[int], str]) -> str:
+        """TransformerLens's ``utils.test_prompt`` lines for this token, ``decode`` naming tokens."""
+        answer = f"Logit: {self.logit:5.2f} Prob: {self.probability:6.2%} Token: |{decode(self.token)}|"
+        lines = [f"Rank: {self.rank:<8d} {answer}"]
+        for i, (tok, logit, prob) in enumerate(self.top):
+            lines.append(f"Top {i}th token. Logit: {logit:5.2f} Prob: {prob:6.2%} Token: |{decode(tok)}|")
+        return "\n".join(lines)
+
+
+def answer_ranks(model: nn.Module, prompt: Tensor, answer: Tensor, *, top_k: int = 10) -> list[AnswerRank]:
+    """TransformerLens's ``utils.test_prompt`` as numbers: the answer's tokens appended to the prompt,
+    one forward, and at each answer token its rank, logit and probability, with the ``top_k`` first
+    choices there (:meth:`AnswerRank.describe` prints them as TransformerLens does).
+
+    ``prompt (T,)`` and ``answer (A,)``: token ids (or ``(1, T)``, ``(1, A)``); ``T + A`` at most the
+    model's context. Returns one :class:`AnswerRank` per answer token, in order.
+    """
+    positive_int("top_k", top_k)
+    ids = []
+    for name, t in (("prompt", prompt), ("answer", answer)):
+        if not isinstance(t, Tensor) or t.dim() not in (1, 2) or (t.dim() == 2 and t.shape[0] != 1):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be the token ids of one sequence, (n,) or (1, n), got {got}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} must hold at least one token, got none")
+        ids.append(t.reshape(-1))
+    idx = torch.cat(ids)[None]  # (1, T + A)
+    with torch.no_grad():
+        logits = model(model.check_idx(idx) if hasattr(model, "check_idx") else idx)[0]  # (T + A, V)
+    rows = []
+    for i, token in enumerate(ids[1].tolist()):
+        at = ids[0].numel() - 1 + i  # (the logits after position `at` predict token `at + 1`)
+        row = logits[at].double()  # (V,)
+        probs = row.softmax(-1)
+        best = row.topk(min(top_k, row.numel()))
+        top = zip(best.indices.tolist(), best.values.tolist(), probs[best.indices].tolist(), strict=True)
+        rank = int((row > row[token]).sum())
+        rows.append(AnswerRank(token, at, rank, float(row[token]), float(probs[token]), tuple(top)))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
