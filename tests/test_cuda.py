@@ -174,39 +174,35 @@ def test_a_wrapped_ring_on_cuda_hands_its_steps_to_the_eager_forward(compile, st
     torch.testing.assert_close(got[1], ref[1], rtol=2e-3, atol=2e-3)
 
 
+def cpu_and_gpu(family: str, rows: int) -> tuple[GPT, GPT, torch.Tensor, torch.Tensor]:
+    """The same test model on the CPU and on the GPU, and a clean and a corrupted prompt ``(rows, 8)``."""
+    g = torch.Generator().manual_seed(6)
+    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (rows, 8), generator=g) for _ in range(2))
+    return make(FAMILIES[family]), on(make(FAMILIES[family])), clean, corrupted
+
+
 @pytest.mark.parametrize("site", sorted(SITES))
 def test_activation_patching_on_cuda_equals_the_cpu(site):
     """Every site: the results come back on the CPU as the CPU's are (the patched runs on the GPU)."""
-    cpu = make(FAMILIES["gpt2"])
-    gpu = on(make(FAMILIES["gpt2"]))
-    g = torch.Generator().manual_seed(6)
-    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (1, 8), generator=g) for _ in range(2))
-    metric = logit_diff(3, 7)
-    ref = activation_patching(cpu, clean, corrupted, metric, site)
-    got = activation_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, site)
+    cpu, gpu, clean, corrupted = cpu_and_gpu("gpt2", 1)
+    ref = activation_patching(cpu, clean, corrupted, logit_diff(3, 7), site)
+    got = activation_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), logit_diff(3, 7), site)
     assert got.device.type == "cpu" and got.shape == ref.shape
     torch.testing.assert_close(got.double(), ref.double(), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("site", ["resid_pre", "head_out", "pattern_dest_src"])
+@pytest.mark.parametrize("site", ["resid_pre", "head_out", "pattern_dest_src", "neuron"])
 def test_attribution_patching_on_cuda_equals_the_cpu(site):
-    cpu = make(FAMILIES["gpt2"])
-    gpu = on(make(FAMILIES["gpt2"]))
-    g = torch.Generator().manual_seed(6)
-    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (1, 8), generator=g) for _ in range(2))
-    metric = logit_diff(3, 7)
-    ref = attribution_patching(cpu, clean, corrupted, metric, site)
-    got = attribution_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, site)
+    cpu, gpu, clean, corrupted = cpu_and_gpu("gpt2", 1)
+    ref = attribution_patching(cpu, clean, corrupted, logit_diff(3, 7), site)
+    got = attribution_patching(gpu, clean.to(DEVICE), corrupted.to(DEVICE), logit_diff(3, 7), site)
     assert got.shape == ref.shape
     torch.testing.assert_close(got.cpu().double(), ref.double(), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("method", ["EAP", "EAP-IG-inputs", "EAP-IG-activations"])
 def test_edge_attribution_and_faithfulness_on_cuda_equal_the_cpu(method):
-    cpu = make(FAMILIES["llama-gqa"])
-    gpu = on(make(FAMILIES["llama-gqa"]))
-    g = torch.Generator().manual_seed(6)
-    clean, corrupted = (torch.randint(0, BASE["vocab_size"], (2, 8), generator=g) for _ in range(2))
+    cpu, gpu, clean, corrupted = cpu_and_gpu("llama-gqa", 2)
     metric = logit_diff(3, 7)
     ref = edge_attribution(cpu, clean, corrupted, metric, method=method, ig_steps=3)
     got = edge_attribution(gpu, clean.to(DEVICE), corrupted.to(DEVICE), metric, method=method, ig_steps=3)
