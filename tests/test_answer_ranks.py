@@ -51,6 +51,13 @@ def test_the_first_choice_has_rank_zero_and_heads_its_top(make_gpt):
     assert row.rank == 0 and row.top[0][0] == best and row.top[0][2] == pytest.approx(row.probability)
 
 
+def test_a_model_in_training_mode_is_ranked_without_dropout_and_stays_training(make_gpt):
+    model = make_gpt(drop_rate=0.5).train()
+    prompt, answer = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6])
+    got = answer_ranks(model, prompt, answer)
+    assert model.training
+    assert got == answer_ranks(model.eval(), prompt, answer)
+
 def test_describe_prints_transformerlens_lines():
     row = AnswerRank(token=7, position=3, rank=2, logit=1.5, probability=0.25, top=((4, 2.0, 0.5), (7, 1.5, 0.25)))
     lines = row.describe(lambda t: f" tok{t}").splitlines()

@@ -16,7 +16,7 @@ from attnlab import hardware
 from attnlab.checks import position_window, positive_int
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import codec
-from attnlab.interpret.hooks import attention_layers
+from attnlab.interpret.hooks import attention_layers, eval_mode
 from attnlab.interpret.tracing import Trace
 from attnlab.interpret.tracing import trace as run_trace
 from attnlab.quantized import is_quantized
@@ -552,7 +552,7 @@ def answer_ranks(model: nn.Module, prompt: Tensor, answer: Tensor, *, top_k: int
             raise ValueError(f"{name} must hold at least one token, got none")
         ids.append(t.reshape(-1))
     idx = torch.cat(ids)[None]  # (1, T + A)
-    with torch.no_grad():
+    with eval_mode(model), torch.no_grad():  # (no dropout: the model's own ranking)
         logits = model(model.check_idx(idx) if hasattr(model, "check_idx") else idx)[0]  # (T + A, V)
     rows = []
     for i, token in enumerate(ids[1].tolist()):
