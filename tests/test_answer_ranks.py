@@ -58,6 +58,7 @@ def test_a_model_in_training_mode_is_ranked_without_dropout_and_stays_training(m
     assert model.training
     assert got == answer_ranks(model.eval(), prompt, answer)
 
+
 def test_describe_prints_transformerlens_lines():
     row = AnswerRank(token=7, position=3, rank=2, logit=1.5, probability=0.25, top=((4, 2.0, 0.5), (7, 1.5, 0.25)))
     lines = row.describe(lambda t: f" tok{t}").splitlines()
