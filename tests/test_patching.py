@@ -279,8 +279,8 @@ def test_activation_patching_matches_hooked_forwards_of_each_family(family, long
         if site == "pattern_dest_src" and family != "gemma3":
             continue
         got = activation_patching(model, *long_pair, logit_diff(A, B), site)
-        # (a neuron at each position: 5,760 patches; every 13th, a stride prime to the neurons' count)
-        every = {"pattern_dest_src": 5, "neuron_by_pos": 13}.get(site, 1)
+        # (the neurons: 576 patches, a neuron at each position 5,760: every 7th and every 29th of each layer)
+        every = {"pattern_dest_src": 5, "neuron": 7, "neuron_by_pos": 29}.get(site, 1)
         want = hooked_patching(model, *long_pair, site, every=every)
         assert got.shape == want.shape, site
         got = got.double().where(~want.isnan(), math.nan)
