@@ -86,6 +86,16 @@ def test_a_patterns_single_weights_are_listed_by_head_query_and_key(checkpoint, 
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_command_keeps_freed_memory_for_its_reruns(checkpoint, monkeypatch):
+    """attnlab patch tunes glibc's allocator (what attnlab train does) before its reruns."""
+    import attnlab.cli.patch
+
+    calls = []
+    monkeypatch.setattr(attnlab.cli.patch, "tune_cpu_allocator", lambda: calls.append(1))
+    assert main([*patch_argv(checkpoint[0]), "--site", "resid_pre"]) == 0
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("site", ["neuron", "neuron_by_pos"])
 def test_the_mlps_neurons_are_listed_by_layer_and_neuron(checkpoint, tmp_path, capsys, site):
     d, model = checkpoint

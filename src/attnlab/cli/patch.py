@@ -19,6 +19,7 @@ import argparse
 from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.interpret import SITES
 from attnlab.tools.patch import patch_report, save_patch_picture
+from attnlab.training.allocator import tune_cpu_allocator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.out is not None and not args.out.lower().endswith((".html", ".htm", ".png")):
         raise ValueError(f"--out must end in .html or .png, got {args.out!r}")
+    # A site's thousands of batched reruns allocate and free the same activation-sized buffers: kept
+    # for reuse, not mapped in again page by page (see attnlab.training.allocator; ATTNLAB_MALLOC_TUNING=0
+    # leaves glibc as it is).
+    tune_cpu_allocator()
     loaded = load_from_model_arguments(args)
     sites = args.site or ["head_out", "resid_pre"]
     report = patch_report(loaded, args.clean, args.corrupted, tuple(args.answers), sites, progress=True)
