@@ -79,8 +79,14 @@ def ref_cache(model, idx):
 
 def patch_shape(kind, T, H, D):
     """One layer's results of a site of ``kind``, TransformerLens's shapes (``D``: the MLP's neurons)."""
-    shapes = {"pos": (T,), "head": (H,), "pos_head": (T, H), "dest_src": (H, T, T), "neuron": (D,)}
-    return {**shapes, "pos_neuron": (T, D)}[kind]
+    return {
+        "pos": (T,),
+        "head": (H,),
+        "pos_head": (T, H),
+        "dest_src": (H, T, T),
+        "neuron": (D,),
+        "pos_neuron": (T, D),
+    }[kind]
 
 
 def patch_indices(kind, T, H, D):
