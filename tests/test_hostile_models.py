@@ -119,9 +119,13 @@ GGUF_ROWS = {
     "zero heads": (_write(meta={"llama.attention.head_count": 0}), "head_count must be a positive integer"),
     "more layers than tensors": (_write(meta={"llama.block_count": 3}), "the config says 3 layers"),
     "absurd layer count": (_write(meta={"llama.block_count": (1 << 31) - 1}), "the config says 2147483647 layers"),
-    "Llama 3.1 RoPE factors": (
-        _write(tensors=lambda a: a | {"rope_freqs.weight": np.ones(4, np.float32)}),
-        "'rope_freqs.weight' (RoPE frequency factors",
+    "RoPE factors not of Llama 3's scaling": (
+        _write(tensors=lambda a: a | {"rope_freqs.weight": np.array([1, 3, 1, 2], np.float32)}),
+        "'rope_freqs.weight': RoPE frequency factors do not follow Llama 3's scaling",
+    ),
+    "RoPE factors of the wrong length": (
+        _write(tensors=lambda a: a | {"rope_freqs.weight": np.ones(3, np.float32)}),
+        "'rope_freqs.weight': RoPE frequency factors must be 4 positive numbers",
     ),
     "fewer layers than tensors": (_write(meta={"llama.block_count": 1}), "unexpected tensor 'blk.1."),
     "negative norm epsilon": (_write(meta={"llama.attention.layer_norm_rms_epsilon": -1e-5}), "positive number"),

@@ -34,6 +34,7 @@ __all__ = [
     "alibi_slopes",
     "apply_rope",
     "check_rope_scaling",
+    "llama3_scaling_from_factors",
     "rope_cos_sin",
     "rope_inv_freq",
 ]
@@ -105,6 +106,61 @@ def rope_inv_freq(
         is_mid = (wavelen >= original / high) & (wavelen <= original / low)
         inv_freq = torch.where(is_mid, mid, slowed)
     return inv_freq
+
+
+def llama3_scaling_from_factors(factors: Tensor, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """The ``"llama3"`` rope_scaling whose rotation speeds are ``rope_inv_freq(head_dim, theta) / factors``.
+
+    llama.cpp's converter stores Llama 3.1's scaling (Llama 3.2's too) as those per-pair divisors, the
+    tensor ``rope_freqs.weight``, not as its four parameters; this reads the parameters back, so the
+    model gets the Hugging Face config it came from. Between the kept and the slowed pairs, a pair of
+    wavelength ``w`` is divided by ``1 / ((1 - s) / factor + s)`` with ``s = (original / w - low) /
+    (high - low)``: ``s`` is linear in ``1 / w``, so two interpolated pairs fix the line, and every
+    ``(low, high, original)`` on it gives the same speeds; the one returned has the integer ``original``
+    nearest ``low = 1`` (every published Llama 3 config's, which comes back as it was).
+
+    Args:
+        factors: ``(head_dim / 2,)`` the divisors, one per feature pair.
+    Returns:
+        The rope_scaling dict, or None where every factor is 1 (no scaling).
+    Raises:
+        ValueError: the factors are not of that shape (or too few pairs are interpolated to tell).
+    """
+    f = torch.as_tensor(factors, dtype=torch.float64).flatten()  # (hd/2,)
+    if f.numel() != head_dim // 2 or not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
+        raise ValueError(
+            f"RoPE frequency factors must be {head_dim // 2} positive numbers (one per pair), got {f.tolist()}"
+        )
+    if bool(((f - 1).abs() <= 1e-6).all()):
+        return None
+    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta).double()  # (hd/2,) increasing
+    factor = float(f.max())
+    kept, slowed = (f - 1).abs() <= 1e-6, (f - factor).abs() <= 1e-6 * factor
+    mid = ~(kept | slowed)
+    order = torch.where(kept, 0, torch.where(mid, 1, 2))  # kept, then interpolated, then slowed pairs
+    if factor <= 1 or bool((order.diff() < 0).any()) or int(mid.sum()) < 2:
+        raise ValueError(
+            "RoPE frequency factors do not follow Llama 3's scaling (pairs kept, then interpolated, then slowed "
+            f"by one factor, at least two interpolated), got {[round(v, 6) for v in f.tolist()]}"
+        )
+    s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)  # (n,) the interpolation weights
+    x = 1 / wavelen[mid]
+    slope = float(((x - x.mean()) * (s - s.mean())).sum() / ((x - x.mean()) ** 2).sum())  # least squares
+    intercept = float(s.mean() - slope * x.mean())  # s = slope / w + intercept, intercept = -low / (high - low)
+    if intercept < 0 and slope > 0:
+        want = rope_inv_freq(head_dim, theta).double() / f  # (hd/2,)
+        # On the line: original = slope (high - low), low = -intercept (high - low). The integer original
+        # nearest low = 1's names one point of it (low = 1 itself where the config had it).
+        original = max(1, round(-slope / intercept))
+        low = -intercept * original / slope
+        high = low + original / slope
+        for lo, hi in ((round(low, 4), round(high, 4)), (low, high)):  # the config's round numbers, if the same
+            scaling = {"rope_type": "llama3", "factor": round(factor, 6), "low_freq_factor": lo,
+                       "high_freq_factor": hi, "original_max_position_embeddings": original}  # fmt: skip
+            # (to 1e-4: a pair just inside the band's edge amplifies the float32 rounding of the divisors)
+            if torch.allclose(rope_inv_freq(head_dim, theta, scaling).double(), want, rtol=1e-4, atol=0):
+                return scaling
+    raise ValueError(f"RoPE frequency factors do not follow Llama 3's scaling, got {[round(v, 6) for v in f.tolist()]}")
 
 
 def rope_cos_sin(

@@ -34,7 +34,7 @@ metadata keys here. The tokenizer stored in the file is built by
 ====================  ==============================  ==========================================
 llama.cpp             Hugging Face ``model_type``     refused (a clear ValueError)
 ====================  ==============================  ==========================================
-llama                 llama                           Llama 3.1 ``rope_freqs``, YaRN scaling
+llama                 llama                           YaRN scaling
 qwen2, qwen3          qwen2, qwen3                    YaRN scaling
 gemma, gemma2         gemma, gemma2
 gemma3                gemma3_text
@@ -69,6 +69,7 @@ from attnlab.checks import is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 from attnlab.formats import families
 from attnlab.gguf_vocab import is_gguf_file
+from attnlab.positions import llama3_scaling_from_factors
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
 __all__ = ["ARCHITECTURES", "GGUF_MAGIC", "GGUFModel", "is_gguf", "read_gguf", "read_gguf_config", "read_gguf_metadata"]
@@ -235,8 +236,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 _TENSORS = {name: families.gguf_tensors(arch.model_type) for name, arch in ARCHITECTURES.items()}
 SUPPORTED = tuple(ARCHITECTURES)
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling as llama.cpp stores it (read into the config)
 _REFUSED_TENSORS = {
-    "rope_freqs.weight": "RoPE frequency factors (Llama 3.1 scaling)",
+    ROPE_FREQS: "RoPE frequency factors (read for llama files only)",
     "rope_factors_long.weight": "LongRoPE factors (Phi-3 128k)",
     "rope_factors_short.weight": "LongRoPE factors (Phi-3 128k)",
 }
@@ -350,6 +352,17 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
         if kind != "linear" or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"RoPE scaling {kind!r} (factor {factor!r}) is not supported yet (linear is)")
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None and arch.model_type == "llama":  # Llama 3.1 and 3.2: their scaling as divisors
+        if "rope_scaling" in cfg or freqs.tensor_type.name != "F32":
+            raise ValueError(f"tensor {ROPE_FREQS!r} must be float32 and the file's only RoPE scaling")
+        try:
+            divisors = torch.from_numpy(np.array(freqs.data))  # (head_dim / 2,)
+            scaling = llama3_scaling_from_factors(divisors, head_dim, cfg.get("rope_theta", 10_000.0))
+        except ValueError as e:
+            raise ValueError(f"tensor {ROPE_FREQS!r}: {e}") from None
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     return arch.extra(cfg, meta, arch_name) if arch.extra is not None else cfg
 
@@ -456,6 +469,8 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS and arch.model_type == "llama":
+            continue  # (the config's rope_scaling: see _config)
         if t.name in _REFUSED_TENSORS:
             raise ValueError(f"tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported yet")
         hf_name = _hf_name(name, t.name, n_layers)
