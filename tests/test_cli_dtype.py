@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("gguf")
 
+from attnlab.cli import generate as generate_command
 from attnlab.cli import main
 from attnlab.model import GPT, GPTConfig
 from attnlab.quantized import is_quantized
@@ -57,8 +58,12 @@ def test_dtype_makes_a_gguf_files_quantized_matrices_dense(command, q4_0_file, t
 
         return read
 
-    monkeypatch.setattr(loading, "load", recording(loading.load))
-    monkeypatch.setattr("attnlab.cli.generate.load", recording(loading.load))
+    # `generate` imports `load` by name, so it is patched there too. Its module is imported above, not by
+    # the patch: imported after `loading.load` was patched, it would hold the recording loader as its own,
+    # and the undo would put that back, for every later test in the process.
+    original = loading.load
+    monkeypatch.setattr(loading, "load", recording(original))
+    monkeypatch.setattr(generate_command, "load", recording(original))
     for dtype in (None, "float32", "bfloat16"):
         with pytest.raises(Loaded):
             main(argv(command, tmp_path, "--model", str(q4_0_file), *(["--dtype", dtype] if dtype else [])))
