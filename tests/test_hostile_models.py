@@ -135,7 +135,26 @@ GGUF_ROWS = {
     "width as a string": (_write(meta={"llama.embedding_length": "32"}), "positive integer"),
     "no feed-forward size": (_write(meta={"llama.feed_forward_length": None}), "lacks llama.feed_forward_length"),
     "partial rotary": (_write(meta={"llama.rope.dimension_count": 4}), "rope.dimension_count"),
-    "unsupported RoPE scaling": (_write(meta={"llama.rope.scaling.type": "yarn"}), "not supported yet"),
+    "unsupported RoPE scaling": (
+        _write(meta={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0}),
+        "RoPE scaling 'longrope' (factor 2.0) is not supported yet",
+    ),
+    "YaRN without its factor": (_write(meta={"llama.rope.scaling.type": "yarn"}), "RoPE scaling 'yarn' (factor None)"),
+    "YaRN without its original context": (
+        _write(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+        "YaRN scaling needs a positive integer llama.rope.scaling.original_context_length",
+    ),
+    "YaRN with DeepSeek's log multiplier": (
+        _write(
+            meta={
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.original_context_length": 16,
+                "llama.rope.scaling.yarn_log_multiplier": 0.1,
+            }
+        ),
+        "llama.rope.scaling.yarn_log_multiplier is not supported yet",
+    ),
     "a Llama file labelled qwen2": (_write(meta={"general.architecture": "qwen2"}), "lacks qwen2.embedding_length"),
     "unknown architecture": (_write(meta={"general.architecture": "bert"}), "'bert' is not supported yet"),
     "no architecture": (

@@ -94,7 +94,8 @@ def test_rope_scores_depend_only_on_relative_position(m, n, shift, seed, half, t
 
 
 def test_rope_cos_sin_match_hugging_face_llama(hf_rope):
-    """Default, linear and Llama 3.1 scaling give the cosines and sines of transformers' Llama."""
+    """Default, linear, Llama 3.1 and YaRN scaling give the cosines and sines of transformers' Llama (YaRN's
+    scaled by its attention factor: by default, from DeepSeek's two mscales, or given)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -109,6 +110,23 @@ def test_rope_cos_sin_match_hugging_face_llama(hf_rope):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 65536, "attention_factor": 1.3},
     ):
         params = (
             {"rope_type": "default", "rope_theta": 500000.0} if scaling is None else {**scaling, "rope_theta": 500000.0}
@@ -134,7 +152,14 @@ def test_rope_bad_options_are_value_errors():
     with pytest.raises(ValueError, match="theta"):
         rope_inv_freq(8, theta=0.5)
     with pytest.raises(ValueError, match="rope_scaling type"):
+        rope_inv_freq(8, scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="'yarn' needs a positive int 'original_max_position_embeddings'"):
         rope_inv_freq(8, scaling={"rope_type": "yarn", "factor": 2.0})
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="'beta_fast' must be a positive number or None"):
+        rope_inv_freq(8, scaling=yarn | {"beta_fast": -1.0})
+    with pytest.raises(ValueError, match="'truncate' must be a bool"):
+        rope_inv_freq(8, scaling=yarn | {"truncate": "yes"})
     with pytest.raises(ValueError, match="factor"):
         rope_inv_freq(8, scaling={"rope_type": "linear"})
     with pytest.raises(TypeError, match="integer"):

@@ -66,6 +66,14 @@ CASES = {
             "original_max_position_embeddings": 16,
         }
     ),
+    "yarn_scaling": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    ),
     "mistral_window": dict(mistral=True, sliding_window=5),
     "mistral_no_window": dict(mistral=True, sliding_window=None, num_key_value_heads=1),
 }

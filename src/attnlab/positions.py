@@ -35,13 +35,15 @@ __all__ = [
     "apply_rope",
     "check_rope_scaling",
     "llama3_scaling_from_factors",
+    "rope_attention_factor",
     "rope_cos_sin",
     "rope_inv_freq",
 ]
 
 # rope_scaling["rope_type"] values understood (Hugging Face's names): "default" (none), "linear"
-# (positions divided by `factor`) and "llama3" (Llama 3.1's frequency-dependent stretching).
-ROPE_SCALINGS = ("default", "linear", "llama3")
+# (positions divided by `factor`), "llama3" (Llama 3.1's frequency-dependent stretching) and "yarn"
+# (YaRN: slow pairs interpolated, fast ones kept, a ramp between, and the angles' cos/sin scaled).
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,15 +59,22 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"rope_scaling type must be one of {', '.join(ROPE_SCALINGS)}, got {kind!r}")
-    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
-    for key in need:
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+    for key in need.get(kind, ()):
         if not finite_real(scaling.get(key)) or scaling[key] <= 0:
             raise ValueError(f"rope_scaling {kind!r} needs a positive number {key!r}, got {scaling.get(key)!r}")
-    if kind == "llama3":
-        if not is_int(scaling.get("original_max_position_embeddings")):
-            raise ValueError("rope_scaling 'llama3' needs an int 'original_max_position_embeddings'")
-        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise ValueError("rope_scaling 'llama3' needs high_freq_factor > low_freq_factor")
+    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        if kind == "yarn" and scaling.get(key) is not None and (not finite_real(scaling[key]) or scaling[key] <= 0):
+            raise ValueError(f"rope_scaling 'yarn' {key!r} must be a positive number or None, got {scaling[key]!r}")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling 'yarn' 'truncate' must be a bool, got {scaling['truncate']!r}")
+    original = scaling.get("original_max_position_embeddings")
+    if kind in ("llama3", "yarn") and (not is_int(original) or original < 1):
+        raise ValueError(
+            f"rope_scaling {kind!r} needs a positive int 'original_max_position_embeddings', got {original!r}"
+        )
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("rope_scaling 'llama3' needs high_freq_factor > low_freq_factor")
     return scaling
 
 
@@ -89,7 +98,8 @@ def rope_inv_freq(
         raise ValueError(f"rope theta must be a number > 1, got {theta!r}")
     # As Hugging Face computes it (int64 arange, then float), so the angles agree to the last bit.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim  # (hd/2,)
-    inv_freq = 1.0 / (float(theta) ** exponent)  # (hd/2,)
+    wavelength_over_2pi = float(theta) ** exponent  # (hd/2,)
+    inv_freq = 1.0 / wavelength_over_2pi  # (hd/2,)
     scaling = check_rope_scaling(scaling)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -105,7 +115,40 @@ def rope_inv_freq(
         mid = (1 - smooth) * slowed / factor + smooth * slowed
         is_mid = (wavelen >= original / high) & (wavelen <= original / low)
         inv_freq = torch.where(is_mid, mid, slowed)
+    elif kind == "yarn":
+        # YaRN: pairs that turn fewer than beta_slow times over the original context are interpolated
+        # (slowed by `factor`), more than beta_fast times kept, with a linear ramp over the pairs between.
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+        def pair_turning(turns: float) -> float:  # the (fractional) pair that turns `turns` times over it
+            return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        hi = hi + 0.001 if lo == hi else hi  # (a ramp of one pair: no division by zero)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        kept = 1 - ramp  # (hd/2,) 1: kept as it is, 0: interpolated
+        inv_freq = 1.0 / (factor * wavelength_over_2pi) * (1 - kept) + inv_freq * kept
     return inv_freq
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What ``scaling`` multiplies RoPE's cosines and sines by: YaRN's ``attention_factor`` (by default
+    ``0.1 ln(factor) + 1``, or the ratio of two such terms with DeepSeek's ``mscale``, ``mscale_all_dim``),
+    1 for the others. Both the query and the key are scaled, so the scores by its square."""
+    scaling = check_rope_scaling(scaling)
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:  # the YaRN paper's eq. 21
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def llama3_scaling_from_factors(factors: Tensor, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -187,6 +230,8 @@ def rope_cos_sin(
     angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
     cos, sin = angles.cos(), angles.sin()
+    if (a := rope_attention_factor(scaling)) != 1.0:
+        cos, sin = cos * a, sin * a
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 

@@ -34,8 +34,8 @@ metadata keys here. The tokenizer stored in the file is built by
 ====================  ==============================  ==========================================
 llama.cpp             Hugging Face ``model_type``     refused (a clear ValueError)
 ====================  ==============================  ==========================================
-llama                 llama                           YaRN scaling
-qwen2, qwen3          qwen2, qwen3                    YaRN scaling
+llama                 llama
+qwen2, qwen3          qwen2, qwen3
 gemma, gemma2         gemma, gemma2
 gemma3                gemma3_text
 phi3                  phi3                            LongRoPE (``rope_factors_long/short``)
@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.checks import is_int
+from attnlab.checks import finite_real, is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 from attnlab.formats import families
 from attnlab.gguf_vocab import is_gguf_file
@@ -348,10 +348,7 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
         raise ValueError(f"rope.dimension_count={rot!r}: attnlab's {arch_name} rotates whole heads of {head_dim}")
     kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
     if kind not in ("none", None):
-        factor = meta.get(f"{arch_name}.rope.scaling.factor")
-        if kind != "linear" or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"RoPE scaling {kind!r} (factor {factor!r}) is not supported yet (linear is)")
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        cfg["rope_scaling"] = _rope_scaling(kind, meta, arch_name)
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None and arch.model_type == "llama":  # Llama 3.1 and 3.2: their scaling as divisors
         if "rope_scaling" in cfg or freqs.tensor_type.name != "F32":
@@ -365,6 +362,28 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
             cfg["rope_scaling"] = scaling
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     return arch.extra(cfg, meta, arch_name) if arch.extra is not None else cfg
+
+
+def _rope_scaling(kind: str, meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    """The Hugging Face ``rope_scaling`` of a file's ``rope.scaling.*`` metadata: linear, or YaRN (its
+    factor, original context and ramp's bounds; llama.cpp computes YaRN as transformers does)."""
+    key = f"{arch_name}.rope.scaling.{{}}".format
+    factor, original = meta.get(key("factor")), meta.get(key("original_context_length"))
+    if kind not in ("linear", "yarn") or not finite_real(factor) or factor <= 0:
+        raise ValueError(f"RoPE scaling {kind!r} (factor {factor!r}) is not supported yet (linear and yarn are)")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    # DeepSeek's log multiplier and the factors llama.cpp's options override: not read yet, so refused
+    other = [n for n in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor", "attn_factor") if key(n) in meta]
+    if other:
+        raise ValueError(f"YaRN scaling with {', '.join(key(n) for n in other)} is not supported yet")
+    if not is_int(original) or original < 1:
+        raise ValueError(f"YaRN scaling needs a positive integer {key('original_context_length')}, got {original!r}")
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if key(name) in meta:
+            scaling[hf_name] = meta[key(name)]
+    return scaling
 
 
 def _hf_name(arch_name: str, name: str, n_layers: int) -> str | None:

@@ -1,4 +1,5 @@
-"""Llama 3.1's and 3.2's RoPE scaling as llama.cpp stores it: the tensor ``rope_freqs.weight``.
+"""RoPE scaling as llama.cpp stores it in GGUF files: Llama 3.1's and 3.2's as the tensor
+``rope_freqs.weight``, YaRN as ``rope.scaling.*`` metadata.
 
 llama.cpp's converter does not write the four ``llama3`` parameters into the file; it writes each
 feature pair's divisor of its rotation speed. attnlab reads the parameters back
@@ -7,7 +8,8 @@ feature pair's divisor of its rotation speed. attnlab reads the parameters back
 * the divisors computed here as the converter computes them (``convert_hf_to_gguf.py``, written out in
   :func:`converter`), and the speeds they give against those of the parameters read back, for the
   published Llama 3.1 and 3.2 configurations and, by ``hypothesis``, for any parameters;
-* a tiny transformers Llama built from a ``llama3`` config, written to a GGUF file with its divisors:
+* a tiny transformers Llama built from a ``llama3`` config, written to a GGUF file with its divisors,
+  and one built from a ``yarn`` config, written with the metadata llama.cpp's converter writes for it:
   the loaded model's logits and greedy tokens against transformers' own.
 """
 
@@ -158,3 +160,31 @@ def test_a_file_with_divisors_of_one_loads_as_the_file_without_them(tmp_path):
     idx = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("beta", [None, (16.0, 2.0)], ids=["default-ramp", "given-ramp"])
+def test_a_yarn_file_computes_transformers_yarn_model(tmp_path, beta):
+    """A tiny Llama built by transformers from a ``yarn`` config (slow pairs slowed 4x, cosines and sines
+    scaled by 0.1 ln 4 + 1), written with the ``rope.scaling.*`` keys llama.cpp's converter writes:
+    attnlab reads the config back, and its logits and greedy tokens are transformers'. The same model
+    without the scaling differs (the test can fail)."""
+    params = YARN | ({} if beta is None else {"beta_fast": beta[0], "beta_slow": beta[1]})
+    hf = tiny_llama(heads=1, kv_heads=1, rope=params)
+    meta = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 16}  # fmt: skip
+    if beta is not None:
+        meta |= {"llama.rope.scaling.yarn_beta_fast": beta[0], "llama.rope.scaling.yarn_beta_slow": beta[1]}
+    model = GPT.from_gguf(write_gguf(tmp_path / "yarn.gguf", hf, meta=meta), dtype=torch.float32)
+    assert model.config.rope_scaling == {k: v for k, v in params.items() if k != "rope_theta"}
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = hf(idx).logits, model(idx)
+        unscaled = tiny_llama(heads=1, kv_heads=1, rope={"rope_type": "default", "rope_theta": 500.0})(idx).logits
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-5 * scale
+    assert float((unscaled - want).abs().max()) > 1e-3 * scale
+    tokens = model.generate(idx[:1, :16], 16, temperature=0)
+    assert torch.equal(tokens, hf.generate(idx[:1, :16], max_new_tokens=16, do_sample=False, pad_token_id=0))
