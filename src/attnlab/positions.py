@@ -89,7 +89,7 @@ def rope_inv_freq(
 
     Pair 0 turns by one radian per position, the last pair by about ``1/theta``: fast pairs resolve
     nearby tokens, slow ones far-apart tokens. ``scaling`` stretches them for longer contexts
-    (``{"rope_type": "linear", "factor": f}`` or Llama 3.1's ``"llama3"``).
+    (``{"rope_type": "linear", "factor": f}``, Llama 3.1's ``"llama3"`` or ``"yarn"``).
     """
     positive_int("head_dim", head_dim)
     if head_dim % 2:
@@ -222,7 +222,8 @@ def rope_cos_sin(
         head_dim, theta, scaling: see :func:`rope_inv_freq`.
         dtype: of the result (default float32); the angles are always computed in float32.
     Returns:
-        ``(cos, sin)``, each ``(..., T, head_dim)``: the ``head_dim / 2`` angles twice, once per half.
+        ``(cos, sin)``, each ``(..., T, head_dim)``: the ``head_dim / 2`` angles twice, once per half
+        (times YaRN's :func:`rope_attention_factor` where ``scaling`` is YaRN).
     """
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")

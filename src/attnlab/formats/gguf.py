@@ -235,8 +235,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 # What each architecture's Hugging Face family names its tensors: {llama.cpp name: HF name}.
 _TENSORS = {name: families.gguf_tensors(arch.model_type) for name, arch in ARCHITECTURES.items()}
 SUPPORTED = tuple(ARCHITECTURES)
-# Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling as llama.cpp stores it (read into the config)
+# Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
 _REFUSED_TENSORS = {
     ROPE_FREQS: "RoPE frequency factors (read for llama files only)",
     "rope_factors_long.weight": "LongRoPE factors (Phi-3 128k)",
