@@ -123,6 +123,13 @@ GGUF_ROWS = {
         _write(tensors=lambda a: a | {"rope_freqs.weight": np.array([1, 3, 1, 2], np.float32)}),
         "'rope_freqs.weight': RoPE frequency factors do not follow Llama 3's scaling",
     ),
+    "RoPE factors beside another scaling": (
+        _write(
+            meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+            tensors=lambda a: a | {"rope_freqs.weight": np.ones(4, np.float32)},
+        ),
+        "'rope_freqs.weight' must be float32 and the file's only RoPE scaling",
+    ),
     "RoPE factors of the wrong length": (
         _write(tensors=lambda a: a | {"rope_freqs.weight": np.ones(3, np.float32)}),
         "'rope_freqs.weight': RoPE frequency factors must be 4 positive numbers",
