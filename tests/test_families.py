@@ -398,7 +398,7 @@ def test_bad_family_configs_are_clear_errors():
     with pytest.raises(ValueError, match="silu-gated"):
         GPT.from_hf(hf.state_dict(), hf_config={**cfg, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="rope_scaling type must be one of"):
-        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
+        GPT.from_hf(hf.state_dict(), hf_config={**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="needs 'num_hidden_layers'"):
         GPT.from_hf(hf.state_dict(), hf_config={k: v for k, v in cfg.items() if k != "num_hidden_layers"})
     with pytest.raises(ValueError, match="pass hf_config"):

@@ -168,9 +168,9 @@ def test_refused_olmo3_sliding_window(tmp_path):
     _refused(tmp_path, "olmo2", {}, "sliding window in an olmo2 file", meta=meta)
 
 
-def test_refused_phi3_longrope_factors(tmp_path):
-    extra = {"rope_factors_long.weight": np.ones(2, np.float32), "rope_factors_short.weight": np.ones(2, np.float32)}
-    _refused(tmp_path, "phi3", {}, "LongRoPE", tensors=lambda a: a | extra)
+def test_refused_phi3_longrope_factors_without_their_pair(tmp_path):
+    extra = {"rope_factors_long.weight": np.ones(2, np.float32)}
+    _refused(tmp_path, "phi3", {}, "LongRoPE needs both 'rope_factors_short.weight'", tensors=lambda a: a | extra)
 
 
 def test_refused_phi3_longrope_scaling(tmp_path):

@@ -152,7 +152,7 @@ def test_rope_bad_options_are_value_errors():
     with pytest.raises(ValueError, match="theta"):
         rope_inv_freq(8, theta=0.5)
     with pytest.raises(ValueError, match="rope_scaling type"):
-        rope_inv_freq(8, scaling={"rope_type": "longrope", "factor": 2.0})
+        rope_inv_freq(8, scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="'yarn' needs a positive int 'original_max_position_embeddings'"):
         rope_inv_freq(8, scaling={"rope_type": "yarn", "factor": 2.0})
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}

@@ -327,6 +327,11 @@ def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, readi
     (unread): what a reading of the last query wants, without every query of the prompt read.
     """
     C, relative = model.config.context_length, model.config.relative
+    scaling = model.config.rope_scaling or {}
+    # LongRoPE turns long once the sequence passes its original context: the cached keys, rotated short,
+    # are made again (as transformers' Phi-3 does), so the tokens are those of a forward over all of them.
+    longrope = scaling.get("rope_type", scaling.get("type")) == "longrope"
+    turns_long = scaling.get("original_max_position_embeddings") if longrope else None
 
     def forward(seq: Tensor, m: Tensor | None, kv: list | None, last_only: bool = False, read: bool = True):
         if reading is None or not read:
@@ -355,6 +360,8 @@ def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, readi
 
     def newest(seq: Tensor, m: Tensor | None) -> tuple[Tensor, Any]:
         if not relative and caches[0].seen >= C:  # GPT-2's context is full: the window anew
+            return refill(seq, m)
+        if turns_long is not None and seq.shape[1] > turns_long >= caches[0].seen:  # (see turns_long)
             return refill(seq, m)
         if decoder is not None and decoder.fits():
             got = decoder.step(seq[:, -1], reading)  # (B, V), or with what reading read

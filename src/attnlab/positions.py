@@ -42,8 +42,9 @@ __all__ = [
 
 # rope_scaling["rope_type"] values understood (Hugging Face's names): "default" (none), "linear"
 # (positions divided by `factor`), "llama3" (Llama 3.1's frequency-dependent stretching) and "yarn"
-# (YaRN: slow pairs interpolated, fast ones kept, a ramp between, and the angles' cos/sin scaled).
-ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+# (YaRN: slow pairs interpolated, fast ones kept, a ramp between, and the angles' cos/sin scaled) and
+# "longrope" (Phi-3's LongRoPE: a divisor per pair, one set for short sequences and one for long).
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,8 +69,20 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
             raise ValueError(f"rope_scaling 'yarn' {key!r} must be a positive number or None, got {scaling[key]!r}")
     if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
         raise ValueError(f"rope_scaling 'yarn' 'truncate' must be a bool, got {scaling['truncate']!r}")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            v = scaling.get(key)
+            if not isinstance(v, (list, tuple)) or not v or not all(finite_real(x) and x > 0 for x in v):
+                raise ValueError(f"rope_scaling 'longrope' needs {key!r}: a list of positive numbers, got {v!r}")
+        if len(scaling["short_factor"]) != len(scaling["long_factor"]):
+            raise ValueError("rope_scaling 'longrope' needs 'short_factor' and 'long_factor' of one length")
+        for key in ("factor", "attention_factor"):
+            if scaling.get(key) is not None and (not finite_real(scaling[key]) or scaling[key] <= 0):
+                raise ValueError(
+                    f"rope_scaling 'longrope' {key!r} must be a positive number or None, got {scaling[key]!r}"
+                )
     original = scaling.get("original_max_position_embeddings")
-    if kind in ("llama3", "yarn") and (not is_int(original) or original < 1):
+    if kind in ("llama3", "yarn", "longrope") and (not is_int(original) or original < 1):
         raise ValueError(
             f"rope_scaling {kind!r} needs a positive int 'original_max_position_embeddings', got {original!r}"
         )
@@ -84,12 +97,14 @@ def rope_inv_freq(
     scaling: Mapping[str, Any] | None = None,
     *,
     device: torch.device | str | None = None,
+    long: bool = False,
 ) -> Tensor:
     """The rotation speed of each feature pair, ``theta ** (-2i / head_dim)``: ``(head_dim / 2,)`` float32.
 
     Pair 0 turns by one radian per position, the last pair by about ``1/theta``: fast pairs resolve
     nearby tokens, slow ones far-apart tokens. ``scaling`` stretches them for longer contexts
-    (``{"rope_type": "linear", "factor": f}``, Llama 3.1's ``"llama3"`` or ``"yarn"``).
+    (``{"rope_type": "linear", "factor": f}``, Llama 3.1's ``"llama3"``, ``"yarn"`` or ``"longrope"``,
+    whose divisors are its ``long_factor`` with ``long``, else its ``short_factor``).
     """
     positive_int("head_dim", head_dim)
     if head_dim % 2:
@@ -131,18 +146,30 @@ def rope_inv_freq(
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
         kept = 1 - ramp  # (hd/2,) 1: kept as it is, 0: interpolated
         inv_freq = 1.0 / (factor * wavelength_over_2pi) * (1 - kept) + inv_freq * kept
+    elif kind == "longrope":
+        divisors = scaling["long_factor" if long else "short_factor"]
+        if len(divisors) != head_dim // 2:
+            raise ValueError(
+                f"rope_scaling 'longrope' needs {head_dim // 2} factors (one per pair), got {len(divisors)}"
+            )
+        inv_freq = 1.0 / (torch.tensor(divisors, dtype=torch.float32, device=device) * wavelength_over_2pi)
     return inv_freq
 
 
 def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     """What ``scaling`` multiplies RoPE's cosines and sines by: YaRN's ``attention_factor`` (by default
     ``0.1 ln(factor) + 1``, or the ratio of two such terms with DeepSeek's ``mscale``, ``mscale_all_dim``),
-    1 for the others. Both the query and the key are scaled, so the scores by its square."""
+    LongRoPE's (by default ``sqrt(1 + ln(factor) / ln(original))``), 1 for the others. Both the query and
+    the key are scaled, so the scores by its square."""
     scaling = check_rope_scaling(scaling)
-    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":  # LongRoPE's default: sqrt(1 + ln(factor) / ln(original context))
+        factor, original = scaling.get("factor") or 1.0, scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(factor: float, m: float = 1.0) -> float:  # the YaRN paper's eq. 21
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -223,12 +250,19 @@ def rope_cos_sin(
         dtype: of the result (default float32); the angles are always computed in float32.
     Returns:
         ``(cos, sin)``, each ``(..., T, head_dim)``: the ``head_dim / 2`` angles twice, once per half
-        (times YaRN's :func:`rope_attention_factor` where ``scaling`` is YaRN).
+        (times :func:`rope_attention_factor` where ``scaling`` is YaRN or LongRoPE).
     """
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)  # (hd/2,)
     angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
+    scaling = check_rope_scaling(scaling)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope" and positions.numel():
+        # LongRoPE's long divisors once the sequence is longer than the original context, as transformers
+        # decides it: by the largest position of this call (a cached step past it turns long, its keys not)
+        long_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device, long=True)  # (hd/2,)
+        long = positions.max() + 1 > scaling["original_max_position_embeddings"]  # () bool
+        angles = torch.where(long, positions.float()[..., None] * long_freq, angles)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
     cos, sin = angles.cos(), angles.sin()
     if (a := rope_attention_factor(scaling)) != 1.0:

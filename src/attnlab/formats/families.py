@@ -205,6 +205,11 @@ def _llama_like(cfg: dict[str, Any], act_key: str = "hidden_act", act: str = "si
         params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
     theta, scaling, fraction = _rope(params, 10000.0)
     fraction = float(cfg.get("partial_rotary_factor", fraction))
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        # Phi-3 keeps the original context beside the config's, and its attention factor follows from the two
+        original = scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if scaling.get("factor") is None and scaling.get("attention_factor") is None and is_int(original):
+            scaling["factor"] = cfg.get("max_position_embeddings", 2048) / original
     return dict(
         vocab_size=cfg["vocab_size"],
         context_length=cfg.get("max_position_embeddings", 2048),

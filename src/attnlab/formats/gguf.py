@@ -38,7 +38,7 @@ llama                 llama
 qwen2, qwen3          qwen2, qwen3
 gemma, gemma2         gemma, gemma2
 gemma3                gemma3_text
-phi3                  phi3                            LongRoPE (``rope_factors_long/short``)
+phi3                  phi3
 olmo2                 olmo2                           a sliding window (OLMo 3)
 gptneox               gpt_neox
 ====================  ==============================  ==========================================
@@ -235,12 +235,15 @@ ARCHITECTURES: dict[str, Architecture] = {
 # What each architecture's Hugging Face family names its tensors: {llama.cpp name: HF name}.
 _TENSORS = {name: families.gguf_tensors(arch.model_type) for name, arch in ARCHITECTURES.items()}
 SUPPORTED = tuple(ARCHITECTURES)
-ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling as llama.cpp stores it (read into the config)
+# RoPE scalings llama.cpp stores as tensors, read into the config (of these architectures) instead of weights
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's divisors (llama)
+LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE divisors (phi3)
+_READ_INTO_CONFIG = {"llama": (ROPE_FREQS,), "phi3": LONGROPE}
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
 _REFUSED_TENSORS = {
     ROPE_FREQS: "RoPE frequency factors (read for llama files only)",
-    "rope_factors_long.weight": "LongRoPE factors (Phi-3 128k)",
-    "rope_factors_short.weight": "LongRoPE factors (Phi-3 128k)",
+    LONGROPE[0]: "LongRoPE factors (read for phi3 files only)",
+    LONGROPE[1]: "LongRoPE factors (read for phi3 files only)",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base", "attn_logit_softcapping",
@@ -347,7 +350,10 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
     elif rot is not None and rot != head_dim:
         raise ValueError(f"rope.dimension_count={rot!r}: attnlab's {arch_name} rotates whole heads of {head_dim}")
     kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
-    if kind not in ("none", None):
+    longrope = {t.name: t for t in reader.tensors if t.name in LONGROPE}
+    if longrope and arch.model_type == "phi3":
+        cfg["rope_scaling"] = _longrope(longrope, meta, arch_name, cfg)
+    elif kind not in ("none", None):
         cfg["rope_scaling"] = _rope_scaling(kind, meta, arch_name)
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None and arch.model_type == "llama":  # Llama 3.1 and 3.2: their scaling as divisors
@@ -383,6 +389,23 @@ def _rope_scaling(kind: str, meta: dict[str, Any], arch_name: str) -> dict[str, 
     for name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
         if key(name) in meta:
             scaling[hf_name] = meta[key(name)]
+    return scaling
+
+
+def _longrope(tensors: dict[str, Any], meta: dict[str, Any], arch_name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE ``rope_scaling`` from its two divisor tensors and ``rope.scaling.*`` metadata."""
+    key = f"{arch_name}.rope.scaling.{{}}".format
+    if set(tensors) != set(LONGROPE) or any(t.tensor_type.name != "F32" for t in tensors.values()):
+        raise ValueError(f"LongRoPE needs both {LONGROPE[0]!r} and {LONGROPE[1]!r}, float32")
+    kind, original = meta.get(key("type"), "longrope"), meta.get(key("original_context_length"))
+    if kind != "longrope" or not is_int(original) or original < 1:
+        raise ValueError(f"LongRoPE needs a positive integer {key('original_context_length')} (and no other scaling)")
+    short, long = (np.array(tensors[name].data, dtype=np.float64).tolist() for name in LONGROPE)
+    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+               "original_max_position_embeddings": int(original),
+               "factor": cfg.get("max_position_embeddings", original) / original}  # fmt: skip
+    if key("attn_factor") in meta:  # (the converter's, which is transformers' default from the factor)
+        scaling["attention_factor"] = meta[key("attn_factor")]
     return scaling
 
 
@@ -488,7 +511,7 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
     for t in reader.tensors:
-        if t.name == ROPE_FREQS and arch.model_type == "llama":
+        if t.name in _READ_INTO_CONFIG.get(arch.model_type, ()):
             continue  # (the config's rope_scaling: see _config)
         if t.name in _REFUSED_TENSORS:
             raise ValueError(f"tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported yet")
