@@ -85,6 +85,16 @@ def test_greedy_tokens_across_the_original_context_equal_transformers():
         assert torch.equal(ours.generate(prompt, 20, temperature=0, fast=fast), want)
 
 
+@pytest.mark.slow
+def test_compiled_greedy_tokens_across_the_original_context_equal_transformers():
+    """The same through the compiled step (torch.compile over the model's forward: the long/short choice
+    is a select on the step's position, inside the graph)."""
+    hf = phi3()
+    prompt = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(GPT.from_hf(hf).generate(prompt, 20, temperature=0, compile=True), want)
+
+
 def test_bad_longrope_options_are_value_errors():
     base = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": ORIGINAL}  # fmt: skip
