@@ -204,6 +204,7 @@ LLAMA_CPP_ARCH = {
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "olmo2": "olmo2",
+    "olmo3": "olmo2",  # (llama.cpp's converter writes OLMo 3 as olmo2 with a sliding window)
     "gpt_neox": "gptneox",
 }
 
@@ -216,6 +217,8 @@ def family_metadata(model: Any) -> dict[str, Any]:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = dict(cfg.rope_parameters or {})  # transformers 5's (Gemma 3: one dict per layer type)
+    if mt == "olmo3":  # (one per layer type too; the converter writes the full layers')
+        rope = dict(rope["full_attention"])
     out: dict[str, Any] = {
         f"{arch}.context_length": cfg.max_position_embeddings,
         f"{arch}.embedding_length": cfg.hidden_size,
@@ -230,7 +233,7 @@ def family_metadata(model: Any) -> dict[str, Any]:
     else:
         out[f"{arch}.attention.head_count_kv"] = cfg.num_key_value_heads
         out[f"{arch}.attention.layer_norm_rms_epsilon"] = float(cfg.rms_norm_eps)
-    if mt in ("qwen2", "qwen3", "olmo2", "phi3"):  # TextModel's (Phi3MiniModel writes its own, alike)
+    if mt in ("qwen2", "qwen3", "olmo2", "olmo3", "phi3"):  # TextModel's (Phi3MiniModel writes its own, alike)
         out[f"{arch}.rope.freq_base"] = float(rope["rope_theta"])
     if mt in ("qwen3", "gemma", "gemma2", "gemma3_text"):
         out[f"{arch}.attention.key_length"] = head_dim
@@ -240,6 +243,8 @@ def family_metadata(model: Any) -> dict[str, Any]:
         out[f"{arch}.rope.dimension_count"] = rot
         out[f"{arch}.rope.scaling.original_context_length"] = cfg.original_max_position_embeddings
         out[f"{arch}.attention.sliding_window"] = cfg.sliding_window or 0
+    if mt == "olmo3":
+        out[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if mt == "gemma2":
         out[f"{arch}.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
         out[f"{arch}.final_logit_softcapping"] = float(cfg.final_logit_softcapping)

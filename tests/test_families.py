@@ -79,6 +79,12 @@ CASES = {
         dict(rotary_fraction=0.5, window=6),
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, dict(qk_norm="full", pre_norms=False, post_norms=True)),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(sliding_window=5, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        dict(qk_norm="full", post_norms=True, window=5, window_layers=[0, 1, 2], rope_local_theta=500000.0),
+    ),
     "gpt_neox": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
@@ -555,7 +561,7 @@ def test_published_config_json_keys(model_type):
 
 
 # Families whose blocks are the same computation: exporting one as the other is right.
-SAME_BLOCKS = {("llama", "mistral"), ("llama", "phi3")}
+SAME_BLOCKS = {("llama", "mistral"), ("llama", "phi3"), ("olmo2", "olmo3")}  # (the second without its windows)
 
 
 @pytest.mark.parametrize("name", ["llama", *CASES])

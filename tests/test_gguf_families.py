@@ -59,6 +59,8 @@ GGUF_CASES = {
         {},
     ),
     "olmo2": ("olmo2", {}, None, {}),
+    # written as olmo2 with a window, which llama.cpp's loader gives to three layers in four
+    "olmo3": ("olmo3", {}, None, {}),
     "gptneox": ("gpt_neox", {}, None, {}),
     # the file records no activation: llama.cpp's NeoX MLP is GELU
     "gptneox_serial": ("gpt_neox_serial", dict(hidden_act="gelu"), None, dict(activation="gelu")),
@@ -163,9 +165,9 @@ def _refused(tmp_path, case, overrides, match, **kw):
     assert str(e.value).startswith(str(path))
 
 
-def test_refused_olmo3_sliding_window(tmp_path):
-    meta = {"olmo2.attention.sliding_window": 4096}
-    _refused(tmp_path, "olmo2", {}, "sliding window in an olmo2 file", meta=meta)
+def test_refused_olmo3_rope_scaling(tmp_path):
+    meta = {"olmo2.rope.scaling.type": "linear", "olmo2.rope.scaling.factor": 2.0}
+    _refused(tmp_path, "olmo3", {}, "RoPE scaling in an olmo2 file with a sliding window", meta=meta)
 
 
 def test_refused_phi3_longrope_factors_without_their_pair(tmp_path):

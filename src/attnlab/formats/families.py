@@ -22,6 +22,8 @@ Gemma 3       gemma3_text     Gemma 2's without the caps, plus QK-norm, a RoPE b
 Phi-3         phi3            fused ``qkv_proj`` and ``gate_up_proj`` (split here), partial rotary
 OLMo 2        olmo2           norms after each sublayer only (``pre_norms=False, post_norms=True``),
                               QK-norm over the whole width (``qk_norm="full"``)
+OLMo 3        olmo3           OLMo 2's, plus sliding-window layers, three in four (``window_layers``),
+                              the full layers' RoPE scaling (``rope_local_theta`` for the window's)
 GPT-NeoX      gpt_neox        Pythia's: LayerNorm with biases, biases everywhere, partial rotary
                               (``rotary_fraction``), parallel residual (``parallel_residual``),
                               fused per-head ``query_key_value`` (split here)
@@ -315,6 +317,24 @@ def _olmo2(cfg: dict[str, Any]) -> dict[str, Any]:
     return _llama_like(cfg) | dict(qk_norm="full", pre_norms=False, post_norms=True)
 
 
+def _olmo3(cfg: dict[str, Any]) -> dict[str, Any]:
+    params = cfg.get("rope_parameters")
+    if params is not None and "full_attention" in params:  # transformers 5: one dict per layer type
+        theta, scaling, _ = _rope(params["full_attention"], 500_000.0)
+        local_theta, local_scaling, _ = _rope(params.get("sliding_attention"), theta)
+    else:  # a config.json of one rope_theta (+ rope_scaling): the window layers' RoPE is plain
+        theta, scaling, _ = _rope({**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 5e5)}, 5e5)
+        local_theta, local_scaling = theta, None
+    if local_scaling is not None:
+        raise ValueError(f"rope scaling of the sliding-window layers ({local_scaling}) is not supported")
+    fields = _olmo2({**cfg, "rope_parameters": None, "rope_scaling": None, "rope_theta": theta})
+    fields |= _window_layers(cfg, fields["n_layers"], [(i + 1) % 4 != 0 for i in range(fields["n_layers"])])
+    fields |= dict(rope_theta=theta, rope_scaling=scaling)
+    if fields.get("window_layers"):
+        fields["rope_local_theta"] = local_theta
+    return fields
+
+
 def _gpt_neox(cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("hidden_act", "gelu")
     if act not in _GELUS:
@@ -481,6 +501,13 @@ def _check_llama(cfg: GPTConfig, model_type: str) -> None:
 
 
 _GEMMA2 = {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}
+_OLMO2_LAYER = {
+    **_ATTENTION,
+    **_QK_NORM,
+    "post_norm1.weight": "post_attention_layernorm.weight",
+    **_GATED_MLP,
+    "post_norm2.weight": "post_feedforward_layernorm.weight",
+}
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         gpt2_config_fields,
@@ -500,17 +527,8 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(_gemma2, _GEMMA2, _LLAMA_OUTER),
     "gemma3_text": Family(_gemma3, {**_GEMMA2, **_QK_NORM}, _LLAMA_OUTER),
     "phi3": Family(_phi3, _PHI3_LAYER, _LLAMA_OUTER),
-    "olmo2": Family(
-        _olmo2,
-        {
-            **_ATTENTION,
-            **_QK_NORM,
-            "post_norm1.weight": "post_attention_layernorm.weight",
-            **_GATED_MLP,
-            "post_norm2.weight": "post_feedforward_layernorm.weight",
-        },
-        _LLAMA_OUTER,
-    ),
+    "olmo2": Family(_olmo2, _OLMO2_LAYER, _LLAMA_OUTER),
+    "olmo3": Family(_olmo3, _OLMO2_LAYER, _LLAMA_OUTER),
     "gpt_neox": Family(
         _gpt_neox,
         _NEOX_LAYER,

@@ -39,7 +39,7 @@ qwen2, qwen3          qwen2, qwen3
 gemma, gemma2         gemma, gemma2
 gemma3                gemma3_text
 phi3                  phi3
-olmo2                 olmo2                           a sliding window (OLMo 3)
+olmo2                 olmo2, olmo3 (with a window)    OLMo 3's RoPE scaling
 gptneox               gpt_neox
 ====================  ==============================  ==========================================
 
@@ -197,9 +197,18 @@ def _phi3_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> di
 
 
 def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
-    if meta.get(f"{arch_name}.attention.sliding_window"):
-        raise ValueError("a sliding window in an olmo2 file (OLMo 3) is not supported yet")
-    return cfg
+    window = meta.get(f"{arch_name}.attention.sliding_window")
+    if not window:
+        return cfg
+    # OLMo 3: llama.cpp's converter writes it as olmo2 with a window, which its loader gives to three
+    # layers in four (the fourth attends to everything), as transformers' Olmo3Config does by default
+    if not is_int(window) or window < 1:
+        raise ValueError(f"{arch_name}.attention.sliding_window must be a positive integer, got {window!r}")
+    if "rope_scaling" in cfg:
+        raise ValueError("RoPE scaling in an olmo2 file with a sliding window (OLMo 3) is not supported yet")
+    n = cfg["num_hidden_layers"]
+    types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    return cfg | {"model_type": "olmo3", "sliding_window": int(window), "layer_types": types}
 
 
 # One row per llama.cpp architecture (``general.architecture``), each checked against transformers
