@@ -38,6 +38,7 @@ from torch import Tensor
 
 from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real
 from attnlab.decoding import FastDecoder, Reading, greedy_tokens, supported
+from attnlab.positions import rope_scaling_type
 from attnlab.speculative import check_speculative, speculative_decode
 
 if TYPE_CHECKING:  # generation sits below the model: GPT's generate and stream are these functions
@@ -327,11 +328,10 @@ def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, readi
     (unread): what a reading of the last query wants, without every query of the prompt read.
     """
     C, relative = model.config.context_length, model.config.relative
-    scaling = model.config.rope_scaling or {}
+    scaling = model.config.rope_scaling
     # LongRoPE turns long once the sequence passes its original context: the cached keys, rotated short,
     # are made again (as transformers' Phi-3 does), so the tokens are those of a forward over all of them.
-    longrope = scaling.get("rope_type", scaling.get("type")) == "longrope"
-    turns_long = scaling.get("original_max_position_embeddings") if longrope else None
+    turns_long = scaling["original_max_position_embeddings"] if rope_scaling_type(scaling) == "longrope" else None
 
     def forward(seq: Tensor, m: Tensor | None, kv: list | None, last_only: bool = False, read: bool = True):
         if reading is None or not read:

@@ -38,6 +38,7 @@ __all__ = [
     "rope_attention_factor",
     "rope_cos_sin",
     "rope_inv_freq",
+    "rope_scaling_type",
 ]
 
 # rope_scaling["rope_type"] values understood (Hugging Face's names): "default" (none), "linear"
@@ -50,6 +51,11 @@ ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
 # --------------------------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------------------------
+def rope_scaling_type(scaling: Mapping[str, Any] | None) -> str:
+    """The ``rope_type`` of a rope_scaling dict (older configs: ``type``), ``"default"`` for None."""
+    return "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
     """``scaling`` as a plain dict (or None), or a ValueError naming what is wrong with it."""
     if scaling is None:
@@ -57,7 +63,7 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
     if not isinstance(scaling, Mapping):
         raise ValueError(f"rope_scaling must be a dict like {{'rope_type': 'llama3', ...}} or None, got {scaling!r}")
     scaling = dict(scaling)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_scaling_type(scaling)
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"rope_scaling type must be one of {', '.join(ROPE_SCALINGS)}, got {kind!r}")
     need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
@@ -106,17 +112,27 @@ def rope_inv_freq(
     (``{"rope_type": "linear", "factor": f}``, Llama 3.1's ``"llama3"``, ``"yarn"`` or ``"longrope"``,
     whose divisors are its ``long_factor`` with ``long``, else its ``short_factor``).
     """
+    _check_rope_args(head_dim, theta)
+    return _inv_freq(head_dim, theta, check_rope_scaling(scaling), device, long)
+
+
+def _check_rope_args(head_dim: int, theta: float) -> None:
     positive_int("head_dim", head_dim)
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of features: head_dim must be even, got {head_dim}")
     if not finite_real(theta) or theta <= 1:
         raise ValueError(f"rope theta must be a number > 1, got {theta!r}")
+
+
+def _inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device | str | None, long: bool
+) -> Tensor:
+    """:func:`rope_inv_freq` of arguments already checked (``scaling``: by :func:`check_rope_scaling`)."""
     # As Hugging Face computes it (int64 arange, then float), so the angles agree to the last bit.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim  # (hd/2,)
     wavelength_over_2pi = float(theta) ** exponent  # (hd/2,)
     inv_freq = 1.0 / wavelength_over_2pi  # (hd/2,)
-    scaling = check_rope_scaling(scaling)
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_scaling_type(scaling)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -161,8 +177,12 @@ def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     ``0.1 ln(factor) + 1``, or the ratio of two such terms with DeepSeek's ``mscale``, ``mscale_all_dim``),
     LongRoPE's (by default ``sqrt(1 + ln(factor) / ln(original))``), 1 for the others. Both the query and
     the key are scaled, so the scores by its square."""
-    scaling = check_rope_scaling(scaling)
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    return _attention_factor(check_rope_scaling(scaling))
+
+
+def _attention_factor(scaling: dict[str, Any] | None) -> float:
+    """:func:`rope_attention_factor` of a ``scaling`` already checked."""
+    kind = rope_scaling_type(scaling)
     if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -203,7 +223,8 @@ def llama3_scaling_from_factors(factors: Tensor, head_dim: int, theta: float) ->
         )
     if bool(((f - 1).abs() <= 1e-6).all()):
         return None
-    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta).double()  # (hd/2,) increasing
+    speeds = rope_inv_freq(head_dim, theta).double()  # (hd/2,) unscaled
+    wavelen = 2 * math.pi / speeds  # (hd/2,) increasing
     factor = float(f.max())
     kept, slowed = (f - 1).abs() <= 1e-6, (f - factor).abs() <= 1e-6 * factor
     mid = ~(kept | slowed)
@@ -218,7 +239,7 @@ def llama3_scaling_from_factors(factors: Tensor, head_dim: int, theta: float) ->
     slope = float(((x - x.mean()) * (s - s.mean())).sum() / ((x - x.mean()) ** 2).sum())  # least squares
     intercept = float(s.mean() - slope * x.mean())  # s = slope / w + intercept, intercept = -low / (high - low)
     if intercept < 0 and slope > 0:
-        want = rope_inv_freq(head_dim, theta).double() / f  # (hd/2,)
+        want = speeds / f  # (hd/2,)
         # On the line: original = slope (high - low), low = -intercept (high - low). The integer original
         # nearest low = 1's names one point of it (low = 1 itself where the config had it).
         original = max(1, round(-slope / intercept))
@@ -254,18 +275,19 @@ def rope_cos_sin(
     """
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)  # (hd/2,)
+    _check_rope_args(head_dim, theta)
+    scaling = check_rope_scaling(scaling)  # (once: the helpers below take it as it is)
+    inv_freq = _inv_freq(head_dim, theta, scaling, positions.device, long=False)  # (hd/2,)
     angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
-    scaling = check_rope_scaling(scaling)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope" and positions.numel():
+    if rope_scaling_type(scaling) == "longrope" and positions.numel():
         # LongRoPE's long divisors once the sequence is longer than the original context, as transformers
         # decides it: by the largest position of this call (a cached step past it turns long, its keys not)
-        long_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device, long=True)  # (hd/2,)
+        long_freq = _inv_freq(head_dim, theta, scaling, positions.device, long=True)  # (hd/2,)
         long = positions.max() + 1 > scaling["original_max_position_embeddings"]  # () bool
         angles = torch.where(long, positions.float()[..., None] * long_freq, angles)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
     cos, sin = angles.cos(), angles.sin()
-    if (a := rope_attention_factor(scaling)) != 1.0:
+    if (a := _attention_factor(scaling)) != 1.0:
         cos, sin = cos * a, sin * a
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import is_int
+from attnlab.positions import rope_scaling_type
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT, GPTConfig
@@ -174,8 +175,7 @@ def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[s
     params = dict(params or {})
     theta = float(params.pop("rope_theta", theta))
     fraction = float(params.pop("partial_rotary_factor", 1.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    return theta, (None if kind == "default" else params), fraction
+    return theta, (None if rope_scaling_type(params) == "default" else params), fraction
 
 
 def _window_layers(cfg: dict[str, Any], n_layers: int, derived: list[bool] | None) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def _llama_like(cfg: dict[str, Any], act_key: str = "hidden_act", act: str = "si
         params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
     theta, scaling, fraction = _rope(params, 10000.0)
     fraction = float(cfg.get("partial_rotary_factor", fraction))
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+    if rope_scaling_type(scaling) == "longrope":
         # Phi-3 keeps the original context beside the config's, and its attention factor follows from the two
         original = scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         if scaling.get("factor") is None and scaling.get("attention_factor") is None and is_int(original):
@@ -286,16 +286,28 @@ def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+def _rope_by_layer_type(
+    cfg: dict[str, Any], theta: float, local_theta: float | None
+) -> tuple[float, dict[str, Any] | None, float]:
+    """``(base, scaling or None, the window layers' base)`` of a family whose full and sliding-window layers
+    have RoPE of their own (``theta``, ``local_theta``: the defaults; None: the full layers' base). The
+    window layers' RoPE is never scaled."""
     params = cfg.get("rope_parameters")
     if params is not None and "full_attention" in params:  # transformers 5: one dict per layer type
-        theta, scaling, _ = _rope(params["full_attention"], 1_000_000.0)
-        local_theta, local_scaling, _ = _rope(params.get("sliding_attention"), 10_000.0)
+        theta, scaling, _ = _rope(params["full_attention"], theta)
+        local_theta, local_scaling, _ = _rope(params.get("sliding_attention"), local_theta or theta)
     else:  # older config.json files: rope_theta (+ rope_scaling) globally, rope_local_base_freq locally
-        theta, scaling, _ = _rope({**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}, 1e6)
-        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", 10_000.0)), None
+        theta, scaling, _ = _rope(
+            {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", theta)}, theta
+        )
+        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", local_theta or theta)), None
     if local_scaling is not None:
         raise ValueError(f"rope scaling of the sliding-window layers ({local_scaling}) is not supported")
+    return theta, scaling, local_theta
+
+
+def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+    theta, scaling, local_theta = _rope_by_layer_type(cfg, 1_000_000.0, 10_000.0)
     fields = _gemma2({**cfg, "rope_parameters": None, "rope_scaling": None, "rope_theta": theta})
     fields |= dict(rope_theta=theta, rope_scaling=scaling, qk_norm=True)
     if fields.get("window_layers"):
@@ -318,15 +330,7 @@ def _olmo2(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _olmo3(cfg: dict[str, Any]) -> dict[str, Any]:
-    params = cfg.get("rope_parameters")
-    if params is not None and "full_attention" in params:  # transformers 5: one dict per layer type
-        theta, scaling, _ = _rope(params["full_attention"], 500_000.0)
-        local_theta, local_scaling, _ = _rope(params.get("sliding_attention"), theta)
-    else:  # a config.json of one rope_theta (+ rope_scaling): the window layers' RoPE is plain
-        theta, scaling, _ = _rope({**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 5e5)}, 5e5)
-        local_theta, local_scaling = theta, None
-    if local_scaling is not None:
-        raise ValueError(f"rope scaling of the sliding-window layers ({local_scaling}) is not supported")
+    theta, scaling, local_theta = _rope_by_layer_type(cfg, 500_000.0, None)
     fields = _olmo2({**cfg, "rope_parameters": None, "rope_scaling": None, "rope_theta": theta})
     fields |= _window_layers(cfg, fields["n_layers"], [(i + 1) % 4 != 0 for i in range(fields["n_layers"])])
     fields |= dict(rope_theta=theta, rope_scaling=scaling)
