@@ -187,6 +187,31 @@ def test_next_section_by_chunks_equals_the_library_distribution(monkeypatch):
         torch.testing.assert_close(probs[i], want, atol=1e-9, rtol=1e-5)  # exp(log_softmax): float32 rounding
 
 
+@settings(max_examples=40, deadline=None)
+@given(spread=st.floats(1.0, 1e4), n=st.integers(1, 3000), seed=st.integers(0, 2**16), spend=st.booleans())
+def test_logsumexp_at_equals_float64_logsumexp_for_any_spread(spread, n, seed, spend):
+    # Spreads past ~87 make most exp(x - max) float32 denormals, which logsumexp_at lifts to the floor:
+    # the result must still be float64's to float32 rounding.
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(seed)) * spread
+    want = torch.logsumexp(x.double(), -1, keepdim=True)
+    got = analysis.logsumexp_at(x.clone(), x.argmax(-1, keepdim=True), spend=spend)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-6)
+
+
+def test_next_section_at_a_cold_temperature_equals_float64(monkeypatch):
+    # Logits a hundred apart: at the page's coldest temperatures nearly every term of the softmax is
+    # below float32's normal range, and the probabilities shown must still be the float64 ones.
+    logits = torch.randn(9, 500, generator=torch.Generator().manual_seed(4)) * 100
+    monkeypatch.setattr(inspector, "NEXT_CHUNK", 4)
+    nxt = inspector._next_section(logits, 6)
+    ids = torch.frombuffer(bytearray(nxt["ids"].data), dtype=torch.int32)
+    ids = ids.reshape(9, 6).long()
+    probs = torch.frombuffer(bytearray(nxt["probs"].data), dtype=torch.float32).reshape(len(TEMPERATURES), 9, 6)
+    for i, t in enumerate(TEMPERATURES):
+        want = torch.softmax(logits.double() / t, -1).gather(-1, ids)
+        torch.testing.assert_close(probs[i].double(), want, atol=1e-44, rtol=1e-5)
+
+
 def test_trace_without_logits_records_the_same_attention():
     model = llama_like(vocab=120)
     idx = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(3))

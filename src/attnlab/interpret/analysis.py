@@ -301,22 +301,32 @@ def _lens_of_output(lens: LogitLens, trace: Trace, final: Tensor, start: int, ch
             _put(lens, slice(n + b * T + s, n + b * T + e), *_exact_rows(logits, final[b, s:e, None], k))
 
 
-def _logsumexp(x: Tensor, at: Tensor, *, spend: bool = False) -> Tensor:
+# How far below a row's largest logit :func:`logsumexp_at` lifts the rest. exp(x - max) under -87 is a
+# float32 denormal, which x86 CPUs compute tens of times slower than a normal number (a lens row or a
+# cold softmax has tens of thousands of them; torch.set_flush_denormal does not reach torch's worker
+# threads). A lifted term is at most e^-80 of the largest, so a vocabulary of them moves the sum by
+# less than 1e-29 of itself, far below float32's rounding.
+LSE_FLOOR = 80.0
+
+
+def logsumexp_at(x: Tensor, at: Tensor, *, spend: bool = False) -> Tensor:
     """``(..., 1)`` float32 ``logsumexp`` of the last dim through ``log_softmax`` (one fused kernel on CPU,
     several times faster there than ``torch.logsumexp``): ``lse = x_i - log_softmax(x)_i`` at ``at (..., 1)``,
-    the index of the largest ``x`` (where the difference loses no precision). ``spend=True``: a float32
+    the index of the largest ``x`` (where the difference loses no precision). Terms more than
+    :data:`LSE_FLOOR` below the largest count as that far below (no denormals). ``spend=True``: a float32
     ``x`` is overwritten instead of copied (no second ``(c, V)`` tensor)."""
     x = x.float()
-    top = x.gather(-1, at)
-    return top - torch.log_softmax(x, dim=-1, out=x if spend else None).gather(-1, at)
+    top = x.gather(-1, at)  # (..., 1)
+    lifted = torch.maximum(x, top - LSE_FLOOR, out=x if spend else None)
+    return top - torch.log_softmax(lifted, dim=-1, out=lifted).gather(-1, at)
 
 
 def _exact_rows(logits: Tensor, final: Tensor, k: int, *, spend: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Exact ``logits (c, V)``: the top-``k`` ids and logits ``(c, k)``, the logit of ``final (c, 1)``
-    and the normaliser ``lse (c, 1)``; ``spend=True`` overwrites ``logits`` (see :func:`_logsumexp`)."""
+    and the normaliser ``lse (c, 1)``; ``spend=True`` overwrites ``logits`` (see :func:`logsumexp_at`)."""
     top = torch.topk(logits, k, dim=-1)
     fval = logits.gather(-1, final)
-    return top.indices, top.values, fval, _logsumexp(logits, top.indices[:, :1], spend=spend)
+    return top.indices, top.values, fval, logsumexp_at(logits, top.indices[:, :1], spend=spend)
 
 
 # Vocabulary entries per block of the search's two-level top-n: it selects among V / 32 block maxima, then
@@ -382,7 +392,7 @@ class _Search:
             # The normaliser at each row's largest entry (x is spent: its log-softmax in place).
             first = best_cols[s:e].gather(1, best_values[s:e].argmax(-1, keepdim=True))  # (r, 1) its column of `inside`
             at = top_blocks[s:e].gather(1, first // LENS_BLOCK) * LENS_BLOCK + first % LENS_BLOCK  # (r, 1) of x
-            lse_all[s:e] = _logsumexp(x, at, spend=True)
+            lse_all[s:e] = logsumexp_at(x, at, spend=True)
         best_ids = top_blocks.gather(1, best_cols // LENS_BLOCK) * LENS_BLOCK + best_cols % LENS_BLOCK  # (c, n)
         cand = torch.cat([best_ids, final], dim=-1)  # (c, n + 1)
         searched = narrow.gather(-1, cand).float()  # (c, n + 1), the float32 copy's values

@@ -23,7 +23,7 @@ from torch import Tensor
 from attnlab.checks import position_window
 from attnlab.functional import attention_scores, softcap_score_mod
 from attnlab.interpret.ablation import parse_heads
-from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens
+from attnlab.interpret.analysis import FUSIONS, HEAD_KINDS, all_head_scores, logit_lens, logsumexp_at
 from attnlab.interpret.analysis import rollout as attention_rollout
 from attnlab.interpret.codec import pack
 from attnlab.interpret.playback import GenerationStep, GenerationTrace
@@ -590,7 +590,8 @@ def _next_section(logits: Tensor, next_k: int) -> dict[str, Any]:
         x = buf[: len(chunk)]
         for i, t in enumerate(TEMPERATURES):
             torch.div(centred, t, out=x)
-            probs[i, s : s + NEXT_CHUNK] = torch.log_softmax(x, dim=-1, out=x).gather(-1, ids).exp_()
+            picked = x.gather(-1, ids)  # (c, n), before logsumexp_at spends x
+            probs[i, s : s + NEXT_CHUNK] = (picked - logsumexp_at(x, ids[:, :1], spend=True)).exp_()
     return {
         "k": n,
         "ids": pack(top_ids.int(), "i32"),
