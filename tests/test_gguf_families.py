@@ -165,9 +165,44 @@ def _refused(tmp_path, case, overrides, match, **kw):
     assert str(e.value).startswith(str(path))
 
 
-def test_refused_olmo3_rope_scaling(tmp_path):
+def test_refused_olmo3_rope_scaling_other_than_yarn(tmp_path):
     meta = {"olmo2.rope.scaling.type": "linear", "olmo2.rope.scaling.factor": 2.0}
-    _refused(tmp_path, "olmo3", {}, "RoPE scaling in an olmo2 file with a sliding window", meta=meta)
+    _refused(tmp_path, "olmo3", {}, "RoPE scaling 'linear' in an olmo2 file with a sliding window", meta=meta)
+
+
+OLMO3_YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
+              "attention_factor": 1.25}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_olmo3_yarn_file_computes_transformers_olmo3(tmp_path):
+    """OLMo 3's long context: YaRN on the full layers only, plain RoPE of the same base on the window
+    layers (transformers' Olmo3 model; llama.cpp's olmo2 graph alike). Written as llama.cpp's converter
+    writes an Olmo3 config (``rope.scaling.type``, ``factor``, ``attn_factor``, ``original_context_length``
+    and the window pattern one boolean a layer, here with the full layer first): logits and greedy
+    tokens past the original context equal transformers'. Scaling every layer, or none, differs."""
+    rope = {"full_attention": OLMO3_YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+    types = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
+    hf = build("olmo3", seed=3, vocab_size=VOCAB, rope_parameters=rope, layer_types=types)
+    meta = {"olmo2.rope.scaling.type": "yarn", "olmo2.rope.scaling.factor": 4.0,
+            "olmo2.rope.scaling.attn_factor": 1.25, "olmo2.rope.scaling.original_context_length": 16,
+            "olmo2.attention.sliding_window_pattern": [t == "sliding_attention" for t in types]}  # fmt: skip
+    ours = GPT.from_gguf(write_family_gguf(tmp_path / "olmo3.gguf", hf, meta=meta))
+    assert ours.config.window_layers == [1, 2, 3]
+    written = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor")  # (ramp: defaults)
+    assert ours.config.rope_scaling == {k: OLMO3_YARN[k] for k in written}
+    idx = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(6))  # 3x the original context
+    plain = {"rope_type": "default", "rope_theta": 500.0}
+    with torch.no_grad():
+        want, got = hf(idx).logits, ours(idx)
+        others = [build("olmo3", seed=3, vocab_size=VOCAB, rope_parameters=r, layer_types=types)(idx).logits
+                  for r in ({"full_attention": plain, "sliding_attention": plain},
+                            {"full_attention": OLMO3_YARN, "sliding_attention": OLMO3_YARN})]  # fmt: skip
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-5 * scale
+    assert all(float((o - want).abs().max()) > 1e-3 * scale for o in others)
+    tokens = ours.generate(idx[:, :16], 24, temperature=0)
+    assert torch.equal(tokens, hf.generate(idx[:, :16], max_new_tokens=24, do_sample=False, pad_token_id=0))
 
 
 def test_refused_phi3_longrope_factors_without_their_pair(tmp_path):

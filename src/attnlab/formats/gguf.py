@@ -39,7 +39,7 @@ qwen2, qwen3          qwen2, qwen3
 gemma, gemma2         gemma, gemma2
 gemma3                gemma3_text
 phi3                  phi3
-olmo2                 olmo2, olmo3 (with a window)    OLMo 3's RoPE scaling
+olmo2                 olmo2, olmo3 (with a window)    OLMo 3's RoPE scaling other than YaRN
 gptneox               gpt_neox
 ====================  ==============================  ==========================================
 
@@ -204,10 +204,14 @@ def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> d
     # layers in four (the fourth attends to everything), as transformers' Olmo3Config does by default
     if not is_int(window) or window < 1:
         raise ValueError(f"{arch_name}.attention.sliding_window must be a positive integer, got {window!r}")
-    if "rope_scaling" in cfg:
-        raise ValueError("RoPE scaling in an olmo2 file with a sliding window (OLMo 3) is not supported yet")
-    n = cfg["num_hidden_layers"]
-    types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    # (a ``sliding_window_pattern`` of one boolean a layer, where the converter writes one, says the same)
+    sliding = _sliding_layers(meta, arch_name, cfg["num_hidden_layers"], 4)
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    # Its YaRN (OLMo 3's long context) turns the full layers only; the window layers keep plain RoPE of
+    # the same base, as in llama.cpp's olmo2 graph and transformers' Olmo3 model
+    kind = (cfg.get("rope_scaling") or {}).get("rope_type")
+    if kind not in (None, "yarn"):
+        raise ValueError(f"RoPE scaling {kind!r} in an olmo2 file with a sliding window (OLMo 3) is not supported yet")
     return cfg | {"model_type": "olmo3", "sliding_window": int(window), "layer_types": types}
 
 
@@ -389,13 +393,15 @@ def _rope_scaling(kind: str, meta: dict[str, Any], arch_name: str) -> dict[str, 
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     # DeepSeek's log multiplier and the factors llama.cpp's options override: not read yet, so refused
-    other = [n for n in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor", "attn_factor") if key(n) in meta]
+    other = [n for n in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor") if key(n) in meta]
     if other:
         raise ValueError(f"YaRN scaling with {', '.join(key(n) for n in other)} is not supported yet")
     if not is_int(original) or original < 1:
         raise ValueError(f"YaRN scaling needs a positive integer {key('original_context_length')}, got {original!r}")
     scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
-    for name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+    # (attn_factor: the converter's copy of the config's attention_factor, OLMo 3's for one)
+    named = (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"), ("attn_factor", "attention_factor"))
+    for name, hf_name in named:
         if key(name) in meta:
             scaling[hf_name] = meta[key(name)]
     return scaling
