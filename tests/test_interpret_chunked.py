@@ -204,8 +204,7 @@ def test_next_section_at_a_cold_temperature_equals_float64(monkeypatch):
     logits = torch.randn(9, 500, generator=torch.Generator().manual_seed(4)) * 100
     monkeypatch.setattr(inspector, "NEXT_CHUNK", 4)
     nxt = inspector._next_section(logits, 6)
-    ids = torch.frombuffer(bytearray(nxt["ids"].data), dtype=torch.int32)
-    ids = ids.reshape(9, 6).long()
+    ids = torch.frombuffer(bytearray(nxt["ids"].data), dtype=torch.int32).reshape(9, 6).long()
     probs = torch.frombuffer(bytearray(nxt["probs"].data), dtype=torch.float32).reshape(len(TEMPERATURES), 9, 6)
     for i, t in enumerate(TEMPERATURES):
         want = torch.softmax(logits.double() / t, -1).gather(-1, ids)

@@ -204,10 +204,10 @@ def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> d
     # layers in four (the fourth attends to everything), as transformers' Olmo3Config does by default
     if not is_int(window) or window < 1:
         raise ValueError(f"{arch_name}.attention.sliding_window must be a positive integer, got {window!r}")
-    # (a ``sliding_window_pattern`` of one boolean a layer, where the converter writes one, says the same)
+    # (or as the file's ``sliding_window_pattern`` says, one boolean a layer, which newer converters write)
     sliding = _sliding_layers(meta, arch_name, cfg["num_hidden_layers"], 4)
     types = ["sliding_attention" if s else "full_attention" for s in sliding]
-    # Its YaRN (OLMo 3's long context) turns the full layers only; the window layers keep plain RoPE of
+    # Its YaRN (OLMo 3's long context) scales the full layers only; the window layers keep plain RoPE of
     # the same base, as in llama.cpp's olmo2 graph and transformers' Olmo3 model
     kind = (cfg.get("rope_scaling") or {}).get("rope_type")
     if kind not in (None, "yarn"):

@@ -302,10 +302,10 @@ def _lens_of_output(lens: LogitLens, trace: Trace, final: Tensor, start: int, ch
 
 
 # How far below a row's largest logit :func:`logsumexp_at` lifts the rest. exp(x - max) under -87 is a
-# float32 denormal, which x86 CPUs compute tens of times slower than a normal number (a lens row or a
-# cold softmax has tens of thousands of them; torch.set_flush_denormal does not reach torch's worker
-# threads). A lifted term is at most e^-80 of the largest, so a vocabulary of them moves the sum by
-# less than 1e-29 of itself, far below float32's rounding.
+# float32 denormal, which x86 CPUs compute far slower than a normal number, and a softmax over the
+# vocabulary at a cold temperature has tens of thousands of them (torch.set_flush_denormal did not
+# help). A lifted term is at most e^-80 of the largest, so a vocabulary of them moves the sum by less
+# than 1e-29 of itself, far below float32's rounding.
 LSE_FLOOR = 80.0
 
 
