@@ -69,7 +69,7 @@ from attnlab.checks import finite_real, is_int
 from attnlab.files import GGUF_MAGIC, open_gguf
 from attnlab.formats import families
 from attnlab.gguf_vocab import is_gguf_file
-from attnlab.positions import llama3_scaling_from_factors
+from attnlab.positions import llama3_scaling_from_factors, rope_scaling_type
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
 __all__ = ["ARCHITECTURES", "GGUF_MAGIC", "GGUFModel", "is_gguf", "read_gguf", "read_gguf_config", "read_gguf_metadata"]
@@ -209,8 +209,8 @@ def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> d
     types = ["sliding_attention" if s else "full_attention" for s in sliding]
     # Its YaRN (OLMo 3's long context) scales the full layers only; the window layers keep plain RoPE of
     # the same base, as in llama.cpp's olmo2 graph and transformers' Olmo3 model
-    kind = (cfg.get("rope_scaling") or {}).get("rope_type")
-    if kind not in (None, "yarn"):
+    kind = rope_scaling_type(cfg.get("rope_scaling"))
+    if kind not in ("default", "yarn"):
         raise ValueError(f"RoPE scaling {kind!r} in an olmo2 file with a sliding window (OLMo 3) is not supported yet")
     return cfg | {"model_type": "olmo3", "sliding_window": int(window), "layer_types": types}
 
