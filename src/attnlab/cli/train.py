@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from attnlab.files import safe_write
+from attnlab.files import atomic_write_json, safe_write
 from attnlab.model import GPTConfig
+from attnlab.tokenizers import tokenizer_to_dict
 from attnlab.training.allocator import tune_cpu_allocator
 from attnlab.training.chat_data import template_from_hf_dir
 from attnlab.training.checkpoint import has_checkpoint
@@ -306,8 +307,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _merge(trainer: Trainer, out: Path) -> None:
     """``--merge DIR``: the trained model as GPT.save() + tokenizer.json (adapters merged in)."""
-    from attnlab.files import atomic_write_json
-    from attnlab.tokenizers import tokenizer_to_dict
     from attnlab.tools.loading import CHAT_NAME, TOKENIZER_NAME
 
     model = merge_lora(trainer.raw_model)  # in place: training is over

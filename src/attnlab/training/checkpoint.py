@@ -18,14 +18,13 @@ only after that are older step directories removed. A SIGKILL or power cut at an
 leaves ``latest.json`` naming a complete checkpoint: the previous one or the new one, never a mix.
 
 How a load stays honest. Nothing is trusted before it is checked; a failure is a ``ValueError`` /
-``FileNotFoundError`` naming the file and the entry. ``checkpoint.json`` carries ``metadata_sha256``,
-the SHA-256 of its own canonical JSON, so a flipped bit or a hand edit (``"step": 30`` -> ``31``) is
-refused, and every entry is checked for type and range (format version 1, from before the self-hash,
-without the hash). Every file a reader needs is checked against its recorded size and SHA-256 before
-it is parsed (generate and viz never touch ``optimizer.pt``); ``config.json`` is checked against the
-recorded configuration, :data:`attnlab.checks.MODEL_LIMITS` and the weights' layer count before a
-module is built; the optimizer state against the model (:func:`check_optimizer_state`) before
-``load_state_dict``, so a crafted state never reaches a kernel that would read out of bounds.
+``FileNotFoundError`` naming the file and the entry. Every entry of ``checkpoint.json`` is checked for
+type and range, and its ``metadata_sha256`` (the SHA-256 of its own canonical JSON; absent in format
+version 1) refuses a flipped bit or a hand edit. Every file a reader needs must match its recorded
+size and SHA-256 before it is parsed; ``config.json`` must match the recorded configuration,
+:data:`attnlab.checks.MODEL_LIMITS` and the weights' layer count before a module is built; the
+optimizer state must fit the model (:func:`check_optimizer_state`) before ``load_state_dict``, so a
+crafted state never reaches a kernel that would read out of bounds.
 
 Nothing here unpickles: weights are safetensors, metadata is JSON, and the optimizer state goes
 through ``torch.load(..., weights_only=True)``.
@@ -163,7 +162,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned (CUDA / MPS states only where that device is
     available); a bad state (:func:`check_rng_state`) is a ValueError naming the generator."""
     check_rng_state(state, "rng state")
-    setters = {"torch": lambda s: torch.set_rng_state(_unb64(s)), "numpy": _set_numpy, "python": _set_python}
+    setters = {
+        "torch": lambda s: torch.set_rng_state(_unb64(s)),
+        "numpy": lambda s: np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), *s[2:])),
+        "python": lambda s: random.setstate((s[0], tuple(s[1]), s[2])),
+    }
     if state.get("cuda") and torch.cuda.is_available():
         setters["cuda"] = _set_cuda
     if state.get("mps") and _mps_available():
@@ -173,16 +176,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
             apply(state[name])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             raise ValueError(f"rng state: the {name!r} generator refused its saved state ({first_line(exc)})") from None
-
-
-def _set_numpy(s: list[Any]) -> None:
-    name, keys, pos, has_gauss, cached = s
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _set_python(s: list[Any]) -> None:
-    version, internal, gauss_next = s
-    random.setstate((version, tuple(internal), gauss_next))
 
 
 def _set_cuda(s: list[str]) -> None:
@@ -269,14 +262,8 @@ def step_dirname(step: int) -> str:
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # What attnlab itself puts in a step directory: its files, and their temporary files (atomic_open).
-_NAMES = r"model\.safetensors|config\.json|optimizer\.pt|checkpoint\.json|adapters\.safetensors|hf_tokenizer\.json"
+_NAMES = "|".join(re.escape(name) for name in (*FILE_NAMES, CHECKPOINT_NAME))
 _OWN_FILE = re.compile(rf"(?:{_NAMES})|\.(?:{_NAMES})\..+\.tmp")
-
-
-def _step_of(p: Path) -> int | None:
-    """The step of a ``step-N`` directory (None for anything else)."""
-    m = _STEP_DIR.fullmatch(p.name)
-    return int(m.group(1)) if m and p.is_dir() and not p.is_symlink() else None
 
 
 def _sharded_optimizer_file(name: str) -> bool:
@@ -289,14 +276,13 @@ def _written_by_attnlab(d: Path) -> bool:
     """Whether every entry of the step directory ``d`` is a file attnlab writes there, so that
     removing ``d`` removes nothing else (attnlab never deletes what it cannot prove it wrote)."""
     try:
-        entries = list(d.iterdir())
+        return all(
+            (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
+            or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
+            for e in d.iterdir()
+        )
     except OSError:
         return False
-    return all(
-        (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
-        or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
-        for e in entries
-    )
 
 
 def _all_dcp_files(d: Path) -> bool:
@@ -405,7 +391,7 @@ def write_step_dir(
     with base_weights(model):  # a LoRA model: the frozen base here, its adapters beside it
         model.save(d)  # model.safetensors + config.json
     files = [WEIGHTS_NAME, CONFIG_NAME, *extra_files]  # extra: a sharded optimizer state, already written
-    metadata = dict(metadata)
+    metadata = {k: v for k, v in metadata.items() if k != SELF_HASH}  # a copy: the caller's stays as it was
     if tokenizer is not None:
         metadata["tokenizer"] = tokenizer_to_dict(tokenizer, d)
         if metadata["tokenizer"].get("path") == HF_TOKENIZER_FILE:
@@ -421,15 +407,14 @@ def write_step_dir(
         torch.save(optimizer.state_dict(), buf)
         atomic_write_bytes(d / OPTIMIZER_NAME, buf.getvalue())
         files.append(OPTIMIZER_NAME)
-    meta = {k: v for k, v in metadata.items() if k != SELF_HASH}
-    meta.update(
+    metadata.update(
         format=FORMAT,
         version=VERSION,
         step=step,
         files={f: {"bytes": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in files},
     )
     # Hash what a reader will parse: the JSON round trip turns tuples into lists, int keys into strings.
-    meta = json.loads(json.dumps(meta))
+    meta = json.loads(json.dumps(metadata))
     meta[SELF_HASH] = metadata_digest(meta)
     atomic_write_json(d / CHECKPOINT_NAME, meta)
     fsync_dir(d)
@@ -442,13 +427,13 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     before its pointer switch left it)."""
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
-        s = _step_of(p)
-        if s is None or p == final or not _written_by_attnlab(p):
+        m = _STEP_DIR.fullmatch(p.name)
+        if not m or not p.is_dir() or p.is_symlink() or p == final or not _written_by_attnlab(p):
             continue
-        if s >= step:
+        if int(m.group(1)) >= step:
             shutil.rmtree(p, ignore_errors=True)
         else:
-            older.append((s, p))
+            older.append((int(m.group(1)), p))
     older.sort()
     for _, old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
@@ -830,10 +815,9 @@ def _load_tensors(f: Path, device: torch.device | str | None) -> Any:
         with open_regular(f, "checkpoint file") as fh:
             return torch.load(fh, map_location=device or "cpu", weights_only=True)
     except Exception as exc:  # an unpickling error, a torn zip archive, ...
-        kind = type(exc).__name__
         raise ValueError(
             f"checkpoint file {f} is not a plain tensor checkpoint (torch.load with weights_only=True refused it: "
-            f"{kind}); attnlab never unpickles objects"
+            f"{type(exc).__name__}); attnlab never unpickles objects"
         ) from None
 
 
@@ -848,14 +832,12 @@ def check_optimizer_state(
     """A saved Adam/AdamW/:class:`MuonAdamW` ``state`` checked against ``optimizer`` (built for this model), returned in
     the form to pass to ``optimizer.load_state_dict``; ValueError naming ``where`` on any mismatch.
 
-    ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads and then
-    the fused kernel reads past its end (a segfault). So: the param groups must have this optimizer's
-    layout (group and parameter counts, distinct ids, settings of the same kinds); one state per
-    parameter (none before the first step) with exactly Adam's entries (``exp_avg``, ``exp_avg_sq``,
-    ``max_exp_avg_sq`` with amsgrad) or Muon's ``momentum_buffer``, of the parameter's shape and
-    dtype, finite (second moments non-negative), and a float ``step`` counter equal to ``step``
-    (every parameter of a GPT gets a gradient every step). The result's group settings (lr, betas,
-    ...) are ``optimizer``'s own: a resumed run uses its configuration's, not the file's.
+    ``load_state_dict`` itself checks little: a crafted ``exp_avg`` of shape ``(1,)`` loads, then the
+    fused kernel reads past its end. So the param groups must have this optimizer's layout, and every
+    parameter (none before the first step) one state with exactly Adam's or Muon's entries, of its
+    shape and dtype, finite (second moments non-negative), with a float ``step`` counter equal to
+    ``step``. The result keeps ``optimizer``'s own group settings (lr, betas, ...): a resumed run uses
+    its configuration's, not the file's.
     """
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, MuonAdamW)):
         raise TypeError(f"optimizer must be torch.optim.Adam, AdamW or MuonAdamW, got {type(optimizer).__name__}")
@@ -892,8 +874,8 @@ def check_optimizer_state(
     per_param = state["state"]
     if not isinstance(per_param, dict):
         raise bad(f"'state' is {_describe(per_param)}, not a dict of per-parameter states")
-    if len(per_param) != (len(params) if step > 0 else 0):  # a fresh optimizer's state is no resume
-        want = len(params) if step > 0 else 0
+    want = len(params) if step > 0 else 0  # a fresh optimizer holds no state
+    if len(per_param) != want:
         raise bad(f"it holds the state of {len(per_param)} parameters, after step {step} there are {want}")
     for pid, s in per_param.items():
         if not is_int(pid) or pid not in params:

@@ -184,10 +184,9 @@ def _bounded_lines(f: Any, limit: int) -> Iterable[str]:
 
 def _out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocator's refusal (torch on CPU or CUDA, NumPy, Python)."""
-    if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))):
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("can't allocate memory", "out of memory"))
 
 
 IGNORE_INDEX = chat_data.IGNORE  # targets that do not count in the loss (chat data: not the assistant's)
@@ -279,8 +278,7 @@ class Trainer:
         elif config.init_from:
             self._fit_context = config.context_length is None  # the default windows may shrink to fit the data
             config = finetune_config(config, self._init, config.explicit_fields() if given is None else set(given))
-        # Python numbers for NumPy ones; absolute paths, after resumed(): a checkpoint from before
-        # paths were recorded absolute gets them too.
+        # Python numbers for NumPy ones; absolute paths (after resumed(): a checkpoint may hold relative ones).
         paths = {"data": absolute_path(config.data), "bpe_dir": absolute_path(config.bpe_dir)}
         paths["init_from"] = model_path(config.init_from)
         config = TrainConfig.from_dict(config.to_dict() | paths)
@@ -307,7 +305,6 @@ class Trainer:
             "--batch-size (or raise --grad-accum), --context-length, or choose a smaller --preset"
         )
 
-    # -- logging -------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
         if self.dist.is_main:
             self._log(msg)
@@ -530,15 +527,13 @@ class Trainer:
                 )
         common = dict(batch_size=per_rank, context_length=T, rank=d.rank, world_size=d.world_size)
         common.update(grad_accum_steps=cfg.grad_accum)
-
-        def make(tokens: torch.Tensor, mask: Any, seed: int) -> data.RandomWindowBatches:
-            if mask is None:
-                return data.RandomWindowBatches(tokens, seed=seed, **common)
-            return chat_data.MaskedWindowBatches(tokens, mask, seed=seed, **common)  # loss on the assistant's tokens
-
-        masks = self._chat_masks or (None, None)
-        self.train_batches = make(train_tokens, masks[0], cfg.seed)
-        self.val_batches = make(val_tokens, masks[1], cfg.seed + 1)
+        if self._chat_masks is None:
+            self.train_batches = data.RandomWindowBatches(train_tokens, seed=cfg.seed, **common)
+            self.val_batches = data.RandomWindowBatches(val_tokens, seed=cfg.seed + 1, **common)
+        else:  # the loss on the assistant's tokens only
+            train_mask, val_mask = self._chat_masks
+            self.train_batches = chat_data.MaskedWindowBatches(train_tokens, train_mask, seed=cfg.seed, **common)
+            self.val_batches = chat_data.MaskedWindowBatches(val_tokens, val_mask, seed=cfg.seed + 1, **common)
         self.tokens_per_step = cfg.batch_size * T
 
     def _restore_state(self, ckpt: Checkpoint | None) -> None:
@@ -606,11 +601,9 @@ class Trainer:
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (rank 0 writes; all ranks must call it)."""
         rng = get_rng_state()
+        gathered: list[Any] = [rng] * self.dist.world_size  # under torchrun, each process's own once gathered
         if self.dist.enabled:
-            gathered: list[Any] = [None] * self.dist.world_size
             torch.distributed.all_gather_object(gathered, rng)
-        else:
-            gathered = [rng]
         if not self.dist.is_main and not self.cfg.fsdp:
             return None
         meta = {
@@ -866,9 +859,8 @@ class Trainer:
         dtype = hardware.training_dtype(cfg.precision, self.device)
         how = "bf16 autocast" + (" and bf16 Newton-Schulz" if cfg.optimizer == "muon" else "")
         how = how if dtype == torch.bfloat16 else "float32"
-        if cfg.precision != "auto":
-            return f"{optimizer}, {how}: --precision {cfg.precision}"
-        return f"{optimizer}, {how}: {hardware.describe(self.device).why}"
+        why = f"--precision {cfg.precision}" if cfg.precision != "auto" else hardware.describe(self.device).why
+        return f"{optimizer}, {how}: {why}"
 
     def _progress_bar(self) -> Any:
         """A tqdm bar on rank 0 with ``--progress`` and steps to go; None otherwise, or without tqdm."""
@@ -918,8 +910,7 @@ class Trainer:
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, P)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
         decoder = StreamDecoder(self.tokenizer)
-        settings = dataclasses.asdict(sampling)
-        for token in self.raw_model.stream(idx, n, **settings, generator=gen):  # (1,)
+        for token in self.raw_model.stream(idx, n, **dataclasses.asdict(sampling), generator=gen):  # (1,)
             ids.append(int(token[0]))
             if on_text is not None and (piece := decoder.push(ids[-1])):
                 on_text(piece)
