@@ -98,11 +98,9 @@ def _ids_to_list(ids: Sequence[int] | Tensor | np.ndarray, vocab_size: int) -> l
             if not is_int(i):  # int(65.9) would pass as 'A'
                 raise TypeError(f"ids must be ints, got {i!r}")
         out = [int(i) for i in out]
-    if out:
-        lo, hi = min(out), max(out)
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad}")
+    if out and (min(out) < 0 or max(out) >= vocab_size):
+        bad = min(out) if min(out) < 0 else max(out)
+        raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad}")
     return out
 
 
@@ -195,9 +193,6 @@ class ByteTokenizer(Tokenizer):
                 f"text contains a character that is not valid in UTF-8 at index {exc.start}: {text[exc.start]!r}"
             ) from None
         return np.frombuffer(data, dtype=np.uint8).copy()
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.encode_array(text).tobytes())
 
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -370,8 +365,7 @@ class GPT2Tokenizer(Tokenizer):
                 raise TokenizerLoadError(
                     f"could not download the GPT-2 BPE files (offline? {type(exc).__name__}); "
                     f"pass --bpe-dir DIR (in Python: tokenizer=get_tokenizer('gpt2', bpe_dir=DIR)) or set "
-                    f"{GPT2_BPE_ENV}=DIR, "
-                    "where DIR contains GPT-2's encoder.json and vocab.bpe"
+                    f"{GPT2_BPE_ENV}=DIR, where DIR contains GPT-2's encoder.json and vocab.bpe"
                 ) from None
             # tiktoken verified the downloaded files against these hashes.
             self._bpe_hash, self._enc_hash = GPT2_VOCAB_BPE_SHA256, GPT2_ENCODER_JSON_SHA256
@@ -410,8 +404,7 @@ class GPT2Tokenizer(Tokenizer):
             window = 1 << 12
             while True:
                 start = max(0, len(text) - window)
-                ends = [m.end() for m in pattern.finditer(text, start)]
-                if ends:
+                if ends := [m.end() for m in pattern.finditer(text, start)]:
                     return ends[-1]
                 if start == 0:
                     break

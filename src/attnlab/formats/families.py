@@ -116,11 +116,14 @@ _GATED_MLP = {
     "ff.layers.2.weight": "mlp.down_proj.weight",
 }
 _PRE_NORMS = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight"}
+_POST_NORMS = {
+    "post_norm1.weight": "post_attention_layernorm.weight",
+    "post_norm2.weight": "post_feedforward_layernorm.weight",
+}
 _SANDWICH_NORMS = {
     "norm1.weight": "input_layernorm.weight",
-    "post_norm1.weight": "post_attention_layernorm.weight",
     "norm2.weight": "pre_feedforward_layernorm.weight",
-    "post_norm2.weight": "post_feedforward_layernorm.weight",
+    **_POST_NORMS,
 }
 _LLAMA_OUTER = {"tok_emb.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
 _QKV = (("W_query", "q"), ("W_key", "k"), ("W_value", "v"))
@@ -160,14 +163,9 @@ class Family:
 # --------------------------------------------------------------------------------------------
 # transformers' ACT2FN names -> GPTConfig.activation. "gelu_python" is ACT2FN's other exact (erf) GELU:
 # the one name of it a Gemma 1 config can hold, since Gemma 1 reads "gelu" as the tanh approximation.
-_GELUS = {
-    "gelu": "gelu",
-    "gelu_python": "gelu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_python_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-}
+_GELUS = {"gelu": "gelu", "gelu_python": "gelu"} | dict.fromkeys(
+    ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast"), "gelu_tanh"
+)
 
 
 def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None, float]:
@@ -195,13 +193,13 @@ def _window_layers(cfg: dict[str, Any], n_layers: int, derived: list[bool] | Non
     return dict(window=int(window), window_layers=[i for i, s in enumerate(sliding) if s])
 
 
-def _llama_like(cfg: dict[str, Any], act_key: str = "hidden_act", act: str = "silu") -> dict[str, Any]:
-    """The fields every family reads the same way (Llama's names)."""
+def _llama_like(cfg: dict[str, Any], act: str = "silu") -> dict[str, Any]:
+    """The fields every family reads the same way (Llama's names); ``act="silu"`` checks ``hidden_act``."""
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
-    got = cfg.get(act_key) or act
+    got = cfg.get("hidden_act") or act
     if act == "silu" and got != "silu":
-        raise ValueError(f"this family's gated MLP is silu-gated (SwiGLU); the config's {act_key} is {got!r}")
+        raise ValueError(f"this family's gated MLP is silu-gated (SwiGLU); the config's hidden_act is {got!r}")
     params = cfg.get("rope_parameters")
     if params is None and (cfg.get("rope_scaling") or "rope_theta" in cfg):
         params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
@@ -240,19 +238,15 @@ def _no_bias(cfg: dict[str, Any], family: str) -> None:
             raise ValueError(f"{key}=True in a {family} config: attnlab maps {family} without those biases")
 
 
-def _qwen2(cfg: dict[str, Any]) -> dict[str, Any]:
+def _qwen(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2 (q, k, v biased; o_proj and MLP not) and Qwen3 (QK-norm, no biases)."""
+    qwen3 = cfg.get("model_type") == "qwen3"
+    if qwen3:
+        _no_bias(cfg, "Qwen3")
     fields = _llama_like(cfg)
     n = fields["n_layers"]
     sliding = [bool(cfg.get("use_sliding_window")) and i >= cfg.get("max_window_layers", n) for i in range(n)]
-    return fields | dict(qkv_bias=True) | _window_layers(cfg, n, sliding)  # q, k, v biased; o_proj and MLP not
-
-
-def _qwen3(cfg: dict[str, Any]) -> dict[str, Any]:
-    _no_bias(cfg, "Qwen3")
-    fields = _llama_like(cfg)
-    n = fields["n_layers"]
-    sliding = [bool(cfg.get("use_sliding_window")) and i >= cfg.get("max_window_layers", n) for i in range(n)]
-    return fields | dict(qk_norm=True) | _window_layers(cfg, n, sliding)
+    return fields | (dict(qk_norm=True) if qwen3 else dict(qkv_bias=True)) | _window_layers(cfg, n, sliding)
 
 
 def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -297,9 +291,8 @@ def _rope_by_layer_type(
         theta, scaling, _ = _rope(params["full_attention"], theta)
         local_theta, local_scaling, _ = _rope(params.get("sliding_attention"), local_theta or theta)
     else:  # older config.json files: rope_theta (+ rope_scaling) globally, rope_local_base_freq locally
-        theta, scaling, _ = _rope(
-            {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", theta)}, theta
-        )
+        legacy = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", theta)}
+        theta, scaling, _ = _rope(legacy, theta)
         local_theta, local_scaling = float(cfg.get("rope_local_base_freq", local_theta or theta)), None
     if local_scaling is not None:
         raise ValueError(f"rope scaling of the sliding-window layers ({local_scaling}) is not supported")
@@ -505,13 +498,7 @@ def _check_llama(cfg: GPTConfig, model_type: str) -> None:
 
 
 _GEMMA2 = {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}
-_OLMO2_LAYER = {
-    **_ATTENTION,
-    **_QK_NORM,
-    "post_norm1.weight": "post_attention_layernorm.weight",
-    **_GATED_MLP,
-    "post_norm2.weight": "post_feedforward_layernorm.weight",
-}
+_OLMO2_LAYER = {**_ATTENTION, **_QK_NORM, **_GATED_MLP, **_POST_NORMS}
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         gpt2_config_fields,
@@ -525,8 +512,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "llama": Family(_llama, _LLAMA_LAYER, _LLAMA_OUTER, check=_check_llama),
     "mistral": Family(_llama, _LLAMA_LAYER, _LLAMA_OUTER, check=_check_llama),
-    "qwen2": Family(_qwen2, {**_PRE_NORMS, **_ATTENTION, **_QKV_BIAS, **_GATED_MLP}, _LLAMA_OUTER),
-    "qwen3": Family(_qwen3, {**_PRE_NORMS, **_ATTENTION, **_QK_NORM, **_GATED_MLP}, _LLAMA_OUTER),
+    "qwen2": Family(_qwen, {**_PRE_NORMS, **_ATTENTION, **_QKV_BIAS, **_GATED_MLP}, _LLAMA_OUTER),
+    "qwen3": Family(_qwen, {**_PRE_NORMS, **_ATTENTION, **_QK_NORM, **_GATED_MLP}, _LLAMA_OUTER),
     "gemma": Family(_gemma, {**_PRE_NORMS, **_ATTENTION, **_GATED_MLP}, _LLAMA_OUTER),
     "gemma2": Family(_gemma2, _GEMMA2, _LLAMA_OUTER),
     "gemma3_text": Family(_gemma3, {**_GEMMA2, **_QK_NORM}, _LLAMA_OUTER),
@@ -639,12 +626,11 @@ def _expected_shapes(f: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _has(name: str, f: dict[str, Any] | Any) -> bool:
-    """Whether a model of fields (or config) ``f`` has tensor ``name``: a bias only when switched on."""
-    get = f.get if isinstance(f, dict) else lambda k, d: getattr(f, k)
+def _has(name: str, f: dict[str, Any]) -> bool:
+    """Whether a model of fields ``f`` has tensor ``name``: a bias only when switched on."""
     if not name.endswith(".bias"):
         return True
-    return bool(get("qkv_bias", False) if name.split(".")[-2] in dict(_QKV) else get("bias", True))
+    return bool(f.get("qkv_bias", False) if name.split(".")[-2] in dict(_QKV) else f.get("bias", True))
 
 
 def _read(take: Callable[[str, tuple[int, ...]], Tensor], src: Source, want: tuple[int, ...], f: dict) -> Tensor:
@@ -696,13 +682,13 @@ def convert(
     for where, ours, table in groups:
 
         def take(name: str, want: tuple[int, ...], where: str = where) -> Tensor:
-            if where + name not in hf:
-                raise ValueError(f"not a {model_type} state dict: {where + name!r} is missing")
-            if tuple(hf[where + name].shape) != tuple(want):
-                got = tuple(hf[where + name].shape)
-                raise ValueError(f"{model_type} weight {where + name!r} must have shape {tuple(want)}, got {got}")
-            used.add(where + name)
-            return hf[where + name]
+            name = where + name
+            if name not in hf:
+                raise ValueError(f"not a {model_type} state dict: {name!r} is missing")
+            if (got := tuple(hf[name].shape)) != tuple(want):
+                raise ValueError(f"{model_type} weight {name!r} must have shape {tuple(want)}, got {got}")
+            used.add(name)
+            return hf[name]
 
         for name, src in table.items():
             if _has(name, f):
@@ -711,9 +697,7 @@ def convert(
             for k in used:
                 del hf[k]
             used.clear()
-    if copy:
-        return fields, {k: v.detach().clone().contiguous() for k, v in new.items()}
-    return fields, {k: v.detach().contiguous() for k, v in new.items()}
+    return fields, {k: (v.detach().clone() if copy else v.detach()).contiguous() for k, v in new.items()}
 
 
 def to_attnlab(
@@ -747,29 +731,9 @@ def to_attnlab(
 
 
 # The GPTConfig switches that make a family's computation (not its sizes, nor its RoPE base).
-_SWITCHES = (
-    "pos",
-    "norm",
-    "mlp",
-    "activation",
-    "bias",
-    "qkv_bias",
-    "qk_norm",
-    "sinks",
-    "norm_offset",
-    "embed_scale",
-    "attn_scale",
-    "attn_softcap",
-    "logit_softcap",
-    "window",
-    "window_layers",
-    "rope_local_theta",
-    "pre_norms",
-    "post_norms",
-    "rotary_fraction",
-    "parallel_residual",
-    "head_dim",
-)
+_SWITCHES = ("pos", "norm", "mlp", "activation", "bias", "qkv_bias", "qk_norm", "sinks", "norm_offset", "embed_scale",
+             "attn_scale", "attn_softcap", "logit_softcap", "window", "window_layers", "rope_local_theta", "pre_norms",
+             "post_norms", "rotary_fraction", "parallel_residual", "head_dim")  # fmt: skip
 _GELU_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
@@ -783,10 +747,7 @@ def _as_config_json(cfg: Any, model_type: str) -> dict[str, Any]:
         sliding = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.n_layers)]
     act = "silu" if cfg.mlp == "swiglu" else _GELU_NAMES.get(cfg.activation, cfg.activation)
     if model_type == "gemma" and act == "gelu":
-        # Gemma 1 reads "gelu" as the tanh approximation (GemmaConfig rewrites it, and so does _gemma);
-        # GemmaMLP runs ACT2FN[hidden_act] (hidden_activation before transformers 5), where
-        # "gelu_python" is the exact erf GELU.
-        act = "gelu_python"
+        act = "gelu_python"  # Gemma 1 reads "gelu" as the tanh approximation: the exact GELU's other name (_GELUS)
     theta = cfg.rope_theta
     return dict(
         model_type=model_type,
@@ -849,13 +810,8 @@ def _check_family(config: GPTConfig, model_type: str) -> None:
     try:
         want = _switches(config_fields(probe), kind)
     except ValueError as e:  # the reader refuses the model's activation or biases: compare with the family's own
-        why = f" ({e})"
-        want = _switches(
-            config_fields(
-                {k: v for k, v in probe.items() if k not in ("hidden_act", "hidden_activation", "attention_bias")}
-            ),
-            kind,
-        )
+        why, refused = f" ({e})", ("hidden_act", "hidden_activation", "attention_bias")
+        want = _switches(config_fields({k: v for k, v in probe.items() if k not in refused}), kind)
         want["activation"] = have["activation"] if want["mlp"] == have["mlp"] else want["activation"]
     diff = [k for k in _SWITCHES if _differs(have[k], want[k])]
     if diff:

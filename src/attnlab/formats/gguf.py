@@ -52,10 +52,12 @@ unknown quantization type, shapes that disagree with the metadata, sizes out of 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,24 +109,21 @@ class Architecture:
     qkv_per_head: bool = False
 
 
-_LLAMA_CONFIG = {
+_SIZES = {
     "max_position_embeddings": "{arch}.context_length",
     "hidden_size": "{arch}.embedding_length",
     "num_hidden_layers": "{arch}.block_count",
     "intermediate_size": "{arch}.feed_forward_length",
     "num_attention_heads": "{arch}.attention.head_count",
+}
+_LLAMA_CONFIG = _SIZES | {
     "num_key_value_heads": "{arch}.attention.head_count_kv",
     "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
     "rope_theta": "{arch}.rope.freq_base",
     "head_dim": "{arch}.attention.key_length",
     "vocab_size": "{arch}.vocab_size",
 }
-_NEOX_CONFIG = {
-    "max_position_embeddings": "{arch}.context_length",
-    "hidden_size": "{arch}.embedding_length",
-    "num_hidden_layers": "{arch}.block_count",
-    "intermediate_size": "{arch}.feed_forward_length",
-    "num_attention_heads": "{arch}.attention.head_count",
+_NEOX_CONFIG = _SIZES | {
     "layer_norm_eps": "{arch}.attention.layer_norm_epsilon",
     "use_parallel_residual": "{arch}.use_parallel_residual",
     "rotary_emb_base": "{arch}.rope.freq_base",
@@ -138,33 +137,31 @@ _SOFTCAP = {
 }
 
 
-def _sliding_layers(meta: dict[str, Any], arch_name: str, n_layers: int, pattern: int) -> list[bool]:
-    """Which layers slide, as llama.cpp decides: ``attention.sliding_window_pattern`` per layer (an
-    array of booleans) or as a period ``n`` (the last layer of every ``n`` is global), else ``pattern``."""
+def _layer_types(meta: dict[str, Any], arch_name: str, n_layers: int, pattern: int) -> list[str]:
+    """``layer_types``: which layers slide, as llama.cpp decides: ``attention.sliding_window_pattern`` per
+    layer (an array of booleans) or as a period ``n`` (the last layer of every ``n`` is global), else ``pattern``."""
     key = f"{arch_name}.attention.sliding_window_pattern"
     given = meta.get(key, pattern)
     if isinstance(given, list):
         if len(given) != n_layers or not all(isinstance(b, bool) for b in given):
             raise ValueError(f"{key} must be {n_layers} booleans, got {given!r}")
-        return given
-    if not is_int(given) or given < 0:
+    elif not is_int(given) or given < 0:
         raise ValueError(f"{key} must be a non-negative integer or an array of booleans, got {given!r}")
-    return [given == 0 or i % given < given - 1 for i in range(n_layers)]
+    else:
+        given = [given == 0 or i % given < given - 1 for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in given]
 
 
 def _attention_scale(cfg: dict[str, Any], big: int) -> int:
     """Gemma 2/3's ``query_pre_attn_scalar``, which the file does not record: llama.cpp scales by
     the head size, except for the 27B models (``big`` layers), by width / heads."""
-    if cfg["num_hidden_layers"] == big:
-        return cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    width_per_head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return width_per_head if cfg["num_hidden_layers"] == big else cfg.get("head_dim", width_per_head)
 
 
 def _gemma2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
-    n = cfg["num_hidden_layers"]
     cfg.setdefault("sliding_window", 4096)  # llama.cpp's default for Gemma 2
-    sliding = _sliding_layers(meta, arch_name, n, 2)
-    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cfg["layer_types"] = _layer_types(meta, arch_name, cfg["num_hidden_layers"], 2)
     cfg["query_pre_attn_scalar"] = _attention_scale(cfg, big=46)
     return cfg
 
@@ -172,11 +169,10 @@ def _gemma2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> 
 def _gemma3_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
     n = cfg["num_hidden_layers"]
     if cfg.get("sliding_window"):
-        sliding = _sliding_layers(meta, arch_name, n, 6)
+        cfg["layer_types"] = _layer_types(meta, arch_name, n, 6)
     else:
-        sliding = [False] * n
+        cfg["layer_types"] = ["full_attention"] * n
         cfg.pop("sliding_window", None)
-    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     cfg["query_pre_attn_scalar"] = _attention_scale(cfg, big=62)
     local = meta.get(f"{arch_name}.rope.freq_base_swa", 10_000.0)  # llama.cpp's default local base
     if not isinstance(local, (int, float)) or not math.isfinite(local) or local <= 0:
@@ -205,8 +201,7 @@ def _olmo2_extra(cfg: dict[str, Any], meta: dict[str, Any], arch_name: str) -> d
     if not is_int(window) or window < 1:
         raise ValueError(f"{arch_name}.attention.sliding_window must be a positive integer, got {window!r}")
     # (or as the file's ``sliding_window_pattern`` says, one boolean a layer, which newer converters write)
-    sliding = _sliding_layers(meta, arch_name, cfg["num_hidden_layers"], 4)
-    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    types = _layer_types(meta, arch_name, cfg["num_hidden_layers"], 4)
     # Its YaRN (OLMo 3's long context) scales the full layers only; the window layers keep plain RoPE of
     # the same base, as in llama.cpp's olmo2 graph and transformers' Olmo3 model
     kind = rope_scaling_type(cfg.get("rope_scaling"))
@@ -253,11 +248,9 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's divisors (llama)
 LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE divisors (phi3)
 _READ_INTO_CONFIG = {"llama": (ROPE_FREQS,), "phi3": LONGROPE}
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
-_REFUSED_TENSORS = {
-    ROPE_FREQS: "RoPE frequency factors (read for llama files only)",
-    LONGROPE[0]: "LongRoPE factors (read for phi3 files only)",
-    LONGROPE[1]: "LongRoPE factors (read for phi3 files only)",
-}
+_REFUSED_TENSORS = {ROPE_FREQS: "RoPE frequency factors (read for llama files only)"} | dict.fromkeys(
+    LONGROPE, "LongRoPE factors (read for phi3 files only)"
+)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base", "attn_logit_softcapping",
            "final_logit_softcapping")  # fmt: skip
@@ -534,9 +527,7 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
         if hf_name is None:
             raise ValueError(f"unexpected tensor {t.name!r} for a {name} model of {n_layers} layers")
         tensors[hf_name] = t if keep_reader else t._replace(field=None)
-    counts: dict[str, int] = {}
-    for t in reader.tensors:
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    counts = dict(Counter(t.tensor_type.name for t in reader.tensors))
     if not keep_reader:
         # The reader's parse of the header (a Python object per token of the tokenizer: tens of MB
         # for a 50,000-token vocabulary) is not needed for the weights: let it go before they load.
@@ -563,8 +554,6 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
 
 def _release_freed_memory() -> None:
     """glibc's ``malloc_trim(0)``: the heap's free pages returned to the system (a no-op elsewhere)."""
-    import gc
-
     gc.collect()
     if not sys.platform.startswith("linux"):
         return

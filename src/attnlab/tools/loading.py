@@ -163,11 +163,11 @@ def load_pretrained(
         raise ValueError(
             f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
         )
-    local = Path(name).expanduser()
-    if name.lower() not in PRETRAINED and is_gguf(local):
+    local, published = Path(name).expanduser(), name.lower() in PRETRAINED  # a published name means the Hub's
+    if not published and is_gguf(local):
         return load_gguf(local, device=device, dtype=dtype, what=what)
-    is_local = name.lower() not in PRETRAINED and local.is_dir()  # a published name always means the Hub's
-    if not is_local and name.lower() not in PRETRAINED and local.is_file():  # (not a Hub name to try)
+    is_local = not published and local.is_dir()
+    if not published and local.is_file():  # (not a Hub name to try)
         raise ValueError(f"{what} {name}: a file that is not a GGUF file; give a GGUF file or a model's directory")
     if not is_local and is_local_path(name):  # a path (never a Hub id such as owner/name): not sent to the Hub
         raise FileNotFoundError(f"{what} {name}: no such directory")
@@ -238,7 +238,7 @@ def chat_files(
     V = tokenizer.vocab_size
     ids = _json_or_empty(directory / "generation_config.json").get("eos_token_id")
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
+    if not all(is_int(i) and 0 <= i < V for i in ids):
         raise ValueError(
             f"{what}: generation_config.json's eos_token_id must be a token id in [0, {V}) or a list of them, "
             f"got {ids!r:.80}"
@@ -292,9 +292,8 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
         )
     stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
     model = GPT.from_gguf(read, device=device)
-    metadata = {"source": "gguf", "name": gguf_name(read.metadata, read.quantization, p)}
-    metadata["architecture"] = read.architecture
-    metadata["quantization"] = read.quantization
+    name = gguf_name(meta, read.quantization, p)
+    metadata = {"source": "gguf", "name": name, "architecture": read.architecture, "quantization": read.quantization}
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
 
 
