@@ -10,12 +10,10 @@ biased, ``qkv_bias=True`` here; Exercise 5's ``MultiHeadAttention`` has no outpu
 :func:`attnlab.functional.scaled_dot_product_attention`, which uses torch's fused kernel whenever
 the attention weights are not requested.
 
-Argument order: the tutorials disagree. "A simple self-attention mechanism" uses
-``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)``, which attnlab follows; the
-GPT-style guide and the attention-review exercises put ``num_heads`` third. Keyword arguments give
-the right argument order, not the same model:
-``MultiHeadAttention(d_in=..., d_out=..., num_heads=..., context_length=..., dropout=...)``; see
-:mod:`attnlab.tutorials` for each tutorial's own classes.
+Argument order: attnlab follows "A simple self-attention mechanism",
+``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)``; the GPT-style guide and the
+attention-review exercises put ``num_heads`` third. Keyword arguments fix the order, not the other
+differences above.
 """
 
 from __future__ import annotations
@@ -79,9 +77,9 @@ _ORDER_HINT = (
 )
 
 
-def _check_dropout(value: object, cls: str | None = None) -> float:
+def _check_dropout(value: object, cls: str) -> float:
     if not is_real(value) or not 0.0 <= value < 1.0:
-        hint = _ORDER_HINT.format(cls=cls) if cls is not None and is_real(value) and value >= 1 else ""
+        hint = _ORDER_HINT.format(cls=cls) if is_real(value) and value >= 1 else ""
         raise ValueError(f"dropout must be a float in [0, 1), got {value!r}{hint}")
     return float(value)
 
@@ -273,17 +271,15 @@ class KVCache:
     The cache also records each slot's position (``positions (B, max_length)``, -1 = empty or
     padding), so a module can mask exactly what a full forward pass would.
 
-    The cache is for inference only: run it under ``torch.no_grad()`` or ``torch.inference_mode()``
-    (as :func:`attnlab.generation.generate` does). Autograd cannot backpropagate through buffers
-    that later steps overwrite in place, so appending raises rather than build a graph that would
-    fail (or be wrong) at ``backward()``; to train on a sequence, feed it whole, without a cache.
+    The cache is for inference only (under ``torch.no_grad()`` or ``torch.inference_mode()``, as in
+    :func:`attnlab.generation.generate`): autograd cannot backpropagate through buffers that later steps
+    overwrite in place, so appending with a gradient raises. To train, feed the sequence whole, without a cache.
 
     Args:
         batch_size, max_length, num_kv_heads, head_dim: buffer geometry.
-        dtype, device: of the buffers (follow the module's parameters by default when made with
-            :meth:`MultiHeadAttention.new_kv_cache`); :class:`MultiHeadAttention` refuses a cache
-            whose device differs from its input, or whose dtype differs from its weights outside
-            autocast.
+        dtype, device: of the buffers (by default the module's, when made with
+            :meth:`MultiHeadAttention.new_kv_cache`); the module refuses a cache on another device than
+            its input or, outside autocast, of another dtype than its weights.
         rolling: ring buffer (see above) instead of a cache that fills up.
         sinks: with ``rolling``, slots kept for the first tokens (``< max_length``).
 
@@ -305,13 +301,10 @@ class KVCache:
         rolling: bool = False,
         sinks: int = 0,
     ) -> None:
-        for name, v in (
-            ("batch_size", batch_size),
-            ("max_length", max_length),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            positive_int(name, v)
+        positive_int("batch_size", batch_size)
+        positive_int("max_length", max_length)
+        positive_int("num_kv_heads", num_kv_heads)
+        positive_int("head_dim", head_dim)
         self.rolling = check_bool("rolling", rolling)
         self.sinks = non_negative_int("sinks", sinks)
         if sinks and not rolling:
@@ -356,12 +349,10 @@ class KVCache:
                 )
         if v.shape != k.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        held = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
         B, H, _, hd = k.shape
-        if (B, H, hd) != (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]):
-            raise ValueError(
-                f"kv_cache holds (batch, kv_heads, head_dim) = "
-                f"{(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])}, got {(B, H, hd)}"
-            )
+        if (B, H, hd) != held:
+            raise ValueError(f"kv_cache holds (batch, kv_heads, head_dim) = {held}, got {(B, H, hd)}")
 
     def check_usable(self, batch_size: int, device: torch.device, module: MultiHeadAttention) -> None:
         """ValueError / TypeError unless ``module`` may append ``batch_size`` rows of keys and values
@@ -519,10 +510,9 @@ class SlotCache:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict, hooks and math) whose product is
-    :func:`attnlab.hardware.linear`: oneDNN's matmul where nothing needs a gradient on a CPU other than
-    Intel's in float32, ``F.linear`` in training and everywhere else. The projections of
-    :class:`MultiHeadAttention` and :class:`attnlab.GPT`'s MLP and head. Shapes: ``(..., in_features)
-    -> (..., out_features)``."""
+    :func:`attnlab.hardware.linear` (``F.linear``, or oneDNN's matmul for float32 inference on some CPUs). The
+    projections of :class:`MultiHeadAttention` and :class:`attnlab.GPT`'s MLP and head.
+    Shapes: ``(..., in_features) -> (..., out_features)``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return hardware.linear(x, self.weight, self.bias)
@@ -751,12 +741,10 @@ class MultiHeadAttention(_DropsTutorialMask):
         )
         if context is None and x.shape[:-1].numel() >= 16 and fusable:
             # One matmul for Q, K and V: the weights are concatenated, the parameters stay separate.
-            # Concatenating copies the weights, which only pays off over enough tokens; a decoding
-            # step (one token) runs the three small matmuls below instead. Quantized weights
-            # concatenate their blocks (a copy of the packed bytes) and make the same one product as the
-            # dense model's, whose order of sums the matmul's library may choose by the shape. (LoRA's
-            # update of a weight is a product of its own: nothing to gain from a copy. Compiled, inductor
-            # fuses each dequantization into its product.)
+            # The copy pays off only over enough tokens: a decoding step runs the three matmuls below.
+            # Quantized weights concatenate their packed blocks, so the product (and its order of sums)
+            # is the dense model's; compiled, inductor fuses each dequantization into its own product.
+            # LoRA's weight updates are products of their own: nothing to gain from a copy.
             w = torch.cat(weights)  # (d_out + 2kv, d_in)
             b = None
             if self.W_query.bias is not None:
@@ -788,16 +776,14 @@ class MultiHeadAttention(_DropsTutorialMask):
         return_weights: bool = False,
         positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        unbatched = x.dim() == 2 if isinstance(x, Tensor) else False
+        unbatched = isinstance(x, Tensor) and x.dim() == 2
         x, context, mask, positions = self._check_forward(x, context, attn_mask, key_mask, kv_cache, positions)
         result = self.attend(
             x, context, mask=mask, kv_cache=kv_cache, return_weights=return_weights, positions=positions
         )
-        if not unbatched:
-            return result
-        if return_weights:
-            return result[0].squeeze(0), result[1].squeeze(0)
-        return result.squeeze(0)
+        if unbatched:  # drop the batch of 1 that _check_forward added
+            result = tuple(r.squeeze(0) for r in result) if return_weights else result.squeeze(0)
+        return result
 
     def attend(
         self,
@@ -875,8 +861,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             sinks=sinks,
             score_mod=self._score_mod,  # soft-capping (None: the fused kernels)
             return_weights=return_weights,
-            # A soft cap is not a bias a fused kernel can add: the explicit path, as transformers' eager
-            # Gemma 2 (flex_attention could fuse it on CUDA; untested here at Gemma's head width of 256).
+            # A soft cap is not a bias a fused kernel can add: the explicit path, as transformers' eager Gemma 2.
             backend="reference" if self._score_mod is not None else "auto",
             **told,
         )
@@ -943,8 +928,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         if default and ordered:
             pass  # index j is position j: causality and the window stay arguments (the fast paths)
         elif default and n == 1 and kv_cache.max_length - kv_cache.sinks <= window and kv_cache.sinks <= sinks:
-            # A decoding step over a ring no longer than its window, whose sink slots are its sinks:
-            # it sees every slot.
+            # A decoding step over a ring no longer than its window, whose sink slots are its sinks, sees every slot.
             is_causal, window, sinks = False, None, 0
         else:
             visible = positions_mask(positions, k_pos, causal=is_causal, window=window, sinks=sinks)  # (1|b, n, S)
@@ -1008,14 +992,13 @@ class MultiHeadAttention(_DropsTutorialMask):
                 f"this module was built for cross-attention (kv_dim={self.kv_dim} != d_in={self.d_in}); "
                 f"pass the context sequence"
             )
-        if kv_cache is None:
-            if not self.has_positions:  # relative positions and windows have no longest input
-                check_length(n, self.context_length)
-        else:
+        if kv_cache is not None:
             if not isinstance(kv_cache, KVCache):
                 raise TypeError(f"kv_cache must be an attnlab KVCache or None, got {type(kv_cache).__name__}")
             kv_cache.check_usable(b, x.device, self)
             kv_cache._check_room(n)
+        elif not self.has_positions:  # relative positions and windows have no longest input
+            check_length(n, self.context_length)
         if positions is not None:
             positions = self._check_positions(positions, b, n, x.device)
         # The masks cover every key: the cached ones and the new ones.

@@ -17,13 +17,11 @@ has 124,439,808 of them, as Hugging Face's ``GPT2LMHeadModel``); :mod:`attnlab.f
 both ways. Generation (with a KV cache) lives in :mod:`attnlab.generation`.
 
 Since GPT-2 (the ``GPTConfig`` switches, all off by default; the ``modern`` preset turns them on):
-positions inside attention instead of a learned table (``pos="rope"``, ``"alibi"`` or ``"none"``),
-RMSNorm, SwiGLU or ReLU^2 MLPs, QK-norm, grouped-query attention, sliding windows with attention
-sinks, untied embeddings. A model with relative positions (RoPE, ALiBi, none) attends over a window
-of ``window`` tokens (default ``context_length``) and takes sequences of any length: its generation
-rolls the KV cache past the context instead of re-encoding. With ``pos="rope"``, ``norm="rmsnorm"``,
-``mlp="swiglu"`` and no biases the blocks are Llama's (and, with a window, Mistral's):
-:mod:`attnlab.formats.hf_llama` converts their weights.
+positions inside attention instead of a learned table (``pos="rope"``, ``"alibi"`` or ``"none"``: then
+any sequence length, and generation rolls the KV cache instead of re-encoding), RMSNorm, SwiGLU or
+ReLU^2 MLPs, QK-norm, grouped-query attention, sliding windows with attention sinks, untied embeddings.
+With ``pos="rope"``, ``norm="rmsnorm"``, ``mlp="swiglu"`` and no biases the blocks are Llama's (and,
+with a window, Mistral's): :mod:`attnlab.formats.hf_llama` converts their weights.
 """
 
 from __future__ import annotations
@@ -194,8 +192,7 @@ class GPTConfig:
         ff_dim: hidden width of the MLP (default ``4 * emb_dim``).
         ln_eps: LayerNorm epsilon (GPT-2: 1e-5).
         activation: the MLP's GELU: ``"gelu_tanh"`` (GPT-2's tanh approximation, needed to
-            reproduce its logits) or ``"gelu"`` (exact, erf-based; on CPU torch's kernel for it is
-            several times faster than the tanh one, which is why the ``tiny`` preset uses it).
+            reproduce its logits) or ``"gelu"`` (exact, erf-based; faster on CPU, so ``tiny`` uses it).
 
     Since GPT-2 (defaults: GPT-2's choices):
         pos: where positions come from: ``"learned"`` (GPT-2's table added to the embeddings),
@@ -209,8 +206,7 @@ class GPTConfig:
             ``ff_dim`` wide) or ``"relu2"`` (``relu(x W1)^2``: nanochat, modded-nanogpt).
         window: sliding-window attention: each token sees itself and ``window - 1`` tokens before
             it (Mistral). Default: ``context_length`` for relative positions, none for learned.
-        sinks: the first ``sinks`` tokens stay visible beside the window (StreamingLLM): a model
-            generating far past its window keeps its attention sinks.
+        sinks: the first ``sinks`` tokens stay visible beside the window (StreamingLLM's attention sinks).
         qk_norm: RMSNorm on each query and key head before the scores (``True`` or ``"head"``), or
             ``"full"``: one RMSNorm over all the queries (keys) of a token before the split into heads.
 
@@ -326,7 +322,7 @@ class GPTConfig:
         if self.sinks >= self.attention_window:
             raise ValueError(f"sinks={self.sinks} must be less than the window ({self.attention_window})")
         if self.qk_norm == "head":
-            self.qk_norm = True  # (what a config.json of before "full" existed says)
+            self.qk_norm = True  # "head" is another name for True (per-head norms)
         if not (isinstance(self.qk_norm, bool) or self.qk_norm == "full"):
             raise TypeError(f"qk_norm must be a bool, 'head' or 'full', got {self.qk_norm!r}")
         self._check_families()
@@ -427,10 +423,7 @@ class GPTConfig:
         ``gpt2-small`` (alias ``gpt2``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``: GPT-2's
         published sizes (vocabulary 50257, context 1024, ``qkv_bias=True``, dropout 0.1).
         ``tiny``: a 1.66M-parameter byte-level model (vocabulary 256, context 64, 2 layers of
-        width 256 with 4 heads of size 64, no dropout, exact GELU) that learns visibly within two
-        minutes on a 2-core CPU. Measured on the built-in corpus in equal time, 64-byte windows
-        beat 128 and 256, and 2 wide layers beat 4 layers of width 128 (validation 1.27 against
-        1.33 nats/byte) while running their matmuls at a higher fraction of the CPU's peak.
+        width 256 with 4 heads of size 64, no dropout, exact GELU) that learns visibly in minutes on a CPU.
         ``modern``: ``tiny``'s sizes with what came after GPT-2, as nanochat combines it: rotary
         positions, RMSNorm, a ReLU^2 MLP, QK-norm, untied embeddings, no biases.
         ``llama2-7b``, ``llama3-8b``, ``mistral-7b``: those models' published shapes (32 layers of
@@ -444,42 +437,15 @@ class GPTConfig:
             raise TypeError(f"preset name must be a str, got {type(name).__name__}")
         key = _ALIASES.get(name.lower(), name.lower())
         tiny: dict[str, Any] = dict(
-            vocab_size=256,
-            context_length=64,
-            emb_dim=256,
-            n_heads=4,
-            n_layers=2,
-            drop_rate=0.0,
-            qkv_bias=False,
-            activation="gelu",
+            vocab_size=256, context_length=64, emb_dim=256, n_heads=4, n_layers=2, drop_rate=0.0
         )
         if key == "tiny":
-            base = tiny
+            base = dict(tiny, activation="gelu")
         elif key == "modern":  # tiny's sizes; the activation is the MLP's own (relu2)
-            base = dict(
-                {k: v for k, v in tiny.items() if k != "activation"},
-                bias=False,
-                pos="rope",
-                norm="rmsnorm",
-                mlp="relu2",
-                qk_norm=True,
-                tie_embeddings=False,
-            )
-        elif key in _LLAMA_SIZES:
-            base = dict(
-                emb_dim=4096,
-                n_heads=32,
-                n_layers=32,
-                drop_rate=0.0,
-                qkv_bias=False,
-                bias=False,
-                tie_embeddings=False,
-                ln_eps=1e-5,
-                pos="rope",
-                norm="rmsnorm",
-                mlp="swiglu",
-                **_LLAMA_SIZES[key],
-            )
+            base = dict(tiny, bias=False, pos="rope", norm="rmsnorm", mlp="relu2", qk_norm=True, tie_embeddings=False)
+        elif key in _LLAMA_SIZES:  # 32 layers of width 4096: RoPE, RMSNorm, SwiGLU, no biases
+            base = dict(emb_dim=4096, n_heads=32, n_layers=32, drop_rate=0.0, bias=False, tie_embeddings=False)
+            base.update(pos="rope", norm="rmsnorm", mlp="swiglu", **_LLAMA_SIZES[key])
         elif key in _GPT2_SIZES:
             base = dict(vocab_size=50257, context_length=1024, drop_rate=0.1, qkv_bias=True, **_GPT2_SIZES[key])
         else:
@@ -513,13 +479,11 @@ class GPTConfig:
 class FeedForward(nn.Module):
     """The MLP of a block: ``Linear(emb, hidden) -> activation -> Linear(hidden, emb)``.
 
-    ``cfg.mlp="gelu"``: GPT-2's. It was trained with the tanh approximation of GELU (``gelu_new`` in
-    Hugging Face), so that is the default and what reproduces its logits; ``cfg.activation="gelu"``
-    selects the exact one. ``"relu2"``: ``relu(x)^2`` (nanochat, modded-nanogpt): cheaper than GELU
-    and as good at small scale. ``"swiglu"``: Llama's gated unit ``silu(x W_gate) * (x W_up)``; its
-    first layer computes gate and up in one matmul (``2 * hidden`` outputs, gate first).
-    ``"geglu"``: Gemma's, ``gelu(x W_gate) * (x W_up)`` (the GELU of ``cfg.activation``).
-    Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
+    ``cfg.mlp="gelu"``: GPT-2's, with the GELU of ``cfg.activation`` (by default the tanh approximation
+    GPT-2 was trained with, which reproduces its logits). ``"relu2"``: ``relu(x)^2`` (nanochat,
+    modded-nanogpt): cheaper than GELU and as good at small scale. ``"swiglu"``: Llama's gated unit
+    ``silu(x W_gate) * (x W_up)``, gate and up from one matmul (``2 * hidden`` outputs, gate first).
+    ``"geglu"``: Gemma's ``gelu(x W_gate) * (x W_up)``. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -599,9 +563,8 @@ def _norm(cfg: GPTConfig) -> nn.Module:
 class _ParametersOnMeta(torch.overrides.TorchFunctionMode):
     """Modules made inside take no memory for their parameters: ``torch.empty`` (how ``nn.Linear``,
     ``nn.Embedding`` and the norms make theirs) gives meta tensors and ``torch.nn.init``'s functions do
-    nothing, for a model whose state dict is then assigned. Everything else runs as it would (where
-    ``with torch.device("meta")`` would make every operation a meta one, whose first use imports
-    torch's compiler: some 60 MB of modules in a process that only loads a model)."""
+    nothing, for a model whose state dict is then assigned. Everything else runs as it would: unlike
+    ``with torch.device("meta")``, this does not import torch's compiler into a process that only loads."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -698,21 +661,19 @@ class TransformerBlock(nn.Module):
         if hook is not None:
             att = hook("attn_out", att)
         if self.parallel_residual:  # the MLP reads the block's input too, not x + att
-            mlp = self.drop_shortcut(self.ff(self.norm2(x)))
-            if hook is not None:
-                mlp = hook("mlp_out", mlp)
-            x = x + att + mlp  # (B, T, C)
+            h, x = x, x + att  # (B, T, C) each
         else:
             x = x + att  # (B, T, C)
             if hook is not None:
                 x = hook("resid_mid", x)
-            ff = self.ff(x if self.norm2 is None else self.norm2(x))
-            if self.post_norm2 is not None:
-                ff = self.post_norm2(ff)
-            mlp = self.drop_shortcut(ff)
-            if hook is not None:
-                mlp = hook("mlp_out", mlp)
-            x = x + mlp  # (B, T, C)
+            h = x
+        ff = self.ff(h if self.norm2 is None else self.norm2(h))
+        if self.post_norm2 is not None:
+            ff = self.post_norm2(ff)
+        mlp = self.drop_shortcut(ff)
+        if hook is not None:
+            mlp = hook("mlp_out", mlp)
+        x = x + mlp  # (B, T, C)
         if hook is not None:
             x = hook("resid_post", x)
         return x
@@ -854,10 +815,8 @@ class GPT(nn.Module):
             )
         if idx.device != self.device and self.device.type != "meta":
             raise ValueError(f"idx is on {idx.device} but the model is on {self.device}; use idx.to(model.device)")
-        # On CUDA an id out of range is a device assert that poisons the context; check it here.
-        # The check costs a host sync, so it is skipped in the CUDA training hot path, where
-        # loss() checks idx and targets together in one sync (and lm_loss checks the targets,
-        # which for next-token windows are idx shifted by one).
+        # On CUDA an id out of range is a device assert that poisons the context. The check costs a
+        # host sync, so CUDA training skips it here: loss() checks idx and targets in one sync.
         if values and not (idx.is_cuda and self.training):
             self._check_id_values(idx)
         return idx
@@ -948,15 +907,14 @@ class GPT(nn.Module):
         """:meth:`forward` on inputs the caller has checked (generation calls this once per token).
 
         ``key_mask`` is ``(B, S)`` bool (see :meth:`check_attention_mask`). ``last_only`` computes the
-        logits of the last position only, ``(B, 1, V)``: all that
-        sampling needs, and it spares the ``(T, emb) x (emb, vocab)`` head matmul of a prefill, and the
-        last block's MLP on the other positions.
+        logits of the last position only, ``(B, 1, V)``: all that sampling needs, and it spares the
+        ``(T, emb) x (emb, vocab)`` head matmul of a prefill, and the last block's MLP on the other positions.
         """
         cfg = self.config
         B, T = idx.shape
         # (read only where needed: a compiled decoding step passes positions and reads no Python count)
         past = 0 if kv_caches is None or position_ids is not None else kv_caches[0].seen
-        last = len(self.trf_blocks) - 1  # with last_only, the block whose MLP runs on the last position alone
+        mask, ropes = None, {}
         if not (cfg.relative or cfg.window is not None):  # GPT-2: positions only in the embedding table
             if position_ids is None:
                 if key_mask is not None:
@@ -966,12 +924,8 @@ class GPT(nn.Module):
                     position_ids = torch.arange(past, past + T, device=idx.device)  # (T,)
             mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): padding never attended
             x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B, T, C)
-            x = self.drop_emb(x)
             # (slot caches, attention.SlotCache: the positions say which slots the new tokens fill)
-            slots = position_ids.reshape(-1, T) if kv_caches is not None and kv_caches[0].static else None
-            for i, block in enumerate(self.trf_blocks):
-                cache = None if kv_caches is None else kv_caches[i]
-                x = block(x, mask=mask, kv_cache=cache, positions=slots, last_only=last_only and i == last)  # (B, T, C)
+            positions = position_ids.reshape(-1, T) if kv_caches is not None and kv_caches[0].static else None
         else:
             # Attention at explicit positions: None means past, past + 1, ... (the fast paths); padding
             # takes no position (-1) and each real token counts the real tokens before it.
@@ -985,12 +939,13 @@ class GPT(nn.Module):
                 x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
             if cfg.pos == "learned":
                 x = x + self.pos_emb(at.clamp(min=0))
-            x = self.drop_emb(x)
             ropes = self.rope_angles(at, x.dtype)  # once for every layer (Gemma 3: two bases)
-            for i, block in enumerate(self.trf_blocks):
-                cache = None if kv_caches is None else kv_caches[i]
-                rope = ropes.get(block.local_rope)
-                x = block(x, kv_cache=cache, positions=positions, rope=rope, last_only=last_only and i == last)
+        x = self.drop_emb(x)
+        last = len(self.trf_blocks) - 1  # with last_only, the block whose MLP runs on the last position alone
+        for i, block in enumerate(self.trf_blocks):
+            cache = None if kv_caches is None else kv_caches[i]
+            rope = ropes.get(block.local_rope)
+            x = block(x, mask=mask, kv_cache=cache, positions=positions, rope=rope, last_only=last_only and i == last)
         if last_only:
             x = x[:, -1:]  # (B, 1, C) (the last block's output already, unless a hook kept every position)
         return self.unembed(x)  # (B, T or 1, vocab_size)
@@ -1067,7 +1022,7 @@ class GPT(nn.Module):
         """AdamW with decay / no-decay groups (see :meth:`optimizer_groups`).
 
         ``fused`` defaults to True on CUDA and the CPU (one kernel for all parameters instead of a
-        Python loop of small ones: a few ms of a ``tiny`` CPU step), False elsewhere.
+        Python loop of small ones), False elsewhere.
         """
         if not is_real(weight_decay) or weight_decay < 0:
             raise ValueError(f"weight_decay must be a non-negative float, got {weight_decay!r}")
@@ -1221,15 +1176,13 @@ class GPT(nn.Module):
         Mistral, Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX/Pythia).
 
         Args:
-            name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, another Hub
-                repository id (a GPT-2, e.g. ``distilgpt2``, or a Llama-family model, e.g.
-                ``meta-llama/Llama-3.2-1B``), or a local directory with ``config.json`` and safetensors
-                weights (``model.safetensors``, or shards listed in ``model.safetensors.index.json``:
-                what ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`: dense in
-                ``dtype``, or its matrices kept quantized without one). The GPT-2 names above always
-                mean the published models; to load a local
-                directory with one of those names, pass a path such as ``./gpt2``. A local path is never
-                sent to the Hub: a missing one is a ``FileNotFoundError`` saying so.
+            name: ``gpt2`` (= ``gpt2-small``), ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl`` (always the
+                published models: a local directory of such a name is ``./gpt2``), another Hub repository
+                id (e.g. ``distilgpt2``, ``meta-llama/Llama-3.2-1B``), a local directory with ``config.json``
+                and safetensors weights (``model.safetensors`` or the shards of ``model.safetensors.index.json``,
+                as ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`: dense in ``dtype``,
+                or its matrices kept quantized without one). A local path is never sent to the Hub: a
+                missing one is a ``FileNotFoundError`` saying so.
             cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
                 or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
             device, dtype: where to put the model (default: the weights' own dtype, often bfloat16
