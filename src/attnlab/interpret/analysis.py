@@ -115,13 +115,11 @@ class LogitLens:
     final_token_probs: Tensor
 
 
-# Streams (layer, position) per step of the lens: a (512, V) block of logits. The search's product reads
-# the unembedding once a chunk, so larger chunks read it fewer times; past a few hundred rows the gain
-# levels off while the block of logits keeps growing.
+# Streams (layer, position) per step of the lens: a (512, V) block of logits. Each chunk reads the
+# unembedding once, so larger chunks read it fewer times, at the cost of a larger block of logits.
 LENS_CHUNK = 512
 # Rows of the search's (c, V) logits per pass over them (the float32 copy, the block maxima, the softmax):
-# a few MB that stay in the CPU's caches from one pass to the next, where passes over the whole chunk
-# read it from memory each time. Much smaller pieces lose it again to each pass's Python overhead.
+# a few MB, small enough to stay in the CPU's caches from one pass to the next.
 LENS_SUB = 64
 LENS_FINAL_CHUNK = 128  # positions per step of the lens's last row (the model's own logits, from the trace)
 LENS_CANDIDATES = 128  # tokens per position the fast search hands to the exact scoring
@@ -157,17 +155,14 @@ def logit_lens(
 ) -> LogitLens:
     """The final norm and unembedding of ``model`` applied to the residual stream of every layer
     (``trace`` needs ``stages=True``); the last row equals the model's own logits' top-k.
-    ``positions=(start, stop)``: only those positions (the result's ``T`` is ``stop - start``); the cost
-    is per position, and a view that shows a dozen of them needs no more.
+    ``positions=(start, stop)``: only those positions (the result's ``T`` is ``stop - start``).
 
-    Computed by chunks of ``chunk`` streams (a layer's stream at one position; a chunk spans layers,
-    so a window of a few positions is a product or two, not one per layer): at most ``(chunk, V)``
-    logits exist at a time, never ``(L, T, V)``. The ``L x T x V x d`` product is the lens's cost
-    (a whole-vocabulary product per layer and position), so where bfloat16 is native
-    (:func:`attnlab.hardware.bf16_native`), the model is float32, the vocabulary large
-    (``>= LENS_MIN_VOCAB``) and the head has no bias, the vocabulary is searched by one bfloat16
-    product (``search_dtype=None``, the default); ``search_dtype=torch.float32`` (the model's dtype)
-    forces the exact lens everywhere, ``torch.bfloat16`` the search everywhere:
+    Computed by chunks of ``chunk`` streams (a layer's stream at one position; a chunk spans layers):
+    at most ``(chunk, V)`` logits exist at a time, never ``(L, T, V)``. The ``L x T x V x d`` product
+    is the lens's cost, so where bfloat16 is native (:func:`attnlab.hardware.bf16_native`), the model
+    is float32, the vocabulary large (``>= LENS_MIN_VOCAB``) and the head has no bias, the vocabulary
+    is searched by one bfloat16 product (``search_dtype=None``, the default); ``search_dtype=torch.float32``
+    (the model's dtype) forces the exact lens everywhere, ``torch.bfloat16`` the search everywhere:
 
     * The search runs against the *centred* unembedding ``W - mean(W)`` (softmax ignores the
       per-position constant ``h . mean(W)``; without it, rounding ``h`` shifts all logits alike along
@@ -180,19 +175,14 @@ def logit_lens(
       The top-k ids are thus the exact lens's (up to exact ties), their logits exact.
     * The normaliser adds the candidates' exact terms to the searched terms of the rest, corrected for
       the noise's bias (``E exp(l + e) = exp(l) exp(var(e) / 2)``, the variance measured on the
-      candidates). Its error is the probabilities' relative error, a small fraction of a percent:
-      ``tests/test_interpret_chunked.py`` holds it to 0.2% against the exact float32 lens of SmolLM2
-      (with the same top-5 ids) and to the float64 lens on small models.
+      candidates). Its error is the probabilities' relative error, a small fraction of a percent.
 
-    The centred bfloat16 unembedding is made once per head and kept while the head lives (a live server
-    asks for the lens window by window); each call checks it against a CRC-32 of the weight's bytes, so
-    an edit to the weight, even through ``.data``, is never served from a stale copy.
+    The centred bfloat16 unembedding is made once per head and kept while the head lives; each call
+    checks it against a CRC-32 of the weight's bytes, so an edit to the weight, even through ``.data``,
+    is never served from a stale copy.
 
     A model whose logits are soft-capped (Gemma 2's ``logit_softcap``) has every row capped as its own
     logits are, and the exact lens (the search's centring does not commute with the cap).
-
-    Where bfloat16 is native the search takes about half the exact lens's time, most of it the
-    bfloat16 product itself.
     """
     k, chunk = _check_lens_args(model, trace, k, chunk, search_dtype)
     W = model.out_head.weight  # (V, d)
@@ -270,9 +260,8 @@ def _lens_of_layers(
     head = model.out_head
     W, bias = head.weight, head.bias
     L, (B, T), k = trace.n_layers, final.shape, lens.tokens.shape[-1]
-    # The layers' streams by chunks of `chunk` (layer, row, position) triples, across layers: each
-    # chunk reads the unembedding once, so a window of a few positions reads it once or twice, not
-    # once per layer (each product of a few rows costs about a whole read of the weight).
+    # By chunks of `chunk` (layer, row, position) triples across layers: a window of a few positions
+    # reads the unembedding once or twice, not once per layer.
     n = L * B * T
     search = _Search(model, trace, W, min(chunk, n)) if n_cand is not None and n else None  # buffers for a chunk
     residual = trace.residual[:L, :, start:stop]  # (L, B, T, d), a view
@@ -302,10 +291,9 @@ def _lens_of_output(lens: LogitLens, trace: Trace, final: Tensor, start: int, ch
 
 
 # How far below a row's largest logit :func:`logsumexp_at` lifts the rest. exp(x - max) under -87 is a
-# float32 denormal, which x86 CPUs compute far slower than a normal number, and a softmax over the
-# vocabulary at a cold temperature has tens of thousands of them (torch.set_flush_denormal did not
-# help). A lifted term is at most e^-80 of the largest, so a vocabulary of them moves the sum by less
-# than 1e-29 of itself, far below float32's rounding.
+# float32 denormal, which CPUs compute far slower than a normal number, and a softmax at a cold
+# temperature has thousands of them. A lifted term is at most e^-80 of the largest, so a vocabulary of
+# them moves the sum by less than 1e-29 of itself, far below float32's rounding.
 LSE_FLOOR = 80.0
 
 
@@ -330,9 +318,7 @@ def _exact_rows(logits: Tensor, final: Tensor, k: int, *, spend: bool = False) -
 
 
 # Vocabulary entries per block of the search's two-level top-n: it selects among V / 32 block maxima, then
-# among the entries of the n best blocks (V / 32 maxima, then 32 n entries: larger blocks lengthen
-# the second level, smaller ones the first; 32 balances the two best for a vocabulary of some 50,000 and
-# n = 128).
+# among the 32 n entries of the n best blocks (larger blocks lengthen the second level, smaller the first).
 LENS_BLOCK = 32
 
 
@@ -342,9 +328,8 @@ class _Search:
     ``weight (V, d + m)`` bfloat16 is ``W_c = W - mean(W)`` with the columns of ``h``'s ``m`` largest
     dimensions repeated (they multiply the rounding of ``h`` there); ``row_norm`` is ``max_j |W_c[j]|``.
     They come from :func:`_centred_unembedding` (made once per head while its weight stays the same).
-    The ``(c, V)`` bfloat16 logits (``c``: streams per chunk, at most the streams asked for) and the
-    ``(LENS_SUB, V)`` float32 copy of a few of their rows live in buffers allocated once: a fresh 50 MB
-    tensor per chunk costs more in page faults than the pass that fills it."""
+    The ``(c, V)`` bfloat16 logits (``c``: streams per chunk) and the ``(LENS_SUB, V)`` float32 copy of a
+    few of their rows live in buffers allocated once: a fresh one per chunk would cost its page faults."""
 
     def __init__(self, model: nn.Module, trace: Trace, W: Tensor, c: int) -> None:
         big = torch.stack([model.final_norm(r).abs().amax((0, 1)) for r in trace.residual[:-1]]).amax(0)  # (d,)
@@ -371,9 +356,7 @@ class _Search:
         best_values = torch.empty(c, n, dtype=torch.float32, device=h.device)  # (c, n) the n best, in no order
         best_cols = torch.empty(c, n, dtype=torch.long, device=h.device)  # (c, n) their columns of `inside`
         lse_all = torch.empty(c, 1, dtype=torch.float32, device=h.device)  # (c, 1) the normaliser of all V
-        # Every pass over the (c, V) logits (the float32 copy, the block maxima, the softmax's three) by
-        # `sub` rows at a time, which stay in the CPU's caches from one pass to the next: each pass over
-        # the whole chunk read it from memory (see LENS_SUB).
+        # Every pass over the (c, V) logits by `sub` rows at a time, which stay in the caches (see LENS_SUB).
         sub = self.wide.shape[0]
         for s in range(0, c, sub):
             e = min(c, s + sub)
@@ -385,9 +368,8 @@ class _Search:
             r = torch.arange(e - s, device=h.device)  # (r,)
             rows = top_blocks[s:e] + r[:, None] * nb_all  # (r, nb), the flat view's
             torch.index_select(blocks.view(-1, LENS_BLOCK), 0, rows.view(-1), out=inside[s:e].view(-1, LENS_BLOCK))
-            # (a top-n of those entries here, while they are in the caches: cheaper than keeping the
-            # entries that reach the n-th block maximum, then their top-n; unsorted: sorting them costs
-            # a third of the top-n, and the exact scoring below ranks them anyway)
+            # (a top-n of those entries here, while they are in the caches; unsorted: the exact scoring
+            # below ranks them)
             torch.topk(inside[s:e], n, dim=-1, sorted=False, out=(best_values[s:e], best_cols[s:e]))
             # The normaliser at each row's largest entry (x is spent: its log-softmax in place).
             first = best_cols[s:e].gather(1, best_values[s:e].argmax(-1, keepdim=True))  # (r, 1) its column of `inside`
@@ -429,8 +411,7 @@ class _Search:
 
 
 # The centred bfloat16 unembedding of each head the lens has searched, kept while the head lives:
-# ``attnlab serve`` asks for the lens once per window of shown positions, and making it (a pass over
-# the whole V x d weight) costs more than a window's search.
+# making it (a pass over the whole V x d weight) costs more than the search of a few positions.
 _CENTRED: weakref.WeakKeyDictionary[nn.Module, _Centred] = weakref.WeakKeyDictionary()
 _CENTRED_LOCK = threading.Lock()
 

@@ -85,13 +85,11 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     Without a tokenizer, ``#id``. A token is decoded after a plain one and that one's text cut off: a
     SentencePiece decoder drops the word boundary (``▁``) of the text's first token, which a label
     must show (``" cat"``, not ``"cat"``)."""
+    if tokenizer is None:
+        return [f"#{int(i)}" for i in ids]
     anchor = _anchor(tokenizer)
     out = []
-    for i in ids:
-        i = int(i)
-        if tokenizer is None:
-            out.append(f"#{i}")
-            continue
+    for i in map(int, ids):
         s = tokenizer.decode([i])
         if anchor is not None and not s.startswith(" "):
             joined = tokenizer.decode([anchor[0], i])
@@ -107,7 +105,7 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 def _anchor(tokenizer: Any) -> tuple[int, str] | None:
     """``(id, text)`` of a token that decodes to a plain letter alone, to decode others after, or None."""
-    if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
+    if not callable(getattr(tokenizer, "encode", None)):
         return None
     try:
         ids = tokenizer.encode("a")
@@ -169,13 +167,7 @@ def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, 
         "labels": [token_label(t) for t in tokens],
         "model": None,
         "layers": [],
-        "steps": None,
-        "next": None,
-        "rollout": None,
-        "lens": None,
-        "roles": None,
-        "generation": None,
-        "features": None,
+        **dict.fromkeys(("steps", "next", "rollout", "lens", "roles", "generation", "features")),  # None: not computed
         "vocab": {},
     }
 
@@ -274,11 +266,9 @@ def records_data(
         H, Hkv = rec.q.shape[1], rec.k.shape[1]
         heads = [int(h) for h in chosen[0]] if chosen else list(range(H))
         maps.append((name, heads, rec.weights[0, heads]))
-        scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)[0]  # (H, T, S)
+        scores = attention_scores(rec.q, rec.k, scale=1.0, enable_gqa=Hkv != H)  # (b, H, T, S)
         mod = None if rec.softcap is None else softcap_score_mod(rec.softcap)
-        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H, score_mod=mod)[
-            0
-        ]
+        masked = attention_scores(rec.q, rec.k, rec.mask, rec.is_causal, rec.scale, enable_gqa=Hkv != H, score_mod=mod)
         float_mask = rec.mask is not None and rec.mask.is_floating_point()
         names = PARAMETER_FREE_NAMES if rec.q is rec.k and rec.k is rec.v else None
         for h in heads:
@@ -287,8 +277,8 @@ def records_data(
                 "q": rec.q[0, h],
                 "k": rec.k[0, g],
                 "v": rec.v[0, g],
-                "scores": scores[h],
-                "masked": masked[h],
+                "scores": scores[0, h],
+                "masked": masked[0, h],
                 "weights": rec.weights[0, h],
                 "head_outputs": rec.head_outputs[0, h],
             }
@@ -386,9 +376,7 @@ def inspector_data(
         layers, heads: show only these layers and heads in the heads view (negative: from the end);
             the other views still cover the whole model.
         sections: compute only these of :data:`SECTIONS` (default: all); the others stay empty
-            (``layers`` ``[]``, the rest None), exactly as if they did not apply. A live server
-            (``attnlab serve``) asks for what its page shows: the logit lens of a 50257-token
-            vocabulary is not worth computing on every keystroke.
+            (``layers`` ``[]``, the rest None), exactly as if they did not apply.
     Padding is dropped: the page shows the row's real tokens only.
     """
     wanted = _check_inspector_args(trace, row, steps, sections)
@@ -523,11 +511,8 @@ def _heads_section(
     dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
     # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
     causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
-    out = _layers(
-        [(f"layer {i}", shown_heads, _real(trace.weights[i, row], keep, shown_heads)) for i in shown_layers],
-        dtype,
-        causal,
-    )
+    rows = [(f"layer {i}", shown_heads, _real(trace.weights[i, row], keep, shown_heads)) for i in shown_layers]
+    out = _layers(rows, dtype, causal)
     for entry, i in zip(out, shown_layers, strict=True):
         entry["layer"] = i
     return out, dtype

@@ -184,29 +184,15 @@ def _spliced_site(model: nn.Module, site: object) -> tuple[str, int, str] | None
     return site, layer, "pos_head" if site.endswith(_LATENT_POINTS) else "pos"
 
 
-def _ropes(model: nn.Module, T: int, dtype: torch.dtype, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
-    """RoPE's angles at positions ``0..T-1`` for every block, keyed by ``block.local_rope``, as
-    :meth:`attnlab.GPT.decode_logits` computes them (Gemma 3's window layers have a base of their own:
-    layer 0's angles for every layer would rotate its global layers wrongly)."""
-    return model.rope_angles(torch.arange(T, device=device)[None], dtype)  # (1, 1, T, rope_dim) each
-
-
-def _tail(model: nn.Module, layer: int, x: Tensor, last_only: bool) -> Tensor:
-    """The logits of ``model`` from the residual ``x (R, T, d)`` entering block ``layer``: the end of
-    :meth:`attnlab.GPT.decode_logits` for whole sequences without cache or padding."""
-    ropes = _ropes(model, x.shape[1], x.dtype, x.device)
-    for block in model.trf_blocks[layer:]:
-        x = block(x, rope=ropes.get(block.local_rope))  # (R, T, d)
-    if last_only:
-        x = x[:, -1:]  # (R, 1, d)
-    return model.unembed(x)  # (R, T or 1, V): the final norm, the head and Gemma 2's soft cap
-
-
-def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: bool) -> None:
-    """The tail must reproduce the model: a model whose forward does more than its blocks, final norm
-    and head (a subclass, another family's switch the reruns do not know) would get wrong numbers.
-    A ValueError: the model is what the caller chose (the command line reports it in one line)."""
-    mine = _tail(model, 0, resid0, last_only)
+def _check_tail(model: nn.Module, logits: Tensor, x: Tensor, last_only: bool) -> None:
+    """The blocks, the final norm and the head run from the corrupted run's first residual ``x (1, T, d)``
+    must reproduce its ``logits``: a model whose forward does more (a subclass, another family's switch
+    the reruns do not know) would get wrong numbers. A ValueError: the model is what the caller chose
+    (the command line reports it in one line)."""
+    ropes = model.rope_angles(torch.arange(x.shape[1], device=x.device)[None], x.dtype)  # keyed by block.local_rope
+    for block in model.trf_blocks:
+        x = block(x, rope=ropes.get(block.local_rope))  # (1, T, d)
+    mine = model.unembed(x[:, -1:] if last_only else x)  # (1, T or 1, V): the final norm, head and soft cap
     theirs = logits[:, -1:] if last_only else logits
     if not torch.allclose(mine, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
         raise ValueError(
@@ -216,12 +202,15 @@ def _check_tail(model: nn.Module, logits: Tensor, resid0: Tensor, last_only: boo
         )
 
 
-def _layout(model: nn.Module, step: str, kind: str, T: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+def _layout(
+    model: nn.Module, step: str, kind: str, T: int, width: int | None = None
+) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """The patch indices of one layer (in the order of its results, C order) and the shape of one
-    layer's results. A pattern's weights above the diagonal are 0 in both runs (a key after its
-    query): patching one changes nothing, so they are not indices (their results are the corrupted run's)."""
+    layer's results; ``width``: a spliced SAE's latents, which take the heads' place. A pattern's weights
+    above the diagonal are 0 in both runs (a key after its query): patching one changes nothing, so they
+    are not indices (their results are the corrupted run's)."""
     att = attention_layers(model)[0]
-    H = att.num_kv_heads if step in ("k", "v") else att.num_heads
+    H = width or (att.num_kv_heads if step in ("k", "v") else att.num_heads)
     if kind == "pos":
         return [(p,) for p in range(T)], (T,)
     if kind in ("neuron", "pos_neuron"):
@@ -270,7 +259,7 @@ def _staggered(
     once, on every row that has reached it. Row ``i * R + r`` is patched at layer ``layers[i]`` (in
     increasing order) at ``index[r]``; the blocks below ``layers[0]`` do not run."""
     R, T = index.shape[0], starts[0].shape[1]
-    ropes = _ropes(model, T, starts[0].dtype, index.device)  # once for every layer, as GPT.decode_logits
+    ropes = model.rope_angles(torch.arange(T, device=index.device)[None], starts[0].dtype)  # as GPT.decode_logits
     x = starts[0][:0].expand(0, T, -1)  # (0, T, d)
     for layer in range(layers[0], len(model.trf_blocks)):
         block = model.trf_blocks[layer]
@@ -323,26 +312,29 @@ def activation_patching(
     clean, corrupted = _check_pair(model, clean, corrupted)
     L, T = len(attention_layers(model)), clean.shape[1]
     spliced = _spliced_site(model, site)
-    if spliced is not None:
-        return _patch_spliced(model, clean, corrupted, metric, *spliced, max_tokens, progress)
-    step, kind = _check_site(site)
-    chosen = _check_layers(layers, L)
-    names = [act_name(step, i) for i in range(L)]
+    if spliced is None:
+        step, kind = _check_site(site)
+        chosen = _check_layers(layers, L)
+        names = [act_name(step, i) for i in range(L)]
+    else:  # every patched run starts from the corrupted stream entering the block that computes the point
+        step, layer, kind = spliced
+        chosen, names = [layer], [step] * L
     starts = [act_name("resid_pre", i) for i in range(L)]
     last_only = bool(getattr(metric, "last_only", False))
-    indices, shape = _layout(model, step, kind, T)
-    where = torch.arange(math.prod(shape)).reshape(shape)[tuple(torch.tensor(indices).T)]  # (N,): each index's place
-    out = torch.empty((len(chosen), math.prod(shape)), dtype=torch.float64)
-    per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
     with eval_mode(model), torch.no_grad():
         _, clean_cache = run_with_cache(model, clean, names)
         logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
         # The corrupted run's metric: the value of an index not patched (and a metric that returns no
         # scalar fails here, before the long part).
-        out[:] = metric_scalar(metric(logits))
+        value = metric_scalar(metric(logits))
         _check_tail(model, logits, corr_cache[starts[0]], last_only)
         sources = [clean_cache[n] for n in names]
         resid = [corr_cache[n] for n in starts]
+        width = None if spliced is None else sources[0].shape[-1]  # an SAE's latents, in the heads' place
+        indices, shape = _layout(model, step, kind, T, width)
+        where = torch.arange(math.prod(shape)).reshape(shape)[tuple(torch.tensor(indices).T)]  # (N,) their places
+        out = torch.full((len(chosen), math.prod(shape)), float(value), dtype=torch.float64)
+        per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
         if progress is not None:
             progress(0, len(chosen) * len(indices))
         for lo in range(0, len(indices), per_pass):
@@ -352,49 +344,8 @@ def activation_patching(
             out[:, where[lo : lo + index.shape[0]]] = values.reshape(len(chosen), -1)
             if progress is not None:
                 progress(len(chosen) * (lo + index.shape[0]), len(chosen) * len(indices))
-    return out.reshape(len(chosen), *shape).float()
-
-
-def _patch_spliced(
-    model: nn.Module,
-    clean: Tensor,
-    corrupted: Tensor,
-    metric: Callable[[Tensor], Tensor],
-    name: str,
-    layer: int,
-    kind: str,
-    max_tokens: int,
-    progress: Callable[[int, int], None] | None,
-) -> Tensor:
-    """:func:`activation_patching` at a spliced SAE's point ``name`` (computed in block ``layer``): every
-    patched run starts from the corrupted stream entering that block. ``(T,)`` or ``(T, d_sae)``."""
-    L, T = len(attention_layers(model)), clean.shape[1]
-    start = act_name("resid_pre", layer)
-    last_only = bool(getattr(metric, "last_only", False))
-    with eval_mode(model), torch.no_grad():
-        _, clean_cache = run_with_cache(model, clean, [name])
-        logits, corr_cache = run_with_cache(model, corrupted, sorted({name, start, act_name("resid_pre", 0)}))
-        metric_scalar(metric(logits))  # a metric that returns no scalar fails here, before the long part
-        _check_tail(model, logits, corr_cache[act_name("resid_pre", 0)], last_only)
-        source = clean_cache[name]  # (1, T, width)
-        if kind == "pos":
-            indices, shape = [(p,) for p in range(T)], (T,)
-        else:  # one latent at one position
-            width = source.shape[-1]
-            indices, shape = [(p, j) for p in range(T) for j in range(width)], (T, width)
-        out = torch.empty(len(indices), dtype=torch.float64)
-        per_pass = max(1, int(max_tokens) // T)
-        if progress is not None:
-            progress(0, len(indices))
-        for lo in range(0, len(indices), per_pass):
-            index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1 or 2)
-            patched = _staggered(
-                model, [corr_cache[start]] * L, [name] * L, [source] * L, name, kind, index, last_only, [layer]
-            )
-            out[lo : lo + index.shape[0]] = _metric_rows(metric, patched)
-            if progress is not None:
-                progress(lo + index.shape[0], len(indices))
-    return out.reshape(shape).float()
+    out = out.reshape(len(chosen), *shape).float()
+    return out if spliced is None else out[0]
 
 
 def _check_layers(layers: object, L: int) -> list[int]:

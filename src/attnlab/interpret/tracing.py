@@ -246,25 +246,19 @@ class Trace:
         ``softmax(masked) == weights`` and ``weights @ v == head_outputs`` (rows with no key to
         attend, e.g. padding, have all ``-inf`` scores and zero weights)."""
         self._need_stages("Trace.steps")
-        layer = _index("layer", layer, self.n_layers)
+        n = self.n_layers
+        if not isinstance(layer, int) or isinstance(layer, bool) or not -n <= layer < n:
+            raise ValueError(f"layer must be an int in [-{n}, {n}), got {layer!r}")
+        layer %= n
         q, k = self.q[layer], self.k[layer]  # (B, H, T, hd), (B, Hkv, S, hd)
-        gqa = k.shape[1] != q.shape[1]
+        gqa, scale = k.shape[1] != q.shape[1], self.scale[layer]
         scores = attention_scores(q, k, scale=1.0, enable_gqa=gqa)  # (B, H, T, S): q @ k^T
-        scaled = scores * self.scale[layer]
         cap = None if self.softcaps is None else self.softcaps[layer]
         mod = None if cap is None else softcap_score_mod(cap)
-        masked = attention_scores(
-            q,
-            k,
-            self.masks[layer],
-            is_causal=self.is_causal[layer],
-            scale=self.scale[layer],
-            enable_gqa=gqa,
-            score_mod=mod,
-        )
-        steps = {"scores": scores, "scaled": scaled}
+        masked = attention_scores(q, k, self.masks[layer], self.is_causal[layer], scale, enable_gqa=gqa, score_mod=mod)
+        steps = {"scores": scores, "scaled": scores * scale}
         if cap is not None:
-            steps["capped"] = cap * torch.tanh(scaled / cap)
+            steps["capped"] = cap * torch.tanh(steps["scaled"] / cap)
         return steps | {"masked": masked, "weights": self.weights[layer], "head_outputs": self.head_outputs[layer]}
 
     def _stacked(self, name: str) -> Tensor:
@@ -302,12 +296,6 @@ class Trace:
         return interpret.notebook_html(interpret.inspector_data(self))
 
 
-def _index(name: str, i: object, n: int) -> int:
-    if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
-        raise ValueError(f"{name} must be an int in [-{n}, {n}), got {i!r}")
-    return i % n
-
-
 def trace(
     model: nn.Module,
     idx: Tensor,
@@ -342,8 +330,10 @@ def trace(
         attention_mask = model.check_attention_mask(attention_mask, *idx.shape)
     if not isinstance(stages, bool):
         raise TypeError(f"stages must be a bool, got {stages!r}")
-    rec = _TraceRecorder(model, stages)
-    out_logits = _traced_forward(model, idx, attention_mask, rec, logits)
+    rec, out_logits = _TraceRecorder(model, stages), None
+    stop = contextlib.nullcontext() if logits else stop_before_head(model)  # (then out_logits stays None)
+    with eval_mode(model), torch.no_grad(), hooks(model, rec.fns), stop:
+        out_logits = model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
     missing = [i for i, c in enumerate(rec.calls) if c is None]
     if missing:
         raise RuntimeError(f"layers {missing} reported no attention during the forward pass")
@@ -382,15 +372,13 @@ class _TraceRecorder:
         self.calls: list[AttentionCall | None] = [None] * self.n_layers
         self.buffers: dict[str, Tensor] = {}
         names, L = set(hook_names(model)), self.n_layers
-        self.fns: dict[str, Callable] = {}
-        for i in range(L):
-            self.fns[f"blocks.{i}.attn.hook_pattern"] = self._pattern
+        self.fns: dict[str, Callable] = {f"blocks.{i}.attn.hook_pattern": self._pattern for i in range(L)}
         if not stages:
             return
         for i in range(L):
-            for step, key in (("q", "q"), ("k", "k")):  # as the scores see them: after RoPE or QK-norm
+            for step in ("q", "k"):  # as the scores see them: after RoPE or QK-norm
                 rot = f"blocks.{i}.attn.hook_rot_{step}"
-                self.fns[rot if rot in names else f"blocks.{i}.attn.hook_{step}"] = self._keeper(key, heads=True)
+                self.fns[rot if rot in names else f"blocks.{i}.attn.hook_{step}"] = self._keeper(step, heads=True)
             self.fns[f"blocks.{i}.attn.hook_v"] = self._keeper("v", heads=True)
             self.fns[f"blocks.{i}.attn.hook_z"] = self._keeper("head_outputs", heads=True)
             self.fns[f"blocks.{i}.hook_attn_out"] = self._keeper("attn_output")
@@ -418,15 +406,6 @@ class _TraceRecorder:
             self._put(name, hook.layer() if at is None else at, x.transpose(1, 2) if heads else x, rows)
 
         return keep
-
-
-def _traced_forward(model: nn.Module, idx: Tensor, attention_mask: Tensor | None, rec: _TraceRecorder, logits: bool):
-    """``model``'s forward in eval mode without gradients, ``rec`` on its hook points; the model's logits
-    (None with ``logits=False``). Training mode and hooks are restored afterwards, even after an error."""
-    with eval_mode(model):
-        stop = contextlib.nullcontext() if logits else stop_before_head(model)
-        with torch.no_grad(), hooks(model, rec.fns), stop:
-            return model(idx, attention_mask=attention_mask) if attention_mask is not None else model(idx)
 
 
 class _Stopped(Exception):

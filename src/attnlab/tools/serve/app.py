@@ -201,9 +201,8 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 def packed_json(data: Any) -> bytes:
     """``json.dumps(to_json(data))`` as UTF-8 bytes, made faster: each packed array's base64 is spliced
-    into the text instead of passing through ``json.dumps``, which would scan every character of it
-    for one to escape (base64 has none). A page holds megabytes of it, whose scan costs far more
-    than joining the bytes."""
+    into the text instead of passing through ``json.dumps``, which would scan its megabytes for a
+    character to escape (base64 has none)."""
     arrays: list[Packed] = []
     marker = "attnlab-" + secrets.token_hex(12) + "-"  # no text of the request can know it
 
@@ -231,9 +230,7 @@ def _packed_response(data: Any) -> Response:
 
 
 def _sse(event: str, data: Any) -> bytes:
-    """A server-sent event ``event`` of ``data`` (packed arrays spliced in: :func:`packed_json`; each
-    generated token's event holds its attention rows as base64, which ``json.dumps`` would scan
-    character by character at every token)."""
+    """A server-sent event ``event`` of ``data``, its packed arrays spliced in (:func:`packed_json`)."""
     return b"event: " + event.encode() + b"\ndata: " + packed_json(data) + b"\n\n"
 
 
@@ -265,8 +262,8 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
 
 
 async def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` in a worker thread (model work blocks); its errors as one-line 4xx answers. (A request's
-    fields are named as the arguments of the function it goes to: the routes pass ``**req.model_dump()``.)"""
+    """``fn`` in a worker thread (model work blocks), its errors as one-line 4xx answers. A request's fields are named as the arguments of
+    the function it goes to: the routes pass ``**req.model_dump()``."""
     return await run_in_threadpool(fn, *args, **kwargs)
 
 
@@ -428,12 +425,7 @@ def _add_chat_route(app: FastAPI, engine: Engine) -> None:
         start = {"prompt": run.prompt_text, "prompt_length": run.prompt_length, "dropped": run.dropped}
 
         def done() -> dict:
-            return {
-                "answer": run.answer,
-                "generated": run.produced,
-                "reason": run.end_reason,
-                "inspect": run.inspect_text,
-            }
+            return dict(answer=run.answer, generated=run.produced, reason=run.end_reason, inspect=run.inspect_text)
 
         return _event_stream(engine, run, start, lambda: advance_chat(engine, run), done, "chat")
 

@@ -3,27 +3,25 @@
 Every model call runs on one dedicated thread (:meth:`Engine.run`), under a lock, in
 ``torch.inference_mode()``; requests queue for it. Serialising is deliberate: what the inspector
 records is per-call state *on the model* (the hook points' functions of :func:`attnlab.interpret.trace`
-and :func:`attnlab.interpret.ablate`), so two calls running at once
-would record each other's attention or ablate each other's heads. A copy of the model per worker
-would avoid that at the cost of its memory (500 MB per GPT-2-small) and buys nothing on a CPU whose
-cores one forward pass already keeps busy (torch's own threads). One thread, not a lock taken by
-whichever worker thread a request lands on: each thread that calls into torch gets its own team of
-OpenMP threads, and a dozen teams spinning on a few cores slow every forward pass many times over.
-The server's event loop stays free meanwhile, to serve files and notice clients that leave.
+and :func:`attnlab.interpret.ablate`), so two calls running at once would record each other's
+attention or ablate each other's heads; a copy of the model per worker would cost its memory and
+buy nothing on cores one forward pass already keeps busy. One thread, not a lock taken by whichever
+worker thread a request lands on: each thread that calls into torch gets its own team of OpenMP
+threads, and many teams spinning on a few cores slow every forward pass. The server's event loop
+stays free meanwhile, to serve files and notice clients that leave.
 
 A generation advances one token per model call (:meth:`Engine.advance`): between two of its
 tokens other requests run (typing stays live while a generation streams), and a generation whose
 client has gone is simply not advanced again (:meth:`Engine.finish`). Its KV caches belong to the
 generation, not to the model, so interleaving is safe.
 
-Chat answers decode with attnlab's compiled step (:mod:`attnlab.decoding`, ``compile=True``) where
-the engine is told to (``attnlab serve`` does, unless ``--no-compile``). Compiling takes 10-70 s, so
-it never happens on the model thread, where it would hold up every request: :meth:`Engine.warm_up`
-compiles the cache size of short generations (256 slots: a prompt and its new tokens up to 256) on a
-thread of its own, and a generation of another size asks for its size to be compiled likewise. Until
-its size is compiled a generation runs the eager fast path (the same tokens, slower). The inspector's
-generation stream records every layer's attention at each token, so it runs the eager forward, whose
-records those are.
+Generations and chat answers decode with attnlab's compiled step (:mod:`attnlab.decoding`,
+``compile=True``) where the engine is told to (``attnlab serve`` does, unless ``--no-compile``).
+Compiling is slow, so it never happens on the model thread, where it would hold up every request:
+:meth:`Engine.warm_up` compiles the cache size of short generations (256 slots: a prompt and its new
+tokens up to 256) on a thread of its own, and a generation of another size asks for its size to be
+compiled likewise. Until its size is compiled a generation runs the eager fast path (the same tokens,
+slower).
 
 Recent traces are cached by token ids: the live page asks for the heads, then for the next-token
 probabilities, the rollout or the lens of the same prompt, and each of those reuses one forward pass.
@@ -43,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -123,11 +121,9 @@ class Engine:
             of :func:`attnlab.tools.viz.demo_view`), served as it is.
         name: the model's name on the page.
         limits: what a request may ask for.
-        cache_size: traces kept (each holds the stages of one prompt: ~55 MB for 128 tokens of
-            GPT-2-small, most of it the logits).
+        cache_size: traces kept (each holds the stages and the logits of one prompt).
         kept_bytes: memory for the attention traces kept with their keys and values, whose prefix the
-            next prompts reuse (31 MB per 150-token prompt of SmolLM2), at most ``4 * cache_size`` of
-            them (16 typists each find theirs); the latest is kept whatever its size.
+            next prompts reuse, at most ``4 * cache_size`` of them; the latest is kept whatever its size.
         prompt: the prompt the page opens with (default: the tutorials' "Your journey starts with
             one step", when the tokenizer can read it).
         saes: SAEs of the model by name (on its device, in its dtype): the Features tab
@@ -219,9 +215,8 @@ class Engine:
         """``fn()`` alone on the model: on the model's thread, under the lock, in inference mode.
         Blocks the calling thread until it is done (the server calls it from worker threads).
 
-        A request's torch work all runs here, its small after-work too: a parallel operation on another
-        live thread would give it a team of OpenMP workers, and the model thread's barriers would wait
-        throttled beside it (see :func:`attnlab.hardware.release_openmp_threads`)."""
+        A request's torch work all runs here, its small after-work too: on another thread it would get
+        a team of OpenMP workers of its own (see :func:`attnlab.hardware.release_openmp_threads`)."""
 
         def alone() -> T:
             with self.lock, torch.inference_mode():
@@ -280,12 +275,7 @@ class Engine:
             if self.sae_corpus is None
             else {"name": self.sae_corpus_name, "tokens": len(self.sae_corpus)},
             "torch_threads": torch.get_num_threads(),
-            "limits": {
-                "max_new_tokens": self.limits.max_new_tokens,
-                "max_body_bytes": self.limits.max_body_bytes,
-                "max_prompt_chars": self.limits.max_prompt_chars,
-                "max_prompt_tokens": None if model is None else model["context_length"],
-            },
+            "limits": asdict(self.limits) | {"max_prompt_tokens": None if model is None else model["context_length"]},
         }
 
     def _sae_info(self) -> list[dict[str, Any]]:
@@ -410,8 +400,6 @@ class Engine:
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
-            if "roles" in sections:
-                self._head_roles()
             data = inspector_data(
                 tr,
                 sections=sections - {"roles"},
@@ -428,7 +416,7 @@ class Engine:
                 roles=False,
             )
             if "roles" in sections:
-                data["roles"] = self._roles
+                data["roles"] = self._head_roles()
             return data
 
         data = self.run(work)
@@ -448,8 +436,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compute the head roles on the model's thread now, without waiting for them: the page's first
-        full inspection then finds them ready (on SmolLM2 they take as long as a 150-token forward).
-        A request that comes meanwhile waits its turn, as behind any other."""
+        full inspection then finds them ready. A request that comes meanwhile waits its turn."""
         if self.loaded is None:
             return
 
@@ -670,11 +657,8 @@ class Engine:
         the server shutting down, or ``max_new_tokens`` produced (``run.end_reason`` says which)."""
         if run.finished:
             return True
-        if self.closing:
-            run.end_reason = "shutdown"
-            return True
-        if run.produced >= run.max_new_tokens:
-            run.end_reason = "length"
+        if self.closing or run.produced >= run.max_new_tokens:
+            run.end_reason = "shutdown" if self.closing else "length"
             return True
         return False
 
