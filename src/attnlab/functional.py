@@ -17,12 +17,10 @@ The attention variants of models after GPT-2 are arguments of the same functions
   ``sinks=n`` also keeps the first ``n`` keys visible (StreamingLLM's attention sinks). On the CPU a
   band-blocked fused path (:mod:`attnlab.sliding`) makes its cost grow with ``T * W``, not ``T^2``.
 * ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``: the signatures of
-  ``torch.nn.attention.flex_attention``. The reference path evaluates them exactly, on index tensors
-  broadcast against each other (``b (B,1,1,1)``, ``h (1,H,1,1)``, ``q_idx (1,1,L,1)``, ``kv_idx (1,1,1,S)``,
-  which is what flex's vmap computes element by element); the fused path turns a ``mask_mod`` into a
-  bool mask and an additive ``score_mod`` into a float mask; on CUDA they go to ``flex_attention``
-  itself. As in flex, ``q_idx`` and ``kv_idx`` index the query and key dimensions (so flex's causal
-  ``q_idx >= kv_idx`` is top-left aligned; ``is_causal`` stays bottom-right).
+  ``torch.nn.attention.flex_attention``, evaluated exactly on broadcast index tensors ``b (B,1,1,1)``,
+  ``h (1,H,1,1)``, ``q_idx (1,1,L,1)``, ``kv_idx (1,1,1,S)`` (the fused path takes a ``mask_mod`` and an
+  additive ``score_mod`` as masks); on CUDA they go to ``flex_attention`` itself. As in flex,
+  ``q_idx >= kv_idx`` is top-left aligned; ``is_causal`` stays bottom-right.
 * Positions for RoPE and ALiBi live in :mod:`attnlab.positions`; :func:`positions_mask` builds the
   causal / window / sink / padding mask of queries and keys at explicit positions (a KV cache whose
   keys are not in order).
@@ -216,11 +214,10 @@ def _validate(
     sinks: object = 0,
     score_mod: object = None,
     mask_mod: object = None,
-) -> tuple[int, ...]:
-    """Raise a clear error for bad input; return the broadcast batch shape of the scores."""
-    check_float_tensor("query", query, 2)
-    check_float_tensor("key", key, 2)
-    check_float_tensor("value", value, 2)
+) -> None:
+    """Raise a clear error for bad input."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_float_tensor(name, t, 2)
     check_same_dtype_and_device("query", query, "key", key)
     check_same_dtype_and_device("query", query, "value", value)
     if query.shape[-1] != key.shape[-1]:
@@ -290,7 +287,6 @@ def _validate(
     if attn_mask is not None:
         target = (*batch, query.shape[-2], key.shape[-2])
         check_attn_mask(attn_mask, device=query.device, dtype=query.dtype, target=target, input_name="query")
-    return tuple(batch)
 
 
 def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -321,18 +317,15 @@ def _merge_masks(
 
     The result has at least 2 dimensions: a ``(S,)`` or scalar mask broadcasts, but torch's kernels
     and the row checks below need an ``(L, S)`` pair of dimensions."""
-    if attn_mask is not None and attn_mask.dim() < 2:
-        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))  # (1, S) or (1, 1)
+    attn_mask = None if attn_mask is None else torch.atleast_2d(attn_mask)  # (S,) -> (1, S), () -> (1, 1)
     if not is_causal:
         return attn_mask
     return combine_masks(attn_mask, causal_mask(L, S, window=window, sinks=sinks, device=device))  # (..., L, S)
 
 
-def _row_has_key(mask: Tensor) -> Tensor:
-    """``(..., L, 1)`` bool: True where a query row has at least one key it may attend."""
-    if mask.dtype == torch.bool:
-        return mask.any(dim=-1, keepdim=True)
-    return (mask != float("-inf")).any(dim=-1, keepdim=True)
+def _visible(mask: Tensor) -> Tensor:
+    """A bool or additive mask as bool, True = may attend (an additive mask hides with ``-inf``)."""
+    return mask if mask.dtype == torch.bool else mask != float("-inf")
 
 
 def heads_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -355,9 +348,8 @@ def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[T
     as they should be. ``mask``: the merged ``(..., L, S)`` mask (bool or additive)."""
     if mask is None:
         return key, value
-    if mask.dim() < 2:  # a (S,) mask: one row of queries
-        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-    used = mask.any(dim=-2) if mask.dtype == torch.bool else (mask != float("-inf")).any(dim=-2)  # (..., S)
+    mask = torch.atleast_2d(mask)  # a (S,) mask: one row of queries
+    used = _visible(mask).any(dim=-2)  # (..., S)
     if used.dim() >= 2 and key.dim() >= 3 and used.shape[-2] not in (1, key.shape[-3]):
         # Grouped-query attention: a key/value head is used when one of its query heads uses it.
         used = used.unflatten(-2, (key.shape[-3], used.shape[-2] // key.shape[-3])).any(dim=-2)  # (..., Hkv, S)
@@ -419,9 +411,8 @@ def _masked_scores(
     mask added.
 
     In place on the fresh product where the result has its shape and dtype (no ``score_mod``, whose
-    output its backward may keep): neither the product's backward nor the scaling's or the fill's
-    needs the values overwritten, and each ``(B, H, L, S)`` temporary not made is a pass over memory
-    and its page faults (a large share of a traced pass's time goes to them)."""
+    output its backward may keep): no backward here needs the overwritten values, and each
+    ``(B, H, L, S)`` temporary not made saves a pass over memory."""
     scores = heads_matmul(query, key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
     if score_mod is not None:
         scores = _modded_scores(scores, score_mod)  # (B, H, L, S)
@@ -489,9 +480,7 @@ def attention_scores(
         query: ``(..., L, E)``; with ``enable_gqa`` ``(..., Hq, L, E)``.
         key: ``(..., S, E)``; with ``enable_gqa`` ``(..., Hkv, S, E)``.
         attn_mask: broadcastable to ``(..., L, S)``; bool ``True`` = may attend, float added.
-        is_causal: causal mask aligned bottom-right (query ``i`` sees keys ``<= i + S - L``).
-        scale: multiplier of ``Q K^T``; default ``1/sqrt(E)``.
-        window, sinks, score_mod, mask_mod: see :func:`scaled_dot_product_attention`.
+        is_causal, scale, window, sinks, score_mod, mask_mod: see :func:`scaled_dot_product_attention`.
     Returns:
         ``(..., L, S)`` scores, ``-inf`` where masked.
     """
@@ -658,7 +647,7 @@ def attend(
     key, value = _drop_unattended(key, value, mask)
     # Rows with no key: let the kernel attend anywhere there (so it cannot form NaN), then zero
     # their output; masked_fill's backward sends zero gradient into those rows.
-    has_key = _row_has_key(mask)  # (..., L, 1)
+    has_key = _visible(mask).any(dim=-1, keepdim=True)  # (..., L, 1)
     safe = mask | ~has_key if mask.dtype == torch.bool else mask.masked_fill(~has_key, 0.0)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=safe, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
@@ -750,12 +739,10 @@ def _flex(
 
     B, H, L, _ = query.shape
     S = key.shape[-2]
-    key = key.expand(B, *key.shape[1:])  # flex wants one batch size
-    value = value.expand(B, *value.shape[1:])
-    full = (B, H, L, S)
+    key, value = (t.expand(B, *t.shape[1:]) for t in (key, value))  # flex wants one batch size
     bool_mask = float_mask = None
     if attn_mask is not None:
-        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full)
+        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(B, H, L, S)
         if m.dtype == torch.bool:
             bool_mask = m
         else:  # its -inf entries mask (in the block mask: a row with nothing left is then 0, not NaN)
@@ -768,10 +755,9 @@ def _flex(
 
         def combined(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             visible = q_idx >= 0
-            if causal is not None:
-                visible = visible & causal(b, h, q_idx, kv_idx)
-            if mask_mod is not None:
-                visible = visible & mask_mod(b, h, q_idx, kv_idx)
+            for fn in (causal, mask_mod):
+                if fn is not None:
+                    visible = visible & fn(b, h, q_idx, kv_idx)
             if bool_mask is not None:
                 visible = visible & bool_mask[b, h, q_idx, kv_idx]
             return visible
@@ -786,14 +772,11 @@ def _flex(
                 score = score_mod(score, b, h, q_idx, kv_idx)
             return score + float_mask[b, h, q_idx, kv_idx]
 
+    kwargs = {"score_mod": mod, "block_mask": block_mask, "scale": scale, "enable_gqa": enable_gqa}
     if query.is_cuda:
-        return _compiled_flex()(
-            query, key, value, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
-        )
+        return _compiled_flex()(query, key, value, **kwargs)
     if not torch.is_grad_enabled():  # flex refuses CPU inputs that require grad even under no_grad
         query, key, value = query.detach(), key.detach(), value.detach()
     with warnings.catch_warnings():  # on the CPU flex runs unfused by design here (comparisons, no backward)
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(
-            query, key, value, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
-        )
+        return flex_attention(query, key, value, **kwargs)

@@ -2,27 +2,15 @@
 
 bfloat16 halves the bytes of every tensor, and where the hardware multiplies it natively (CUDA from
 Ampere on, CPUs with AVX512-BF16 or AMX, Arm CPUs with the BF16 extension, Apple GPUs on macOS 14+)
-it is also faster. Elsewhere it is emulated: on an AVX2-only CPU (most laptops and desktops, many
-cloud machines) a bf16 matmul is 20x slower than the float32 one, or worse. So attnlab
-never picks bf16 by itself without asking :func:`bf16_native`:
+it is also faster. Elsewhere it is emulated and much slower than float32, so attnlab never picks bf16
+by itself without asking :func:`bf16_native`: for the training autocast (``--precision auto``), Muon's
+Newton-Schulz, the inference dtype (:func:`inference_dtype`) and the benchmarks' dtype rows. On the
+CPU oneDNN answers, as it runs the matmuls (and honours ``ONEDNN_MAX_CPU_ISA``). :func:`describe` says
+what a device does, for ``attnlab info``, the trainer's first line and the benchmarks' headers.
 
-- the training forward pass's autocast (``attnlab train --precision auto``);
-- Muon's Newton-Schulz orthogonalisation (:class:`attnlab.training.optim.MuonAdamW`);
-- the dtype a published model is loaded in for inference (:func:`inference_dtype`);
-- the benchmarks' dtype rows.
-
-The CPU's answer is oneDNN's (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, for x86 and Arm
-alike): it is what runs the matmuls, and it honours ``ONEDNN_MAX_CPU_ISA`` (a machine told to
-behave as AVX2 answers as one). :func:`describe` says what a device does, for ``attnlab info``,
-the trainer's first line and the benchmarks' headers.
-
-One fact of the CPU runtime too: several threads that each ran torch keep a team of OpenMP workers
-each, which slows every thread's parallel loops where they outnumber the CPUs;
-:func:`on_own_thread` runs a piece of work on a thread whose team ends with it, and
-:func:`release_openmp_threads` lets a thread's team go. One choice of kernel: :func:`linear`, a
-float32 matmul by oneDNN rather than MKL where nothing needs its gradient and the CPU is not Intel's.
-And what every compile names, the CPU's vector width (:func:`compile_options`): inductor's cache would
-otherwise hand code built for one vector unit to another.
+Also here, facts of the CPU runtime: :func:`on_own_thread` and :func:`release_openmp_threads` (OpenMP
+teams that outlive their work), :func:`linear` (oneDNN rather than MKL for float32 where that is
+faster) and :func:`compile_options` (the vector width every compile names).
 """
 
 from __future__ import annotations
@@ -133,7 +121,8 @@ def describe(device: torch.device | str = "cpu") -> Hardware:
         return Hardware("cuda", torch.cuda.get_device_name(device), f"sm_{major}{minor}", bf16_native(device))
     if device.type == "mps":
         return Hardware("mps", platform.processor() or "Apple GPU", "MPS", bf16_native(device))
-    return Hardware("cpu", _cpu_name(), cpu_capability(), bf16_native(device))
+    name = _cpuinfo("model name") or platform.processor() or platform.machine() or "CPU"
+    return Hardware("cpu", name, cpu_capability(), bf16_native(device))
 
 
 def header(device: torch.device | str = "cpu") -> str:
@@ -152,11 +141,9 @@ def cpu_capability() -> str:
     also reports native bf16 (the units that make bf16 fast)."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap == "AVX512" and bf16_native("cpu"):
-        cpu = torch.cpu
-        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
-            return "AMX"
-        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
-            return "AVX512-BF16"
+        for unit, query in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+            if getattr(torch.cpu, query, lambda: False)():
+                return unit
     return cap
 
 
@@ -164,12 +151,9 @@ def compile_options() -> dict[str, Any]:
     """Inductor options for every ``torch.compile`` of attnlab's (and ``standalone_compile``'s
     ``config_patches``): the CPU's vector width, named (``cpp.simdlen``: 512 for AVX-512, 256 for AVX2).
 
-    Inductor's on-disk cache of compiled graphs does not key its CPU code by the vector unit: a cache
-    filled by a process with AVX-512 (code written for 16 floats a vector) hands that code to a process
-    on AVX2, which builds it for 8, and its sums come out wrong (a machine told
-    ``ATEN_CPU_CAPABILITY=avx2``, a cache shared by two machines; told ``default``, the build fails). A
-    named width is part of the key.
-    Imports the compiler: call it where compiling starts."""
+    Inductor's on-disk cache does not key its CPU code by the vector unit, so code written for one
+    width could be handed to a process with another, and compute wrong sums (or fail to build); a
+    named width is part of the key. Imports the compiler: call it where compiling starts."""
     global _simdlen
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -194,13 +178,8 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
-def _cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine() or "CPU"
-
-
 def _cpuinfo(field: str) -> str:
-    """The first value of ``field`` in ``/proc/cpuinfo`` (``"vendor_id"``: ``"GenuineIntel"``,
-    ``"AuthenticAMD"``), or ``""`` where there is no such file (not Linux) or field."""
+    """The first value of ``field`` in ``/proc/cpuinfo``, or ``""`` where there is no such file or field."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -270,21 +249,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by oneDNN's matmul on the weight as it is (no packed copy) for
     float32 on a CPU other than Intel's where no gradient is wanted, else by ``F.linear`` itself.
 
-    ``F.linear`` of float32 calls MKL, Intel's library, which runs generic code paths on other makers'
-    CPUs: there oneDNN's matmul is the faster one, for a prompt's projections and most of all for the
-    one row or few of a decoding step, whose time is reading the weight from memory. On Intel's CPUs MKL
-    runs its own code paths and is the faster one, so ``F.linear`` keeps the float32 products there.
-    bfloat16 reaches oneDNN through ``F.linear`` already. Training (anything that needs a
-    gradient: oneDNN's operator has no backward), ``torch.compile`` (inductor makes its own choice),
-    autocast (which casts ``F.linear``'s inputs), tensor subclasses (a DTensor's shards) and other
-    devices and dtypes take ``F.linear``. The two agree to float32's rounding (the sums' order differs);
-    a build whose oneDNN does not (checked once per process) keeps ``F.linear`` everywhere.
+    ``F.linear`` of float32 calls MKL, which runs generic code paths on other makers' CPUs, where
+    oneDNN's matmul is faster (most of all for a decoding step's few rows, bound by reading the
+    weight). Anything that needs a gradient (oneDNN's operator has no backward), autocast, tensor
+    subclasses (a DTensor's shards), other devices and dtypes take ``F.linear``. The two agree to
+    float32's rounding; a build whose oneDNN does not (checked once per process) keeps ``F.linear``.
 
-    Under ``torch.compile`` on a CPU, one row (a decoding step's) is a multiply-and-sum, which inductor
-    turns into a vectorized loop over the weight that reads it at the memory's speed, where a library's
-    matrix-vector kernel called from the graph reads it slower on some CPUs. The sum runs over four
-    quarters of the weight's rows side by side, which inductor fuses into one loop: four independent
-    streams of reads and chains of additions per thread, where one waits on each addition in turn.
+    Under ``torch.compile`` on a CPU, one row (a decoding step's) is a multiply-and-sum that inductor
+    turns into a vectorized loop reading the weight at the memory's speed (a library kernel called from
+    the graph reads it slower on some CPUs); it runs over four quarters of the weight's rows side by
+    side, so each thread has four independent chains of additions, not one. Other compiled products
+    take ``F.linear`` (inductor makes its own choice).
 
     A weight whose class says ``owns_linear`` (:class:`attnlab.quantized.QuantizedTensor`: a GGUF
     file's blocks) computes its own product, eager or compiled: ``F.linear`` hands it to the weight."""
@@ -308,7 +283,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         )
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")  # (F.linear is autocast's: it casts to the autocast dtype)
-        and _onednn_for_float32()
+        and torch.backends.mkldnn.enabled  # (asked at each call, as torch does)
+        and _onednn_linear_pays()
+        and _onednn_linear_works()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -317,12 +294,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def owns_linear(weight: Tensor) -> bool:
     """Whether ``weight``'s class computes its own ``F.linear`` (a quantized weight, LoRA's update of one)."""
     return getattr(type(weight), "owns_linear", False)
-
-
-def _onednn_for_float32() -> bool:
-    """Whether this process multiplies float32 on the CPU by oneDNN where no gradient is wanted: oneDNN
-    enabled (asked at each call, as torch does), faster here than MKL and working (both checked once)."""
-    return torch.backends.mkldnn.enabled and _onednn_linear_pays() and _onednn_linear_works()
 
 
 @functools.cache

@@ -82,15 +82,12 @@ class TorchCausalMHA(nn.Module):
         self.context_length = context_length
         self._mask: Tensor | None = None
 
-    def _causal(self, n: int, device: torch.device) -> Tensor:
-        # torch's convention is the opposite of attnlab's: True = may NOT attend.
-        if self._mask is None or self._mask.shape[0] != n or self._mask.device != device:
-            self._mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)  # (n, n)
-        return self._mask
-
     def forward(self, x: Tensor) -> Tensor:
-        mask = self._causal(x.shape[-2], x.device)
-        return self.mha(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]  # (b, n, d)
+        n = x.shape[-2]
+        # torch's convention is the opposite of attnlab's: True = may NOT attend.
+        if self._mask is None or self._mask.shape[0] != n or self._mask.device != x.device:
+            self._mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # (n, n)
+        return self.mha(x, x, x, need_weights=False, attn_mask=self._mask, is_causal=True)[0]  # (b, n, d)
 
 
 class AttentionCore(nn.Module):
@@ -153,10 +150,6 @@ def _tutorial_loop(d_model: int, num_heads: int, context_length: int, dropout: f
     return TutorialLoopAttention(d_model, d_model)  # no dropout, no mask buffer: it only loops j <= i
 
 
-def _torch(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
-    return TorchCausalMHA(d_model, num_heads, context_length, dropout)
-
-
 def _core(impl: str) -> Callable[..., nn.Module]:
     def build(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
         if dropout:
@@ -217,7 +210,7 @@ IMPLEMENTATIONS: dict[str, Impl] = {
         reference="attnlab",
     ),
     "attnlab": Impl("attnlab.MultiHeadAttention", _multi_head("attnlab.attention"), 4),
-    "torch": Impl("torch.nn.MultiheadAttention", _torch, 4, reference="attnlab"),
+    "torch": Impl("torch.nn.MultiheadAttention", TorchCausalMHA, 4, reference="attnlab"),
     "attnlab-wrapper": Impl("attnlab.MultiHeadAttentionWrapper", _multi_head("attnlab.attention", wrapper=True), 3),
     # Attention only (input: packed q, k, v of shape (b, T, 3 * d_model)).
     "attnlab-core": Impl("attnlab scaled_dot_product_attention", _core("attnlab"), 0),
@@ -264,11 +257,8 @@ def share_weights(source: nn.Module, target: nn.Module) -> None:
         """([Wq, Wk, Wv] as (out, in)), [bq, bk, bv], the output projection (None: none)."""
         if isinstance(m, TorchCausalMHA):
             b = m.mha.in_proj_bias
-            return (
-                list(m.mha.in_proj_weight.chunk(3)),
-                list(b.chunk(3)) if b is not None else [None] * 3,
-                m.mha.out_proj,
-            )
+            bs = [None] * 3 if b is None else list(b.chunk(3))
+            return list(m.mha.in_proj_weight.chunk(3)), bs, m.mha.out_proj
         if hasattr(m, "heads"):
             ws = [torch.cat([getattr(h, n).weight for h in m.heads]) for n in names]
             has_bias = getattr(m.heads[0], names[0]).bias is not None

@@ -104,9 +104,9 @@ def _plots(result: Mapping, out: Path) -> list[str]:
         s: dict[str | None, tuple[list[int], list[float]]] = {}
         for row in att["rows"]:
             for n, r in row["results"].items():
-                s.setdefault(_label(n), ([], []))
-                s[_label(n)][0].append(row["seq_len"])
-                s[_label(n)][1].append(scale * r[key])
+                xs, ys = s.setdefault(_label(n), ([], []))
+                xs.append(row["seq_len"])
+                ys.append(scale * r[key])
         return s
 
     tokens = "sequence length (tokens)"
@@ -175,7 +175,6 @@ def format_markdown(result: Mapping, plots: list[str]) -> str:
 def _markdown_intro(result: Mapping) -> list[str]:
     """The title, the machine and the run, and the matmul rate every percentage is of."""
     m, cfg, mm, end = result["machine"], result["config"], result["matmul"], result["matmul_end"]
-    peak = result["peak_gflops"]
     return [
         "# attnlab benchmark report",
         "",
@@ -189,7 +188,7 @@ def _markdown_intro(result: Mapping) -> list[str]:
         "## The machine's matmul rate",
         "",
         f"`torch.mm` of two {mm['n']} x {mm['n']} float32 matrices on {m['torch_threads']} thread(s): "
-        f"**{peak:.1f} GFLOP/s**, the best of {mm['gflops_best']:.1f} (start of the run, median "
+        f"**{result['peak_gflops']:.1f} GFLOP/s**, the best of {mm['gflops_best']:.1f} (start of the run, median "
         f"{mm['gflops_median']:.1f}) and {end['gflops_best']:.1f} (end, median {end['gflops_median']:.1f}). "
         'Every "% of matmul" below is a measured FLOP rate divided by this best rate: the fraction of what these '
         "cores can do.",

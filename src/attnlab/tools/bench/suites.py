@@ -92,8 +92,6 @@ class BenchConfig:
             memory_seq_lens=[256, 1024],
             matmul_n=1024,
             gen_lens=[32, 64, 128],
-            gen_prompt=8,
-            gen_repeats=2,
             train_lens=[64, 128, 256],
             train_batch=4,
             train_repeats=3,
@@ -387,8 +385,13 @@ def attention_benchmark(
     blocks = [["attnlab", "torch", "tutorial"] + (["attnlab-wrapper", "tutorial-wrapper"] if wrappers else [])]
     if core:
         blocks.append(["attnlab-core", "torch-core", "tutorial-core"])
+    diffs, timings, rows = {}, {}, {}
     load_before = load_average()
-    diffs, timings, rows = _time_blocks(blocks, shape, repeats=repeats, warmup=warmup, seed=seed, log=log)
+    for names in blocks:  # interleaved within a block, not across
+        what = "the attention alone" if names[0] == "attnlab-core" else f"{len(names)} competitors"
+        log(f"timing {what}, {repeats} interleaved rounds after {warmup} warm-up ...")
+        d, t, r = time_attention(names, **shape, repeats=repeats, warmup=warmup, seed=seed)
+        diffs, timings, rows = diffs | d, timings | t, rows | r
     load_after = load_average()
     ratios = _time_ratios(timings, wrappers=wrappers, core=core)
     goal = {k: v for k, v in GOAL_SHAPE.items() if k != "memory_seq_len"}
@@ -425,34 +428,14 @@ def attention_benchmark(
     return result
 
 
-def _time_blocks(
-    blocks: list[list[str]], shape: dict[str, int], *, repeats: int, warmup: int, seed: int, log: Log
-) -> tuple[dict, dict, dict]:
-    """:func:`time_attention` of each block of competitors (interleaved within a block, not across):
-    the outputs' differences, the timings and their table rows, of all blocks together."""
-    diffs, timings, rows = {}, {}, {}
-    for names in blocks:
-        what = "the attention alone" if names[0] == "attnlab-core" else f"{len(names)} competitors"
-        log(f"timing {what}, {repeats} interleaved rounds after {warmup} warm-up ...")
-        d, t, r = time_attention(names, **shape, repeats=repeats, warmup=warmup, seed=seed)
-        diffs.update(d)
-        timings.update(t)
-        rows.update(r)
-    return diffs, timings, rows
-
-
 def _time_ratios(timings: dict, *, wrappers: bool, core: bool) -> dict[str, object]:
     """attnlab's time against each competitor's (:func:`compare`), keyed ``"attnlab/torch"``,
     ``"core: attnlab/torch"``, ..."""
     pairs = [("attnlab", "torch"), ("attnlab", "tutorial")]
     pairs += [("attnlab-wrapper", "tutorial-wrapper")] if wrappers else []
     pairs += [("attnlab-core", "torch-core"), ("attnlab-core", "tutorial-core")] if core else []
-    return {
-        f"core: {a.removesuffix('-core')}/{b.removesuffix('-core')}" if a.endswith("-core") else f"{a}/{b}": compare(
-            timings[a], timings[b]
-        )
-        for a, b in pairs
-    }
+    keys = [f"core: {a}/{b}".replace("-core", "") if a.endswith("-core") else f"{a}/{b}" for a, b in pairs]
+    return {key: compare(timings[a], timings[b]) for key, (a, b) in zip(keys, pairs, strict=True)}
 
 
 def _forward_memory(

@@ -262,8 +262,8 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
 
 
 async def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` in a worker thread (model work blocks), its errors as one-line 4xx answers. A request's fields are named as the arguments of
-    the function it goes to: the routes pass ``**req.model_dump()``."""
+    """``fn`` in a worker thread (model work blocks), its errors as one-line 4xx answers. A request's
+    fields are named as the arguments of the function it goes to: the routes pass ``**req.model_dump()``."""
     return await run_in_threadpool(fn, *args, **kwargs)
 
 
