@@ -18,6 +18,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,8 @@ def load_text(path: str | os.PathLike[str] | None) -> str:
     if path is None:
         return builtin_corpus()
     p = check_text_file(path)
-    data = p.read_bytes()
     try:
-        return data.decode("utf-8")
+        return p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p} is not UTF-8 text (invalid byte at offset {exc.start})") from None
 
@@ -116,12 +116,9 @@ def _writable_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
 def _file_lock(lock_path: Path) -> Iterator[bool]:
     """Exclusive advisory lock, so that concurrent ranks tokenize a file once and the others wait.
     Yields whether the lock is real: without fcntl (Windows) each process builds its own copy,
-    which os.replace keeps correct.
-
-    The holder removes the lock file when done (else they pile up, one per cache entry): safe, since a
-    process that gets the lock checks that its file is still the one at ``lock_path`` (same inode) and
-    otherwise locks the new one, and whoever gets it looks for the finished entry first.
-    """
+    which os.replace keeps correct. The holder removes the lock file when done (else they pile up):
+    safe, since a process that gets the lock checks its file is still the one at ``lock_path`` (same
+    inode), else locks the new one, and whoever gets it looks for the finished entry first."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover
@@ -164,13 +161,9 @@ def _iter_token_arrays(
             if raw:
                 yield np.frombuffer(raw, dtype=np.uint8)
         return
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if workers > 1 and type(tokenizer).split_point is not Tokenizer.split_point:
-            # BPE is the slow one; tiktoken releases the GIL, so threads encode pieces in parallel.
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = stack.enter_context(ThreadPoolExecutor(workers))
+    # BPE is the slow one; tiktoken releases the GIL, so threads encode pieces in parallel.
+    parallel = workers > 1 and type(tokenizer).split_point is not Tokenizer.split_point
+    with ThreadPoolExecutor(workers) if parallel else contextlib.nullcontext() as pool:
         pending, offset = "", 0  # offset: characters of the file before `pending`
         for text, _ in iter_decoded(p, chunk_bytes, on_raw):
             pending += text
@@ -183,16 +176,13 @@ def _iter_token_arrays(
 
 
 def _encode_chunk(p: Path, tokenizer: Tokenizer, text: str, offset: int, pool: Any, workers: int) -> np.ndarray:
+    """``tokenizer.encode_array(text)``, split into ``workers`` pieces at safe cuts when a pool is given;
+    ``text`` starts at character ``offset`` of the file ``p``."""
     if isinstance(tokenizer, CharTokenizer):
         # Name the file and the character's position in it, not in this chunk.
         i = tokenizer.first_unknown(text)
         if i is not None:
             raise ValueError(f"{p}: " + tokenizer.unknown_message(text[i], f"at character {offset + i}"))
-    return _encode_parallel(tokenizer, text, pool, workers)
-
-
-def _encode_parallel(tokenizer: Tokenizer, text: str, pool: Any, workers: int) -> np.ndarray:
-    """``tokenizer.encode_array(text)``, split into ``workers`` pieces at safe cuts when a pool is given."""
     if pool is None or len(text) < 1 << 16:
         return tokenizer.encode_array(text)
     pieces, start = [], 0
@@ -262,9 +252,7 @@ def tokenize_to_cache(
                 stale.unlink()
         if workers is None:
             workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        n_tokens = _write_token_file(
-            p, tokenizer, final, dtype, chunk_bytes, progress, max(1, int(workers)), content_hash
-        )
+        n_tokens = _write_token_file(p, tokenizer, final, chunk_bytes, progress, max(1, int(workers)), content_hash)
         meta = {
             "source": str(p.resolve()),
             "source_sha256": content_hash,
@@ -280,26 +268,19 @@ def tokenize_to_cache(
 
 
 def _write_token_file(
-    p: Path,
-    tokenizer: Tokenizer,
-    dest: Path,
-    dtype: np.dtype,
-    chunk_bytes: int,
-    progress: bool,
-    workers: int,
-    expected_sha256: str,
+    p: Path, tokenizer: Tokenizer, dest: Path, chunk_bytes: int, progress: bool, workers: int, expected_sha256: str
 ) -> int:
+    """Tokenize ``p`` into ``dest`` (ids of :func:`token_dtype`); returns the number of tokens."""
+    dtype = token_dtype(tokenizer.vocab_size)
     # Hash what we actually tokenize: a file edited between the cache-key hash and this pass
     # must not be stored under the old content's key.
     hasher = hashlib.sha256()
     bar = None
     if progress:
-        try:
+        with contextlib.suppress(ImportError):  # (no tqdm: no bar)
             from tqdm.auto import tqdm
 
             bar = tqdm(total=p.stat().st_size, unit="B", unit_scale=True, desc=f"tokenizing {p.name}")
-        except ImportError:  # pragma: no cover
-            bar = None
 
     def on_raw(raw: bytes) -> None:
         hasher.update(raw)
@@ -326,15 +307,13 @@ def _write_token_file(
 def _as_token_sequence(tokens: Any, name: str = "tokens") -> Tokens:
     """Accept a 1-D integer tensor / ndarray (incl. memmap) or a list of ints; keep arrays as-is
     (no copy) so memory-mapped tokens stay on disk."""
+    if isinstance(tokens, (Tensor, np.ndarray)) and tokens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
     if isinstance(tokens, Tensor):
-        if tokens.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer ids, got dtype {tokens.dtype}")
         return tokens
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
         if not np.issubdtype(tokens.dtype, np.integer) or tokens.dtype == np.uint64:
             # uint64 ids past 2**63 would wrap to negative int64 ones when read as tensors.
             raise TypeError(f"{name} must hold integer ids of at most 63 bits (not uint64), got dtype {tokens.dtype}")
@@ -434,8 +413,7 @@ def train_val_split(tokens: Tokens | Sequence[int], val_fraction: float = 0.1) -
     tokens = _as_token_sequence(tokens)
     if not is_real(val_fraction) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
-    n_val = round(len(tokens) * float(val_fraction))
-    n_train = len(tokens) - n_val
+    n_train = len(tokens) - round(len(tokens) * float(val_fraction))
     return tokens[:n_train], tokens[n_train:]
 
 
@@ -445,10 +423,9 @@ class RandomWindowBatches:
     Each step draws a *global* batch of ``world_size * grad_accum_steps * batch_size`` window
     starts, uniformly from every position that has ``context_length + 1`` tokens after it
     (nanoGPT-style sampling with replacement). Rank ``r`` in micro-step ``m`` takes rows
-    ``[(m * world_size + r) * batch_size, ... + batch_size)``. Consequences:
-
-    resuming at ``step`` reproduces the batches of an uninterrupted run exactly (no sampler state),
-    and N processes see the same global batch as M, so a checkpoint from N resumes with any M.
+    ``[(m * world_size + r) * batch_size, ... + batch_size)``. So resuming at ``step`` reproduces the
+    batches of an uninterrupted run exactly (no sampler state), and N processes see the same global
+    batch as M, so a checkpoint from N resumes with any M.
     ``tokens`` (a 1-D tensor, array or memmap) is read only at the sampled windows; ``batch_size``
     is the rows per rank per micro-step.
     """

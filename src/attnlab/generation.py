@@ -1,26 +1,17 @@
 """Autoregressive generation for :class:`attnlab.GPT`: sampling, KV cache, sliding window, batches.
 
-How the cache works. Each layer owns a preallocated :class:`~attnlab.attention.KVCache` of
-``context_length`` slots. The prompt is fed once ("prefill"), filling the first slots; then every
-new token is fed alone: its query attends over the cached keys/values and its own key/value is
-written into the next slot, so a step costs O(T) work instead of the O(T^2) of re-running the
-whole sequence.
+How the cache works. Each layer owns a preallocated :class:`~attnlab.attention.KVCache`. The prompt
+is fed once ("prefill"); then each new token is fed alone: its query attends over the cached keys
+and values and its own are written into the next slot, so a step costs O(T) work, not O(T^2).
 
-Past the context window. Without a cache the model is simply re-run on the last
-``context_length`` tokens. With a cache the same must happen: GPT-2 adds an *absolute* position
-embedding to every token before the first layer, so when the window slides by one token every
-cached key and value (computed with the old positions) is stale. A rolling cache that just drops
-the oldest slot would silently change the model. So when the cache is full attnlab re-fills it from
-the last ``context_length`` tokens (a full-window forward, what the uncached path does anyway):
-cached and uncached generation stay identical; past the window the cache no longer saves work.
-
-Models with relative positions (RoPE, ALiBi, none) can roll the cache. Their attention is defined
-over a sliding window (``window``, default ``context_length``): each token sees at most that many
-tokens, at their original positions. So the cache is a ring of ``window (+ sinks)`` slots: the
-prompt is fed once (in chunks of ``context_length``), then each step writes its key and value over
-the oldest and attends over the ring; nothing is ever re-encoded, and memory and time per token stay
-flat however long generation runs. Without a cache the model runs over the whole sequence each step
-(the window slides inside it), which is what the ring computes.
+Past the context window. GPT-2 adds an *absolute* position embedding to every token, so when the
+window slides by one token every cached key and value is stale: a cache that just dropped its oldest
+slot would silently change the model. So once the cache is full attnlab re-fills it from the last
+``context_length`` tokens (what the uncached path runs anyway): cached and uncached generation stay
+identical. Models with relative positions (RoPE, ALiBi, none) attend over a sliding ``window``
+(default ``context_length``) at the tokens' original positions, so their cache is a ring of ``window
+(+ sinks)`` slots: the prompt is fed once (in chunks of ``context_length``), then each step writes
+over the oldest slot; nothing is re-encoded, and memory and time per token stay flat.
 
 Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
 real token). Padding is never attended to and each row's positions count only its real tokens, so a
@@ -61,9 +52,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is chosen from the logits: one set of settings, checked once, used by
-    :func:`generate`, :func:`stream`, :func:`sample_next_token`, ``attnlab generate`` and the
-    trainer's sample.
+    """How the next token is chosen from the logits: one set of settings, checked once.
 
     Attributes:
         temperature: softmax temperature; ``0`` is greedy (argmax).
@@ -87,10 +76,7 @@ class SamplingConfig:
             raise ValueError(f"top_p must be a float in (0, 1] or None, got {self.top_p!r}")
         if isinstance(self.eos_id, (list, tuple)):  # several stop ids: kept as a tuple (hashable, frozen)
             object.__setattr__(self, "eos_id", tuple(self.eos_id))
-            ok = len(self.eos_id) > 0 and all(is_int(i) and i >= 0 for i in self.eos_id)
-        else:
-            ok = self.eos_id is None or (is_int(self.eos_id) and self.eos_id >= 0)
-        if not ok:
+        if (self.eos_id is not None and not self.stop_ids) or not all(is_int(i) and i >= 0 for i in self.stop_ids):
             raise ValueError(
                 f"eos_id must be a token id (an int >= 0), a non-empty tuple of them, or None, got {self.eos_id!r}"
             )
@@ -140,8 +126,7 @@ class SamplingConfig:
         """One token per row of ``logits (B, V)`` (checked by the caller); ``(B,)`` int64."""
         if self.greedy:
             return greedy_tokens(logits)  # (B,)
-        probs = torch.softmax(self.filter(logits), dim=-1)  # (B, V)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        return torch.multinomial(self.probabilities(logits), 1, generator=generator).squeeze(-1)  # (B,)
 
 
 def sample_next_token(
@@ -183,14 +168,10 @@ def next_tokens(
     checked (NaN or +inf: ValueError, one host sync), sampled, and a row already ``finished`` (it
     produced one of the ``stop`` ids) kept at the first stop id; ``finished (B,)`` is updated in place."""
     if sampling.greedy:  # (checked from the argmax's own maxima: one pass)
-        return _stopping(greedy_tokens(logits, checked=True), stop, finished)
-    check_model_logits(logits)
-    return _stopping(sampling.sample(logits, generator), stop, finished)
-
-
-def _stopping(nxt: Tensor, stop: Tensor | None, finished: Tensor) -> Tensor:
-    """The next tokens ``nxt (B,)`` with each row already ``finished`` kept at the first ``stop`` id;
-    ``finished (B,)`` updated in place."""
+        nxt = greedy_tokens(logits, checked=True)  # (B,)
+    else:
+        check_model_logits(logits)
+        nxt = sampling.sample(logits, generator)  # (B,)
     if stop is not None:
         nxt = nxt.masked_fill(finished, stop[0])  # finished rows keep emitting (the first) eos
         finished |= torch.isin(nxt, stop)
@@ -261,33 +242,26 @@ def _steps(
     ``seeded``: ``(caches, logits (B, V))``, KV caches already holding ``idx`` and the logits after its
     last token (a trace's, :func:`attnlab.interpret.trace_generation`): the prompt is not run again.
 
-    The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come: its size
-    follows what was generated, never ``max_new_tokens`` (which may be huge: ``stream`` runs until
-    stopped), so asking for 10**10 tokens allocates nothing up front.
+    The tokens (and the mask) live in a buffer ``out`` that grows by chunks as tokens come, never
+    sized by ``max_new_tokens`` (``stream`` may be asked for 10**10 tokens and stopped early).
     """
     B, T = idx.shape
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=idx.device) if sampling.stop_ids else None
     out = torch.empty(B, T + min(max_new_tokens, _CHUNK), dtype=torch.long, device=idx.device)  # (B, T + chunk)
     out[:, :T] = idx
-    full_mask = None
-    if mask is not None:
-        full_mask = torch.ones(out.shape, dtype=torch.bool, device=idx.device)  # (B, T + chunk)
-        full_mask[:, :T] = mask
+    full_mask = None if mask is None else torch.cat([mask, mask.new_ones(B, out.shape[1] - T)], dim=1)  # (B, T + chunk)
     caches, first = seeded if seeded is not None else (None, None)
     if seeded is None and use_cache:  # sized by what this call needs (a rolling cache: at most window + sinks)
         caches = model.new_kv_caches(B, cache_length(model, T, max_new_tokens, compile))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
 
     # No dropout while generating: the modules in training mode switched off, and back on after (not
-    # model.eval() and model.train(), which walk and set every module, and put a module left in eval
-    # mode inside a model in training mode back in training mode).
+    # model.train(), which would also put a submodule left in eval mode back in training mode).
     training = [m for m in model.modules() if m.training]
     for m in training:
         m.training = False
     try:
-        decoder = None
-        if fast and supported(model, caches, mask):
-            decoder = FastDecoder(model, caches, compile=compile)
+        decoder = FastDecoder(model, caches, compile=compile) if fast and supported(model, caches, mask) else None
         prefill, decode = _stepper(model, caches, decoder, reading)
         for step in range(max_new_tokens):
             cur = T + step  # tokens in `out` so far
@@ -477,16 +451,8 @@ def generate(
         k = draft_tokens if prompt_lookup is None else prompt_lookup
         settings = dict(temperature=temperature, attention_mask=attention_mask, use_cache=use_cache, compile=compile)
         check_speculative(model, idx, max_new_tokens, k, draft_model, **settings)
-        ids, logits, _ = speculative_decode(
-            model,
-            idx,
-            max_new_tokens,
-            k=k,
-            draft_model=draft_model,
-            stop_ids=sampling.stop_ids,
-            fast=fast,
-            return_logits=return_logits,
-        )
+        guess = dict(k=k, draft_model=draft_model, stop_ids=sampling.stop_ids, fast=fast, return_logits=return_logits)
+        ids, logits, _ = speculative_decode(model, idx, max_new_tokens, **guess)
         return (ids, logits) if return_logits else ids
     steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile)
     return _collect(steps, model, idx, return_logits)
@@ -509,10 +475,9 @@ def resume(
     _check_args(model, idx, max_new_tokens, sampling, None)
     if len(caches) != len(model.trf_blocks) or any(c.seen != idx.shape[1] for c in caches):
         raise ValueError(f"caches must be one per layer, each holding the prompt's {idx.shape[1]} tokens")
-    if tuple(logits.shape) != (idx.shape[0], model.config.vocab_size):
-        raise ValueError(
-            f"logits must have shape (B, V) = {(idx.shape[0], model.config.vocab_size)}, got {tuple(logits.shape)}"
-        )
+    want = (idx.shape[0], model.config.vocab_size)
+    if tuple(logits.shape) != want:
+        raise ValueError(f"logits must have shape (B, V) = {want}, got {tuple(logits.shape)}")
     steps = _steps(model, idx, max_new_tokens, sampling, True, generator, None, seeded=(caches, logits))
     return _collect(steps, model, idx, True)
 

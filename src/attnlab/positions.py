@@ -70,11 +70,6 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
     for key in need.get(kind, ()):
         if not finite_real(scaling.get(key)) or scaling[key] <= 0:
             raise ValueError(f"rope_scaling {kind!r} needs a positive number {key!r}, got {scaling.get(key)!r}")
-    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-        if kind == "yarn" and scaling.get(key) is not None and (not finite_real(scaling[key]) or scaling[key] <= 0):
-            raise ValueError(f"rope_scaling 'yarn' {key!r} must be a positive number or None, got {scaling[key]!r}")
-    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
-        raise ValueError(f"rope_scaling 'yarn' 'truncate' must be a bool, got {scaling['truncate']!r}")
     if kind == "longrope":
         for key in ("short_factor", "long_factor"):
             v = scaling.get(key)
@@ -82,11 +77,12 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
                 raise ValueError(f"rope_scaling 'longrope' needs {key!r}: a list of positive numbers, got {v!r}")
         if len(scaling["short_factor"]) != len(scaling["long_factor"]):
             raise ValueError("rope_scaling 'longrope' needs 'short_factor' and 'long_factor' of one length")
-        for key in ("factor", "attention_factor"):
-            if scaling.get(key) is not None and (not finite_real(scaling[key]) or scaling[key] <= 0):
-                raise ValueError(
-                    f"rope_scaling 'longrope' {key!r} must be a positive number or None, got {scaling[key]!r}"
-                )
+    yarn_optional = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+    for key in {"yarn": yarn_optional, "longrope": ("factor", "attention_factor")}.get(kind, ()):  # None or > 0
+        if scaling.get(key) is not None and (not finite_real(scaling[key]) or scaling[key] <= 0):
+            raise ValueError(f"rope_scaling {kind!r} {key!r} must be a positive number or None, got {scaling[key]!r}")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling 'yarn' 'truncate' must be a bool, got {scaling['truncate']!r}")
     original = scaling.get("original_max_position_embeddings")
     if kind in ("llama3", "yarn", "longrope") and (not is_int(original) or original < 1):
         raise ValueError(

@@ -2,7 +2,7 @@
 
 Every block, attention layer and MLP of an attnlab GPT has a ``hook`` attribute, ``None`` unless
 :func:`hooks` is active (then the model runs its named steps through it; otherwise nothing is
-called, so generation costs what it did). The names and shapes are TransformerLens's (``B`` batch,
+called, at no cost). The names and shapes are TransformerLens's (``B`` batch,
 ``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width,
 ``dm`` the MLP's hidden width)::
 
@@ -40,11 +40,9 @@ never forms the pattern), and while its ``result`` is, its output projection hea
 agrees with the fused path to rounding. A norm's ``hook_scale`` is its divisor, one number a position;
 while it is hooked the norm is computed step by step, ``(x - mean) / scale * weight + bias`` (LayerNorm)
 or ``x / scale * gain`` (RMSNorm), so that a replaced scale (TransformerLens's "frozen LayerNorm scale")
-is what divides; a function that returns None or the tensor it was given leaves the norm's own output.
-``hook_normalized`` is the output with the gain applied, as TransformerLens's LayerNorm has it (its
-RMSNorm hooks the output before the gain). With a KV cache (generation), ``k``/``v`` hold only the new
-tokens' keys and values, while ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the
-cached ones included.
+is what divides (a scale kept as it is: the norm's own output). ``hook_normalized`` is the output with
+the gain applied (TransformerLens's RMSNorm hooks it before the gain). With a KV cache, ``k``/``v``
+hold only the new tokens' keys and values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys.
 
 Points of a spliced module: while an SAE or transcoder is spliced at a hook point
 (:func:`attnlab.interpret.splice`), its own points follow that point, named as SAELens names them::
@@ -56,9 +54,8 @@ Points of a spliced module: while an SAE or transcoder is spliced at a hook poin
     {hook}.hook_sae_error        (B, T, d_out)  the error term x - x^
     {hook}.hook_sae_output       (B, T, d_out)  what replaces the activation (recons + error)
 
-:func:`hook_names`, :func:`hooks` and :func:`run_with_cache` take them like any other point for as
-long as the splice lasts (:func:`added_points` is the mechanism: the module that owns the points
-runs the functions set on them).
+:func:`hook_names`, :func:`hooks` and :func:`run_with_cache` take them like any other point while
+the splice lasts (:func:`added_points`: the module that owns the points runs the functions set on them).
 """
 
 from __future__ import annotations
@@ -96,13 +93,13 @@ __all__ = [
 ]
 
 BLOCK_STEPS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-# TransformerLens's split inputs of the attention: a copy of the residual per head, (B, T, H, d) (keys' and
-# values' (B, T, Hkv, d)), each head's queries, keys and values projected from its own (H times the
-# projections' work, while one is hooked). attn_in: every head's one copy, where keys and values have as
-# many heads as queries.
+# TransformerLens's split inputs: a copy of the residual per head, (B, T, H, d) (keys' and values'
+# (B, T, Hkv, d)), each head projecting its own (H times the work while hooked). attn_in: every head's
+# one copy, where keys and values have as many heads as queries.
 SPLIT_STEPS = ("attn_in", "q_input", "k_input", "v_input")
 ATTN_STEPS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
-# The steps the fused kernel never forms: hooked, the attention is computed step by step (_Sites.attend).
+# The steps the fused kernel never forms: hooked, the attention is computed step by step (_Sites.attend);
+# with q, k, v or result alone hooked it keeps the fused kernel.
 _STEPWISE = ("rot_q", "rot_k", "attn_scores", "pattern", "z")
 MLP_STEPS = ("pre", "pre_linear", "post")
 NORM_STEPS = ("scale", "normalized")
@@ -200,12 +197,6 @@ def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     return layers
 
 
-def _rotates(att: MultiHeadAttention) -> bool:
-    """Whether a layer's queries and keys change between their projection and the scores (RoPE, or a
-    per-head QK-norm after the projections' hooks): then ``rot_q`` and ``rot_k`` are hook points."""
-    return att.rope or att.qk_norm is True
-
-
 def hook_names(model: nn.Module) -> list[str]:
     """Every hook name of ``model``, in the order a forward pass reaches them (a spliced SAE's
     points right after the point they replace)."""
@@ -213,7 +204,8 @@ def hook_names(model: nn.Module) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if getattr(model, "pos_emb", None) is not None else [])
     present = {prefix for prefix, _ in _norms(model)}  # a block's norms that exist ("blocks.0.ln1.", ...)
     for i, (block, att) in enumerate(zip(model.trf_blocks, layers, strict=True)):
-        steps = [s for s in ATTN_STEPS if _rotates(att) or not s.startswith("rot_")]
+        rotates = att.rope or att.qk_norm is True  # (q, k change after their hooks: RoPE, a per-head QK-norm)
+        steps = [s for s in ATTN_STEPS if rotates or not s.startswith("rot_")]
         mlp_steps = [s for s in MLP_STEPS if block.ff.gated or s != "pre_linear"]
         prefixes = {n: f"blocks.{i}.{n}." for n, _ in BLOCK_NORMS}
         norm = {n: [f"{p}hook_{s}" for s in NORM_STEPS] if p in present else [] for n, p in prefixes.items()}
@@ -241,8 +233,7 @@ class AddedPoints:
 
     def run(self, name: str, x: Tensor) -> Tensor:
         """``x`` through the functions set on ``name`` (each may keep it or return a same-shaped tensor)."""
-        fns = self.fns[name]
-        return x if not fns else _apply(fns, x, HookPoint(name))
+        return _apply(self.fns[name], x, HookPoint(name))
 
 
 # model -> the points spliced into it now (weak: a model that is dropped takes its entry with it)
@@ -281,9 +272,7 @@ class _Sites:
 
     def __init__(self, prefix: str, fns: dict[str, list[Callable]]) -> None:
         self.prefix, self.fns = prefix, fns
-        # A step of _STEPWISE hooked: the attention computes its steps in :meth:`attend`, one by one
-        # (with q, k, v or result alone hooked it keeps the fused kernel).
-        self.stepwise = any(s in fns for s in _STEPWISE)
+        self.stepwise = any(s in fns for s in _STEPWISE)  # (then the attention runs :meth:`attend`)
         self.split = any(s in fns for s in SPLIT_STEPS)  # (a block's: the heads' split inputs)
 
     def __call__(self, step: str, x: Tensor, call: AttentionCall | None = None) -> Tensor:
@@ -320,18 +309,8 @@ class _Sites:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         call = AttentionCall(attn_mask, is_causal, scale, window, sinks, softcap, q_positions, k_positions)
         q, k = self._heads("rot_q", q, call), self._heads("rot_k", k, call)
-        scores = attention_scores(
-            q,
-            k,
-            attn_mask,
-            is_causal,
-            scale,
-            enable_gqa=enable_gqa,
-            window=window,
-            sinks=sinks,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-        )  # (b, H, n, S), soft-capped where the model caps, -inf where masked
+        mods = dict(enable_gqa=enable_gqa, window=window, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod)
+        scores = attention_scores(q, k, attn_mask, is_causal, scale, **mods)  # (b, H, n, S), -inf where masked
         scores = self("attn_scores", scores, call)
         pattern = torch.softmax(scores, dim=-1)  # (b, H, n, S)
         # A row with no key (padding): zero weights; in place unless the softmax's backward needs its output.
@@ -346,16 +325,15 @@ class _Sites:
 
 
 def _apply(fns: list[Callable], x: Tensor, point: HookPoint) -> Tensor:
+    """``x`` through each of ``fns`` in turn: each returns None (keep) or a same-shaped tensor (replace)."""
     for fn in fns:
         out = fn(x, point)
-        if out is None:
-            continue
-        if not isinstance(out, Tensor) or out.shape != x.shape:
+        if out is not None and (not isinstance(out, Tensor) or out.shape != x.shape):
             got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(
                 f"the hook on {point.name} must return None or a tensor of shape {tuple(x.shape)}, got {got}"
             )
-        x = out
+        x = x if out is None else out
     return x
 
 
@@ -394,7 +372,6 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     # A spliced module's points: their functions go on its own lists (it runs them), put back on exit.
     added = {n: g for g in _ADDED.get(model, []) for n in g.names if n in checked}
     before_added = {n: g.fns[n] for n, g in added.items()}
-    checked_here = {n: f for n, f in checked.items() if n not in added}
 
     def module_hook(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
@@ -406,10 +383,9 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
         for n, g in added.items():
             g.fns[n] = before_added[n] + checked[n]  # a new list: the one put back on exit stays as it was
         for i, owners in enumerate(sites):
-            mine = {n: f for n, f in checked_here.items() if n.startswith(f"blocks.{i}.")}
             for owner, prefix in zip(owners, (f"blocks.{i}.", f"blocks.{i}.attn.", f"blocks.{i}.mlp."), strict=True):
-                # (a point's name is its owner's prefix, then hook_{step})
-                steps = {n.rsplit("hook_", 1)[1]: f for n, f in mine.items() if n.rsplit("hook_", 1)[0] == prefix}
+                # (a point's name is its owner's prefix, then hook_{step}; a spliced module's never is)
+                steps = {n.rsplit("hook_", 1)[1]: f for n, f in checked.items() if n.rsplit("hook_", 1)[0] == prefix}
                 owner.hook = _merged(owner.hook, prefix, steps)
         for name, module in (("hook_embed", "tok_emb"), ("hook_pos_embed", "pos_emb")):
             if name in checked:
@@ -465,14 +441,12 @@ def _norm_fns(norm: nn.Module, prefix: str) -> dict[str, list[Callable]]:
     return _NORM_HOOKS[norm][0]
 
 
-def _norm_steps(
-    norm: nn.Module, x: Tensor, on_scale: Callable[[Tensor], Tensor], output: Tensor | None = None
-) -> Tensor:
+def _norm_steps(norm: nn.Module, x: Tensor, on_scale: Callable[[Tensor], Tensor], output: Tensor) -> Tensor:
     """``norm(x)`` with its scale through ``on_scale``: ``x (..., d)``, the scale ``(..., 1)``, for
     ``nn.LayerNorm`` (``sqrt(var + eps)``, then ``(x - mean) / scale * weight + bias``), ``nn.RMSNorm`` and
     :class:`~attnlab.attention.OffsetRMSNorm` (``sqrt(mean(x^2) + eps)``, then ``x / scale * gain``), in
     float32 for lower precisions. Where ``on_scale`` returns the tensor it was given, ``output`` (the
-    module's own result, if given) is returned as it is."""
+    module's own result) is returned as it is."""
     h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     layer_norm = isinstance(norm, nn.LayerNorm)
     if layer_norm:
@@ -483,7 +457,7 @@ def _norm_steps(
     eps = torch.finfo(h.dtype).eps if norm.eps is None else norm.eps
     given = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (..., 1)
     scale = on_scale(given)
-    if scale is given and output is not None:
+    if scale is given:
         return output
     y = h / scale.to(h.dtype)  # (..., d)
     if isinstance(norm, OffsetRMSNorm):
