@@ -17,8 +17,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
+        values = []
+    if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return sorted(set(values))
 
@@ -31,15 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", metavar="DIR", default="bench-report", help="report directory (default: bench-report)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a few minutes even on a small CPU")
-    parser.add_argument(
-        "--seq-lens",
-        type=_int_list,
-        metavar="T,T,...",
-        help="attention timing lengths (default 64..2048; quick 64..512)",
-    )
-    parser.add_argument("--memory-seq-lens", type=_int_list, metavar="T,T,...", help="attention memory lengths")
-    parser.add_argument("--gen-lens", type=_int_list, metavar="T,T,...", help="total lengths of the generation test")
-    parser.add_argument("--train-lens", type=_int_list, metavar="T,T,...", help="sequence lengths of the training test")
+    lens = dict(type=_int_list, metavar="T,T,...")
+    parser.add_argument("--seq-lens", **lens, help="attention timing lengths (default 64..2048; quick 64..512)")
+    parser.add_argument("--memory-seq-lens", **lens, help="attention memory lengths")
+    parser.add_argument("--gen-lens", **lens, help="total lengths of the generation test")
+    parser.add_argument("--train-lens", **lens, help="sequence lengths of the training test")
     parser.add_argument("--d-model", type=positive_int, metavar="D", help="attention width (default 768; quick 256)")
     parser.add_argument(
         "--heads", dest="num_heads", type=positive_int, metavar="H", help="attention heads (default 12; quick 4)"
@@ -83,15 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     require_plotting()  # before the minutes of measuring, not after them
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        result = run_all(cfg, log)
+        result = run_all(cfg, lambda msg: print(msg, file=sys.stderr, flush=True))  # progress on stderr
     finally:
         torch.set_num_threads(threads)  # main() may run inside a larger program (or a test session)
     report = write_report(result, out)

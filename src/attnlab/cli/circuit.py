@@ -105,22 +105,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget: {e}") from None
     read = load_saes(args.sae)  # a missing or bad SAE is refused before the model is read
     loaded = load_from_model_arguments(args)
-    saes = {"saes": circuit_saes(loaded, read), "max_latents": args.max_latents}
+    options = dict(method=args.method, ig_steps=args.ig_steps, budget=args.budget, max_latents=args.max_latents)
+    options["saes"] = circuit_saes(loaded, read)
     if args.pairs is not None:
-        report = circuit_report_pairs(
-            loaded, args.pairs, method=args.method, ig_steps=args.ig_steps, budget=args.budget, **saes
-        )
+        report = circuit_report_pairs(loaded, args.pairs, **options)
     else:
-        report = circuit_report(
-            loaded,
-            args.clean,
-            args.corrupted,
-            tuple(args.answers),
-            method=args.method,
-            ig_steps=args.ig_steps,
-            budget=args.budget,
-            **saes,
-        )
+        report = circuit_report(loaded, args.clean, args.corrupted, tuple(args.answers), **options)
     print(report.format(top=args.top))
     if args.out:
         print(f"wrote {save_circuit_page(report, args.out)}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, load_from_model_arguments
 from attnlab.data import load_text
@@ -78,21 +77,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    figures = {
-        "loss": result.loss,
-        "perplexity": result.perplexity,
-        "bits_per_byte": result.bits_per_byte,
-        "tokens": result.tokens,
-        "bytes": result.bytes,
-        "context_length": T,
-        "stride": stride,
-    }
     if args.json:
-        print(json.dumps(figures))
+        names = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
+        print(json.dumps({name: getattr(result, name) for name in names} | {"context_length": T, "stride": stride}))
         return 0
     where = args.model or args.checkpoint
     print(f"{where} on {args.data}: {result.tokens:,} tokens scored ({len(plan)} windows of <= {T}, stride {stride})")
     print(f"loss        {result.loss:.4f} nats/token")
     print(f"perplexity  {result.perplexity:.3f}")
-    print(f"bits/byte   {result.bits_per_byte:.4f}", file=sys.stdout)
+    print(f"bits/byte   {result.bits_per_byte:.4f}")
     return 0

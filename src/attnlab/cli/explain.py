@@ -71,22 +71,19 @@ def _print_lessons(lessons: list[Lesson], indent: str) -> None:
 def _list(tutorial: str | None) -> None:
     """``--list``: the lessons grouped by tutorial, each tutorial's in its own order."""
     chosen = [check_tutorial_name(tutorial)] if tutorial else list(TUTORIALS.values())
-    for i, t in enumerate(chosen):
+    groups = [(f"--tutorial {t.key}: {t.title}", tutorial_lessons(t.key)) for t in chosen]
+    if not tutorial:  # then the lessons of no tutorial, under their source
+        titles = {t.title for t in TUTORIALS.values()}
+        others: dict[str, list[Lesson]] = {}
+        for entry in LESSONS.values():
+            if entry.tutorial not in titles:
+                others.setdefault(entry.tutorial, []).append(entry)
+        groups += others.items()
+    for i, (heading, lessons) in enumerate(groups):
         if i:
             print()
-        _wrapped(f"--tutorial {t.key}: {t.title}", "")
-        _print_lessons(tutorial_lessons(t.key), "  ")
-    if tutorial:
-        return
-    titles = {t.title for t in TUTORIALS.values()}
-    others: dict[str, list[Lesson]] = {}
-    for entry in LESSONS.values():
-        if entry.tutorial not in titles:
-            others.setdefault(entry.tutorial, []).append(entry)
-    for source, entries in others.items():
-        print()
-        _wrapped(source, "")
-        _print_lessons(entries, "  ")
+        _wrapped(heading, "")
+        _print_lessons(lessons, "  ")
 
 
 def _check_bpe_dir(bpe_dir: str) -> None:

@@ -10,11 +10,10 @@ training wrote them. Multi-byte characters (``byte`` tokenizer) and BPE pieces a
 as they are complete, each flushed at once; characters the terminal's encoding cannot show (an
 ASCII-only locale) are printed as backslash escapes rather than ending the command.
 
-``--model`` reads a published model instead: a GGUF file (llama.cpp's llama, qwen2, qwen3, gemma,
-gemma2, gemma3, phi3, olmo2 and gptneox architectures, with the tokenizer the file stores), or a
-Hugging Face repository or directory of GPT-2 or a family attnlab reads (Llama, Mistral, Qwen2/2.5,
-Qwen3, Gemma 1/2/3, Phi-3, OLMo 2, GPT-NeoX), from the cache when offline, with its own
-``tokenizer.json``; the prompt starts with the model's beginning-of-text token, and generation stops at its end::
+``--model`` reads a published model instead (the architectures ``--help`` lists): a GGUF file, with
+the tokenizer it stores, or a Hugging Face repository or directory (from the cache when offline),
+with its own ``tokenizer.json``; the prompt starts with the model's beginning-of-text token, and
+generation stops at its end::
 
     attnlab generate --model meta-llama/Llama-3.2-1B --prompt "The capital of France is" --temperature 0
 
@@ -207,30 +206,27 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         raise ValueError("--prompt encodes to no tokens; give at least one character")
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, P)
-    gen = None
-    if args.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(args.seed)
-    out = sys.stdout
+    gen = None if args.seed is None else torch.Generator(device=device).manual_seed(args.seed)
+
+    def write(text: str) -> None:  # each piece shown as soon as it is decoded
+        safe_write(sys.stdout, text)
+        sys.stdout.flush()
+
     if not args.chat:  # a continuation is printed after its prompt, an answer alone
-        safe_write(out, args.prompt)
-        out.flush()
+        write(args.prompt)
     dec = StreamDecoder(tok)
-    settings = dataclasses.asdict(sampling)
     with contextlib.ExitStack() as stack:
         if steering:
             from attnlab.interpret.sae import steer
         for sae, latent, strength in steering:  # hooks for the whole stream (it runs lazily, token by token)
             stack.enter_context(steer(model, sae, latent, strength))
-        stream = model.stream(
-            idx, args.max_new_tokens, **settings, use_cache=not args.no_cache, generator=gen, compile=args.compile
-        )
+        settings = dict(use_cache=not args.no_cache, generator=gen, compile=args.compile)
+        stream = model.stream(idx, args.max_new_tokens, **dataclasses.asdict(sampling), **settings)
         for token in stream:
             if int(token[0]) in sampling.stop_ids:
                 break  # the end-of-text token is not text
             piece = dec.push(int(token[0]))  # token: (1,)
             if piece:
-                safe_write(out, piece)
-                out.flush()
-    safe_write(out, dec.flush() + "\n")
-    out.flush()
+                write(piece)
+    write(dec.flush() + "\n")
     return 0

@@ -50,9 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.out is not None and not args.out.lower().endswith((".html", ".htm", ".png")):
         raise ValueError(f"--out must end in .html or .png, got {args.out!r}")
-    # A site's thousands of batched reruns allocate and free the same activation-sized buffers: kept
-    # for reuse, not mapped in again page by page (see attnlab.training.allocator; ATTNLAB_MALLOC_TUNING=0
-    # leaves glibc as it is).
+    # A site's thousands of reruns allocate and free the same activation-sized buffers: keep them for
+    # reuse (see attnlab.training.allocator; ATTNLAB_MALLOC_TUNING=0 leaves glibc as it is).
     tune_cpu_allocator()
     loaded = load_from_model_arguments(args)
     sites = args.site or ["head_out", "resid_pre"]

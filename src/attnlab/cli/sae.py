@@ -138,23 +138,10 @@ def _train(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load_pretrained
     from attnlab.training.sae import SAETrainConfig, SAETrainer
 
-    cfg = SAETrainConfig(
-        hook=args.hook,
-        hook_out=args.hook_out,
-        architecture=args.arch,
-        width=args.width,
-        k=args.k,
-        skip=args.skip,
-        tokens=args.tokens,
-        batch_rows=args.batch_rows,
-        buffer_rows=args.buffer_rows,
-        context=args.context,
-        outlier_ratio=args.outlier_ratio,
-        lr=args.lr,
-        dead_tokens=args.dead_tokens,
-        seed=args.seed,
-        save_every=args.save_every,
-    )  # settings checked before the model is read
+    # Each flag but --arch is named as the setting it gives; the settings are checked before the model is read.
+    same = ("hook", "hook_out", "width", "k", "skip", "tokens", "batch_rows", "buffer_rows", "context")
+    same += ("outlier_ratio", "lr", "dead_tokens", "seed", "save_every")
+    cfg = SAETrainConfig(architecture=args.arch, **{name: getattr(args, name) for name in same})
     # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
     loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
@@ -204,11 +191,9 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
     from attnlab.tools.loading import load_pretrained
 
-    for flag, v in (("--latents", args.latents), ("--tokens", args.tokens), ("--context", args.context)):
-        if v < 1:
-            raise ValueError(f"{flag} must be a positive int, got {v}")
-    if args.top < 1:
-        raise ValueError(f"--top must be a positive int, got {args.top}")
+    for flag in ("latents", "tokens", "context", "top"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be a positive int, got {getattr(args, flag)}")
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
@@ -220,12 +205,10 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise ValueError(f"--data has {len(ids)} tokens, fewer than one window of --context {args.context}")
     total = min(len(ids), args.tokens) // args.context * args.context
     bar = _bar(total) if args.progress else None
-    done = [0]
 
     def progress(tokens: int) -> None:
         if bar is not None:
-            bar.update(tokens - done[0])
-        done[0] = tokens
+            bar.update(tokens - bar.n)
 
     try:
         data = dashboard_data(

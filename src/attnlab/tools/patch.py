@@ -216,7 +216,8 @@ def _bar(site: str, shown: bool) -> Iterator[Callable[[int, int], None] | None]:
         yield move
 
 
-def _figure(report: PatchReport, site: str) -> object:
+def _png(report: PatchReport, site: str) -> bytes:
+    """The site's heatmap of fractions restored, as PNG bytes."""
     from matplotlib.figure import Figure
 
     data = report.restored(site)
@@ -239,12 +240,8 @@ def _figure(report: PatchReport, site: str) -> object:
         ax.set_xticks(range(n), [t.replace("$", r"\$") for t in report.tokens], rotation=60, ha="right", fontsize=7)
     ax.set_title(f"activation patching: {site}", fontsize=10)
     fig.tight_layout()
-    return fig
-
-
-def _png(report: PatchReport, site: str) -> bytes:
     buf = io.BytesIO()
-    _figure(report, site).savefig(buf, format="png")
+    fig.savefig(buf, format="png")
     return buf.getvalue()
 
 

@@ -41,8 +41,8 @@ def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) ->
     every = max(1, math.ceil(3.5 / fontsize))
     fontsize = max(fontsize, 3.5)
     title_size = 8.0 if not many else 7.0
-    labels = [token_label(t).replace("$", r"\$") for t in view.tokens]  # "$" would start mathtext
     ticks = list(range(0, T, every))
+    tick_labels = [token_label(view.tokens[k]).replace("$", r"\$") for k in ticks]  # "$" would start mathtext
 
     fig = Figure(figsize=(n_cols * cell + 2.2, n_rows * (cell + 0.5) + 0.6), layout="constrained")
     title = view.title if len(view.title) <= 90 else view.title[:87] + "..."
@@ -65,10 +65,8 @@ def save_png(view: AttentionView, path: str | os.PathLike, *, dpi: int = 110) ->
             below = view.layers[r + 1].weights.shape[0] if r + 1 < n_rows else 0
             show_x = label_all or c >= below
             show_y = label_all or c == 0
-            ax.set_xticks(ticks if show_x else [], [labels[k] for k in ticks] if show_x else [],
-                          rotation=90, fontsize=fontsize)  # fmt: skip
-            ax.set_yticks(ticks if show_y else [], [labels[k] for k in ticks] if show_y else [],
-                          fontsize=fontsize)  # fmt: skip
+            ax.set_xticks(ticks if show_x else [], tick_labels if show_x else [], rotation=90, fontsize=fontsize)
+            ax.set_yticks(ticks if show_y else [], tick_labels if show_y else [], fontsize=fontsize)
             ax.tick_params(length=0)
             if show_x:
                 ax.set_xlabel("key (attended to)", fontsize=title_size)

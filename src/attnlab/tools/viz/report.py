@@ -128,9 +128,8 @@ def inspect_report(
     for name, value in (("--position", position), ("--token", token)):
         if not -T <= value < T:
             raise ValueError(f"{name} {value} is out of range: the prompt has {T} tokens (0..{T - 1}, or -1)")
-    heads = None
-    if ablate is not None:  # checked before the slow part
-        heads = parse_heads(ablate, model.config.n_layers, model.config.n_heads)
+    # --ablate's heads are checked before the slow part.
+    heads = None if ablate is None else parse_heads(ablate, model.config.n_layers, model.config.n_heads)
     tr = trace(model, idx, stages=True, tokenizer=tok)
     roles = all_head_scores(model, seed=role_seed)
     position, token = position % T, token % T
@@ -145,10 +144,10 @@ def inspect_report(
     if saes:
         from attnlab.interpret.sae_view import strongest_latents
 
-        latents = []
-        for sae_name, sae in saes.items():
-            n = min(top, sae.cfg.d_sae)
-            latents.append((sae_name, sae.cfg.hook_name, *strongest_latents(model, sae, idx, n)))
+        latents = [
+            (sae_name, sae.cfg.hook_name, *strongest_latents(model, sae, idx, min(top, sae.cfg.d_sae)))
+            for sae_name, sae in saes.items()
+        ]
     name = str(loaded.metadata.get("name") or loaded.path.name or type(model).__name__)
     return InspectReport(
         name=name,
