@@ -149,11 +149,9 @@ def can_read_values(t: Tensor) -> bool:
 
 
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Broadcast shape of ``shapes`` by numpy's rules, or None if they do not broadcast.
-
-    Plain Python on purpose: ``torch.broadcast_shapes`` imports sympy on first use and costs far
-    more per call than this, which shows in token-by-token decoding.
-    """
+    """Broadcast shape of ``shapes`` by numpy's rules, or None if they do not broadcast. Plain Python
+    on purpose: ``torch.broadcast_shapes`` imports sympy on first use and costs far more per call,
+    which shows in token-by-token decoding."""
     out: list[int] = []
     for dims in itertools.zip_longest(*(reversed(s) for s in shapes), fillvalue=1):
         sizes = {d for d in dims if d != 1}

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import stat
+import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,7 +78,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~current_umask())  # what a plain open() would give
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -215,8 +216,7 @@ def check_text_file(path: str | os.PathLike[str]) -> Path:
 def iter_text_chunks(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> Iterator[str]:
     """Decode a UTF-8 file in pieces of about ``chunk_bytes`` bytes (multi-byte characters are
     never split). Raises like :func:`load_text`."""
-    for text, _ in iter_decoded(check_text_file(path), chunk_bytes):
-        yield text
+    yield from (text for text, _ in iter_decoded(check_text_file(path), chunk_bytes))
 
 
 def iter_decoded(
@@ -254,8 +254,6 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     ``FileNotFoundError`` / ``ValueError`` naming the file and what is wrong with it (not a GGUF
     file, a version the package does not read, a truncated header, tensor data past the end of the
     file, an unknown quantization type, ...)."""
-    import struct
-
     try:
         import gguf
         import numpy as np

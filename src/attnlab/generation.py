@@ -11,7 +11,8 @@ slot would silently change the model. So once the cache is full attnlab re-fills
 identical. Models with relative positions (RoPE, ALiBi, none) attend over a sliding ``window``
 (default ``context_length``) at the tokens' original positions, so their cache is a ring of ``window
 (+ sinks)`` slots: the prompt is fed once (in chunks of ``context_length``), then each step writes
-over the oldest slot; nothing is re-encoded, and memory and time per token stay flat.
+over the oldest slot; nothing is re-encoded, and memory and time per token stay flat. Without a
+cache the model runs over the whole sequence each step (the window slides inside it).
 
 Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
 real token). Padding is never attended to and each row's positions count only its real tokens, so a
@@ -76,7 +77,8 @@ class SamplingConfig:
             raise ValueError(f"top_p must be a float in (0, 1] or None, got {self.top_p!r}")
         if isinstance(self.eos_id, (list, tuple)):  # several stop ids: kept as a tuple (hashable, frozen)
             object.__setattr__(self, "eos_id", tuple(self.eos_id))
-        if (self.eos_id is not None and not self.stop_ids) or not all(is_int(i) and i >= 0 for i in self.stop_ids):
+        no_ids = self.eos_id is not None and not self.stop_ids  # an empty tuple
+        if no_ids or not all(is_int(i) and i >= 0 for i in self.stop_ids):
             raise ValueError(
                 f"eos_id must be a token id (an int >= 0), a non-empty tuple of them, or None, got {self.eos_id!r}"
             )

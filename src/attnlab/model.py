@@ -483,7 +483,8 @@ class FeedForward(nn.Module):
     GPT-2 was trained with, which reproduces its logits). ``"relu2"``: ``relu(x)^2`` (nanochat,
     modded-nanogpt): cheaper than GELU and as good at small scale. ``"swiglu"``: Llama's gated unit
     ``silu(x W_gate) * (x W_up)``, gate and up from one matmul (``2 * hidden`` outputs, gate first).
-    ``"geglu"``: Gemma's ``gelu(x W_gate) * (x W_up)``. Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
+    ``"geglu"``: Gemma's ``gelu(x W_gate) * (x W_up)``, the GELU of ``cfg.activation``.
+    Shapes: ``(..., emb_dim) -> (..., emb_dim)``.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:

@@ -28,24 +28,17 @@ from torch import Tensor
 
 __all__ = ["BLOCKS_PER_CALL", "available", "block_size", "key_chunk", "sliding_window_attention"]
 
-# Query blocks per kernel call. Fewer, larger calls are faster (each call's fixed cost is paid fewer
-# times; the gain levels off at a few dozen blocks); groups bound the temporary buffers of very long
-# sequences.
+# Query blocks per kernel call: fewer, larger calls pay each call's fixed cost fewer times; groups
+# bound the temporary buffers of very long sequences.
 BLOCKS_PER_CALL = 32
 
-
-def _ops() -> tuple[object, object] | None:
-    aten = torch.ops.aten
-    try:
-        return (
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        )
-    except (AttributeError, RuntimeError):  # pragma: no cover - older or trimmed torch builds
-        return None
-
-
-_OPS = _ops()
+try:
+    _OPS = (
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+except (AttributeError, RuntimeError):  # pragma: no cover - older or trimmed torch builds
+    _OPS = None
 
 
 def available() -> bool:
@@ -98,10 +91,6 @@ class _Plan:
         self.Lt = T - self.tail  # tail rows (< Bq)
         self.n = min(sinks, max(T - window, 0))  # sinks that some row sees outside its window
 
-    def groups(self) -> list[tuple[int, int]]:
-        """``(first block, blocks)`` of each kernel call over the full query blocks."""
-        return _groups(self.nf)
-
 
 def _groups(count: int) -> list[tuple[int, int]]:
     """``(first, how many)`` of each kernel call over ``count`` blocks (see :data:`BLOCKS_PER_CALL`)."""
@@ -129,7 +118,7 @@ class _SlidingWindow(torch.autograd.Function):
                 o, lse_b = fwd(*(t[b : b + 1, :, : p.H0] for t in (q, k, v)), 0.0, head_mask is None,
                                attn_mask=head_mask, scale=scale)  # fmt: skip
                 out[b, :, : p.H0], lse[b, :, : p.H0] = o[0], lse_b[0]
-            for i, n in p.groups():  # blocks i .. i + n - 1
+            for i, n in _groups(p.nf):  # blocks i .. i + n - 1
                 r0, r1 = p.H0 + i * p.Bq, p.H0 + (i + n) * p.Bq  # their rows
                 qb = _view(q, b, r0, n, p.Bq, p.Bq)  # (n, H, Bq, E)
                 kb, vb = (_view(t, b, i * p.Bq, n, p.Bq, (p.m + 1) * p.Bq) for t in (k, v))  # (n, H, (m+1) Bq, E)
@@ -208,8 +197,7 @@ class _SlidingWindow(torch.autograd.Function):
                     else:
                         dest += chunks[:, :, j].transpose(0, 1)
             if rest < T:
-                rows = slice(b, b + 1)
-                g = bwd(*(t[rows, :, rest:] for t in (grad, q, k, v, out, lse)), 0.0, False, attn_mask=rest_mask,
+                g = bwd(*(t[b : b + 1, :, rest:] for t in (grad, q, k, v, out, lse)), 0.0, False, attn_mask=rest_mask,
                         scale=scale)  # fmt: skip
                 gq[b, :, rest:] += g[0][0]
                 gk[b, :, rest:] = g[1][0]

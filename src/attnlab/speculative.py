@@ -16,9 +16,6 @@ The guesses (drafts) come from
   decoding ``k`` tokens greedily on its own KV cache. It pays only when it is much faster than the
   model and often agrees with it (a model's own first layers, untrained as a draft, rarely do).
 
-``python benchmarks/generate.py --model smollm2 --speculative K`` measures both against plain greedy
-decoding and transformers' prompt lookup.
-
 A rejected guess's keys and values were written into the caches: rolling back is setting the caches'
 length back (the next forward overwrites the slots). Rounds without a guess run the fast decoding
 step (:mod:`attnlab.decoding`). Greedy only: sampling (``temperature > 0``) would need the rejection
@@ -40,8 +37,6 @@ from attnlab.decoding import FastDecoder, greedy_tokens, supported
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
 
-_NGRAM = 3  # prompt lookup: the longest tail looked up (then shorter ones)
-
 
 @dataclass
 class SpeculativeStats:
@@ -53,7 +48,7 @@ class SpeculativeStats:
     accepted: int = 0
 
 
-def lookup_draft(seq: list[int], k: int, ngram: int = _NGRAM) -> list[int]:
+def lookup_draft(seq: list[int], k: int, ngram: int = 3) -> list[int]:
     """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the last
     ``n`` tokens of ``seq`` (``n = ngram, ..., 1``: the longest tail found wins); ``[]`` if none.
 
@@ -206,9 +201,7 @@ def speculative_decode(
                 before = target.seen  # the text but its last token is cached
                 logits = target.feed(ctx[before:] + guess, every=True)[-(len(guess) + 1) :]  # (1 + g, V)
                 choice = _argmax(logits)
-                ok = 0
-                while ok < len(guess) and guess[ok] == choice[ok]:
-                    ok += 1
+                ok = next((i for i, (g, c) in enumerate(zip(guess, choice, strict=False)) if g != c), len(guess))
                 stats.rounds += 1
                 stats.drafted += len(guess)
                 stats.accepted += ok
@@ -218,10 +211,9 @@ def speculative_decode(
         for m, mode in zip(models, was, strict=True):
             m.train(mode)
     ids = torch.cat([idx.long(), torch.tensor([new], dtype=torch.long, device=idx.device).view(1, -1)], dim=1)
-    V = model.config.vocab_size
     out = None
-    if return_logits:
-        out = torch.stack(rows)[None] if rows else torch.empty(1, 0, V, device=idx.device)  # (1, new, V)
+    if return_logits:  # (1, new, V)
+        out = torch.stack(rows)[None] if rows else torch.empty(1, 0, model.config.vocab_size, device=idx.device)
     return ids, out, stats
 
 

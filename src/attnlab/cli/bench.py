@@ -17,8 +17,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        values = []
-    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return sorted(set(values))
 

@@ -78,8 +78,16 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     if args.json:
-        names = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
-        print(json.dumps({name: getattr(result, name) for name in names} | {"context_length": T, "stride": stride}))
+        figures = {
+            "loss": result.loss,
+            "perplexity": result.perplexity,
+            "bits_per_byte": result.bits_per_byte,
+            "tokens": result.tokens,
+            "bytes": result.bytes,
+            "context_length": T,
+            "stride": stride,
+        }
+        print(json.dumps(figures))
         return 0
     where = args.model or args.checkpoint
     print(f"{where} on {args.data}: {result.tokens:,} tokens scored ({len(plan)} windows of <= {T}, stride {stride})")

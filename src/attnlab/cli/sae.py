@@ -138,10 +138,23 @@ def _train(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load_pretrained
     from attnlab.training.sae import SAETrainConfig, SAETrainer
 
-    # Each flag but --arch is named as the setting it gives; the settings are checked before the model is read.
-    same = ("hook", "hook_out", "width", "k", "skip", "tokens", "batch_rows", "buffer_rows", "context")
-    same += ("outlier_ratio", "lr", "dead_tokens", "seed", "save_every")
-    cfg = SAETrainConfig(architecture=args.arch, **{name: getattr(args, name) for name in same})
+    cfg = SAETrainConfig(
+        hook=args.hook,
+        hook_out=args.hook_out,
+        architecture=args.arch,
+        width=args.width,
+        k=args.k,
+        skip=args.skip,
+        tokens=args.tokens,
+        batch_rows=args.batch_rows,
+        buffer_rows=args.buffer_rows,
+        context=args.context,
+        outlier_ratio=args.outlier_ratio,
+        lr=args.lr,
+        dead_tokens=args.dead_tokens,
+        seed=args.seed,
+        save_every=args.save_every,
+    )  # settings checked before the model is read
     # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
     loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
@@ -191,9 +204,14 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
     from attnlab.tools.loading import load_pretrained
 
-    for flag in ("latents", "tokens", "context", "top"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be a positive int, got {getattr(args, flag)}")
+    for flag, v in (
+        ("--latents", args.latents),
+        ("--tokens", args.tokens),
+        ("--context", args.context),
+        ("--top", args.top),
+    ):
+        if v < 1:
+            raise ValueError(f"{flag} must be a positive int, got {v}")
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")

@@ -116,14 +116,11 @@ _GATED_MLP = {
     "ff.layers.2.weight": "mlp.down_proj.weight",
 }
 _PRE_NORMS = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight"}
-_POST_NORMS = {
-    "post_norm1.weight": "post_attention_layernorm.weight",
-    "post_norm2.weight": "post_feedforward_layernorm.weight",
-}
 _SANDWICH_NORMS = {
     "norm1.weight": "input_layernorm.weight",
+    "post_norm1.weight": "post_attention_layernorm.weight",
     "norm2.weight": "pre_feedforward_layernorm.weight",
-    **_POST_NORMS,
+    "post_norm2.weight": "post_feedforward_layernorm.weight",
 }
 _LLAMA_OUTER = {"tok_emb.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
 _QKV = (("W_query", "q"), ("W_key", "k"), ("W_value", "v"))
@@ -163,9 +160,14 @@ class Family:
 # --------------------------------------------------------------------------------------------
 # transformers' ACT2FN names -> GPTConfig.activation. "gelu_python" is ACT2FN's other exact (erf) GELU:
 # the one name of it a Gemma 1 config can hold, since Gemma 1 reads "gelu" as the tanh approximation.
-_GELUS = {"gelu": "gelu", "gelu_python": "gelu"} | dict.fromkeys(
-    ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast"), "gelu_tanh"
-)
+_GELUS = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
 
 
 def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None, float]:
@@ -498,7 +500,13 @@ def _check_llama(cfg: GPTConfig, model_type: str) -> None:
 
 
 _GEMMA2 = {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}
-_OLMO2_LAYER = {**_ATTENTION, **_QK_NORM, **_GATED_MLP, **_POST_NORMS}
+_OLMO2_LAYER = {
+    **_ATTENTION,
+    **_QK_NORM,
+    "post_norm1.weight": "post_attention_layernorm.weight",
+    **_GATED_MLP,
+    "post_norm2.weight": "post_feedforward_layernorm.weight",
+}
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         gpt2_config_fields,
@@ -731,9 +739,29 @@ def to_attnlab(
 
 
 # The GPTConfig switches that make a family's computation (not its sizes, nor its RoPE base).
-_SWITCHES = ("pos", "norm", "mlp", "activation", "bias", "qkv_bias", "qk_norm", "sinks", "norm_offset", "embed_scale",
-             "attn_scale", "attn_softcap", "logit_softcap", "window", "window_layers", "rope_local_theta", "pre_norms",
-             "post_norms", "rotary_fraction", "parallel_residual", "head_dim")  # fmt: skip
+_SWITCHES = (
+    "pos",
+    "norm",
+    "mlp",
+    "activation",
+    "bias",
+    "qkv_bias",
+    "qk_norm",
+    "sinks",
+    "norm_offset",
+    "embed_scale",
+    "attn_scale",
+    "attn_softcap",
+    "logit_softcap",
+    "window",
+    "window_layers",
+    "rope_local_theta",
+    "pre_norms",
+    "post_norms",
+    "rotary_fraction",
+    "parallel_residual",
+    "head_dim",
+)
 _GELU_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 

@@ -248,9 +248,11 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's divisors (llama)
 LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE divisors (phi3)
 _READ_INTO_CONFIG = {"llama": (ROPE_FREQS,), "phi3": LONGROPE}
 # Tensors some files carry that change the model in ways attnlab does not read yet: refused by name.
-_REFUSED_TENSORS = {ROPE_FREQS: "RoPE frequency factors (read for llama files only)"} | dict.fromkeys(
-    LONGROPE, "LongRoPE factors (read for phi3 files only)"
-)
+_REFUSED_TENSORS = {
+    ROPE_FREQS: "RoPE frequency factors (read for llama files only)",
+    LONGROPE[0]: "LongRoPE factors (read for phi3 files only)",
+    LONGROPE[1]: "LongRoPE factors (read for phi3 files only)",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base", "attn_logit_softcapping",
            "final_logit_softcapping")  # fmt: skip

@@ -40,9 +40,10 @@ never forms the pattern), and while its ``result`` is, its output projection hea
 agrees with the fused path to rounding. A norm's ``hook_scale`` is its divisor, one number a position;
 while it is hooked the norm is computed step by step, ``(x - mean) / scale * weight + bias`` (LayerNorm)
 or ``x / scale * gain`` (RMSNorm), so that a replaced scale (TransformerLens's "frozen LayerNorm scale")
-is what divides (a scale kept as it is: the norm's own output). ``hook_normalized`` is the output with
-the gain applied (TransformerLens's RMSNorm hooks it before the gain). With a KV cache, ``k``/``v``
-hold only the new tokens' keys and values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys.
+is what divides; a function that returns None or the tensor it was given leaves the norm's own output.
+``hook_normalized`` is the output with the gain applied, as TransformerLens's LayerNorm has it (its
+RMSNorm hooks the output before the gain). With a KV cache, ``k``/``v`` hold only the new tokens' keys
+and values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
 
 Points of a spliced module: while an SAE or transcoder is spliced at a hook point
 (:func:`attnlab.interpret.splice`), its own points follow that point, named as SAELens names them::
@@ -382,11 +383,14 @@ def hooks(model: nn.Module, fns: Mapping[str, Callable | Sequence[Callable]]) ->
     try:
         for n, g in added.items():
             g.fns[n] = before_added[n] + checked[n]  # a new list: the one put back on exit stays as it was
+        by_owner: dict[str, dict[str, list]] = {}  # a point's name is its owner's prefix, then hook_{step}
+        for n, f in checked.items():
+            prefix, _, step = n.rpartition("hook_")
+            by_owner.setdefault(prefix, {})[step] = f
         for i, owners in enumerate(sites):
             for owner, prefix in zip(owners, (f"blocks.{i}.", f"blocks.{i}.attn.", f"blocks.{i}.mlp."), strict=True):
-                # (a point's name is its owner's prefix, then hook_{step}; a spliced module's never is)
-                steps = {n.rsplit("hook_", 1)[1]: f for n, f in checked.items() if n.rsplit("hook_", 1)[0] == prefix}
-                owner.hook = _merged(owner.hook, prefix, steps)
+                # (a spliced module's points have prefixes of their own: no block's owner takes them)
+                owner.hook = _merged(owner.hook, prefix, by_owner.get(prefix, {}))
         for name, module in (("hook_embed", "tok_emb"), ("hook_pos_embed", "pos_emb")):
             if name in checked:
                 handles.append(getattr(model, module).register_forward_hook(module_hook(name)))

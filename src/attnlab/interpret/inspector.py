@@ -167,7 +167,13 @@ def _base(title: str, text: str, note: str, tokens: Sequence[str]) -> dict[str, 
         "labels": [token_label(t) for t in tokens],
         "model": None,
         "layers": [],
-        **dict.fromkeys(("steps", "next", "rollout", "lens", "roles", "generation", "features")),  # None: not computed
+        "steps": None,
+        "next": None,
+        "rollout": None,
+        "lens": None,
+        "roles": None,
+        "generation": None,
+        "features": None,
         "vocab": {},
     }
 

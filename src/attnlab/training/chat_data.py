@@ -45,7 +45,6 @@ __all__ = [
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # the loss's ignore_index
-MAX_LINE = 1 << 24
 
 
 def is_chat_file(path: str | None) -> bool:

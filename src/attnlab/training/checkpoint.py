@@ -162,11 +162,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned (CUDA / MPS states only where that device is
     available); a bad state (:func:`check_rng_state`) is a ValueError naming the generator."""
     check_rng_state(state, "rng state")
-    setters = {
-        "torch": lambda s: torch.set_rng_state(_unb64(s)),
-        "numpy": lambda s: np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), *s[2:])),
-        "python": lambda s: random.setstate((s[0], tuple(s[1]), s[2])),
-    }
+    setters = {"torch": lambda s: torch.set_rng_state(_unb64(s)), "numpy": _set_numpy, "python": _set_python}
     if state.get("cuda") and torch.cuda.is_available():
         setters["cuda"] = _set_cuda
     if state.get("mps") and _mps_available():
@@ -176,6 +172,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
             apply(state[name])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             raise ValueError(f"rng state: the {name!r} generator refused its saved state ({first_line(exc)})") from None
+
+
+def _set_numpy(s: list[Any]) -> None:
+    name, keys, pos, has_gauss, cached = s
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _set_python(s: list[Any]) -> None:
+    version, internal, gauss_next = s
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 def _set_cuda(s: list[str]) -> None:
@@ -276,13 +282,14 @@ def _written_by_attnlab(d: Path) -> bool:
     """Whether every entry of the step directory ``d`` is a file attnlab writes there, so that
     removing ``d`` removes nothing else (attnlab never deletes what it cannot prove it wrote)."""
     try:
-        return all(
-            (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
-            or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
-            for e in d.iterdir()
-        )
+        entries = list(d.iterdir())
     except OSError:
         return False
+    return all(
+        (e.is_file() and not e.is_symlink() and _OWN_FILE.fullmatch(e.name))
+        or (e.name == OPTIMIZER_DIR and e.is_dir() and not e.is_symlink() and _all_dcp_files(e))
+        for e in entries
+    )
 
 
 def _all_dcp_files(d: Path) -> bool:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab.files import first_line
 from attnlab.training.checkpoint import OPTIMIZER_DIR, begin_save, commit_save, write_step_dir
 
 __all__ = ["OPTIMIZER_DIR", "SafeReader", "load_full_optimizer_state", "load_optimizer", "save_sharded", "shard"]
@@ -60,12 +61,6 @@ def shard(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Mod
     return model
 
 
-def _options(**kw: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(**kw)
-
-
 def save_sharded(
     out: Path,
     *,
@@ -79,13 +74,13 @@ def save_sharded(
     """Write a checkpoint of a sharded run (every process calls it; rank 0 returns the step directory)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     from attnlab.model import GPT
 
     rank = dist.get_rank()
     # Collectives, on every process: the full weights gathered to rank 0's CPU, the sharded optimizer.
-    full = get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optim = get_optimizer_state_dict(model, optimizer)
     plan = [begin_save(out, step) if rank == 0 else None]
     dist.broadcast_object_list(plan, src=0)  # the temporary directory all processes write into
@@ -159,15 +154,14 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     try:
         dcp.load(state, storage_reader=SafeReader(directory))
     except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, AssertionError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"optimizer state {directory} does not fit this model: {first[:300]}") from None
+        raise ValueError(f"optimizer state {directory} does not fit this model: {first_line(exc)[:300]}") from None
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load an unsharded run's ``optimizer.state_dict()`` (parameters by position, already checked by
     :func:`~attnlab.training.checkpoint.check_optimizer_state`) into the optimizer of the sharded ``model``."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = {id(p): n for n, p in model.named_parameters()}
     # position in the param groups (as torch numbers them) -> parameter name
@@ -176,7 +170,7 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         "state": {fqn[int(i)]: s for i, s in state["state"].items()},
         "param_groups": [{**g, "params": [fqn[int(i)] for i in g["params"]]} for g in state["param_groups"]],
     }
-    set_optimizer_state_dict(model, optimizer, by_name, options=_options(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 @contextlib.contextmanager

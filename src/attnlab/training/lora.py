@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from attnlab.checks import finite_real, is_int
 from attnlab.quantized import is_quantized
 
 __all__ = [
@@ -72,10 +73,9 @@ class LowRankUpdated(Tensor):
     """``W + scale * B @ A`` for a quantized ``W`` (:class:`attnlab.quantized.QuantizedTensor`), kept as
     its three factors: ``F.linear(x, w)`` is ``x W^T`` from ``W``'s blocks plus ``scale * (x A^T) B^T``.
 
-    The dense sum would be a float32 ``(out, in)`` matrix per adapted layer, which autograd keeps for the
-    backward pass: for an 8B model's q, k, v and o, 5 GB beside a 4.7 GB file. Here autograd keeps ``x``
-    and the rank-``r`` product; ``W``'s own product keeps its blocks (its tiled backward). Any other use
-    of the weight computes the dense sum."""
+    The dense sum would be a float32 ``(out, in)`` matrix per adapted layer, kept by autograd for the
+    backward pass; here autograd keeps ``x`` and the rank-``r`` product, and ``W``'s own product keeps
+    its blocks (its tiled backward). Any other use of the weight computes the dense sum."""
 
     owns_linear = True  # attnlab.hardware.linear hands F.linear to it
 
@@ -110,8 +110,6 @@ class LoRASettings(dict):
 
     @classmethod
     def make(cls, rank: Any, alpha: Any = None, targets: Any = None) -> LoRASettings:
-        from attnlab.checks import finite_real, is_int
-
         if not is_int(rank) or not 1 <= rank <= MAX_RANK:
             raise ValueError(f"--lora-rank must be an integer in [1, {MAX_RANK}], got {rank!r}")
         alpha = 2 * rank if alpha is None else alpha

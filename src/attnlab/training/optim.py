@@ -4,10 +4,9 @@ Muon (Keller Jordan et al. 2024, the optimizer of the modded-nanogpt speedruns) 
 momentum-averaged gradient and replaces it by the nearest semi-orthogonal matrix (every singular
 value set to one) before the step: all directions of the matrix move at the same rate, instead of
 the few directions that dominate the raw gradient. The orthogonalisation is five iterations of a
-quintic Newton-Schulz polynomial. It needs only the singular values pushed near one, not exactly
-there, so it runs in bfloat16 where the hardware multiplies bf16 natively, as ``torch.optim.Muon``
-always does; elsewhere (an AVX2-only CPU) bf16 is emulated and 20x slower, so it runs in float32
-(:func:`attnlab.hardware.fast_dtype`; the trainer passes ``--precision``'s dtype).
+quintic Newton-Schulz polynomial. It needs the singular values only near one, not exactly there, so
+it runs in bfloat16 where the hardware multiplies bf16 natively (as ``torch.optim.Muon`` always does),
+else in float32 (:func:`attnlab.hardware.fast_dtype`; the trainer passes ``--precision``'s dtype).
 
 Muon is defined for matrices only, so embeddings, the output head and the gains and biases
 (LayerNorm, bias vectors) keep AdamW: :func:`muon_param_groups` makes the split.

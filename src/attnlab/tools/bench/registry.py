@@ -150,6 +150,10 @@ def _tutorial_loop(d_model: int, num_heads: int, context_length: int, dropout: f
     return TutorialLoopAttention(d_model, d_model)  # no dropout, no mask buffer: it only loops j <= i
 
 
+def _torch(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
+    return TorchCausalMHA(d_model, num_heads, context_length, dropout)
+
+
 def _core(impl: str) -> Callable[..., nn.Module]:
     def build(d_model: int, num_heads: int, context_length: int, dropout: float = 0.0) -> nn.Module:
         if dropout:
@@ -210,7 +214,7 @@ IMPLEMENTATIONS: dict[str, Impl] = {
         reference="attnlab",
     ),
     "attnlab": Impl("attnlab.MultiHeadAttention", _multi_head("attnlab.attention"), 4),
-    "torch": Impl("torch.nn.MultiheadAttention", TorchCausalMHA, 4, reference="attnlab"),
+    "torch": Impl("torch.nn.MultiheadAttention", _torch, 4, reference="attnlab"),
     "attnlab-wrapper": Impl("attnlab.MultiHeadAttentionWrapper", _multi_head("attnlab.attention", wrapper=True), 3),
     # Attention only (input: packed q, k, v of shape (b, T, 3 * d_model)).
     "attnlab-core": Impl("attnlab scaled_dot_product_attention", _core("attnlab"), 0),
