@@ -102,9 +102,8 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def has_a_token(logits: Tensor) -> bool:
-    """Whether every row of ``logits (..., V)`` has a finite value and none is NaN or +inf (one host
-    sync): each row's maximum says it all, in one pass over the logits (NaN propagates into it, +inf
-    is it, and it is finite exactly when the row has a finite value and no +inf)."""
+    """Whether every row of ``logits (..., V)`` has a finite value and no NaN or +inf, in one pass and one
+    host sync: a row's maximum is finite exactly then (NaN propagates into it, +inf is it)."""
     return not logits.numel() or bool(torch.isfinite(logits.amax(dim=-1)).all())
 
 

@@ -82,7 +82,7 @@ class _Plan:
     """Where the head, the full blocks and the tail of ``T`` query rows lie for window ``W``."""
 
     def __init__(self, T: int, window: int, sinks: int) -> None:
-        self.T, self.W, self.sinks = T, window, sinks
+        self.W = window
         self.Bq = block_size(window)
         self.m = -(-(window - 1) // self.Bq)  # key chunks before a block's own: ceil((W - 1) / Bq)
         self.H0 = min(T, self.m * self.Bq)  # head rows: attend over their own prefix
@@ -94,8 +94,7 @@ class _Plan:
 
 def _groups(count: int) -> list[tuple[int, int]]:
     """``(first, how many)`` of each kernel call over ``count`` blocks (see :data:`BLOCKS_PER_CALL`)."""
-    n = BLOCKS_PER_CALL
-    return [(i, min(n, count - i)) for i in range(0, count, n)]
+    return [(i, min(BLOCKS_PER_CALL, count - i)) for i in range(0, count, BLOCKS_PER_CALL)]
 
 
 class _SlidingWindow(torch.autograd.Function):

@@ -16,6 +16,9 @@ The guesses (drafts) come from
   decoding ``k`` tokens greedily on its own KV cache. It pays only when it is much faster than the
   model and often agrees with it (a model's own first layers, untrained as a draft, rarely do).
 
+``python benchmarks/generate.py --model smollm2 --speculative K`` measures both against plain greedy
+decoding and transformers' prompt lookup.
+
 A rejected guess's keys and values were written into the caches: rolling back is setting the caches'
 length back (the next forward overwrites the slots). Rounds without a guess run the fast decoding
 step (:mod:`attnlab.decoding`). Greedy only: sampling (``temperature > 0``) would need the rejection
@@ -201,7 +204,9 @@ def speculative_decode(
                 before = target.seen  # the text but its last token is cached
                 logits = target.feed(ctx[before:] + guess, every=True)[-(len(guess) + 1) :]  # (1 + g, V)
                 choice = _argmax(logits)
-                ok = next((i for i, (g, c) in enumerate(zip(guess, choice, strict=False)) if g != c), len(guess))
+                ok = 0
+                while ok < len(guess) and guess[ok] == choice[ok]:
+                    ok += 1
                 stats.rounds += 1
                 stats.drafted += len(guess)
                 stats.accepted += ok

@@ -19,7 +19,6 @@ MODES = ("zero", "mean")
 
 def parse_heads(heads: object, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
     """``heads`` as a sorted list of distinct ``(layer, head)`` pairs, checked against the model.
-
     Accepts pairs, or strings ``"L.H"`` (one, or comma-separated)."""
     if isinstance(heads, str):
         heads = [part for part in heads.split(",") if part.strip()]
@@ -111,8 +110,7 @@ def _head_output_means(
     for i in which:
 
         def hook(module: nn.Module, args: tuple, i: int = i) -> None:
-            x = args[0]
-            sums[i] = x.reshape(-1, x.shape[-1]).mean(dim=0)
+            sums[i] = args[0].flatten(0, -2).mean(dim=0)  # (B, T, H * hd) -> (H * hd,)
 
         handles.append(layers[i].out_proj.register_forward_pre_hook(hook))
     try:

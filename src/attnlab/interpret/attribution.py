@@ -66,7 +66,10 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
     direction = (model.out_head.weight[a] - model.out_head.weight[b]).double()  # (d,)
     dtype = cache[names[1]].dtype  # (an RMSNorm without eps takes its input dtype's)
     norm, norm_bias = _frozen_norm(model.final_norm, final, dtype, "the final norm")
-    through = lambda c: norm(c) @ direction  # the frozen final norm's linear part, then the answer direction
+
+    def through(c: Tensor) -> Tensor:  # the frozen final norm's linear part, then the answer direction
+        return norm(c) @ direction
+
     bias = norm_bias @ direction
     if model.out_head.bias is not None:
         bias = bias + model.out_head.bias[a].double() - model.out_head.bias[b].double()

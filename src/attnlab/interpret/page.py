@@ -58,11 +58,9 @@ def read_asset(name: str) -> str:
 
 
 def json_for_script(obj: object) -> str:
-    """JSON safe to put inside ``<script type="application/json">``.
-
-    ``<``, ``>`` and ``&`` become ``\\u003c`` etc., so no token text can close the script element
-    (``</script>``) or open a comment; ``JSON.parse`` reads them back unchanged.
-    """
+    """JSON safe to put inside ``<script type="application/json">``: ``<``, ``>`` and ``&`` become
+    ``\\u003c`` etc., so no token text can close the script element (``</script>``) or open a comment;
+    ``JSON.parse`` reads them back unchanged."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 

@@ -154,8 +154,7 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> int:
             f"--lora-rank must be in [1, {smallest}] for this model (the smallest side of the adapted matrices), "
             f"got {settings['rank']}"
         )
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     n = 0
     for _, module in modules:
         out_f, in_f = module.weight.shape
@@ -233,6 +232,5 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
             module.weight = nn.Parameter(merged)
         model.lora_settings = None
-    for p in model.parameters():
-        p.requires_grad_(True)
+    model.requires_grad_(True)
     return model
