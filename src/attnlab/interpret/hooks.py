@@ -311,7 +311,8 @@ class _Sites:
         call = AttentionCall(attn_mask, is_causal, scale, window, sinks, softcap, q_positions, k_positions)
         q, k = self._heads("rot_q", q, call), self._heads("rot_k", k, call)
         mods = dict(enable_gqa=enable_gqa, window=window, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod)
-        scores = attention_scores(q, k, attn_mask, is_causal, scale, **mods)  # (b, H, n, S), -inf where masked
+        # (b, H, n, S), soft-capped where the model caps, -inf where masked
+        scores = attention_scores(q, k, attn_mask, is_causal, scale, **mods)
         scores = self("attn_scores", scores, call)
         pattern = torch.softmax(scores, dim=-1)  # (b, H, n, S)
         # A row with no key (padding): zero weights; in place unless the softmax's backward needs its output.
