@@ -118,6 +118,26 @@ def test_replacing_changes_what_follows(model):
         assert torch.all(patched["z", 1][:, :, 2] == 0)
 
 
+def test_a_score_hook_that_hides_a_whole_row_gives_that_query_zero_weights(model):
+    """A hook on ``attn_scores`` may leave a query no key (all ``-inf``): its weights are zeros, as a padded
+    query's, never the softmax's NaN; the other queries' weights are the unhooked ones."""
+    idx = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(3))
+
+    def hide_query_4(x, hook):
+        x = x.clone()
+        x[:, :, 4] = float("-inf")
+        return x
+
+    with torch.no_grad():
+        _, ref = run_with_cache(model, idx, ["blocks.0.attn.hook_pattern"])
+        with hooks(model, {"blocks.0.attn.hook_attn_scores": hide_query_4}):
+            _, got = run_with_cache(model, idx, ["blocks.0.attn.hook_pattern"])
+    pattern = got["pattern", 0]  # (B, H, T, S)
+    assert torch.equal(pattern[:, :, 4], torch.zeros_like(pattern[:, :, 4]))
+    rest = [0, 1, 2, 3, 5]
+    torch.testing.assert_close(pattern[:, :, rest], ref["pattern", 0][:, :, rest], rtol=0, atol=0)
+
+
 def test_each_heads_result_is_its_share_of_the_output_projection(model):
     """``attn.hook_result`` (TransformerLens's): head h's ``z`` times its columns of ``out_proj``, in
     float64; the heads' sum plus the bias is ``attn_out``; zeroing a head's result is zeroing its ``z``."""

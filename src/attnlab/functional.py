@@ -123,7 +123,7 @@ def causal_mask(
     window, sinks = check_window(window, sinks)
     q_len, k_len = int(q_len), int(k_len)
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
-    if window is None:
+    if window is None or window >= k_len:  # (a window as long as the keys hides none of them)
         return mask
     band = torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(diagonal=k_len - q_len - window + 1)
     band[:, :sinks] = True

@@ -316,8 +316,10 @@ class _Sites:
         scores = self("attn_scores", scores, call)
         pattern = torch.softmax(scores, dim=-1)  # (b, H, n, S)
         # A row with no key (padding): zero weights; in place unless the softmax's backward needs its output.
-        # Only a mask can leave a row so (the causal one keeps each query's own key): without one, no pass.
-        masked = attn_mask is not None or mask_mod is not None or q_positions is not None or k_positions is not None
+        # Only a mask, a score_mod or a hook on the scores can leave a row so (the causal mask keeps each
+        # query's own key; the positions are only told to the hooks, the model folds any mask of them into
+        # attn_mask): without one, no pass.
+        masked = attn_mask is not None or mask_mod is not None or score_mod is not None or "attn_scores" in self.fns
         if masked or q.shape[-2] > k.shape[-2]:
             pattern = pattern.nan_to_num(0.0) if pattern.requires_grad else pattern.nan_to_num_(0.0)
         pattern = self("pattern", pattern, call)  # (b, H, n, S)
