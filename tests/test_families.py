@@ -224,11 +224,14 @@ def test_an_exact_gelu_gemma_exports_and_reads_back(tmp_path):
     idx = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         got, want = ours(idx), hf(idx).logits
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Other orders of float32 sums (BLAS's kernels differ by CPU class) move the logits by some 1e-5 of the
+    # largest; the tanh GELU moves them by more than 1e-3 of it (asserted next: ten times this tolerance).
+    largest = float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=1e-4 * largest, rtol=0)
     tanh = transformers.GemmaForCausalLM(transformers.GemmaConfig(**sizes)).eval()  # Gemma's default activation
     tanh.load_state_dict(sd, strict=False)
     with torch.no_grad():
-        assert (tanh(idx).logits - got).abs().max() > 1e-3  # the comparison tells the two GELUs apart
+        assert (tanh(idx).logits - got).abs().max() > 1e-3 * largest  # the comparison tells the two GELUs apart
 
     hf.save_pretrained(tmp_path)  # round trip: the directory's config.json and weights back into attnlab
     config_json = json.loads((tmp_path / "config.json").read_text())
