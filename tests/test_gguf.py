@@ -422,6 +422,37 @@ def test_info_kv_memory_reads_a_gguf_files_metadata(tmp_path, no_hub, capsys):
     assert no_hub == []
 
 
+def test_info_describes_a_gguf_file_from_its_header(tmp_path, no_hub, capsys):
+    """``attnlab info --model FILE``: the name pages give it (from the metadata), the parameters and shapes
+    of the model it loads to, the GPTConfig switches that differ from the defaults, the file's size and
+    its tensors' types as gguf's own reader counts them."""
+    import dataclasses
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    from attnlab.cli import main
+    from attnlab.model import GPTConfig
+
+    meta = {"general.name": "Tiny Story", "general.size_label": "1M"}
+    path = write_gguf(tmp_path / "tiny.gguf", qtype="Q8_0", meta=meta)
+    model = GPT.from_gguf(path)
+    cfg, default = model.config, GPTConfig()
+    assert main(["info", "--model", str(path)]) == 0
+    name, shapes, switches, file = capsys.readouterr().out.splitlines()
+    assert name == "Tiny Story · 1M · Q8_0"  # (as pages and serve name it)
+    assert shapes.startswith(f"{model.num_parameters():,} parameters: {cfg.n_layers} layers, width {cfg.emb_dim}, ")
+    set_here = {item.split("=")[0] for item in switches.split(": ", 1)[1].split(", ")}
+    differ = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)}
+    assert set_here == differ - {"vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"}
+    assert "pos='rope'" in switches and "norm='rmsnorm'" in switches and "mlp='swiglu'" in switches
+    assert file.startswith(f"file: {path.stat().st_size / 1e3:,.2f} kB, tensors ")
+    types = Counter(t.tensor_type.name for t in GGUFReader(path).tensors)
+    listed = file.split("tensors ")[1].split(" (")[0].split(", ")
+    assert sorted(listed) == sorted(f"{t} x {n}" for t, n in types.items())
+    assert no_hub == []
+
+
 def test_info_kv_memory_on_smollm2(smollm2_gguf, no_hub, capsys):
     """README's $SMOL with attnlab info --kv-memory: SmolLM2's 30 layers and its 3 key/value heads."""
     from attnlab.cli import main

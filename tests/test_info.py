@@ -127,6 +127,40 @@ def test_kv_memory_cli_prints_the_table(capsys, tmp_path):
     assert "GQA + window 8 " in out and "(window:" not in out
 
 
+def test_info_describes_a_preset_with_transformers_parameter_count(capsys):
+    """``attnlab info --preset llama3-8b``: the parameters transformers' Llama of the published config has
+    (built on the meta device: nothing allocated), and its grouped heads."""
+    transformers = pytest.importorskip("transformers")
+    published = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**published))
+    assert main(["info", "--preset", "llama3-8b"]) == 0
+    name, shapes, switches = capsys.readouterr().out.splitlines()
+    assert name == "llama3-8b"
+    assert shapes.startswith(f"{sum(p.numel() for p in hf.parameters()):,} parameters: 32 layers, width 4096, ")
+    assert "32 heads of 128 (8 key/value heads)" in shapes and "tie_embeddings=False" in switches
+
+
+def test_info_names_a_hugging_face_directory_by_its_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8, '
+        '"max_position_embeddings": 128}'
+    )
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    name, shapes, switches = capsys.readouterr().out.splitlines()
+    assert name == f"{tmp_path.name} (mistral)"
+    assert "2 layers, width 64, 4 heads of 16 (2 key/value heads)" in shapes and "window=8" in switches
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [

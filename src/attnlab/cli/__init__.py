@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "circuit": ("attnlab.cli.circuit", "edge attribution (EAP, EAP-IG): a circuit of heads and MLPs, its faithfulness"),
     "serve": ("attnlab.cli.serve", "the inspector as a live local web app: type, generate, ablate"),
     "bench": ("attnlab.cli.bench", "run the benchmarks and write a report directory"),
-    "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available"),
+    "info": ("attnlab.cli.info", "show versions, devices and the fused kernels available, or describe a model"),
     "sae": ("attnlab.cli.sae", "sparse autoencoders and transcoders: train, measure (SAELens's measures), inspect"),
 }
 

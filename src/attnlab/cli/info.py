@@ -1,7 +1,9 @@
 """``attnlab info``: versions, devices and which fused attention kernels torch offers here;
+``attnlab info --model`` (``--preset``): the model's name, parameters, shapes and switches;
 ``attnlab info --kv-memory``: the KV cache of a model's shapes, MHA vs GQA vs a sliding window.
 
     attnlab info
+    attnlab info --model SmolLM2-135M-Instruct.Q4_1.gguf
     attnlab info --kv-memory --preset llama3-8b --context 32768 --batch 1 --dtype bf16
     attnlab info --kv-memory --model meta-llama/Llama-3.2-1B --context 131072
 """
@@ -16,23 +18,31 @@ import torch
 from attnlab import hardware
 from attnlab.cli.options import positive_int
 from attnlab.model import GPTConfig
-from attnlab.tools.info import DTYPE_BYTES, available_sdpa_kernels, config_of, format_kv_memory, kv_memory_rows
+from attnlab.tools.info import (
+    DTYPE_BYTES,
+    available_sdpa_kernels,
+    config_of,
+    describe_model,
+    format_kv_memory,
+    kv_memory_rows,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("KV-cache memory")
-    g.add_argument(
-        "--kv-memory",
-        action="store_true",
-        help="print the KV cache of a model's shapes for MHA, GQA and a sliding window, per layer and total",
-    )
-    source = g.add_mutually_exclusive_group()
+    model = parser.add_argument_group("a model (alone: its name, parameters, shapes and switches)")
+    source = model.add_mutually_exclusive_group()
     source.add_argument("--preset", metavar="NAME", help="a GPTConfig preset (e.g. gpt2-small, llama3-8b, mistral-7b)")
     source.add_argument(
         "--model",
         metavar="PATH_OR_REPO",
         help="a GGUF file, a model directory (attnlab's or Hugging Face's config.json, a training run) or a Hub "
         "repository",
+    )
+    g = parser.add_argument_group("KV-cache memory")
+    g.add_argument(
+        "--kv-memory",
+        action="store_true",
+        help="print the KV cache of a model's shapes for MHA, GQA and a sliding window, per layer and total",
     )
     g.add_argument(
         "--context", type=positive_int, metavar="N", help="tokens per sequence (default: the context length)"
@@ -53,8 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kv_memory:
         return _kv_memory(args)
-    if args.preset or args.model or args.context or args.kv_heads or args.window:
-        raise ValueError("--preset, --model, --context, --kv-heads and --window go with --kv-memory")
+    if args.context or args.kv_heads or args.window:
+        raise ValueError("--context, --kv-heads and --window go with --kv-memory")
+    if args.preset or args.model:
+        print(describe_model(args.model, preset=args.preset))
+        return 0
     from attnlab import __version__
 
     print(f"attnlab {__version__}, torch {torch.__version__}, Python {platform.python_version()}")

@@ -1,9 +1,12 @@
-"""``attnlab info``: versions, devices and which fused attention kernels torch offers here, and the
-KV-cache memory of a model's shapes (MHA vs GQA vs a sliding window)."""
+"""``attnlab info``: versions, devices and which fused attention kernels torch offers here, a model's
+description (its name, shapes, switches and parameters), and the KV-cache memory of a model's shapes
+(MHA vs GQA vs a sliding window)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import positive_int
+from attnlab.files import open_gguf
 from attnlab.formats.families import MODEL_TYPES, config_fields
-from attnlab.formats.gguf import is_gguf, read_gguf_config
+from attnlab.formats.gguf import is_gguf, read_gguf_config, read_gguf_metadata
 from attnlab.formats.hf import gpt2_config_fields, is_local_path, read_pretrained_config
-from attnlab.model import CONFIG_NAME, GPTConfig
+from attnlab.model import CONFIG_NAME, GPT, GPTConfig
 
 
 def available_sdpa_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -187,3 +191,51 @@ def config_of(source: str) -> tuple[GPTConfig, str]:
     if model_type in MODEL_TYPES:
         return GPTConfig(**config_fields(cfg)), source
     raise ValueError(f"{source}: a {model_type!r} model; attnlab reads the configs of gpt2, {', '.join(MODEL_TYPES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# A model's description
+# --------------------------------------------------------------------------------------------
+SHAPES = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")  # (the description's first line)
+
+
+def describe_model(source: str | None = None, *, preset: str | None = None) -> str:
+    """``attnlab info --model``'s (``--preset``'s) lines: the model's name (a GGUF file's from its metadata,
+    a directory's from its config, as pages and ``serve`` name it); its parameters (counted on the meta
+    device: nothing is allocated, so an 8B model's count costs nothing) and shapes; the ``GPTConfig``
+    switches that differ from its defaults (a family is such a set of switches); for a GGUF file,
+    its size and its tensors' types (from its header: no tensor is read)."""
+    from attnlab.tools.loading import directory_name, gguf_name
+
+    if preset is not None:
+        config, name, path = GPTConfig.preset(preset), preset, None
+    else:
+        config, name = config_of(source)
+        path = Path(source).expanduser()
+    with torch.device("meta"):
+        params = GPT(config).num_parameters()
+    kv = f" ({config.kv_heads} key/value heads)" if config.kv_heads != config.n_heads else ""
+    lines = [
+        f"{params:,} parameters: {config.n_layers} layers, width {config.emb_dim}, {config.n_heads} heads of "
+        f"{config.head_dim}{kv}, vocabulary {config.vocab_size:,}, context {config.context_length:,}",
+    ]
+    default = GPTConfig()
+    switches = [
+        f"{f.name}={_value(getattr(config, f.name))}"
+        for f in dataclasses.fields(GPTConfig)
+        if f.name not in SHAPES and getattr(config, f.name) != getattr(default, f.name)
+    ]
+    lines.append("GPTConfig switches (beside its defaults): " + (", ".join(switches) or "none"))
+    if path is not None and path.is_file():  # a GGUF file (config_of refuses any other file)
+        reader = open_gguf(path)
+        types = Counter(t.tensor_type.name for t in reader.tensors)
+        name = gguf_name(read_gguf_metadata(reader), dict(types), path)
+        listed = ", ".join(f"{t} x {n}" for t, n in types.most_common())
+        lines.append(f"file: {format_bytes(path.stat().st_size)}, tensors {listed} (kept in their types when loaded)")
+    elif path is not None and path.is_dir():
+        name = directory_name(path)
+    return "\n".join([name, *lines])
+
+
+def _value(v: object) -> str:
+    return f"{v:g}" if isinstance(v, float) else repr(v)
