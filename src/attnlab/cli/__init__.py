@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("attnlab.cli.explain", "walk through the tutorials' attention steps, tensor by tensor"),
     "train": ("attnlab.cli.train", "train a GPT on a text file (default: the built-in corpus)"),
     "eval": ("attnlab.cli.eval", "measure a model's loss, perplexity and bits per byte on a text file"),
-    "generate": ("attnlab.cli.generate", "generate text from a trained checkpoint"),
+    "generate": ("attnlab.cli.generate", "generate text from a model (GGUF, Hugging Face, a checkpoint)"),
     "chat": ("attnlab.cli.chat", "chat with an instruct model in the terminal (its chat template, streamed)"),
     "viz": ("attnlab.cli.viz", "draw attention heatmaps (PNG) or an offline HTML viewer"),
     "inspect": ("attnlab.cli.inspect", "look inside a model on a prompt: head roles, logit lens, rollout, ablation"),
