@@ -98,7 +98,7 @@ def _name(dtype: torch.dtype) -> str:
 def _kv_memory(args: argparse.Namespace) -> int:
     if not (args.preset or args.model):
         raise ValueError("--kv-memory needs --preset NAME or --model PATH_OR_REPO")
-    config, name = config_of(args.model) if args.model else (GPTConfig.preset(args.preset), args.preset)
+    config, name, _ = config_of(args.model) if args.model else (GPTConfig.preset(args.preset), args.preset, None)
     rows = kv_memory_rows(
         config, context=args.context, batch=args.batch, dtype=args.dtype, kv_heads=args.kv_heads, window=args.window
     )

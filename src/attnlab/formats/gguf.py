@@ -61,7 +61,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -74,7 +74,17 @@ from attnlab.gguf_vocab import is_gguf_file
 from attnlab.positions import llama3_scaling_from_factors, rope_scaling_type
 from attnlab.quantized import FORMATS, QuantizedTensor, is_quantized
 
-__all__ = ["ARCHITECTURES", "GGUF_MAGIC", "GGUFModel", "is_gguf", "read_gguf", "read_gguf_config", "read_gguf_metadata"]
+__all__ = [
+    "ARCHITECTURES",
+    "GGUF_MAGIC",
+    "GGUFHeader",
+    "GGUFModel",
+    "is_gguf",
+    "read_gguf",
+    "read_gguf_config",
+    "read_gguf_header",
+    "read_gguf_metadata",
+]
 
 
 @dataclass(frozen=True)
@@ -489,17 +499,37 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
         raise ValueError(f"{p}: {e}") from None
 
 
-def read_gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` dict the GGUF file ``path`` amounts to, from its metadata
-    alone (no tensor is read). Raises as :func:`read_gguf` does."""
+class GGUFHeader(NamedTuple):
+    """What :func:`read_gguf_header` returns: the file's scalar metadata (see :func:`read_gguf_metadata`),
+    the Hugging Face ``config.json`` dict it amounts to, and ``{GGML type name: tensor count}``."""
+
+    metadata: dict[str, Any]
+    config: dict[str, Any]
+    quantization: dict[str, int]
+
+
+def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """The GGUF file ``path``'s header, parsed once: no tensor is read. Raises as :func:`read_gguf` does."""
     p = Path(path).expanduser()
     reader = open_gguf(p)
     try:
-        return _architecture(reader)[3]
+        meta, _, _, cfg = _architecture(reader)
     except ValueError as e:
         if str(e).startswith(str(p)):
             raise
         raise ValueError(f"{p}: {e}") from None
+    return GGUFHeader(meta, cfg, _tensor_types(reader))
+
+
+def read_gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict the GGUF file ``path`` amounts to, from its metadata
+    alone (no tensor is read). Raises as :func:`read_gguf` does."""
+    return read_gguf_header(path).config
+
+
+def _tensor_types(reader: Any) -> dict[str, int]:
+    """``{GGML type name: tensor count}`` of the file ``reader`` reads, e.g. ``{"Q4_1": 210, "F32": 61}``."""
+    return dict(Counter(t.tensor_type.name for t in reader.tensors))
 
 
 def _architecture(reader: Any) -> tuple[dict[str, Any], str, Architecture, dict[str, Any]]:
@@ -529,7 +559,7 @@ def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = T
         if hf_name is None:
             raise ValueError(f"unexpected tensor {t.name!r} for a {name} model of {n_layers} layers")
         tensors[hf_name] = t if keep_reader else t._replace(field=None)
-    counts = dict(Counter(t.tensor_type.name for t in reader.tensors))
+    counts = _tensor_types(reader)
     if not keep_reader:
         # The reader's parse of the header (a Python object per token of the tokenizer: tens of MB
         # for a 50,000-token vocabulary) is not needed for the weights: let it go before they load.

@@ -9,14 +9,14 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from attnlab.checks import positive_int
-from attnlab.files import open_gguf
 from attnlab.formats.families import MODEL_TYPES, config_fields
-from attnlab.formats.gguf import is_gguf, read_gguf_config, read_gguf_metadata
+from attnlab.formats.gguf import GGUFHeader, is_gguf, read_gguf_header
 from attnlab.formats.hf import gpt2_config_fields, is_local_path, read_pretrained_config
 from attnlab.model import CONFIG_NAME, GPT, GPTConfig
 
@@ -163,8 +163,17 @@ def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: 
     return "\n".join(lines)
 
 
-def config_of(source: str) -> tuple[GPTConfig, str]:
-    """``(GPTConfig, name)`` of a model: a GGUF file (its metadata only), a directory with a
+class ModelSource(NamedTuple):
+    """What :func:`config_of` returns: the model's shapes, its name as given, and a GGUF file's header
+    (None for any other source)."""
+
+    config: GPTConfig
+    name: str
+    gguf: GGUFHeader | None = None
+
+
+def config_of(source: str) -> ModelSource:
+    """``(GPTConfig, name, GGUF header)`` of a model: a GGUF file (its header only), a directory with a
     ``config.json`` (attnlab's, or a Hugging Face one of a family attnlab reads), a training run, or a
     Hub repository id (its config.json only, from the cache when offline). A local path is never sent
     to the Hub: a missing one is "no such file or directory"."""
@@ -172,7 +181,7 @@ def config_of(source: str) -> tuple[GPTConfig, str]:
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
         from attnlab.tools.loading import load_model
 
-        return load_model(path, what="--model").model.config, source
+        return ModelSource(load_model(path, what="--model").model.config, source)
     if not path.is_dir() and is_local_path(source):
         if not path.exists():
             raise FileNotFoundError(f"--model {source}: no such file or directory")
@@ -180,16 +189,16 @@ def config_of(source: str) -> tuple[GPTConfig, str]:
             raise ValueError(
                 f"--model {source}: a file that is not a GGUF file; give a GGUF file or a model's directory"
             )
-        cfg = read_gguf_config(path)
-        return GPTConfig(**config_fields(cfg)), source
+        header = read_gguf_header(path)
+        return ModelSource(GPTConfig(**config_fields(header.config)), source, header)
     cfg = read_pretrained_config(source)
     model_type = cfg.get("model_type")
     if model_type is None:  # attnlab's own config.json (GPT.save)
-        return GPTConfig.from_dict(cfg), source
+        return ModelSource(GPTConfig.from_dict(cfg), source)
     if model_type == "gpt2":
-        return GPTConfig(**gpt2_config_fields(cfg)), source
+        return ModelSource(GPTConfig(**gpt2_config_fields(cfg)), source)
     if model_type in MODEL_TYPES:
-        return GPTConfig(**config_fields(cfg)), source
+        return ModelSource(GPTConfig(**config_fields(cfg)), source)
     raise ValueError(f"{source}: a {model_type!r} model; attnlab reads the configs of gpt2, {', '.join(MODEL_TYPES)}")
 
 
@@ -207,11 +216,7 @@ def describe_model(source: str | None = None, *, preset: str | None = None) -> s
     its size and its tensors' types (from its header: no tensor is read)."""
     from attnlab.tools.loading import directory_name, gguf_name
 
-    if preset is not None:
-        config, name, path = GPTConfig.preset(preset), preset, None
-    else:
-        config, name = config_of(source)
-        path = Path(source).expanduser()
+    config, name, header = (GPTConfig.preset(preset), preset, None) if preset is not None else config_of(source)
     with torch.device("meta"):
         params = GPT(config).num_parameters()
     kv = f" ({config.kv_heads} key/value heads)" if config.kv_heads != config.n_heads else ""
@@ -226,13 +231,12 @@ def describe_model(source: str | None = None, *, preset: str | None = None) -> s
         if f.name not in SHAPES and getattr(config, f.name) != getattr(default, f.name)
     ]
     lines.append("GPTConfig switches (beside its defaults): " + (", ".join(switches) or "none"))
-    if path is not None and path.is_file():  # a GGUF file (config_of refuses any other file)
-        reader = open_gguf(path)
-        types = Counter(t.tensor_type.name for t in reader.tensors)
-        name = gguf_name(read_gguf_metadata(reader), dict(types), path)
-        listed = ", ".join(f"{t} x {n}" for t, n in types.most_common())
+    path = Path(name).expanduser()
+    if header is not None:  # a GGUF file
+        name = gguf_name(header.metadata, header.quantization, path)
+        listed = ", ".join(f"{t} x {n}" for t, n in Counter(header.quantization).most_common())
         lines.append(f"file: {format_bytes(path.stat().st_size)}, tensors {listed} (kept in their types when loaded)")
-    elif path is not None and path.is_dir():
+    elif preset is None and path.is_dir():
         name = directory_name(path)
     return "\n".join([name, *lines])
 
