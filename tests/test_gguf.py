@@ -450,6 +450,8 @@ def test_info_describes_a_gguf_file_from_its_header(tmp_path, no_hub, capsys):
     types = Counter(t.tensor_type.name for t in GGUFReader(path).tensors)
     listed = file.split("tensors ")[1].split(" (")[0].split(", ")
     assert sorted(listed) == sorted(f"{t} x {n}" for t, n in types.items())
+    assert main(["info", "--kv-memory", "--model", str(path)]) == 0  # its header names the model so too
+    assert capsys.readouterr().out.startswith(f"KV cache of {name}: ")
     assert no_hub == []
 
 

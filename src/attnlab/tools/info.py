@@ -164,8 +164,9 @@ def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: 
 
 
 class ModelSource(NamedTuple):
-    """What :func:`config_of` returns: the model's shapes, its name as given, and a GGUF file's header
-    (None for any other source)."""
+    """What :func:`config_of` returns: the model's shapes, its name as pages and ``serve`` give it (a GGUF
+    file's from its metadata, a directory's from its config, a Hub id as given), and a GGUF file's
+    header (None for any other source)."""
 
     config: GPTConfig
     name: str
@@ -177,11 +178,11 @@ def config_of(source: str) -> ModelSource:
     ``config.json`` (attnlab's, or a Hugging Face one of a family attnlab reads), a training run, or a
     Hub repository id (its config.json only, from the cache when offline). A local path is never sent
     to the Hub: a missing one is "no such file or directory"."""
+    from attnlab.tools.loading import directory_name, gguf_name, load_model
+
     path = Path(source).expanduser()
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
-        from attnlab.tools.loading import load_model
-
-        return ModelSource(load_model(path, what="--model").model.config, source)
+        return ModelSource(load_model(path, what="--model").model.config, directory_name(path))
     if not path.is_dir() and is_local_path(source):
         if not path.exists():
             raise FileNotFoundError(f"--model {source}: no such file or directory")
@@ -190,15 +191,17 @@ def config_of(source: str) -> ModelSource:
                 f"--model {source}: a file that is not a GGUF file; give a GGUF file or a model's directory"
             )
         header = read_gguf_header(path)
-        return ModelSource(GPTConfig(**config_fields(header.config)), source, header)
+        name = gguf_name(header.metadata, header.quantization, path)
+        return ModelSource(GPTConfig(**config_fields(header.config)), name, header)
     cfg = read_pretrained_config(source)
     model_type = cfg.get("model_type")
+    name = directory_name(path) if path.is_dir() else source
     if model_type is None:  # attnlab's own config.json (GPT.save)
-        return ModelSource(GPTConfig.from_dict(cfg), source)
+        return ModelSource(GPTConfig.from_dict(cfg), name)
     if model_type == "gpt2":
-        return ModelSource(GPTConfig(**gpt2_config_fields(cfg)), source)
+        return ModelSource(GPTConfig(**gpt2_config_fields(cfg)), name)
     if model_type in MODEL_TYPES:
-        return ModelSource(GPTConfig(**config_fields(cfg)), source)
+        return ModelSource(GPTConfig(**config_fields(cfg)), name)
     raise ValueError(f"{source}: a {model_type!r} model; attnlab reads the configs of gpt2, {', '.join(MODEL_TYPES)}")
 
 
@@ -209,13 +212,10 @@ SHAPES = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers")  # (
 
 
 def describe_model(source: str | None = None, *, preset: str | None = None) -> str:
-    """``attnlab info --model``'s (``--preset``'s) lines: the model's name (a GGUF file's from its metadata,
-    a directory's from its config, as pages and ``serve`` name it); its parameters (counted on the meta
-    device: nothing is allocated, so an 8B model's count costs nothing) and shapes; the ``GPTConfig``
-    switches that differ from its defaults (a family is such a set of switches); for a GGUF file,
-    its size and its tensors' types (from its header: no tensor is read)."""
-    from attnlab.tools.loading import directory_name, gguf_name
-
+    """``attnlab info --model``'s (``--preset``'s) lines: the model's name (:func:`config_of`'s); its
+    parameters (counted on the meta device: nothing is allocated, so an 8B model's count costs nothing)
+    and shapes; the ``GPTConfig`` switches that differ from its defaults (a family is such a set of
+    switches); for a GGUF file, its size and its tensors' types (from its header: no tensor is read)."""
     config, name, header = (GPTConfig.preset(preset), preset, None) if preset is not None else config_of(source)
     with torch.device("meta"):
         params = GPT(config).num_parameters()
@@ -231,13 +231,10 @@ def describe_model(source: str | None = None, *, preset: str | None = None) -> s
         if f.name not in SHAPES and getattr(config, f.name) != getattr(default, f.name)
     ]
     lines.append("GPTConfig switches (beside its defaults): " + (", ".join(switches) or "none"))
-    path = Path(name).expanduser()
     if header is not None:  # a GGUF file
-        name = gguf_name(header.metadata, header.quantization, path)
+        size = format_bytes(Path(source).expanduser().stat().st_size)
         listed = ", ".join(f"{t} x {n}" for t, n in Counter(header.quantization).most_common())
-        lines.append(f"file: {format_bytes(path.stat().st_size)}, tensors {listed} (kept in their types when loaded)")
-    elif preset is None and path.is_dir():
-        name = directory_name(path)
+        lines.append(f"file: {size}, tensors {listed} (kept in their types when loaded)")
     return "\n".join([name, *lines])
 
 
