@@ -387,10 +387,22 @@ def test_attribution_is_exact_where_the_metric_is_linear(make_gpt, pair):
     model.final_norm = nn.Identity()
     clean, corrupted = pair
     base = logit_diff(A, B)(model(corrupted)).item()
-    for site in ("head_out", "head_out_by_pos", "attn_out", "mlp_out", "resid_post", "pattern_dest_src"):
+    sites = ("head_out", "head_out_by_pos", "attn_out", "mlp_out", "resid_post", "pattern_by_pos", "pattern_dest_src")
+    for site in sites:
         act = activation_patching(model, clean, corrupted, logit_diff(A, B), site)[-1] - base
         est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)[-1]
         torch.testing.assert_close(est, act, rtol=1e-4, atol=1e-5)
+
+
+def test_attribution_has_activation_patchings_shape_at_every_site(make_gpt, pair):
+    """Every site's estimate has the axes of its patches (7 positions and 4 heads: a (T, H) result
+    transposed would have another shape)."""
+    model = make_gpt()
+    clean, corrupted = pair
+    for site in SITES:
+        act = activation_patching(model, clean, corrupted, logit_diff(A, B), site)
+        est = attribution_patching(model, clean, corrupted, logit_diff(A, B), site)
+        assert est.shape == act.shape, site
 
 
 @pytest.mark.parametrize("site", ["neuron", "neuron_by_pos"])

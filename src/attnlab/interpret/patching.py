@@ -499,6 +499,8 @@ def attribution_patching(
             out.append(prod.sum(0))  # (d_mlp,)
         elif kind == "pos_neuron":
             out.append(prod)  # (T, d_mlp)
+        elif step == "pattern":
+            out.append(prod.sum(2).T)  # (H, T, S) -> (T, H): one head's row at one query position
         else:
             out.append(prod if spliced is not None else prod.sum(2))  # (T, d_sae) at an SAE's latents, else (T, H)
     return (out[0] if spliced is not None else torch.stack(out)).float()
