@@ -522,11 +522,14 @@ def test_any_finite_scale_matches_torch(scale, backend):
         ((2, 3, 5, 8), (1, 3, 5, 6), False),  # value broadcast over the batch
         ((1, 3, 5, 8), (2, 3, 5, 6), False),  # key broadcast over the batch
         ((2, 2, 5, 8), (1, 2, 5, 6), True),  # grouped heads, value broadcast over the batch
+        ((2, 2, 5, 8), (2, 2, 5, 6), "query"),  # grouped heads, the query broadcast over the batch
     ],
 )
 def test_key_and_value_batches_broadcast_as_in_torch(backend, k_shape, v_shape, gqa):
     hq = 4 if gqa else 3
-    q, k, v = rand(2, hq, 5, 8, seed=7), rand(*k_shape, seed=8), rand(*v_shape, seed=9)  # L == S: one causal mask
+    q_batch = 1 if gqa == "query" else 2
+    gqa = bool(gqa)
+    q, k, v = rand(q_batch, hq, 5, 8, seed=7), rand(*k_shape, seed=8), rand(*v_shape, seed=9)  # L == S: one causal mask
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     got = sdpa(q, k, v, is_causal=True, enable_gqa=gqa, backend=backend)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

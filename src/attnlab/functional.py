@@ -338,7 +338,7 @@ def heads_matmul(a: Tensor, b: Tensor) -> Tensor:
     *lead, H, n, k = a.shape
     Hkv = b.shape[-3]
     grouped = a.reshape(*lead, Hkv, (H // Hkv) * n, k) @ b  # (..., Hkv, g * n, m): heads kv * g + j, rows j * n + i
-    return grouped.view(*lead, H, n, b.shape[-1])
+    return grouped.view(*grouped.shape[:-3], H, n, b.shape[-1])  # the leading dims as broadcast with b's
 
 
 def _drop_unattended(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
