@@ -230,3 +230,26 @@ def test_generation_unchanged_and_hookable(make_gpt):
         got = generate(model, idx, max_new_tokens=6, temperature=0.0)
     assert torch.equal(got, ref)
     assert steps[0] == 4 and set(steps[1:]) == {1}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        FAMILIES["llama"],
+        dict(pos="rope", parallel_residual=True, rotary_fraction=1 / 3),  # GPT-NeoX's and Phi's blocks
+        dict(pos="rope", norm="rmsnorm", mlp="geglu", bias=False, post_norms=True, qk_norm=True),  # Gemma's
+    ],
+    ids=["gpt2", "llama", "parallel", "post-norms"],
+)
+def test_every_listed_hook_point_is_reached(make_gpt, overrides):
+    """hook_names lists exactly the points a forward reaches: a listed point that never fires would
+    take a hook and silently ignore it (a parallel block has no resid_mid)."""
+    model = make_gpt(**overrides)
+    names, seen = hook_names(model), []
+    with hooks(model, dict.fromkeys(names, lambda x, hook: seen.append(hook.name))):
+        model(torch.randint(0, 37, (2, 5)))
+    assert sorted(set(seen)) == sorted(names)
+    if model.config.parallel_residual:
+        with pytest.raises(ValueError, match="parallel"), hooks(model, {"blocks.0.hook_resid_mid": print}):
+            pass

@@ -21,7 +21,7 @@ called, at no cost). The names and shapes are TransformerLens's (``B`` batch,
     blocks.{l}.attn.hook_result      (B, T, H, d)  each head's share of out_proj's output (no bias)
     blocks.{l}.ln1_post.hook_*       (B, T, 1), (B, T, d)  the norm after attention (Gemma 2/3, OLMo 2)
     blocks.{l}.hook_attn_out         (B, T, d)     the attention output added to the stream
-    blocks.{l}.hook_resid_mid        (B, T, d)
+    blocks.{l}.hook_resid_mid        (B, T, d)     (not in a parallel block: its MLP reads resid_pre)
     blocks.{l}.ln2.hook_scale        (B, T, 1)     the MLP's norm (with a parallel residual: of resid_pre)
     blocks.{l}.ln2.hook_normalized   (B, T, d)
     blocks.{l}.mlp.hook_pre          (B, T, dm)    the MLP's pre-activation (a gated MLP's gate, x W_gate)
@@ -42,7 +42,9 @@ while it is hooked the norm is computed step by step, ``(x - mean) / scale * wei
 or ``x / scale * gain`` (RMSNorm), so that a replaced scale (TransformerLens's "frozen LayerNorm scale")
 is what divides; a function that returns None or the tensor it was given leaves the norm's own output.
 ``hook_normalized`` is the output with the gain applied, as TransformerLens's LayerNorm has it (its
-RMSNorm hooks the output before the gain). With a KV cache, ``k``/``v`` hold only the new tokens' keys
+RMSNorm hooks the output before the gain). While a split input (``hook_q_input``, ...) is hooked, the
+``ln1`` points see each head's copy, as TransformerLens's do: ``(B, T, H, ·)`` for the queries, then
+``(B, T, Hkv, ·)`` for the keys and for the values. With a KV cache, ``k``/``v`` hold only the new tokens' keys
 and values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
 
 Points of a spliced module: while an SAE or transcoder is spliced at a hook point
@@ -213,7 +215,9 @@ def hook_names(model: nn.Module) -> list[str]:
         names.append(f"blocks.{i}.hook_resid_pre")
         names += [f"blocks.{i}.hook_{s}" for s in SPLIT_STEPS if s != "attn_in" or att.num_kv_heads == att.num_heads]
         names += norm["ln1"] + [f"blocks.{i}.attn.hook_{s}" for s in steps] + norm["ln1_post"]
-        names += [f"blocks.{i}.hook_{s}" for s in ("attn_out", "resid_mid")]
+        names.append(f"blocks.{i}.hook_attn_out")
+        if not getattr(block, "parallel_residual", False):  # (a parallel block adds both sublayers at once)
+            names.append(f"blocks.{i}.hook_resid_mid")
         names += norm["ln2"] + [f"blocks.{i}.mlp.hook_{s}" for s in mlp_steps] + norm["ln2_post"]
         names += [f"blocks.{i}.hook_{s}" for s in ("mlp_out", "resid_post")]
     names += [f"ln_final.hook_{s}" for s in NORM_STEPS]
@@ -350,6 +354,8 @@ def _check_fns(model: nn.Module, fns: object) -> dict[str, list[Callable]]:
         if name not in known:
             close = difflib.get_close_matches(str(name), sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else " (see attnlab.interpret.hook_names(model))"
+            if str(name).endswith("hook_resid_mid") and str(name).replace("mid", "pre") in known:  # (a parallel block)
+                hint = ": this model's blocks are parallel (attention and MLP both read the block's input), so no block has a resid_mid"
             raise ValueError(f"unknown hook name {name!r}{hint}")
         listed = list(fn) if isinstance(fn, Sequence) else [fn]
         if not listed or not all(callable(f) for f in listed):
