@@ -533,3 +533,23 @@ def test_key_and_value_batches_broadcast_as_in_torch(backend, k_shape, v_shape, 
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     got = sdpa(q, k, v, is_causal=True, enable_gqa=gqa, backend=backend)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"is_causal": True}, {"attn_mask": "padding"}, {"window": 2, "is_causal": True}],
+    ids=["plain", "causal", "mask", "window"],
+)
+def test_a_nan_query_gives_a_nan_row_as_the_softmax_does(backend, kw):
+    """A NaN in a query makes every score of its row NaN, and so its weights and output: torch's CPU
+    kernel alone would return zeros there (a broken weight giving finite, wrong outputs). The other
+    rows equal the float64 reference's."""
+    q, k, v = rand(2, 3, 12, 8, seed=1), rand(2, 3, 12, 8, seed=2), rand(2, 3, 12, 8, seed=3)
+    q[1, 2, 5, 4] = float("nan")
+    if kw.get("attn_mask") == "padding":
+        kw = {"attn_mask": torch.arange(12) < 10}  # (S,): the last two keys are padding
+    got = sdpa(q, k, v, backend=backend, **kw)
+    want = sdpa(q.double(), k.double(), v.double(), backend="reference", **kw)
+    assert got.isnan().any(-1).nonzero().tolist() == [[1, 2, 5]] == want.isnan().any(-1).nonzero().tolist()
+    torch.testing.assert_close(got.nan_to_num(7.0), want.float().nan_to_num(7.0), atol=1e-5, rtol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -266,6 +268,19 @@ def test_tiny_temperature_is_greedy_not_nan(model):
         assert torch.equal(sample_next_token(logits, temperature=t), logits.argmax(-1))
     idx = torch.randint(0, V, (2, 3))
     torch.testing.assert_close(model.generate(idx, 4, temperature=1e-40), model.generate(idx, 4, temperature=0))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_nan_weight_stops_generation_instead_of_giving_tokens(model, fast):
+    """A broken query weight makes every query NaN: the attention passes the NaN on (torch's CPU kernel
+    alone would have made those rows zeros) and generation refuses the NaN logits."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.trf_blocks[0].att.W_query.weight[0, 0] = float("nan")
+    idx = torch.randint(0, V, (1, 5))
+    assert broken(idx).isnan().all()
+    with pytest.raises(ValueError, match="logits hold NaN"):
+        broken.generate(idx, 3, temperature=0, fast=fast)
 
 
 @pytest.mark.parametrize("overrides", [dict(n_kv_heads=2), dict(n_kv_heads=1, qkv_bias=False, bias=False)])

@@ -636,13 +636,14 @@ def attend(
             t.repeat_interleave(H // t.shape[1], 1) if 1 < t.shape[1] < H else t.expand(-1, H, -1, -1)
             for t in (key, value)
         )
-        return sliding.sliding_window_attention(query, key, value, window, sinks, scale)  # (B, H, T, Ev)
+        return _keep_nan(sliding.sliding_window_attention(query, key, value, window, sinks, scale), query)
 
     if attn_mask is None and window is None and (not is_causal or L == S):
         # torch's top-left is_causal equals bottom-right when L == S: keep its fastest path.
-        return F.scaled_dot_product_attention(
+        out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
+        return _keep_nan(out, query)
     mask = _merge_masks(attn_mask, is_causal, L, S, query.device, window, sinks)
     key, value = _drop_unattended(key, value, mask)
     # Rows with no key: let the kernel attend anywhere there (so it cannot form NaN), then zero
@@ -652,7 +653,17 @@ def attend(
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=safe, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
-    return out.masked_fill(~has_key, 0.0)  # (..., L, Ev)
+    return _keep_nan(out, query).masked_fill(~has_key, 0.0)  # (..., L, Ev)
+
+
+def _keep_nan(out: Tensor, query: Tensor) -> Tensor:
+    """``out`` with NaN in the rows whose query holds a NaN or an inf, as the softmax of their scores has
+    it. torch's CPU kernel takes a row of NaN scores for a row with no key and returns zeros: a broken
+    weight would then give finite, wrong outputs. ``query * 0`` is 0 where the query is finite (no
+    overflow, unlike a sum of the query), NaN elsewhere; its gradient is zero."""
+    if out.device.type != "cpu":
+        return out
+    return out + (query * 0).sum(-1, keepdim=True)  # (..., L, Ev) + (..., L, 1)
 
 
 # --------------------------------------------------------------------------------------------
