@@ -7,6 +7,7 @@ import copy
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -533,5 +534,11 @@ def test_bad_input_is_named(make_gpt, pair):
         direct_logit_attribution(model, clean, answers=(1, 2, 3))
     with pytest.raises(ValueError, match="a must be one token id"):
         logit_diff("Mary", B)
+    assert logit_diff(np.int64(A), B) == logit_diff(A, B)  # NumPy's ints are ints
+    for run in (activation_patching, attribution_patching):  # a token past the model's 37
+        with pytest.raises(ValueError, match=r"a=40, b=.* must be ids in the model's vocabulary \[0, 37\)"):
+            run(model, clean, corrupted, logit_diff(40, B), "resid_pre")
+    with pytest.raises(ValueError, match="clean must be a finite logit difference, got nan"):
+        normalized_logit_diff(A, B, float("nan"), 1.0)
     with pytest.raises(ValueError, match="clean must be the token ids of one prompt"):
         activation_patching(model, torch.cat([clean, clean]), corrupted, logit_diff(A, B))

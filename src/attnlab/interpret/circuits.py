@@ -1125,7 +1125,8 @@ class _CircuitRun:
             fns[f"blocks.{layer}.attn.hook_q"] = self._q(layer)
             fns[f"blocks.{layer}.attn.hook_k"] = self._kv("k")
             fns[f"blocks.{layer}.attn.hook_v"] = self._kv("v")
-            fns[f"blocks.{layer}.hook_resid_mid"] = self._mid
+            if not self.graph.parallel:  # (a parallel block has no resid_mid)
+                fns[f"blocks.{layer}.hook_resid_mid"] = self._mid
             if layer not in replaced:
                 fns[f"blocks.{layer}.hook_mlp_out"] = self._mlp(layer)
         for i, s in enumerate(self.graph.saes):  # hook points while the SAEs are spliced in

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from attnlab.checks import is_int, is_real
 from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, eval_mode, hook_names, hooks, run_with_cache
 
 __all__ = [
@@ -88,6 +89,9 @@ class LogitDiff:
 
     def rows(self, logits: Tensor) -> Tensor:
         """``(R,)``: the metric of each row of ``logits (R, T, V)``."""
+        V = logits.shape[-1]
+        if max(self.a, self.b) >= V:
+            raise ValueError(f"logit_diff's tokens a={self.a}, b={self.b} must be ids in the model's vocabulary [0, {V})")
         d = logits[:, -1, self.a] - logits[:, -1, self.b]  # (R,)
         if self.clean is None:
             return d
@@ -100,9 +104,9 @@ class LogitDiff:
 def check_token(name: str, t: object, vocab: int | None) -> int:
     if isinstance(t, Tensor) and t.numel() == 1 and not t.is_floating_point():
         t = int(t)
-    if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
+    if not is_int(t) or t < 0 or (vocab is not None and t >= vocab):
         raise ValueError(f"{name} must be one token id in [0, {vocab or 'vocab_size'}), got {t!r}")
-    return t
+    return int(t)
 
 
 def logit_diff(a: int, b: int) -> LogitDiff:
@@ -112,6 +116,9 @@ def logit_diff(a: int, b: int) -> LogitDiff:
 
 def normalized_logit_diff(a: int, b: int, clean: float, corrupted: float) -> LogitDiff:
     """:func:`logit_diff` rescaled so that the corrupted run's value is 0 and the clean run's is 1."""
+    for name, value in (("clean", clean), ("corrupted", corrupted)):
+        if not is_real(value) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite logit difference, got {value!r}")
     clean, corrupted = float(clean), float(corrupted)
     if clean == corrupted:
         raise ValueError(f"clean and corrupted logit differences must differ to normalize, both are {clean}")
