@@ -333,13 +333,16 @@ class _Sites:
 
 
 def _apply(fns: list[Callable], x: Tensor, point: HookPoint) -> Tensor:
-    """``x`` through each of ``fns`` in turn: each returns None (keep) or a same-shaped tensor (replace)."""
+    """``x`` through each of ``fns`` in turn: each returns None (keep) or a tensor of ``x``'s shape,
+    dtype and device (replace): the model computes on with it, so anything else would fail deep inside
+    (or, an integer tensor, give NaN)."""
     for fn in fns:
         out = fn(x, point)
-        if out is not None and (not isinstance(out, Tensor) or out.shape != x.shape):
-            got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        if out is not None and (not isinstance(out, Tensor) or (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device)):
+            got = f"shape {tuple(out.shape)}, {out.dtype} on {out.device}" if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(
-                f"the hook on {point.name} must return None or a tensor of shape {tuple(x.shape)}, got {got}"
+                f"the hook on {point.name} must return None or a tensor of shape {tuple(x.shape)}, "
+                f"{x.dtype} on {x.device} (as it was given), got {got}"
             )
         x = x if out is None else out
     return x
