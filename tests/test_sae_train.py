@@ -161,12 +161,26 @@ def test_the_buffer_leaves_out_massive_activations(make_gpt, corpus):
 
 def test_bad_settings_and_directories(make_gpt, corpus, tmp_path):
     model = make_gpt()
-    with pytest.raises(ValueError, match="--arch must be"):
+    with pytest.raises(ValueError, match=r"architecture \(--arch\) must be"):
         SAETrainConfig(hook=HOOK, architecture="gated")
     with pytest.raises(ValueError, match="buffer_rows"):
         SAETrainConfig(hook=HOOK, buffer_rows=8, batch_rows=16)
+    for bad, error, match in [
+        (dict(jumprelu_bandwidth=0), ValueError, "jumprelu_bandwidth must be a finite number > 0, got 0"),
+        (dict(lr=-1.0), ValueError, "lr must be a finite number > 0"),
+        (dict(lr=float("nan")), ValueError, "lr must be a finite number > 0, got nan"),
+        (dict(lr="1e-3"), TypeError, "lr must be a number, got str"),
+        (dict(auxk_alpha=float("nan")), ValueError, "auxk_alpha must be a finite number >= 0"),
+        (dict(l0_coefficient=-1), ValueError, "l0_coefficient must be a finite number >= 0"),
+        (dict(threshold_lr=float("nan")), ValueError, "threshold_lr must be a finite number > 0"),
+        (dict(seed="a"), TypeError, "seed must be an int, got str"),
+    ]:
+        with pytest.raises(error, match=match):
+            SAETrainConfig(hook=HOOK, **bad)
     with pytest.raises(ValueError, match="not a hook point"):
         SAETrainer(model, corpus, SAETrainConfig(hook="blocks.7.hook_resid_post"), tmp_path)
+    with pytest.raises(ValueError, match=r"context \(--context\) 17 is longer than the model's context of 16 tokens"):
+        SAETrainer(model, corpus, SAETrainConfig(hook=HOOK, context=17), tmp_path)
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty"):

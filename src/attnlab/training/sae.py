@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.checks import is_int, is_real
 from attnlab.files import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
 from attnlab.interpret.hooks import HookPoint, eval_mode, hook_names, hooks
 from attnlab.interpret.sae import SAE, SAEConfig, cfg_dict, hook_width
@@ -103,7 +104,7 @@ class SAETrainConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ("topk", "batchtopk", "jumprelu"):
-            raise ValueError(f"--arch must be topk, batchtopk or jumprelu, got {self.architecture!r}")
+            raise ValueError(f"architecture (--arch) must be topk, batchtopk or jumprelu, got {self.architecture!r}")
         for name in ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -120,6 +121,24 @@ class SAETrainConfig:
             raise ValueError(
                 f"outlier_ratio must be 0 (keep every row) or a finite number above 1, got {self.outlier_ratio}"
             )
+        if not is_int(self.seed):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        # (name, the least it may be, whether that least is allowed): a NaN or a wrong sign would train
+        # a whole run into a result that cannot be loaded, or fail deep inside the optimizer
+        for name, least, closed in (
+            ("lr", 0.0, False),
+            ("auxk_alpha", 0.0, True),
+            ("l0_coefficient", 0.0, True),
+            ("jumprelu_bandwidth", 0.0, False),
+            ("threshold_lr", 0.0, False),
+        ):
+            v = getattr(self, name)
+            if v is None and name == "lr":
+                continue
+            if not is_real(v):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not (math.isfinite(v) and (v >= least if closed else v > least)):
+                raise ValueError(f"{name} must be a finite number {'>=' if closed else '>'} {least:g}, got {v!r}")
         if self.skip and self.hook_out is None:
             raise ValueError("a skip connection is a transcoder's: give the output hook (--hook-out)")
 
@@ -386,6 +405,9 @@ class SAETrainer:
         for flag, name in (("--hook", cfg.hook), ("--hook-out", cfg.hook_out)):
             if name is not None and name not in known:
                 raise ValueError(f"{flag} {name!r} is not a hook point of this model (e.g. blocks.0.hook_resid_post)")
+        longest = getattr(getattr(model, "config", None), "context_length", None)
+        if longest is not None and cfg.context > longest:
+            raise ValueError(f"context (--context) {cfg.context} is longer than the model's context of {longest} tokens")
         d_in = hook_width(model, cfg.hook)
         d_out = hook_width(model, cfg.hook_out) if cfg.hook_out else None
         width = cfg.width or 16 * d_in
