@@ -324,3 +324,28 @@ def test_a_signal_mid_run_saves_a_checkpoint_and_the_sae_so_far(make_gpt, corpus
     straight = train_sae(model, corpus, tmp_path / "straight", hook=HOOK, tokens=32 * 8, **SMALL, write=lambda s: None)
     resumed = train_sae(model, corpus, tmp_path / "run", hook=HOOK, tokens=32 * 8, **SMALL, write=lambda s: None)
     assert all(torch.equal(resumed.sae.state_dict()[k], v) for k, v in straight.sae.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["eval", "--context", "0"], "--context must be a positive int, got 0"),
+        (["eval", "--tokens", "-5"], "--tokens must be a positive int, got -5"),
+        (["dashboard", "--context", "0", "--out", "d.html"], "--context must be a positive int, got 0"),
+        (["train", "--hook", HOOK, "--out", "run", "--dead-tokens", "0"], "dead_tokens must be a positive int, got 0"),
+        (["train", "--hook", HOOK, "--out", "run", "--seed", "-1"], "seed must be at least 0, got -1"),
+        (["train", "--hook", HOOK, "--out", "run", "--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
+    ],
+)
+def test_cli_bad_numbers_are_one_line_before_the_model_is_read(argv, message, monkeypatch, capsys):
+    from attnlab.cli import main
+
+    def never(*args, **kwargs):
+        pytest.fail("the model was read despite a bad setting")
+
+    for where in ("attnlab.tools.loading.load", "attnlab.tools.loading.load_pretrained"):
+        monkeypatch.setattr(where, never)
+    argv = [*argv, "--model", "m.gguf"] + (["--sae", "nowhere"] if argv[0] != "train" else [])
+    assert main(["sae", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

@@ -169,6 +169,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Each ``--name`` a positive int, or one ValueError naming the flag (before anything is read)."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name} must be a positive int, got {value}")
+
+
 def _eval(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -177,6 +185,7 @@ def _eval(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae import SAE, evaluate_sae
     from attnlab.tools.loading import load
 
+    _check_positive(args, "tokens", "context")
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     loaded = load(model=args.model)
     sae.check_model(loaded.model)
@@ -204,14 +213,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
     from attnlab.tools.loading import load_pretrained
 
-    for flag, v in (
-        ("--latents", args.latents),
-        ("--tokens", args.tokens),
-        ("--context", args.context),
-        ("--top", args.top),
-    ):
-        if v < 1:
-            raise ValueError(f"{flag} must be a positive int, got {v}")
+    _check_positive(args, "latents", "tokens", "context", "top")
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")

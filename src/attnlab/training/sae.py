@@ -105,7 +105,7 @@ class SAETrainConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ("topk", "batchtopk", "jumprelu"):
             raise ValueError(f"architecture (--arch) must be topk, batchtopk or jumprelu, got {self.architecture!r}")
-        for name in ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep"):
+        for name in ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep", "dead_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -123,6 +123,8 @@ class SAETrainConfig:
             )
         if not is_int(self.seed):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be at least 0, got {self.seed}")
         # (name, the least it may be, whether that least is allowed): a NaN or a wrong sign would train
         # a whole run into a result that cannot be loaded, or fail deep inside the optimizer
         for name, least, closed in (
