@@ -332,11 +332,38 @@ def test_generate_cli(llama_file, capsys):
 
 
 def test_inspect_cli(llama_file, capsys):
+    """inspect reads the prompt as generate does: after the BOS the file asks for."""
     code, out, err = _run(capsys, ["inspect", "--model", str(llama_file), "--prompt", "the cat sat", "--top", "2"])
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("tokens:"))
-    n = len(load_pretrained(str(llama_file)).tokenizer.encode("the cat sat"))
+    tok = load_pretrained(str(llama_file)).tokenizer
+    n = len(tok.encode_prompt("the cat sat"))
+    assert n == len(tok.encode("the cat sat")) + 1  # (the file's add_bos_token)
     assert [entry.split(":")[0] for entry in line.split()[1:]] == [str(i) for i in range(n)], line
+
+
+def test_every_command_reads_a_prompt_after_the_bos(llama_file):
+    """patch, circuit and serve feed the model the ids generate and eval feed it: BOS first."""
+    from attnlab.tools.circuit import circuit_report
+    from attnlab.tools.patch import patch_report
+    from attnlab.tools.serve.engine import Engine
+
+    loaded = load_pretrained(str(llama_file))
+    tok = loaded.tokenizer
+    clean, corrupted = "the cat sat", "the dog sat"
+    want = [tok.encode_prompt(t) for t in (clean, corrupted)]
+    assert want[0][0] == tok.bos_id and len(want[0]) == len(want[1])
+    answers = tuple(w for w in ("on", "the", "cat", "dog", "a") if len(tok.encode(w)) == 1)[:2]
+    assert len(answers) == 2
+    report = patch_report(loaded, clean, corrupted, answers, ["resid_pre"])
+    assert list(map(list, report.ids)) == want
+    result = circuit_report(loaded, clean, corrupted, answers).result
+    assert [result.clean_ids, result.corrupted_ids] == want
+    assert Engine(loaded).encode(clean) == want[0]
+    spaced = " " + answers[0]  # SentencePiece adds the space itself: the hint says to leave it out
+    assert len(tok.encode(spaced)) > 1
+    with pytest.raises(ValueError, match=rf"{answers[0]!r}, without its leading space, is one"):
+        patch_report(loaded, clean, corrupted, (spaced, answers[1]), ["resid_pre"])
 
 
 def test_chat_cli(llama_file, capsys, monkeypatch):

@@ -219,10 +219,8 @@ def test_bad_names_and_returns(model):
         ("blocks.0.hook_resid_pre", lambda x, h: x.to("meta"), "torch.float32 on meta"),
         ("blocks.0.ln1.hook_scale", lambda x, h: x.long(), "torch.int64 on cpu"),  # (once NaN logits)
     ]:
-        with (
-            pytest.raises(ValueError, match=rf"{name} must return .* torch.float32 on cpu \(as it was given\), got .*{got}"),
-            hooks(model, {name: fn}),
-        ):
+        match = rf"{name} must return .* torch.float32 on cpu \(as it was given\), got .*{got}"
+        with pytest.raises(ValueError, match=match), hooks(model, {name: fn}):
             model(torch.randint(0, 37, (1, 5)))
     with pytest.raises(ValueError, match="needs an int layer"):
         act_name("pattern")

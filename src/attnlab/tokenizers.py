@@ -51,7 +51,9 @@ __all__ = [
     "StreamDecoder",
     "Tokenizer",
     "TokenizerLoadError",
+    "bos_prefix",
     "get_tokenizer",
+    "prompt_tokens",
     "tokenizer_from_dict",
     "tokenizer_to_dict",
 ]
@@ -532,7 +534,7 @@ class HFTokenizer(Tokenizer):
 
     def encode_prompt(self, text: str) -> list[int]:
         """``encode(text)`` after ``bos_id`` when the model expects one (as Hugging Face's tokenizer does)."""
-        return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
+        return bos_prefix(self) + self.encode(text)
 
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
         return self._tok.decode(_ids_to_list(ids, self.vocab_size), skip_special_tokens=False)
@@ -721,6 +723,21 @@ def as_tokenizer(tokenizer: Tokenizer | str | Any | None, default: str = "byte")
             f"tokenizer must be a Tokenizer, a name or have an encode() method, got {type(tokenizer).__name__}"
         )
     return tokenizer
+
+
+def bos_prefix(tokenizer: object) -> list[int]:
+    """``[bos_id]`` where the model expects every prompt to start with it, else ``[]``: a Hugging Face or
+    GGUF tokenizer's ``bos_id``, set from the model's files (``add_bos_token``: Llama 2, Mistral, Gemma's
+    files). A model reads its prompts after it, so every command that feeds a prompt adds it."""
+    bos = getattr(tokenizer, "bos_id", None)
+    return [] if bos is None else [int(bos)]
+
+
+def prompt_tokens(tokenizer: object, text: str) -> list[int]:
+    """The ids a model reads for the prompt ``text``: :func:`bos_prefix` then the text's ids (none if
+    the text has none: a BOS alone is no prompt)."""
+    ids = [int(i) for i in tokenizer.encode(text)]
+    return bos_prefix(tokenizer) + ids if ids else []
 
 
 def encode_to_tensor(tokenizer: Tokenizer, text: str) -> Tensor:

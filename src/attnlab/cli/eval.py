@@ -18,7 +18,7 @@ import json
 
 from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, load_from_model_arguments
 from attnlab.data import load_text
-from attnlab.tokenizers import HFTokenizer
+from attnlab.tokenizers import prompt_tokens
 from attnlab.training.eval import evaluate_tokens, windows
 
 DEFAULT_CONTEXT = 1024  # at most the model's own context
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     text = load_text(args.data)
     loaded = load_from_model_arguments(args)
     model, tok = loaded.model, loaded.tokenizer
-    ids = tok.encode_prompt(text) if isinstance(tok, HFTokenizer) else tok.encode(text)
+    ids = prompt_tokens(tok, text)
     T = args.context_length if args.context_length is not None else min(model.config.context_length, DEFAULT_CONTEXT)
     if not 1 <= T <= model.config.context_length and model.config.pos == "learned":
         raise ValueError(f"--context-length must be in [1, {model.config.context_length}] (the model's), got {T}")

@@ -45,7 +45,7 @@ from attnlab.checks import resolve_device
 from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, model_dtype
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
-from attnlab.tokenizers import HFTokenizer, StreamDecoder
+from attnlab.tokenizers import StreamDecoder, prompt_tokens
 from attnlab.tools.chat import prompt_ids
 from attnlab.tools.loading import LoadedModel, attach_saes, load, load_saes
 
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--prompt in the chat template takes {len(ids)} tokens, the model's context {ctx}: shorten it"
             )
     else:
-        ids = tok.encode_prompt(args.prompt) if isinstance(tok, HFTokenizer) else tok.encode(args.prompt)
+        ids = prompt_tokens(tok, args.prompt)
     if not ids:
         raise ValueError("--prompt encodes to no tokens; give at least one character")
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, P)

@@ -338,13 +338,17 @@ def _apply(fns: list[Callable], x: Tensor, point: HookPoint) -> Tensor:
     (or, an integer tensor, give NaN)."""
     for fn in fns:
         out = fn(x, point)
-        if out is not None and (not isinstance(out, Tensor) or (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device)):
-            got = f"shape {tuple(out.shape)}, {out.dtype} on {out.device}" if isinstance(out, Tensor) else type(out).__name__
+        if out is None:
+            continue
+        if not isinstance(out, Tensor) or (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device):
+            got = type(out).__name__
+            if isinstance(out, Tensor):
+                got = f"shape {tuple(out.shape)}, {out.dtype} on {out.device}"
             raise ValueError(
                 f"the hook on {point.name} must return None or a tensor of shape {tuple(x.shape)}, "
                 f"{x.dtype} on {x.device} (as it was given), got {got}"
             )
-        x = x if out is None else out
+        x = out
     return x
 
 
@@ -358,7 +362,10 @@ def _check_fns(model: nn.Module, fns: object) -> dict[str, list[Callable]]:
             close = difflib.get_close_matches(str(name), sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else " (see attnlab.interpret.hook_names(model))"
             if str(name).endswith("hook_resid_mid") and str(name).replace("mid", "pre") in known:  # (a parallel block)
-                hint = ": this model's blocks are parallel (attention and MLP both read the block's input), so no block has a resid_mid"
+                hint = (
+                    ": this model's blocks are parallel (attention and MLP both read the block's input), "
+                    "so no block has a resid_mid"
+                )
             raise ValueError(f"unknown hook name {name!r}{hint}")
         listed = list(fn) if isinstance(fn, Sequence) else [fn]
         if not listed or not all(callable(f) for f in listed):

@@ -69,11 +69,15 @@ def answer_token(tokenizer: Any, answer: object, vocab_size: int, name: str = "a
     ids = [int(i) for i in tokenizer.encode(answer)]
     if len(ids) != 1:
         parts = " + ".join(repr(t) for t in token_strings(tokenizer, ids)) if ids else "nothing"
-        try:  # a hint only: a tokenizer without a space (a char tokenizer) cannot offer it
-            spaced = None if answer.startswith(" ") else [int(i) for i in tokenizer.encode(" " + answer)]
+        # A hint: the answer with a leading space (byte-level BPE writes a word's space into its token)
+        # or without it (SentencePiece adds one itself); a char tokenizer without a space cannot offer it.
+        spaced = answer.startswith(" ")
+        other, how = (answer[1:], "without its leading space") if spaced else (" " + answer, "with a leading space")
+        try:
+            one = bool(other) and len(tokenizer.encode(other)) == 1
         except ValueError:
-            spaced = None
-        hint = f" ({' ' + answer!r}, with a leading space, is one)" if spaced and len(spaced) == 1 else ""
+            one = False
+        hint = f" ({other!r}, {how}, is one)" if one else ""
         raise ValueError(f"{name} {answer!r} is {len(ids)} tokens ({parts}); an answer must be exactly one token{hint}")
     if not 0 <= ids[0] < vocab_size:
         raise ValueError(f"{name} {answer!r} is token {ids[0]}, outside the model's vocabulary [0, {vocab_size})")

@@ -91,7 +91,9 @@ class LogitDiff:
         """``(R,)``: the metric of each row of ``logits (R, T, V)``."""
         V = logits.shape[-1]
         if max(self.a, self.b) >= V:
-            raise ValueError(f"logit_diff's tokens a={self.a}, b={self.b} must be ids in the model's vocabulary [0, {V})")
+            raise ValueError(
+                f"logit_diff's tokens a={self.a}, b={self.b} must be ids in the model's vocabulary [0, {V})"
+            )
         d = logits[:, -1, self.a] - logits[:, -1, self.b]  # (R,)
         if self.clean is None:
             return d

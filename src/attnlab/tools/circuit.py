@@ -32,6 +32,7 @@ from attnlab.interpret.circuit_view import (
 from attnlab.interpret.circuits import sae_place
 from attnlab.interpret.patch_view import answer_token
 from attnlab.interpret.sae import SAE
+from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel, attach_saes
 
 __all__ = [
@@ -118,13 +119,6 @@ def circuit_saes(loaded: LoadedModel, saes: dict[str, SAE]) -> list[SAE]:
     return list(saes.values())
 
 
-def _one_token(tokenizer: Any, text: str, what: str, where: str = "--answers") -> int:
-    ids = tokenizer.encode(text)
-    if len(ids) != 1:
-        raise ValueError(f"{where}: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)")
-    return int(ids[0])
-
-
 def circuit_report(
     loaded: LoadedModel,
     clean: str,
@@ -144,11 +138,12 @@ def circuit_report(
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if isinstance(ig_steps, bool) or not isinstance(ig_steps, int) or ig_steps < 1:
         raise ValueError(f"--ig-steps must be a positive int, got {ig_steps!r}")
-    a, b = (_one_token(tok, t, w) for t, w in zip(answers, ("the first answer", "the second answer"), strict=True))
+    V, names = model.config.vocab_size, ("--answers: the first answer", "--answers: the second answer")
+    a, b = (answer_token(tok, t, V, name) for t, name in zip(answers, names, strict=True))
     if a == b:
         raise ValueError(f"--answers must be two different tokens, both are {answers[0]!r}")
     device = next(model.parameters()).device
-    ids = [torch.tensor(tok.encode(t), dtype=torch.long, device=device) for t in (clean, corrupted)]
+    ids = [torch.tensor(prompt_tokens(tok, t), dtype=torch.long, device=device) for t in (clean, corrupted)]
     ctx = model.config.context_length
     for flag, i in zip(("--clean", "--corrupted"), ids, strict=True):
         if i.numel() == 0:
@@ -180,7 +175,7 @@ def circuit_report(
     return CircuitReport(result, tuple(answers), str(loaded.metadata.get("name") or loaded.path.name))
 
 
-def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int) -> list[tuple]:
+def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int, vocab_size: int) -> list[tuple]:
     """A JSONL of prompt pairs, one ``{"clean": TEXT, "corrupted": TEXT, "answers": [A, B]}`` a line
     (blank lines skipped), as ``(clean ids, corrupted ids, A id, B id)``; every error names its line."""
     path = Path(path)
@@ -210,7 +205,7 @@ def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int
             raise ValueError(f"{where}: clean and corrupted must be texts")
         if not isinstance(answers, list) or len(answers) != 2 or not all(isinstance(x, str) for x in answers):
             raise ValueError(f"{where}: answers must be two texts, A and B, got {answers!r}")
-        ids = [[int(i) for i in tokenizer.encode(t)] for t in (clean, corrupted)]
+        ids = [[int(i) for i in prompt_tokens(tokenizer, t)] for t in (clean, corrupted)]
         if not ids[0] or len(ids[0]) > context_length:
             raise ValueError(f"{where}: clean is {len(ids[0])} tokens, it must be 1 to context_length={context_length}")
         if len(ids[0]) != len(ids[1]):
@@ -219,7 +214,7 @@ def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int
                 f"got {len(ids[0])} and {len(ids[1])}"
             )
         a, b = (
-            _one_token(tokenizer, t, w, where)
+            answer_token(tokenizer, t, vocab_size, f"{where}: {w}")
             for t, w in zip(answers, ("the first answer", "the second answer"), strict=True)
         )
         if a == b:
@@ -251,7 +246,7 @@ def circuit_report_pairs(
         parse_budget(budget)
     except ValueError as e:
         raise ValueError(f"--budget: {e}") from None
-    rows = read_pairs(path, tok, model.config.context_length)
+    rows = read_pairs(path, tok, model.config.context_length, model.config.vocab_size)
     result = circuit_result_pairs(
         model,
         [r[:4] for r in rows],

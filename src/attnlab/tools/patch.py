@@ -31,7 +31,8 @@ from attnlab.interpret import (
     patching_section,
     token_strings,
 )
-from attnlab.interpret.patch_view import PATTERNS_BUDGET, VIEW_SITES, head_patterns
+from attnlab.interpret.patch_view import PATTERNS_BUDGET, VIEW_SITES, answer_token, head_patterns
+from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
 
 __all__ = ["PatchReport", "patch_page", "patch_report", "patching_view", "save_patch_picture"]
@@ -126,15 +127,6 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _one_token(tokenizer: object, text: str, what: str) -> int:
-    ids = tokenizer.encode(text)
-    if len(ids) != 1:
-        raise ValueError(
-            f"--answers: {what} {text!r} is {len(ids)} tokens, it must be exactly one (try a leading space)"
-        )
-    return ids[0]
-
-
 def patch_report(
     loaded: LoadedModel,
     clean: str,
@@ -156,9 +148,10 @@ def patch_report(
     for site in sites:
         if site not in SITES:
             raise ValueError(f"--site must be one of {', '.join(SITES)}, got {site!r}")
-    a, b = (_one_token(tok, t, w) for t, w in zip(answers, ("the first answer", "the second answer"), strict=True))
+    V, names = model.config.vocab_size, ("--answers: the first answer", "--answers: the second answer")
+    a, b = (answer_token(tok, t, V, name) for t, name in zip(answers, names, strict=True))
     device = next(model.parameters()).device
-    ids = [torch.tensor(tok.encode(t), dtype=torch.long, device=device) for t in (clean, corrupted)]
+    ids = [torch.tensor(prompt_tokens(tok, t), dtype=torch.long, device=device) for t in (clean, corrupted)]
     ctx = model.config.context_length
     for flag, i in zip((clean_flag, "--corrupted"), ids, strict=True):
         if i.numel() == 0:

@@ -105,7 +105,8 @@ class SAETrainConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ("topk", "batchtopk", "jumprelu"):
             raise ValueError(f"architecture (--arch) must be topk, batchtopk or jumprelu, got {self.architecture!r}")
-        for name in ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep", "dead_tokens"):
+        positive = ("k", "tokens", "batch_rows", "buffer_rows", "context", "model_batch", "save_every", "keep")
+        for name in (*positive, "dead_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -409,7 +410,9 @@ class SAETrainer:
                 raise ValueError(f"{flag} {name!r} is not a hook point of this model (e.g. blocks.0.hook_resid_post)")
         longest = getattr(getattr(model, "config", None), "context_length", None)
         if longest is not None and cfg.context > longest:
-            raise ValueError(f"context (--context) {cfg.context} is longer than the model's context of {longest} tokens")
+            raise ValueError(
+                f"context (--context) {cfg.context} is longer than the model's context of {longest} tokens"
+            )
         d_in = hook_width(model, cfg.hook)
         d_out = hook_width(model, cfg.hook_out) if cfg.hook_out else None
         width = cfg.width or 16 * d_in

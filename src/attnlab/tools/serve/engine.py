@@ -67,6 +67,7 @@ from attnlab.interpret import (
 )
 from attnlab.interpret.inspector import generation_step_data
 from attnlab.interpret.playback import GenerationStep, key_index, key_offsets, top_candidates
+from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
 
 __all__ = ["DEFAULT_PROMPT", "Engine", "GenerationRun", "Limits", "NotALanguageModel"]
@@ -309,9 +310,10 @@ class Engine:
         return ""
 
     def encode(self, prompt: str) -> list[int]:
-        """The prompt's token ids, checked against the context window."""
+        """The prompt's token ids (after the model's BOS, where it expects one), checked against the
+        context window."""
         loaded = self._need_model()
-        ids = [int(i) for i in loaded.tokenizer.encode(prompt)]
+        ids = prompt_tokens(loaded.tokenizer, prompt)
         if not ids:
             raise ValueError("the prompt encodes to no tokens; type some text")
         ctx = loaded.model.config.context_length

@@ -9,14 +9,16 @@ import torch
 
 from attnlab.files import check_text_file
 from attnlab.interpret import inspector_data, trace, trace_generation
+from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
 
 __all__ = ["check_sae_data", "encode_prompt", "model_inspector", "sae_corpus"]
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str) -> torch.Tensor:
-    """``(1, T)`` token ids of ``prompt``, checked against the model's context window."""
-    ids = list(loaded.tokenizer.encode(prompt))
+    """``(1, T)`` token ids of ``prompt`` (after the model's BOS, where it expects one), checked against
+    the model's context window."""
+    ids = prompt_tokens(loaded.tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a longer --prompt")
     ctx = loaded.model.config.context_length
