@@ -4,6 +4,7 @@ no dense copy of an adapted weight (an 8B model's q, k, v and o would be 5 GB in
 from __future__ import annotations
 
 import gguf
+import pytest
 import torch
 
 from attnlab import GPT, GPTConfig
@@ -103,3 +104,28 @@ def test_the_head_and_neuron_hook_points_of_an_adapted_quantized_model_are_the_d
     for name in names:
         torch.testing.assert_close(cache_q[name], cache_d[name], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits_q, logits_d, rtol=1e-5, atol=1e-5)
+
+
+def test_fine_tuning_a_gguf_file_trains_every_weight_or_lora_beside_its_blocks(tmp_path, capsys):
+    """``train --init-from FILE.gguf``: without LoRA every weight trains (the file loads dense; its blocks
+    would be frozen); with ``--lora-rank`` the base keeps its blocks. The library's Trainer refuses a
+    quantized model to train in full, by name, rather than train its norms alone."""
+    from attnlab.cli import main
+    from attnlab.tools.loading import load_pretrained
+    from attnlab.training import TrainConfig, Trainer
+    from gguf_files import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", qtype="Q8_0")
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat and the dog sat on the log. " * 40, encoding="utf-8")
+    base = ["train", "--init-from", str(path), "--data", str(data), "--max-steps", "1", "--batch-size", "2"]
+    base += ["--context-length", "16", "--no-progress"]
+    for extra, want in [([], " parameters, context"), (["--lora-rank", "2"], "with LoRA rank 2")]:
+        capsys.readouterr()
+        assert main([*base, *extra, "--out", str(tmp_path / f"run{len(extra)}")]) == 0
+        out, err = capsys.readouterr()
+        assert want in out + err
+    init = load_pretrained(str(path))  # (its blocks kept)
+    config = TrainConfig(init_from=str(path), data=str(data), max_steps=1, batch_size=2, out=str(tmp_path / "lib"))
+    with pytest.raises(ValueError, match="keeps weights in a GGUF file's blocks, which are frozen"):
+        Trainer(config, init=init)

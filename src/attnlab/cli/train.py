@@ -251,16 +251,22 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
     return dataclasses.replace(TrainConfig(), **defaults, **given), set(given)
 
 
-def load_init(name: str, device: Any = None) -> Any:
+def load_init(name: str, device: Any = None, *, lora: bool = False) -> Any:
     """``--init-from``: an attnlab model (a training directory, a step directory, a GPT.save()
-    directory) or else a published one (a Hugging Face directory or name, a GGUF file)."""
+    directory) or else a published one (a Hugging Face directory or name, a GGUF file).
+
+    ``lora``: a GGUF file's matrices stay in its blocks (frozen: LoRA's adapters train beside them);
+    without LoRA every weight trains, so the file is dequantized to float32 as it loads."""
+    import torch
+
     from attnlab.tools.loading import is_attnlab_directory, load_model, load_pretrained
 
     p = Path(name).expanduser()
     if is_attnlab_directory(p):
         loaded = load_model(p, device=device, what="--init-from")
     else:
-        loaded = load_pretrained(name, device=device, what="--init-from")
+        dtype = None if lora else torch.float32
+        loaded = load_pretrained(name, device=device, dtype=dtype, what="--init-from")
     if getattr(loaded, "chat_template", None) is None and loaded.path.is_dir():  # an instruct model's format
         loaded.chat_template = template_from_hf_dir(loaded.path)
     return loaded
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--merge {merge} exists and is not an empty directory; choose a new one")
     init = None
     if cfg.init_from and not (cfg.resume and has_checkpoint(Path(cfg.out).expanduser())):
-        init = load_init(cfg.init_from)  # a resumed run takes the model from its checkpoint
+        init = load_init(cfg.init_from, lora=bool(cfg.lora_rank))  # a resumed run takes the model from its checkpoint
     trainer = None
     try:
         # Inside the try: Trainer() itself may fail after it started the process group.

@@ -54,6 +54,7 @@ from attnlab.errors import UserError
 from attnlab.files import atomic_open, first_line, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
+from attnlab.quantized import is_quantized
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
 from attnlab.training import chat_data, fsdp
 from attnlab.training.checkpoint import (
@@ -490,6 +491,11 @@ class Trainer:
             model = self._init.model.float()
             if cfg.lora_rank:
                 apply_lora(model, LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets))
+            elif any(is_quantized(p) for p in model.parameters()):  # (frozen: most of it would not train)
+                raise ValueError(
+                    "init's model keeps weights in a GGUF file's blocks, which are frozen: to train every "
+                    "weight load it dense (GPT.from_gguf(path, dtype=torch.float32)), or train LoRA beside them"
+                )
         else:
             model = GPT(config)
         self.raw_model = model.to(self.device)
@@ -828,7 +834,9 @@ class Trainer:
         what = f"resuming {self.resumed_from} at step {self.step}" if self.resumed_from else "new run"
         self.log(f"recipe: {self.recipe()}")
         n_train = sum(p.numel() for p in self.raw_model.parameters() if p.requires_grad)
-        model = f"{cfg.init_from} (fine-tuned)" if cfg.init_from else f"GPT {cfg.preset}"
+        # the model by its name, as the other commands give it (a resumed run: its file or directory's)
+        base = cfg.init_from and (getattr(self._init, "metadata", {}).get("name") or Path(cfg.init_from).name)
+        model = f"{base} (fine-tuned)" if cfg.init_from else f"GPT {cfg.preset}"
         model += f" {n_params / 1e6:.2f}M parameters"
         if n_train != n_params:
             lora = LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
