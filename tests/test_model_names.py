@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections import Counter
@@ -55,3 +56,43 @@ def test_a_hugging_face_directory_is_named_by_its_config(smollm2_hf_dir):
     config = json.loads((smollm2_hf_dir / "config.json").read_text())
     name = load_pretrained(str(smollm2_hf_dir)).metadata["name"]
     assert config["model_type"] in name and str(smollm2_hf_dir.parent) not in name
+
+
+def test_the_commands_name_a_gguf_model_by_its_metadata(tmp_path, capsys, monkeypatch):
+    """eval's header, chat's greeting, a fine-tuning run's log and an SAE's cfg.json give the model's
+    name, never the file's path."""
+    from attnlab.cli import main
+
+    deep = tmp_path / "some" / "deep" / "folder"
+    deep.mkdir(parents=True)
+    path = write_gguf(deep / "model-file.gguf", qtype="Q8_0", meta={"general.name": "Tiny Named"})
+    name = load_gguf(path).metadata["name"]
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat and the dog sat on the log. " * 40, encoding="utf-8")
+
+    def ran(argv: list[str]) -> str:
+        capsys.readouterr()
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert str(deep) not in out + err
+        return out + err
+
+    assert ran(["eval", "--model", str(path), "--data", str(data), "--context-length", "16"]).startswith(f"{name} on ")
+    run = ["train", "--init-from", str(path), "--data", str(data), "--max-steps", "1", "--batch-size", "2"]
+    log = ran([*run, "--context-length", "16", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert f"{name} (fine-tuned)" in log
+    sae = ["sae", "train", "--model", str(path), "--hook", "blocks.0.hook_resid_post", "--width", "64", "--k", "4"]
+    small = ["--tokens", "64", "--batch-rows", "32", "--buffer-rows", "64", "--context", "16", "--no-progress"]
+    ran([*sae, *small, "--out", str(tmp_path / "sae")])
+    assert json.loads((tmp_path / "sae" / "sae" / "cfg.json").read_text())["metadata"]["model_name"] == name
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def no_more(prompt: str = "") -> str:
+        raise EOFError
+
+    monkeypatch.setattr("sys.stdin", Terminal(""))
+    monkeypatch.setattr("builtins.input", no_more)
+    assert f"Chatting with {name} " in ran(["chat", "--model", str(path)])

@@ -29,6 +29,7 @@ from attnlab.checks import resolve_device
 from attnlab.cli.generate import add_generation_arguments, load_from_args, require_chat_template, sampling_from_args
 from attnlab.cli.options import MODEL_SOURCES
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
+from attnlab.tools.loading import model_name
 
 MAX_ANSWER = 512  # the default longest answer, in tokens
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
-        print(f"Chatting with {args.model or args.checkpoint} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
+        print(f"Chatting with {model_name(loaded)} (context window: {ctx} tokens). {HELP}.", file=sys.stderr)
         read_line = input
     else:
 

@@ -19,6 +19,7 @@ import json
 from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, load_from_model_arguments
 from attnlab.data import load_text
 from attnlab.tokenizers import prompt_tokens
+from attnlab.tools.loading import model_name
 from attnlab.training.eval import evaluate_tokens, windows
 
 DEFAULT_CONTEXT = 1024  # at most the model's own context
@@ -89,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(figures))
         return 0
-    where = args.model or args.checkpoint
-    print(f"{where} on {args.data}: {result.tokens:,} tokens scored ({len(plan)} windows of <= {T}, stride {stride})")
+    scored = f"{result.tokens:,} tokens scored ({len(plan)} windows of <= {T}, stride {stride})"
+    print(f"{model_name(loaded)} on {args.data}: {scored}")
     print(f"loss        {result.loss:.4f} nats/token")
     print(f"perplexity  {result.perplexity:.3f}")
     print(f"bits/byte   {result.bits_per_byte:.4f}")

@@ -135,7 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab.data import tokenize_to_cache
-    from attnlab.tools.loading import load_pretrained
+    from attnlab.tools.loading import load_pretrained, model_name
     from attnlab.training.sae import SAETrainConfig, SAETrainer
 
     cfg = SAETrainConfig(
@@ -159,7 +159,7 @@ def _train(args: argparse.Namespace) -> int:
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
     loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
-    trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=str(args.model), progress=args.progress)
+    trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=model_name(loaded), progress=args.progress)
     try:
         trainer.fit()
     except KeyboardInterrupt:

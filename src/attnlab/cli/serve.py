@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab import hardware
-    from attnlab.tools.loading import attach_saes, load_saes
+    from attnlab.tools.loading import attach_saes, load_saes, model_name
     from attnlab.tools.serve import Engine, Limits, serve
     from attnlab.tools.viz import demo_view, view_to_dict
     from attnlab.tools.viz.inspector import check_sae_data, sae_corpus
@@ -109,9 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
         # (on a thread that ends: the engine's model thread is then the one thread keeping OpenMP workers)
         loaded, corpus = hardware.on_own_thread(prepare)
-        # A training run by its directory's name (not its latest step's), a GPT-2 by its name.
-        given = Path(args.checkpoint).resolve().name if args.checkpoint is not None else None
-        name = str(loaded.metadata.get("name") or given or loaded.path.name or type(loaded.model).__name__)
+        name = model_name(loaded)
         features = dict(saes=saes, sae_corpus=corpus, sae_corpus_name=Path(args.sae_data or "").name)
         try:
             engine = Engine(

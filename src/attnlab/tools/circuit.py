@@ -33,7 +33,7 @@ from attnlab.interpret.circuits import sae_place
 from attnlab.interpret.patch_view import answer_token
 from attnlab.interpret.sae import SAE
 from attnlab.tokenizers import prompt_tokens
-from attnlab.tools.loading import LoadedModel, attach_saes
+from attnlab.tools.loading import LoadedModel, attach_saes, model_name
 
 __all__ = [
     "MAX_CIRCUIT_TOKENS",
@@ -172,7 +172,7 @@ def circuit_report(
         saes=saes,
         max_latents=max_latents,
     )
-    return CircuitReport(result, tuple(answers), str(loaded.metadata.get("name") or loaded.path.name))
+    return CircuitReport(result, tuple(answers), model_name(loaded))
 
 
 def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int, vocab_size: int) -> list[tuple]:
@@ -258,7 +258,7 @@ def circuit_report_pairs(
         saes=saes,
         max_latents=max_latents,
     )
-    return CircuitReport(result, rows[0][6], str(loaded.metadata.get("name") or loaded.path.name))
+    return CircuitReport(result, rows[0][6], model_name(loaded))
 
 
 def save_circuit_page(report: CircuitReport, path: str | os.PathLike[str]) -> Path:

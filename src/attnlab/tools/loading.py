@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,6 +296,19 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
     name = gguf_name(meta, read.quantization, p)
     metadata = {"source": "gguf", "name": name, "architecture": read.architecture, "quantization": read.quantization}
     return LoadedModel(model.eval(), tokenizer, p.resolve(), metadata, template, stops)
+
+
+def model_name(loaded: LoadedModel) -> str:
+    """How the command line, pages and ``serve``'s title name a loaded model, never by its path: a GGUF
+    file or a Hugging Face model by the name its files give (:func:`gguf_name`, :func:`directory_name`),
+    a training run's step by the run's directory (``out/checkpoints/step-N``: ``out``), else by its
+    directory's name."""
+    if loaded.metadata.get("name"):
+        return str(loaded.metadata["name"])
+    p = loaded.path
+    if re.fullmatch(r"step-\d+", p.name) and p.parent.name == "checkpoints" and p.parent.parent.name:
+        return p.parent.parent.name
+    return p.name or type(loaded.model).__name__
 
 
 def gguf_name(meta: dict[str, Any], quantization: dict[str, int], path: Path) -> str:

@@ -10,7 +10,7 @@ import torch
 from attnlab.files import check_text_file
 from attnlab.interpret import inspector_data, trace, trace_generation
 from attnlab.tokenizers import prompt_tokens
-from attnlab.tools.loading import LoadedModel
+from attnlab.tools.loading import LoadedModel, model_name
 
 __all__ = ["check_sae_data", "encode_prompt", "model_inspector", "sae_corpus"]
 
@@ -81,7 +81,7 @@ def model_inspector(
         gen = trace_generation(
             loaded.model, idx, generate, temperature=temperature, top_k=top_k, top_p=top_p, generator=g, prefix=tr
         )
-    name = str(loaded.metadata.get("name") or loaded.path.name or type(loaded.model).__name__)
+    name = model_name(loaded)
     shown = dict(steps=steps, layers=layers, heads=heads, precision=precision)
     data = inspector_data(tr, generation=gen, title=prompt, text=prompt, model_name=name, **shown)
     if saes:

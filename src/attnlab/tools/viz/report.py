@@ -18,7 +18,7 @@ from attnlab.interpret import (
     token_strings,
     trace,
 )
-from attnlab.tools.loading import LoadedModel
+from attnlab.tools.loading import LoadedModel, model_name
 from attnlab.tools.viz.inspector import encode_prompt
 
 __all__ = ["InspectReport", "inspect_report"]
@@ -148,7 +148,7 @@ def inspect_report(
             (sae_name, sae.cfg.hook_name, *strongest_latents(model, sae, idx, min(top, sae.cfg.d_sae)))
             for sae_name, sae in saes.items()
         ]
-    name = str(loaded.metadata.get("name") or loaded.path.name or type(model).__name__)
+    name = model_name(loaded)
     return InspectReport(
         name=name,
         tokens=token_strings(tok, idx[0].tolist()),
