@@ -404,3 +404,24 @@ def test_bad_forward_arguments_and_caches():
         m(x, kv_cache=KVCache(2, 3, 4, 2, rolling=True, sinks=1, dtype=torch.float64))
     with pytest.raises(ValueError, match="use update"):
         KVCache(1, 4, 1, 2, rolling=True).append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+
+
+@pytest.mark.parametrize("qk_norm", [True, "full"])
+def test_qk_norm_under_bfloat16_autocast_is_quiet_and_follows_float32(make_gpt, qk_norm):
+    """Under autocast a projection's bfloat16 output meets QK-norm's float32 gain: normalized in float32
+    (torch's fused kernel warned every step and took its slow path); the logits follow the float32
+    model's to bfloat16's precision."""
+    import warnings
+
+    model = make_gpt(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=qk_norm)
+    with torch.no_grad():
+        for block in model.trf_blocks:
+            block.att.q_norm.weight.uniform_(0.5, 1.5)  # (a gain of 1 would hide a dropped gain)
+    idx = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(idx)
+    want = model(idx)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05 * float(want.detach().abs().max()), rtol=0)

@@ -544,9 +544,20 @@ class OffsetRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` that also takes an input of another dtype than its weight: under autocast a
+    projection's bfloat16 output meets a float32 gain (QK-norm), which torch's fused kernel refuses (a
+    warning every step, then a slower path); here it is normalized in float32, then cast back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).type_as(x)
+
+
 def rms_norm(dim: int, eps: float, offset: float = 0.0) -> nn.Module:
-    """``nn.RMSNorm`` (gain ``weight``), or :class:`OffsetRMSNorm` for a gain ``offset + weight``."""
-    return nn.RMSNorm(dim, eps=eps) if offset == 0 else OffsetRMSNorm(dim, eps, offset)
+    """:class:`RMSNorm` (gain ``weight``), or :class:`OffsetRMSNorm` for a gain ``offset + weight``."""
+    return RMSNorm(dim, eps=eps) if offset == 0 else OffsetRMSNorm(dim, eps, offset)
 
 
 # --------------------------------------------------------------------------------------------
