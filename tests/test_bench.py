@@ -170,6 +170,14 @@ def test_cli_refuses_to_measure_without_matplotlib(tmp_path, monkeypatch, capsys
     assert not out.exists()
 
 
+def test_cli_refuses_an_out_it_cannot_create_before_measuring(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "file" / "report"
+    assert main(["bench", *TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err  # one line, and no suite's progress: nothing was measured
+    assert err.splitlines() == [f"attnlab bench: error: cannot create the --out directory {out}: Not a directory"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     require_plotting()  # before the minutes of measuring, not after them
+    try:  # made now: a place the report cannot go is an error before the minutes of measuring
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the --out directory {out}: {exc.strerror}") from None
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
