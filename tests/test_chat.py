@@ -234,8 +234,9 @@ def test_fit_history_drops_the_fewest_oldest_turns(system, history, last, budget
     msgs.append({"role": "user", "content": "new " * last})
     head = msgs[:1] if system is not None else []
     if words([*head, msgs[-1]]) > budget:
-        with pytest.raises(ValueError, match="too long"):
+        with pytest.raises(ValueError, match="too long") as error:
             fit_history(msgs, words, budget)
+        assert ("with the system message" in str(error.value)) == (system is not None)  # (only where one is)
         return
     kept, dropped = fit_history(msgs, words, budget)
     assert words(kept) <= budget and len(kept) + dropped == len(msgs)

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generation_arguments(
         parser,
         max_new_tokens=None,
-        max_new_help=f"the longest answer (default: {MAX_ANSWER}, at most half the context window)",
+        max_new_help=f"the longest answer (default: {MAX_ANSWER}, or half the context window where that is less)",
     )
 
 

@@ -81,9 +81,10 @@ def fit_history(
         if n <= budget:
             return kept, dropped
         if len(rest) == 1:
+            with_system = "with the system message " if system else ""
             raise ValueError(
-                f"the message is too long: with the system message it takes {n} tokens, more than the "
-                f"{budget} the context window leaves beside the answer; shorten it (or lower --max-new-tokens)"
+                f"the message is too long: {with_system}it takes {n} tokens, more than the {budget} "
+                "the context window leaves beside the answer; shorten it (or lower --max-new-tokens)"
             )
         cut = 1  # the oldest turn: its user message and the answers after it
         while cut < len(rest) - 1 and rest[cut].get("role") != "user":
