@@ -292,6 +292,8 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
             text = "tensor data runs past the end of the file (truncated?)"
         elif "GGMLQuantizationType" in text:
             text = f"a tensor has an unknown quantization type ({text})"
+        elif "larger dtype" in text:  # numpy's words for a value read past the end of the file
+            text = f"its header runs past the end of the file ({p.stat().st_size:,} bytes: truncated?)"
         elif not any(m in text for m in ("alignment", "uplicate", "GGUFValueType", "field type")):
             text = f"truncated or corrupt ({text})"  # numpy's, on a header cut short
         raise ValueError(f"{p} is not a readable GGUF file: {text}") from None
