@@ -214,6 +214,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load_pretrained
 
     _check_positive(args, "latents", "tokens", "context", "top")
+    if not args.out.lower().endswith((".html", ".htm")):  # (a page, as viz, patch and circuit write)
+        raise ValueError(f"--out must end in .html, got {args.out!r}")
     sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
