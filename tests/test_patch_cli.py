@@ -60,6 +60,9 @@ def test_prints_the_librarys_numbers_and_writes_pictures(checkpoint, tmp_path, c
     assert f"clean run {lc:+.4f}" in text
     page = out.read_text()
     assert "data:image/png;base64," in page and "head_out" in page
+    name = d.name  # a training run by its directory, as the other pages name it
+    assert f"<title>{name} · attnlab</title>" in page and "Content-Security-Policy" in page
+    assert f"clean run {lc:+.4f}" in page and "$" not in page  # (every placeholder filled)
     from attnlab.tools.loading import load_model
     from attnlab.tools.patch import patch_report
 

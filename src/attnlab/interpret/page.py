@@ -41,6 +41,7 @@ ASSETS = (
     "patching.html",
     "patching.css",
     "patching.js",
+    "patch_report.html",
     "features.css",
     "features.js",
     "sae_dashboard.js",

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from string import Template
 from typing import Any
 
 import torch
@@ -31,9 +32,10 @@ from attnlab.interpret import (
     patching_section,
     token_strings,
 )
+from attnlab.interpret.page import OFFLINE_CSP, read_asset
 from attnlab.interpret.patch_view import PATTERNS_BUDGET, VIEW_SITES, answer_token, head_patterns
 from attnlab.tokenizers import prompt_tokens
-from attnlab.tools.loading import LoadedModel
+from attnlab.tools.loading import LoadedModel, model_name
 
 __all__ = ["PatchReport", "patch_page", "patch_report", "patching_view", "save_patch_picture"]
 
@@ -54,6 +56,7 @@ class PatchReport:
     texts: tuple[str, str] | None = None
     patterns: tuple[Tensor, Tensor] | None = None
     tokenizer: Any = field(default=None, repr=False)
+    name: str = "model"  # the model's name (tools.loading.model_name), the page's title
 
     def restored(self, site: str) -> Tensor:
         """The site's results normalized: 0 = the corrupted run, 1 = the clean one."""
@@ -179,6 +182,7 @@ def patch_report(
         answer_ids=(a, b),
         texts=(clean, corrupted),
         tokenizer=tok,
+        name=model_name(loaded),
     )
     L, H, T = model.config.n_layers, model.config.n_heads, ids[0].numel()
     if patterns or (patterns is None and L * H * T * (T + 1) <= PATTERNS_BUDGET):
@@ -252,15 +256,10 @@ def save_patch_picture(report: PatchReport, path: str | os.PathLike[str], *, top
 
 
 def patch_page(report: PatchReport, *, top: int = 10) -> str:
-    """One self-contained HTML page: every site's heatmap (PNG inline) and its top patches."""
+    """One self-contained HTML page (``assets/patch_report.html``, loading nothing): every site's
+    heatmap (PNG inline) and its top patches."""
     a, b = (html.escape(repr(x)) for x in report.answers)
-    parts = [
-        "<!doctype html><meta charset='utf-8'><title>attnlab patch</title>",
-        "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 8px}img{max-width:100%}</style>",
-        f"<h1>Activation patching</h1><p>metric: logit({a}) &minus; logit({b}) at the last token; "
-        f"clean run {report.clean_value:+.4f}, corrupted run {report.corrupted_value:+.4f}.</p>",
-        f"<p>tokens: {html.escape(' | '.join(report.tokens))}</p>",
-    ]
+    parts = []
     for site in report.results:
         img = base64.b64encode(_png(report, site)).decode()
         rows = "".join(
@@ -271,7 +270,16 @@ def patch_page(report: PatchReport, *, top: int = 10) -> str:
             f"<h2>{site}</h2><img alt='{site} heatmap' src='data:image/png;base64,{img}'>"
             f"<table><tr><th>patch</th><th>value</th><th>restored</th></tr>{rows}</table>"
         )
-    return "\n".join(parts)
+    return Template(read_asset("patch_report.html")).substitute(
+        csp=OFFLINE_CSP,
+        title=html.escape(report.name),
+        a=a,
+        b=b,
+        clean=f"{report.clean_value:+.4f}",
+        corrupted=f"{report.corrupted_value:+.4f}",
+        tokens=html.escape(" | ".join(report.tokens)),
+        sections="\n".join(parts),
+    )
 
 
 def patching_view(loaded: LoadedModel, clean: str, corrupted: str, answers: tuple[str, str]) -> dict[str, Any]:
