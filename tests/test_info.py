@@ -174,3 +174,21 @@ def test_kv_memory_bad_arguments_are_one_line_errors(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+def test_the_kv_table_keeps_its_columns_with_long_labels():
+    """A window on some layers makes a long row label ('MHA + window 5 on 2 of 4 layers'): the numbers
+    stay in their columns, each ending where the header's does."""
+    from attnlab.model import GPTConfig
+    from attnlab.tools.info import format_kv_memory, kv_memory_rows
+
+    cfg = GPTConfig(
+        vocab_size=11, context_length=64, emb_dim=32, n_heads=4, n_layers=4, pos="rope", window=5, window_layers=[0, 2]
+    )
+    rows = kv_memory_rows(cfg, batch=1, dtype="bf16")
+    assert any(len(r.label) > 22 for r in rows)
+    lines = format_kv_memory("m", cfg, rows, batch=1, dtype="bf16").splitlines()
+    table = lines[lines.index(next(ln for ln in lines if "K/V heads" in ln)) :][: len(rows) + 1]
+    assert len({len(line) for line in table}) == 1, table  # every row as wide as the header
+    heads = table[0].index("K/V heads") + len("K/V heads")  # the column's right edge
+    assert all(line[heads - 1] != " " and line[heads] == " " for line in table), table

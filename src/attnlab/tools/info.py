@@ -143,17 +143,18 @@ def format_bytes(n: int) -> str:
 
 
 def format_kv_memory(name: str, config: GPTConfig, rows: list[KVRow], *, batch: int, dtype: str) -> str:
-    """The table ``attnlab info --kv-memory`` prints (80 columns)."""
+    """The table ``attnlab info --kv-memory`` prints (80 columns; wider where a row's label is long)."""
+    w = max(22, 2 + max(len(r.label) for r in rows))  # the labels' column
     lines = [
         f"KV cache of {name}: {config.n_layers} layers, {config.n_heads} heads of {config.head_dim}",
         f"{rows[0].tokens:,} tokens x batch {batch}, {dtype} ({DTYPE_BYTES[dtype]} bytes per number)",
         "bytes = 2 (K, V) x batch x tokens x kv_heads x head_dim x bytes/number x layers",
         "",
-        f"{'':<22}{'K/V heads':>10}{'tokens':>10}{'per token':>12}{'per layer':>12}{'total':>12}",
+        f"{'':<{w}}{'K/V heads':>10}{'tokens':>10}{'per token':>12}{'per layer':>12}{'total':>12}",
     ]
     for r in rows:
         lines.append(
-            f"{r.label:<22}{r.kv_heads:>10}{r.tokens:>10,}{format_bytes(r.per_token):>12}"
+            f"{r.label:<{w}}{r.kv_heads:>10}{r.tokens:>10,}{format_bytes(r.per_token):>12}"
             f"{format_bytes(r.per_layer):>12}{format_bytes(r.total):>12}"
         )
     lines.append("")
