@@ -232,6 +232,7 @@ def test_zero_new_tokens_returns_prompt(model):
         (dict(attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "left padding"),
         (dict(attention_mask=torch.tensor([[0, 0, 0]])), ValueError, "no real token"),
         (dict(attention_mask=torch.ones(1, 4)), ValueError, "attention_mask must have shape"),
+        (dict(use_cache="no"), TypeError, "use_cache must be a bool, got 'no'"),  # (bool('no') is True)
     ],
 )
 def test_bad_generate_arguments(model, kwargs, err, match):
@@ -248,7 +249,12 @@ def test_bad_generate_arguments(model, kwargs, err, match):
         (torch.randn(2, 10), dict(top_k=-1), "top_k"),
         (torch.randn(2, 10), dict(top_p=0.0), "top_p"),
         (torch.randn(2, 10), dict(temperature=-1.0), "temperature"),
-        (torch.randn(10), {}, r"logits must have shape \(B, V\); for one row use logits\[None\]; got \(10,\)"),
+        (
+            torch.randn(10),
+            {},
+            r"logits must have shape \(B, V\) with V >= 1; for one row use logits\[None\]; got \(10,\)",
+        ),
+        (torch.zeros(2, 0), {}, r"with V >= 1.*got \(2, 0\)"),
         (torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), {}, "a finite value in every row"),
         (torch.tensor([[0.0, float("inf")]]), {}, "must be finite or -inf"),
         (torch.tensor([[0.0, float("nan")]]), {}, "must be finite or -inf"),

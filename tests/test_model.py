@@ -503,5 +503,6 @@ def test_activation_selects_the_gelu_and_is_validated():
     assert GPTConfig.preset("gpt2-small").activation == "gelu_tanh"  # GPT-2's, to reproduce its logits
     torch.testing.assert_close(tanh.trf_blocks[0].ff.layers[1](x), torch.nn.functional.gelu(x, approximate="tanh"))
     torch.testing.assert_close(exact.trf_blocks[0].ff.layers[1](x), torch.nn.functional.gelu(x))
-    with pytest.raises(ValueError, match="activation must be one of"):
-        GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1, activation="relu")
+    for bad in ("relu", ["gelu"]):  # (a list was an 'unhashable type' TypeError)
+        with pytest.raises(ValueError, match="activation must be one of"):
+            GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1, activation=bad)

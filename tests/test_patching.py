@@ -522,6 +522,9 @@ def test_bad_input_is_named(make_gpt, pair):
         activation_patching(model, clean, corrupted[:, :5], logit_diff(A, B))
     with pytest.raises(ValueError, match="site must be one of"):
         activation_patching(model, clean, corrupted, logit_diff(A, B), site="heads")
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"max_tokens must be a positive int .*, got {bad}"):
+            activation_patching(model, clean, corrupted, logit_diff(A, B), max_tokens=bad)
     with pytest.raises(ValueError, match="site must be one of"):
         attribution_patching(model, clean, corrupted, logit_diff(A, B), site="resid")
     with pytest.raises(ValueError, match="metric must return a scalar"):

@@ -149,8 +149,10 @@ def sample_next_token(
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
         raise TypeError(f"logits must be a float tensor (B, V), got {got}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have shape (B, V); for one row use logits[None]; got {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(
+            f"logits must have shape (B, V) with V >= 1; for one row use logits[None]; got {tuple(logits.shape)}"
+        )
     sampling = SamplingConfig(temperature, top_k, top_p)
     check_logits(logits)
     return sampling.sample(logits, generator)
@@ -195,7 +197,7 @@ def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: Sampl
         raise ValueError(f"eos_id must be a token id in [0, {V}), a tuple of them, or None, got {sampling.eos_id!r}")
     if attention_mask is None:
         return None
-    mask = model.check_attention_mask(attention_mask, *idx.shape).to(idx.device)
+    mask = model.check_attention_mask(attention_mask, *idx.shape, idx.device)
     if not mask.any(dim=1).all():
         raise ValueError("attention_mask has a row with no real token; every prompt needs at least one")
     # Left padding only: once a row's real tokens start they continue to the end.
@@ -386,7 +388,7 @@ def stream(
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
-    with_logits = check_bool("with_logits", with_logits)
+    with_logits, use_cache = check_bool("with_logits", with_logits), check_bool("use_cache", use_cache)
     steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, reading=reading)
     if reading is not None:
         return steps
@@ -445,7 +447,9 @@ def generate(
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
     mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
-    fast, compile = check_bool("fast", fast), check_bool("compile", compile)
+    fast, compile, use_cache = (
+        check_bool(name, v) for name, v in (("fast", fast), ("compile", compile), ("use_cache", use_cache))
+    )
     return_logits = check_bool("return_logits", return_logits)  # (before either way of decoding)
     if prompt_lookup is not None or draft_model is not None:
         if prompt_lookup is not None and draft_model is not None:

@@ -283,7 +283,7 @@ class GPTConfig:
         if not is_real(eps) or not 0.0 < eps < 1.0:
             raise ValueError(f"ln_eps must be a small positive float, got {eps!r}")
         self.ln_eps = float(eps)
-        if self.activation not in _ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
         if self.head_size is None and self.emb_dim % self.n_heads != 0:
             raise ValueError(
@@ -881,7 +881,9 @@ class GPT(nn.Module):
         B, T = idx.shape
         for cache, block in zip(kv_caches or (), self.trf_blocks, strict=False):
             cache.check_usable(B, idx.device, block.att)
-        key_mask = None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T)
+        key_mask = (
+            None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T, idx.device)
+        )
         if position_ids is not None:
             if not isinstance(position_ids, Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
                 raise TypeError("position_ids must be an integer tensor")
@@ -971,7 +973,9 @@ class GPT(nn.Module):
         return logits
 
     @staticmethod
-    def check_attention_mask(mask: object, B: int, S: int) -> Tensor:
+    def check_attention_mask(mask: object, B: int, S: int, device: torch.device | None = None) -> Tensor:
+        """``attention_mask`` checked (a ``(B, S)`` bool or 0/1 tensor) as bool, on ``device`` (the
+        tokens'; a mask made on another device follows them, as the tokens decide where the model runs)."""
         if not isinstance(mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
         if mask.shape != (B, S):
@@ -980,7 +984,7 @@ class GPT(nn.Module):
             if mask.is_floating_point() or mask.is_complex():
                 raise TypeError(f"attention_mask must be bool or 0/1 integers, got dtype {mask.dtype}")
             mask = mask != 0
-        return mask
+        return mask if device is None else mask.to(device)
 
     def loss(
         self, idx: Tensor, targets: Tensor, *, ignore_index: int = -100, attention_mask: Tensor | None = None

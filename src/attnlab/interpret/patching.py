@@ -319,6 +319,8 @@ def activation_patching(
         float32 tensor of raw metric values (on the CPU).
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int (tokens in one batched pass), got {max_tokens!r}")
     L, T = len(attention_layers(model)), clean.shape[1]
     spliced = _spliced_site(model, site)
     if spliced is None:

@@ -327,7 +327,7 @@ def trace(
     if hasattr(model, "check_idx"):
         idx = model.check_idx(idx)
     if attention_mask is not None and hasattr(model, "check_attention_mask"):
-        attention_mask = model.check_attention_mask(attention_mask, *idx.shape)
+        attention_mask = model.check_attention_mask(attention_mask, *idx.shape, idx.device)
     if not isinstance(stages, bool):
         raise TypeError(f"stages must be a bool, got {stages!r}")
     rec, out_logits = _TraceRecorder(model, stages), None
