@@ -128,6 +128,10 @@ def test_padding_mask():
         padding_mask([-1, 2])
     with pytest.raises(ValueError, match="lengths"):
         padding_mask([[1, 2]])
+    for bad, match in [(None, "got None"), (["a"], r"got \['a'\]")]:
+        with pytest.raises(ValueError, match=f"lengths must .*{match}"):
+            padding_mask(bad)
+    assert padding_mask([], 3).shape == (0, 3)  # no sequences (an empty list, float32 to torch)
     with pytest.raises(ValueError, match="q_len"):
         causal_mask(-1)
 

@@ -244,6 +244,15 @@ def test_positions_mask_follows_explicit_positions():
     ).squeeze(1)
     assert torch.equal(got, want)
     assert torch.equal(positions_mask(torch.arange(4), torch.arange(4)), causal_mask(4))
+    assert torch.equal(positions_mask(q[:1], k), positions_mask(q[:1].expand(2, -1), k))  # a batch of 1 broadcasts
+    for bad, error, match in [
+        (([0, 1], k), TypeError, "q_positions must be an integer tensor of positions.*got list"),
+        ((q.float(), k), TypeError, "q_positions must be an integer tensor.*got torch.float32"),
+        ((q, k[None]), ValueError, r"k_positions must have shape \(L,\) or \(B, L\), got \(1, 2, 6\)"),
+        ((q, torch.cat([k, k])), ValueError, "must have the same batch"),
+    ]:
+        with pytest.raises(error, match=match):
+            positions_mask(*bad)
 
 
 @pytest.mark.parametrize("backend", ["reference", "fused", "flex"])

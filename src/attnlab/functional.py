@@ -144,6 +144,18 @@ def positions_mask(
         window, sinks: query ``p`` sees keys ``p - window < j`` or ``j < sinks`` (see :func:`causal_mask`).
     """
     window, sinks = check_window(window, sinks)
+    for name, p in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(p, Tensor) or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+            got = p.dtype if isinstance(p, Tensor) else type(p).__name__
+            raise TypeError(f"{name} must be an integer tensor of positions, (L,) or (B, L), got {got}")
+        if p.dim() not in (1, 2):
+            raise ValueError(f"{name} must have shape (L,) or (B, L), got {tuple(p.shape)}")
+    batches = {p.shape[0] for p in (q_positions, k_positions) if p.dim() == 2} - {1}
+    if len(batches) > 1:
+        raise ValueError(
+            f"q_positions and k_positions must have the same batch (or one of 1), got {tuple(q_positions.shape)} "
+            f"and {tuple(k_positions.shape)}"
+        )
     qp, kp = q_positions[..., :, None], k_positions[..., None, :]  # (..., L, 1), (..., 1, S)
     mask = (qp >= 0) & (kp >= 0)  # (..., L, S)
     if causal:
@@ -166,7 +178,12 @@ def padding_mask(
     to ``(B, 1, 1, S)`` to use it as an ``attn_mask`` over heads and queries. Note the polarity: the
     opposite of ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (where ``True`` = ignore).
     """
-    lengths = torch.as_tensor(lengths, device=device)
+    try:
+        lengths = torch.as_tensor(lengths, device=device)
+    except (TypeError, ValueError, RuntimeError):  # None, text, ragged lists
+        raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths!r}") from None
+    if lengths.shape == (0,):  # no sequences: (an empty list is float32 to torch)
+        lengths = lengths.long()
     if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths.dtype} {tuple(lengths.shape)}")
     if (lengths < 0).any():
