@@ -78,6 +78,24 @@ def test_from_gguf_dtype_and_device(tmp_path):
         torch.testing.assert_close(p, q.to(torch.bfloat16), atol=0, rtol=0, msg=name)
 
 
+def test_a_device_the_machine_lacks_is_refused_by_name_before_the_file_is_read(tmp_path, monkeypatch):
+    from attnlab.formats import gguf as gguf_format
+    from attnlab.tools.loading import load_pretrained
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (a machine without CUDA, on any machine)
+
+    def never(*args, **kwargs):
+        pytest.fail("the file was read despite a bad device")
+
+    monkeypatch.setattr(gguf_format, "read_gguf", never)
+    for load in (GPT.from_gguf, GPT.from_pretrained, load_pretrained):
+        with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+            load(str(path), device="cuda")
+        with pytest.raises(ValueError, match="device='gpu' is not a device name"):
+            load(str(path), device="gpu")
+
+
 def _write_one(path, array: np.ndarray, qtype: str):
     kind = gguf.GGMLQuantizationType[qtype]
     writer = gguf.GGUFWriter(str(path), "llama")

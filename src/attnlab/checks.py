@@ -283,6 +283,29 @@ def check_model_size(
 
 
 # -- Devices ---------------------------------------------------------------------------------
+def check_device(name: str, value: object) -> torch.device | None:
+    """``value`` (None, a device's name or a ``torch.device``) as a device this machine has, or an error
+    naming the argument ``name``: checked before a model is read, not after (torch's own error is an
+    AssertionError about its build)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)) and not is_int(value):
+        raise TypeError(f"{name} must be a device name, a torch.device or an index, got {type(value).__name__}")
+    try:
+        dev = torch.device(value if not is_int(value) else int(value))
+    except RuntimeError:
+        if is_int(value):
+            raise ValueError(f"{name}={value!r} is an accelerator's index, and this machine has none") from None
+        raise ValueError(f"{name}={value!r} is not a device name (try cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={value!r}: CUDA is not available in this torch build or on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}={value!r}: MPS is not available on this machine")
+    return dev
+
+
 def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
     """A ``--device`` value as a device: ``auto`` -> ``cuda`` (this process's GPU under torchrun),
     else ``mps``, else ``cpu``; ``cuda`` / ``cuda:1`` / ``mps`` / ``cpu`` only where they exist."""

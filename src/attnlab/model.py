@@ -42,6 +42,7 @@ from attnlab import generation
 from attnlab.attention import KVCache, Linear, MultiHeadAttention, OffsetRMSNorm, rms_norm
 from attnlab.checks import (
     can_read_values,
+    check_device,
     check_model_size,
     finite_real,
     is_int,
@@ -1152,6 +1153,7 @@ class GPT(nn.Module):
 
         if not isinstance(path, (str, os.PathLike, GGUFModel)):
             raise TypeError(f"path must be a GGUF file's path (str or os.PathLike), got {type(path).__name__}")
+        device = check_device("device", device)  # (before the file is read)
         read = path if isinstance(path, GGUFModel) else read_gguf(path, dtype=dtype, keep_reader=False)
         return cls._from_state(GPTConfig(**read.fields), read.state).to(device=device)
 
@@ -1200,6 +1202,7 @@ class GPT(nn.Module):
         """
         from attnlab.formats.gguf import is_gguf
 
+        device = check_device("device", device)  # (before anything is read or downloaded)
         if isinstance(name, str) and name.lower() not in hf.PRETRAINED and is_gguf(name):
             if not Path(name).expanduser().is_file():
                 raise FileNotFoundError(f"{name}: no such file (a GGUF file)")
@@ -1249,6 +1252,7 @@ class GPT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> GPT:
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
+        device = check_device("device", device)
         safetensors = import_safetensors()
         SafetensorError, load_file = safetensors.SafetensorError, safetensors.torch.load_file
 

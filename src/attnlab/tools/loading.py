@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from attnlab import attention, hardware
-from attnlab.checks import is_int
+from attnlab.checks import check_device, is_int
 from attnlab.files import read_json
 from attnlab.formats.chat import ChatTemplate, read_chat_template
 from attnlab.formats.gguf import is_gguf, read_gguf
@@ -164,6 +164,7 @@ def load_pretrained(
         raise ValueError(
             f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
         )
+    device = check_device("device", device)  # (before anything is read)
     local, published = Path(name).expanduser(), name.lower() in PRETRAINED  # a published name means the Hub's
     if not published and is_gguf(local):
         return load_gguf(local, device=device, dtype=dtype, what=what)
