@@ -170,7 +170,7 @@ def test_the_api_names_a_wrong_type() -> None:
         (lambda: Trainer(None), "config must be a TrainConfig, got NoneType"),
         (lambda: Trainer({}), "config must be a TrainConfig, got dict"),
         (lambda: apply_lora("x", LoRASettings.make(2, None, None)), "model must be an attnlab GPT, got str"),
-        (lambda: load_model(123), "--checkpoint must be a directory's path (str or os.PathLike), got int"),
+        (lambda: load_model(123), "directory must be a directory's path (str or os.PathLike), got int"),
         (lambda: GPT.from_gguf(123), "path must be a GGUF file's path (str or os.PathLike), got int"),
     ):
         with pytest.raises(TypeError, match=re.escape(message)):

@@ -157,7 +157,8 @@ def _train(args: argparse.Namespace) -> int:
     )  # settings checked before the model is read
     # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
-    loaded = load_pretrained(args.model, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    loaded = load_pretrained(args.model, device=device, dtype=dtype, what="--model")
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=model_name(loaded), progress=args.progress)
     try:
@@ -220,7 +221,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
     # Dense weights: a matrix kept in a file's blocks would be dequantized again for every batch.
-    loaded = load_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    loaded = load_pretrained(args.model, dtype=getattr(torch, args.dtype), what="--model")
     sae.check_model(loaded.model)
     ids = tokenize_to_cache(args.data, loaded.tokenizer)
     if len(ids) < args.context:

@@ -71,7 +71,7 @@ def load_model(
     *,
     device: torch.device | str | None = None,
     bpe_dir: str | os.PathLike[str] | None = None,
-    what: str = "--checkpoint",
+    what: str = "directory",
 ) -> LoadedModel:
     """Load the model and tokenizer in ``directory`` (see the module docstring for what it accepts).
 
@@ -147,7 +147,7 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     bpe_dir: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    what: str = "--model",
+    what: str = "model",
 ) -> LoadedModel:
     """A published model and its tokenizer, through :meth:`GPT.from_pretrained`.
 
@@ -261,7 +261,7 @@ def load_gguf(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-    what: str = "--model",
+    what: str = "model",
 ) -> LoadedModel:
     """A GGUF file (llama.cpp, Ollama, LM Studio): the model (float32 unless ``dtype`` says
     otherwise), the tokenizer and chat template the file stores, and its stop ids (end-of-text and,
@@ -372,8 +372,8 @@ def load(
     if checkpoint is not None:
         if dtype is not None:
             raise ValueError("--dtype goes with --model (a checkpoint keeps the dtype it was trained in)")
-        return load_model(checkpoint, device=device, bpe_dir=bpe_dir)
-    return load_pretrained(model, device=device, dtype=dtype, bpe_dir=bpe_dir)
+        return load_model(checkpoint, device=device, bpe_dir=bpe_dir, what="--checkpoint")
+    return load_pretrained(model, device=device, dtype=dtype, bpe_dir=bpe_dir, what="--model")
 
 
 @dataclass
