@@ -474,3 +474,6 @@ def test_latent_writes_are_the_decoders_terms(norm, rescale, transcoder):
     torch.testing.assert_close(sae.decode(torch.zeros_like(z), x) + writes.sum(-2), sae.decode(z, x))
     some = sae.latent_writes(z, [7, 2], x)
     torch.testing.assert_close(some, writes[..., [7, 2], :])
+    for bad in (x[..., :-1], x[:1], "x"):  # another width, another batch, not a tensor
+        with pytest.raises(ValueError, match=r"SAE.decode: x must be the input the latents came from, \(3, 5, 12\)"):
+            sae.decode(z, bad)

@@ -296,6 +296,11 @@ class SAE(nn.Module):
         if not isinstance(z, Tensor) or z.shape[-1:] != (self.cfg.d_sae,):
             got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
             raise ValueError(f"SAE.decode: z must be a tensor (..., d_sae={self.cfg.d_sae}), got {got}")
+        if x is not None and (not isinstance(x, Tensor) or x.shape != (*z.shape[:-1], self.cfg.d_in)):
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"SAE.decode: x must be the input the latents came from, {(*z.shape[:-1], self.cfg.d_in)}, got {got}"
+            )
         z = z.to(self.dtype)
         if self.cfg.rescale_acts_by_decoder_norm:
             z = z / self.W_dec.norm(dim=-1)
