@@ -445,6 +445,7 @@ Q, K, V = rand(2, 3, 4), rand(2, 5, 4), rand(2, 5, 6)
         ({"is_causal": 1}, TypeError, "is_causal"),
         ({"backend": "flash"}, ValueError, "backend"),
         ({"backend": "fused", "return_weights": True}, ValueError, "return_weights"),
+        ({"return_weights": "yes"}, TypeError, "return_weights must be a bool, got 'yes'"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):

@@ -42,6 +42,7 @@ from attnlab import hardware, sliding
 from attnlab.checks import (
     broadcast_shape,
     check_attn_mask,
+    check_bool,
     check_float_tensor,
     check_same_dtype_and_device,
     finite_real,
@@ -568,6 +569,7 @@ def scaled_dot_product_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return_weights = check_bool("return_weights", return_weights)  # ("yes" would be truthy)
     if return_weights and backend in ("fused", "flex"):
         raise ValueError(
             f"return_weights=True needs the reference backend: the {backend} kernel never forms the weights"
