@@ -166,6 +166,8 @@ def test_info_names_a_hugging_face_directory_by_its_config(tmp_path, capsys):
     [
         (["info", "--kv-memory"], "needs --preset NAME or --model"),
         (["info", "--context", "8"], "go with --kv-memory"),
+        (["info", "--batch", "4"], "go with --kv-memory"),
+        (["info", "--dtype", "fp32"], "go with --kv-memory"),
         (["info", "--kv-memory", "--preset", "gpt9"], "unknown preset 'gpt9'"),
         (["info", "--kv-memory", "--preset", "tiny", "--kv-heads", "3"], "kv_heads must divide the 4 query heads"),
     ],

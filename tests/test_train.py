@@ -363,7 +363,7 @@ def test_max_time_plans_the_steps_that_fit_and_the_run_keeps_them(tmp_path: Path
     result = Trainer(cfg, log=logs.append).fit(sample=False)
     planned = PLAN_STEPS + 1
     assert len(result.history) == planned and "val_loss" in result.history[-1]
-    assert any(line.startswith(f"planned {planned} steps: 500 do not fit in --max-time 0.001 s") for line in logs)
+    assert any(line.startswith(f"planned {planned} steps: 500 do not fit in 0.001 s of training") for line in logs)
     assert result.history[-1]["lr"] == pytest.approx(
         lr_at(planned - 1, lr=2e-3, warmup_steps=30, max_steps=planned, min_lr_ratio=0.1)
     )

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "logits for logit(A) - logit(B), print the strongest edges and the faithfulness of the top edges' "
         "circuits at MIB's budgets (CPR, CMD), and draw the circuit as a page."
     )
-    add_model_arguments(parser, what="(unused by circuit: give --clean and --corrupted)")
+    add_model_arguments(parser, what="(refused by circuit: give --clean and --corrupted)")
     parser.add_argument("--clean", metavar="TEXT", help="the prompt whose answer is A")
     parser.add_argument("--corrupted", metavar="TEXT", help="a prompt of as many tokens, answer B")
     parser.add_argument("--answers", nargs=2, metavar=("A", "B"), help="two one-token answers")

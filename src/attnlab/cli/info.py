@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--context", type=positive_int, metavar="N", help="tokens per sequence (default: the context length)"
     )
-    g.add_argument("--batch", type=positive_int, default=1, metavar="B", help="sequences (default 1)")
-    g.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of the cached numbers (default bf16)")
+    g.add_argument("--batch", type=positive_int, metavar="B", help="sequences (default 1)")
+    g.add_argument("--dtype", choices=list(DTYPE_BYTES), help="of the cached numbers (default bf16)")
     g.add_argument(
         "--kv-heads",
         type=positive_int,
@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kv_memory:
         return _kv_memory(args)
-    if args.context or args.kv_heads or args.window:
-        raise ValueError("--context, --kv-heads and --window go with --kv-memory")
+    if any(v is not None for v in (args.context, args.kv_heads, args.window, args.batch, args.dtype)):
+        raise ValueError("--context, --kv-heads, --window, --batch and --dtype go with --kv-memory")
     if args.preset or args.model:
         print(describe_model(args.model, preset=args.preset))
         return 0
@@ -99,8 +99,9 @@ def _kv_memory(args: argparse.Namespace) -> int:
     if not (args.preset or args.model):
         raise ValueError("--kv-memory needs --preset NAME or --model PATH_OR_REPO")
     config, name, _ = config_of(args.model) if args.model else (GPTConfig.preset(args.preset), args.preset, None)
+    batch, dtype = args.batch or 1, args.dtype or "bf16"
     rows = kv_memory_rows(
-        config, context=args.context, batch=args.batch, dtype=args.dtype, kv_heads=args.kv_heads, window=args.window
+        config, context=args.context, batch=batch, dtype=dtype, kv_heads=args.kv_heads, window=args.window
     )
-    print(format_kv_memory(name, config, rows, batch=args.batch, dtype=args.dtype))
+    print(format_kv_memory(name, config, rows, batch=batch, dtype=dtype))
     return 0

@@ -38,7 +38,7 @@ def positive_int(text: str) -> int:
 # What --model reads (generate, chat, inspect, viz, serve): one line for every command's help.
 MODEL_SOURCES = (
     "a GGUF file (llama.cpp: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, gptneox), or a Hugging Face "
-    "directory or Hub id (cached) of GPT-2, Llama, Mistral, Qwen2/2.5/3, Gemma 1/2/3, Phi-3, OLMo 2 or GPT-NeoX"
+    "directory or Hub id (cached) of GPT-2, Llama, Mistral, Qwen2/2.5/3, Gemma 1/2/3, Phi-3, OLMo 2/3 or GPT-NeoX"
 )
 
 

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Activation patching: run the corrupted prompt with one activation of the clean prompt at a time and "
         "print the heads (L.H) and positions whose patch moves logit(A) - logit(B) the most, either way, with its sign."
     )
-    add_model_arguments(parser, what="(unused by patch: give --clean and --corrupted)")
+    add_model_arguments(parser, what="(refused by patch: give --clean and --corrupted)")
     parser.add_argument("--clean", metavar="TEXT", required=True, help="the prompt whose answer is A")
     parser.add_argument("--corrupted", metavar="TEXT", required=True, help="a prompt of as many tokens, answer B")
     parser.add_argument("--answers", nargs=2, metavar=("A", "B"), required=True, help="two one-token answers")

@@ -112,20 +112,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help=f"split each batch into K micro-batches, accumulating gradients (default: {_D.grad_accum})",
     )
-    g.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train for (default: {_D.max_steps})")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help=f"optimizer steps to train for (default: {_D.max_steps}; a new run from scratch given neither this "
+        f"nor --max-time plans them to fit {DEFAULT_MAX_TIME:g} s, see --max-time)",
+    )
     g.add_argument(
         "--max-time",
         type=float,
         metavar="SECONDS",
         help=f"plan the run to fit SECONDS of training steps: after {PLAN_STEPS} steps, --max-steps is lowered to "
-        "the steps that fit at the measured rate, and the learning rate decays over them (default: none; a bare "
-        f"`attnlab train`, with neither flag, plans for {DEFAULT_MAX_TIME:g} s so that slower CPUs finish in time)",
+        "the steps that fit at the measured rate, and the learning rate decays over them (default: none; a new "
+        f"run from scratch given neither flag plans for {DEFAULT_MAX_TIME:g} s so that slower CPUs finish in time)",
     )
     g.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
         help="adamw: AdamW on every parameter; muon: Muon on the transformer blocks' weight matrices, AdamW on "
-        f"embeddings, gains and biases (default: {_D.optimizer})",
+        f"embeddings, gains and biases (default: {_D.optimizer}; adamw with --init-from or --fsdp)",
     )
     g.add_argument(
         "--lr",

@@ -823,8 +823,9 @@ class Trainer:
         fit = self._agreed(self.step + max(1, int((cfg.max_time - spent) / per_step)), "MIN")
         if fit < cfg.max_steps:
             write(
-                f"planned {fit} steps: {cfg.max_steps} do not fit in --max-time {cfg.max_time:g} s at "
-                f"{per_step * 1e3:.0f} ms per step (the median of steps {self.step - len(history) + 3}-{self.step})"
+                f"planned {fit} steps: {cfg.max_steps} do not fit in {cfg.max_time:g} s of training at "
+                f"{per_step * 1e3:.0f} ms per step (the median of steps {self.step - len(history) + 3}-{self.step}; "
+                "--max-steps or --max-time sets the length)"
             )
             cfg.max_steps = fit
 
