@@ -335,6 +335,29 @@ def test_head_roles_are_computed_at_start_in_the_background(tmp_path):
         close(got["roles"]["scores"][kind], scores)
 
 
+def test_repeated_layers_and_heads_are_shown_once_and_a_too_long_trace_is_refused(tmp_path):
+    """A request repeating a layer or head 4096 times asked for as many copies of its maps (one small
+    request used 20 GB); a prompt whose maps pass Limits.max_trace_bytes is refused before tracing."""
+    from attnlab.interpret import inspector_data
+
+    model = sharp_gpt()
+    engine = Engine(
+        LoadedModel(model, CharTokenizer(CHARS), tmp_path), limits=Limits(max_trace_bytes=3 * 4 * 12 * 12 * 4)
+    )
+    once = to_json(engine.inspect("abcab", ["layers"], layers=[1, 0], heads=[2, 3]))
+    many = to_json(engine.inspect("abcab", ["layers"], layers=[1, 0] * 300 + [-2], heads=[2, 3, -1] * 300))
+    assert many == once and [entry["layer"] for entry in unpack(once)["layers"]] == [1, 0]
+    tr = trace(model, torch.tensor([[0, 1, 2]]), stages=True, logits=True)
+    twice, single = (
+        to_json(inspector_data(tr, layers=ls, heads=hs, sections=["layers"]))
+        for ls, hs in (([0, 0, -3], [1, 1]), ([0], [1]))
+    )
+    assert twice == single
+    engine.inspect("abcabcabcabc", ["layers"])  # 12 tokens: within the limit
+    with pytest.raises(ValueError, match=r"the prompt is 13 tokens: .* inspect at most 12 tokens"):
+        engine.inspect("abcabcabcabca", ["layers"])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(max_size=30) | st.sampled_from(['"attnlab-', 'attnlab-0"', '\\"b64"', "\u2028\x00"]),

@@ -393,8 +393,11 @@ def inspector_data(
     data = _page_top(trace, ids, tokenizer, model_name, title, text, note)
     vocab: set[int] = set(ids)
 
-    shown_layers = list(range(L)) if layers is None else [resolve_index("--layer", i, L) for i in layers]
-    shown_heads = list(range(H)) if heads is None else [resolve_index("--head", h, H) for h in heads]
+    # each layer and head once, in the order asked (a repeated one would only copy its maps)
+    shown_layers = (
+        list(range(L)) if layers is None else list(dict.fromkeys(resolve_index("--layer", i, L) for i in layers))
+    )
+    shown_heads = list(range(H)) if heads is None else list(dict.fromkeys(resolve_index("--head", h, H) for h in heads))
     dtype = None
     if "layers" in wanted:
         data["layers"], dtype = _heads_section(trace, row, keep, shown_layers, shown_heads, precision)

@@ -194,6 +194,7 @@ class Limits(BaseModel):
     max_body_bytes: int
     max_prompt_chars: int
     max_prompt_tokens: int | None
+    max_trace_bytes: int
 
 
 class SAEInfo(BaseModel):

@@ -34,6 +34,7 @@ longest prefix it shares with a recent one, and takes the attention rows of that
 
 from __future__ import annotations
 
+import math
 import queue
 import sys
 import threading
@@ -90,11 +91,14 @@ class Limits:
         max_new_tokens: tokens one generation may stream.
         max_body_bytes: the largest request body read.
         max_prompt_chars: the longest prompt text (the context window limits its tokens too).
+        max_trace_bytes: the attention maps one inspected prompt may hold (layers x heads x tokens²
+            float32 numbers: a prompt as long as SmolLM2's context would need 72 GB).
     """
 
     max_new_tokens: int = 256
     max_body_bytes: int = 256 << 10
     max_prompt_chars: int = 100_000
+    max_trace_bytes: int = 2 << 30
 
 
 @dataclass
@@ -346,6 +350,8 @@ class Engine:
         no unembedding, nothing kept but the weights). Call with the lock held."""
         key = tuple(ids)
         cached = self._traces.get(key)
+        if cached is None:
+            self._check_trace_size(len(ids))
         if cached is not None and (cached.logits is not None or not full):
             self._traces.move_to_end(key)
             self.count("trace_cache_hits")
@@ -367,6 +373,18 @@ class Engine:
         self.count("traces")
         _remember(self._traces, key, tr, self.cache_size)
         return tr
+
+    def _check_trace_size(self, T: int) -> None:
+        """A ValueError (a 422) where ``T`` tokens' attention maps would pass :attr:`Limits.max_trace_bytes`."""
+        cfg = self._need_model().model.config
+        need = cfg.n_layers * cfg.n_heads * T * T * 4
+        if need > self.limits.max_trace_bytes:
+            longest = math.isqrt(self.limits.max_trace_bytes // (4 * cfg.n_layers * cfg.n_heads))
+            raise ValueError(
+                f"the prompt is {T} tokens: its attention maps ({cfg.n_layers} layers x {cfg.n_heads} heads x "
+                f"{T}² numbers, {need / 2**30:.1f} GiB) are more than this server traces; inspect at most "
+                f"{longest} tokens"
+            )
 
     def _keep(self, key: tuple[int, ...], kept: KeptTrace) -> None:
         """Keep ``kept`` last; forget the oldest while they hold more than ``kept_bytes`` (not the latest)."""
