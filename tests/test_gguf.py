@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -483,3 +485,22 @@ def test_info_kv_memory_on_smollm2(smollm2_gguf, no_hub, capsys):
     gqa = next(line for line in out.splitlines() if line.startswith("GQA ("))
     assert gqa.split()[4:6] == ["3", "8,192"]  # 3 key/value heads, 8,192 positions
     assert no_hub == []
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory) -> HFTokenizer:
+    return load_pretrained(str(write_gguf(tmp_path_factory.mktemp("bl") / "m.gguf"))).tokenizer
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=24))
+def test_a_byte_level_tokens_bytes_join_to_the_text_and_label_partial_characters(byte_level, text):
+    """Each token's bytes (decode_bytes of one id), joined, are the text's UTF-8 even where a token
+    holds part of a character; the inspector labels such a token by its bytes (\\xNN), never U+FFFD."""
+    from attnlab.interpret import token_strings
+
+    ids = byte_level.encode(text)
+    assert b"".join(byte_level.decode_bytes([i]) for i in ids) == text.encode("utf-8", "surrogatepass")
+    labels = token_strings(byte_level, ids)
+    if "\ufffd" not in text:
+        assert not any("\ufffd" in label for label in labels), labels

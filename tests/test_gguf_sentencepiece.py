@@ -464,3 +464,15 @@ def test_token_labels_keep_word_boundaries(trained):
     want = [sp.id_to_piece(i).replace("▁", " ") for i in ids]
     assert token_strings(ours, ids) == want
     assert "".join(token_strings(ours, ids)).strip() == text
+
+
+def test_byte_fallback_tokens_are_labelled_by_their_bytes(trained):
+    """A character outside the vocabulary falls back to byte tokens (``<0xE6>``); each is labelled by
+    its byte, not U+FFFD, and their bytes joined are the character's UTF-8."""
+    from attnlab.interpret import token_strings
+
+    sp, ours, _ = trained
+    ids = [i for i in ours.encode("😀") if sp.is_byte(i)]
+    assert len(ids) == 4  # (the character's four bytes)
+    assert token_strings(ours, ids) == [f"\\x{int(sp.id_to_piece(i)[3:5], 16):02x}" for i in ids]
+    assert b"".join(ours.decode_bytes([i]) for i in ids) == "😀".encode()

@@ -171,7 +171,7 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
     _check_ids(p, meta, ("bos_token_id", "eos_token_id"), len(tokens))
     # A byte-level vocabulary spells bytes with GPT-2's printable alphabet; a token with any other
     # character is respelled byte by byte (what transformers does too).
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     allowed = set(alphabet.values())
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -204,7 +204,7 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
     return tok, meta["eos_token_id"], bos
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

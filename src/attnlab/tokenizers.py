@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from torch import Tensor
 from attnlab.checks import is_int
 from attnlab.errors import UserError
 from attnlab.files import atomic_write_bytes, iter_text_chunks, open_regular, sha256_file
-from attnlab.gguf_vocab import gguf_tokenizer, is_gguf_file
+from attnlab.gguf_vocab import bytes_to_unicode, gguf_tokenizer, is_gguf_file
 
 __all__ = [
     "GPT2_BPE_ENV",
@@ -539,6 +540,20 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
         return self._tok.decode(_ids_to_list(ids, self.vocab_size), skip_special_tokens=False)
 
+    def decode_bytes(self, ids: Sequence[int] | Tensor | np.ndarray) -> bytes:
+        """The bytes ``ids`` stand for, also where a token holds part of a character (which ``decode``
+        shows as U+FFFD): a byte-level BPE vocabulary's tokens are bytes written in GPT-2's alphabet, a
+        SentencePiece byte-fallback token (``<0xE6>``) is its byte; else the decoded text's UTF-8."""
+        ids = _ids_to_list(ids, self.vocab_size)
+        tokens = [self._tok.id_to_token(i) or "" for i in ids]
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            byte_of = _byte_of_char()
+            if all(c in byte_of for t in tokens for c in t):
+                return bytes(byte_of[c] for t in tokens for c in t)
+        if len(tokens) == 1 and (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tokens[0])):
+            return bytes([int(m[1], 16)])
+        return super().decode_bytes(ids)
+
     def split_point(self, text: str) -> int:
         return 0  # a tokenizer.json may prepend a space to every text it encodes: no safe cut is known
 
@@ -723,6 +738,12 @@ def as_tokenizer(tokenizer: Tokenizer | str | Any | None, default: str = "byte")
             f"tokenizer must be a Tokenizer, a name or have an encode() method, got {type(tokenizer).__name__}"
         )
     return tokenizer
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's alphabet read back: each printable character of a byte-level token -> its byte."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def bos_prefix(tokenizer: object) -> list[int]:

@@ -95,10 +95,12 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
             joined = tokenizer.decode([anchor[0], i])
             if joined.startswith(anchor[1]) and joined[len(anchor[1]) :] not in ("", "\ufffd"):
                 s = joined[len(anchor[1]) :]
-        if s == "\ufffd" and hasattr(tokenizer, "decode_bytes"):
+        if "\ufffd" in s and hasattr(tokenizer, "decode_bytes"):  # part of a character: show its bytes
             raw = tokenizer.decode_bytes([i])
-            if raw != "\ufffd".encode():
-                s = "".join(f"\\x{b:02x}" for b in raw)
+            if "\ufffd".encode() not in raw:
+                s = (" " if s.startswith(" ") and not raw.startswith(b" ") else "") + raw.decode(
+                    "utf-8", "backslashreplace"
+                )
         out.append(s)
     return out
 
