@@ -42,7 +42,7 @@ HeadName = Annotated[str, Field(pattern=r"^\s*\d{1,4}\.\d{1,4}\s*$", description
 Temperature = Annotated[
     float, Field(ge=0.0, le=1000.0, allow_inf_nan=False, description="softmax temperature; 0 = greedy")
 ]
-TopK = Annotated[int | None, Field(ge=1, description="keep the top_k likeliest tokens (null: off)")]
+TopK = Annotated[int | None, Field(ge=1, le=1 << 20, description="keep the top_k likeliest tokens (null: off)")]
 TopP = Annotated[
     float | None, Field(gt=0.0, le=1.0, allow_inf_nan=False, description="keep the top-p nucleus (null: off)")
 ]
@@ -53,7 +53,8 @@ NewTokens = Annotated[
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a number is a JSON number ("1" and true are refused, not converted), no unknown field
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PromptRequest(Strict):
@@ -88,10 +89,13 @@ class InspectRequest(PromptRequest):
         default="auto", description="how attention weights are stored (auto: the most precise within 16 MiB)"
     )
     lens_k: int = Field(default=5, ge=1, le=50, description="logit-lens candidates per layer and position")
-    lens_window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]] | None = Field(
-        default=None,
-        description="the positions [start, stop) of the logit lens (the live page asks for the ones it shows: "
-        "the lens costs a whole-vocabulary product per layer and position); default: every position",
+    lens_window: tuple[Annotated[int, Field(ge=0, strict=True)], Annotated[int, Field(ge=1, strict=True)]] | None = (
+        Field(
+            default=None,
+            strict=False,  # (a JSON array: strict mode takes only a tuple; its numbers stay strict)
+            description="the positions [start, stop) of the logit lens (the live page asks for the ones it shows: "
+            "the lens costs a whole-vocabulary product per layer and position); default: every position",
+        )
     )
     next_k: int = Field(default=32, ge=1, le=256, description="next-token candidates per position")
 
