@@ -698,6 +698,8 @@ def test_the_page_and_its_files(client):
     csp = r.headers["content-security-policy"]
     assert "connect-src 'self'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
     assert "unsafe-inline" not in csp and r.headers["x-content-type-options"] == "nosniff"
+    head = client.head("/")  # (what curl -I and link checkers send)
+    assert head.status_code == 200 and head.headers["content-type"] == r.headers["content-type"]
     page = r.text
     assert '<script src="assets/viewer.js"></script>' in page and 'id="attn-live"' in page
     assert "<script>" not in page  # nothing inline runs: the policy would block it

@@ -306,7 +306,7 @@ def _add_page_routes(app: FastAPI, engine: Engine) -> None:
     assets |= {name: read_circuit_asset(name) for name in CIRCUIT_ASSETS if not name.endswith(".html")}
     page = live_page(engine)
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
     async def index() -> Response:
         return HTMLResponse(page, headers={"content-security-policy": PAGE_CSP, "cache-control": "no-store"})
 
