@@ -679,8 +679,11 @@ def _keep_nan(out: Tensor, query: Tensor) -> Tensor:
     """``out`` with NaN in the rows whose query holds a NaN or an inf, as the softmax of their scores has
     it. torch's CPU kernel takes a row of NaN scores for a row with no key and returns zeros: a broken
     weight would then give finite, wrong outputs. ``query * 0`` is 0 where the query is finite (no
-    overflow, unlike a sum of the query), NaN elsewhere; its gradient is zero."""
-    if out.device.type != "cpu":
+    overflow, unlike a sum of the query), NaN elsewhere; its gradient is zero. A single query (a
+    decoding step) is left as the kernel gives it: its three operations a layer would slow every token,
+    and a broken query weight has already made the prompt's pass NaN (a NaN stream passes on anyway,
+    through the residual)."""
+    if out.device.type != "cpu" or query.shape[-2] == 1:
         return out
     return out + (query * 0).sum(-1, keepdim=True)  # (..., L, Ev) + (..., L, 1)
 
