@@ -83,6 +83,15 @@ class NotALanguageModel(UserError):
     """A request that needs a language model, sent to a server of the tutorials' six-word example."""
 
 
+# Tokens per window the latents' dashboards read the start-up corpus in (at most the model's context).
+CORPUS_CONTEXT = 128
+
+
+def corpus_context(model: Any, tokens: int) -> int:
+    """The window the start-up corpus of ``tokens`` tokens is read in, for ``model``."""
+    return max(1, min(CORPUS_CONTEXT, model.config.context_length, tokens))
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for (the API refuses more with a 4xx).
@@ -174,6 +183,9 @@ class Engine:
             raise ValueError("saes= needs a language model (the SAEs read its activations)")
         for sae in self.saes.values():
             sae.check_model(loaded.model)
+        if sae_corpus is not None and loaded is not None:  # whole windows only: /api/info counts what is read
+            context = corpus_context(loaded.model, len(sae_corpus))
+            sae_corpus = sae_corpus[: len(sae_corpus) // context * context]
         self.sae_corpus, self.sae_corpus_name = sae_corpus, sae_corpus_name
         self.corpus_stats: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # (sae, settings) -> every latent's
         device = None if loaded is None else loaded.model.device

@@ -36,7 +36,7 @@ from attnlab.interpret.sae_view import (
     stats_dashboard,
     strongest_latents,
 )
-from attnlab.tools.serve.engine import Engine
+from attnlab.tools.serve.engine import Engine, corpus_context
 
 __all__ = ["NoSAE", "corpus_stats", "features_answer", "latent_answer", "steer_answer"]
 
@@ -73,7 +73,7 @@ def corpus_stats(engine: Engine, sae: int, top_k: int, window: int) -> LatentSta
     stats = engine.corpus_stats.get(key)
     if stats is None:  # one pass over the corpus up to the hook, in windows the model reads
         model, model_sae, corpus = engine.loaded.model, _sae(engine, sae), engine.sae_corpus
-        context = min(128, model.config.context_length, len(corpus))
+        context = corpus_context(model, len(corpus))
         batch = max(1, min(16, LATENTS_BYTES // (4 * context * model_sae.cfg.d_sae)))
         d_sae = model_sae.cfg.d_sae
         stats = collect(model, model_sae, corpus, d_sae, context=context, batch=batch, top_k=top_k, window=window)
