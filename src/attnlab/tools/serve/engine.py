@@ -66,7 +66,7 @@ from attnlab.interpret import (
     token_strings,
     trace,
 )
-from attnlab.interpret.inspector import generation_step_data
+from attnlab.interpret.inspector import generation_step_data, resolve_index
 from attnlab.interpret.playback import GenerationStep, key_index, key_offsets, top_candidates
 from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
@@ -429,6 +429,10 @@ class Engine:
         ids = self.encode(prompt)
         sections = set(sections)
         loaded = self._need_model()
+        cfg = loaded.model.config
+        # checked here, naming the request's fields (the library's words are the command line's flags)
+        layers = None if layers is None else [resolve_index("layers:", i, cfg.n_layers) for i in layers]
+        heads = None if heads is None else [resolve_index("heads:", h, cfg.n_heads) for h in heads]
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
