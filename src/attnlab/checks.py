@@ -317,17 +317,9 @@ def resolve_device(name: Any, local_rank: int = 0) -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device name (try auto, cpu, cuda, cuda:1, mps)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available in this torch build / machine")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {name}: MPS is not available on this machine")
+    dev = check_device("--device", name)  # a name, and a device this machine has
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
     if dev.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {name}: attnlab runs on cpu, cuda or mps, got {dev.type!r}")
     return dev

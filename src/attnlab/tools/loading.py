@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from attnlab.formats.hf import PRETRAINED, is_local_path, read_pretrained_file
 from attnlab.functional import simple_self_attention
 from attnlab.model import CONFIG_NAME, GPT
 from attnlab.tokenizers import GPT2Tokenizer, HFTokenizer, Tokenizer, tokenizer_from_dict
-from attnlab.training.checkpoint import CHECKPOINT_NAME, LATEST_NAME, load_checkpoint
+from attnlab.training.checkpoint import CHECKPOINT_NAME, CHECKPOINTS_DIR, LATEST_NAME, STEP_DIR, load_checkpoint
 
 __all__ = [
     "CHAT_NAME",
@@ -307,7 +306,7 @@ def model_name(loaded: LoadedModel) -> str:
     if loaded.metadata.get("name"):
         return str(loaded.metadata["name"])
     p = loaded.path
-    if re.fullmatch(r"step-\d+", p.name) and p.parent.name == "checkpoints" and p.parent.parent.name:
+    if STEP_DIR.fullmatch(p.name) and p.parent.name == CHECKPOINTS_DIR and p.parent.parent.name:
         return p.parent.parent.name
     return p.name or type(loaded.model).__name__
 

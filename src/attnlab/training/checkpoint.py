@@ -79,9 +79,11 @@ from attnlab.training.lora import (
 from attnlab.training.optim import MuonAdamW
 
 __all__ = [
+    "CHECKPOINTS_DIR",
     "CHECKPOINT_NAME",
     "LATEST_NAME",
     "OPTIMIZER_NAME",
+    "STEP_DIR",
     "Checkpoint",
     "check_optimizer_state",
     "find_checkpoint",
@@ -266,7 +268,7 @@ def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
-_STEP_DIR = re.compile(r"step-(\d+)")
+STEP_DIR = re.compile(r"step-(\d+)")  # a step directory's name (step_dirname)
 # What attnlab itself puts in a step directory: its files, and their temporary files (atomic_open).
 _NAMES = "|".join(re.escape(name) for name in (*FILE_NAMES, CHECKPOINT_NAME))
 _OWN_FILE = re.compile(rf"(?:{_NAMES})|\.(?:{_NAMES})\..+\.tmp")
@@ -434,7 +436,7 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     before its pointer switch left it)."""
     older: list[tuple[int, Path]] = []
     for p in ckpts.iterdir():
-        m = _STEP_DIR.fullmatch(p.name)
+        m = STEP_DIR.fullmatch(p.name)
         if not m or not p.is_dir() or p.is_symlink() or p == final or not _written_by_attnlab(p):
             continue
         if int(m.group(1)) >= step:
