@@ -481,6 +481,32 @@ def test_gqa_with_a_headless_key_is_a_value_error(backend):
     torch.testing.assert_close(sdpa(q, k, v, backend=backend), sdpa(q, k.expand(2, 5, 4), v.expand(2, 5, 6)))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_mask_helpers_name_a_device_the_machine_lacks():
+    # Regression: torch's own AssertionError about its build came from deep inside torch.ones.
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+        causal_mask(3, device="cuda")
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+        padding_mask([1, 2], device="cuda")
+    with pytest.raises(ValueError, match="device='gpu' is not a device name"):
+        causal_mask(3, device="gpu")
+
+
+def test_combine_masks_and_heads_matmul_check_their_input():
+    from attnlab.functional import combine_masks
+
+    keep = torch.tensor([[True, False], [True, True]])
+    with pytest.raises(TypeError, match=r"a must be None or a bool or floating-point mask tensor, got torch\.int64"):
+        combine_masks(keep.long(), keep)
+    with pytest.raises(TypeError, match="b must be None or a bool or floating-point mask tensor, got list"):
+        combine_masks(keep, [[True]])
+    additive = combine_masks(torch.zeros(2, 2), keep)
+    assert torch.equal(additive == float("-inf"), ~keep)
+    assert torch.equal(combine_masks(keep, keep.T), keep & keep.T)
+    with pytest.raises(ValueError, match="b's 4 heads must divide a's 6 heads"):
+        heads_matmul(rand(1, 6, 2, 3), rand(1, 4, 3, 2))
+
+
 @pytest.mark.parametrize("max_len", [-1, 2.0, "4", True])
 def test_padding_mask_rejects_a_bad_max_len(max_len):
     # Regression: max_len was used unchecked (-1 passed the length check for empty lengths, a float

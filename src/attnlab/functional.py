@@ -43,6 +43,7 @@ from attnlab.checks import (
     broadcast_shape,
     check_attn_mask,
     check_bool,
+    check_device,
     check_float_tensor,
     check_same_dtype_and_device,
     finite_real,
@@ -122,7 +123,7 @@ def causal_mask(
         if not is_int(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     window, sinks = check_window(window, sinks)
-    q_len, k_len = int(q_len), int(k_len)
+    q_len, k_len, device = int(q_len), int(k_len), check_device("device", device)
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
     if window is None or window >= k_len:  # (a window as long as the keys hides none of them)
         return mask
@@ -179,6 +180,7 @@ def padding_mask(
     to ``(B, 1, 1, S)`` to use it as an ``attn_mask`` over heads and queries. Note the polarity: the
     opposite of ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (where ``True`` = ignore).
     """
+    device = check_device("device", device)
     try:
         lengths = torch.as_tensor(lengths, device=device)
     except (TypeError, ValueError, RuntimeError):  # None, text, ragged lists
@@ -310,8 +312,14 @@ def _validate(
 def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     """Two attention masks applied together (either may be None): bool & bool (True = may attend),
     a float mask with -inf where a bool one is False, or the sum of two float masks."""
+    for name, m in (("a", a), ("b", b)):
+        if m is not None and (not isinstance(m, Tensor) or not (m.dtype == torch.bool or m.is_floating_point())):
+            got = m.dtype if isinstance(m, Tensor) else type(m).__name__
+            raise TypeError(f"{name} must be None or a bool or floating-point mask tensor, got {got}")
     if a is None or b is None:
         return b if a is None else a
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
     if a.dtype == torch.bool:
@@ -355,6 +363,8 @@ def heads_matmul(a: Tensor, b: Tensor) -> Tensor:
         return a @ b
     *lead, H, n, k = a.shape
     Hkv = b.shape[-3]
+    if H % Hkv:
+        raise ValueError(f"b's {Hkv} heads must divide a's {H} heads (grouped-query attention), got {H} and {Hkv}")
     grouped = a.reshape(*lead, Hkv, (H // Hkv) * n, k) @ b  # (..., Hkv, g * n, m): heads kv * g + j, rows j * n + i
     return grouped.view(*grouped.shape[:-3], H, n, b.shape[-1])  # the leading dims as broadcast with b's
 
