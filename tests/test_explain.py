@@ -423,6 +423,30 @@ def test_cli_unknown_lesson(capsys):
     assert captured.out == ""
 
 
+def test_cli_lesson_names_any_case_and_not_with_list(capsys):
+    assert cli.main(["explain", "--lesson", "Causal"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("causal:")
+    assert cli.main(["explain", "--list", "--lesson", "rope"]) == 2  # --lesson once went unread
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--list" in err[0] and "--lesson" in err[0]
+
+
+def test_lessons_print_the_tutorials_numbers_under_a_float64_default():
+    # Regression: a notebook's torch.set_default_dtype(torch.float64) broke some lessons (mixed dtypes)
+    # and changed others' numbers; the lesson runs in float32 and the caller's default comes back.
+    want = io.StringIO()
+    run_lesson("one-head", want, interactive=False)
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = io.StringIO()
+        run_lesson("one-head", got, interactive=False)
+        run_lesson("trainable", io.StringIO(), interactive=False)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert got.getvalue() == want.getvalue()
+
+
 def test_cli_unknown_lesson_among_good_ones_prints_nothing(capsys):
     assert cli.main(["explain", "--lesson", "causal", "--lesson", "bogus"]) == 2
     assert capsys.readouterr().out == ""

@@ -17,7 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab import sliding
-from attnlab.functional import attention_scores, causal_mask, positions_mask, scaled_dot_product_attention
+from attnlab.functional import (
+    attention_scores,
+    causal_mask,
+    positions_mask,
+    scaled_dot_product_attention,
+    softcap_score_mod,
+)
 from attnlab.positions import (
     alibi_bias,
     alibi_score_mod,
@@ -410,6 +416,27 @@ def test_soft_capping_is_not_additive_and_runs_exactly_where_it_can(backend, ref
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="not additive"):
         scaled_dot_product_attention(q, k, v, score_mod=soft_cap, backend="fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_soft_capping_is_found_not_additive_in_half_precision(dtype):
+    # Regression: the additivity probe ran in the inputs' dtype, whose rounding hid the cap: in
+    # bfloat16 and float16 the fused kernel ran without it (the same output as no cap at all).
+    q, k, v = (rand(1, 2, 6, 8, seed=s) * 12 for s in (21, 22, 23))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    cap = softcap_score_mod(50.0)
+    want = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=cap, backend="reference")
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=cap), want)
+    assert not torch.equal(want, scaled_dot_product_attention(q, k, v, is_causal=True))
+    with pytest.raises(ValueError, match="not additive"):
+        scaled_dot_product_attention(q, k, v, score_mod=cap, backend="fused")
+
+
+@pytest.mark.parametrize("kw", [dict(backend="reference"), dict(return_weights=True), {}])
+def test_a_score_mod_giving_nan_is_an_error_on_every_path(kw):
+    q, k, v = rand(1, 2, 4, 8, seed=24), rand(1, 2, 4, 8, seed=25), rand(1, 2, 4, 8, seed=26)
+    with pytest.raises(ValueError, match="score_mod returned NaN"):
+        scaled_dot_product_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * float("nan"), **kw)
 
 
 @FAST

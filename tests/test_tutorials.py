@@ -527,6 +527,36 @@ def test_same_seed_same_numbers_as_the_tutorial_code(index):
         torch.testing.assert_close(ours(x[:, :4]), theirs(x[:, :4]), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("index", [2, 3, 4], ids=IDS[2:])
+def test_training_dropout_draws_the_tutorials_masks(index):
+    """In training, under one seed, dropout drops what the tutorial's code drops: the wrapper's heads
+    draw their masks head after head, as the tutorial's loop over its heads does (they once drew one
+    (b, H, n, n) mask and gave other numbers)."""
+    d_in, _, n, _ = SIZES
+    ours_cls, theirs_cls, args = _specs(*SIZES)[index]
+    args = (*args[:3], 0.5, *args[4:])
+    ours, theirs = _build(ours_cls, args, 7).train(), _build(theirs_cls, args, 7).train()
+    x = torch.randn(2, n, d_in)
+    torch.manual_seed(0)
+    got = ours(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, theirs(x), atol=1e-6, rtol=1e-5)
+
+
+def test_exercise_5_dropout_draws_the_exercises_masks():
+    from attnlab.tutorials.attention_review import MultiHeadAttention as Exercise5
+
+    torch.manual_seed(123)
+    ours = Exercise5(3, 4, 2, 6, 0.5)
+    torch.manual_seed(123)
+    theirs = tc.MultiHeadAttentionReview(3, 4, 2, 6, 0.5)
+    batch = torch.stack((tc.INPUTS, tc.INPUTS))
+    torch.manual_seed(0)
+    got = ours(batch)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, theirs(batch, d_out=2))  # d_out=2: each head's width (its scale)
+
+
 # =============================================================================================
 # State dicts
 # =============================================================================================
@@ -649,6 +679,18 @@ def test_review_positional_num_heads_third_is_a_clear_error(ns, call, shape):
     ns["x_batch"] = ns["x"] = torch.empty(shape, device="meta")
     with pytest.raises(TypeError, match=r"num_heads.*keyword.*num_heads=\.\.\."):
         run_snippet(call, ns)
+
+
+def test_causal_attention_has_no_argument_order_hint():
+    # Regression: CausalAttention's error sent users to a num_heads keyword it does not take.
+    with pytest.raises(ValueError, match=r"dropout must be a float in \[0, 1\), got 2$"):
+        CausalAttention(3, 2, 6, 2)
+    with pytest.raises(TypeError, match="qkv_bias must be a bool, got 'False'"):
+        MultiHeadAttention(3, 4, 6, num_heads=2, qkv_bias="False")
+    with pytest.raises(TypeError, match="out_bias must be a bool, got 1"):
+        MultiHeadAttention(3, 4, 6, num_heads=2, out_bias=1)
+    with pytest.raises(TypeError, match="qkv_bias must be a bool, got 'no'"):
+        CausalAttention(3, 2, 6, qkv_bias="no")
 
 
 def test_gpt_style_positional_order_is_a_clear_error():

@@ -77,9 +77,10 @@ _ORDER_HINT = (
 )
 
 
-def _check_dropout(value: object, cls: str) -> float:
+def _check_dropout(value: object, cls: str | None = None) -> float:
+    """``cls``: a class with ``num_heads`` in the simple tutorial's order, whose error gets the hint."""
     if not is_real(value) or not 0.0 <= value < 1.0:
-        hint = _ORDER_HINT.format(cls=cls) if is_real(value) and value >= 1 else ""
+        hint = _ORDER_HINT.format(cls=cls) if cls and is_real(value) and value >= 1 else ""
         raise ValueError(f"dropout must be a float in [0, 1), got {value!r}{hint}")
     return float(value)
 
@@ -150,6 +151,7 @@ class SelfAttention_v2(nn.Module):
         super().__init__()
         self.d_in = positive_int("d_in", d_in)
         self.d_out = positive_int("d_out", d_out)
+        qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -180,10 +182,11 @@ class CausalAttention(_DropsTutorialMask):
         self.d_in = positive_int("d_in", d_in)
         self.d_out = positive_int("d_out", d_out)
         self.context_length = positive_int("context_length", context_length)
+        qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = nn.Dropout(_check_dropout(dropout, "CausalAttention"))
+        self.dropout = nn.Dropout(_check_dropout(dropout))  # (no num_heads: no order to mix up)
 
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         check_module_input("x", x, self.d_in, self.W_query.weight)
@@ -238,14 +241,14 @@ class MultiHeadAttentionWrapper(nn.Module):
             torch.cat([getattr(h, name).bias for h in self.heads]) if first.W_query.bias is not None else None
             for name in ("W_query", "W_key", "W_value")
         ]
-        q, k, v = (
-            F.linear(x, w, b).unflatten(-1, (H, hd)).transpose(-3, -2) for w, b in zip(qkv, biases, strict=True)
-        )  # each (..., H, n, d_out)
+        # Heads first, (H, ..., n, d_out): dropout then draws its masks head after head, as the
+        # tutorial's loop over heads does, so a seed gives the tutorial's numbers in training too.
+        q, k, v = (F.linear(x, w, b).unflatten(-1, (H, hd)).movedim(-2, 0) for w, b in zip(qkv, biases, strict=True))
         p = first.dropout.p if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, return_weights=return_weights)
         out, weights = out if return_weights else (out, None)
-        out = out.transpose(-3, -2).flatten(-2)  # (..., n, H * d_out)
-        return (out, weights) if return_weights else out
+        out = out.movedim(0, -2).flatten(-2)  # (..., n, H * d_out)
+        return (out, weights.movedim(0, -3)) if return_weights else out  # weights (..., H, n, n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,6 +669,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         self.head_dim = d_out // num_heads if head_dim is None else positive_int("head_dim", head_dim)
         self.inner_dim = num_heads * self.head_dim  # = d_out unless head_dim is given
         self.causal = check_bool("causal", causal)
+        qkv_bias, out_bias = check_bool("qkv_bias", qkv_bias), check_bool("out_bias", out_bias)
         kv_out = num_kv_heads * self.head_dim
         self.W_query = Linear(d_in, self.inner_dim, bias=qkv_bias)
         self.W_key = Linear(self.kv_dim, kv_out, bias=qkv_bias)

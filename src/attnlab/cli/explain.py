@@ -108,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
         check_tutorial_name(tutorial)  # a bad name is one line on stderr, before anything prints
     if bpe_dir is not None:  # a wrong directory is a mistake to fix, not a reason to fall back to bytes
         _check_bpe_dir(bpe_dir)
+    if args.lesson and getattr(args, "list", False):  # (--lesson would go unread)
+        raise ValueError("--list lists every lesson (with --tutorial, that tutorial's): it takes no --lesson")
     if getattr(args, "list", False):
         _list(tutorial)
         return 0
-    names = [n.strip() for arg in (args.lesson or []) for n in arg.split(",") if n.strip()]
+    names = [n.strip().lower() for arg in (args.lesson or []) for n in arg.split(",") if n.strip()]
     if args.lesson and not names:  # --lesson "" must not mean "every lesson"
         raise ValueError(f"--lesson needs a lesson name (see --list), got {args.lesson[0]!r}")
     names = check_lesson_names(names or lesson_names())  # every name checked before anything prints

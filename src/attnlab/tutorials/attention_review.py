@@ -79,15 +79,15 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, *, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         check_module_input("x", x, self.d_in, self.heads[0].W_query.weight)
         check_length(x.shape[-2], self.context_length)
+        # Heads first, (H, ..., n, d_head): dropout draws its masks head after head, as the exercise's loop does.
         q, k, v = (
-            torch.stack([getattr(head, name)(x) for head in self.heads], dim=-3)
-            for name in ("W_query", "W_key", "W_value")
-        )  # each (..., H, n, d_head)
+            torch.stack([getattr(head, name)(x) for head in self.heads]) for name in ("W_query", "W_key", "W_value")
+        )  # each (H, ..., n, d_head)
         p = self.heads[0].dropout.p if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, return_weights=return_weights)
         out, weights = out if return_weights else (out, None)
-        out = out.transpose(-3, -2).flatten(-2)  # (..., n, H * d_head): the heads side by side
-        return (out, weights) if return_weights else out
+        out = out.movedim(0, -2).flatten(-2)  # (..., n, H * d_head): the heads side by side
+        return (out, weights.movedim(0, -3)) if return_weights else out  # weights (..., H, n, n)
 
 
 class MultiHeadAttentionOneModule(_MultiHeadAttention):

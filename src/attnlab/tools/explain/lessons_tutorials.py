@@ -770,6 +770,7 @@ def review_loader(w: Walk) -> dict[str, Tensor]:
     try:
         tokenizer = GPT2Tokenizer(bpe_dir=w.bpe_dir)
         source = f"GPT-2's BPE from {w.bpe_dir}" if w.bpe_dir else "GPT-2's BPE"
+        made = "tokenizer = attnlab.tokenizers.GPT2Tokenizer(bpe_dir=DIR)   # tiktoken's gpt2, built offline"
     except (TokenizerLoadError, FileNotFoundError, ImportError, ValueError) as exc:
         tokenizer = ByteTokenizer()
         source = "the byte tokenizer (not the exercises' ids)"
@@ -780,7 +781,8 @@ def review_loader(w: Walk) -> dict[str, Tensor]:
             "ATTNLAB_GPT2_BPE_DIR=DIR, where DIR holds GPT-2's encoder.json and vocab.bpe. Going on "
             "with attnlab's byte tokenizer: same windows, other ids."
         )
-    w.step("tokenizer = attnlab.tokenizers.GPT2Tokenizer(bpe_dir=DIR)   # tiktoken's gpt2, built offline")
+        made = "tokenizer = attnlab.tokenizers.ByteTokenizer()   # GPT-2's BPE files not found"
+    w.step(made)
     ids = torch.tensor(tokenizer.encode(text))  # (n,)
     w.show("token_ids = tokenizer.encode(text)", ids, f"{len(ids)} ids from {source}")
     pieces = [tokenizer.decode([int(i)]) for i in ids]

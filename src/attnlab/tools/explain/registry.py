@@ -18,7 +18,7 @@ from typing import TextIO
 import torch
 from torch import Tensor
 
-from attnlab.tools.explain.walk import Walk, print_options
+from attnlab.tools.explain.walk import Walk, print_options, tutorial_defaults
 
 __all__ = [
     "GPT_GUIDE",
@@ -220,8 +220,9 @@ def run_lesson(
 
     ``bpe_dir``: GPT-2's BPE files, for the lessons that tokenize as the tutorials do (see
     :class:`~attnlab.tokenizers.GPT2Tokenizer`); ``interactive``: whether a lesson may wait for the
-    learner (default: printing to stdout, stdin and stdout terminals). The random state, torch's print
-    options and autograd mode are restored afterwards; an unknown name is a ValueError listing them.
+    learner (default: printing to stdout, stdin and stdout terminals). The lesson runs in float32 on
+    the CPU; the random state, torch's print options, default dtype and device and autograd mode are
+    restored afterwards; an unknown name is a ValueError listing them.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -229,7 +230,7 @@ def run_lesson(
     interactive = _interactive(file) if interactive is None else bool(interactive)
     entry = LESSONS[name]
     walk = Walk(sys.stdout if file is None else file, bpe_dir=bpe_dir, interactive=interactive)
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), print_options(precision=4):
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), print_options(precision=4), tutorial_defaults():
         walk.title(entry.name, entry.headline, entry.tutorial)
         return entry.func(walk)
 

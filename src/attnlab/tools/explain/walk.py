@@ -35,6 +35,21 @@ def print_options(**options: object) -> Iterator[None]:
         torch.set_printoptions(**saved)
 
 
+@contextlib.contextmanager
+def tutorial_defaults() -> Iterator[None]:
+    """float32 tensors on the CPU for the block, as the tutorials make them, whatever the caller set
+    (a notebook's ``torch.set_default_dtype(torch.float64)`` would change every printed number); the
+    caller's defaults come back afterwards."""
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    torch.set_default_dtype(torch.float32)
+    torch.set_default_device("cpu")
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
+
+
 def shape_of(t: Tensor) -> str:
     """``(2, 3)``, ``(6,)``, ``()``: a shape as Python writes a tuple."""
     return "(" + ", ".join(str(s) for s in t.shape) + (",)" if t.dim() == 1 else ")")
