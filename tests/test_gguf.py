@@ -214,6 +214,31 @@ def test_pre_tokenizers_as_transformers(tmp_path, pre):
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
 
 
+def test_control_and_user_defined_tokens_keep_their_text_and_id(tmp_path):
+    """llama.cpp's converter writes added tokens as raw text: DeepSeek-R1's "<｜User｜>" (outside
+    GPT-2's byte alphabet), GPT-NeoX's whitespace runs. Each is matched whole with the file's id
+    (the control ones were once respelled into bytes, the user-defined ones given ids past the
+    vocabulary, and the model refused its own tokenizer)."""
+    from gguf_files import tokens
+
+    added = {"<｜User｜>": 3, "<｜Assistant｜>": 3, "  ": 4, "\n\n": 4, "hello world": 4}
+    vocab = tokens() + list(added)
+    meta = {
+        "tokenizer.ggml.pre": "deepseek-r1-qwen",
+        "tokenizer.ggml.tokens": vocab,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens()) - 3) + list(added.values()),
+    }
+    path = write_gguf(tmp_path / "added.gguf", tiny_llama(vocab=len(vocab)), meta=meta)
+    tok = load_pretrained(path).tokenizer  # (the model and its tokenizer agree on the vocabulary)
+    assert tok.vocab_size == len(vocab)
+    ids = {t: vocab.index(t) for t in added}
+    text = "<｜User｜>a  b\n\nhello world!<｜Assistant｜>"
+    got = tok.encode(text)
+    assert got[0] == ids["<｜User｜>"] and got[-1] == ids["<｜Assistant｜>"]
+    assert [ids["  "], ids["\n\n"], ids["hello world"]] == [i for i in got if i in ids.values()][1:-1]
+    assert max(got) < len(vocab) and tok.decode(got) == text
+
+
 # ---------------------------------------------------------------------------------------------
 # The real model
 # ---------------------------------------------------------------------------------------------

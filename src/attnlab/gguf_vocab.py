@@ -170,12 +170,15 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
         raise ValueError(f"{p}: tokenizer.ggml.merges must be a list of 'a b' pairs")
     _check_ids(p, meta, ("bos_token_id", "eos_token_id"), len(tokens))
     # A byte-level vocabulary spells bytes with GPT-2's printable alphabet; a token with any other
-    # character is respelled byte by byte (what transformers does too).
+    # character is respelled byte by byte (what transformers does too). Control and user-defined
+    # tokens are the exception: llama.cpp's converter writes them as raw text ("<｜User｜>", "  "),
+    # matched whole before the byte-level split, so they keep their text and their id.
     alphabet = bytes_to_unicode()
     allowed = set(alphabet.values())
     vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t if set(t) <= allowed else "".join(alphabet[b] for b in t.encode("utf-8")), i)
+    for i, (t, k) in enumerate(zip(tokens, types, strict=True)):
+        raw = k in (_CONTROL, _USER_DEFINED) or set(t) <= allowed
+        vocab.setdefault(t if raw else "".join(alphabet[b] for b in t.encode("utf-8")), i)
     try:
         tok = tokenizers.Tokenizer(
             models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False, dropout=None)
@@ -197,7 +200,7 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
             ]
         )
     tok.decoder = decoders.ByteLevel()
-    control = [t for t, k in zip(tokens, types, strict=True) if k == _CONTROL and set(t) <= allowed]
+    control = [t for t, k in zip(tokens, types, strict=True) if k == _CONTROL]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED])
     bos = meta["bos_token_id"] if meta["add_bos_token"] else None

@@ -140,7 +140,7 @@ def _with_eot(ids: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
 
 
 def load_pretrained(
-    name: str,
+    name: str | os.PathLike[str],
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -159,9 +159,11 @@ def load_pretrained(
     :func:`attnlab.hardware.inference_dtype` (half precision where the device computes it natively).
     An instruct model's chat template and stop ids fill ``chat_template`` and ``stop_ids``.
     """
+    name = os.fspath(name) if isinstance(name, os.PathLike) else name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(
-            f"{what} must name a published model ({', '.join(PRETRAINED)}, ...) or a directory, got {name!r}"
+            f"{what} must name a published model ({', '.join(PRETRAINED)}, ...), a directory or a GGUF file, "
+            f"got {name!r}"
         )
     device = check_device("device", device)  # (before anything is read)
     local, published = Path(name).expanduser(), name.lower() in PRETRAINED  # a published name means the Hub's
