@@ -60,6 +60,7 @@ CASES = {
             num_hidden_layers=3,
             sliding_window=5,
             query_pre_attn_scalar=8,
+            attn_logit_softcapping=2.0,  # (read and never applied by transformers' Gemma 3: nor by attnlab)
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},

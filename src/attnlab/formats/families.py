@@ -303,8 +303,10 @@ def _rope_by_layer_type(
 
 def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
     theta, scaling, local_theta = _rope_by_layer_type(cfg, 1_000_000.0, 10_000.0)
-    fields = _gemma2({**cfg, "rope_parameters": None, "rope_scaling": None, "rope_theta": theta})
-    fields |= dict(rope_theta=theta, rope_scaling=scaling, qk_norm=True)
+    # Gemma 3 keeps Gemma 2's final soft-cap but not its attention one: transformers' Gemma 3 reads
+    # attn_logit_softcapping from the config and never applies it (QK-norm bounds the scores instead).
+    plain = {**cfg, "rope_parameters": None, "rope_scaling": None, "rope_theta": theta, "attn_logit_softcapping": None}
+    fields = _gemma2(plain) | dict(rope_theta=theta, rope_scaling=scaling, qk_norm=True)
     if fields.get("window_layers"):
         fields["rope_local_theta"] = local_theta
     elif fields["window"] is not None and local_theta != theta:  # every layer slides: all are local
