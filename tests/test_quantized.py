@@ -600,6 +600,30 @@ def test_run_with_cache_and_attribution_patching_on_the_quantized_model(q4k):
     assert all(is_quantized(p) for p in quant.parameters() if p.dim() == 2)
 
 
+def test_run_with_cache_with_gradients_reaches_every_activation_of_the_quantized_model(q4k):
+    # Regression: the quantized embedding is frozen, so the activations made from it alone (hook_embed,
+    # blocks.0.hook_resid_pre) were outside the graph and torch.autograd.grad refused them.
+    from attnlab.interpret import run_with_cache
+
+    grads = []
+    for model in q4k:
+        logits, cache = run_with_cache(model, prompt(8)[:1], grad=True)
+        names = list(cache)
+        assert all(cache[n].requires_grad for n in names if cache[n].is_floating_point())
+        grads.append(
+            dict(
+                zip(
+                    names,
+                    torch.autograd.grad(logits[0, -1].logsumexp(-1), list(cache.values()), allow_unused=True),
+                    strict=True,
+                )
+            )
+        )
+    for name in ("hook_embed", "blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre"):
+        want = grads[1][name]
+        torch.testing.assert_close(grads[0][name], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 def test_lora_trains_on_the_frozen_quantized_base(q4k, tmp_path):
     from attnlab.training.lora import LoRASettings, apply_lora
 

@@ -597,8 +597,15 @@ def run_with_cache(
         idx = idx.unsqueeze(0)  # (1, T)
     cache = ActivationCache()
 
-    def keep(x: Tensor, hook: HookPoint) -> None:
+    def keep(x: Tensor, hook: HookPoint) -> Tensor | None:
+        if grad and not x.requires_grad and x.is_floating_point() and torch.is_grad_enabled():
+            # Made from frozen weights only (a quantized or frozen embedding): a leaf of its own,
+            # so that gradients reach it and what is computed from it.
+            x = x.detach().requires_grad_()
+            cache[hook.name] = x
+            return x
         cache[hook.name] = x if grad else x.detach()
+        return None
 
     grad_mode = torch.set_grad_enabled(grad and torch.is_grad_enabled())
     with eval_mode(model), grad_mode, hooks(model, dict.fromkeys(wanted, keep)):
