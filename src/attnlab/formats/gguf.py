@@ -471,7 +471,13 @@ def dequantize(tensor: Any, dtype: torch.dtype = torch.float32, file: BinaryIO |
     return torch.from_numpy(array.reshape(shape)).to(dtype)
 
 
-def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, keep_reader: bool = True) -> GGUFModel:
+def read_gguf(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    keep_reader: bool = True,
+    before_weights: Callable[[Any], None] | None = None,
+) -> GGUFModel:
     """Read a GGUF file: its config and attnlab state dict (see the module docstring).
 
     Args:
@@ -484,6 +490,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
         keep_reader: keep the ``gguf.GGUFReader`` in the result (its tokenizer metadata); False
             releases it before the tensors are read (``reader`` is then None), which spares the
             memory of its parsed header while the weights load.
+        before_weights: called with the ``gguf.GGUFReader`` once the header is checked, before any
+            tensor is read: what needs the parsed header (the file's tokenizer) is built from it
+            there, and with ``keep_reader=False`` the header is gone before the weights load.
 
     Raises ``ValueError`` naming the file for any defect (see the module docstring), and for an
     architecture attnlab does not read yet.
@@ -492,7 +501,7 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
         raise TypeError(f"dtype must be None (quantized) or a floating-point torch.dtype, got {dtype!r}")
     p = Path(path).expanduser()
     try:
-        return _read(p, open_gguf(p), dtype, keep_reader)  # (no reference here: _read may let it go)
+        return _read(p, open_gguf(p), dtype, keep_reader, before_weights)  # (no reference here: _read lets it go)
     except ValueError as e:
         if str(e).startswith(str(p)):
             raise
@@ -546,8 +555,17 @@ def _architecture(reader: Any) -> tuple[dict[str, Any], str, Architecture, dict[
     return meta, name, arch, _config(name, arch, meta, reader)
 
 
-def _read(p: Path, reader: Any, dtype: torch.dtype | None, keep_reader: bool = True) -> GGUFModel:
+def _read(
+    p: Path,
+    reader: Any,
+    dtype: torch.dtype | None,
+    keep_reader: bool = True,
+    before_weights: Callable[[Any], None] | None = None,
+) -> GGUFModel:
     meta, name, arch, cfg = _architecture(reader)
+    if before_weights is not None:
+        before_weights(reader)
+        _release_freed_memory()  # (what it built from the header and let go, before the weights come)
     n_layers = cfg["num_hidden_layers"]
     tensors = {}
     for t in reader.tensors:

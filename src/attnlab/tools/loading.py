@@ -277,8 +277,15 @@ def load_gguf(
 
 
 def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | None) -> LoadedModel:
-    read = read_gguf(p, dtype=dtype)  # (None: the matrices stay quantized)
-    tokenizer = HFTokenizer(p, reader=read.reader)
+    made: dict[str, HFTokenizer] = {}
+
+    def build_tokenizer(reader: Any) -> None:
+        made["tokenizer"] = HFTokenizer(p, reader=reader)
+
+    # The tokenizer is built from the parsed header (a Python object per token), which then goes
+    # before the weights load: the peak is the larger of the two, not their sum.
+    read = read_gguf(p, dtype=dtype, keep_reader=False, before_weights=build_tokenizer)  # (dtype None: quantized)
+    tokenizer = made["tokenizer"]
     vocab = read.fields["vocab_size"]
     if tokenizer.vocab_size != vocab:
         raise ValueError(f"{p}: its tokenizer has {tokenizer.vocab_size} tokens, its model {vocab}")
