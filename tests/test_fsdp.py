@@ -120,6 +120,13 @@ def test_two_sharded_processes_follow_one_process(runs) -> None:
         assert (a[k] - b[k]).abs().max() < 1e-4, k
 
 
+def test_sharded_processes_with_micro_steps_follow_one_process(runs, tmp_path) -> None:
+    # Regression: --fsdp with --grad-accum above 1 called DDP's no_sync on the FSDP2 model and crashed.
+    r = run(tmp_path / "accum", 2, "--fsdp", "--grad-accum", "2")
+    assert "batch 8 x 16 tokens (2 per process x 2 micro-step(s)), 2 process(es)" in r.stderr, r.stderr
+    assert_follows(metrics(tmp_path / "accum"), metrics(runs["one"]))
+
+
 @pytest.mark.parametrize(("source", "nproc", "extra"), [("sharded", 1, ()), ("one", 2, ("--fsdp",))])
 def test_a_checkpoint_resumes_with_another_process_count_sharded_or_not(runs, tmp_path, source, nproc, extra) -> None:
     out = from_step(runs[source], tmp_path / "resumed", 3)

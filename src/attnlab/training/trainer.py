@@ -697,10 +697,13 @@ class Trainer:
             torch.distributed.all_reduce(total)
         for micro, (x, y) in enumerate(batches):
             last = micro == cfg.grad_accum - 1
-            # DDP: all-reduce the gradients once, on the last micro-step.
-            sync = contextlib.nullcontext() if last or not self.dist.enabled else no_sync(self.model)
-            if self.cfg.fsdp and not last:
+            # All-reduce (DDP) or reduce-scatter (FSDP2) the gradients once, on the last micro-step.
+            if last or not self.dist.enabled:
+                sync = contextlib.nullcontext()
+            elif self.cfg.fsdp:  # (an FSDP2 model has no DDP's no_sync)
                 sync = fsdp.no_gradient_sync(self.raw_model)
+            else:
+                sync = no_sync(self.model)
             with sync:
                 with self.autocast():
                     logits = self.model(x)  # (b, T, V)
