@@ -65,6 +65,26 @@ def test_lora_on_quantized_weights_is_the_dense_models_and_keeps_no_dense_weight
     assert not big & set(saved), f"autograd kept a dense adapted weight: {sorted(big & set(saved))}"
 
 
+@pytest.mark.parametrize("targets", ["up,down", "q,k,v,o,up,down"])
+def test_lora_on_a_quantized_base_under_bfloat16_autocast_is_the_dense_models(targets):
+    # Regression: q, k and v left quantized are concatenated for one product, and autocast refused the
+    # float16 scales of their blocks ("Unexpected floating ScalarType"): --precision bf16 (the default on
+    # bf16 CPUs and GPUs) crashed on the first step unless q, k and v were adapted.
+    dense, quant = twins(2)
+    settings = LoRASettings.make(2, targets=targets)
+    apply_lora(dense, settings)
+    apply_lora(quant, settings)
+    idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (dense, quant):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(loss.detach().float())
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0.0)  # (bfloat16's products: 8 bits)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in quant.parameters() if p.requires_grad)
+
+
 def test_merging_adapters_of_a_quantized_base_gives_the_dense_merge():
     dense, quant = twins(1)
     settings = LoRASettings.make(2, targets="q,o,down")

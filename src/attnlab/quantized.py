@@ -1446,13 +1446,16 @@ def _cat(tensors: Sequence[Tensor], dim: int = 0, **kwargs: Any) -> Tensor:
     rows = dim in (0, -2) and all(isinstance(t, QuantizedTensor) for t in tensors)
     if rows and len({t.shape[1] for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1:
         parts: list[Part] = []
-        for t in tensors:
-            for p in t.parts:  # neighbours of one format become one part (one dequantization per tile)
-                if parts and parts[-1].format == p.format:
-                    last = parts[-1].fields
-                    parts[-1] = Part(p.format, {k: torch.cat([last[k], v]) for k, v in p.fields.items()})
-                else:
-                    parts.append(p)
+        # The blocks' fields are data, not activations: autocast's type promotion must not touch them
+        # (on the CPU it refuses float16 scales outright).
+        with torch.autocast(tensors[0].device.type, enabled=False):
+            for t in tensors:
+                for p in t.parts:  # neighbours of one format become one part (one dequantization per tile)
+                    if parts and parts[-1].format == p.format:
+                        last = parts[-1].fields
+                        parts[-1] = Part(p.format, {k: torch.cat([last[k], v]) for k, v in p.fields.items()})
+                    else:
+                        parts.append(p)
         return _packed(tensors[0]._with(parts))
     dense = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in tensors]
     return torch.cat(dense, dim, **kwargs)
