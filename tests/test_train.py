@@ -548,6 +548,23 @@ def test_grad_norm_is_measured_when_clipping_is_off(tmp_path: Path, one_thread) 
     assert trainer.fit().history[0]["grad_norm"] == pytest.approx(ref, rel=1e-4)
 
 
+def test_an_update_that_breaks_the_weights_stops_the_run_without_a_checkpoint_of_them(
+    tmp_path: Path, one_thread
+) -> None:
+    """An absurd learning rate: the training loss of step 1 is finite (it is the loss before the update),
+    the update breaks the weights. The run once ended "done" with a NaN validation loss and wrote a
+    checkpoint every reader refused (NaN is not JSON); now it stops, naming the step, and writes none."""
+    cfg = dict(ON_CPU, optimizer="adamw", lr=1e30, warmup_steps=0, max_steps=1, eval_every=1)
+    with pytest.raises(FloatingPointError, match="validation loss became nan at step 1"):
+        Trainer(TrainConfig(out=str(tmp_path / "eval"), **cfg)).fit()
+    assert not (tmp_path / "eval" / "latest.json").exists()
+    # No evaluation before the save: the weights themselves are checked.
+    cfg |= dict(lr=1e39, max_steps=2, eval_every=5, checkpoint_every=1)  # (past float32: inf weights)
+    with pytest.raises(FloatingPointError, match="weights became NaN or infinite at step 1"):
+        Trainer(TrainConfig(out=str(tmp_path / "save"), **cfg)).fit()
+    assert not (tmp_path / "save" / "latest.json").exists()
+
+
 def test_progress_bar_without_tqdm_is_a_note_not_a_crash(tmp_path: Path, monkeypatch, one_thread) -> None:
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `from tqdm.auto import tqdm` raises ImportError
     logs: list[str] = []

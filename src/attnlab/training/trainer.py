@@ -781,6 +781,11 @@ class Trainer:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
                     interrupted = self._agreed(flag.signum or 0, "MAX") or None  # the signal, agreed by all ranks
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps or interrupted:
+                        if not self._weights_finite():  # a checkpoint of them would be the one resumed from
+                            raise FloatingPointError(
+                                f"the weights became NaN or infinite at step {self.step} (its update); no "
+                                "checkpoint of them was written; try a smaller --lr"
+                            )
                         ckpt_path = self.save() or ckpt_path
                     if interrupted:
                         write(
@@ -811,9 +816,21 @@ class Trainer:
             "grad_norm": gnorm,
         }
         if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
-            self.last_val_loss = rec["val_loss"] = self.evaluate()
+            val_loss = self.evaluate()
+            if not math.isfinite(val_loss):  # (the update after a finite training loss can still break them)
+                raise FloatingPointError(
+                    f"the validation loss became {val_loss} at step {self.step}: its update left the weights "
+                    "not finite; try a smaller --lr"
+                )
+            self.last_val_loss = rec["val_loss"] = val_loss
             write(f"step {self.step}: train loss {loss:.4f}, val loss {rec['val_loss']:.4f}")
         return rec
+
+    def _weights_finite(self) -> bool:
+        """Whether every trained weight is finite, on every rank (the frozen ones cannot have changed)."""
+        local = [getattr(p, "_local_tensor", p) for p in self.raw_model.parameters() if p.requires_grad]
+        ok = all(bool(t.isfinite().all()) for t in local)
+        return bool(self._agreed(int(ok), "MIN"))
 
     def _plan_steps(self, history: list[dict[str, Any]], write: Callable[[str], None]) -> None:
         """``--max-time``: lower ``max_steps`` to the steps that fit the budget at the median step time
