@@ -1244,6 +1244,13 @@ def _pay_rent(seconds: float) -> None:
     _rent_paid_s += seconds
 
 
+def compile_from_now() -> None:
+    """Products compile from now on, whatever rent was paid. For a training run: the switch from the
+    eager tiles changes the order of some sums, and the clock decides when it comes (sooner on a busy
+    machine), so two runs, or a run and its resumption, would differ in their last bits."""
+    _pay_rent(max(0.0, COMPILE_AFTER_S - _rent_paid_s))
+
+
 def _compile_failed(e: Exception, what: str) -> None:
     global _compiler_works
     warnings.warn(f"quantized {what} without torch.compile ({type(e).__name__}: {e})", stacklevel=3)

@@ -54,7 +54,7 @@ from attnlab.errors import UserError
 from attnlab.files import atomic_open, first_line, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
-from attnlab.quantized import is_quantized
+from attnlab.quantized import compile_from_now, is_quantized
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
 from attnlab.training import chat_data, fsdp
 from attnlab.training.checkpoint import (
@@ -499,6 +499,8 @@ class Trainer:
         else:
             model = GPT(config)
         self.raw_model = model.to(self.device)
+        if any(is_quantized(p) for p in model.parameters()):
+            compile_from_now()  # every step's products alike, whenever the clock would switch them
         self.model_config = model_cfg = model.config
         self.cfg = dataclasses.replace(
             cfg,
