@@ -34,13 +34,25 @@ def test_import_and_help_do_not_load_torch():
 
 
 @pytest.mark.parametrize(
-    ("argv", "usage"), [(["info", "extra"], "usage: attnlab info"), (["bench", "--nope"], "usage: attnlab bench")]
+    ("argv", "usage"),
+    [(["info", "extra"], "usage: attnlab info --help"), (["bench", "--nope"], "usage: attnlab bench")],
 )
 def test_unknown_arguments_show_the_subcommands_usage(argv, usage, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and usage in err and f"unrecognized arguments: {argv[1]}" in err
+    assert len(err.splitlines()) == 1  # one line, as every other error (argparse printed its usage block)
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", "--batch-size", "abc"], ["train", "--precision", "fp8"], ["sae", "train", "--tokens", "x"]]
+)
+def test_a_flags_type_or_choice_error_is_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and f"attnlab {argv[0]}" in err, err
 
 
 @pytest.mark.slow

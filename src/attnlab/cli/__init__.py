@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 from types import ModuleType
 
 from attnlab.errors import UserError
@@ -35,15 +36,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (exit 2) like every other error of the command
+    line: argparse prints its whole usage block first, which is what ``--help`` is for."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and one (still empty) sub-parser per subcommand."""
     from attnlab import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="attnlab", description="Self-attention to learn from, measure and build real models on."
     )
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     subparsers = {}
     for name, (module_name, help_text) in COMMANDS.items():
         subparsers[name] = sub.add_parser(name, help=help_text, description=help_text)
