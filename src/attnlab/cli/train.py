@@ -308,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
     if merge is not None:
         _merge(trainer, merge)
     vl = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    unit = "nats/byte" if trainer.tokenizer.name == "byte" else f"nats/{trainer.tokenizer.name} token"
+    kind = {"byte": "byte", "char": "character", "gpt2": "GPT-2 token"}.get(trainer.tokenizer.name, "token")
+    unit = f"nats/{kind}"  # (a model's own tokenizer, "hf": its tokens)
     print(f"done: {result.step} steps, validation loss {vl} {unit}; checkpoint {result.checkpoint}", file=sys.stderr)
     prompt = trainer.sample_prompt(cfg.sample_prompt)
     if cfg.sample_tokens > 0 and not cfg.fsdp:  # a sharded model generates only with every process
