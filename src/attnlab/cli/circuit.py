@@ -22,6 +22,7 @@ of each; what the others write is counted in its error node).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from attnlab.cli.options import add_model_arguments, load_from_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.out is not None and not args.out.lower().endswith((".html", ".htm")):
         raise ValueError(f"--out must end in .html, got {args.out!r}")
+    if args.out is not None and not Path(args.out).parent.is_dir():  # known before the work, not after it
+        raise ValueError(f"--out {args.out}: the directory {Path(args.out).parent} does not exist")
     try:
         parse_budget(args.budget)  # before the model loads: a bad budget is known at once
     except ValueError as e:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from attnlab.interpret.circuits import (
     MIB_BUDGETS,
+    Circuit,
     EdgeGraph,
     EdgeScores,
     FaithfulnessCurve,
@@ -51,7 +52,6 @@ from attnlab.interpret.circuits import (
     edge_attribution,
     sae_graph,
 )
-from attnlab.interpret.hooks import eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, iframe, inline, json_for_script
 from attnlab.interpret.patch_view import answer_token
@@ -302,15 +302,16 @@ def circuit_result_pairs(
     scores = _mean_scores(model, batches, run, method=method, ig_steps=ig_steps, saes=saes, max_latents=max_latents)
     counts = [int(b * len(scores)) for b in fractions]
     n = int(fraction * len(scores))
-    circuits = [scores.top_n(k) for k in [*counts, n]]
+    # the clean and the corrupted run are the full and the empty circuit, run beside the others: the
+    # same sums, so the whole model's faithfulness is 1 (not 1 up to the rounding of another batch)
+    circuits = [*(scores.top_n(k) for k in [*counts, n]), Circuit.full(scores.graph), Circuit.empty(scores.graph)]
 
     def measure(clean: Tensor, corrupted: Tensor, metric: PairLogitDiff) -> tuple[Tensor, float, float]:
         """Every circuit's metric, and the clean and corrupted run's, on one length's batch."""
-        values = torch.tensor(circuit_metrics(model, clean, corrupted, metric, circuits), dtype=torch.float64)
-        with eval_mode(model), torch.no_grad():
-            return values, float(metric(model(clean))), float(metric(model(corrupted)))
+        values = circuit_metrics(model, clean, corrupted, metric, circuits)
+        return torch.tensor(values[:-2], dtype=torch.float64), values[-2], values[-1]
 
-    values = torch.zeros(len(circuits), dtype=torch.float64)
+    values = torch.zeros(len(circuits) - 2, dtype=torch.float64)
     m_clean = m_corr = 0.0
     for weight, clean, corrupted, metric in batches:
         v, c, x = run(lambda c=clean, x=corrupted, m=metric: measure(c, x, m))

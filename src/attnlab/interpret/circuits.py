@@ -33,7 +33,9 @@ corrupted run toward the clean one, at ``alpha = k / ig_steps`` for ``k = 0 .. i
 * ``"EAP-IG-inputs"``: the token embeddings are interpolated; every edge reads those gradients.
 * ``"EAP-IG-activations"`` (MIB's name): the outputs of one writer layer at a time (the embeddings,
   one layer's heads, one MLP) are interpolated, and the edges out of that layer read the gradients of
-  its own runs. All runs of a call go through the model as the rows of a few batches.
+  its own runs. All runs of a call go through the model as the rows of a few batches, ``max_tokens``
+  tokens a pass: a batch of pairs past it runs its rows in several passes, each following the metric's
+  gradient at all the rows' logits (the metric reads them together; the rows are independent).
 
 A circuit is a set of edges (:class:`Circuit`; :meth:`EdgeScores.top_n`, :meth:`EdgeScores.threshold`,
 :meth:`EdgeScores.greedy`). :func:`circuit_metrics` runs the clean prompt with every edge outside the
@@ -333,6 +335,8 @@ def sae_graph(
     saes: Sequence[SAE],
     prompts: Sequence[tuple[Tensor, Tensor]],
     max_latents: int = 64,
+    *,
+    max_tokens: int = 2048,
 ) -> EdgeGraph:
     """The graph of ``model`` with each of ``saes`` spliced in at its hook, its error term kept, and
     its latents nodes of their own (:class:`SAENodes`): a circuit read in features.
@@ -348,11 +352,14 @@ def sae_graph(
     Latents: those active (nonzero) at some position of ``prompts`` (``(clean, corrupted)`` token ids
     ``(B, T)`` each); past ``max_latents`` per SAE, the ones whose output changes most between the clean
     and corrupted prompts (``sum |z_clean - z_corrupted| * |W_dec[j]|``) are kept: memory stays bounded.
+    The prompts run ``max_tokens`` tokens a pass (a row at least).
     """
     cfg = _check_model(model)
     listed = _check_saes(model, saes, bool(cfg.parallel_residual))
     if isinstance(max_latents, bool) or not isinstance(max_latents, int) or max_latents < 0:
         raise ValueError(f"max_latents must be a non-negative int, got {max_latents!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     pairs = [_check_pair(model, c, x) for c, x in prompts]
     base = EdgeGraph.of(model)
     names = [sae_point(sae, "acts_post") for sae, *_ in listed]
@@ -363,9 +370,12 @@ def sae_graph(
         for clean, corrupted in pairs:
             z = []
             for idx in (clean, corrupted):
-                with hooks(model, {n: lambda x, hook: cache.__setitem__(hook.name, x) for n in names}):
-                    model(idx)
-                z.append([cache[n].flatten(0, -2) for n in names])  # (B T, d_sae) each
+                parts = []
+                for rows in _row_chunks(*idx.shape, max_tokens):
+                    with hooks(model, {n: lambda x, hook: cache.__setitem__(hook.name, x) for n in names}):
+                        model(idx[rows])
+                    parts.append([cache[n].flatten(0, -2) for n in names])
+                z.append([torch.cat(p) for p in zip(*parts, strict=True)])  # (B T, d_sae) each
             for i, (sae, *_) in enumerate(listed):
                 active[i] |= ((z[0][i] != 0) | (z[1][i] != 0)).any(0).cpu()
                 norms = sae.W_dec.detach().norm(dim=-1).double()
@@ -395,8 +405,18 @@ class EdgeScores:
     ig_steps: int
     per_position: bool
 
+    def __post_init__(self) -> None:
+        # a NaN would rank as the strongest edge and poison every circuit chosen from the scores
+        bad = ~torch.isfinite(self.scores) & self._mask()
+        if bad.any():
+            w, r, score = self._edge(int(bad.flatten().nonzero()[0]))
+            raise ValueError(
+                f"scores must be finite, got {score} on {int(bad.sum())} edges (the first {w!r} -> {r!r}): the model's "
+                "activations or the metric's gradient are not finite on these prompts"
+            )
+
     def _mask(self) -> Tensor:
-        return self.graph.valid.expand_as(self.scores)
+        return self.graph.valid.to(self.scores.device).expand_as(self.scores)
 
     def items(self) -> Iterator[tuple[Node, Node, float]]:
         g = self.graph
@@ -412,13 +432,14 @@ class EdgeScores:
         return int(self._mask().sum())
 
     def __getitem__(self, edge: tuple[Node, Node]) -> float:
+        if not isinstance(edge, tuple) or len(edge) != 2:
+            raise KeyError(f"an edge is (writer, reader), got {edge!r}")
         writer, reader = edge
         w, r = self.graph.writer_index(writer), self.graph.reader_index(reader)
         if not self.graph.valid[w, r]:
             raise KeyError(f"{writer!r} -> {reader!r} is not an edge (the writer does not come before the reader)")
-        if self.per_position:
-            return float(self.scores[writer[3], w, r])
-        return float(self.scores[w, r])
+        t = _position("edge", writer, reader, self.scores.shape[0] if self.per_position else None)
+        return float(self.scores[w, r] if t is None else self.scores[t, w, r])
 
     def top(self, n: int = 10) -> list[tuple[Node, Node, float]]:
         """The ``n`` edges of largest ``|score|``, strongest first (a strongly negative edge matters too)."""
@@ -444,14 +465,14 @@ class EdgeScores:
     def top_n(self, n: int) -> Circuit:
         """The circuit of the ``n`` edges of largest ``|score|``."""
         mask = torch.zeros(self.scores.numel(), dtype=torch.bool)
-        mask[self._ranked()[: _count("n", n)]] = True
+        mask[self._ranked()[: _count("n", n)].cpu()] = True
         return Circuit(self.graph, mask.view(self.scores.shape))
 
     def threshold(self, t: float) -> Circuit:
         """The circuit of the edges with ``|score| >= t``."""
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise TypeError(f"t must be a finite number, got {t!r}")
-        return Circuit(self.graph, (self.scores.abs() >= t) & self._mask())
+        return Circuit(self.graph, ((self.scores.abs() >= t) & self._mask()).cpu())
 
     def greedy(self, n: int) -> Circuit:
         """Grow a circuit from the logits, ``n`` edges: each step adds the edge of largest ``|score|``
@@ -510,6 +531,26 @@ class EdgeScores:
         return Circuit(g, mask)
 
 
+def _position(what: str, writer: Node, reader: Node, T: int | None) -> int | None:
+    """The position of a position-resolved edge (both nodes carry it, as a fourth entry), None for a
+    position-summed one; ``T``: the positions there are, None where nodes carry none."""
+    sizes = (len(writer), len(reader))
+    if T is None:
+        if sizes != (3, 3):
+            raise ValueError(f"{what}: position-summed nodes are (kind, layer, head), got {writer!r} -> {reader!r}")
+        return None
+    if sizes != (4, 4):
+        raise ValueError(
+            f"{what}: position-resolved nodes are (kind, layer, head, position), got {writer!r} -> {reader!r}"
+        )
+    t = writer[3]
+    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < T:
+        raise KeyError(f"{what}: a position is an int in [0, {T}), got {t!r}")
+    if reader[3] != t:
+        raise KeyError(f"{what}: {writer!r} -> {reader!r} is not an edge (an edge joins nodes at the same position)")
+    return t
+
+
 def _count(name: str, n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise TypeError(f"{name} must be a non-negative int (a number of edges), got {n!r}")
@@ -544,17 +585,30 @@ class Circuit:
                 yield (*g.writers[w], t), (*g.readers[r], t)
 
     @classmethod
-    def from_edges(cls, graph: EdgeGraph, edges: Sequence[tuple[Node, Node]]) -> Circuit:
-        """A position-summed circuit of ``(writer, reader)`` pairs (a trailing score is ignored)."""
-        mask = torch.zeros_like(graph.valid)
+    def from_edges(cls, graph: EdgeGraph, edges: Sequence[tuple[Node, Node]], positions: int | None = None) -> Circuit:
+        """A circuit of ``(writer, reader)`` pairs (a trailing score is ignored): position-summed, or with
+        ``positions=T`` (the prompts' length) per position, of position-resolved nodes (a fourth entry,
+        as :meth:`EdgeScores.top` gives them with ``per_position=True``)."""
+        if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+            raise ValueError(f"positions must be the prompts' length (an int >= 1) or None, got {positions!r}")
+        mask = torch.zeros((positions or 1, *graph.valid.shape), dtype=torch.bool)
         for i, edge in enumerate(edges):
             if not isinstance(edge, (tuple, list)) or len(edge) not in (2, 3):
                 raise ValueError(f"edges[{i}] must be (writer, reader) or (writer, reader, score), got {edge!r}")
             w, r = graph.writer_index(edge[0]), graph.reader_index(edge[1])
             if not graph.valid[w, r]:
                 raise ValueError(f"edges[{i}] = {edge[0]!r} -> {edge[1]!r} is not an edge of the graph")
-            mask[w, r] = True
-        return cls(graph, mask)
+            if positions is None and (len(edge[0]) == 4 or len(edge[1]) == 4):
+                raise ValueError(
+                    f"edges[{i}] = {edge[0]!r} -> {edge[1]!r} is position-resolved: give positions=T (the prompts' "
+                    "length) for a per-position circuit, or nodes (kind, layer, head) for a position-summed one"
+                )
+            try:
+                t = _position(f"edges[{i}]", edge[0], edge[1], positions)
+            except KeyError as e:
+                raise ValueError(e.args[0]) from None
+            mask[t or 0, w, r] = True
+        return cls(graph, mask if positions else mask[0])
 
     @classmethod
     def full(cls, graph: EdgeGraph) -> Circuit:
@@ -607,10 +661,42 @@ def _check_pair(model: nn.Module, clean: object, corrupted: object) -> tuple[Ten
 
 def _metric_value(metric: Callable, logits: Tensor) -> Tensor:
     value = metric(logits)
-    metric_scalar(value)  # a clear ValueError for anything but one float
+    number = float(metric_scalar(value))  # a clear ValueError for anything but one float
+    if not math.isfinite(number):
+        raise ValueError(f"metric must return a finite value, got {number} {_on(logits)}")
     if not isinstance(value, Tensor) or not value.requires_grad:
         raise ValueError("metric must return a tensor computed from the logits (edge attribution needs its gradient)")
     return value.reshape(())
+
+
+def _on(logits: Tensor) -> str:
+    finite = bool(torch.isfinite(logits).all())
+    return "(the logits are finite: the metric made it)" if finite else "(the model's logits are not finite)"
+
+
+def _logits_grad(metric: Callable, logits: Tensor) -> Tensor:
+    """The metric's gradient with respect to ``logits`` (all of a run's rows: the metric reads them together)."""
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_(True)
+        return torch.autograd.grad(_metric_value(metric, x), x)[0]
+
+
+def _row_chunks(B: int, T: int, max_tokens: int | None) -> list[slice]:
+    """``B`` rows in slices of at most ``max_tokens`` tokens (a row at least: its positions run together)."""
+    per = B if max_tokens is None else max(1, max_tokens // T)
+    return [slice(lo, min(B, lo + per)) for lo in range(0, B, per)]
+
+
+def _forward(model: nn.Module, idx: Tensor, replace: dict | None = None, out_proj: dict | None = None) -> Tensor:
+    """The logits of one plain forward, without gradient, with ``replace``'s and ``out_proj``'s changes."""
+    blocks = model.trf_blocks
+    handles = [blocks[layer].att.out_proj.register_forward_pre_hook(f) for layer, f in (out_proj or {}).items()]
+    try:
+        with torch.no_grad(), hooks(model, replace or {}):
+            return model(idx)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,17 +781,24 @@ def head_results(att: nn.Module, z: Tensor) -> Tensor:
     return torch.einsum("bthe,dhe->bthd", z.view(B, T, att.num_heads, att.head_dim), w_o)
 
 
-def _run_writers(model: nn.Module, graph: EdgeGraph, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """``(writers (B, T, W, d), logits)`` of one plain forward."""
-    rec = _Writers(model, graph)
-    handles = rec.torch_hooks()
-    try:
-        with torch.no_grad(), hooks(model, rec.fns()):
-            logits = model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    return rec.stacked(), logits
+def _run_writers(
+    model: nn.Module, graph: EdgeGraph, idx: Tensor, max_tokens: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(writers (B, T, W, d), logits)`` of a plain forward, ``max_tokens`` tokens a pass (rows are independent)."""
+    parts = []
+    for rows in _row_chunks(*idx.shape, max_tokens):
+        rec = _Writers(model, graph)
+        handles = rec.torch_hooks()
+        try:
+            with torch.no_grad(), hooks(model, rec.fns()):
+                logits = model(idx[rows])
+        finally:
+            for h in handles:
+                h.remove()
+        parts.append((rec.stacked(), logits))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([w for w, _ in parts]), torch.cat([x for _, x in parts])
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,7 +965,8 @@ def edge_attribution(
         method: ``"EAP"``, ``"EAP-IG-inputs"`` or ``"EAP-IG-activations"``.
         ig_steps: points on the integration path (EAP-IG only; 1 gives EAP).
         per_position: keep each position's edges apart: scores ``(T, W, R)``.
-        max_tokens: at most this many tokens (rows x T) through the model in one pass of EAP-IG.
+        max_tokens: at most this many tokens (rows x T) through the model in one pass (a row at
+            least); a batch past it runs in several passes, the same scores.
         saes: SAEs or transcoders spliced in at their hooks (error kept), their latents and errors
             nodes of the graph (:func:`sae_graph`, which picks at most ``max_latents`` latents of each
             from these prompts). EAP and EAP-IG-inputs.
@@ -889,33 +983,54 @@ def edge_attribution(
         raise TypeError(f"per_position must be a bool, got {per_position!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    graph = _graph_for(model, clean, corrupted, saes, max_latents, graph)
+    graph = _graph_for(model, clean, corrupted, saes, max_latents, graph, max_tokens)
     if graph.saes and method == "EAP-IG-activations":
         raise ValueError("method='EAP-IG-activations' interpolates the model's own writers; with SAE nodes use EAP")
     steps = 1 if method == "EAP" else ig_steps
     T = clean.shape[1]
     acc = torch.promote_types(model.dtype, torch.float32)
     W, R = len(graph.writers), len(graph.readers)
-    out = torch.zeros((T, W, R) if per_position else (W, R), dtype=acc, device=clean.device)
+    # the gradients are needed inside torch.inference_mode() too (a server runs in it); its tensors
+    # cannot be saved for backward, so such prompts are copied out of it
+    with torch.inference_mode(False), torch.enable_grad():
+        clean, corrupted = (x.clone() if x.is_inference() else x for x in (clean, corrupted))
+        out = torch.zeros((T, W, R) if per_position else (W, R), dtype=acc, device=clean.device)
+        _scores(model, graph, clean, corrupted, metric, method, steps, per_position, out, max_tokens)
+    return EdgeScores(graph, out, method, steps, per_position)
+
+
+def _scores(
+    model: nn.Module,
+    graph: EdgeGraph,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable,
+    method: str,
+    steps: int,
+    per_position: bool,
+    out: Tensor,
+    max_tokens: int,
+) -> None:
     with eval_mode(model), _spliced(model, [s.sae for s in graph.saes]):
-        clean_w, _ = _run_writers(model, graph, clean)
+        clean_w, _ = _run_writers(model, graph, clean, max_tokens)
         args = (model, graph, clean, corrupted, metric, clean_w, steps, per_position, out, max_tokens)
         if method == "EAP":
-            _eap(model, graph, corrupted, metric, clean_w, per_position, out)
+            _eap(model, graph, corrupted, metric, clean_w, per_position, out, max_tokens)
         elif method == "EAP-IG-inputs":
             _ig_inputs(*args)
         else:
             _ig_activations(*args)
     out *= graph.valid.to(out.device)
-    return EdgeScores(graph, out, method, steps, per_position)
 
 
 def _graph_for(
-    model: nn.Module, clean: Tensor, corrupted: Tensor, saes: object, max_latents: int, graph: object
+    model: nn.Module, clean: Tensor, corrupted: Tensor, saes: object, max_latents: int, graph: object, max_tokens: int
 ) -> EdgeGraph:
     """The graph edge_attribution scores: the model's, :func:`sae_graph`'s of ``saes``, or ``graph`` checked."""
+    if graph is None and saes:
+        return sae_graph(model, saes, [(clean, corrupted)], max_latents, max_tokens=max_tokens)
     if graph is None:
-        return sae_graph(model, saes, [(clean, corrupted)], max_latents) if saes else EdgeGraph.of(model)
+        return EdgeGraph.of(model)
     if saes:
         raise ValueError("give saes or graph, not both (a graph from sae_graph holds its SAEs)")
     if not isinstance(graph, EdgeGraph):
@@ -931,9 +1046,26 @@ def _recording(model: nn.Module, graph: EdgeGraph) -> tuple[_Writers, dict[str, 
 
 
 def _eap(
-    model: nn.Module, graph: EdgeGraph, corrupted: Tensor, metric: Callable, clean_w: Tensor, per_pos: bool, out: Tensor
+    model: nn.Module,
+    graph: EdgeGraph,
+    corrupted: Tensor,
+    metric: Callable,
+    clean_w: Tensor,
+    per_pos: bool,
+    out: Tensor,
+    max_tokens: int,
 ) -> Tensor:
     """One corrupted forward and backward: its writers' outputs and every reader's gradient."""
+    B, T = corrupted.shape
+    if max_tokens < B * T:  # the rows over several passes (see _passes), the writers from plain passes first
+        corr_w, _ = _run_writers(model, graph, corrupted, max_tokens)
+        delta = clean_w - corr_w
+
+        def add(layer: int, g: Tensor, units: list) -> None:
+            _add_layer(graph, layer, delta[units[0][1]], g, per_pos, out)
+
+        _passes(model, graph, corrupted, metric, 1, 1, max_tokens, lambda units: ({}, None), add)
+        return corr_w
     rec, fns, handles = _recording(model, graph)
     try:
         grads = _reader_grads(model, graph, corrupted, lambda logits: _metric_value(metric, logits), fns)
@@ -947,9 +1079,51 @@ def _eap(
     return corr_w
 
 
-def _step_chunks(n: int, rows_per_step: int, T: int, max_tokens: int) -> list[range]:
-    per = max(1, max_tokens // max(1, rows_per_step * T))
-    return [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
+def _passes(
+    model: nn.Module,
+    graph: EdgeGraph,
+    idx: Tensor,
+    metric: Callable,
+    n_runs: int,
+    steps: int,
+    max_tokens: int,
+    changes: Callable[[list], tuple[dict, dict | None]],
+    add: Callable[[int, Tensor, list], None],
+) -> None:
+    """The forward and backward of ``metric / steps`` for each of ``n_runs`` runs of ``idx (B, T)`` (what
+    ``changes(units)`` sets on them: replacing hook functions and out_proj pre-hooks), ``max_tokens``
+    tokens a pass. A pass holds *units* ``(run, rows)``; ``add(layer, g, units)`` takes each reader
+    layer's gradients ``g``, the units' rows one after the other."""
+    B, T = idx.shape
+    per = max(1, max_tokens // T)  # rows a pass
+    if per >= B:  # whole runs, several a pass: each run's metric on its own rows
+        for lo in range(0, n_runs, per // B):
+            units = [(j, slice(0, B)) for j in range(lo, min(n_runs, lo + per // B))]
+
+            def objective(logits: Tensor, n: int = len(units)) -> Tensor:
+                return sum(_metric_value(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
+
+            _grad_pass(model, graph, idx, units, objective, changes, add)
+        return
+    # A run's rows over several passes. The metric reads all its rows' logits together, but the rows
+    # are independent: each pass follows the metric's gradient at the run's logits (plain passes first).
+    chunks = _row_chunks(B, T, max_tokens)
+    for j in range(n_runs):
+        logits = torch.cat([_forward(model, idx[r], *changes([(j, r)])) for r in chunks])
+        grad = _logits_grad(metric, logits) / steps
+        del logits
+        for r in chunks:
+            objective = lambda logits, g=grad[r]: (logits * g).sum()
+            _grad_pass(model, graph, idx, [(j, r)], objective, changes, add)
+
+
+def _grad_pass(
+    model: nn.Module, graph: EdgeGraph, idx: Tensor, units: list, objective: Callable, changes: Callable, add: Callable
+) -> None:
+    replace, out_proj = changes(units)
+    x = torch.cat([idx[r] for _, r in units])
+    for layer, g in enumerate(_reader_grads(model, graph, x, objective, replace, out_proj)):
+        add(layer, g, units)
 
 
 def _ig_inputs(
@@ -966,25 +1140,21 @@ def _ig_inputs(
 ) -> Tensor:
     """EAP-IG on the inputs: the token embeddings at ``alpha = k / steps``, the steps as rows of a batch."""
     with torch.no_grad():  # (the blocks after the embedding are not run)
-        e1, e0 = (activation_at(model, "hook_embed", idx) for idx in (clean, corrupted))
-    corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
+        chunks = _row_chunks(*clean.shape, max_tokens)
+        e1, e0 = (torch.cat([activation_at(model, "hook_embed", idx[r]) for r in chunks]) for idx in (clean, corrupted))
+    corr_w, _ = _run_writers(model, graph, corrupted, max_tokens)  # (B, T, W, d)
     delta = clean_w - corr_w
-    B = clean.shape[0]
-    for chunk in _step_chunks(steps, B, clean.shape[1], max_tokens):
-        alphas = torch.tensor([k / steps for k in chunk], dtype=e0.dtype, device=e0.device)
-        path = (e0[None] + alphas[:, None, None, None] * (e1 - e0)[None]).flatten(0, 1)  # (n B, T, d)
 
-        def interpolate(x: Tensor, hook: HookPoint, path: Tensor = path) -> Tensor:
-            return path
+    def changes(units: list) -> tuple[dict, None]:
+        alpha = [torch.tensor(k / steps, dtype=e0.dtype, device=e0.device) for k, _ in units]
+        path = torch.cat([e0[r] + a * (e1[r] - e0[r]) for a, (_, r) in zip(alpha, units, strict=True)])
+        return {"hook_embed": lambda x, hook: path}, None
 
-        def objective(logits: Tensor, n: int = len(chunk)) -> Tensor:
-            # the mean over steps: each step's metric on its own rows
-            return sum(_metric_value(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
+    def add(layer: int, g: Tensor, units: list) -> None:
+        # the scores are linear in the gradient: the steps of a pass (the same rows) add their share
+        _add_layer(graph, layer, delta[units[0][1]], g.view(len(units), -1, *g.shape[1:]).sum(0), per_pos, out)
 
-        grads = _reader_grads(model, graph, corrupted.repeat(len(chunk), 1), objective, {"hook_embed": interpolate})
-        for layer, g in enumerate(grads):
-            # the scores are linear in the gradient: each chunk's steps add their share
-            _add_layer(graph, layer, delta, g.view(len(chunk), B, *g.shape[1:]).sum(0), per_pos, out)
+    _passes(model, graph, corrupted, metric, steps, steps, max_tokens, changes, add)
     return corr_w
 
 
@@ -1003,12 +1173,12 @@ def _ig_activations(
     """EAP-IG on the activations: one writer layer at a time at ``alpha = k / steps`` on the corrupted
     run; the edges out of that layer read the mean gradient of its own runs. Every (layer, step) run
     is ``B`` rows of a batch, a few batches in all."""
-    corr_w, _ = _run_writers(model, graph, corrupted)  # (B, T, W, d)
+    corr_w, _ = _run_writers(model, graph, corrupted, max_tokens)  # (B, T, W, d)
     delta = clean_w - corr_w
     # Each layer's own activations on both prompts: the embeddings, z before out_proj (a head's
     # output is linear in its z) and the MLP's output.
-    acts = {"clean": _layer_acts(model, graph, clean), "corrupted": _layer_acts(model, graph, corrupted)}
-    L, H, B = graph.n_layers, graph.n_heads, clean.shape[0]
+    acts = {k: _layer_acts(model, graph, idx, max_tokens) for k, idx in (("clean", clean), ("corrupted", corrupted))}
+    L, H = graph.n_layers, graph.n_heads
     # group: (where its activation is replaced, the writers it holds)
     groups: list[tuple[str, slice]] = [("hook_embed", slice(0, 1))]
     for layer in range(L):
@@ -1016,61 +1186,54 @@ def _ig_activations(
         groups.append((f"z.{layer}", slice(h0, h0 + H)))
         groups.append((f"blocks.{layer}.hook_mlp_out", slice(h0 + H, h0 + H + 1)))
     jobs = [(g, k) for g in range(len(groups)) for k in range(steps)]
-    for chunk in _step_chunks(len(jobs), B, clean.shape[1], max_tokens):
-        mine = [jobs[i] for i in chunk]
 
-        def interpolated(name: str, x: Tensor, mine: list = mine) -> Tensor:
-            """``x (n B, ...)`` with the rows of the jobs that interpolate ``name`` set on the path."""
+    def changes(units: list) -> tuple[dict, dict]:
+        def interpolated(name: str, x: Tensor) -> Tensor:
+            """``x`` with the rows of the units that interpolate ``name`` set on the path."""
             a0, a1 = acts["corrupted"][name], acts["clean"][name]
-            x = x.clone()
-            for j, (g, k) in enumerate(mine):
+            x, at = x.clone(), 0
+            for j, r in units:
+                g, k = jobs[j]
                 if groups[g][0] == name:
-                    x[j * B : (j + 1) * B] = a0 + (k / steps) * (a1 - a0)
+                    x[at : at + r.stop - r.start] = a0[r] + (k / steps) * (a1[r] - a0[r])
+                at += r.stop - r.start
             return x
 
-        names_here = {groups[g][0] for g, _ in mine}
-        replace = {
-            name: (lambda x, hook, name=name: interpolated(name, x)) for name in names_here if not name.startswith("z.")
-        }
-        z_replace = {
-            int(name[2:]): (lambda m, args, name=name: (interpolated(name, args[0]), *args[1:]))
-            for name in names_here
-            if name.startswith("z.")
-        }
+        names = {groups[jobs[j][0]][0] for j, _ in units}
+        replace = {n: (lambda x, hook, n=n: interpolated(n, x)) for n in names if not n.startswith("z.")}
+        z_names = [n for n in names if n.startswith("z.")]
+        z_replace = {int(n[2:]): (lambda m, args, n=n: (interpolated(n, args[0]), *args[1:])) for n in z_names}
+        return replace, z_replace
 
-        def objective(logits: Tensor, n: int = len(mine)) -> Tensor:
-            return sum(_metric_value(metric, logits[j * B : (j + 1) * B]) for j in range(n)) / steps
+    def add(layer: int, g: Tensor, units: list) -> None:
+        at = 0
+        for j, r in units:
+            rows = g[at : at + r.stop - r.start]
+            _add_layer(graph, layer, delta[r], rows, per_pos, out, writers=groups[jobs[j][0]][1])
+            at += r.stop - r.start
 
-        idx = corrupted.repeat(len(mine), 1)
-        grads = _reader_grads(model, graph, idx, objective, replace, z_replace)
-        for layer, g in enumerate(grads):
-            for j, (group, _) in enumerate(mine):
-                _add_layer(graph, layer, delta, g[j * B : (j + 1) * B], per_pos, out, writers=groups[group][1])
+    _passes(model, graph, corrupted, metric, len(jobs), steps, max_tokens, changes, add)
     return corr_w
 
 
-def _layer_acts(model: nn.Module, graph: EdgeGraph, idx: Tensor) -> dict[str, Tensor]:
-    """The activations EAP-IG-activations interpolates, from one plain forward of ``idx``."""
-    acts: dict[str, Tensor] = {}
+def _layer_acts(model: nn.Module, graph: EdgeGraph, idx: Tensor, max_tokens: int) -> dict[str, Tensor]:
+    """The activations EAP-IG-activations interpolates, from plain forwards of ``idx``."""
+    parts: dict[str, list[Tensor]] = {}
 
     def grab(x: Tensor, hook: HookPoint) -> None:
-        acts[hook.name] = x.detach()
+        parts.setdefault(hook.name, []).append(x.detach())
 
     def grab_z(layer: int) -> Callable:
         def pre(module: nn.Module, args: tuple) -> None:
-            acts[f"z.{layer}"] = args[0].detach()  # (B, T, H * hd)
+            parts.setdefault(f"z.{layer}", []).append(args[0].detach())  # (B, T, H * hd)
 
         return pre
 
-    handles = [b.att.out_proj.register_forward_pre_hook(grab_z(i)) for i, b in enumerate(model.trf_blocks)]
     names = ["hook_embed"] + [f"blocks.{i}.hook_mlp_out" for i in range(graph.n_layers)]
-    try:
-        with torch.no_grad(), hooks(model, dict.fromkeys(names, grab)):
-            model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    return acts
+    out_proj = {i: grab_z(i) for i in range(graph.n_layers)}
+    for rows in _row_chunks(*idx.shape, max_tokens):
+        _forward(model, idx[rows], dict.fromkeys(names, grab), out_proj)
+    return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in parts.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1294,8 +1457,9 @@ def circuit_metrics(
 ) -> list[float]:
     """The metric of the clean prompt with every edge outside each circuit patched from the corrupted run.
 
-    The circuits run together as the rows of a few batches (``max_tokens`` rows x T at a time). The
-    full circuit gives ``metric(model(clean))`` and the empty one ``metric(model(corrupted))``.
+    The circuits run together as the rows of a few batches, ``max_tokens`` tokens a pass (a row at
+    least: a batch of prompts past it runs in several passes, the metric reading all their logits).
+    The full circuit gives ``metric(model(clean))`` and the empty one ``metric(model(corrupted))``.
 
     Circuits of a graph with SAE nodes (:func:`sae_graph`) run with those SAEs spliced in: an edge
     left out of a latent or error node carries its corrupted output; an edge left out into a residual
@@ -1303,27 +1467,52 @@ def circuit_metrics(
     """
     clean, corrupted = _check_inputs(model, clean, corrupted, metric)
     graph, masks = _as_masks(EdgeGraph.of(model), circuits, clean.shape[1])
-    masks = masks.to(clean.device)
+    return _circuit_values(model, graph, masks, clean, corrupted, metric, max_tokens)
+
+
+def _circuit_values(
+    model: nn.Module,
+    graph: EdgeGraph,
+    masks: Tensor,
+    clean: Tensor,
+    corrupted: Tensor,
+    metric: Callable,
+    max_tokens: int,
+) -> list[float]:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    masks = masks.to(clean.device)
     B, T = clean.shape
-    per = max(1, max_tokens // (B * T))
+    chunks = _row_chunks(B, T, max_tokens)
+    per = max(1, max_tokens // (B * T))  # circuits a pass (one when its rows take several)
     values: list[float] = []
     with eval_mode(model), _spliced(model, [s.sae for s in graph.saes]):
-        corr_w, _ = _run_writers(model, graph, corrupted)
+        corr_w, _ = _run_writers(model, graph, corrupted, max_tokens)
         for lo in range(0, masks.shape[0], per):
             kept = masks[lo : lo + per]
             excluded = graph.valid.to(kept.device) & ~kept
-            run = _CircuitRun(model, graph, corr_w, excluded)
-            handles = run.torch_hooks()
-            try:
-                with torch.no_grad(), hooks(model, run.fns()):
-                    logits = model(clean.repeat(kept.shape[0], 1))  # (C B, T, V)
-            finally:
-                for h in handles:
-                    h.remove()
-            values += [float(metric_scalar(metric(logits[c * B : (c + 1) * B]))) for c in range(kept.shape[0])]
+            parts = [_patched_run(model, graph, corr_w[r], excluded, clean[r]) for r in chunks]
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (C, B, T, V)
+            for c in range(kept.shape[0]):
+                value = float(metric_scalar(metric(logits[c])))
+                if not math.isfinite(value):
+                    where = f"for circuits[{lo + c}] {_on(logits[c])}"
+                    raise ValueError(f"metric must return a finite value, got {value} {where}")
+                values.append(value)
     return values
+
+
+def _patched_run(model: nn.Module, graph: EdgeGraph, corr_w: Tensor, excluded: Tensor, clean: Tensor) -> Tensor:
+    """The logits ``(C, B, T, V)`` of ``clean (B, T)`` with each circuit's ``excluded`` edges patched."""
+    run = _CircuitRun(model, graph, corr_w, excluded)
+    handles = run.torch_hooks()
+    try:
+        with torch.no_grad(), hooks(model, run.fns()):
+            logits = model(clean.repeat(excluded.shape[0], 1))  # (C B, T, V)
+    finally:
+        for h in handles:
+            h.remove()
+    return logits.view(excluded.shape[0], *clean.shape, -1)
 
 
 def faithfulness(
@@ -1338,24 +1527,29 @@ def faithfulness(
     """MIB's faithfulness of each circuit: ``(m(C) - m(corrupted)) / (m(clean) - m(corrupted))``, 1 for
     the full model, 0 for the empty circuit (TransformerLens 4.3's ``recovered``).
 
-    ``m(clean)`` and ``m(corrupted)`` are the whole model's metric on each prompt; a ValueError when
-    they are equal (the ratio is undefined).
+    ``m(clean)`` and ``m(corrupted)`` are the whole model's metric on each prompt, run as the full and
+    the empty circuit beside the others (the same sums: the full circuit's faithfulness is 1, up to
+    the rounding of the pass it runs in); a ValueError when they are equal (the ratio is undefined).
     """
     clean, corrupted = _check_inputs(model, clean, corrupted, metric)
-    m_clean, m_corr = _endpoints(model, clean, corrupted, metric)
-    values = circuit_metrics(model, clean, corrupted, metric, circuits, max_tokens=max_tokens)
+    values, m_clean, m_corr = _with_endpoints(model, clean, corrupted, metric, circuits, max_tokens)
     return [(v - m_corr) / (m_clean - m_corr) for v in values]
 
 
-def _endpoints(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Callable) -> tuple[float, float]:
-    with eval_mode(model), torch.no_grad():
-        m_clean, m_corr = (float(metric_scalar(metric(model(idx)))) for idx in (clean, corrupted))
+def _with_endpoints(
+    model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Callable, circuits: object, max_tokens: int
+) -> tuple[list[float], float, float]:
+    """Each circuit's metric, and ``m(clean)``, ``m(corrupted)``: the full and the empty circuit's."""
+    graph, masks = _as_masks(EdgeGraph.of(model), circuits, clean.shape[1])
+    full = graph.valid.expand_as(masks[0])
+    masks = torch.cat([masks, torch.stack([full, torch.zeros_like(full)])])
+    *values, m_clean, m_corr = _circuit_values(model, graph, masks, clean, corrupted, metric, max_tokens)
     if m_clean == m_corr:
         raise ValueError(
             f"the metric is {m_clean} on both prompts, so faithfulness (a fraction of the difference) is undefined; "
             "choose a pair the metric separates"
         )
-    return m_clean, m_corr
+    return values, m_clean, m_corr
 
 
 @dataclass(frozen=True)
@@ -1410,8 +1604,7 @@ def faithfulness_curve(
     counts = [int(b * total) for b in fractions]
     circuits = [getattr(scores, select)(n) for n in counts]
     clean, corrupted = _check_inputs(model, clean, corrupted, metric)
-    m_clean, m_corr = _endpoints(model, clean, corrupted, metric)
-    values = circuit_metrics(model, clean, corrupted, metric, circuits, max_tokens=max_tokens)
+    values, m_clean, m_corr = _with_endpoints(model, clean, corrupted, metric, circuits, max_tokens)
     faith = [(v - m_corr) / (m_clean - m_corr) for v in values]
     cpr, cmd = areas(fractions, faith)
     return FaithfulnessCurve(tuple(fractions), tuple(counts), tuple(faith), cpr, cmd, m_clean, m_corr)

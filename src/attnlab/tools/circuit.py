@@ -188,7 +188,10 @@ def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int
     except UnicodeDecodeError as e:
         raise ValueError(f"--pairs {path} is not UTF-8 text: {e}") from None
     pairs = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends a line at "\n" alone: str.splitlines() would also split inside a JSON string at
+    # U+2028, U+2029 or U+0085, which JSON allows unescaped
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"--pairs {path.name} line {n}"
