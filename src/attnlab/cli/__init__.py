@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
 from types import ModuleType
+from typing import NoReturn
 
 from attnlab.errors import UserError
 
