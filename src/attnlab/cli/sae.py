@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from attnlab.cli.options import MODEL_SOURCES
@@ -88,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
     e.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
     e.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
+    e.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
     e.add_argument("--data", metavar="PATH", help="UTF-8 text to measure on (default: the built-in corpus)")
     e.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens to measure on (default 8192)")
     e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
@@ -100,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
     d.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
     d.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
+    d.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
     d.add_argument("--data", metavar="PATH", help="UTF-8 text to read (default: the built-in corpus)")
     d.add_argument("--latents", type=int, default=100, metavar="N", help="the first N latents (default 100)")
     d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
@@ -187,7 +191,7 @@ def _eval(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load
 
     _check_positive(args, "tokens", "context")
-    sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
+    sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
     loaded = load(model=args.model)
     sae.check_model(loaded.model)
     ids = np.asarray(tokenize_to_cache(args.data, loaded.tokenizer))
@@ -217,7 +221,10 @@ def _dashboard(args: argparse.Namespace) -> int:
     _check_positive(args, "latents", "tokens", "context", "top")
     if not args.out.lower().endswith((".html", ".htm")):  # (a page, as viz, patch and circuit write)
         raise ValueError(f"--out must end in .html, got {args.out!r}")
-    sae = SAE.load(args.sae, hook_name=args.hook)  # a bad SAE file is reported before the model is read
+    folder = Path(args.out).expanduser().parent  # (known now, not after the whole corpus has streamed)
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {args.out!r}: {folder} is not a directory this process can write to")
+    sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
     # Dense weights: a matrix kept in a file's blocks would be dequantized again for every batch.

@@ -39,6 +39,8 @@ import json
 import math
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -49,7 +51,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, open_regular, read_json
+from attnlab.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    first_line,
+    import_safetensors,
+    open_regular,
+    read_json,
+)
 from attnlab.interpret.hooks import HookPoint, added_points, eval_mode, hook_names, hooks
 
 __all__ = [
@@ -131,7 +140,9 @@ class SAEConfig:
             ``expected_average_only_in`` (a constant folded into the weights: nothing at run time),
             ``constant_norm_rescale`` or ``layer_norm``.
         rescale_acts_by_decoder_norm: SAELens's TopK option: latents ranked and decoded as if the
-            decoder rows had unit norm.
+            decoder rows had unit norm (the pre-activations times the rows' norms, the latents divided
+            by them before decoding). Other architectures take it too; SAELens has it only for TopK,
+            so :meth:`SAE.save` folds the norms into the weights for them, as SAELens saves a BatchTopK SAE.
         model_name: the model the SAE was trained on (informational).
     """
 
@@ -173,6 +184,9 @@ class SAEConfig:
             raise ValueError("SAE config: a transcoder cannot subtract b_dec (of width d_out) from its input")
         if self.skip and not self.transcoder:
             raise ValueError("SAE config: a skip connection belongs to a transcoder (give hook_name_out or d_out)")
+        for name in ("hook_name", "hook_name_out", "model_name"):
+            if not isinstance(v := getattr(self, name), (str, type(None))):
+                raise ValueError(f"SAE config: {name} must be a string or None, got {v!r}")
 
     @property
     def transcoder(self) -> bool:
@@ -258,8 +272,10 @@ class SAE(nn.Module):
         if self.cfg.apply_b_dec_to_input:
             x = x - self.b_dec
         if self.cfg.architecture == "gated":
-            return x @ (self.W_enc * self.r_mag.exp()) + self.b_mag  # the magnitude path
-        pre = x @ self.W_enc + self.b_enc  # (..., d_sae)
+            # The magnitude path: rescaling it is the whole rescaling (a positive scale keeps the gate's sign).
+            pre = x @ (self.W_enc * self.r_mag.exp()) + self.b_mag
+        else:
+            pre = x @ self.W_enc + self.b_enc  # (..., d_sae)
         if self.cfg.rescale_acts_by_decoder_norm:
             pre = pre * self.W_dec.norm(dim=-1)
         return pre
@@ -367,7 +383,11 @@ class SAE(nn.Module):
     def check_model(self, model: nn.Module) -> None:
         """ValueError unless the SAE's hook point(s) exist on ``model`` with the SAE's widths."""
         if self.cfg.transcoder and self.cfg.hook_name_out is None:
-            raise ValueError("the transcoder names no output hook point (cfg.hook_name_out); give hook_name_out=")
+            raise ValueError(
+                "the transcoder names no output hook point (cfg.hook_name_out): give it "
+                "(SAE.load(..., hook_name_out=...), --hook-out)"
+            )
+        known = hook_names(model)
         for name, width, what in (
             (self.cfg.hook_name, self.cfg.d_in, "d_in"),
             (self.cfg.hook_name_out, self.cfg.width_out, "d_out"),
@@ -376,12 +396,17 @@ class SAE(nn.Module):
                 if what == "d_in":
                     raise ValueError("the SAE names no hook point (cfg.hook_name); give hook_name=")
                 continue
-            known = hook_names(model)
             if name not in known:
                 raise ValueError(f"the SAE's hook {name!r} is not a hook point of this model (see hook_names(model))")
             model_width = hook_width(model, name)
             if model_width != width:
                 raise ValueError(f"the SAE's {what}={width} does not match the model's width {model_width} at {name}")
+        hook_in, hook_out = self.cfg.hook_name, self.cfg.hook_name_out
+        if hook_out is not None and known.index(hook_out) < known.index(hook_in):
+            raise ValueError(
+                f"the transcoder's output hook {hook_out!r} comes before its input hook {hook_in!r} in the "
+                "model's forward pass: it cannot write what it has not read yet"
+            )
 
     # -- files ----------------------------------------------------------------------------------
     @classmethod
@@ -391,6 +416,7 @@ class SAE(nn.Module):
         *,
         subfolder: str | None = None,
         hook_name: str | None = None,
+        hook_name_out: str | None = None,
         dtype: torch.dtype | None = None,
         device: Any = None,
         revision: str | None = None,
@@ -405,6 +431,7 @@ class SAE(nn.Module):
                 sparsify hookpoint such as ``layers.6``, a Gemma Scope ``layer_20/width_16k/...``).
             hook_name: the hook point, where the files do not name it (sparsify, Gemma Scope) or
                 to override it.
+            hook_name_out: a transcoder's output hook point, likewise (an autoencoder refuses it).
             dtype, device: cast and move the weights (default: as stored, on the CPU).
 
         Raises ValueError naming the file for an unknown architecture, shapes that disagree with
@@ -414,10 +441,17 @@ class SAE(nn.Module):
             raise TypeError(f"SAE.load: path must be a str or os.PathLike, got {type(path).__name__}")
         p = Path(path).expanduser()
         if not p.exists() and isinstance(path, str) and _HUB_ID.fullmatch(path):
-            p = _download(path, subfolder, revision)
+            try:
+                p = _download(path, subfolder, revision)
+            except ImportError:
+                raise
+            except Exception as exc:  # the Hub's errors are many (offline, no such repository, no access)
+                raise FileNotFoundError(
+                    f"SAE not found: there is no local directory {path}, and as a Hub id: {first_line(exc)}"
+                ) from None
         elif subfolder is not None:
             p = p / subfolder
-        sae = _load_local(p, hook_name)
+        sae = _load_local(p, hook_name, hook_name_out)
         if dtype is not None or device is not None:
             sae = sae.to(dtype=dtype or sae.dtype, device=device)
         return sae.eval()
@@ -427,8 +461,10 @@ class SAE(nn.Module):
 
         ``format="saelens"``: ``cfg.json`` + ``sae_weights.safetensors``, which SAELens's
         ``SAE.load_from_disk`` reads (a ``batchtopk`` SAE is saved as the JumpReLU it runs as at
-        inference, as SAELens does). ``format="sparsify"``: ``cfg.json`` + ``sae.safetensors``
-        (TopK only, as sparsify has no other). Returns the directory.
+        inference, as SAELens does; ``rescale_acts_by_decoder_norm`` is folded into the weights but
+        for TopK). ``format="sparsify"``: ``cfg.json`` + ``sae.safetensors`` (TopK only, as sparsify
+        has no other). The other format's weights file, if the directory holds one, is removed.
+        Returns the directory.
         """
         if format not in ("saelens", "sparsify"):
             raise ValueError(f"SAE.save: format must be 'saelens' or 'sparsify', got {format!r}")
@@ -441,6 +477,9 @@ class SAE(nn.Module):
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         atomic_write_bytes(d / weights_name, st.torch.save(tensors))
         atomic_write_json(d / SAELENS_CFG, cfg)
+        # The other format's weights, from an earlier save, would be stale beside this cfg.json (the
+        # loader goes by cfg.json meanwhile).
+        (d / (SPARSIFY_WEIGHTS if weights_name == SAELENS_WEIGHTS else SAELENS_WEIGHTS)).unlink(missing_ok=True)
         return d
 
     def extra_repr(self) -> str:
@@ -480,15 +519,15 @@ def _download(repo_id: str, subfolder: str | None, revision: str | None) -> Path
     return root / subfolder if subfolder else root
 
 
-def _load_local(p: Path, hook_name: str | None) -> SAE:
+def _load_local(p: Path, hook_name: str | None, hook_name_out: str | None = None) -> SAE:
     if not p.exists():
         raise FileNotFoundError(f"SAE not found: {p} (a directory with cfg.json, a params.npz, or a Hub id owner/name)")
     if p.is_file():
         if p.name.endswith(".npz"):
-            return _load_gemma_scope(p, hook_name)
+            return _load_gemma_scope(p, hook_name, hook_name_out)
         raise ValueError(f"SAE file {p}: expected a directory (cfg.json + weights) or a Gemma Scope params.npz")
     if (p / GEMMA_SCOPE_PARAMS).exists() and not (p / SAELENS_CFG).exists():
-        return _load_gemma_scope(p / GEMMA_SCOPE_PARAMS, hook_name)
+        return _load_gemma_scope(p / GEMMA_SCOPE_PARAMS, hook_name, hook_name_out)
     if not (p / SAELENS_CFG).exists():
         raise FileNotFoundError(
             f"no SAE in {p}: expected {SAELENS_CFG} with {SAELENS_WEIGHTS} (SAELens) or {SPARSIFY_WEIGHTS} "
@@ -497,9 +536,12 @@ def _load_local(p: Path, hook_name: str | None) -> SAE:
     raw = read_json(p / SAELENS_CFG, "SAE config")
     if not isinstance(raw, dict):
         raise ValueError(f"SAE config {p / SAELENS_CFG} must be a JSON object, got {type(raw).__name__}")
-    if (p / SAELENS_WEIGHTS).exists():
+    # With both formats' weights present, cfg.json says which it belongs to: SAELens's names d_sae,
+    # sparsify's num_latents.
+    saelens = (p / SAELENS_WEIGHTS).exists() and ("d_sae" in raw or not (p / SPARSIFY_WEIGHTS).exists())
+    if saelens:
         cfg, names = _cfg_from_saelens(raw, p / SAELENS_CFG)
-        tensors = _read_safetensors(p / SAELENS_WEIGHTS)
+        tensors = _saelens_tensors(_read_safetensors(p / SAELENS_WEIGHTS), cfg, p / SAELENS_WEIGHTS)
     elif (p / SPARSIFY_WEIGHTS).exists():
         cfg, names = _cfg_from_sparsify(raw, p / SAELENS_CFG, p.name)
         tensors = _read_safetensors(p / SPARSIFY_WEIGHTS)
@@ -511,10 +553,35 @@ def _load_local(p: Path, hook_name: str | None) -> SAE:
         raise FileNotFoundError(
             f"SAE config {p / SAELENS_CFG} has no weights beside it ({SAELENS_WEIGHTS} or {SPARSIFY_WEIGHTS})"
         )
-    if hook_name is not None:
-        cfg = replace(cfg, hook_name=hook_name)
     tensors = {names.get(k, k): v for k, v in tensors.items()}
-    return _build(cfg, tensors, p)
+    return _build(_with_hooks(cfg, hook_name, hook_name_out), tensors, p)
+
+
+def _with_hooks(cfg: SAEConfig, hook_name: str | None, hook_name_out: str | None) -> SAEConfig:
+    """``cfg`` with the hook points :meth:`SAE.load` was given in place of the files' own."""
+    for name, value in (("hook_name", hook_name), ("hook_name_out", hook_name_out)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"SAE.load: {name} must be a string, got {type(value).__name__}")
+    if hook_name_out is not None and cfg.apply_b_dec_to_input:
+        raise ValueError(
+            f"SAE.load: hook_name_out={hook_name_out!r} is a transcoder's output hook, but this SAE is an "
+            "autoencoder (it subtracts b_dec from its input)"
+        )
+    return replace(cfg, hook_name=hook_name or cfg.hook_name, hook_name_out=hook_name_out or cfg.hook_name_out)
+
+
+def _saelens_tensors(tensors: dict[str, Tensor], cfg: SAEConfig, where: Path) -> dict[str, Tensor]:
+    """Older SAELens files' tensors as SAELens's loaders convert them: a ``scaling_factor`` of ones
+    dropped, a JumpReLU's ``log_threshold`` made its ``threshold``."""
+    scaling = tensors.pop("scaling_factor", None)
+    if scaling is not None and not (scaling.is_floating_point() and torch.allclose(scaling, torch.ones_like(scaling))):
+        raise ValueError(
+            f"SAE weights in {where}: a scaling_factor that is not all ones (SAELens's fine-tuning scaling "
+            "factor, which SAELens 6 no longer reads) is not supported"
+        )
+    if cfg.architecture == "jumprelu" and "log_threshold" in tensors:
+        tensors["threshold"] = tensors.pop("log_threshold").exp()
+    return tensors
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -527,7 +594,7 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
         raise ValueError(f"SAE weights {path} are not a readable safetensors file ({exc})") from None
 
 
-def _load_gemma_scope(path: Path, hook_name: str | None) -> SAE:
+def _load_gemma_scope(path: Path, hook_name: str | None, hook_name_out: str | None = None) -> SAE:
     """Gemma Scope's ``params.npz``: ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_in)``, ``b_enc``,
     ``b_dec``, ``threshold``; a JumpReLU SAE that does not subtract ``b_dec`` from its input."""
     import numpy as np
@@ -536,7 +603,7 @@ def _load_gemma_scope(path: Path, hook_name: str | None) -> SAE:
         try:
             with np.load(io.BytesIO(f.read()), allow_pickle=False) as npz:
                 tensors = {k: torch.from_numpy(np.ascontiguousarray(npz[k])) for k in npz.files}
-        except (ValueError, OSError, EOFError) as exc:
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # (truncated or damaged)
             raise ValueError(f"SAE params {path} is not a readable .npz file ({exc})") from None
     for key in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
         if key not in tensors:
@@ -554,10 +621,9 @@ def _load_gemma_scope(path: Path, hook_name: str | None) -> SAE:
         d_sae=int(d_sae),
         architecture="jumprelu",
         d_out=int(d_out) if transcoder else None,
-        hook_name=hook_name,
         apply_b_dec_to_input=False,
     )
-    return _build(cfg, tensors, path)
+    return _build(_with_hooks(cfg, hook_name, hook_name_out), tensors, path)
 
 
 def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -569,7 +635,16 @@ def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _cfg_from_saelens(raw: dict[str, Any], where: Path) -> tuple[SAEConfig, dict[str, str]]:
-    """SAELens's ``cfg.json`` (6.x, or the flat files before it) as an :class:`SAEConfig`."""
+    """SAELens's ``cfg.json`` (6.x, or the flat files before it) as an :class:`SAEConfig`, read as
+    SAELens's loaders read it (``handle_pre_6_0_config`` for the old keys)."""
+    for key, types, what in (
+        ("architecture", str, "a string"),
+        ("normalize_activations", (str, bool, type(None)), "a string"),
+        ("apply_b_dec_to_input", bool, "true or false"),
+        ("rescale_acts_by_decoder_norm", bool, "true or false"),
+    ):
+        if key in raw and not isinstance(raw[key], types):
+            raise ValueError(f"SAE config {where}: {key} must be {what}, got {raw[key]!r}")
     arch = raw.get("architecture", "standard")
     if arch == "standard" and raw.get("activation_fn_str", raw.get("activation_fn")) == "topk":
         arch = "topk"  # files before 6.0: a TopK SAE said so in its activation function
@@ -587,17 +662,22 @@ def _cfg_from_saelens(raw: dict[str, Any], where: Path) -> tuple[SAEConfig, dict
     if k is None and isinstance(raw.get("activation_fn_kwargs"), dict):
         k = raw["activation_fn_kwargs"].get("k")
     norm = raw.get("normalize_activations", "none")
-    norm = (
-        {None: "none", False: "none", True: "expected_average_only_in"}.get(norm, norm)
-        if not isinstance(norm, str)
-        else norm
-    )
-    if raw.get("reshape_activations", "none") not in ("none", None):
+    if not isinstance(norm, str):
+        norm = "expected_average_only_in" if norm else "none"
+    hook = _get(raw, "hook_name", _get(raw, "hook_point"))
+    version = re.match(r"\d+", str(_get(raw, "sae_lens_version") or ""))
+    # SAELens reshapes a pre-6.0 file's hook_z activations per head unless the file says otherwise.
+    per_head = "hook_z" if not (version and int(version[0]) >= 6) and "hook_z" in str(hook) else "none"
+    if raw.get("reshape_activations", per_head) not in ("none", None):
         raise ValueError(
-            f"SAE config {where}: reshape_activations={raw['reshape_activations']!r} (per-head SAEs) is not supported"
+            f"SAE config {where}: reshape_activations={raw.get('reshape_activations', per_head)!r} "
+            "(per-head SAEs) is not supported"
         )
-    if _get(raw, "hook_head_index") is not None:
-        raise ValueError(f"SAE config {where}: an SAE on one head (hook_head_index) is not supported")
+    # SAELens's TopK and BatchTopK SAEs have the option; its other classes ignore the key.
+    rescale = arch in ("topk", "batchtopk") and raw.get("rescale_acts_by_decoder_norm", False)
+    for key in ("hook_head_index", "hook_point_head_index"):  # (the second: files before 6.0)
+        if _get(raw, key) is not None:
+            raise ValueError(f"SAE config {where}: an SAE on one head ({key}) is not supported")
     try:
         cfg = SAEConfig(
             d_in=raw.get("d_in"),
@@ -605,12 +685,12 @@ def _cfg_from_saelens(raw: dict[str, Any], where: Path) -> tuple[SAEConfig, dict
             architecture=arch,
             k=k if arch in ("topk", "batchtopk") else None,
             d_out=d_out,
-            hook_name=_get(raw, "hook_name", _get(raw, "hook_point")),
+            hook_name=hook,
             hook_name_out=_get(raw, "hook_name_out"),
             skip=skip,
-            apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", d_out is None)),
+            apply_b_dec_to_input=raw.get("apply_b_dec_to_input", d_out is None),
             normalize_activations=norm,
-            rescale_acts_by_decoder_norm=bool(raw.get("rescale_acts_by_decoder_norm", False)),
+            rescale_acts_by_decoder_norm=rescale,
             model_name=_get(raw, "model_name"),
         )
     except ValueError as exc:
@@ -689,6 +769,15 @@ def _to_saelens(sae: SAE) -> tuple[dict[str, Any], dict[str, Tensor], str]:
     c = sae.cfg
     arch = c.architecture
     tensors = dict(sae.state_dict())
+    if c.rescale_acts_by_decoder_norm and arch != "topk":
+        # SAELens reads the option for TopK alone: for the others the norms go into the weights (as
+        # SAELens saves a BatchTopK SAE), which computes the same: the pre-activations scaled by the
+        # norms, decoded by unit rows. A threshold compares the scaled pre-activations already.
+        norms = sae.W_dec.detach().norm(dim=-1)  # (d_sae,)
+        tensors["W_enc"], tensors["W_dec"] = sae.W_enc * norms, sae.W_dec / norms[:, None]
+        for name in ("b_enc", "b_gate", "b_mag"):
+            if name in tensors:
+                tensors[name] = tensors[name] * norms
     if arch == "batchtopk":
         arch = "jumprelu"  # what SAELens saves a BatchTopK SAE as: its inference form
     if c.transcoder:

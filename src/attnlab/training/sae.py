@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -358,6 +359,14 @@ class ActivationBuffer:
                 read += len(batch)
                 with contextlib.suppress(_Reached):
                     self.model(torch.from_numpy(batch.astype(np.int64)).to(self.device))
+                for name in names:
+                    bad = (~torch.isfinite(seen[name])).any(-1)  # (rows,)
+                    if bad.any():  # (they would make the median, or the loss, NaN)
+                        start = starts[read - len(batch) + int(bad.nonzero()[0]) // (cfg.context - 1)]
+                        raise ValueError(
+                            f"the model's activations at {name} hold NaN or infinite values (in the window "
+                            f"at token {start} of --data); an SAE cannot be trained on them"
+                        )
                 typical = self._typical(seen[cfg.hook])
                 if cfg.hook_out:
                     typical &= self._typical(seen[cfg.hook_out])
@@ -387,8 +396,9 @@ class ActivationBuffer:
 class SAETrainer:
     """Train an SAE or transcoder on ``model``'s activations over ``tokens`` into ``out``.
 
-    Resumes from ``out`` when it holds a run (the same settings are required: the run's own are
-    read back and a differing one is a ValueError).
+    Resumes from ``out`` when it holds a run (the same settings, data and model are required: the
+    run's own are read back and a differing one is a ValueError). A loss that is not finite stops
+    training with a FloatingPointError before its step, the last checkpoint kept.
     """
 
     def __init__(
@@ -408,6 +418,11 @@ class SAETrainer:
         for flag, name in (("--hook", cfg.hook), ("--hook-out", cfg.hook_out)):
             if name is not None and name not in known:
                 raise ValueError(f"{flag} {name!r} is not a hook point of this model (e.g. blocks.0.hook_resid_post)")
+        if cfg.hook_out is not None and known.index(cfg.hook_out) < known.index(cfg.hook):
+            raise ValueError(
+                f"--hook-out {cfg.hook_out!r} comes before --hook {cfg.hook!r} in the model's forward pass: "
+                "a transcoder cannot write what it has not read yet"
+            )
         longest = getattr(getattr(model, "config", None), "context_length", None)
         if longest is not None and cfg.context > longest:
             raise ValueError(
@@ -415,6 +430,12 @@ class SAETrainer:
             )
         d_in = hook_width(model, cfg.hook)
         d_out = hook_width(model, cfg.hook_out) if cfg.hook_out else None
+        if cfg.architecture == "topk" and d_out is not None and d_out != d_in:  # (known before training, not after)
+            raise ValueError(
+                f"a TopK transcoder from --hook (width {d_in}) to --hook-out (width {d_out}) could not be saved: "
+                "SAELens has no TopK transcoder and sparsify's keep the width; use --arch batchtopk or jumprelu "
+                "(saved as SAELens's JumpReLU transcoder), or an output hook of width " + str(d_in)
+            )
         width = cfg.width or 16 * d_in
         if cfg.k > width:
             raise ValueError(f"--k {cfg.k} is more than the SAE's {width} latents")
@@ -446,7 +467,8 @@ class SAETrainer:
         self.buffer = ActivationBuffer(model, tokens, cfg)
         self.lock = RunLock(self.out)
         self.stopped: int | None = None  # the signal that stopped fit() (it then raises KeyboardInterrupt)
-        self._data_note = {"tokens_in_data": len(tokens)}
+        self.tokens = tokens
+        self._identity: dict[str, Any] | None = None
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
@@ -454,6 +476,22 @@ class SAETrainer:
         # The model's dtype too: activations of a bfloat16 model differ from a float32 model's.
         dtype = next((str(p.dtype) for p in self.model.parameters() if p.is_floating_point()), None)
         return {**dataclasses.asdict(self.cfg), "save_every": None, "keep": None, "tokens": None, "model_dtype": dtype}
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must read and run as the run did: the data (its tokens) and the model (its
+        weights), by SHA-256 (computed once, when a checkpoint is read or written)."""
+        if self._identity is None:
+            data, model = hashlib.sha256(), hashlib.sha256()
+            flat = np.asarray(self.tokens).reshape(-1)
+            for i in range(0, len(flat), 1 << 22):  # as int64 values: the same tokens in any dtype
+                data.update(np.ascontiguousarray(flat[i : i + (1 << 22)], dtype="<i8"))
+            for name, t in sorted(self.model.state_dict().items()):
+                if isinstance(t, Tensor):
+                    model.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                    model.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._identity = {"tokens_in_data": len(flat), "data_sha256": data.hexdigest()}
+            self._identity["model_sha256"] = model.hexdigest()
+        return self._identity
 
     def resume(self) -> bool:
         """Load the latest checkpoint of ``out`` if there is one; True when it did."""
@@ -472,6 +510,17 @@ class SAETrainer:
             theirs, ours = meta["settings"], json.loads(json.dumps(self._settings()))
             diff = sorted(k for k in ours if theirs.get(k) != ours[k])
             raise ValueError(f"--out {self.out} holds a run with other settings ({', '.join(diff)}); use another --out")
+        ours = self.identity()
+        for key, flag, what in (
+            ("tokens_in_data", "--data", "its tokens"),
+            ("data_sha256", "--data", "its tokens"),
+            ("model_sha256", "--model", "its weights"),
+        ):
+            if key in meta and meta[key] != ours[key]:  # (checkpoints before the SHA-256s hold the count only)
+                raise ValueError(
+                    f"{flag} is not the one the run in --out {self.out} trained on ({what} differ); a resumed "
+                    "run keeps its data and model: use another --out"
+                )
         from safetensors.torch import load as st_load
 
         state = st_load((d / WEIGHTS).read_bytes())
@@ -500,7 +549,7 @@ class SAETrainer:
                 "format": FORMAT,
                 "step": self.step,
                 "settings": self._settings(),
-                **self._data_note,
+                **self.identity(),
                 "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
             }
             meta = json.loads(json.dumps(meta))
@@ -555,6 +604,12 @@ class SAETrainer:
         if cfg.architecture == "jumprelu":
             l0 = _Step.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth).sum(-1).mean()
             loss = loss + cfg.l0_coefficient * l0
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):  # before the step: the weights (and the checkpoints) stay good
+            raise FloatingPointError(
+                f"the SAE's training loss became {loss_value} at step {self.step + 1}; the last "
+                "checkpoint is kept (try a smaller --lr)"
+            )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if not sae.cfg.transcoder:
@@ -578,7 +633,7 @@ class SAETrainer:
                 sae.threshold.clamp_(min=0)
         self.step += 1
         return {
-            "loss": float(loss.detach()),
+            "loss": loss_value,
             "explained_variance": 1.0 - float(fvu.detach()),
             "l0": float(((values if sparse else z) != 0).sum(-1).float().mean()),
             "dead_fraction": float(dead.float().mean()),
@@ -610,7 +665,8 @@ class SAETrainer:
                     rows += cfg.batch_rows
                     if self.step % cfg.save_every == 0:
                         self.save()
-                    if len(window) >= 10 or self.step == cfg.max_steps:
+                    # On a grid of 10 steps, so a resumed run's lines fall where the straight run's do.
+                    if self.step % 10 == 0 or self.step == cfg.max_steps:
                         seconds = time.perf_counter() - t0
                         history.append(self._summary(window, rows / max(seconds, 1e-9)))
                         window = []
