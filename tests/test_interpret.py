@@ -420,6 +420,23 @@ def test_ablating_heads_equals_zeroing_their_columns_of_the_output_projection():
     assert not torch.allclose(got, before)
 
 
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_an_ablation_holds_while_hook_result_is_hooked(mode):
+    # Regression: with hook_result hooked (run_with_cache's default names hook every point), the layer
+    # projects each head apart and out_proj, where ablate works, never ran: the clean run came back.
+    from attnlab.interpret import run_with_cache
+
+    model = sharp_gpt()
+    idx = torch.randint(0, 37, (2, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad(), ablate(model, [(1, 2)], mode=mode):
+        want = model(idx)
+        got, cache = run_with_cache(model, idx)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, model(idx), atol=1e-4)  # (the ablation changes the logits)
+    if mode == "zero":
+        assert not cache["blocks.1.attn.hook_result"][..., 2, :].any()
+
+
 def test_mean_ablation_replaces_a_head_with_its_average_output():
     model = sharp_gpt()
     idx = torch.randint(0, 37, (1, 10), generator=torch.Generator().manual_seed(8))

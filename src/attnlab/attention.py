@@ -892,6 +892,16 @@ class MultiHeadAttention(_DropsTutorialMask):
         ``(b, n, H, d_out)`` (without the bias) through the ``result`` hook (TransformerLens's
         ``hook_result``): ``(b, n, d_out)``. Only while that point is hooked: the shares are H times
         the output's size."""
+        if self.out_proj._forward_pre_hooks:
+            # out_proj does not run whole here: its pre-hooks (ablate's, the circuits' edits) still get
+            # its input, the heads side by side, as they would if it did.
+            b, H, n, hd = heads.shape
+            x = heads.transpose(1, 2).reshape(b, n, H * hd)
+            for pre_hook in list(self.out_proj._forward_pre_hooks.values()):
+                changed = pre_hook(self.out_proj, (x,))
+                if changed is not None:
+                    x = changed[0] if isinstance(changed, tuple) else changed
+            heads = x.view(b, n, H, hd).transpose(1, 2)  # (b, H, n, hd)
         w = self.out_proj.weight  # (d_out, H * hd)
         w = w.dequantize(heads.dtype) if isinstance(w, QuantizedTensor) else w.to(heads.dtype)
         per_head = w.view(self.d_out, self.num_heads, self.head_dim)  # (d_out, H, hd)
