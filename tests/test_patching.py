@@ -515,6 +515,26 @@ def test_direct_logit_attribution_of_norms_after_sublayers_offset_gains_and_a_so
             assert float(dla.heads[layer, h]) == pytest.approx(float(want.detach()), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_are_attributed_and_patched_as_their_float32_twins(dtype):
+    """A bfloat16 model (what load_pretrained gives where bfloat16 is native): the checks that a family's
+    stream is the sum direct logit attribution takes, and that patching's reruns reproduce the model,
+    once held it to float32's rounding and refused it; its results are its float32 twin's to its own."""
+    cfg = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)
+    wide = make(cfg, seed=3, dtype=torch.float32)
+    half = copy.deepcopy(wide).to(dtype)
+    wide.load_state_dict({k: v.to(torch.float32) for k, v in half.state_dict().items()})  # the same numbers
+    clean = torch.randint(0, BASE["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(4))
+    corrupted = clean.clone()
+    corrupted[0, 3] = (clean[0, 3] + 7) % BASE["vocab_size"]
+    got, want = (direct_logit_attribution(m, clean, answers=(A, B)) for m in (half, wide))
+    scale = float(want.heads.abs().max())
+    torch.testing.assert_close(got.heads, want.heads, rtol=0.05, atol=0.05 * scale)
+    metric = logit_diff(A, B)
+    got, want = (activation_patching(m, clean, corrupted, metric, "head_out").double() for m in (half, wide))
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+
+
 def test_bad_input_is_named(make_gpt, pair):
     model = make_gpt()
     clean, corrupted = pair
