@@ -186,6 +186,36 @@ def test_act_name_and_the_caches_keys():
     assert cache["scale"] is cache["ln_final.hook_scale"]
 
 
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        (("attn", 3), "blocks.3.attn.hook_pattern"),
+        (("attn_logits", 1), "blocks.1.attn.hook_attn_scores"),
+        (("query", 0), "blocks.0.attn.hook_q"),
+        (("key", 2), "blocks.2.attn.hook_k"),
+        (("value", 1), "blocks.1.attn.hook_v"),
+        (("mlp_pre", 2), "blocks.2.mlp.hook_pre"),
+        (("mlp_post", 0), "blocks.0.mlp.hook_post"),
+        (("pattern3",), "blocks.3.attn.hook_pattern"),
+        (("k6a",), "blocks.6.attn.hook_k"),
+        (("resid_post10",), "blocks.10.hook_resid_post"),
+        (("scale4ln1",), "blocks.4.ln1.hook_scale"),
+        (("blocks.0.hook_resid_pre",), "blocks.0.hook_resid_pre"),
+    ],
+)
+def test_act_name_reads_transformerlens_spellings(args, want):
+    # TransformerLens's utils.get_act_name gives these names for these arguments (its aliases, compact
+    # forms and full names); act_name refused them, and so did the cache's keys built on it.
+    assert act_name(*args) == want
+
+
+def test_the_caches_keys_take_transformerlens_spellings():
+    model = make(FAMILIES["llama-gqa"])
+    _, cache = run_with_cache(model, prompt(1, 5))
+    assert cache["attn", 1] is cache["blocks.1.attn.hook_pattern"]
+    assert cache["pattern1"] is cache["blocks.1.attn.hook_pattern"] and cache["key", 0] is cache["k", 0]
+
+
 def test_nested_blocks_chain_a_norms_functions_and_each_exit_puts_them_back():
     """An inner block's function on a scale sees the outer block's replacement and replaces it in turn
     (one norm divides by both factors); leaving the inner block keeps the outer one's; leaving both,

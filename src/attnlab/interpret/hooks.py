@@ -11,7 +11,7 @@ called, at no cost). The names and shapes are TransformerLens's (``B`` batch,
     blocks.{l}.hook_resid_pre        (B, T, d)     the stream entering block l
     blocks.{l}.ln1.hook_scale        (B, T, 1)     the attention's norm: sqrt(var + eps) (RMSNorm: of x^2)
     blocks.{l}.ln1.hook_normalized   (B, T, d)     the norm's output (its gain, and bias, applied)
-    blocks.{l}.attn.hook_q           (B, T, H, hd) queries, before QK-norm and RoPE
+    blocks.{l}.attn.hook_q           (B, T, H, hd) queries, before RoPE and a per-head QK-norm (OLMo 2's: after)
     blocks.{l}.attn.hook_k, hook_v   (B, S, Hkv, hd)
     blocks.{l}.attn.hook_rot_q       (B, T, H, hd) after RoPE (RoPE models only)
     blocks.{l}.attn.hook_rot_k       (B, S, Hkv, hd)
@@ -151,11 +151,28 @@ class HookPoint:
         return int(m.group(1)) if m else None
 
 
+# TransformerLens's get_act_name's other names for steps
+_TL_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "query": "q", "key": "k", "value": "v"}
+_TL_ALIASES |= {"mlp_pre": "pre", "mlp_post": "post"}
+
+
 def act_name(step: str, layer: int | None = None, layer_type: str | None = None) -> str:
     """The full hook name of a step: ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``
     (TransformerLens's ``utils.get_act_name``); ``"embed"``, ``"pos_embed"`` need no layer, nor do
     ``"scale"`` and ``"normalized"`` of the final norm; a block's norm is named by ``layer_type``
-    (``act_name("scale", 3, "ln2") == "blocks.3.ln2.hook_scale"``)."""
+    (``act_name("scale", 3, "ln2") == "blocks.3.ln2.hook_scale"``). TransformerLens's other spellings
+    are read as it reads them: a full name alone is returned as it is, ``"pattern3"``, ``"k6a"`` and
+    ``"scale4ln1"`` carry their layer (and norm), and ``"attn"``, ``"attn_logits"``, ``"query"``,
+    ``"key"``, ``"value"``, ``"mlp_pre"``, ``"mlp_post"`` are ``pattern``, ``attn_scores``, ``q``, ``k``,
+    ``v``, ``pre``, ``post``."""
+    if not isinstance(step, str):
+        raise TypeError(f"act_name's step must be a str, got {type(step).__name__}")
+    if ("." in step or step.startswith("hook_")) and layer is None and layer_type is None:
+        return step  # a full name already (TransformerLens returns it too)
+    if layer is None and (compact := re.fullmatch(r"([a-z_]+?)(\d+)([a-z]\w*)?", step)):
+        step, layer, layer_type = compact[1], int(compact[2]), compact[3]
+        layer_type = None if layer_type in ("a", "m", "b", "attn", "mlp") else layer_type  # (the step says it)
+    step = _TL_ALIASES.get(step, step)
     step = step.removeprefix("hook_")
     if step in ("embed", "pos_embed"):
         return f"hook_{step}"
