@@ -171,7 +171,7 @@ def test_the_page_is_written_atomically(checkpoint, tmp_path, monkeypatch, capsy
         (["--budget", "150%"], "--budget: budget must be a share of the edges in (0%, 100%]"),
         (["--budget", "five"], "--budget: budget must be a percentage like 5% or a fraction like 0.05"),
         (["--ig-steps", "0"], "--ig-steps must be >= 1"),
-        (["--out", "c.png"], "--out must end in .html"),
+        (["--out", "c.png"], "--out must end in one of .html"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(checkpoint, capsys, extra, message):

@@ -124,8 +124,13 @@ def test_the_mlps_neurons_are_listed_by_layer_and_neuron(checkpoint, tmp_path, c
     [
         (["--corrupted", "abcab"], "same number of tokens"),
         (["--answers", "ab", "c"], "'ab' is 2 tokens"),
-        (["--out", "x.jpg"], "--out must end in .html or .png"),
+        (["--out", "x.jpg"], "--out must end in one of .html, .htm, .png"),
         (["--top", "0"], "--top must be >= 1"),
+        (["--out", "/nonexistent-dir/x.png"], "is not a directory this process can write to"),  # (once after the work)
+        (
+            ["--answers", "a", "a"],
+            "twice (its logit minus itself is always 0)",
+        ),  # (once "the prompts give the same logit difference")
         (["--clean", "", "--corrupted", ""], "--clean encodes to no tokens"),  # once a traceback
         (["--corrupted", ""], "--corrupted encodes to no tokens"),
         (["--clean", "abc" * 6, "--corrupted", "abd" * 6], "--clean is 18 tokens long, more than the model's"),

@@ -332,7 +332,7 @@ def test_a_signal_mid_run_saves_a_checkpoint_and_the_sae_so_far(make_gpt, corpus
         (["eval", "--context", "0"], "--context must be a positive int, got 0"),
         (["eval", "--tokens", "-5"], "--tokens must be a positive int, got -5"),
         (["dashboard", "--context", "0", "--out", "d.html"], "--context must be a positive int, got 0"),
-        (["dashboard", "--out", "d.txt"], "--out must end in .html, got 'd.txt'"),
+        (["dashboard", "--out", "d.txt"], "--out must end in one of .html, .htm; got 'd.txt'"),
         (["train", "--hook", HOOK, "--out", "run", "--dead-tokens", "0"], "dead_tokens must be a positive int, got 0"),
         (["train", "--hook", HOOK, "--out", "run", "--seed", "-1"], "seed must be at least 0, got -1"),
         (["train", "--hook", HOOK, "--out", "run", "--lr", "-1"], "lr must be a finite number > 0, got -1.0"),

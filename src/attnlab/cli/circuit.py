@@ -22,9 +22,8 @@ of each; what the others write is counted in its error node).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from attnlab.cli.options import add_model_arguments, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, check_out_file, load_from_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
 from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, circuit_saes, save_circuit_page
 from attnlab.tools.loading import load_saes
@@ -98,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--sae works with --method EAP or EAP-IG-inputs (EAP-IG-activations interpolates the model's own writers)"
         )
-    if args.out is not None and not args.out.lower().endswith((".html", ".htm")):
-        raise ValueError(f"--out must end in .html, got {args.out!r}")
-    if args.out is not None and not Path(args.out).parent.is_dir():  # known before the work, not after it
-        raise ValueError(f"--out {args.out}: the directory {Path(args.out).parent} does not exist")
+    check_out_file(args.out, (".html", ".htm"))
     try:
         parse_budget(args.budget)  # before the model loads: a bad budget is known at once
     except ValueError as e:

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from attnlab.tools.loading import LoadedModel
+
+
+def check_out_file(value: str | None, suffixes: tuple[str, ...]) -> None:
+    """``--out FILE``: one of ``suffixes`` in a directory this process can write to, or a ValueError,
+    known before any work (the file is written when the work is done)."""
+    if value is None:
+        return
+    if Path(value).suffix.lower() not in suffixes:  # ("" has none: refused, not taken for "no file")
+        raise ValueError(f"--out must end in one of {', '.join(suffixes)}; got {value!r}")
+    folder = Path(value).expanduser().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {value!r}: {folder} is not a directory this process can write to")
 
 
 def index_list(text: str) -> list[int]:

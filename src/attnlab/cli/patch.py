@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, check_out_file, load_from_model_arguments
 from attnlab.interpret import SITES
 from attnlab.tools.patch import patch_report, save_patch_picture
 from attnlab.training.allocator import tune_cpu_allocator
@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("attnlab patch takes --clean and --corrupted, not --prompt")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    if args.out is not None and not args.out.lower().endswith((".html", ".htm", ".png")):
-        raise ValueError(f"--out must end in .html or .png, got {args.out!r}")
+    check_out_file(args.out, (".html", ".htm", ".png"))
     # A site's thousands of reruns allocate and free the same activation-sized buffers: keep them for
     # reuse (see attnlab.training.allocator; ATTNLAB_MALLOC_TUNING=0 leaves glibc as it is).
     tune_cpu_allocator()

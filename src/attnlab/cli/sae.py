@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from attnlab.cli.options import MODEL_SOURCES
+from attnlab.cli.options import MODEL_SOURCES, check_out_file
 
 HELP_TRAIN = "train an SAE (or, with --hook-out, a transcoder) on a model's activations"
 
@@ -219,11 +217,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.tools.loading import load_pretrained
 
     _check_positive(args, "latents", "tokens", "context", "top")
-    if not args.out.lower().endswith((".html", ".htm")):  # (a page, as viz, patch and circuit write)
-        raise ValueError(f"--out must end in .html, got {args.out!r}")
-    folder = Path(args.out).expanduser().parent  # (known now, not after the whole corpus has streamed)
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ValueError(f"--out {args.out!r}: {folder} is not a directory this process can write to")
+    check_out_file(args.out, (".html", ".htm"))  # (a page, as viz, patch and circuit write)
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")

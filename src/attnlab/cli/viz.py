@@ -8,6 +8,7 @@ from pathlib import Path
 from attnlab.cli.options import (
     add_model_arguments,
     add_sampling_arguments,
+    check_out_file,
     check_sampling,
     index_list,
     load_from_model_arguments,
@@ -93,9 +94,8 @@ def add_sae_arguments(parser: argparse.ArgumentParser, *, page: bool = True) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    out = None if args.out is None else Path(args.out)  # "" has no suffix: refused, not "print the text"
-    if out is not None and out.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"--out must end in one of {', '.join(SUFFIXES)}, got {args.out!r}")
+    check_out_file(args.out, SUFFIXES)
+    out = None if args.out is None else Path(args.out)
     has_model = args.checkpoint is not None or args.model is not None
     flag = "--checkpoint" if args.checkpoint is not None else "--model"
     if not has_model and args.prompt is not None:

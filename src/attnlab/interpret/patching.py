@@ -113,7 +113,14 @@ def check_token(name: str, t: object, vocab: int | None) -> int:
 
 def logit_diff(a: int, b: int) -> LogitDiff:
     """The logit of token ``a`` minus that of token ``b`` at the last position."""
-    return LogitDiff(check_token("a", a, None), check_token("b", b, None))
+    return LogitDiff(*_two_tokens(a, b))
+
+
+def _two_tokens(a: object, b: object) -> tuple[int, int]:
+    a, b = check_token("a", a, None), check_token("b", b, None)
+    if a == b:
+        raise ValueError(f"a and b must be two tokens, got {a} twice (its logit minus itself is always 0)")
+    return a, b
 
 
 def normalized_logit_diff(a: int, b: int, clean: float, corrupted: float) -> LogitDiff:
@@ -124,7 +131,7 @@ def normalized_logit_diff(a: int, b: int, clean: float, corrupted: float) -> Log
     clean, corrupted = float(clean), float(corrupted)
     if clean == corrupted:
         raise ValueError(f"clean and corrupted logit differences must differ to normalize, both are {clean}")
-    return LogitDiff(check_token("a", a, None), check_token("b", b, None), clean, corrupted)
+    return LogitDiff(*_two_tokens(a, b), clean, corrupted)
 
 
 def _metric_rows(metric: Callable, logits: Tensor) -> Tensor:
