@@ -142,6 +142,30 @@ def test_rendering_and_ids_equal_apply_chat_template(loaded, hf, system):
     assert loaded.chat_template.bos_token == "<|im_start|>" and loaded.chat_template.eos_token == "<|im_end|>"
 
 
+TEMPLATES = {
+    # transformers' {% generation %} tag (the assistant's text, for training on it alone)
+    "generation tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+    "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    # tools and documents are None unless given; the other special tokens by name
+    "tools, documents": "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is none %}[NO DOCS]{% endif %}"
+    "{% if tools is defined %}[DEF]{% endif %}{{ messages[-1].content }}",
+    "special tokens": "{{ unk_token }}|{{ bos_token }}|{{ messages[0].content }}{{ eos_token }}",
+    # tojson's arguments (GLM's templates pass ensure_ascii=False)
+    "tojson": "{{ messages[-1] | tojson(ensure_ascii=True, sort_keys=True) }}{{ messages[0] | tojson("
+    "separators=(',', ':')) }}{{ messages[0] | tojson(indent=2) }}",
+}
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_templates_render_as_apply_chat_template_does(tmp_path, model_dir, name):
+    """Once refused or rendered otherwise: the {% generation %} tag did not compile (and took the whole model
+    with it), tojson took indent alone, tools/documents were undefined, unk_token/pad_token were missing."""
+    d = with_files(model_dir, tmp_path / "m", chat_template__jinja=TEMPLATES[name])
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    want = tok.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=False)
+    assert load_pretrained(str(d)).chat_template.render(CONVERSATION, add_generation_prompt=False) == want
+
+
 def test_stop_ids_come_from_generation_config_and_the_tokenizer(tmp_path, model_dir):
     tok = hf_tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")

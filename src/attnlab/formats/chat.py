@@ -28,11 +28,20 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens it refers to (``bos_token``, ``eos_token``).
+    """A compiled chat template and the special tokens it refers to (``bos_token``, ``eos_token``, and
+    by name in ``tokens`` the others the model has: ``unk_token``, ``pad_token``, ...).
 
     ``source`` is the template's Jinja text; ``name`` says where it came from, for error messages."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "chat template") -> None:
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        name: str = "chat template",
+        tokens: Mapping[str, str] | None = None,
+    ) -> None:
         if not isinstance(source, str) or not source.strip():
             raise ValueError(f"{name} must be a non-empty Jinja template string, got {source!r:.60}")
         from jinja2 import TemplateError
@@ -40,7 +49,9 @@ class ChatTemplate:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # transformers' options: blocks eat their newline and leading spaces, {% break %} allowed.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        # {% generation %}: transformers' tag around the assistant's text (what training counts).
+        extensions = [loopcontrols, _generation_tag()]
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -50,6 +61,7 @@ class ChatTemplate:
             raise ValueError(f"{name} does not compile: {e}") from None
         self.source, self.name = source, name
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.tokens = dict(tokens or {})
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         """The conversation as the model's text; ``add_generation_prompt`` appends the opening of
@@ -60,12 +72,11 @@ class ChatTemplate:
         from jinja2.exceptions import SecurityError
 
         try:
+            # As apply_chat_template: tools and documents are None unless given, the special tokens by name.
+            context = {"tools": None, "documents": None, **self.tokens}
+            context |= {"bos_token": self.bos_token, "eos_token": self.eos_token}
             return self._template.render(
-                messages=messages,
-                add_generation_prompt=bool(add_generation_prompt),
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **extra,
+                messages=messages, add_generation_prompt=bool(add_generation_prompt), **(context | extra)
             )
         except SecurityError as e:
             raise ValueError(f"{self.name} tried to leave the sandbox: {e}") from None
@@ -121,6 +132,32 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # transformers' tojson: no HTML escaping (a chat is not a web page), Unicode kept.
-    return json.dumps(value, indent=indent, ensure_ascii=False)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' tojson: no HTML escaping (a chat is not a web page), Unicode kept unless asked.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag() -> type:
+    """The jinja2 extension of ``{% generation %}...{% endgeneration %}``: its body rendered as it is
+    (transformers marks the assistant's tokens with it; rendering text, there is nothing to mark)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation

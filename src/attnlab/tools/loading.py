@@ -237,7 +237,14 @@ def chat_files(
     source = read_chat_template(directory)  # a malformed tokenizer_config.json: an error naming it
     if source is not None:
         name = f"{what}: its chat template"
-        template = ChatTemplate(source, bos_token=special("bos_token"), eos_token=special("eos_token"), name=name)
+        others = {k: special(k) for k in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
+        template = ChatTemplate(
+            source,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            name=name,
+            tokens={k: v for k, v in others.items() if v},
+        )
     V = tokenizer.vocab_size
     ids = _json_or_empty(directory / "generation_config.json").get("eos_token_id")
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
@@ -290,7 +297,8 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
     if tokenizer.vocab_size != vocab:
         raise ValueError(f"{p}: its tokenizer has {tokenizer.vocab_size} tokens, its model {vocab}")
     meta = read.metadata
-    special = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "eot_token_id")}
+    keys = ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id", "padding_token_id")
+    special = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
     text = lambda i: tokenizer.decode([i]) if is_int(i) and 0 <= i < vocab else ""
     template = None
     if isinstance(meta.get("tokenizer.chat_template"), str):
@@ -299,6 +307,11 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
             bos_token=text(special["bos_token_id"]),
             eos_token=text(special["eos_token_id"]),
             name=f"{p}'s chat template",
+            tokens={
+                k: t
+                for k, i in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+                if (t := text(special[i]))
+            },
         )
     stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
     model = GPT.from_gguf(read, device=device)
