@@ -147,14 +147,22 @@ def test_training_mode_comes_back():
     draft = make(FAMILIES["gpt2"], seed=1).train()
     model.generate(repetitive(10, 0), 5, temperature=0, draft_model=draft)
     assert model.training and draft.training
+    # A submodule left in eval mode stays so (model.train() after the run once put it back in training).
+    model.trf_blocks[0].eval()
+    for kw in (dict(draft_model=draft), dict(prompt_lookup=2)):
+        model.generate(repetitive(10, 0), 5, temperature=0, **kw)
+        assert model.training and not model.trf_blocks[0].training and not model.trf_blocks[0].att.training
 
 
 @pytest.mark.parametrize(
     ("kw", "error", "match"),
     [
         (dict(temperature=0.7, prompt_lookup=3), ValueError, "temperature=0"),
-        (dict(temperature=0, prompt_lookup=0), ValueError, "positive int"),
-        (dict(temperature=0, prompt_lookup=True), ValueError, "positive int"),
+        (dict(temperature=0, prompt_lookup=0), ValueError, "prompt_lookup must be a positive int"),
+        (dict(temperature=0, prompt_lookup=True), ValueError, "prompt_lookup must be a positive int"),
+        (dict(temperature=0, draft_tokens=-2), ValueError, "draft_tokens must be a positive int"),  # (no draft model)
+        (dict(temperature=0, generator="seed"), TypeError, "generator must be a torch.Generator or None, got str"),
+        (dict(attention_mask=torch.tensor([[0, 7, 1, 1]])), ValueError, "attention_mask must be bool or 0/1"),
         (dict(temperature=0, prompt_lookup=2, use_cache=False), ValueError, "use_cache"),
         (dict(temperature=0, prompt_lookup=2, compile=True), ValueError, "compile=False"),
         (dict(temperature=0, prompt_lookup=2, draft_model="small"), ValueError, "not both"),

@@ -269,7 +269,9 @@ class KVCache:
       windows. The first ``sinks`` slots keep the first ``sinks`` tokens (attention sinks); the
       other ``max_length - sinks`` slots hold the most recent tokens, the oldest overwritten first.
       Memory stays ``max_length`` slots however long generation runs. Keys are stored *after*
-      rotation, at their original positions, so nothing is ever re-encoded.
+      rotation, at their original positions, so nothing is ever re-encoded. A module without a
+      window then attends to those slots alone (StreamingLLM), not to every earlier token as its
+      forward over the whole text would: give it ``window=`` to attend so in both.
 
     The cache also records each slot's position (``positions (B, max_length)``, -1 = empty or
     padding), so a module can mask exactly what a full forward pass would.

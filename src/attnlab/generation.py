@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real
+from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real, positive_int
 from attnlab.decoding import FastDecoder, Reading, greedy_tokens, supported
 from attnlab.positions import rope_scaling_type
 from attnlab.speculative import check_speculative, speculative_decode
@@ -185,8 +185,17 @@ def next_tokens(
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-def _check_args(model: GPT, idx: object, max_new_tokens: object, sampling: SamplingConfig, attention_mask: object):
+def _check_args(
+    model: GPT,
+    idx: object,
+    max_new_tokens: object,
+    sampling: SamplingConfig,
+    attention_mask: object,
+    generator: object = None,
+):
     V = model.config.vocab_size
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     # Prompts may be longer than the context: generation slides the window over them.
     model.check_idx(idx, limit_length=False)
     if idx.shape[0] == 0:
@@ -386,7 +395,7 @@ def stream(
     so close one you stop reading early before training again.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
-    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
+    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask, generator)
     fast, compile = check_bool("fast", fast), check_bool("compile", compile)
     with_logits, use_cache = check_bool("with_logits", with_logits), check_bool("use_cache", use_cache)
     steps = _steps(model, idx, max_new_tokens, sampling, use_cache, generator, mask, fast, compile, reading=reading)
@@ -446,15 +455,16 @@ def generate(
         or ``(ids, logits)`` with ``return_logits=True``.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, eos_id)
-    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask)
+    mask = _check_args(model, idx, max_new_tokens, sampling, attention_mask, generator)
     fast, compile, use_cache = (
         check_bool(name, v) for name, v in (("fast", fast), ("compile", compile), ("use_cache", use_cache))
     )
     return_logits = check_bool("return_logits", return_logits)  # (before either way of decoding)
+    positive_int("draft_tokens", draft_tokens)  # (checked with or without a draft model)
     if prompt_lookup is not None or draft_model is not None:
         if prompt_lookup is not None and draft_model is not None:
             raise ValueError("pass prompt_lookup or draft_model, not both: each is a way of guessing tokens")
-        k = draft_tokens if prompt_lookup is None else prompt_lookup
+        k = draft_tokens if prompt_lookup is None else positive_int("prompt_lookup", prompt_lookup)
         settings = dict(temperature=temperature, attention_mask=attention_mask, use_cache=use_cache, compile=compile)
         check_speculative(model, idx, max_new_tokens, k, draft_model, **settings)
         guess = dict(k=k, draft_model=draft_model, stop_ids=sampling.stop_ids, fast=fast, return_logits=return_logits)
@@ -478,7 +488,7 @@ def resume(
     being the model's output after its last token: the decoding steps alone, no prefill. The caches
     must hold the prompt and the new tokens without sliding or wrapping. Returns ``(ids (B, T + new),
     logits (B, new, V))``, as ``generate(..., return_logits=True)``."""
-    _check_args(model, idx, max_new_tokens, sampling, None)
+    _check_args(model, idx, max_new_tokens, sampling, None, generator)
     if len(caches) != len(model.trf_blocks) or any(c.seen != idx.shape[1] for c in caches):
         raise ValueError(f"caches must be one per layer, each holding the prompt's {idx.shape[1]} tokens")
     want = (idx.shape[0], model.config.vocab_size)

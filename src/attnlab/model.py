@@ -984,6 +984,8 @@ class GPT(nn.Module):
         if mask.dtype != torch.bool:
             if mask.is_floating_point() or mask.is_complex():
                 raise TypeError(f"attention_mask must be bool or 0/1 integers, got dtype {mask.dtype}")
+            if ((mask != 0) & (mask != 1)).any():  # (a 7 or a -3 is no answer to "is this a real token?")
+                raise ValueError("attention_mask must be bool or 0/1 integers, got other integers")
             mask = mask != 0
         return mask if device is None else mask.to(device)
 

@@ -186,10 +186,11 @@ def speculative_decode(
                 return True
         return False
 
-    models = [m for m in (model, draft_model) if m is not None]
-    was = [m.training for m in models]
-    for m in models:
-        m.eval()
+    # No dropout: the modules in training mode switched off, and back on after (not .train(), which
+    # would also put a submodule left in eval mode back in training mode), as generation does.
+    training = [m for model_ in (model, draft_model) if model_ is not None for m in model_.modules() if m.training]
+    for m in training:
+        m.training = False
     try:
         with torch.inference_mode():
             done = max_new_tokens == 0
@@ -213,8 +214,8 @@ def speculative_decode(
                 target.rollback(len(ctx) + ok)  # the last token and the kept guesses stay cached
                 done = emit(choice[: ok + 1], logits)
     finally:
-        for m, mode in zip(models, was, strict=True):
-            m.train(mode)
+        for m in training:
+            m.training = True
     ids = torch.cat([idx.long(), torch.tensor([new], dtype=torch.long, device=idx.device).view(1, -1)], dim=1)
     out = None
     if return_logits:  # (1, new, V)
