@@ -453,7 +453,18 @@ def one_line_error(capsys, argv, stdin, monkeypatch, match) -> None:
 def test_generate_chat_with_a_message_past_the_context_is_one_line(model_dir, capsys, monkeypatch):
     """The rendered template longer than the context would slide its start out unseen: refused, as chat does."""
     argv = ["generate", "--model", str(model_dir), "--chat", "--prompt", "Jack " * CONTEXT, "--device", "cpu"]
-    one_line_error(capsys, argv, "", monkeypatch, f"the model's context {CONTEXT}: shorten it")
+    one_line_error(capsys, argv, "", monkeypatch, f"past the model's context of {CONTEXT}: shorten it")
+    # A message that fits, but not with the answer: refused too (it once ran, the template sliding out).
+    argv = ["generate", "--model", str(model_dir), "--chat", "--prompt", "hi", "--device", "cpu"]
+    one_line_error(capsys, [*argv, "--max-new-tokens", str(CONTEXT)], "", monkeypatch, "lower --max-new-tokens")
+
+
+def test_input_the_locale_cannot_read_is_one_line(model_dir, capsys, monkeypatch):
+    # Regression: the codec's own message came alone, not saying it was the input being read.
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("héllo\n".encode()), encoding="ascii"))
+    assert main(["chat", "--model", str(model_dir), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read the input as ascii" in err and "PYTHONIOENCODING" in err, err
 
 
 BAD_TEMPLATES = [

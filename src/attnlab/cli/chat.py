@@ -89,4 +89,10 @@ def run(args: argparse.Namespace) -> int:
                 raise EOFError
             return line.rstrip("\r\n")
 
-    return chat_loop(session, read_line, sys.stdout, sys.stderr, interactive=interactive)
+    try:
+        return chat_loop(session, read_line, sys.stdout, sys.stderr, interactive=interactive)
+    except UnicodeDecodeError as exc:  # (the input, read in the locale's encoding: the output escapes its own)
+        raise ValueError(
+            f"cannot read the input as {sys.stdin.encoding} ({exc.reason} at byte {exc.start}); set "
+            "PYTHONIOENCODING=utf-8 or a UTF-8 locale"
+        ) from None

@@ -197,9 +197,10 @@ def run(args: argparse.Namespace) -> int:
             require_chat_template(loaded, args.checkpoint)
         ids = prompt_ids(loaded, [{"role": "user", "content": args.prompt}])
         ctx = model.config.context_length
-        if len(ids) >= ctx:  # (generation would let the template's start slide out of the window unseen)
+        if len(ids) + args.max_new_tokens > ctx:  # (else the template's start would slide out of the window unseen)
             raise ValueError(
-                f"--prompt in the chat template takes {len(ids)} tokens, the model's context {ctx}: shorten it"
+                f"--prompt in the chat template takes {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} "
+                f"more, past the model's context of {ctx}: shorten it or lower --max-new-tokens (as attnlab chat asks)"
             )
     else:
         ids = prompt_tokens(tok, args.prompt)
