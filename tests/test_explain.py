@@ -442,6 +442,10 @@ def test_lessons_print_the_tutorials_numbers_under_a_float64_default():
         run_lesson("one-head", got, interactive=False)
         run_lesson("trainable", io.StringIO(), interactive=False)
         assert torch.get_default_dtype() == torch.float64
+        # and no default-device mode left behind, which every later torch call would pay for
+        from torch.overrides import _get_current_function_mode_stack
+
+        assert not _get_current_function_mode_stack()
     finally:
         torch.set_default_dtype(torch.float32)
     assert got.getvalue() == want.getvalue()

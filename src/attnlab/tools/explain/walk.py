@@ -42,12 +42,15 @@ def tutorial_defaults() -> Iterator[None]:
     caller's defaults come back afterwards."""
     dtype, device = torch.get_default_dtype(), torch.get_default_device()
     torch.set_default_dtype(torch.float32)
-    torch.set_default_device("cpu")
+    moved = device.type != "cpu"
+    if moved:  # (None: no default device at all; setting "cpu" would install a mode every call pays for)
+        torch.set_default_device(None)
     try:
         yield
     finally:
         torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
+        if moved:
+            torch.set_default_device(device)
 
 
 def shape_of(t: Tensor) -> str:
