@@ -533,6 +533,11 @@ def test_half_precision_models_are_attributed_and_patched_as_their_float32_twins
     metric = logit_diff(A, B)
     got, want = (activation_patching(m, clean, corrupted, metric, "head_out").double() for m in (half, wide))
     torch.testing.assert_close(got, want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+    # and a stream that is not the attributed sum is still refused in half precision (a residual
+    # multiplier no hook sees: a block adding half its input again)
+    half.trf_blocks[1].register_forward_hook(lambda module, args, out: out + 0.5 * args[0])
+    with pytest.raises(RuntimeError, match="not the sum of embeddings, heads and MLPs"):
+        direct_logit_attribution(half, clean, answers=(A, B))
 
 
 def test_bad_input_is_named(make_gpt, pair):
