@@ -432,6 +432,16 @@ def test_soft_capping_is_found_not_additive_in_half_precision(dtype):
         scaled_dot_product_attention(q, k, v, score_mod=cap, backend="fused")
 
 
+def test_an_additive_score_mod_holding_bfloat16_is_found_additive():
+    # Its scores are bfloat16 (the slopes are): within bfloat16's rounding of additive, it runs as a bias
+    # on the fused kernel (a float32 tolerance once refused it there, and sent auto to the slow path).
+    q, k, v = (rand(1, 4, 6, 8, seed=s).to(torch.bfloat16) for s in (27, 28, 29))
+    mod = alibi_score_mod(alibi_slopes(4).to(torch.bfloat16))
+    want = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod, backend="reference")
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mod, backend="fused")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("kw", [dict(backend="reference"), dict(return_weights=True), {}])
 def test_a_score_mod_giving_nan_is_an_error_on_every_path(kw):
     q, k, v = rand(1, 2, 4, 8, seed=24), rand(1, 2, 4, 8, seed=25), rand(1, 2, 4, 8, seed=26)

@@ -97,6 +97,7 @@ def softcap_score_mod(cap: float) -> ScoreMod:
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return cap * torch.tanh(score / cap)
 
+    score_mod.finite = True  # (a finite score stays finite: no pass over the scores to check it, every forward)
     return score_mod
 
 
@@ -410,26 +411,30 @@ def _modded_scores(scores: Tensor, score_mod: ScoreMod) -> Tensor:
     out = score_mod(scores, *_index_grids(tuple(scores.shape), scores.device))
     if not isinstance(out, Tensor) or not out.is_floating_point():
         raise TypeError(f"score_mod must return a float tensor, got {getattr(out, 'dtype', type(out).__name__)}")
-    if bool(((out.isnan() | out.isposinf()) & scores.isfinite()).any()):  # (a NaN query's scores stay NaN)
+    # (a NaN query's scores stay NaN: only what the mod made is an error)
+    if not getattr(score_mod, "finite", False) and bool(((out.isnan() | out.isposinf()) & scores.isfinite()).any()):
         raise ValueError("score_mod returned NaN or +inf for a finite score: it must give finite scores or -inf")
     return out.to(scores.dtype).expand_as(scores)
 
 
 def _additive_bias(score_mod: ScoreMod, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
     """``f`` where ``score_mod(s, ...) == s + f(b, h, q_idx, kv_idx)`` (a float mask for the fused kernel),
-    or None when the mod is not additive (e.g. soft-capping). Checked at three probe scores, in float32 at
-    least: bfloat16's rounding would hide a mod as close to the identity as soft-capping is near 0."""
+    or None when the mod is not additive (e.g. soft-capping). Checked at probe scores in float32 at least
+    (bfloat16's rounding would hide a mod as close to the identity as soft-capping is near 0), within the
+    rounding of the dtype the mod computes in (a bias it holds in bfloat16 gives bfloat16 scores), and at
+    a large score, where a cap bends far beyond any rounding."""
     grids = _index_grids(shape, device)
     probe_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    probes = [torch.tensor(p, dtype=probe_dtype, device=device) for p in (0.0, 1.5, -3.25)]
+    probes = [torch.tensor(p, dtype=probe_dtype, device=device) for p in (0.0, 1.5, -3.25, 30.0)]
     base = score_mod(probes[0], *grids)
     if not isinstance(base, Tensor) or not base.is_floating_point():
         raise TypeError(f"score_mod must return a float tensor, got {getattr(base, 'dtype', type(base).__name__)}")
     if bool(torch.isnan(base).any() | torch.isposinf(base).any()):
         raise ValueError("score_mod returned NaN or +inf for a score of 0: it must give finite scores or -inf")
-    tol = 8 * torch.finfo(probe_dtype).eps
     for p in probes[1:]:
-        shifted = score_mod(p, *grids) - p
+        out = score_mod(p, *grids)
+        tol = 8 * torch.finfo(torch.promote_types(out.dtype, base.dtype)).eps
+        shifted = out - p
         same = (shifted == base) | ((shifted - base).abs() <= tol * (1 + base.abs() + abs(float(p))))
         if not bool(same.all()):
             return None
