@@ -126,7 +126,7 @@ def test_the_mlps_neurons_are_listed_by_layer_and_neuron(checkpoint, tmp_path, c
         (["--answers", "ab", "c"], "'ab' is 2 tokens"),
         (["--out", "x.jpg"], "--out must end in one of .html, .htm, .png"),
         (["--top", "0"], "--top must be >= 1"),
-        (["--out", "/nonexistent-dir/x.png"], "is not a directory this process can write to"),  # (once after the work)
+        (["--out", "/nonexistent-dir/x.png"], "the directory /nonexistent-dir does not exist"),  # (once after the work)
         (
             ["--answers", "a", "a"],
             "twice (its logit minus itself is always 0)",

@@ -366,7 +366,7 @@ def test_a_resumed_curve_stays_on_the_grid(make_gpt, corpus, tmp_path):
     [
         (["info", "trunc.npz"], "is not a readable .npz file"),
         (["info", "nonexist/sae"], "no local directory nonexist/sae, and as a Hub id: cannot reach the Hub"),
-        (["dashboard", "--model", "m.gguf", "--sae", "x", "--out", "no/d.html"], "is not a directory this process"),
+        (["dashboard", "--model", "m.gguf", "--sae", "x", "--out", "no/d.html"], "the directory no does not exist"),
     ],
     ids=["truncated-npz", "missing-dir", "dashboard-out"],
 )

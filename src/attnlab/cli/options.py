@@ -21,8 +21,10 @@ def check_out_file(value: str | None, suffixes: tuple[str, ...]) -> None:
     if Path(value).suffix.lower() not in suffixes:  # ("" has none: refused, not taken for "no file")
         raise ValueError(f"--out must end in one of {', '.join(suffixes)}; got {value!r}")
     folder = Path(value).expanduser().parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ValueError(f"--out {value!r}: {folder} is not a directory this process can write to")
+    if not folder.is_dir():
+        raise ValueError(f"--out {value}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {value}: the directory {folder} is not writable by this process")
 
 
 def index_list(text: str) -> list[int]:
