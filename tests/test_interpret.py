@@ -437,6 +437,26 @@ def test_an_ablation_holds_while_hook_result_is_hooked(mode):
         assert not cache["blocks.1.attn.hook_result"][..., 2, :].any()
 
 
+def test_out_projs_pre_hooks_with_kwargs_run_while_hook_result_is_hooked():
+    from attnlab.interpret import run_with_cache
+
+    model = sharp_gpt()
+    idx = torch.randint(0, 37, (1, 8), generator=torch.Generator().manual_seed(9))
+
+    def halve(module, args, kwargs):
+        return (args[0] * 0.5,), kwargs
+
+    handle = model.trf_blocks[1].att.out_proj.register_forward_pre_hook(halve, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(idx)
+            got, _ = run_with_cache(model, idx)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, model(idx), atol=1e-4)
+
+
 def test_mean_ablation_replaces_a_head_with_its_average_output():
     model = sharp_gpt()
     idx = torch.randint(0, 37, (1, 10), generator=torch.Generator().manual_seed(8))

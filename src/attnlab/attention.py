@@ -899,11 +899,16 @@ class MultiHeadAttention(_DropsTutorialMask):
             # its input, the heads side by side, as they would if it did.
             b, H, n, hd = heads.shape
             x = heads.transpose(1, 2).reshape(b, n, H * hd)
-            for pre_hook in list(self.out_proj._forward_pre_hooks.values()):
-                changed = pre_hook(self.out_proj, (x,))
+            with_kwargs = self.out_proj._forward_pre_hooks_with_kwargs
+            for key, pre_hook in list(self.out_proj._forward_pre_hooks.items()):
+                if key in with_kwargs:  # (registered with_kwargs=True: (args, kwargs) in and out)
+                    changed = pre_hook(self.out_proj, (x,), {})
+                    changed = None if changed is None else changed[0]
+                else:
+                    changed = pre_hook(self.out_proj, (x,))
                 if changed is not None:
                     x = changed[0] if isinstance(changed, tuple) else changed
-            heads = x.view(b, n, H, hd).transpose(1, 2)  # (b, H, n, hd)
+            heads = x.reshape(b, n, H, hd).transpose(1, 2)  # (b, H, n, hd)
         w = self.out_proj.weight  # (d_out, H * hd)
         w = w.dequantize(heads.dtype) if isinstance(w, QuantizedTensor) else w.to(heads.dtype)
         per_head = w.view(self.d_out, self.num_heads, self.head_dim)  # (d_out, H, hd)
