@@ -166,6 +166,7 @@ def test_the_page_is_written_atomically(checkpoint, tmp_path, monkeypatch, capsy
     [
         (["--answers", "ab", "b"], "--answers: the first answer 'ab' is 2 tokens"),
         (["--corrupted", "abcabcde"], "--clean and --corrupted must have the same number of tokens"),
+        (["--corrupted", CLEAN], "--corrupted is the clean prompt itself"),  # (once: a faithfulness of noise)
         (["--method", "EAP-IG"], "--method must be one of EAP, EAP-IG-inputs, EAP-IG-activations"),
         (["--budget", "0%"], "--budget: budget must be a share of the edges in (0%, 100%]"),
         (["--budget", "150%"], "--budget: budget must be a share of the edges in (0%, 100%]"),
@@ -253,6 +254,7 @@ def test_serve_answers_the_circuit_view(checkpoint, client):
     ("change", "status", "message"),
     [
         ({"corrupted": "abcabcde"}, 422, "same number of tokens"),
+        ({"corrupted": CLEAN}, 422, "corrupted is the clean prompt itself"),
         ({"answers": ["ab", "b"]}, 422, "answers[0] 'ab' is 2 tokens"),
         ({"answers": ["a", "a"]}, 422, "two different tokens"),
         ({"method": "ACDC"}, 422, "method"),
@@ -326,6 +328,7 @@ def test_pairs_are_scored_together_as_the_mean_over_pairs(checkpoint, tmp_path, 
     [
         ([PAIRS[0], ("abcab", "abcabe", "a", "b")], "line 2: clean and corrupted must have the same number of tokens"),
         ([PAIRS[0], PAIRS[1], ("abc", "abd", "ab", "b")], "line 3: the first answer 'ab' is 2 tokens"),
+        ([PAIRS[0], ("abcab", "abcab", "a", "b")], "line 2: corrupted is the clean prompt itself"),
     ],
 )
 def test_a_bad_pair_is_refused_with_its_line_number(checkpoint, tmp_path, capsys, lines, message):

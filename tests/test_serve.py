@@ -358,6 +358,34 @@ def test_repeated_layers_and_heads_are_shown_once_and_a_too_long_trace_is_refuse
         engine.inspect("abcabcabcabca", ["layers"])
 
 
+def test_a_server_on_another_loopback_address_takes_requests_naming_it():
+    # Regression: bound to 127.0.0.2 (loopback), the Host check knew 127.0.0.1 and localhost only, and
+    # every request, the page's own included, got a 400.
+    from attnlab.tools.serve.server import allowed_hosts
+
+    assert {"127.0.0.2", "127.0.0.1", "localhost"} <= allowed_hosts("127.0.0.2")
+    assert "::1" in allowed_hosts("[::1]") and allowed_hosts("0.0.0.0") is None
+    with TestClient(create_app(Engine(demo=view_to_dict(demo_view())), allowed_hosts=allowed_hosts("127.0.0.2"))) as c:
+        assert c.get("/api/info", headers={"host": "127.0.0.2:8766"}).status_code == 200
+        assert c.get("/api/info", headers={"host": "evil.example"}).status_code == 400
+
+
+def test_an_answers_maps_past_the_limit_are_refused_naming_what_to_ask_for(tmp_path):
+    """One 10 KB request (1,000 tokens, every layer in f32) once built a 1.4 GB answer and took the
+    server to 9.7 GB: the heads view is bounded by Limits.max_maps_bytes in the precision it is sent."""
+    model = sharp_gpt()  # 3 layers x 4 heads
+    maps = lambda T, dtype_bytes, L=3, H=4: L * H * T * (T + 1) // 2 * dtype_bytes
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), limits=Limits(max_maps_bytes=maps(10, 4)))
+    engine.inspect("abcabcabca", ["layers"], precision="f32")  # 10 tokens in f32: at the limit
+    with pytest.raises(ValueError, match=r"the heads view of 11 tokens, 3 layers x 4 heads in f32, .* fewer layers"):
+        engine.inspect("abcabcabcab", ["layers"], precision="f32")
+    engine.inspect("abcabcabcab", ["layers"], precision="u8")  # a quarter of the bytes
+    engine.inspect("abcabcabcab", ["layers"], layers=[0], precision="f32")  # a third of the maps
+    assert maps(25, 1) > maps(10, 4)
+    with pytest.raises(ValueError, match="in u8"):  # (the coarsest precision, and still too large)
+        engine.inspect("abcab" * 5, ["layers"], precision="u8")
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(max_size=30) | st.sampled_from(['"attnlab-', 'attnlab-0"', '\\"b64"', "\u2028\x00"]),

@@ -120,7 +120,7 @@ def _anchor(tokenizer: Any) -> tuple[int, str] | None:
 # --------------------------------------------------------------------------------------------
 # Precision
 # --------------------------------------------------------------------------------------------
-def _weights_dtype(n: int, precision: str) -> str:
+def weights_dtype(n: int, precision: str) -> str:
     """The most precise dtype whose ``n`` numbers fit the budget (``precision="auto"``)."""
     if precision != "auto":
         if precision not in ("f32", "u16", "u8"):
@@ -252,7 +252,7 @@ def maps_data(
     """A page of attention weights only: ``rows`` of ``(name, head numbers, weights (H, T, T))``."""
     data = _base(title, text, note, tokens)
     n = sum(w.numel() for _, _, w in rows)
-    data["layers"] = _layers(rows, _weights_dtype(n, precision))
+    data["layers"] = _layers(rows, weights_dtype(n, precision))
     return data
 
 
@@ -292,7 +292,7 @@ def records_data(
             }
             steps.append(_head_steps(r, h, name, st, rec.scale, float_mask, names, rec.softcap))
     n = sum(w.numel() for _, _, w in maps)
-    data["layers"] = _layers(maps, _weights_dtype(n, "auto"))
+    data["layers"] = _layers(maps, weights_dtype(n, "auto"))
     data["steps"] = _steps_section(steps, 0)
     return data
 
@@ -421,7 +421,7 @@ def inspector_data(
         data["lens"], top = _lens_section(model, trace, row, keep, lens_k, lens_window)
         vocab.update(top.flatten().tolist())
     if generation is not None:
-        data["generation"] = _generation_section(generation, row, dtype or _weights_dtype(0, precision))
+        data["generation"] = _generation_section(generation, row, dtype or weights_dtype(0, precision))
         vocab.update(generation.tokens[row].tolist())
         for s in generation.steps:
             vocab.update(s.candidates[row].tolist())
@@ -519,7 +519,7 @@ def _heads_section(
 ) -> tuple[list[dict[str, Any]], str]:
     """The heads view's rows (one per shown layer) and the dtype their weights are stored in."""
     T = len(keep)
-    dtype = _weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
+    dtype = weights_dtype(len(shown_layers) * len(shown_heads) * T * (T + 1) // 2, precision)
     # A causal layer without an additive mask puts nothing above the diagonal: stored as triangles.
     causal = [trace.is_causal[i] and _bool_mask(trace.masks[i]) for i in shown_layers]
     rows = [(f"layer {i}", shown_heads, _real(trace.weights[i, row], keep, shown_heads)) for i in shown_layers]

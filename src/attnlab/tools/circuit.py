@@ -155,6 +155,8 @@ def circuit_report(
             f"--clean and --corrupted must have the same number of tokens (edges pair positions), "
             f"got {ids[0].numel()} and {ids[1].numel()}"
         )
+    if torch.equal(ids[0], ids[1]):  # (no effect to explain: every faithfulness would be noise)
+        raise ValueError("--corrupted is the clean prompt itself: change a word or two, so that the answer changes")
     try:
         parse_budget(budget)
     except ValueError as e:
@@ -216,6 +218,8 @@ def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int
                 f"{where}: clean and corrupted must have the same number of tokens (edges pair positions), "
                 f"got {len(ids[0])} and {len(ids[1])}"
             )
+        if ids[0] == ids[1]:
+            raise ValueError(f"{where}: corrupted is the clean prompt itself: change a word or two (the answer with them)")
         a, b = (
             answer_token(tokenizer, t, vocab_size, f"{where}: {w}")
             for t, w in zip(answers, ("the first answer", "the second answer"), strict=True)
@@ -305,6 +309,8 @@ def serve_circuit(
             f"clean and corrupted must have the same number of tokens (edges pair positions): the clean prompt has "
             f"{len(ids[0])}, the corrupted one {len(ids[1])}"
         )
+    if ids[0] == ids[1]:
+        raise ValueError("corrupted is the clean prompt itself: change a word or two, so that the answer changes")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     parse_budget(budget)

@@ -86,7 +86,8 @@ class InspectRequest(PromptRequest):
         default=None, max_length=4096, description="heads of the heads view (default: all)"
     )
     precision: Literal["auto", "f32", "u16", "u8"] = Field(
-        default="auto", description="how attention weights are stored (auto: the most precise within 16 MiB)"
+        default="auto",
+        description="how attention weights are stored (auto: the most precise within 16 MiB, else u8)",
     )
     lens_k: int = Field(default=5, ge=1, le=50, description="logit-lens candidates per layer and position")
     lens_window: tuple[Annotated[int, Field(ge=0, strict=True)], Annotated[int, Field(ge=1, strict=True)]] | None = (

@@ -66,7 +66,7 @@ from attnlab.interpret import (
     token_strings,
     trace,
 )
-from attnlab.interpret.inspector import generation_step_data, resolve_index
+from attnlab.interpret.inspector import generation_step_data, resolve_index, weights_dtype
 from attnlab.interpret.playback import GenerationStep, key_index, key_offsets, top_candidates
 from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
@@ -102,12 +102,15 @@ class Limits:
         max_prompt_chars: the longest prompt text (the context window limits its tokens too).
         max_trace_bytes: the attention maps one inspected prompt may hold (layers x heads x tokens²
             float32 numbers: a prompt as long as SmolLM2's context would need 72 GB).
+        max_maps_bytes: the attention maps one answer may send, in the precision it sends them (the
+            answer is built in memory, several times that size on its way out).
     """
 
     max_new_tokens: int = 256
     max_body_bytes: int = 256 << 10
     max_prompt_chars: int = 100_000
     max_trace_bytes: int = 2 << 30
+    max_maps_bytes: int = 64 << 20
 
 
 @dataclass
@@ -386,6 +389,18 @@ class Engine:
         _remember(self._traces, key, tr, self.cache_size)
         return tr
 
+    def _check_maps_size(self, T: int, n_layers: int, n_heads: int, precision: str) -> None:
+        """A ValueError (a 422) where the heads view's maps would pass :attr:`Limits.max_maps_bytes` as sent."""
+        n = n_layers * n_heads * T * (T + 1) // 2  # (causal maps are sent as their lower triangles)
+        dtype = weights_dtype(n, precision)
+        need = n * {"f32": 4, "u16": 2, "u8": 1}[dtype]
+        if need > self.limits.max_maps_bytes:
+            raise ValueError(
+                f"the heads view of {T} tokens, {n_layers} layers x {n_heads} heads in {dtype}, is "
+                f"{need / 2**20:.0f} MiB, more than this server sends ({self.limits.max_maps_bytes >> 20} MiB): ask "
+                "for fewer layers or heads (layers:, heads:), precision u8, or a shorter prompt"
+            )
+
     def _check_trace_size(self, T: int) -> None:
         """A ValueError (a 422) where ``T`` tokens' attention maps would pass :attr:`Limits.max_trace_bytes`."""
         cfg = self._need_model().model.config
@@ -433,6 +448,10 @@ class Engine:
         # checked here, naming the request's fields (the library's words are the command line's flags)
         layers = None if layers is None else [resolve_index("layers:", i, cfg.n_layers) for i in layers]
         heads = None if heads is None else [resolve_index("heads:", h, cfg.n_heads) for h in heads]
+        if "layers" in sections:
+            self._check_maps_size(
+                len(ids), len(set(layers or range(cfg.n_layers))), len(set(heads or range(cfg.n_heads))), precision
+            )
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))

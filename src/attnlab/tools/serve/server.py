@@ -27,6 +27,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def allowed_hosts(host: str) -> set[str] | None:
+    """The names a request's Host header may carry on a server bound to ``host``: a loopback server's
+    names and its own address (127.0.0.2 is a loopback address they do not cover); None (any) elsewhere."""
+    return LOOPBACK_NAMES | {host.strip("[]").lower()} if is_loopback(host) else None
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free one, chosen by the system)."""
     host = host.strip("[]")
@@ -90,7 +96,7 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_leve
         print(f"attnlab serve: {engine.name} at {url} (Ctrl-C to stop)", flush=True)
         engine.warm_up()  # the head roles, in the background
 
-    app = create_app(engine, allowed_hosts=LOOPBACK_NAMES if loopback else None)
+    app = create_app(engine, allowed_hosts=allowed_hosts(host))
     config = uvicorn.Config(
         app,
         log_level=log_level,
