@@ -219,7 +219,7 @@ def read_pairs(path: str | os.PathLike[str], tokenizer: Any, context_length: int
                 f"got {len(ids[0])} and {len(ids[1])}"
             )
         if ids[0] == ids[1]:
-            raise ValueError(f"{where}: corrupted is the clean prompt itself: change a word or two (the answer with them)")
+            raise ValueError(f"{where}: corrupted is the clean prompt itself: change a word or two")
         a, b = (
             answer_token(tokenizer, t, vocab_size, f"{where}: {w}")
             for t, w in zip(answers, ("the first answer", "the second answer"), strict=True)
