@@ -413,3 +413,11 @@ def test_only_drawing_a_picture_imports_matplotlib(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_out_that_is_a_directory_is_one_line_before_any_work(tmp_path, capsys):
+    # Regression: the page was made, then its temporary file's replace failed naming a hidden ".tmp" file.
+    (tmp_path / "page.html").mkdir()
+    assert main(["viz", "--out", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "page.html is a directory: name a file in it" in err

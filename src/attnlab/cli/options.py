@@ -21,6 +21,8 @@ def check_out_file(value: str | None, suffixes: tuple[str, ...]) -> None:
     if Path(value).suffix.lower() not in suffixes:  # ("" has none: refused, not taken for "no file")
         raise ValueError(f"--out must end in one of {', '.join(suffixes)}; got {value!r}")
     folder = Path(value).expanduser().parent
+    if Path(value).expanduser().is_dir():
+        raise ValueError(f"--out {value} is a directory: name a file in it")
     if not folder.is_dir():
         raise ValueError(f"--out {value}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK):

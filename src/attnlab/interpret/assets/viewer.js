@@ -845,8 +845,10 @@ async function showInspector(source, opts) {
     async draw() {
       paintStrip(null);
       const g = this.data, st = g.settings || {};
-      $("gen-title").textContent = "Generation, token by token (temperature " + st.temperature
-        + (st.top_k ? ", top-k " + st.top_k : "") + (st.top_p ? ", top-p " + st.top_p : "") + ")";
+      // (a live page has no settings until its first generation: no sampling to name yet)
+      $("gen-title").textContent = "Generation, token by token" + (st.temperature === undefined ? ""
+        : " (temperature " + st.temperature + (st.top_k ? ", top-k " + st.top_k : "")
+          + (st.top_p ? ", top-p " + st.top_p : "") + ")");
       if (!g.steps.length) {  // a live page before "generate"
         claim(this);  // (a draw still waiting for labels must not write after this)
         $("gen-text").textContent = ""; $("gen-candidates").textContent = "";
