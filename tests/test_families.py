@@ -475,6 +475,10 @@ def test_exports_refuse_what_their_layouts_cannot_hold():
         to_hf_llama_state_dict(GPT(llama | dict(post_norms=True)))
     with pytest.raises(ValueError, match="parallel_residual"):
         to_hf_gpt2_state_dict(GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, parallel_residual=True)))
+    # heads wider than emb_dim / n_heads: GPT-2's c_attn cannot hold them (the check once never fired)
+    with pytest.raises(ValueError, match="head_size"):
+        to_hf_gpt2_state_dict(GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, head_size=16)))
+    to_hf_gpt2_state_dict(GPT(dict(vocab_size=V, emb_dim=16, n_heads=2, n_layers=1, head_size=8)))  # (its own)
 
 
 @pytest.mark.slow

@@ -161,6 +161,19 @@ def test_info_names_a_hugging_face_directory_by_its_config(tmp_path, capsys):
     assert "2 layers, width 64, 4 heads of 16 (2 key/value heads)" in shapes and "window=8" in switches
 
 
+def test_info_counts_an_untied_gpt2_directory_as_from_pretrained_builds_it(tmp_path, capsys):
+    # Regression: the GPT-2 config's tie_word_embeddings (and resid_pdrop) went unread: 64,000 too few.
+    from attnlab import GPT, GPTConfig
+    from attnlab.formats.hf import to_hf_gpt2
+
+    pytest.importorskip("transformers")
+    cfg = GPTConfig(vocab_size=1000, context_length=32, emb_dim=64, n_heads=4, n_layers=2, tie_embeddings=False)
+    to_hf_gpt2(GPT(cfg)).save_pretrained(tmp_path)
+    want = GPT.from_pretrained(str(tmp_path)).num_parameters()
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    assert f"{want:,} parameters" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [

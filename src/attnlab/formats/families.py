@@ -377,6 +377,9 @@ def gpt2_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         ff_dim=cfg.get("n_inner"),
         ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         activation=_GELUS.get(cfg.get("activation_function", "gelu_new"), "gelu_tanh"),
+        # as GPT.from_pretrained reads them (an untied head is a matrix of its own in the count)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        drop_rate=float(cfg.get("resid_pdrop", 0.1)),
     )
 
 
@@ -480,7 +483,9 @@ def _check_gpt2(cfg: GPTConfig, model_type: str) -> None:
             f"GPT-2 has no grouped-query attention: this model has n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}"
         )
     gpt2 = {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "window": None, "qk_norm": False}
-    gpt2 |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size" or cfg.head_size != cfg.head_dim}
+    # (a head_size of emb_dim / n_heads is GPT-2's own: only another one is refused)
+    own_heads = cfg.head_size in (None, cfg.emb_dim // cfg.n_heads) and cfg.emb_dim % cfg.n_heads == 0
+    gpt2 |= {k: v for k, v in FAMILY_SWITCHES_OFF.items() if k != "head_size" or not own_heads}
     other = {k: getattr(cfg, k) for k, v in gpt2.items() if getattr(cfg, k, v) != v}
     if other:
         raise ValueError(
