@@ -223,6 +223,10 @@ def test_gpt2_bpe_dir_errors(tmp_path):
     (tmp_path / "encoder.json").write_text('{"a": 0}')
     with pytest.raises(ValueError, match="valid GPT-2"):
         GPT2Tokenizer(bpe_dir=tmp_path)
+    for other in ("[]", '"text"', "3"):  # valid JSON of another shape (once a traceback)
+        (tmp_path / "encoder.json").write_text(other)
+        with pytest.raises(ValueError, match="valid GPT-2"):
+            GPT2Tokenizer(bpe_dir=tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- factory

@@ -332,7 +332,8 @@ def _load_gpt2_from_dir(bpe_dir: Path) -> tuple[Any, str, str]:
             special_tokens={GPT2_EOT: GPT2_EOT_ID},
             explicit_n_vocab=GPT2_VOCAB_SIZE,
         )
-    except (AssertionError, KeyError, ValueError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (AssertionError, KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError) as exc:
+        # (AttributeError, TypeError: valid JSON of another shape, e.g. an encoder.json holding a list)
         raise ValueError(
             f"{bpe_dir} does not hold a valid GPT-2 encoder.json + vocab.bpe pair ({type(exc).__name__})"
         ) from None
