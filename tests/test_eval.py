@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnlab import GPT, GPTConfig
 from attnlab.cli import main
 from attnlab.training.eval import evaluate_tokens, windows
 
@@ -104,3 +106,25 @@ def test_cli_bad_stride_is_one_line(tmp_path, capsys, make_gpt) -> None:
     ids = torch.tensor(list(TEXT.encode()))
     want = evaluate_tokens(model, ids, context_length=8)
     assert got["loss"] == pytest.approx(want.loss) and got["tokens"] == len(ids) - 1
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kw", "match"),
+    [
+        ([0.5, 1.7, 2.2], {}, "1-D sequence of token ids, got torch.float64"),  # (once truncated to 0, 1, 2)
+        ([[1, 2, 3], [4, 5, 6]], {}, r"of shape \(2, 3\)"),  # (once flattened and scored across the rows)
+        ([1, 2, 300], {}, r"ids in \[0, 50\), got values in \[1, 300\]"),  # (once an IndexError)
+        ([-1, 2, 3], {}, r"got values in \[-1, 3\]"),
+        ([1, 2, 3], {"n_bytes": -5}, "n_bytes must be None or a non-negative int"),  # (once -3.17 bits a byte)
+    ],
+)
+def test_evaluate_tokens_checks_its_input(tokens, kw, match):
+    model = GPT(GPTConfig(vocab_size=50, context_length=8, emb_dim=16, n_heads=2, n_layers=1))
+    with pytest.raises(ValueError, match=match):
+        evaluate_tokens(model, tokens, context_length=8, **kw)
+    # a token cache's uint16 array is taken as it is
+    ids = np.arange(20, dtype=np.uint16) % 50
+    assert (
+        evaluate_tokens(model, ids, context_length=8).loss
+        == evaluate_tokens(model, ids.tolist(), context_length=8).loss
+    )

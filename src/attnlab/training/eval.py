@@ -81,9 +81,14 @@ def evaluate_tokens(
     """Score ``tokens`` with ``model`` in the windows of :func:`windows` (``stride`` defaults to
     ``context_length``); the loss is summed in float64 over the scored tokens. ``on_window`` is
     called with the tokens each window scored (a progress bar). ``model`` is put in eval mode."""
-    ids = (
-        tokens.long().flatten() if torch.is_tensor(tokens) else torch.tensor(np.asarray(tokens), dtype=torch.long)
-    )  # (N,)
+    ids = tokens if torch.is_tensor(tokens) else torch.as_tensor(np.asarray(tokens))
+    if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"tokens must be a 1-D sequence of token ids, got {ids.dtype} of shape {tuple(ids.shape)}")
+    ids, V = ids.long(), model.config.vocab_size  # (N,) (a token cache's uint16 has no min or max in torch)
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < V):
+        raise ValueError(f"tokens must be ids in [0, {V}), got values in [{int(ids.min())}, {int(ids.max())}]")
+    if n_bytes is not None and (not is_int(n_bytes) or n_bytes < 0):
+        raise ValueError(f"n_bytes must be None or a non-negative int (the text's UTF-8 bytes), got {n_bytes!r}")
     stride = context_length if stride is None else stride
     model.eval()
     device = model.device
