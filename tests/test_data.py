@@ -564,3 +564,12 @@ def test_random_batches_errors():
         RandomWindowBatches(t, 2, 4, seed=0).batch(-1)
     with pytest.raises(ValueError, match="micro_step"):
         RandomWindowBatches(t, 2, 4, seed=0, grad_accum_steps=2).batch(0, micro_step=2)
+
+
+@pytest.mark.parametrize("workers", [2.7, True, -1, "x"])
+def test_tokenize_to_cache_names_a_bad_workers(tmp_path, workers):
+    # Regression: 2.7, True and -1 were taken (int() of them), "x" failed inside int().
+    f = tmp_path / "t.txt"
+    f.write_text("some text")
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        tokenize_to_cache(f, ByteTokenizer(), cache_dir=tmp_path / "cache", workers=workers)

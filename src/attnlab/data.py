@@ -226,6 +226,8 @@ def tokenize_to_cache(
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an attnlab Tokenizer, got {type(tokenizer).__name__}")
     positive_int("chunk_bytes", chunk_bytes)
+    if workers is not None:
+        positive_int("workers", workers)
     dtype = token_dtype(tokenizer.vocab_size)
     if path is None:
         return np.asarray(tokenizer.encode_array(builtin_corpus()), dtype=dtype)
