@@ -236,6 +236,11 @@ def test_a_transcoder_without_its_output_hook_takes_one(make_gpt, tmp_path, monk
     assert evaluate_sae(model, loaded, idx).tokens == 16
     with pytest.raises(ValueError, match="an autoencoder"):
         SAE.load(_random_sae("topk").save(tmp_path / "ae"), hook_name_out="blocks.0.hook_mlp_out")
+    # An autoencoder that does not subtract b_dec from its input (SAELens's apply_b_dec_to_input=False)
+    # is still one: its file says so (once it became a transcoder silently).
+    plain = _random_sae("jumprelu", apply_b_dec_to_input=False).save(tmp_path / "ae2")
+    with pytest.raises(ValueError, match="an autoencoder"):
+        SAE.load(plain, hook_name_out="blocks.0.hook_mlp_out")
     # The CLI passes --hook-out where it takes --hook.
     from attnlab.cli import main
 

@@ -554,18 +554,20 @@ def _load_local(p: Path, hook_name: str | None, hook_name_out: str | None = None
             f"SAE config {p / SAELENS_CFG} has no weights beside it ({SAELENS_WEIGHTS} or {SPARSIFY_WEIGHTS})"
         )
     tensors = {names.get(k, k): v for k, v in tensors.items()}
-    return _build(_with_hooks(cfg, hook_name, hook_name_out), tensors, p)
+    return _build(_with_hooks(cfg, hook_name, hook_name_out, files_say=True), tensors, p)
 
 
-def _with_hooks(cfg: SAEConfig, hook_name: str | None, hook_name_out: str | None) -> SAEConfig:
-    """``cfg`` with the hook points :meth:`SAE.load` was given in place of the files' own."""
+def _with_hooks(cfg: SAEConfig, hook_name: str | None, hook_name_out: str | None, files_say: bool = False) -> SAEConfig:
+    """``cfg`` with the hook points :meth:`SAE.load` was given in place of the files' own; ``files_say``:
+    the files tell a transcoder from an autoencoder (SAELens's and sparsify's configs; a Gemma Scope
+    ``.npz`` of equal widths does not)."""
     for name, value in (("hook_name", hook_name), ("hook_name_out", hook_name_out)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"SAE.load: {name} must be a string, got {type(value).__name__}")
-    if hook_name_out is not None and cfg.apply_b_dec_to_input:
+    if hook_name_out is not None and (cfg.apply_b_dec_to_input or (files_say and not cfg.transcoder)):
         raise ValueError(
             f"SAE.load: hook_name_out={hook_name_out!r} is a transcoder's output hook, but this SAE is an "
-            "autoencoder (it subtracts b_dec from its input)"
+            "autoencoder (its config names no output width, or it subtracts b_dec from its input)"
         )
     return replace(cfg, hook_name=hook_name or cfg.hook_name, hook_name_out=hook_name_out or cfg.hook_name_out)
 
