@@ -1247,7 +1247,8 @@ def _pay_rent(seconds: float) -> None:
 def compile_from_now() -> None:
     """Products compile from now on, whatever rent was paid. For a training run: the switch from the
     eager tiles changes the order of some sums, and the clock decides when it comes (sooner on a busy
-    machine), so two runs, or a run and its resumption, would differ in their last bits."""
+    machine), so two runs, or a run and its resumption, would differ in their last bits. The switch is
+    the process's: later products of any quantized model compile too."""
     _pay_rent(max(0.0, COMPILE_AFTER_S - _rent_paid_s))
 
 

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         if len(ids) + args.max_new_tokens > ctx:  # (else the template's start would slide out of the window unseen)
             raise ValueError(
                 f"--prompt in the chat template takes {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} "
-                f"more, past the model's context of {ctx}: shorten it or lower --max-new-tokens (as attnlab chat asks)"
+                f"more, past the model's context of {ctx}: shorten it or lower --max-new-tokens"
             )
     else:
         ids = prompt_tokens(tok, args.prompt)

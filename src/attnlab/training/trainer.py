@@ -831,7 +831,7 @@ class Trainer:
     def _weights_finite(self) -> bool:
         """Whether every trained weight is finite, on every rank (the frozen ones cannot have changed)."""
         local = [getattr(p, "_local_tensor", p) for p in self.raw_model.parameters() if p.requires_grad]
-        ok = all(bool(t.isfinite().all()) for t in local)
+        ok = bool(torch.stack([t.isfinite().all() for t in local]).all()) if local else True  # (one sync)
         return bool(self._agreed(int(ok), "MIN"))
 
     def _plan_steps(self, history: list[dict[str, Any]], write: Callable[[str], None]) -> None:
