@@ -156,6 +156,52 @@ TEMPLATES = {
 }
 
 
+TOOL_TURN = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w", "arguments": {"c": "P"}}}]},
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": " sunny."}]},
+    {"role": "assistant", "content": "ok", "thinking": "brief"},
+]
+TOOL_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% elif m.content %}"
+    "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% if m.content is not defined %}(no content)"
+    "{% endif %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{% endfor %}"
+)
+
+
+def test_tool_calls_content_parts_and_reasoning_render_as_apply_chat_template(tmp_path, model_dir):
+    """A tool call's None content (left out, as transformers leaves it), content as a list of parts and
+    reasoning under its other names: once refused ("content must be a string") or dropped."""
+    d = with_files(model_dir, tmp_path / "m", chat_template__jinja=TOOL_TEMPLATE)
+    want = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(TOOL_TURN, tokenize=False)
+    assert load_pretrained(str(d)).chat_template.render(TOOL_TURN) == want
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{% for i in range(200000) %}x{% endfor %}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+     "{{ messages[0].content.split('') }}"],
+)  # fmt: skip
+def test_whatever_a_template_raises_is_one_value_error_naming_it(template):
+    # (a sandbox's range limit, a recursion, a bare ValueError: once tracebacks, or lines not naming it)
+    from attnlab.formats.chat import ChatTemplate
+
+    with pytest.raises(ValueError, match="tpl failed"):
+        ChatTemplate(template, name="tpl").render([{"role": "user", "content": "hi"}])
+
+
+def test_stop_ids_come_from_config_json_without_a_generation_config(tmp_path, model_dir):
+    # transformers reads config.json's eos_token_id list where generation_config.json is missing.
+    d = with_files(model_dir, tmp_path / "m")
+    (d / "generation_config.json").unlink()
+    tok = hf_tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"eos_token_id": [end, eot]}))
+    assert set(load_pretrained(str(d)).stop_ids) == {end, eot}
+
+
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_templates_render_as_apply_chat_template_does(tmp_path, model_dir, name):
     """Once refused or rendered otherwise: the {% generation %} tag did not compile (and took the whole model

@@ -214,6 +214,15 @@ def test_pre_tokenizers_as_transformers(tmp_path, pre):
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
 
 
+def test_a_turns_end_token_stops_generation_where_the_file_names_none(tmp_path):
+    """llama.cpp's converter names no eot_token_id in Gemma's and Phi-3's files; llama.cpp stops at their
+    turn-end tokens by text (<end_of_turn>, <|end|>, <|im_end|>, ...): so does attnlab (it stopped at
+    the end-of-text token alone, and answers ran on past their turn)."""
+    path = write_gguf(tmp_path / "turns.gguf", meta={"tokenizer.ggml.eos_token_id": 0})  # <|endoftext|>
+    loaded = load_pretrained(path)
+    assert [loaded.tokenizer.decode([i]) for i in loaded.stop_ids] == ["<|endoftext|>", "<|im_end|>"]
+
+
 def test_control_and_user_defined_tokens_keep_their_text_and_id(tmp_path):
     """llama.cpp's converter writes added tokens as raw text: DeepSeek-R1's "<｜User｜>" (outside
     GPT-2's byte alphabet), GPT-NeoX's whitespace runs. Each is matched whole with the file's id

@@ -82,23 +82,31 @@ class ChatTemplate:
             raise ValueError(f"{self.name} tried to leave the sandbox: {e}") from None
         except TemplateError as e:
             raise ValueError(f"{self.name} failed: {e}") from None
-        except (TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        except Exception as e:  # (code from a file: whatever it raises, a recursion or a range too long)
             raise ValueError(f"{self.name} failed: {type(e).__name__}: {e}") from None
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
     """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or a ValueError/
-    TypeError naming the first one that is not."""
+    TypeError naming the first one that is not. As transformers takes them: a ``content`` may be a
+    list of parts (``[{"type": "text", "text": ...}]``), a key whose value is None is left out (an
+    assistant's tool call has no content), and ``reasoning`` or ``thinking`` is ``reasoning_content``."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {m.get(key)!r:.60}")
-        out.append(dict(m))
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]['role'] must be a string, got {m.get('role')!r:.60}")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            got = f"{m['content']!r:.60}"
+            raise ValueError(f"messages[{i}]['content'] must be a string, a list of parts or None, got {got}")
+        m = {k: v for k, v in m.items() if v is not None}
+        for alias in ("reasoning", "thinking"):  # (transformers' other names of a turn's reasoning)
+            if alias in m and "reasoning_content" not in m:
+                m["reasoning_content"] = m[alias]
+        out.append(m)
     return out
 
 

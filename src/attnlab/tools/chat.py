@@ -44,7 +44,8 @@ def chat_template_of(loaded: LoadedModel, what: str = "the model") -> ChatTempla
     if loaded.chat_template is None:
         raise UserError(
             f"{what} has no chat template (chat_template.jinja, tokenizer_config.json's chat_template or the "
-            "GGUF's tokenizer.chat_template): it is not an instruct model, use attnlab generate"
+            "GGUF's tokenizer.chat_template): it is not an instruct model; continue a text instead (attnlab generate, "
+            "without --chat)"
         )
     return loaded.chat_template
 

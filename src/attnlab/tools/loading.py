@@ -133,6 +133,17 @@ def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple
     return template, _with_eot(stops, tokenizer)
 
 
+# The special tokens that end a turn, as llama.cpp finds them by their text: its converter leaves
+# tokenizer.ggml.eot_token_id out of Gemma's and Phi-3's files, whose turns end with these.
+TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<EOT>")
+
+
+def _turn_ends(tokenizer: HFTokenizer) -> list[int]:
+    """The ids of the tokenizer's special tokens among :data:`TURN_ENDS`."""
+    added = tokenizer._tok.get_added_tokens_decoder()  # {id: AddedToken}
+    return [i for i, t in added.items() if t.special and t.content in TURN_ENDS]
+
+
 def _with_eot(ids: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
     """``ids`` and the tokenizer's end-of-text id, each once."""
     eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
@@ -246,12 +257,16 @@ def chat_files(
             tokens={k: v for k, v in others.items() if v},
         )
     V = tokenizer.vocab_size
-    ids = _json_or_empty(directory / "generation_config.json").get("eos_token_id")
+    # generation_config.json's stops, else config.json's (transformers reads them in that order)
+    source = "generation_config.json"
+    ids = _json_or_empty(directory / source).get("eos_token_id")
+    if ids is None:
+        source = "config.json"
+        ids = _json_or_empty(directory / source).get("eos_token_id")
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
     if not all(is_int(i) and 0 <= i < V for i in ids):
         raise ValueError(
-            f"{what}: generation_config.json's eos_token_id must be a token id in [0, {V}) or a list of them, "
-            f"got {ids!r:.80}"
+            f"{what}: {source}'s eos_token_id must be a token id in [0, {V}) or a list of them, got {ids!r:.80}"
         )
     return template, _with_eot(ids, tokenizer)
 
@@ -313,7 +328,8 @@ def _load_gguf(p: Path, device: torch.device | str | None, dtype: torch.dtype | 
                 if (t := text(special[i]))
             },
         )
-    stops = tuple(dict.fromkeys(i for i in (special["eos_token_id"], special["eot_token_id"]) if text(i)))
+    named = (special["eos_token_id"], special["eot_token_id"], meta.get("tokenizer.ggml.eom_token_id"))
+    stops = tuple(dict.fromkeys([*(i for i in named if text(i)), *_turn_ends(tokenizer)]))
     model = GPT.from_gguf(read, device=device)
     name = gguf_name(meta, read.quantization, p)
     metadata = {"source": "gguf", "name": name, "architecture": read.architecture, "quantization": read.quantization}
