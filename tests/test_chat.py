@@ -661,3 +661,20 @@ def test_serve_chat_needs_a_template(tmp_path, model_dir):
     with TestClient(create_app(Engine(load_pretrained(str(d))))) as c:
         r = c.post("/api/chat", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 422 and "tried to leave the sandbox" in r.json()["detail"]
+
+
+def test_a_token_past_the_tokenizers_vocabulary_is_no_text_and_the_turn_is_kept(model_dir, monkeypatch):
+    """Qwen's and Phi-3's embeddings have rows past their tokenizers' ids (padding): a sampled one ended
+    the chat with "ids must lie in [0, V)" and lost the turn; it is no text, as transformers decodes it."""
+    loaded = load_pretrained(str(model_dir))
+    V, end = loaded.tokenizer.vocab_size, loaded.stop_ids[0]
+    word = loaded.tokenizer.encode(" genius")
+
+    def stream(idx, max_new_tokens, **kw):  # the model's choices: a word, a padding row, the turn's end
+        yield from (torch.tensor([t]) for t in [*word, V + 3, end])
+
+    monkeypatch.setattr(loaded.model, "stream", stream)
+    session = greedy(loaded, max_new_tokens=12)
+    answer = session.ask("hi")
+    assert "".join(answer) == " genius" and answer.stopped and V + 3 not in answer.ids
+    assert session.messages[-1] == {"role": "assistant", "content": " genius"}

@@ -226,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         for token in stream:
             if int(token[0]) in sampling.stop_ids:
                 break  # the end-of-text token is not text
+            if int(token[0]) >= tok.vocab_size:  # an embedding row past the tokenizer's (padding): no text
+                continue
             piece = dec.push(int(token[0]))  # token: (1,)
             if piece:
                 write(piece)

@@ -126,6 +126,8 @@ class Answer:
                 if t in stop:
                     self.stopped = True
                     break
+                if t >= tok.vocab_size:  # a padding row of the embedding (Qwen's, Phi-3's): no text, as transformers
+                    continue
                 self.ids.append(t)
                 if piece := dec.push(t):
                     yield piece
