@@ -191,6 +191,26 @@ def test_whatever_a_template_raises_is_one_value_error_naming_it(template):
         ChatTemplate(template, name="tpl").render([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loops take more"),
+        ("{{ 'a' * 10**10 }}", "builds a sequence of 10,000,000,000 items"),
+        ("{{ [0] * 10**8 }}", "builds a sequence"),
+        ("{{ 2 ** 100000000 }}", "to the power"),
+    ],
+)
+def test_a_template_is_stopped_before_it_runs_for_ever_or_fills_the_memory(template, match):
+    # A model file's template once ran 10^10 loop steps (hours; serve kept a thread spinning per request)
+    # or built a 10 GB string; jinja2's sandbox bounds each range() alone. Ordinary templates pass.
+    from attnlab.formats.chat import ChatTemplate
+
+    with pytest.raises(ValueError, match=f"tpl was stopped: .*{match}"):
+        ChatTemplate(template, name="tpl").render([{"role": "user", "content": "hi"}])
+    ok = "{% for i in range(1000) %}{% for j in range(900) %}{% endfor %}{% endfor %}{{ 'ab' * 1000 }}"
+    assert ChatTemplate(ok).render([{"role": "user", "content": "hi"}]) == "ab" * 1000
+
+
 def test_stop_ids_come_from_config_json_without_a_generation_config(tmp_path, model_dir):
     # transformers reads config.json's eos_token_id list where generation_config.json is missing.
     d = with_files(model_dir, tmp_path / "m")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -46,12 +47,11 @@ class ChatTemplate:
             raise ValueError(f"{name} must be a non-empty Jinja template string, got {source!r:.60}")
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # transformers' options: blocks eat their newline and leading spaces, {% break %} allowed.
         # {% generation %}: transformers' tag around the assistant's text (what training counts).
         extensions = [loopcontrols, _generation_tag()]
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+        env = _bounded_environment()(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -71,6 +71,7 @@ class ChatTemplate:
         from jinja2 import TemplateError
         from jinja2.exceptions import SecurityError
 
+        _BUDGET.steps = 0
         try:
             # As apply_chat_template: tools and documents are None unless given, the special tokens by name.
             context = {"tools": None, "documents": None, **self.tokens}
@@ -78,6 +79,8 @@ class ChatTemplate:
             return self._template.render(
                 messages=messages, add_generation_prompt=bool(add_generation_prompt), **(context | extra)
             )
+        except TemplateBounds as e:
+            raise ValueError(f"{self.name} was stopped: {e}") from None
         except SecurityError as e:
             raise ValueError(f"{self.name} tried to leave the sandbox: {e}") from None
         except TemplateError as e:
@@ -149,6 +152,47 @@ def _tojson(
 ) -> str:
     # transformers' tojson: no HTML escaping (a chat is not a web page), Unicode kept unless asked.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+# What one render may build: a template is code from a file the user handed us, and jinja2's sandbox
+# bounds each range() (100,000) but not nested loops, nor a string or list multiplied by a number.
+MAX_LOOP_STEPS = 1_000_000  # range() steps in all, one render
+MAX_PRODUCT = 1 << 20  # items (characters) of a sequence times a number
+_BUDGET = threading.local()
+
+
+class TemplateBounds(RuntimeError):
+    """A template went past what one render may build (see :data:`MAX_LOOP_STEPS`)."""
+
+
+def _bounded_environment() -> type:
+    """jinja2's immutable sandbox with the bounds above."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+
+    def counted_range(*args: int) -> range:
+        r = safe_range(*args)
+        _BUDGET.steps = getattr(_BUDGET, "steps", 0) + len(r)
+        if _BUDGET.steps > MAX_LOOP_STEPS:
+            raise TemplateBounds(f"its loops take more than {MAX_LOOP_STEPS:,} steps")
+        return r
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.globals["range"] = counted_range
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise TemplateBounds(f"it raises a number to the power {right}")
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_PRODUCT:
+                    raise TemplateBounds(f"it builds a sequence of {len(seq) * n:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
 
 
 def _generation_tag() -> type:
