@@ -38,7 +38,7 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.errors import UserError
-from attnlab.files import atomic_write_bytes, iter_text_chunks, open_regular, sha256_file
+from attnlab.files import atomic_write_bytes, iter_text_chunks, open_regular, read_json, sha256_file
 from attnlab.gguf_vocab import bytes_to_unicode, gguf_tokenizer, is_gguf_file
 
 __all__ = [
@@ -522,8 +522,8 @@ class HFTokenizer(Tokenizer):
 
     @staticmethod
     def _json(path: Path) -> dict[str, Any]:
-        with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError):
-            data = json.loads(path.read_text(encoding="utf-8"))
+        with contextlib.suppress(OSError, ValueError):  # (read_json: a FIFO or /dev/zero is refused, not read)
+            data = read_json(path, path.name)
             return data if isinstance(data, dict) else {}
         return {}
 

@@ -22,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from attnlab.files import read_json
+
 __all__ = ["ChatTemplate", "check_messages", "read_chat_template"]
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -120,17 +122,19 @@ def read_chat_template(directory: str | os.PathLike[str]) -> str | None:
     directory = Path(directory)
     path = directory / TEMPLATE_FILE
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     path = directory / TOKENIZER_CONFIG
     if not path.is_file():
         return None
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    cfg = read_json(path, "tokenizer config")
     template = cfg.get("chat_template") if isinstance(cfg, dict) else None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {
+            t.get("name"): t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         template = named.get("default")
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{path}: chat_template must be a string, got {type(template).__name__}")

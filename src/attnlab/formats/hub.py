@@ -6,7 +6,6 @@ The weights' names and layouts are :mod:`attnlab.formats.families`'s; this modul
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-from attnlab.files import import_safetensors
+from attnlab.files import import_safetensors, read_json
 
 __all__ = ["PRETRAINED", "is_local_path", "read_pretrained", "read_pretrained_config", "read_pretrained_file"]
 
@@ -41,10 +40,7 @@ def read_pretrained_config(
     path = local / "config.json" if local is not None else _download(_repo(name), "config.json", cache_dir, revision)
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs config.json and safetensors weights")
-    try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a readable JSON config ({type(e).__name__})") from None
+    cfg = read_json(path, "config")  # (a regular file of bounded size: one planted as /dev/zero is refused)
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return cfg
@@ -141,11 +137,11 @@ def _repo(name: str) -> str:
 
 def _shards(index: Path) -> list[str]:
     """The shard files ``model.safetensors.index.json`` lists (plain file names beside it)."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is not a safetensors index with a 'weight_map' ({type(e).__name__})") from None
-    files = sorted(set(weight_map.values()))
+    data = read_json(index, "safetensors index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} is not a safetensors index with a 'weight_map' object")
+    files = sorted({f if isinstance(f, str) else repr(f) for f in weight_map.values()})
     for f in files:
         if not isinstance(f, str) or Path(f).name != f or not f.endswith(".safetensors"):
             raise ValueError(f"{index} lists {f!r}: shards must be .safetensors files beside the index")

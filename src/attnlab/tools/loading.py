@@ -15,7 +15,6 @@ training checkpoint carries is neither read nor hashed here.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -260,9 +259,9 @@ def chat_files(
     # generation_config.json's stops, else config.json's (transformers reads them in that order)
     source = "generation_config.json"
     ids = _json_or_empty(directory / source).get("eos_token_id")
-    if ids is None:
-        source = "config.json"
-        ids = _json_or_empty(directory / source).get("eos_token_id")
+    if ids is None:  # (config.json's are its defaults as often as its choice: those the tokenizer has)
+        ids = _json_or_empty(directory / "config.json").get("eos_token_id")
+        ids = [i for i in (ids if isinstance(ids, list) else [ids]) if is_int(i) and 0 <= i < V]
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
     if not all(is_int(i) and 0 <= i < V for i in ids):
         raise ValueError(
@@ -378,7 +377,7 @@ def _config(d: Path) -> dict[str, Any]:
     """``d``'s ``config.json`` ({} where it is missing or not a JSON object): a Hugging Face model's
     names a ``model_type``, ``GPT.save``'s holds GPTConfig fields (``emb_dim``)."""
     try:
-        config = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+        config = read_json(d / CONFIG_NAME, "config")  # (bounded: a FIFO or /dev/zero is refused, not read)
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab.data import RandomWindowBatches, check_text_file
+from attnlab.files import read_json
 from attnlab.formats.chat import ChatTemplate, read_chat_template
 from attnlab.tokenizers import Tokenizer
 
@@ -141,7 +142,7 @@ def template_from_hf_dir(directory: str | Path) -> ChatTemplate | None:
         return None
     tokens: dict[str, str] = {}
     try:
-        cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg = read_json(d / "tokenizer_config.json", "tokenizer config")
     except (OSError, ValueError):
         cfg = {}
     for key in ("bos_token", "eos_token"):
