@@ -297,7 +297,16 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         elif not any(m in text for m in ("alignment", "uplicate", "GGUFValueType", "field type")):
             text = f"truncated or corrupt ({text})"  # numpy's, on a header cut short
         raise ValueError(f"{p} is not a readable GGUF file: {text}") from None
-    except (IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, struct.error) as e:
+    except (
+        IndexError,
+        KeyError,
+        TypeError,
+        OverflowError,
+        UnicodeDecodeError,
+        MemoryError,
+        RecursionError,
+        struct.error,
+    ) as e:
         # numpy reads past the end of a truncated header as empty arrays, and indexing them fails
         raise ValueError(f"{p} is truncated or corrupt (its header does not parse: {type(e).__name__})") from None
     reader.path = p

@@ -164,7 +164,7 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
     pre, merges = "gpt2" if meta["pre"] is None else meta["pre"], meta["merges"]
-    if pre not in _GGUF_PRE:
+    if not isinstance(pre, str) or pre not in _GGUF_PRE:
         raise ValueError(f"{p}: llama.cpp pre-tokenizer {pre!r} is not supported yet ({', '.join(_GGUF_PRE)} are)")
     if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
         raise ValueError(f"{p}: tokenizer.ggml.merges must be a list of 'a b' pairs")

@@ -596,6 +596,9 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
         raise ValueError(f"SAE weights {path} are not a readable safetensors file ({exc})") from None
 
 
+NPZ_MAX_ARRAY_BYTES = 16 << 30  # one array of a Gemma Scope .npz (its largest SAEs' W_enc are a few GB)
+
+
 def _load_gemma_scope(path: Path, hook_name: str | None, hook_name_out: str | None = None) -> SAE:
     """Gemma Scope's ``params.npz``: ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_in)``, ``b_enc``,
     ``b_dec``, ``threshold``; a JumpReLU SAE that does not subtract ``b_dec`` from its input."""
@@ -603,10 +606,16 @@ def _load_gemma_scope(path: Path, hook_name: str | None, hook_name_out: str | No
 
     with open_regular(path, "SAE params") as f:
         try:
-            with np.load(io.BytesIO(f.read()), allow_pickle=False) as npz:
+            data = io.BytesIO(f.read())
+            # Each array's size as the archive says it, before numpy allocates what a header declares.
+            with zipfile.ZipFile(data) as z:
+                big = [i.filename for i in z.infolist() if i.file_size > NPZ_MAX_ARRAY_BYTES]
+            if big:
+                raise ValueError(f"{big[0]} is larger than {NPZ_MAX_ARRAY_BYTES >> 30} GiB")
+            with np.load(data, allow_pickle=False) as npz:
                 tensors = {k: torch.from_numpy(np.ascontiguousarray(npz[k])) for k in npz.files}
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # (truncated or damaged)
-            raise ValueError(f"SAE params {path} is not a readable .npz file ({exc})") from None
+        except (ValueError, OSError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ValueError(f"SAE params {path} is not a readable .npz file ({first_line(exc)})") from None
     for key in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
         if key not in tensors:
             raise ValueError(

@@ -57,28 +57,31 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     not JSON, has no ``messages`` list, or a message whose role is not one of :data:`ROLES` or whose
     content is not a string; and for a conversation without an assistant message (nothing to learn)."""
     p = check_text_file(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     out = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError) as exc:
-                raise ValueError(f"{where} is not a JSON object ({str(exc).splitlines()[0][:80]})") from None
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise ValueError(f'{where} has no "messages" list; each line must be {{"messages": [...]}}')
-            for i, m in enumerate(messages):
-                role = m.get("role") if isinstance(m, dict) else None
-                if role not in ROLES:
-                    raise ValueError(f"{where}: messages[{i}] has role {role!r}; expected one of {', '.join(ROLES)}")
-                if not isinstance(m.get("content"), str):
-                    raise ValueError(f"{where}: messages[{i}] has no string 'content'")
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ValueError(f"{where} has no assistant message: nothing to train on")
-            out.append([{"role": m["role"], "content": m["content"]} for m in messages])
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{where} is not a JSON object ({str(exc).splitlines()[0][:80]})") from None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f'{where} has no "messages" list; each line must be {{"messages": [...]}}')
+        for i, m in enumerate(messages):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise ValueError(f"{where}: messages[{i}] has role {role!r}; expected one of {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: messages[{i}] has no string 'content'")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where} has no assistant message: nothing to train on")
+        out.append([{"role": m["role"], "content": m["content"]} for m in messages])
     if not out:
         raise ValueError(f"{p} holds no conversations")
     return out

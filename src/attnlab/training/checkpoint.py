@@ -44,6 +44,7 @@ import re
 import shutil
 import struct
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -821,7 +822,9 @@ def _load_tensors(f: Path, device: torch.device | str | None) -> Any:
     object; anything else is one line saying so (torch's own refusal is many lines long, and advises
     ``weights_only=False``, which attnlab never does)."""
     try:
-        with open_regular(f, "checkpoint file") as fh:
+        # (torch warns about a raw pickle before refusing it: the refusal below is the one line)
+        with open_regular(f, "checkpoint file") as fh, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             return torch.load(fh, map_location=device or "cpu", weights_only=True)
     except Exception as exc:  # an unpickling error, a torn zip archive, ...
         raise ValueError(
