@@ -314,6 +314,37 @@ def test_resuming_with_other_data_or_another_model_is_refused(make_gpt, corpus, 
     assert lines[0].startswith("resuming ")
 
 
+@pytest.mark.parametrize("edit", ["files_list", "no_settings", "outside", "dev_zero"])
+def test_a_resumed_checkpoint_edited_and_rehashed_is_refused(make_gpt, corpus, tmp_path, edit):
+    """The checkpoint's self-hash has no key: anyone can edit it and hash it again. Its entries were
+    trusted (a traceback; a file outside the run read and hashed; /dev/zero read until memory ran out)."""
+    import hashlib
+
+    from attnlab.training.checkpoint import SELF_HASH, metadata_digest
+
+    model = make_gpt()
+    train_sae(model, corpus, tmp_path, hook=HOOK, tokens=32 * 4, **SMALL, **QUIET)
+    step = tmp_path / json.loads((tmp_path / "latest.json").read_text())["path"]
+    meta = json.loads((step / "checkpoint.json").read_text())
+    if edit == "files_list":
+        meta["files"] = ["x"]
+    elif edit == "no_settings":
+        del meta["settings"]
+    elif edit == "outside":
+        outside = tmp_path.parent / "outside.txt"
+        outside.write_text("secret")
+        entry = {"bytes": 6, "sha256": hashlib.sha256(b"secret").hexdigest()}
+        meta["files"]["../../outside.txt"] = entry
+    else:
+        (step / "model.safetensors").unlink()
+        (step / "model.safetensors").symlink_to("/dev/zero")
+        del meta["files"]["model.safetensors"]
+    meta[SELF_HASH] = metadata_digest(meta)
+    (step / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a well-formed SAE checkpoint"):
+        train_sae(model, corpus, tmp_path, hook=HOOK, tokens=32 * 8, **SMALL, **QUIET)
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. NaN activations and a NaN loss stop the run, clearly
 # ---------------------------------------------------------------------------------------------

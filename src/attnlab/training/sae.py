@@ -509,8 +509,20 @@ class SAETrainer:
             raise ValueError(f"{d / CHECKPOINT_NAME} is not an attnlab SAE checkpoint (an attnlab train run?)")
         if meta.get(SELF_HASH) != metadata_digest(meta):
             raise ValueError(f"{d / CHECKPOINT_NAME} is damaged or edited (its own SHA-256 does not match)")
-        for name, info in meta["files"].items():
-            if sha256_file(d / name) != info["sha256"]:
+        # The self-hash has no key: the entries are checked as if written by anyone. Only this
+        # checkpoint's own plain file names (a '../x' must not be read), each listed with its hash.
+        files, own = meta.get("files"), {WEIGHTS, CONFIG, OPTIMIZER_NAME}
+        if (
+            not isinstance(files, dict)
+            or set(files) != own
+            or not all(isinstance(i, dict) and isinstance(i.get("sha256"), str) for i in files.values())
+            or not isinstance(meta.get("settings"), dict)
+            or not is_int(meta.get("step"))
+            or meta["step"] < 0
+        ):
+            raise ValueError(f"{d / CHECKPOINT_NAME} is not a well-formed SAE checkpoint (files, settings, step)")
+        for name, info in files.items():
+            if sha256_file(d / name, what="SAE checkpoint file") != info["sha256"]:  # (regular files only)
                 raise ValueError(f"{d / name} does not match the SHA-256 its checkpoint recorded")
         if meta["settings"] != json.loads(json.dumps(self._settings())):
             theirs, ours = meta["settings"], json.loads(json.dumps(self._settings()))
