@@ -555,6 +555,10 @@ class HFTokenizer(Tokenizer):
             return bytes([int(m[1], 16)])
         return super().decode_bytes(ids)
 
+    def special_tokens(self) -> dict[int, str]:
+        """The special tokens' ids and texts (control tokens, matched whole in any text)."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def split_point(self, text: str) -> int:
         return 0  # a tokenizer.json may prepend a space to every text it encodes: no safe cut is known
 

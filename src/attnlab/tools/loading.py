@@ -139,8 +139,7 @@ TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>
 
 def _turn_ends(tokenizer: HFTokenizer) -> list[int]:
     """The ids of the tokenizer's special tokens among :data:`TURN_ENDS`."""
-    added = tokenizer._tok.get_added_tokens_decoder()  # {id: AddedToken}
-    return [i for i, t in added.items() if t.special and t.content in TURN_ENDS]
+    return [i for i, text in tokenizer.special_tokens().items() if text in TURN_ENDS]
 
 
 def _with_eot(ids: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
