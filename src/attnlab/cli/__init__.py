@@ -82,8 +82,8 @@ def _import_holding_ctrl_c(name: str) -> ModuleType:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, subparsers = build_parser()
     try:
+        parser, subparsers = build_parser()  # (inside: a Ctrl-C this early is a quiet exit too)
         # Two-stage parse: only the chosen subcommand's module is imported, to add its own flags.
         if argv and argv[0] in COMMANDS:
             _import_holding_ctrl_c(COMMANDS[argv[0]][0]).add_arguments(subparsers[argv[0]])
