@@ -27,8 +27,9 @@ past a rolling cache's last slot (where the ring starts to wrap, the eager forwa
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,20 @@ from attnlab.attention import SlotCache
 from attnlab.checks import autocast_on, check_model_logits
 
 __all__ = ["DecodePlan", "FastDecoder", "Reading", "Route", "greedy_tokens", "plan", "supported"]
+
+
+@contextlib.contextmanager
+def dropout_off(*models: nn.Module | None) -> Iterator[None]:
+    """No dropout while decoding: the modules of ``models`` in training mode switched off, and back on
+    after (not ``model.train()``, which would also put a submodule left in eval mode back in training)."""
+    training = [m for model in models if model is not None for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
 
 
 def greedy_tokens(logits: Tensor, checked: bool = False) -> Tensor:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import check_bool, check_model_logits, finite_real, has_a_token, is_int, is_real, positive_int
-from attnlab.decoding import FastDecoder, Reading, greedy_tokens, supported
+from attnlab.decoding import FastDecoder, Reading, dropout_off, greedy_tokens, supported
 from attnlab.positions import rope_scaling_type
 from attnlab.speculative import check_speculative, speculative_decode
 
@@ -268,12 +268,7 @@ def _steps(
         caches = model.new_kv_caches(B, cache_length(model, T, max_new_tokens, compile))
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
 
-    # No dropout while generating: the modules in training mode switched off, and back on after (not
-    # model.train(), which would also put a submodule left in eval mode back in training mode).
-    training = [m for m in model.modules() if m.training]
-    for m in training:
-        m.training = False
-    try:
+    with dropout_off(model):
         decoder = FastDecoder(model, caches, compile=compile) if fast and supported(model, caches, mask) else None
         prefill, decode = _stepper(model, caches, decoder, reading)
         for step in range(max_new_tokens):
@@ -294,9 +289,6 @@ def _steps(
             yield nxt.clone(), logits, read
             if stop is not None and bool(finished.all()):
                 return
-    finally:
-        for m in training:
-            m.training = True
 
 
 def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, reading: Reading | None = None):

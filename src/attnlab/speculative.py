@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from attnlab.checks import check_model_logits, positive_int
-from attnlab.decoding import FastDecoder, greedy_tokens, supported
+from attnlab.decoding import FastDecoder, dropout_off, greedy_tokens, supported
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
 
@@ -186,36 +186,27 @@ def speculative_decode(
                 return True
         return False
 
-    # No dropout: the modules in training mode switched off, and back on after (not .train(), which
-    # would also put a submodule left in eval mode back in training mode), as generation does.
-    training = [m for model_ in (model, draft_model) if model_ is not None for m in model_.modules() if m.training]
-    for m in training:
-        m.training = False
-    try:
-        with torch.inference_mode():
-            done = max_new_tokens == 0
-            if not done:
-                logits = target.feed(seq, every=False)  # (1, V): the prefill
-                done = emit(_argmax(logits), logits)
-            while not done:
-                # Guesses: at most what is still wanted after the token the round chooses itself.
-                room = max_new_tokens - len(new) - 1
-                ctx = seq + new
-                guess = _draft(draft, ctx, min(k, room)) if draft is not None else lookup_draft(ctx, min(k, room))
-                before = target.seen  # the text but its last token is cached
-                logits = target.feed(ctx[before:] + guess, every=True)[-(len(guess) + 1) :]  # (1 + g, V)
-                choice = _argmax(logits)
-                ok = 0
-                while ok < len(guess) and guess[ok] == choice[ok]:
-                    ok += 1
-                stats.rounds += 1
-                stats.drafted += len(guess)
-                stats.accepted += ok
-                target.rollback(len(ctx) + ok)  # the last token and the kept guesses stay cached
-                done = emit(choice[: ok + 1], logits)
-    finally:
-        for m in training:
-            m.training = True
+    with dropout_off(model, draft_model), torch.inference_mode():
+        done = max_new_tokens == 0
+        if not done:
+            logits = target.feed(seq, every=False)  # (1, V): the prefill
+            done = emit(_argmax(logits), logits)
+        while not done:
+            # Guesses: at most what is still wanted after the token the round chooses itself.
+            room = max_new_tokens - len(new) - 1
+            ctx = seq + new
+            guess = _draft(draft, ctx, min(k, room)) if draft is not None else lookup_draft(ctx, min(k, room))
+            before = target.seen  # the text but its last token is cached
+            logits = target.feed(ctx[before:] + guess, every=True)[-(len(guess) + 1) :]  # (1 + g, V)
+            choice = _argmax(logits)
+            ok = 0
+            while ok < len(guess) and guess[ok] == choice[ok]:
+                ok += 1
+            stats.rounds += 1
+            stats.drafted += len(guess)
+            stats.accepted += ok
+            target.rollback(len(ctx) + ok)  # the last token and the kept guesses stay cached
+            done = emit(choice[: ok + 1], logits)
     ids = torch.cat([idx.long(), torch.tensor([new], dtype=torch.long, device=idx.device).view(1, -1)], dim=1)
     out = None
     if return_logits:  # (1, new, V)
