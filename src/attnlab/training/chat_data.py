@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab.data import RandomWindowBatches, check_text_file
-from attnlab.files import read_json
+from attnlab.files import first_line, read_json
 from attnlab.formats.chat import ChatTemplate, read_chat_template
 from attnlab.tokenizers import Tokenizer
 
@@ -69,7 +69,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
         try:
             record = json.loads(line)
         except (ValueError, RecursionError) as exc:
-            raise ValueError(f"{where} is not a JSON object ({str(exc).splitlines()[0][:80]})") from None
+            raise ValueError(f"{where} is not a JSON object ({first_line(exc)[:80]})") from None
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{where} has no "messages" list; each line must be {{"messages": [...]}}')
