@@ -249,6 +249,72 @@ def iter_decoded(
 GGUF_MAGIC = b"GGUF"
 
 
+class _ArrayParts:
+    """The parts of a GGUF array field as ``gguf.ReaderField.parts`` lists them (the field's header
+    parts, then each element's: a number, or a string's length and bytes), each made when it is
+    asked for, and the field's contents decoded from the file's bytes.
+
+    ``buf``: the file's bytes (uint8, memory-mapped); ``head``: the header parts; ``offset``: where
+    the ``n`` elements start; ``dtype``: the numbers' NumPy type, or None for strings."""
+
+    def __init__(self, buf: Any, head: list[Any], offset: int, n: int, dtype: Any) -> None:
+        import numpy as np
+
+        self.head, self.n, self.buf = head, n, buf
+        if dtype is not None:
+            self.values = self.starts = None
+            self.end = offset + n * np.dtype(dtype).itemsize
+            if self.end > len(buf):
+                raise ValueError(f"an array of {n:,} numbers runs past the end of the file")
+            self.values = buf[offset : self.end].view(dtype)  # (n,)
+            return
+        if offset + 8 * n > len(buf):  # (each string takes at least its 8-byte length)
+            raise ValueError(f"an array of {n:,} strings runs past the end of the file")
+        view, size = memoryview(buf), len(buf)
+        self.starts, self.lengths = np.empty(n, np.int64), np.empty(n, np.int64)  # (n,), (n,): bytes
+        for i in range(n):
+            if offset + 8 > size:
+                raise ValueError(f"string {i} of an array of {n:,} runs past the end of the file")
+            (length,) = struct.unpack_from("=Q", view, offset)
+            self.starts[i], self.lengths[i] = offset + 8, length
+            offset += 8 + length
+        if offset > size:
+            raise ValueError(f"the last string of an array of {n:,} runs past the end of the file")
+        self.end, self.values = offset, None
+
+    def data_indices(self) -> range:
+        """``ReaderField.data``: the index in these parts of each element's value."""
+        h = len(self.head)
+        return range(h, h + self.n) if self.values is not None else range(h + 1, h + 1 + 2 * self.n, 2)
+
+    def __len__(self) -> int:
+        return len(self.head) + self.n * (1 if self.values is not None else 2)
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"part {i} of {len(self)}")
+        if i < len(self.head):
+            return self.head[i]
+        k = i - len(self.head)
+        if self.values is not None:
+            return self.values[k : k + 1]
+        e, part = divmod(k, 2)
+        s = int(self.starts[e])
+        return self.buf[s - 8 : s].view(np.uint64) if part == 0 else self.buf[s : s + int(self.lengths[e])]
+
+    def contents(self, index_or_slice: int | slice) -> Any:
+        """What ``ReaderField.contents`` gives: the element or the list of elements asked for."""
+        if self.values is not None:
+            return self.values[index_or_slice].tolist()
+        text = lambda e: str(self.buf[self.starts[e] : self.starts[e] + self.lengths[e]].tobytes(), encoding="utf-8")
+        which = range(self.n)[index_or_slice]
+        return text(which) if isinstance(which, int) else [text(e) for e in which]
+
+
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """A ``gguf.GGUFReader`` on the GGUF file ``path`` (memory-mapped, read-only), or one
     ``FileNotFoundError`` / ``ValueError`` naming the file and what is wrong with it (not a GGUF
@@ -260,9 +326,15 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     except ImportError:
         raise ImportError("reading GGUF files needs the 'gguf' package: pip install 'attnlab[gguf]'") from None
 
+    class ArrayField(gguf.ReaderField):  # its parts are an _ArrayParts, which decodes the contents itself
+        __slots__ = ()
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            return self.parts.contents(index_or_slice)
+
     class Reader(gguf.GGUFReader):
-        # The reader slices its np.memmap once per string of the header (one per token of a tokenizer):
-        # a plain ndarray view of the same mapping reads the same bytes without memmap's bookkeeping.
+        # A plain ndarray view of the mapping reads the same bytes without np.memmap's bookkeeping
+        # on each of the many small slices the reader takes.
         @property
         def data(self) -> Any:
             return self._data
@@ -270,6 +342,34 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         @data.setter
         def data(self, value: Any) -> None:
             self._data = value.view(np.ndarray)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            # gguf's reader keeps two NumPy views per string of an array and one per number: a
+            # vocabulary's tokens, scores, types and merges took hundreds of MB (Llama 3's 128,256
+            # tokens and 280,147 merges: 285 MB). An array field here holds its offsets instead.
+            if self.byte_order != "I":
+                return super()._build_fields(offs, count)
+            for _ in range(count):
+                start = offs
+                klen, kdata = self._get_str(offs)
+                offs += 8 + int(klen[0])
+                kind = self._get(offs, np.uint32)
+                offs += 4
+                head = [klen, kdata, kind]
+                name = str(bytes(kdata), encoding="utf-8")
+                item = self._get(offs, np.uint32) if kind[0] == gguf.GGUFValueType.ARRAY else None
+                if item is None or item[0] == gguf.GGUFValueType.ARRAY:  # a value, or an array of arrays
+                    size, parts, idxs, types = self._get_field_parts(offs, kind[0])
+                    self._push_field(gguf.ReaderField(start, name, head + parts, [i + 3 for i in idxs], types), True)
+                    offs += size
+                    continue
+                n = self._get(offs + 4, np.uint64)
+                sub = gguf.GGUFValueType(item[0])
+                parts = _ArrayParts(self.data, [*head, item, n], offs + 12, int(n[0]), self.gguf_scalar_to_np.get(sub))
+                types = [gguf.GGUFValueType.ARRAY] + ([sub] if int(n[0]) else [])
+                self._push_field(ArrayField(start, name, parts, parts.data_indices(), types), True)
+                offs = parts.end
+            return offs
 
     p = Path(path).expanduser()
     if not p.is_file():  # is_file: a regular file (or a link to one), never a FIFO or a device
@@ -292,7 +392,7 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
             text = "tensor data runs past the end of the file (truncated?)"
         elif "GGMLQuantizationType" in text:
             text = f"a tensor has an unknown quantization type ({text})"
-        elif "larger dtype" in text:  # numpy's words for a value read past the end of the file
+        elif "larger dtype" in text or "array of" in text:  # numpy's words, or _ArrayParts', for a header cut short
             text = f"its header runs past the end of the file ({p.stat().st_size:,} bytes: truncated?)"
         elif not any(m in text for m in ("alignment", "uplicate", "GGUFValueType", "field type")):
             text = f"truncated or corrupt ({text})"  # numpy's, on a header cut short
