@@ -385,3 +385,25 @@ def test_bad_saes_are_refused_naming_the_argument(make_gpt):
         circuit_metrics(model, clean, corrupted, METRIC, [Circuit.full(graph), Circuit.full(other)])
     with pytest.raises(ValueError, match="max_latents"):
         sae_graph(model, saes_at("mlp_out"), [(clean, corrupted)], max_latents=-1)
+
+
+def test_a_default_device_elsewhere_leaves_the_results_on_the_cpu(make_gpt):
+    # Notebooks call torch.set_default_device; the tensors attnlab builds for its results are on the
+    # CPU by name, where the values computed on the model's device are moved ("meta" stands in here
+    # for an accelerator the model is not on).
+    from attnlab.interpret import activation_patching, edge_attribution, evaluate_sae
+
+    model = make_gpt(seed=3)
+    clean, corrupted = pair(1, B=1)
+    sae = make_sae("blocks.1.hook_resid_pre", seed=4)
+    expected = activation_patching(model, clean, corrupted, METRIC, site="head_out")
+    torch.set_default_device("meta")
+    try:
+        got = activation_patching(model, clean, corrupted, METRIC, site="head_out")
+        scores = edge_attribution(model, clean, corrupted, METRIC, saes=[sae], max_latents=4)
+        evaluation = evaluate_sae(model, sae, torch.cat([clean, corrupted]).cpu())
+    finally:
+        torch.set_default_device(None)
+    assert got.device.type == "cpu" and torch.equal(got, expected)
+    assert scores.scores.device.type == "cpu" and len(scores.graph.saes[0].latents) <= 4
+    assert 0 <= evaluation.dead_fraction <= 1

@@ -318,3 +318,16 @@ def test_on_own_thread_leaves_no_openmp_workers_behind():
     assert r.returncode == 0, r.stderr
     before, after = r.stdout.split()
     assert int(after) == int(before), r.stdout
+
+
+def test_float64_sums_run_on_the_cpu_for_mps_only() -> None:
+    # MPS has no float64: patching, attribution, SAE evaluation and the trainer's validation loss
+    # sum there on the CPU, and a float64 checkpoint runs in float32.
+    assert hardware.float64_device("mps") == torch.device("cpu")
+    assert hardware.float64_device("mps:0") == torch.device("cpu")
+    assert hardware.float64_device("cuda:1") == torch.device("cuda:1")
+    assert hardware.float64_device(torch.device("cpu")) == torch.device("cpu")
+    assert hardware.inference_dtype("mps", torch.float64) == torch.float32
+    assert hardware.inference_dtype("cuda", torch.float64) == torch.float64
+    x = torch.arange(3, dtype=torch.float32)
+    assert hardware.as_float64(x).dtype == torch.float64 and hardware.as_float64(x).tolist() == [0.0, 1.0, 2.0]

@@ -104,13 +104,26 @@ def training_dtype(precision: str, device: torch.device | str) -> torch.dtype:
 def inference_dtype(device: torch.device | str, stored: torch.dtype) -> torch.dtype:
     """The dtype a published model with weights stored in ``stored`` runs in on ``device`` by
     default: half precision as stored where the device computes it natively (bf16 per
-    :func:`bf16_native`, fp16 on GPUs), else float32 (exact, and fast everywhere)."""
+    :func:`bf16_native`, fp16 on GPUs), else float32 (exact, and fast everywhere); float64 as
+    stored, except on MPS, which has no float64."""
     device = torch.device(device)
     if stored == torch.bfloat16 and bf16_native(device):
         return torch.bfloat16
     if stored == torch.float16 and device.type in ("cuda", "mps"):
         return torch.float16
-    return torch.float64 if stored == torch.float64 else torch.float32
+    return torch.float64 if stored == torch.float64 and device.type != "mps" else torch.float32
+
+
+def float64_device(device: torch.device | str) -> torch.device:
+    """Where the float64 sums of tensors on ``device`` run: the device itself, or the CPU for MPS,
+    which has no float64."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+def as_float64(t: Tensor) -> Tensor:
+    """``t`` in float64: on its own device, or on the CPU where that has no float64 (MPS)."""
+    return t.to(float64_device(t.device), torch.float64)
 
 
 def describe(device: torch.device | str = "cpu") -> Hardware:

@@ -464,7 +464,8 @@ def _centred_unembedding(head: nn.Module, W: Tensor, dims: Tensor) -> tuple[Tens
         # (by its own method: a generic op on the weight type would import torch's DTensor, a second)
         return W[s : s + 8192].dequantize() if is_quantized(W) else W[s : s + 8192]
 
-    mean = (sum(rows(s).sum(0, dtype=torch.float64) for s in range(0, V, 8192)) / V).to(W.dtype)  # (d,)
+    wide = hardware.float64_device(W.device)  # (the CPU for MPS, which has no float64)
+    mean = (sum(rows(s).to(wide).sum(0, dtype=torch.float64) for s in range(0, V, 8192)) / V).to(W.device, W.dtype)
     weight = torch.empty(V, d + m, dtype=torch.bfloat16, device=W.device)  # (V, d + m)
     row_norm = 0.0
     for s in range(0, V, 8192):  # by blocks of rows: no float32 copy of the whole unembedding
@@ -548,7 +549,7 @@ def answer_ranks(model: nn.Module, prompt: Tensor, answer: Tensor, *, top_k: int
     rows = []
     for i, token in enumerate(ids[1].tolist()):
         at = ids[0].numel() - 1 + i  # (the logits after position `at` predict token `at + 1`)
-        row = logits[at].double()  # (V,)
+        row = hardware.as_float64(logits[at])  # (V,)
         probs = row.softmax(-1)
         best = row.topk(min(top_k, row.numel()))
         top = zip(best.indices.tolist(), best.values.tolist(), probs[best.indices].tolist(), strict=True)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.attention import OffsetRMSNorm
+from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import act_name, attention_layers, run_with_cache
 from attnlab.interpret.patching import check_token
 
@@ -61,9 +62,9 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
     names = [act_name("resid_pre", 0), act_name("resid_post", L - 1)]
     names += [act_name(s, i) for i in range(L) for s in ("z", "mlp_out", "attn_out")]
     logits, cache = run_with_cache(model, idx, names)
-    f64 = lambda t: t[0, -1].double()
+    f64 = lambda t: as_float64(t[0, -1])  # (on the CPU for MPS, which has no float64)
     final = f64(cache[names[1]])  # (d,)
-    direction = (model.out_head.weight[a] - model.out_head.weight[b]).double()  # (d,)
+    direction = as_float64(model.out_head.weight[a] - model.out_head.weight[b])  # (d,)
     dtype = cache[names[1]].dtype  # (an RMSNorm without eps takes its input dtype's)
     norm, norm_bias = _frozen_norm(model.final_norm, final, dtype, "the final norm")
 
@@ -72,7 +73,7 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
 
     bias = norm_bias @ direction
     if model.out_head.bias is not None:
-        bias = bias + model.out_head.bias[a].double() - model.out_head.bias[b].double()
+        bias = bias + as_float64(model.out_head.bias[a] - model.out_head.bias[b])
     embeddings = f64(cache[names[0]])
     parts = embeddings.clone()
     heads, mlps, rest = [], [], torch.as_tensor(bias, dtype=torch.float64)
@@ -82,9 +83,9 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
     tol = max(1e-4, torch.finfo(dtype).eps)
     for i, (att, block) in enumerate(zip(layers, model.trf_blocks, strict=True)):
         z = f64(cache[act_name("z", i)])  # (H, hd)
-        W = att.out_proj.weight.double().T.reshape(att.num_heads, att.head_dim, -1)  # (H, hd, d)
+        W = as_float64(att.out_proj.weight).T.reshape(att.num_heads, att.head_dim, -1)  # (H, hd, d)
         per_head = torch.einsum("hk,hkd->hd", z, W)  # (H, d): each head's output through out_proj
-        o_bias = torch.zeros_like(final) if att.out_proj.bias is None else att.out_proj.bias.double()  # (d,)
+        o_bias = torch.zeros_like(final) if att.out_proj.bias is None else as_float64(att.out_proj.bias)  # (d,)
         post = getattr(block, "post_norm1", None)
         if post is not None:  # a norm after attention (Gemma 2/3, OLMo 2): frozen at its input here
             post, post_bias = _frozen_norm(post, per_head.sum(0) + o_bias, dtype, f"layer {i}'s norm after attention")
@@ -103,10 +104,10 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
             "direct logit attribution does not apply"
         )
     if getattr(model.config, "logit_softcap", None) is None:
-        total = (logits[0, -1, a] - logits[0, -1, b]).double()
+        total = as_float64(logits[0, -1, a] - logits[0, -1, b])
     else:  # the parts add up to the logits before the cap (cap * tanh(x / cap) is not linear)
         uncapped = model.out_head(model.final_norm(cache[names[1]][:, -1]))[0]  # (V,)
-        total = (uncapped[a] - uncapped[b]).double()
+        total = as_float64(uncapped[a] - uncapped[b])
     return LogitAttribution(
         heads=torch.stack(heads), mlps=torch.stack(mlps), embeddings=through(embeddings), rest=rest, total=total
     )
@@ -119,7 +120,7 @@ def _frozen_norm(
     ``(f, bias (d,))``, ``norm(x) == f(x) + bias``; ``f`` maps ``(..., d) -> (..., d)``. A LayerNorm, an
     RMSNorm or an :class:`~attnlab.attention.OffsetRMSNorm` (gain ``offset + weight``)."""
     weight = getattr(norm, "weight", None)
-    gain = torch.ones_like(x) if weight is None else weight.double()
+    gain = torch.ones_like(x) if weight is None else as_float64(weight)
     if isinstance(norm, OffsetRMSNorm):
         gain = gain + norm.offset
     if isinstance(norm, (nn.RMSNorm, OffsetRMSNorm)):
@@ -128,6 +129,6 @@ def _frozen_norm(
         return (lambda c: gain * c / scale), torch.zeros_like(x)
     if isinstance(norm, nn.LayerNorm):
         scale = (x.var(unbiased=False) + norm.eps).sqrt()
-        bias = torch.zeros_like(x) if norm.bias is None else norm.bias.double()
+        bias = torch.zeros_like(x) if norm.bias is None else as_float64(norm.bias)
         return (lambda c: gain * (c - c.mean(-1, keepdim=True)) / scale), bias
     raise TypeError(f"direct_logit_attribution needs {what} to be a LayerNorm or an RMSNorm, got {type(norm).__name__}")

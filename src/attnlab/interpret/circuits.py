@@ -71,6 +71,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import HookPoint, activation_at, eval_mode, hooks
 from attnlab.interpret.patching import metric_scalar
 from attnlab.interpret.sae import SAE, sae_point, splice
@@ -176,7 +177,7 @@ class EdgeGraph:
             if s.has_input:
                 readers.append(("sae_input", s.hook, None))
                 r_stage.append(s.stage)
-        ws, rs = torch.tensor(w_stage)[:, None], torch.tensor(r_stage)[None, :]
+        ws, rs = torch.tensor(w_stage, device="cpu")[:, None], torch.tensor(r_stage, device="cpu")[None, :]
         valid = ws < rs  # (W, R)
         for s in self.saes:
             if s.has_input:  # the stream is the SAE's output: what came before reaches later readers through it
@@ -363,8 +364,8 @@ def sae_graph(
     pairs = [_check_pair(model, c, x) for c, x in prompts]
     base = EdgeGraph.of(model)
     names = [sae_point(sae, "acts_post") for sae, *_ in listed]
-    active = [torch.zeros(sae.cfg.d_sae, dtype=torch.bool) for sae, *_ in listed]
-    change = [torch.zeros(sae.cfg.d_sae, dtype=torch.float64) for sae, *_ in listed]
+    active = [torch.zeros(sae.cfg.d_sae, dtype=torch.bool, device="cpu") for sae, *_ in listed]
+    change = [torch.zeros(sae.cfg.d_sae, dtype=torch.float64, device="cpu") for sae, *_ in listed]
     cache: dict[str, Tensor] = {}
     with eval_mode(model), _spliced(model, [sae for sae, *_ in listed]), torch.no_grad():
         for clean, corrupted in pairs:
@@ -378,8 +379,8 @@ def sae_graph(
                 z.append([torch.cat(p) for p in zip(*parts, strict=True)])  # (B T, d_sae) each
             for i, (sae, *_) in enumerate(listed):
                 active[i] |= ((z[0][i] != 0) | (z[1][i] != 0)).any(0).cpu()
-                norms = sae.W_dec.detach().norm(dim=-1).double()
-                change[i] += ((z[0][i] - z[1][i]).abs().double().sum(0) * norms).cpu()
+                norms = as_float64(sae.W_dec.detach().norm(dim=-1))
+                change[i] += (as_float64((z[0][i] - z[1][i]).abs()).sum(0) * norms).cpu()
     nodes = []
     for i, (sae, hook, layer, place) in enumerate(listed):
         cand = active[i].nonzero()[:, 0]
@@ -419,14 +420,14 @@ class EdgeScores:
         return self.graph.valid.to(self.scores.device).expand_as(self.scores)
 
     def items(self) -> Iterator[tuple[Node, Node, float]]:
-        g = self.graph
+        g, scores = self.graph, self.scores.tolist()  # (one read of the device's values, not one an edge)
         if not self.per_position:
             for w, r in self.graph.valid.nonzero().tolist():
-                yield g.writers[w], g.readers[r], float(self.scores[w, r])
+                yield g.writers[w], g.readers[r], scores[w][r]
             return
         for t in range(self.scores.shape[0]):
             for w, r in self.graph.valid.nonzero().tolist():
-                yield (*g.writers[w], t), (*g.readers[r], t), float(self.scores[t, w, r])
+                yield (*g.writers[w], t), (*g.readers[r], t), scores[t][w][r]
 
     def __len__(self) -> int:
         return int(self._mask().sum())
@@ -464,7 +465,7 @@ class EdgeScores:
     # Circuit selection ---------------------------------------------------------------------
     def top_n(self, n: int) -> Circuit:
         """The circuit of the ``n`` edges of largest ``|score|``."""
-        mask = torch.zeros(self.scores.numel(), dtype=torch.bool)
+        mask = torch.zeros(self.scores.numel(), dtype=torch.bool, device="cpu")
         mask[self._ranked()[: _count("n", n)].cpu()] = True
         return Circuit(self.graph, mask.view(self.scores.shape))
 
@@ -591,7 +592,7 @@ class Circuit:
         as :meth:`EdgeScores.top` gives them with ``per_position=True``)."""
         if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
             raise ValueError(f"positions must be the prompts' length (an int >= 1) or None, got {positions!r}")
-        mask = torch.zeros((positions or 1, *graph.valid.shape), dtype=torch.bool)
+        mask = torch.zeros((positions or 1, *graph.valid.shape), dtype=torch.bool, device="cpu")
         for i, edge in enumerate(edges):
             if not isinstance(edge, (tuple, list)) or len(edge) not in (2, 3):
                 raise ValueError(f"edges[{i}] must be (writer, reader) or (writer, reader, score), got {edge!r}")
@@ -625,8 +626,8 @@ class Circuit:
         edges = graph.valid.flatten().nonzero()[:, 0]
         if n > edges.numel():
             raise ValueError(f"n={n} is more than the graph's {edges.numel()} edges")
-        mask = torch.zeros(graph.valid.numel(), dtype=torch.bool)
-        mask[edges[torch.randperm(edges.numel(), generator=generator)[:n]]] = True
+        mask = torch.zeros(graph.valid.numel(), dtype=torch.bool, device="cpu")
+        mask[edges[torch.randperm(edges.numel(), generator=generator, device="cpu")[:n]]] = True
         return cls(graph, mask.view(graph.valid.shape))
 
 

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab.checks import is_int, is_real
+from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import HookPoint, act_name, attention_layers, eval_mode, hook_names, hooks, run_with_cache
 
 __all__ = [
@@ -141,7 +142,7 @@ def _metric_rows(metric: Callable, logits: Tensor) -> Tensor:
         out = rows(logits)
         if not isinstance(out, Tensor) or out.shape != logits.shape[:1]:
             raise ValueError(f"metric.rows must return one value per row, shape ({logits.shape[0]},)")
-        return out.detach().double()
+        return as_float64(out.detach())
     return torch.stack([metric_scalar(metric(logits[i : i + 1])) for i in range(logits.shape[0])])
 
 
@@ -153,7 +154,7 @@ def metric_scalar(value: object) -> Tensor:
     if not isinstance(value, Tensor) or value.numel() != 1 or not (value.is_floating_point() or value.is_complex()):
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
         raise ValueError(f"metric must return a scalar (a float or a one-element float tensor), got {got}")
-    return value.detach().reshape(()).double()
+    return as_float64(value.detach().reshape(()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,8 +353,10 @@ def activation_patching(
         resid = [corr_cache[n] for n in starts]
         width = None if spliced is None else sources[0].shape[-1]  # an SAE's latents, in the heads' place
         indices, shape = _layout(model, step, kind, T, width)
-        where = torch.arange(math.prod(shape)).reshape(shape)[tuple(torch.tensor(indices).T)]  # (N,) their places
-        out = torch.full((len(chosen), math.prod(shape)), float(value), dtype=torch.float64)
+        # (on the CPU by name: under torch.set_default_device these would follow it)
+        places = torch.arange(math.prod(shape), device="cpu").reshape(shape)
+        where = places[tuple(torch.tensor(indices, device="cpu").T)]  # (N,) their places
+        out = torch.full((len(chosen), math.prod(shape)), float(value), dtype=torch.float64, device="cpu")
         per_pass = max(1, int(max_tokens) // (T * len(chosen)))  # patches of each layer per staggered pass
         if progress is not None:
             progress(0, len(chosen) * len(indices))
@@ -506,7 +509,7 @@ def attribution_patching(
     for n, g in zip(names, grads, strict=True):
         a = acts[n].detach()
         g = torch.zeros_like(a) if g is None else g
-        prod = ((clean_cache[n] - a) * g)[0].double()  # (T, d) | (T, H, hd) | (H, T, S) | (T, d_mlp)
+        prod = as_float64(((clean_cache[n] - a) * g)[0])  # (T, d) | (T, H, hd) | (H, T, S) | (T, d_mlp)
         if kind == "dest_src":
             out.append(prod)  # (H, T, S): one weight each
         elif kind == "pos":

@@ -59,6 +59,7 @@ from attnlab.files import (
     open_regular,
     read_json,
 )
+from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import HookPoint, added_points, eval_mode, hook_names, hooks
 
 __all__ = [
@@ -1092,8 +1093,8 @@ def evaluate_sae(
     device = next(model.parameters()).device
     sums = {"l0": 0.0, "sq_res": 0.0, "sq_norm": 0.0, "n": 0, "ce": [], "kl": []}
     sum_x: Tensor | None = None
-    active = torch.zeros(sae.cfg.d_sae, dtype=torch.float64)
-    ignore = torch.tensor(list(ignore_tokens), dtype=torch.long)
+    active = torch.zeros(sae.cfg.d_sae, dtype=torch.float64, device="cpu")  # (on the CPU by name, whatever
+    ignore = torch.tensor(list(ignore_tokens), dtype=torch.long, device="cpu")  # torch.set_default_device says)
     with eval_mode(model), eval_mode(sae):
         for start in range(0, tokens.shape[0], batch_size):
             idx = tokens[start : start + batch_size].to(device=device, dtype=torch.long)  # (b, T)
@@ -1116,19 +1117,19 @@ def evaluate_sae(
             with hooks(model, {hook_out: lambda x, hook: torch.zeros_like(x)}):
                 ablated = model(idx)
             z, recons = sae.encode_decode(x_in)  # (b, T, d_sae), (b, T, d_out)
-            z, recons, tgt = z[keep], recons[keep].double(), target[keep].double()  # rows kept
+            z, recons, tgt = z[keep], as_float64(recons[keep]), as_float64(target[keep])  # rows kept
             sums["l0"] += float((z != 0).sum())
             sums["sq_res"] += float((tgt - recons).pow(2).sum())
             sums["sq_norm"] += float(tgt.pow(2).sum())
             sums["n"] += tgt.shape[0]
             sum_x = tgt.sum(0).cpu() if sum_x is None else sum_x + tgt.sum(0).cpu()
-            active += (z != 0).sum(0).double().cpu()
+            active += (z != 0).sum(0).cpu().double()
             ce_keep = keep[:, :-1]
             sums["ce"].append(
-                torch.stack([_ce_per_token(lg, idx)[ce_keep].double().cpu() for lg in (clean, with_sae, ablated)])
+                torch.stack([_ce_per_token(lg, idx)[ce_keep].cpu().double() for lg in (clean, with_sae, ablated)])
             )
             sums["kl"].append(
-                torch.stack([_kl_per_token(clean, lg)[keep].double().cpu() for lg in (with_sae, ablated)])
+                torch.stack([_kl_per_token(clean, lg)[keep].cpu().double() for lg in (with_sae, ablated)])
             )
     n = sums["n"]
     if n == 0:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from attnlab.checks import is_int
+from attnlab.hardware import as_float64, float64_device
 from attnlab.model import GPT
 
 __all__ = ["EvalResult", "evaluate_tokens", "windows"]
@@ -92,13 +93,13 @@ def evaluate_tokens(
     stride = context_length if stride is None else stride
     model.eval()
     device = model.device
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=float64_device(device))  # (the CPU for MPS)
     count = 0
     for begin, end, scored in windows(len(ids), context_length, stride):
         x = ids[begin:end].to(device)[None]  # (1, W + 1)
         logits = model(x[:, :-1])[0, -scored:].float()  # (scored, V): the last W positions predict the scored tokens
         targets = x[0, -scored:]  # (scored,)
-        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double()
+        total += as_float64(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         count += scored
         if on_window is not None:
             on_window(scored)

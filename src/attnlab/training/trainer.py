@@ -663,15 +663,16 @@ class Trainer:
         model.eval()
         # Every counted target weighs the same: a batch's mean times its count (chat data's batches
         # count different numbers of assistant tokens), summed, over the total count.
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        wide = hardware.float64_device(self.device)  # (the CPU for MPS, which has no float64)
+        total = torch.zeros((), dtype=torch.float64, device=wide)
+        count = torch.zeros((), dtype=torch.float64, device=wide)
         for i in range(self.cfg.eval_batches):
             for m in range(self.cfg.grad_accum):
                 x, y = self.val_batches.batch(i, m, device=self.device)  # (b, T) each
                 with self.autocast():
                     logits = model(x)  # (b, T, V)
-                n = _counted(y)
-                total += lm_loss(logits, y, ignore_index=IGNORE_INDEX).double() * n
+                n = hardware.as_float64(_counted(y))
+                total += hardware.as_float64(lm_loss(logits, y, ignore_index=IGNORE_INDEX)) * n
                 count += n
         if self.dist.enabled:
             torch.distributed.all_reduce(total)
