@@ -333,6 +333,42 @@ def test_sliding_fast_path_in_groups_of_blocks(per_call, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("layout", ["q every other column", "v expanded along E", "k transposed from (E, T)"])
+def test_sliding_fast_path_takes_inputs_of_any_strides(layout):
+    # The band kernel reads a row's E values as one run: q[..., ::2] gave wrong values, and an
+    # expanded v read memory past the tensor.
+    T, W, E = 64, 8, 4
+    q, k, v = (rand(1, 2, T, E, seed=50 + i) for i in range(3))
+    if layout == "q every other column":
+        q = rand(1, 2, T, 2 * E, seed=53)[..., ::2]
+    elif layout == "v expanded along E":
+        v = rand(1, 2, T, 1, seed=54).expand(1, 2, T, E)
+    else:
+        k = rand(1, 2, E, T, seed=55).transpose(-1, -2)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    assert sliding.available() and 4 * W <= T  # (the band path runs)
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, window=W)
+    want = scaled_dot_product_attention(q, k, v, attn_mask=window_allowed(T, T, W, 0), backend="reference")
+    torch.testing.assert_close(got, want)
+    g = rand(*got.shape, seed=56)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+@pytest.mark.parametrize("window", [None, 8, 33])
+@pytest.mark.parametrize("backend", ["auto", "fused"])
+def test_causal_attention_with_a_scale_of_zero_or_below_is_not_nan(scale, window, backend):
+    # torch's CPU kernel masks before it scales, so its is_causal turned the mask into NaN or +inf
+    # (the band path's first block too, when the window covers it).
+    T = 140
+    q, k, v = (rand(2, 2, T, 4, seed=60 + i) for i in range(3))
+    got = scaled_dot_product_attention(q, k, v, is_causal=True, window=window, scale=scale, backend=backend)
+    want = scaled_dot_product_attention(q, k, v, is_causal=True, window=window, scale=scale, backend="reference")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
+
+
 def test_sliding_fast_path_is_taken_and_linear_in_memory(monkeypatch):
     """At T = 16 W the band path runs (no (T, T) mask is ever built) and float32 agrees with float64."""
     calls = []

@@ -676,8 +676,10 @@ def attend(
         )
         return _keep_nan(sliding.sliding_window_attention(query, key, value, window, sinks, scale), query)
 
-    if attn_mask is None and window is None and (not is_causal or L == S):
-        # torch's top-left is_causal equals bottom-right when L == S: keep its fastest path.
+    if attn_mask is None and window is None and (not is_causal or (L == S and (scale is None or scale > 0))):
+        # torch's top-left is_causal equals bottom-right when L == S: keep its fastest path. (Its CPU
+        # kernel masks before it scales: a scale of 0 turns the masked -inf into NaN, a negative one
+        # into +inf; those take the boolean mask below.)
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )

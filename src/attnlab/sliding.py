@@ -107,7 +107,8 @@ class _SlidingWindow(torch.autograd.Function):
         # projections then get a free transpose(1, 2).reshape(), and autograd stores the gradients
         # of contiguous leaves without copying them into their layout.
         out = torch.empty_like(q)  # (B, H, T, E)
-        head_mask = _band_mask(p.H0, p.H0, 0, window, q.dtype, q.device) if window < p.H0 else None
+        # (is_causal masks before it scales: for a scale <= 0, NaN or +inf where the mask's -inf was)
+        head_mask = _band_mask(p.H0, p.H0, 0, window, q.dtype, q.device) if window < p.H0 or scale <= 0 else None
         band = _band_mask(p.Bq, (p.m + 1) * p.Bq, -p.m * p.Bq, window, q.dtype, q.device)  # (Bq, (m+1) Bq)
         tail = _band_mask(p.Lt, window - 1 + p.Lt, 1 - window, window, q.dtype, q.device) if p.Lt else None
         # The kernel's log-sum-exp has its own dtype (float32 for half-precision inputs).
@@ -220,4 +221,7 @@ def sliding_window_attention(
     CPU only (see :func:`available`); no dropout. Equal to a dense masked attention up to float
     rounding, forward and backward.
     """
+    # The kernel reads a row's E values as one run: a last dimension of another stride (x[..., ::2], an
+    # expanded one) gave wrong values, and read memory past the tensor.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return _SlidingWindow.apply(q, k, v, int(window), int(sinks), float(scale))
