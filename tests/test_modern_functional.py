@@ -443,6 +443,16 @@ def test_additive_score_mod_equals_an_explicit_bias(backend, ref):
     )
 
 
+def test_a_mod_that_is_the_identity_on_small_scores_is_not_taken_for_a_bias():
+    # A hard cap at 40 agrees with "add nothing" at every fixed probe; the scores here reach 340.
+    q, k, v = rand(1, 1, 4, 8, seed=17) * 10, rand(1, 1, 4, 8, seed=18) * 10, rand(1, 1, 4, 8, seed=19)
+    scores = q @ k.transpose(-1, -2)
+    assert scores.abs().max() > 100
+    want = torch.softmax(scores.clamp(-40, 40), -1) @ v
+    got = scaled_dot_product_attention(q, k, v, score_mod=lambda s, b, h, i, j: s.clamp(-40, 40), scale=1.0)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("backend", ["reference", "flex", "auto"])
 def test_soft_capping_is_not_additive_and_runs_exactly_where_it_can(backend, ref):
     q, k, v = rand(1, 2, 5, 4, seed=14) * 4, rand(1, 2, 5, 4, seed=15) * 4, rand(1, 2, 5, 4, seed=16)

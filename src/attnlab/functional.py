@@ -417,27 +417,38 @@ def _modded_scores(scores: Tensor, score_mod: ScoreMod) -> Tensor:
     return out.to(scores.dtype).expand_as(scores)
 
 
-def _additive_bias(score_mod: ScoreMod, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+def _additive_bias(
+    score_mod: ScoreMod,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    reach: Callable[[], float] = lambda: 0.0,
+):
     """``f`` where ``score_mod(s, ...) == s + f(b, h, q_idx, kv_idx)`` (a float mask for the fused kernel),
     or None when the mod is not additive (e.g. soft-capping). Checked at probe scores in float32 at least
     (bfloat16's rounding would hide a mod as close to the identity as soft-capping is near 0), within the
-    rounding of the dtype the mod computes in (a bias it holds in bfloat16 gives bfloat16 scores), and at
-    a large score, where a cap bends far beyond any rounding."""
+    rounding of the dtype the mod computes in (a bias it holds in bfloat16 gives bfloat16 scores), at a
+    large score, where a cap bends far beyond any rounding, and at ``±reach()``, the largest score the
+    call can make (a clamp at 40 is the identity at every smaller probe)."""
     grids = _index_grids(shape, device)
     probe_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    probes = [torch.tensor(p, dtype=probe_dtype, device=device) for p in (0.0, 1.5, -3.25, 30.0)]
-    base = score_mod(probes[0], *grids)
+    base = score_mod(torch.zeros((), dtype=probe_dtype, device=device), *grids)
     if not isinstance(base, Tensor) or not base.is_floating_point():
         raise TypeError(f"score_mod must return a float tensor, got {getattr(base, 'dtype', type(base).__name__)}")
     if bool(torch.isnan(base).any() | torch.isposinf(base).any()):
         raise ValueError("score_mod returned NaN or +inf for a score of 0: it must give finite scores or -inf")
-    for p in probes[1:]:
-        out = score_mod(p, *grids)
+
+    def shifts_by_base(p: float) -> bool:  # score_mod(p) == p + base, within rounding
+        out = score_mod(torch.tensor(p, dtype=probe_dtype, device=device), *grids)
         tol = 8 * torch.finfo(torch.promote_types(out.dtype, base.dtype)).eps
         shifted = out - p
-        same = (shifted == base) | ((shifted - base).abs() <= tol * (1 + base.abs() + abs(float(p))))
-        if not bool(same.all()):
-            return None
+        return bool(((shifted == base) | ((shifted - base).abs() <= tol * (1 + base.abs() + abs(p)))).all())
+
+    if not all(shifts_by_base(p) for p in (1.5, -3.25, 30.0)):
+        return None
+    far = reach()  # (measured only for a mod that passed the probes above)
+    if math.isfinite(far) and far > 30.0 and not (shifts_by_base(far) and shifts_by_base(-far)):
+        return None
     return base.to(dtype)
 
 
@@ -649,7 +660,14 @@ def attend(
         return _flex(query, key, value, attn_mask, is_causal, scale, enable_gqa, window, sinks, score_mod, mask_mod)
 
     if score_mod is not None and backend != "reference" and not return_weights:
-        bias = _additive_bias(score_mod, (*query.shape[:-2], L, S), query.dtype, query.device)
+
+        def reach() -> float:  # |q . k| |scale| <= |q| |k| |scale|: the largest score this call makes
+            with torch.no_grad():
+                return (
+                    abs(scale) * float(query.norm(dim=-1).amax()) * float(key.norm(dim=-1).amax()) if L and S else 0.0
+                )
+
+        bias = _additive_bias(score_mod, (*query.shape[:-2], L, S), query.dtype, query.device, reach)
         if bias is None and backend == "fused":
             raise ValueError(
                 "score_mod is not additive (score_mod(s) != s + f(b, h, q_idx, kv_idx), e.g. soft-capping): the fused "
