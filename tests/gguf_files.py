@@ -47,10 +47,17 @@ VOCAB = len(tokens())
 
 
 def tiny_llama(
-    seed: int = 0, *, tie: bool = False, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB, rope: Any = None
+    seed: int = 0,
+    *,
+    tie: bool = False,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = VOCAB,
+    rope: Any = None,
+    **config: Any,
 ) -> Any:
     """A random transformers Llama: width 32, 2 layers, grouped-query heads, eval mode (``rope``:
-    its ``rope_parameters``, default RoPE with base 500)."""
+    its ``rope_parameters``, default RoPE with base 500; ``config``: more of its config, e.g. biases)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -64,6 +71,7 @@ def tiny_llama(
         rms_norm_eps=1e-5,
         rope_parameters=rope or {"rope_type": "default", "rope_theta": 500.0},
         tie_word_embeddings=tie,
+        **config,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -95,6 +103,9 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    **{f"self_attn.{p}_proj.bias": f"attn_{p}.bias" for p in "qkv"},
+    "self_attn.o_proj.bias": "attn_output.bias",
+    **{f"mlp.{p}_proj.bias": f"ffn_{p}.bias" for p in ("gate", "up", "down")},
 }
 
 
@@ -109,9 +120,9 @@ def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
         layer = parts[1] == "layers"
         gguf_name = f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])] if layer else HF_TO_GGUF[name]
         w = t.detach().float().numpy().copy()
-        if gguf_name.endswith("attn_q.weight"):
+        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             w = permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif gguf_name.endswith("attn_k.weight"):
+        elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             w = permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
         out[gguf_name] = w
     return out

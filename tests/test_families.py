@@ -595,3 +595,37 @@ def test_gpt2_is_sent_where_it_is_handled():
     assert "got 'gpt2'" not in str(err.value)
     with pytest.raises(ValueError, match="from_hf_gpt2"):
         families.to_attnlab({}, hf_config={"model_type": "gpt2"})
+
+
+def test_bias_tensors_the_config_switches_off_are_refused():
+    # transformers drops them with a warning; attnlab's model would then compute something else.
+    cfg = dict(COMMON, attention_bias=True, mlp_bias=True)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    assert GPT.from_hf(hf).config.qkv_bias  # read with its own config: biases on
+    with pytest.raises(ValueError, match=r"'layers\.0\.self_attn\.q_proj\.bias', a bias the config switches off"):
+        GPT.from_hf(hf.state_dict(), hf_config=dict(COMMON, model_type="llama"))
+
+
+def test_the_rotary_fraction_of_rope_parameters_comes_first(tmp_path):
+    # transformers 5 saves GPTNeoXConfig(partial_rotary_factor=0.5) with rope_parameters' own 0.25
+    # beside it, and rotates by rope_parameters'.
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        partial_rotary_factor=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.GPTNeoXForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_dim == hf.gpt_neox.layers[0].attention.rotary_ndims
+    idx = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_from_pretrained_takes_a_path_and_never_sends_it_to_the_hub(tmp_path):
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
+    hf.save_pretrained(tmp_path / "gpt2")  # (a folder named like a published model: still the folder)
+    assert GPT.from_pretrained(tmp_path / "gpt2").config.vocab_size == COMMON["vocab_size"]
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        GPT.from_pretrained(tmp_path / "owner" / "name")  # (a Hub id's shape, but a path)

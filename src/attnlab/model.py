@@ -1174,7 +1174,7 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(
         cls,
-        name: str = "gpt2",
+        name: str | os.PathLike[str] = "gpt2",
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         revision: str | None = None,
@@ -1191,7 +1191,7 @@ class GPT(nn.Module):
                 and safetensors weights (``model.safetensors`` or the shards of ``model.safetensors.index.json``,
                 as ``save_pretrained`` writes), or a GGUF file (read by :meth:`from_gguf`: dense in ``dtype``,
                 or its matrices kept quantized without one). A local path is never sent to the Hub: a
-                missing one is a ``FileNotFoundError`` saying so.
+                missing one is a ``FileNotFoundError`` saying so; a ``pathlib.Path`` is always a local path.
             cache_dir, revision: passed to ``huggingface_hub`` (default cache: ``~/.cache/huggingface``,
                 or ``$HF_HOME``); set ``HF_HUB_OFFLINE=1`` to use only the cache.
             device, dtype: where to put the model (default: the weights' own dtype, often bfloat16
@@ -1205,6 +1205,11 @@ class GPT(nn.Module):
         from attnlab.formats.gguf import is_gguf
 
         device = check_device("device", device)  # (before anything is read or downloaded)
+        if isinstance(name, os.PathLike):  # a path: never a Hub id, nor a published GPT-2's name
+            path = Path(name).expanduser()
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: no such file or directory (a model directory or a GGUF file)")
+            name = str(path.resolve())
         if isinstance(name, str) and name.lower() not in hf.PRETRAINED and is_gguf(name):
             if not Path(name).expanduser().is_file():
                 raise FileNotFoundError(f"{name}: no such file (a GGUF file)")

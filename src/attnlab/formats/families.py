@@ -170,12 +170,16 @@ _GELUS = {
 }
 
 
-def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None, float]:
-    """``(base, scaling or None, partial rotary factor)`` of one ``rope_parameters`` dict."""
+def _rope(params: Mapping[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``(base, scaling or None, partial rotary factor or None)`` of one ``rope_parameters`` dict."""
     params = dict(params or {})
     theta = float(params.pop("rope_theta", theta))
-    fraction = float(params.pop("partial_rotary_factor", 1.0))
-    return theta, (None if rope_scaling_type(params) == "default" else params), fraction
+    fraction = params.pop("partial_rotary_factor", None)
+    return (
+        theta,
+        (None if rope_scaling_type(params) == "default" else params),
+        None if fraction is None else float(fraction),
+    )
 
 
 def _window_layers(cfg: dict[str, Any], n_layers: int, derived: list[bool] | None) -> dict[str, Any]:
@@ -206,7 +210,8 @@ def _llama_like(cfg: dict[str, Any], act: str = "silu") -> dict[str, Any]:
     if params is None and (cfg.get("rope_scaling") or "rope_theta" in cfg):
         params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
     theta, scaling, fraction = _rope(params, 10000.0)
-    fraction = float(cfg.get("partial_rotary_factor", fraction))
+    if fraction is None:  # (rope_parameters' own, where it has one, as transformers reads it)
+        fraction = float(cfg.get("partial_rotary_factor", 1.0))
     if rope_scaling_type(scaling) == "longrope":
         # Phi-3 keeps the original context beside the config's, and its attention factor follows from the two
         original = scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
@@ -648,6 +653,13 @@ def _has(name: str, f: dict[str, Any]) -> bool:
     return bool(f.get("qkv_bias", False) if name.split(".")[-2] in dict(_QKV) else f.get("bias", True))
 
 
+def _source_names(src: Source) -> list[str]:
+    """The Hugging Face names ``src`` reads."""
+    if isinstance(src, str):
+        return [src]
+    return list(src) if isinstance(src, tuple) else [src.name]
+
+
 def _read(take: Callable[[str, tuple[int, ...]], Tensor], src: Source, want: tuple[int, ...], f: dict) -> Tensor:
     """The attnlab tensor (of shape ``want``) that ``src`` names; ``take(name, shape)`` gives a Hugging
     Face tensor, checked against the shape it must have."""
@@ -708,6 +720,11 @@ def convert(
         for name, src in table.items():
             if _has(name, f):
                 new[ours + name] = _read(take, src, shapes.get(name, (fields["emb_dim"],)), f)
+            elif stray := [where + s for s in _source_names(src) if where + s in hf]:
+                raise ValueError(  # (never dropped: the model would compute something else)
+                    f"the {model_type} weights have {stray[0]!r}, a bias the config switches off "
+                    "(attention_bias / mlp_bias)"
+                )
         if not copy:  # this layer's Hugging Face tensors are now attnlab's (or unused): drop them
             for k in used:
                 del hf[k]

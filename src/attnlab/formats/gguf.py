@@ -385,6 +385,10 @@ def _config(arch_name: str, arch: Architecture, meta: dict[str, Any], reader: An
         if scaling is not None:
             cfg["rope_scaling"] = scaling
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    if arch.model_type == "llama":  # llama.cpp uses a Llama's biases where the file has them
+        names = {re.sub(r"^blk\.\d+\.", "blk.{i}.", t.name) for t in reader.tensors}
+        cfg["attention_bias"] = any(f"blk.{{i}}.attn_{p}.bias" in names for p in ("q", "k", "v", "output"))
+        cfg["mlp_bias"] = any(f"blk.{{i}}.ffn_{p}.bias" in names for p in ("gate", "up", "down"))
     return arch.extra(cfg, meta, arch_name) if arch.extra is not None else cfg
 
 
