@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import attnlab.model
 from attnlab.attention import KVCache
@@ -506,3 +508,46 @@ def test_activation_selects_the_gelu_and_is_validated():
     for bad in ("relu", ["gelu"]):  # (a list was an 'unhashable type' TypeError)
         with pytest.raises(ValueError, match="activation must be one of"):
             GPTConfig(vocab_size=7, context_length=4, emb_dim=16, n_heads=2, n_layers=1, activation=bad)
+
+
+# The meta device stands in for an accelerator: a forward and decoding steps there must not build a
+# tensor on the CPU and copy it over (on CUDA each such copy makes the step wait).
+class _CpuTensorOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in tensors) and any(t.device.type == "cpu" and t.dim() for t in tensors):
+            self.seen.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        dict(pos="alibi", window=8),
+        dict(),
+        dict(preset="modern", n_kv_heads=2, window=8, window_layers=[0], rope_local_theta=1e4, attn_softcap=50.0),
+        dict(pos="rope", rotary_fraction=0.25, parallel_residual=True),
+    ],
+    ids=["alibi", "learned", "modern", "neox"],
+)
+def test_a_model_on_an_accelerator_copies_nothing_from_the_cpu_per_step(switches):
+    switches = dict(switches)
+    preset = switches.pop("preset", "tiny")
+    cfg = GPTConfig.preset(preset, vocab_size=64, context_length=32, emb_dim=32, n_heads=4, n_layers=2, **switches)
+    with torch.device("meta"):
+        model = GPT(cfg).eval()
+    idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    caches = model.new_kv_caches(1, 32)
+    with torch.no_grad():
+        model.decode_logits(idx, None, caches)  # (the first call builds what later calls reuse)
+        log = _CpuTensorOps()
+        with log:
+            model(idx)
+            for _ in range(3):
+                model.decode_logits(idx[:, :1], None, caches)
+    assert log.seen == [], f"ops with a CPU tensor: {sorted(set(log.seen))}"

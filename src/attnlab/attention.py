@@ -47,7 +47,14 @@ from attnlab.functional import (
     scaled_dot_product_attention,
     softcap_score_mod,
 )
-from attnlab.positions import alibi_bias, alibi_slopes, apply_rope, check_rope_scaling, rope_cos_sin, rope_inv_freq
+from attnlab.positions import (
+    alibi_bias,
+    alibi_slopes_on,
+    apply_rope,
+    check_rope_scaling,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from attnlab.quantized import QuantizedTensor
 
 __all__ = [
@@ -967,7 +974,7 @@ class MultiHeadAttention(_DropsTutorialMask):
             mask = combine_masks(mask, visible[:, None])  # (b, H or 1, n, S)
             is_causal, window, sinks = False, None, 0
         if self.alibi:
-            slopes = alibi_slopes(self.num_heads).to(device=q.device, dtype=q.dtype)
+            slopes = alibi_slopes_on(self.num_heads, q.device, q.dtype)  # (H,)
             bias = alibi_bias(slopes, positions, k_pos)  # (1|b, H, n, S)
             mask = combine_masks(bias, mask)
         return q, k, v, mask, is_causal, window, sinks, positions, k_pos

@@ -18,6 +18,7 @@ Face's Llama and GPT-NeoX), so Llama-family weights load without permutation.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -319,6 +320,14 @@ def alibi_slopes(n_heads: int) -> Tensor:
     m = 1 << (n.bit_length() - 1)  # largest power of two <= n
     slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def alibi_slopes_on(n_heads: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:func:`alibi_slopes` on ``device`` in ``dtype``, made once: copied to an accelerator at every
+    layer's call, they would make each layer wait for the copy."""
+    with torch.inference_mode(False):  # (a normal tensor, whatever mode the first call ran in)
+        return alibi_slopes(n_heads).to(device=device, dtype=dtype)
 
 
 def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
