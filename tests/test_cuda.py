@@ -253,3 +253,13 @@ def test_a_quantized_model_on_cuda_computes_the_dequantized_models_numbers(tmp_p
     want = attribution_patching(dense, clean, corrupted, metric, "resid_pre")
     got = attribution_patching(quant, clean.to(DEVICE), corrupted.to(DEVICE), metric, "resid_pre").cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+def test_a_cpu_generator_for_a_cuda_model_is_one_clear_error():
+    gpu = on(make(FAMILIES["gpt2"]))
+    idx = torch.zeros(1, 3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"generator must be on the model's device \(cuda\)"):
+        gpu.generate(idx, 2, generator=torch.Generator().manual_seed(0))
+    seeded = torch.Generator(device=DEVICE).manual_seed(0)
+    assert gpu.generate(idx, 2, generator=seeded).shape == (1, 5)
+    assert gpu.generate(idx, 2, temperature=0, generator=torch.Generator()).shape == (1, 5)  # (greedy draws none)

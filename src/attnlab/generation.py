@@ -198,6 +198,11 @@ def _check_args(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     # Prompts may be longer than the context: generation slides the window over them.
     model.check_idx(idx, limit_length=False)
+    if generator is not None and sampling.temperature > 0 and generator.device.type != idx.device.type:
+        raise ValueError(
+            f"generator must be on the model's device ({idx.device.type}), got a generator on {generator.device}: "
+            f"torch.Generator(device={str(idx.device.type)!r})"
+        )
     if idx.shape[0] == 0:
         raise ValueError(f"idx must hold at least one prompt, got shape {tuple(idx.shape)}")
     if not is_int(max_new_tokens) or max_new_tokens < 0:

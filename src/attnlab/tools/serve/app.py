@@ -485,7 +485,8 @@ def _add_features_routes(app: FastAPI, engine: Engine) -> None:
         "/api/steer",
         summary="a generation with latents' directions added at the SAE's hook point, and without them",
         description="attnlab.interpret.steer for each latent (strength x its decoder direction, at every position), "
-        "the tokens drawn with torch.Generator().manual_seed(seed); with compare, the same generation unsteered.",
+        "the tokens drawn with a generator on the model's device seeded with seed; "
+        "with compare, the same generation unsteered.",
     )
     async def steered(req: SteerRequest) -> Response:
         steering = [(s.latent, s.strength) for s in req.steer]

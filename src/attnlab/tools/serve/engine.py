@@ -675,7 +675,7 @@ class Engine:
         candidates: int = 10,
     ) -> GenerationRun:
         """A generation of up to ``max_new_tokens`` after the prompt, sampled with ``seed``: the tokens
-        ``model.generate`` draws with ``torch.Generator().manual_seed(seed)``."""
+        ``model.generate`` draws with ``torch.Generator(device=model.device).manual_seed(seed)``."""
         self.check_new_tokens(max_new_tokens)
         ids = self.encode(prompt)
         model = self._need_model().model

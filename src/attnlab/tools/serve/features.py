@@ -168,7 +168,7 @@ def steer_answer(
 ) -> dict[str, Any]:
     """``max_new_tokens`` tokens after the prompt with each ``(latent, strength)`` of ``steering`` added
     (:func:`attnlab.interpret.steer`), sampled with ``seed`` (the tokens ``model.stream`` draws with
-    ``torch.Generator().manual_seed(seed)`` inside those ``steer`` blocks); with ``compare`` also the
+    ``torch.Generator(device=model.device).manual_seed(seed)`` inside those ``steer`` blocks); with ``compare`` also the
     same generation unsteered."""
     model_sae = _sae(engine, sae)
     for i, (latent, strength) in enumerate(steering):
