@@ -476,3 +476,36 @@ def test_byte_fallback_tokens_are_labelled_by_their_bytes(trained):
     assert len(ids) == 4  # (the character's four bytes)
     assert token_strings(ours, ids) == [f"\\x{int(sp.id_to_piece(i)[3:5], 16):02x}" for i in ids]
     assert b"".join(ours.decode_bytes([i]) for i in ids) == "😀".encode()
+
+
+@pytest.mark.parametrize("family", list(SPECIALS))
+@FAST
+@given(data=st.data())
+def test_split_point_is_a_safe_cut(pair, family, data):
+    # The token cache encodes a big file chunk by chunk, cut where split_point says (before, it never
+    # cut a tokenizer.json's text: a whole corpus went to one encode call).
+    ours, _ = pair[family]
+    text = " ".join(data.draw(st.lists(texts(SPECIALS[family]), min_size=8, max_size=30)))
+    whole = ours.encode(text)
+    for k in range(0, len(text) + 1, 7):
+        cut = ours.split_point(text[:k])
+        assert 0 <= cut <= k
+        assert ours.encode(text[:cut]) + ours.encode(text[cut:]) == whole, (text[:cut], text[cut:])
+
+
+@pytest.mark.parametrize("family", [*SPECIALS, "smollm2"])
+def test_the_token_cache_of_a_file_cut_in_chunks_is_its_whole_encoding(pair, family, tmp_path, request):
+    from attnlab.data import tokenize_to_cache
+
+    ours = HFTokenizer(request.getfixturevalue("smollm2_gguf")) if family == "smollm2" else pair[family][0]
+    text = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")[:20_000]
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    cut = ours.split_point(text)
+    # A "▁" put before every text (Llama's and Phi-3's add_space_prefix) leaves no safe cut: such a
+    # file is encoded whole, as llama.cpp does; byte-level BPE and Gemma's pieces cut near the end.
+    if family in ("llama", "phi3"):
+        assert cut == 0
+    else:
+        assert cut > len(text) - 1000
+    tokens = tokenize_to_cache(tmp_path / "corpus.txt", ours, tmp_path / "cache", chunk_bytes=1024, workers=2)
+    assert tokens.tolist() == ours.encode(text)

@@ -560,7 +560,17 @@ class HFTokenizer(Tokenizer):
         return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def split_point(self, text: str) -> int:
-        return 0  # a tokenizer.json may prepend a space to every text it encodes: no safe cut is known
+        # GPT-2's cuts (after a non-space, before whitespace), each confirmed by encoding the text
+        # around it both ways: a tokenizer.json may normalize, or put "▁" before, the start of every
+        # text, so what is safe depends on the file. 0 when no near cut checks out.
+        tail = max(0, len(text) - (1 << 16))
+        for pattern in _GPT2_CUTS:
+            cuts = [m.end() for m in pattern.finditer(text, tail) if m.end() <= len(text) - 32]
+            for cut in reversed(cuts[-3:]):
+                a, b = max(0, cut - 256), min(len(text), cut + 256)
+                if self.encode(text[a:cut]) + self.encode(text[cut:b]) == self.encode(text[a:b]):
+                    return cut
+        return 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
