@@ -266,3 +266,36 @@ def test_a_name_neither_on_the_hub_nor_a_local_folder_says_both(tmp_path, monkey
     with pytest.raises(FileNotFoundError) as known:
         GPT.from_pretrained("gpt2")
     assert "local folder" not in str(known.value) and "could not get the weights" in str(known.value)
+
+
+@pytest.mark.parametrize("resolves", [False, True])
+def test_without_a_network_the_hub_is_not_tried_six_times(monkeypatch, resolves):
+    # huggingface_hub retries a request that cannot connect for 23 s, a warning a try, before it reads
+    # its cache: where the Hub's name does not even resolve, only the cache is read.
+    import socket
+
+    import huggingface_hub
+
+    from attnlab.formats import hub
+
+    calls = []
+
+    def download(repo_id, filename, **kwargs):
+        calls.append(kwargs.get("local_files_only", False))
+        raise OSError("not in the cache")
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if not resolves:
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub._hub_unresolvable.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="no network" if not resolves else "OSError"):
+            GPT.from_pretrained("gpt2")
+    finally:
+        hub._hub_unresolvable.cache_clear()
+    assert calls == [not resolves]

@@ -6,8 +6,11 @@ The weights' names and layouts are :mod:`attnlab.formats.families`'s; this modul
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +151,21 @@ def _shards(index: Path) -> list[str]:
     return files
 
 
+@functools.lru_cache(maxsize=1)
+def _hub_unresolvable() -> bool:
+    """Whether the Hub's host name does not resolve (no network): huggingface_hub would then try each
+    file six times over 23 s, a warning a try, before it reads its cache anyway."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False  # (huggingface_hub reads only its cache already)
+    try:
+        socket.getaddrinfo(urllib.parse.urlparse(constants.ENDPOINT).hostname, 443)
+    except (OSError, UnicodeError):
+        return True
+    return False
+
+
 def _download(
     repo_id: str,
     filename: str,
@@ -164,8 +182,9 @@ def _download(
         raise ImportError(
             "GPT.from_pretrained needs the 'huggingface_hub' package: pip install 'attnlab[hf]'"
         ) from None
+    offline = _hub_unresolvable()
     try:
-        return hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision)
+        return hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision, local_files_only=offline)
     except Exception as e:  # offline, no such repository, HTTP errors: all end in the same advice
         if quiet:
             raise FileNotFoundError(filename) from None
@@ -174,7 +193,8 @@ def _download(
         local = f" (there is no local folder {repo_id!r} here either)" if path_like else ""
         raise FileNotFoundError(
             f"could not get the weights of {repo_id!r} ({filename}) from the Hugging Face Hub or its local cache "
-            f"({type(e).__name__}){local}; connect to the internet once so they are downloaded into the cache "
+            f"({'no network: the Hub does not resolve' if offline else type(e).__name__}){local}; "
+            "connect to the internet once so they are downloaded into the cache "
             f"(~/.cache/huggingface, or $HF_HOME), or pass a local directory holding config.json and "
             f"model.safetensors"
         ) from None
