@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab import GPT, GPTConfig
-from attnlab.quantized import QuantizedTensor
+from attnlab.quantized import QuantizedTensor, is_quantized
 from attnlab.training.lora import LoRASettings, LowRankUpdated, apply_lora, merge_lora
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -149,3 +149,46 @@ def test_fine_tuning_a_gguf_file_trains_every_weight_or_lora_beside_its_blocks(t
     config = TrainConfig(init_from=str(path), data=str(data), max_steps=1, batch_size=2, out=str(tmp_path / "lib"))
     with pytest.raises(ValueError, match="keeps weights in a GGUF file's blocks, which are frozen"):
         Trainer(config, init=init)
+
+
+def test_a_lora_run_on_a_gguf_file_resumes_on_its_blocks_exactly(tmp_path):
+    # The checkpoint holds the base dequantized; resuming on that dense copy summed in another order
+    # (losses apart in the 7th digit) with five times the memory.
+    import json
+    import shutil
+
+    from attnlab.cli import main
+    from attnlab.training.checkpoint import load_checkpoint
+    from gguf_files import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", qtype="Q4_0")
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat and the dog sat on the log. " * 40, encoding="utf-8")
+
+    def train(out, *extra):
+        args = ["train", "--init-from", str(path), "--data", str(data), "--out", str(out), "--batch-size", "2"]
+        args += ["--context-length", "16", "--no-progress", "--precision", "fp32", "--lora-rank", "2", "--seed", "3"]
+        args += ["--eval-every", "2", "--checkpoint-every", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+        assert main([*args, *extra]) == 0
+
+    train(tmp_path / "full", "--max-steps", "4")
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000002", half / "checkpoints" / "step-00000002")
+    (half / "latest.json").write_text(
+        json.dumps({"format": "attnlab-checkpoint", "step": 2, "path": "checkpoints/step-00000002"})
+    )
+    train(half, "--resume", "--max-steps", "4")
+    rows = [
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "full", half)
+    ]
+    assert [r["loss"] for r in rows[1]] == [r["loss"] for r in rows[0][2:]]
+    assert [r.get("val_loss") for r in rows[1]] == [r.get("val_loss") for r in rows[0][2:]]
+    # The resumed run's base is the file's blocks; a reader of the checkpoint gets the dense base.
+    from attnlab.training import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(out=str(half), resume=True, max_steps=6), given={"max_steps"})
+    try:
+        assert any(is_quantized(p) for p in trainer.raw_model.parameters())
+    finally:
+        trainer.close()
+    assert not any(is_quantized(p) for p in load_checkpoint(half, load_optimizer=False).model.parameters())
