@@ -61,7 +61,9 @@ def check_mask_against_prefixes(template: ChatTemplate, tok, messages) -> None:
         if m["role"] == "assistant":
             before = template.render(messages[:i], add_generation_prompt=True)
             through = template.render(messages[: i + 1], add_generation_prompt=False)
-            want.append(through[len(before) :])
+            answer = through[len(before) :]
+            end = answer.rfind("<|im_end|>") + len("<|im_end|>")  # (the newline after it is the template's)
+            want.append(answer[:end] if end >= len("<|im_end|>") and not answer[end:].strip() else answer)
     assert spans == want
     for s, m in zip(spans, [m for m in messages if m["role"] == "assistant"], strict=True):
         assert m["content"] in s  # the answer itself is trained on
@@ -72,7 +74,7 @@ def test_the_mask_is_the_assistants_tokens_chatml_bytes() -> None:
     check_mask_against_prefixes(template, ByteTokenizer(), CONVERSATION)
     ids, mask = encode_conversation(template, ByteTokenizer(), CONVERSATION)
     text = bytes(t for t, m in zip(ids, mask, strict=True) if m).decode()
-    assert text == "A weighted average.<|im_end|>\nOf value vectors.<|im_end|>\n"
+    assert text == "A weighted average.<|im_end|>Of value vectors.<|im_end|>"
 
 
 @pytest.mark.slow
@@ -290,3 +292,58 @@ def test_chat_loss_and_gradients_do_not_depend_on_the_number_of_processes(tmp_pa
     assert two["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     for n, g in grads.items():
         torch.testing.assert_close(two["grads"][n], g, rtol=1e-4, atol=1e-7, msg=n)
+
+
+@pytest.mark.slow
+def test_the_mask_is_transformers_assistant_mask_on_smollm2s_template(smollm2_gguf) -> None:
+    # transformers' return_assistant_tokens_mask, on SmolLM2's template with {% generation %} around each
+    # answer and its <|im_end|> (the newline after it is the template's separator, not the model's to learn).
+    from transformers import PreTrainedTokenizerFast
+
+    from attnlab.tools.loading import load_pretrained
+
+    loaded = load_pretrained(str(smollm2_gguf))
+    source = loaded.chat_template.source
+    turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    assert turn in source
+    marked = source.replace(
+        turn,
+        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\\n'}}{% generation %}"
+        "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\\n'}}{% else %}" + turn + "{% endif %}",
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer._tok, eos_token="<|im_end|>")
+    user, assistant = ({"role": r, "content": c} for r, c in (("user", "What is a key?"), ("assistant", "4")))
+    for messages in [CONVERSATION, [user, assistant], [user, {**assistant, "content": ""}, user, assistant]]:
+        ids, mask = encode_conversation(loaded.chat_template, loaded.tokenizer, messages)
+        ref = hf.apply_chat_template(
+            messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert ids == ref["input_ids"]
+        assert mask == [bool(m) for m in ref["assistant_masks"]]
+
+
+def test_a_conversation_may_open_with_the_assistant() -> None:
+    # SmolLM2's template adds its default system prompt only to a conversation with messages, so the
+    # render of no messages is not where the first answer starts: the answer is found by its content.
+    template = ChatTemplate(
+        "{% for m in messages %}{% if loop.first and m.role != 'system' %}<|im_start|>system\nBe kind.<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [{"role": "assistant", "content": "Hello."}, *CONVERSATION[1:3]]
+    check_mask_against_prefixes_by_content(template, messages)
+
+
+def check_mask_against_prefixes_by_content(template: ChatTemplate, messages) -> None:
+    ids, mask = encode_conversation(template, ByteTokenizer(), messages)
+    assert bytes(ids).decode() == template.render(messages, add_generation_prompt=False)
+    text = bytes(t for t, m in zip(ids, mask, strict=True) if m).decode()
+    assert text == "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+
+
+def test_a_template_that_hides_the_answer_is_refused_naming_the_conversation() -> None:
+    template = ChatTemplate(
+        "{{ messages | length }}{% for m in messages %}|{{ m.role }}: {{ m.content | upper }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match=r"conversation 2: .*does not render a conversation prefix by prefix"):
+        encode_conversations(template, ByteTokenizer(), [CONVERSATION[1:2], CONVERSATION[1:3]])

@@ -24,8 +24,11 @@ from typing import Any
 
 from attnlab.files import read_json
 
-__all__ = ["ChatTemplate", "check_messages", "read_chat_template"]
+__all__ = ["TURN_ENDS", "ChatTemplate", "check_messages", "read_chat_template"]
 
+# The special tokens that end a turn in the chat formats of the families attnlab reads (llama.cpp finds
+# them by these texts too, where a GGUF file names no end-of-turn id).
+TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<EOT>")
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 

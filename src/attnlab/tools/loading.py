@@ -26,7 +26,7 @@ import torch
 from attnlab import attention, hardware
 from attnlab.checks import check_device, is_int
 from attnlab.files import read_json
-from attnlab.formats.chat import ChatTemplate, read_chat_template
+from attnlab.formats.chat import TURN_ENDS, ChatTemplate, read_chat_template
 from attnlab.formats.gguf import is_gguf, read_gguf
 from attnlab.formats.hf import PRETRAINED, is_local_path, read_pretrained_file
 from attnlab.functional import simple_self_attention
@@ -134,7 +134,6 @@ def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple
 
 # The special tokens that end a turn, as llama.cpp finds them by their text: its converter leaves
 # tokenizer.ggml.eot_token_id out of Gemma's and Phi-3's files, whose turns end with these.
-TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<EOT>")
 
 
 def _turn_ends(tokenizer: HFTokenizer) -> list[int]:

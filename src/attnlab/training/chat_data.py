@@ -10,8 +10,10 @@ Each conversation is rendered with the model's own chat template (:class:`attnla
 the format it was instruction-tuned on). Which tokens are the assistant's is read off the template
 itself, prefix by prefix: for the assistant message ``i``, ``render(messages[:i], add_generation_prompt=True)``
 is everything up to where the model starts to answer, and ``render(messages[:i + 1])`` ends where its
-turn ends; what lies between (the answer and its end-of-turn marker, so the model learns to stop) is
-trained on, the rest is context. The pieces are tokenized one by one, so every token is either
+turn ends; what lies between (the answer and its end-of-turn marker, so the model learns to stop; not
+the separator the template writes after that marker, as transformers' assistant mask) is trained on,
+the rest is context. A conversation that opens with the assistant's answer (where the render of no
+messages differs, e.g. SmolLM2's default system prompt) finds the answer by its content instead. The pieces are tokenized one by one, so every token is either
 the assistant's or not. The conversations are packed one after another into one token stream, with a
 mask beside it; :class:`MaskedWindowBatches` draws training windows from it as
 :class:`attnlab.data.RandomWindowBatches` does, with ``-100`` (ignored by the loss) as the target of
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from attnlab.data import RandomWindowBatches, check_text_file
 from attnlab.files import first_line, read_json
-from attnlab.formats.chat import ChatTemplate, read_chat_template
+from attnlab.formats.chat import TURN_ENDS, ChatTemplate, read_chat_template
 from attnlab.tokenizers import Tokenizer
 
 __all__ = [
@@ -87,6 +89,9 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     return out
 
 
+_CONTENT = "\ue000attnlab: the answer\ue001"  # (private-use characters: no conversation holds them)
+
+
 def _segments(template: ChatTemplate, messages: Sequence[dict[str, str]]) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, is the assistant's) pieces, found by rendering prefixes."""
     pieces: list[tuple[str, bool]] = []
@@ -97,17 +102,42 @@ def _segments(template: ChatTemplate, messages: Sequence[dict[str, str]]) -> lis
         before = template.render(messages[:i], add_generation_prompt=True)
         through = template.render(messages[: i + 1], add_generation_prompt=False)
         if not (before.startswith(done) and through.startswith(before)):
+            before = _before_the_answer(template, messages, i, through)  # (a template that renders [] apart)
+        if before is None or not before.startswith(done):
             raise ValueError(
                 f"{template.name} does not render a conversation prefix by prefix (message {i}): "
                 "the assistant's tokens cannot be told apart"
             )
-        pieces += [(before[len(done) :], False), (through[len(before) :], True)]
-        done = through
+        answer = through[len(before) :]
+        answer = answer[: _turn_end(answer, template)]  # (the template's newline after it is context)
+        pieces += [(before[len(done) :], False), (answer, True)]
+        done = before + answer
     full = template.render(messages, add_generation_prompt=False)
     if not full.startswith(done):
         raise ValueError(f"{template.name} does not render a conversation prefix by prefix")
     pieces.append((full[len(done) :], False))
     return [(text, mine) for text, mine in pieces if text]
+
+
+def _before_the_answer(template: ChatTemplate, messages: Sequence[dict[str, str]], i: int, through: str) -> str | None:
+    """The render up to where assistant message ``i``'s content starts, found by rendering a marker in
+    its place: for a template whose render of no messages is not the start of one with messages (SmolLM2's
+    adds its default system prompt only to a conversation), where message ``i`` opens it. None when the
+    template does not write the content as it is."""
+    marked = template.render([*messages[:i], {**messages[i], "content": _CONTENT}], add_generation_prompt=False)
+    k = marked.find(_CONTENT)
+    if k < 0 or marked[:k] != through[:k] or not through[k:].startswith(messages[i]["content"]):
+        return None
+    return through[:k]
+
+
+def _turn_end(answer: str, template: ChatTemplate) -> int:
+    """Where the assistant's turn ends in ``answer``: just after its last end-of-turn token (the
+    template's ``eos_token`` or one of :data:`~attnlab.formats.chat.TURN_ENDS`) when only whitespace
+    follows it (the separator before the next turn, not the model's to learn), else at its end."""
+    ends = [answer.rfind(t) + len(t) for t in (template.eos_token, *TURN_ENDS) if t and t in answer]
+    end = max(ends, default=len(answer))
+    return end if not answer[end:].strip() else len(answer)
 
 
 def encode_conversation(
@@ -129,8 +159,11 @@ def encode_conversations(
     """All conversations packed into one stream: int64 ids ``(N,)`` and a bool mask ``(N,)``."""
     ids: list[int] = []
     mask: list[bool] = []
-    for messages in conversations:
-        a, b = encode_conversation(template, tokenizer, messages)
+    for k, messages in enumerate(conversations):
+        try:
+            a, b = encode_conversation(template, tokenizer, messages)
+        except ValueError as e:
+            raise ValueError(f"conversation {k + 1}: {e}") from None
         ids += a
         mask += b
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)

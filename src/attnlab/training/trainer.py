@@ -420,7 +420,10 @@ class Trainer:
                 "template (an instruct model's tokenizer_config.json or chat_template.jinja)"
             )
         conversations = chat_data.read_conversations(self.cfg.data)
-        ids, mask = chat_data.encode_conversations(self.chat_template, self.tokenizer, conversations)
+        try:
+            ids, mask = chat_data.encode_conversations(self.chat_template, self.tokenizer, conversations)
+        except ValueError as e:
+            raise ValueError(f"{self.cfg.data}: {e}") from None
         n_train = len(ids) - round(len(ids) * self.cfg.val_fraction)
         self._chat_masks = (mask[:n_train], mask[n_train:])
         return torch.from_numpy(ids[:n_train]), torch.from_numpy(ids[n_train:])
