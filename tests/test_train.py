@@ -739,6 +739,27 @@ def test_checkpoints_without_their_pointer_are_not_taken_for_debris(tmp_path: Pa
     assert _snapshot(out / "checkpoints") == before
 
 
+def test_a_first_save_stopped_before_its_pointer_is_taken_up_by_resume(tmp_path: Path, one_thread) -> None:
+    # A kill between the step directory's rename and latest.json's write, at the run's first save, left
+    # a directory that neither --resume nor a new run would take.
+    out = tmp_path / "run"
+    Trainer(TrainConfig(out=str(out), max_steps=2, checkpoint_every=2, **ON_CPU)).fit()
+    (out / "latest.json").unlink()
+    with pytest.raises(ValueError, match=r"but no latest\.json; restore it to resume \(or pass --resume"):
+        Trainer(TrainConfig(out=str(out), max_steps=3, **ON_CPU))
+    resumed = Trainer(TrainConfig(out=str(out), resume=True, max_steps=3, **ON_CPU))
+    assert resumed.fit().step == 3 and resumed.resumed_from.name == "step-00000002"
+    # A step directory whose files are not whole is not taken up.
+    (out / "latest.json").unlink()
+    for d in (out / "checkpoints").glob("step-*"):
+        if d.name != "step-00000003":
+            shutil.rmtree(d)
+    with open(out / "checkpoints" / "step-00000003" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        Trainer(TrainConfig(out=str(out), resume=True, max_steps=4, **ON_CPU))
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo() (POSIX)")
 def test_a_metrics_log_that_is_no_file_is_refused_without_blocking(tmp_path: Path, one_thread) -> None:
     out = tmp_path / "run"

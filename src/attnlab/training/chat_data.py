@@ -13,7 +13,8 @@ is everything up to where the model starts to answer, and ``render(messages[:i +
 turn ends; what lies between (the answer and its end-of-turn marker, so the model learns to stop; not
 the separator the template writes after that marker, as transformers' assistant mask) is trained on,
 the rest is context. A conversation that opens with the assistant's answer (where the render of no
-messages differs, e.g. SmolLM2's default system prompt) finds the answer by its content instead. The pieces are tokenized one by one, so every token is either
+messages differs, e.g. SmolLM2's default system prompt) finds the answer by its content instead.
+The pieces are tokenized one by one, so every token is either
 the assistant's or not. The conversations are packed one after another into one token stream, with a
 mask beside it; :class:`MaskedWindowBatches` draws training windows from it as
 :class:`attnlab.data.RandomWindowBatches` does, with ``-100`` (ignored by the loss) as the target of

@@ -471,6 +471,23 @@ def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
     return os.path.lexists(Path(out_dir) / LATEST_NAME)
 
 
+def recover_latest(out_dir: str | os.PathLike[str]) -> Path | None:
+    """A run's only step directory, once every file it lists is whole, made its checkpoint again by
+    writing the ``latest.json`` its save was stopped before (a kill between the step directory's
+    rename and the pointer's write); None where there is a pointer, or not exactly one such directory.
+    The caller holds the run's lock."""
+    out = Path(out_dir)
+    steps = sorted((out / CHECKPOINTS_DIR).glob("step-*")) if (out / CHECKPOINTS_DIR).is_dir() else []
+    if os.path.lexists(out / LATEST_NAME) or len(steps) != 1:
+        return None
+    d, meta = _read_checked(steps[0])
+    for name, info in meta["files"].items():
+        _verify_file(d, name, info)
+    pointer = {"format": FORMAT, "step": meta["step"], "path": f"{CHECKPOINTS_DIR}/{d.name}"}
+    atomic_write_json(out / LATEST_NAME, pointer)
+    return d
+
+
 def read_latest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint pointer ``latest.json`` of the training directory ``out_dir`` (its ``step``
     and the ``path`` of the step directory); ValueError naming the file when it is corrupt."""

@@ -40,19 +40,23 @@ LOCK_NAME = ".attnlab-train.lock"
 LATEST_NAME = "latest.json"  # as attnlab.training.checkpoint (which this module sits below)
 
 
-def check_run_directory(out: Path) -> None:
+def check_run_directory(out: Path, *, resume: bool = False) -> None:
     """ValueError unless ``out`` is a directory attnlab may write a run into: absent, empty, or
-    holding an attnlab run (its ``latest.json`` or its lock file)."""
+    holding an attnlab run (its ``latest.json`` or its lock file). With ``resume``, a run's one step
+    directory without ``latest.json`` (a first save stopped before its pointer's write) is left for the trainer
+    to take up (:func:`attnlab.training.checkpoint.recover_latest`)."""
     if os.path.lexists(out) and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     if not out.exists() or os.path.lexists(out / LATEST_NAME):
         return
     steps = sorted(p.name for p in (out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
-    if steps:
+    if steps and not (resume and len(steps) == 1 and os.path.lexists(out / LOCK_NAME)):
         # A new run would prune them as debris: never without the pointer that says which is the run's.
+        ours = len(steps) == 1 and os.path.lexists(out / LOCK_NAME)
+        again = " (or pass --resume, which takes it up when it is whole)" if ours else ""
         raise ValueError(
-            f"--out {out} holds checkpoints ({', '.join(steps[:3])}) but no {LATEST_NAME}; restore it to resume "
-            f"(generate and viz also take a step directory), or remove {out / 'checkpoints'} to start over"
+            f"--out {out} holds checkpoints ({', '.join(steps[:3])}) but no {LATEST_NAME}; restore it to resume"
+            f"{again} (generate and viz also take a step directory), or remove {out / 'checkpoints'} to start over"
         )
     if os.path.lexists(out / LOCK_NAME):
         return

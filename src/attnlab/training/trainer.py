@@ -69,6 +69,7 @@ from attnlab.training.checkpoint import (
     load_checkpoint,
     read_latest,
     read_metadata,
+    recover_latest,
     save_checkpoint,
     set_rng_state,
 )
@@ -240,7 +241,7 @@ class Trainer:
         self._lock = RunLock(self.out)
         resolve_device(config.device, self.dist.local_rank)  # a bad --device is refused before --out is made
         if self.dist.is_main:
-            check_run_directory(self.out)
+            check_run_directory(self.out, resume=config.resume)
             self._lock.acquire()
         try:
             self.cfg = self._run_config(config, given)
@@ -261,6 +262,9 @@ class Trainer:
             raise ValueError(f"--out {self.out} exists and is not a directory")
         self._saved_meta: dict[str, Any] | None = None
         self._fit_context = False
+        # (every rank: each finds the same step directory, and writes the same pointer if it is first)
+        if config.resume and (taken := recover_latest(self.out)) is not None:
+            self.log(f"--resume: {taken.name}'s save was stopped before latest.json was written; resuming from it")
         if config.resume and has_checkpoint(self.out):
             # Before anything is built: the device, model, data and seed are the checkpoint's.
             # read_metadata checked every entry (and the file's own hash); resuming needs them all.
