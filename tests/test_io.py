@@ -155,3 +155,23 @@ def test_safe_write_escapes_what_the_stream_cannot_encode():
     utf8 = io.StringIO()
     safe_write(utf8, "café → ok")
     assert utf8.getvalue() == "café → ok"
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    # A full disk raised a bare "[Errno 28] No space left on device" from every writer.
+    import errno
+
+    from attnlab.files import atomic_write_bytes
+
+    target = tmp_path / "weights.bin"
+    target.write_bytes(b"old")
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=r"No space left on device while writing .*weights\.bin \(it is as it was\)"):
+        atomic_write_bytes(target, b"new")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["weights.bin"]

@@ -551,3 +551,21 @@ def test_a_model_on_an_accelerator_copies_nothing_from_the_cpu_per_step(switches
             for _ in range(3):
                 model.decode_logits(idx[:, :1], None, caches)
     assert log.seen == [], f"ops with a CPU tensor: {sorted(set(log.seen))}"
+
+
+def test_weights_removed_while_they_are_read_are_file_not_found(tmp_path, monkeypatch):
+    # A training run pruning its old step while `generate --checkpoint` read it gave safetensors'
+    # RuntimeError, and the command line a traceback.
+    import os
+
+    import safetensors.torch
+
+    GPT(GPTConfig(**SMALL)).save(tmp_path)
+
+    def pruned(path, *args, **kwargs):
+        os.remove(path)
+        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (os error 2)")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", pruned)
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors was removed while it was being read"):
+        GPT.load(tmp_path)

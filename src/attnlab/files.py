@@ -75,7 +75,10 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: the directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
         os.chmod(tmp, 0o666 & ~current_umask())  # what a plain open() would give
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
@@ -83,9 +86,11 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # (a full disk: name the file)
+            raise OSError(e.errno, f"{e.strerror} while writing {path} (it is as it was)") from None
         raise
     fsync_dir(path.parent)
 

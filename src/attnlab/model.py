@@ -1276,6 +1276,10 @@ class GPT(nn.Module):
             state = load_file(str(w_path))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{w_path} is not a readable safetensors file ({e})") from None
+        except RuntimeError:  # safetensors' own, for a file removed since (a run pruning an old step)
+            if w_path.is_file():
+                raise
+            raise FileNotFoundError(f"{w_path} was removed while it was being read") from None
         with torch.device("meta"):
             model = cls(config)
         if config.tie_embeddings:

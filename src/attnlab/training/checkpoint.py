@@ -506,6 +506,12 @@ def read_latest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The step directory meant by ``path``: a training directory (follows ``latest.json``) or a
     step directory itself (holding ``checkpoint.json``)."""
+    return _find(path)[0]
+
+
+def _find(path: str | os.PathLike[str]) -> tuple[Path, int | None]:
+    """(:func:`find_checkpoint`, the step ``latest.json`` names, or None for a step directory): the
+    pointer read once, so a run switching it meanwhile is not taken for a damaged checkpoint."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
@@ -514,7 +520,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
             f"checkpoint must be a directory (a training --out directory or a step directory), got file {p}"
         )
     if os.path.lexists(p / CHECKPOINT_NAME):
-        return p
+        return p, None
     if has_checkpoint(p):
         latest = read_latest(p)
         pointer = latest["path"]
@@ -525,7 +531,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
         target = (p / pointer).resolve()
         if not (target / CHECKPOINT_NAME).exists():
             raise ValueError(f"checkpoint pointer {p / LATEST_NAME} names {target}, which holds no {CHECKPOINT_NAME}")
-        return target
+        return target, int(latest["step"])
     raise FileNotFoundError(f"no checkpoint in {p} (expected {LATEST_NAME} or {CHECKPOINT_NAME})")
 
 
@@ -738,8 +744,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _read_checked(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     """(the step directory meant by ``path``, its ``checkpoint.json`` checked whole; for a training
     directory, against the step ``latest.json`` names)."""
-    d, p = find_checkpoint(path), Path(path).expanduser()
-    latest = None if os.path.lexists(p / CHECKPOINT_NAME) else int(read_latest(p)["step"])
+    d, latest = _find(path)
     meta = read_json(d / CHECKPOINT_NAME, "checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
     return d, _check_metadata(meta, d / CHECKPOINT_NAME, latest_step=latest)
 
