@@ -13,6 +13,7 @@ import torch
 
 from attnlab import GPT, GPTConfig
 from attnlab.cli import main
+from attnlab.files import current_umask
 from attnlab.tokenizers import ByteTokenizer
 from attnlab.tools.loading import load_model
 from attnlab.training.checkpoint import load_checkpoint
@@ -337,3 +338,26 @@ def test_chatting_with_a_checkpoint_without_a_chat_template_is_one_line(base, tm
         assert main([*argv, "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "has no chat template" in err, err
+
+
+def test_merge_is_written_whole_or_not_at_all(base, tmp_path, monkeypatch, capsys) -> None:
+    # The merged directory was written file by file: a stop half-way left a DIR that no reader took and
+    # that a second --merge refused as not empty. A place it cannot be written is found before training.
+    import attnlab.cli.train as cli_train
+
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert train(base, out, "--lora-rank", "2", "--max-steps", "1", "--merge", str(blocker / "merged")) == 2
+    assert "cannot make its directory" in capsys.readouterr().err and not out.exists()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_train, "atomic_write_json", stopped)  # (after model.save: the tokenizer's file)
+    assert train(base, out, "--lora-rank", "2", "--max-steps", "1", "--merge", str(merged)) == 130  # (Ctrl-C)
+    assert not merged.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".merged")] == []
+    monkeypatch.undo()
+    assert train(base, out, "--resume", "--max-steps", "2", "--merge", str(merged)) == 0
+    assert GPT.load(merged) is not None and (merged / "tokenizer.json").is_file()
+    assert oct(merged.stat().st_mode & 0o777) == oct(0o777 & ~current_umask())

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnlab.files import atomic_write_json, safe_write
+from attnlab.files import atomic_write_json, current_umask, fsync_dir, safe_write
 from attnlab.model import GPTConfig
 from attnlab.tokenizers import tokenizer_to_dict
 from attnlab.training.allocator import tune_cpu_allocator
@@ -287,6 +290,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--merge with --fsdp: the checkpoint's model.safetensors is already the whole model")
     if merge is not None and merge.exists() and (not merge.is_dir() or any(merge.iterdir())):
         raise ValueError(f"--merge {merge} exists and is not an empty directory; choose a new one")
+    if merge is not None:  # (before training: a place it cannot be written is found now, not after the run)
+        try:
+            merge.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--merge {merge}: cannot make its directory {merge.parent} ({e.strerror})") from None
+        if not os.access(merge.parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--merge {merge}: its directory {merge.parent} is not writable")
     init = None
     if cfg.init_from and not (cfg.resume and has_checkpoint(Path(cfg.out).expanduser())):
         init = load_init(cfg.init_from, lora=bool(cfg.lora_rank))  # a resumed run takes the model from its checkpoint
@@ -323,12 +333,21 @@ def _merge(trainer: Trainer, out: Path) -> None:
     from attnlab.tools.loading import CHAT_NAME, TOKENIZER_NAME
 
     model = merge_lora(trainer.raw_model)  # in place: training is over
-    model.save(out)
-    # a Hugging Face tokenizer's JSON is copied beside it (hf_tokenizer.json): the directory stands alone
-    atomic_write_json(out / TOKENIZER_NAME, tokenizer_to_dict(trainer.tokenizer, out))
-    chat = trainer.chat_metadata()  # an instruct model's chat template and stop ids: attnlab chat --checkpoint
-    if chat:
-        atomic_write_json(out / CHAT_NAME, chat)
+    # Assembled beside DIR and renamed into place whole: a stop half-way leaves no DIR that lacks a file.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # (what mkdir would give, not mkdtemp's 0o700)
+        model.save(tmp)
+        # a Hugging Face tokenizer's JSON is copied beside it (hf_tokenizer.json): the directory stands alone
+        atomic_write_json(tmp / TOKENIZER_NAME, tokenizer_to_dict(trainer.tokenizer, tmp))
+        chat = trainer.chat_metadata()  # an instruct model's chat template and stop ids: attnlab chat --checkpoint
+        if chat:
+            atomic_write_json(tmp / CHAT_NAME, chat)
+        os.replace(tmp, out)  # (over an empty DIR too)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
     print(f"merged model written to {out} (read it with --checkpoint {out} or --init-from {out})", file=sys.stderr)
 
 
