@@ -8,6 +8,7 @@ exit status 2; set ``ATTNLAB_DEBUG=1`` to see the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -64,7 +65,7 @@ def _import_holding_ctrl_c(name: str) -> ModuleType:
     """Import torch and a subcommand's module with Ctrl-C held back until they are loaded.
 
     A KeyboardInterrupt raised inside torch's import can abort the process from C++ or leave numpy
-    half-imported (odd AttributeErrors later); held back, it becomes a quiet exit right after.
+    half-imported (odd AttributeErrors later); held back, it becomes an exit (one line, 130) right after.
     """
     if threading.current_thread() is not threading.main_thread():  # only it may set signal handlers
         return importlib.import_module(name)
@@ -83,7 +84,7 @@ def _import_holding_ctrl_c(name: str) -> ModuleType:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser, subparsers = build_parser()  # (inside: a Ctrl-C this early is a quiet exit too)
+        parser, subparsers = build_parser()  # (inside: a Ctrl-C this early ends as any other)
         # Two-stage parse: only the chosen subcommand's module is imported, to add its own flags.
         if argv and argv[0] in COMMANDS:
             _import_holding_ctrl_c(COMMANDS[argv[0]][0]).add_arguments(subparsers[argv[0]])
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
+        with contextlib.suppress(Exception):  # (one line, never a traceback: stderr may be gone too)
+            print(f"attnlab{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `attnlab ... | head` closed the pipe: not an error. Point stdout at devnull so the
