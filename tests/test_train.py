@@ -756,7 +756,7 @@ def test_a_first_save_stopped_before_its_pointer_is_taken_up_by_resume(tmp_path:
             shutil.rmtree(d)
     with open(out / "checkpoints" / "step-00000003" / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ValueError, match="model.safetensors"):
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
         Trainer(TrainConfig(out=str(out), resume=True, max_steps=4, **ON_CPU))
 
 
