@@ -78,3 +78,29 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(subprocess_env):
         assert proc.returncode != 130 or err.strip() == "attnlab generate: interrupted", (delay, err)
         interrupted += proc.returncode == 130
     assert interrupted, "every run finished before its Ctrl-C: nothing was tested"
+
+
+def test_threads_are_the_commands_and_set_back_after_it(capsys):
+    # On a busy 2-core machine two torch threads made generate 3-7x slower; only serve and bench could say.
+    import argparse
+
+    import torch
+
+    from attnlab import cli
+
+    seen = []
+
+    class Command:
+        @staticmethod
+        def run(args):
+            seen.append(torch.get_num_threads())
+            return 0
+
+    before = torch.get_num_threads()
+    assert cli._run(Command, argparse.Namespace(command="generate", threads=1)) == 0
+    assert seen == [1] and torch.get_num_threads() == before
+    for command in ("generate", "chat", "eval", "patch", "circuit", "inspect", "viz"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--threads", "0"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--threads" in err, (command, err)

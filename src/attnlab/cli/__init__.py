@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from attnlab.errors import UserError
 
@@ -81,6 +81,22 @@ def _import_holding_ctrl_c(name: str) -> ModuleType:
     return module
 
 
+def _run(module: Any, args: argparse.Namespace) -> int:
+    """``module.run(args)``, with ``--threads`` torch threads where the command has that option (set
+    back after: main() may run inside a larger program, or a test session)."""
+    threads = getattr(args, "threads", None) if args.command not in ("serve", "bench") else None  # (their own)
+    if threads is None:
+        return int(module.run(args) or 0)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return int(module.run(args) or 0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        return int(importlib.import_module(args._module).run(args) or 0)
+        return _run(importlib.import_module(args._module), args)
     except KeyboardInterrupt:
         with contextlib.suppress(Exception):  # (one line, never a traceback: stderr may be gone too)
             print(f"attnlab{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}: interrupted", file=sys.stderr)

@@ -27,7 +27,7 @@ import sys
 
 from attnlab.checks import resolve_device
 from attnlab.cli.generate import add_generation_arguments, load_from_args, require_chat_template, sampling_from_args
-from attnlab.cli.options import MODEL_SOURCES
+from attnlab.cli.options import MODEL_SOURCES, add_threads_argument, compile_quantized_up_front
 from attnlab.tools.chat import HELP, ChatSession, chat_loop
 from attnlab.tools.loading import model_name
 
@@ -35,6 +35,7 @@ MAX_ANSWER = 512  # the default longest answer, in tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = (
         "Chat with an instruct model: its chat template, answers streamed, the history kept within the context "
         f"window. {HELP}. Through a pipe, each input line is one message."
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ValueError(str(exc).replace("max_new_tokens", "--max-new-tokens", 1)) from None
+    compile_quantized_up_front(loaded.model, None)  # (a chat: turn after turn)
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())

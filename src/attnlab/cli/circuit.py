@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, check_out_file, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, add_threads_argument, check_out_file, load_from_model_arguments
 from attnlab.interpret.circuit_view import parse_budget
 from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, circuit_saes, save_circuit_page
 from attnlab.tools.loading import load_saes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = (
         "Edge attribution patching (EAP, EAP-IG): score every edge between the embeddings, heads, MLPs and the "
         "logits for logit(A) - logit(B), print the strongest edges and the faithfulness of the top edges' "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, load_from_model_arguments
+from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, add_threads_argument, load_from_model_arguments
 from attnlab.data import load_text
 from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import model_name
@@ -26,6 +26,7 @@ DEFAULT_CONTEXT = 1024  # at most the model's own context
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = "Measure a model's next-token loss, perplexity and bits per byte on a text file."
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(

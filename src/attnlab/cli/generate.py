@@ -42,7 +42,13 @@ from typing import Any
 import torch
 
 from attnlab.checks import resolve_device
-from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, model_dtype
+from attnlab.cli.options import (
+    MODEL_SOURCES,
+    add_dtype_argument,
+    add_threads_argument,
+    compile_quantized_up_front,
+    model_dtype,
+)
 from attnlab.files import safe_write
 from attnlab.generation import SamplingConfig
 from attnlab.tokenizers import StreamDecoder, prompt_tokens
@@ -51,6 +57,7 @@ from attnlab.tools.loading import LoadedModel, attach_saes, load, load_saes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--checkpoint",
@@ -213,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
         safe_write(sys.stdout, text)
         sys.stdout.flush()
 
+    if args.compile:
+        print("compiling the decoding step (tens of seconds; minutes with an empty inductor cache)", file=sys.stderr)
+    else:
+        compile_quantized_up_front(model, args.max_new_tokens)
     if not args.chat:  # a continuation is printed after its prompt, an answer alone
         write(args.prompt)
     dec = StreamDecoder(tok)

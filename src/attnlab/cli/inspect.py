@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, add_threads_argument, load_from_model_arguments
 from attnlab.cli.viz import add_sae_arguments
 from attnlab.tools.loading import attach_saes, load_saes
 from attnlab.tools.viz.report import inspect_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = (
         "Look inside a model on a prompt: head roles per layer and head, the strongest heads of each role, the "
         "logit lens at one position, the rollout row of one token; --ablate removes heads and reports the change."

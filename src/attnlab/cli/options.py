@@ -90,6 +90,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, what: str) -> Any:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch's threads for the command (:func:`attnlab.cli.main` sets them around it)."""
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch threads (default: torch's, one per core; on a busy machine with few cores, fewer are "
+        "often several times faster)",
+    )
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype``: the dtype ``--model``'s weights are read in (:func:`model_dtype`)."""
     parser.add_argument(
@@ -140,3 +152,22 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
+COMPILE_UP_FRONT_TOKENS = 32  # (a small model's products switch to compiled ones within about that many)
+
+
+def compile_quantized_up_front(model: Any, tokens: int | None) -> None:
+    """Where a model kept in a GGUF file's blocks will generate ``tokens`` tokens (None: a chat, many),
+    its products compile now, with a note: the seconds that takes come before the first token, not as a
+    silent stall in the middle of the output when the process's clock says compiling pays
+    (:data:`attnlab.quantized.COMPILE_AFTER_S`). Fewer tokens keep the eager products."""
+    import sys
+
+    from attnlab.quantized import compile_from_now, is_quantized
+
+    if tokens is not None and tokens < COMPILE_UP_FRONT_TOKENS:
+        return
+    if any(is_quantized(p) and p.device.type == "cpu" for p in model.parameters()):
+        print("compiling the products of the file's quantized weights (once; a few seconds)", file=sys.stderr)
+        compile_from_now()

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, check_out_file, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, add_threads_argument, check_out_file, load_from_model_arguments
 from attnlab.interpret import SITES
 from attnlab.tools.patch import patch_report, save_patch_picture
 from attnlab.training.allocator import tune_cpu_allocator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = (
         "Activation patching: run the corrupted prompt with one activation of the clean prompt at a time and "
         "print the heads (L.H) and positions whose patch moves logit(A) - logit(B) the most, either way, with its sign."

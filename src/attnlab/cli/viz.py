@@ -8,6 +8,7 @@ from pathlib import Path
 from attnlab.cli.options import (
     add_model_arguments,
     add_sampling_arguments,
+    add_threads_argument,
     check_out_file,
     check_sampling,
     index_list,
@@ -22,6 +23,7 @@ SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_threads_argument(parser)
     parser.description = (
         "Show attention: heatmaps (PNG/SVG/PDF), an offline HTML inspector, or numbers in the terminal. "
         "Without --checkpoint or --model: the tutorials' six-word example, 'Your journey starts with one step'. "
