@@ -1038,16 +1038,15 @@ class SAEEvaluation:
         return d
 
 
-def _kl_per_token(clean_logits: Tensor, new_logits: Tensor) -> Tensor:
-    """``KL(p_clean || p_new)`` per position ``(B, T)``, summed over the vocabulary."""
-    log_clean = F.log_softmax(clean_logits.float(), dim=-1)
-    log_new = F.log_softmax(new_logits.float(), dim=-1)
-    return (log_clean.exp() * (log_clean - log_new)).sum(-1)
+def _kl_per_token(log_clean: Tensor, log_new: Tensor) -> Tensor:
+    """``KL(p_clean || p_new)`` per position ``(B, T)``, summed over the vocabulary, of two runs'
+    log-probabilities ``(B, T, V)``."""
+    return F.kl_div(log_new, log_clean, reduction="none", log_target=True).sum(-1)
 
 
-def _ce_per_token(logits: Tensor, idx: Tensor) -> Tensor:
-    """Next-token cross-entropy ``(B, T-1)``: position t predicts token t+1."""
-    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), idx[:, 1:], reduction="none")
+def _ce_per_token(log_probs: Tensor, idx: Tensor) -> Tensor:
+    """Next-token cross-entropy ``(B, T-1)`` of log-probabilities ``(B, T, V)``: position t predicts token t+1."""
+    return F.nll_loss(log_probs[:, :-1].transpose(1, 2), idx[:, 1:], reduction="none")
 
 
 @torch.no_grad()
@@ -1105,17 +1104,25 @@ def evaluate_sae(
                 seen[hook.name] = x
 
             with hooks(model, {hook_in: grab, **({hook_out: grab} if hook_out != hook_in else {})}):
-                clean = model(idx)  # (b, T, V)
+                log_clean = F.log_softmax(model(idx).float(), dim=-1)  # (b, T, V)
             x_in, target = seen[hook_in], seen[hook_out]
 
             def spliced(x: Tensor, hook: HookPoint, x_in: Tensor = x_in, keep: Tensor = keep) -> Tensor:
                 recons = sae(x_in).to(x.dtype)
                 return torch.where(keep[..., None], recons, x)
 
-            with hooks(model, {hook_out: spliced}):
-                with_sae = model(idx)
-            with hooks(model, {hook_out: lambda x, hook: torch.zeros_like(x)}):
-                ablated = model(idx)
+            # Each run's logits are reduced to its losses before the next run: one (b, T, V) at a time
+            # beside the clean run's (the three at once, with their log-softmax copies, took 2 GB for
+            # SmolLM2's 49,152 tokens at the default batch).
+            ce_keep = keep[:, :-1]
+            ce, kl = [_ce_per_token(log_clean, idx)[ce_keep].cpu().double()], []
+            for fn in (spliced, lambda x, hook: torch.zeros_like(x)):
+                with hooks(model, {hook_out: fn}):
+                    log_new = F.log_softmax(model(idx).float(), dim=-1)  # (b, T, V)
+                ce.append(_ce_per_token(log_new, idx)[ce_keep].cpu().double())
+                kl.append(_kl_per_token(log_clean, log_new)[keep].cpu().double())
+                del log_new
+            del log_clean
             z, recons = sae.encode_decode(x_in)  # (b, T, d_sae), (b, T, d_out)
             z, recons, tgt = z[keep], as_float64(recons[keep]), as_float64(target[keep])  # rows kept
             sums["l0"] += float((z != 0).sum())
@@ -1124,13 +1131,8 @@ def evaluate_sae(
             sums["n"] += tgt.shape[0]
             sum_x = tgt.sum(0).cpu() if sum_x is None else sum_x + tgt.sum(0).cpu()
             active += (z != 0).sum(0).cpu().double()
-            ce_keep = keep[:, :-1]
-            sums["ce"].append(
-                torch.stack([_ce_per_token(lg, idx)[ce_keep].cpu().double() for lg in (clean, with_sae, ablated)])
-            )
-            sums["kl"].append(
-                torch.stack([_kl_per_token(clean, lg)[keep].cpu().double() for lg in (with_sae, ablated)])
-            )
+            sums["ce"].append(torch.stack(ce))
+            sums["kl"].append(torch.stack(kl))
     n = sums["n"]
     if n == 0:
         raise ValueError("evaluate_sae: every position was an ignored token; nothing to measure")
