@@ -803,7 +803,7 @@ def test_inspector_data_drops_padding_and_picks_step_heads_by_budget(monkeypatch
     torch.testing.assert_close(data["layers"][0]["weights"], alone.weights[0, 0], atol=1e-6, rtol=0)
     torch.testing.assert_close(data["rollout"]["mean"], rollout(alone)[0], atol=1e-6, rtol=0)
     assert len(data["steps"]["heads"]) == 12  # everything fits
-    monkeypatch.setattr(inspector, "STEPS_BUDGET", 3 * inspector._steps_cost(5, 5, 8))
+    monkeypatch.setattr(inspector, "STEPS_BUDGET", 3 * inspector.steps_cost(5, 5, 8))
     data = inspector_data(tr, row=1)
     assert (data["steps"]["heads"][0]["row"], data["steps"]["heads"][0]["head"]) == (0, 0)
     assert len(data["steps"]["heads"]) == 3 and data["steps"]["omitted"] == 9

@@ -386,6 +386,21 @@ def test_an_answers_maps_past_the_limit_are_refused_naming_what_to_ask_for(tmp_p
         engine.inspect("abcab" * 5, ["layers"], precision="u8")
 
 
+def test_named_heads_steps_past_the_limit_are_refused(tmp_path):
+    # 256 named heads' steps on 450 tokens: a 642 MB answer and 2.5 GB of the server's memory, no limit.
+    from attnlab.interpret.inspector import steps_cost
+
+    model = sharp_gpt()  # 3 layers x 4 heads
+    hd = model.config.head_dim
+    engine = Engine(
+        LoadedModel(model, CharTokenizer(CHARS), tmp_path), limits=Limits(max_maps_bytes=2 * steps_cost(10, 10, hd))
+    )
+    assert engine.inspect("abcabcabca", ["steps"], steps=["0.0", "1.1"])["steps"]  # two heads at the limit
+    with pytest.raises(ValueError, match=r"the steps of 3 heads on 10 tokens .* name fewer heads"):
+        engine.inspect("abcabcabca", ["steps"], steps=["0.0", "1.1", "2.2"])
+    engine.inspect("abcabcabca", ["steps"])  # ("auto": the page's own budget)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(max_size=30) | st.sampled_from(['"attnlab-', 'attnlab-0"', '\\"b64"', "\u2028\x00"]),

@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _run(importlib.import_module(args._module), args)
     except KeyboardInterrupt:
-        with contextlib.suppress(Exception):  # (one line, never a traceback: stderr may be gone too)
-            print(f"attnlab{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}: interrupted", file=sys.stderr)
+        command = argv[0] if argv and argv[0] in COMMANDS else None
+        if command != "serve":  # (Ctrl-C is how a server is stopped: nothing to say)
+            with contextlib.suppress(Exception):  # (one line, never a traceback: stderr may be gone too)
+                print(f"attnlab{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `attnlab ... | head` closed the pipe: not an error. Point stdout at devnull so the

@@ -224,7 +224,8 @@ def _head_steps(
     }
 
 
-def _steps_cost(T: int, S: int, hd: int) -> int:
+def steps_cost(T: int, S: int, hd: int) -> int:
+    """The bytes of one head's tutorial steps on ``T`` queries and ``S`` keys of width ``hd``."""
     return 4 * T * S + T * S + 4 * T * S // 2 + 4 * (2 * T + 2 * S) * hd
 
 
@@ -409,7 +410,7 @@ def inspector_data(
         role_scores = all_head_scores(model, seed=role_seed)
         data["roles"] = _roles_section(role_scores, role_seed)
     if trace.has_stages and "steps" in wanted:
-        cost = _steps_cost(T, T, trace.q.shape[-1])
+        cost = steps_cost(T, T, trace.q.shape[-1])
         chosen = _pick_step_heads(steps, L, H, cost, role_scores, shown_layers, shown_heads)
         data["steps"] = _steps_of_trace(trace, row, keep, chosen, shown_layers, len(shown_heads))
     if "next" in wanted:

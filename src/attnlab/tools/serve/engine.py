@@ -66,7 +66,7 @@ from attnlab.interpret import (
     token_strings,
     trace,
 )
-from attnlab.interpret.inspector import generation_step_data, resolve_index, weights_dtype
+from attnlab.interpret.inspector import generation_step_data, resolve_index, steps_cost, weights_dtype
 from attnlab.interpret.playback import GenerationStep, key_index, key_offsets, top_candidates
 from attnlab.tokenizers import prompt_tokens
 from attnlab.tools.loading import LoadedModel
@@ -452,6 +452,14 @@ class Engine:
             self._check_maps_size(
                 len(ids), len(set(layers or range(cfg.n_layers))), len(set(heads or range(cfg.n_heads))), precision
             )
+        if "steps" in sections and steps is not None:  # (named heads: "auto" keeps to the page's budget)
+            need = len(steps) * steps_cost(len(ids), len(ids), cfg.head_dim)
+            if need > self.limits.max_maps_bytes:
+                raise ValueError(
+                    f"the steps of {len(steps)} heads on {len(ids)} tokens are {need / 2**20:.0f} MiB, more than "
+                    f"this server sends ({self.limits.max_maps_bytes >> 20} MiB): name fewer heads (steps:) or "
+                    "send a shorter prompt"
+                )
 
         def work() -> dict[str, Any]:
             tr = self._trace(ids, full=bool(sections & FULL_TRACE_SECTIONS))
