@@ -386,6 +386,21 @@ def test_an_answers_maps_past_the_limit_are_refused_naming_what_to_ask_for(tmp_p
         engine.inspect("abcab" * 5, ["layers"], precision="u8")
 
 
+def test_the_traces_kept_hold_at_most_max_trace_bytes(tmp_path):
+    # Three different 1,410-token prompts' traces, all kept, took the server past 6 GB.
+    from attnlab.tools.serve.engine import _nbytes
+
+    model = sharp_gpt()
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path))
+    engine.inspect("abcabcabca", ["layers", "lens"])
+    one = _nbytes(next(iter(engine._traces.values())))
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), limits=Limits(max_trace_bytes=2 * one + 1))
+    for prompt in ("abcabcabca", "bcabcabcab", "cabcabcabc"):
+        engine.inspect(prompt, ["layers", "lens"])
+    assert len(engine._traces) == 2 and sum(_nbytes(t) for t in engine._traces.values()) <= 2 * one + 1
+    assert engine.inspect("cabcabcabc", ["layers"])  # (the latest is the one kept last)
+
+
 def test_named_heads_steps_past_the_limit_are_refused(tmp_path):
     # 256 named heads' steps on 450 tokens: a 642 MB answer and 2.5 GB of the server's memory, no limit.
     from attnlab.interpret.inspector import steps_cost

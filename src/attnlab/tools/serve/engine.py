@@ -34,6 +34,7 @@ longest prefix it shares with a recent one, and takes the attention rows of that
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import sys
@@ -387,6 +388,11 @@ class Engine:
             tr = kept.trace
         self.count("traces")
         _remember(self._traces, key, tr, self.cache_size)
+        # In bytes too: a few long prompts' traces (2.3 GB each at 1,410 tokens of SmolLM2) took the server past
+        # 6 GB; those kept hold at most max_trace_bytes, the latest whatever its size.
+        total = sum(_nbytes(t) for t in self._traces.values())
+        while len(self._traces) > 1 and total > self.limits.max_trace_bytes:
+            total -= _nbytes(self._traces.popitem(last=False)[1])
         return tr
 
     def _check_maps_size(self, T: int, n_layers: int, n_heads: int, precision: str) -> None:
@@ -771,6 +777,19 @@ class Engine:
         if self.demo is None:
             raise LookupError("this server runs a language model, not the tutorials' six-word example")
         return self.demo
+
+
+def _nbytes(obj: Any) -> int:
+    """The bytes of the tensors ``obj`` holds: in its fields (a dataclass), items or elements."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if dataclasses.is_dataclass(obj):
+        return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _remember(cache: OrderedDict, key: tuple[int, ...], value: Any, size: int) -> None:
