@@ -447,6 +447,17 @@ def test_evaluate_sae_rejects_bad_tokens(make_gpt):
         evaluate_sae(make_gpt(), make_sae("topk"), torch.zeros(2, 1, dtype=torch.long))
 
 
+def test_evaluate_sae_reports_its_progress(make_gpt):
+    # `attnlab sae eval` printed nothing for two minutes.
+    seen = []
+    tokens = torch.randint(0, 37, (5, 6), generator=torch.Generator().manual_seed(0))
+    quiet = evaluate_sae(make_gpt(), make_sae("topk"), tokens, batch_size=2)
+    loud = evaluate_sae(make_gpt(), make_sae("topk"), tokens, batch_size=2, progress=seen.append)
+    assert seen == [12, 24, 30] and loud.as_dict() == quiet.as_dict()
+    with pytest.raises(TypeError, match="progress must be a callable or None, got int"):
+        evaluate_sae(make_gpt(), make_sae("topk"), tokens, progress=3)
+
+
 @pytest.mark.parametrize("norm", ["none", "constant_norm_rescale", "layer_norm"])
 @pytest.mark.parametrize("rescale", [False, True])
 @pytest.mark.parametrize("transcoder", [False, True])

@@ -93,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens to measure on (default 8192)")
     e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
 
     d = sub.add_parser(
         "dashboard",
@@ -197,7 +198,13 @@ def _eval(args: argparse.Namespace) -> int:
     if n < 1:
         raise ValueError(f"--data has {len(ids)} tokens, fewer than one window of --context {args.context}")
     windows = torch.from_numpy(ids[: n * args.context].astype(np.int64)).view(n, args.context)
-    result = evaluate_sae(loaded.model, sae, windows)
+    bar = _bar(windows.numel(), "evaluating") if args.progress else None
+    advance = None if bar is None else lambda n: bar.update(n - bar.n)
+    try:
+        result = evaluate_sae(loaded.model, sae, windows, progress=advance)
+    finally:
+        if bar is not None:
+            bar.close()
     figures = result.as_dict()
     if args.json:
         print(json.dumps(figures))
@@ -254,9 +261,9 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bar(total: int) -> Any:  # a tqdm bar, or None where tqdm is not installed
+def _bar(total: int, desc: str = "dashboards") -> Any:  # a tqdm bar, or None where tqdm is not installed
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="tok", unit_scale=True, file=sys.stderr, desc="dashboards")
+    return tqdm(total=total, unit="tok", unit_scale=True, file=sys.stderr, desc=desc)

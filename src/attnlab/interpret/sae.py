@@ -1076,8 +1076,10 @@ def evaluate_sae(
     *,
     batch_size: int = 8,
     ignore_tokens: Sequence[int] = (),
+    progress: Callable[[int], None] | None = None,
 ) -> SAEEvaluation:
-    """SAELens's evaluation of ``sae`` on ``model`` over ``tokens (N, T)`` (or ``(T,)``).
+    """SAELens's evaluation of ``sae`` on ``model`` over ``tokens (N, T)`` (or ``(T,)``); ``progress``
+    is called with the tokens measured so far after each batch (a progress bar).
 
     Every measure is taken over the token positions whose token is not in ``ignore_tokens``
     (SAELens leaves out the tokenizer's special tokens: pass ``bos``/``eos`` ids here for the same
@@ -1086,6 +1088,8 @@ def evaluate_sae(
     kept positions. Runs in eval mode and no_grad; ``model`` is left in its own mode.
     """
     tokens = _eval_tokens(tokens, batch_size)  # (N, T)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable or None, got {type(progress).__name__}")
     sae.check_model(model)
     hook_in = sae.cfg.hook_name
     hook_out = sae.cfg.hook_name_out or hook_in
@@ -1133,6 +1137,8 @@ def evaluate_sae(
             active += (z != 0).sum(0).cpu().double()
             sums["ce"].append(torch.stack(ce))
             sums["kl"].append(torch.stack(kl))
+            if progress is not None:
+                progress(min(start + batch_size, tokens.shape[0]) * tokens.shape[1])
     n = sums["n"]
     if n == 0:
         raise ValueError("evaluate_sae: every position was an ignored token; nothing to measure")
