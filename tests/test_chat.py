@@ -340,6 +340,20 @@ def test_fit_history_drops_the_fewest_oldest_turns(system, history, last, budget
         assert words(head + msgs[earlier[-1] :]) > budget
 
 
+def test_fit_history_counts_a_long_history_a_few_times():
+    # serve's /api/chat rendered and tokenized a 1,000-message history once per dropped turn: 40 s.
+    calls = []
+
+    def counted(messages) -> int:
+        calls.append(len(messages))
+        return words(messages)
+
+    msgs = [{"role": r, "content": "x " * 5} for _ in range(500) for r in ("user", "assistant")]
+    msgs.append({"role": "user", "content": "new"})
+    kept, dropped = fit_history(msgs, counted, 100)
+    assert len(calls) <= 2 + 10 and words(kept) <= 100 < words(msgs[dropped - 2 :])  # (the fewest dropped)
+
+
 def test_a_long_conversation_drops_old_turns_and_says_so(loaded):
     session = greedy(loaded, system="Be brief.", max_new_tokens=6)
     out, err = io.StringIO(), io.StringIO()

@@ -75,22 +75,30 @@ def fit_history(
     while head < len(messages) - 1 and messages[head].get("role") == "system":
         head += 1
     system, rest = messages[:head], messages[head:]
-    dropped = 0
-    while True:
-        kept = system + rest
-        n = count(kept)
-        if n <= budget:
-            return kept, dropped
-        if len(rest) == 1:
-            with_system = "with the system message " if system else ""
-            raise ValueError(
-                f"the message is too long: {with_system}it takes {n} tokens, more than the {budget} "
-                "the context window leaves beside the answer; shorten it (or lower --max-new-tokens)"
-            )
-        cut = 1  # the oldest turn: its user message and the answers after it
+    cuts = [0]  # where the kept messages may start: each turn's user message, and the last message
+    while cuts[-1] < len(rest) - 1:
+        cut = cuts[-1] + 1
         while cut < len(rest) - 1 and rest[cut].get("role") != "user":
             cut += 1
-        rest, dropped = rest[cut:], dropped + cut
+        cuts.append(cut)
+    if count(system + rest) <= budget:
+        return system + rest, 0
+    if (n := count(system + rest[cuts[-1] :])) > budget:
+        with_system = "with the system message " if system else ""
+        raise ValueError(
+            f"the message is too long: {with_system}it takes {n} tokens, more than the {budget} "
+            "the context window leaves beside the answer; shorten it (or lower --max-new-tokens)"
+        )
+    # The fewest turns dropped that fit, by bisection: fewer messages never take more tokens (one count a
+    # dropped turn rendered and tokenized a long history a thousand times).
+    lo, hi = 1, len(cuts) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(system + rest[cuts[mid] :]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return system + rest[cuts[lo] :], cuts[lo]
 
 
 @dataclasses.dataclass
