@@ -62,7 +62,7 @@ from torch import Tensor
 
 from attnlab import hardware
 
-__all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized"]
+__all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized", "stored_tensors"]
 
 QK_K = 256  # the K-quants' super-block
 _CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # (see _stable_hash_for_caching)
@@ -974,8 +974,7 @@ class QuantizedTensor(Tensor):
         """The bytes its blocks take (the file's size of this matrix, give or take the unpacked scales),
         and its int4 pack's where it has one (about as many again)."""
         pack = [] if self.int4 is None else [self.int4.weight, self.int4.scales_and_zeros]
-        tensors = [t for p in self.parts for t in p.fields.values()] + pack
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in stored_tensors(self) + pack)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         int4 = "" if self.int4 is None else ", int4 kernel"
@@ -1064,6 +1063,12 @@ def _packed(w: QuantizedTensor) -> QuantizedTensor:
 def is_quantized(w: object) -> bool:
     """Whether ``w`` is a :class:`QuantizedTensor` (a weight kept in blocks)."""
     return isinstance(w, QuantizedTensor)
+
+
+def stored_tensors(w: Tensor) -> list[Tensor]:
+    """The tensors ``w``'s numbers are stored in: a quantized weight's block fields (not its int4 pack,
+    made from them), else ``w`` itself, detached. What hashing or checking its bytes reads."""
+    return [t for p in w.parts for t in p.fields.values()] if is_quantized(w) else [w.detach()]
 
 
 # --------------------------------------------------------------------------------------------

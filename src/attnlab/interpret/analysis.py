@@ -19,7 +19,7 @@ from attnlab.interpret import codec
 from attnlab.interpret.hooks import attention_layers, eval_mode
 from attnlab.interpret.tracing import Trace
 from attnlab.interpret.tracing import trace as run_trace
-from attnlab.quantized import is_quantized
+from attnlab.quantized import is_quantized, stored_tensors
 
 __all__ = [
     "HEAD_KINDS",
@@ -435,7 +435,7 @@ def _weight_key(W: Tensor) -> tuple | None:
     if W.device.type != "cpu" or not (is_quantized(W) or W.is_contiguous()):
         return None
     # A quantized weight's bytes are its blocks' (read as they are: dequantizing would make the copy)
-    tensors = [t for p in W.parts for t in p.fields.values()] if is_quantized(W) else [W.detach()]
+    tensors = stored_tensors(W)
     key = [tensors[0].data_ptr(), tuple(W.shape), W.dtype]
     for t in tensors:
         pieces = codec.split(t.contiguous().reshape(-1).view(torch.uint8).numpy(), torch.get_num_threads())

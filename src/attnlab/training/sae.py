@@ -53,7 +53,7 @@ from attnlab.checks import is_int, is_real
 from attnlab.files import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
 from attnlab.interpret.hooks import HookPoint, eval_mode, hook_names, hooks
 from attnlab.interpret.sae import SAE, SAEConfig, cfg_dict, hook_width
-from attnlab.quantized import is_quantized
+from attnlab.quantized import stored_tensors
 from attnlab.training.checkpoint import (
     CHECKPOINT_NAME,
     OPTIMIZER_NAME,
@@ -492,9 +492,8 @@ class SAETrainer:
                 model.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
                 # A matrix kept in a file's blocks is hashed as its blocks (its float32 values would be
                 # dequantized first: minutes and GBs for an 8B model).
-                raw = [f for part in t.parts for f in part.fields.values()] if is_quantized(t) else [t]
-                for r in raw:
-                    model.update(r.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                for r in stored_tensors(t):
+                    model.update(r.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             self._identity = {"tokens_in_data": len(flat), "data_sha256": data.hexdigest()}
             self._identity["model_sha256"] = model.hexdigest()
         return self._identity
