@@ -152,8 +152,8 @@ def test_fine_tuning_a_gguf_file_trains_every_weight_or_lora_beside_its_blocks(t
 
 
 def test_a_lora_run_on_a_gguf_file_resumes_on_its_blocks_exactly(tmp_path):
-    # The checkpoint holds the base dequantized; resuming on that dense copy summed in another order
-    # (losses apart in the 7th digit) with five times the memory.
+    # The checkpoint held the base dequantized; resuming on that dense copy summed in another order
+    # (losses apart in the 7th digit) with five times the memory. It now holds the file's blocks.
     import json
     import shutil
 
@@ -183,7 +183,7 @@ def test_a_lora_run_on_a_gguf_file_resumes_on_its_blocks_exactly(tmp_path):
     ]
     assert [r["loss"] for r in rows[1]] == [r["loss"] for r in rows[0][2:]]
     assert [r.get("val_loss") for r in rows[1]] == [r.get("val_loss") for r in rows[0][2:]]
-    # The resumed run's base is the file's blocks; a reader of the checkpoint gets the dense base.
+    # The resumed run's base is the file's blocks, and so is what a reader of the checkpoint gets.
     from attnlab.training import TrainConfig, Trainer
 
     trainer = Trainer(TrainConfig(out=str(half), resume=True, max_steps=6), given={"max_steps"})
@@ -191,4 +191,6 @@ def test_a_lora_run_on_a_gguf_file_resumes_on_its_blocks_exactly(tmp_path):
         assert any(is_quantized(p) for p in trainer.raw_model.parameters())
     finally:
         trainer.close()
-    assert not any(is_quantized(p) for p in load_checkpoint(half, load_optimizer=False).model.parameters())
+    assert any(is_quantized(p) for p in load_checkpoint(half, load_optimizer=False).model.parameters())
+    weights = half / "checkpoints" / "step-00000004" / "model.safetensors"
+    assert weights.stat().st_size < 1.5 * path.stat().st_size  # (the dense float32 base: about 5x)

@@ -558,14 +558,20 @@ def test_weights_removed_while_they_are_read_are_file_not_found(tmp_path, monkey
     # RuntimeError, and the command line a traceback.
     import os
 
-    import safetensors.torch
+    import safetensors
 
     GPT(GPTConfig(**SMALL)).save(tmp_path)
 
-    def pruned(path, *args, **kwargs):
-        os.remove(path)
-        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (os error 2)")
+    opened = safetensors.safe_open
+    for error in (RuntimeError, None):  # (None: safe_open's own, on the file once removed)
 
-    monkeypatch.setattr(safetensors.torch, "load_file", pruned)
-    with pytest.raises(FileNotFoundError, match=r"model\.safetensors was removed while it was being read"):
-        GPT.load(tmp_path)
+        def pruned(path, *args, error=error, **kwargs):
+            os.remove(path)
+            if error is None:
+                return opened(path, *args, **kwargs)
+            raise error(f"unable to open file <{path}> in read-only mode: No such file or directory (os error 2)")
+
+        monkeypatch.setattr(safetensors, "safe_open", pruned)
+        with pytest.raises(FileNotFoundError, match=r"model\.safetensors was removed while it was being read"):
+            GPT.load(tmp_path)
+        GPT(GPTConfig(**SMALL)).save(tmp_path)

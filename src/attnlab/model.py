@@ -53,7 +53,7 @@ from attnlab.checks import (
 from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
 from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
-from attnlab.quantized import is_quantized
+from attnlab.quantized import from_safetensors, is_quantized, to_safetensors
 
 __all__ = ["CONFIG_NAME", "GPT", "WEIGHTS_NAME", "FeedForward", "GPTConfig", "TransformerBlock", "lm_loss"]
 
@@ -1166,10 +1166,13 @@ class GPT(nn.Module):
         model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
         if config.tie_embeddings:
             model.out_head.weight = model.tok_emb.weight
-        for p in model.parameters():
+        model._freeze_quantized()
+        return model.eval()
+
+    def _freeze_quantized(self) -> None:
+        for p in self.parameters():
             if is_quantized(p):  # a weight kept in a file's blocks is frozen (LoRA adapts it)
                 p.requires_grad_(False)
-        return model.eval()
 
     @classmethod
     def from_pretrained(
@@ -1233,20 +1236,20 @@ class GPT(nn.Module):
 
         Each file is written to a temporary file in the same directory, fsynced and renamed over
         the old one, so a crash leaves either the old or the new file, never a torn one. Tied
-        weights are stored once. Quantized weights (a GGUF file's blocks) are written dequantized,
-        the same numbers in their dtype: a checkpoint is dense safetensors. Returns the directory.
+        weights are stored once. Quantized weights (a GGUF file's blocks) stay in their blocks
+        (:func:`attnlab.quantized.to_safetensors`): the file is about the GGUF file's size, and
+        :meth:`load` gives back the same weights. Returns the directory.
         """
         st_save = import_safetensors().torch.save
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        state = {
-            k: (v.dequantize() if is_quantized(v) else v).detach().contiguous().cpu()
-            for k, v in self.state_dict().items()
-        }
+        state = self.state_dict()
         if self.config.tie_embeddings:
             state.pop("out_head.weight", None)
-        atomic_write_bytes(d / WEIGHTS_NAME, st_save(state, metadata={"format": "pt", "attnlab": "GPT"}))
+        tensors, layout = to_safetensors({k: v if is_quantized(v) else v.detach() for k, v in state.items()})
+        tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+        atomic_write_bytes(d / WEIGHTS_NAME, st_save(tensors, metadata={"format": "pt", "attnlab": "GPT", **layout}))
         atomic_write_json(d / CONFIG_NAME, self.config.to_dict())
         return d
 
@@ -1261,7 +1264,7 @@ class GPT(nn.Module):
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
         device = check_device("device", device)
         safetensors = import_safetensors()
-        SafetensorError, load_file = safetensors.SafetensorError, safetensors.torch.load_file
+        SafetensorError, safe_open = safetensors.SafetensorError, safetensors.safe_open
 
         d = Path(directory)
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
@@ -1273,13 +1276,16 @@ class GPT(nn.Module):
         except TypeError as e:
             raise ValueError(f"{cfg_path} is not a GPT configuration ({e})") from None
         try:
-            state = load_file(str(w_path))
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{w_path} is not a readable safetensors file ({e})") from None
-        except RuntimeError:  # safetensors' own, for a file removed since (a run pruning an old step)
-            if w_path.is_file():
+            with safe_open(str(w_path), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+                metadata = f.metadata()
+            state = from_safetensors(tensors, metadata, str(w_path))
+        except (SafetensorError, OSError, RuntimeError) as e:  # (RuntimeError: safetensors' own, for some)
+            if not w_path.is_file():  # removed since it was found (a run pruning an old step)
+                raise FileNotFoundError(f"{w_path} was removed while it was being read") from None
+            if isinstance(e, RuntimeError):
                 raise
-            raise FileNotFoundError(f"{w_path} was removed while it was being read") from None
+            raise ValueError(f"{w_path} is not a readable safetensors file ({e})") from None
         with torch.device("meta"):
             model = cls(config)
         if config.tie_embeddings:
@@ -1287,8 +1293,9 @@ class GPT(nn.Module):
         missing, unexpected = model._check_state_keys(state)
         if missing or unexpected:
             raise ValueError(f"{w_path} does not match {cfg_path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        common = max({t.dtype for t in state.values()}, key=[t.dtype for t in state.values()].count)
-        odd = [f"{k} ({t.dtype})" for k, t in sorted(state.items()) if t.dtype != common or not t.is_floating_point()]
+        dense = {k: t for k, t in state.items() if not is_quantized(t)}
+        common = max({t.dtype for t in dense.values()}, key=[t.dtype for t in dense.values()].count)
+        odd = [f"{k} ({t.dtype})" for k, t in sorted(dense.items()) if t.dtype != common or not t.is_floating_point()]
         if odd or not common.is_floating_point:
             raise ValueError(
                 f"{w_path} must hold tensors of one floating-point dtype, as GPT.save() writes; "
@@ -1297,6 +1304,7 @@ class GPT(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if config.tie_embeddings:
             model.out_head.weight = model.tok_emb.weight
+        model._freeze_quantized()
         return model.to(device=device, dtype=dtype)
 
     def _check_state_keys(self, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:

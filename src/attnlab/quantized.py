@@ -46,6 +46,7 @@ quantized linear layers, on GGUF's own block layouts.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import threading
 import time
@@ -62,7 +63,15 @@ from torch import Tensor
 
 from attnlab import hardware
 
-__all__ = ["FORMATS", "QuantizedTensor", "dequantize", "is_quantized", "stored_tensors"]
+__all__ = [
+    "FORMATS",
+    "QuantizedTensor",
+    "dequantize",
+    "from_safetensors",
+    "is_quantized",
+    "stored_tensors",
+    "to_safetensors",
+]
 
 QK_K = 256  # the K-quants' super-block
 _CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # (see _stable_hash_for_caching)
@@ -1063,6 +1072,81 @@ def _packed(w: QuantizedTensor) -> QuantizedTensor:
 def is_quantized(w: object) -> bool:
     """Whether ``w`` is a :class:`QuantizedTensor` (a weight kept in blocks)."""
     return isinstance(w, QuantizedTensor)
+
+
+# --------------------------------------------------------------------------------------------
+# Saving: a weight's block fields as safetensors tensors
+# --------------------------------------------------------------------------------------------
+SAFETENSORS_KEY = "attnlab.quantized"  # the metadata entry: {weight name: [in_features, dtype, [format, ...]]}
+
+
+def to_safetensors(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``state`` as safetensors takes it: each quantized weight ``name`` as its parts' block fields
+    ``"{name}:{part}:{field}"`` (the file's bytes, not a dense copy), and the metadata entry that
+    says how they go back together (:func:`from_safetensors`)."""
+    tensors: dict[str, Tensor] = {}
+    layout: dict[str, Any] = {}
+    for name, w in state.items():
+        if not is_quantized(w):
+            tensors[name] = w
+            continue
+        layout[name] = [w.shape[1], str(w.dtype).removeprefix("torch."), list(w.formats)]
+        for i, p in enumerate(w.parts):
+            for field, t in p.fields.items():
+                tensors[f"{name}:{i}:{field}"] = t
+    return tensors, ({SAFETENSORS_KEY: json.dumps(layout)} if layout else {})
+
+
+def from_safetensors(tensors: dict[str, Tensor], metadata: dict[str, str] | None, where: str) -> dict[str, Tensor]:
+    """The state :func:`to_safetensors` wrote: ``tensors`` with each quantized weight's fields back in
+    one :class:`QuantizedTensor`. Raises ``ValueError`` naming ``where`` where the layout does not hold."""
+    raw = (metadata or {}).get(SAFETENSORS_KEY)
+    if raw is None:
+        return tensors
+    try:
+        layout = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{where}: its {SAFETENSORS_KEY} metadata is not JSON") from None
+    if not isinstance(layout, dict):
+        raise ValueError(f"{where}: its {SAFETENSORS_KEY} metadata must be a JSON object, got {raw[:80]!r}")
+    state = dict(tensors)
+    for name, entry in layout.items():
+        ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int) and entry[0] > 0
+        if not (ok and entry[1] in _COMPUTE_DTYPES and isinstance(entry[2], list) and entry[2]):
+            raise ValueError(
+                f"{where}: quantized weight {name!r} is described as {entry!r}, not [in_features, dtype, [format, ...]]"
+            )
+        in_features, dtype, formats = entry
+        parts = []
+        for i, format in enumerate(formats):
+            if format not in FORMATS or in_features % FORMATS[format].block:
+                raise ValueError(
+                    f"{where}: quantized weight {name!r}: {format!r} is not a format of rows of {in_features}"
+                )
+            empty = np.zeros(in_features // FORMATS[format].block * FORMATS[format].nbytes, np.uint8)
+            fields = {}
+            for field, like in QuantizedTensor.from_blocks(format, empty, (1, in_features)).parts[0].fields.items():
+                t = state.pop(f"{name}:{i}:{field}", None)
+                if t is None or t.dtype != like.dtype or t.shape[1:] != like.shape[1:] or t.shape[0] < 1:
+                    got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                    raise ValueError(
+                        f"{where}: quantized weight {name!r} part {i} ({format}) needs a field {field!r} of "
+                        f"{like.dtype} (rows, {', '.join(map(str, like.shape[1:]))}), got {got}"
+                    )
+                fields[field] = t
+            if len({t.shape[0] for t in fields.values()}) != 1:
+                raise ValueError(
+                    f"{where}: quantized weight {name!r} part {i}: its fields have different numbers of rows"
+                )
+            parts.append(Part(format, fields))
+        state[name] = _packed(QuantizedTensor.from_parts(parts, in_features, getattr(torch, dtype)))
+    stray = [k for k in state if ":" in k]
+    if stray:
+        raise ValueError(f"{where}: block fields of no quantized weight in its metadata: {stray[:5]}")
+    return state
+
+
+_COMPUTE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def stored_tensors(w: Tensor) -> list[Tensor]:

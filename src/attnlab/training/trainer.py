@@ -52,7 +52,6 @@ from attnlab import data, hardware  # data: the module: its functions are looked
 from attnlab.checks import is_int, is_real, resolve_device
 from attnlab.errors import UserError
 from attnlab.files import atomic_open, first_line, open_regular, sha256_file
-from attnlab.formats.gguf import is_gguf
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.quantized import compile_from_now, is_quantized
@@ -84,7 +83,7 @@ from attnlab.training.config import (
 )
 from attnlab.training.distributed import DistEnv, no_sync, rank_seed, settle, start_process_group
 from attnlab.training.finetune import finetune_config, finetune_lr
-from attnlab.training.lora import LoRASettings, adapter_state, apply_lora, load_adapter_state
+from attnlab.training.lora import LoRASettings, apply_lora
 from attnlab.training.memory import GiB, available_memory, estimate_training_memory, fsdp_processes_needed
 from attnlab.training.optim import MuonAdamW, muon_param_groups
 from attnlab.training.rundir import RunLock, check_run_directory
@@ -494,7 +493,7 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         if ckpt is not None:
-            model = self._on_the_files_blocks(ckpt) or ckpt.model  # with its adapters, for a LoRA run
+            model = ckpt.model  # with its adapters, for a LoRA run (on its base's blocks where it had them)
         elif cfg.init_from:
             model = self._init.model.float()
             if cfg.lora_rank:
@@ -516,28 +515,6 @@ class Trainer:
             dropout=model_cfg.drop_rate,
             lr=cfg.lr if cfg.lr is not None else finetune_lr(cfg) or default_lr(model_cfg.emb_dim),
         )
-
-    def _on_the_files_blocks(self, ckpt: Checkpoint) -> GPT | None:
-        """A LoRA run on a GGUF file's blocks resumes on those blocks, not on the dense base its checkpoint
-        holds (another order of sums: not the run it continues, and five times the memory): the file's
-        model with the checkpoint's adapters, once each of its weights is found equal to the
-        checkpoint's. None where the run's base was not kept quantized or the file no longer matches."""
-        cfg = self.cfg
-        if not (cfg.lora_rank and cfg.init_from and is_gguf(cfg.init_from) and Path(cfg.init_from).is_file()):
-            return None
-        base = GPT.from_gguf(cfg.init_from).float()  # (float: as a new run computes)
-        if base.config != ckpt.model.config or not any(is_quantized(p) for p in base.parameters()):
-            return None
-        original = ".parametrizations.weight.original"  # (an adapted weight's name under LoRA's parametrization)
-        saved = {k.replace(original, ".weight"): v for k, v in ckpt.model.state_dict().items()}
-        for name, t in base.state_dict().items():
-            dense = t.dequantize() if is_quantized(t) else t
-            if name not in saved or not torch.equal(dense, saved[name]):
-                self.log(f"note: {cfg.init_from} is not the base the checkpoint holds: resuming on the checkpoint's")
-                return None
-        apply_lora(base, LoRASettings.make(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets))
-        load_adapter_state(base, adapter_state(ckpt.model), where=str(ckpt.path))
-        return base
 
     def _fit_default_context(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> None:
         """A fine-tuning run not given ``--context-length`` trains on windows its data holds: where a
