@@ -222,6 +222,26 @@ def client(checkpoint, tmp_path_factory):
         yield c
 
 
+def test_a_circuit_whose_client_left_stops_at_the_next_model_call(checkpoint):
+    # The server ran every stage of a circuit (minutes and GBs on a real model) for a reader long gone.
+    from attnlab.tools.circuit import serve_circuit
+    from attnlab.tools.loading import load_model
+    from attnlab.tools.serve.engine import Engine
+
+    engine = Engine(load_model(checkpoint[0]))
+    asked = []
+
+    def left():  # the client goes after the first model call
+        asked.append(engine.snapshot()["model_calls"])
+        return len(asked) > 1
+
+    body = {"clean": CLEAN, "corrupted": CORRUPTED, "answers": ["a", 1], "ig_steps": 2}
+    assert serve_circuit(engine, **body, left=left) is None
+    assert engine.snapshot()["model_calls"] == 1 and asked == [0, 1]
+    assert serve_circuit(engine, **body, left=lambda: False) is not None  # (3 calls: see below)
+    assert engine.snapshot()["model_calls"] == 4
+
+
 def test_serve_answers_the_circuit_view(checkpoint, client):
     _, model = checkpoint
     body = {"clean": CLEAN, "corrupted": CORRUPTED, "answers": ["a", 1], "method": "EAP-IG-activations",

@@ -286,12 +286,15 @@ def serve_circuit(
     method: str = "EAP",
     ig_steps: int = 5,
     budget: object = 0.05,
-) -> dict[str, Any]:
+    left: Callable[[], bool] | None = None,
+) -> dict[str, Any] | None:
     """``POST /api/circuit`` of ``attnlab serve``: the view's section (plain JSON) for ``engine``'s model.
 
     The request is checked first (prompts of the same number of tokens, at most
     :data:`MAX_CIRCUIT_TOKENS`; two different one-token answers; a known method; a budget in (0, 1]),
     each error a ValueError naming the field; then the work runs as a few model calls (``engine.run``).
+    ``left()`` tells whether the client has gone: asked before each call, and then None, nothing
+    more computed.
     """
     ids = []
     for name, text in (("clean", clean), ("corrupted", corrupted)):
@@ -322,6 +325,9 @@ def serve_circuit(
         raise ValueError(f"answers must be two different tokens, got {list(answers)!r}")
 
     def run(stage: Callable[[], Any]) -> Any:
+        if left is not None and left():
+            raise _ClientLeft
+
         def grads_on() -> Any:
             # the engine runs in inference mode; edge attribution needs the metric's gradient
             with torch.inference_mode(False), torch.enable_grad():
@@ -331,14 +337,21 @@ def serve_circuit(
 
     # each stage is one model call: the requests that came in meanwhile (the page's other views
     # following the typing) run between two of them, not after the whole circuit
-    result = circuit_result_pairs(
-        model,
-        [(ids[0], ids[1], pair[0], pair[1])],
-        tokenizer=loaded.tokenizer,
-        texts=(clean, corrupted),
-        method=method,
-        ig_steps=ig_steps,
-        budget=budget,
-        run=run,
-    )
+    try:
+        result = circuit_result_pairs(
+            model,
+            [(ids[0], ids[1], pair[0], pair[1])],
+            tokenizer=loaded.tokenizer,
+            texts=(clean, corrupted),
+            method=method,
+            ig_steps=ig_steps,
+            budget=budget,
+            run=run,
+        )
+    except _ClientLeft:
+        return None
     return result.section(static=False)
+
+
+class _ClientLeft(Exception):
+    """Raised between two model calls of :func:`serve_circuit` whose client has gone."""

@@ -456,8 +456,14 @@ def _add_patch_and_demo_routes(app: FastAPI, engine: Engine) -> None:
         "`budget`'s top edges (its strongest drawn) and the attention of its heads on both prompts. Plain JSON; see "
         "attnlab.interpret.circuit_view.",
     )
-    async def circuit(req: CircuitRequest) -> Response:
-        return _json(await _call(serve_circuit, engine, **req.model_dump()))
+    async def circuit(req: CircuitRequest, request: Request) -> Response:
+        def left() -> bool:  # (asked from the worker thread: the event loop answers)
+            return anyio.from_thread.run(request.is_disconnected)
+
+        section = await _call(serve_circuit, engine, **req.model_dump(), left=left)
+        if section is None:  # the reader pressed stop, or asked again
+            return _json({"detail": "the client left"}, 400)
+        return _json(section)
 
     @app.get("/api/demo", summary="the page data of the tutorials' six-word example (attnlab serve --demo)")
     async def demo() -> Response:
