@@ -359,6 +359,32 @@ def test_steering_is_the_steer_context_managers_generation(client, model, sae, t
     assert got["steered"]["tokens"] == plain and got["plain"] is None
 
 
+def test_steering_lets_other_requests_run_between_its_tokens(model, sae, tmp_path):
+    # The whole steered generation (and its unsteered twin) was one model call: every other request
+    # waited for it, minutes on a real model. Now each token is a call of its own, and a request that
+    # runs between two of them sees the model unsteered, and leaves the generation as it was.
+    from attnlab.tools.serve.features import steer_answer
+
+    _, Engine, _, _ = serving()
+    engine = Engine(LoadedModel(model, TOKENIZER, tmp_path), saes={"mine": sae})
+    run, between = engine.run, []
+
+    def run_then_another_request(fn):
+        out = run(fn)
+        between.append(run(lambda: model(ids("the dog"))[0, -1]))  # (B, T, V) -> (V,)
+        return out
+
+    engine.run = run_then_another_request
+    pushes = [(5, 30.0)]
+    got = steer_answer(engine, "the cat", pushes, 12, temperature=0.0, seed=7)
+    assert got["steered"]["tokens"] == _stream(model, sae, "the cat", 12, 7, 0.0, pushes)
+    assert got["plain"]["tokens"] == _stream(model, sae, "the cat", 12, 7, 0.0)
+    assert len(between) == 2 * 13  # each token's call, and the one that finds the stream ended
+    with torch.no_grad():
+        want = model(ids("the dog"))[0, -1]
+    assert all(torch.equal(b, want) for b in between)
+
+
 @pytest.mark.parametrize(
     ("route", "body", "status", "message"),
     [

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -182,19 +182,30 @@ def steer_answer(
     model = loaded.model
 
     def generate(pushes: Sequence[tuple[int, float]]) -> list[int]:
-        idx = torch.tensor([ids], dtype=torch.long, device=model.device)
-        g = torch.Generator(device=model.device).manual_seed(int(seed))
-        with contextlib.ExitStack() as stack:
-            for latent, strength in pushes:  # nested blocks: the directions add up
-                stack.enter_context(steer(model, model_sae, latent, strength))
-            tokens = stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
-            return [int(t[0]) for t in tokens]  # every token drawn inside the blocks
+        # One model call a token, the steering hooks on only inside it: the other requests run between
+        # two tokens, on the model as it is (as /api/generate's steps do).
+        tokens: Iterator[torch.Tensor] | None = None
 
-    def work() -> tuple[list[int], list[int] | None]:
-        steered = generate(steering)
-        return steered, generate([]) if compare else None
+        def step() -> int | None:
+            nonlocal tokens
+            with contextlib.ExitStack() as stack:
+                for latent, strength in pushes:  # nested blocks: the directions add up
+                    stack.enter_context(steer(model, model_sae, latent, strength))
+                if tokens is None:  # (made inside the blocks too: the decoding path is chosen here)
+                    idx = torch.tensor([ids], dtype=torch.long, device=model.device)
+                    g = torch.Generator(device=model.device).manual_seed(int(seed))
+                    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+                    tokens = stream(model, idx, max_new_tokens, **kw)
+                t = next(tokens, None)
+                return None if t is None else int(t[0])
 
-    steered, plain = engine.run(work)
+        out = []
+        while (t := engine.run(step)) is not None:
+            out.append(t)
+        return out
+
+    steered = generate(steering)
+    plain = generate([]) if compare else None
     decode = loaded.tokenizer.decode
 
     def run(tokens: list[int]) -> dict[str, Any]:
