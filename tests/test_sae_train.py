@@ -62,6 +62,32 @@ def test_resume_gives_the_same_weights(make_gpt, corpus, tmp_path, settings):
     assert not list((tmp_path / "a" / "checkpoints").glob(".tmp-*"))
 
 
+def test_a_first_save_stopped_before_its_pointer_is_taken_up(make_gpt, corpus, tmp_path):
+    # A kill between the step directory's rename and latest.json's write left a run that only
+    # moving files by hand could resume: the directory was refused as "checkpoints but no latest.json".
+    model = make_gpt()
+    quiet = dict(write=lambda s: None)
+    straight = train_sae(model, corpus, tmp_path / "a", tokens=32 * 6, **SMALL, hook=HOOK, **quiet)
+    train_sae(model, corpus, tmp_path / "b", tokens=32 * 3, **SMALL, hook=HOOK, **quiet)  # one save, at step 3
+    (tmp_path / "b" / "latest.json").unlink()
+    lines = []
+    resumed = train_sae(model, corpus, tmp_path / "b", tokens=32 * 6, **SMALL, hook=HOOK, write=lines.append)
+    assert lines[:2] == [
+        "step-00000003's save was stopped before latest.json was written; resuming from it",
+        f"resuming {tmp_path / 'b'} at step 3 of 6",
+    ]
+    a, b = _state(straight.sae), _state(resumed.sae)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # A damaged one is not taken up: one error naming the file.
+    train_sae(model, corpus, tmp_path / "c", tokens=32 * 3, **SMALL, hook=HOOK, **quiet)
+    (tmp_path / "c" / "latest.json").unlink()
+    weights = next((tmp_path / "c" / "checkpoints").glob("step-*")) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match="does not match the SHA-256"):
+        train_sae(model, corpus, tmp_path / "c", tokens=32 * 6, **SMALL, hook=HOOK, **quiet)
+    assert not (tmp_path / "c" / "latest.json").exists()
+
+
 def test_training_learns_and_reports(make_gpt, corpus, tmp_path):
     model = make_gpt()
     lines: list[str] = []

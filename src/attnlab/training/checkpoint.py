@@ -471,21 +471,26 @@ def has_checkpoint(out_dir: str | os.PathLike[str]) -> bool:
     return os.path.lexists(Path(out_dir) / LATEST_NAME)
 
 
-def recover_latest(out_dir: str | os.PathLike[str]) -> Path | None:
+def recover_latest(out_dir: str | os.PathLike[str], verify: Callable[[Path], int] | None = None) -> Path | None:
     """A run's only step directory, once every file it lists is whole, made its checkpoint again by
     writing the ``latest.json`` its save was stopped before (a kill between the step directory's
     rename and the pointer's write); None where there is a pointer, or not exactly one such directory.
-    The caller holds the run's lock."""
+    ``verify(step directory)`` checks its files and returns its step (default: a training run's
+    checkpoint, as :func:`load_checkpoint` checks it). The caller holds the run's lock."""
     out = Path(out_dir)
     steps = sorted((out / CHECKPOINTS_DIR).glob("step-*")) if (out / CHECKPOINTS_DIR).is_dir() else []
     if os.path.lexists(out / LATEST_NAME) or len(steps) != 1:
         return None
-    d, meta = _read_checked(steps[0])
+    step = (verify or _verified_step)(steps[0])
+    atomic_write_json(out / LATEST_NAME, {"format": FORMAT, "step": step, "path": f"{CHECKPOINTS_DIR}/{steps[0].name}"})
+    return steps[0]
+
+
+def _verified_step(d: Path) -> int:
+    d, meta = _read_checked(d)
     for name, info in meta["files"].items():
         _verify_file(d, name, info)
-    pointer = {"format": FORMAT, "step": meta["step"], "path": f"{CHECKPOINTS_DIR}/{d.name}"}
-    atomic_write_json(out / LATEST_NAME, pointer)
-    return d
+    return meta["step"]
 
 
 def read_latest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:

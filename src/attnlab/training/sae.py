@@ -63,6 +63,7 @@ from attnlab.training.checkpoint import (
     find_checkpoint,
     has_checkpoint,
     metadata_digest,
+    recover_latest,
 )
 from attnlab.training.rundir import RunLock, check_run_directory
 from attnlab.training.trainer import METRICS_NAME, MetricsLog, StopFlag
@@ -498,11 +499,9 @@ class SAETrainer:
             self._identity["model_sha256"] = model.hexdigest()
         return self._identity
 
-    def resume(self) -> bool:
-        """Load the latest checkpoint of ``out`` if there is one; True when it did."""
-        if not has_checkpoint(self.out):
-            return False
-        d = find_checkpoint(self.out)
+    @staticmethod
+    def _checked(d: Path) -> dict[str, Any]:
+        """The step directory ``d``'s ``checkpoint.json``, once it and every file it lists are whole."""
         meta = read_json(d / CHECKPOINT_NAME, "SAE checkpoint", max_bytes=1 << 20)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"{d / CHECKPOINT_NAME} is not an attnlab SAE checkpoint (an attnlab train run?)")
@@ -523,6 +522,14 @@ class SAETrainer:
         for name, info in files.items():
             if sha256_file(d / name, what="SAE checkpoint file") != info["sha256"]:  # (regular files only)
                 raise ValueError(f"{d / name} does not match the SHA-256 its checkpoint recorded")
+        return meta
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint of ``out`` if there is one; True when it did."""
+        if not has_checkpoint(self.out):
+            return False
+        d = find_checkpoint(self.out)
+        meta = self._checked(d)
         if meta["settings"] != json.loads(json.dumps(self._settings())):
             theirs, ours = meta["settings"], json.loads(json.dumps(self._settings()))
             diff = sorted(k for k in ours if theirs.get(k) != ours[k])
@@ -658,10 +665,12 @@ class SAETrainer:
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> SAETrainResult:
-        check_run_directory(self.out)
+        check_run_directory(self.out, resume=True)  # (a run in --out is always resumed)
         self.lock.acquire()
         metrics: MetricsLog | None = None
         try:
+            if (taken := recover_latest(self.out, lambda d: self._checked(d)["step"])) is not None:
+                self.write(f"{taken.name}'s save was stopped before latest.json was written; resuming from it")
             resumed = self.resume()
             cfg = self.cfg
             if resumed:
