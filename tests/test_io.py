@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from attnlab.files import atomic_open, atomic_write_bytes, atomic_write_json, atomic_write_text
+from attnlab.files import atomic_open, atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 
 def test_writes_replace_the_file_and_leave_nothing_behind(tmp_path):
@@ -28,6 +28,21 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
         raise RuntimeError("disk full")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.html"]
+
+
+def test_a_writer_by_file_name_replaces_the_file_or_leaves_it(tmp_path):
+    # GPT.save hands safetensors' save_file a name: it writes from the tensors' memory, where
+    # building the file's bytes first held a second (and third) copy of the model.
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="killed"), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("killed")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and tmp != target
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
 
 def test_new_files_get_the_umask_permissions_not_0600(tmp_path):

@@ -67,24 +67,27 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary file that replaces ``path`` when the ``with`` block ends without error; if it
-    raises, ``path`` keeps its content and the temporary file goes. ``mode``: ``"wb"`` or ``"w"`` (UTF-8)."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary file beside ``path`` for a writer that takes a file name (safetensors' ``save_file``):
+    it is fsynced and replaces ``path`` when the ``with`` block ends without error; if it raises,
+    ``path`` keeps its content and the temporary file goes."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: the directory {path.parent} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+    os.close(fd)
+    tmp = Path(name)
     try:
         os.chmod(tmp, 0o666 & ~current_umask())  # what a plain open() would give
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)  # (fsync is the file's, whichever descriptor asks)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -93,6 +96,16 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
             raise OSError(e.errno, f"{e.strerror} while writing {path} (it is as it was)") from None
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file that replaces ``path`` when the ``with`` block ends without error; if it
+    raises, ``path`` keeps its content and the temporary file goes. ``mode``: ``"wb"`` or ``"w"`` (UTF-8)."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        yield f
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

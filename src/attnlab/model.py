@@ -50,7 +50,7 @@ from attnlab.checks import (
     non_negative_int,
     positive_int,
 )
-from attnlab.files import atomic_write_bytes, atomic_write_json, import_safetensors, read_json
+from attnlab.files import atomic_path, atomic_write_json, import_safetensors, read_json
 from attnlab.formats import families, hf, hf_llama
 from attnlab.positions import check_rope_scaling
 from attnlab.quantized import from_safetensors, is_quantized, to_safetensors
@@ -1240,7 +1240,7 @@ class GPT(nn.Module):
         (:func:`attnlab.quantized.to_safetensors`): the file is about the GGUF file's size, and
         :meth:`load` gives back the same weights. Returns the directory.
         """
-        st_save = import_safetensors().torch.save
+        save_file = import_safetensors().torch.save_file
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -1249,7 +1249,8 @@ class GPT(nn.Module):
             state.pop("out_head.weight", None)
         tensors, layout = to_safetensors({k: v if is_quantized(v) else v.detach() for k, v in state.items()})
         tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
-        atomic_write_bytes(d / WEIGHTS_NAME, st_save(tensors, metadata={"format": "pt", "attnlab": "GPT", **layout}))
+        with atomic_path(d / WEIGHTS_NAME) as tmp:  # (written from the tensors' memory: no copy of the model)
+            save_file(tensors, tmp, metadata={"format": "pt", "attnlab": "GPT", **layout})
         atomic_write_json(d / CONFIG_NAME, self.config.to_dict())
         return d
 
