@@ -232,6 +232,31 @@ def test_pre_tokenizers_as_transformers(tmp_path, pre):
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_the_token_caches_cuts_hold_across_long_runs_of_spaces(tmp_path, pre):
+    # Llama 3's and Qwen2's `\s*[\r\n]+` reaches across spaces of any length to the next newline: a cut
+    # after "x" before "\n" + 300 spaces + "\r\n" was confirmed on 256 characters around it, and the
+    # token cache held other ids than the text encoded whole.
+    from attnlab.data import tokenize_to_cache
+    from gguf_files import MERGES, tokens
+
+    extra = ["Ċ Ġ", "Ġ Ġ", "ĠĠ ĠĠ", "ĠĠĠĠ ĠĠĠĠ"]
+    vocab = tokens() + [m.replace(" ", "") for m in extra]
+    meta = {
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": vocab,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(vocab) - 3),
+        "tokenizer.ggml.merges": MERGES + extra,
+    }
+    tok = HFTokenizer(write_gguf(tmp_path / "tok.gguf", meta=meta))
+    text = "the a list|>\n" + " " * 300 + "\r\nthe" + " a" * 40
+    cut = tok.split_point(text)
+    assert tok.encode(text[:cut]) + tok.encode(text[cut:]) == tok.encode(text)
+    (tmp_path / "corpus.txt").write_text(text * 3, encoding="utf-8", newline="")
+    cache = tokenize_to_cache(tmp_path / "corpus.txt", tok, tmp_path / "cache", chunk_bytes=400, workers=1)
+    assert cache.tolist() == tok.encode(text * 3)
+
+
 def test_a_turns_end_token_stops_generation_where_the_file_names_none(tmp_path):
     """llama.cpp's converter names no eot_token_id in Gemma's and Phi-3's files; llama.cpp stops at their
     turn-end tokens by text (<end_of_turn>, <|end|>, <|im_end|>, ...): so does attnlab (it stopped at

@@ -287,6 +287,7 @@ _GPT2_CACHE: dict[tuple[str, str, str], Any] = {}
 # follows. Python's \S (not str.isspace) is stricter than the Unicode White_Space that tiktoken's
 # \s uses, so every cut found here is also a cut for tiktoken. Line ends are preferred.
 _GPT2_CUTS = (re.compile(r"\S(?=\n)"), re.compile(r"\S(?=[ \t\r\n])"))
+_NON_SPACE = re.compile(r"\S")
 
 
 def _import_tiktoken() -> Any:
@@ -563,11 +564,16 @@ class HFTokenizer(Tokenizer):
         # GPT-2's cuts (after a non-space, before whitespace), each confirmed by encoding the text
         # around it both ways: a tokenizer.json may normalize, or put "▁" before, the start of every
         # text, so what is safe depends on the file. 0 when no near cut checks out.
+        # The text after a cut is checked up to past the whitespace that follows it: Llama 3's and
+        # Qwen2's `\s*[\r\n]+` reaches across a run of spaces of any length to the next newline.
         tail = max(0, len(text) - (1 << 16))
         for pattern in _GPT2_CUTS:
             cuts = [m.end() for m in pattern.finditer(text, tail) if m.end() <= len(text) - 32]
             for cut in reversed(cuts[-3:]):
-                a, b = max(0, cut - 256), min(len(text), cut + 256)
+                after = _NON_SPACE.search(text, cut)
+                if after is None:  # (only whitespace follows: what comes next decides)
+                    continue
+                a, b = max(0, cut - 256), min(len(text), max(cut + 256, after.start() + 32))
                 if self.encode(text[a:cut]) + self.encode(text[cut:b]) == self.encode(text[a:b]):
                     return cut
         return 0
