@@ -174,6 +174,51 @@ def test_a_scale_hook_that_keeps_the_scale_leaves_the_forward_exact():
             torch.testing.assert_close(model(idx), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("point", ["blocks.0.ln1.", "ln_final."])
+def test_a_scale_edited_in_place_divides_as_a_returned_one_does(point):
+    # TransformerLens's idiom, x.mul_(c) in the hook: the norm gave its own output, as if unhooked.
+    model = make(FAMILIES["gpt2"], dtype=torch.float32)
+    idx = prompt(2, 8)
+    with torch.no_grad():
+        ref = model(idx)
+        with hooks(model, {f"{point}hook_scale": lambda x, hook: x * 2}):
+            returned = model(idx)
+        with hooks(model, {f"{point}hook_scale": lambda x, hook: x.mul_(2)}):
+            assert torch.equal(model(idx), returned)
+
+        def in_place(x, hook):  # (returns None)
+            x.mul_(2)
+
+        with hooks(model, {f"{point}hook_scale": in_place}):
+            assert torch.equal(model(idx), returned)
+    assert (returned - ref).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma3"])  # (the tiny gemma3 takes Gemma 3's scale too)
+def test_gemmas_hook_embed_is_the_scaled_embedding_the_stream_starts_from(kind):
+    # hook_embed was taken before the sqrt(d) scale: TransformerLens's is after it (it equals
+    # resid_pre 0), and an edit there (steering) was multiplied by sqrt(d) on the way in.
+    model = make({**FAMILIES[kind], "embed_scale": 48**0.5}, dtype=torch.float32)
+    idx = prompt(1, 6)
+    _, cache = run_with_cache(model, idx, ["hook_embed", "blocks.0.hook_resid_pre"])
+    assert torch.equal(cache["hook_embed"], cache["blocks.0.hook_resid_pre"])
+    with torch.no_grad():
+        want = model.tok_emb.weight[idx].float() * model.config.embed_scale
+    torch.testing.assert_close(cache["hook_embed"], want)
+    v = torch.randn(model.config.emb_dim, generator=torch.Generator().manual_seed(0))
+    with hooks(model, {"hook_embed": lambda x, hook: x + v}):
+        _, pushed = run_with_cache(model, idx, ["blocks.0.hook_resid_pre"])
+    torch.testing.assert_close(pushed["blocks.0.hook_resid_pre"], cache["blocks.0.hook_resid_pre"] + v)
+
+
+def test_the_caches_negative_layers_count_from_the_last():
+    model = make(FAMILIES["llama-gqa"])
+    _, cache = run_with_cache(model, prompt(1, 5))
+    last = model.config.n_layers - 1
+    assert cache["pattern", -1] is cache[f"blocks.{last}.attn.hook_pattern"]
+    assert cache["scale", -2, "ln2"] is cache[f"blocks.{last - 1}.ln2.hook_scale"]
+
+
 def test_act_name_and_the_caches_keys():
     assert act_name("scale", 3, "ln2") == "blocks.3.ln2.hook_scale"
     assert act_name("normalized", 0, "ln1_post") == "blocks.0.ln1_post.hook_normalized"

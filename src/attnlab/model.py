@@ -549,6 +549,20 @@ class GeGLU(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+class TokenEmbedding(nn.Embedding):
+    """The token embedding times ``scale`` where a family has one (Gemma: ``sqrt(emb_dim)``, rounded to the
+    weights' dtype as its reference does): what this module returns is what the residual stream starts
+    from, so ``hook_embed`` (its output) is that too, as in TransformerLens."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = super().forward(idx)  # (B, T, C)
+        return x if self.scale is None else x * torch.tensor(self.scale, dtype=x.dtype)
+
+
 def _torch_hooked(module: nn.Module) -> bool:
     """Whether a torch forward hook or pre-hook is set on ``module``, a module inside it, or globally."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -720,7 +734,7 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig or dict, got {type(config).__name__}")
         self.config = cfg = config
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.tok_emb = TokenEmbedding(cfg.vocab_size, cfg.emb_dim, cfg.embed_scale)
         # Sized by context_length: one vector per *position*, not per token id (the tutorials'
         # BadLM_V2 sized it by vocab_size; see examples/badlm_v2.py). Relative positions need none.
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim) if cfg.pos == "learned" else None
@@ -938,9 +952,7 @@ class GPT(nn.Module):
                 counts = key_mask.long().cumsum(-1)[:, -T:] - 1  # (B, T)
                 positions = (counts if positions is None else positions.expand(B, T)).masked_fill(~key_mask[:, -T:], -1)
             at = torch.arange(past, past + T, device=idx.device)[None] if positions is None else positions  # (1|B, T)
-            x = self.tok_emb(idx)  # (B, T, C)
-            if cfg.embed_scale is not None:  # Gemma: times sqrt(emb_dim), rounded to the weights' dtype
-                x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+            x = self.tok_emb(idx)  # (B, T, C), times Gemma's embed_scale
             if cfg.pos == "learned":
                 x = x + self.pos_emb(at.clamp(min=0))
             ropes = self.rope_angles(at, x.dtype)  # once for every layer (Gemma 3: two bases)

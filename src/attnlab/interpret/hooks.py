@@ -6,7 +6,7 @@ called, at no cost). The names and shapes are TransformerLens's (``B`` batch,
 ``T`` tokens, ``S`` keys, ``d`` width, ``H`` query heads, ``Hkv`` key/value heads, ``hd`` head width,
 ``dm`` the MLP's hidden width)::
 
-    hook_embed                       (B, T, d)     the token embedding
+    hook_embed                       (B, T, d)     the token embedding (Gemma's times its sqrt(d) scale)
     hook_pos_embed                   (T, d)        the learned position embedding (GPT-2 only)
     blocks.{l}.hook_resid_pre        (B, T, d)     the stream entering block l
     blocks.{l}.ln1.hook_scale        (B, T, 1)     the attention's norm: sqrt(var + eps) (RMSNorm: of x^2)
@@ -33,19 +33,20 @@ called, at no cost). The names and shapes are TransformerLens's (``B`` batch,
     ln_final.hook_scale              (B, T, 1)
     ln_final.hook_normalized         (B, T, d)     the final norm's output (its gain applied)
 
-A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.layer()``, as in
-TransformerLens) and returns None (keep) or a tensor of the same shape (replace). While any of a
-layer's ``rot_q`` to ``z`` is hooked, that layer computes its softmax explicitly (the fused kernel
-never forms the pattern), and while its ``result`` is, its output projection head by head; each
-agrees with the fused path to rounding. A norm's ``hook_scale`` is its divisor, one number a position;
-while it is hooked the norm is computed step by step, ``(x - mean) / scale * weight + bias`` (LayerNorm)
-or ``x / scale * gain`` (RMSNorm), so that a replaced scale (TransformerLens's "frozen LayerNorm scale")
-is what divides; a function that returns None or the tensor it was given leaves the norm's own output.
-``hook_normalized`` is the output with the gain applied, as TransformerLens's LayerNorm has it (its
-RMSNorm hooks the output before the gain). While a split input (``hook_q_input``, ...) is hooked, the
+A hook function is called as ``fn(activation, hook)`` (``hook.name``, ``hook.layer()``, as in TransformerLens)
+and returns None (keep) or a tensor of the same shape (replace). While any of a layer's ``rot_q`` to ``z`` is
+hooked, that layer computes its softmax explicitly (the fused kernel never forms the pattern), and while its
+``result`` is, its output projection head by head; each agrees with the fused path to rounding. A norm's
+``hook_scale`` is its divisor, one number a position; while it is hooked the norm is computed step by step,
+``(x - mean) / scale * weight + bias`` (LayerNorm) or ``x / scale * gain`` (RMSNorm), so that a replaced scale
+(TransformerLens's "frozen LayerNorm scale") is what divides, whether a function returns it or edits the given
+one in place (TransformerLens's idiom); a function that leaves it as it was leaves the norm's own output.
+``hook_normalized`` is the norm's output, the gain (and bias) applied, for every norm: what TransformerLens's
+HookedTransformer took for LayerNorm before version 4 (TransformerLens 4 hooks ``(x - mean) / scale``, before
+the gain; see docs/from-transformerlens.md). While a split input (``hook_q_input``, ...) is hooked, the
 ``ln1`` points see each head's copy, as TransformerLens's do: ``(B, T, H, ·)`` for the queries, then
-``(B, T, Hkv, ·)`` for the keys and for the values. With a KV cache, ``k``/``v`` hold only the new tokens' keys
-and values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
+``(B, T, Hkv, ·)`` for the keys and for the values. With a KV cache, ``k``/``v`` hold only the new tokens' keys and
+values; ``rot_k``, ``attn_scores`` and ``pattern`` cover all ``S`` keys, the cached ones included.
 
 Points of a spliced module: while an SAE or transcoder is spliced at a hook point
 (:func:`attnlab.interpret.splice`), its own points follow that point, named as SAELens names them::
@@ -485,8 +486,8 @@ def _norm_steps(norm: nn.Module, x: Tensor, on_scale: Callable[[Tensor], Tensor]
     """``norm(x)`` with its scale through ``on_scale``: ``x (..., d)``, the scale ``(..., 1)``, for
     ``nn.LayerNorm`` (``sqrt(var + eps)``, then ``(x - mean) / scale * weight + bias``), ``nn.RMSNorm`` and
     :class:`~attnlab.attention.OffsetRMSNorm` (``sqrt(mean(x^2) + eps)``, then ``x / scale * gain``), in
-    float32 for lower precisions. Where ``on_scale`` returns the tensor it was given, ``output`` (the
-    module's own result) is returned as it is."""
+    float32 for lower precisions. Where ``on_scale`` returns the tensor it was given, unchanged, ``output``
+    (the module's own result) is returned as it is; a scale edited in place divides, as a returned one does."""
     h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     layer_norm = isinstance(norm, nn.LayerNorm)
     if layer_norm:
@@ -496,8 +497,9 @@ def _norm_steps(norm: nn.Module, x: Tensor, on_scale: Callable[[Tensor], Tensor]
         raise TypeError(f"a norm's scale is hooked on {kinds}, got {type(norm).__name__}")
     eps = torch.finfo(h.dtype).eps if norm.eps is None else norm.eps
     given = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # (..., 1)
+    before = given.clone()  # (one number a position: what tells an edit in place)
     scale = on_scale(given)
-    if scale is given:
+    if scale is given and torch.equal(given, before):
         return output
     y = h / scale.to(h.dtype)  # (..., d)
     if isinstance(norm, OffsetRMSNorm):
@@ -541,10 +543,15 @@ def attention_hooks(modules: Sequence[MultiHeadAttention], fns: Mapping[str, Cal
 
 class ActivationCache(dict):
     """What :func:`run_with_cache` recorded: ``{hook name: tensor}``. Also indexed as
-    TransformerLens's cache is: ``cache["pattern", 3]`` is ``cache["blocks.3.attn.hook_pattern"]``."""
+    TransformerLens's cache is: ``cache["pattern", 3]`` is ``cache["blocks.3.attn.hook_pattern"]``, and
+    ``cache["pattern", -1]`` the last layer's (``n_layers``: the model's, where known)."""
+
+    n_layers: int | None = None
 
     def __getitem__(self, key: object) -> Tensor:
         if isinstance(key, tuple):
+            if len(key) > 1 and isinstance(key[1], int) and key[1] < 0 and self.n_layers is not None:
+                key = (key[0], key[1] + self.n_layers, *key[2:])
             key = act_name(*key)
         elif isinstance(key, str) and key not in self and not key.startswith(("blocks.", "hook_", "ln_final")):
             key = act_name(key)
@@ -627,4 +634,6 @@ def run_with_cache(
     grad_mode = torch.set_grad_enabled(grad and torch.is_grad_enabled())
     with eval_mode(model), grad_mode, hooks(model, dict.fromkeys(wanted, keep)):
         logits = model(idx) if attention_mask is None else model(idx, attention_mask=attention_mask)
-    return logits, ActivationCache({n: cache[n] for n in known if n in cache})
+    out = ActivationCache({n: cache[n] for n in known if n in cache})
+    out.n_layers = len(model.trf_blocks)
+    return logits, out
