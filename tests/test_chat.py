@@ -162,11 +162,14 @@ TOOL_TURN = [
     {"role": "tool", "content": "sunny"},
     {"role": "assistant", "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": " sunny."}]},
     {"role": "assistant", "content": "ok", "thinking": "brief"},
+    {"role": "assistant", "content": "yes", "reasoning_content": "because"},  # (gpt-oss reads m.thinking)
+    {"role": "assistant", "content": "so", "thinking": "T", "reasoning": "R"},  # (the first name wins)
 ]
 TOOL_TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% elif m.content %}"
     "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% if m.content is not defined %}(no content)"
-    "{% endif %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{% endfor %}"
+    "{% endif %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking %}[thinking: {{ m.thinking }}]{% endif %}{% endfor %}"
 )
 
 

@@ -98,7 +98,8 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
     """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or a ValueError/
     TypeError naming the first one that is not. As transformers takes them: a ``content`` may be a
     list of parts (``[{"type": "text", "text": ...}]``), a key whose value is None is left out (an
-    assistant's tool call has no content), and ``reasoning`` or ``thinking`` is ``reasoning_content``."""
+    assistant's tool call has no content), and a turn's reasoning under any of ``reasoning_content``,
+    ``thinking`` and ``reasoning`` is given as ``reasoning_content`` and ``thinking``."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     out = []
@@ -111,9 +112,11 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
             got = f"{m['content']!r:.60}"
             raise ValueError(f"messages[{i}]['content'] must be a string, a list of parts or None, got {got}")
         m = {k: v for k, v in m.items() if v is not None}
-        for alias in ("reasoning", "thinking"):  # (transformers' other names of a turn's reasoning)
-            if alias in m and "reasoning_content" not in m:
-                m["reasoning_content"] = m[alias]
+        # A turn's reasoning, under any of transformers' names for it, as both the standard name and
+        # gpt-oss's (its templates read "thinking"), the first name given winning, as transformers does.
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
 
