@@ -239,6 +239,18 @@ def test_bos_and_eos_flags_as_transformers(tmp_path, add_bos, add_eos):
         assert ours.encode_prompt(text) == bos + ours.encode(text)
 
 
+def test_a_bos_token_holding_a_colon_is_added_as_any_other(tmp_path):
+    # tokenizers' template splits a token's name at its colons: a file whose BOS is "<s:bos>" did not load.
+    meta = sentencepiece_metadata("llama")
+    meta["tokenizer.ggml.tokens"] = ["<s:bos>" if t == "<s>" else t for t in meta["tokenizer.ggml.tokens"]]
+    meta["tokenizer.ggml.add_eos_token"] = True
+    path = write_gguf(tmp_path / "colon.gguf", tiny_llama(seed=8, vocab=len(_tokens(meta))), meta=meta)
+    ours = HFTokenizer(path)
+    bos, eos = meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]
+    assert ours._tok.encode("the cat").ids == [bos, *ours.encode("the cat"), eos]
+    assert ours.decode([bos]) == "<s:bos>"
+
+
 def test_gemma_layout(pair):
     """Gemma's file: its runs of spaces (stored as spaces) are single tokens, "\\n\\n" is matched
     whole, no space before the text."""
@@ -430,6 +442,10 @@ BAD = {
     "padding id out of range": (
         lambda m: m | {"tokenizer.ggml.padding_token_id": len(_tokens(m)) + 3},
         "padding_token_id",
+    ),
+    "end-of-message id out of range": (
+        lambda m: m | {"tokenizer.ggml.eom_token_id": len(_tokens(m))},
+        "eom_token_id",
     ),
     "space prefix not a flag": (lambda m: m | {"tokenizer.ggml.add_space_prefix": 3}, "add_space_prefix"),
     "tokens not strings": (_edit("tokenizer.ggml.tokens", lambda toks, _: list(range(len(toks)))), "list of strings"),

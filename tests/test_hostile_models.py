@@ -192,6 +192,10 @@ GGUF_ROWS = {
     "unknown pre-tokenizer": (_write(meta={"tokenizer.ggml.pre": "mystery"}), "'mystery' is not supported yet"),
     "merge of unknown tokens": (_write(meta={"tokenizer.ggml.merges": [*MERGES, "zz qq"]}), "does not build"),
     "end-of-text id out of range": (_write(meta={"tokenizer.ggml.eos_token_id": 9999}), "eos_token_id"),
+    # (these were dropped silently: only bos and eos were checked in a byte-level file)
+    "end-of-turn id out of range": (_write(meta={"tokenizer.ggml.eot_token_id": 9999}), "eot_token_id"),
+    "end-of-message id out of range": (_write(meta={"tokenizer.ggml.eom_token_id": -1}), "eom_token_id"),
+    "padding id out of range": (_write(meta={"tokenizer.ggml.padding_token_id": 263}), "padding_token_id"),
     "no tokenizer": (_write(meta={"tokenizer.ggml.model": None}), "stores no tokenizer"),
     "chat template that does not compile": (_write(meta={"tokenizer.chat_template": "{% for %}"}), "does not compile"),
 }
@@ -206,6 +210,9 @@ MODEL_IS_FINE = {
     "unknown pre-tokenizer",
     "merge of unknown tokens",
     "end-of-text id out of range",
+    "end-of-turn id out of range",
+    "end-of-message id out of range",
+    "padding id out of range",
     "no tokenizer",
     "chat template that does not compile",
 }

@@ -61,10 +61,10 @@ _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 # Architectures whose SentencePiece files are laid out as Gemma's (merge order = file order, runs of
 # spaces stored as spaces, no space before the text unless the file says so).
 _GEMMA = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
-# The special ids a SentencePiece file may name; each must be a token of the vocabulary.
-_SP_SPECIAL = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id")
+# The special ids a file may name; each must be a token of the vocabulary.
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id")
 _KEYS = ("pre", "tokens", "token_type", "merges", "scores", "add_space_prefix", "add_bos_token", "add_eos_token")
-_KEYS += _SP_SPECIAL
+_KEYS += _SPECIAL_IDS
 _SPACE = "▁"  # U+2581, SentencePiece's visible space
 
 
@@ -168,7 +168,7 @@ def _byte_level(p: Path, tokens: list[str], types: list[int], meta: dict[str, An
         raise ValueError(f"{p}: llama.cpp pre-tokenizer {pre!r} is not supported yet ({', '.join(_GGUF_PRE)} are)")
     if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
         raise ValueError(f"{p}: tokenizer.ggml.merges must be a list of 'a b' pairs")
-    _check_ids(p, meta, ("bos_token_id", "eos_token_id"), len(tokens))
+    _check_ids(p, meta, _SPECIAL_IDS, len(tokens))
     # A byte-level vocabulary spells bytes with GPT-2's printable alphabet; a token with any other
     # character is respelled byte by byte (what transformers does too). Control and user-defined
     # tokens are the exception: llama.cpp's converter writes them as raw text ("<｜User｜>", "  "),
@@ -233,7 +233,7 @@ def _sentencepiece(p: Path, tokens: list[str], types: list[int], meta: dict[str,
     if scores is not None and _disagrees(scores, n, "iuf"):
         got = _what(scores, n, "numbers (NaN is not)")
         raise ValueError(f"{p}: tokenizer.ggml.scores must hold {n} numbers (one score per token), got {got}")
-    _check_ids(p, meta, _SP_SPECIAL, n)
+    _check_ids(p, meta, _SPECIAL_IDS, n)
     # Text outside the vocabulary is spelled with the byte tokens (llama.cpp looks them up by name):
     # without all 256, some text could not be encoded at all.
     missing = sorted(set(_BYTE_NAMES) - set(tokens))
@@ -274,7 +274,7 @@ def _sentencepiece(p: Path, tokens: list[str], types: list[int], meta: dict[str,
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     # Special tokens: the control and unknown ones, and those the metadata names (BOS, EOS, ...).
-    named = {meta[k] for k in _SP_SPECIAL if meta[k] is not None}
+    named = {meta[k] for k in _SPECIAL_IDS if meta[k] is not None}
     special = {tokens[i] for i, k in enumerate(types) if k in (_UNKNOWN, _CONTROL) or i in named}
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in tokens if t in special])
     # User-defined tokens (Phi-3's <|placeholder1|>, Gemma's "\n\n") are matched whole, as llama.cpp
@@ -286,15 +286,16 @@ def _sentencepiece(p: Path, tokens: list[str], types: list[int], meta: dict[str,
     add_bos = bos is not None and (said_bos is None or bool(said_bos))  # unsaid: yes, as llama.cpp assumes
     add_eos = eos is not None and bool(meta["add_eos_token"])
     if add_bos or add_eos:
-        # What encode(text, add_special_tokens=True) adds (transformers' tokenizer(text) does the same);
-        # ":0"/":1" is the segment, written out so that a token holding a colon still parses.
-        first = lambda segment: [f"{tokens[bos]}:{segment}"] if add_bos else []
-        last = lambda segment: [f"{tokens[eos]}:{segment}"] if add_eos else []
-        ids = {tokens[i]: i for i in (bos if add_bos else None, eos if add_eos else None) if i is not None}
+        # What encode(text, add_special_tokens=True) adds (transformers' tokenizer(text) does the same).
+        # The template names the tokens by identifiers of its own: it splits a name at its colons, and
+        # a file's "<s:bos>" would not parse.
+        first = lambda segment: [f"BOS:{segment}"] if add_bos else []
+        last = lambda segment: [f"EOS:{segment}"] if add_eos else []
+        named_ids = (("BOS", bos if add_bos else None), ("EOS", eos if add_eos else None))
         tok.post_processor = processors.TemplateProcessing(
             single=[*first(0), "$A:0", *last(0)],
             pair=[*first(0), "$A:0", *last(0), *first(1), "$B:1", *last(1)],
-            special_tokens=list(ids.items()),
+            special_tokens=[{"id": n, "ids": [i], "tokens": [tokens[i]]} for n, i in named_ids if i is not None],
         )
     return tok, eos, bos if add_bos else None
 
