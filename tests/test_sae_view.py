@@ -109,6 +109,21 @@ def test_promoted_tokens_are_w_dec_times_w_u(make_gpt):
     assert read_dashboard_data(page) == data
 
 
+def test_a_transcoder_into_the_mlps_neurons_has_a_dashboard_without_tokens(make_gpt, tmp_path, capsys):
+    # Its decoder rows have the MLP's width, not the stream's: W_dec @ W_U failed with a shape error
+    # (a traceback from `sae dashboard` and `viz --sae`).
+    model = make_gpt(seed=2)
+    torch.manual_seed(0)
+    cfg = SAEConfig(d_in=24, d_sae=32, architecture="topk", k=4, hook_name="blocks.1.hook_resid_mid",
+                    d_out=96, hook_name_out="blocks.1.mlp.hook_post", apply_b_dec_to_input=False)  # fmt: skip
+    sae = SAE(cfg).eval()
+    assert latent_logits(model, sae, torch.tensor([0, 1])) is None
+    ids = torch.randint(0, 37, (64,), generator=torch.Generator().manual_seed(1))
+    data = dashboard_data(model, sae, ids, None, [0, 1], context=8, n_logits=3)
+    assert [L["promotes"] for L in data["latents"]] == [None, None] == [L["suppresses"] for L in data["latents"]]
+    assert read_dashboard_data(dashboard_page(data)) == data
+
+
 def test_bad_arguments(make_gpt):
     model, sae = make_gpt(), make_sae()
     ids = np.zeros(40, dtype=np.int64)

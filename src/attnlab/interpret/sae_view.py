@@ -249,10 +249,13 @@ def collect(
 
 
 @torch.no_grad()
-def latent_logits(model: nn.Module, sae: SAE, latents: Tensor) -> Tensor:
+def latent_logits(model: nn.Module, sae: SAE, latents: Tensor) -> Tensor | None:
     """``(n, V)``: each latent's decoder row through the output head, ``W_dec[latents] @ W_U`` (the
-    head applied as a module, so a quantized one works as it is)."""
+    head applied as a module, so a quantized one works as it is); None where the SAE writes
+    something of another width than the residual stream (a transcoder into an MLP's neurons)."""
     head = model.out_head
+    if sae.W_dec.shape[-1] != head.weight.shape[-1]:
+        return None
     param = next(head.parameters())
     rows = sae.W_dec[latents.to(sae.W_dec.device)].to(device=param.device)  # (n, d)
     if param.is_floating_point():
@@ -288,10 +291,13 @@ def stats_dashboard(
 ) -> dict[str, Any]:
     """:func:`dashboard_data` of statistics already gathered (:func:`collect`; a few of its latents:
     :meth:`LatentStats.select`)."""
-    logits = latent_logits(model, sae, stats.latents)  # (n, V)
-    up = logits.topk(n_logits, dim=1)
-    down = (-logits).topk(n_logits, dim=1)
-    used = torch.cat([stats.context_ids.flatten(), up.indices.flatten(), down.indices.flatten()])
+    logits = latent_logits(model, sae, stats.latents)  # (n, V), or None: not the stream's width
+    up = down = None
+    used = [stats.context_ids.flatten()]
+    if logits is not None:
+        up, down = logits.topk(n_logits, dim=1), (-logits).topk(n_logits, dim=1)
+        used += [up.indices.flatten(), down.indices.flatten()]
+    used = torch.cat(used)
     vocab = sorted({int(i) for i in used.unique().tolist() if i >= 0})
     strings = dict(zip(vocab, (token_label(s) for s in token_strings(tokenizer, vocab)), strict=True))
     edges = [10 ** (LOG_LO + (LOG_HI - LOG_LO) * i / BINS) for i in range(BINS + 1)]
@@ -320,10 +326,12 @@ def stats_dashboard(
                 "max": round(float(stats.top_values[r, 0]), 5),
                 "examples": examples,
                 "hist": {"lo": edges[lo], "hi": edges[hi], "counts": hist[lo:hi].tolist()},
-                "promotes": [
-                    [strings[int(i)], round(float(v), 4)] for v, i in zip(up.values[r], up.indices[r], strict=True)
-                ],
-                "suppresses": [
+                "promotes": None
+                if up is None
+                else [[strings[int(i)], round(float(v), 4)] for v, i in zip(up.values[r], up.indices[r], strict=True)],
+                "suppresses": None
+                if down is None
+                else [
                     [strings[int(i)], round(float(-v), 4)] for v, i in zip(down.values[r], down.indices[r], strict=True)
                 ],
             }

@@ -51,6 +51,8 @@ const SAE_DASHBOARD = (function () {
   }
 
   function logits(rows, cls) {
+    // null: the SAE writes another width than the residual stream's (a transcoder into an MLP's neurons)
+    if (!rows) return el("p", {}, "none: its output is not in the residual stream");
     const table = el("table", { class: "logits" });
     for (const [tok, v] of rows) {
       const tr = el("tr");
@@ -125,7 +127,7 @@ const SAE_DASHBOARD = (function () {
     const q = filter.value.trim().toLowerCase();
     const key = sortBy.value;
     const rows = data.latents.filter((L) => !q || String(L.latent) === q ||
-      L.promotes.some(([t]) => t.toLowerCase().includes(q)) ||
+      (L.promotes || []).some(([t]) => t.toLowerCase().includes(q)) ||
       L.examples.some((ex) => (ex.tokens[(ex.tokens.length - 1) / 2] || "").toLowerCase().includes(q)));
     rows.sort((a, b) => (key === "latent" ? a.latent - b.latent : b[key] - a[key]));
     items.replaceChildren();
