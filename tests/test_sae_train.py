@@ -88,6 +88,26 @@ def test_a_first_save_stopped_before_its_pointer_is_taken_up(make_gpt, corpus, t
     assert not (tmp_path / "c" / "latest.json").exists()
 
 
+def test_jumprelu_takes_no_k_and_a_run_that_cannot_find_dead_latents_says_so(make_gpt, corpus, tmp_path):
+    # JumpReLU has no k, but the default k=32 refused a width of 16, and another --k refused a resume;
+    # and with the defaults (1M tokens, dead after 1M) no latent could ever count as dead: the reports
+    # said 0 dead where most latents never fired, and AuxK never ran.
+    model = make_gpt()
+    cfg = {**SMALL, "width": 16, "save_every": 2, "architecture": "jumprelu"}
+    lines = []
+    train_sae(model, corpus, tmp_path / "j", hook=HOOK, tokens=32 * 3, **cfg, write=lines.append)
+    assert not any(line.startswith("note: --dead-tokens") for line in lines)
+    lines = []
+    train_sae(model, corpus, tmp_path / "j", hook=HOOK, tokens=32 * 4, **cfg | {"k": 3}, write=lines.append)
+    assert lines[0] == f"resuming {tmp_path / 'j'} at step 3 of 4"
+    lines = []
+    cfg |= {"dead_tokens": 32 * 2}
+    train_sae(model, corpus, tmp_path / "n", hook=HOOK, tokens=32 * 2, **cfg, write=lines.append)
+    assert lines[0] == "note: --dead-tokens 64 is not below --tokens 64: no latent can count as dead in this run"
+    with pytest.raises(ValueError, match="width must be an int >= k=32"):
+        SAETrainConfig(hook=HOOK, width=16)
+
+
 def test_training_learns_and_reports(make_gpt, corpus, tmp_path):
     model = make_gpt()
     lines: list[str] = []

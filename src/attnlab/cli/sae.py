@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave out activations whose norm is above R x the median (massive activations); 0 keeps all (default 10)",
     )
     t.add_argument("--lr", type=float, help="Adam's learning rate (default: 2e-4 / sqrt(width / 16384), sparsify's)")
-    t.add_argument("--dead-tokens", type=int, default=1_000_000, metavar="N", help="a latent silent this long is dead")
+    t.add_argument(
+        "--dead-tokens", type=int, default=250_000, metavar="N", help="a latent silent this long is dead (default 250k)"
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--save-every", type=int, default=500, metavar="STEPS", help="steps between checkpoints (default 500)"

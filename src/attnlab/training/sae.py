@@ -97,7 +97,7 @@ class SAETrainConfig:
     outlier_ratio: float = 10.0
     lr: float | None = None  # default: sparsify's 2e-4 / sqrt(width / 2**14)
     auxk_alpha: float = 1 / 32
-    dead_tokens: int = 1_000_000  # a latent not active for this many rows is dead
+    dead_tokens: int = 250_000  # a latent not active for this many rows is dead (within a default run's 1M)
     l0_coefficient: float = 1e-3  # JumpReLU's sparsity penalty
     jumprelu_bandwidth: float = 0.05
     threshold_lr: float = 0.01  # BatchTopK's running threshold
@@ -113,8 +113,9 @@ class SAETrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.width is not None and (not isinstance(self.width, int) or self.width < self.k):
-            raise ValueError(f"width must be an int >= k={self.k}, got {self.width!r}")
+        least = 1 if self.architecture == "jumprelu" else self.k  # (JumpReLU has no k)
+        if self.width is not None and (not isinstance(self.width, int) or self.width < least):
+            raise ValueError(f"width must be an int >= {'1' if least == 1 else f'k={self.k}'}, got {self.width!r}")
         if self.buffer_rows < self.batch_rows:
             raise ValueError(f"buffer_rows ({self.buffer_rows}) must be at least batch_rows ({self.batch_rows})")
         if self.context < 2:
@@ -439,7 +440,7 @@ class SAETrainer:
                 "(saved as SAELens's JumpReLU transcoder), or an output hook of width " + str(d_in)
             )
         width = cfg.width or 16 * d_in
-        if cfg.k > width:
+        if cfg.k > width and cfg.architecture != "jumprelu":
             raise ValueError(f"--k {cfg.k} is more than the SAE's {width} latents")
         device = next(model.parameters()).device
         sae_cfg = SAEConfig(
@@ -477,7 +478,15 @@ class SAETrainer:
         # What a resumed run must share; how often it saves and how far it goes may change.
         # The model's dtype too: activations of a bfloat16 model differ from a float32 model's.
         dtype = next((str(p.dtype) for p in self.model.parameters() if p.is_floating_point()), None)
-        return {**dataclasses.asdict(self.cfg), "save_every": None, "keep": None, "tokens": None, "model_dtype": dtype}
+        k = None if self.cfg.architecture == "jumprelu" else self.cfg.k  # (JumpReLU has none)
+        return {
+            **dataclasses.asdict(self.cfg),
+            "save_every": None,
+            "keep": None,
+            "tokens": None,
+            "k": k,
+            "model_dtype": dtype,
+        }
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must read and run as the run did: the data (its tokens) and the model (its
@@ -675,6 +684,12 @@ class SAETrainer:
             cfg = self.cfg
             if resumed:
                 self.write(f"resuming {self.out} at step {self.step} of {cfg.max_steps}")
+            if cfg.dead_tokens >= cfg.tokens:
+                auxk = ", and AuxK never runs" if cfg.architecture != "jumprelu" else ""
+                self.write(
+                    f"note: --dead-tokens {cfg.dead_tokens:,} is not below --tokens {cfg.tokens:,}: no latent can "
+                    f"count as dead in this run{auxk}"
+                )
             bar = self._bar()
             history: list[dict[str, float]] = []
             window: list[dict[str, float]] = []
