@@ -213,6 +213,35 @@ def test_sparsify_round_trip_and_its_formula(tmp_path, transcoder):
     torch.testing.assert_close(back(x), sae.double()(x))
 
 
+def test_a_sparsify_flag_written_as_a_string_is_refused(tmp_path):
+    # bool("false") is True: the SAE loaded as a transcoder, its meaning inverted.
+    make_sae("topk").save(tmp_path, format="sparsify")
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    for key in ("transcode", "skip_connection"):
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg | {key: "false"}))
+        with pytest.raises(ValueError, match=f"{key} must be true or false, got 'false'"):
+            SAE.load(tmp_path)
+
+
+def test_the_cfg_json_dtype_is_what_the_weights_are_cast_to(tmp_path):
+    # SAELens casts the weights to cfg.json's dtype: a file saved after .half() says float32 over float16
+    # tensors, and SAELens computes in float32 (attnlab computed in float16: latents 9e-3 apart).
+    sae = make_sae("topk")
+    sae.save(tmp_path)
+    w = load_file(str(tmp_path / "sae_weights.safetensors"))
+    save_file({k: v.half() for k, v in w.items()}, str(tmp_path / "sae_weights.safetensors"))
+    back = SAE.load(tmp_path)
+    assert back.dtype == torch.float32
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    assert cfg["dtype"] == "float32"
+    for dtype, want in (("torch.bfloat16", torch.bfloat16), (None, torch.float16)):
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg | {"dtype": dtype}))
+        assert SAE.load(tmp_path).dtype == want
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg | {"dtype": "int8"}))
+    with pytest.raises(ValueError, match="dtype must be one of float32"):
+        SAE.load(tmp_path)
+
+
 def test_sparsify_refuses_what_it_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match="TopK SAEs only"):
         make_sae("jumprelu").save(tmp_path, format="sparsify")

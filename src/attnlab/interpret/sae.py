@@ -543,19 +543,39 @@ def _load_local(p: Path, hook_name: str | None, hook_name_out: str | None = None
     if saelens:
         cfg, names = _cfg_from_saelens(raw, p / SAELENS_CFG)
         tensors = _saelens_tensors(_read_safetensors(p / SAELENS_WEIGHTS), cfg, p / SAELENS_WEIGHTS)
+        dtype = _saelens_dtype(raw.get("dtype"), p / SAELENS_CFG)
     elif (p / SPARSIFY_WEIGHTS).exists():
         cfg, names = _cfg_from_sparsify(raw, p / SAELENS_CFG, p.name)
         tensors = _read_safetensors(p / SPARSIFY_WEIGHTS)
         tensors = {names.get(k, k): v for k, v in tensors.items()}
         if "W_enc" in tensors:
             tensors["W_enc"] = tensors["W_enc"].T.contiguous()  # sparsify stores encoder.weight (d_sae, d_in)
-        names = {}
+        names, dtype = {}, None
     else:
         raise FileNotFoundError(
             f"SAE config {p / SAELENS_CFG} has no weights beside it ({SAELENS_WEIGHTS} or {SPARSIFY_WEIGHTS})"
         )
     tensors = {names.get(k, k): v for k, v in tensors.items()}
-    return _build(_with_hooks(cfg, hook_name, hook_name_out, files_say=True), tensors, p)
+    return _build(_with_hooks(cfg, hook_name, hook_name_out, files_say=True), tensors, p, dtype)
+
+
+_SAELENS_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _saelens_dtype(value: Any, where: Path) -> torch.dtype | None:
+    """cfg.json's ``dtype``, which SAELens casts the weights to on load (a file saved after ``.half()``
+    says float32 over float16 tensors); None where it names none."""
+    if value is None:
+        return None
+    name = value.removeprefix("torch.") if isinstance(value, str) else None
+    if name not in _SAELENS_DTYPES:
+        raise ValueError(f"{where}: dtype must be one of {', '.join(_SAELENS_DTYPES)}, got {value!r}")
+    return _SAELENS_DTYPES[name]
 
 
 def _with_hooks(cfg: SAEConfig, hook_name: str | None, hook_name_out: str | None, files_say: bool = False) -> SAEConfig:
@@ -721,7 +741,11 @@ def _cfg_from_sparsify(raw: dict[str, Any], where: Path, folder: str) -> tuple[S
     num = raw.get("num_latents") or 0
     if not num and _is_int(d_in) and _is_int(raw.get("expansion_factor", 32)):
         num = d_in * raw.get("expansion_factor", 32)
-    transcode = bool(raw.get("transcode", False))
+    flags = {k: raw.get(k, False) for k in ("transcode", "skip_connection")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):  # (bool("false") is True: a string would invert the meaning)
+            raise ValueError(f"SAE config {where}: {k} must be true or false, got {v!r}")
+    transcode = flags["transcode"]
     hook = raw.get("hookpoint") or raw.get("hook_name")
     try:
         cfg = SAEConfig(
@@ -732,7 +756,7 @@ def _cfg_from_sparsify(raw: dict[str, Any], where: Path, folder: str) -> tuple[S
             hook_name=hook,
             hook_name_out=raw.get("hook_name_out"),
             d_out=d_in if transcode else None,
-            skip=bool(raw.get("skip_connection", False)),
+            skip=flags["skip_connection"],
             apply_b_dec_to_input=not transcode,
         )
     except ValueError as exc:
@@ -740,10 +764,12 @@ def _cfg_from_sparsify(raw: dict[str, Any], where: Path, folder: str) -> tuple[S
     return cfg, {"encoder.weight": "W_enc", "encoder.bias": "b_enc"}
 
 
-def _build(cfg: SAEConfig, tensors: Mapping[str, Tensor], where: Path) -> SAE:
-    """An SAE from checked tensors: each present, of the configured shape, finite."""
+def _build(cfg: SAEConfig, tensors: Mapping[str, Tensor], where: Path, dtype: torch.dtype | None = None) -> SAE:
+    """An SAE from checked tensors: each present, of the configured shape, finite; in ``dtype``
+    (default: the tensors' own where they share one, else float32)."""
     dtypes = {t.dtype for t in tensors.values()}
-    dtype = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
+    if dtype is None:
+        dtype = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
     sae = SAE(cfg, dtype=dtype, device="meta")
     expected = {n: tuple(t.shape) for n, t in [*sae.named_parameters(), *sae.named_buffers()]}
     state: dict[str, Tensor] = {}
