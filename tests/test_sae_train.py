@@ -372,6 +372,25 @@ def test_a_signal_mid_run_saves_a_checkpoint_and_the_sae_so_far(make_gpt, corpus
     assert all(torch.equal(resumed.sae.state_dict()[k], v) for k, v in straight.sae.state_dict().items())
 
 
+def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp_path, capsys):
+    # sae train refused it; eval ran on (10 minutes and 2.6 GB at --context 100000 before it was stopped).
+    # (And an attnlab model, which every other command reads with --checkpoint, was refused by sae.)
+    from attnlab.cli import main
+
+    model = make_gpt(vocab_size=256)
+    model.save(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text('{"name": "byte"}')
+    SAE(SAEConfig(d_in=24, d_sae=32, architecture="topk", k=4, hook_name=HOOK)).save(tmp_path / "sae")
+    (tmp_path / "t.txt").write_text("the cat sat on the mat " * 50)
+    common = ["--checkpoint", str(tmp_path / "m"), "--sae", str(tmp_path / "sae"), "--data", str(tmp_path / "t.txt")]
+    for argv in (["eval"], ["dashboard", "--latents", "8", "--out", str(tmp_path / "d.html")]):
+        assert main(["sae", *argv, *common, "--context", "17"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--context 17 is longer than the model's context of 16 tokens" in err, err
+        assert main(["sae", *argv, *common, "--context", "16", "--tokens", "64", "--no-progress"]) == 0
+        capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

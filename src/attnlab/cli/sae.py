@@ -32,9 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="sae_command", metavar="ACTION", required=True)
 
     t = sub.add_parser("train", help=HELP_TRAIN, description=HELP_TRAIN)
-    t.add_argument(
-        "--model", required=True, metavar="NAME", help=f"the model whose activations to learn: {MODEL_SOURCES}"
-    )
+    _add_model_source(t, "the model whose activations to learn")
     t.add_argument("--hook", required=True, metavar="NAME", help="the hook point read, e.g. blocks.6.hook_resid_post")
     t.add_argument(
         "--hook-out",
@@ -88,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     e = sub.add_parser("eval", help="measure an SAE: L0, explained variance, dead latents, CE recovered, KL")
     e.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
-    e.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
+    _add_model_source(e, "the model")
     e.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
     e.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
     e.add_argument("--data", metavar="PATH", help="UTF-8 text to measure on (default: the built-in corpus)")
@@ -101,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dashboard",
         help="write an offline page of latent dashboards: top contexts, histogram, density, promoted tokens",
     )
-    d.add_argument("--model", required=True, metavar="NAME", help=f"the model: {MODEL_SOURCES}")
+    _add_model_source(d, "the model")
     d.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
     d.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
     d.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
@@ -140,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from attnlab.data import tokenize_to_cache
-    from attnlab.tools.loading import load_pretrained, model_name
+    from attnlab.tools.loading import model_name
     from attnlab.training.sae import SAETrainConfig, SAETrainer
 
     cfg = SAETrainConfig(
@@ -163,7 +161,7 @@ def _train(args: argparse.Namespace) -> int:
     # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    loaded = load_pretrained(args.model, device=device, dtype=dtype, what="--model")
+    loaded = _load(args, device=device, dtype=dtype)
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=model_name(loaded), progress=args.progress)
     try:
@@ -175,6 +173,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model_source(parser: argparse.ArgumentParser, what: str) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="NAME", help=f"{what}: {MODEL_SOURCES}")
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help=f"or {what} as an attnlab model: a training run's --out (or a step directory), or GPT.save() plus a "
+        "tokenizer.json",
+    )
+
+
+def _load(args: argparse.Namespace, device: Any = None, dtype: Any = None) -> Any:
+    """The model ``--model`` (in ``dtype``) or ``--checkpoint`` (in the dtype it was saved in) names."""
+    from attnlab.tools.loading import load
+
+    return load(args.checkpoint, args.model, device=device, dtype=None if args.checkpoint else dtype)
+
+
 def _check_positive(args: argparse.Namespace, *names: str) -> None:
     """Each ``--name`` a positive int, or one ValueError naming the flag (before anything is read)."""
     for name in names:
@@ -183,18 +199,25 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name} must be a positive int, got {value}")
 
 
+def _check_context(args: argparse.Namespace, model: Any) -> None:
+    """``--context`` within the model's context (as ``sae train`` checks it), or one ValueError."""
+    longest = model.config.context_length
+    if args.context > longest:
+        raise ValueError(f"--context {args.context} is longer than the model's context of {longest} tokens")
+
+
 def _eval(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
     from attnlab.data import tokenize_to_cache
     from attnlab.interpret.sae import SAE, evaluate_sae
-    from attnlab.tools.loading import load
 
     _check_positive(args, "tokens", "context")
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
-    loaded = load(model=args.model)
+    loaded = _load(args)
     sae.check_model(loaded.model)
+    _check_context(args, loaded.model)
     ids = np.asarray(tokenize_to_cache(args.data, loaded.tokenizer))
     n = min(len(ids) // args.context, max(1, args.tokens // args.context))
     if n < 1:
@@ -223,7 +246,6 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.data import tokenize_to_cache
     from attnlab.interpret.sae import SAE
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
-    from attnlab.tools.loading import load_pretrained
 
     _check_positive(args, "latents", "tokens", "context", "top")
     check_out_file(args.out, (".html", ".htm"))  # (a page, as viz, patch and circuit write)
@@ -231,8 +253,9 @@ def _dashboard(args: argparse.Namespace) -> int:
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
     # Dense weights: a matrix kept in a file's blocks would be dequantized again for every batch.
-    loaded = load_pretrained(args.model, dtype=getattr(torch, args.dtype), what="--model")
+    loaded = _load(args, dtype=getattr(torch, args.dtype))
     sae.check_model(loaded.model)
+    _check_context(args, loaded.model)
     ids = tokenize_to_cache(args.data, loaded.tokenizer)
     if len(ids) < args.context:
         raise ValueError(f"--data has {len(ids)} tokens, fewer than one window of --context {args.context}")
