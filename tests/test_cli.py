@@ -99,8 +99,10 @@ def test_threads_are_the_commands_and_set_back_after_it(capsys):
     before = torch.get_num_threads()
     assert cli._run(Command, argparse.Namespace(command="generate", threads=1)) == 0
     assert seen == [1] and torch.get_num_threads() == before
-    for command in ("generate", "chat", "eval", "patch", "circuit", "inspect", "viz"):
+    commands = [["generate"], ["chat"], ["eval"], ["patch"], ["circuit"], ["inspect"], ["viz"], ["train"]]
+    commands += [["sae", "train"], ["sae", "eval"], ["sae", "dashboard"]]  # (train and sae had none)
+    for command in commands:
         with pytest.raises(SystemExit) as exc:
-            cli.main([command, "--threads", "0"])
+            cli.main([*command, "--threads", "0"])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--threads" in err, (command, err)

@@ -91,6 +91,14 @@ def test_the_first_line_names_the_recipe_and_why(tmp_path: Path, monkeypatch) ->
     cfg = TrainConfig(out=str(tmp_path / "c"), max_steps=1, optimizer="adamw", precision="fp32", **SMALL)
     Trainer(cfg, log=lines.append).fit(sample=False)
     assert lines[0] == "recipe: AdamW, float32: --precision fp32"
+    # bf16 asked for where it is emulated: said (it ran 20x slower per step, and nothing told why)
+    _native(monkeypatch, False)
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "d"), max_steps=1, precision="bf16", **SMALL))
+    assert trainer.recipe() == (
+        "Muon (blocks' matrices) + AdamW, bf16 autocast and bf16 Newton-Schulz: --precision bf16 (this device has "
+        "no native bf16: emulated, often 10-20x slower than fp32; auto picks fp32 here)"
+    )
+    trainer.close()
 
 
 def test_training_dtype_follows_precision_and_the_hardware(monkeypatch) -> None:

@@ -912,3 +912,11 @@ def test_a_context_past_sane_limits_is_one_line_before_any_work(tmp_path: Path, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnlab train: error: --preset tiny") and named in lines[0], lines
     assert not (out / "checkpoints").exists()
+
+
+def test_a_run_without_safetensors_is_refused_before_it_trains(tmp_path: Path, monkeypatch) -> None:
+    # With the core install alone a run trained to its first save (step 200), then stopped: work lost.
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # (what `import safetensors` finds uninstalled)
+    with pytest.raises(ImportError, match=r"needs safetensors: pip install 'attnlab\[train\]'"):
+        Trainer(TrainConfig(out=str(tmp_path / "run"), max_steps=2, **ON_CPU))
+    assert not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Any
 
-from attnlab.cli.options import MODEL_SOURCES, check_out_file
+from attnlab.cli.options import MODEL_SOURCES, add_threads_argument, check_out_file
 
 HELP_TRAIN = "train an SAE (or, with --hook-out, a transcoder) on a model's activations"
 
@@ -87,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("eval", help="measure an SAE: L0, explained variance, dead latents, CE recovered, KL")
     e.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
     _add_model_source(e, "the model")
-    e.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
-    e.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
+    e.add_argument(
+        "--hook", metavar="NAME", help="the hook point (default: the one the SAE's files name; this overrides it)"
+    )
+    e.add_argument(
+        "--hook-out", metavar="NAME", help="a transcoder's output hook (default: its files'; this overrides it)"
+    )
     e.add_argument("--data", metavar="PATH", help="UTF-8 text to measure on (default: the built-in corpus)")
     e.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens to measure on (default 8192)")
     e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
@@ -101,8 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_model_source(d, "the model")
     d.add_argument("--sae", required=True, metavar="PATH", help="an SAE directory, params.npz or Hub id")
-    d.add_argument("--hook", metavar="NAME", help="the hook point, where the SAE's files do not name it")
-    d.add_argument("--hook-out", metavar="NAME", help="a transcoder's output hook, where its files do not name it")
+    d.add_argument(
+        "--hook", metavar="NAME", help="the hook point (default: the one the SAE's files name; this overrides it)"
+    )
+    d.add_argument(
+        "--hook-out", metavar="NAME", help="a transcoder's output hook (default: its files'; this overrides it)"
+    )
     d.add_argument("--data", metavar="PATH", help="UTF-8 text to read (default: the built-in corpus)")
     d.add_argument("--latents", type=int, default=100, metavar="N", help="the first N latents (default 100)")
     d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
@@ -174,6 +182,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_model_source(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--model NAME | --checkpoint DIR`` (one of them), and ``--threads`` for the model's work."""
+    add_threads_argument(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="NAME", help=f"{what}: {MODEL_SOURCES}")
     source.add_argument(

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from attnlab.cli.options import add_threads_argument
 from attnlab.files import atomic_write_json, current_umask, fsync_dir, safe_write
 from attnlab.model import GPTConfig
 from attnlab.tokenizers import tokenizer_to_dict
@@ -227,6 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch.compile the model (faster steps after a slow first one; default: off)",
     )
+    add_threads_argument(g)
     g.add_argument(
         "--malloc-tuning",
         action=argparse.BooleanOptionalAction,

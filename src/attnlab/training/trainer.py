@@ -51,7 +51,7 @@ import torch
 from attnlab import data, hardware  # data: the module: its functions are looked up when called (tests replace some)
 from attnlab.checks import is_int, is_real, resolve_device
 from attnlab.errors import UserError
-from attnlab.files import atomic_open, first_line, open_regular, sha256_file
+from attnlab.files import atomic_open, first_line, import_safetensors, open_regular, sha256_file
 from attnlab.generation import SamplingConfig
 from attnlab.model import GPT, GPTConfig, lm_loss
 from attnlab.quantized import compile_from_now, is_quantized
@@ -239,6 +239,7 @@ class Trainer:
         # checks that it may and holds the lock on it while the run may write.
         self._lock = RunLock(self.out)
         resolve_device(config.device, self.dist.local_rank)  # a bad --device is refused before --out is made
+        import_safetensors()  # (what a checkpoint is written with: missing, a run would stop at its first save)
         if self.dist.is_main:
             check_run_directory(self.out, resume=config.resume)
             self._lock.acquire()
@@ -852,10 +853,14 @@ class Trainer:
         spent = sum(seconds)
         fit = self._agreed(self.step + max(1, int((cfg.max_time - spent) / per_step)), "MIN")
         if fit < cfg.max_steps:
+            load, cores = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), os.cpu_count() or 1
+            busy = ""
+            if torch.get_num_threads() > 1 and load > cores:  # (threads waiting on each other: often far slower)
+                busy = f"; this machine is busy (load {load:.1f} on {cores} cores): fewer --threads are often faster"
             write(
                 f"planned {fit} steps: {cfg.max_steps} do not fit in {cfg.max_time:g} s of training at "
                 f"{per_step * 1e3:.0f} ms per step (the median of steps {self.step - len(history) + 3}-{self.step}; "
-                "--max-steps or --max-time sets the length)"
+                f"--max-steps or --max-time sets the length){busy}"
             )
             cfg.max_steps = fit
 
@@ -899,6 +904,8 @@ class Trainer:
         how = "bf16 autocast" + (" and bf16 Newton-Schulz" if cfg.optimizer == "muon" else "")
         how = how if dtype == torch.bfloat16 else "float32"
         why = f"--precision {cfg.precision}" if cfg.precision != "auto" else hardware.describe(self.device).why
+        if dtype == torch.bfloat16 and not hardware.bf16_native(self.device):
+            why += " (this device has no native bf16: emulated, often 10-20x slower than fp32; auto picks fp32 here)"
         return f"{optimizer}, {how}: {why}"
 
     def _progress_bar(self) -> Any:
