@@ -59,6 +59,14 @@ def test_a_model_in_training_mode_is_ranked_without_dropout_and_stays_training(m
     assert got == answer_ranks(model.eval(), prompt, answer)
 
 
+def test_lists_of_ids_as_tokenizer_encode_gives_them(make_gpt):
+    # The guide passes tokenizer.encode's lists; they were refused as "not token ids of one sequence".
+    model = make_gpt()
+    assert answer_ranks(model, [1, 2, 3, 4], [5, 6]) == answer_ranks(
+        model, torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6])
+    )
+
+
 def test_describe_prints_transformerlens_lines():
     row = AnswerRank(token=7, position=3, rank=2, logit=1.5, probability=0.25, top=((4, 2.0, 0.5), (7, 1.5, 0.25)))
     lines = row.describe(lambda t: f" tok{t}").splitlines()
@@ -71,7 +79,7 @@ def test_describe_prints_transformerlens_lines():
     ("kwargs", "error", "message"),
     [
         (dict(answer=torch.tensor([], dtype=torch.long)), ValueError, "answer must hold at least one token"),
-        (dict(prompt=[1, 2]), ValueError, "prompt must be the token ids of one sequence"),
+        (dict(prompt=[1, "a"]), ValueError, "prompt must be the token ids of one sequence"),
         (dict(answer=torch.ones(2, 2, dtype=torch.long)), ValueError, r"answer .* got shape \(2, 2\)"),
         (dict(top_k=0), ValueError, "top_k"),
         (dict(prompt=torch.tensor([1.0, 2.0])), TypeError, "idx must hold integer token ids"),

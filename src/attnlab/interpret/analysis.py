@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from attnlab import hardware
-from attnlab.checks import position_window, positive_int
+from attnlab.checks import is_int, position_window, positive_int
 from attnlab.generation import SamplingConfig
 from attnlab.interpret import codec
 from attnlab.interpret.hooks import attention_layers, eval_mode
@@ -526,17 +526,22 @@ class AnswerRank:
         return "\n".join(lines)
 
 
-def answer_ranks(model: nn.Module, prompt: Tensor, answer: Tensor, *, top_k: int = 10) -> list[AnswerRank]:
+def answer_ranks(
+    model: nn.Module, prompt: Tensor | Sequence[int], answer: Tensor | Sequence[int], *, top_k: int = 10
+) -> list[AnswerRank]:
     """TransformerLens's ``utils.test_prompt`` as numbers: the answer's tokens appended to the prompt,
     one forward, and at each answer token its rank, logit and probability, with the ``top_k`` first
     choices there (:meth:`AnswerRank.describe` prints them as TransformerLens does).
 
-    ``prompt (T,)`` and ``answer (A,)``: token ids (or ``(1, T)``, ``(1, A)``); ``T + A`` at most the
-    model's context. Returns one :class:`AnswerRank` per answer token, in order.
+    ``prompt (T,)`` and ``answer (A,)``: token ids (or ``(1, T)``, ``(1, A)``; or lists of ints, as
+    ``tokenizer.encode`` gives them); ``T + A`` at most the model's context. Returns one
+    :class:`AnswerRank` per answer token, in order.
     """
     positive_int("top_k", top_k)
     ids = []
     for name, t in (("prompt", prompt), ("answer", answer)):
+        if isinstance(t, (list, tuple)) and all(is_int(i) for i in t):
+            t = torch.tensor(t, dtype=torch.long, device=next(model.parameters()).device)
         if not isinstance(t, Tensor) or t.dim() not in (1, 2) or (t.dim() == 2 and t.shape[0] != 1):
             got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be the token ids of one sequence, (n,) or (1, n), got {got}")
