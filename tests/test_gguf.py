@@ -211,13 +211,11 @@ def test_tiny_gguf_through_the_loader(tmp_path):
     assert again == loaded.tokenizer and again.encode(text) == ids and again.eot_id == 2
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "olmo", "llama-bpe", "llama3", "dbrx", "qwen2", "deepseek-r1-qwen"])
-def test_pre_tokenizers_as_transformers(tmp_path, pre):
-    """llama.cpp's pre-tokenizers (how text is cut before the merges) against transformers' reading
-    of the same file, on a vocabulary whose merges show the cuts (digits, spaces, contractions)."""
+def _with_merges(path, pre: str, extra: list[str]):
+    """The tiny model's GGUF file with llama.cpp's pre-tokenizer ``pre`` and the merges ``extra`` added
+    (their tokens too): merges that show where the text was cut."""
     from gguf_files import MERGES, tokens
 
-    extra = ["1 2", "12 3", "Ġ Ġ", "ĠĠ Ġ", "Ġ 1", "' s", "Ċ Ċ"]
     vocab = tokens() + [m.replace(" ", "") for m in extra]
     meta = {
         "tokenizer.ggml.pre": pre,
@@ -225,7 +223,14 @@ def test_pre_tokenizers_as_transformers(tmp_path, pre):
         "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(vocab) - 3),
         "tokenizer.ggml.merges": MERGES + extra,
     }
-    path = write_gguf(tmp_path / "tok.gguf", meta=meta)
+    return write_gguf(path, meta=meta)
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "olmo", "llama-bpe", "llama3", "dbrx", "qwen2", "deepseek-r1-qwen"])
+def test_pre_tokenizers_as_transformers(tmp_path, pre):
+    """llama.cpp's pre-tokenizers (how text is cut before the merges) against transformers' reading
+    of the same file, on a vocabulary whose merges show the cuts (digits, spaces, contractions)."""
+    path = _with_merges(tmp_path / "tok.gguf", pre, ["1 2", "12 3", "Ġ Ġ", "ĠĠ Ġ", "Ġ 1", "' s", "Ċ Ċ"])
     ours = HFTokenizer(path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
     for text in ["it's 12345 and  123   the a", "x   1 22 333", "Hello,\n\n  world!! 9876543210", "tabs\t\t12\n3 's"]:
@@ -238,17 +243,8 @@ def test_the_token_caches_cuts_hold_across_long_runs_of_spaces(tmp_path, pre):
     # after "x" before "\n" + 300 spaces + "\r\n" was confirmed on 256 characters around it, and the
     # token cache held other ids than the text encoded whole.
     from attnlab.data import tokenize_to_cache
-    from gguf_files import MERGES, tokens
 
-    extra = ["Ċ Ġ", "Ġ Ġ", "ĠĠ ĠĠ", "ĠĠĠĠ ĠĠĠĠ"]
-    vocab = tokens() + [m.replace(" ", "") for m in extra]
-    meta = {
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": vocab,
-        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(vocab) - 3),
-        "tokenizer.ggml.merges": MERGES + extra,
-    }
-    tok = HFTokenizer(write_gguf(tmp_path / "tok.gguf", meta=meta))
+    tok = HFTokenizer(_with_merges(tmp_path / "tok.gguf", pre, ["Ċ Ġ", "Ġ Ġ", "ĠĠ ĠĠ", "ĠĠĠĠ ĠĠĠĠ"]))
     text = "the a list|>\n" + " " * 300 + "\r\nthe" + " a" * 40
     cut = tok.split_point(text)
     assert tok.encode(text[:cut]) + tok.encode(text[cut:]) == tok.encode(text)
