@@ -134,6 +134,22 @@ def test_a_checkpoint_resumes_with_another_process_count_sharded_or_not(runs, tm
     assert_follows(metrics(out), metrics(runs["one"])[3:])
 
 
+def test_a_sharded_checkpoint_resumes_with_this_runs_optimizer_settings(runs, tmp_path) -> None:
+    # distributed checkpoint restored the saving run's param groups: a resumed --weight-decay (betas,
+    # eps) was recorded but not used (the same weights at 0.5 as at 0.1).
+    from attnlab.training import TrainConfig, Trainer
+
+    out = from_step(runs["sharded"], tmp_path / "resumed", 3)
+    given = {"weight_decay", "beta2"}
+    trainer = Trainer(TrainConfig(out=str(out), resume=True, weight_decay=0.5, beta2=0.9), given=given)
+    try:
+        assert trainer.step == 3 and trainer.optimizer.state  # (the file's state is loaded)
+        decays = sorted({g["weight_decay"] for g in trainer.optimizer.param_groups})
+        assert decays == [0.0, 0.5] and {g["betas"][1] for g in trainer.optimizer.param_groups} == {0.9}
+    finally:
+        trainer.close()
+
+
 def test_a_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint(runs, tmp_path) -> None:
     out = tmp_path / "killed"
     # Both processes are killed right after writing their optimizer shards of the step-6 save, before

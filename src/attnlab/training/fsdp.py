@@ -146,16 +146,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load the optimizer state a sharded run saved in ``directory`` into ``optimizer`` (of ``model``,
-    sharded over any number of processes, or not at all): distributed checkpoint reshards it."""
+    sharded over any number of processes, or not at all): distributed checkpoint reshards it. The
+    groups keep ``optimizer``'s own settings (weight decay, betas, ...): a resumed run uses its
+    configuration's, as :func:`~attnlab.training.checkpoint.check_optimizer_state` has it for an
+    unsharded checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+    own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill
     try:
         dcp.load(state, storage_reader=SafeReader(directory))
     except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, AssertionError) as exc:
         raise ValueError(f"optimizer state {directory} does not fit this model: {first_line(exc)[:300]}") from None
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)  # (the file's groups were the saving run's settings)
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
