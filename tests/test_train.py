@@ -920,3 +920,14 @@ def test_a_run_without_safetensors_is_refused_before_it_trains(tmp_path: Path, m
     with pytest.raises(ImportError, match=r"needs safetensors: pip install 'attnlab\[train\]'"):
         Trainer(TrainConfig(out=str(tmp_path / "run"), max_steps=2, **ON_CPU))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_planned_run_resumed_with_max_steps_trains_them(tmp_path: Path) -> None:
+    # The saved --max-time came back with the checkpoint and planned the resumed run again: asked for
+    # 25 steps, it stopped at the budget's count.
+    base = dict(out=str(tmp_path), eval_every=100, checkpoint_every=100, warmup_steps=0, **ON_CPU)
+    first = Trainer(TrainConfig(max_steps=800, max_time=1e-3, **base), log=lambda s: None).fit(sample=False)
+    assert first.step < 25  # (planned down: the budget fits a step or so past the planning steps)
+    again = Trainer(TrainConfig(max_steps=25, resume=True, **base), given={"max_steps"}, log=lambda s: None)
+    assert again.cfg.max_time is None
+    assert again.fit(sample=False).step == 25

@@ -212,6 +212,8 @@ class TrainConfig:
                     "to change it)"
                 )
         keep = given | {"out", "resume", "fsdp"}  # sharded or not: how this run is started
+        if "max_steps" in given:  # N steps asked for: the saved run's time plan would cut them again
+            keep |= {"max_time"}
         return dataclasses.replace(self, **{k: v for k, v in vars(old).items() if k in saved and k not in keep})
 
 
