@@ -350,6 +350,9 @@ def test_merge_is_written_whole_or_not_at_all(base, tmp_path, monkeypatch, capsy
     blocker.write_text("")
     assert train(base, out, "--lora-rank", "2", "--max-steps", "1", "--merge", str(blocker / "merged")) == 2
     assert "cannot make its directory" in capsys.readouterr().err and not out.exists()
+    # --merge naming the new --out: refused before training (it trained, then failed to rename)
+    assert train(base, out, "--lora-rank", "2", "--max-steps", "1", "--merge", str(out)) == 2
+    assert "is the run's --out" in capsys.readouterr().err and not out.exists()
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt

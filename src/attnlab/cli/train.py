@@ -292,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--merge with --fsdp: the checkpoint's model.safetensors is already the whole model")
     if merge is not None and merge.exists() and (not merge.is_dir() or any(merge.iterdir())):
         raise ValueError(f"--merge {merge} exists and is not an empty directory; choose a new one")
+    if merge is not None and merge.resolve() == Path(cfg.out).expanduser().resolve():
+        raise ValueError(f"--merge {merge} is the run's --out: choose a directory of its own")
     if merge is not None:  # (before training: a place it cannot be written is found now, not after the run)
         try:
             merge.parent.mkdir(parents=True, exist_ok=True)
