@@ -85,6 +85,32 @@ def test_greedy_tokens_across_the_original_context_equal_transformers():
         assert torch.equal(ours.generate(prompt, 20, temperature=0, fast=fast), want)
 
 
+@pytest.mark.parametrize("T", [15, 16, 17])
+def test_a_stream_reading_each_token_gives_generates_tokens_across_the_original_context(T):
+    # With a reading (serve's generation), the prompt's last token ran as a pass of its own, the ones
+    # before it rotated short: past the original context, other tokens than generate's.
+    from attnlab.generation import stream
+    from attnlab.interpret.tracing import attention_rows
+
+    ours = GPT.from_hf(phi3())
+    prompt = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(T))
+    want = ours.generate(prompt, 8, temperature=0)[:, T:]
+    got = torch.stack([t for t, _, _ in stream(ours, prompt, 8, temperature=0, reading=attention_rows)], 1)
+    assert torch.equal(got, want)
+
+
+def test_speculative_decoding_across_the_original_context_is_refused_and_exact_on_either_side():
+    # Its cache was never made again at the turn (plain decoding's is): other tokens than greedy.
+    ours = GPT.from_hf(phi3())
+    for T, new in ((4, 10), (20, 12)):  # below the turn, and past it: exact
+        prompt = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(T))
+        want = ours.generate(prompt, new, temperature=0)
+        assert torch.equal(ours.generate(prompt, new, temperature=0, prompt_lookup=3), want)
+    prompt = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=f"cannot cross LongRoPE's turn to its long factors at {ORIGINAL} tokens"):
+        ours.generate(prompt, 20, temperature=0, prompt_lookup=3)
+
+
 @pytest.mark.slow
 def test_compiled_greedy_tokens_across_the_original_context_equal_transformers():
     """The same through the compiled step (torch.compile over the model's forward: the long/short choice

@@ -16,7 +16,8 @@ cache the model runs over the whole sequence each step (the window slides inside
 
 Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
 real token). Padding is never attended to and each row's positions count only its real tokens, so a
-padded row generates exactly what it would alone.
+padded row generates exactly what it would alone; except under LongRoPE (Phi-3), whose turn to its
+long factors follows the batch's longest row, as transformers' does.
 """
 
 from __future__ import annotations
@@ -336,7 +337,10 @@ def _stepper(model: GPT, caches: list | None, decoder: FastDecoder | None, readi
         out = None
         for s in range(start, seq.shape[1], C):  # (relative: chunks of the context; GPT-2: one window)
             e = min(seq.shape[1], s + C)
-            if reading is not None and m is None and e == seq.shape[1] and e - s > 1:  # the last token apart
+            # The last token apart, except where LongRoPE turns long within the pass: the tokens before it
+            # would be rotated short (a pass takes its factors from its last position), not as one forward.
+            long_turn = turns_long is not None and e > turns_long
+            if reading is not None and m is None and e == seq.shape[1] and e - s > 1 and not long_turn:
                 forward(seq[:, s : e - 1], None, caches, last_only=True, read=False)
                 s = e - 1
             out = forward(seq[:, s:e], None if m is None else m[:, start:e], caches, last_only=True)

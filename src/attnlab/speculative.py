@@ -37,6 +37,7 @@ from torch import Tensor
 
 from attnlab.checks import check_model_logits, positive_int
 from attnlab.decoding import FastDecoder, dropout_off, greedy_tokens, supported
+from attnlab.positions import rope_scaling_type
 
 __all__ = ["SpeculativeStats", "check_speculative", "lookup_draft", "speculative_decode"]
 
@@ -85,6 +86,13 @@ def check_speculative(model: Any, idx: Tensor, max_new_tokens: int, k: object, d
     if settings.get("compile"):
         raise ValueError("speculative decoding runs the fast step uncompiled: pass compile=False")
     cfg = model.config
+    if rope_scaling_type(cfg.rope_scaling) == "longrope":
+        turn = cfg.rope_scaling["original_max_position_embeddings"]
+        if idx.shape[1] <= turn < idx.shape[1] + max_new_tokens:  # (plain decoding makes the cache again there)
+            raise ValueError(
+                f"speculative decoding cannot cross LongRoPE's turn to its long factors at {turn} tokens: the "
+                f"prompt ({idx.shape[1]}) and the new tokens ({max_new_tokens}) must stay on one side of it"
+            )
     limit, span = _span(cfg)
     if idx.shape[1] + max_new_tokens > limit:
         raise ValueError(
