@@ -327,6 +327,25 @@ def test_a_latents_activations_and_dashboards(client, model, sae):
     np.testing.assert_allclose(got["acts"], encode_all(model, sae, ids("x"))[:, other].numpy(), atol=1e-6)
 
 
+def test_a_corpus_read_for_more_examples_serves_fewer_and_narrower_without_reading_it_again(
+    model, sae, tmp_path, monkeypatch
+):
+    # Each (top_k, window) was a pass over the whole corpus, and four were kept: a reader trying the
+    # settings waited for a pass at every change.
+    import attnlab.tools.serve.features as features
+
+    _, Engine, _, _ = serving()
+    engine = Engine(LoadedModel(model, TOKENIZER, tmp_path), saes={"mine": sae}, sae_corpus=CORPUS)
+    passes, collect = [], features.collect
+    monkeypatch.setattr(features, "collect", lambda *a, **kw: passes.append(kw) or collect(*a, **kw))
+    latent = int(encode_all(model, sae, ids(PROMPT)).amax(0).argmax())
+    for top_k, window in ((5, 8), (3, 8), (2, 4), (5, 0), (6, 8)):
+        got = features.latent_answer(engine, PROMPT, latent, over="corpus", top_k=top_k, window=window)
+        want = dashboard_data(model, sae, CORPUS, TOKENIZER, [latent], context=48, top_k=top_k, window=window)
+        assert got["dashboard"] == want["latents"][0], (top_k, window)
+    assert [(kw["top_k"], kw["window"]) for kw in passes] == [(5, 8), (6, 8)]  # (more examples: a pass)
+
+
 def _stream(model, sae, prompt, n, seed, temperature, pushes=()):
     """``n`` tokens as the ``steer`` context manager's own run draws them (nested blocks, one per latent)."""
     g = torch.Generator().manual_seed(seed)

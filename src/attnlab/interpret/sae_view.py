@@ -26,7 +26,7 @@ import html
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -112,6 +112,22 @@ class LatentStats:
             histogram=self.histogram[r],
             fired=self.fired[r],
             tokens=self.tokens,
+        )
+
+    def narrowed(self, top_k: int, window: int) -> LatentStats:
+        """The statistics :func:`collect` gathers with fewer examples (``top_k``) and a narrower ``window``
+        (each at most this one's): the strongest ``top_k`` examples, the ``2 * window + 1`` tokens around
+        each (the same numbers, ties between equal activations aside)."""
+        w = self.context_acts.shape[2] // 2
+        if not (top_k <= self.top_values.shape[1] and window <= w):
+            raise ValueError(f"top_k={top_k} and window={window} must be at most {self.top_values.shape[1]} and {w}")
+        around = slice(w - window, w + window + 1)
+        return replace(
+            self,
+            top_values=self.top_values[:, :top_k],
+            top_positions=self.top_positions[:, :top_k],
+            context_acts=self.context_acts[:, :top_k, around],
+            context_ids=self.context_ids[:, :top_k, around],
         )
 
     @property

@@ -70,6 +70,11 @@ def corpus_stats(engine: Engine, sae: int, top_k: int, window: int) -> LatentSta
     """Every latent of SAE ``sae`` over the start-up corpus (:func:`~attnlab.interpret.sae_view.collect`),
     read once and kept. Call on the model's thread, with the lock held (:meth:`Engine.run`)."""
     key = (sae, top_k, window)
+    # A pass kept for more examples or a wider window holds these too: no pass over the corpus again.
+    wider = [k for k in engine.corpus_stats if k[0] == sae and k[1] >= top_k and k[2] >= window and k != key]
+    if key not in engine.corpus_stats and wider:
+        engine.corpus_stats.move_to_end(wider[-1])
+        return engine.corpus_stats[wider[-1]].narrowed(top_k, window)
     stats = engine.corpus_stats.get(key)
     if stats is None:  # one pass over the corpus up to the hook, in windows the model reads
         model, model_sae, corpus = engine.loaded.model, _sae(engine, sae), engine.sae_corpus
