@@ -194,3 +194,32 @@ def test_a_lora_run_on_a_gguf_file_resumes_on_its_blocks_exactly(tmp_path):
     assert any(is_quantized(p) for p in load_checkpoint(half, load_optimizer=False).model.parameters())
     weights = half / "checkpoints" / "step-00000004" / "model.safetensors"
     assert weights.stat().st_size < 1.5 * path.stat().st_size  # (the dense float32 base: about 5x)
+
+
+def test_a_merge_of_a_lora_run_on_a_gguf_file_keeps_its_blocks_and_trains_again_in_full(tmp_path, capsys):
+    # Checkpoints and --merge keep a GGUF base's blocks: --init-from that directory without LoRA
+    # must make them dense to train every weight (it was refused as a model kept in a file's blocks).
+    from attnlab.cli import main
+    from attnlab.training.checkpoint import load_checkpoint
+    from gguf_files import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", qtype="Q8_0")
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat and the dog sat on the log. " * 40, encoding="utf-8")
+    args = ["--data", str(data), "--max-steps", "1", "--batch-size", "2", "--context-length", "16", "--no-progress"]
+    args += ["--sample-tokens", "0", "--precision", "fp32"]
+    merged = tmp_path / "merged"
+    assert main(["train", "--init-from", str(path), *args, "--lora-rank", "2", "--out", str(tmp_path / "a"),
+                 "--merge", str(merged)]) == 0  # fmt: skip
+    model = GPT.load(merged)
+    assert any(is_quantized(p) for p in model.parameters())  # (the layers LoRA did not adapt)
+    idx = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = load_checkpoint(tmp_path / "a", load_optimizer=False, merge_adapters=True).model.eval()(idx)
+        torch.testing.assert_close(model.eval()(idx), want, rtol=0, atol=1e-6)
+        dense = GPT.load(merged).dequantize_()
+        assert not any(is_quantized(p) or not p.requires_grad for p in dense.parameters())
+        assert dense.out_head.weight is dense.tok_emb.weight or not dense.config.tie_embeddings
+        torch.testing.assert_close(dense.eval()(idx), want, rtol=0, atol=1e-5)
+    assert main(["train", "--init-from", str(merged), *args, "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()

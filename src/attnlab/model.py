@@ -1181,6 +1181,17 @@ class GPT(nn.Module):
         model._freeze_quantized()
         return model.eval()
 
+    def dequantize_(self) -> GPT:
+        """Every weight kept in a file's blocks made a dense parameter of its compute dtype, trainable, in
+        place (tied weights stay tied); returns the model."""
+        for module in self.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if is_quantized(p):
+                    setattr(module, name, nn.Parameter(p.dequantize()))
+        if self.config.tie_embeddings:
+            self.out_head.weight = self.tok_emb.weight
+        return self
+
     def _freeze_quantized(self) -> None:
         for p in self.parameters():
             if is_quantized(p):  # a weight kept in a file's blocks is frozen (LoRA adapts it)

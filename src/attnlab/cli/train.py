@@ -275,6 +275,8 @@ def load_init(name: str, device: Any = None, *, lora: bool = False) -> Any:
     p = Path(name).expanduser()
     if is_attnlab_directory(p):
         loaded = load_model(p, device=device, what="--init-from")
+        if not lora:  # (a run on a GGUF base kept its blocks: every weight trains here)
+            loaded.model.dequantize_()
     else:
         dtype = None if lora else torch.float32
         loaded = load_pretrained(name, device=device, dtype=dtype, what="--init-from")
