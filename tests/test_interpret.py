@@ -606,8 +606,8 @@ def test_generation_trace_with_a_left_padded_batch(overrides):
         S = step.weights.shape[-1]
         every = torch.arange(step.position - S, step.position)  # (S,) the token in each key, in order
         assert torch.equal(step.key_index[1], every)
-        if overrides:  # a model that records positions: the padded row's padding is no token (-1)
-            assert torch.equal(step.key_index[0], torch.where(every < 3, -1, every))
+        # the padded row's padding is no token (-1); learned positions too (it was numbered as tokens 0-2)
+        assert torch.equal(step.key_index[0], torch.where(every < 3, -1, every))
 
 
 def test_generation_trace_with_sinks_and_a_left_padded_batch_is_the_eager_trace():

@@ -197,6 +197,7 @@ def test_token_label_makes_whitespace_visible():
     assert token_label("\n") == "↵"
     assert token_label("a\tb\x00") == "a⇥b\\x00"
     assert token_label("") == "∅"
+    assert token_label("\xa0") == "⍽"  # (SmolLM2's no-break space token was a blank row of inspect's lens)
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,10 +70,11 @@ PARAMETER_FREE_NAMES = {
 # --------------------------------------------------------------------------------------------
 # Spaces, newlines and tabs as symbols, the other control characters as \xNN escapes.
 _LABELS = {c: f"\\x{c:02x}" for c in [*range(32), 127]} | {ord(" "): "␣", ord("\n"): "↵", ord("\t"): "⇥"}
+_LABELS[0xA0] = "⍽"  # a no-break space (SmolLM2 has it as a token of its own), as word processors show it
 
 
 def token_label(token: str) -> str:
-    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``.
+    """A printable label for one token: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, no-break spaces as ``⍽``.
 
     Byte-level tokens are often pure whitespace; without this they would be invisible.
     """

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.checks import positive_int
@@ -132,18 +133,23 @@ def trace_generation(
         del passes[: -(-T // model.config.context_length) - 1]
     if len(passes) != new:
         raise RuntimeError(f"expected {new} passes of the model, one a token, saw {len(passes)}")
+    # Which tokens are real (a model without positions tells its keys by their place alone: padding by this)
+    real = None if attention_mask is None else F.pad(attention_mask.bool(), (0, tokens.shape[1] - T), value=True)
     steps = []
     for s, (weights, offsets) in enumerate(passes):
         probs = sampling.probabilities(logits[:, s])  # (B, V)
         ids, top_probs = top_candidates(logits[:, s], probs, candidates)
         token = tokens[:, T + s]
         S = weights.shape[-1]
+        keys = key_index(offsets, T + s, S, tokens.shape[0], tokens.device)  # (B, S)
+        if offsets is None and real is not None:
+            keys = torch.where(real.gather(1, keys.clamp(min=0)) & (keys >= 0), keys, -1)
         steps.append(
             GenerationStep(
                 token=token,
                 position=T + s,
                 key_start=T + s - S,
-                key_index=key_index(offsets, T + s, S, tokens.shape[0], tokens.device),
+                key_index=keys,
                 weights=weights,
                 candidates=ids,
                 probs=top_probs,
