@@ -641,6 +641,15 @@ BAD = [
     ("POST", "/api/ablate", {"prompt": "abc", "heads": []}, None, 422, "heads"),
     ("POST", "/api/inspect", {"prompt": "abc", "sections": ["steps"], "steps": ["0.9"]}, None, 422, "0.9"),
     ("POST", "/api/inspect", {"prompt": "abc", "layers": [7]}, None, 422, "layers: 7 is out of range"),
+    # (the request's fields named: the library's message named the command line's --steps, --layer/--head)
+    (
+        "POST",
+        "/api/inspect",
+        {"prompt": "abc", "sections": ["steps"], "steps": ["2.1"], "layers": [0]},
+        None,
+        422,
+        "steps: 2.1 not among the heads shown (layers:, heads:)",
+    ),
     ("POST", "/api/inspect", {"prompt": "abc", "heads": [0, -9]}, None, 422, "heads: -9 is out of range"),
     ("POST", "/api/inspect", {"prompt": "abc", "sections": ["secrets"]}, None, 422, "sections.0"),
     ("POST", "/api/next", "prompt=abc", {"content-type": "application/x-www-form-urlencoded"}, 415, "send JSON"),

@@ -1,8 +1,8 @@
 """``attnlab serve``'s chat box on the compiled decoding step, and its generation stream beside it.
 
 An engine told to compile (:class:`attnlab.tools.serve.Engine` ``compile=True``, what ``attnlab serve``
-does) compiles the step on a thread of its own at warm-up, holding the engine's lock meanwhile (the
-step runs the model's own forward: requests wait for it). Chat answers then decode on the compiled
+does) compiles the step on a thread of its own at warm-up, on a copy of the model's modules (requests
+go on meanwhile), then checks it on the model itself under the engine's lock. Chat answers then decode on the compiled
 step and compile nothing on the model thread: the same answers as an engine that does not compile.
 The generation stream reads every layer's attention at each token at the hook points, compiled with
 the step (its own compiled step, made at warm-up beside the chat's): the tokens ``model.generate``
@@ -182,6 +182,34 @@ def test_ctrl_c_while_it_compiles(tmp_path, subprocess_env):
     code, err = server.stop()
     assert code == 130 and "Traceback" not in err and "Fatal" not in err, (code, err)
     assert time.perf_counter() - start < 10
+
+
+def test_requests_run_while_a_size_compiles(tmp_path, monkeypatch):
+    # The compiling thread held the engine's lock for the whole compile: every request waited minutes.
+    # It now compiles on a copy of the model's modules (the weights shared) and takes the lock only for
+    # the model's own step, which finds the code made.
+    model = sharp_gpt(2, **LLAMA)
+    engine = Engine(LoadedModel(model, CharTokenizer(CHARS), tmp_path), compile=True)
+    compiling, go, seen = threading.Event(), threading.Event(), []
+    real = FastDecoder.precompile
+
+    def slow(self, reading=None):
+        seen.append(self.model is model)
+        if self.model is not model:  # (the copy: a compile taking long)
+            assert self.model.tok_emb.weight is model.tok_emb.weight and self.model.trf_blocks[0].hook is None
+            compiling.set()
+            assert go.wait(60)
+        return real(self, reading)
+
+    monkeypatch.setattr(FastDecoder, "precompile", slow)
+    engine.warm_up()
+    assert compiling.wait(60)
+    answered = threading.Event()
+    threading.Thread(target=lambda: engine.run(lambda: None) or answered.set(), daemon=True).start()
+    assert answered.wait(30)  # (it waited for the compile before)
+    go.set()
+    assert engine.wait_compiled(timeout=900) and engine.compile_error is None
+    assert seen == [False, False, True, True]  # the copy's two steps, then the model's own
 
 
 def test_a_size_asked_for_as_the_compilation_fails_is_not_left_compiling(tmp_path, monkeypatch):

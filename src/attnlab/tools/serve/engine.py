@@ -34,6 +34,8 @@ longest prefix it shares with a recent one, and takes the attention rows of that
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 import queue
@@ -459,6 +461,12 @@ class Engine:
                 len(ids), len(set(layers or range(cfg.n_layers))), len(set(heads or range(cfg.n_heads))), precision
             )
         if "steps" in sections and steps is not None:  # (named heads: "auto" keeps to the page's budget)
+            shown = {(layer, h) for layer in layers or range(cfg.n_layers) for h in heads or range(cfg.n_heads)}
+            hidden = [
+                f"{layer}.{h}" for layer, h in parse_heads(steps, cfg.n_layers, cfg.n_heads) if (layer, h) not in shown
+            ]
+            if hidden:
+                raise ValueError(f"steps: {', '.join(hidden)} not among the heads shown (layers:, heads:)")
             need = len(steps) * steps_cost(len(ids), len(ids), cfg.head_dim)
             if need > self.limits.max_maps_bytes:
                 raise ValueError(
@@ -562,11 +570,17 @@ class Engine:
         return True
 
     def _compile(self) -> None:
-        """The compiling thread: each asked-for cache size compiled by a step of the model on
-        caches of its own (:meth:`attnlab.decoding.FastDecoder.precompile`), under the engine's lock: the
-        step runs the model's own forward, which must not see a request's hooks."""
+        """The compiling thread: each asked-for cache size compiled by a step on caches of its own
+        (:meth:`attnlab.decoding.FastDecoder.precompile`). The compiling runs on a copy of the model's
+        modules, their weights shared, without the engine's lock: the requests go on meanwhile (a size
+        takes minutes), and their hooks are set on the model's own modules, never on the copy's. Then a
+        step of the model itself, under the lock, finds that code made (Dynamo's graph takes the modules'
+        tensors as inputs, not the modules) and only checks it."""
         loaded = self._need_model()
         model = loaded.model
+        with self.lock:  # (no request's hooks on the model while it is copied)
+            shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+            shadow = copy.deepcopy(model, shared)
         while True:
             with self._compile_lock:
                 try:
@@ -575,10 +589,11 @@ class Engine:
                     self._compiler = None  # (the next size asked for starts a thread anew)
                     return
             try:
-                with self.lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
-                    decoder = FastDecoder(model, model.new_kv_caches(1, slots), compile=True)
-                    decoder.precompile()  # a chat answer's step
-                    decoder.precompile(attention_rows)  # the generation stream's: each token's attention too
+                for m, lock in ((shadow, contextlib.nullcontext()), (model, self.lock)):
+                    with lock, torch.inference_mode():  # (as the generations run: the graph's guards check it)
+                        decoder = FastDecoder(m, m.new_kv_caches(1, slots), compile=True)
+                        decoder.precompile()  # a chat answer's step
+                        decoder.precompile(attention_rows)  # the generation stream's: each token's attention too
             except Exception as exc:  # e.g. no C++ compiler for inductor: the fast path stays
                 with self._compile_lock:  # every size asked for until now is no longer compiling
                     self.compile_error = f"{type(exc).__name__}: {first_line(exc)}"
