@@ -575,3 +575,12 @@ def test_weights_removed_while_they_are_read_are_file_not_found(tmp_path, monkey
         with pytest.raises(FileNotFoundError, match=r"model\.safetensors was removed while it was being read"):
             GPT.load(tmp_path)
         GPT(GPTConfig(**SMALL)).save(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int64, 16])
+def test_a_dtype_that_is_not_a_floating_torch_dtype_is_named(tmp_path, dtype):
+    # from_pretrained gave torch's "to() received an invalid combination of arguments"
+    GPT(GPTConfig(**SMALL)).save(tmp_path)
+    for load in (GPT.load, GPT.from_pretrained):
+        with pytest.raises(TypeError, match=r"dtype must be None \(the weights' own\) or a floating-point"):
+            load(tmp_path, dtype=dtype)

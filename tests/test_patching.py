@@ -556,6 +556,21 @@ def test_bad_input_is_named(make_gpt, pair):
         activation_patching(model, clean, corrupted, lambda lg: lg[0, -1], "resid_pre")
     with pytest.raises(ValueError, match="metric must return a scalar"):
         attribution_patching(model, clean, corrupted, lambda lg: lg[0, -1], "resid_pre")
+    # A metric of no gradient, or not finite: an AttributeError, a RuntimeError or a result all NaN, before.
+    for metric, message in (
+        (lambda lg: 1.0, "computed from the logits"),
+        (lambda lg: lg[0, -1, 3].detach(), "computed"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            attribution_patching(model, clean, corrupted, metric, "resid_pre")
+    nan = lambda lg: lg[0, -1, A] * float("nan")
+    for call in (
+        lambda: activation_patching(model, clean, corrupted, nan, "resid_pre"),
+        lambda: attribution_patching(model, clean, corrupted, nan, "resid_pre"),
+        lambda: path_patching(model, clean, corrupted, nan, senders=[(0, 0)], receivers=[(1, 0, "q")]),
+    ):
+        with pytest.raises(ValueError, match=r"metric must return a finite value, got nan .*the metric made it"):
+            call()
     with pytest.raises(ValueError, match="answers\\[1\\] must be one token id"):
         direct_logit_attribution(model, clean, answers=(1, 99))
     with pytest.raises(ValueError, match="answers must be two token ids"):

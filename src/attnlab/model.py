@@ -549,6 +549,11 @@ class GeGLU(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+def _check_dtype(dtype: object) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be None (the weights' own) or a floating-point torch.dtype, got {dtype!r}")
+
+
 class TokenEmbedding(nn.Embedding):
     """The token embedding times ``scale`` where a family has one (Gemma: ``sqrt(emb_dim)``, rounded to the
     weights' dtype as its reference does): what this module returns is what the residual stream starts
@@ -1231,6 +1236,7 @@ class GPT(nn.Module):
         from attnlab.formats.gguf import is_gguf
 
         device = check_device("device", device)  # (before anything is read or downloaded)
+        _check_dtype(dtype)
         if isinstance(name, os.PathLike):  # a path: never a Hub id, nor a published GPT-2's name
             path = Path(name).expanduser()
             if not path.exists():
@@ -1287,6 +1293,7 @@ class GPT(nn.Module):
     ) -> GPT:
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
         device = check_device("device", device)
+        _check_dtype(dtype)
         safetensors = import_safetensors()
         SafetensorError, safe_open = safetensors.SafetensorError, safetensors.safe_open
 

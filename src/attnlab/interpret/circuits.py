@@ -73,7 +73,7 @@ from torch import Tensor
 
 from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import HookPoint, activation_at, eval_mode, hooks
-from attnlab.interpret.patching import metric_scalar
+from attnlab.interpret.patching import metric_scalar, metric_with_gradient, on_logits
 from attnlab.interpret.sae import SAE, sae_point, splice
 
 __all__ = [
@@ -660,26 +660,11 @@ def _check_pair(model: nn.Module, clean: object, corrupted: object) -> tuple[Ten
     return out[0], out[1]
 
 
-def _metric_value(metric: Callable, logits: Tensor) -> Tensor:
-    value = metric(logits)
-    number = float(metric_scalar(value))  # a clear ValueError for anything but one float
-    if not math.isfinite(number):
-        raise ValueError(f"metric must return a finite value, got {number} {_on(logits)}")
-    if not isinstance(value, Tensor) or not value.requires_grad:
-        raise ValueError("metric must return a tensor computed from the logits (edge attribution needs its gradient)")
-    return value.reshape(())
-
-
-def _on(logits: Tensor) -> str:
-    finite = bool(torch.isfinite(logits).all())
-    return "(the logits are finite: the metric made it)" if finite else "(the model's logits are not finite)"
-
-
 def _logits_grad(metric: Callable, logits: Tensor) -> Tensor:
     """The metric's gradient with respect to ``logits`` (all of a run's rows: the metric reads them together)."""
     with torch.enable_grad():
         x = logits.detach().requires_grad_(True)
-        return torch.autograd.grad(_metric_value(metric, x), x)[0]
+        return torch.autograd.grad(metric_with_gradient(metric, x), x)[0]
 
 
 def _row_chunks(B: int, T: int, max_tokens: int | None) -> list[slice]:
@@ -1069,7 +1054,7 @@ def _eap(
         return corr_w
     rec, fns, handles = _recording(model, graph)
     try:
-        grads = _reader_grads(model, graph, corrupted, lambda logits: _metric_value(metric, logits), fns)
+        grads = _reader_grads(model, graph, corrupted, lambda logits: metric_with_gradient(metric, logits), fns)
     finally:
         for h in handles:
             h.remove()
@@ -1102,7 +1087,7 @@ def _passes(
             units = [(j, slice(0, B)) for j in range(lo, min(n_runs, lo + per // B))]
 
             def objective(logits: Tensor, n: int = len(units)) -> Tensor:
-                return sum(_metric_value(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
+                return sum(metric_with_gradient(metric, logits[i * B : (i + 1) * B]) for i in range(n)) / steps
 
             _grad_pass(model, graph, idx, units, objective, changes, add)
         return
@@ -1497,7 +1482,7 @@ def _circuit_values(
             for c in range(kept.shape[0]):
                 value = float(metric_scalar(metric(logits[c])))
                 if not math.isfinite(value):
-                    where = f"for circuits[{lo + c}] {_on(logits[c])}"
+                    where = f"for circuits[{lo + c}] {on_logits(logits[c])}"
                     raise ValueError(f"metric must return a finite value, got {value} {where}")
                 values.append(value)
     return values

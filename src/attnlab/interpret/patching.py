@@ -146,6 +146,32 @@ def _metric_rows(metric: Callable, logits: Tensor) -> Tensor:
     return torch.stack([metric_scalar(metric(logits[i : i + 1])) for i in range(logits.shape[0])])
 
 
+def metric_with_gradient(metric: Callable, logits: Tensor) -> Tensor:
+    """``metric(logits)`` as a scalar tensor in the graph, or a ValueError: not one float, not finite,
+    or not computed from the logits (attribution needs its gradient). Shared by patching and circuits."""
+    value = metric(logits)
+    number = float(metric_scalar(value))  # a clear ValueError for anything but one float
+    if not math.isfinite(number):
+        raise ValueError(f"metric must return a finite value, got {number} {on_logits(logits)}")
+    if not isinstance(value, Tensor) or not value.requires_grad:
+        raise ValueError("metric must return a tensor computed from the logits (attribution needs its gradient)")
+    return value.reshape(())
+
+
+def _finite(values: Tensor, logits: Tensor, where: str) -> Tensor:
+    """``values``, or a ValueError where one is not finite (a NaN would fill the result silently)."""
+    if not bool(torch.isfinite(values).all()):
+        bad = values[~torch.isfinite(values)].flatten()[0].item()
+        raise ValueError(f"metric must return a finite value, got {bad} {where} {on_logits(logits)}")
+    return values
+
+
+def on_logits(logits: Tensor) -> str:
+    """Where a metric's value that is not finite came from: the logits, or the metric itself."""
+    finite = bool(torch.isfinite(logits).all())
+    return "(the logits are finite: the metric made it)" if finite else "(the model's logits are not finite)"
+
+
 def metric_scalar(value: object) -> Tensor:
     """A metric's value as a float64 scalar tensor, detached (a float or a one-element float tensor);
     a ValueError naming what came for anything else. Shared by patching and circuits."""
@@ -347,7 +373,7 @@ def activation_patching(
         logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
         # The corrupted run's metric: the value of an index not patched (and a metric that returns no
         # scalar fails here, before the long part).
-        value = metric_scalar(metric(logits))
+        value = _finite(metric_scalar(metric(logits)), logits, "on the corrupted run")
         _check_tail(model, logits, corr_cache[starts[0]], last_only)
         sources = [clean_cache[n] for n in names]
         resid = [corr_cache[n] for n in starts]
@@ -363,7 +389,7 @@ def activation_patching(
         for lo in range(0, len(indices), per_pass):
             index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1, 2 or 3)
             patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
-            values = _metric_rows(metric, patched).cpu()  # (indices write into a CPU tensor from the CPU only)
+            values = _finite(_metric_rows(metric, patched), patched, "on a patched run").cpu()  # (written from the CPU)
             out[:, where[lo : lo + index.shape[0]]] = values.reshape(len(chosen), -1)
             if progress is not None:
                 progress(len(chosen) * (lo + index.shape[0]), len(chosen) * len(indices))
@@ -455,7 +481,8 @@ def path_patching(
             return x
 
         with hooks(model, dict.fromkeys(wanted, receive)):
-            value = metric_scalar(metric(model(corrupted)))
+            logits = model(corrupted)
+            value = _finite(metric_scalar(metric(logits)), logits, "on the path-patched run")
     return float(value)
 
 
@@ -502,9 +529,8 @@ def attribution_patching(
         with torch.no_grad():
             _, clean_cache = run_with_cache(model, clean, names)
         with torch.enable_grad(), hooks(model, {"hook_embed": leaf, **dict.fromkeys(names, keep)}):
-            value = metric(model(corrupted))
-            metric_scalar(value)
-            grads = torch.autograd.grad(value.reshape(()), [acts[n] for n in names], allow_unused=True)
+            value = metric_with_gradient(metric, model(corrupted))
+            grads = torch.autograd.grad(value, [acts[n] for n in names], allow_unused=True)
     out = []
     for n, g in zip(names, grads, strict=True):
         a = acts[n].detach()
