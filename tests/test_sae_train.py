@@ -383,7 +383,8 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
     SAE(SAEConfig(d_in=24, d_sae=32, architecture="topk", k=4, hook_name=HOOK)).save(tmp_path / "sae")
     (tmp_path / "t.txt").write_text("the cat sat on the mat " * 50)
     common = ["--checkpoint", str(tmp_path / "m"), "--sae", str(tmp_path / "sae"), "--data", str(tmp_path / "t.txt")]
-    for argv in (["eval"], ["dashboard", "--latents", "8", "--out", str(tmp_path / "d.html")]):
+    # (dashboard with no --latents: every one of this SAE's 32, where the default 100 was refused)
+    for argv in (["eval"], ["dashboard", "--out", str(tmp_path / "d.html")]):
         assert main(["sae", *argv, *common, "--context", "17"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--context 17 is longer than the model's context of 16 tokens" in err, err
@@ -399,6 +400,7 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
         (["eval", "--tokens", "3"], "--tokens 3 is less than one window of --context 128"),
         (["dashboard", "--context", "0", "--out", "d.html"], "--context must be a positive int, got 0"),
         (["dashboard", "--out", "d.txt"], "--out must end in one of .html, .htm; got 'd.txt'"),
+        (["dashboard", "--tokens", "8", "--context", "16", "--out", "d.html"], "--tokens 8 is less than one window"),
         (["train", "--hook", HOOK, "--out", "run", "--dead-tokens", "0"], "dead_tokens must be a positive int, got 0"),
         (["train", "--hook", HOOK, "--out", "run", "--seed", "-1"], "seed must be at least 0, got -1"),
         (["train", "--hook", HOOK, "--out", "run", "--lr", "-1"], "lr must be a finite number > 0, got -1.0"),

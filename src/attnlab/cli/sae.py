@@ -112,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hook-out", metavar="NAME", help="a transcoder's output hook (default: its files'; this overrides it)"
     )
     d.add_argument("--data", metavar="PATH", help="UTF-8 text to read (default: the built-in corpus)")
-    d.add_argument("--latents", type=int, default=100, metavar="N", help="the first N latents (default 100)")
+    d.add_argument(
+        "--latents", type=int, metavar="N", help="the first N latents (default 100, or every one of a smaller SAE)"
+    )
     d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
     d.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
     d.add_argument("--top", type=int, default=10, metavar="K", help="top-activating contexts per latent (default 10)")
@@ -259,9 +261,13 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae import SAE
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
 
-    _check_positive(args, "latents", "tokens", "context", "top")
+    _check_positive(args, *(["latents"] if args.latents is not None else []), "tokens", "context", "top")
+    if args.tokens < args.context:
+        raise ValueError(f"--tokens {args.tokens} is less than one window of --context {args.context}")
     check_out_file(args.out, (".html", ".htm"))  # (a page, as viz, patch and circuit write)
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
+    if args.latents is None:
+        args.latents = min(100, sae.cfg.d_sae)
     if args.latents > sae.cfg.d_sae:
         raise ValueError(f"--latents must be at most the SAE's d_sae={sae.cfg.d_sae}, got {args.latents}")
     # Dense weights: a matrix kept in a file's blocks would be dequantized again for every batch.

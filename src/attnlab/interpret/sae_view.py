@@ -248,7 +248,10 @@ def collect(
         raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tuple(ids.shape)}")
     n_windows = min(ids.numel(), max_tokens) // context
     if n_windows < 1:
-        raise ValueError(f"tokens: {ids.numel()} tokens, fewer than one window of context={context}")
+        raise ValueError(
+            f"tokens: {min(ids.numel(), max_tokens)} tokens read (of {ids.numel()}, max_tokens={max_tokens}), fewer "
+            f"than one window of context={context}"
+        )
     device = next(model.parameters()).device
     stats = LatentStats.empty(chosen, top_k, window)
     lat = chosen.to(device)
