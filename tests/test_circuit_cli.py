@@ -473,3 +473,13 @@ def test_a_bad_sae_is_one_line_naming_its_flag(checkpoint, tmp_path, capsys, whi
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err and "Traceback" not in err
     assert f"--sae {path}: " in err
+
+
+def test_circuit_result_refuses_float_token_ids(checkpoint):
+    # They were truncated to integers silently (every other entry point refuses them).
+    from attnlab.interpret import circuit_result
+
+    _, model = checkpoint
+    clean, corrupted = _ids()
+    with pytest.raises(TypeError, match="must hold integer token ids, got torch.float32"):
+        circuit_result(model, clean.float() + 0.7, corrupted.float() + 0.7, (0, 1))

@@ -948,3 +948,14 @@ def test_candidates_are_the_likeliest_tokens_then_the_runners_up(seed, sampling)
     left = torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, False)
     assert (chosen[:, -1] >= logits.masked_fill(~left, float("-inf")).amax(-1)).all()  # none better left out
     assert torch.equal(ids[:, 0], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("other", [{"n_layers": 2}, {"vocab_size": 50}, {"emb_dim": 48}])
+def test_the_logit_lens_of_another_models_trace_is_refused(other):
+    # More layers or another vocabulary gave rows of the wrong model silently; another width, torch's error.
+    model = sharp_gpt()
+    idx = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(0))
+    tr = trace(sharp_gpt(**other), idx, stages=True)
+    with pytest.raises(ValueError, match="trace is of another model"):
+        logit_lens(model, tr)
+    logit_lens(model, trace(model, idx, stages=True))  # (its own: fine)

@@ -207,7 +207,7 @@ def _check_lens_args(
     model: nn.Module, trace: Trace, k: int, chunk: int, search_dtype: torch.dtype | None
 ) -> tuple[int, int]:
     """:func:`logit_lens`'s arguments checked; ``k`` and ``chunk`` as ints."""
-    attention_layers(model)
+    layers = attention_layers(model)
     _check_trace(trace, "logit_lens")
     trace._need_stages("logit_lens")
     if trace.logits is None:
@@ -217,6 +217,14 @@ def _check_lens_args(
     head = model.out_head
     if not isinstance(head, nn.Linear):
         raise TypeError(f"logit_lens needs model.out_head to be an nn.Linear, got {type(head).__name__}")
+    # A trace of another model: as many layers, the same width and vocabulary (else wrong rows, silently)
+    d, V = head.weight.shape[1], head.weight.shape[0]
+    got = (trace.n_layers, trace.residual.shape[-1], trace.logits.shape[-1])
+    if got != (len(layers), d, V):
+        raise ValueError(
+            f"trace is of another model: {got[0]} layers, width {got[1]}, vocabulary {got[2]}; this model has "
+            f"{len(layers)}, {d}, {V}"
+        )
     if search_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, head.weight.dtype):
         raise ValueError(f"search_dtype must be None, the model's dtype or torch.bfloat16, got {search_dtype}")
     return k, chunk

@@ -180,6 +180,8 @@ def circuit_result(
         raise ValueError(f"answers must be two different tokens, both are token {a}")
     if not isinstance(clean, Tensor) or not isinstance(corrupted, Tensor):
         raise TypeError(f"clean and corrupted must be tensors of token ids, got {type(clean).__name__}")
+    if clean.is_floating_point() or corrupted.is_floating_point() or clean.dtype == torch.bool:
+        raise TypeError(f"clean and corrupted must hold integer token ids, got {clean.dtype} and {corrupted.dtype}")
     x = [(t[0] if t.dim() == 2 and t.shape[0] == 1 else t) for t in (clean, corrupted)]
     if x[0].dim() != 1 or x[0].shape != x[1].shape:
         raise ValueError(
