@@ -481,5 +481,5 @@ def test_circuit_result_refuses_float_token_ids(checkpoint):
 
     _, model = checkpoint
     clean, corrupted = _ids()
-    with pytest.raises(TypeError, match="must hold integer token ids, got torch.float32"):
+    with pytest.raises(TypeError, match=r"must hold integer token ids, got torch\.float32"):
         circuit_result(model, clean.float() + 0.7, corrupted.float() + 0.7, (0, 1))

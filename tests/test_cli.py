@@ -106,3 +106,15 @@ def test_threads_are_the_commands_and_set_back_after_it(capsys):
             cli.main([*command, "--threads", "0"])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--threads" in err, (command, err)
+
+
+@pytest.mark.parametrize(("command", "flag"), [("viz", "--seed"), ("inspect", "--role-seed")])
+def test_a_seed_out_of_range_is_one_line_naming_the_flag(command, flag, capsys):
+    # (it printed torch's "Overflow when unpacking long long", naming no flag)
+    from attnlab import cli
+
+    for value in (str(2**64), "-1"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--demo", flag, value])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: expected a seed" in err, err

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, add_threads_argument, load_from_model_arguments
+from attnlab.cli.options import add_model_arguments, add_threads_argument, load_from_model_arguments, seed
 from attnlab.cli.viz import add_sae_arguments
 from attnlab.tools.loading import attach_saes, load_saes
 from attnlab.tools.viz.report import inspect_report
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="zero",
         help="replace a removed head's output by zeros or by its mean over the prompt (default: zero)",
     )
-    parser.add_argument("--role-seed", type=int, default=0, metavar="S", help="seed of the role-score sequence")
+    parser.add_argument("--role-seed", type=seed, default=0, metavar="S", help="seed of the role-score sequence")
     add_sae_arguments(parser, page=False)
 
 

@@ -53,6 +53,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """argparse type of seeds: what torch's generators take, 0 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**64 - 1, got {value}")
+    return value
+
+
 # What --model reads (generate, chat, inspect, viz, serve): one line for every command's help.
 MODEL_SOURCES = (
     "a GGUF file (llama.cpp: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, gptneox), or a Hugging Face "
@@ -140,7 +151,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-p", type=float, default=None, metavar="P", help="nucleus sampling: the likeliest tokens up to P"
     )
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for sampling (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="S", help="seed for sampling (default: 0)")
 
 
 def check_sampling(args: argparse.Namespace) -> None:
