@@ -364,3 +364,17 @@ def test_merge_is_written_whole_or_not_at_all(base, tmp_path, monkeypatch, capsy
     assert train(base, out, "--resume", "--max-steps", "2", "--merge", str(merged)) == 0
     assert GPT.load(merged) is not None and (merged / "tokenizer.json").is_file()
     assert oct(merged.stat().st_mode & 0o777) == oct(0o777 & ~current_umask())
+
+
+def test_apply_lora_checks_settings_not_made_by_make() -> None:
+    # A plain dict gave KeyError 'targets'; LoRASettings(rank=0, ...) a ZeroDivisionError.
+    def model() -> GPT:
+        return GPT(GPTConfig(vocab_size=37, context_length=16, emb_dim=24, n_heads=4, n_layers=2))
+
+    m = model()
+    apply_lora(m, {"rank": 4})
+    assert m.lora_settings == LoRASettings.make(4)
+    with pytest.raises(ValueError, match=r"--lora-rank must be an integer in \[1, "):
+        apply_lora(model(), LoRASettings(rank=0, alpha=1.0, targets=["q"]))
+    with pytest.raises(TypeError, match=r"settings must be LoRASettings\.make"):
+        apply_lora(model(), None)

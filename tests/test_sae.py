@@ -517,3 +517,20 @@ def test_latent_writes_are_the_decoders_terms(norm, rescale, transcoder):
     for bad in (x[..., :-1], x[:1], "x"):  # another width, another batch, not a tensor
         with pytest.raises(ValueError, match=r"SAE.decode: x must be the input the latents came from, \(3, 5, 12\)"):
             sae.decode(z, bad)
+
+
+def test_a_missing_sae_is_named_where_it_is_taken(make_gpt):
+    # (an AttributeError on None's .cfg or .check_model, before)
+    from attnlab.interpret.sae_view import collect, prompt_latents, strongest_latents
+
+    model, idx = make_gpt(), torch.randint(0, 37, (1, 8))
+    calls = {
+        "evaluate_sae": lambda: evaluate_sae(model, None, idx),
+        "prompt_latents": lambda: prompt_latents(model, None, idx[0]),
+        "strongest_latents": lambda: strongest_latents(model, None, idx[0]),
+        "collect": lambda: collect(model, None, idx[0]),
+        "splice": lambda: splice(model, None).__enter__(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"{name}: sae must be an attnlab SAE, got NoneType"):
+            call()

@@ -907,6 +907,13 @@ def sae_point(sae: SAE, point: str) -> str:
     return f"{sae.cfg.hook_name_out or sae.cfg.hook_name}.{short}"
 
 
+def check_sae(sae: object, where: str) -> SAE:
+    """``sae``, or a TypeError naming ``where`` unless it is an attnlab :class:`SAE`."""
+    if not isinstance(sae, SAE):
+        raise TypeError(f"{where}: sae must be an attnlab SAE, got {type(sae).__name__}")
+    return sae
+
+
 @contextlib.contextmanager
 def splice(
     model: nn.Module,
@@ -939,8 +946,7 @@ def splice(
     the output hook (``hook_name_out``) replaced. Yields a dict that holds, after each forward pass,
     those tensors by full name (detached), or fills ``cache`` if given.
     """
-    if not isinstance(sae, SAE):
-        raise TypeError(f"splice: sae must be an attnlab SAE, got {type(sae).__name__}")
+    check_sae(sae, "splice")
     sae.check_model(model)
     base = sae.cfg.hook_name_out or sae.cfg.hook_name
     shorts = [p for p in SAE_POINTS if keep_error or p != "hook_sae_error"]
@@ -1005,8 +1011,7 @@ def steer(model: nn.Module, sae: SAE, latent: int, strength: float) -> Iterator[
     direction pushed into the model while it runs (steering). Built on :func:`attnlab.interpret.hooks`;
     blocks nest, so several latents may be steered at once. Yields the added direction ``(d_out,)``,
     in the SAE's dtype."""
-    if not isinstance(sae, SAE):
-        raise TypeError(f"steer: sae must be an attnlab SAE, got {type(sae).__name__}")
+    check_sae(sae, "steer")
     if not _is_int(latent) or not 0 <= latent < sae.cfg.d_sae:
         raise ValueError(f"steer: latent must be an int in [0, {sae.cfg.d_sae}), got {latent!r}")
     if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
@@ -1116,7 +1121,7 @@ def evaluate_sae(
     tokens = _eval_tokens(tokens, batch_size)  # (N, T)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable or None, got {type(progress).__name__}")
-    sae.check_model(model)
+    check_sae(sae, "evaluate_sae").check_model(model)
     hook_in = sae.cfg.hook_name
     hook_out = sae.cfg.hook_name_out or hook_in
     device = next(model.parameters()).device

@@ -41,7 +41,7 @@ from attnlab.files import atomic_write_text
 from attnlab.interpret.hooks import activation_at, eval_mode
 from attnlab.interpret.inspector import token_label, token_strings
 from attnlab.interpret.page import OFFLINE_CSP, inline, json_for_script
-from attnlab.interpret.sae import SAE
+from attnlab.interpret.sae import SAE, check_sae
 
 __all__ = [
     "DASHBOARD_ASSETS",
@@ -183,7 +183,7 @@ class LatentStats:
 def strongest_latents(model: nn.Module, sae: SAE, idx: Tensor, n: int = 5) -> tuple[Tensor, Tensor]:
     """Each token's ``n`` strongest latents (what the inspector shows for a token): ``idx (T,)`` or
     ``(1, T)`` -> ``(values (T, n), latents (T, n))``, values descending (0 where fewer fired)."""
-    _check_n(n, sae.cfg.d_sae)
+    _check_n(n, check_sae(sae, "strongest_latents").cfg.d_sae)
     values, latents = prompt_latents(model, sae, idx).topk(n, dim=-1)  # (T, n) each, descending
     return values.float().cpu(), latents.cpu()
 
@@ -200,7 +200,7 @@ def prompt_latents(model: nn.Module, sae: SAE, idx: Tensor) -> Tensor:
     if not isinstance(idx, Tensor) or idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[0] != 1):
         got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
         raise ValueError(f"idx must be the token ids of one prompt, (T,) or (1, T), got {got}")
-    sae.check_model(model)
+    check_sae(sae, "prompt_latents").check_model(model)
     with eval_mode(model):
         x = activation_at(model, sae.cfg.hook_name, idx.reshape(1, -1))  # (1, T, d_in)
     return sae.encode(x)[0]  # (T, d_sae)
@@ -236,7 +236,7 @@ def collect(
     ``model`` up to the SAE's hook and fold each batch's latents into :class:`LatentStats`: at most
     ``max_tokens`` tokens, in windows of ``context``, ``batch`` windows at a time. ``progress(tokens)``
     is called after each batch."""
-    chosen = _check_latents(latents, sae.cfg.d_sae)
+    chosen = _check_latents(latents, check_sae(sae, "collect").cfg.d_sae)
     for name, v in (("max_tokens", max_tokens), ("context", context), ("batch", batch), ("top_k", top_k)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -147,6 +147,10 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> int:
         raise TypeError(f"model must be an attnlab GPT, got {type(model).__name__}")
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
+    if not isinstance(settings, dict):
+        raise TypeError(f"settings must be LoRASettings.make(rank, alpha, targets), got {type(settings).__name__}")
+    # (checked again: a dict, or LoRASettings built without make, of a rank 0 or no targets)
+    settings = LoRASettings.make(settings.get("rank"), settings.get("alpha"), settings.get("targets"))
     modules = list(_target_modules(model, settings["targets"]))
     smallest = min(min(m.weight.shape) for _, m in modules)
     if settings["rank"] > smallest:  # a rank past a matrix's smaller side adds parameters, not expressiveness
