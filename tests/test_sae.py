@@ -534,3 +534,14 @@ def test_a_missing_sae_is_named_where_it_is_taken(make_gpt):
     for name, call in calls.items():
         with pytest.raises(TypeError, match=f"{name}: sae must be an attnlab SAE, got NoneType"):
             call()
+
+
+def test_latent_writes_names_latents_out_of_range_and_latents_of_another_width():
+    # latent -1 gave the last latent's write, 1.5 latent 1's, and a z of another width a result: silently.
+    sae = make_sae("topk")
+    z = torch.rand(3, sae.cfg.d_sae)
+    for bad in ([-1], [1.5], [sae.cfg.d_sae]):
+        with pytest.raises(ValueError, match=r"latents must be latent indices in \[0, 40\)"):
+            sae.latent_writes(z, bad)
+    with pytest.raises(ValueError, match=r"z must be latents \(\.\.\., d_sae=40\), got shape \(3, 10\)"):
+        sae.latent_writes(torch.rand(3, 10), [1])

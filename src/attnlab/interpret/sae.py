@@ -338,7 +338,13 @@ class SAE(nn.Module):
         d_sae)``: ``z_j W_dec[j]`` (unit-norm rows under ``rescale_acts_by_decoder_norm``; times the
         scale a run-time normalization of ``x`` undoes). ``decode(z, x)`` is their sum over all latents
         plus what no latent writes (the bias, the normalization's shift, a skip connection)."""
-        idx = torch.as_tensor(list(latents), dtype=torch.long, device=self.W_dec.device)
+        chosen = list(latents)
+        if not all(_is_int(j) and 0 <= j < self.cfg.d_sae for j in chosen):
+            raise ValueError(f"latents must be latent indices in [0, {self.cfg.d_sae}), got {chosen[:8]!r}")
+        if not isinstance(z, Tensor) or z.shape[-1] != self.cfg.d_sae:
+            got = f"shape {tuple(z.shape)}" if isinstance(z, Tensor) else type(z).__name__
+            raise ValueError(f"z must be latents (..., d_sae={self.cfg.d_sae}), got {got}")
+        idx = torch.as_tensor(chosen, dtype=torch.long, device=self.W_dec.device)
         w = self.W_dec[idx]  # (n, d_out)
         if self.cfg.rescale_acts_by_decoder_norm:
             w = w / w.norm(dim=-1, keepdim=True)
