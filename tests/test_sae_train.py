@@ -398,6 +398,7 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
         (["eval", "--context", "0"], "--context must be a positive int, got 0"),
         (["eval", "--tokens", "-5"], "--tokens must be a positive int, got -5"),
         (["eval", "--tokens", "3"], "--tokens 3 is less than one window of --context 128"),
+        (["eval", "--context", "1"], "--context must be at least 2 tokens"),
         (["dashboard", "--context", "0", "--out", "d.html"], "--context must be a positive int, got 0"),
         (["dashboard", "--out", "d.txt"], "--out must end in one of .html, .htm; got 'd.txt'"),
         (["dashboard", "--tokens", "8", "--context", "16", "--out", "d.html"], "--tokens 8 is less than one window"),

@@ -226,6 +226,8 @@ def _eval(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae import SAE, evaluate_sae
 
     _check_positive(args, "tokens", "context")
+    if args.context < 2:  # (found only after the progress bar had started)
+        raise ValueError(f"--context must be at least 2 tokens (a next token to predict), got {args.context}")
     if args.tokens < args.context:  # (it measured one whole window, silently)
         raise ValueError(f"--tokens {args.tokens} is less than one window of --context {args.context}")
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
