@@ -545,3 +545,10 @@ def test_latent_writes_names_latents_out_of_range_and_latents_of_another_width()
             sae.latent_writes(z, bad)
     with pytest.raises(ValueError, match=r"z must be latents \(\.\.\., d_sae=40\), got shape \(3, 10\)"):
         sae.latent_writes(torch.rand(3, 10), [1])
+
+
+@pytest.mark.parametrize("name", ["skip", "apply_b_dec_to_input", "rescale_acts_by_decoder_norm"])
+def test_a_config_flag_that_is_not_a_bool_is_refused(name):
+    # rescale_acts_by_decoder_norm="no" was kept, truthy: the option on, silently.
+    with pytest.raises(ValueError, match=f"SAE config: {name} must be True or False, got 'no'"):
+        SAEConfig(d_in=24, d_sae=40, architecture="topk", k=5, **{name: "no"})

@@ -168,6 +168,9 @@ class SAEConfig:
                 raise ValueError(f"SAE config: {name} must be a positive int, got {v!r}")
         if self.d_out is not None and (not _is_int(self.d_out) or self.d_out < 1):
             raise ValueError(f"SAE config: d_out must be a positive int or None, got {self.d_out!r}")
+        for name in ("skip", "apply_b_dec_to_input", "rescale_acts_by_decoder_norm"):
+            if not isinstance(v := getattr(self, name), bool):  # ("no" is truthy: the option on, silently)
+                raise ValueError(f"SAE config: {name} must be True or False, got {v!r}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"SAE config: unknown architecture {self.architecture!r}; attnlab runs {', '.join(ARCHITECTURES)}"
