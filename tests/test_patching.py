@@ -563,6 +563,15 @@ def test_bad_input_is_named(make_gpt, pair):
     ):
         with pytest.raises(ValueError, match=message):
             attribution_patching(model, clean, corrupted, metric, "resid_pre")
+    for call in (  # (None's "'NoneType' object is not callable", 3's "'int' object is not callable", before)
+        lambda: activation_patching(model, clean, corrupted, None, "resid_pre"),
+        lambda: attribution_patching(model, clean, corrupted, None, "resid_pre"),
+        lambda: path_patching(model, clean, corrupted, None, senders=[(0, 0)], receivers=[(1, 0, "q")]),
+    ):
+        with pytest.raises(TypeError, match=r"metric must be a function of the logits .*, got NoneType"):
+            call()
+    with pytest.raises(TypeError, match=r"progress must be a function \(done, total\) or None, got int"):
+        activation_patching(model, clean, corrupted, logit_diff(A, B), "resid_pre", progress=3)
     nan = lambda lg: lg[0, -1, A] * float("nan")
     for call in (
         lambda: activation_patching(model, clean, corrupted, nan, "resid_pre"),

@@ -186,6 +186,13 @@ def metric_scalar(value: object) -> Tensor:
 # --------------------------------------------------------------------------------------------
 # Inputs and the tail of the model
 # --------------------------------------------------------------------------------------------
+def _check_metric(metric: object, progress: object = None) -> None:
+    if not callable(metric):
+        raise TypeError(f"metric must be a function of the logits (e.g. logit_diff(a, b)), got {type(metric).__name__}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a function (done, total) or None, got {type(progress).__name__}")
+
+
 def _check_pair(model: nn.Module, clean: object, corrupted: object) -> tuple[Tensor, Tensor]:
     out = []
     for name, idx in (("clean", clean), ("corrupted", corrupted)):
@@ -355,6 +362,7 @@ def activation_patching(
         float32 tensor of raw metric values (on the CPU).
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
+    _check_metric(metric, progress)
     if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int (tokens in one batched pass), got {max_tokens!r}")
     L, T = len(attention_layers(model)), clean.shape[1]
@@ -429,6 +437,7 @@ def path_patching(
     senders: ``(layer, head)`` pairs; receivers: ``(layer, head, "q" | "k" | "v")``, in later layers.
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
+    _check_metric(metric)
     layers = attention_layers(model)
     L, H = len(layers), layers[0].num_heads
     senders = [_head(f"senders[{i}]", s, L, H) for i, s in enumerate(senders)]
@@ -510,6 +519,7 @@ def attribution_patching(
     value minus the corrupted run's metric); exact where the metric is linear in the activation.
     """
     clean, corrupted = _check_pair(model, clean, corrupted)
+    _check_metric(metric)
     spliced = _spliced_site(model, site)
     if spliced is None:
         step, kind = _check_site(site)
