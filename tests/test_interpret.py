@@ -397,6 +397,8 @@ def test_repeated_tokens_are_distinct_within_each_copy():
     assert all(len(set(row[:20].tolist())) == 20 for row in x)
     assert torch.equal(x, repeated_tokens(50, 40, seed=3, batch=2))
     assert not torch.equal(x, repeated_tokens(50, 40, seed=4, batch=2))
+    with pytest.raises(ValueError, match="batch must be a positive int"):  # (torch's "stack expects a non-empty")
+        repeated_tokens(50, 40, batch=0)
 
 
 # --------------------------------------------------------------------------------------------

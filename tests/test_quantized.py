@@ -798,3 +798,16 @@ def test_memory_of_a_q4_k_model_is_at_most_1_5x_its_file(tmp_path):
     assert size > 150e6
     extra = extra_rss(path, limit=1.5 * size)
     assert extra <= 1.5 * size, (extra, size)
+
+
+def test_blocks_of_the_wrong_kind_are_named():
+    # bytes gave an AttributeError on .dtype, a shape of floats was truncated, "Q9" a KeyError.
+    raw = np.zeros((4, 34), np.uint8)
+    with pytest.raises(TypeError, match="raw must be a numpy array of the file's bytes"):
+        QuantizedTensor.from_blocks("Q8_0", raw.tobytes(), (4, 32))
+    for shape in ((4.5, 32), (-4, 32), (4,)):
+        with pytest.raises(ValueError, match="shape must be \\(out_features, in_features\\), two positive ints"):
+            QuantizedTensor.from_blocks("Q8_0", raw, shape)
+    assert QuantizedTensor.from_blocks("Q8_0", raw, (np.int64(4), 32)).shape == (4, 32)
+    with pytest.raises(ValueError, match="format must be one of"):
+        q.dequantize("Q9", {})

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import hardware
+from attnlab.checks import is_int
 
 __all__ = [
     "FORMATS",
@@ -804,6 +805,8 @@ class Part:
 
 def dequantize(format: str, fields: dict[str, Tensor]) -> Tensor:
     """The float32 weights ``(rows, in_features)`` of one format's ``fields`` (see :data:`FORMATS`)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     return Part(format, fields).dequantize()
 
 
@@ -942,6 +945,11 @@ class QuantizedTensor(Tensor):
         (one GGUF tensor's data, rows of blocks) in GGML format ``format``."""
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        if not isinstance(raw, np.ndarray):
+            raise TypeError(f"raw must be a numpy array of the file's bytes (uint8), got {type(raw).__name__}")
+        ok = isinstance(shape, (tuple, list)) and len(shape) == 2 and all(is_int(s) and s > 0 for s in shape)
+        if not ok:
+            raise ValueError(f"shape must be (out_features, in_features), two positive ints, got {shape!r}")
         fmt = FORMATS[format]
         out, inp = (int(s) for s in shape)
         if inp % fmt.block:

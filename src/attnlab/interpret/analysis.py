@@ -577,6 +577,7 @@ def answer_ranks(
 def repeated_tokens(vocab_size: int, context_length: int, *, seed: int = 0, batch: int = 2) -> Tensor:
     """``(batch, 2n)`` rows of ``n`` random distinct tokens repeated twice, ``n = min(context // 2,
     vocab, 64)``: on them an induction head's target is known (the token after the first copy)."""
+    batch = positive_int("batch", batch)
     n = min(context_length // 2, vocab_size, 64)
     if n < 2:
         raise ValueError(
