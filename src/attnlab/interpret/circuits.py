@@ -73,7 +73,7 @@ from torch import Tensor
 
 from attnlab.hardware import as_float64
 from attnlab.interpret.hooks import HookPoint, activation_at, eval_mode, hooks
-from attnlab.interpret.patching import metric_scalar, metric_with_gradient, on_logits
+from attnlab.interpret.patching import finite_metric, metric_scalar, metric_with_gradient
 from attnlab.interpret.sae import SAE, sae_point, splice
 
 __all__ = [
@@ -1480,11 +1480,8 @@ def _circuit_values(
             parts = [_patched_run(model, graph, corr_w[r], excluded, clean[r]) for r in chunks]
             logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (C, B, T, V)
             for c in range(kept.shape[0]):
-                value = float(metric_scalar(metric(logits[c])))
-                if not math.isfinite(value):
-                    where = f"for circuits[{lo + c}] {on_logits(logits[c])}"
-                    raise ValueError(f"metric must return a finite value, got {value} {where}")
-                values.append(value)
+                value = finite_metric(metric_scalar(metric(logits[c])), logits[c], f"for circuits[{lo + c}]")
+                values.append(float(value))
     return values
 
 

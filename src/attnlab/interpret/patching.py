@@ -158,8 +158,9 @@ def metric_with_gradient(metric: Callable, logits: Tensor) -> Tensor:
     return value.reshape(())
 
 
-def _finite(values: Tensor, logits: Tensor, where: str) -> Tensor:
-    """``values``, or a ValueError where one is not finite (a NaN would fill the result silently)."""
+def finite_metric(values: Tensor, logits: Tensor, where: str) -> Tensor:
+    """``values``, a metric's, or a ValueError where one is not finite (a NaN would fill the result
+    silently), saying ``where`` and whether the logits were. Shared by patching and circuits."""
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)].flatten()[0].item()
         raise ValueError(f"metric must return a finite value, got {bad} {where} {on_logits(logits)}")
@@ -381,7 +382,7 @@ def activation_patching(
         logits, corr_cache = run_with_cache(model, corrupted, sorted({*names, *starts}))
         # The corrupted run's metric: the value of an index not patched (and a metric that returns no
         # scalar fails here, before the long part).
-        value = _finite(metric_scalar(metric(logits)), logits, "on the corrupted run")
+        value = finite_metric(metric_scalar(metric(logits)), logits, "on the corrupted run")
         _check_tail(model, logits, corr_cache[starts[0]], last_only)
         sources = [clean_cache[n] for n in names]
         resid = [corr_cache[n] for n in starts]
@@ -397,7 +398,8 @@ def activation_patching(
         for lo in range(0, len(indices), per_pass):
             index = torch.tensor(indices[lo : lo + per_pass], device=clean.device)  # (R, 1, 2 or 3)
             patched = _staggered(model, resid, names, sources, step, kind, index, last_only, chosen)
-            values = _finite(_metric_rows(metric, patched), patched, "on a patched run").cpu()  # (written from the CPU)
+            # (to the CPU: indices write into a CPU tensor from the CPU only)
+            values = finite_metric(_metric_rows(metric, patched), patched, "on a patched run").cpu()
             out[:, where[lo : lo + index.shape[0]]] = values.reshape(len(chosen), -1)
             if progress is not None:
                 progress(len(chosen) * (lo + index.shape[0]), len(chosen) * len(indices))
@@ -491,7 +493,7 @@ def path_patching(
 
         with hooks(model, dict.fromkeys(wanted, receive)):
             logits = model(corrupted)
-            value = _finite(metric_scalar(metric(logits)), logits, "on the path-patched run")
+            value = finite_metric(metric_scalar(metric(logits)), logits, "on the path-patched run")
     return float(value)
 
 

@@ -132,12 +132,9 @@ def _saved_chat(saved: dict[str, Any], tokenizer: Tokenizer, what: str) -> tuple
     return template, _with_eot(stops, tokenizer)
 
 
-# The special tokens that end a turn, as llama.cpp finds them by their text: its converter leaves
-# tokenizer.ggml.eot_token_id out of Gemma's and Phi-3's files, whose turns end with these.
-
-
 def _turn_ends(tokenizer: HFTokenizer) -> list[int]:
-    """The ids of the tokenizer's special tokens among :data:`TURN_ENDS`."""
+    """The ids of the tokenizer's special tokens among :data:`TURN_ENDS`, found by their text as llama.cpp
+    finds them: its converter leaves tokenizer.ggml.eot_token_id out of Gemma's and Phi-3's files."""
     return [i for i, text in tokenizer.special_tokens().items() if text in TURN_ENDS]
 
 
