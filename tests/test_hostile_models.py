@@ -93,6 +93,17 @@ def _drop(name: str):
     return lambda arrays: {k: v for k, v in arrays.items() if k != name}
 
 
+def _poison(name: str, value: float):
+    """The arrays with one number of tensor ``name`` set to ``value`` (a NaN or an infinity)."""
+
+    def edit(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        a = arrays[name].copy()
+        a.flat[5] = value
+        return arrays | {name: a}
+
+    return edit
+
+
 GGUF_ROWS = {
     "empty file": (_bytes(lambda d: b""), "not a GGUF file"),
     "bad magic": (_bytes(lambda d: b"GGUX" + d[4:]), "not a GGUF file"),
@@ -169,6 +180,15 @@ GGUF_ROWS = {
         "no general.architecture",
     ),
     "a missing tensor": (_write(tensors=_drop("blk.1.ffn_down.weight")), "'layers.1.mlp.down_proj.weight' is missing"),
+    # (loaded silently before: every logit came out NaN)
+    "a NaN in a weight": (
+        _write(tensors=_poison("blk.1.attn_k.weight", float("nan"))),
+        "'layers.1.self_attn.k_proj.weight' holds NaN or infinite values",
+    ),
+    "an infinity in a norm": (
+        _write(tensors=_poison("output_norm.weight", float("inf"))),
+        "'norm.weight' holds NaN or infinite values",
+    ),
     "an unknown tensor": (
         _write(tensors=lambda a: a | {"blk.0.attn_sinks.weight": np.zeros(4, np.float32)}),
         "unexpected tensor 'blk.0.attn_sinks.weight'",
@@ -243,6 +263,15 @@ def test_hostile_gguf(row, good_gguf, tmp_path, capsys):
     assert fragment in err
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
+def test_a_quantized_weight_with_a_nan_is_refused(qtype, tmp_path):
+    path = write_gguf(
+        tmp_path / "nan.gguf", tiny_llama(seed=3), qtype=qtype, tensors=_poison("blk.0.ffn_up.weight", np.nan)
+    )
+    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.up_proj\.weight' holds NaN or infinite values"):
+        GPT.from_gguf(path)
+
+
 def test_gguf_without_the_suffix_is_recognised_by_its_magic(good_gguf, tmp_path, capsys):
     path = tmp_path / "model.bin"
     shutil.copy(good_gguf, path)
@@ -285,6 +314,14 @@ def _tokenizer_with_more_tokens(d: Path) -> None:
     (d / "tokenizer.json").write_text(json.dumps(tok))
 
 
+def _safetensors_poisoned(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(d / "model.safetensors")
+    state["model.layers.0.self_attn.v_proj.weight"][0, 3] = float("-inf")
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+
+
 HF_ROWS = {
     "truncated safetensors": (_weights(lambda b: b[: len(b) // 2]), "safetensors"),
     "safetensors header length past the end": (_weights(lambda b: struct.pack("<Q", 1 << 40) + b[8:]), "safetensors"),
@@ -301,6 +338,7 @@ HF_ROWS = {
     "no heads": (_config(num_attention_heads=None), "num_attention_heads"),
     "tokenizer larger than the vocabulary": (_tokenizer_with_more_tokens, "more than the model's vocab_size"),
     "tokenizer.json corrupt": (lambda d: (d / "tokenizer.json").write_text("{]"), "tokenizer"),
+    "an infinity in a weight": (_safetensors_poisoned, "'layers.0.self_attn.v_proj.weight' holds NaN or infinite"),
 }
 
 

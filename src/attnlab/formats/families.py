@@ -53,6 +53,7 @@ from torch import Tensor
 
 from attnlab.checks import is_int
 from attnlab.positions import rope_scaling_type
+from attnlab.quantized import stored_tensors
 
 if TYPE_CHECKING:  # the model sits above this module
     from attnlab.model import GPT, GPTConfig
@@ -677,6 +678,15 @@ def _read(take: Callable[[str, tuple[int, ...]], Tensor], src: Source, want: tup
     return fused.split(sizes)[i]
 
 
+def _check_finite(t: Tensor, what: str) -> None:
+    """Refuse a weight holding NaN or infinite values: every logit would be NaN, far from the cause.
+    Read in chunks, so that checking a large matrix holds no full-size mask beside it."""
+    for part in stored_tensors(t):
+        chunks = part.reshape(-1).split(1 << 24) if part.is_floating_point() and part.device.type != "meta" else ()
+        if not all(bool(c.isfinite().all()) for c in chunks):
+            raise ValueError(f"{what} holds NaN or infinite values: the file is damaged")
+
+
 def convert(
     state: dict[str, Tensor], fields: dict[str, Any], model_type: str, *, copy: bool = True
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -714,6 +724,7 @@ def convert(
                 raise ValueError(f"not a {model_type} state dict: {name!r} is missing")
             if (got := tuple(hf[name].shape)) != tuple(want):
                 raise ValueError(f"{model_type} weight {name!r} must have shape {tuple(want)}, got {got}")
+            _check_finite(hf[name], f"{model_type} weight {name!r}")
             used.add(name)
             return hf[name]
 
