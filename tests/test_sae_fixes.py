@@ -425,3 +425,17 @@ def test_cli_bad_paths_are_one_line(tmp_path, monkeypatch, capsys, argv, message
     assert main(["sae", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_an_sae_of_a_dtype_that_is_not_floating_point_is_named(dtype):
+    # (torch's "normal_kernel_cpu" not implemented for 'Long', or randn's argument listing, before)
+    with pytest.raises(TypeError, match=r"SAE\(dtype\) must be None or a floating-point torch.dtype"):
+        SAE(SAEConfig(d_in=8, d_sae=16, k=4), dtype=dtype)
+
+
+def test_an_sae_on_a_device_that_is_not_there_is_named():
+    with pytest.raises(ValueError, match=r"SAE\(device\)='nowhere' is not a device name"):
+        SAE(SAEConfig(d_in=8, d_sae=16, k=4), device="nowhere")
+    sae = SAE(SAEConfig(d_in=8, d_sae=16, k=4), dtype=torch.float64, device="cpu")
+    assert sae.W_dec.dtype == torch.float64 and sae(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64

@@ -282,6 +282,13 @@ def check_model_size(
     return n
 
 
+def check_float_dtype(name: str, dtype: object) -> None:
+    """``dtype`` is None or a floating-point ``torch.dtype``, else an error naming the argument ``name``
+    (torch's own comes later, from deep inside an initialiser)."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"{name} must be None or a floating-point torch.dtype, got {dtype!r}")
+
+
 # -- Devices ---------------------------------------------------------------------------------
 def check_device(name: str, value: object) -> torch.device | None:
     """``value`` (None, a device's name or a ``torch.device``) as a device this machine has, or an error

@@ -43,6 +43,7 @@ from attnlab.attention import KVCache, Linear, MultiHeadAttention, OffsetRMSNorm
 from attnlab.checks import (
     can_read_values,
     check_device,
+    check_float_dtype,
     check_model_size,
     finite_real,
     is_int,
@@ -547,11 +548,6 @@ class GeGLU(nn.Module):
 
     def combine(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.gelu(gate, approximate=self.approximate) * up
-
-
-def _check_dtype(dtype: object) -> None:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be None (the weights' own) or a floating-point torch.dtype, got {dtype!r}")
 
 
 class TokenEmbedding(nn.Embedding):
@@ -1236,7 +1232,7 @@ class GPT(nn.Module):
         from attnlab.formats.gguf import is_gguf
 
         device = check_device("device", device)  # (before anything is read or downloaded)
-        _check_dtype(dtype)
+        check_float_dtype("dtype", dtype)
         if isinstance(name, os.PathLike):  # a path: never a Hub id, nor a published GPT-2's name
             path = Path(name).expanduser()
             if not path.exists():
@@ -1293,7 +1289,7 @@ class GPT(nn.Module):
     ) -> GPT:
         """Load a model written by :meth:`save` (safetensors + JSON only: nothing is unpickled)."""
         device = check_device("device", device)
-        _check_dtype(dtype)
+        check_float_dtype("dtype", dtype)
         safetensors = import_safetensors()
         SafetensorError, safe_open = safetensors.SafetensorError, safetensors.safe_open
 

@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.checks import check_device, check_float_dtype
 from attnlab.files import (
     atomic_write_bytes,
     atomic_write_json,
@@ -226,9 +227,10 @@ class SAE(nn.Module):
         super().__init__()
         if not isinstance(cfg, SAEConfig):
             raise TypeError(f"SAE(cfg): cfg must be an SAEConfig, got {type(cfg).__name__}")
+        check_float_dtype("SAE(dtype)", dtype)
         self.cfg = cfg
         d_in, d_sae, d_out = cfg.d_in, cfg.d_sae, cfg.width_out
-        kw = {"dtype": dtype or torch.float32, "device": device}
+        kw = {"dtype": dtype or torch.float32, "device": check_device("SAE(device)", device)}
         # Encoder rows start as the decoder's (the transpose), decoder rows with unit norm: the
         # usual start of a TopK SAE (Gao et al. 2024), so the first reconstruction is not noise.
         w_dec = torch.randn(d_sae, d_out, **kw)
