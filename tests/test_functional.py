@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.attention import MultiHeadAttention
 from attnlab.functional import (
     attention_scores,
     causal_mask,
     heads_matmul,
     padding_mask,
+    positions_mask,
     scaled_dot_product_attention,
     simple_self_attention,
 )
@@ -584,3 +586,19 @@ def test_a_nan_query_gives_a_nan_row_as_the_softmax_does(backend, kw):
     want = sdpa(q.double(), k.double(), v.double(), backend="reference", **kw)
     assert got.isnan().any(-1).nonzero().tolist() == [[1, 2, 5]] == want.isnan().any(-1).nonzero().tolist()
     torch.testing.assert_close(got.nan_to_num(7.0), want.float().nan_to_num(7.0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: simple_self_attention(torch.randn(3, 4), return_weights="no"),
+        lambda: padding_mask([1], max_len=3, left="no"),
+        lambda: positions_mask(torch.tensor([0, 1]), torch.tensor([0, 1]), causal="no"),
+        lambda: MultiHeadAttention(4, 6, 10, num_heads=2)(torch.randn(3, 4), return_weights="no"),
+    ],
+    ids=["simple_self_attention", "padding_mask", "positions_mask", "MultiHeadAttention"],
+)
+def test_a_truthy_string_is_not_a_flag(call):
+    # ("no" is truthy: it returned weights, padded on the left, masked causally)
+    with pytest.raises(TypeError, match=r"must be a bool, got 'no'"):
+        call()

@@ -611,3 +611,24 @@ def test_flex_on_cuda_equals_the_reference_forward_and_backward(kw):
     want_grads = torch.autograd.grad(want, ref, dy.double())
     for a, b in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(a.double().cpu(), b, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("cap", [float("nan"), 0.0, -5.0, float("inf"), "50"])
+def test_a_softcap_that_is_not_a_positive_number_is_named(cap):
+    # (NaN gave all-NaN weights that skipped the finite check, 0 uniform weights, "50" a str division)
+    with pytest.raises(ValueError, match="cap must be a positive finite number"):
+        softcap_score_mod(cap)
+
+
+def test_float16_weights_do_not_overflow_where_the_scaled_scores_fit():
+    # Q K^T = 102,400 overflows float16 (65,504); the scaled scores (12,800) fit, and the fused output
+    # was finite while the weights of the same call were NaN.
+    q = torch.full((1, 1, 2, 64), 40.0, dtype=torch.float16)
+    k, v = q.clone(), torch.randn(1, 1, 2, 64).half()
+    out, weights = scaled_dot_product_attention(q, k, v, return_weights=True, backend="reference")
+    ref_out, ref_weights = (
+        t.half() for t in scaled_dot_product_attention(q.float(), k.float(), v.float(), return_weights=True)
+    )
+    torch.testing.assert_close(weights, ref_weights)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(attention_scores(q, k), attention_scores(q.float(), k.float()).half())

@@ -800,6 +800,7 @@ class MultiHeadAttention(_DropsTutorialMask):
         return_weights: bool = False,
         positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        check_bool("return_weights", return_weights)
         unbatched = isinstance(x, Tensor) and x.dim() == 2
         x, context, mask, positions = self._check_forward(x, context, attn_mask, key_mask, kv_cache, positions)
         result = self.attend(

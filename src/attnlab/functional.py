@@ -93,6 +93,8 @@ def softcap_score_mod(cap: float) -> ScoreMod:
 
     Close to the identity for scores much smaller than ``cap``, and never beyond ``+-cap``: no head
     can grow one score so large that its softmax becomes a one-hot."""
+    if not finite_real(cap) or cap <= 0:  # (0 or NaN would make every weight NaN or uniform, silently)
+        raise ValueError(f"cap must be a positive finite number, got {cap!r}")
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return cap * torch.tanh(score / cap)
@@ -147,6 +149,7 @@ def positions_mask(
         window, sinks: query ``p`` sees keys ``p - window < j`` or ``j < sinks`` (see :func:`causal_mask`).
     """
     window, sinks = check_window(window, sinks)
+    check_bool("causal", causal)
     for name, p in (("q_positions", q_positions), ("k_positions", k_positions)):
         if not isinstance(p, Tensor) or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
             got = p.dtype if isinstance(p, Tensor) else type(p).__name__
@@ -182,6 +185,7 @@ def padding_mask(
     opposite of ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (where ``True`` = ignore).
     """
     device = check_device("device", device)
+    check_bool("left", left)
     try:
         lengths = torch.as_tensor(lengths, device=device)
     except (TypeError, ValueError, RuntimeError):  # None, text, ragged lists
@@ -216,6 +220,7 @@ def simple_self_attention(x: Tensor, return_weights: bool = False) -> Tensor | t
         ``(..., n, d)`` context vectors, or ``(context, weights)``.
     """
     check_float_tensor("x", x, 2)
+    check_bool("return_weights", return_weights)
     scores = x @ x.transpose(-2, -1)  # (..., n, n)
     weights = torch.softmax(scores, dim=-1)  # (..., n, n)
     context = weights @ x  # (..., n, d)
@@ -461,7 +466,11 @@ def _masked_scores(
     In place on the fresh product where the result has its shape and dtype (no ``score_mod``, whose
     output its backward may keep): no backward here needs the overwritten values, and each
     ``(B, H, L, S)`` temporary not made saves a pass over memory."""
-    scores = heads_matmul(query, key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
+    if query.dtype == torch.float16:  # (its range: Q K^T can overflow where the scaled scores fit)
+        root = math.sqrt(scale)  # each side scaled first, as torch's math backend does
+        scores = heads_matmul(query * root, key.transpose(-2, -1) * root)  # (..., L, S)
+    else:
+        scores = heads_matmul(query, key.transpose(-2, -1)).mul_(scale)  # (..., L, S)
     if score_mod is not None:
         scores = _modded_scores(scores, score_mod)  # (B, H, L, S)
     if mask is None:
