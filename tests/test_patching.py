@@ -584,6 +584,8 @@ def test_bad_input_is_named(make_gpt, pair):
         direct_logit_attribution(model, clean, answers=(1, 99))
     with pytest.raises(ValueError, match="answers must be two token ids"):
         direct_logit_attribution(model, clean, answers=(1, 2, 3))
+    with pytest.raises(ValueError, match="answers must be two tokens, got 1 twice"):  # (all zeros before)
+        direct_logit_attribution(model, clean, answers=(1, 1))
     with pytest.raises(ValueError, match="a must be one token id"):
         logit_diff("Mary", B)
     assert logit_diff(np.int64(A), B) == logit_diff(A, B)  # NumPy's ints are ints

@@ -439,3 +439,49 @@ def test_an_sae_on_a_device_that_is_not_there_is_named():
         SAE(SAEConfig(d_in=8, d_sae=16, k=4), device="nowhere")
     sae = SAE(SAEConfig(d_in=8, d_sae=16, k=4), dtype=torch.float64, device="cpu")
     assert sae.W_dec.dtype == torch.float64 and sae(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("fill", [0.0, 3.0])
+def test_activations_that_do_not_vary_are_named_not_trained_on(make_gpt, corpus, tmp_path, fill):
+    # (every row the same: the FVU divided by rounding noise, explained variance -3.7e15, or by 0, which
+    # the run blamed on the learning rate)
+    trainer = SAETrainer(make_gpt(), corpus, SAETrainConfig(hook=HOOK, tokens=32 * 8, **SMALL), tmp_path, **QUIET)
+    batch = trainer.buffer.batch
+
+    def constant(step: int):
+        x, _ = batch(step)
+        rows = torch.full_like(x, fill) + torch.linspace(0, 1, x.shape[-1]) * fill
+        return rows, rows
+
+    trainer.buffer.batch = constant
+    with pytest.raises(ValueError, match=f"activations at {HOOK} do not vary over a batch of"):
+        trainer.fit()
+
+
+def test_a_zero_row_under_constant_norm_rescale_reconstructs_as_zero():
+    # (0 * inf: every output and some latents NaN)
+    sae = SAE(SAEConfig(d_in=8, d_sae=32, k=4, normalize_activations="constant_norm_rescale")).eval()
+    x = torch.randn(3, 8)
+    x[1] = 0.0
+    out = sae(x)
+    assert torch.equal(out[1], torch.zeros(8)) and torch.equal(sae.encode(x)[1], torch.zeros(32))
+    torch.testing.assert_close(out[[0, 2]], sae(x[[0, 2]]))  # the other rows as alone
+
+
+def test_explained_variance_does_not_depend_on_the_activations_scale(make_gpt):
+    # The same SAE on activations scaled by s (its encoder by 1/s, its decoder by s) explains the same
+    # share; the cutoff for "no variance" was absolute, so at s = 1e-6 it read 1.0.
+    tokens = torch.randint(0, 37, (4, 8), generator=torch.Generator().manual_seed(0))
+    hook = "blocks.0.hook_resid_pre"  # (the embeddings: scaled by s exactly)
+
+    def explained(scale: float) -> float:
+        torch.manual_seed(1)
+        model, sae = make_gpt(), SAE(SAEConfig(d_in=24, d_sae=64, k=4, hook_name=hook)).eval()
+        with torch.no_grad():
+            model.tok_emb.weight.mul_(scale)
+            model.pos_emb.weight.mul_(scale)
+            sae.W_dec.mul_(scale)
+            sae.W_enc.div_(scale)
+        return evaluate_sae(model, sae, tokens).explained_variance
+
+    assert explained(1e-6) == pytest.approx(explained(1.0), rel=1e-6) and explained(1.0) < 0.99

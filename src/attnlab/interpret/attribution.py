@@ -58,6 +58,8 @@ def direct_logit_attribution(model: nn.Module, idx: Tensor, answers: tuple[int, 
         raise ValueError(f"answers must be two token ids (a, b), got {answers!r}")
     V = model.out_head.weight.shape[0]
     a, b = (check_token(f"answers[{i}]", t, V) for i, t in enumerate(answers))
+    if a == b:
+        raise ValueError(f"answers must be two tokens, got {a} twice (its logit minus itself is always 0)")
     L = len(layers)
     names = [act_name("resid_pre", 0), act_name("resid_post", L - 1)]
     names += [act_name(s, i) for i in range(L) for s in ("z", "mlp_out", "attn_out")]

@@ -262,8 +262,10 @@ class SAE(nn.Module):
         """SAELens's run-time normalization of the input, and what undoes it on the output."""
         how = self.cfg.normalize_activations
         if how == "constant_norm_rescale":
-            coeff = math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)  # (..., 1)
-            return x * coeff, (1 / coeff, torch.zeros_like(coeff))
+            norm = x.norm(dim=-1, keepdim=True)  # (..., 1)
+            zero = norm == 0  # (a zero row reconstructs as zero, not as 0 * inf = NaN)
+            coeff = math.sqrt(self.cfg.d_in) / norm.masked_fill(zero, 1)
+            return x * coeff, ((1 / coeff).masked_fill(zero, 0), torch.zeros_like(coeff))
         if how == "layer_norm":
             mu = x.mean(dim=-1, keepdim=True)  # (..., 1)
             x = x - mu
@@ -1187,7 +1189,8 @@ def evaluate_sae(
     mean_sq = sums["sq_norm"] / n
     total_var = mean_sq - float((sum_x / n).pow(2).sum())
     mse = sums["sq_res"] / n
-    ev = (1.0 if mse < 1e-10 else 0.0) if total_var < 1e-10 else 1.0 - mse / total_var
+    flat = 1e-10 * mean_sq  # (relative to the rows' size: the same verdict at every scale of the activations)
+    ev = (1.0 if mse <= flat else 0.0) if total_var <= flat else 1.0 - mse / total_var
     ce = torch.cat(sums["ce"], dim=1).mean(dim=1)  # (3,)
     kl = torch.cat(sums["kl"], dim=1).mean(dim=1)  # (2,)
     ce_clean, ce_sae, ce_abl = (float(v) for v in ce)

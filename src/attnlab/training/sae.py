@@ -637,7 +637,14 @@ class SAETrainer:
         if cfg.architecture == "jumprelu":
             l0 = _Step.apply(pre.relu(), sae.threshold, cfg.jumprelu_bandwidth).sum(-1).mean()
             loss = loss + cfg.l0_coefficient * l0
-        loss_value = float(loss.detach())
+        # (one read from the device for both: the loss, and how far the rows vary against their size)
+        loss_value, spread = torch.stack([loss.detach(), total_var / y.pow(2).sum()]).tolist()
+        if not spread > 1e-10:  # (every row the same: FVU divides by rounding noise, or by 0)
+            name = cfg.hook_out or cfg.hook
+            raise ValueError(
+                f"the activations at {name} do not vary over a batch of {y.shape[0]} rows (every row the same, "
+                "up to rounding): an SAE has nothing to learn from them (a constant token stream?)"
+            )
         if not math.isfinite(loss_value):  # before the step: the weights (and the checkpoints) stay good
             raise FloatingPointError(
                 f"the SAE's training loss became {loss_value} at step {self.step + 1}; the last "
