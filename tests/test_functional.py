@@ -602,3 +602,13 @@ def test_a_truthy_string_is_not_a_flag(call):
     # ("no" is truthy: it returned weights, padded on the left, masked causally)
     with pytest.raises(TypeError, match=r"must be a bool, got 'no'"):
         call()
+
+
+def test_masks_that_do_not_fit_together_are_named():
+    # (torch's "size of tensor a (2) must match" and "Tensor on device meta is not on the expected device")
+    from attnlab.functional import combine_masks
+
+    with pytest.raises(ValueError, match=r"a \(2,\) and b \(3,\) must broadcast to one shape"):
+        combine_masks(torch.ones(2, dtype=torch.bool), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="q_positions and k_positions must be on one device, got cpu and meta"):
+        positions_mask(torch.tensor([0, 1]), torch.tensor([0, 1], device="meta"))

@@ -156,6 +156,10 @@ def positions_mask(
             raise TypeError(f"{name} must be an integer tensor of positions, (L,) or (B, L), got {got}")
         if p.dim() not in (1, 2):
             raise ValueError(f"{name} must have shape (L,) or (B, L), got {tuple(p.shape)}")
+    if q_positions.device != k_positions.device:
+        raise ValueError(
+            f"q_positions and k_positions must be on one device, got {q_positions.device} and {k_positions.device}"
+        )
     batches = {p.shape[0] for p in (q_positions, k_positions) if p.dim() == 2} - {1}
     if len(batches) > 1:
         raise ValueError(
@@ -326,6 +330,8 @@ def combine_masks(a: Tensor | None, b: Tensor | None) -> Tensor | None:
         return b if a is None else a
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    if broadcast_shape(tuple(a.shape), tuple(b.shape)) is None:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must broadcast to one shape")
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
     if a.dtype == torch.bool:
