@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from attnlab.checks import finite_real, is_int
+from attnlab.files import atomic_path, atomic_write_json, import_safetensors
+from attnlab.formats import families
 from attnlab.quantized import is_quantized
 
 __all__ = [
@@ -44,6 +48,8 @@ __all__ = [
     "load_adapter_state",
     "merge_lora",
     "parse_targets",
+    "peft_adapter",
+    "save_peft_adapter",
 ]
 
 ADAPTERS_NAME = "adapters.safetensors"  # beside the base weights in a checkpoint
@@ -238,3 +244,88 @@ def merge_lora(model: nn.Module) -> nn.Module:
         model.lora_settings = None
     model.requires_grad_(True)
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# PEFT's layout: the adapters for the Hugging Face model of the same weights
+# --------------------------------------------------------------------------------------------
+def peft_adapter(model: nn.Module, model_type: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``model``'s adapters as a PEFT LoRA adapter of the Hugging Face model of family ``model_type``
+    (the one :func:`attnlab.formats.families.to_hf_state_dict` writes; ``"gpt2"`` too):
+    ``(adapter_config.json's dict, adapter_model.safetensors' tensors)``.
+
+    One PEFT adapter per Hugging Face matrix, computing the same update. Where that matrix holds several
+    of attnlab's, the update is rewritten for it: Llama's ``gate_proj`` and ``up_proj`` (attnlab's one
+    gated-MLP matrix) each take their rows of ``B`` with the shared ``A``; a fused query/key/value matrix
+    (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``) takes the adapted parts'
+    ``A`` stacked and their ``B`` on the block diagonal: rank ``r`` per part, with PEFT's
+    ``rank_pattern`` and ``alpha_pattern`` keeping the scale ``alpha / r``."""
+    if not has_lora(model):
+        raise ValueError("model has no LoRA adapters (apply_lora adds them)")
+    if model_type not in families.FAMILIES:
+        raise ValueError(f"model_type must be one of {', '.join(families.FAMILIES)}, got {model_type!r}")
+    cfg, family = families.check_exportable(model, model_type), families.FAMILIES[model_type]
+    rank, alpha = model.lora_settings["rank"], model.lora_settings["alpha"]
+    tensors: dict[str, Tensor] = {}
+    modules: dict[str, int] = {}  # the adapted modules (inside a block) -> how many rank-r parts they stack
+    fused: dict[tuple[str, str, bool], dict[str, tuple[Tensor, Tensor]]] = {}  # (where, module, per head) -> parts
+
+    def add(where: str, module: str, A: Tensor, B: Tensor) -> None:
+        # (copies: gate and up share one A, and safetensors writes no tensors that share memory)
+        tensors[f"base_model.model.{where}{module}.lora_A.weight"] = A.clone()  # (parts * r, in)
+        tensors[f"base_model.model.{where}{module}.lora_B.weight"] = B.clone()  # (out, parts * r)
+        modules[module] = A.shape[0] // rank
+
+    for name, _, lora in _adapted(model):
+        layer, inner = name.removeprefix("trf_blocks.").split(".", 1)
+        where, src = f"{family.prefix}{family.blocks}{layer}.", family.layer[inner + ".weight"]
+        A, B = lora.lora_A.detach().float().cpu(), lora.lora_B.detach().float().cpu()  # (r, in), (out, r)
+        if isinstance(src, families.Split):  # q, k or v of a fused matrix: gathered, written below
+            fused.setdefault((where, _module(src.name), src.per_head), {})[src.part] = (A, B)
+        else:  # one matrix, or several stacked along the rows (gate then up): each its rows of B
+            names = src if isinstance(src, tuple) else (src,)
+            for n, b in zip(names, B.chunk(len(names)), strict=True):
+                add(where, _module(n), A, b)
+    sizes = {"q": cfg.n_heads * cfg.head_dim, "k": cfg.kv_heads * cfg.head_dim, "v": cfg.kv_heads * cfg.head_dim}
+    for (where, module, per_head), parts in fused.items():
+        adapted = [p for p in "qkv" if p in parts]
+        B = torch.zeros(sum(sizes.values()), len(adapted) * rank)  # (q + k + v rows, parts * r)
+        rows = dict(zip("qkv", B.split(list(sizes.values())), strict=True))
+        for j, p in enumerate(adapted):
+            rows[p][:, j * rank : (j + 1) * rank] = parts[p][1]
+        if per_head:  # each head's q, k, v rows in turn, as the matrix stores them
+            B = torch.stack([rows[p].view(cfg.n_heads, cfg.head_dim, -1) for p in "qkv"], dim=1).flatten(0, 2)
+        add(where, module, torch.cat([parts[p][0] for p in adapted]), B)
+    stacked = {m: n for m, n in modules.items() if n != 1}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(modules),
+        "rank_pattern": {m: n * rank for m, n in stacked.items()},
+        "alpha_pattern": {m: n * alpha for m, n in stacked.items()},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": model_type == "gpt2",  # (GPT-2's Conv1D stores its weights transposed)
+        "inference_mode": True,
+    }
+    return config, tensors
+
+
+def _module(src: str | families.Conv1D) -> str:
+    """The Hugging Face module (inside a block) that a weight's source names."""
+    return (src.name if isinstance(src, families.Conv1D) else src).removesuffix(".weight")
+
+
+def save_peft_adapter(model: nn.Module, model_type: str, directory: str | os.PathLike[str]) -> Path:
+    """Write :func:`peft_adapter` into ``directory`` (made if needed) as ``adapter_config.json`` and
+    ``adapter_model.safetensors``, each atomically: ``peft.PeftModel.from_pretrained(hf_model,
+    directory)`` then computes what ``model`` does. Returns the directory."""
+    config, tensors = peft_adapter(model, model_type)
+    out = Path(directory).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "adapter_model.safetensors") as tmp:
+        import_safetensors().torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out / "adapter_config.json", config)
+    return out
