@@ -327,6 +327,15 @@ def test_a_latents_activations_and_dashboards(client, model, sae):
     np.testing.assert_allclose(got["acts"], encode_all(model, sae, ids("x"))[:, other].numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize("over", ["prompt", "corpus"])
+def test_more_promoted_tokens_than_the_vocabulary_holds_are_all_of_it(client, model, sae, over):
+    # (n_logits 50 of a 29-token vocabulary: topk's "selected index k out of range", a 500)
+    r = client.post("/api/latent", json={"prompt": PROMPT, "latent": 0, "n_logits": 50, "over": over})
+    assert r.status_code == 200, r.text
+    promoted = r.json()["dashboard"]["promotes"]
+    assert len(promoted) == len(CHARS) == model.config.vocab_size
+
+
 def test_a_corpus_read_for_more_examples_serves_fewer_and_narrower_without_reading_it_again(
     model, sae, tmp_path, monkeypatch
 ):

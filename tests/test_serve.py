@@ -616,7 +616,7 @@ BAD = [
     ("POST", "/api/next", {"prompt": ""}, None, 422, "prompt: String should have at least 1 character"),
     ("POST", "/api/next", {"prompt": "x" * 100_001}, None, 422, "prompt: String should have at most 100000"),
     ("POST", "/api/next", {"prompt": "x" * 300_000}, None, 413, "request body too large"),
-    ("POST", "/api/next", {"prompt": "abc 123"}, None, 422, "'1'"),  # not a character of the model
+    ("POST", "/api/next", {"prompt": "abc 123"}, None, 422, "prompt: character '1'"),  # not a character of the model
     ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": MAX_NEW + 1}, None, 422, "more than this server"),
     ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": 10**6}, None, 422, "max_new_tokens: Input should"),
     ("POST", "/api/generate", {"prompt": "abc", "max_new_tokens": 0}, None, 422, "max_new_tokens"),
@@ -624,7 +624,19 @@ BAD = [
     ("POST", "/api/next", b'{"prompt": "abc", "temperature": NaN}', None, 4, ""),
     ("POST", "/api/next", [1, 2], None, 422, "Input should be a valid dictionary"),
     ("POST", "/api/next", {"prompt": "abc", "temperature": "1"}, None, 422, "temperature: Input should be a valid"),
-    ("POST", "/api/next", {"prompt": "abc", "k": True}, None, 422, "k: Input should be a valid integer"),
+    ("POST", "/api/next", {"prompt": "abc", "k": True}, None, 422, "k: Input should be a valid integer, got true"),
+    ("POST", "/api/next", {"prompt": "abc", "k": "5"}, None, 422, 'k: Input should be a valid integer, got "5"'),
+    # (a union's members were named: "answers.0.constrained-int: ...; answers.0.str: ...")
+    (
+        "POST",
+        "/api/patch",
+        {"clean": "ab", "corrupted": "ba", "answers": [None, "a"]},
+        None,
+        422,
+        "answers.0: Input should be a valid integer or Input should be a valid string, got null",
+    ),
+    ("POST", "/api/next", b'{"prompt": "ab\xe9"}', None, 400, "the request body is not UTF-8 text (byte 14"),
+    ("POST", "/api/next", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, 400, "nested too deeply"),
     ("POST", "/api/generate", {"prompt": "abc", "top_k": 10**20}, None, 422, "top_k: Input should be less than"),
     ("POST", "/api/inspect", {"prompt": "abc", "lens_window": ["1", 2]}, None, 422, "lens_window.0: Input should"),
     ("POST", "/api/next", {"prompt": "abc", "colour": "red"}, None, 422, "colour: Extra inputs are not permitted"),
@@ -639,7 +651,8 @@ BAD = [
     ("POST", "/api/ablate", {"prompt": "abc", "heads": ["0.4"]}, None, 422, "head 0.4 does not exist"),
     ("POST", "/api/ablate", {"prompt": "abc", "heads": ["a.b"]}, None, 422, "heads.0: String should match"),
     ("POST", "/api/ablate", {"prompt": "abc", "heads": []}, None, 422, "heads"),
-    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["steps"], "steps": ["0.9"]}, None, 422, "0.9"),
+    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["steps"], "steps": ["0.9"]}, None, 422, "steps: head 0.9"),
+    ("POST", "/api/inspect", {"prompt": "abc", "sections": ["steps"], "steps": []}, None, 422, "steps: must name"),
     ("POST", "/api/inspect", {"prompt": "abc", "layers": [7]}, None, 422, "layers: 7 is out of range"),
     # (the request's fields named: the library's message named the command line's --steps, --layer/--head)
     (
@@ -654,8 +667,11 @@ BAD = [
     ("POST", "/api/inspect", {"prompt": "abc", "sections": ["secrets"]}, None, 422, "sections.0"),
     ("POST", "/api/next", "prompt=abc", {"content-type": "application/x-www-form-urlencoded"}, 415, "send JSON"),
     ("POST", "/api/next", '{"prompt": "abc"}', {"content-type": "text/plain"}, 415, "send JSON"),
-    ("GET", "/api/next", None, None, 405, "Method Not Allowed"),
+    ("GET", "/api/next", None, None, 405, "GET is not allowed on /api/next: use POST"),
     ("GET", "/api/nothing", None, None, 404, "Not Found"),
+    # (a POST that no route takes was refused for its content type, 415, before the router answered)
+    ("POST", "/api/nothing", None, None, 404, "Not Found"),
+    ("POST", "/api/info", None, None, 405, "POST is not allowed on /api/info: use GET"),
     ("GET", "/api/demo", None, None, 404, "not the tutorials' six-word example"),
     ("GET", "/api/info", None, {"host": "evil.example"}, 400, "Host header"),
     ("GET", "/api/info", None, {"host": "attacker.test:8000"}, 400, "Host header"),
@@ -686,6 +702,11 @@ def test_bad_requests_get_a_one_line_4xx(server, client, method, path, body, hea
     assert "\n" not in answer["detail"] and detail in answer["detail"], answer
     after = client.get("/api/stats").json()
     assert after["generations_started"] == before["generations_started"]
+
+
+def test_a_wrong_method_says_which_are_allowed(client):
+    r = client.get("/api/generate")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"  # (the header was dropped)
 
 
 def raw_request(server, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, str]:

@@ -314,7 +314,8 @@ def stats_dashboard(
     up = down = None
     used = [stats.context_ids.flatten()]
     if logits is not None:
-        up, down = logits.topk(n_logits, dim=1), (-logits).topk(n_logits, dim=1)
+        n = min(n_logits, logits.shape[1])  # (a vocabulary smaller than the tokens asked for: all of it)
+        up, down = logits.topk(n, dim=1), (-logits).topk(n, dim=1)
         used += [up.indices.flatten(), down.indices.flatten()]
     used = torch.cat(used)
     vocab = sorted({int(i) for i in used.unique().tolist() if i >= 0})

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from attnlab import __version__
 from attnlab.interpret.circuit_view import CIRCUIT_ASSETS, read_circuit_asset
@@ -108,8 +109,8 @@ class Guard:
     nothing), and handed to the application only when it fits ``max_body_bytes``.
     """
 
-    def __init__(self, app: Any, *, max_body_bytes: int, allowed_hosts: set[str] | None):
-        self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
+    def __init__(self, app: Any, *, max_body_bytes: int, allowed_hosts: set[str] | None, router: Any):
+        self.app, self.max_body_bytes, self.allowed_hosts, self.router = app, max_body_bytes, allowed_hosts, router
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -133,8 +134,8 @@ class Guard:
             if int(length) > self.max_body_bytes:
                 await _error(send_with_headers, 413, _too_big(int(length), self.max_body_bytes))
                 return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send_with_headers)
+        if scope["method"] not in ("POST", "PUT", "PATCH") or not self._routed(scope):
+            await self.app(scope, receive, send_with_headers)  # (no route takes it: the router's 404 or 405)
             return
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
@@ -145,24 +146,34 @@ class Guard:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body = message.get("body", b"")
-            total += len(body)
+            part = message.get("body", b"")
+            total += len(part)
             if total > self.max_body_bytes:
                 await _error(send_with_headers, 413, _too_big(total, self.max_body_bytes, at_least=True))
                 return
-            chunks.append(body)
+            chunks.append(part)
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:  # (FastAPI's own words for it: "There was an error parsing the body")
+            await _error(send_with_headers, 400, f"the request body is not UTF-8 text (byte {e.start}: {e.reason})")
+            return
         replayed = False
 
         async def replay() -> dict:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the client's disconnect, for streaming answers
 
         await self.app(scope, replay, send_with_headers)
+
+    def _routed(self, scope: dict) -> bool:
+        """Whether a route takes this path and method (else the body is not read, nor its type checked)."""
+        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
 
 
 def _too_big(n: int, limit: int, at_least: bool = False) -> str:
@@ -183,20 +194,43 @@ def _one_line(exc: RequestValidationError) -> tuple[int, str]:
         if e.get("type") == "json_invalid":
             ctx = e.get("ctx") or {}
             return 400, f"the request body is not valid JSON ({ctx.get('error', 'cannot be parsed')})"
+    # One entry a field: the errors of a union's members (their locations end in pydantic's names of
+    # the members' types, "str", "constrained-int") are one field's alternatives.
+    fields: dict[str, tuple[list[str], Any]] = {}
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body" and not _type_name(p)) or "body"
+        msgs, _ = fields.setdefault(loc, ([], e.get("input", _MISSING)))
+        if (msg := e.get("msg", "invalid")) not in msgs:
+            msgs.append(msg)
     parts = []
-    for e in errors[:3]:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {e.get('msg', 'invalid')}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    for loc, (msgs, given) in list(fields.items())[:3]:
+        got = "" if given is _MISSING or msgs == ["Field required"] else f", got {_short(given)}"
+        parts.append(f"{loc}: {' or '.join(msgs)}{got}")
+    more = f" (and {len(fields) - 3} more)" if len(fields) > 3 else ""
     return 422, "; ".join(parts).replace("\n", " ") + more
+
+
+_MISSING = object()
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _type_name(part: object) -> bool:
+    """Whether a location's ``part`` is pydantic's name of a union member's type, not a field or index."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or "-" in part)
+
+
+def _short(value: Any) -> str:
+    """``value`` as JSON, cut to 60 characters (the error names what came, not all of it)."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ------------------------------------------------------------------------------------------------
 # The application
 # ------------------------------------------------------------------------------------------------
-def _json(obj: Any, status: int = 200) -> Response:
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return Response(text, status_code=status, media_type="application/json")
+    return Response(text, status_code=status, media_type="application/json", headers=headers)
 
 
 def packed_json(data: Any) -> bytes:
@@ -250,7 +284,9 @@ def create_app(engine: Engine, *, allowed_hosts: set[str] | None = None) -> Fast
         docs_url=None,  # Swagger UI and ReDoc load their code from a CDN: the schema is at /openapi.json
         redoc_url=None,
     )
-    app.add_middleware(Guard, max_body_bytes=engine.limits.max_body_bytes, allowed_hosts=allowed_hosts)
+    app.add_middleware(
+        Guard, max_body_bytes=engine.limits.max_body_bytes, allowed_hosts=allowed_hosts, router=app.router
+    )
     _add_error_handlers(app)
     _add_page_routes(app, engine)
     _add_prompt_routes(app, engine)
@@ -292,7 +328,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _json({"detail": str(exc.detail)}, exc.status_code)
+        headers = getattr(exc, "headers", None) or {}
+        detail = str(exc.detail)
+        if exc.status_code == 405 and "Allow" in headers:  # (Starlette's "Method Not Allowed": say which)
+            detail = f"{request.method} is not allowed on {request.url.path}: use {headers['Allow']}"
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # (FastAPI's words)
+            detail = "the request body is not valid JSON (nested too deeply to read)"
+        return _json({"detail": detail}, exc.status_code, headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

@@ -331,17 +331,20 @@ class Engine:
                 continue
         return ""
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, field: str = "prompt") -> list[int]:
         """The prompt's token ids (after the model's BOS, where it expects one), checked against the
-        context window."""
+        context window; errors name the request's ``field``."""
         loaded = self._need_model()
-        ids = prompt_tokens(loaded.tokenizer, prompt)
+        try:
+            ids = prompt_tokens(loaded.tokenizer, prompt)
+        except ValueError as e:  # (the tokenizer's words: which field they are about)
+            raise ValueError(f"{field}: {e}") from None
         if not ids:
-            raise ValueError("the prompt encodes to no tokens; type some text")
+            raise ValueError(f"{field}: the prompt encodes to no tokens; type some text")
         ctx = loaded.model.config.context_length
         if len(ids) > ctx:
             raise ValueError(
-                f"the prompt is {len(ids)} tokens long, more than the model's context window "
+                f"{field}: the prompt is {len(ids)} tokens long, more than the model's context window "
                 f"(context_length={ctx}); shorten it"
             )
         return ids
@@ -462,9 +465,11 @@ class Engine:
             )
         if "steps" in sections and steps is not None:  # (named heads: "auto" keeps to the page's budget)
             shown = {(layer, h) for layer in layers or range(cfg.n_layers) for h in heads or range(cfg.n_heads)}
-            hidden = [
-                f"{layer}.{h}" for layer, h in parse_heads(steps, cfg.n_layers, cfg.n_heads) if (layer, h) not in shown
-            ]
+            try:
+                named = parse_heads(steps, cfg.n_layers, cfg.n_heads)
+            except ValueError as e:  # (its words name the library's argument, heads)
+                raise ValueError(f"steps: {str(e).removeprefix('heads ')}") from None
+            hidden = [f"{layer}.{h}" for layer, h in named if (layer, h) not in shown]
             if hidden:
                 raise ValueError(f"steps: {', '.join(hidden)} not among the heads shown (layers:, heads:)")
             need = len(steps) * steps_cost(len(ids), len(ids), cfg.head_dim)

@@ -54,10 +54,7 @@ class PatchJob:
 
 
 def _encode(engine: Engine, text: str, name: str) -> list[int]:
-    try:
-        ids = engine.encode(text)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+    ids = engine.encode(text, name)
     if len(ids) > MAX_PATCH_TOKENS:
         raise ValueError(
             f"{name} is {len(ids)} tokens long; patching takes at most {MAX_PATCH_TOKENS} (every position of "
