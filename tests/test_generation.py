@@ -383,3 +383,36 @@ def test_last_only_prefill_runs_the_last_mlp_on_the_last_position(overrides):
                 assert seen == [(2, 9, 32)]
             finally:
                 handle.remove()
+
+
+def test_the_top_p_nucleus_is_the_exact_one():
+    # The smallest set of most probable tokens whose mass reaches top_p, counted exactly: float32's
+    # running sum put the cut one token off in some rows (16 of 50 flat tokens kept for 0.3, not 15).
+    from attnlab.generation import SamplingConfig
+
+    transformers = pytest.importorskip("transformers")
+    flat = torch.zeros(1, 50)
+    assert int((SamplingConfig(top_p=0.3).probabilities(flat) > 0).sum()) == 15
+    g = torch.Generator().manual_seed(0)
+    for logits in (torch.randn(400, 64, generator=g) * 3, torch.randn(400, 3000, generator=g) * 4):
+        for top_p in (0.5, 0.9, 0.95, 0.99):
+            kept = (SamplingConfig(top_p=top_p).probabilities(logits) > 0).sum(-1)  # (rows,)
+            probs = torch.softmax(logits.double(), -1).sort(-1, descending=True).values
+            exact = ((probs.cumsum(-1) - probs) < top_p).sum(-1)  # tokens before which the mass is short of top_p
+            assert torch.equal(kept, exact), (top_p, (kept != exact).nonzero()[:3].tolist())
+    warper = transformers.TopPLogitsWarper(top_p=0.99)  # (its own float32 sum agrees on this row)
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(715)) * 3
+    want = int(torch.isfinite(warper(None, row.clone())).sum())
+    assert int((SamplingConfig(top_p=0.99).probabilities(row) > 0).sum()) == want == 24
+
+
+def test_float64_logits_past_float32s_range_and_huge_temperatures():
+    from attnlab.generation import SamplingConfig
+
+    big = torch.tensor([[1e39, 0.0, -1.0]], dtype=torch.float64)  # (NaN probabilities, then multinomial's error)
+    assert torch.equal(SamplingConfig().probabilities(big), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert int(sample_next_token(big, temperature=1.0)[0]) == 0
+    with pytest.raises(ValueError, match=r"temperature must be a float in \[0, 3.4e38\]"):
+        SamplingConfig(temperature=1e39)  # (divided by inf: uniform, or NaN beside an -inf)
+    hot = SamplingConfig(temperature=1e38, top_k=1).probabilities(torch.tensor([[1.0, 2.0, 3.0]]))
+    assert torch.equal(hot, torch.tensor([[0.0, 0.0, 1.0]]))

@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
+from attnlab.formats.families import to_hf_state_dict
 from attnlab.model import GPT
-from attnlab.training.lora import LoRASettings, apply_lora, peft_adapter, save_peft_adapter
+from attnlab.training.lora import LoRASettings, apply_lora, base_weights, peft_adapter, save_peft_adapter
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -68,3 +69,33 @@ def test_a_model_without_adapters_or_of_another_family_is_refused():
         peft_adapter(ours, "bert")
     with pytest.raises(ValueError):  # a Llama's switches are not GPT-NeoX's
         peft_adapter(ours, "gpt_neox")
+
+
+def test_bad_arguments_are_named(tmp_path):
+    hf = hf_model("llama")
+    ours = GPT.from_hf(hf)
+    apply_lora(ours, LoRASettings.make(2))
+    with pytest.raises(TypeError, match="model must be an attnlab GPT with LoRA adapters, got LlamaForCausalLM"):
+        save_peft_adapter(hf, "llama", tmp_path / "a")
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        save_peft_adapter(ours, ["llama"], tmp_path / "a")  # (unhashable: a TypeError from the dict)
+    for directory in ("", None):  # ("" wrote into the working directory)
+        with pytest.raises(TypeError, match="directory must be a directory's path"):
+            save_peft_adapter(ours, "llama", directory)
+    (tmp_path / "file").write_text("x")
+    for directory in (tmp_path / "file", tmp_path / "file" / "under"):
+        with pytest.raises(ValueError, match="is a file, or lies under one"):
+            save_peft_adapter(ours, "llama", directory)
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_base_of_an_adapted_model_exports_inside_base_weights():
+    hf = hf_model("llama")
+    ours = GPT.from_hf(hf)
+    apply_lora(ours, LoRASettings.make(2))
+    with pytest.raises(ValueError, match="model has LoRA adapters: export its base inside"):
+        to_hf_state_dict(ours, "llama")  # (said "it is not a llama model")
+    with base_weights(ours):
+        exported = to_hf_state_dict(ours, "llama")
+    for name, t in hf.state_dict().items():
+        torch.testing.assert_close(exported[name], t, rtol=0, atol=0)

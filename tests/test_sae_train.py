@@ -390,6 +390,11 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
         assert err.count("\n") == 1 and "--context 17 is longer than the model's context of 16 tokens" in err, err
         assert main(["sae", *argv, *common, "--context", "16", "--tokens", "64", "--no-progress"]) == 0
         capsys.readouterr()
+        # no --context: the model's 16 where shorter than the default 128 (refused before, as if given)
+        assert main(["sae", *argv, *common, "--tokens", "64", "--no-progress"]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+    train = ["sae", "train", *common[:2], *common[4:], "--hook", HOOK, "--tokens", "64", "--out", str(tmp_path / "r")]
+    assert main([*train, "--batch-rows", "16", "--buffer-rows", "64", "--no-progress"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -397,7 +402,7 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
     [
         (["eval", "--context", "0"], "--context must be a positive int, got 0"),
         (["eval", "--tokens", "-5"], "--tokens must be a positive int, got -5"),
-        (["eval", "--tokens", "3"], "--tokens 3 is less than one window of --context 128"),
+        (["eval", "--tokens", "3", "--context", "128"], "--tokens 3 is less than one window of --context 128"),
         (["eval", "--context", "1"], "--context must be at least 2 tokens"),
         (["dashboard", "--context", "0", "--out", "d.html"], "--context must be a positive int, got 0"),
         (["dashboard", "--out", "d.txt"], "--out must end in one of .html, .htm; got 'd.txt'"),

@@ -16,8 +16,9 @@ cache the model runs over the whole sequence each step (the window slides inside
 
 Batches of different lengths. Left-pad the prompts and pass ``attention_mask (B, T)`` (True / 1 =
 real token). Padding is never attended to and each row's positions count only its real tokens, so a
-padded row generates exactly what it would alone; except under LongRoPE (Phi-3), whose turn to its
-long factors follows the batch's longest row, as transformers' does.
+padded row computes the logits it would alone (and, greedy, the same tokens; sampling draws the rows
+from one random stream, so a row's draws depend on the batch, as in transformers); except under
+LongRoPE (Phi-3), whose turn to its long factors follows the batch's longest row, as transformers' does.
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ class SamplingConfig:
     eos_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not finite_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {self.temperature!r}")
+        if not finite_real(self.temperature) or not 0 <= self.temperature <= torch.finfo(torch.float32).max:
+            # (past float32's largest, the logits would be divided by inf: uniform, or NaN beside an -inf)
+            raise ValueError(
+                f"temperature must be a float in [0, 3.4e38] (0 = greedy; float32's range), got {self.temperature!r}"
+            )
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k <= 0):
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and (not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
@@ -100,6 +104,8 @@ class SamplingConfig:
         outside the top-k and the top-p nucleus. Not for ``temperature=0`` (see :meth:`probabilities`)."""
         # Subtract each row's maximum first: then dividing by a tiny temperature sends the other logits
         # towards -inf, never the best one to +inf (which would make the softmax NaN).
+        if logits.dtype == torch.float64:  # (float64 logits can lie past float32's range: shifted first)
+            logits = logits - logits.amax(dim=-1, keepdim=True)
         logits = logits.float()  # (B, V)
         logits = logits - logits.amax(dim=-1, keepdim=True)  # (B, V), max 0
         if self.temperature >= torch.finfo(torch.float32).tiny:
@@ -111,7 +117,10 @@ class SamplingConfig:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-            probs = torch.softmax(sorted_logits, dim=-1)
+            # Summed in float64 (MPS has none: float32 there): float32's sum of thousands of probabilities
+            # puts the cut one token off in some rows (transformers' in others).
+            exact = torch.float32 if logits.device.type == "mps" else torch.float64
+            probs = torch.softmax(sorted_logits.to(exact), dim=-1)
             # Drop a token when the tokens *before* it already reach top_p (the first always stays).
             drop = (probs.cumsum(dim=-1) - probs) >= self.top_p  # (B, V)
             drop[:, 0] = False  # even where float32 rounds a tiny top_p to 0

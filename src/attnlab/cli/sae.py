@@ -18,12 +18,15 @@ holds a run; stop it with Ctrl-C or SIGTERM (it saves first; exit status 130 / 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from attnlab.cli.options import MODEL_SOURCES, add_threads_argument, check_out_file
 
+DEFAULT_CONTEXT = 128
+CONTEXT_HELP = f"(default {DEFAULT_CONTEXT}, or the model's context where shorter)"
 HELP_TRAIN = "train an SAE (or, with --hook-out, a transcoder) on a model's activations"
 
 
@@ -55,9 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the shuffled buffer's size in activations (default 32768)",
     )
-    t.add_argument(
-        "--context", type=int, default=128, metavar="T", help="tokens per window the model reads (default 128)"
-    )
+    t.add_argument("--context", type=int, metavar="T", help=f"tokens per window the model reads {CONTEXT_HELP}")
     t.add_argument(
         "--outlier-ratio",
         type=float,
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--data", metavar="PATH", help="UTF-8 text to measure on (default: the built-in corpus)")
     e.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens to measure on (default 8192)")
-    e.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
+    e.add_argument("--context", type=int, metavar="T", help=f"tokens per window {CONTEXT_HELP}")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
 
@@ -116,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--latents", type=int, metavar="N", help="the first N latents (default 100, or every one of a smaller SAE)"
     )
     d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
-    d.add_argument("--context", type=int, default=128, metavar="T", help="tokens per window (default 128)")
+    d.add_argument("--context", type=int, metavar="T", help=f"tokens per window {CONTEXT_HELP}")
     d.add_argument("--top", type=int, default=10, metavar="K", help="top-activating contexts per latent (default 10)")
     d.add_argument("--out", required=True, metavar="PAGE", help="the HTML page to write")
     d.add_argument(
@@ -161,7 +162,7 @@ def _train(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         batch_rows=args.batch_rows,
         buffer_rows=args.buffer_rows,
-        context=args.context,
+        context=args.context or DEFAULT_CONTEXT,
         outlier_ratio=args.outlier_ratio,
         lr=args.lr,
         dead_tokens=args.dead_tokens,
@@ -172,6 +173,8 @@ def _train(args: argparse.Namespace) -> int:
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     loaded = _load(args, device=device, dtype=dtype)
+    if args.context is None and loaded.model.config.context_length < cfg.context:  # (a small model's context)
+        cfg = dataclasses.replace(cfg, context=loaded.model.config.context_length)
     tokens = tokenize_to_cache(args.data, loaded.tokenizer)
     trainer = SAETrainer(loaded.model, tokens, cfg, args.out, model_name=model_name(loaded), progress=args.progress)
     try:
@@ -212,10 +215,25 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def _check_context(args: argparse.Namespace, model: Any) -> None:
-    """``--context`` within the model's context (as ``sae train`` checks it), or one ValueError."""
+    """``--context`` within the model's context (as ``sae train`` checks it), or one ValueError; not given:
+    the default, or the model's context where shorter."""
     longest = model.config.context_length
-    if args.context > longest:
+    if args.context is None:
+        args.context = min(DEFAULT_CONTEXT, longest)
+        _check_windows(args)
+    elif args.context > longest:
         raise ValueError(f"--context {args.context} is longer than the model's context of {longest} tokens")
+
+
+def _check_windows(args: argparse.Namespace) -> None:
+    """``--context`` and ``--tokens`` (one window at least), where ``--context`` is known."""
+    if args.context is None:  # (the model's context decides it: checked once it is read)
+        return
+    _check_positive(args, "context")
+    if args.context < 2:  # (found only after the progress bar had started)
+        raise ValueError(f"--context must be at least 2 tokens (a next token to predict), got {args.context}")
+    if args.tokens < args.context:  # (it measured one whole window, silently)
+        raise ValueError(f"--tokens {args.tokens} is less than one window of --context {args.context}")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -225,11 +243,8 @@ def _eval(args: argparse.Namespace) -> int:
     from attnlab.data import tokenize_to_cache
     from attnlab.interpret.sae import SAE, evaluate_sae
 
-    _check_positive(args, "tokens", "context")
-    if args.context < 2:  # (found only after the progress bar had started)
-        raise ValueError(f"--context must be at least 2 tokens (a next token to predict), got {args.context}")
-    if args.tokens < args.context:  # (it measured one whole window, silently)
-        raise ValueError(f"--tokens {args.tokens} is less than one window of --context {args.context}")
+    _check_positive(args, "tokens")
+    _check_windows(args)
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
     loaded = _load(args)
     sae.check_model(loaded.model)
@@ -263,9 +278,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae import SAE
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
 
-    _check_positive(args, *(["latents"] if args.latents is not None else []), "tokens", "context", "top")
-    if args.tokens < args.context:
-        raise ValueError(f"--tokens {args.tokens} is less than one window of --context {args.context}")
+    _check_positive(args, *(["latents"] if args.latents is not None else []), "tokens", "top")
+    _check_windows(args)
     check_out_file(args.out, (".html", ".htm"))  # (a page, as viz, patch and circuit write)
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)
     if args.latents is None:

@@ -901,6 +901,11 @@ def check_exportable(model: GPT, model_type: str) -> GPTConfig:
 def export(model: GPT, model_type: str) -> dict[str, Tensor]:
     """``model``'s weights under family ``model_type``'s Hugging Face names (the inverse of :func:`convert`)."""
     cfg, family = check_exportable(model, model_type), FAMILIES[model_type]
+    if getattr(model, "lora_settings", None) is not None:  # (its weights are W's parts: "not a llama model")
+        raise ValueError(
+            "model has LoRA adapters: export its base inside attnlab.training.lora.base_weights(model) (the "
+            "adapters: save_peft_adapter), or merge them in first (merge_lora)"
+        )
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     out: dict[str, Tensor] = {}
     pieces: dict[str, dict[str, Tensor]] = {}  # fused tensors, gathered part by part

@@ -260,9 +260,11 @@ def peft_adapter(model: nn.Module, model_type: str) -> tuple[dict[str, Any], dic
     (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``) takes the adapted parts'
     ``A`` stacked and their ``B`` on the block diagonal: rank ``r`` per part, with PEFT's
     ``rank_pattern`` and ``alpha_pattern`` keeping the scale ``alpha / r``."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "trf_blocks"):
+        raise TypeError(f"model must be an attnlab GPT with LoRA adapters, got {type(model).__name__}")
     if not has_lora(model):
         raise ValueError("model has no LoRA adapters (apply_lora adds them)")
-    if model_type not in families.FAMILIES:
+    if not isinstance(model_type, str) or model_type not in families.FAMILIES:
         raise ValueError(f"model_type must be one of {', '.join(families.FAMILIES)}, got {model_type!r}")
     cfg, family = families.check_exportable(model, model_type), families.FAMILIES[model_type]
     rank, alpha = model.lora_settings["rank"], model.lora_settings["alpha"]
@@ -322,9 +324,14 @@ def save_peft_adapter(model: nn.Module, model_type: str, directory: str | os.Pat
     """Write :func:`peft_adapter` into ``directory`` (made if needed) as ``adapter_config.json`` and
     ``adapter_model.safetensors``, each atomically: ``peft.PeftModel.from_pretrained(hf_model,
     directory)`` then computes what ``model`` does. Returns the directory."""
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise TypeError(f"directory must be a directory's path (str or os.PathLike), got {directory!r}")
     config, tensors = peft_adapter(model, model_type)
     out = Path(directory).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"directory {str(out)!r} is a file, or lies under one: name a directory") from None
     with atomic_path(out / "adapter_model.safetensors") as tmp:
         import_safetensors().torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out / "adapter_config.json", config)
