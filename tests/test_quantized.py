@@ -306,6 +306,18 @@ def test_rows_move_with_their_blocks():
     assert torch.equal(both.to(torch.float64).dequantize(), dense.double())
 
 
+def test_one_row_by_an_int_reads_that_row_alone(monkeypatch):
+    # (w[5] dequantized the whole matrix: direct_logit_attribution's two rows of SmolLM2's 49,152 x 576
+    # head took 200 MB more than the dense model)
+    w = QuantizedTensor.from_blocks("Q4_1", blocks("Q4_1", 6, 64), (6, 64))
+    dense = w.dequantize()
+    monkeypatch.setattr(QuantizedTensor, "dequantize", lambda *a, **k: pytest.fail("the whole matrix dequantized"))
+    for i in (0, 5, -1, -6):
+        assert torch.equal(w[i], dense[i])
+    with pytest.raises(IndexError):
+        w[6]
+
+
 def test_bad_blocks_are_refused_by_name():
     with pytest.raises(ValueError, match="format must be one of"):
         QuantizedTensor.from_blocks("Q4_9", np.zeros((1, 18), np.uint8), (1, 32))

@@ -26,6 +26,7 @@ from attnlab.interpret import (
     render_page,
     steer,
     token_label,
+    token_strings,
     trace,
 )
 from attnlab.interpret.sae_view import dashboard_data, features_sections, latent_logits, strongest_latents
@@ -162,6 +163,19 @@ def test_at_most_max_latents_dashboards_the_strongest(model, sae):
         features_sections(model, [sae], idx[0], max_latents=0)
     with pytest.raises(TypeError, match="saes must hold attnlab SAEs"):
         features_sections(model, [model], idx[0])
+
+
+def test_dashboards_of_a_model_whose_vocabulary_is_padded_past_its_tokenizer(sae):
+    # (a vocabulary padded to a round size, as nanoGPT's 50,304: "ids must lie in [0, 29), got 29")
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=len(CHARS) + 3, context_length=48, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0)
+    padded = GPT(cfg).eval()
+    with torch.no_grad():
+        padded.out_head.weight[len(CHARS) :] = 50 * sae.W_dec[0]  # (the padded rows: latent 0's most promoted)
+    data = dashboard_data(padded, sae, ids(TEXT)[0], TOKENIZER, [0, 1], context=48, top_k=3, window=8)
+    promoted = [token for token, _ in data["latents"][0]["promotes"]]
+    assert {f"#{i}" for i in range(len(CHARS), len(CHARS) + 3)} & set(promoted), promoted
+    assert token_strings(TOKENIZER, [1, len(CHARS) + 2]) == [TOKENIZER.decode([1]), f"#{len(CHARS) + 2}"]
 
 
 def test_viz_sae_writes_the_features_view(checkpoint, tmp_path, capsys):

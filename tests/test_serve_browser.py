@@ -149,6 +149,11 @@ def test_type_slide_generate_and_ablate(driver, server, checkpoint):  # noqa: F8
     assert [int(i) for i, _ in got][:5] == torch.topk(want, 5).indices.tolist()
     torch.testing.assert_close(_floats([p for _, p in got]), want[[int(i) for i, _ in got]], atol=1e-6, rtol=0)
     assert sum(float(p) > 0 for _, p in got) == 5
+    # A k past every vocabulary keeps every token, as 0 does (the server's 422 was an uncaught error, before).
+    _set(driver, "top-k", 2_000_000)
+    WebDriverWait(driver, 30).until(lambda d: sum(float(p) > 0 for _, p in rows()) > 5)
+    _set(driver, "top-k", 5)
+    WebDriverWait(driver, 30).until(lambda d: sum(float(p) > 0 for _, p in rows()) == 5)
 
     # Generate: tokens stream in with their attention, drawn with those settings.
     _set(driver, "max-new", 6)

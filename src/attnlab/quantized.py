@@ -1593,6 +1593,10 @@ def _getitem(w: QuantizedTensor, index: Any) -> Tensor:
         return _slice_rows(w, start, max(start, stop))
     if isinstance(index, Tensor) and index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool:
         return _index_select(w, 0, index)
+    if isinstance(index, int) and not isinstance(index, bool):  # one row: (in,), not the whole matrix
+        if not -w.shape[0] <= index < w.shape[0]:
+            raise IndexError(f"index {index} is out of range for a weight of {w.shape[0]} rows")
+        return w.rows(torch.tensor([index % w.shape[0]], device=w.device))[0]
     with torch._C.DisableTorchFunctionSubclass():
         return w.dequantize()[index]
 

@@ -83,14 +83,17 @@ def token_label(token: str) -> str:
 
 def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each id decoded on its own; a byte that is only part of a UTF-8 character shows as ``\\xNN``.
-    Without a tokenizer, ``#id``. A token is decoded after a plain one and that one's text cut off: a
-    SentencePiece decoder drops the word boundary (``▁``) of the text's first token, which a label
-    must show (``" cat"``, not ``"cat"``)."""
+    Without a tokenizer, or past its vocabulary, ``#id``. A token is decoded after a plain one and that
+    one's text cut off: a SentencePiece decoder drops the word boundary (``▁``) of the text's first
+    token, which a label must show (``" cat"``, not ``"cat"``)."""
     if tokenizer is None:
         return [f"#{int(i)}" for i in ids]
-    anchor = _anchor(tokenizer)
+    anchor, size = _anchor(tokenizer), getattr(tokenizer, "vocab_size", None)
     out = []
     for i in map(int, ids):
+        if size is not None and not 0 <= i < size:  # (a model's vocabulary padded past its tokenizer's)
+            out.append(f"#{i}")
+            continue
         s = tokenizer.decode([i])
         if anchor is not None and not s.startswith(" "):
             joined = tokenizer.decode([anchor[0], i])

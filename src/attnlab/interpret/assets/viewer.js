@@ -645,7 +645,8 @@ async function showInspector(source, opts) {
       }
       const update = () => {
         state.temperature = grid ? grid[Number(temp.value)] : Number(temp.value);
-        state.topK = Math.max(0, Math.floor(Number(k.value) || 0));
+        // (a k past every vocabulary keeps every token, as 0 does; the server takes at most 2^20)
+        state.topK = Math.min(1 << 20, Math.max(0, Math.floor(Number(k.value) || 0)));
         state.topP = Number(p.value);
         $("temperature-value").textContent = state.temperature.toFixed(grid ? 1 : 2);
         $("top-p-value").textContent = state.topP.toFixed(2);
@@ -1310,7 +1311,8 @@ class LiveApp {
 
   sampling() {
     const $ = (id) => document.getElementById(id);
-    const t = Number($("temperature").value), k = Math.floor(Number($("top-k").value) || 0), p = Number($("top-p").value);
+    const t = Number($("temperature").value), p = Number($("top-p").value);
+    const k = Math.min(1 << 20, Math.floor(Number($("top-k").value) || 0));  // (as the next-token view takes it)
     return { temperature: t, top_k: k > 0 ? k : null, top_p: p < 1 ? p : null };
   }
 
