@@ -558,6 +558,16 @@ def test_debris_is_cleared_by_a_resume(base: Path, tmp_path: Path, capsys) -> No
     assert not [n for n in left if n.endswith(".tmp") or n.startswith(".tmp-")], left
 
 
+def test_debris_is_cleared_by_a_resume_that_trains_nothing(base: Path, tmp_path: Path, capsys) -> None:
+    # (a killed save's step directory, as large as the model, stayed until the next save)
+    d = copy_run(base, tmp_path / "run")
+    debris(d)
+    argv = ["train", "--out", str(d), "--resume", "--max-steps", "4", "--no-progress", "--device", "cpu"]
+    assert main(argv) == 0
+    assert "nothing to train" in capsys.readouterr().err
+    assert not list((d / "checkpoints").glob(".tmp-*"))
+
+
 def test_a_legacy_checkpoint_resumes_and_is_written_in_the_new_format(base: Path, tmp_path: Path, capsys) -> None:
     d = copy_run(base, tmp_path / "run")
     legacy(d)

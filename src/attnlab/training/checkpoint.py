@@ -447,6 +447,12 @@ def _prune_step_dirs(ckpts: Path, final: Path, step: int, keep: int) -> None:
     older.sort()
     for _, old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+    remove_save_debris(ckpts)
+
+
+def remove_save_debris(ckpts: Path) -> None:
+    """Remove the step directories that interrupted saves left in ``ckpts`` (``.tmp-step-*``), unless one
+    holds anything attnlab did not write. Only while no other process may be saving there (the run lock)."""
     for debris in ckpts.glob(".tmp-step-*"):
         if debris.is_dir() and not debris.is_symlink() and _written_by_attnlab(debris):
             shutil.rmtree(debris, ignore_errors=True)

@@ -56,6 +56,7 @@ from attnlab.interpret.sae import SAE, SAEConfig, cfg_dict, hook_width
 from attnlab.quantized import stored_tensors
 from attnlab.training.checkpoint import (
     CHECKPOINT_NAME,
+    CHECKPOINTS_DIR,
     OPTIMIZER_NAME,
     SELF_HASH,
     begin_save,
@@ -64,6 +65,7 @@ from attnlab.training.checkpoint import (
     has_checkpoint,
     metadata_digest,
     recover_latest,
+    remove_save_debris,
 )
 from attnlab.training.rundir import RunLock, check_run_directory
 from attnlab.training.trainer import METRICS_NAME, MetricsLog, StopFlag
@@ -683,6 +685,7 @@ class SAETrainer:
     def fit(self) -> SAETrainResult:
         check_run_directory(self.out, resume=True)  # (a run in --out is always resumed)
         self.lock.acquire()
+        remove_save_debris(self.out / CHECKPOINTS_DIR)  # (a killed save's)
         metrics: MetricsLog | None = None
         try:
             if (taken := recover_latest(self.out, lambda d: self._checked(d)["step"])) is not None:

@@ -58,6 +58,7 @@ from attnlab.quantized import compile_from_now, is_quantized
 from attnlab.tokenizers import StreamDecoder, Tokenizer, get_tokenizer, tokenizer_from_dict
 from attnlab.training import chat_data, fsdp
 from attnlab.training.checkpoint import (
+    CHECKPOINTS_DIR,
     OPTIMIZER_DIR,
     OPTIMIZER_NAME,
     Checkpoint,
@@ -69,6 +70,7 @@ from attnlab.training.checkpoint import (
     read_latest,
     read_metadata,
     recover_latest,
+    remove_save_debris,
     save_checkpoint,
     set_rng_state,
 )
@@ -243,6 +245,7 @@ class Trainer:
         if self.dist.is_main:
             check_run_directory(self.out, resume=config.resume)
             self._lock.acquire()
+            remove_save_debris(self.out / CHECKPOINTS_DIR)  # (a killed save's, as large as the model)
         try:
             self.cfg = self._run_config(config, given)
             self.device = resolve_device(self.cfg.device, self.dist.local_rank)
