@@ -207,6 +207,19 @@ def test_cache_is_reused_and_invalidated_by_content(tmp_path, monkeypatch):
     assert len(list(cache.glob("*.json"))) == 3
 
 
+@pytest.mark.parametrize("cut", [0, 100, 598])  # (even lengths of 2-byte ids: read as the whole text, before)
+def test_a_cache_file_cut_short_is_built_again(tmp_path, monkeypatch, cut):
+    calls = _count_writes(monkeypatch)
+    f = tmp_path / "corpus.txt"
+    f.write_bytes(b"abcdef" * 100)
+    tok = CharTokenizer.from_text("abcdefxyz" + "".join(chr(0x4E00 + i) for i in range(300)))  # (uint16 ids)
+    tokenize_to_cache(f, tok, cache_dir=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").glob("*.bin")
+    os.truncate(entry, cut)
+    assert tokenize_to_cache(f, tok, cache_dir=tmp_path / "cache").tolist() == tok.encode("abcdef" * 100)
+    assert len(calls) == 2
+
+
 def test_cache_interrupted_write_leaves_nothing_to_trust(tmp_path, monkeypatch):
     f = tmp_path / "corpus.txt"
     f.write_bytes(b"abc def\n" * 1000)

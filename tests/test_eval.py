@@ -81,12 +81,16 @@ def test_smollm2_equals_transformers_and_the_cli_prints_it(smollm2_hf_dir, capsy
     assert main(["eval", "--model", str(smollm2_hf_dir), "--data", str(text_file), "--context-length", "32",
                  "--stride", "24", "--device", "cpu", "--no-progress", "--json"]) == 0  # fmt: skip
     got = json.loads(capsys.readouterr().out)
-    ids = tok(TEXT)["input_ids"]  # what Hugging Face's tokenizer makes of the text (its BOS, if any)
+    encoded = tok(TEXT, return_offsets_mapping=True)
+    ids = encoded["input_ids"]  # what Hugging Face's tokenizer makes of the text (its BOS, if any)
     assert got["tokens"] == len(ids) - 1
     want = _hf_loss(hf, ids, 32, 24)
     assert got["loss"] == pytest.approx(want, rel=1e-4)
     assert got["perplexity"] == pytest.approx(math.exp(want), rel=1e-4)
-    assert got["bits_per_byte"] == pytest.approx(want * got["tokens"] / math.log(2) / len(TEXT.encode()), rel=1e-4)
+    # The bytes scored: the text's after the first token (context only; a BOS covers none of the text)
+    scored = len(TEXT.encode()) - len(TEXT[: encoded["offset_mapping"][0][1]].encode())
+    assert got["bytes"] == scored < len(TEXT.encode())  # (SmolLM2 adds no BOS: its first token is text)
+    assert got["bits_per_byte"] == pytest.approx(want * got["tokens"] / math.log(2) / scored, rel=1e-4)
     assert 0.3 < got["bits_per_byte"] < 3  # a real model on English prose
 
 

@@ -144,6 +144,16 @@ def _file_lock(lock_path: Path) -> Iterator[bool]:
             fh.close()  # releases the flock
 
 
+def _whole(final: Path, dtype: np.dtype) -> bool:
+    """Whether the cache entry ``final`` holds as many tokens as its sidecar says it was written with
+    (a file cut short, by hand or by a full disk, is built again rather than read as the whole text)."""
+    try:
+        meta = json.loads(final.with_suffix(".json").read_text(encoding="utf-8"))
+        return final.is_file() and final.stat().st_size == meta["num_tokens"] * dtype.itemsize
+    except (OSError, ValueError, KeyError, TypeError):  # (no sidecar: a build killed before it, rebuilt)
+        return False
+
+
 def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap cannot map an empty file
@@ -241,11 +251,11 @@ def tokenize_to_cache(
     cdir = _writable_cache_dir(cache_dir)
     final = cdir / f"{stem}.{tokenizer.name}.{key}.{dtype.name}.bin"
 
-    if final.is_file() and final.stat().st_size % dtype.itemsize == 0:
+    if _whole(final, dtype):
         return _open_tokens(final, dtype)
     with _file_lock(cdir / f"{final.name}.lock") as locked:
         # Another process may have built it while we waited for the lock.
-        if final.is_file() and final.stat().st_size % dtype.itemsize == 0:
+        if _whole(final, dtype):
             return _open_tokens(final, dtype)
         # Temp files of a build that was killed (SIGKILL skips our cleanup); nobody else is
         # writing this entry while we hold its lock.
@@ -264,7 +274,7 @@ def tokenize_to_cache(
             "num_tokens": n_tokens,
             "format": _CACHE_FORMAT,
         }
-        # The sidecar is for people browsing the cache; the .bin alone is what gets reused.
+        # The sidecar is for people browsing the cache, and says how many tokens the .bin must hold.
         atomic_write_json(final.with_suffix(".json"), meta)
     return _open_tokens(final, dtype)
 

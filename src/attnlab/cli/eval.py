@@ -8,7 +8,8 @@ Examples::
 The text is scored in windows of ``--context-length`` tokens every ``--stride`` tokens (see
 :mod:`attnlab.training.eval`); every token but the first is scored once, so the figures are those of
 the whole text. A Hugging Face model's text starts with its beginning-of-text token, as Hugging Face's
-tokenizer would put it.
+tokenizer would put it; without one the first token is context only, and bits per byte counts the
+bytes after it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 
 from attnlab.cli.options import MODEL_SOURCES, add_dtype_argument, add_threads_argument, load_from_model_arguments
 from attnlab.data import load_text
-from attnlab.tokenizers import prompt_tokens
+from attnlab.tokenizers import bos_prefix, prompt_tokens
 from attnlab.tools.loading import model_name
 from attnlab.training.eval import evaluate_tokens, windows
 
@@ -62,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_from_model_arguments(args)
     model, tok = loaded.model, loaded.tokenizer
     ids = prompt_tokens(tok, text)
+    # Bits per byte over the bytes scored: all of them after a BOS; else the first token's are context only.
+    n_bytes = len(text.encode("utf-8"))
+    if ids and not bos_prefix(tok):  # (decoded as the text's start, as a SentencePiece decoder renders it)
+        first = tok.decode([ids[0]])
+        part = "\ufffd" in first and hasattr(tok, "decode_bytes")  # (part of a character: its bytes)
+        n_bytes -= min(len(tok.decode_bytes([ids[0]]) if part else first.encode("utf-8")), n_bytes)
     T = args.context_length if args.context_length is not None else min(model.config.context_length, DEFAULT_CONTEXT)
     if not 1 <= T <= model.config.context_length and model.config.pos == "learned":
         raise ValueError(f"--context-length must be in [1, {model.config.context_length}] (the model's), got {T}")
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=sum(s for *_, s in plan), desc="eval", unit="tok", dynamic_ncols=True)
     try:
         result = evaluate_tokens(
-            model, ids, context_length=T, stride=stride, n_bytes=len(text.encode("utf-8")), on_window=bar and bar.update
+            model, ids, context_length=T, stride=stride, n_bytes=n_bytes, on_window=bar and bar.update
         )
     finally:
         if bar is not None:
