@@ -313,13 +313,32 @@ def test_the_mask_is_transformers_assistant_mask_on_smollm2s_template(smollm2_gg
     )
     hf = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer._tok, eos_token="<|im_end|>")
     user, assistant = ({"role": r, "content": c} for r, c in (("user", "What is a key?"), ("assistant", "4")))
-    for messages in [CONVERSATION, [user, assistant], [user, {**assistant, "content": ""}, user, assistant]]:
+    # (an answer that starts with whitespace: its first newline and the template's make one token of the
+    # whole render, which the pieces tokenized apart had split)
+    spaced = [[user, {**assistant, "content": c}] for c in ("\n\nSure", " Sure", "\n")]
+    for messages in [CONVERSATION, [user, assistant], [user, {**assistant, "content": ""}, user, assistant], *spaced]:
         ids, mask = encode_conversation(loaded.chat_template, loaded.tokenizer, messages)
         ref = hf.apply_chat_template(
             messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         assert ids == ref["input_ids"]
         assert mask == [bool(m) for m in ref["assistant_masks"]]
+
+
+def test_a_template_that_ends_a_conversation_with_its_eos_trains_on_every_turn() -> None:
+    # Phi-3's templates write eos_token after the last turn (without a generation prompt): a second
+    # answer was refused ("does not render a conversation prefix by prefix"), and a last one trained
+    # on the separator and that end-of-text after its <|end|>.
+    template = ChatTemplate(
+        "{% for m in messages %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+        eos_token="<|endoftext|>",
+    )
+    turns = [("user", "hi"), ("assistant", "hello"), ("user", "bye"), ("assistant", "ciao")]
+    messages = [{"role": r, "content": c} for r, c in turns]
+    ids, mask = encode_conversation(template, ByteTokenizer(), messages)
+    assert bytes(ids).decode() == template.render(messages, add_generation_prompt=False)
+    assert bytes(t for t, m in zip(ids, mask, strict=True) if m).decode() == "hello<|end|>ciao<|end|>"
 
 
 def test_a_conversation_may_open_with_the_assistant() -> None:

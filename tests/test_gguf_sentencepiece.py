@@ -525,3 +525,25 @@ def test_the_token_cache_of_a_file_cut_in_chunks_is_its_whole_encoding(pair, fam
         assert cut > len(text) - 1000
     tokens = tokenize_to_cache(tmp_path / "corpus.txt", ours, tmp_path / "cache", chunk_bytes=1024, workers=2)
     assert tokens.tolist() == ours.encode(text)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_chat_data_is_the_whole_render_tokenized(files, family):
+    # Each piece of the render tokenized apart began with SentencePiece's word boundary: an extra '▁'
+    # before every answer, trained on as the assistant's.
+    from attnlab.training.chat_data import encode_conversation
+
+    loaded = load_pretrained(str(files[family]))
+    turns = [("user", "hi"), ("assistant", "hello"), ("user", "bye"), ("assistant", "ciao")]
+    messages = [{"role": r, "content": c} for r, c in turns]
+    ids, mask = encode_conversation(loaded.chat_template, loaded.tokenizer, messages)
+    assert ids == loaded.tokenizer.encode(loaded.chat_template.render(messages, add_generation_prompt=False))
+    spans, current = [], []
+    for i, m in zip([*ids, None], [*mask, False], strict=True):
+        if m:
+            current.append(i)
+        elif current:
+            spans.append(loaded.tokenizer.decode(current))
+            current = []
+    end = {"llama": "</s>", "phi3": "<|end|>"}[family]  # (the turn's end is the assistant's: it learns to stop)
+    assert spans == [f"hello{end}", f"ciao{end}"]

@@ -14,9 +14,9 @@ turn ends; what lies between (the answer and its end-of-turn marker, so the mode
 the separator the template writes after that marker, as transformers' assistant mask) is trained on,
 the rest is context. A conversation that opens with the assistant's answer (where the render of no
 messages differs, e.g. SmolLM2's default system prompt) finds the answer by its content instead.
-The pieces are tokenized one by one, so every token is either
-the assistant's or not. The conversations are packed one after another into one token stream, with a
-mask beside it; :class:`MaskedWindowBatches` draws training windows from it as
+The whole render is then tokenized at once, as transformers' ``apply_chat_template`` does, and a
+token holding text of an answer is the assistant's. The conversations are packed one after another
+into one token stream, with a mask beside it; :class:`MaskedWindowBatches` draws training windows from it as
 :class:`attnlab.data.RandomWindowBatches` does, with ``-100`` (ignored by the loss) as the target of
 every token that is not the assistant's, and only windows holding at least one assistant token.
 """
@@ -110,7 +110,7 @@ def _segments(template: ChatTemplate, messages: Sequence[dict[str, str]]) -> lis
                 "the assistant's tokens cannot be told apart"
             )
         answer = through[len(before) :]
-        answer = answer[: _turn_end(answer, template)]  # (the template's newline after it is context)
+        answer = answer[: _turn_end(answer, m["content"], template)]  # (what the template writes after it: context)
         pieces += [(before[len(done) :], False), (answer, True)]
         done = before + answer
     full = template.render(messages, add_generation_prompt=False)
@@ -132,26 +132,46 @@ def _before_the_answer(template: ChatTemplate, messages: Sequence[dict[str, str]
     return through[:k]
 
 
-def _turn_end(answer: str, template: ChatTemplate) -> int:
-    """Where the assistant's turn ends in ``answer``: just after its last end-of-turn token (the
-    template's ``eos_token`` or one of :data:`~attnlab.formats.chat.TURN_ENDS`) when only whitespace
-    follows it (the separator before the next turn, not the model's to learn), else at its end."""
-    ends = [answer.rfind(t) + len(t) for t in (template.eos_token, *TURN_ENDS) if t and t in answer]
-    end = max(ends, default=len(answer))
-    return end if not answer[end:].strip() else len(answer)
+def _turn_end(answer: str, content: str, template: ChatTemplate) -> int:
+    """Where the assistant's turn ends in ``answer`` (its render, from where the answer starts): just
+    after the first end-of-turn token (the template's ``eos_token`` or one of
+    :data:`~attnlab.formats.chat.TURN_ENDS`) after its ``content``, else at its end. What follows (the
+    separator before the next turn; Phi-3's templates end a conversation with an end-of-text too) is
+    not the model's to learn."""
+    start = answer.find(content) + len(content) if content and content in answer else 0
+    ends = [k + len(t) for t in (template.eos_token, *TURN_ENDS) if t and (k := answer.find(t, start)) >= 0]
+    return min(ends, default=len(answer))
 
 
 def encode_conversation(
     template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict[str, str]]
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, for each, whether it is the assistant's."""
-    ids: list[int] = []
-    mask: list[bool] = []
-    for text, mine in _segments(template, messages):
-        piece = tokenizer.encode(text)
-        ids += piece
-        mask += [mine] * len(piece)
+    """Token ids of the rendered conversation and, for each, whether it is the assistant's.
+
+    The whole render is tokenized at once, as ``apply_chat_template`` does: pieces tokenized apart
+    differ where one token spans two of them (a newline of the template's and the answer's) and where
+    the tokenizer starts each text with a word boundary (SentencePiece's ``▁``). A token that holds
+    text of the answer and of the context around it is the answer's."""
+    segments = _segments(template, messages)
+    full = "".join(text for text, _ in segments)
+    ids = [int(i) for i in tokenizer.encode(full)]
+    mask = [False] * len(ids)
+    at = 0
+    for text, mine in segments:
+        start, at = at, at + len(text)
+        if mine:
+            first, stop = _tokens_within(tokenizer, full[:start], ids), _tokens_within(tokenizer, full[:at], ids, True)
+            mask[first:stop] = [True] * max(0, stop - first)
     return ids, mask
+
+
+def _tokens_within(tokenizer: Tokenizer, prefix: str, ids: list[int], straddling: bool = False) -> int:
+    """How many of ``ids`` (the whole text's tokens) lie within ``prefix``, the text's start: those its
+    own tokens share with them. A token there that holds text on both sides of the cut counts in
+    with ``straddling``."""
+    own = tokenizer.encode(prefix) if prefix else []
+    n = next((k for k, (x, y) in enumerate(zip(own, ids, strict=False)) if int(x) != y), min(len(own), len(ids)))
+    return min(n + 1, len(ids)) if straddling and n < len(own) else n
 
 
 def encode_conversations(
