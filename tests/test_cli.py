@@ -118,3 +118,26 @@ def test_a_seed_out_of_range_is_one_line_naming_the_flag(command, flag, capsys):
             cli.main([command, "--demo", flag, value])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: expected a seed" in err, err
+
+
+H = "99999999999999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["generate", "--model", "m.gguf", "--threads", "2147483648"], "--threads"),  # (torch's overflow, unnamed)
+        (["viz", "--model", "m.gguf", "--prompt", "hi", "--out", "x.html", "--generate", H], "--generate"),  # (hung)
+        (["circuit", "--model", "m.gguf", "--clean", "a", "--corrupted", "b", "--answers", "a", "b",
+          "--ig-steps", "1000000000"], "--ig-steps"),  # (hung)
+        (["sae", "dashboard", "--model", "m.gguf", "--sae", "s", "--out", "x.html", "--top", H], "--top"),
+        (["sae", "train", "--model", "m.gguf", "--hook", "h", "--out", "o", "--width", H], "--width"),
+        (["sae", "train", "--model", "m.gguf", "--hook", "h", "--out", "o", "--seed", H], "--seed"),
+    ],
+)  # fmt: skip
+def test_a_count_past_what_any_machine_takes_is_one_line_naming_the_flag(argv, flag, capsys):
+    # (tracebacks from torch's "Overflow when unpacking long long" or its allocator, or a run that never ended)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: expected" in err, err

@@ -394,7 +394,17 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
         assert main(["sae", *argv, *common, "--tokens", "64", "--no-progress"]) == 0, capsys.readouterr().err
         capsys.readouterr()
     train = ["sae", "train", *common[:2], *common[4:], "--hook", HOOK, "--tokens", "64", "--out", str(tmp_path / "r")]
-    assert main([*train, "--batch-rows", "16", "--buffer-rows", "64", "--no-progress"]) == 0, capsys.readouterr().err
+    small = ["--batch-rows", "16", "--buffer-rows", "64", "--no-progress"]
+    assert main([*train, *small, "--device", "auto"]) == 0, (
+        capsys.readouterr().err
+    )  # (torch.device("auto"): a traceback)
+    # (--context 0 trained at the default 128, silently; a count past int64: torch's traceback)
+    for bad, message in ((["--context", "0"], "context must be a positive int, got 0"),
+                         (["--dead-tokens", str(10**30)], "a setting is too large for this machine")):  # fmt: skip
+        capsys.readouterr()
+        assert main([*train[:-1], str(tmp_path / "bad"), *small, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize(
@@ -408,7 +418,7 @@ def test_eval_and_dashboard_take_no_context_longer_than_the_models(make_gpt, tmp
         (["dashboard", "--out", "d.txt"], "--out must end in one of .html, .htm; got 'd.txt'"),
         (["dashboard", "--tokens", "8", "--context", "16", "--out", "d.html"], "--tokens 8 is less than one window"),
         (["train", "--hook", HOOK, "--out", "run", "--dead-tokens", "0"], "dead_tokens must be a positive int, got 0"),
-        (["train", "--hook", HOOK, "--out", "run", "--seed", "-1"], "seed must be at least 0, got -1"),
+        (["train", "--hook", HOOK, "--out", "run", "--seed", "-1"], "argument --seed: expected a seed from 0"),
         (["train", "--hook", HOOK, "--out", "run", "--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
     ],
 )
@@ -421,6 +431,10 @@ def test_cli_bad_numbers_are_one_line_before_the_model_is_read(argv, message, mo
     for where in ("attnlab.tools.loading.load", "attnlab.tools.loading.load_pretrained"):
         monkeypatch.setattr(where, never)
     argv = [*argv, "--model", "m.gguf"] + (["--sae", "nowhere"] if argv[0] != "train" else [])
-    assert main(["sae", *argv]) == 2
+    try:
+        code = main(["sae", *argv])
+    except SystemExit as exc:  # (argparse's own refusal of a flag's value)
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

@@ -122,15 +122,27 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UserError, ValueError, OSError, FloatingPointError, ImportError) as exc:
-        if os.environ.get("ATTNLAB_DEBUG"):
+    except (UserError, ValueError, OSError, FloatingPointError, ImportError, OverflowError, MemoryError) as exc:
+        return _one_line_error(argv, exc)
+    except (RuntimeError, TypeError) as exc:  # (torch's words for a number past int64, or for memory no machine has)
+        if not any(s in str(exc) for s in ("Overflow when unpacking", "can't allocate memory", "out of memory")):
             raise
-        message = str(exc)
-        if isinstance(exc, ImportError) and exc.name:
-            message += " (install attnlab's extras: pip install 'attnlab[train,viz]')"
-        where = f"attnlab {argv[0]}" if argv and argv[0] in COMMANDS else "attnlab"
-        print(f"{where}: error: {message}", file=sys.stderr)
-        return 2
+        return _one_line_error(argv, exc)
+
+
+def _one_line_error(argv: list[str], exc: BaseException) -> int:
+    """The error as one line on stderr, ``attnlab CMD: error: ...``; exit status 2."""
+    if os.environ.get("ATTNLAB_DEBUG"):
+        raise exc
+    message = str(exc)
+    if isinstance(exc, (OverflowError, MemoryError, RuntimeError, TypeError)):  # (torch's words, said as meant)
+        first = message.splitlines()[0] if message else ""
+        message = f"a setting is too large for this machine ({type(exc).__name__}: {first})"
+    if isinstance(exc, ImportError) and exc.name:
+        message += " (install attnlab's extras: pip install 'attnlab[train,viz]')"
+    where = f"attnlab {argv[0]}" if argv and argv[0] in COMMANDS else "attnlab"
+    print(f"{where}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def entry_point() -> None:

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.cli.options import add_model_arguments, add_threads_argument, check_out_file, load_from_model_arguments
+from attnlab.cli.options import (
+    add_model_arguments,
+    add_threads_argument,
+    at_most,
+    check_out_file,
+    load_from_model_arguments,
+)
 from attnlab.interpret.circuit_view import parse_budget
 from attnlab.tools.circuit import METHODS, circuit_report, circuit_report_pairs, circuit_saes, save_circuit_page
 from attnlab.tools.loading import load_saes
@@ -48,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--method", default="EAP", metavar="M", help=f"{', '.join(METHODS)} (default: EAP)")
     parser.add_argument(
-        "--ig-steps", type=int, default=5, metavar="N", help="integrated-gradient steps of EAP-IG (default 5)"
+        "--ig-steps", type=at_most(1024), default=5, metavar="N", help="integrated-gradient steps of EAP-IG (default 5)"
     )
     parser.add_argument(
         "--budget",

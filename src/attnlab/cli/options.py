@@ -53,6 +53,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_most(limit: int, least: int = 1) -> Any:
+    """argparse type of a count from ``least`` to ``limit`` (past it: an overflow in torch, an
+    allocation no machine has, or a loop that never ends)."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {least} to {limit:,}, got {text!r}") from None
+        if not least <= value <= limit:
+            raise argparse.ArgumentTypeError(f"expected an integer from {least} to {limit:,}, got {value}")
+        return value
+
+    return count
+
+
+MAX_THREADS = 1024
+
+
 def seed(text: str) -> int:
     """argparse type of seeds: what torch's generators take, 0 to 2**64 - 1."""
     try:
@@ -105,7 +124,7 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: torch's threads for the command (:func:`attnlab.cli.main` sets them around it)."""
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=at_most(MAX_THREADS),
         default=None,
         metavar="N",
         help="torch threads (default: torch's, one per core; on a busy machine with few cores, fewer are "

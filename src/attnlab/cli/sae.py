@@ -23,7 +23,8 @@ import json
 import sys
 from typing import Any
 
-from attnlab.cli.options import MODEL_SOURCES, add_threads_argument, check_out_file
+from attnlab.checks import resolve_device
+from attnlab.cli.options import MODEL_SOURCES, add_threads_argument, at_most, check_out_file, seed
 
 DEFAULT_CONTEXT = 128
 CONTEXT_HELP = f"(default {DEFAULT_CONTEXT}, or the model's context where shorter)"
@@ -47,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--arch", default="topk", choices=("topk", "batchtopk", "jumprelu"), help="the activation (default topk)"
     )
-    t.add_argument("--width", type=int, metavar="N", help="number of latents (default: 16 x the hook's width)")
+    t.add_argument(
+        "--width", type=at_most(1 << 24), metavar="N", help="number of latents (default: 16 x the hook's width)"
+    )
     t.add_argument("--k", type=int, default=32, help="latents kept per token for topk/batchtopk (default 32)")
     t.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="activations to train on (default 1M)")
     t.add_argument("--batch-rows", type=int, default=1024, metavar="N", help="activations per step (default 1024)")
@@ -70,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--dead-tokens", type=int, default=250_000, metavar="N", help="a latent silent this long is dead (default 250k)"
     )
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=seed, default=0)
     t.add_argument(
         "--save-every", type=int, default=500, metavar="STEPS", help="steps between checkpoints (default 500)"
     )
@@ -118,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     d.add_argument("--tokens", type=int, default=1_000_000, metavar="N", help="tokens to read (default 1M)")
     d.add_argument("--context", type=int, metavar="T", help=f"tokens per window {CONTEXT_HELP}")
-    d.add_argument("--top", type=int, default=10, metavar="K", help="top-activating contexts per latent (default 10)")
+    d.add_argument(
+        "--top", type=at_most(1000), default=10, metavar="K", help="top-activating contexts per latent (default 10)"
+    )
     d.add_argument("--out", required=True, metavar="PAGE", help="the HTML page to write")
     d.add_argument(
         "--dtype",
@@ -162,7 +167,7 @@ def _train(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         batch_rows=args.batch_rows,
         buffer_rows=args.buffer_rows,
-        context=args.context or DEFAULT_CONTEXT,
+        context=DEFAULT_CONTEXT if args.context is None else args.context,
         outlier_ratio=args.outlier_ratio,
         lr=args.lr,
         dead_tokens=args.dead_tokens,
@@ -171,7 +176,7 @@ def _train(args: argparse.Namespace) -> int:
     )  # settings checked before the model is read
     # Dense weights: a matrix kept in a GGUF file's blocks would be dequantized again for every
     # forward into the buffer (most of a fill's time on SmolLM2's Q4_1), as in `sae dashboard`.
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    device, dtype = resolve_device(args.device), getattr(torch, args.dtype)
     loaded = _load(args, device=device, dtype=dtype)
     if args.context is None and loaded.model.config.context_length < cfg.context:  # (a small model's context)
         cfg = dataclasses.replace(cfg, context=loaded.model.config.context_length)

@@ -9,6 +9,7 @@ from attnlab.cli.options import (
     add_model_arguments,
     add_sampling_arguments,
     add_threads_argument,
+    at_most,
     check_out_file,
     check_sampling,
     index_list,
@@ -51,7 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: every head when they fit in 12 MiB, else 0.0 and the strongest head of each role)",
     )
     page.add_argument(
-        "--generate", type=int, default=8, metavar="N", help="tokens to generate and play back (default: 8)"
+        "--generate",
+        type=at_most(4096, least=0),
+        default=8,
+        metavar="N",
+        help="tokens to generate and play back (default: 8)",
     )
     add_sampling_arguments(page)
     page.add_argument(
