@@ -184,6 +184,25 @@ def test_init_from_a_missing_model_is_one_line(tmp_path, capsys) -> None:
     assert code == 2 and err.count("\n") == 1 and "--init-from" in err, err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--lora-rank", "-1"], "--lora-rank must be a positive integer"),
+        (["--lora-rank", "8", "--lora-alpha", "nan"], "--lora-alpha must be a positive number"),
+    ],
+)
+def test_a_bad_flag_is_named_before_the_model_is_read_or_merge_made(tmp_path, capsys, monkeypatch, extra, message):
+    # (the missing model was named first, or a real one read for 5.8 s; --merge's parents were made)
+    monkeypatch.setattr("attnlab.cli.train.load_init", lambda *a, **k: pytest.fail("the model was read"))
+    merge = tmp_path / "m" / "sub" / "merged"
+    argv = ["train", "--init-from", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o"), "--merge", str(merge)]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "m").exists()
+
+
 def byte_level_tokenizer_json(path: Path) -> None:
     """A Hugging Face tokenizer.json with 256 byte-level tokens (ids match llama_like's vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -287,6 +287,7 @@ def load_init(name: str, device: Any = None, *, lora: bool = False) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     cfg, given = config_from_args(args)
+    cfg.validate()  # (before --init-from is read and --merge's directory made: a bad flag is named first)
     if args.malloc_tuning:
         tune_cpu_allocator()
     merge = Path(args.merge).expanduser() if args.merge else None
