@@ -283,7 +283,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from attnlab.interpret.sae import SAE
     from attnlab.interpret.sae_view import dashboard_data, save_dashboard
 
-    _check_positive(args, *(["latents"] if args.latents is not None else []), "tokens", "top")
+    _check_positive(args, *(["latents"] if args.latents is not None else []), "tokens")  # (--top: its type)
     _check_windows(args)
     check_out_file(args.out, (".html", ".htm"))  # (a page, as viz, patch and circuit write)
     sae = SAE.load(args.sae, hook_name=args.hook, hook_name_out=args.hook_out)  # (before the model is read)

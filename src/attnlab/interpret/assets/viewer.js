@@ -263,6 +263,9 @@ function el(tag, cls, text) {
   return e;
 }
 const prob = (p) => (p > 0 && p < 0.001 ? p.toExponential(2) : p.toFixed(4));
+// The top-k box's value: 0 = off; a k past every vocabulary keeps every token, as 0 does
+// (the server takes at most 2^20).
+const topK = (input) => Math.min(1 << 20, Math.max(0, Math.floor(Number(input.value) || 0)));
 function fmt(v, digits) {
   if (v === -Infinity) return "-inf";
   if (v === Infinity) return "inf";
@@ -645,8 +648,7 @@ async function showInspector(source, opts) {
       }
       const update = () => {
         state.temperature = grid ? grid[Number(temp.value)] : Number(temp.value);
-        // (a k past every vocabulary keeps every token, as 0 does; the server takes at most 2^20)
-        state.topK = Math.min(1 << 20, Math.max(0, Math.floor(Number(k.value) || 0)));
+        state.topK = topK(k);
         state.topP = Number(p.value);
         $("temperature-value").textContent = state.temperature.toFixed(grid ? 1 : 2);
         $("top-p-value").textContent = state.topP.toFixed(2);
@@ -1311,8 +1313,7 @@ class LiveApp {
 
   sampling() {
     const $ = (id) => document.getElementById(id);
-    const t = Number($("temperature").value), p = Number($("top-p").value);
-    const k = Math.min(1 << 20, Math.floor(Number($("top-k").value) || 0));  // (as the next-token view takes it)
+    const t = Number($("temperature").value), k = topK($("top-k")), p = Number($("top-p").value);
     return { temperature: t, top_k: k > 0 ? k : null, top_p: p < 1 ? p : null };
   }
 
